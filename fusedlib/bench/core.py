@@ -1,0 +1,195 @@
+"""The benchmark protocol of DESIGN.md section 4, as a small library.
+
+A benchmark *case* is one op at one shape and dtype: a function that makes fresh random
+inputs, the fewest bytes each pass must move, and a set of implementations. Each
+implementation is timed with ``triton.testing.do_bench`` (median, after warm-up) in the
+same process as the others and as a device-to-device copy, which is the bandwidth
+ceiling. Results are plain dict records, written as one JSON list per op.
+
+Effective bandwidth = the case's byte count (each input read once, each output written
+once) / median time. Every implementation of an op is charged the same bytes.
+
+Source: Triton's ``triton.testing.do_bench`` and ``perf_report``; quack's byte counts.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+import triton
+
+__all__ = [
+    "Impl",
+    "BenchCase",
+    "time_ms",
+    "measure_case",
+    "copy_record",
+    "write_records",
+    "load_records",
+    "environment",
+]
+
+logger = logging.getLogger("fusedlib.bench")
+
+#: Passes a case can be timed in: forward only (no autograd graph kept), and forward
+#: plus backward of the whole output against a fixed random upstream gradient.
+PASSES = ("fwd", "fwd+bwd")
+
+
+@dataclass
+class Impl:
+    """One implementation of an op, as the benchmark sees it.
+
+    Attributes:
+        name: one of DESIGN.md's impl names ("fusedlib", "eager", "torch.compile",
+            "megatron-core", "liger", "apex").
+        fn: called with the case's inputs, returns the output tensor (or a tuple whose
+            first item is timed in backward); must support autograd for "fwd+bwd".
+        passes: which passes this implementation takes part in.
+    """
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    passes: Sequence[str] = PASSES
+
+
+@dataclass
+class BenchCase:
+    """One op at one shape and dtype.
+
+    Attributes:
+        op: the op's file name in DESIGN.md ("bias_gelu", ...).
+        shape: the headline shape, as recorded.
+        dtype: the input dtype.
+        make_inputs: ``(device, requires_grad) -> tuple of tensors``; random data, never zeros.
+        bytes: fewest bytes per pass, e.g. ``{"fwd": ..., "fwd+bwd": ...}``.
+        impls: implementations; those whose import failed are simply absent.
+        skipped: impl name -> reason, for the log and the chapter.
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make_inputs: Callable[[torch.device, bool], tuple[torch.Tensor, ...]]
+    bytes: dict[str, int]
+    impls: list[Impl]
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def environment() -> dict[str, str]:
+    """Device name, torch and triton versions, recorded with every measurement."""
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": dev, "torch": torch.__version__, "triton": triton.__version__}
+
+
+def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | None = None,
+            warmup: int = 25, rep: int = 200) -> float:
+    """Median time of ``fn()`` in milliseconds, by ``triton.testing.do_bench``.
+
+    Args:
+        fn: the work to time; called many times.
+        grad_to_none: tensors whose ``.grad`` is reset before each call (backward timing).
+        warmup, rep: do_bench's warm-up and repetition budgets, in milliseconds.
+
+    Returns:
+        The median, in ms. do_bench flushes the L2 cache between calls.
+    """
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
+                                         return_mode="median"))
+
+
+def _record(op: str, pas: str, impl: str, shape: Sequence[int], dtype: torch.dtype, ms: float,
+            nbytes: int) -> dict:
+    return {
+        "op": op, "pass": pas, "impl": impl, "shape": list(shape),
+        "dtype": str(dtype).replace("torch.", ""), "ms": round(ms, 5), "bytes": int(nbytes),
+        "GBps": round(nbytes / (ms * 1e-3) / 1e9, 1), **environment(),
+    }
+
+
+def copy_record(numel: int = 1 << 30, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> dict:
+    """Time a device-to-device copy: the bandwidth ceiling of every memory-bound op.
+
+    Args:
+        numel: elements copied (default 2^30 bf16 = 2 GiB, far past the 60 MB L2).
+        dtype: element type.
+        device: where.
+
+    Returns:
+        A record with op "copy", pass "copy", impl "copy"; bytes = read + write.
+    """
+    src = torch.randn(numel, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    nbytes = 2 * numel * src.element_size()
+    return _record("copy", "copy", "copy", (numel,), dtype, ms, nbytes)
+
+
+def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = PASSES,
+                 progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Time every implementation of a case in every requested pass.
+
+    Args:
+        case: the op, shape, inputs, bytes and implementations.
+        device: where to run (a CUDA device for real numbers).
+        passes: subset of ("fwd", "fwd+bwd").
+        progress: called with a label after each timing (the CLI's progress bar).
+
+    Returns:
+        One record per (impl, pass) that ran. An implementation that raises is logged
+        with its error and left out, so one broken baseline does not lose the others.
+    """
+    records = []
+    for pas in passes:
+        for impl in case.impls:
+            if pas not in impl.passes:
+                continue
+            label = f"{case.op} {pas} {impl.name}"
+            try:
+                ms = _time_pass(case, impl, pas, device)
+            except Exception as exc:  # a baseline that fails must not stop the run
+                logger.warning("%s failed: %s: %s", label, type(exc).__name__, exc)
+                case.skipped[impl.name] = f"{type(exc).__name__}: {exc}"
+            else:
+                records.append(_record(case.op, pas, impl.name, case.shape, case.dtype, ms, case.bytes[pas]))
+            if progress:
+                progress(label)
+    return records
+
+
+def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device) -> float:
+    if pas == "fwd":
+        inputs = case.make_inputs(device, False)
+        with torch.no_grad():
+            return time_ms(lambda: impl.fn(*inputs))
+    inputs = case.make_inputs(device, True)
+    out = impl.fn(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    grad = torch.randn_like(out)
+    del out
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def step():
+        o = impl.fn(*inputs)
+        o = o[0] if isinstance(o, tuple) else o
+        o.backward(grad)
+
+    return time_ms(step, grad_to_none=leaves)
+
+
+def write_records(records: list[dict], path: str | os.PathLike) -> Path:
+    """Write records as a JSON list (one file per op), creating folders as needed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return path
+
+
+def load_records(path: str | os.PathLike) -> list[dict]:
+    """Read a JSON list of records written by :func:`write_records`."""
+    return json.loads(Path(path).read_text())

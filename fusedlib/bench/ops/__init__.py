@@ -1,0 +1,27 @@
+"""Benchmark cases, one module per op (file names as in DESIGN.md section 4).
+
+Each module defines ``cases(device, sweep=False) -> list[BenchCase]``: the headline case
+at the default shape first, then (with ``sweep``) the same op at other shapes.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from ..core import BenchCase
+
+#: op name -> module under fusedlib.bench.ops
+OP_MODULES: dict[str, str] = {
+    "bias_gelu": "bias_gelu",
+}
+
+
+def get_cases(op: str) -> Callable[..., list[BenchCase]]:
+    """The ``cases`` function of op ``op``.
+
+    Raises:
+        KeyError: naming the known ops, for an unknown one.
+    """
+    if op not in OP_MODULES:
+        raise KeyError(f"unknown op {op!r}; known ops: {', '.join(OP_MODULES)}")
+    return importlib.import_module(f"{__name__}.{OP_MODULES[op]}").cases

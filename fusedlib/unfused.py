@@ -1,0 +1,113 @@
+"""Plain PyTorch references: the "unfused" path and the tests' oracle.
+
+Each function here computes an op the way an eager PyTorch program would, one
+elementwise kernel per operator. Called on float64 tensors they are the reference
+that fusedlib's Triton kernels are tested against; called on the training dtype they
+are the "eager" baseline of the benchmark.
+
+Sources: Megatron-LM ``megatron/core/fusions/fused_bias_gelu.py`` (the tanh GeLU and
+its derivative), Hendrycks & Gimpel, "Gaussian Error Linear Units" (2016).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "SQRT_2_OVER_PI",
+    "GELU_COEF",
+    "GELU_DERIV_COEF",
+    "gelu_tanh",
+    "gelu_tanh_grad",
+    "gelu_erf",
+    "gelu_erf_grad",
+    "bias_gelu",
+    "bias_gelu_back",
+]
+
+#: sqrt(2/pi) = 0.7978845608..., the slope of the tanh argument (Hendrycks & Gimpel).
+SQRT_2_OVER_PI: float = math.sqrt(2.0 / math.pi)
+#: 0.044715, the cubic coefficient of the tanh approximation (fitted in the GeLU paper).
+GELU_COEF: float = 0.044715
+#: sqrt(2/pi) * 3 * 0.044715 = 0.1070322243..., from d/dx of sqrt(2/pi)*(x + 0.044715 x^3).
+GELU_DERIV_COEF: float = SQRT_2_OVER_PI * 3.0 * GELU_COEF
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """tanh-approximated GeLU, 0.5·x·(1 + tanh(sqrt(2/pi)·(x + 0.044715·x³))).
+
+    Args:
+        x: any shape, any float dtype; computed in that dtype.
+
+    Returns:
+        Tensor like ``x``.
+    """
+    return 0.5 * x * (1.0 + torch.tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF * x * x)))
+
+
+def gelu_tanh_grad(x: torch.Tensor) -> torch.Tensor:
+    """d/dx of :func:`gelu_tanh`, written as Megatron-core's ``bias_gelu_back`` writes it:
+    0.5·x·(1 - tanh²)·(0.79788456 + 0.1070322243·x²) + 0.5·(1 + tanh).
+
+    Args:
+        x: any shape, any float dtype.
+
+    Returns:
+        Tensor like ``x``.
+    """
+    t = torch.tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF * x * x))
+    return 0.5 * x * ((1.0 - t * t) * (SQRT_2_OVER_PI + GELU_DERIV_COEF * x * x)) + 0.5 * (1.0 + t)
+
+
+def gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    """Exact GeLU, x·Φ(x) = 0.5·x·(1 + erf(x/sqrt(2))).
+
+    Args:
+        x: any shape, any float dtype.
+
+    Returns:
+        Tensor like ``x``.
+    """
+    return 0.5 * x * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def gelu_erf_grad(x: torch.Tensor) -> torch.Tensor:
+    """d/dx of :func:`gelu_erf`: Φ(x) + x·φ(x), with φ(x) = exp(-x²/2)/sqrt(2·pi).
+
+    Args:
+        x: any shape, any float dtype.
+
+    Returns:
+        Tensor like ``x``.
+    """
+    return 0.5 * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0)))) + x * torch.exp(-0.5 * x * x) * (
+        1.0 / math.sqrt(2.0 * math.pi)
+    )
+
+
+def bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Unfused bias + tanh-GeLU: ``gelu_tanh(bias + y)``, Megatron-core's argument order.
+
+    Args:
+        bias: [h].
+        y: [..., h].
+
+    Returns:
+        [..., h], dtype of ``bias + y``.
+    """
+    return gelu_tanh(bias + y)
+
+
+def bias_gelu_back(g: torch.Tensor, bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Unfused gradient of :func:`bias_gelu` w.r.t. its input: ``gelu_tanh_grad(bias + y) * g``.
+
+    Args:
+        g: grad of the output, [..., h].
+        bias: [h].
+        y: [..., h].
+
+    Returns:
+        [..., h]: the gradient w.r.t. ``y``; the bias gradient is its sum over leading dims.
+    """
+    return gelu_tanh_grad(bias + y) * g

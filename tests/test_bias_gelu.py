@@ -1,0 +1,141 @@
+"""bias + tanh-GeLU: fusedlib's Triton kernels against a float64 PyTorch reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedlib import unfused
+from fusedlib.fusions.fused_bias_gelu import GeLUFunction, bias_gelu, bias_gelu_back, bias_gelu_impl
+
+from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
+
+HIDDEN = (1, 7, 1024, 5120, 65537)
+
+
+def _inputs(shape, dtype, requires_grad=True):
+    y = (2 * torch.randn(shape, device=DEVICE, dtype=torch.float32)).to(dtype).requires_grad_(requires_grad)
+    b = torch.randn(shape[-1], device=DEVICE, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+    return y, b
+
+
+def _check_fwd_bwd(y, b, g=None):
+    dtype = y.dtype
+    out = bias_gelu_impl(y, b)
+    assert out.dtype == dtype and out.shape == y.shape and out.is_contiguous()
+    assert out.data_ptr() != y.data_ptr()
+    y64, b64 = y.detach().double(), b.detach().double()
+    assert_close(out, unfused.bias_gelu(b64, y64), dtype)
+    g = torch.randn_like(out) if g is None else g
+    g_before = g.clone()
+    out.backward(g)
+    assert torch.equal(g, g_before), "grad_output was modified"
+    dy64 = unfused.bias_gelu_back(g.double(), b64, y64)
+    assert y.grad.dtype == dtype and b.grad.dtype == dtype
+    assert_close(y.grad, dy64, dtype)
+    db64 = dy64.reshape(-1, y.shape[-1]).sum(0)
+    rows = max(1, y.numel() // y.shape[-1])
+    assert_close(b.grad, db64, dtype, scale=rows**0.5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("h", HIDDEN)
+def test_forward_backward_2d(dtype, h):
+    rows = 3 if h > 5000 else 33
+    _check_fwd_bwd(*_inputs((rows, h), dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_forward_backward_3d_bias_grad_over_s_b(dtype):
+    # [s, b, h]: the bias gradient sums over both s and b
+    _check_fwd_bwd(*_inputs((5, 3, 96), dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_single_row_and_1d(dtype):
+    _check_fwd_bwd(*_inputs((1, 300), dtype))
+    _check_fwd_bwd(*_inputs((300,), dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_non_contiguous_transposed_input_and_grad(dtype):
+    base = (2 * torch.randn(48, 20, device=DEVICE)).to(dtype)
+    y = base.t().requires_grad_(True)  # [20, 48], strides (1, 20)
+    assert not y.is_contiguous()
+    b = torch.randn(48, device=DEVICE).to(dtype).requires_grad_(True)
+    g = torch.randn(48, 20, device=DEVICE).to(dtype).t()
+    y_before = y.detach().clone()
+    _check_fwd_bwd(y, b, g)
+    assert torch.equal(y.detach(), y_before), "input was modified"
+
+
+def test_non_contiguous_3d_and_strided_bias():
+    y = torch.randn(4, 6, 40, device=DEVICE).permute(1, 0, 2).requires_grad_(True)  # [6, 4, 40]
+    b = torch.randn(80, device=DEVICE)[::2].requires_grad_(True)
+    out = bias_gelu_impl(y, b)
+    assert_close(out, unfused.bias_gelu(b.detach().double(), y.detach().double()), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_empty_input(dtype):
+    y, b = _inputs((0, 16), dtype)
+    out = bias_gelu_impl(y, b)
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert y.grad.shape == (0, 16)
+    assert torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_larger_multi_program_bias_reduction():
+    # more rows than one backward program holds, so the two-stage bias reduction is exercised
+    _check_fwd_bwd(*_inputs((1031, 24), torch.float32))
+
+
+def test_plain_functions_match_reference():
+    y, b = _inputs((9, 130), torch.float32, requires_grad=False)
+    g = torch.randn_like(y)
+    assert_close(bias_gelu(b, y), unfused.bias_gelu(b.double(), y.double()), torch.float32)
+    assert_close(bias_gelu_back(g, b, y), unfused.bias_gelu_back(g.double(), b.double(), y.double()), torch.float32)
+
+
+def test_gradcheck_float64():
+    # float64 inputs run the same kernels computing in float64, so gradcheck checks them.
+    y = torch.randn(3, 5, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(GeLUFunction.apply, (y, b))
+    y3 = torch.randn(2, 3, 4, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b3 = torch.randn(4, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(bias_gelu_impl, (y3, b3))
+
+
+def test_megatron_constants_in_reference():
+    assert abs(unfused.SQRT_2_OVER_PI - 0.79788456) < 1e-8
+    assert abs(unfused.GELU_DERIV_COEF - 0.1070322243) < 5e-10  # Megatron's literal, rounded
+
+
+def test_tanh_gelu_gradient_is_autograd_gradient():
+    x = torch.linspace(-6, 6, 1001, dtype=torch.float64, requires_grad=True)
+    unfused.gelu_tanh(x).sum().backward()
+    torch.testing.assert_close(x.grad, unfused.gelu_tanh_grad(x.detach()), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: (torch.randn(4, 8), torch.randn(7)), ValueError, r"bias must have shape \[h\] with h = input.shape\[-1\] = 8"),
+        (lambda: (torch.randn(4, 8), torch.randn(8).half()), TypeError, "bias dtype"),
+        (lambda: (torch.randn(4, 8).int(), torch.randn(8).int()), TypeError, "input must have dtype"),
+        (lambda: (torch.randn(4, 8), torch.randn(1, 8)), ValueError, "bias must have 1 dims"),
+        (lambda: ([1.0, 2.0], torch.randn(2)), TypeError, "input must be a torch.Tensor"),
+    ],
+)
+def test_bad_input_raises_clear_error(make, error, match):
+    y, b = make()
+    y = y.to(DEVICE) if isinstance(y, torch.Tensor) else y
+    with pytest.raises(error, match=match):
+        bias_gelu_impl(y, b.to(DEVICE))
+
+
+def test_mixed_devices_raise():
+    other = "cpu" if DEVICE.type == "cuda" else "meta"
+    with pytest.raises(ValueError, match="one device, got input on"):
+        bias_gelu_impl(torch.randn(4, 8, device=DEVICE), torch.randn(8, device=other))
