@@ -1,0 +1,161 @@
+"""Helpers for the chapters: show a kernel's source, a device banner, benchmark plots.
+
+Everything the notebooks need beyond fusedlib's ops lives here, so a chapter shows
+fusedlib's real code (``show_source``) and plots the benchmark's real records
+(``load_bench``, ``plot_bandwidth``), and prints speed claims from those records
+(``speedup_table``) instead of typing numbers by hand.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..runtime import CUDA_AVAILABLE, device_banner  # noqa: F401  (re-exported for chapters)
+
+__all__ = [
+    "show_source",
+    "device_banner",
+    "bench_dir",
+    "load_bench",
+    "bench_or_stored",
+    "plot_bandwidth",
+    "speedup_table",
+    "check",
+]
+
+IMPL_ORDER = ("eager", "torch.compile", "megatron-core", "liger", "apex", "fusedlib")
+IMPL_COLORS = {"eager": "#9e9e9e", "torch.compile": "#5c6bc0", "megatron-core": "#76b900",
+               "liger": "#ff9800", "apex": "#8d6e63", "fusedlib": "#d62728"}
+
+
+def show_source(obj: Any):
+    """Display the source of a fusedlib function or kernel, syntax-highlighted.
+
+    Args:
+        obj: a function, class, or ``@triton.jit`` kernel (its ``.fn`` is shown).
+
+    Returns:
+        An ``IPython.display.Code`` object (rendered by Jupyter; its text/plain form is
+        the source itself, so nbval compares the code the reader sees).
+    """
+    from IPython.display import Code
+
+    fn = getattr(obj, "fn", obj)  # a triton JITFunction wraps the Python function
+    return Code(inspect.getsource(fn), language="python")
+
+
+def check(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> bool:
+    """Print one device-independent line: ``name: max |actual - expected| <= tol: True``.
+
+    The error itself is not printed (it differs between GPU and CPU); whether it is
+    within ``atol + rtol·|expected|`` is. NaN fails.
+
+    Returns:
+        The verdict.
+    """
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    ok = bool(a.shape == e.shape and not torch.isnan(a).any()
+              and ((a - e).abs() <= atol + rtol * e.abs()).all())
+    tol = f"{atol:g}" + (f" + {rtol:g}·|ref|" if rtol else "")
+    print(f"{name}: max |fused - reference| <= {tol}: {ok}")
+    return ok
+
+
+def bench_dir() -> Path:
+    """``chapters/data/bench``: next to the running notebook, or in the source checkout."""
+    here = Path.cwd() / "data" / "bench"
+    if here.is_dir():
+        return here
+    return Path(__file__).resolve().parents[2] / "chapters" / "data" / "bench"
+
+
+def load_bench(op: str) -> list[dict]:
+    """The stored H200 records of ``op`` (``chapters/data/bench/<op>.json``).
+
+    Raises:
+        FileNotFoundError: naming the file and the command that makes it.
+    """
+    path = bench_dir() / f"{op}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run `python -m fusedlib.bench --op {op}` on a GPU")
+    return json.loads(path.read_text())
+
+
+def bench_or_stored(op: str, sweep: bool = False) -> list[dict]:
+    """Measure ``op`` live on this machine's GPU, or load the stored H200 records on a CPU.
+
+    Prints which it did, and the device the numbers come from.
+    """
+    if CUDA_AVAILABLE:
+        from ..bench import run_op
+
+        records, skipped = run_op(op, sweep=sweep)
+        print(f"measured now on {records[0]['device']}")
+        for name, why in skipped.items():
+            print(f"  {name} not measured: {why}")
+        return records
+    records = load_bench(op)
+    print(f"no GPU here: loaded the stored results measured on {records[0]['device']} "
+          f"(torch {records[0]['torch']}, triton {records[0]['triton']})")
+    return records
+
+
+def _headline(records: Sequence[dict]) -> tuple[int, ...] | None:
+    rows = [r for r in records if r.get("impl") == "fusedlib"]
+    return tuple(rows[0]["shape"]) if rows else None
+
+
+def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -> str:
+    """Text table of every implementation at ``shape`` (default: the headline shape):
+    ms, GB/s, % of the copy ceiling, and how many times faster fusedlib is.
+    """
+    shape = tuple(shape) if shape is not None else _headline(records)
+    copy = next(r for r in records if r["impl"] == "copy")
+    rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
+    fused = {r["pass"]: r["ms"] for r in rows if r["impl"] == "fusedlib"}
+    out = [f"shape {list(shape)} {rows[0]['dtype'] if rows else ''}, copy ceiling {copy['GBps']:.0f} GB/s",
+           f"{'pass':<9}{'impl':<15}{'ms':>9}{'GB/s':>8}{'% copy':>8}{'fusedlib is':>13}"]
+    order = {n: i for i, n in enumerate(IMPL_ORDER)}
+    for r in sorted(rows, key=lambda r: (r["pass"], order.get(r["impl"], 99))):
+        f = fused.get(r["pass"])
+        sp = f"{r['ms'] / f:.2f}x" if f and r["impl"] != "fusedlib" else ""
+        out.append(f"{r['pass']:<9}{r['impl']:<15}{r['ms']:>9.4f}{r['GBps']:>8.0f}"
+                   f"{100 * r['GBps'] / copy['GBps']:>8.1f}{sp:>13}")
+    return "\n".join(out)
+
+
+def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | None = None, ax=None):
+    """Bar chart of effective bandwidth (GB/s) per implementation and pass, against the
+    measured copy ceiling: the book's roofline view of a memory-bound op.
+
+    Returns:
+        The matplotlib Axes.
+    """
+    import matplotlib.pyplot as plt
+
+    shape = tuple(shape) if shape is not None else _headline(records)
+    copy = next(r for r in records if r["impl"] == "copy")
+    rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
+    passes = [p for p in ("fwd", "fwd+bwd") if any(r["pass"] == p for r in rows)]
+    impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / max(1, len(impls))
+    for k, impl in enumerate(impls):
+        xs, ys = [], []
+        for j, p in enumerate(passes):
+            r = next((r for r in rows if r["impl"] == impl and r["pass"] == p), None)
+            if r:
+                xs.append(j + (k - (len(impls) - 1) / 2) * width)
+                ys.append(r["GBps"])
+        ax.bar(xs, ys, width, label=impl, color=IMPL_COLORS.get(impl))
+    ax.axhline(copy["GBps"], color="k", ls="--", lw=1, label=f"copy ceiling {copy['GBps']:.0f} GB/s")
+    ax.set_xticks(range(len(passes)), passes)
+    ax.set_ylabel("effective bandwidth (GB/s)")
+    ax.set_title(f"{title}, {list(shape)} {rows[0]['dtype'] if rows else ''}, {copy['device']}")
+    ax.legend(fontsize=8, loc="lower right")
+    return ax
