@@ -114,7 +114,10 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
             "for CUDA: move the tensors to a CUDA device, or set TRITON_INTERPRET=1 before importing "
             "fusedlib to run every kernel in Triton's (slow) CPU interpreter"
         )
-    with torch.cuda.device(tensors_device):
+    if tensors_device.index is not None and tensors_device.index != torch.cuda.current_device():
+        with torch.cuda.device(tensors_device):  # Triton launches on the current device
+            kernel[tuple(grid)](*args, **kwargs)
+    else:
         kernel[tuple(grid)](*args, **kwargs)
 
 

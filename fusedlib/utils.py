@@ -9,6 +9,7 @@ Source: the launch-settings idea follows Liger-Kernel's ``calculate_settings``
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -162,11 +163,23 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
 
 
+#: Programs per streaming multiprocessor that keep HBM busy for a kernel whose programs
+#: loop over rows (e.g. a backward that also reduces a bias gradient). Triton does not
+#: software-pipeline plain loads in such loops, so latency is hidden by occupancy alone:
+#: 4 per SM left bias-GeLU's backward at 1.7 TB/s on an H200, see NOTES.md.
+PROGRAMS_PER_SM: int = 32
+
+
 def num_programs_hint(device: torch.device) -> int:
-    """How many programs keep the device busy: 4 per streaming multiprocessor on CUDA
-    (enough to hide memory latency with 4-8 warps each), 8 in the CPU interpreter,
-    where each program instance is run in turn and fewer, larger programs are faster.
+    """How many programs keep the device busy: :data:`PROGRAMS_PER_SM` per streaming
+    multiprocessor on CUDA; 8 in the CPU interpreter, where each program instance runs in
+    turn and fewer, larger programs are faster.
     """
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 8
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from . import OP_MODULES, copy_record, get_cases, measure_case, write_records
+from .core import matmul_record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     copy = copy_record(device="cuda")
     print(f"copy ceiling: {copy['GBps']:.0f} GB/s ({copy['device']}, torch {copy['torch']}, "
           f"triton {copy['triton']})")
+    matmul = matmul_record(device="cuda")
+    print(f"bf16 matmul ceiling: {matmul['TFLOPs']:.0f} TFLOP/s")
+    write_records([copy, matmul], f"{args.out}/ceilings.json")
     all_cases = [(op, get_cases(op)(device, sweep=args.sweep)) for op in ops]
     total = sum(len(c.impls) * 2 for _, cs in all_cases for c in cs)
     with tqdm(total=total, desc="bench", unit="timing") as bar:

@@ -29,6 +29,7 @@ __all__ = [
     "time_ms",
     "measure_case",
     "copy_record",
+    "matmul_record",
     "write_records",
     "load_records",
     "environment",
@@ -128,6 +129,21 @@ def copy_record(numel: int = 1 << 30, dtype: torch.dtype = torch.bfloat16, devic
     ms = time_ms(lambda: dst.copy_(src))
     nbytes = 2 * numel * src.element_size()
     return _record("copy", "copy", "copy", (numel,), dtype, ms, nbytes)
+
+
+def matmul_record(n: int = 8192, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> dict:
+    """Time an n x n x n matrix product on random data: the arithmetic ceiling.
+
+    Returns:
+        A record with op "matmul", pass "fwd", impl "torch" (cuBLAS), plus ``"TFLOPs"``
+        (2·n³ / median time); ``bytes`` counts reading A, B and writing C once.
+    """
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    ms = time_ms(lambda: a @ b)
+    rec = _record("matmul", "fwd", "torch", (n, n, n), dtype, ms, 3 * n * n * a.element_size())
+    rec["TFLOPs"] = round(2 * n**3 / (ms * 1e-3) / 1e12, 1)
+    return rec
 
 
 def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = PASSES,

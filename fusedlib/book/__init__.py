@@ -25,6 +25,7 @@ __all__ = [
     "plot_bandwidth",
     "speedup_table",
     "check",
+    "eager_traffic",
 ]
 
 IMPL_ORDER = ("eager", "torch.compile", "megatron-core", "liger", "apex", "fusedlib")
@@ -159,3 +160,38 @@ def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | N
     ax.set_title(f"{title}, {list(shape)} {rows[0]['dtype'] if rows else ''}, {copy['device']}")
     ax.legend(fontsize=8, loc="lower right")
     return ax
+
+
+def eager_traffic(fn: Any, *example_inputs: torch.Tensor) -> list[dict]:
+    """Kernels and bytes of ``fn`` run eagerly, one kernel per PyTorch operator.
+
+    Traces ``fn`` with ``torch.fx`` and propagates the example inputs' shapes, then
+    charges each operator node the bytes of its tensor operands (read once) and of its
+    result (written once), the way eager PyTorch moves them.
+
+    Args:
+        fn: a function of tensors made of PyTorch operators (no data-dependent control flow).
+        *example_inputs: tensors of the shapes and dtypes to count for.
+
+    Returns:
+        One dict per operator: ``{"op", "read_bytes", "write_bytes"}``.
+    """
+    import torch.fx as fx
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    gm = fx.symbolic_trace(fn)
+    ShapeProp(gm).propagate(*example_inputs)
+
+    def nbytes(node: Any) -> int:
+        meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+        if meta is None:
+            return 0
+        return int(torch.Size(meta.shape).numel()) * torch.empty((), dtype=meta.dtype).element_size()
+
+    rows = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            target = getattr(node.target, "__name__", str(node.target))
+            rows.append({"op": target, "read_bytes": sum(nbytes(a) for a in node.args),
+                         "write_bytes": nbytes(node)})
+    return rows

@@ -28,14 +28,16 @@ import triton.language as tl
 
 from ..runtime import launch
 from .math import tanh
+from .reduce import sum_partials
 from ..utils import acc_dtype, num_programs_hint
 
 __all__ = ["bias_gelu_fwd", "bias_gelu_bwd", "elementwise_block"]
 
-# Constants of the tanh approximation (derived with sympy in chapter 1).
-SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2/pi)
-GELU_COEF = 0.044715  # cubic coefficient fitted by Hendrycks & Gimpel
-GELU_DERIV_COEF = 0.10703222440890037  # sqrt(2/pi) * 3 * 0.044715
+# Constants of the tanh approximation (derived with sympy in chapter 1). Kernels may read
+# module globals only as tl.constexpr: a plain float compiles in the interpreter alone.
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2/pi)
+GELU_COEF = tl.constexpr(0.044715)  # cubic coefficient fitted by Hendrycks & Gimpel
+GELU_DERIV_COEF = tl.constexpr(0.10703222440890037)  # sqrt(2/pi) * 3 * 0.044715
 
 
 @triton.jit
@@ -62,7 +64,7 @@ def _bias_gelu_fwd_kernel(
     b = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     y = tl.load(Y_ptr + rows[:, None] * Y_row_stride + cols[None, :] * Y_col_stride, mask=mask, other=0.0)
     x = y.to(ACC) + b[None, :]
-    t = tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF * x * x))
+    t = tanh(x * SQRT_2_OVER_PI * (1.0 + x * x * GELU_COEF))
     out = 0.5 * x * (1.0 + t)
     tl.store(OUT_ptr + rows[:, None] * n_cols + cols[None, :], out.to(OUT_ptr.dtype.element_ty), mask=mask)
 
@@ -90,7 +92,9 @@ def _bias_gelu_bwd_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     b = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)
-    db_acc = tl.zeros((BLOCK_N,), dtype=ACC)
+    # A [BLOCK_M, BLOCK_N] running sum: adding tile by tile needs no communication between
+    # threads; the one reduction over rows (through shared memory) happens after the loop.
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     row_start = pid_m.to(tl.int64) * rows_per_program
     for m in range(0, rows_per_program, BLOCK_M):
         rows = row_start + m + tl.arange(0, BLOCK_M)
@@ -98,12 +102,12 @@ def _bias_gelu_bwd_kernel(
         y = tl.load(Y_ptr + rows[:, None] * Y_row_stride + cols[None, :] * Y_col_stride, mask=mask, other=0.0)
         g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride, mask=mask, other=0.0)
         x = y.to(ACC) + b[None, :]
-        t = tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF * x * x))
-        dgelu = 0.5 * x * ((1.0 - t * t) * (SQRT_2_OVER_PI + GELU_DERIV_COEF * x * x)) + 0.5 * (1.0 + t)
+        t = tanh(x * SQRT_2_OVER_PI * (1.0 + x * x * GELU_COEF))
+        dgelu = 0.5 * x * ((1.0 - t * t) * (x * x * GELU_DERIV_COEF + SQRT_2_OVER_PI)) + 0.5 * (1.0 + t)
         dy = dgelu * g.to(ACC)  # masked lanes: g = 0 so dy = 0 and adds nothing to db
         tl.store(DY_ptr + rows[:, None] * n_cols + cols[None, :], dy.to(DY_ptr.dtype.element_ty), mask=mask)
-        db_acc += tl.sum(dy, axis=0)
-    tl.store(DB_PARTIAL_ptr + pid_m * n_cols + cols, db_acc, mask=col_mask)
+        db_acc += dy
+    tl.store(DB_PARTIAL_ptr + pid_m * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
 # Tile shapes for elementwise row kernels, as (upper bound of n_cols, BLOCK_N, BLOCK_M,
@@ -117,16 +121,22 @@ _ELEMENTWISE_TILES: tuple[tuple[int, int, int, int], ...] = (
 )
 
 
-def elementwise_block(n_cols: int) -> tuple[int, int, int]:
+# The backward's tiles: its programs loop over rows_per_program rows to keep a running
+# bias-gradient sum, so each step should have more bytes in flight than a forward tile.
+_BWD_TILES: tuple[tuple[int, int, int, int], ...] = _ELEMENTWISE_TILES
+
+
+def elementwise_block(n_cols: int, table: tuple[tuple[int, int, int, int], ...] | None = None) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for an elementwise kernel over rows of ``n_cols``.
 
     Args:
         n_cols: row length (>= 1).
+        table: the tile table to read (default: the forward's).
 
     Returns:
         Rows per tile, columns per tile (powers of two), warps per program.
     """
-    for bound, block_n, block_m, warps in _ELEMENTWISE_TILES:
+    for bound, block_n, block_m, warps in table or _ELEMENTWISE_TILES:
         if n_cols <= bound:
             return block_m, min(block_n, triton.next_power_of_2(n_cols)), warps
     raise AssertionError("unreachable")
@@ -172,7 +182,7 @@ def bias_gelu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor) -> t
     dy = torch.empty((n_rows, n_cols), dtype=y2d.dtype, device=y2d.device)
     if dy.numel() == 0:
         return dy, torch.zeros_like(bias)
-    block_m, block_n, warps = elementwise_block(n_cols)
+    block_m, block_n, warps = elementwise_block(n_cols, _BWD_TILES)
     col_programs = triton.cdiv(n_cols, block_n)
     # Enough row programs to fill the device; each loops over its rows and keeps one
     # float32 partial of the bias gradient per column: [row_programs, n_cols] floats.
@@ -187,4 +197,4 @@ def bias_gelu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor) -> t
         g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
     )
-    return dy, db_partial.sum(0).to(bias.dtype)
+    return dy, sum_partials(db_partial, bias.dtype)

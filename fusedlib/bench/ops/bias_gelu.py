@@ -32,7 +32,8 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
              Impl("torch.compile", compiled(lambda y, b: unfused.bias_gelu(b, y)))]
     skipped = {}
     if baselines:
-        impls.insert(1, Impl("eager", lambda y, b: unfused.bias_gelu(b, y)))
+        # eager: what a user writes in PyTorch, two kernels (add, then F.gelu's tanh form)
+        impls.insert(1, Impl("eager", lambda y, b: torch.nn.functional.gelu(y + b, approximate="tanh")))
         mcore, why = try_import("megatron.core.fusions.fused_bias_gelu", "bias_gelu_impl")
         if mcore is not None:
             impls.append(Impl("megatron-core", mcore))

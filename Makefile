@@ -1,0 +1,37 @@
+# fusedlib: two commands do everything on a fresh machine (Python 3.10+, GPU optional).
+#   make book   set up .venv, execute every chapter on this machine's device, build _build/html
+#   make test   set up .venv, run the unit tests and nbval over every chapter
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fusedlib-setup
+# torch to install when the venv has none: see tools/pick_torch.py (CUDA build where an
+# NVIDIA driver is present, a CPU-only build already on this machine where not).
+TORCH  ?= $(shell $(PYTHON) tools/pick_torch.py $(PYTHON))
+
+.PHONY: setup book test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml tools/pick_torch.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install --disable-pip-version-check -e ".[book,test]"
+	$(PY) -c "import fusedlib, torch, triton; print('fusedlib', fusedlib.__version__, '| torch', torch.__version__, '| triton', triton.__version__)"
+	touch $@
+
+# Executes every chapter here (jupyter-cache under _build, the committed notebooks are
+# left as they are) and builds the HTML book, warnings as errors.
+book: setup
+	$(VENV)/bin/jupyter-book build . --config book.yml --toc toc.yml -W -n --keep-going
+	@echo "open _build/html/index.html"
+
+test: setup
+	$(PY) -m pytest tests chapters --nbval --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider
+
+# On a GPU: time every op and its baselines, write chapters/data/bench/<op>.json.
+bench: setup
+	$(PY) -m fusedlib.bench --out chapters/data/bench
+
+clean:
+	rm -rf _build .pytest_cache

@@ -1,0 +1,58 @@
+"""Second stage of the deterministic two-stage reductions (bias, gamma, beta gradients).
+
+A backward kernel writes one float32 partial sum per program and column,
+``partials[n_programs, n_cols]``; :func:`sum_partials` adds them over programs in a fixed
+order and casts to the parameter's dtype in the same pass. No atomics, so the result is
+bit-identical from run to run. (``partials.sum(0)`` in PyTorch does the same work but
+reads the [R, C] matrix column-strided and ran at under 1 TB/s for R = 264, C = 16384 on
+the H200, 24 µs against the ~6 µs this kernel needs.)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime import launch
+from ..utils import acc_dtype
+
+__all__ = ["sum_partials"]
+
+
+@triton.jit
+def _sum_partials_kernel(
+    P_ptr,  # partial sums, [n_partials, n_cols], contiguous, ACC
+    OUT_ptr,  # result, [n_cols], the parameter's dtype
+    n_partials,
+    n_cols,
+    BLOCK_R: tl.constexpr,  # partial rows per step
+    BLOCK_C: tl.constexpr,  # columns per program
+    ACC: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=ACC)
+    for r in range(0, n_partials, BLOCK_R):
+        rows = r + tl.arange(0, BLOCK_R)
+        mask = (rows < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(P_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT_ptr + cols, tl.sum(acc, axis=0).to(OUT_ptr.dtype.element_ty), mask=col_mask)
+
+
+def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Sum ``partials`` [n_partials, n_cols] over dim 0 and cast to ``out_dtype``.
+
+    Args:
+        partials: contiguous float32 (or float64) tensor [n_partials, n_cols], n_partials >= 1.
+        out_dtype: dtype of the result.
+
+    Returns:
+        A new [n_cols] tensor.
+    """
+    n_partials, n_cols = partials.shape
+    out = torch.empty(n_cols, dtype=out_dtype, device=partials.device)
+    block_c = min(256, triton.next_power_of_2(n_cols))
+    launch(_sum_partials_kernel, (triton.cdiv(n_cols, block_c),), partials.device,
+           partials, out, n_partials, n_cols, BLOCK_R=16, BLOCK_C=block_c, ACC=acc_dtype(partials.dtype),
+           num_warps=4)
+    return out

@@ -1,0 +1,102 @@
+"""The benchmark harness's CPU-testable parts and the book helpers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fusedlib.bench import core
+from fusedlib.bench.__main__ import main, summary
+from fusedlib.bench.ops import OP_MODULES, get_cases
+from fusedlib.bench.ops.bias_gelu import bias_gelu_bytes
+from fusedlib.book import check, eager_traffic, plot_bandwidth, speedup_table
+from fusedlib import unfused
+
+SCHEMA = {"op", "pass", "impl", "shape", "dtype", "ms", "bytes", "GBps", "device", "torch", "triton"}
+
+
+def _records():
+    rec = lambda impl, pas, ms: core._record("bias_gelu", pas, impl, (8192, 16384), torch.bfloat16, ms,
+                                             bias_gelu_bytes(8192, 16384, 2)[pas])
+    copy = core._record("copy", "copy", "copy", (1 << 30,), torch.bfloat16, 1.0, 1 << 32)
+    return [copy, rec("fusedlib", "fwd", 0.14), rec("torch.compile", "fwd", 0.175),
+            rec("fusedlib", "fwd+bwd", 0.4), rec("torch.compile", "fwd+bwd", 0.6)]
+
+
+def test_record_schema_and_bandwidth():
+    r = _records()[1]
+    assert set(r) == SCHEMA
+    assert r["GBps"] == pytest.approx(r["bytes"] / (r["ms"] * 1e-3) / 1e9, rel=1e-3)
+
+
+def test_bias_gelu_bytes_are_the_floor():
+    b = bias_gelu_bytes(10, 7, 2)
+    assert b["fwd"] == (2 * 70 + 7) * 2
+    assert b["fwd+bwd"] == b["fwd"] + (3 * 70 + 2 * 7) * 2
+
+
+def test_every_registered_op_has_cases():
+    for op in OP_MODULES:
+        cases = get_cases(op)(torch.device("cpu"))
+        assert cases and cases[0].op == op and {"fwd", "fwd+bwd"} & set(cases[0].bytes)
+    with pytest.raises(KeyError, match="known ops"):
+        get_cases("no_such_op")
+
+
+def test_measure_case_runs_implementations_and_records_failures(monkeypatch):
+    monkeypatch.setattr(core, "time_ms", lambda fn, grad_to_none=None, **kw: (fn(), 1.0)[1])
+    y = torch.randn(4, 8)
+
+    def broken(*_):
+        raise RuntimeError("baseline broke")
+
+    case = core.BenchCase("bias_gelu", (4, 8), torch.float32, lambda d, rg: (y.clone().requires_grad_(rg),),
+                          {"fwd": 64, "fwd+bwd": 160},
+                          [core.Impl("eager", lambda t: unfused.gelu_tanh(t)), core.Impl("liger", broken)])
+    recs = core.measure_case(case, torch.device("cpu"))
+    assert [(r["impl"], r["pass"]) for r in recs] == [("eager", "fwd"), ("eager", "fwd+bwd")]
+    assert "baseline broke" in case.skipped["liger"]
+
+
+def test_write_and_load_records(tmp_path):
+    recs = _records()
+    path = core.write_records(recs, tmp_path / "a" / "bias_gelu.json")
+    assert core.load_records(path) == json.loads(json.dumps(recs))
+
+
+def test_cli_refuses_to_time_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--op", "bias_gelu"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_summary_and_speedup_table_print_ratios_from_records():
+    recs = _records()
+    table = speedup_table(recs)
+    assert "1.50x" in table and "1.25x" in table  # 0.6 / 0.4 and 0.175 / 0.14
+    assert "fused x" in summary(recs)
+
+
+def test_plot_bandwidth_draws_every_impl():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = plot_bandwidth(_records(), "bias + GeLU")
+    labels = ax.get_legend_handles_labels()[1]
+    assert "fusedlib" in labels and "torch.compile" in labels and any("copy" in s for s in labels)
+
+
+def test_check_prints_a_device_independent_verdict(capsys):
+    assert check("x", torch.ones(3), torch.ones(3, dtype=torch.float64), atol=1e-6)
+    assert not check("y", torch.tensor([float("nan")]), torch.zeros(1), atol=1.0)
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["x: max |fused - reference| <= 1e-06: True", "y: max |fused - reference| <= 1: False"]
+
+
+def test_eager_traffic_counts_operands_and_results():
+    a = torch.empty(10, 20, device="meta")
+    b = torch.empty(20, device="meta")
+    rows = eager_traffic(lambda a, b: (a + b) * a, a, b)
+    assert rows == [{"op": "add", "read_bytes": 800 + 80, "write_bytes": 800},
+                    {"op": "mul", "read_bytes": 1600, "write_bytes": 800}]

@@ -1,0 +1,68 @@
+"""fusedlib.jit (Megatron's jit_fuser switch) and fusedlib.runtime (where kernels run)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusedlib import jit, runtime
+
+
+def test_jit_fuser_is_torch_compile_and_switches():
+    try:
+        assert jit.jit_fuser is torch.compile
+        assert jit.disable_jit_fuser() is jit.noop_decorator
+        assert jit.jit_fuser is jit.noop_decorator
+
+        @jit.jit_fuser
+        def f(x):
+            return x * 2
+
+        assert f(torch.ones(2)).tolist() == [2.0, 2.0]
+    finally:
+        assert jit.enable_jit_fuser() is torch.compile
+    assert jit.jit_fuser is torch.compile
+
+
+def test_noop_decorator_returns_the_function():
+    def g():
+        return 1
+
+    assert jit.noop_decorator(g) is g
+
+
+def test_kernel_mode_matches_the_machine():
+    expected = "interpreted" if not torch.cuda.is_available() else "compiled"
+    assert runtime.kernel_mode("cpu" if expected == "interpreted" else "cuda") == expected
+    with pytest.raises(ValueError, match="'cuda' or 'cpu'"):
+        runtime.kernel_mode("meta")
+
+
+def test_banner_names_torch_and_triton():
+    banner = runtime.device_banner()
+    assert f"torch {torch.__version__}" in banner and "triton" in banner
+
+
+def test_interpreter_is_set_before_kernels_on_a_cpu_only_machine():
+    # A fresh process: importing fusedlib must settle TRITON_INTERPRET before any kernel is defined.
+    code = ("import os, torch, fusedlib; "
+            "print(os.environ.get('TRITON_INTERPRET'), fusedlib.runtime.INTERPRET_ON_CPU, torch.cuda.is_available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    if out[2] == "False":
+        assert out[:2] == ["1", "True"]
+    else:
+        assert out[1] == "False"
+
+
+def test_compiled_mode_refuses_cpu_tensors_clearly():
+    # With TRITON_INTERPRET=0 the kernels are compiled (for CUDA); CPU tensors get a clear error.
+    code = ("import torch, fusedlib\n"
+            "try:\n"
+            "    fusedlib.bias_gelu_impl(torch.randn(2, 4), torch.randn(4))\n"
+            "except ValueError as e:\n"
+            "    print('ValueError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "TRITON_INTERPRET": "0"}).stdout
+    assert "compiled for CUDA" in out and "TRITON_INTERPRET=1" in out
