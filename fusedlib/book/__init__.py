@@ -40,13 +40,16 @@ def show_source(obj: Any):
         obj: a function, class, or ``@triton.jit`` kernel (its ``.fn`` is shown).
 
     Returns:
-        An ``IPython.display.Code`` object (rendered by Jupyter; its text/plain form is
-        the source itself, so nbval compares the code the reader sees).
+        An ``IPython.display.Markdown`` object holding the source in a ``python`` code
+        fence: Jupyter and Jupyter Book highlight it, and its outputs (text/markdown, and
+        text/plain) are the same on every machine, so nbval compares the code the reader
+        sees. (``IPython.display.Code`` would add Pygments' HTML, which changes between
+        Pygments versions.)
     """
-    from IPython.display import Code
+    from IPython.display import Markdown
 
     fn = getattr(obj, "fn", obj)  # a triton JITFunction wraps the Python function
-    return Code(inspect.getsource(fn), language="python")
+    return Markdown(f"```python\n{inspect.getsource(fn).rstrip()}\n```")
 
 
 def check(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> bool:

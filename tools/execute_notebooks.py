@@ -1,0 +1,48 @@
+"""Execute chapter notebooks in place with nbclient (how the committed H200 outputs are made).
+
+Usage: python tools/execute_notebooks.py [chapters/NN_name.ipynb ...]   (default: every chapter)
+
+Each notebook runs top to bottom in a fresh python3 kernel with chapters/ as its working
+directory; the executed notebook replaces the file. Exits non-zero if a cell raised, and
+lists every stderr output of a cell that nbval compares (those must not exist).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+
+def main(paths: list[str]) -> int:
+    root = Path(__file__).resolve().parents[1]
+    notebooks = [Path(p) for p in paths] or sorted((root / "chapters").glob("*.ipynb"))
+    failed = 0
+    for path in notebooks:
+        nb = nbformat.read(path, as_version=4)
+        t0 = time.time()
+        try:
+            NotebookClient(nb, timeout=1800, kernel_name="python3",
+                           resources={"metadata": {"path": str(path.parent)}}).execute()
+        except Exception as exc:  # report and go on with the other chapters
+            failed += 1
+            print(f"FAILED {path}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
+            continue
+        nbformat.write(nb, path)
+        problems = []
+        for i, cell in enumerate(nb.cells):
+            tags = cell.get("metadata", {}).get("tags", [])
+            if cell.cell_type != "code" or "nbval-ignore-output" in tags:
+                continue
+            for out in cell.get("outputs", []):
+                if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                    problems.append(f"cell {i} stderr: {out['text'][:200]!r}")
+        print(f"executed {path.name} in {time.time() - t0:.0f} s" + "".join(f"\n  {p}" for p in problems), flush=True)
+        failed += bool(problems)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (see ../shared/gpu/README.md): install the carried wheels,
+# then run the steps named in $STEPS (default: test bench notebooks), writing logs and results
+# under $OUT (RESULTS when run by hand). Keep the device time short: one script, one call.
+#   STEPS="test bench" bash tools/gpu_session.sh
+set -uo pipefail
+OUT=${OUT:-RESULTS}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+STEPS=${STEPS:-"test bench notebooks"}
+nvidia-smi -L
+for step in $STEPS; do
+  echo "=== $step"
+  case $step in
+    test) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/test.txt" ;;
+    bench) timeout ${BENCH_TIMEOUT:-300} python3 -m fusedlib.bench --sweep ${BENCH_OPS:+--op $BENCH_OPS} --out chapters/data/bench 2>&1 \
+             | grep -v "^bench:\|UserWarning\|warnings.warn\|SyntaxWarning\|Evict LRU" | tee "$OUT/bench.txt" ;;
+    notebooks) timeout ${NB_TIMEOUT:-420} python3 tools/execute_notebooks.py ${NOTEBOOKS:-} 2>&1 | tee "$OUT/notebooks.txt" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+tar czf "$OUT/results.tgz" chapters/*.ipynb chapters/data
