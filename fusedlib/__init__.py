@@ -4,6 +4,9 @@ Public API (Megatron-core's names):
 
 * ``fusedlib.fusions.fused_bias_gelu``: ``bias_gelu_impl``, ``GeLUFunction``,
   ``bias_gelu``, ``bias_gelu_back``.
+* ``fusedlib.parallel``: ``vocab_parallel_cross_entropy`` (unfused, 3 all-reduces),
+  ``fused_vocab_parallel_cross_entropy`` (2 all-reduces; also
+  ``fusedlib.fusions.fused_cross_entropy``), ``VocabUtility``, ``count_collectives``.
 * ``fusedlib.unfused``: the plain PyTorch references.
 * ``fusedlib.jit``: ``jit_fuser``, ``enable_jit_fuser``, ``disable_jit_fuser``.
 * ``fusedlib.runtime``: where kernels run (compiled on CUDA, interpreted on the CPU).
@@ -16,6 +19,9 @@ Importing fusedlib first imports :mod:`fusedlib.runtime`, which sets
 from . import runtime  # noqa: F401  (first: settles TRITON_INTERPRET before kernels are defined)
 from . import jit, unfused, utils  # noqa: F401
 from .fusions.fused_bias_gelu import GeLUFunction, bias_gelu, bias_gelu_back, bias_gelu_impl
+from . import parallel  # noqa: F401
+from .fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+from .parallel import VocabUtility, count_collectives, vocab_parallel_cross_entropy
 
 __version__ = "0.1.0"
 
@@ -28,4 +34,9 @@ __all__ = [
     "bias_gelu",
     "bias_gelu_back",
     "bias_gelu_impl",
+    "parallel",
+    "vocab_parallel_cross_entropy",
+    "fused_vocab_parallel_cross_entropy",
+    "VocabUtility",
+    "count_collectives",
 ]

@@ -111,3 +111,58 @@ def bias_gelu_back(g: torch.Tensor, bias: torch.Tensor, y: torch.Tensor) -> torc
         [..., h]: the gradient w.r.t. ``y``; the bias gradient is its sum over leading dims.
     """
     return gelu_tanh_grad(bias + y) * g
+
+
+# --- cross entropy (chapter 6) -------------------------------------------------------------
+# Sources: Megatron-LM megatron/core/tensor_parallel/cross_entropy.py (label smoothing spread
+# over the V - 1 wrong ids); PyTorch torch.nn.functional.cross_entropy.
+
+__all__ += ["megatron_smoothing_to_torch", "cross_entropy", "cross_entropy_grad"]
+
+
+def megatron_smoothing_to_torch(label_smoothing: float, vocab_size: int) -> float:
+    """PyTorch's ``label_smoothing`` equal to Megatron's: s = eps·V/(V - 1).
+
+    Megatron spreads probability eps over the V - 1 wrong ids; PyTorch spreads s over all V
+    ids (the target included), so eps·V/(V-1) in PyTorch is eps in Megatron.
+    """
+    return label_smoothing * vocab_size / (vocab_size - 1) if label_smoothing > 0 else 0.0
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
+                  ignore_index: int = -100) -> torch.Tensor:
+    """Per-token cross entropy of full-vocabulary logits, with Megatron's label smoothing.
+
+    Args:
+        logits: [..., V], any float dtype (computed in it; float64 for the tests' oracle).
+        target: [...] int ids in [0, V) or ``ignore_index``.
+        label_smoothing: Megatron's epsilon.
+        ignore_index: ids whose loss is 0.
+
+    Returns:
+        [...] losses, ``F.cross_entropy(reduction="none")`` with the converted smoothing.
+    """
+    v = logits.shape[-1]
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, v), target.reshape(-1), reduction="none", ignore_index=ignore_index,
+        label_smoothing=megatron_smoothing_to_torch(label_smoothing, v))
+    return loss.view(target.shape)
+
+
+def cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor, grad_output: torch.Tensor,
+                       label_smoothing: float = 0.0, ignore_index: int = -100) -> torch.Tensor:
+    """The gradient of :func:`cross_entropy` written out: ``(softmax(x) - (1 - s)·onehot - s/V)·g``.
+
+    Args:
+        logits: [..., V]; target: [...]; grad_output: [...] (g per token).
+        label_smoothing: Megatron's epsilon (s = eps·V/(V-1)); ignore_index: rows with zero gradient.
+
+    Returns:
+        [..., V] in the logits' dtype.
+    """
+    v = logits.shape[-1]
+    s = megatron_smoothing_to_torch(label_smoothing, v)
+    active = target != ignore_index
+    onehot = torch.nn.functional.one_hot(torch.where(active, target, 0), v).to(logits.dtype)
+    g = torch.where(active, grad_output, 0).to(logits.dtype).unsqueeze(-1)
+    return (torch.softmax(logits, dim=-1) - (1 - s) * onehot - s / v) * g

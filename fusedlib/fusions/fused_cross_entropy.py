@@ -1,0 +1,143 @@
+"""Fused vocab-parallel cross entropy: two all-reduces instead of three, on Triton kernels.
+
+The unfused path (:mod:`fusedlib.parallel.cross_entropy`) all-reduces the global max (MAX),
+then the target logit (SUM) and the sum of exponentials (SUM) separately. The max must be
+known before the sums can be rescaled to it, so it needs its own collective; but the two
+sums are independent SUM reductions of the same shape, so they can travel together:
+concatenate, reduce once, split. Megatron-core does that with ``torch.cat``; fusedlib's
+forward kernel writes the statistics of a row next to each other (a [4, rows] tensor), so
+the "concatenation" is the contiguous slice ``stats[1:3]`` (``stats[1:4]`` with label
+smoothing, whose mean of logits rides along in the same collective), and costs nothing.
+
+On a single device (a group of one rank) nothing needs combining: the forward kernel
+finishes the loss itself (``FINALIZE``), one kernel per pass, the fastest path.
+
+Source: Megatron-LM ``megatron/core/fusions/fused_cross_entropy.py``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.cross_entropy import cross_entropy_fwd
+from ..parallel.cross_entropy import (
+    VocabParallelCrossEntropy,
+    check_target_values,
+    prepare_inputs,
+    shard_range,
+)
+from ..parallel.utils import all_reduce, tp_rank_and_size
+
+__all__ = [
+    "calculate_logits_max",
+    "calculate_predicted_logits",
+    "calculate_cross_entropy_loss",
+    "calculate_gradients",
+    "fused_vocab_parallel_cross_entropy",
+]
+
+calculate_logits_max = VocabParallelCrossEntropy.calculate_logits_max
+calculate_gradients = VocabParallelCrossEntropy.calculate_gradients
+
+
+def calculate_predicted_logits(stats: torch.Tensor, logits_max: torch.Tensor, label_smoothing: float = 0.0
+                               ) -> torch.Tensor:
+    """Rescale the shard's sum-exp to the global max and return the block to SUM-reduce.
+
+    Args:
+        stats: [4, rows] from :func:`calculate_logits_max` (updated in place).
+        logits_max: [rows], the global max (after the MAX all-reduce).
+        label_smoothing: > 0 also sends the sum of logits.
+
+    Returns:
+        ``predicted_logits_sum_exp_logits``: the contiguous view ``stats[1:3]`` = [sum-exp,
+        target logit] ([2, rows]), or ``stats[1:4]`` with the sum of logits ([3, rows]).
+    """
+    VocabParallelCrossEntropy.calculate_predicted_logits(stats, logits_max)
+    return stats[1:4] if label_smoothing > 0 else stats[1:3]
+
+
+def calculate_cross_entropy_loss(predicted_logits_sum_exp_logits: torch.Tensor, logits_max: torch.Tensor,
+                                 target: torch.Tensor, vocab_size: int, ignore_index: int = -100,
+                                 label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split the reduced block and compute ``(loss, lse)`` ([rows] each), as
+    :meth:`VocabParallelCrossEntropy.calculate_cross_entropy_loss`."""
+    sum_exp_logits, predicted_logits = predicted_logits_sum_exp_logits[0], predicted_logits_sum_exp_logits[1]
+    sum_logits = predicted_logits_sum_exp_logits[2] if label_smoothing > 0 else None
+    return VocabParallelCrossEntropy.calculate_cross_entropy_loss(
+        predicted_logits, sum_exp_logits, sum_logits, logits_max, target, vocab_size, ignore_index, label_smoothing)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Autograd wiring of the fused vocab-parallel cross entropy (2 all-reduces, 0 on one rank).
+
+    Saves the logits (a reference, no copy), the target and lse ([rows] float32); backward is
+    one Triton kernel with no communication.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_cross_entropy.py``.
+    """
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, tp_group=None, label_smoothing=0.0, ignore_index=-100):
+        x2d, t1d = prepare_inputs(vocab_parallel_logits, target, label_smoothing, ignore_index)
+        vocab_start_index, vocab_size = shard_range(x2d, tp_group)
+        check_target_values(t1d, vocab_size, ignore_index, label_smoothing)
+
+        if tp_rank_and_size(tp_group)[1] == 1:
+            # The whole vocabulary is here: one kernel writes loss and lse, no collectives.
+            loss, lse = cross_entropy_fwd(x2d, t1d, 0, ignore_index, label_smoothing, vocab_size, finalize=True)
+        else:
+            stats, logits_max = calculate_logits_max(x2d, t1d, vocab_start_index, ignore_index, label_smoothing)
+            all_reduce(logits_max, "MAX", tp_group)  # collective 1: the global max
+            block = calculate_predicted_logits(stats, logits_max, label_smoothing)
+            all_reduce(block, "SUM", tp_group)  # collective 2: sum-exp, x_t (and sum of logits) at once
+            loss, lse = calculate_cross_entropy_loss(block, logits_max, t1d, vocab_size, ignore_index,
+                                                     label_smoothing)
+
+        ctx.save_for_backward(x2d, t1d, lse)
+        ctx.args = (vocab_start_index, vocab_size, ignore_index, label_smoothing, vocab_parallel_logits.shape)
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x2d, t1d, lse = ctx.saved_tensors
+        vocab_start_index, vocab_size, ignore_index, label_smoothing, shape = ctx.args
+        grad = calculate_gradients(x2d, t1d, lse, grad_output.reshape(-1), vocab_start_index, vocab_size,
+                                   ignore_index, label_smoothing)
+        return grad.view(shape), None, None, None, None
+
+
+def fused_vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Cross entropy of logits split along the vocabulary, with two all-reduces.
+
+    Args:
+        vocab_parallel_logits: this rank's shard, [s, b, V/p] (any [..., V/p]), float32 /
+            float16 / bfloat16 / float64, CUDA or CPU, any strides. Never modified.
+        target: [s, b] int64/int32 ids in the global vocabulary [0, V); the same on every rank.
+        tp_group: the tensor-parallel group (Megatron requires it; here None means the default
+            group if torch.distributed is initialized, else one rank and no communication).
+        label_smoothing: Megatron's epsilon in [0, 1) (Megatron's fused path has none); the
+            mean of the logits rides in the same SUM all-reduce.
+        ignore_index: targets equal to it give zero loss and zero gradient.
+
+    Returns:
+        The per-token loss, [s, b], float32 (float64 for float64 logits). Its gradient w.r.t.
+        the logits has the logits' dtype (Megatron's fused path always returned bfloat16).
+
+    Raises:
+        TypeError, ValueError: as :func:`fusedlib.parallel.vocab_parallel_cross_entropy`.
+
+    Collectives: all-reduce MAX [rows], then one all-reduce SUM [2, rows] ([3, rows] with
+    label smoothing). None on a single rank, none in backward.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_cross_entropy.py``
+    (``fused_vocab_parallel_cross_entropy``).
+    """
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, label_smoothing, ignore_index)

@@ -1,0 +1,333 @@
+"""Triton kernels for (vocab-parallel) cross entropy, forward and backward.
+
+A row of logits x (one token; a shard of the vocabulary on each tensor-parallel rank,
+columns ``vocab_start_index .. vocab_start_index + n_cols - 1`` of the full vocabulary
+of V ids) and its target id t give
+
+    loss = lse - (1 - s)·x_t - s·mean(x)        lse = log sum_j e^{x_j}
+    dloss/dx_j = p_j - (1 - s)·[j = t] - s / V   p_j = e^{x_j - lse}
+
+with s = 0 without label smoothing (chapter 6 derives both, and s from Megatron's
+``label_smoothing``).
+
+Forward, :func:`cross_entropy_fwd`: ONE read of the logits. One program per row walks the
+row in blocks of BLOCK_N with the online softmax of Milakov & Gimelshein (2018): a running
+maximum m and a running sum of e^{x - m}, rescaled by e^{m_old - m_new} whenever the maximum
+grows. It also loads the target's logit (one element) and, with label smoothing, sums the
+logits. It writes four float32 statistics per row (the shard's max, its sum of
+exponentials relative to that max, the target's logit or 0 when the target is not in this
+shard, and the shard's sum of logits): 16 bytes per row instead of a float32 copy of the
+logits. Tensor parallelism combines the statistics of the shards (a MAX and a SUM
+all-reduce, :mod:`fusedlib.parallel`). On one device, ``FINALIZE`` makes the kernel finish
+the job itself and write the loss and lse directly.
+
+Backward, :func:`cross_entropy_bwd`: ONE read of the logits and ONE write of the gradient
+per element, in the logits' dtype; nothing logits-sized is kept from the forward pass
+(only lse, 4 bytes per row). A 2-D grid (row, column block): each program recomputes
+p = e^{x - lse} for its block and writes (p - (1 - s)·onehot - s/V)·g.
+
+Tradeoff (documented in chapter 6): Liger-Kernel writes the gradient during the forward
+pass (into the logits' own storage), so its backward only scales it by g. That moves
+fewer bytes when g is one scalar equal to 1 (reduction="mean", no loss scaling) but needs
+a second read of each row in the forward, modifies the input, and must re-read and
+re-write the whole gradient for any other g (per-token losses, loss masks, loss scaling:
+Megatron's case). fusedlib keeps the input intact and always moves 3 logits-sized
+tensors: read (fwd), read + write (bwd).
+
+Dtype policy: load, compute in float32 (float64 for float64 logits, so gradcheck checks
+the kernels), statistics in float32, store the gradient in the logits' dtype. Offsets are
+int64: the logits of a large-vocabulary model pass 2^31 elements (8192 x 128256 is 2^30;
+16745 rows of 128256 are 2^31).
+
+Sources: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py`` and
+``megatron/core/fusions/fused_cross_entropy.py``; Milakov & Gimelshein, "Online normalizer
+calculation for softmax", arXiv:1805.02867; Liger-Kernel ``ops/cross_entropy.py``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime import launch
+from ..utils import acc_dtype
+
+__all__ = ["cross_entropy_fwd", "cross_entropy_bwd", "fwd_settings", "bwd_settings", "smoothing_coefs", "stats_dtype",
+           "STAT_ROWS"]
+
+#: Rows of the forward statistics tensor [4, n_rows]: shard max, shard sum of e^{x - max},
+#: target logit (0 where the target is in another shard), shard sum of logits.
+STAT_ROWS = ("logits_max", "sum_exp_logits", "predicted_logits", "sum_logits")
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    X_ptr,  # logits (a vocabulary shard), [n_rows, n_cols], strides (X_row_stride, X_col_stride)
+    TARGET_ptr,  # target ids in the GLOBAL vocabulary, [n_rows], int32/int64, stride target_stride
+    STATS_ptr,  # ACC [4, n_rows] out, contiguous: the STAT_ROWS statistics of this shard
+    LOSS_ptr,  # ACC [n_rows] out, only with FINALIZE: the loss (0 for ignored rows)
+    LSE_ptr,  # ACC [n_rows] out, only with FINALIZE: log-sum-exp (0 for ignored rows)
+    n_rows,
+    n_cols,
+    X_row_stride,
+    X_col_stride,
+    target_stride,
+    vocab_start_index,  # global id of this shard's first column
+    ignore_index,  # target id whose rows get zero loss and zero gradient
+    COEF_ptr,  # ACC [2] (SMOOTHING and FINALIZE only): 1 - s and s / V, V the GLOBAL vocabulary size
+    BLOCK_N: tl.constexpr,  # columns per loop step
+    ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 logits
+    SMOOTHING: tl.constexpr,  # label smoothing: also sum the logits
+    FINALIZE: tl.constexpr,  # one device (the shard is the whole vocabulary): write loss and lse
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * X_row_stride may pass 2^31
+    x_row_ptr = X_ptr + row * X_row_stride
+    target = tl.load(TARGET_ptr + row * target_stride).to(tl.int64)
+    active = target != ignore_index
+    n_read = tl.where(active, n_cols, 0)  # ignored rows read no logits at all (masked loads)
+    cols = tl.arange(0, BLOCK_N)
+
+    # Online softmax: m is the running max (a scalar), s_vec[i] the running sum of
+    # e^{x - m} over the columns lane i has seen. When a block raises the max from m to
+    # m_new, every partial sum is rescaled by alpha = e^{m - m_new} (one FMA per element).
+    m = tl.max(tl.full((BLOCK_N,), float("-inf"), ACC), axis=0)  # a scalar -inf of dtype ACC
+    s_vec = tl.zeros((BLOCK_N,), ACC)
+    sum_vec = tl.zeros((BLOCK_N,), ACC)
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + cols
+        mask = c < n_read
+        x = tl.load(x_row_ptr + c.to(tl.int64) * X_col_stride, mask=mask, other=float("-inf")).to(ACC)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        # Until a finite logit has been seen m_new is -inf: subtract 0 instead, so that
+        # e^{-inf - 0} = 0 and no -inf - (-inf) = NaN is formed.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_ref)
+        s_vec = s_vec * alpha + tl.exp(x - m_ref)
+        m = m_new
+        if SMOOTHING:
+            sum_vec += tl.where(mask, x, 0.0)
+    s = tl.sum(s_vec, axis=0)
+
+    # The target's logit: one element, loaded only by the shard that holds it.
+    local_t = target - vocab_start_index
+    in_shard = active & (local_t >= 0) & (local_t < n_cols)
+    x_t = tl.load(x_row_ptr + local_t * X_col_stride, mask=in_shard, other=0.0).to(ACC)
+    sum_x = tl.sum(sum_vec, axis=0)
+
+    if FINALIZE:
+        # The whole vocabulary is here: lse = m + log(s), loss = lse - (1-s)·x_t - (s/V)·sum x.
+        lse = m + tl.log(tl.where(active, s, 1.0))
+        lse = tl.where(active, lse, 0.0)
+        if SMOOTHING:
+            target_coef = tl.load(COEF_ptr)
+            uniform_coef = tl.load(COEF_ptr + 1)
+            loss = lse - target_coef * x_t - uniform_coef * sum_x
+        else:
+            loss = lse - x_t
+        tl.store(LOSS_ptr + row, tl.where(active, loss, 0.0))
+        tl.store(LSE_ptr + row, lse)
+    else:
+        tl.store(STATS_ptr + row, m)
+        tl.store(STATS_ptr + n_rows + row, s)
+        tl.store(STATS_ptr + 2 * n_rows + row, x_t)
+        tl.store(STATS_ptr + 3 * n_rows + row, sum_x)
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(
+    X_ptr,  # logits (a vocabulary shard), [n_rows, n_cols], strides (X_row_stride, X_col_stride)
+    TARGET_ptr,  # target ids in the GLOBAL vocabulary, [n_rows], stride target_stride
+    LSE_ptr,  # ACC [n_rows]: global log-sum-exp per row (finite; 0 for ignored rows)
+    G_ptr,  # grad of the loss, [n_rows], stride g_stride (0 for a broadcast scalar)
+    DX_ptr,  # out: grad of the logits, [n_rows, n_cols], contiguous, the logits' dtype
+    n_rows,
+    n_cols,
+    X_row_stride,
+    X_col_stride,
+    target_stride,
+    g_stride,
+    vocab_start_index,  # global id of this shard's first column
+    ignore_index,
+    COEF_ptr,  # ACC [2] (SMOOTHING only): 1 - s, the one-hot weight, and s / V (V: GLOBAL vocabulary size)
+    BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    target = tl.load(TARGET_ptr + row * target_stride).to(tl.int64)
+    active = target != ignore_index
+    lse = tl.load(LSE_ptr + row)
+    g = tl.load(G_ptr + row * g_stride).to(ACC)
+    g = tl.where(active, g, 0.0)  # ignored rows: zero gradient, and their logits are not read
+    n_read = tl.where(active, n_cols, 0)  # ignored rows: no logits read
+    x = tl.load(X_ptr + row * X_row_stride + cols.to(tl.int64) * X_col_stride,
+                mask=cols < n_read, other=0.0).to(ACC)
+    p = tl.exp(x - lse)  # softmax, recomputed from the saved lse
+    local_t = target - vocab_start_index
+    if SMOOTHING:
+        target_coef = tl.load(COEF_ptr)
+        uniform_coef = tl.load(COEF_ptr + 1)
+        dx = (p - tl.where(cols == local_t, target_coef, 0.0) - uniform_coef) * g
+    else:
+        dx = (p - tl.where(cols == local_t, 1.0, 0.0)) * g
+    tl.store(DX_ptr + row * n_cols + cols, dx.to(DX_ptr.dtype.element_ty), mask=col_mask)
+
+
+# Launch settings, as (upper bound of n_cols, BLOCK_N, num_warps); a BLOCK_N of 0 means
+# "the next power of two >= n_cols" (the whole row in one step).
+#
+# Forward: one program per row loops over its row. A step of 4096 elements at 8 warps is
+# 16 elements per thread: two 16-byte loads in flight per thread for bf16, and with ~8
+# programs resident per SM, ~64 KB in flight per SM, enough to cover HBM latency.
+_FWD_TILES: tuple[tuple[int, int, int], ...] = (
+    (1024, 0, 4),  # short rows: one step, 4 warps
+    (4096, 0, 8),  # one step of up to 4 Ki elements
+    (1 << 62, 4096, 8),  # long rows (a 128 Ki vocabulary: 32 steps of 4 Ki)
+)
+# Backward: purely elementwise, a 2-D grid of (row, column block) programs; 4 Ki columns
+# at 8 warps = 16 elements per thread (two 16-byte loads and stores for bf16).
+_BWD_TILES: tuple[tuple[int, int, int], ...] = (
+    (1024, 0, 4),
+    (1 << 62, 4096, 8),
+)
+
+
+def _pick(table: tuple[tuple[int, int, int], ...], n_cols: int) -> tuple[int, int]:
+    for bound, block, warps in table:
+        if n_cols <= bound:
+            return (block or triton.next_power_of_2(max(n_cols, 1))), warps
+    raise AssertionError("unreachable: the last bound is 2^62")
+
+
+def smoothing_coefs(label_smoothing: float, vocab_size: int, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """``[1 - s, s / V]`` with s = eps·V/(V - 1) (Megatron's smoothing), computed in Python
+    float64 and handed to the kernels as a 2-element tensor of ``dtype``: a float kernel
+    argument would be rounded to float32, which float64 logits must not suffer.
+
+    Args:
+        label_smoothing: Megatron's epsilon (0: the coefficients are [1, 0]).
+        vocab_size: the GLOBAL vocabulary size V (>= 2 when smoothing).
+        dtype, device: of the result.
+
+    Returns:
+        A new [2] tensor (filled on the device, no host-device synchronization).
+    """
+    s = label_smoothing * vocab_size / (vocab_size - 1) if label_smoothing > 0 else 0.0
+    coefs = torch.full((2,), 1.0 - s, dtype=dtype, device=device)
+    coefs[1:].fill_(s / vocab_size)
+    return coefs
+
+
+def fwd_settings(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the forward kernel for rows of ``n_cols`` (from ``_FWD_TILES``)."""
+    return _pick(_FWD_TILES, n_cols)
+
+
+def bwd_settings(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the backward kernel for rows of ``n_cols`` (from ``_BWD_TILES``)."""
+    return _pick(_BWD_TILES, n_cols)
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 logits, else float32: the dtype of the statistics, lse and loss."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cross_entropy_fwd(
+    x2d: torch.Tensor,
+    target1d: torch.Tensor,
+    vocab_start_index: int = 0,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    vocab_size: int | None = None,
+    finalize: bool = False,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel: one read of the logits.
+
+    Args:
+        x2d: logits of one vocabulary shard, [n_rows, n_cols], float32/16/bf16/64, any strides.
+        target1d: [n_rows] int32/int64 target ids in the global vocabulary (any stride).
+        vocab_start_index: global id of column 0 of ``x2d``.
+        ignore_index: target id of rows to skip.
+        label_smoothing: Megatron's epsilon; > 0 also sums the logits (for the mean).
+        vocab_size: the global vocabulary size V (default: ``n_cols``).
+        finalize: ``x2d`` holds the whole vocabulary: the kernel writes the loss and lse
+            itself. False: it writes the shard statistics.
+        block_n, num_warps: override the ``_FWD_TILES`` choice (for tuning).
+
+    Returns:
+        Without ``finalize``: ``stats``, a new contiguous [4, n_rows] float32 (float64 for
+        float64 logits) tensor whose rows are :data:`STAT_ROWS`. With it: ``(loss, lse)``,
+        two new [n_rows] tensors of that dtype (0 for ignored rows).
+    """
+    n_rows, n_cols = x2d.shape
+    sdt = stats_dtype(x2d.dtype)
+    block, warps = fwd_settings(n_cols)
+    block, warps = block_n or block, num_warps or warps
+    if finalize:
+        loss = torch.empty(n_rows, dtype=sdt, device=x2d.device)
+        lse = torch.empty(n_rows, dtype=sdt, device=x2d.device)
+        stats = loss  # unused pointer
+    else:
+        stats = torch.empty((4, n_rows), dtype=sdt, device=x2d.device)
+        loss = lse = stats  # unused pointers
+    if n_rows > 0:
+        launch(
+            _cross_entropy_fwd_kernel, (n_rows,), x2d.device,
+            x2d, target1d, stats, loss, lse, n_rows, n_cols, x2d.stride(0), x2d.stride(1),
+            target1d.stride(0), vocab_start_index, ignore_index,
+            smoothing_coefs(label_smoothing, vocab_size or n_cols, sdt, x2d.device) if label_smoothing > 0 else lse,
+            BLOCK_N=block, ACC=acc_dtype(x2d.dtype), SMOOTHING=label_smoothing > 0,
+            FINALIZE=bool(finalize), num_warps=warps,
+        )
+    return (loss, lse) if finalize else stats
+
+
+def cross_entropy_bwd(
+    x2d: torch.Tensor,
+    target1d: torch.Tensor,
+    lse: torch.Tensor,
+    grad1d: torch.Tensor,
+    vocab_start_index: int = 0,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    vocab_size: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Launch the backward kernel: one read of the logits, one write of the gradient.
+
+    Args:
+        x2d: the forward logits, [n_rows, n_cols], any strides.
+        target1d: [n_rows] target ids in the global vocabulary.
+        lse: [n_rows] contiguous float32 (float64) global log-sum-exp, finite (0 for ignored rows).
+        grad1d: [n_rows] gradient of the per-row loss, any stride (0 for a broadcast scalar).
+        vocab_start_index: global id of column 0 of ``x2d``.
+        ignore_index: rows with this target get a zero gradient.
+        label_smoothing: Megatron's epsilon (s = eps·V/(V-1)).
+        vocab_size: the global vocabulary size V (default: ``n_cols``).
+        block_n, num_warps: override the ``_BWD_TILES`` choice (for tuning).
+
+    Returns:
+        ``(softmax(x) - (1 - s)·onehot - s/V) · grad``, a new contiguous [n_rows, n_cols]
+        tensor of the logits' dtype.
+    """
+    n_rows, n_cols = x2d.shape
+    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    if dx.numel() == 0:
+        return dx
+    block, warps = bwd_settings(n_cols)
+    block, warps = block_n or block, num_warps or warps
+    launch(
+        _cross_entropy_bwd_kernel, (n_rows, triton.cdiv(n_cols, block)), x2d.device,
+        x2d, target1d, lse, grad1d, dx, n_rows, n_cols, x2d.stride(0), x2d.stride(1),
+        target1d.stride(0), grad1d.stride(0), vocab_start_index, ignore_index,
+        smoothing_coefs(label_smoothing, vocab_size or n_cols, lse.dtype, x2d.device) if label_smoothing > 0 else lse,
+        BLOCK_N=block, ACC=acc_dtype(x2d.dtype), SMOOTHING=label_smoothing > 0, num_warps=warps,
+    )
+    return dx

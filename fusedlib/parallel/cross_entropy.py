@@ -1,0 +1,293 @@
+"""Vocab-parallel cross entropy, the unfused way: three all-reduces (four with label smoothing).
+
+With tensor parallelism the output layer's logits are split along the vocabulary: rank r of
+p holds ``logits[s, b, V/p]``, columns ``[r·V/p, (r+1)·V/p)`` of the full vocabulary. The
+loss of a token with target t is ``lse - x_t`` with ``lse = M + log sum_j e^{x_j - M}`` over
+ALL V columns, M the global max. Each rank computes statistics of its own shard; collectives
+combine them:
+
+    1. local max m_r                       -> all-reduce(MAX)  -> M
+    2. e^{m_r - M}·sum_{j in r} e^{x_j - m_r}  -> all-reduce(SUM)  -> sum-exp over V
+    3. x_t if t is in rank r's shard else 0 -> all-reduce(SUM)  -> x_t
+    (label smoothing) sum_{j in r} x_j      -> all-reduce(SUM)  -> the mean over V
+
+This module issues them one by one, as Megatron-core's
+``megatron/core/tensor_parallel/cross_entropy.py`` does. :mod:`fusedlib.fusions.fused_cross_entropy`
+sends 2 and 3 (and the sum of logits) in ONE all-reduce: two collectives in all.
+
+The local work is fusedlib's Triton kernels (:mod:`fusedlib.kernels.cross_entropy`): one read
+of the shard computes its max, sum of exponentials, target logit and sum in one pass
+(``calculate_logits_max``), and the backward needs no communication at all
+(``calculate_gradients``). Megatron's step names are kept; where Megatron's steps move
+logits-sized float32 tensors (``exp_logits``, ``softmax``), fusedlib's move per-row statistics.
+
+Fixed with respect to Megatron-core (each has a test in ``tests/test_cross_entropy.py``):
+
+* the logits are never modified (Megatron subtracts the max in place, which for float32
+  logits, where ``.float()`` is no copy, changes the caller's tensor);
+* the gradient has the logits' dtype (Megatron's fused path always returned bfloat16);
+* label smoothing uses the global vocabulary size and the all-reduced mean of the logits
+  (Megatron uses the shard's size and the shard's mean, so ranks disagree with one device);
+* ``ignore_index`` rows get zero loss and zero gradient (Megatron has no ignore_index);
+* target ids outside [0, V) raise a ValueError (Megatron silently returns a wrong loss);
+* offsets are int64, so logits with more than 2^31 elements are indexed correctly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd, stats_dtype
+from ..utils import as_rows, check_same_device, check_tensor
+from .utils import VocabUtility, all_reduce, tp_rank_and_size
+
+__all__ = [
+    "VocabParallelCrossEntropy",
+    "vocab_parallel_cross_entropy",
+    "prepare_inputs",
+    "check_target_values",
+]
+
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+def prepare_inputs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
+                   ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the arguments of a vocab-parallel cross entropy and flatten them to rows.
+
+    Args:
+        vocab_parallel_logits: [..., V/p] (Megatron: [s, b, V/p]), float32/16/bf16/64.
+        target: [...] (Megatron: [s, b]), int64 or int32, same device.
+        label_smoothing: in [0, 1).
+        ignore_index: an int.
+
+    Returns:
+        ``(x2d, t1d)``: logits as [rows, V/p] (a view where the leading dims merge, else one
+        copy made by ``reshape``) and target as [rows].
+
+    Raises:
+        TypeError: non-tensors, a logits dtype not in fusedlib's float dtypes, a target dtype
+            other than int64/int32, or a non-int ignore_index.
+        ValueError: target's shape is not the logits' shape without the last dim, an empty
+            vocabulary shard, label_smoothing outside [0, 1), or tensors on two devices.
+    """
+    check_tensor("vocab_parallel_logits", vocab_parallel_logits, min_ndim=1)
+    check_tensor("target", target, dtypes=TARGET_DTYPES)
+    if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
+        raise ValueError(f"target must have shape {list(vocab_parallel_logits.shape[:-1])} (the logits' shape "
+                         f"without the vocabulary dim), got {list(target.shape)}")
+    if vocab_parallel_logits.shape[-1] < 1:
+        raise ValueError("vocab_parallel_logits must have a vocabulary shard of at least 1 column, "
+                         f"got shape {list(vocab_parallel_logits.shape)}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1), got {label_smoothing!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_same_device(vocab_parallel_logits=vocab_parallel_logits, target=target)
+    # [s, b, V/p] -> [s*b, V/p] and [s, b] -> [s*b]
+    return as_rows(vocab_parallel_logits), target.reshape(-1)
+
+
+def check_target_values(t1d: torch.Tensor, vocab_size: int, ignore_index: int, label_smoothing: float = 0.0) -> None:
+    """Raise a clear error for target ids outside [0, vocab_size) other than ``ignore_index``.
+
+    This reads one boolean back from the device (a synchronization): the price of a clear
+    error instead of a silently wrong loss (Megatron-core does not check). Every rank holds
+    the same target, so every rank raises together and no collective is left waiting.
+
+    Raises:
+        ValueError: naming how many ids are out of range and one of them; or label smoothing
+            with a vocabulary of one id (s = eps·V/(V-1) is undefined).
+    """
+    if label_smoothing > 0 and vocab_size < 2:
+        raise ValueError(f"label_smoothing needs a vocabulary of at least 2 ids, got vocab_size={vocab_size}")
+    bad = ((t1d < 0) | (t1d >= vocab_size)) & (t1d != ignore_index)
+    if bool(bad.any()):
+        n_bad = int(bad.sum())
+        example = int(t1d[bad][0])
+        raise ValueError(f"target must hold vocabulary ids in [0, {vocab_size}) or ignore_index={ignore_index}; "
+                         f"{n_bad} of {t1d.numel()} are outside, e.g. {example}")
+
+
+class VocabParallelCrossEntropy:
+    """The steps of a vocab-parallel cross entropy, shared by the unfused and fused paths.
+
+    Same step names as Megatron-core's class of this name; fusedlib's steps work on per-row
+    statistics ([4, rows] float32) instead of a float32 copy of the logits.
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py``.
+    """
+
+    @staticmethod
+    def calculate_logits_max(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, vocab_start_index: int,
+                             ignore_index: int = -100, label_smoothing: float = 0.0
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One read of the shard (Triton): its max, sum of exponentials, target logit and sum.
+
+        Args:
+            vocab_parallel_logits: [rows, V/p], any strides. Not modified.
+            target: [rows] global vocabulary ids.
+            vocab_start_index: global id of the shard's first column.
+            ignore_index: rows with this target are skipped.
+            label_smoothing: > 0 also sums the logits.
+
+        Returns:
+            ``(stats, logits_max)``: stats [4, rows] float32 (float64 for float64 logits) with
+            rows (local max m_r, sum e^{x - m_r}, target logit or 0, sum of logits); and a
+            copy of its first row, [rows], to be all-reduced with MAX. Ignored rows: m_r = -inf.
+        """
+        stats = cross_entropy_fwd(vocab_parallel_logits, target, vocab_start_index, ignore_index, label_smoothing)
+        return stats, stats[0].clone()
+
+    @staticmethod
+    def calculate_predicted_logits(stats: torch.Tensor, logits_max: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rescale the shard's sum of exponentials from its own max to the global one.
+
+        ``sum_j e^{x_j - M} = e^{m_r - M} · sum_j e^{x_j - m_r}``, written into ``stats[1]``.
+
+        Args:
+            stats: from :meth:`calculate_logits_max`; row 1 is updated in place.
+            logits_max: [rows], the global max M (after the MAX all-reduce).
+
+        Returns:
+            ``(predicted_logits, sum_exp_logits, sum_logits)``: views of stats rows 2, 1, 3,
+            [rows] each, still per shard: to be all-reduced with SUM.
+        """
+        local_max = stats[0]
+        # A shard whose logits are all -inf (or an ignored row) adds nothing: scale 0, not NaN.
+        scale = torch.where(local_max == float("-inf"), 0.0, torch.exp(local_max - logits_max))
+        stats[1].mul_(scale)
+        return stats[2], stats[1], stats[3]
+
+    @staticmethod
+    def calculate_cross_entropy_loss(predicted_logits: torch.Tensor, sum_exp_logits: torch.Tensor,
+                                     sum_logits: torch.Tensor, logits_max: torch.Tensor, target: torch.Tensor,
+                                     vocab_size: int, ignore_index: int = -100, label_smoothing: float = 0.0
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and log-sum-exp from the global statistics (after the SUM all-reduces).
+
+        ``lse = M + log(sum_exp)``; ``loss = lse - (1 - s)·x_t - (s / V)·sum_j x_j`` with
+        ``s = label_smoothing·V/(V-1)`` (Megatron's smoothing: epsilon spread over the V - 1
+        wrong ids; s = 0 without smoothing), V the GLOBAL vocabulary size.
+
+        Args:
+            predicted_logits, sum_exp_logits, sum_logits, logits_max: [rows], global.
+            target: [rows]; rows equal to ``ignore_index`` get loss 0 and lse 0.
+            vocab_size: global V.
+            ignore_index, label_smoothing: as the entry points.
+
+        Returns:
+            ``(loss, lse)``, [rows] each, float32 (float64 for float64 logits).
+        """
+        active = target != ignore_index
+        lse = torch.where(active, torch.log(sum_exp_logits) + logits_max, 0.0)
+        if label_smoothing > 0:
+            s = label_smoothing * vocab_size / (vocab_size - 1)
+            loss = lse - (1.0 - s) * predicted_logits - (s / vocab_size) * sum_logits
+        else:
+            loss = lse - predicted_logits
+        return torch.where(active, loss, 0.0), lse
+
+    @staticmethod
+    def calculate_gradients(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                            grad_output: torch.Tensor, vocab_start_index: int, vocab_size: int,
+                            ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+        """The shard's gradient, ``(softmax - (1 - s)·onehot - s/V) · grad_output`` (Triton).
+
+        No communication: every rank has the global lse from the forward pass.
+
+        Args:
+            vocab_parallel_logits: [rows, V/p], the forward logits.
+            target: [rows] global ids.
+            lse: [rows] global log-sum-exp (0 for ignored rows).
+            grad_output: [rows] gradient of the per-token loss (any stride).
+            vocab_start_index, vocab_size, ignore_index, label_smoothing: as above.
+
+        Returns:
+            A new contiguous [rows, V/p] tensor of the logits' dtype.
+        """
+        return cross_entropy_bwd(vocab_parallel_logits, target, lse, grad_output, vocab_start_index, ignore_index,
+                                 label_smoothing, vocab_size)
+
+
+def shard_range(x2d: torch.Tensor, tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(vocab_start_index, vocab_size)`` of this rank's shard of ``x2d`` [rows, V/p] in ``tp_group``."""
+    rank, size = tp_rank_and_size(tp_group)
+    partition_vocab_size = x2d.shape[1]
+    start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(partition_vocab_size, rank, size)
+    return start, partition_vocab_size * size
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Autograd wiring of the unfused vocab-parallel cross entropy (3 or 4 all-reduces).
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py``.
+    """
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None, ignore_index=-100):
+        x2d, t1d = prepare_inputs(vocab_parallel_logits, target, label_smoothing, ignore_index)
+        vocab_start_index, vocab_size = shard_range(x2d, tp_group)
+        check_target_values(t1d, vocab_size, ignore_index, label_smoothing)
+        vpce = VocabParallelCrossEntropy
+
+        stats, logits_max = vpce.calculate_logits_max(x2d, t1d, vocab_start_index, ignore_index, label_smoothing)
+        all_reduce(logits_max, "MAX", tp_group)  # collective 1: the global max M
+        predicted_logits, sum_exp_logits, sum_logits = vpce.calculate_predicted_logits(stats, logits_max)
+        all_reduce(predicted_logits, "SUM", tp_group)  # collective 2: x_t from the rank that holds t
+        all_reduce(sum_exp_logits, "SUM", tp_group)  # collective 3: sum of e^{x - M} over V
+        if label_smoothing > 0:
+            all_reduce(sum_logits, "SUM", tp_group)  # collective 4: the sum of logits over V
+        loss, lse = vpce.calculate_cross_entropy_loss(predicted_logits, sum_exp_logits, sum_logits, logits_max,
+                                                      t1d, vocab_size, ignore_index, label_smoothing)
+
+        ctx.save_for_backward(x2d, t1d, lse)
+        ctx.args = (vocab_start_index, vocab_size, ignore_index, label_smoothing, vocab_parallel_logits.shape)
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x2d, t1d, lse = ctx.saved_tensors
+        vocab_start_index, vocab_size, ignore_index, label_smoothing, shape = ctx.args
+        grad = VocabParallelCrossEntropy.calculate_gradients(
+            x2d, t1d, lse, grad_output.reshape(-1), vocab_start_index, vocab_size, ignore_index, label_smoothing)
+        return grad.view(shape), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Cross entropy of logits split along the vocabulary over ``tp_group`` (unfused collectives).
+
+    Args:
+        vocab_parallel_logits: this rank's shard, [s, b, V/p] (any [..., V/p]), float32 / float16 /
+            bfloat16 / float64, CUDA or CPU, any strides. Never modified.
+        target: [s, b] int64/int32 ids in the GLOBAL vocabulary [0, V), V = p·V/p; the same on
+            every rank.
+        label_smoothing: Megatron's epsilon in [0, 1): probability epsilon spread over the V - 1
+            wrong ids, i.e. ``F.cross_entropy(label_smoothing=epsilon·V/(V-1))``.
+        tp_group: the tensor-parallel group; None: the default group if torch.distributed is
+            initialized, else a single rank (no communication).
+        ignore_index: targets equal to it give zero loss and zero gradient (PyTorch's -100).
+
+    Returns:
+        The per-token loss, [s, b], float32 (float64 for float64 logits); its gradient w.r.t.
+        the logits has the logits' dtype.
+
+    Raises:
+        TypeError, ValueError: see :func:`prepare_inputs`; ValueError for target ids outside
+            [0, V) (see :func:`check_target_values`).
+
+    Collectives: all-reduce MAX [rows], SUM [rows], SUM [rows] (and SUM [rows] for the mean
+    with label smoothing), each a separate call. Backward: none.
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py``
+    (``vocab_parallel_cross_entropy``); the fixes are listed in this module's docstring.
+    """
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, tp_group, ignore_index)

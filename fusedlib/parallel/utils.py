@@ -1,0 +1,149 @@
+"""Tensor-parallel helpers: vocabulary shard ranges, the group in use, counted all-reduces.
+
+``VocabUtility`` is Megatron-core's (``megatron/core/tensor_parallel/utils.py``): rank r of
+p holds the vocabulary ids ``[r·V/p, (r+1)·V/p)``.
+
+Every collective fusedlib issues goes through :func:`all_reduce`, which records it in the
+logs opened by :func:`count_collectives`; that is how the tests and chapter 6 show the
+unfused cross entropy's three all-reduces against the fused one's two. A group of one
+rank needs no communication: :func:`all_reduce` returns at once and records nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "VocabUtility",
+    "CollectiveCall",
+    "CollectiveLog",
+    "count_collectives",
+    "all_reduce",
+    "tp_rank_and_size",
+]
+
+
+class VocabUtility:
+    """Split the vocabulary into ``world_size`` equal shards: rank r holds ids [first, last).
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/utils.py`` (``VocabUtility``).
+    """
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
+                                                  world_size: int) -> tuple[int, int]:
+        """``(rank·n, (rank+1)·n)`` for shards of ``n = per_partition_vocab_size`` ids.
+
+        Raises:
+            ValueError: for a shard size < 1 or a rank outside [0, world_size).
+        """
+        if per_partition_vocab_size < 1:
+            raise ValueError(f"per_partition_vocab_size must be >= 1, got {per_partition_vocab_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int,
+                                           world_size: int) -> tuple[int, int]:
+        """The shard of ``rank`` when ``global_vocab_size`` ids are split over ``world_size`` ranks.
+
+        Raises:
+            ValueError: if ``global_vocab_size`` is not divisible by ``world_size`` (Megatron
+                pads the vocabulary to a multiple of the tensor-parallel size).
+        """
+        if world_size < 1 or global_vocab_size % world_size:
+            raise ValueError(f"global_vocab_size={global_vocab_size} must be divisible by world_size={world_size}")
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(
+            global_vocab_size // world_size, rank, world_size)
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective issued by fusedlib: its name ("all_reduce"), reduce op ("MAX",
+    "SUM"), the tensor's shape and dtype, and its payload in bytes."""
+
+    name: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    def __str__(self) -> str:
+        return f"{self.name}({self.op}) {list(self.shape)} {self.dtype}"
+
+
+class CollectiveLog(list):
+    """The :class:`CollectiveCall` records of one :func:`count_collectives` block, in order."""
+
+    def summary(self) -> str:
+        """e.g. ``"2 collectives: all_reduce(MAX) [8] float32, all_reduce(SUM) [2, 8] float32"``."""
+        return f"{len(self)} collectives: " + ", ".join(str(c) for c in self)
+
+
+_OPEN_LOGS: list[CollectiveLog] = []
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CollectiveLog]:
+    """Record every collective fusedlib issues inside the ``with`` block (this process only).
+
+    Yields:
+        A :class:`CollectiveLog` (a list of :class:`CollectiveCall`) filled as calls happen.
+    """
+    log = CollectiveLog()
+    _OPEN_LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _OPEN_LOGS.remove(log)
+
+
+_OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX}
+
+
+def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in ``tp_group`` and the group's size.
+
+    ``tp_group=None`` means the default (world) group when ``torch.distributed`` is
+    initialized, and a single rank (0 of 1, no communication) when it is not.
+    Megatron-core instead takes its tensor-parallel group from ``parallel_state``.
+    """
+    if tp_group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def all_reduce(tensor: torch.Tensor, op: str, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``torch.distributed.all_reduce(tensor, op, tp_group)`` in place, recorded for
+    :func:`count_collectives`; a no-op (not recorded) for a group of one rank.
+
+    Args:
+        tensor: a contiguous tensor, reduced in place.
+        op: "SUM" or "MAX".
+        tp_group: the group (None: see :func:`tp_rank_and_size`).
+
+    Returns:
+        ``tensor``.
+
+    Raises:
+        ValueError: for another op or a non-contiguous tensor.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+    if not tensor.is_contiguous():
+        raise ValueError("all_reduce needs a contiguous tensor")
+    _, size = tp_rank_and_size(tp_group)
+    if size == 1:
+        return tensor
+    call = CollectiveCall("all_reduce", op, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                          tensor.numel() * tensor.element_size())
+    for log in _OPEN_LOGS:
+        log.append(call)
+    dist.all_reduce(tensor, op=_OPS[op], group=tp_group)
+    return tensor
