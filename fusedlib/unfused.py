@@ -144,7 +144,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: f
     """
     v = logits.shape[-1]
     loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, v), target.reshape(-1), reduction="none", ignore_index=ignore_index,
+        logits.reshape(-1, v), target.reshape(-1).long(), reduction="none", ignore_index=ignore_index,
         label_smoothing=megatron_smoothing_to_torch(label_smoothing, v))
     return loss.view(target.shape)
 
@@ -163,6 +163,6 @@ def cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor, grad_output: 
     v = logits.shape[-1]
     s = megatron_smoothing_to_torch(label_smoothing, v)
     active = target != ignore_index
-    onehot = torch.nn.functional.one_hot(torch.where(active, target, 0), v).to(logits.dtype)
+    onehot = torch.nn.functional.one_hot(torch.where(active, target, 0).long(), v).to(logits.dtype)
     g = torch.where(active, grad_output, 0).to(logits.dtype).unsqueeze(-1)
     return (torch.softmax(logits, dim=-1) - (1 - s) * onehot - s / v) * g

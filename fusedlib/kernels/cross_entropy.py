@@ -67,6 +67,7 @@ def _cross_entropy_fwd_kernel(
     STATS_ptr,  # ACC [4, n_rows] out, contiguous: the STAT_ROWS statistics of this shard
     LOSS_ptr,  # ACC [n_rows] out, only with FINALIZE: the loss (0 for ignored rows)
     LSE_ptr,  # ACC [n_rows] out, only with FINALIZE: log-sum-exp (0 for ignored rows)
+    COEF_ptr,  # ACC [2], only with SMOOTHING and FINALIZE: 1 - s and s / V (V: GLOBAL vocabulary size)
     n_rows,
     n_cols,
     X_row_stride,
@@ -74,63 +75,65 @@ def _cross_entropy_fwd_kernel(
     target_stride,
     vocab_start_index,  # global id of this shard's first column
     ignore_index,  # target id whose rows get zero loss and zero gradient
-    COEF_ptr,  # ACC [2] (SMOOTHING and FINALIZE only): 1 - s and s / V, V the GLOBAL vocabulary size
+    BLOCK_M: tl.constexpr,  # rows per program (1 for long rows)
     BLOCK_N: tl.constexpr,  # columns per loop step
     ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 logits
     SMOOTHING: tl.constexpr,  # label smoothing: also sum the logits
     FINALIZE: tl.constexpr,  # one device (the shard is the whole vocabulary): write loss and lse
 ):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * X_row_stride may pass 2^31
-    x_row_ptr = X_ptr + row * X_row_stride
-    target = tl.load(TARGET_ptr + row * target_stride).to(tl.int64)
-    active = target != ignore_index
-    n_read = tl.where(active, n_cols, 0)  # ignored rows read no logits at all (masked loads)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: rows * stride may pass 2^31
+    row_mask = rows < n_rows
+    x_rows_ptr = X_ptr + rows * X_row_stride  # [BLOCK_M] pointers to the rows
+    target = tl.load(TARGET_ptr + rows * target_stride, mask=row_mask, other=ignore_index).to(tl.int64)
+    active = target != ignore_index  # (rows past n_rows count as ignored)
     cols = tl.arange(0, BLOCK_N)
 
-    # Online softmax: m is the running max (a scalar), s_vec[i] the running sum of
-    # e^{x - m} over the columns lane i has seen. When a block raises the max from m to
-    # m_new, every partial sum is rescaled by alpha = e^{m - m_new} (one FMA per element).
-    m = tl.max(tl.full((BLOCK_N,), float("-inf"), ACC), axis=0)  # a scalar -inf of dtype ACC
-    s_vec = tl.zeros((BLOCK_N,), ACC)
-    sum_vec = tl.zeros((BLOCK_N,), ACC)
+    # Online softmax, per row: m is the running max, s_vec[:, i] the running sum of e^{x - m}
+    # over the columns lane i has seen. When a block raises the max from m to m_new, the
+    # partial sums are rescaled by alpha = e^{m - m_new} (one FMA per element).
+    m = tl.full((BLOCK_M,), float("-inf"), ACC)
+    s_vec = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+    sum_vec = tl.zeros((BLOCK_M, BLOCK_N), ACC)
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
-        mask = c < n_read
-        x = tl.load(x_row_ptr + c.to(tl.int64) * X_col_stride, mask=mask, other=float("-inf")).to(ACC)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
+        mask = (c < n_cols)[None, :] & active[:, None]  # ignored rows read no logits at all
+        x = tl.load(x_rows_ptr[:, None] + c.to(tl.int64)[None, :] * X_col_stride, mask=mask,
+                    other=float("-inf")).to(ACC)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
         # Until a finite logit has been seen m_new is -inf: subtract 0 instead, so that
         # e^{-inf - 0} = 0 and no -inf - (-inf) = NaN is formed.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_ref)
-        s_vec = s_vec * alpha + tl.exp(x - m_ref)
+        s_vec = s_vec * alpha[:, None] + tl.exp(x - m_ref[:, None])
         m = m_new
         if SMOOTHING:
             sum_vec += tl.where(mask, x, 0.0)
-    s = tl.sum(s_vec, axis=0)
+    s = tl.sum(s_vec, axis=1)
+    sum_x = tl.sum(sum_vec, axis=1)
 
-    # The target's logit: one element, loaded only by the shard that holds it.
+    # The target's logit: one element per row, loaded only by the shard that holds it.
     local_t = target - vocab_start_index
     in_shard = active & (local_t >= 0) & (local_t < n_cols)
-    x_t = tl.load(x_row_ptr + local_t * X_col_stride, mask=in_shard, other=0.0).to(ACC)
-    sum_x = tl.sum(sum_vec, axis=0)
+    x_t = tl.load(x_rows_ptr + local_t * X_col_stride, mask=in_shard, other=0.0).to(ACC)
 
     if FINALIZE:
-        # The whole vocabulary is here: lse = m + log(s), loss = lse - (1-s)·x_t - (s/V)·sum x.
-        lse = m + tl.log(tl.where(active, s, 1.0))
-        lse = tl.where(active, lse, 0.0)
+        # The whole vocabulary is here: lse = m + log(s), loss = lse - (1-s)·x_t - (s/V)·sum x,
+        # written as log(s) + (m - x_t) + ... so that large logits do not cancel in float32.
+        log_s = tl.log(tl.where(active, s, 1.0))
+        lse = tl.where(active, m + log_s, 0.0)
         if SMOOTHING:
             target_coef = tl.load(COEF_ptr)
             uniform_coef = tl.load(COEF_ptr + 1)
-            loss = lse - target_coef * x_t - uniform_coef * sum_x
+            loss = log_s + target_coef * (m - x_t) + (1.0 - target_coef) * m - uniform_coef * sum_x
         else:
-            loss = lse - x_t
-        tl.store(LOSS_ptr + row, tl.where(active, loss, 0.0))
-        tl.store(LSE_ptr + row, lse)
+            loss = log_s + (m - x_t)
+        tl.store(LOSS_ptr + rows, tl.where(active, loss, 0.0), mask=row_mask)
+        tl.store(LSE_ptr + rows, lse, mask=row_mask)
     else:
-        tl.store(STATS_ptr + row, m)
-        tl.store(STATS_ptr + n_rows + row, s)
-        tl.store(STATS_ptr + 2 * n_rows + row, x_t)
-        tl.store(STATS_ptr + 3 * n_rows + row, sum_x)
+        tl.store(STATS_ptr + rows, m, mask=row_mask)
+        tl.store(STATS_ptr + n_rows + rows, s, mask=row_mask)
+        tl.store(STATS_ptr + 2 * n_rows + rows, x_t, mask=row_mask)
+        tl.store(STATS_ptr + 3 * n_rows + rows, sum_x, mask=row_mask)
 
 
 @triton.jit
@@ -140,6 +143,7 @@ def _cross_entropy_bwd_kernel(
     LSE_ptr,  # ACC [n_rows]: global log-sum-exp per row (finite; 0 for ignored rows)
     G_ptr,  # grad of the loss, [n_rows], stride g_stride (0 for a broadcast scalar)
     DX_ptr,  # out: grad of the logits, [n_rows, n_cols], contiguous, the logits' dtype
+    COEF_ptr,  # ACC [2], only with SMOOTHING: 1 - s (the one-hot weight) and s / V (V: GLOBAL vocabulary size)
     n_rows,
     n_cols,
     X_row_stride,
@@ -148,57 +152,70 @@ def _cross_entropy_bwd_kernel(
     g_stride,
     vocab_start_index,  # global id of this shard's first column
     ignore_index,
-    COEF_ptr,  # ACC [2] (SMOOTHING only): 1 - s, the one-hot weight, and s / V (V: GLOBAL vocabulary size)
-    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # columns per program
     ACC: tl.constexpr,
     SMOOTHING: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    target = tl.load(TARGET_ptr + row * target_stride).to(tl.int64)
+    row_mask = rows < n_rows
+    target = tl.load(TARGET_ptr + rows * target_stride, mask=row_mask, other=ignore_index).to(tl.int64)
     active = target != ignore_index
-    lse = tl.load(LSE_ptr + row)
-    g = tl.load(G_ptr + row * g_stride).to(ACC)
-    g = tl.where(active, g, 0.0)  # ignored rows: zero gradient, and their logits are not read
-    n_read = tl.where(active, n_cols, 0)  # ignored rows: no logits read
-    x = tl.load(X_ptr + row * X_row_stride + cols.to(tl.int64) * X_col_stride,
-                mask=cols < n_read, other=0.0).to(ACC)
-    p = tl.exp(x - lse)  # softmax, recomputed from the saved lse
-    local_t = target - vocab_start_index
+    lse = tl.load(LSE_ptr + rows, mask=row_mask, other=0.0)
+    g = tl.load(G_ptr + rows * g_stride, mask=active, other=0.0).to(ACC)  # ignored rows: g = 0
+    x_ptrs = X_ptr + rows[:, None] * X_row_stride + cols.to(tl.int64)[None, :] * X_col_stride
+    x = tl.load(x_ptrs, mask=(cols < n_cols)[None, :] & active[:, None], other=0.0).to(ACC)  # ignored rows: no read
+    p = tl.exp(x - lse[:, None])  # softmax, recomputed from the saved lse
+    is_target = cols[None, :] == (target - vocab_start_index)[:, None]
     if SMOOTHING:
         target_coef = tl.load(COEF_ptr)
         uniform_coef = tl.load(COEF_ptr + 1)
-        dx = (p - tl.where(cols == local_t, target_coef, 0.0) - uniform_coef) * g
+        dx = (p - tl.where(is_target, target_coef, 0.0) - uniform_coef) * g[:, None]
     else:
-        dx = (p - tl.where(cols == local_t, 1.0, 0.0)) * g
-    tl.store(DX_ptr + row * n_cols + cols, dx.to(DX_ptr.dtype.element_ty), mask=col_mask)
+        dx = (p - tl.where(is_target, 1.0, 0.0)) * g[:, None]
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
 
 
 # Launch settings, as (upper bound of n_cols, BLOCK_N, num_warps); a BLOCK_N of 0 means
-# "the next power of two >= n_cols" (the whole row in one step).
+# "the next power of two >= n_cols" (the whole row in one step). Short rows are packed
+# BLOCK_M = TILE_ELEMENTS // BLOCK_N to a program (many rows per program: fewer, larger
+# programs, which also suits Triton's CPU interpreter); long rows get one row per program.
+TILE_ELEMENTS = 4096
 #
 # Forward: one program per row loops over its row. A step of 4096 elements at 8 warps is
 # 16 elements per thread: two 16-byte loads in flight per thread for bf16, and with ~8
 # programs resident per SM, ~64 KB in flight per SM, enough to cover HBM latency.
 _FWD_TILES: tuple[tuple[int, int, int], ...] = (
-    (1024, 0, 4),  # short rows: one step, 4 warps
-    (4096, 0, 8),  # one step of up to 4 Ki elements
+    (1024, 0, 4),  # short rows: one step, several rows per program, 4 warps
+    (4096, 0, 8),  # one step of up to 4 Ki elements, one row
     (1 << 62, 4096, 8),  # long rows (a 128 Ki vocabulary: 32 steps of 4 Ki)
 )
-# Backward: purely elementwise, a 2-D grid of (row, column block) programs; 4 Ki columns
-# at 8 warps = 16 elements per thread (two 16-byte loads and stores for bf16).
+# Backward: purely elementwise, a 2-D grid of (row block, column block) programs; 4 Ki
+# columns at 8 warps = 16 elements per thread (two 16-byte loads and stores for bf16).
 _BWD_TILES: tuple[tuple[int, int, int], ...] = (
     (1024, 0, 4),
     (1 << 62, 4096, 8),
 )
 
 
-def _pick(table: tuple[tuple[int, int, int], ...], n_cols: int) -> tuple[int, int]:
+def _pick(table: tuple[tuple[int, int, int], ...], n_cols: int) -> tuple[int, int, int]:
     for bound, block, warps in table:
         if n_cols <= bound:
-            return (block or triton.next_power_of_2(max(n_cols, 1))), warps
+            block = block or triton.next_power_of_2(max(n_cols, 1))
+            return max(1, TILE_ELEMENTS // block), block, warps
     raise AssertionError("unreachable: the last bound is 2^62")
+
+
+def fwd_settings(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the forward kernel for rows of ``n_cols`` (``_FWD_TILES``)."""
+    return _pick(_FWD_TILES, n_cols)
+
+
+def bwd_settings(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the backward kernel for rows of ``n_cols`` (``_BWD_TILES``)."""
+    return _pick(_BWD_TILES, n_cols)
 
 
 def smoothing_coefs(label_smoothing: float, vocab_size: int, dtype: torch.dtype,
@@ -219,16 +236,6 @@ def smoothing_coefs(label_smoothing: float, vocab_size: int, dtype: torch.dtype,
     coefs = torch.full((2,), 1.0 - s, dtype=dtype, device=device)
     coefs[1:].fill_(s / vocab_size)
     return coefs
-
-
-def fwd_settings(n_cols: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of the forward kernel for rows of ``n_cols`` (from ``_FWD_TILES``)."""
-    return _pick(_FWD_TILES, n_cols)
-
-
-def bwd_settings(n_cols: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of the backward kernel for rows of ``n_cols`` (from ``_BWD_TILES``)."""
-    return _pick(_BWD_TILES, n_cols)
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -267,8 +274,10 @@ def cross_entropy_fwd(
     """
     n_rows, n_cols = x2d.shape
     sdt = stats_dtype(x2d.dtype)
-    block, warps = fwd_settings(n_cols)
-    block, warps = block_n or block, num_warps or warps
+    block_m, block, warps = fwd_settings(n_cols)
+    if block_n:  # a tuning override: one row per program unless the whole row fits
+        block_m, block = max(1, TILE_ELEMENTS // block_n) if block_n >= n_cols else 1, block_n
+    warps = num_warps or warps
     if finalize:
         loss = torch.empty(n_rows, dtype=sdt, device=x2d.device)
         lse = torch.empty(n_rows, dtype=sdt, device=x2d.device)
@@ -278,11 +287,11 @@ def cross_entropy_fwd(
         loss = lse = stats  # unused pointers
     if n_rows > 0:
         launch(
-            _cross_entropy_fwd_kernel, (n_rows,), x2d.device,
-            x2d, target1d, stats, loss, lse, n_rows, n_cols, x2d.stride(0), x2d.stride(1),
-            target1d.stride(0), vocab_start_index, ignore_index,
+            _cross_entropy_fwd_kernel, (triton.cdiv(n_rows, block_m),), x2d.device,
+            x2d, target1d, stats, loss, lse,
             smoothing_coefs(label_smoothing, vocab_size or n_cols, sdt, x2d.device) if label_smoothing > 0 else lse,
-            BLOCK_N=block, ACC=acc_dtype(x2d.dtype), SMOOTHING=label_smoothing > 0,
+            n_rows, n_cols, x2d.stride(0), x2d.stride(1), target1d.stride(0), vocab_start_index, ignore_index,
+            BLOCK_M=block_m, BLOCK_N=block, ACC=acc_dtype(x2d.dtype), SMOOTHING=label_smoothing > 0,
             FINALIZE=bool(finalize), num_warps=warps,
         )
     return (loss, lse) if finalize else stats
@@ -321,13 +330,15 @@ def cross_entropy_bwd(
     dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
     if dx.numel() == 0:
         return dx
-    block, warps = bwd_settings(n_cols)
-    block, warps = block_n or block, num_warps or warps
+    block_m, block, warps = bwd_settings(n_cols)
+    if block_n:  # a tuning override
+        block_m, block = max(1, TILE_ELEMENTS // block_n) if block_n >= n_cols else 1, block_n
+    warps = num_warps or warps
     launch(
-        _cross_entropy_bwd_kernel, (n_rows, triton.cdiv(n_cols, block)), x2d.device,
-        x2d, target1d, lse, grad1d, dx, n_rows, n_cols, x2d.stride(0), x2d.stride(1),
-        target1d.stride(0), grad1d.stride(0), vocab_start_index, ignore_index,
+        _cross_entropy_bwd_kernel, (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block)), x2d.device,
+        x2d, target1d, lse, grad1d, dx,
         smoothing_coefs(label_smoothing, vocab_size or n_cols, lse.dtype, x2d.device) if label_smoothing > 0 else lse,
-        BLOCK_N=block, ACC=acc_dtype(x2d.dtype), SMOOTHING=label_smoothing > 0, num_warps=warps,
+        n_rows, n_cols, x2d.stride(0), x2d.stride(1), target1d.stride(0), grad1d.stride(0), vocab_start_index,
+        ignore_index, BLOCK_M=block_m, BLOCK_N=block, ACC=acc_dtype(x2d.dtype), SMOOTHING=label_smoothing > 0, num_warps=warps,
     )
     return dx

@@ -181,12 +181,15 @@ class VocabParallelCrossEntropy:
             ``(loss, lse)``, [rows] each, float32 (float64 for float64 logits).
         """
         active = target != ignore_index
-        lse = torch.where(active, torch.log(sum_exp_logits) + logits_max, 0.0)
+        log_sum_exp = torch.log(sum_exp_logits)
+        lse = torch.where(active, log_sum_exp + logits_max, 0.0)
+        # log(sum) + (M - x_t) rather than lse - x_t: large logits do not cancel in float32.
         if label_smoothing > 0:
             s = label_smoothing * vocab_size / (vocab_size - 1)
-            loss = lse - (1.0 - s) * predicted_logits - (s / vocab_size) * sum_logits
+            loss = log_sum_exp + (1.0 - s) * (logits_max - predicted_logits) + s * logits_max \
+                - (s / vocab_size) * sum_logits
         else:
-            loss = lse - predicted_logits
+            loss = log_sum_exp + (logits_max - predicted_logits)
         return torch.where(active, loss, 0.0), lse
 
     @staticmethod
