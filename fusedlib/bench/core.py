@@ -33,6 +33,7 @@ __all__ = [
     "write_records",
     "load_records",
     "environment",
+    "peak_extra_bytes",
 ]
 
 logger = logging.getLogger("fusedlib.bench")
@@ -71,6 +72,9 @@ class BenchCase:
         bytes: fewest bytes per pass, e.g. ``{"fwd": ..., "fwd+bwd": ...}``.
         impls: implementations; those whose import failed are simply absent.
         skipped: impl name -> reason, for the log and the chapter.
+        peak_memory: also record ``peak_bytes`` (CUDA only): the most memory one call of the
+            pass allocates beyond what was allocated before it (outputs and gradients
+            included, inputs not), from ``torch.cuda.max_memory_allocated``.
     """
 
     op: str
@@ -80,6 +84,7 @@ class BenchCase:
     bytes: dict[str, int]
     impls: list[Impl]
     skipped: dict[str, str] = field(default_factory=dict)
+    peak_memory: bool = False
 
 
 def environment() -> dict[str, str]:
@@ -167,22 +172,36 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
                 continue
             label = f"{case.op} {pas} {impl.name}"
             try:
-                ms = _time_pass(case, impl, pas, device)
+                ms, peak = _time_pass(case, impl, pas, device, peak=case.peak_memory and device.type == "cuda")
             except Exception as exc:  # a baseline that fails must not stop the run
                 logger.warning("%s failed: %s: %s", label, type(exc).__name__, exc)
                 case.skipped[impl.name] = f"{type(exc).__name__}: {exc}"
             else:
                 records.append(_record(case.op, pas, impl.name, case.shape, case.dtype, ms, case.bytes[pas]))
+                if peak is not None:
+                    records[-1]["peak_bytes"] = int(peak)
             if progress:
                 progress(label)
     return records
 
 
-def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device) -> float:
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Bytes one call of ``fn`` allocates at its peak beyond what was allocated before it (CUDA)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device,
+               peak: bool = False) -> tuple[float, int | None]:
     if pas == "fwd":
         inputs = case.make_inputs(device, False)
         with torch.no_grad():
-            return time_ms(lambda: impl.fn(*inputs))
+            ms = time_ms(lambda: impl.fn(*inputs))
+            return ms, (peak_extra_bytes(lambda: impl.fn(*inputs), device) if peak else None)
     inputs = case.make_inputs(device, True)
     out = impl.fn(*inputs)
     out = out[0] if isinstance(out, tuple) else out
@@ -195,7 +214,12 @@ def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device) -> f
         o = o[0] if isinstance(o, tuple) else o
         o.backward(grad)
 
-    return time_ms(step, grad_to_none=leaves)
+    ms = time_ms(step, grad_to_none=leaves)
+    if not peak:
+        return ms, None
+    for t in leaves:
+        t.grad = None
+    return ms, peak_extra_bytes(step, device)
 
 
 def write_records(records: list[dict], path: str | os.PathLike) -> Path:

@@ -13,6 +13,7 @@ from ..core import BenchCase
 #: op name -> module under fusedlib.bench.ops
 OP_MODULES: dict[str, str] = {
     "bias_gelu": "bias_gelu",
+    "cross_entropy": "cross_entropy",
 }
 
 
