@@ -22,9 +22,9 @@ import torch.distributed as dist
 from ..kernels.cross_entropy import cross_entropy_fwd
 from ..parallel.cross_entropy import (
     VocabParallelCrossEntropy,
-    check_target_values,
     prepare_inputs,
     shard_range,
+    start_target_check,
 )
 from ..parallel.utils import all_reduce, tp_rank_and_size
 
@@ -81,13 +81,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, vocab_parallel_logits, target, tp_group=None, label_smoothing=0.0, ignore_index=-100):
         x2d, t1d = prepare_inputs(vocab_parallel_logits, target, label_smoothing, ignore_index)
         vocab_start_index, vocab_size = shard_range(x2d, tp_group)
-        check_target_values(t1d, vocab_size, ignore_index, label_smoothing)
+        finish_target_check = start_target_check(t1d, vocab_size, ignore_index, label_smoothing)
 
         if tp_rank_and_size(tp_group)[1] == 1:
             # The whole vocabulary is here: one kernel writes loss and lse, no collectives.
             loss, lse = cross_entropy_fwd(x2d, t1d, 0, ignore_index, label_smoothing, vocab_size, finalize=True)
+            finish_target_check()  # raises for ids outside [0, V) (waits while the kernel runs)
         else:
             stats, logits_max = calculate_logits_max(x2d, t1d, vocab_start_index, ignore_index, label_smoothing)
+            finish_target_check()  # before any collective: every rank raises together
             all_reduce(logits_max, "MAX", tp_group)  # collective 1: the global max
             block = calculate_predicted_logits(stats, logits_max, label_smoothing)
             all_reduce(block, "SUM", tp_group)  # collective 2: sum-exp, x_t (and sum of logits) at once

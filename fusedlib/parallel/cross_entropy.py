@@ -34,6 +34,8 @@ Fixed with respect to Megatron-core (each has a test in ``tests/test_cross_entro
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -46,6 +48,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "prepare_inputs",
     "check_target_values",
+    "start_target_check",
 ]
 
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -88,25 +91,55 @@ def prepare_inputs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, la
     return as_rows(vocab_parallel_logits), target.reshape(-1)
 
 
-def check_target_values(t1d: torch.Tensor, vocab_size: int, ignore_index: int, label_smoothing: float = 0.0) -> None:
-    """Raise a clear error for target ids outside [0, vocab_size) other than ``ignore_index``.
+def start_target_check(t1d: torch.Tensor, vocab_size: int, ignore_index: int,
+                       label_smoothing: float = 0.0) -> Callable[[], None]:
+    """Start checking that every target id is in [0, vocab_size) or ``ignore_index``.
 
-    This reads one boolean back from the device (a synchronization): the price of a clear
-    error instead of a silently wrong loss (Megatron-core does not check). Every rank holds
-    the same target, so every rank raises together and no collective is left waiting.
+    Returns a function that finishes the check and raises if it failed. On CUDA the check's
+    one boolean travels to pinned host memory behind an event, so the caller can launch the
+    forward kernel before waiting: the wait then overlaps the kernel instead of leaving the
+    GPU idle while the host catches up (a plain ``bool(bad.any())`` would). On the CPU the
+    returned function checks at once.
+
+    The price of a clear error instead of a silently wrong loss (Megatron-core does not
+    check) is this one small read-back per call. Every rank holds the same target, so every
+    rank raises together and no collective is left waiting.
 
     Raises:
-        ValueError: naming how many ids are out of range and one of them; or label smoothing
-            with a vocabulary of one id (s = eps·V/(V-1) is undefined).
+        ValueError: at once, for label smoothing with a vocabulary of one id (s = eps·V/(V-1)
+            is undefined); from the returned function, naming how many ids are out of range
+            and one of them.
     """
     if label_smoothing > 0 and vocab_size < 2:
         raise ValueError(f"label_smoothing needs a vocabulary of at least 2 ids, got vocab_size={vocab_size}")
     bad = ((t1d < 0) | (t1d >= vocab_size)) & (t1d != ignore_index)
-    if bool(bad.any()):
-        n_bad = int(bad.sum())
-        example = int(t1d[bad][0])
+    any_bad = bad.any()
+
+    def fail() -> None:
         raise ValueError(f"target must hold vocabulary ids in [0, {vocab_size}) or ignore_index={ignore_index}; "
-                         f"{n_bad} of {t1d.numel()} are outside, e.g. {example}")
+                         f"{int(bad.sum())} of {t1d.numel()} are outside, e.g. {int(t1d[bad][0])}")
+
+    if t1d.device.type == "cuda":
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(any_bad, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def finish() -> None:
+            done.synchronize()
+            if host.item():
+                fail()
+    else:
+        def finish() -> None:
+            if bool(any_bad):
+                fail()
+    return finish
+
+
+def check_target_values(t1d: torch.Tensor, vocab_size: int, ignore_index: int, label_smoothing: float = 0.0) -> None:
+    """Raise a ValueError for target ids outside [0, vocab_size) other than ``ignore_index``
+    (at once: :func:`start_target_check` and wait)."""
+    start_target_check(t1d, vocab_size, ignore_index, label_smoothing)()
 
 
 class VocabParallelCrossEntropy:
@@ -232,10 +265,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None, ignore_index=-100):
         x2d, t1d = prepare_inputs(vocab_parallel_logits, target, label_smoothing, ignore_index)
         vocab_start_index, vocab_size = shard_range(x2d, tp_group)
-        check_target_values(t1d, vocab_size, ignore_index, label_smoothing)
+        finish_target_check = start_target_check(t1d, vocab_size, ignore_index, label_smoothing)
         vpce = VocabParallelCrossEntropy
 
         stats, logits_max = vpce.calculate_logits_max(x2d, t1d, vocab_start_index, ignore_index, label_smoothing)
+        finish_target_check()  # raises for ids outside [0, V), before any collective
         all_reduce(logits_max, "MAX", tp_group)  # collective 1: the global max M
         predicted_logits, sum_exp_logits, sum_logits = vpce.calculate_predicted_logits(stats, logits_max)
         all_reduce(predicted_logits, "SUM", tp_group)  # collective 2: x_t from the rank that holds t
