@@ -25,7 +25,7 @@ from fusedlib.parallel import VocabParallelCrossEntropy, VocabUtility, count_col
 from fusedlib.parallel.demo import run_tp
 from fusedlib.parallel.utils import all_reduce
 
-from conftest import DEVICE, FLOAT_DTYPES, TOL, assert_close  # noqa: I001
+from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
 
 PATHS = ("unfused", "fused")
 ALL_DTYPES = FLOAT_DTYPES + (torch.float64,)

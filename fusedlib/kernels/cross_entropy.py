@@ -10,8 +10,8 @@ of V ids) and its target id t give
 with s = 0 without label smoothing (chapter 6 derives both, and s from Megatron's
 ``label_smoothing``).
 
-Forward, :func:`cross_entropy_fwd`: ONE read of the logits. One program per row walks the
-row in blocks of BLOCK_N with the online softmax of Milakov & Gimelshein (2018): a running
+Forward, :func:`cross_entropy_fwd`: ONE read of the logits. One program per row (BLOCK_M
+rows for short rows) walks the row in blocks of BLOCK_N with the online softmax of Milakov & Gimelshein (2018): a running
 maximum m and a running sum of e^{x - m}, rescaled by e^{m_old - m_new} whenever the maximum
 grows. It also loads the target's logit (one element) and, with label smoothing, sums the
 logits. It writes four float32 statistics per row (the shard's max, its sum of
@@ -23,7 +23,7 @@ the job itself and write the loss and lse directly.
 
 Backward, :func:`cross_entropy_bwd`: ONE read of the logits and ONE write of the gradient
 per element, in the logits' dtype; nothing logits-sized is kept from the forward pass
-(only lse, 4 bytes per row). A 2-D grid (row, column block): each program recomputes
+(only lse, 4 bytes per row). A 2-D grid (row block, column block): each program recomputes
 p = e^{x - lse} for its block and writes (p - (1 - s)·onehot - s/V)·g.
 
 Tradeoff (documented in chapter 6): Liger-Kernel writes the gradient during the forward
@@ -36,8 +36,8 @@ tensors: read (fwd), read + write (bwd).
 
 Dtype policy: load, compute in float32 (float64 for float64 logits, so gradcheck checks
 the kernels), statistics in float32, store the gradient in the logits' dtype. Offsets are
-int64: the logits of a large-vocabulary model pass 2^31 elements (8192 x 128256 is 2^30;
-16745 rows of 128256 are 2^31).
+int64: the logits of a large-vocabulary model pass 2^31 elements (8192 x 128256 is just
+under 2^30; 16745 rows of 128256 pass 2^31).
 
 Sources: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py`` and
 ``megatron/core/fusions/fused_cross_entropy.py``; Milakov & Gimelshein, "Online normalizer

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd, stats_dtype
+from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from ..utils import as_rows, check_same_device, check_tensor
 from .utils import VocabUtility, all_reduce, tp_rank_and_size
 
