@@ -7,6 +7,9 @@ Public API (Megatron-core's names):
 * ``fusedlib.parallel``: ``vocab_parallel_cross_entropy`` (unfused, 3 all-reduces),
   ``fused_vocab_parallel_cross_entropy`` (2 all-reduces; also
   ``fusedlib.fusions.fused_cross_entropy``), ``VocabUtility``, ``count_collectives``.
+* ``fusedlib.fusions.fused_bias_dropout``: ``get_bias_dropout_add``,
+  ``bias_dropout_add_fused_train``, ``bias_dropout_add_fused_inference``,
+  ``bias_dropout_add_unfused``, ``BiasDropoutAddFunction``.
 * ``fusedlib.unfused``: the plain PyTorch references.
 * ``fusedlib.jit``: ``jit_fuser``, ``enable_jit_fuser``, ``disable_jit_fuser``.
 * ``fusedlib.runtime``: where kernels run (compiled on CUDA, interpreted on the CPU).
@@ -39,4 +42,20 @@ __all__ = [
     "fused_vocab_parallel_cross_entropy",
     "VocabUtility",
     "count_collectives",
+]
+
+from .fusions.fused_bias_dropout import (  # noqa: E402  (chapter 2)
+    BiasDropoutAddFunction,
+    bias_dropout_add_fused_inference,
+    bias_dropout_add_fused_train,
+    bias_dropout_add_unfused,
+    get_bias_dropout_add,
+)
+
+__all__ += [
+    "BiasDropoutAddFunction",
+    "bias_dropout_add_fused_inference",
+    "bias_dropout_add_fused_train",
+    "bias_dropout_add_unfused",
+    "get_bias_dropout_add",
 ]

@@ -166,3 +166,69 @@ def cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor, grad_output: 
     onehot = torch.nn.functional.one_hot(torch.where(active, target, 0).long(), v).to(logits.dtype)
     g = torch.where(active, grad_output, 0).to(logits.dtype).unsqueeze(-1)
     return (torch.softmax(logits, dim=-1) - (1 - s) * onehot - s / v) * g
+
+
+# ---------------------------------------------------------------------------------------
+# bias + dropout + residual add (chapter 2)
+# Source: Megatron-LM megatron/core/fusions/fused_bias_dropout.py (_bias_dropout_add_func).
+# ---------------------------------------------------------------------------------------
+
+
+def bias_dropout_add(
+    x_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor, prob: float, training: bool
+) -> torch.Tensor:
+    """Unfused ``residual + dropout(x + bias, prob)``, as Megatron-core's ``_bias_dropout_add_func``.
+
+    Three eager kernels (add bias, dropout, add residual); ``torch.nn.functional.dropout``
+    draws its mask from torch's generator and, with autograd, keeps it for the backward.
+
+    Args:
+        x_with_bias: ``(x, bias)``: x [..., h]; bias [h] or None.
+        residual: [..., h]. When its dtype differs from x's (``fp32_residual_connection``:
+            x bf16, residual fp32), x and bias are cast to it, so the sum stays in its dtype.
+        prob: dropout probability in [0, 1].
+        training: dropout on, or the identity.
+
+    Returns:
+        ``residual + dropout(x + bias)`` in the residual's dtype. In inference with no input
+        requiring grad and x of the residual's dtype, computed in place: the result is x.
+
+    Raises:
+        ValueError: from ``torch.nn.functional.dropout`` for prob outside [0, 1].
+    """
+    x, bias = x_with_bias
+    # In place in eval mode when nothing needs a gradient (Megatron's inference path)
+    inplace = (not training and not x.requires_grad and not residual.requires_grad
+               and (bias is None or not bias.requires_grad))
+    if x.dtype != residual.dtype:
+        x = x.to(residual.dtype)  # a new tensor: the in-place ops below then leave x alone
+    if bias is not None and bias.dtype != residual.dtype:
+        bias = bias.to(residual.dtype)
+    if bias is not None:
+        x = x.add_(bias) if inplace else x + bias
+    out = torch.nn.functional.dropout(x, p=prob, training=training, inplace=inplace)
+    return out.add_(residual) if inplace else residual + out
+
+
+def bias_dropout_add_masked(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, keep: torch.Tensor, prob: float
+) -> torch.Tensor:
+    """``residual + keep·(x + bias)/(1 - prob)`` for a given keep mask: the tests' oracle.
+
+    Args:
+        x: [..., h]; call with float64 tensors for a reference.
+        bias: [h] or None.
+        residual: [..., h].
+        keep: bool, x's shape: True where an element is kept.
+        prob: the dropout probability the mask was drawn with (1/(1 - prob) scales kept values;
+            prob = 1 keeps nothing).
+
+    Returns:
+        [..., h], dtype of ``x + residual``.
+    """
+    v = x + bias if bias is not None else x
+    scale = 0.0 if prob >= 1.0 else 1.0 / (1.0 - prob)
+    return residual + torch.where(keep, v * scale, torch.zeros_like(v))
+
+
+__all__ += ["bias_dropout_add", "bias_dropout_add_masked"]

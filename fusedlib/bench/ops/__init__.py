@@ -14,6 +14,7 @@ from ..core import BenchCase
 OP_MODULES: dict[str, str] = {
     "bias_gelu": "bias_gelu",
     "cross_entropy": "cross_entropy",
+    "bias_dropout_add": "bias_dropout_add",
 }
 
 

@@ -1,0 +1,227 @@
+"""Fused bias + dropout + residual add, Megatron-core's ``fused_bias_dropout`` on Triton kernels.
+
+``out = residual + dropout(x + bias, p)`` in one pass over memory: the forward reads x
+and residual and writes out; the dropout mask is drawn inside the kernel with Philox and
+is never written, because the backward regenerates it from the same seed.
+
+Same names, signatures and semantics as Megatron-core:
+
+* ``get_bias_dropout_add(training, fused)`` returns ``f(x_with_bias, residual, prob)``,
+  with ``x_with_bias = (x, bias)`` (bias may be None), as a linear layer returns them.
+* ``bias_dropout_add_fused_train`` / ``bias_dropout_add_fused_inference``: Megatron's two
+  ``jit_fuser`` functions, here two settings of one Triton kernel (with and without the
+  random numbers: ``training`` selects a compile-time constant).
+* ``bias_dropout_add_unfused(training)``: plain PyTorch (:func:`fusedlib.unfused.bias_dropout_add`).
+
+Semantics, as Megatron-core's ``_bias_dropout_add_func``:
+
+* dtypes: the output has the residual's dtype (``fp32_residual_connection``: x bf16,
+  residual fp32 -> out fp32); x.grad keeps x's dtype, residual.grad the residual's.
+* inference (``training=False``) with no input requiring grad and x of the residual's
+  dtype: the result is written into x and *is* x (same tensor, same storage).
+
+Beyond Megatron-core: the bias gradient is reduced over every leading dim in float32 in
+the backward kernel (two stages, deterministic), and inputs are checked with clear errors.
+
+Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py``; Srivastava et al.,
+"Dropout: a simple way to prevent neural networks from overfitting" (JMLR 2014).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .. import unfused
+from ..kernels.bias_dropout_add import bias_dropout_add_bwd, bias_dropout_add_fwd, philox_seed
+from ..utils import check_same_device, check_tensor
+
+__all__ = [
+    "BiasDropoutAddFunction",
+    "bias_dropout_add_fused_train",
+    "bias_dropout_add_fused_inference",
+    "bias_dropout_add_unfused",
+    "get_bias_dropout_add",
+]
+
+XWithBias = Tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+def _check_prob(prob: object) -> float:
+    if isinstance(prob, bool) or not isinstance(prob, numbers.Real) or not (0.0 <= float(prob) <= 1.0):
+        raise ValueError(f"prob must be a dropout probability in [0, 1], got {prob!r}")
+    return float(prob)
+
+
+def _check(x_with_bias: object, residual: object, prob: object
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, float]:
+    """Unpack and check Megatron's arguments; returns (x, bias, residual, p)."""
+    if not isinstance(x_with_bias, (tuple, list)) or len(x_with_bias) != 2:
+        raise TypeError(f"x_with_bias must be a pair (x, bias) with bias a tensor or None, got {type(x_with_bias).__name__}"
+                        + (f" of length {len(x_with_bias)}" if isinstance(x_with_bias, (tuple, list)) else ""))
+    x, bias = x_with_bias
+    check_tensor("x", x, min_ndim=1)
+    check_tensor("residual", residual)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != x.shape[-1]:
+            raise ValueError(f"bias must have shape [h] with h = x.shape[-1] = {x.shape[-1]}, got {list(bias.shape)}")
+    check_same_device(x=x, bias=bias, residual=residual)
+    return x, bias, residual, _check_prob(prob)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    # [..., h] -> [prod(...), h]: a view where strides allow (kernels take both strides)
+    return t.reshape(-1, t.shape[-1])
+
+
+class BiasDropoutAddFunction(torch.autograd.Function):
+    """Autograd wiring of fused ``residual + dropout(x + bias, p)``.
+
+    ``forward(ctx, x, bias, residual, prob, training)`` draws a Philox seed from torch's
+    generator (only when ``training`` and p > 0), launches one kernel, and saves the seed:
+    8 bytes, where torch's dropout saves a mask of one byte per element. ``backward``
+    regenerates the mask from the seed and returns ``(dx, dbias, dresidual, None, None)``:
+    dx = g·mask/(1-p) in x's dtype, dbias its float32 sum over leading dims in bias's
+    dtype (None when bias is None or needs no grad), dresidual = g itself (the residual's
+    dtype, as out's).
+
+    Shapes: x, residual [..., h] (e.g. [s, b, h]); bias [h] or None.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, prob: float,
+                training: bool) -> torch.Tensor:
+        dropout = training and prob > 0.0
+        seed = philox_seed(x.device) if dropout else None
+        b = bias.contiguous() if bias is not None else None  # [h]: a copy only for a strided bias
+        out = bias_dropout_add_fwd(_rows(x), b, _rows(residual), seed, prob)
+        if seed is not None:
+            ctx.save_for_backward(seed)
+        ctx.dropout, ctx.prob, ctx.x_dtype = dropout, prob, x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        seed = ctx.saved_tensors[0] if ctx.dropout else None
+        need_dx, need_db, need_dr = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        g2d = _rows(grad_output)  # [..., h] -> [rows, h]
+        dx, db = bias_dropout_add_bwd(g2d, ctx.x_dtype, seed, ctx.prob, need_dx=need_dx, need_dbias=need_db)
+        if dx is g2d:
+            dx = grad_output  # nothing dropped and x has out's dtype: dx is g, as for a plain add
+        elif dx is not None:
+            dx = dx.view(grad_output.shape)  # [rows, h] -> [..., h]
+        db = db.to(ctx.bias_dtype) if db is not None else None
+        return dx, db, (grad_output if need_dr else None), None, None
+
+
+def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training: bool) -> torch.Tensor:
+    x, bias, residual, p = _check(x_with_bias, residual, prob)
+    inplace = (not training and not x.requires_grad and not residual.requires_grad
+               and (bias is None or not bias.requires_grad) and x.dtype == residual.dtype)
+    if not inplace:
+        return BiasDropoutAddFunction.apply(x, bias, residual, p, training)
+    # Inference, nothing needs grad: write the result into x and return x itself, as
+    # Megatron's x.add_(bias); out.add_(residual). No seed, no random numbers.
+    if x.numel() > 1 and 0 in x.stride():
+        raise ValueError(f"x is written in place in inference, but its strides {x.stride()} make several "
+                         "elements share memory (an expanded tensor): pass x.contiguous()")
+    b = bias.contiguous() if bias is not None else None
+    try:
+        x2d = x.view(-1, x.shape[-1])  # [..., h] -> [rows, h] without a copy, or raise
+    except RuntimeError:
+        x.copy_(bias_dropout_add_fwd(_rows(x), b, _rows(residual), None, p).view(x.shape))
+        return x
+    bias_dropout_add_fwd(x2d, b, _rows(residual), None, p, out=x2d)
+    torch.autograd.graph.increment_version(x)  # x changed in place: let autograd's checks see it
+    return x
+
+
+def bias_dropout_add_fused_train(x_with_bias: XWithBias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+    """Fused ``residual + dropout(x + bias, prob)`` in training mode, with autograd.
+
+    Args:
+        x_with_bias: ``(x, bias)``: x [..., h] (e.g. [s, b, h]) float32/float16/bfloat16
+            (float64 too, for gradcheck), any strides; bias [h] or None, any float dtype.
+        residual: [..., h], x's shape, any float dtype (float32 with ``fp32_residual_connection``).
+        prob: dropout probability in [0, 1] (Megatron's ``hidden_dropout``).
+
+    Returns:
+        A new tensor of x's shape and the residual's dtype. The mask comes from Philox
+        seeded by torch's generator on x's device: ``torch.manual_seed`` reproduces it.
+
+    Raises:
+        TypeError: non-tensor, unsupported dtype, or x_with_bias not a pair.
+        ValueError: prob outside [0, 1]; residual shape != x shape; bias not [h];
+            tensors on different devices.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``bias_dropout_add_fused_train``).
+    """
+    return _fused(x_with_bias, residual, prob, training=True)
+
+
+def bias_dropout_add_fused_inference(x_with_bias: XWithBias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+    """Fused ``residual + x + bias`` in inference mode (dropout is the identity).
+
+    Args:
+        x_with_bias, residual, prob: as :func:`bias_dropout_add_fused_train` (prob is
+            still checked, as ``torch.nn.functional.dropout`` checks it).
+
+    Returns:
+        When no input requires grad and x has the residual's dtype: **x itself**, overwritten
+        with the result (no new memory; Megatron's in-place inference path). Otherwise a new
+        tensor of x's shape and the residual's dtype, with autograd.
+
+    Raises:
+        TypeError, ValueError: as :func:`bias_dropout_add_fused_train`, and ValueError for an
+            in-place x whose elements share memory (stride 0).
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``bias_dropout_add_fused_inference``).
+    """
+    return _fused(x_with_bias, residual, prob, training=False)
+
+
+def bias_dropout_add_unfused(training: bool) -> Callable[[XWithBias, torch.Tensor, float], torch.Tensor]:
+    """Plain-PyTorch bias-dropout-add for ``training`` mode: three eager kernels.
+
+    Args:
+        training: dropout on (True) or the identity (False).
+
+    Returns:
+        ``f(x_with_bias, residual, prob)`` calling :func:`fusedlib.unfused.bias_dropout_add`
+        (Megatron's ``_bias_dropout_add_func``, in place in inference without grads).
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``bias_dropout_add_unfused``).
+    """
+
+    def _bias_dropout_add(x_with_bias: XWithBias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+        return unfused.bias_dropout_add(x_with_bias, residual, prob, training)
+
+    return _bias_dropout_add
+
+
+def get_bias_dropout_add(training: bool, fused: bool) -> Callable[[XWithBias, torch.Tensor, float], torch.Tensor]:
+    """Megatron's selector: the bias-dropout-add function for a mode and a fusion switch.
+
+    Args:
+        training: the module's ``self.training``.
+        fused: ``TransformerConfig.bias_dropout_fusion``.
+
+    Returns:
+        :func:`bias_dropout_add_fused_train` or :func:`bias_dropout_add_fused_inference` when
+        ``fused``, else ``bias_dropout_add_unfused(training)``.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``get_bias_dropout_add``).
+    """
+    if fused:
+        # Two functions, not one with a flag: Megatron's torch.jit.script fuser did not fuse
+        # an nn.Module's dropout, and the mode must be a compile-time constant for the fused
+        # kernel (here: DROPOUT, a tl.constexpr; inference compiles no random numbers).
+        return bias_dropout_add_fused_train if training else bias_dropout_add_fused_inference
+    return bias_dropout_add_unfused(training)

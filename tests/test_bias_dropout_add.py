@@ -1,0 +1,436 @@
+"""bias + dropout + residual add: fusedlib's Triton kernels against float64 PyTorch references.
+
+The fused op draws its mask inside the kernel. To compare values, a test replays the seed:
+``torch.manual_seed(s)`` before the op, then ``torch.manual_seed(s); philox_seed(device)``
+gives the same Philox key, and ``dropout_mask`` the mask the kernels drew with it. The
+mask itself is checked against an independent pure-Python Philox-4x32-10.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fusedlib import unfused
+from fusedlib.fusions.fused_bias_dropout import (
+    BiasDropoutAddFunction,
+    bias_dropout_add_fused_inference,
+    bias_dropout_add_fused_train,
+    bias_dropout_add_unfused,
+    get_bias_dropout_add,
+)
+from fusedlib.kernels.bias_dropout_add import (
+    KEEP_BITS,
+    drop_threshold,
+    dropout_mask,
+    dropout_tile,
+    philox_seed,
+)
+
+from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
+
+SEED = 1234  # replayed seed of the op under test (inputs are drawn before it, fresh per test)
+
+
+def _inputs(shape, dtype, r_dtype=None, bias=True, requires_grad=True):
+    x = torch.randn(shape, device=DEVICE).to(dtype).requires_grad_(requires_grad)
+    b = torch.randn(shape[-1], device=DEVICE).to(dtype).requires_grad_(requires_grad) if bias else None
+    r = torch.randn(shape, device=DEVICE).to(r_dtype or dtype).requires_grad_(requires_grad)
+    return x, b, r
+
+
+def _replayed_mask(shape, p):
+    """The mask the op drew right after torch.manual_seed(SEED), as a bool tensor of ``shape``."""
+    torch.manual_seed(SEED)
+    seed = philox_seed(DEVICE)
+    h = shape[-1] if len(shape) else 1
+    return dropout_mask(seed, math.prod(shape) // max(h, 1) if h else 0, h, p).view(shape)
+
+
+def _check_train(x, b, r, p, g=None):
+    """Forward and backward of bias_dropout_add_fused_train against the float64 masked reference."""
+    inputs_before = [t.detach().clone() for t in (x, b, r) if t is not None]
+    torch.manual_seed(SEED)
+    out = bias_dropout_add_fused_train((x, b), r, p)
+    assert out.dtype == r.dtype and out.shape == x.shape and out.is_contiguous()
+    assert out.data_ptr() not in (x.data_ptr(), r.data_ptr())
+    keep = _replayed_mask(tuple(x.shape), p)
+    b64 = b.detach().double() if b is not None else None
+    assert_close(out, unfused.bias_dropout_add_masked(x.detach().double(), b64, r.detach().double(), keep, p), r.dtype)
+    g = torch.randn(out.shape, device=DEVICE).to(out.dtype) if g is None else g
+    g_before = g.clone()
+    out.backward(g)
+    assert torch.equal(g, g_before), "grad_output was modified"
+    for t, before in zip([t for t in (x, b, r) if t is not None], inputs_before):
+        assert torch.equal(t.detach(), before), "an input was modified"
+    scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+    dx64 = torch.where(keep, g.double() * scale, torch.zeros((), dtype=torch.float64, device=DEVICE))
+    assert x.grad.dtype == x.dtype and r.grad.dtype == r.dtype
+    assert_close(x.grad, dx64, x.dtype)
+    assert torch.equal(r.grad, g), "d residual must be grad_output itself"
+    if b is not None:
+        assert b.grad.dtype == b.dtype
+        rows = max(1, x.numel() // x.shape[-1])
+        assert_close(b.grad, dx64.reshape(-1, x.shape[-1]).sum(0), b.dtype, scale=rows**0.5)
+    return out, keep
+
+
+# ---------------------------------------------------------------------------------------
+# values: forward and backward against float64
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("h", (1, 7, 1000, 2049, 5121))
+def test_train_forward_backward_2d(dtype, h):
+    rows = 3 if h > 5000 else 33
+    _check_train(*_inputs((rows, h), dtype), p=0.3)
+
+
+def test_long_row():
+    # 65537 columns: 33 column blocks, the last one a single column (the interpreter is slow: fp32 only)
+    _check_train(*_inputs((1, 65537), torch.float32), p=0.3)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_train_3d_bias_grad_over_s_and_b(dtype):
+    _check_train(*_inputs((5, 3, 96), dtype), p=0.1)  # [s, b, h]: db sums over s and b
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_train_without_bias(dtype):
+    _check_train(*_inputs((17, 130), dtype, bias=False), p=0.2)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_single_row_and_1d(dtype):
+    _check_train(*_inputs((1, 300), dtype), p=0.4)
+    _check_train(*_inputs((300,), dtype), p=0.4)
+
+
+def test_multi_program_bias_reduction_and_bwd_loop():
+    # more rows than one backward program holds: the backward loops over row blocks and the
+    # two-stage bias reduction runs; its mask still agrees with the forward's
+    _check_train(*_inputs((1031, 24), torch.float32), p=0.5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_non_contiguous_inputs_and_grad(dtype):
+    x = torch.randn(48, 20, device=DEVICE).to(dtype).t().requires_grad_(True)  # [20, 48], strides (1, 20)
+    r = torch.randn(40, 48, device=DEVICE).to(dtype)[::2].requires_grad_(True)  # row stride 96
+    b = torch.randn(96, device=DEVICE).to(dtype)[::2].requires_grad_(True)  # strided bias
+    g = torch.randn(48, 20, device=DEVICE).to(dtype).t()
+    assert not (x.is_contiguous() or r.is_contiguous() or b.is_contiguous() or g.is_contiguous())
+    _check_train(x, b, r, p=0.25, g=g)
+
+
+def test_non_contiguous_3d():
+    x = torch.randn(4, 6, 40, device=DEVICE).permute(1, 0, 2).requires_grad_(True)  # [6, 4, 40]
+    r = torch.randn(6, 4, 40, device=DEVICE).requires_grad_(True)
+    b = torch.randn(40, device=DEVICE).requires_grad_(True)
+    _check_train(x, b, r, p=0.1)
+
+
+@pytest.mark.parametrize("x_dtype", (torch.bfloat16, torch.float16))
+def test_fp32_residual_connection_dtypes(x_dtype):
+    # x bf16/fp16, residual fp32: out and residual.grad fp32, x.grad and bias.grad in x's dtype
+    out, _ = _check_train(*_inputs((9, 72), x_dtype, r_dtype=torch.float32), p=0.2)
+    assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_empty_input(dtype):
+    x, b, r = _inputs((0, 16), dtype)
+    out = bias_dropout_add_fused_train((x, b), r, 0.1)
+    assert out.shape == (0, 16) and out.dtype == dtype
+    out.sum().backward()
+    assert x.grad.shape == (0, 16) and r.grad.shape == (0, 16)
+    assert torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_gradcheck_float64():
+    # float64 runs the same kernels computing in float64; the seed is replayed on every call so
+    # gradcheck's repeated evaluations see one mask. p = 0.5: 1/(1-p) = 2 is exact in float32.
+    def f(x, b, r):
+        torch.manual_seed(SEED)
+        return BiasDropoutAddFunction.apply(x, b, r, 0.5, True)
+
+    x, b, r = _inputs((2, 3), torch.float64)
+    assert torch.autograd.gradcheck(f, (x, b, r))
+    # fast mode (a random projection of the Jacobian): fewer evaluations in the slow interpreter
+    x3, b3, r3 = _inputs((2, 3, 4), torch.float64)
+    assert torch.autograd.gradcheck(lambda x, r: f(x, None, r), (x3, r3), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda x, b, r: BiasDropoutAddFunction.apply(x, b, r, 0.3, False), (x3, b3, r3),
+                                    fast_mode=True)
+
+
+def test_bias_grad_deterministic():
+    x, b, r = _inputs((777, 40), torch.float32)
+    g = torch.randn(777, 40, device=DEVICE)
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(SEED)
+        b.grad = None
+        bias_dropout_add_fused_train((x, b), r, 0.3).backward(g)
+        grads.append(b.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+
+
+# ---------------------------------------------------------------------------------------
+# dropout semantics
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_p0_is_the_plain_sum(dtype):
+    x, b, r = _inputs((13, 77), dtype)
+    out = bias_dropout_add_fused_train((x, b), r, 0.0)
+    plain = ((x.float() + b.float()) + r.float()).to(dtype)  # one float32 sum, rounded once
+    if dtype == torch.bfloat16 and DEVICE.type == "cpu":
+        # Triton's interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest even):
+        # the stored value is the plain sum, truncated; within one bf16 ulp of the rounded one.
+        ulp = torch.finfo(torch.bfloat16).eps * plain.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+        assert ((out.float() - plain.float()).abs() <= ulp).all()
+    else:
+        assert torch.equal(out, plain)
+    g = torch.randn_like(out)
+    out.backward(g)
+    assert torch.equal(x.grad, g) and torch.equal(r.grad, g)  # nothing dropped, nothing scaled
+    assert_close(b.grad, g.double().sum(0), dtype, scale=13**0.5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_p1_gives_the_residual(dtype):
+    x, b, r = _inputs((13, 77), dtype)
+    out = bias_dropout_add_fused_train((x, b), r, 1.0)
+    assert torch.equal(out, r)
+    out.backward(torch.randn_like(out))
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("p", (0.1, 0.5))
+def test_kept_fraction_within_4_sigma_and_kept_values_scaled(p):
+    # 2^20 elements; x = 1, residual = 0, no bias: out is exactly mask·fp32(1/(1-p)).
+    n_rows, h = 256, 4096
+    x = torch.ones(n_rows, h, device=DEVICE)
+    out = bias_dropout_add_fused_train((x, None), torch.zeros_like(x), p)
+    kept = out != 0
+    scale32 = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
+    assert torch.equal(out[kept].cpu(), scale32.expand(int(kept.sum())))  # kept values scaled by 1/(1-p)
+    n = x.numel()
+    sigma = math.sqrt(n * p * (1 - p))  # kept count ~ Binomial(n, 1 - p)
+    assert abs(int(kept.sum()) - n * (1 - p)) <= 4 * sigma
+    # and no row or column is special: every row keeps within 6 sigma of its share
+    per_row = kept.sum(1).double()
+    assert (per_row - h * (1 - p)).abs().max() <= 6 * math.sqrt(h * p * (1 - p))
+
+
+def test_same_seed_same_mask_new_draw_new_mask():
+    x, b, r = _inputs((64, 96), torch.float32, requires_grad=False)
+    torch.manual_seed(7)
+    o1 = bias_dropout_add_fused_train((x, b), r, 0.5)
+    o2 = bias_dropout_add_fused_train((x, b), r, 0.5)  # the generator moved on: a new mask
+    torch.manual_seed(7)
+    o3 = bias_dropout_add_fused_train((x, b), r, 0.5)
+    assert torch.equal(o1, o3)
+    assert not torch.equal(o1 == r, o2 == r)
+
+
+def test_forward_and_backward_masks_agree():
+    # where the forward dropped an element (out == residual), the backward's dx is 0, and
+    # where it kept one, dx = g/(1-p): the backward regenerated the forward's mask
+    x, b, r = _inputs((300, 130), torch.float32)
+    out = bias_dropout_add_fused_train((x, b), r, 0.3)
+    g = torch.randn_like(out)
+    out.backward(g)
+    kept_fwd = (out - r).detach() != 0
+    kept_bwd = x.grad != 0
+    assert torch.equal(kept_fwd, kept_bwd)
+    assert_close(x.grad[kept_bwd], g[kept_bwd].double() / 0.7, torch.float32)
+
+
+def _philox_4x32_10(c0: int, c1: int, c2: int, c3: int, k0: int, k1: int) -> tuple[int, int, int, int]:
+    """Philox-4x32-10 in plain Python integers (Salmon et al., SC'11; Random123's constants)."""
+    m32 = 0xFFFFFFFF
+    for _ in range(10):
+        p0, p2 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = ((p2 >> 32) ^ c1 ^ k0) & m32, p2 & m32, ((p0 >> 32) ^ c3 ^ k1) & m32, p0 & m32
+        k0, k1 = (k0 + 0x9E3779B9) & m32, (k1 + 0xBB67AE85) & m32
+    return c0, c1, c2, c3
+
+
+@pytest.mark.parametrize("h", (7, 200))
+def test_mask_is_philox_as_documented(h):
+    # element (row, col) keeps iff word k of Philox((pid_n·Q + q, row, 0, 0), seed) has top 24
+    # bits >= round(p·2^24), where col = pid_n·4Q + k·Q + q
+    n_rows, p = 3, 0.37
+    seed = philox_seed(DEVICE)
+    mask = dropout_mask(seed, n_rows, h, p).cpu()
+    s = int(seed.item())
+    _, quarter, _ = dropout_tile(h)
+    t = drop_threshold(p)
+    expected = torch.zeros(n_rows, h, dtype=torch.bool)
+    for row in range(n_rows):
+        for col in range(h):
+            pid_n, rest = divmod(col, 4 * quarter)
+            k, q = divmod(rest, quarter)
+            word = _philox_4x32_10(pid_n * quarter + q, row, 0, 0, s & 0xFFFFFFFF, s >> 32)[k]
+            expected[row, col] = (word >> (32 - KEEP_BITS)) >= t
+    assert torch.equal(mask, expected)
+
+
+def test_mask_depends_on_rows_not_on_tiling():
+    # the first rows of a bigger input get the same mask: the counter is (column group, row)
+    seed = philox_seed(DEVICE)
+    assert torch.equal(dropout_mask(seed, 5, 300, 0.5), dropout_mask(seed, 1000, 300, 0.5)[:5])
+
+
+def test_drop_threshold_exact_ends():
+    assert drop_threshold(0.0) == 0 and drop_threshold(1.0) == 1 << KEEP_BITS
+    assert abs(drop_threshold(0.1) / 2**KEEP_BITS - 0.1) <= 2.0 ** -(KEEP_BITS + 1)
+
+
+# ---------------------------------------------------------------------------------------
+# inference: in place when nothing needs grad
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("bias", (True, False))
+def test_inference_in_place_aliases_x(dtype, bias):
+    x, b, r = _inputs((11, 3, 50), dtype, bias=bias, requires_grad=False)
+    expected = unfused.bias_dropout_add_masked(x.double(), b.double() if bias else None, r.double(),
+                                               torch.ones_like(x, dtype=torch.bool), 0.0)
+    r_before = r.clone()
+    ptr, version = x.data_ptr(), x._version
+    out = bias_dropout_add_fused_inference((x, b), r, 0.1)
+    assert out is x and out.data_ptr() == ptr
+    assert x._version > version, "the in-place write must bump x's version counter"
+    assert_close(out, expected, dtype)
+    assert torch.equal(r, r_before)
+
+
+def test_inference_in_place_non_contiguous_x():
+    base = torch.randn(40, 24, device=DEVICE)
+    x = base.t()  # [24, 40], a view: written through its strides
+    r, b = torch.randn(24, 40, device=DEVICE), torch.randn(40, device=DEVICE)
+    expected = x.double() + b.double() + r.double()
+    out = bias_dropout_add_fused_inference((x, b), r, 0.0)
+    assert out is x and out.data_ptr() == base.data_ptr()
+    assert_close(base.t(), expected, torch.float32)
+    y = torch.randn(5, 4, 6, device=DEVICE).transpose(0, 1)  # [4, 5, 6]: cannot be viewed as [20, 6]
+    r3 = torch.randn(4, 5, 6, device=DEVICE)
+    expected3 = y.double() + r3.double()
+    assert bias_dropout_add_fused_inference((y, None), r3, 0.0) is y
+    assert_close(y, expected3, torch.float32)
+
+
+def test_inference_with_grad_is_not_in_place():
+    x, b, r = _inputs((10, 33), torch.float32)
+    x_before = x.detach().clone()
+    out = bias_dropout_add_fused_inference((x, b), r, 0.5)  # no dropout in inference
+    assert out.data_ptr() != x.data_ptr() and torch.equal(x.detach(), x_before)
+    assert_close(out, x_before.double() + b.detach().double() + r.detach().double(), torch.float32)
+    g = torch.randn_like(out)
+    out.backward(g)
+    assert torch.equal(x.grad, g) and torch.equal(r.grad, g)
+    assert_close(b.grad, g.double().sum(0), torch.float32, scale=10**0.5)
+
+
+def test_inference_mixed_dtypes_not_in_place():
+    x, b, r = _inputs((10, 33), torch.bfloat16, r_dtype=torch.float32, requires_grad=False)
+    x_before = x.clone()
+    out = bias_dropout_add_fused_inference((x, b), r, 0.1)
+    assert out.dtype == torch.float32 and out.data_ptr() != x.data_ptr()
+    assert torch.equal(x, x_before)
+    assert_close(out, x.double() + b.double() + r.double(), torch.float32)
+
+
+def test_expanded_x_in_place_raises():
+    x = torch.randn(1, 8, device=DEVICE).expand(4, 8)
+    with pytest.raises(ValueError, match="x is written in place in inference"):
+        bias_dropout_add_fused_inference((x, None), torch.randn(4, 8, device=DEVICE), 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron's API and the unfused path
+# ---------------------------------------------------------------------------------------
+
+
+def test_get_bias_dropout_add_selects_megatrons_functions():
+    assert get_bias_dropout_add(True, True) is bias_dropout_add_fused_train
+    assert get_bias_dropout_add(False, True) is bias_dropout_add_fused_inference
+    x, b, r = _inputs((6, 20), torch.float32, requires_grad=False)
+    expected = x + b + r
+    assert torch.equal(get_bias_dropout_add(True, False)((x, b), r, 0.0), expected)
+    out = get_bias_dropout_add(False, False)((x, b), r, 0.7)
+    assert out is x and torch.equal(out, expected)  # Megatron's unfused inference is in place too
+
+
+def test_unfused_fp32_residual_connection():
+    x, b, r = _inputs((6, 20), torch.bfloat16, r_dtype=torch.float32)
+    torch.manual_seed(0)
+    out = bias_dropout_add_unfused(True)((x, b), r, 0.3)
+    out.backward(torch.randn_like(out))
+    assert out.dtype == torch.float32 and r.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
+def test_fused_matches_unfused_without_dropout():
+    x, b, r = _inputs((40, 24), torch.float32)
+    xu, bu, ru = (t.detach().clone().requires_grad_(True) for t in (x, b, r))
+    out = bias_dropout_add_fused_train((x, b), r, 0.0)
+    ref = bias_dropout_add_unfused(True)((xu, bu), ru, 0.0)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(x.grad, xu.grad) and torch.equal(r.grad, ru.grad)
+    torch.testing.assert_close(b.grad, bu.grad)
+
+
+# ---------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prob", (-0.1, 1.5, float("nan"), True, "0.1", None))
+@pytest.mark.parametrize("fn", (bias_dropout_add_fused_train, bias_dropout_add_fused_inference))
+def test_bad_prob_raises(fn, prob):
+    x, b, r = _inputs((4, 8), torch.float32, requires_grad=False)
+    with pytest.raises(ValueError, match=r"prob must be a dropout probability in \[0, 1\]"):
+        fn((x, b), r, prob)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: ((torch.randn(4, 8), torch.randn(7)), torch.randn(4, 8)), ValueError,
+         r"bias must have shape \[h\] with h = x.shape\[-1\] = 8, got \[7\]"),
+        (lambda: ((torch.randn(4, 8), torch.randn(1, 8)), torch.randn(4, 8)), ValueError, "bias must have 1 dims"),
+        (lambda: ((torch.randn(4, 8), None), torch.randn(4, 9)), ValueError,
+         r"residual must have x's shape \[4, 8\], got \[4, 9\]"),
+        (lambda: ((torch.randn(4, 8), None), torch.randn(8)), ValueError, "residual must have x's shape"),
+        (lambda: ((torch.randn(4, 8).int(), None), torch.randn(4, 8)), TypeError, "x must have dtype"),
+        (lambda: ((torch.randn(4, 8), None), torch.randn(4, 8).long()), TypeError, "residual must have dtype"),
+        (lambda: (torch.randn(4, 8), torch.randn(4, 8)), TypeError, r"x_with_bias must be a pair \(x, bias\)"),
+        (lambda: ((torch.randn(4, 8),), torch.randn(4, 8)), TypeError, "x_with_bias must be a pair"),
+        (lambda: (([1.0], None), torch.randn(1)), TypeError, "x must be a torch.Tensor"),
+        (lambda: ((torch.randn(4, 8), None), 3.0), TypeError, "residual must be a torch.Tensor"),
+    ],
+)
+def test_bad_input_raises_clear_error(make, error, match):
+    xb, r = make()
+    move = (lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t)
+    xb = tuple(move(t) for t in xb) if isinstance(xb, tuple) else move(xb)
+    with pytest.raises(error, match=match):
+        bias_dropout_add_fused_train(xb, move(r), 0.1)
+
+
+def test_mixed_devices_raise():
+    other = "cpu" if DEVICE.type == "cuda" else "meta"
+    x = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="one device, got x on"):
+        bias_dropout_add_fused_train((x, torch.randn(8, device=other)), torch.randn(4, 8, device=DEVICE), 0.1)
+    with pytest.raises(ValueError, match="one device, got x on"):
+        bias_dropout_add_fused_train((x, None), torch.randn(4, 8, device=other), 0.1)
