@@ -24,7 +24,6 @@ from fusedlib.kernels.bias_dropout_add import (
     KEEP_BITS,
     drop_threshold,
     dropout_mask,
-    dropout_tile,
     philox_seed,
 )
 
@@ -262,28 +261,29 @@ def _philox_4x32_10(c0: int, c1: int, c2: int, c3: int, k0: int, k1: int) -> tup
 
 @pytest.mark.parametrize("h", (7, 200))
 def test_mask_is_philox_as_documented(h):
-    # element (row, col) keeps iff word k of Philox((pid_n·Q + q, row, 0, 0), seed) has top 24
-    # bits >= round(p·2^24), where col = pid_n·4Q + k·Q + q
+    # element (row, col) keeps iff the 16 bits of Philox((col // 8, row, 0, 0), seed) it owns,
+    # word (col % 8) // 2, low half for even col, are >= round(p·2^16)
     n_rows, p = 3, 0.37
     seed = philox_seed(DEVICE)
     mask = dropout_mask(seed, n_rows, h, p).cpu()
     s = int(seed.item())
-    _, quarter, _ = dropout_tile(h)
     t = drop_threshold(p)
     expected = torch.zeros(n_rows, h, dtype=torch.bool)
     for row in range(n_rows):
         for col in range(h):
-            pid_n, rest = divmod(col, 4 * quarter)
-            k, q = divmod(rest, quarter)
-            word = _philox_4x32_10(pid_n * quarter + q, row, 0, 0, s & 0xFFFFFFFF, s >> 32)[k]
-            expected[row, col] = (word >> (32 - KEEP_BITS)) >= t
+            word = _philox_4x32_10(col // 8, row, 0, 0, s & 0xFFFFFFFF, s >> 32)[(col % 8) // 2]
+            bits = (word >> 16) if col % 2 else (word & 0xFFFF)
+            expected[row, col] = bits >= t
     assert torch.equal(mask, expected)
 
 
-def test_mask_depends_on_rows_not_on_tiling():
-    # the first rows of a bigger input get the same mask: the counter is (column group, row)
+def test_mask_depends_on_row_and_column_only():
+    # the counter is (col // 8, row): a bigger input (other tiles, other grid) repeats the mask of a
+    # smaller one on their common rows and columns
     seed = philox_seed(DEVICE)
-    assert torch.equal(dropout_mask(seed, 5, 300, 0.5), dropout_mask(seed, 1000, 300, 0.5)[:5])
+    small = dropout_mask(seed, 5, 300, 0.5)
+    assert torch.equal(small, dropout_mask(seed, 1000, 300, 0.5)[:5])
+    assert torch.equal(small, dropout_mask(seed, 5, 3000, 0.5)[:, :300])
 
 
 def test_drop_threshold_exact_ends():

@@ -15,25 +15,27 @@ atomics). The mask is *regenerated* from the seed, not loaded:
 
 The random bits: Philox-4x32-10 (Salmon et al., SC'11), the counter-based generator of
 cuRAND, of torch's CUDA dropout and of ``tl.rand``. One Philox call maps a 128-bit
-counter and a 64-bit key (the seed) to four 32-bit words. ``tl.rand(seed, offsets)``
-keeps one word per element; here every call's four words are used, for four elements:
-a tile of BLOCK_N = 4·QUARTER columns is split into four contiguous quarters, and
-element (row, pid_n·BLOCK_N + k·QUARTER + q) takes word k of the call with counter
-(c0, c1) = (pid_n·QUARTER + q, row). A quarter of the integer work of ``tl.rand``, and
-each quarter is still a contiguous run of columns (vector loads).
+counter and a 64-bit key (the seed) to four 32-bit words: 128 random bits.
+``tl.rand(seed, offsets)`` spends one call per element and keeps 32 of those bits
+(torch.compile's dropout does this). Here one call serves eight neighbouring elements,
+16 bits each, as FlashAttention's dropout serves sixteen with 8 bits each:
 
-Keep test, exact in integers: an element is kept when its word's top 24 bits are
->= T = round(p·2^24), so P(keep) = 1 - T/2^24 (|error in p| <= 2^-25), p = 0 keeps all
-and p = 1 drops all. The mask is a function of (seed, row, column, QUARTER) only:
-forward and backward use the same QUARTER (:func:`dropout_tile`) and agree, whatever
-their BLOCK_M or grid; so does :func:`dropout_mask`, which materialises it for tests.
+    element (row, col) <- Philox(counter = (col // 8, row, 0, 0), key = seed)
+                          word (col % 8) // 2, its low half for even col, high half for odd
+    kept  <=>  those 16 bits >= T = round(p·2^16)
+
+So P(drop) = T/2^16 exactly: within 2^-17 of p (7.6e-6), p = 0 keeps all and p = 1 drops
+all. An eighth of ``tl.rand``'s integer work, which keeps the kernel memory-bound. The
+mask depends on (seed, row, col) only, not on the tiling, the grid or the device: the
+forward, the backward and :func:`dropout_mask` draw the same one, compiled or interpreted.
 
 Dtype policy: load, compute in float32 (float64 for float64 inputs, so gradcheck checks
 the kernels), store out in the residual's dtype and dx in x's dtype; db in float32.
 
 Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py``; Triton's
 ``triton/language/random.py`` and its low-memory-dropout tutorial; Salmon, Moraes,
-Dror & Shaw, "Parallel random numbers: as easy as 1, 2, 3" (SC 2011).
+Dror & Shaw, "Parallel random numbers: as easy as 1, 2, 3" (SC 2011); Dao,
+"FlashAttention-2" (2023) for the 8-bit-per-element dropout it uses.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from ..utils import num_programs_hint
 
 __all__ = [
     "KEEP_BITS",
+    "ELEMENTS_PER_PHILOX",
     "drop_threshold",
     "dropout_scale",
     "dropout_tile",
@@ -55,19 +58,20 @@ __all__ = [
     "dropout_mask",
 ]
 
-#: Bits of each Philox word compared against the threshold: 24, so T = round(p·2^24)
-#: fits an int32 for every p in [0, 1] (2^32 would not fit for p = 1).
-KEEP_BITS: int = 24
+#: Random bits per element: the 128 bits of one Philox call serve 128 / 16 = 8 elements.
+KEEP_BITS: int = 16
+#: Elements decided by one Philox call.
+ELEMENTS_PER_PHILOX: int = 128 // KEEP_BITS
 
 
 def drop_threshold(p: float) -> int:
-    """T = round(p·2^24): an element is dropped when its 24 random bits are < T.
+    """T = round(p·2^16): an element is dropped when its 16 random bits are < T.
 
     Args:
         p: dropout probability in [0, 1].
 
     Returns:
-        An int in [0, 2^24]; P(drop) = T / 2^24, within 2^-25 of ``p``.
+        An int in [0, 2^16]; P(drop) = T / 2^16, within 2^-17 of ``p``.
     """
     return int(round(p * (1 << KEEP_BITS)))
 
@@ -79,42 +83,48 @@ def dropout_scale(p: float) -> float:
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
 
 
-# Tile shapes, as (upper bound of n_cols, QUARTER, BLOCK_M, num_warps); BLOCK_N = 4·QUARTER.
-# A quarter tile [BLOCK_M, QUARTER] holds 8 elements per thread at the widest tiles (a 16-byte
-# vector of bf16 per load), the whole tile 4 quarters: 32 elements per thread, 4 Ki per program.
-# QUARTER is part of the mask's definition (the Philox counter), so the table is device-
-# independent: the CPU interpreter and the GPU draw the same mask for the same seed.
+# Tile shapes, as (upper bound of n_cols, BLOCK_N, BLOCK_M, num_warps). Long rows: tiles of
+# [2, 2048], 4 warps: 32 elements per thread, as four 16-byte vectors of bf16 per tensor,
+# and 4 Philox calls per thread. BLOCK_N is a multiple of 8 (one Philox call per 8 columns).
 _DROPOUT_TILES: tuple[tuple[int, int, int, int], ...] = (
-    (64, 16, 128, 4),  # short rows: BLOCK_N <= 64, many rows per program (<= 8 Ki elements)
-    (512, 128, 16, 4),  # BLOCK_N <= 512, 16 rows
-    (1 << 62, 512, 2, 4),  # long rows: BLOCK_N = 2048, 2 rows: quarters of [2, 512], 8 per thread
+    (64, 64, 64, 4),  # short rows: BLOCK_N = next power of two >= max(n_cols, 8), 64 rows
+    (512, 512, 8, 4),  # BLOCK_N <= 512, 8 rows (4 Ki elements)
+    (1 << 62, 2048, 2, 4),  # long rows: [2, 2048] tiles (4 Ki elements)
 )
 
+#: The backward's tiles have BWD_SCALE times the rows and warps of the forward's (same work
+#: per thread): its grid is small (a few programs per SM, each looping over rows and keeping
+#: one float32 partial of db), so each program needs more loads in flight.
+_BWD_SCALE: int = 2
 
 #: Elements per program in Triton's CPU interpreter, which runs programs one at a time at
 #: a fixed cost per operation: few large programs are far faster there (measured: 16x
-#: from 2 to 64 rows of 2 Ki). Only BLOCK_M grows, so the mask is the GPU's.
+#: from 2 to 64 rows of 2 Ki). The mask does not depend on the tile.
 _INTERPRETER_TILE_ELEMENTS: int = 1 << 18
 
 
-def dropout_tile(n_cols: int, device: torch.device | None = None, n_rows: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_M, QUARTER, num_warps) for rows of ``n_cols``; BLOCK_N = 4·QUARTER.
+def dropout_tile(n_cols: int, device: torch.device | None = None, n_rows: int = 1,
+                 backward: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a kernel over rows of ``n_cols``.
 
     Args:
         n_cols: row length (>= 1).
         device: where the kernel runs; in Triton's interpreter BLOCK_M is enlarged, up to
-            ``n_rows`` (QUARTER, which defines the mask, never depends on the device).
+            ``n_rows`` (the mask is the same for every tiling).
         n_rows: number of rows (only used in the interpreter).
+        backward: tiles for the backward kernel (``_BWD_SCALE`` times the rows and warps).
 
     Returns:
-        Rows per tile, columns per quarter tile (powers of two), warps per program.
+        Rows per tile, columns per tile (powers of two, BLOCK_N >= 8), warps per program.
     """
-    for bound, quarter, block_m, warps in _DROPOUT_TILES:
+    for bound, block_n, block_m, warps in _DROPOUT_TILES:
         if n_cols <= bound:
-            quarter = min(quarter, triton.next_power_of_2(triton.cdiv(n_cols, 4)))
+            block_n = min(block_n, max(ELEMENTS_PER_PHILOX, triton.next_power_of_2(n_cols)))
+            if backward:
+                block_m, warps = block_m * _BWD_SCALE, warps * _BWD_SCALE
             if device is not None and kernel_mode(device) == "interpreted":
-                block_m = max(block_m, min(_INTERPRETER_TILE_ELEMENTS // (4 * quarter), triton.next_power_of_2(n_rows)))
-            return block_m, quarter, warps
+                block_m = max(block_m, min(_INTERPRETER_TILE_ELEMENTS // block_n, triton.next_power_of_2(n_rows)))
+            return block_m, block_n, warps
     raise AssertionError("unreachable")
 
 
@@ -135,35 +145,19 @@ def philox_seed(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _keep_quarters(seed, rows, pid_n, T, QUARTER: tl.constexpr):
-    """Keep masks of the four quarters of a [BLOCK_M, 4·QUARTER] tile, from one Philox call
-    per (row, q): word k decides column pid_n·4·QUARTER + k·QUARTER + q of that row."""
-    q = tl.arange(0, QUARTER)
-    c0 = (pid_n * QUARTER + q)[None, :] + tl.zeros_like(rows)[:, None].to(tl.int32)  # [BM, Q]
-    c1 = rows.to(tl.int32)[:, None] + tl.zeros_like(q)[None, :]  # [BM, Q]: the row
+def _keep_mask(seed, rows, pid_n, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask [BLOCK_M, BLOCK_N] of columns pid_n·BLOCK_N + [0, BLOCK_N) of ``rows``:
+    one Philox call per 8 columns, 16 bits per element, kept where the bits are >= T."""
+    g = tl.arange(0, BLOCK_N // 8)  # call index in the tile: column // 8
+    c0 = (pid_n * (BLOCK_N // 8) + g)[None, :] + tl.zeros_like(rows)[:, None].to(tl.int32)  # [BM, BN/8]
+    c1 = rows.to(tl.int32)[:, None] + tl.zeros_like(g)[None, :]  # [BM, BN/8]: the row
     zero = tl.zeros_like(c0)
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero, zero)  # 4 x uint32 [BM, Q], Philox-4x32-10
-    t = T.to(tl.uint32)
-    return (w0 >> 8) >= t, (w1 >> 8) >= t, (w2 >> 8) >= t, (w3 >> 8) >= t  # top 24 bits vs T
-
-
-@triton.jit
-def _bda_fwd_quarter(x_rows, B_ptr, r_rows, out_rows, cols, row_mask, n_cols,
-                     X_col_stride, R_col_stride, OUT_col_stride, keep, scale,
-                     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr):
-    """out = residual + keep·(x + b)·scale on one quarter tile [BLOCK_M, QUARTER].
-
-    ``x_rows``, ``r_rows``, ``out_rows`` are [BLOCK_M, 1] pointers to the tile's rows."""
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
-    c2 = cols[None, :]
-    v = tl.load(x_rows + c2 * X_col_stride, mask=mask, other=0.0).to(ACC)
-    if HAS_BIAS:
-        v += tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
-    if DROPOUT:
-        v = tl.where(keep, v * scale, 0.0)  # kept: scaled by 1/(1-p); dropped: exactly 0
-    res = tl.load(r_rows + c2 * R_col_stride, mask=mask, other=0.0).to(ACC)
-    tl.store(out_rows + c2 * OUT_col_stride, (res + v).to(out_rows.dtype.element_ty), mask=mask)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero, zero)  # 4 x uint32 [BM, BN/8], Philox-4x32-10
+    j = tl.arange(0, 8)[None, None, :]  # column % 8
+    w = tl.where(j < 2, w0[:, :, None], tl.where(j < 4, w1[:, :, None], tl.where(j < 6, w2[:, :, None], w3[:, :, None])))
+    bits16 = tl.where(j % 2 == 0, w & 0xFFFF, w >> 16)  # [BM, BN/8, 8]: low half for even columns
+    keep = bits16 >= T.to(tl.uint32)
+    return tl.reshape(keep, [BLOCK_M, BLOCK_N])  # [BM, BN/8, 8] -> [BM, BN]: column = 8·g + j
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -181,52 +175,34 @@ def _bias_dropout_add_fwd_kernel(
     R_col_stride,
     OUT_row_stride,
     OUT_col_stride,
-    T,  # drop threshold round(p·2^24)
+    T,  # drop threshold round(p·2^16)
     scale,  # 1/(1 - p), float32
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,  # training with p > 0; else no random numbers at all
     BLOCK_M: tl.constexpr,  # rows per program
-    QUARTER: tl.constexpr,  # columns per quarter; a program covers 4·QUARTER columns
+    BLOCK_N: tl.constexpr,  # columns per program, a multiple of 8
     ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: n_rows·stride may pass 2^31
-    row_mask = rows < n_rows
-    x_rows = X_ptr + rows[:, None] * X_row_stride  # [BLOCK_M, 1] row pointers
-    r_rows = R_ptr + rows[:, None] * R_row_stride
-    out_rows = OUT_ptr + rows[:, None] * OUT_row_stride
-    c0 = pid_n * (4 * QUARTER) + tl.arange(0, QUARTER)  # columns of quarter 0
-    if DROPOUT:
-        k0, k1, k2, k3 = _keep_quarters(tl.load(SEED_ptr), rows, pid_n, T, QUARTER)
-    else:
-        k0 = None
-        k1 = None
-        k2 = None
-        k3 = None
-    _bda_fwd_quarter(x_rows, B_ptr, r_rows, out_rows, c0, row_mask, n_cols,
-                     X_col_stride, R_col_stride, OUT_col_stride, k0, scale, HAS_BIAS, DROPOUT, ACC)
-    _bda_fwd_quarter(x_rows, B_ptr, r_rows, out_rows, c0 + QUARTER, row_mask, n_cols,
-                     X_col_stride, R_col_stride, OUT_col_stride, k1, scale, HAS_BIAS, DROPOUT, ACC)
-    _bda_fwd_quarter(x_rows, B_ptr, r_rows, out_rows, c0 + 2 * QUARTER, row_mask, n_cols,
-                     X_col_stride, R_col_stride, OUT_col_stride, k2, scale, HAS_BIAS, DROPOUT, ACC)
-    _bda_fwd_quarter(x_rows, B_ptr, r_rows, out_rows, c0 + 3 * QUARTER, row_mask, n_cols,
-                     X_col_stride, R_col_stride, OUT_col_stride, k3, scale, HAS_BIAS, DROPOUT, ACC)
-
-
-@triton.jit
-def _bda_bwd_quarter(G_ptr, DX_ptr, rows, cols, row_mask, n_cols, G_row_stride, G_col_stride, keep, scale,
-                     DROPOUT: tl.constexpr, STORE_DX: tl.constexpr, ACC: tl.constexpr):
-    """dx = g·keep·scale on one quarter tile; returns its column sums (for the bias gradient)."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
-    g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride, mask=mask, other=0.0)
-    dx = g.to(ACC)
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    # 1. Issue the loads first: Philox's integer arithmetic below runs while they are in flight.
+    x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :] * X_col_stride, mask=mask, other=0.0)
+    res = tl.load(R_ptr + rows[:, None] * R_row_stride + cols[None, :] * R_col_stride, mask=mask, other=0.0)
+    v = x.to(ACC)
+    if HAS_BIAS:
+        v += tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+    # 2. Dropout: the keep mask from Philox, in registers; kept values scaled by 1/(1-p).
     if DROPOUT:
-        dx = tl.where(keep, dx * scale, 0.0)
-    if STORE_DX:
-        tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
-    return tl.sum(dx, axis=0)  # masked lanes hold g = 0: they add nothing
+        keep = _keep_mask(tl.load(SEED_ptr), rows, pid_n, T, BLOCK_M, BLOCK_N)
+        v = tl.where(keep, v * scale, 0.0)  # dropped: exactly 0
+    # 3. The residual add, stored in the residual's dtype.
+    out = res.to(ACC) + v
+    tl.store(OUT_ptr + rows[:, None] * OUT_row_stride + cols[None, :] * OUT_col_stride,
+             out.to(OUT_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -246,43 +222,32 @@ def _bias_dropout_add_bwd_kernel(
     STORE_DX: tl.constexpr,  # write dx (off when dx is g itself and only db is wanted)
     HAS_DBIAS: tl.constexpr,  # write the bias-gradient partials
     BLOCK_M: tl.constexpr,
-    QUARTER: tl.constexpr,  # must equal the forward's: it defines the mask
+    BLOCK_N: tl.constexpr,
     ACC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    col0 = pid_n * (4 * QUARTER) + tl.arange(0, QUARTER)
-    db0 = tl.zeros((QUARTER,), dtype=ACC)
-    db1 = tl.zeros((QUARTER,), dtype=ACC)
-    db2 = tl.zeros((QUARTER,), dtype=ACC)
-    db3 = tl.zeros((QUARTER,), dtype=ACC)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)  # summed over rows once, after the loop
     if DROPOUT:
         seed = tl.load(SEED_ptr)
     row_start = pid_m.to(tl.int64) * rows_per_program
     for m in range(0, rows_per_program, BLOCK_M):
         rows = row_start + m + tl.arange(0, BLOCK_M)
-        row_mask = rows < n_rows
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride, mask=mask, other=0.0)
+        dx = g.to(ACC)
         if DROPOUT:
-            k0, k1, k2, k3 = _keep_quarters(seed, rows, pid_n, T, QUARTER)  # the forward's mask, regenerated
-        else:
-            k0 = None
-            k1 = None
-            k2 = None
-            k3 = None
-        db0 += _bda_bwd_quarter(G_ptr, DX_ptr, rows, col0, row_mask, n_cols, G_row_stride, G_col_stride,
-                                k0, scale, DROPOUT, STORE_DX, ACC)
-        db1 += _bda_bwd_quarter(G_ptr, DX_ptr, rows, col0 + QUARTER, row_mask, n_cols, G_row_stride,
-                                G_col_stride, k1, scale, DROPOUT, STORE_DX, ACC)
-        db2 += _bda_bwd_quarter(G_ptr, DX_ptr, rows, col0 + 2 * QUARTER, row_mask, n_cols, G_row_stride,
-                                G_col_stride, k2, scale, DROPOUT, STORE_DX, ACC)
-        db3 += _bda_bwd_quarter(G_ptr, DX_ptr, rows, col0 + 3 * QUARTER, row_mask, n_cols, G_row_stride,
-                                G_col_stride, k3, scale, DROPOUT, STORE_DX, ACC)
+            keep = _keep_mask(seed, rows, pid_n, T, BLOCK_M, BLOCK_N)  # the forward's mask, regenerated
+            dx = tl.where(keep, dx * scale, 0.0)
+        if STORE_DX:
+            tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
+        if HAS_DBIAS:
+            db_acc += dx  # masked lanes hold g = 0: they add nothing
     if HAS_DBIAS:
-        base = DB_PARTIAL_ptr + pid_m.to(tl.int64) * n_cols
-        tl.store(base + col0, db0, mask=col0 < n_cols)
-        tl.store(base + col0 + QUARTER, db1, mask=col0 + QUARTER < n_cols)
-        tl.store(base + col0 + 2 * QUARTER, db2, mask=col0 + 2 * QUARTER < n_cols)
-        tl.store(base + col0 + 3 * QUARTER, db3, mask=col0 + 3 * QUARTER < n_cols)
+        db = tl.sum(db_acc, axis=0)  # [BLOCK_N]: this program's rows, in a fixed order
+        tl.store(DB_PARTIAL_ptr + pid_m.to(tl.int64) * n_cols + cols, db, mask=col_mask)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -291,24 +256,17 @@ def _dropout_mask_kernel(
     MASK_ptr,  # int8 [n_rows, n_cols], contiguous: 1 where kept
     n_rows,
     n_cols,
-    T,  # drop threshold round(p·2^24)
+    T,  # drop threshold round(p·2^16)
     BLOCK_M: tl.constexpr,
-    QUARTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    col0 = pid_n * (4 * QUARTER) + tl.arange(0, QUARTER)
-    k0, k1, k2, k3 = _keep_quarters(tl.load(SEED_ptr), rows, pid_n, T, QUARTER)
-    base = MASK_ptr + rows[:, None] * n_cols
-    tl.store(base + col0[None, :], k0.to(tl.int8), mask=row_mask[:, None] & (col0 < n_cols)[None, :])
-    c1 = col0 + QUARTER
-    tl.store(base + c1[None, :], k1.to(tl.int8), mask=row_mask[:, None] & (c1 < n_cols)[None, :])
-    c2 = col0 + 2 * QUARTER
-    tl.store(base + c2[None, :], k2.to(tl.int8), mask=row_mask[:, None] & (c2 < n_cols)[None, :])
-    c3 = col0 + 3 * QUARTER
-    tl.store(base + c3[None, :], k3.to(tl.int8), mask=row_mask[:, None] & (c3 < n_cols)[None, :])
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = _keep_mask(tl.load(SEED_ptr), rows, pid_n, T, BLOCK_M, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    tl.store(MASK_ptr + rows[:, None] * n_cols + cols[None, :], keep.to(tl.int8), mask=mask)
 
 
 def _acc(*dtypes: torch.dtype):
@@ -336,15 +294,15 @@ def bias_dropout_add_fwd(x2d: torch.Tensor, bias: torch.Tensor | None, r2d: torc
         out = torch.empty((n_rows, n_cols), dtype=r2d.dtype, device=r2d.device)
     if out.numel() == 0:
         return out
-    block_m, quarter, warps = dropout_tile(n_cols, x2d.device, n_rows)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, 4 * quarter))
+    block_m, block_n, warps = dropout_tile(n_cols, x2d.device, n_rows)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
     dropout = seed is not None
     launch(
         _bias_dropout_add_fwd_kernel, grid, x2d.device,
         x2d, bias if bias is not None else x2d, r2d, out, seed if dropout else x2d,
         n_rows, n_cols, x2d.stride(0), x2d.stride(1), r2d.stride(0), r2d.stride(1), out.stride(0), out.stride(1),
         drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0,
-        HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK_M=block_m, QUARTER=quarter,
+        HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK_M=block_m, BLOCK_N=block_n,
         ACC=_acc(x2d.dtype, r2d.dtype), num_warps=warps,
     )
     return out
@@ -380,8 +338,8 @@ def bias_dropout_add_bwd(g2d: torch.Tensor, x_dtype: torch.dtype, seed: torch.Te
         return dx, (torch.zeros(n_cols, dtype=acc_torch, device=g2d.device) if need_dbias else None)
     if not (store_dx or need_dbias):
         return dx, None
-    block_m, quarter, warps = dropout_tile(n_cols, g2d.device, n_rows)
-    col_programs = triton.cdiv(n_cols, 4 * quarter)
+    block_m, block_n, warps = dropout_tile(n_cols, g2d.device, n_rows, backward=True)
+    col_programs = triton.cdiv(n_cols, block_n)
     # Enough row programs to fill the device; each loops over its rows and keeps one
     # float32 partial of the bias gradient per column: [row_programs, n_cols] floats.
     row_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_hint(g2d.device) // col_programs))
@@ -393,7 +351,7 @@ def bias_dropout_add_bwd(g2d: torch.Tensor, x_dtype: torch.dtype, seed: torch.Te
         g2d, dx if store_dx else g2d, db_partial, seed if dropout else g2d,
         n_rows, n_cols, rows_per_program, g2d.stride(0), g2d.stride(1),
         drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0,
-        DROPOUT=dropout, STORE_DX=store_dx, HAS_DBIAS=need_dbias, BLOCK_M=block_m, QUARTER=quarter,
+        DROPOUT=dropout, STORE_DX=store_dx, HAS_DBIAS=need_dbias, BLOCK_M=block_m, BLOCK_N=block_n,
         ACC=_acc(x_dtype, g2d.dtype), num_warps=warps,
     )
     if need_dbias:
@@ -416,8 +374,8 @@ def dropout_mask(seed: torch.Tensor, n_rows: int, n_cols: int, p: float) -> torc
     mask = torch.empty((n_rows, n_cols), dtype=torch.int8, device=seed.device)
     if mask.numel() == 0:
         return mask.bool()
-    block_m, quarter, warps = dropout_tile(n_cols, seed.device, n_rows)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, 4 * quarter))
+    block_m, block_n, warps = dropout_tile(n_cols, seed.device, n_rows)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
     launch(_dropout_mask_kernel, grid, seed.device, seed, mask, n_rows, n_cols, drop_threshold(p),
-           BLOCK_M=block_m, QUARTER=quarter, num_warps=warps)
+           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return mask.bool()
