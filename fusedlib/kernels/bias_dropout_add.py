@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import kernel_mode, launch
+from .reduce import sum_partials
 from ..utils import num_programs_hint
 
 __all__ = [
@@ -340,9 +341,11 @@ def bias_dropout_add_bwd(g2d: torch.Tensor, x_dtype: torch.dtype, seed: torch.Te
         return dx, None
     block_m, block_n, warps = dropout_tile(n_cols, g2d.device, n_rows, backward=True)
     col_programs = triton.cdiv(n_cols, block_n)
-    # Enough row programs to fill the device; each loops over its rows and keeps one
-    # float32 partial of the bias gradient per column: [row_programs, n_cols] floats.
-    row_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_hint(g2d.device) // col_programs))
+    # Enough row programs to fill the device (the shared hint, halved: these programs have
+    # _BWD_SCALE times the warps); each loops over its rows and keeps one float32 partial of
+    # the bias gradient per column: [row_programs, n_cols] floats.
+    programs = max(1, num_programs_hint(g2d.device) // _BWD_SCALE)
+    row_programs = max(1, min(triton.cdiv(n_rows, block_m), programs // col_programs))
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, row_programs), block_m) * block_m
     row_programs = triton.cdiv(n_rows, rows_per_program)
     db_partial = torch.empty((row_programs, n_cols), dtype=acc_torch, device=g2d.device) if need_dbias else g2d
@@ -355,7 +358,7 @@ def bias_dropout_add_bwd(g2d: torch.Tensor, x_dtype: torch.dtype, seed: torch.Te
         ACC=_acc(x_dtype, g2d.dtype), num_warps=warps,
     )
     if need_dbias:
-        db = db_partial.sum(0)  # stage 2: [row_programs, n_cols] -> [n_cols], fixed order
+        db = sum_partials(db_partial, acc_torch)  # stage 2: [row_programs, n_cols] -> [n_cols], fixed order
     return dx, db
 
 
