@@ -311,6 +311,14 @@ def test_inference_in_place_aliases_x(dtype, bias):
     assert torch.equal(r, r_before)
 
 
+def test_inference_in_place_under_inference_mode():
+    with torch.inference_mode():
+        x, b, r = _inputs((6, 40), torch.float32, requires_grad=False)
+        expected = x + b + r
+        out = bias_dropout_add_fused_inference((x, b), r, 0.1)
+        assert out is x and torch.equal(out, expected)
+
+
 def test_inference_in_place_non_contiguous_x():
     base = torch.randn(40, 24, device=DEVICE)
     x = base.t()  # [24, 40], a view: written through its strides

@@ -139,7 +139,8 @@ def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training
         x.copy_(bias_dropout_add_fwd(_rows(x), b, _rows(residual), None, p).view(x.shape))
         return x
     bias_dropout_add_fwd(x2d, b, _rows(residual), None, p, out=x2d)
-    torch.autograd.graph.increment_version(x)  # x changed in place: let autograd's checks see it
+    if not x.is_inference():  # (inference tensors keep no version counter in some torch versions)
+        torch.autograd.graph.increment_version(x)  # x changed in place: let autograd's checks see it
     return x
 
 
