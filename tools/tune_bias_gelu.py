@@ -52,9 +52,8 @@ for block_n, block_m, warps in fwd_tiles:
     print(f"fwd BLOCK_N={block_n:5d} BLOCK_M={block_m:2d} warps={warps:2d}  {f[0]:.4f} {f[1]:.4f} ms "
           f"{fwd_bytes / min(f) / 1e6:6.0f} GB/s", flush=True)
 
-bwd_tiles = [(1024, 2, 4), (2048, 2, 8), (1024, 4, 4), (1024, 8, 8), (512, 8, 4), (2048, 4, 8), (256, 16, 4),
-             (512, 16, 8)]
-for (block_n, block_m, warps), per_sm in itertools.product(bwd_tiles, (4, 8, 16, 32)):
+bwd_tiles = [(2048, 4, 8), (1024, 4, 4), (2048, 2, 8), (4096, 2, 8), (1024, 8, 8), (4096, 4, 16)]
+for (block_n, block_m, warps), per_sm in itertools.product(bwd_tiles, (4, 8, 16)):
     k._BWD_TILES = ((1 << 62, block_n, block_m, warps),)
     utils.PROGRAMS_PER_SM = per_sm
     t = [time_ms(lambda: k.bias_gelu_bwd(g, yd, bd)) for _ in range(2)]
