@@ -163,11 +163,12 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
 
 
-#: Programs per streaming multiprocessor that keep HBM busy for a kernel whose programs
-#: loop over rows (e.g. a backward that also reduces a bias gradient). Triton does not
-#: software-pipeline plain loads in such loops, so latency is hidden by occupancy alone:
-#: 4 per SM left bias-GeLU's backward at 1.7 TB/s on an H200, see NOTES.md.
-PROGRAMS_PER_SM: int = 32
+#: Programs per streaming multiprocessor for kernels whose programs loop over rows and
+#: keep a running reduction (bias / gamma gradients): each writes one float32 partial row,
+#: so fewer programs mean fewer partials to add. Kernel-only timings on the H200 (NOTES.md):
+#: bias-GeLU's backward 0.245 ms at 4 per SM against 0.273 at 16; bias-dropout-add's
+#: backward 0.163 ms at 4 against 0.211 at 16.
+PROGRAMS_PER_SM: int = 4
 
 
 def num_programs_hint(device: torch.device) -> int:

@@ -201,7 +201,7 @@ def test_non_contiguous_logits_target_and_grad(path):
 def test_broadcast_grad_output_of_a_mean(path):
     x, t = _inputs((4, 3), 33, torch.float32, n_ignored=0)
     ce(path, x, t).mean().backward()  # grad_output arrives as an expanded scalar (stride 0)
-    ref = unfused.cross_entropy_grad(x.detach().double(), t, torch.full(t.shape, 1 / 12, dtype=torch.float64))
+    ref = unfused.cross_entropy_grad(x.detach().double(), t, torch.full(t.shape, 1 / 12, dtype=torch.float64, device=DEVICE))
     assert_close(x.grad, ref, torch.float32)
 
 

@@ -67,7 +67,7 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
         impls.insert(1, Impl("eager", lambda x, t: F.cross_entropy(x, t)))
         liger, why = try_import("liger_kernel.ops.cross_entropy", "LigerCrossEntropyFunction")
         if liger is not None:
-            impls.append(Impl("liger", lambda x, t: liger.apply(x, t)))
+            impls.append(Impl("liger", lambda x, t: liger.apply(x, t, None)))  # (input, target, weight)
         else:
             skipped["liger"] = why
         mcore, why = try_import("megatron.core.fusions.fused_cross_entropy", "fused_vocab_parallel_cross_entropy")
