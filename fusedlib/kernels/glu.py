@@ -1,0 +1,329 @@
+"""Triton kernels for the gated linear units GEGLU and SwiGLU (optionally biased or row-weighted).
+
+The input y = [y1 | y2] is the output of one linear layer of width 2h; the unit gates one
+half by an activation of the other (``y1, y2 = torch.chunk(y, 2, -1)``):
+
+    x1, x2 = y1 + b1, y2 + b2                         (bias optional)
+    out    = act(x1) · x2 · w                          (w: one weight per row, optional)
+
+    act = silu:       silu(x)  = x·σ(x)                                     (SwiGLU)
+    act = gelu_tanh:  gelu(x)  = 0.5·x·(1 + tanh(c0·x·(1 + c1·x²)))         (GEGLU)
+
+Backward (derived with sympy in chapter 3), with g the gradient of out:
+
+    dx1 = g·w·x2·act'(x1)        silu'(x) = σ(x)·(1 + x·(1 - σ(x)))
+    dx2 = g·w·act(x1)            gelu'(x) = 0.5·x·(1 - t²)·(c0 + c2·x²) + 0.5·(1 + t)
+    db  = sum over rows of [dx1 | dx2]                                  (float32, two stages)
+    dw  = sum over the h columns of act(x1)·x2·g                        (float32, two stages)
+
+Memory traffic (the minimum, and what these kernels move): forward reads y (2h per row)
+and writes out (h per row); backward reads g (h) and y (2h) and writes dy (2h). act(x1)
+is recomputed in the backward from y instead of being stored, which costs arithmetic, not
+bytes. The two halves are passed as two strided views of y (``Y1_ptr``, ``Y2_ptr``), so
+the kernel reads like the math and a non-contiguous y needs no copy.
+
+Dtype policy: load, compute in float32 (float64 for float64 inputs, so gradcheck checks the
+kernels), store in y's dtype; bias and weight gradients accumulated in float32.
+
+Sources: Shazeer, "GLU Variants Improve Transformer", arXiv:2002.05202; Megatron-LM
+``megatron/core/fusions/fused_bias_swiglu.py`` and ``fused_bias_geglu.py``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime import launch
+from ..utils import acc_dtype, num_programs_hint
+from .math import tanh
+
+__all__ = ["GLU_ACTIVATIONS", "glu_fwd", "glu_bwd", "glu_block", "partial_dtype"]
+
+#: The activations a GLU kernel takes: "silu" makes SwiGLU, "gelu_tanh" makes GEGLU.
+GLU_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
+
+# Constants of the tanh approximation of GeLU (derived with sympy in chapters 1 and 3).
+SQRT_2_OVER_PI = 0.7978845608028654  # c0 = sqrt(2/pi)
+GELU_COEF = 0.044715  # c1, the cubic coefficient fitted by Hendrycks & Gimpel
+GELU_DERIV_COEF = 0.10703222440890037  # c2 = 3·c0·c1 = sqrt(2/pi) * 3 * 0.044715
+
+
+@triton.jit
+def _sigmoid(x):
+    """σ(x) = 1/(1 + e^{-x}) with one division: e^{-|x|} <= 1 never overflows (interpreter-safe)."""
+    e = tl.exp(-tl.abs(x))
+    r = 1.0 / (1.0 + e)
+    return tl.where(x >= 0, r, e * r)
+
+
+@triton.jit
+def _act_fwd(x, ACTIVATION: tl.constexpr):
+    """act(x) for ACTIVATION "silu" or "gelu_tanh"."""
+    if ACTIVATION == "silu":
+        a = x * _sigmoid(x)
+    else:
+        t = tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF * x * x))
+        a = 0.5 * x * (1.0 + t)
+    return a
+
+
+@triton.jit
+def _act_fwd_and_grad(x, ACTIVATION: tl.constexpr):
+    """(act(x), act'(x)), sharing σ(x) or tanh between the two."""
+    if ACTIVATION == "silu":
+        s = _sigmoid(x)
+        a = x * s
+        da = s * (1.0 + x * (1.0 - s))  # silu'(x) = σ(x)·(1 + x·(1 - σ(x)))
+    else:
+        t = tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF * x * x))
+        a = 0.5 * x * (1.0 + t)
+        da = 0.5 * x * ((1.0 - t * t) * (SQRT_2_OVER_PI + GELU_DERIV_COEF * x * x)) + 0.5 * (1.0 + t)
+    return a, da
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    Y1_ptr,  # y1 = y[:, :h], [n_rows, n_cols], strides (Y_row_stride, Y_col_stride)
+    Y2_ptr,  # y2 = y[:, h:], [n_rows, n_cols], same strides (a view of the same tensor)
+    B1_ptr,  # b1 = bias[:h], [n_cols], contiguous (unused unless HAS_BIAS)
+    B2_ptr,  # b2 = bias[h:], [n_cols], contiguous (unused unless HAS_BIAS)
+    W_ptr,  # row weights w, [n_rows, 1], stride W_row_stride (unused unless HAS_WEIGHTS)
+    OUT_ptr,  # output, [n_rows, n_cols], contiguous, y's dtype
+    n_rows,
+    n_cols,  # h, the width of one half and of the output
+    Y_row_stride,
+    Y_col_stride,
+    W_row_stride,
+    ACTIVATION: tl.constexpr,  # "silu" (SwiGLU) or "gelu_tanh" (GEGLU)
+    HAS_BIAS: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # output columns per program
+    ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # int64 offsets: n_rows·2h (and, transposed, col·col_stride) may pass 2^31
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+
+    # -- load both halves of the tile (the only reads of y), upcast to ACC
+    y_off = rows[:, None] * Y_row_stride + cols[None, :] * Y_col_stride
+    x1 = tl.load(Y1_ptr + y_off, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(Y2_ptr + y_off, mask=mask, other=0.0).to(ACC)
+    if HAS_BIAS:
+        x1 += tl.load(B1_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+        x2 += tl.load(B2_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+
+    # -- gate: out = act(x1)·x2 (·w)
+    out = _act_fwd(x1, ACTIVATION) * x2
+    if HAS_WEIGHTS:
+        w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
+        out = out * w[:, None]
+
+    # -- one write of the output, rounded once to y's dtype
+    tl.store(OUT_ptr + rows[:, None] * n_cols + cols[None, :], out.to(OUT_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(
+    G_ptr,  # grad of the output g, [n_rows, n_cols], strides (G_row_stride, G_col_stride)
+    Y1_ptr,  # y1 = y[:, :h], [n_rows, n_cols], strides (Y_row_stride, Y_col_stride)
+    Y2_ptr,  # y2 = y[:, h:], same strides
+    B1_ptr,  # b1 = bias[:h], [n_cols], contiguous (unused unless HAS_BIAS)
+    B2_ptr,  # b2 = bias[h:], [n_cols], contiguous (unused unless HAS_BIAS)
+    W_ptr,  # row weights w, [n_rows, 1], stride W_row_stride (unused unless HAS_WEIGHTS)
+    DY1_ptr,  # dy[:, :h], [n_rows, n_cols], row stride 2·n_cols (a view of contiguous dy), y's dtype
+    DY2_ptr,  # dy[:, h:], same
+    DB_PARTIAL_ptr,  # ACC [n_row_programs, 2·n_cols]: this program's sum of dy over its rows (HAS_BIAS)
+    DW_PARTIAL_ptr,  # ACC [n_rows, n_col_programs]: this tile's sum of act(x1)·x2·g over its columns
+    n_rows,
+    n_cols,
+    rows_per_program,  # a multiple of BLOCK_M
+    G_row_stride,
+    G_col_stride,
+    Y_row_stride,
+    Y_col_stride,
+    W_row_stride,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,  # compute and accumulation dtype
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_BIAS:
+        b1 = tl.load(B1_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+        b2 = tl.load(B2_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+        db1_acc = tl.zeros((BLOCK_N,), dtype=ACC)
+        db2_acc = tl.zeros((BLOCK_N,), dtype=ACC)
+    row_start = pid_m.to(tl.int64) * rows_per_program
+    for m in range(0, rows_per_program, BLOCK_M):
+        rows = row_start + m + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+
+        # -- the backward's reads: g once, y once (act(x1) is recomputed, not loaded)
+        y_off = rows[:, None] * Y_row_stride + cols[None, :] * Y_col_stride
+        x1 = tl.load(Y1_ptr + y_off, mask=mask, other=0.0).to(ACC)
+        x2 = tl.load(Y2_ptr + y_off, mask=mask, other=0.0).to(ACC)
+        g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride,
+                    mask=mask, other=0.0).to(ACC)  # masked lanes: g = 0, so they add nothing below
+        if HAS_BIAS:
+            x1 += b1[None, :]
+            x2 += b2[None, :]
+        a, da = _act_fwd_and_grad(x1, ACTIVATION)
+
+        # -- weight gradient partial, then scale g by w: dw = Σ_cols act(x1)·x2·g
+        if HAS_WEIGHTS:
+            tl.store(DW_PARTIAL_ptr + rows * tl.num_programs(1) + pid_n, tl.sum(a * x2 * g, axis=1),
+                     mask=row_mask)
+            w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
+            g = g * w[:, None]
+
+        # -- dx1 = g·x2·act'(x1), dx2 = g·act(x1): one write each, into the two halves of dy
+        dy1 = g * x2 * da
+        dy2 = g * a
+        dy_off = rows[:, None] * (2 * n_cols) + cols[None, :]
+        tl.store(DY1_ptr + dy_off, dy1.to(DY1_ptr.dtype.element_ty), mask=mask)
+        tl.store(DY2_ptr + dy_off, dy2.to(DY2_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            db1_acc += tl.sum(dy1, axis=0)
+            db2_acc += tl.sum(dy2, axis=0)
+    if HAS_BIAS:
+        db_row = DB_PARTIAL_ptr + pid_m.to(tl.int64) * (2 * n_cols)
+        tl.store(db_row + cols, db1_acc, mask=col_mask)
+        tl.store(db_row + n_cols + cols, db2_acc, mask=col_mask)
+
+
+# Tile shapes of the GLU kernels, as (upper bound of h, BLOCK_N, BLOCK_M, num_warps), where
+# h is the output width (half of y's). A tile of BLOCK_M x BLOCK_N outputs reads 2 tiles of y
+# (3 tensors per tile in the forward, 5 in the backward). ~4 Ki outputs per program = 16 per
+# thread at 8 warps: two 16-byte vectors per thread per bf16 stream, enough bytes in flight
+# per SM to saturate HBM, few enough registers for full occupancy. To tune on a GPU, edit
+# this table (BLOCK_M·BLOCK_N between 2 Ki and 8 Ki, warps 4 or 8).
+_GLU_TILES: tuple[tuple[int, int, int, int], ...] = (
+    (16, 16, 256, 4),  # tiny rows (h <= 16): many rows per program
+    (128, 128, 32, 4),  # h <= 128
+    (1024, 1024, 4, 4),  # h <= 1 Ki: 4 rows of up to 1 Ki
+    (1 << 62, 2048, 2, 8),  # long rows: 2 Ki columns x 2 rows
+)
+
+
+def glu_block(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for the GLU kernels with output rows of ``n_cols``.
+
+    Args:
+        n_cols: h, the output row length (>= 1).
+
+    Returns:
+        Rows per tile, columns per tile (powers of two), warps per program.
+    """
+    for bound, block_n, block_m, warps in _GLU_TILES:
+        if n_cols <= bound:
+            return block_m, min(block_n, triton.next_power_of_2(n_cols)), warps
+    raise AssertionError("unreachable: the last bound is 2^62")
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the kernels' partial sums for inputs of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, 2h] -> two [n, h] views (no copy), torch.chunk(t, 2, -1)."""
+    h = t.shape[-1] // 2
+    return t[:, :h], t[:, h:]
+
+
+def glu_fwd(y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
+            activation: str) -> torch.Tensor:
+    """Launch the forward kernel: ``act(y1 + b1)·(y2 + b2)·w``.
+
+    Args:
+        y2d: [n_rows, 2h], float32/float16/bfloat16/float64, any strides.
+        bias: [2h] of y's dtype, contiguous, or None.
+        weights: [n_rows, 1] (any float dtype, any stride), or None.
+        activation: "silu" or "gelu_tanh".
+
+    Returns:
+        A new contiguous [n_rows, h] tensor of y's dtype.
+    """
+    n_rows, h = y2d.shape[0], y2d.shape[1] // 2
+    out = torch.empty((n_rows, h), dtype=y2d.dtype, device=y2d.device)
+    if out.numel() == 0:
+        return out
+    y1, y2 = _halves(y2d)
+    b1, b2 = (bias[:h], bias[h:]) if bias is not None else (y1, y2)  # dummies when HAS_BIAS is False
+    w = weights if weights is not None else y1
+    block_m, block_n, warps = glu_block(h)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(h, block_n))
+    launch(
+        _glu_fwd_kernel, grid, y2d.device,
+        y1, y2, b1, b2, w, out, n_rows, h, y2d.stride(0), y2d.stride(1),
+        weights.stride(0) if weights is not None else 0,
+        ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_WEIGHTS=weights is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+    )
+    return out
+
+
+def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
+            activation: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the backward kernel, then reduce the bias / weight partial sums.
+
+    Args:
+        g2d: grad of the output, [n_rows, h], any strides.
+        y2d: the forward input, [n_rows, 2h], any strides.
+        bias: [2h], contiguous, or None.
+        weights: [n_rows, 1], or None.
+        activation: "silu" or "gelu_tanh".
+
+    Returns:
+        ``(dy, dbias, dweights)``: dy a new contiguous [n_rows, 2h] tensor of y's dtype;
+        dbias [2h] in bias's dtype (None without bias), summed over rows in float32;
+        dweights [n_rows, 1] in weights' dtype (None without weights), summed over h in float32.
+    """
+    n_rows, h = y2d.shape[0], y2d.shape[1] // 2
+    dy = torch.empty((n_rows, 2 * h), dtype=y2d.dtype, device=y2d.device)
+    if dy.numel() == 0:
+        db = torch.zeros_like(bias) if bias is not None else None
+        dw = torch.zeros_like(weights) if weights is not None else None
+        return dy, db, dw
+    block_m, block_n, warps = glu_block(h)
+    col_programs = triton.cdiv(h, block_n)
+    if bias is None:
+        # Purely elementwise: one tile per program, as many programs as tiles.
+        rows_per_program = block_m
+    else:
+        # Enough row programs to fill the device; each loops over its rows and keeps one
+        # partial of the bias gradient per column: [row_programs, 2h] floats, summed after.
+        row_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_hint(y2d.device) // col_programs))
+        rows_per_program = triton.cdiv(triton.cdiv(n_rows, row_programs), block_m) * block_m
+    row_programs = triton.cdiv(n_rows, rows_per_program)
+    acc = partial_dtype(y2d.dtype)
+    db_partial = (torch.empty((row_programs, 2 * h), dtype=acc, device=y2d.device) if bias is not None else dy)
+    dw_partial = (torch.empty((n_rows, col_programs), dtype=acc, device=y2d.device) if weights is not None else dy)
+    y1, y2 = _halves(y2d)
+    dy1, dy2 = _halves(dy)
+    b1, b2 = (bias[:h], bias[h:]) if bias is not None else (y1, y2)  # dummies when HAS_BIAS is False
+    w = weights if weights is not None else y1
+    launch(
+        _glu_bwd_kernel, (row_programs, col_programs), y2d.device,
+        g2d, y1, y2, b1, b2, w, dy1, dy2, db_partial, dw_partial,
+        n_rows, h, rows_per_program, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
+        weights.stride(0) if weights is not None else 0,
+        ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_WEIGHTS=weights is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+    )
+    db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
+    dw = dw_partial.sum(1, keepdim=True).to(weights.dtype) if weights is not None else None
+    return dy, db, dw
