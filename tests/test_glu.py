@@ -73,7 +73,9 @@ def _check_glu(glu: str, y, bias=None, g=None, weights=None):
     assert torch.equal(g, g_before), "grad_output was modified"
     assert torch.equal(y.detach(), y_before), "input was modified"
     assert y.grad.dtype == dtype and y.grad.shape == y.shape
-    assert_close(y.grad, dy64, dtype)
+    # float32: dy multiplies g·x2·act'(x1) with |g·x2| up to ~30 and x1 = y + b rounded in
+    # float32 (the reference adds exactly): a few 1e-5 absolute; the others: one output rounding.
+    assert_close(y.grad, dy64, dtype, scale=4.0 if dtype == torch.float32 else 1.0)
     rows = max(1, y.numel() // y.shape[-1])
     if bias is not None:
         assert bias.grad.dtype == bias.dtype and bias.grad.shape == bias.shape

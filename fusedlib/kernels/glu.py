@@ -16,6 +16,10 @@ Backward (derived with sympy in chapter 3), with g the gradient of out:
     db  = sum over rows of [dx1 | dx2]                                  (float32, two stages)
     dw  = sum over the h columns of act(x1)·x2·g                        (float32, two stages)
 
+Two backward kernels: ``_glu_bwd_kernel`` (no bias: elementwise, one tile per program, with
+the optional row weights) and ``_bias_glu_bwd_kernel`` (programs walk many rows to sum the
+bias gradient in registers; Megatron has no weighted GLU with a bias).
+
 Memory traffic (the minimum, and what these kernels move): forward reads y (2h per row)
 and writes out (h per row); backward reads g (h) and y (2h) and writes dy (2h). act(x1)
 is recomputed in the backward from y instead of being stored, which costs arithmetic, not
@@ -130,17 +134,74 @@ def _glu_fwd_kernel(
 
 
 @triton.jit
+def _glu_grads(x1, x2, g, ACTIVATION: tl.constexpr):
+    """(act(x1), dx1, dx2) for one tile: dx1 = g·x2·act'(x1), dx2 = g·act(x1)."""
+    a, da = _act_fwd_and_grad(x1, ACTIVATION)
+    return a, g * x2 * da, g * a
+
+
+@triton.jit
 def _glu_bwd_kernel(
     G_ptr,  # grad of the output g, [n_rows, n_cols], strides (G_row_stride, G_col_stride)
     Y1_ptr,  # y1 = y[:, :h], [n_rows, n_cols], strides (Y_row_stride, Y_col_stride)
-    Y2_ptr,  # y2 = y[:, h:], same strides
-    B1_ptr,  # b1 = bias[:h], [n_cols], contiguous (unused unless HAS_BIAS)
-    B2_ptr,  # b2 = bias[h:], [n_cols], contiguous (unused unless HAS_BIAS)
+    Y2_ptr,  # y2 = y[:, h:], same strides (a view of the same tensor)
     W_ptr,  # row weights w, [n_rows, 1], stride W_row_stride (unused unless HAS_WEIGHTS)
     DY1_ptr,  # dy[:, :h], [n_rows, n_cols], row stride 2·n_cols (a view of contiguous dy), y's dtype
     DY2_ptr,  # dy[:, h:], same
-    DB_PARTIAL_ptr,  # ACC [n_row_programs, 2·n_cols]: this program's sum of dy over its rows (HAS_BIAS)
-    DW_PARTIAL_ptr,  # ACC [n_rows, n_col_programs]: this tile's sum of act(x1)·x2·g over its columns
+    DW_PARTIAL_ptr,  # ACC [n_rows, n_col_programs]: each tile's sum of act(x1)·x2·g (HAS_WEIGHTS)
+    n_rows,
+    n_cols,
+    G_row_stride,
+    G_col_stride,
+    Y_row_stride,
+    Y_col_stride,
+    W_row_stride,
+    ACTIVATION: tl.constexpr,  # "silu" (SwiGLU) or "gelu_tanh" (GEGLU)
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,  # compute and accumulation dtype
+):
+    # Without a bias the backward is elementwise (plus a row sum for dw): one tile per program.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+
+    # -- the backward's reads: g once, y once (act(x1) is recomputed, not loaded)
+    y_off = rows[:, None] * Y_row_stride + cols[None, :] * Y_col_stride
+    x1 = tl.load(Y1_ptr + y_off, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(Y2_ptr + y_off, mask=mask, other=0.0).to(ACC)
+    g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride,
+                mask=mask, other=0.0).to(ACC)  # masked lanes: g = 0, so they add nothing to dw
+    if HAS_WEIGHTS:
+        # d out/d w = act(x1)·x2: this tile's part of dw = Σ_cols act(x1)·x2·g; then g <- g·w
+        w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
+        a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
+        tl.store(DW_PARTIAL_ptr + rows * tl.num_programs(1) + pid_n, tl.sum(dy2 * x2, axis=1), mask=row_mask)
+        dy1 = dy1 * w[:, None]
+        dy2 = dy2 * w[:, None]
+    else:
+        a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
+
+    # -- one write each into the two halves of dy
+    dy_off = rows[:, None] * (2 * n_cols) + cols[None, :]
+    tl.store(DY1_ptr + dy_off, dy1.to(DY1_ptr.dtype.element_ty), mask=mask)
+    tl.store(DY2_ptr + dy_off, dy2.to(DY2_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_glu_bwd_kernel(
+    G_ptr,  # grad of the output g, [n_rows, n_cols], strides (G_row_stride, G_col_stride)
+    Y1_ptr,  # y1 = y[:, :h], [n_rows, n_cols], strides (Y_row_stride, Y_col_stride)
+    Y2_ptr,  # y2 = y[:, h:], same strides
+    B1_ptr,  # b1 = bias[:h], [n_cols], contiguous
+    B2_ptr,  # b2 = bias[h:], [n_cols], contiguous
+    DY1_ptr,  # dy[:, :h], [n_rows, n_cols], row stride 2·n_cols, y's dtype
+    DY2_ptr,  # dy[:, h:], same
+    DB_PARTIAL_ptr,  # ACC [n_row_programs, 2·n_cols]: this program's sum of dy over its rows
     n_rows,
     n_cols,
     rows_per_program,  # a multiple of BLOCK_M
@@ -148,60 +209,39 @@ def _glu_bwd_kernel(
     G_col_stride,
     Y_row_stride,
     Y_col_stride,
-    W_row_stride,
     ACTIVATION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ACC: tl.constexpr,  # compute and accumulation dtype
+    ACC: tl.constexpr,
 ):
+    # With a bias, db = Σ_rows dy: each program walks rows_per_program rows of one column
+    # block and keeps the running sum in registers (stage 1 of a deterministic reduction).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    if HAS_BIAS:
-        b1 = tl.load(B1_ptr + cols, mask=col_mask, other=0.0).to(ACC)
-        b2 = tl.load(B2_ptr + cols, mask=col_mask, other=0.0).to(ACC)
-        db1_acc = tl.zeros((BLOCK_N,), dtype=ACC)
-        db2_acc = tl.zeros((BLOCK_N,), dtype=ACC)
+    b1 = tl.load(B1_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    b2 = tl.load(B2_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    db1_acc = tl.zeros((BLOCK_N,), dtype=ACC)
+    db2_acc = tl.zeros((BLOCK_N,), dtype=ACC)
     row_start = pid_m.to(tl.int64) * rows_per_program
     for m in range(0, rows_per_program, BLOCK_M):
         rows = row_start + m + tl.arange(0, BLOCK_M)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
-
-        # -- the backward's reads: g once, y once (act(x1) is recomputed, not loaded)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
         y_off = rows[:, None] * Y_row_stride + cols[None, :] * Y_col_stride
-        x1 = tl.load(Y1_ptr + y_off, mask=mask, other=0.0).to(ACC)
-        x2 = tl.load(Y2_ptr + y_off, mask=mask, other=0.0).to(ACC)
+        x1 = tl.load(Y1_ptr + y_off, mask=mask, other=0.0).to(ACC) + b1[None, :]
+        x2 = tl.load(Y2_ptr + y_off, mask=mask, other=0.0).to(ACC) + b2[None, :]
         g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride,
-                    mask=mask, other=0.0).to(ACC)  # masked lanes: g = 0, so they add nothing below
-        if HAS_BIAS:
-            x1 += b1[None, :]
-            x2 += b2[None, :]
-        a, da = _act_fwd_and_grad(x1, ACTIVATION)
-
-        # -- weight gradient partial, then scale g by w: dw = Σ_cols act(x1)·x2·g
-        if HAS_WEIGHTS:
-            tl.store(DW_PARTIAL_ptr + rows * tl.num_programs(1) + pid_n, tl.sum(a * x2 * g, axis=1),
-                     mask=row_mask)
-            w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
-            g = g * w[:, None]
-
-        # -- dx1 = g·x2·act'(x1), dx2 = g·act(x1): one write each, into the two halves of dy
-        dy1 = g * x2 * da
-        dy2 = g * a
+                    mask=mask, other=0.0).to(ACC)  # masked lanes: g = 0, so dy = 0 there
+        a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
         dy_off = rows[:, None] * (2 * n_cols) + cols[None, :]
         tl.store(DY1_ptr + dy_off, dy1.to(DY1_ptr.dtype.element_ty), mask=mask)
         tl.store(DY2_ptr + dy_off, dy2.to(DY2_ptr.dtype.element_ty), mask=mask)
-        if HAS_BIAS:
-            db1_acc += tl.sum(dy1, axis=0)
-            db2_acc += tl.sum(dy2, axis=0)
-    if HAS_BIAS:
-        db_row = DB_PARTIAL_ptr + pid_m.to(tl.int64) * (2 * n_cols)
-        tl.store(db_row + cols, db1_acc, mask=col_mask)
-        tl.store(db_row + n_cols + cols, db2_acc, mask=col_mask)
+        db1_acc += tl.sum(dy1, axis=0)
+        db2_acc += tl.sum(dy2, axis=0)
+    db_row = DB_PARTIAL_ptr + pid_m.to(tl.int64) * (2 * n_cols)
+    tl.store(db_row + cols, db1_acc, mask=col_mask)
+    tl.store(db_row + n_cols + cols, db2_acc, mask=col_mask)
 
 
 # Tile shapes of the GLU kernels, as (upper bound of h, BLOCK_N, BLOCK_M, num_warps), where
@@ -278,13 +318,13 @@ def glu_fwd(y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor 
 
 def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
             activation: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Launch the backward kernel, then reduce the bias / weight partial sums.
+    """Launch a backward kernel, then reduce the bias / weight partial sums.
 
     Args:
         g2d: grad of the output, [n_rows, h], any strides.
         y2d: the forward input, [n_rows, 2h], any strides.
         bias: [2h], contiguous, or None.
-        weights: [n_rows, 1], or None.
+        weights: [n_rows, 1], or None (not both: Megatron has no weighted GLU with bias).
         activation: "silu" or "gelu_tanh".
 
     Returns:
@@ -292,6 +332,8 @@ def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, wei
         dbias [2h] in bias's dtype (None without bias), summed over rows in float32;
         dweights [n_rows, 1] in weights' dtype (None without weights), summed over h in float32.
     """
+    if bias is not None and weights is not None:
+        raise NotImplementedError("a GLU with both a bias and row weights has no backward kernel")
     n_rows, h = y2d.shape[0], y2d.shape[1] // 2
     dy = torch.empty((n_rows, 2 * h), dtype=y2d.dtype, device=y2d.device)
     if dy.numel() == 0:
@@ -300,30 +342,32 @@ def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, wei
         return dy, db, dw
     block_m, block_n, warps = glu_block(h)
     col_programs = triton.cdiv(h, block_n)
-    if bias is None:
-        # Purely elementwise: one tile per program, as many programs as tiles.
-        rows_per_program = block_m
-    else:
-        # Enough row programs to fill the device; each loops over its rows and keeps one
-        # partial of the bias gradient per column: [row_programs, 2h] floats, summed after.
-        row_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_hint(y2d.device) // col_programs))
-        rows_per_program = triton.cdiv(triton.cdiv(n_rows, row_programs), block_m) * block_m
-    row_programs = triton.cdiv(n_rows, rows_per_program)
     acc = partial_dtype(y2d.dtype)
-    db_partial = (torch.empty((row_programs, 2 * h), dtype=acc, device=y2d.device) if bias is not None else dy)
-    dw_partial = (torch.empty((n_rows, col_programs), dtype=acc, device=y2d.device) if weights is not None else dy)
     y1, y2 = _halves(y2d)
     dy1, dy2 = _halves(dy)
-    b1, b2 = (bias[:h], bias[h:]) if bias is not None else (y1, y2)  # dummies when HAS_BIAS is False
-    w = weights if weights is not None else y1
+    if bias is None:
+        row_programs = triton.cdiv(n_rows, block_m)
+        dw_partial = torch.empty((n_rows, col_programs), dtype=acc, device=y2d.device) if weights is not None else dy
+        launch(
+            _glu_bwd_kernel, (row_programs, col_programs), y2d.device,
+            g2d, y1, y2, weights if weights is not None else y1, dy1, dy2, dw_partial,
+            n_rows, h, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
+            weights.stride(0) if weights is not None else 0,
+            ACTIVATION=activation, HAS_WEIGHTS=weights is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+        )
+        dw = dw_partial.sum(1, keepdim=True).to(weights.dtype) if weights is not None else None
+        return dy, None, dw
+    # Enough row programs to fill the device; each loops over its rows and keeps one
+    # partial of the bias gradient per column: [row_programs, 2h] floats, summed after.
+    row_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_hint(y2d.device) // col_programs))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, row_programs), block_m) * block_m
+    row_programs = triton.cdiv(n_rows, rows_per_program)
+    db_partial = torch.empty((row_programs, 2 * h), dtype=acc, device=y2d.device)
     launch(
-        _glu_bwd_kernel, (row_programs, col_programs), y2d.device,
-        g2d, y1, y2, b1, b2, w, dy1, dy2, db_partial, dw_partial,
+        _bias_glu_bwd_kernel, (row_programs, col_programs), y2d.device,
+        g2d, y1, y2, bias[:h], bias[h:], dy1, dy2, db_partial,
         n_rows, h, rows_per_program, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
-        weights.stride(0) if weights is not None else 0,
-        ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_WEIGHTS=weights is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
     )
-    db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
-    dw = dw_partial.sum(1, keepdim=True).to(weights.dtype) if weights is not None else None
-    return dy, db, dw
+    return dy, db_partial.sum(0).to(bias.dtype), None
