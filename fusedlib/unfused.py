@@ -285,7 +285,8 @@ def silu_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: silu(y1)·y2 with y1, y2 = chunk(y, 2, -1).
+    """SwiGLU: silu(y1)·y2 with y1, y2 = chunk(y, 2, -1), as Megatron's ``swiglu`` writes it
+    (``F.silu``: two eager kernels, silu and the product).
 
     Args:
         y: [..., 2h], any float dtype.
@@ -294,7 +295,7 @@ def swiglu(y: torch.Tensor) -> torch.Tensor:
         [..., h], y's dtype.
     """
     y1, y2 = torch.chunk(y, 2, -1)
-    return silu(y1) * y2
+    return torch.nn.functional.silu(y1) * y2
 
 
 def bias_swiglu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -365,7 +366,8 @@ def weighted_swiglu_back(g: torch.Tensor, y: torch.Tensor,
 
 
 def geglu(y: torch.Tensor) -> torch.Tensor:
-    """GEGLU: gelu_tanh(y1)·y2 with y1, y2 = chunk(y, 2, -1).
+    """GEGLU: gelu_tanh(y1)·y2 with y1, y2 = chunk(y, 2, -1), written as a PyTorch user would
+    (``F.gelu(approximate="tanh")``, the same function as :func:`gelu_tanh`: two eager kernels).
 
     Args:
         y: [..., 2h], any float dtype.
@@ -374,7 +376,7 @@ def geglu(y: torch.Tensor) -> torch.Tensor:
         [..., h], y's dtype.
     """
     y1, y2 = torch.chunk(y, 2, -1)
-    return gelu_tanh(y1) * y2
+    return torch.nn.functional.gelu(y1, approximate="tanh") * y2
 
 
 def bias_geglu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -41,16 +41,18 @@ import triton.language as tl
 from ..runtime import launch
 from ..utils import acc_dtype, num_programs_hint
 from .math import tanh
+from .reduce import sum_partials
 
 __all__ = ["GLU_ACTIVATIONS", "glu_fwd", "glu_bwd", "glu_block", "partial_dtype"]
 
 #: The activations a GLU kernel takes: "silu" makes SwiGLU, "gelu_tanh" makes GEGLU.
 GLU_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
 
-# Constants of the tanh approximation of GeLU (derived with sympy in chapters 1 and 3).
-SQRT_2_OVER_PI = 0.7978845608028654  # c0 = sqrt(2/pi)
-GELU_COEF = 0.044715  # c1, the cubic coefficient fitted by Hendrycks & Gimpel
-GELU_DERIV_COEF = 0.10703222440890037  # c2 = 3·c0·c1 = sqrt(2/pi) * 3 * 0.044715
+# Constants of the tanh approximation of GeLU (derived with sympy in chapters 1 and 3). Kernels
+# may read module globals only as tl.constexpr: a plain float compiles in the interpreter alone.
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # c0 = sqrt(2/pi)
+GELU_COEF = tl.constexpr(0.044715)  # c1, the cubic coefficient fitted by Hendrycks & Gimpel
+GELU_DERIV_COEF = tl.constexpr(0.10703222440890037)  # c2 = 3·c0·c1 = sqrt(2/pi) * 3 * 0.044715
 
 
 @triton.jit
@@ -67,7 +69,7 @@ def _act_fwd(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == "silu":
         a = x * _sigmoid(x)
     else:
-        t = tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF * x * x))
+        t = tanh(x * SQRT_2_OVER_PI * (1.0 + x * x * GELU_COEF))
         a = 0.5 * x * (1.0 + t)
     return a
 
@@ -80,9 +82,9 @@ def _act_fwd_and_grad(x, ACTIVATION: tl.constexpr):
         a = x * s
         da = s * (1.0 + x * (1.0 - s))  # silu'(x) = σ(x)·(1 + x·(1 - σ(x)))
     else:
-        t = tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF * x * x))
+        t = tanh(x * SQRT_2_OVER_PI * (1.0 + x * x * GELU_COEF))
         a = 0.5 * x * (1.0 + t)
-        da = 0.5 * x * ((1.0 - t * t) * (SQRT_2_OVER_PI + GELU_DERIV_COEF * x * x)) + 0.5 * (1.0 + t)
+        da = 0.5 * x * ((1.0 - t * t) * (x * x * GELU_DERIV_COEF + SQRT_2_OVER_PI)) + 0.5 * (1.0 + t)
     return a, da
 
 
@@ -222,8 +224,10 @@ def _bias_glu_bwd_kernel(
     col_mask = cols < n_cols
     b1 = tl.load(B1_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     b2 = tl.load(B2_ptr + cols, mask=col_mask, other=0.0).to(ACC)
-    db1_acc = tl.zeros((BLOCK_N,), dtype=ACC)
-    db2_acc = tl.zeros((BLOCK_N,), dtype=ACC)
+    # [BLOCK_M, BLOCK_N] running sums: adding tile by tile needs no communication between
+    # threads; the one reduction over rows (through shared memory) happens after the loop.
+    db1_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    db2_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     row_start = pid_m.to(tl.int64) * rows_per_program
     for m in range(0, rows_per_program, BLOCK_M):
         rows = row_start + m + tl.arange(0, BLOCK_M)
@@ -237,11 +241,11 @@ def _bias_glu_bwd_kernel(
         dy_off = rows[:, None] * (2 * n_cols) + cols[None, :]
         tl.store(DY1_ptr + dy_off, dy1.to(DY1_ptr.dtype.element_ty), mask=mask)
         tl.store(DY2_ptr + dy_off, dy2.to(DY2_ptr.dtype.element_ty), mask=mask)
-        db1_acc += tl.sum(dy1, axis=0)
-        db2_acc += tl.sum(dy2, axis=0)
+        db1_acc += dy1  # masked lanes hold 0 (g = 0 there)
+        db2_acc += dy2
     db_row = DB_PARTIAL_ptr + pid_m.to(tl.int64) * (2 * n_cols)
-    tl.store(db_row + cols, db1_acc, mask=col_mask)
-    tl.store(db_row + n_cols + cols, db2_acc, mask=col_mask)
+    tl.store(db_row + cols, tl.sum(db1_acc, axis=0), mask=col_mask)
+    tl.store(db_row + n_cols + cols, tl.sum(db2_acc, axis=0), mask=col_mask)
 
 
 # Tile shapes of the GLU kernels, as (upper bound of h, BLOCK_N, BLOCK_M, num_warps), where
@@ -358,8 +362,9 @@ def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, wei
         )
         dw = dw_partial.sum(1, keepdim=True).to(weights.dtype) if weights is not None else None
         return dy, None, dw
-    # Enough row programs to fill the device; each loops over its rows and keeps one
-    # partial of the bias gradient per column: [row_programs, 2h] floats, summed after.
+    # Enough row programs to fill the device (utils.PROGRAMS_PER_SM per SM); each loops over
+    # its rows and keeps one partial of the bias gradient per column: [row_programs, 2h]
+    # floats, summed by a second small kernel (kernels/reduce.py).
     row_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_hint(y2d.device) // col_programs))
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, row_programs), block_m) * block_m
     row_programs = triton.cdiv(n_rows, rows_per_program)
@@ -370,4 +375,4 @@ def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, wei
         n_rows, h, rows_per_program, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
     )
-    return dy, db_partial.sum(0).to(bias.dtype), None
+    return dy, sum_partials(db_partial, bias.dtype), None
