@@ -23,8 +23,8 @@ bias gradient in registers; Megatron has no weighted GLU with a bias).
 Memory traffic (the minimum, and what these kernels move): forward reads y (2h per row)
 and writes out (h per row); backward reads g (h) and y (2h) and writes dy (2h). act(x1)
 is recomputed in the backward from y instead of being stored, which costs arithmetic, not
-bytes. The two halves are passed as two strided views of y (``Y1_ptr``, ``Y2_ptr``), so
-the kernel reads like the math and a non-contiguous y needs no copy.
+bytes. The kernels address y through its two strides, y1 at columns [0, h) and y2 at
+[h, 2h), so a non-contiguous y needs no copy.
 
 Dtype policy: load, compute in float32 (float64 for float64 inputs, so gradcheck checks the
 kernels), store in y's dtype; bias and weight gradients accumulated in float32.
@@ -90,14 +90,12 @@ def _act_fwd_and_grad(x, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _glu_fwd_kernel(
-    Y1_ptr,  # y1 = y[:, :h], [n_rows, n_cols], strides (Y_row_stride, Y_col_stride)
-    Y2_ptr,  # y2 = y[:, h:], [n_rows, n_cols], same strides (a view of the same tensor)
-    B1_ptr,  # b1 = bias[:h], [n_cols], contiguous (unused unless HAS_BIAS)
-    B2_ptr,  # b2 = bias[h:], [n_cols], contiguous (unused unless HAS_BIAS)
+    Y_ptr,  # input y = [y1 | y2], [n_rows, 2·n_cols], strides (Y_row_stride, Y_col_stride)
+    B_ptr,  # bias = [b1 | b2], [2·n_cols], contiguous (unused unless HAS_BIAS)
     W_ptr,  # row weights w, [n_rows, 1], stride W_row_stride (unused unless HAS_WEIGHTS)
     OUT_ptr,  # output, [n_rows, n_cols], contiguous, y's dtype
     n_rows,
-    n_cols,  # h, the width of one half and of the output
+    n_cols,  # h: the width of each half of y, and of the output
     Y_row_stride,
     Y_col_stride,
     W_row_stride,
@@ -117,13 +115,13 @@ def _glu_fwd_kernel(
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
 
-    # -- load both halves of the tile (the only reads of y), upcast to ACC
-    y_off = rows[:, None] * Y_row_stride + cols[None, :] * Y_col_stride
-    x1 = tl.load(Y1_ptr + y_off, mask=mask, other=0.0).to(ACC)
-    x2 = tl.load(Y2_ptr + y_off, mask=mask, other=0.0).to(ACC)
+    # -- load the tile from both halves, y1 = y[:, :h] and y2 = y[:, h:] (the only reads of y)
+    y_rows = Y_ptr + rows[:, None] * Y_row_stride
+    x1 = tl.load(y_rows + cols[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(y_rows + (n_cols + cols)[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC)
     if HAS_BIAS:
-        x1 += tl.load(B1_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
-        x2 += tl.load(B2_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+        x1 += tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+        x2 += tl.load(B_ptr + n_cols + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
 
     # -- gate: out = act(x1)·x2 (·w)
     out = _act_fwd(x1, ACTIVATION) * x2
@@ -145,11 +143,9 @@ def _glu_grads(x1, x2, g, ACTIVATION: tl.constexpr):
 @triton.jit
 def _glu_bwd_kernel(
     G_ptr,  # grad of the output g, [n_rows, n_cols], strides (G_row_stride, G_col_stride)
-    Y1_ptr,  # y1 = y[:, :h], [n_rows, n_cols], strides (Y_row_stride, Y_col_stride)
-    Y2_ptr,  # y2 = y[:, h:], same strides (a view of the same tensor)
+    Y_ptr,  # the forward input y = [y1 | y2], [n_rows, 2·n_cols], strides (Y_row_stride, Y_col_stride)
     W_ptr,  # row weights w, [n_rows, 1], stride W_row_stride (unused unless HAS_WEIGHTS)
-    DY1_ptr,  # dy[:, :h], [n_rows, n_cols], row stride 2·n_cols (a view of contiguous dy), y's dtype
-    DY2_ptr,  # dy[:, h:], same
+    DY_ptr,  # grad of y = [dy1 | dy2], [n_rows, 2·n_cols], contiguous, y's dtype
     DW_PARTIAL_ptr,  # ACC [n_rows, n_col_programs]: each tile's sum of act(x1)·x2·g (HAS_WEIGHTS)
     n_rows,
     n_cols,
@@ -173,36 +169,32 @@ def _glu_bwd_kernel(
     mask = row_mask[:, None] & (cols < n_cols)[None, :]
 
     # -- the backward's reads: g once, y once (act(x1) is recomputed, not loaded)
-    y_off = rows[:, None] * Y_row_stride + cols[None, :] * Y_col_stride
-    x1 = tl.load(Y1_ptr + y_off, mask=mask, other=0.0).to(ACC)
-    x2 = tl.load(Y2_ptr + y_off, mask=mask, other=0.0).to(ACC)
+    y_rows = Y_ptr + rows[:, None] * Y_row_stride
+    x1 = tl.load(y_rows + cols[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(y_rows + (n_cols + cols)[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC)
     g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride,
                 mask=mask, other=0.0).to(ACC)  # masked lanes: g = 0, so they add nothing to dw
+    a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
     if HAS_WEIGHTS:
-        # d out/d w = act(x1)·x2: this tile's part of dw = Σ_cols act(x1)·x2·g; then g <- g·w
-        w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
-        a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
+        # d out/d w = act(x1)·x2, so this tile's part of dw is Σ_cols act(x1)·x2·g = Σ dy2·x2;
+        # then every input gradient carries the factor w.
         tl.store(DW_PARTIAL_ptr + rows * tl.num_programs(1) + pid_n, tl.sum(dy2 * x2, axis=1), mask=row_mask)
+        w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
         dy1 = dy1 * w[:, None]
         dy2 = dy2 * w[:, None]
-    else:
-        a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
 
     # -- one write each into the two halves of dy
-    dy_off = rows[:, None] * (2 * n_cols) + cols[None, :]
-    tl.store(DY1_ptr + dy_off, dy1.to(DY1_ptr.dtype.element_ty), mask=mask)
-    tl.store(DY2_ptr + dy_off, dy2.to(DY2_ptr.dtype.element_ty), mask=mask)
+    dy1_ptrs = DY_ptr + rows[:, None] * (2 * n_cols) + cols[None, :]
+    tl.store(dy1_ptrs, dy1.to(DY_ptr.dtype.element_ty), mask=mask)
+    tl.store(dy1_ptrs + n_cols, dy2.to(DY_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _bias_glu_bwd_kernel(
     G_ptr,  # grad of the output g, [n_rows, n_cols], strides (G_row_stride, G_col_stride)
-    Y1_ptr,  # y1 = y[:, :h], [n_rows, n_cols], strides (Y_row_stride, Y_col_stride)
-    Y2_ptr,  # y2 = y[:, h:], same strides
-    B1_ptr,  # b1 = bias[:h], [n_cols], contiguous
-    B2_ptr,  # b2 = bias[h:], [n_cols], contiguous
-    DY1_ptr,  # dy[:, :h], [n_rows, n_cols], row stride 2·n_cols, y's dtype
-    DY2_ptr,  # dy[:, h:], same
+    Y_ptr,  # the forward input y = [y1 | y2], [n_rows, 2·n_cols], strides (Y_row_stride, Y_col_stride)
+    B_ptr,  # bias = [b1 | b2], [2·n_cols], contiguous
+    DY_ptr,  # grad of y = [dy1 | dy2], [n_rows, 2·n_cols], contiguous, y's dtype
     DB_PARTIAL_ptr,  # ACC [n_row_programs, 2·n_cols]: this program's sum of dy over its rows
     n_rows,
     n_cols,
@@ -217,13 +209,13 @@ def _bias_glu_bwd_kernel(
     ACC: tl.constexpr,
 ):
     # With a bias, db = Σ_rows dy: each program walks rows_per_program rows of one column
-    # block and keeps the running sum in registers (stage 1 of a deterministic reduction).
+    # block and keeps running sums in registers (stage 1 of a deterministic reduction).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    b1 = tl.load(B1_ptr + cols, mask=col_mask, other=0.0).to(ACC)
-    b2 = tl.load(B2_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    b1 = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    b2 = tl.load(B_ptr + n_cols + cols, mask=col_mask, other=0.0).to(ACC)
     # [BLOCK_M, BLOCK_N] running sums: adding tile by tile needs no communication between
     # threads; the one reduction over rows (through shared memory) happens after the loop.
     db1_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
@@ -232,16 +224,16 @@ def _bias_glu_bwd_kernel(
     for m in range(0, rows_per_program, BLOCK_M):
         rows = row_start + m + tl.arange(0, BLOCK_M)
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
-        y_off = rows[:, None] * Y_row_stride + cols[None, :] * Y_col_stride
-        x1 = tl.load(Y1_ptr + y_off, mask=mask, other=0.0).to(ACC) + b1[None, :]
-        x2 = tl.load(Y2_ptr + y_off, mask=mask, other=0.0).to(ACC) + b2[None, :]
+        y_rows = Y_ptr + rows[:, None] * Y_row_stride
+        x1 = tl.load(y_rows + cols[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC) + b1[None, :]
+        x2 = tl.load(y_rows + (n_cols + cols)[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC) + b2[None, :]
         g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride,
                     mask=mask, other=0.0).to(ACC)  # masked lanes: g = 0, so dy = 0 there
         a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
-        dy_off = rows[:, None] * (2 * n_cols) + cols[None, :]
-        tl.store(DY1_ptr + dy_off, dy1.to(DY1_ptr.dtype.element_ty), mask=mask)
-        tl.store(DY2_ptr + dy_off, dy2.to(DY2_ptr.dtype.element_ty), mask=mask)
-        db1_acc += dy1  # masked lanes hold 0 (g = 0 there)
+        dy1_ptrs = DY_ptr + rows[:, None] * (2 * n_cols) + cols[None, :]
+        tl.store(dy1_ptrs, dy1.to(DY_ptr.dtype.element_ty), mask=mask)
+        tl.store(dy1_ptrs + n_cols, dy2.to(DY_ptr.dtype.element_ty), mask=mask)
+        db1_acc += dy1
         db2_acc += dy2
     db_row = DB_PARTIAL_ptr + pid_m.to(tl.int64) * (2 * n_cols)
     tl.store(db_row + cols, tl.sum(db1_acc, axis=0), mask=col_mask)
@@ -282,12 +274,6 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, 2h] -> two [n, h] views (no copy), torch.chunk(t, 2, -1)."""
-    h = t.shape[-1] // 2
-    return t[:, :h], t[:, h:]
-
-
 def glu_fwd(y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
             activation: str) -> torch.Tensor:
     """Launch the forward kernel: ``act(y1 + b1)·(y2 + b2)·w``.
@@ -305,15 +291,11 @@ def glu_fwd(y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor 
     out = torch.empty((n_rows, h), dtype=y2d.dtype, device=y2d.device)
     if out.numel() == 0:
         return out
-    y1, y2 = _halves(y2d)
-    b1, b2 = (bias[:h], bias[h:]) if bias is not None else (y1, y2)  # dummies when HAS_BIAS is False
-    w = weights if weights is not None else y1
     block_m, block_n, warps = glu_block(h)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(h, block_n))
     launch(
-        _glu_fwd_kernel, grid, y2d.device,
-        y1, y2, b1, b2, w, out, n_rows, h, y2d.stride(0), y2d.stride(1),
-        weights.stride(0) if weights is not None else 0,
+        _glu_fwd_kernel, (triton.cdiv(n_rows, block_m), triton.cdiv(h, block_n)), y2d.device,
+        y2d, y2d if bias is None else bias, y2d if weights is None else weights, out,  # y2d: unused dummies
+        n_rows, h, y2d.stride(0), y2d.stride(1), 0 if weights is None else weights.stride(0),
         ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_WEIGHTS=weights is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
     )
@@ -328,13 +310,16 @@ def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, wei
         g2d: grad of the output, [n_rows, h], any strides.
         y2d: the forward input, [n_rows, 2h], any strides.
         bias: [2h], contiguous, or None.
-        weights: [n_rows, 1], or None (not both: Megatron has no weighted GLU with bias).
+        weights: [n_rows, 1], or None (not both: Megatron has no weighted GLU with a bias).
         activation: "silu" or "gelu_tanh".
 
     Returns:
         ``(dy, dbias, dweights)``: dy a new contiguous [n_rows, 2h] tensor of y's dtype;
         dbias [2h] in bias's dtype (None without bias), summed over rows in float32;
         dweights [n_rows, 1] in weights' dtype (None without weights), summed over h in float32.
+
+    Raises:
+        NotImplementedError: for both a bias and weights.
     """
     if bias is not None and weights is not None:
         raise NotImplementedError("a GLU with both a bias and row weights has no backward kernel")
@@ -347,21 +332,21 @@ def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, wei
     block_m, block_n, warps = glu_block(h)
     col_programs = triton.cdiv(h, block_n)
     acc = partial_dtype(y2d.dtype)
-    y1, y2 = _halves(y2d)
-    dy1, dy2 = _halves(dy)
     if bias is None:
-        row_programs = triton.cdiv(n_rows, block_m)
-        dw_partial = torch.empty((n_rows, col_programs), dtype=acc, device=y2d.device) if weights is not None else dy
+        dw_partial = dy if weights is None else torch.empty((n_rows, col_programs), dtype=acc, device=y2d.device)
         launch(
-            _glu_bwd_kernel, (row_programs, col_programs), y2d.device,
-            g2d, y1, y2, weights if weights is not None else y1, dy1, dy2, dw_partial,
+            _glu_bwd_kernel, (triton.cdiv(n_rows, block_m), col_programs), y2d.device,
+            g2d, y2d, y2d if weights is None else weights, dy, dw_partial,  # y2d, dy: unused dummies
             n_rows, h, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
-            weights.stride(0) if weights is not None else 0,
+            0 if weights is None else weights.stride(0),
             ACTIVATION=activation, HAS_WEIGHTS=weights is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
         )
-        dw = dw_partial.sum(1, keepdim=True).to(weights.dtype) if weights is not None else None
-        return dy, None, dw
+        if weights is None:
+            return dy, None, None
+        # [n_rows, col_programs] partials -> [n_rows, 1]: no reduction left for one column tile
+        dw = dw_partial if col_programs == 1 else dw_partial.sum(1, keepdim=True)
+        return dy, None, dw.to(weights.dtype)
     # Enough row programs to fill the device (utils.PROGRAMS_PER_SM per SM); each loops over
     # its rows and keeps one partial of the bias gradient per column: [row_programs, 2h]
     # floats, summed by a second small kernel (kernels/reduce.py).
@@ -371,7 +356,7 @@ def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, wei
     db_partial = torch.empty((row_programs, 2 * h), dtype=acc, device=y2d.device)
     launch(
         _bias_glu_bwd_kernel, (row_programs, col_programs), y2d.device,
-        g2d, y1, y2, bias[:h], bias[h:], dy1, dy2, db_partial,
+        g2d, y2d, bias, dy, db_partial,
         n_rows, h, rows_per_program, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
     )
