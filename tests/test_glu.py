@@ -425,3 +425,15 @@ def test_mixed_devices_raise():
         bias_swiglu_impl(torch.randn(4, 8, device=DEVICE), torch.randn(8, device=other))
     with pytest.raises(ValueError, match="one device, got input on"):
         weighted_bias_swiglu_impl(torch.randn(4, 8, device=DEVICE), None, torch.rand(4, 1, device=other))
+
+
+def test_bench_byte_counts_are_the_floor():
+    from fusedlib.bench.ops._glu import glu_bytes, weighted_glu_bytes
+
+    n, h = 10, 7
+    b = glu_bytes(n, h, 2)
+    assert b["fwd"] == (2 * n * h + n * h) * 2  # read y [n, 2h], write out [n, h]
+    assert b["fwd+bwd"] - b["fwd"] == (n * h + 2 * n * h + 2 * n * h) * 2  # read g, y; write dy
+    assert glu_bytes(n, h, 2, bias=True)["fwd"] == b["fwd"] + 2 * h * 2
+    wb = weighted_glu_bytes(n, h, 2, 4)
+    assert wb["fwd"] == b["fwd"] + 4 * n and wb["fwd+bwd"] == b["fwd+bwd"] + 3 * 4 * n
