@@ -101,7 +101,8 @@ def glu_apply(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor 
               activation: str) -> torch.Tensor:
     """Forward kernel on [..., 2h] -> [..., h], no autograd. Inputs already checked."""
     # [..., 2h] -> [rows, 2h] (a view where strides allow), then [rows, h] -> [..., h]
-    return glu_fwd(as_rows(y), bias, weights, activation).view(_out_shape(y))
+    out = glu_fwd(as_rows(y), bias, weights, activation)
+    return out if y.dim() == 2 else out.view(_out_shape(y))
 
 
 def glu_backward_apply(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
@@ -109,7 +110,7 @@ def glu_backward_apply(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | No
     """Backward kernel: (dy [..., 2h], dbias or None, dweights or None). Inputs already checked."""
     # g: [..., h] -> [rows, h]; y: [..., 2h] -> [rows, 2h]
     dy, db, dw = glu_bwd(as_rows(g), as_rows(y), bias, weights, activation)
-    return dy.view(y.shape), db, dw
+    return (dy if y.dim() == 2 else dy.view(y.shape)), db, dw
 
 
 def glu_forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None, activation: str,

@@ -43,7 +43,7 @@ from ..utils import acc_dtype, num_programs_hint
 from .math import tanh
 from .reduce import sum_partials
 
-__all__ = ["GLU_ACTIVATIONS", "glu_fwd", "glu_bwd", "glu_block", "partial_dtype"]
+__all__ = ["GLU_ACTIVATIONS", "glu_fwd", "glu_bwd", "glu_block", "partial_dtype", "cdiv"]
 
 #: The activations a GLU kernel takes: "silu" makes SwiGLU, "gelu_tanh" makes GEGLU.
 GLU_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
@@ -254,6 +254,17 @@ _GLU_TILES: tuple[tuple[int, int, int, int], ...] = (
 )
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints >= 0, in plain Python: ``triton.cdiv`` is a ``constexpr_function``
+    in recent Triton (3.9), whose call wrapper costs more CPU time than the arithmetic."""
+    return (a + b - 1) // b
+
+
+def _next_power_of_2(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 def glu_block(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for the GLU kernels with output rows of ``n_cols``.
 
@@ -265,7 +276,7 @@ def glu_block(n_cols: int) -> tuple[int, int, int]:
     """
     for bound, block_n, block_m, warps in _GLU_TILES:
         if n_cols <= bound:
-            return block_m, min(block_n, triton.next_power_of_2(n_cols)), warps
+            return block_m, min(block_n, _next_power_of_2(n_cols)), warps
     raise AssertionError("unreachable: the last bound is 2^62")
 
 
@@ -293,7 +304,7 @@ def glu_fwd(y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor 
         return out
     block_m, block_n, warps = glu_block(h)
     launch(
-        _glu_fwd_kernel, (triton.cdiv(n_rows, block_m), triton.cdiv(h, block_n)), y2d.device,
+        _glu_fwd_kernel, (cdiv(n_rows, block_m), cdiv(h, block_n)), y2d.device,
         y2d, y2d if bias is None else bias, y2d if weights is None else weights, out,  # y2d: unused dummies
         n_rows, h, y2d.stride(0), y2d.stride(1), 0 if weights is None else weights.stride(0),
         ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_WEIGHTS=weights is not None,
@@ -330,12 +341,12 @@ def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, wei
         dw = torch.zeros_like(weights) if weights is not None else None
         return dy, db, dw
     block_m, block_n, warps = glu_block(h)
-    col_programs = triton.cdiv(h, block_n)
+    col_programs = cdiv(h, block_n)
     acc = partial_dtype(y2d.dtype)
     if bias is None:
         dw_partial = dy if weights is None else torch.empty((n_rows, col_programs), dtype=acc, device=y2d.device)
         launch(
-            _glu_bwd_kernel, (triton.cdiv(n_rows, block_m), col_programs), y2d.device,
+            _glu_bwd_kernel, (cdiv(n_rows, block_m), col_programs), y2d.device,
             g2d, y2d, y2d if weights is None else weights, dy, dw_partial,  # y2d, dy: unused dummies
             n_rows, h, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
             0 if weights is None else weights.stride(0),
@@ -350,9 +361,9 @@ def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, wei
     # Enough row programs to fill the device (utils.PROGRAMS_PER_SM per SM); each loops over
     # its rows and keeps one partial of the bias gradient per column: [row_programs, 2h]
     # floats, summed by a second small kernel (kernels/reduce.py).
-    row_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_hint(y2d.device) // col_programs))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, row_programs), block_m) * block_m
-    row_programs = triton.cdiv(n_rows, rows_per_program)
+    row_programs = max(1, min(cdiv(n_rows, block_m), num_programs_hint(y2d.device) // col_programs))
+    rows_per_program = cdiv(cdiv(n_rows, row_programs), block_m) * block_m
+    row_programs = cdiv(n_rows, rows_per_program)
     db_partial = torch.empty((row_programs, 2 * h), dtype=acc, device=y2d.device)
     launch(
         _bias_glu_bwd_kernel, (row_programs, col_programs), y2d.device,

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..runtime import launch
 from ..utils import acc_dtype
-from .glu import glu_block, partial_dtype
+from .glu import cdiv, glu_block, partial_dtype
 from .math import tanh
 
 __all__ = ["weighted_squared_relu_fwd", "weighted_squared_relu_bwd"]
@@ -126,7 +126,7 @@ def weighted_squared_relu_fwd(x2d: torch.Tensor, weights: torch.Tensor, clamp_sc
     if out.numel() == 0:
         return out
     block_m, block_n, warps = glu_block(n_cols)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
     launch(
         _weighted_squared_relu_fwd_kernel, grid, x2d.device,
         x2d, weights, out, n_rows, n_cols, x2d.stride(0), x2d.stride(1), weights.stride(0),
@@ -155,7 +155,7 @@ def weighted_squared_relu_bwd(g2d: torch.Tensor, x2d: torch.Tensor, weights: tor
     if dx.numel() == 0:
         return dx, torch.zeros_like(weights)
     block_m, block_n, warps = glu_block(n_cols)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
     dw_partial = torch.empty((n_rows, grid[1]), dtype=partial_dtype(x2d.dtype), device=x2d.device)
     launch(
         _weighted_squared_relu_bwd_kernel, grid, x2d.device,
