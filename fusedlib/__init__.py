@@ -10,6 +10,13 @@ Public API (Megatron-core's names):
 * ``fusedlib.fusions.fused_bias_dropout``: ``get_bias_dropout_add``,
   ``bias_dropout_add_fused_train``, ``bias_dropout_add_fused_inference``,
   ``bias_dropout_add_unfused``, ``BiasDropoutAddFunction``.
+* ``fusedlib.fusions.fused_bias_swiglu``: ``bias_swiglu_impl``, ``weighted_bias_swiglu_impl``,
+  ``SwiGLUFunction``, ``BiasSwiGLUFunction``, ``WeightedSwiGLUFunction``, and the plain
+  ``swiglu``, ``bias_swiglu``, ``weighted_swiglu`` (+ ``_back``) functions.
+* ``fusedlib.fusions.fused_bias_geglu``: ``bias_geglu_impl``, ``GeGLUFunction``,
+  ``BiasGeGLUFunction``, ``geglu``, ``bias_geglu`` (+ ``_back``).
+* ``fusedlib.fusions.fused_weighted_squared_relu``: ``weighted_squared_relu_impl``,
+  ``WeightedSquaredReLUFunction``, ``weighted_squared_relu`` (+ ``_back``).
 * ``fusedlib.unfused``: the plain PyTorch references.
 * ``fusedlib.jit``: ``jit_fuser``, ``enable_jit_fuser``, ``disable_jit_fuser``.
 * ``fusedlib.runtime``: where kernels run (compiled on CUDA, interpreted on the CPU).
@@ -58,4 +65,27 @@ __all__ += [
     "bias_dropout_add_fused_train",
     "bias_dropout_add_unfused",
     "get_bias_dropout_add",
+]
+
+from .fusions.fused_bias_geglu import BiasGeGLUFunction, GeGLUFunction, bias_geglu_impl  # noqa: E402  (chapter 3)
+from .fusions.fused_bias_swiglu import (  # noqa: E402
+    BiasSwiGLUFunction,
+    SwiGLUFunction,
+    WeightedSwiGLUFunction,
+    bias_swiglu_impl,
+    weighted_bias_swiglu_impl,
+)
+from .fusions.fused_weighted_squared_relu import WeightedSquaredReLUFunction, weighted_squared_relu_impl  # noqa: E402
+
+__all__ += [
+    "BiasGeGLUFunction",
+    "GeGLUFunction",
+    "bias_geglu_impl",
+    "BiasSwiGLUFunction",
+    "SwiGLUFunction",
+    "WeightedSwiGLUFunction",
+    "bias_swiglu_impl",
+    "weighted_bias_swiglu_impl",
+    "WeightedSquaredReLUFunction",
+    "weighted_squared_relu_impl",
 ]

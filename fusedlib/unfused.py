@@ -232,3 +232,237 @@ def bias_dropout_add_masked(
 
 
 __all__ += ["bias_dropout_add", "bias_dropout_add_masked"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated linear units (chapter 3). Sources: Shazeer, "GLU Variants Improve Transformer" (2020);
+# Megatron-LM megatron/core/fusions/fused_bias_swiglu.py, fused_bias_geglu.py,
+# fused_weighted_squared_relu.py. y = [y1 | y2] of width 2h; y1, y2 = torch.chunk(y, 2, -1).
+# ---------------------------------------------------------------------------------------------
+
+__all__ += [
+    "silu",
+    "silu_grad",
+    "swiglu",
+    "bias_swiglu",
+    "swiglu_back",
+    "bias_swiglu_back",
+    "weighted_swiglu",
+    "weighted_swiglu_back",
+    "geglu",
+    "bias_geglu",
+    "geglu_back",
+    "bias_geglu_back",
+    "squared_relu",
+    "weighted_squared_relu",
+    "weighted_squared_relu_back",
+]
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU (swish), x·σ(x), written out (torch.nn.functional.silu is the same function).
+
+    Args:
+        x: any shape, any float dtype; computed in that dtype.
+
+    Returns:
+        Tensor like ``x``.
+    """
+    return x * torch.sigmoid(x)
+
+
+def silu_grad(x: torch.Tensor) -> torch.Tensor:
+    """d/dx of :func:`silu`: σ(x)·(1 + x·(1 - σ(x))), as Megatron's ``swiglu_back`` writes it.
+
+    Args:
+        x: any shape, any float dtype.
+
+    Returns:
+        Tensor like ``x``.
+    """
+    s = torch.sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: silu(y1)·y2 with y1, y2 = chunk(y, 2, -1), as Megatron's ``swiglu`` writes it
+    (``F.silu``: two eager kernels, silu and the product).
+
+    Args:
+        y: [..., 2h], any float dtype.
+
+    Returns:
+        [..., h], y's dtype.
+    """
+    y1, y2 = torch.chunk(y, 2, -1)
+    return torch.nn.functional.silu(y1) * y2
+
+
+def bias_swiglu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Unfused bias + SwiGLU: ``swiglu(y + bias)`` (Megatron's argument order: y, bias).
+
+    Args:
+        y: [..., 2h].
+        bias: [2h].
+
+    Returns:
+        [..., h].
+    """
+    return swiglu(y + bias)
+
+
+def swiglu_back(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`swiglu` w.r.t. y: [g·y2·silu'(y1) | g·silu(y1)].
+
+    Args:
+        g: grad of the output, [..., h].
+        y: [..., 2h].
+
+    Returns:
+        [..., 2h].
+    """
+    y1, y2 = torch.chunk(y, 2, -1)
+    return torch.cat((g * y2 * silu_grad(y1), g * silu(y1)), -1)
+
+
+def bias_swiglu_back(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`bias_swiglu` w.r.t. y (the bias gradient is its sum over leading dims).
+
+    Args:
+        g: [..., h]. y: [..., 2h]. bias: [2h].
+
+    Returns:
+        [..., 2h].
+    """
+    return swiglu_back(g, y + bias)
+
+
+def weighted_swiglu(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Row-weighted SwiGLU of MoE experts: ``(swiglu(y)·weights).to(y.dtype)``.
+
+    Args:
+        y: [n, 2h].
+        weights: [n, 1], e.g. the router probability of each token (often float32).
+
+    Returns:
+        [n, h], y's dtype (the product is formed in the promoted dtype, as in Megatron).
+    """
+    return (swiglu(y) * weights).to(y.dtype)
+
+
+def weighted_swiglu_back(g: torch.Tensor, y: torch.Tensor,
+                         weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`weighted_swiglu`: ``(swiglu_back(g·w, y), sum_h swiglu(y)·g)``.
+
+    Args:
+        g: [n, h]. y: [n, 2h]. weights: [n, 1].
+
+    Returns:
+        ``(dy, dweights)``: dy [n, 2h] in y's dtype, dweights [n, 1] in weights' dtype.
+    """
+    dy = swiglu_back(g * weights, y).to(y.dtype)
+    dw = (swiglu(y) * g.to(weights.dtype)).sum(-1, keepdim=True)
+    return dy, dw.to(weights.dtype)
+
+
+def geglu(y: torch.Tensor) -> torch.Tensor:
+    """GEGLU: gelu_tanh(y1)·y2 with y1, y2 = chunk(y, 2, -1), written as a PyTorch user would
+    (``F.gelu(approximate="tanh")``, the same function as :func:`gelu_tanh`: two eager kernels).
+
+    Args:
+        y: [..., 2h], any float dtype.
+
+    Returns:
+        [..., h], y's dtype.
+    """
+    y1, y2 = torch.chunk(y, 2, -1)
+    return torch.nn.functional.gelu(y1, approximate="tanh") * y2
+
+
+def bias_geglu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Unfused bias + GEGLU: ``geglu(y + bias)`` (Megatron's argument order: bias, y).
+
+    Args:
+        bias: [2h].
+        y: [..., 2h].
+
+    Returns:
+        [..., h].
+    """
+    return geglu(y + bias)
+
+
+def geglu_back(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`geglu` w.r.t. y: [g·y2·gelu_tanh'(y1) | g·gelu_tanh(y1)].
+
+    Args:
+        g: [..., h]. y: [..., 2h].
+
+    Returns:
+        [..., 2h].
+    """
+    y1, y2 = torch.chunk(y, 2, -1)
+    return torch.cat((g * y2 * gelu_tanh_grad(y1), g * gelu_tanh(y1)), -1)
+
+
+def bias_geglu_back(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`bias_geglu` w.r.t. y (Megatron's argument order: g, y, bias).
+
+    Args:
+        g: [..., h]. y: [..., 2h]. bias: [2h].
+
+    Returns:
+        [..., 2h].
+    """
+    return geglu_back(g, y + bias)
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU, relu(x)² (So et al., "Primer", 2021).
+
+    Args:
+        x: any shape, any float dtype.
+
+    Returns:
+        Tensor like ``x``.
+    """
+    return torch.relu(x) ** 2
+
+
+def _soft_clamped_relu(x: torch.Tensor, clamp_scale: float | None) -> torch.Tensor:
+    r = torch.relu(x)
+    return r if clamp_scale is None else clamp_scale * torch.tanh(r / clamp_scale)
+
+
+def weighted_squared_relu(x: torch.Tensor, weights: torch.Tensor, clamp_scale: float | None = None) -> torch.Tensor:
+    """Row-weighted squared ReLU: ``(c²·weights).to(x.dtype)`` with c = relu(x), or, with
+    ``clamp_scale`` s, the soft-clamped c = s·tanh(relu(x)/s) (computed without Megatron's
+    intermediate rounding of c).
+
+    Args:
+        x: [n, h].
+        weights: [n, 1].
+        clamp_scale: s > 0, or None.
+
+    Returns:
+        [n, h], x's dtype.
+    """
+    c = _soft_clamped_relu(x, clamp_scale)
+    return (c * c * weights).to(x.dtype)
+
+
+def weighted_squared_relu_back(g: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
+                               clamp_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`weighted_squared_relu`: dx = 2·c·c'(x)·g·w, dw = sum_h c²·g.
+
+    Args:
+        g: [n, h]. x: [n, h]. weights: [n, 1]. clamp_scale: s > 0, or None.
+
+    Returns:
+        ``(dx, dweights)``: dx in x's dtype, dweights [n, 1] in weights' dtype.
+    """
+    c = _soft_clamped_relu(x, clamp_scale)
+    dc = 2.0 * c if clamp_scale is None else 2.0 * c * (1.0 - (c / clamp_scale) ** 2)
+    dx = (dc * g * weights).to(x.dtype)
+    dw = (c * c * g.to(weights.dtype)).sum(-1, keepdim=True)
+    return dx, dw.to(weights.dtype)

@@ -15,6 +15,7 @@ OP_MODULES: dict[str, str] = {
     "bias_gelu": "bias_gelu",
     "cross_entropy": "cross_entropy",
     "bias_dropout_add": "bias_dropout_add",
+    "geglu": "geglu", "swiglu": "swiglu", "weighted_swiglu": "weighted_swiglu",
 }
 
 

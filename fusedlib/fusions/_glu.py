@@ -1,0 +1,144 @@
+"""Input checks and autograd plumbing shared by the GEGLU and SwiGLU fusions.
+
+``fused_bias_geglu`` and ``fused_bias_swiglu`` differ only in the activation of the gate
+(``"gelu_tanh"`` or ``"silu"``), so their ``torch.autograd.Function`` classes share
+:func:`glu_forward` and :func:`glu_backward` here. Not public API.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.glu import glu_bwd, glu_fwd
+from ..utils import SUPPORTED_FLOAT_DTYPES, as_rows, check_same_device, check_tensor
+
+__all__ = ["check_glu_input", "check_glu_bias", "check_row_weights", "check_glu_grad", "check_flag",
+           "glu_apply", "glu_backward_apply", "glu_forward", "glu_backward", "FP8_STORE_DTYPE"]
+
+#: The dtype Megatron's ``fp8_input_store`` keeps the saved input in between forward and backward.
+FP8_STORE_DTYPE = torch.float8_e4m3fn
+
+
+def check_glu_input(y: object, name: str = "input", ndim: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Check a GLU input [..., 2h]: a float tensor whose last dim is even.
+
+    Raises:
+        TypeError: not a tensor, or an unsupported dtype.
+        ValueError: wrong number of dims, or an odd last dim.
+    """
+    check_tensor(name, y, min_ndim=1, ndim=ndim)
+    if y.shape[-1] % 2 != 0:
+        raise ValueError(
+            f"{name}.shape[-1] must be even (the two halves y1, y2 = chunk({name}, 2, -1) have one width), "
+            f"got shape {list(y.shape)}"
+        )
+    return y
+
+
+def check_glu_bias(bias: object, y: torch.Tensor, y_name: str = "input") -> torch.Tensor:
+    """Check a bias [2h] against the input [..., 2h]; return it contiguous (a copy only if strided).
+
+    Raises:
+        TypeError: not a tensor, or a dtype other than y's.
+        ValueError: shape not [y.shape[-1]], or another device.
+    """
+    check_tensor("bias", bias, ndim=1)
+    if bias.shape[0] != y.shape[-1]:
+        raise ValueError(
+            f"bias must have shape [2h] with 2h = {y_name}.shape[-1] = {y.shape[-1]}, got {list(bias.shape)}"
+        )
+    if bias.dtype != y.dtype:
+        raise TypeError(f"bias dtype {bias.dtype} must match {y_name} dtype {y.dtype}")
+    check_same_device(**{y_name: y, "bias": bias})
+    return bias.contiguous()
+
+
+def check_row_weights(weights: object, y: torch.Tensor, y_name: str = "input") -> torch.Tensor:
+    """Check per-row weights [n, 1] against the input [..., k], n = the number of rows of y
+    (the product of its leading dims).
+
+    Raises:
+        TypeError: not a tensor, or not a float dtype.
+        ValueError: shape not [n, 1], or another device.
+    """
+    check_tensor("weights", weights, dtypes=SUPPORTED_FLOAT_DTYPES)
+    n_rows = math.prod(y.shape[:-1])
+    if weights.dim() != 2 or weights.shape[0] != n_rows or weights.shape[1] != 1:
+        raise ValueError(
+            f"weights must have shape [n, 1] with n = {n_rows} rows of {y_name} (shape {list(y.shape)}), "
+            f"got {list(weights.shape)}"
+        )
+    check_same_device(**{y_name: y, "weights": weights})
+    return weights
+
+
+def check_glu_grad(g: object, y: torch.Tensor, out_cols: int) -> torch.Tensor:
+    """Check grad_output [..., out_cols] against the input [..., k]: same leading dims, dtype, device."""
+    check_tensor("grad_output", g, shape=tuple(y.shape[:-1]) + (out_cols,))
+    if g.dtype != y.dtype:
+        raise TypeError(f"grad_output dtype {g.dtype} must match input dtype {y.dtype}")
+    check_same_device(grad_output=g, input=y)
+    return g
+
+
+def check_flag(name: str, value: object) -> bool:
+    """Check a boolean switch such as ``fp8_input_store``.
+
+    Raises:
+        TypeError: ``value`` is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _out_shape(y: torch.Tensor) -> tuple[int, ...]:
+    return tuple(y.shape[:-1]) + (y.shape[-1] // 2,)
+
+
+def glu_apply(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
+              activation: str) -> torch.Tensor:
+    """Forward kernel on [..., 2h] -> [..., h], no autograd. Inputs already checked."""
+    # [..., 2h] -> [rows, 2h] (a view where strides allow), then [rows, h] -> [..., h]
+    out = glu_fwd(as_rows(y), bias, weights, activation)
+    return out if y.dim() == 2 else out.view(_out_shape(y))
+
+
+def glu_backward_apply(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
+                       activation: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Backward kernel: (dy [..., 2h], dbias or None, dweights or None). Inputs already checked."""
+    # g: [..., h] -> [rows, h]; y: [..., 2h] -> [rows, 2h]
+    dy, db, dw = glu_bwd(as_rows(g), as_rows(y), bias, weights, activation)
+    return (dy if y.dim() == 2 else dy.view(y.shape)), db, dw
+
+
+def glu_forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None, activation: str,
+                fp8_input_store: bool = False, cpu_offload_input: bool = False) -> torch.Tensor:
+    """The body of every GLU ``Function.forward``: run the kernel, save what backward needs.
+
+    Saves y (as float8_e4m3fn when ``fp8_input_store``, as Megatron does: half the saved
+    bytes, at the cost of a lossy copy), bias and weights; not the output, which the
+    backward recomputes from y. ``cpu_offload_input`` tags the saved tensors with
+    ``activation_offloading = True`` for Megatron's activation-offloading context.
+    """
+    out = glu_apply(y, bias, weights, activation)
+    saved = y.to(FP8_STORE_DTYPE) if fp8_input_store else y
+    if cpu_offload_input:
+        saved.activation_offloading = True
+        if bias is not None:
+            bias.activation_offloading = True
+    ctx.save_for_backward(saved, bias, weights)
+    ctx.ori_input_dtype = y.dtype
+    ctx.fp8_input_store = fp8_input_store
+    ctx.activation = activation
+    return out
+
+
+def glu_backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The body of every GLU ``Function.backward``: (d input, d bias or None, d weights or None)."""
+    y, bias, weights = ctx.saved_tensors
+    if ctx.fp8_input_store:
+        y = y.to(ctx.ori_input_dtype)
+    check_glu_grad(grad_output, y, y.shape[-1] // 2)
+    return glu_backward_apply(grad_output, y, bias, weights, ctx.activation)

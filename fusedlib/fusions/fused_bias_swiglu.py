@@ -1,0 +1,305 @@
+"""Fused (bias +) SwiGLU and row-weighted SwiGLU, Megatron-core's ``fused_bias_swiglu`` on Triton kernels.
+
+``bias_swiglu_impl(input, bias)`` computes ``silu(y1)·y2`` with ``y1, y2 = chunk(input + bias,
+2, -1)`` in one pass over memory (bias may be None), and its backward computes the input
+gradient (and the bias gradient) in one more. ``weighted_bias_swiglu_impl(input, None,
+weights)`` multiplies each row by its weight (the router probability of a token routed to an
+expert in a mixture-of-experts layer) and also returns the weights' gradient.
+
+Same names, argument order and semantics as Megatron-core, with these differences:
+
+* any strides: a non-contiguous input works (Megatron's ``input.view(-1, H)`` raises on
+  one); 3-D inputs whose leading dims cannot be merged are copied once by ``reshape``;
+* the bias gradient is reduced over rows in float32 inside the backward kernel (Megatron
+  returns the full-size input gradient for the bias and lets autograd reduce it in the
+  input's dtype);
+* ``fp8_input_store`` is implemented as Megatron does it: the input is saved for backward
+  as ``float8_e4m3fn`` (lossy; the backward then sees the rounded input) and cast back;
+* bad input raises a clear error (Megatron asserts on the number of dims and fails inside
+  broadcasting on a wrong shape).
+
+Sources: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py``; Shazeer, "GLU Variants
+Improve Transformer", arXiv:2002.05202; Ramachandran et al., "Searching for Activation
+Functions" (swish/SiLU), arXiv:1710.05941.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._glu import (
+    check_flag,
+    check_glu_bias,
+    check_glu_grad,
+    check_glu_input,
+    check_row_weights,
+    glu_apply,
+    glu_backward,
+    glu_backward_apply,
+    glu_forward,
+)
+
+__all__ = [
+    "swiglu",
+    "bias_swiglu",
+    "weighted_swiglu",
+    "swiglu_back",
+    "bias_swiglu_back",
+    "weighted_swiglu_back",
+    "BiasSwiGLUFunction",
+    "SwiGLUFunction",
+    "WeightedSwiGLUFunction",
+    "bias_swiglu_impl",
+    "weighted_bias_swiglu_impl",
+]
+
+_ACT = "silu"
+
+
+# ---------------------------------------------------------------- plain functions, no autograd
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """Fused SwiGLU forward, ``silu(y1)·y2`` with ``y1, y2 = chunk(y, 2, -1)``, without autograd.
+
+    Args:
+        y: [..., 2h], float32 / float16 / bfloat16 / float64, CUDA or CPU, any strides.
+
+    Returns:
+        A new contiguous tensor [..., h] of y's dtype.
+
+    Raises:
+        TypeError: not a tensor, or an unsupported dtype.
+        ValueError: an odd last dim.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``swiglu``).
+    """
+    check_glu_input(y, "y")
+    return glu_apply(y, None, None, _ACT)
+
+
+def bias_swiglu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Fused ``swiglu(y + bias)`` without autograd (Megatron's argument order: y, bias).
+
+    Args:
+        y: [..., 2h], float32 / float16 / bfloat16 / float64, any strides.
+        bias: [2h], y's dtype and device.
+
+    Returns:
+        A new contiguous tensor [..., h] of y's dtype.
+
+    Raises:
+        TypeError, ValueError: as :func:`swiglu`, and for a bias of another shape, dtype or device.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``bias_swiglu``).
+    """
+    check_glu_input(y, "y")
+    return glu_apply(y, check_glu_bias(bias, y, "y"), None, _ACT)
+
+
+def weighted_swiglu(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Fused row-weighted SwiGLU, ``swiglu(y)·weights`` in y's dtype, without autograd.
+
+    Args:
+        y: [n, 2h] (or [..., 2h] with n rows in all), any strides.
+        weights: [n, 1], any float dtype (float32 router probabilities in Megatron's MoE).
+
+    Returns:
+        A new contiguous tensor [..., h] of y's dtype; the product is formed in float32.
+
+    Raises:
+        TypeError, ValueError: as :func:`swiglu`, and for weights not of shape [n, 1].
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``weighted_swiglu``).
+    """
+    check_glu_input(y, "y")
+    return glu_apply(y, None, check_row_weights(weights, y, "y"), _ACT)
+
+
+def swiglu_back(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Fused SwiGLU backward without autograd: ``[g·y2·silu'(y1) | g·silu(y1)]``.
+
+    Args:
+        g: gradient of the output, [..., h], y's dtype and device, any strides.
+        y: [..., 2h], the forward input.
+
+    Returns:
+        dy, a new contiguous tensor [..., 2h] of y's dtype.
+
+    Raises:
+        TypeError, ValueError: as :func:`swiglu`, and for g of another shape, dtype or device.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``swiglu_back``).
+    """
+    check_glu_input(y, "y")
+    check_glu_grad(g, y, y.shape[-1] // 2)
+    return glu_backward_apply(g, y, None, None, _ACT)[0]
+
+
+def bias_swiglu_back(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Fused backward of :func:`bias_swiglu` w.r.t. y, without autograd.
+
+    Args:
+        g: [..., h]. y: [..., 2h]. bias: [2h].
+
+    Returns:
+        dy [..., 2h] of y's dtype. (The bias gradient is its sum over the leading dims;
+        :class:`BiasSwiGLUFunction` gets both from one kernel.)
+
+    Raises:
+        TypeError, ValueError: as :func:`bias_swiglu` and :func:`swiglu_back`.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``bias_swiglu_back``).
+    """
+    check_glu_input(y, "y")
+    bias = check_glu_bias(bias, y, "y")
+    check_glu_grad(g, y, y.shape[-1] // 2)
+    return glu_backward_apply(g, y, bias, None, _ACT)[0]
+
+
+def weighted_swiglu_back(g: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused backward of :func:`weighted_swiglu`, without autograd.
+
+    Args:
+        g: [..., h]. y: [..., 2h] with n rows. weights: [n, 1].
+
+    Returns:
+        ``(dy, dweights)``: dy = swiglu_back(g·w, y), [..., 2h] in y's dtype; dweights =
+        the sum over h of swiglu(y)·g, [n, 1] in weights' dtype, summed in float32.
+
+    Raises:
+        TypeError, ValueError: as :func:`weighted_swiglu` and :func:`swiglu_back`.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``weighted_swiglu_back``).
+    """
+    check_glu_input(y, "y")
+    weights = check_row_weights(weights, y, "y")
+    check_glu_grad(g, y, y.shape[-1] // 2)
+    dy, _, dw = glu_backward_apply(g, y, None, weights, _ACT)
+    return dy, dw
+
+
+# ---------------------------------------------------------------- autograd
+
+
+class BiasSwiGLUFunction(torch.autograd.Function):
+    """Autograd wiring of fused bias + SwiGLU.
+
+    ``forward(ctx, input, bias, fp8_input_store, cpu_offload_input)``: input [..., 2h], bias
+    [2h] -> [..., h]; saves input (float8_e4m3fn if ``fp8_input_store``) and bias, not the
+    output. ``backward`` returns ``(d input, d bias, None, None)``: d input in input's dtype,
+    d bias summed over every leading dim in float32 and cast to bias's dtype.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``BiasSwiGLUFunction``).
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, bias: torch.Tensor, fp8_input_store: bool,  # noqa: A002
+                cpu_offload_input: bool) -> torch.Tensor:
+        check_glu_input(input)
+        bias = check_glu_bias(bias, input)
+        return glu_forward(ctx, input, bias, None, _ACT, check_flag("fp8_input_store", fp8_input_store),
+                           check_flag("cpu_offload_input", cpu_offload_input))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        dy, db, _ = glu_backward(ctx, grad_output)
+        return dy, db, None, None
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """Autograd wiring of fused SwiGLU without bias.
+
+    ``forward(ctx, input, fp8_input_store, cpu_offload_input)``: input [..., 2h] -> [..., h];
+    ``backward`` returns ``(d input, None, None)``.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``SwiGLUFunction``).
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, fp8_input_store: bool, cpu_offload_input: bool) -> torch.Tensor:  # noqa: A002
+        check_glu_input(input)
+        return glu_forward(ctx, input, None, None, _ACT, check_flag("fp8_input_store", fp8_input_store),
+                           check_flag("cpu_offload_input", cpu_offload_input))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        dy, _, _ = glu_backward(ctx, grad_output)
+        return dy, None, None
+
+
+class WeightedSwiGLUFunction(torch.autograd.Function):
+    """Autograd wiring of fused row-weighted SwiGLU (MoE experts).
+
+    ``forward(ctx, input, weights, fp8_input_store)``: input [n, 2h] (or [..., 2h] with n rows),
+    weights [n, 1] -> [..., h] in input's dtype. ``backward`` returns ``(d input, d weights,
+    None)``: d weights = sum over h of swiglu(input)·grad_output, in weights' dtype.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``WeightedSwiGLUFunction``).
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weights: torch.Tensor, fp8_input_store: bool) -> torch.Tensor:  # noqa: A002
+        check_glu_input(input)
+        weights = check_row_weights(weights, input)
+        return glu_forward(ctx, input, None, weights, _ACT, check_flag("fp8_input_store", fp8_input_store))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        dy, _, dw = glu_backward(ctx, grad_output)
+        return dy, dw, None
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def bias_swiglu_impl(input: torch.Tensor, bias: torch.Tensor | None, fp8_input_store: bool = False,  # noqa: A002
+                     cpu_offload_input: bool = False) -> torch.Tensor:
+    """Fused ``swiglu(input + bias)`` with autograd; the bias-free variant when ``bias`` is None.
+
+    Args:
+        input: [s·b, 2h] or [s, b, 2h] (e.g. the output of an MLP's fc1 with gated linear
+            units), float32 / float16 / bfloat16 / float64, CUDA or CPU, any strides.
+        bias: [2h] of input's dtype and device, or None.
+        fp8_input_store: save the input for backward as float8_e4m3fn (half the activation
+            memory, a lossy copy: the backward sees the rounded input), as in Megatron.
+        cpu_offload_input: tag the saved tensors ``activation_offloading = True``, as in Megatron.
+
+    Returns:
+        [s·b, h] or [s, b, h], a new tensor of input's dtype.
+
+    Raises:
+        TypeError: non-tensor argument, unsupported dtype, mismatched dtypes, non-bool flag.
+        ValueError: input not 2-D or 3-D, odd last dim, bias not [2h], tensors on different devices.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``bias_swiglu_impl``).
+    """
+    check_glu_input(input, ndim=(2, 3))
+    if bias is not None:
+        return BiasSwiGLUFunction.apply(input, bias, fp8_input_store, cpu_offload_input)
+    return SwiGLUFunction.apply(input, fp8_input_store, cpu_offload_input)
+
+
+def weighted_bias_swiglu_impl(input: torch.Tensor, bias: None, weights: torch.Tensor,  # noqa: A002
+                              fp8_input_store: bool = False) -> torch.Tensor:
+    """Token-wise weighted SwiGLU of MoE experts, ``swiglu(input)·weights``, with autograd.
+
+    Args:
+        input: [n, 2h] or [s, b, 2h] with n = s·b (tokens routed to this expert), any strides.
+        bias: must be None (as in Megatron: no bias for the weighted fusion).
+        weights: [n, 1], the router probability of each token, any float dtype.
+        fp8_input_store: as in :func:`bias_swiglu_impl`.
+
+    Returns:
+        [n, h] or [s, b, h] in input's dtype. Its backward gives d weights = sum over h of
+        swiglu(input)·grad_output, [n, 1] in weights' dtype (summed in float32).
+
+    Raises:
+        NotImplementedError: ``bias`` is not None (Megatron's message).
+        TypeError, ValueError: as :func:`bias_swiglu_impl`, and for weights not of shape [n, 1].
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``weighted_bias_swiglu_impl``).
+    """
+    check_glu_input(input, ndim=(2, 3))
+    if bias is not None:
+        raise NotImplementedError("Bias is not supported for weighted swiglu fusion")
+    return WeightedSwiGLUFunction.apply(input, weights, fp8_input_store)

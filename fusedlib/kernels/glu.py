@@ -1,0 +1,374 @@
+"""Triton kernels for the gated linear units GEGLU and SwiGLU (optionally biased or row-weighted).
+
+The input y = [y1 | y2] is the output of one linear layer of width 2h; the unit gates one
+half by an activation of the other (``y1, y2 = torch.chunk(y, 2, -1)``):
+
+    x1, x2 = y1 + b1, y2 + b2                         (bias optional)
+    out    = act(x1) · x2 · w                          (w: one weight per row, optional)
+
+    act = silu:       silu(x)  = x·σ(x)                                     (SwiGLU)
+    act = gelu_tanh:  gelu(x)  = 0.5·x·(1 + tanh(c0·x·(1 + c1·x²)))         (GEGLU)
+
+Backward (derived with sympy in chapter 3), with g the gradient of out:
+
+    dx1 = g·w·x2·act'(x1)        silu'(x) = σ(x)·(1 + x·(1 - σ(x)))
+    dx2 = g·w·act(x1)            gelu'(x) = 0.5·x·(1 - t²)·(c0 + c2·x²) + 0.5·(1 + t)
+    db  = sum over rows of [dx1 | dx2]                                  (float32, two stages)
+    dw  = sum over the h columns of act(x1)·x2·g                        (float32, two stages)
+
+Two backward kernels: ``_glu_bwd_kernel`` (no bias: elementwise, one tile per program, with
+the optional row weights) and ``_bias_glu_bwd_kernel`` (programs walk many rows to sum the
+bias gradient in registers; Megatron has no weighted GLU with a bias).
+
+Memory traffic (the minimum, and what these kernels move): forward reads y (2h per row)
+and writes out (h per row); backward reads g (h) and y (2h) and writes dy (2h). act(x1)
+is recomputed in the backward from y instead of being stored, which costs arithmetic, not
+bytes. The kernels address y through its two strides, y1 at columns [0, h) and y2 at
+[h, 2h), so a non-contiguous y needs no copy.
+
+Dtype policy: load, compute in float32 (float64 for float64 inputs, so gradcheck checks the
+kernels), store in y's dtype; bias and weight gradients accumulated in float32.
+
+Sources: Shazeer, "GLU Variants Improve Transformer", arXiv:2002.05202; Megatron-LM
+``megatron/core/fusions/fused_bias_swiglu.py`` and ``fused_bias_geglu.py``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime import launch
+from ..utils import acc_dtype, num_programs_hint
+from .math import tanh
+from .reduce import sum_partials
+
+__all__ = ["GLU_ACTIVATIONS", "glu_fwd", "glu_bwd", "glu_block", "partial_dtype", "cdiv"]
+
+#: The activations a GLU kernel takes: "silu" makes SwiGLU, "gelu_tanh" makes GEGLU.
+GLU_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
+
+# Constants of the tanh approximation of GeLU (derived with sympy in chapters 1 and 3). Kernels
+# may read module globals only as tl.constexpr: a plain float compiles in the interpreter alone.
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # c0 = sqrt(2/pi)
+GELU_COEF = tl.constexpr(0.044715)  # c1, the cubic coefficient fitted by Hendrycks & Gimpel
+GELU_DERIV_COEF = tl.constexpr(0.10703222440890037)  # c2 = 3·c0·c1 = sqrt(2/pi) * 3 * 0.044715
+
+
+@triton.jit
+def _sigmoid(x):
+    """σ(x) = 1/(1 + e^{-x}) with one division: e^{-|x|} <= 1 never overflows (interpreter-safe)."""
+    e = tl.exp(-tl.abs(x))
+    r = 1.0 / (1.0 + e)
+    return tl.where(x >= 0, r, e * r)
+
+
+@triton.jit
+def _act_fwd(x, ACTIVATION: tl.constexpr):
+    """act(x) for ACTIVATION "silu" or "gelu_tanh"."""
+    if ACTIVATION == "silu":
+        a = x * _sigmoid(x)
+    else:
+        t = tanh(x * SQRT_2_OVER_PI * (1.0 + x * x * GELU_COEF))
+        a = 0.5 * x * (1.0 + t)
+    return a
+
+
+@triton.jit
+def _act_fwd_and_grad(x, ACTIVATION: tl.constexpr):
+    """(act(x), act'(x)), sharing σ(x) or tanh between the two."""
+    if ACTIVATION == "silu":
+        s = _sigmoid(x)
+        a = x * s
+        da = s * (1.0 + x * (1.0 - s))  # silu'(x) = σ(x)·(1 + x·(1 - σ(x)))
+    else:
+        t = tanh(x * SQRT_2_OVER_PI * (1.0 + x * x * GELU_COEF))
+        a = 0.5 * x * (1.0 + t)
+        da = 0.5 * x * ((1.0 - t * t) * (x * x * GELU_DERIV_COEF + SQRT_2_OVER_PI)) + 0.5 * (1.0 + t)
+    return a, da
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    Y_ptr,  # input y = [y1 | y2], [n_rows, 2·n_cols], strides (Y_row_stride, Y_col_stride)
+    B_ptr,  # bias = [b1 | b2], [2·n_cols], contiguous (unused unless HAS_BIAS)
+    W_ptr,  # row weights w, [n_rows, 1], stride W_row_stride (unused unless HAS_WEIGHTS)
+    OUT_ptr,  # output, [n_rows, n_cols], contiguous, y's dtype
+    n_rows,
+    n_cols,  # h: the width of each half of y, and of the output
+    Y_row_stride,
+    Y_col_stride,
+    W_row_stride,
+    ACTIVATION: tl.constexpr,  # "silu" (SwiGLU) or "gelu_tanh" (GEGLU)
+    HAS_BIAS: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # output columns per program
+    ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # int64 offsets: n_rows·2h (and, transposed, col·col_stride) may pass 2^31
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+
+    # -- load the tile from both halves, y1 = y[:, :h] and y2 = y[:, h:] (the only reads of y)
+    y_rows = Y_ptr + rows[:, None] * Y_row_stride
+    x1 = tl.load(y_rows + cols[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(y_rows + (n_cols + cols)[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC)
+    if HAS_BIAS:
+        x1 += tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+        x2 += tl.load(B_ptr + n_cols + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+
+    # -- gate: out = act(x1)·x2 (·w)
+    out = _act_fwd(x1, ACTIVATION) * x2
+    if HAS_WEIGHTS:
+        w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
+        out = out * w[:, None]
+
+    # -- one write of the output, rounded once to y's dtype
+    tl.store(OUT_ptr + rows[:, None] * n_cols + cols[None, :], out.to(OUT_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_grads(x1, x2, g, ACTIVATION: tl.constexpr):
+    """(act(x1), dx1, dx2) for one tile: dx1 = g·x2·act'(x1), dx2 = g·act(x1)."""
+    a, da = _act_fwd_and_grad(x1, ACTIVATION)
+    return a, g * x2 * da, g * a
+
+
+@triton.jit
+def _glu_bwd_kernel(
+    G_ptr,  # grad of the output g, [n_rows, n_cols], strides (G_row_stride, G_col_stride)
+    Y_ptr,  # the forward input y = [y1 | y2], [n_rows, 2·n_cols], strides (Y_row_stride, Y_col_stride)
+    W_ptr,  # row weights w, [n_rows, 1], stride W_row_stride (unused unless HAS_WEIGHTS)
+    DY_ptr,  # grad of y = [dy1 | dy2], [n_rows, 2·n_cols], contiguous, y's dtype
+    DW_PARTIAL_ptr,  # ACC [n_rows, n_col_programs]: each tile's sum of act(x1)·x2·g (HAS_WEIGHTS)
+    n_rows,
+    n_cols,
+    G_row_stride,
+    G_col_stride,
+    Y_row_stride,
+    Y_col_stride,
+    W_row_stride,
+    ACTIVATION: tl.constexpr,  # "silu" (SwiGLU) or "gelu_tanh" (GEGLU)
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,  # compute and accumulation dtype
+):
+    # Without a bias the backward is elementwise (plus a row sum for dw): one tile per program.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+
+    # -- the backward's reads: g once, y once (act(x1) is recomputed, not loaded)
+    y_rows = Y_ptr + rows[:, None] * Y_row_stride
+    x1 = tl.load(y_rows + cols[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(y_rows + (n_cols + cols)[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC)
+    g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride,
+                mask=mask, other=0.0).to(ACC)  # masked lanes: g = 0, so they add nothing to dw
+    a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
+    if HAS_WEIGHTS:
+        # d out/d w = act(x1)·x2, so this tile's part of dw is Σ_cols act(x1)·x2·g = Σ dy2·x2;
+        # then every input gradient carries the factor w.
+        tl.store(DW_PARTIAL_ptr + rows * tl.num_programs(1) + pid_n, tl.sum(dy2 * x2, axis=1), mask=row_mask)
+        w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
+        dy1 = dy1 * w[:, None]
+        dy2 = dy2 * w[:, None]
+
+    # -- one write each into the two halves of dy
+    dy1_ptrs = DY_ptr + rows[:, None] * (2 * n_cols) + cols[None, :]
+    tl.store(dy1_ptrs, dy1.to(DY_ptr.dtype.element_ty), mask=mask)
+    tl.store(dy1_ptrs + n_cols, dy2.to(DY_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_glu_bwd_kernel(
+    G_ptr,  # grad of the output g, [n_rows, n_cols], strides (G_row_stride, G_col_stride)
+    Y_ptr,  # the forward input y = [y1 | y2], [n_rows, 2·n_cols], strides (Y_row_stride, Y_col_stride)
+    B_ptr,  # bias = [b1 | b2], [2·n_cols], contiguous
+    DY_ptr,  # grad of y = [dy1 | dy2], [n_rows, 2·n_cols], contiguous, y's dtype
+    DB_PARTIAL_ptr,  # ACC [n_row_programs, 2·n_cols]: this program's sum of dy over its rows
+    n_rows,
+    n_cols,
+    rows_per_program,  # a multiple of BLOCK_M
+    G_row_stride,
+    G_col_stride,
+    Y_row_stride,
+    Y_col_stride,
+    ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # With a bias, db = Σ_rows dy: each program walks rows_per_program rows of one column
+    # block and keeps running sums in registers (stage 1 of a deterministic reduction).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    b1 = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    b2 = tl.load(B_ptr + n_cols + cols, mask=col_mask, other=0.0).to(ACC)
+    # [BLOCK_M, BLOCK_N] running sums: adding tile by tile needs no communication between
+    # threads; the one reduction over rows (through shared memory) happens after the loop.
+    db1_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    db2_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    row_start = pid_m.to(tl.int64) * rows_per_program
+    for m in range(0, rows_per_program, BLOCK_M):
+        rows = row_start + m + tl.arange(0, BLOCK_M)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        y_rows = Y_ptr + rows[:, None] * Y_row_stride
+        x1 = tl.load(y_rows + cols[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC) + b1[None, :]
+        x2 = tl.load(y_rows + (n_cols + cols)[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC) + b2[None, :]
+        g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride,
+                    mask=mask, other=0.0).to(ACC)  # masked lanes: g = 0, so dy = 0 there
+        a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
+        dy1_ptrs = DY_ptr + rows[:, None] * (2 * n_cols) + cols[None, :]
+        tl.store(dy1_ptrs, dy1.to(DY_ptr.dtype.element_ty), mask=mask)
+        tl.store(dy1_ptrs + n_cols, dy2.to(DY_ptr.dtype.element_ty), mask=mask)
+        db1_acc += dy1
+        db2_acc += dy2
+    db_row = DB_PARTIAL_ptr + pid_m.to(tl.int64) * (2 * n_cols)
+    tl.store(db_row + cols, tl.sum(db1_acc, axis=0), mask=col_mask)
+    tl.store(db_row + n_cols + cols, tl.sum(db2_acc, axis=0), mask=col_mask)
+
+
+# Tile shapes of the GLU kernels, as (upper bound of h, BLOCK_N, BLOCK_M, num_warps), where
+# h is the output width (half of y's). A tile of BLOCK_M x BLOCK_N outputs reads 2 tiles of y
+# (3 tensors per tile in the forward, 5 in the backward). ~4 Ki outputs per program = 16 per
+# thread at 8 warps: two 16-byte vectors per thread per bf16 stream, enough bytes in flight
+# per SM to saturate HBM, few enough registers for full occupancy. To tune on a GPU, edit
+# this table (BLOCK_M·BLOCK_N between 2 Ki and 8 Ki, warps 4 or 8).
+_GLU_TILES: tuple[tuple[int, int, int, int], ...] = (
+    (16, 16, 256, 4),  # tiny rows (h <= 16): many rows per program
+    (128, 128, 32, 4),  # h <= 128
+    (1024, 1024, 4, 4),  # h <= 1 Ki: 4 rows of up to 1 Ki
+    (1 << 62, 2048, 2, 8),  # long rows: 2 Ki columns x 2 rows
+)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints >= 0, in plain Python: ``triton.cdiv`` is a ``constexpr_function``
+    in recent Triton (3.9), whose call wrapper costs more CPU time than the arithmetic."""
+    return (a + b - 1) // b
+
+
+def _next_power_of_2(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+def glu_block(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for the GLU kernels with output rows of ``n_cols``.
+
+    Args:
+        n_cols: h, the output row length (>= 1).
+
+    Returns:
+        Rows per tile, columns per tile (powers of two), warps per program.
+    """
+    for bound, block_n, block_m, warps in _GLU_TILES:
+        if n_cols <= bound:
+            return block_m, min(block_n, _next_power_of_2(n_cols)), warps
+    raise AssertionError("unreachable: the last bound is 2^62")
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the kernels' partial sums for inputs of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def glu_fwd(y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
+            activation: str) -> torch.Tensor:
+    """Launch the forward kernel: ``act(y1 + b1)·(y2 + b2)·w``.
+
+    Args:
+        y2d: [n_rows, 2h], float32/float16/bfloat16/float64, any strides.
+        bias: [2h] of y's dtype, contiguous, or None.
+        weights: [n_rows, 1] (any float dtype, any stride), or None.
+        activation: "silu" or "gelu_tanh".
+
+    Returns:
+        A new contiguous [n_rows, h] tensor of y's dtype.
+    """
+    n_rows, h = y2d.shape[0], y2d.shape[1] // 2
+    out = torch.empty((n_rows, h), dtype=y2d.dtype, device=y2d.device)
+    if out.numel() == 0:
+        return out
+    block_m, block_n, warps = glu_block(h)
+    launch(
+        _glu_fwd_kernel, (cdiv(n_rows, block_m), cdiv(h, block_n)), y2d.device,
+        y2d, y2d if bias is None else bias, y2d if weights is None else weights, out,  # y2d: unused dummies
+        n_rows, h, y2d.stride(0), y2d.stride(1), 0 if weights is None else weights.stride(0),
+        ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_WEIGHTS=weights is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+    )
+    return out
+
+
+def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
+            activation: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch a backward kernel, then reduce the bias / weight partial sums.
+
+    Args:
+        g2d: grad of the output, [n_rows, h], any strides.
+        y2d: the forward input, [n_rows, 2h], any strides.
+        bias: [2h], contiguous, or None.
+        weights: [n_rows, 1], or None (not both: Megatron has no weighted GLU with a bias).
+        activation: "silu" or "gelu_tanh".
+
+    Returns:
+        ``(dy, dbias, dweights)``: dy a new contiguous [n_rows, 2h] tensor of y's dtype;
+        dbias [2h] in bias's dtype (None without bias), summed over rows in float32;
+        dweights [n_rows, 1] in weights' dtype (None without weights), summed over h in float32.
+
+    Raises:
+        NotImplementedError: for both a bias and weights.
+    """
+    if bias is not None and weights is not None:
+        raise NotImplementedError("a GLU with both a bias and row weights has no backward kernel")
+    n_rows, h = y2d.shape[0], y2d.shape[1] // 2
+    dy = torch.empty((n_rows, 2 * h), dtype=y2d.dtype, device=y2d.device)
+    if dy.numel() == 0:
+        db = torch.zeros_like(bias) if bias is not None else None
+        dw = torch.zeros_like(weights) if weights is not None else None
+        return dy, db, dw
+    block_m, block_n, warps = glu_block(h)
+    col_programs = cdiv(h, block_n)
+    acc = partial_dtype(y2d.dtype)
+    if bias is None:
+        dw_partial = dy if weights is None else torch.empty((n_rows, col_programs), dtype=acc, device=y2d.device)
+        launch(
+            _glu_bwd_kernel, (cdiv(n_rows, block_m), col_programs), y2d.device,
+            g2d, y2d, y2d if weights is None else weights, dy, dw_partial,  # y2d, dy: unused dummies
+            n_rows, h, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
+            0 if weights is None else weights.stride(0),
+            ACTIVATION=activation, HAS_WEIGHTS=weights is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+        )
+        if weights is None:
+            return dy, None, None
+        # [n_rows, col_programs] partials -> [n_rows, 1]: no reduction left for one column tile
+        dw = dw_partial if col_programs == 1 else dw_partial.sum(1, keepdim=True)
+        return dy, None, dw.to(weights.dtype)
+    # Enough row programs to fill the device (utils.PROGRAMS_PER_SM per SM); each loops over
+    # its rows and keeps one partial of the bias gradient per column: [row_programs, 2h]
+    # floats, summed by a second small kernel (kernels/reduce.py).
+    row_programs = max(1, min(cdiv(n_rows, block_m), num_programs_hint(y2d.device) // col_programs))
+    rows_per_program = cdiv(cdiv(n_rows, row_programs), block_m) * block_m
+    row_programs = cdiv(n_rows, rows_per_program)
+    db_partial = torch.empty((row_programs, 2 * h), dtype=acc, device=y2d.device)
+    launch(
+        _bias_glu_bwd_kernel, (row_programs, col_programs), y2d.device,
+        g2d, y2d, bias, dy, db_partial,
+        n_rows, h, rows_per_program, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
+        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+    )
+    return dy, sum_partials(db_partial, bias.dtype), None

@@ -1,0 +1,439 @@
+"""Gated linear units (GEGLU, SwiGLU, row-weighted SwiGLU) and the row-weighted squared ReLU:
+fusedlib's Triton kernels against float64 PyTorch references (autograd of the unfused forward)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedlib import unfused
+from fusedlib.fusions import fused_bias_geglu as geglu_mod
+from fusedlib.fusions import fused_bias_swiglu as swiglu_mod
+from fusedlib.fusions.fused_bias_geglu import BiasGeGLUFunction, GeGLUFunction, bias_geglu_impl
+from fusedlib.fusions.fused_bias_swiglu import (
+    BiasSwiGLUFunction,
+    SwiGLUFunction,
+    WeightedSwiGLUFunction,
+    bias_swiglu_impl,
+    weighted_bias_swiglu_impl,
+)
+from fusedlib.fusions.fused_weighted_squared_relu import (
+    WeightedSquaredReLUFunction,
+    weighted_clamped_squared_relu,
+    weighted_clamped_squared_relu_back,
+    weighted_squared_relu,
+    weighted_squared_relu_back,
+    weighted_squared_relu_impl,
+)
+
+from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
+
+#: name -> (fused entry point taking (input, bias), float64 reference of the unbiased unit)
+GLUS = {
+    "swiglu": (bias_swiglu_impl, unfused.swiglu),
+    "geglu": (bias_geglu_impl, unfused.geglu),
+}
+#: output widths h (input 2h): 1, odd, non-power-of-two, just past one 2 Ki column tile
+HIDDEN = (1, 7, 300, 2049)
+
+
+def _randn(shape, dtype, scale=2.0):
+    return (scale * torch.randn(shape, device=DEVICE, dtype=torch.float32)).to(dtype)
+
+
+def _reference(glu: str, y, bias, weights, g):
+    """Float64 forward and autograd gradients (d y, d bias, d weights) of the unfused unit."""
+    ref = GLUS[glu][1]
+    y64 = y.detach().double().requires_grad_(True)
+    b64 = bias.detach().double().requires_grad_(True) if bias is not None else None
+    w64 = weights.detach().double().requires_grad_(True) if weights is not None else None
+    x = y64 + b64 if b64 is not None else y64
+    out = ref(x)
+    if w64 is not None:
+        out = out * w64.reshape(*out.shape[:-1], 1)
+    out.backward(g.double())
+    return (out.detach(), y64.grad, b64.grad if b64 is not None else None,
+            w64.grad if w64 is not None else None)
+
+
+def _check_glu(glu: str, y, bias=None, g=None, weights=None):
+    """Fused forward and backward against the float64 reference; inputs and g never modified."""
+    dtype = y.dtype
+    y_before = y.detach().clone()
+    if weights is None:
+        out = GLUS[glu][0](y, bias)
+    else:
+        out = weighted_bias_swiglu_impl(y, None, weights)
+    h = y.shape[-1] // 2
+    assert out.shape == (*y.shape[:-1], h) and out.dtype == dtype and out.is_contiguous()
+    g = _randn(out.shape, dtype, 1.0) if g is None else g
+    g_before = g.clone()
+    out64, dy64, db64, dw64 = _reference(glu, y, bias, weights, g)
+    assert_close(out, out64, dtype)
+    out.backward(g)
+    assert torch.equal(g, g_before), "grad_output was modified"
+    assert torch.equal(y.detach(), y_before), "input was modified"
+    assert y.grad.dtype == dtype and y.grad.shape == y.shape
+    # float32: dy multiplies g·x2·act'(x1) with |g·x2| up to ~30 and x1 = y + b rounded in
+    # float32 (the reference adds exactly): a few 1e-5 absolute; the others: one output rounding.
+    assert_close(y.grad, dy64, dtype, scale=4.0 if dtype == torch.float32 else 1.0)
+    rows = max(1, y.numel() // y.shape[-1])
+    if bias is not None:
+        assert bias.grad.dtype == bias.dtype and bias.grad.shape == bias.shape
+        assert_close(bias.grad, db64, dtype, scale=rows**0.5)
+    if weights is not None:
+        assert weights.grad.dtype == weights.dtype and weights.grad.shape == weights.shape
+        # dw sums h products in float32 (formed from y's values exactly), then rounds to w's dtype
+        assert_close(weights.grad, dw64, weights.dtype, scale=max(1.0, h**0.5))
+
+
+# ------------------------------------------------------------------ GEGLU / SwiGLU
+
+
+@pytest.mark.parametrize("glu", GLUS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("h", HIDDEN)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_glu_forward_backward_2d(glu, dtype, h, with_bias):
+    rows = 3 if h > 1000 else 17
+    y = _randn((rows, 2 * h), dtype).requires_grad_(True)
+    b = _randn((2 * h,), dtype, 1.0).requires_grad_(True) if with_bias else None
+    _check_glu(glu, y, b)
+
+
+@pytest.mark.parametrize("glu", GLUS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_glu_3d_bias_grad_over_s_and_b(glu, dtype):
+    y = _randn((5, 3, 2 * 48), dtype).requires_grad_(True)  # [s, b, 2h]
+    b = _randn((2 * 48,), dtype, 1.0).requires_grad_(True)
+    _check_glu(glu, y, b)
+
+
+@pytest.mark.parametrize("glu", GLUS)
+def test_glu_single_row_and_empty(glu):
+    _check_glu(glu, _randn((1, 2 * 130), torch.float32).requires_grad_(True))
+    y = _randn((0, 2 * 16), torch.float32).requires_grad_(True)
+    b = _randn((32,), torch.float32).requires_grad_(True)
+    out = GLUS[glu][0](y, b)
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert y.grad.shape == (0, 32) and torch.equal(b.grad, torch.zeros_like(b))
+    y3 = _randn((0, 4, 2 * 8), torch.float32).requires_grad_(True)
+    assert GLUS[glu][0](y3, None).shape == (0, 4, 8)
+
+
+@pytest.mark.parametrize("glu", GLUS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_glu_non_contiguous_transposed_input_and_grad(glu, dtype):
+    y = _randn((2 * 40, 21), dtype).t().requires_grad_(True)  # [21, 80], strides (1, 21)
+    assert not y.is_contiguous()
+    g = _randn((40, 21), dtype, 1.0).t()  # [21, 40], transposed too
+    b = _randn((80,), dtype, 1.0).requires_grad_(True)
+    _check_glu(glu, y, b, g)
+
+
+@pytest.mark.parametrize("glu", GLUS)
+def test_glu_non_contiguous_sliced_rows_3d_permuted_and_strided_bias(glu):
+    # a column slice of a wider matrix: row stride 3·h, not 2·h (Megatron's .view would fail)
+    base = _randn((9, 3 * 24), torch.float32)
+    y = base[:, : 2 * 24].requires_grad_(True)
+    assert not y.is_contiguous()
+    _check_glu(glu, y, _randn((2 * 24,) * 1, torch.float32).requires_grad_(True))
+    # [b, s, 2h] permuted to [s, b, 2h]: leading dims not mergeable, reshape copies once
+    y3 = _randn((4, 6, 2 * 20), torch.float32).permute(1, 0, 2).requires_grad_(True)
+    assert not y3.is_contiguous()
+    _check_glu(glu, y3)
+    # a strided bias
+    b = _randn((2 * 2 * 20,), torch.float32)[::2].requires_grad_(True)
+    _check_glu(glu, _randn((6, 40), torch.float32).requires_grad_(True), b)
+
+
+@pytest.mark.parametrize("glu", GLUS)
+def test_glu_multi_program_bias_reduction(glu):
+    # many more rows than one backward program holds: the two-stage bias reduction is exercised
+    y = _randn((1031, 2 * 12), torch.float32).requires_grad_(True)
+    _check_glu(glu, y, _randn((24,), torch.float32).requires_grad_(True))
+
+
+def test_glu_large_values_do_not_overflow():
+    # |y| up to 1e4: sigmoid/tanh saturate without inf or NaN (and without interpreter warnings)
+    y = torch.tensor([[-1e4, -100.0, 0.0, 100.0, 1e4, 1.0, 1.0, 1.0, 1.0, 1.0]], device=DEVICE).requires_grad_(True)
+    for glu in GLUS:
+        y.grad = None
+        _check_glu(glu, y)
+
+
+# ------------------------------------------------------------------ weighted SwiGLU (MoE)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("w_dtype", [torch.float32, "same"])
+@pytest.mark.parametrize("h", (1, 37, 2500))
+def test_weighted_swiglu(dtype, w_dtype, h):
+    w_dtype = dtype if w_dtype == "same" else w_dtype
+    rows = 3 if h > 1000 else 19
+    y = _randn((rows, 2 * h), dtype).requires_grad_(True)
+    w = torch.rand(rows, 1, device=DEVICE).to(w_dtype).requires_grad_(True)
+    _check_glu("swiglu", y, weights=w)
+
+
+def test_weighted_swiglu_3d_and_non_contiguous():
+    y = _randn((3, 5, 2 * 33), torch.float32).requires_grad_(True)  # [s, b, 2h], weights [s·b, 1]
+    w = torch.rand(15, 1, device=DEVICE).requires_grad_(True)
+    _check_glu("swiglu", y, weights=w)
+    yt = _randn((2 * 33, 10), torch.bfloat16).t().requires_grad_(True)  # transposed
+    wt = torch.rand(10, 2, device=DEVICE)[:, :1].requires_grad_(True)  # strided weights [10, 1]
+    assert not wt.is_contiguous()
+    _check_glu("swiglu", yt, g=_randn((33, 10), torch.bfloat16, 1.0).t(), weights=wt)
+
+
+def test_weighted_swiglu_empty():
+    y = _randn((0, 8), torch.float32).requires_grad_(True)
+    w = torch.rand(0, 1, device=DEVICE).requires_grad_(True)
+    out = weighted_bias_swiglu_impl(y, None, w)
+    out.sum().backward()
+    assert out.shape == (0, 4) and y.grad.shape == (0, 8) and w.grad.shape == (0, 1)
+
+
+def test_weighted_swiglu_bias_not_implemented():
+    y = _randn((4, 8), torch.float32)
+    with pytest.raises(NotImplementedError, match="Bias is not supported for weighted swiglu fusion"):
+        weighted_bias_swiglu_impl(y, _randn((8,), torch.float32), torch.rand(4, 1, device=DEVICE))
+
+
+# ------------------------------------------------------------------ weighted squared ReLU
+
+
+def _check_squared_relu(x, w, clamp_scale=None, g=None):
+    dtype = x.dtype
+    x_before = x.detach().clone()
+    out = weighted_squared_relu_impl(x, w, clamp_scale)
+    assert out.shape == x.shape and out.dtype == dtype
+    g = _randn(out.shape, dtype, 1.0) if g is None else g
+    g_before = g.clone()
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    c = torch.relu(x64) if clamp_scale is None else clamp_scale * torch.tanh(torch.relu(x64) / clamp_scale)
+    out64 = c * c * w64.reshape(*x.shape[:-1], 1)
+    out64.backward(g.double())
+    assert_close(out, out64.detach(), dtype)
+    out.backward(g)
+    assert torch.equal(g, g_before) and torch.equal(x.detach(), x_before)
+    assert x.grad.dtype == dtype and w.grad.dtype == w.dtype and w.grad.shape == w.shape
+    assert_close(x.grad, x64.grad, dtype)
+    assert_close(w.grad, w64.grad, w.dtype, scale=max(1.0, x.shape[-1] ** 0.5))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("h", (1, 7, 2100))
+@pytest.mark.parametrize("clamp_scale", [None, 1.5])
+def test_weighted_squared_relu(dtype, h, clamp_scale):
+    rows = 3 if h > 1000 else 21
+    x = _randn((rows, h), dtype).requires_grad_(True)
+    w = torch.rand(rows, 1, device=DEVICE).requires_grad_(True)  # float32, as MoE router probs
+    _check_squared_relu(x, w, clamp_scale)
+
+
+def test_weighted_squared_relu_3d_non_contiguous_and_empty():
+    x = _randn((4, 3, 30), torch.bfloat16).permute(1, 0, 2).requires_grad_(True)  # [3, 4, 30]
+    w = torch.rand(12, 1, device=DEVICE).to(torch.bfloat16).requires_grad_(True)
+    _check_squared_relu(x, w)
+    xt = _randn((30, 8), torch.float32).t().requires_grad_(True)
+    _check_squared_relu(xt, torch.rand(8, 1, device=DEVICE).requires_grad_(True), 3.0,
+                        g=_randn((30, 8), torch.float32, 1.0).t())
+    x0 = _randn((0, 5), torch.float32).requires_grad_(True)
+    w0 = torch.rand(0, 1, device=DEVICE).requires_grad_(True)
+    weighted_squared_relu_impl(x0, w0).sum().backward()
+    assert w0.grad.shape == (0, 1)
+
+
+def test_squared_relu_plain_functions_match_reference():
+    x = _randn((6, 50), torch.float32)
+    w = torch.rand(6, 1, device=DEVICE)
+    g = _randn((6, 50), torch.float32, 1.0)
+    x64, w64, g64 = x.double(), w.double(), g.double()
+    assert_close(weighted_squared_relu(x, w), unfused.weighted_squared_relu(x64, w64), torch.float32)
+    assert_close(weighted_clamped_squared_relu(x, w, 2.0), unfused.weighted_squared_relu(x64, w64, 2.0),
+                 torch.float32)
+    for fused, ref in ((weighted_squared_relu_back(g, x, w), unfused.weighted_squared_relu_back(g64, x64, w64)),
+                       (weighted_clamped_squared_relu_back(g, x, w, 2.0),
+                        unfused.weighted_squared_relu_back(g64, x64, w64, 2.0))):
+        assert_close(fused[0], ref[0], torch.float32)
+        assert_close(fused[1], ref[1], torch.float32, scale=50**0.5)
+
+
+# ------------------------------------------------------------------ plain (no autograd) functions
+
+
+@pytest.mark.parametrize("glu", GLUS)
+def test_glu_plain_functions_match_reference(glu):
+    mod = swiglu_mod if glu == "swiglu" else geglu_mod
+    ref = GLUS[glu][1]
+    back = unfused.swiglu_back if glu == "swiglu" else unfused.geglu_back
+    y = _randn((5, 2, 2 * 65), torch.float32)
+    b = _randn((130,), torch.float32, 1.0)
+    g = _randn((5, 2, 65), torch.float32, 1.0)
+    y64, b64, g64 = y.double(), b.double(), g.double()
+    fwd, bias_fwd = getattr(mod, glu), getattr(mod, f"bias_{glu}")
+    fwd_back, bias_back = getattr(mod, f"{glu}_back"), getattr(mod, f"bias_{glu}_back")
+    assert_close(fwd(y), ref(y64), torch.float32)
+    # Megatron's argument orders: bias_swiglu(y, bias) but bias_geglu(bias, y)
+    biased = bias_fwd(y, b) if glu == "swiglu" else bias_fwd(b, y)
+    assert_close(biased, ref(y64 + b64), torch.float32)
+    assert_close(fwd_back(g, y), back(g64, y64), torch.float32)
+    assert_close(bias_back(g, y, b), back(g64, y64 + b64), torch.float32)
+
+
+def test_weighted_swiglu_plain_functions_match_reference():
+    y = _randn((7, 2 * 40), torch.bfloat16)
+    w = torch.rand(7, 1, device=DEVICE)
+    g = _randn((7, 40), torch.bfloat16, 1.0)
+    assert_close(swiglu_mod.weighted_swiglu(y, w), unfused.weighted_swiglu(y.double(), w.double()), torch.bfloat16)
+    dy, dw = swiglu_mod.weighted_swiglu_back(g, y, w)
+    dy64, dw64 = unfused.weighted_swiglu_back(g.double(), y.double(), w.double())
+    assert dy.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    assert_close(dy, dy64, torch.bfloat16)
+    assert_close(dw, dw64, torch.float32, scale=40**0.5)
+
+
+# ------------------------------------------------------------------ the math: formulas and gradcheck
+
+
+def test_backward_formulas_are_autograd_gradients():
+    x = torch.linspace(-8, 8, 2001, dtype=torch.float64, requires_grad=True)
+    unfused.silu(x).sum().backward()
+    torch.testing.assert_close(x.grad, unfused.silu_grad(x.detach()), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(unfused.silu(x.detach()), torch.nn.functional.silu(x.detach()), atol=1e-15, rtol=0)
+    y = torch.randn(6, 2 * 9, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(6, 9, dtype=torch.float64)
+    for fwd, back in ((unfused.swiglu, unfused.swiglu_back), (unfused.geglu, unfused.geglu_back)):
+        y.grad = None
+        fwd(y).backward(g)
+        torch.testing.assert_close(y.grad, back(g, y.detach()), atol=1e-12, rtol=1e-12)
+    w = torch.rand(6, 1, dtype=torch.float64, requires_grad=True)
+    y.grad = None
+    unfused.weighted_swiglu(y, w).backward(g)
+    dy, dw = unfused.weighted_swiglu_back(g, y.detach(), w.detach())
+    torch.testing.assert_close(y.grad, dy, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(w.grad, dw, atol=1e-12, rtol=1e-12)
+    for cs in (None, 1.5):
+        x2 = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
+        w.grad = None
+        unfused.weighted_squared_relu(x2, w, cs).backward(g)
+        dx, dw = unfused.weighted_squared_relu_back(g, x2.detach(), w.detach(), cs)
+        torch.testing.assert_close(x2.grad, dx, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(w.grad, dw, atol=1e-12, rtol=1e-12)
+
+
+def test_gradcheck_float64():
+    # float64 inputs run the same kernels computing in float64, so gradcheck checks the kernels.
+    def f64(*shape):
+        return torch.randn(*shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
+
+    y, b, y3 = f64(3, 10), f64(10), f64(2, 3, 8)
+    w = torch.rand(3, 1, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    w6 = torch.rand(6, 1, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    gc = torch.autograd.gradcheck
+    assert gc(lambda y, b: BiasSwiGLUFunction.apply(y, b, False, False), (y, b))
+    assert gc(lambda y: SwiGLUFunction.apply(y, False, False), (y,))
+    assert gc(BiasGeGLUFunction.apply, (y, b))
+    assert gc(GeGLUFunction.apply, (y,))
+    assert gc(bias_swiglu_impl, (y3, None)) and gc(bias_geglu_impl, (y3, f64(8)))
+    assert gc(lambda y, w: WeightedSwiGLUFunction.apply(y, w, False), (y, w))
+    assert gc(lambda y, w: weighted_bias_swiglu_impl(y, None, w), (y3, w6))
+    x = f64(3, 7)
+    x = (x + 0.2 * torch.sign(x)).detach().requires_grad_(True)  # keep away from relu's kink at 0
+    assert gc(lambda x, w: WeightedSquaredReLUFunction.apply(x, w, None), (x, w))
+    assert gc(lambda x, w: weighted_squared_relu_impl(x, w, 0.8), (x, w))
+
+
+# ------------------------------------------------------------------ Megatron's flags
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_input_store_saves_a_rounded_input(dtype):
+    # Megatron's semantics: the forward uses the input as given; the backward sees it rounded
+    # to float8_e4m3fn, so the gradient is exactly the gradient at the rounded input.
+    y = _randn((9, 2 * 24), dtype, 1.0).requires_grad_(True)
+    out = bias_swiglu_impl(y, None, fp8_input_store=True)
+    assert_close(out, unfused.swiglu(y.detach().double()), dtype)
+    g = _randn(out.shape, dtype, 1.0)
+    out.backward(g)
+    y8 = y.detach().to(torch.float8_e4m3fn).to(dtype)
+    assert_close(y.grad, unfused.swiglu_back(g.double(), y8.double()), dtype)
+    w = torch.rand(9, 1, device=DEVICE).requires_grad_(True)
+    y.grad = None
+    weighted_bias_swiglu_impl(y, None, w, fp8_input_store=True).backward(g)
+    dy64, dw64 = unfused.weighted_swiglu_back(g.double(), y8.double(), w.detach().double())
+    assert_close(y.grad, dy64, dtype)
+    assert_close(w.grad, dw64, torch.float32, scale=24**0.5)
+
+
+def test_cpu_offload_input_tags_saved_tensors():
+    y = _randn((4, 8), torch.float32).requires_grad_(True)
+    b = _randn((8,), torch.float32).requires_grad_(True)
+    bias_swiglu_impl(y, b, cpu_offload_input=True).sum().backward()
+    assert getattr(y, "activation_offloading", False) and getattr(b, "activation_offloading", False)
+    assert y.grad is not None
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _bad_cases():
+    t = lambda *s: torch.randn(*s, device=DEVICE)  # noqa: E731
+    return [
+        ("odd last dim", lambda: bias_swiglu_impl(t(4, 7), None), ValueError, r"input.shape\[-1\] must be even"),
+        ("1-D", lambda: bias_geglu_impl(t(8), None), ValueError, "input must have 2 or 3 dims"),
+        ("4-D", lambda: bias_swiglu_impl(t(2, 2, 2, 8), None), ValueError, "input must have 2 or 3 dims"),
+        ("int", lambda: bias_swiglu_impl(t(4, 8).int(), None), TypeError, "input must have dtype"),
+        ("list", lambda: bias_geglu_impl([[1.0, 2.0]], None), TypeError, "input must be a torch.Tensor"),
+        ("bias shape", lambda: bias_swiglu_impl(t(4, 8), t(4)), ValueError,
+         r"bias must have shape \[2h\] with 2h = input.shape\[-1\] = 8"),
+        ("bias dtype", lambda: bias_geglu_impl(t(4, 8), t(8).half()), TypeError, "bias dtype"),
+        ("bias 2-D", lambda: bias_geglu_impl(t(4, 8), t(1, 8)), ValueError, "bias must have 1 dims"),
+        ("weights shape", lambda: weighted_bias_swiglu_impl(t(4, 8), None, t(4)), ValueError,
+         r"weights must have shape \[n, 1\] with n = 4"),
+        ("weights rows", lambda: weighted_bias_swiglu_impl(t(2, 3, 8), None, t(3, 1)), ValueError,
+         r"weights must have shape \[n, 1\] with n = 6"),
+        ("weights int", lambda: weighted_bias_swiglu_impl(t(4, 8), None, t(4, 1).int()), TypeError,
+         "weights must have dtype"),
+        ("flag", lambda: bias_swiglu_impl(t(4, 8), None, fp8_input_store="yes"), TypeError,
+         "fp8_input_store must be a bool"),
+        ("sqrelu weights", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 2)), ValueError,
+         r"weights must have shape \[n, 1\]"),
+        ("sqrelu 1-D", lambda: weighted_squared_relu_impl(t(8), t(1, 1)), ValueError, "input must have 2 or 3 dims"),
+        ("clamp <= 0", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 1), 0.0), ValueError,
+         "clamp_scale must be a finite number > 0"),
+        ("clamp type", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 1), "2"), TypeError,
+         "clamp_scale must be a float or None"),
+        ("grad shape", lambda: swiglu_mod.swiglu_back(t(4, 8), t(4, 8)), ValueError,
+         r"grad_output must have shape \[4, 4\]"),
+        ("grad dtype", lambda: geglu_mod.geglu_back(t(4, 4).double(), t(4, 8)), TypeError, "grad_output dtype"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
+def test_bad_input_raises_clear_error(case):
+    _, call, error, match = case
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_mixed_devices_raise():
+    other = "cpu" if DEVICE.type == "cuda" else "meta"
+    with pytest.raises(ValueError, match="one device, got input on"):
+        bias_swiglu_impl(torch.randn(4, 8, device=DEVICE), torch.randn(8, device=other))
+    with pytest.raises(ValueError, match="one device, got input on"):
+        weighted_bias_swiglu_impl(torch.randn(4, 8, device=DEVICE), None, torch.rand(4, 1, device=other))
+
+
+def test_bench_byte_counts_are_the_floor():
+    from fusedlib.bench.ops._glu import glu_bytes, weighted_glu_bytes
+
+    n, h = 10, 7
+    b = glu_bytes(n, h, 2)
+    assert b["fwd"] == (2 * n * h + n * h) * 2  # read y [n, 2h], write out [n, h]
+    assert b["fwd+bwd"] - b["fwd"] == (n * h + 2 * n * h + 2 * n * h) * 2  # read g, y; write dy
+    assert glu_bytes(n, h, 2, bias=True)["fwd"] == b["fwd"] + 2 * h * 2
+    wb = weighted_glu_bytes(n, h, 2, 4)
+    assert wb["fwd"] == b["fwd"] + 4 * n and wb["fwd+bwd"] == b["fwd+bwd"] + 3 * 4 * n
