@@ -434,7 +434,7 @@ class ScaledSoftmax(torch.autograd.Function):
     def forward(ctx, inputs, scale):
         check_tensor("inputs", inputs, min_ndim=1)
         ctx.scale = _check_scale(scale)
-        x4 = inputs.reshape(1, 1, -1, inputs.shape[-1])  # [..., sk] -> [1, 1, rows, sk]
+        x4 = inputs.reshape(1, 1, math.prod(inputs.shape[:-1]), inputs.shape[-1])  # [..., sk] -> [1, 1, rows, sk]
         p, _ = softmax_fwd(x4, ctx.scale)
         out = p.view(inputs.shape)
         ctx.save_for_backward(out)
@@ -444,7 +444,8 @@ class ScaledSoftmax(torch.autograd.Function):
     def backward(ctx, output_grads):
         (p,) = ctx.saved_tensors
         sk = p.shape[-1]
-        dx, _ = softmax_bwd(output_grads.reshape(1, 1, -1, sk), p.reshape(1, 1, -1, sk), ctx.scale)
+        rows = math.prod(p.shape[:-1])
+        dx, _ = softmax_bwd(output_grads.reshape(1, 1, rows, sk), p.reshape(1, 1, rows, sk), ctx.scale)
         return dx.view(p.shape), None
 
 
@@ -488,7 +489,7 @@ class SoftmaxOne(nn.Module):
             if x.dim() != 4:
                 raise ValueError(f"a per-head denominator_offset needs x of shape [b, np, sq, sk], got {list(x.shape)}")
             return fused_scale_mask_softmax(x, softmax_offset=off)
-        x4 = x.reshape(1, 1, -1, x.shape[-1])  # [..., sk] -> [1, 1, rows, sk]
+        x4 = x.reshape(1, 1, math.prod(x.shape[:-1]), x.shape[-1])  # [..., sk] -> [1, 1, rows, sk]
         return fused_scale_mask_softmax(x4, softmax_offset=off).view(x.shape)
 
 

@@ -22,7 +22,7 @@ Backward, with g the gradient of p:
     do_h = - sum over the head's rows of p_sink·c      (per-row partials, summed on the host)
 
 Causal band: row q keeps columns q + band_lo <= j <= q + band_hi. Plain causal is
-band_lo = -sk, band_hi = sk - sq (the diagonal aligned bottom-right, so query q of the last sq
+band_lo = -sq (no lower edge), band_hi = sk - sq (the diagonal aligned bottom-right, so query q of the last sq
 positions of an sk-long sequence sees keys 0 .. q + sk - sq); a sliding window (left, right)
 is band_lo = sk - sq - left, band_hi = sk - sq + right. Columns outside the band are never
 read: the load mask stops at the band, rounded out to whole 16-byte vectors (the rounding
@@ -122,8 +122,9 @@ def causal_band(sq: int, sk: int) -> tuple[int, int]:
 
     Row q keeps columns j <= q + sk - sq; for sq == sk that is the usual lower triangle
     (j <= q). For sq > sk the first sq - sk rows keep nothing and come out as zeros.
+    band_lo = -sq puts every row's lower edge q - sq below column 0: no lower limit.
     """
-    return -sk, sk - sq
+    return -sq, sk - sq
 
 
 def window_band(sq: int, sk: int, window_size: tuple[int, int]) -> tuple[int, int]:
@@ -131,7 +132,7 @@ def window_band(sq: int, sk: int, window_size: tuple[int, int]) -> tuple[int, in
     ``get_sliding_window_causal_mask``: row q keeps sk - sq - left <= j - q <= sk - sq + right.
     ``-1`` on either side means unbounded (FlashAttention's convention)."""
     left, right = window_size
-    lo = -sk if left < 0 else sk - sq - left
+    lo = -sq if left < 0 else sk - sq - left  # -sq: below column 0 for every row
     hi = sk if right < 0 else sk - sq + right
     return lo, hi
 
@@ -179,9 +180,18 @@ def _scores(X_ptr, x_offs, MASK_ptr, mask_row_offs, M_k_stride, cols, scale, kee
 
 @triton.jit
 def _safe_reciprocal(d):
-    """1/d where d > 0, else 0 (a row that kept nothing), without ever dividing by zero."""
+    """1/d where d > 0, else 0 (a row that kept nothing), without ever dividing by zero.
+
+    Correctly rounded (``div_rn``; Triton's float32 ``/`` is a 2-ulp approximation on NVIDIA
+    GPUs), so a row of k equal scores gives exactly float32(1/k), as PyTorch does.
+    """
     pos = d > 0
-    return tl.where(pos, 1.0 / tl.where(pos, d, 1.0), 0.0)
+    d_safe = tl.where(pos, d, 1.0)
+    if d.dtype == tl.float32:
+        r = tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d_safe)
+    else:  # float64: '/' is IEEE division already
+        r = 1.0 / d_safe
+    return tl.where(pos, r, 0.0)
 
 
 @triton.jit
@@ -335,16 +345,23 @@ def _softmax_fwd_online_kernel(
     VEC: tl.constexpr,
     ACC: tl.constexpr,
 ):
+    # This kernel spells out _row_layout, _band_masks, _scores, _finite_or_zero and
+    # _safe_reciprocal inline: the same arithmetic, but Triton's CPU interpreter pays
+    # milliseconds for each call of a nested @triton.jit function.
     row = tl.program_id(0).to(tl.int64)  # one row per program
-    b, h, q = _row_layout(row, n_heads, sq)
+    q = row % sq
+    h = (row // sq) % n_heads
+    b = (row // sq) // n_heads
     lane = tl.arange(0, BLOCK_N)
-    # tiles that can hold kept columns: [first, last)
-    first = 0
-    last = n_cols
+    # kept columns [lo, hi); loads cover [lo_vec, hi_vec), the same rounded out to vectors
+    lo = 0
+    hi = n_cols
     if BAND:
-        first = tl.maximum(q + band_lo, 0)
-        last = tl.minimum(tl.maximum(q + band_hi + 1, 0), n_cols)
-    first = (first // BLOCK_N) * BLOCK_N
+        lo = tl.maximum(q + band_lo, 0)
+        hi = tl.minimum(tl.maximum(q + band_hi + 1, 0), n_cols)
+    lo_vec = (lo // VEC) * VEC
+    hi_vec = ((hi + VEC - 1) // VEC) * VEC
+    first = (lo // BLOCK_N) * BLOCK_N  # the first tile holding a kept column
     x_row = X_ptr + row * X_row_stride
     m_row = MASK_ptr + b * M_b_stride + h * M_h_stride + q * M_q_stride
 
@@ -352,40 +369,48 @@ def _softmax_fwd_online_kernel(
     # (started from a reduction so that they carry the ACC dtype through the loop)
     M = tl.max(tl.full([BLOCK_N], float("-inf"), ACC), axis=0)
     D = tl.sum(tl.zeros([BLOCK_N], ACC), axis=0)
-    for start in range(first, last, BLOCK_N):
+    for start in range(first, hi, BLOCK_N):
         cols = start + lane
-        in_range = cols < n_cols
-        keep = in_range
-        load_ok = in_range
-        if BAND:
-            keep, load_ok = _band_masks(q, cols, in_range, band_lo, band_hi, VEC)
-        s = _scores(x_row, cols * X_col_stride, m_row, 0, M_k_stride, cols, scale, keep, load_ok, HAS_MASK, VEC, ACC)
+        keep = (cols >= lo) & (cols < hi)
+        load_ok = (cols < n_cols) & (cols >= lo_vec) & (cols < hi_vec)
+        x = tl.load(x_row + cols * X_col_stride, mask=load_ok, other=0.0)
+        if HAS_MASK:
+            masked = tl.load(m_row + ((cols // VEC) * VEC + cols % VEC) * M_k_stride, mask=load_ok, other=1)
+            keep = keep & (masked == 0)
+        s = tl.where(keep, x.to(ACC) * scale, float("-inf"))
         M_new = tl.maximum(M, tl.max(s, axis=0))
-        m = _finite_or_zero(M_new)
+        m = tl.where(M_new == float("-inf"), 0.0, M_new)  # _finite_or_zero
         D = D * tl.exp(M - m) + tl.sum(tl.exp(s - m), axis=0)  # rescale the old sum to the new max
         M = M_new
     if HAS_OFFSET:  # the sink is one more logit in the row
         o = tl.load(OFFSET_ptr + h * OFFSET_head_stride).to(ACC)
         M_new = tl.maximum(M, o)
-        m = _finite_or_zero(M_new)
+        m = tl.where(M_new == float("-inf"), 0.0, M_new)
         D = D * tl.exp(M - m) + tl.exp(o - m)
         M = M_new
-    m = _finite_or_zero(M)
-    inv = _safe_reciprocal(D)
+    m = tl.where(M == float("-inf"), 0.0, M)
+    D_safe = tl.where(D > 0, D, 1.0)
+    if ACC == tl.float32:
+        inv = tl.div_rn(tl.full(D.shape, 1.0, tl.float32), D_safe)  # correctly rounded 1/D
+    else:
+        inv = 1.0 / D_safe
+    inv = tl.where(D > 0, inv, 0.0)  # a row that kept nothing: zeros
 
     # pass 2: p = e^{s - M}/D inside the band; plain zeros in tiles wholly outside it
     y_row = Y_ptr + row * n_cols
     for start in range(0, n_cols, BLOCK_N):
         cols = start + lane
         in_range = cols < n_cols
-        if (start + BLOCK_N <= first) | (start >= last):
+        if (start + BLOCK_N <= lo) | (start >= hi):
             tl.store(y_row + cols, tl.zeros([BLOCK_N], ACC).to(Y_ptr.dtype.element_ty), mask=in_range)
         else:
-            keep = in_range
-            load_ok = in_range
-            if BAND:
-                keep, load_ok = _band_masks(q, cols, in_range, band_lo, band_hi, VEC)
-            s = _scores(x_row, cols * X_col_stride, m_row, 0, M_k_stride, cols, scale, keep, load_ok, HAS_MASK, VEC, ACC)
+            keep = (cols >= lo) & (cols < hi)
+            load_ok = in_range & (cols >= lo_vec) & (cols < hi_vec)
+            x = tl.load(x_row + cols * X_col_stride, mask=load_ok, other=0.0)
+            if HAS_MASK:
+                masked = tl.load(m_row + ((cols // VEC) * VEC + cols % VEC) * M_k_stride, mask=load_ok, other=1)
+                keep = keep & (masked == 0)
+            s = tl.where(keep, x.to(ACC) * scale, float("-inf"))
             tl.store(y_row + cols, (tl.exp(s - m) * inv).to(Y_ptr.dtype.element_ty), mask=in_range)
     if HAS_OFFSET:
         tl.store(SINK_ptr + row, tl.exp(o - m) * inv)
@@ -415,23 +440,23 @@ def _softmax_bwd_online_kernel(
     row = tl.program_id(0).to(tl.int64)
     q = row % sq
     lane = tl.arange(0, BLOCK_N)
-    first = 0
-    last = n_cols
+    lo = 0
+    hi = n_cols
     if BAND:
-        first = tl.maximum(q + band_lo, 0)
-        last = tl.minimum(tl.maximum(q + band_hi + 1, 0), n_cols)
-    first = (first // BLOCK_N) * BLOCK_N
+        lo = tl.maximum(q + band_lo, 0)
+        hi = tl.minimum(tl.maximum(q + band_hi + 1, 0), n_cols)
+    lo_vec = (lo // VEC) * VEC  # p = 0 outside [lo, hi): read neither g nor p there
+    hi_vec = ((hi + VEC - 1) // VEC) * VEC
+    first = (lo // BLOCK_N) * BLOCK_N
     g_row = G_ptr + row * G_row_stride
     p_row = P_ptr + row * n_cols
     dx_row = DX_ptr + row * n_cols
 
     # pass 1: c = sum_j g_j·p_j over the band
     c = tl.sum(tl.zeros([BLOCK_N], ACC), axis=0)
-    for start in range(first, last, BLOCK_N):
+    for start in range(first, hi, BLOCK_N):
         cols = start + lane
-        load_ok = cols < n_cols
-        if BAND:
-            _, load_ok = _band_masks(q, cols, load_ok, band_lo, band_hi, VEC)
+        load_ok = (cols < n_cols) & (cols >= lo_vec) & (cols < hi_vec)
         g = tl.load(g_row + cols * G_col_stride, mask=load_ok, other=0.0).to(ACC)
         p = tl.load(p_row + cols, mask=load_ok, other=0.0).to(ACC)
         c += tl.sum(g * p, axis=0)
@@ -440,12 +465,10 @@ def _softmax_bwd_online_kernel(
     for start in range(0, n_cols, BLOCK_N):
         cols = start + lane
         in_range = cols < n_cols
-        if (start + BLOCK_N <= first) | (start >= last):
+        if (start + BLOCK_N <= lo) | (start >= hi):
             tl.store(dx_row + cols, tl.zeros([BLOCK_N], ACC).to(DX_ptr.dtype.element_ty), mask=in_range)
         else:
-            load_ok = in_range
-            if BAND:
-                _, load_ok = _band_masks(q, cols, in_range, band_lo, band_hi, VEC)
+            load_ok = in_range & (cols >= lo_vec) & (cols < hi_vec)
             g = tl.load(g_row + cols * G_col_stride, mask=load_ok, other=0.0).to(ACC)
             p = tl.load(p_row + cols, mask=load_ok, other=0.0).to(ACC)
             tl.store(dx_row + cols, (scale * (g * p - p * c)).to(DX_ptr.dtype.element_ty), mask=in_range)
