@@ -13,6 +13,9 @@ from ..core import BenchCase
 #: op name -> module under fusedlib.bench.ops
 OP_MODULES: dict[str, str] = {
     "bias_gelu": "bias_gelu",
+    "causal_softmax": "causal_softmax",
+    "masked_softmax": "masked_softmax",
+    "softmax_one": "softmax_one",
 }
 
 
