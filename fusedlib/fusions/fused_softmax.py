@@ -41,6 +41,7 @@ from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 
 from .. import unfused
 from ..kernels.softmax import causal_band, softmax_bwd, softmax_fwd, window_band
@@ -159,12 +160,13 @@ def megatron_kernel_availability(
 
     1. the user asked (``scaled_masked_softmax_fusion``);
     2. fp16 or bf16 input: the kernels are compiled for half types only;
-    3. 16 < sk <= 4096: one warp holds a row in registers, templated on log2(sk) up to 4096
-       (2048 in older Apex); above that the row does not fit;
+    3. 16 < sk <= 4096: one warp holds a row in registers, the kernel is templated on
+       log2(next_pow2(sk)) up to 4096; above that the row does not fit;
     4. sq % 4 == 0 and sk % 4 == 0: rows are loaded 4 elements (8 bytes) at a time;
     5. b·np % 4 == 0;
-    6. batch-per-block (:func:`get_batch_per_block`) divides b·np (causal) or sq (masked): the
-       grid has no tail block;
+    6. batch-per-block (:func:`get_batch_per_block`) divides b·np (causal: the grid is
+       (sq, b·np / batch_per_block)) or sq (masked: (sq / batch_per_block, np, b)): the grid
+       has no tail block;
     7. no ``softmax_offset`` (``forward`` takes the torch path for it), and, in Megatron-core
        versions with the fix of its issue #7847, no sliding window (the kernels have none).
 
@@ -280,7 +282,8 @@ def _as_4d(x: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor,
 
 class _ScaleMaskSoftmaxFunction(torch.autograd.Function):
     """Every variant in one Function: x4 [b, np, sq, sk], bool mask or None, a band or None,
-    sink logits [1] or [np] or None. Saves p (and p_sink), not x: dx needs only p and g."""
+    sink logits [1] or [np] or None. Saves p (and p_sink), not x: dx needs only p and g.
+    Differentiable once (a double backward raises)."""
 
     @staticmethod
     def forward(ctx, x4, mask, scale, band, offset):
@@ -294,6 +297,7 @@ class _ScaleMaskSoftmaxFunction(torch.autograd.Function):
         return p
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output):
         p, sink = ctx.saved_tensors
         want_offset = ctx.offset_meta is not None and ctx.needs_input_grad[4]
@@ -380,6 +384,7 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, output_grads):
         (p,) = ctx.saved_tensors
         dx, _ = softmax_bwd(output_grads.unsqueeze(1), p.unsqueeze(1), ctx.scale, ctx.band)
@@ -412,6 +417,7 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
         return p
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, output_grads):
         (p,) = ctx.saved_tensors
         dx, _ = softmax_bwd(output_grads, p, ctx.scale)
@@ -441,6 +447,7 @@ class ScaledSoftmax(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, output_grads):
         (p,) = ctx.saved_tensors
         sk = p.shape[-1]
