@@ -134,7 +134,8 @@ def test_causal_forward_backward(dtype, shape):
     assert_close(p, p64, dtype)
     assert_close(x.grad, dx64, dtype)
     # never read, written as zeros: the upper triangle (bottom-right aligned)
-    assert torch.equal(p.detach()[:, unfused.causal_mask(sq, sk, device=DEVICE)], torch.zeros_like(p.detach()[:, unfused.causal_mask(sq, sk, device=DEVICE)]))
+    above = p.detach()[:, unfused.causal_mask(sq, sk, device=DEVICE)]
+    assert torch.equal(above, torch.zeros_like(above))
 
 
 # (b, np, sq, sk, mask batch): sk = 1, odd sizes, a mask shared by the batch, rows of 5000
@@ -153,7 +154,22 @@ def test_masked_forward_backward(dtype, shape):
     p64, dx64, _ = _reference(x, mask, SCALE, g)
     assert_close(p, p64, dtype)
     assert_close(x.grad, dx64, dtype)
-    assert torch.equal(p.detach().masked_select(mask.expand_as(p)), torch.zeros(int(mask.expand_as(p).sum()), dtype=dtype, device=DEVICE))
+    masked = p.detach().masked_select(mask.expand_as(p))
+    assert torch.equal(masked, torch.zeros_like(masked))
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_masked_and_out_of_band_scores_never_leak(online, monkeypatch):
+    # whatever sits above the diagonal or under the mask (NaN, inf) cannot reach the output
+    if online:
+        monkeypatch.setattr(ksoftmax, "MAX_REGISTER_BLOCK", ONLINE_TILE)
+    x = torch.randn(1, 2, 6, 11, device=DEVICE)
+    mask = torch.rand(1, 1, 6, 11, device=DEVICE) < 0.3
+    hidden = mask | unfused.causal_mask(6, 11, device=DEVICE)
+    poisoned = x.masked_fill(hidden & (torch.rand(1, 2, 6, 11, device=DEVICE) < 0.5), float("nan"))
+    poisoned = poisoned.masked_fill(hidden & poisoned.isfinite(), float("inf"))
+    p = fused_scale_mask_softmax(poisoned, mask, SCALE, causal=True)
+    assert_close(p, unfused.masked_softmax_reference(x.double(), hidden, SCALE), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

@@ -22,9 +22,9 @@ Backward, with g the gradient of p:
     do_h = - sum over the head's rows of p_sink·c      (per-row partials, summed on the host)
 
 Causal band: row q keeps columns q + band_lo <= j <= q + band_hi. Plain causal is
-band_lo = -sq (no lower edge), band_hi = sk - sq (the diagonal aligned bottom-right, so query q of the last sq
-positions of an sk-long sequence sees keys 0 .. q + sk - sq); a sliding window (left, right)
-is band_lo = sk - sq - left, band_hi = sk - sq + right. Columns outside the band are never
+band_lo = -sq (no lower edge), band_hi = sk - sq: the diagonal aligned bottom-right, so the
+query q of the last sq positions of an sk-long sequence sees keys 0 .. q + sk - sq. A sliding
+window (left, right) is band_lo = sk - sq - left, band_hi = sk - sq + right. Columns outside the band are never
 read: the load mask stops at the band, rounded out to whole 16-byte vectors (the rounding
 reads at most VEC - 1 extra elements per row, and keeps every load a full vector). They are
 written as zeros, because the output is a dense tensor.
@@ -32,7 +32,7 @@ written as zeros, because the output is a dense tensor.
 Two kernel shapes:
 
 * rows that fit in registers (next power of two <= MAX_REGISTER_BLOCK): one program holds
-  BLOCK_M whole rows, reads x once and writes p once (2 passes over memory in all);
+  BLOCK_M whole rows, reads x once and writes p once;
 * longer rows: a looping kernel, one row per program, that walks the row in tiles twice:
   first keeping a running max M and a running denominator D (the "online softmax" of
   Milakov & Gimelshein, 2018: D <- D·e^{M_old - M_new} + sum e^{s - M_new}), then writing p.
