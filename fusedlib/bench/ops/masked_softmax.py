@@ -37,7 +37,7 @@ def _unfused(x, mask):
     return unfused.scale_mask_softmax(x, mask, SCALE)
 
 
-def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, eager: bool) -> BenchCase:
+def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, eager: bool, compiled_fn=None) -> BenchCase:
     b, np_, sq, sk = shape
 
     def make_inputs(device, requires_grad):
@@ -45,7 +45,7 @@ def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, eager: bool) -> 
         return x, padding_mask(b, sq, sk, device)
 
     impls = [Impl("fusedlib", lambda x, mask: ScaledMaskedSoftmax.apply(x, mask, SCALE)),
-             Impl("torch.compile", compiled(_unfused))]
+             Impl("torch.compile", compiled_fn or compiled(_unfused))]
     skipped = {}
     if eager:
         impls.insert(1, Impl("eager", _unfused))
@@ -67,11 +67,13 @@ def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, eager: bool) -> 
 
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     """The headline [4, 32, 2048, 2048] with every baseline; with ``sweep``, sk in SWEEP_SK
-    at [4, 32, 2^22 / sk, sk] (fusedlib, torch.compile, Apex up to 4096, Megatron-core)."""
+    at [4, 32, 2^22 / sk, sk] (fusedlib, torch.compile(dynamic=True) shared by the sweep,
+    Apex up to 4096, Megatron-core)."""
     out = [_case(DEFAULT_SHAPE, dtype, eager=True)]
     if sweep:
+        dynamic = torch.compile(_unfused, dynamic=True)  # one compile for every sweep shape
         for sk in SWEEP_SK:
             shape = (4, 32, SWEEP_ELEMENTS // (4 * 32 * sk), sk)
             if shape != DEFAULT_SHAPE:
-                out.append(_case(shape, dtype, eager=False))
+                out.append(_case(shape, dtype, eager=False, compiled_fn=dynamic))
     return out
