@@ -17,6 +17,9 @@ Public API (Megatron-core's names):
   ``BiasGeGLUFunction``, ``geglu``, ``bias_geglu`` (+ ``_back``).
 * ``fusedlib.fusions.fused_weighted_squared_relu``: ``weighted_squared_relu_impl``,
   ``WeightedSquaredReLUFunction``, ``weighted_squared_relu`` (+ ``_back``).
+* ``fusedlib.fusions.fused_softmax``: ``ScaledUpperTriangMaskedSoftmax``,
+  ``ScaledMaskedSoftmax``, ``ScaledSoftmax``, ``SoftmaxOne``, ``FusedScaleMaskSoftmax``,
+  ``fused_scale_mask_softmax``; ``fusedlib.transformer.enums.AttnMaskType``.
 * ``fusedlib.unfused``: the plain PyTorch references.
 * ``fusedlib.jit``: ``jit_fuser``, ``enable_jit_fuser``, ``disable_jit_fuser``.
 * ``fusedlib.runtime``: where kernels run (compiled on CUDA, interpreted on the CPU).
@@ -32,6 +35,15 @@ from .fusions.fused_bias_gelu import GeLUFunction, bias_gelu, bias_gelu_back, bi
 from . import parallel  # noqa: F401
 from .fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from .parallel import VocabUtility, count_collectives, vocab_parallel_cross_entropy
+from .fusions.fused_softmax import (
+    FusedScaleMaskSoftmax,
+    ScaledMaskedSoftmax,
+    ScaledSoftmax,
+    ScaledUpperTriangMaskedSoftmax,
+    SoftmaxOne,
+    fused_scale_mask_softmax,
+)
+from .transformer.enums import AttnMaskType
 
 __version__ = "0.1.0"
 
@@ -88,4 +100,12 @@ __all__ += [
     "weighted_bias_swiglu_impl",
     "WeightedSquaredReLUFunction",
     "weighted_squared_relu_impl",
+    # chapter 5
+    "FusedScaleMaskSoftmax",
+    "ScaledMaskedSoftmax",
+    "ScaledSoftmax",
+    "ScaledUpperTriangMaskedSoftmax",
+    "SoftmaxOne",
+    "fused_scale_mask_softmax",
+    "AttnMaskType",
 ]

@@ -6,7 +6,9 @@ that fusedlib's Triton kernels are tested against; called on the training dtype 
 are the "eager" baseline of the benchmark.
 
 Sources: Megatron-LM ``megatron/core/fusions/fused_bias_gelu.py`` (the tanh GeLU and
-its derivative), Hendrycks & Gimpel, "Gaussian Error Linear Units" (2016).
+its derivative), Hendrycks & Gimpel, "Gaussian Error Linear Units" (2016);
+``megatron/core/fusions/fused_softmax.py`` and ``megatron/core/transformer/utils.py`` (the
+attention softmax's unfused path and its masks).
 """
 from __future__ import annotations
 
@@ -466,3 +468,175 @@ def weighted_squared_relu_back(g: torch.Tensor, x: torch.Tensor, weights: torch.
     dx = (dc * g * weights).to(x.dtype)
     dw = (c * c * g.to(weights.dtype)).sum(-1, keepdim=True)
     return dx, dw.to(weights.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention softmax (chapter 5)
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_mask(sq: int, sk: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Causal mask [sq, sk], bool, True = masked: query q sees keys j <= q + sk - sq.
+
+    The diagonal is aligned bottom-right, so the sq queries are the *last* sq positions of an
+    sk-long sequence (a KV cache: sq = 1 sees every key). For sq == sk it is Megatron-core's
+    ``get_default_causal_mask(sq)``, ``triu(ones(sq, sq), diagonal=1)``; for sq > sk the first
+    sq - sk rows are fully masked.
+
+    Args:
+        sq: queries; sk: keys (default sq); device: where to build it.
+    """
+    sk = sq if sk is None else sk
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(diagonal=sk - sq + 1)
+
+
+def sliding_window_causal_mask(sq: int, sk: int, window_size: tuple[int, int],
+                               device: torch.device | str | None = None) -> torch.Tensor:
+    """Sliding-window mask [sq, sk], bool, True = masked, as Megatron-core's
+    ``get_sliding_window_causal_mask``: query q sees sk - sq - left <= j - q <= sk - sq + right.
+
+    Args:
+        sq, sk: queries and keys.
+        window_size: ``(left, right)``; -1 on a side means unbounded on that side.
+        device: where to build it.
+    """
+    left, right = window_size
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep = keep.triu(diagonal=sk - sq - left)
+    if right >= 0:
+        keep = keep.tril(diagonal=sk - sq + right)
+    return ~keep
+
+
+def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Megatron-core's ``attention_mask_func``: scores with masked entries set to -10000.
+
+    Unlike Megatron-core's, which fills in place (``masked_fill_``), this returns a new tensor.
+
+    Args:
+        attention_scores: [b, np, sq, sk].
+        attention_mask: bool, broadcastable, True = masked.
+    """
+    return attention_scores.masked_fill(attention_mask, -10000.0)
+
+
+def _as_offset(offset: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
+    """The sink logit(s) as a tensor of x's dtype and device (differentiable for a tensor)."""
+    if isinstance(offset, torch.Tensor):
+        return offset.to(dtype=x.dtype, device=x.device)
+    return torch.tensor(float(offset), dtype=x.dtype, device=x.device)
+
+
+def softmax_one(x: torch.Tensor, offset: torch.Tensor | float) -> torch.Tensor:
+    """Megatron-core's ``SoftmaxOne.forward``: softmax over the row plus one sink logit.
+
+    p_j = e^{x_j} / (e^{offset} + sum_k e^{x_k}): the sink column is appended, the softmax
+    taken, the sink column dropped.
+
+    Args:
+        x: [b, np, sq, sk] (or any [..., sk] with a scalar offset).
+        offset: the sink logit: a float, a 0-d/[1] tensor, or [np] (one per head).
+
+    Returns:
+        Tensor like ``x``.
+    """
+    off = _as_offset(offset, x)
+    if off.numel() > 1:
+        sink = off.reshape(1, -1, 1, 1).expand(x.size(0), -1, x.size(2), 1)  # [np] -> [b, np, sq, 1]
+    else:
+        sink = off.reshape(-1)[:1].expand(*x.shape[:-1], 1)  # [..., 1]
+    return torch.softmax(torch.cat([x, sink], dim=-1), dim=-1)[..., :-1]  # [..., sk+1] -> [..., sk]
+
+
+def scale_mask_softmax(
+    x: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    softmax_in_fp32: bool = True,
+    softmax_offset: torch.Tensor | None = None,
+    mask_func=attention_mask_func,
+) -> torch.Tensor:
+    """The unfused attention softmax, step by step as Megatron-core's
+    ``FusedScaleMaskSoftmax.forward_torch_softmax`` computes it, plus one fix.
+
+    [1] upcast fp16/bf16 to fp32 (``softmax_in_fp32``); [2] multiply by ``scale``; [3]
+    ``mask_func`` (-10000 where masked); [4] softmax (or :func:`softmax_one` with an offset);
+    [5] rows whose every key is masked are set to zero (the fix: -10000 everywhere would give a
+    uniform row 1/sk; some Megatron-core versions zero them the same way); [6] cast back.
+
+    Args:
+        x: scores [b, np, sq, sk]; never modified (it is copied before an in-place mask_func).
+        mask: bool, broadcastable to x, True = masked; None for none.
+        scale: multiplies x, or None.
+        softmax_in_fp32: compute in float32 for fp16/bf16 inputs.
+        softmax_offset: sink logit(s) for the off-by-one softmax, or None.
+        mask_func: ``(scores, mask) -> scores``, Megatron-core's signature.
+
+    Returns:
+        Probabilities, x's shape and dtype.
+    """
+    orig_dtype = x.dtype
+    s = x.float() if (softmax_in_fp32 and x.dtype in (torch.float16, torch.bfloat16)) else x
+    if scale is not None:
+        s = s * scale
+    if mask is not None:
+        s = mask_func(s.clone() if s is x else s, mask)  # Megatron's mask_func fills in place
+    probs = torch.softmax(s, dim=-1) if softmax_offset is None else softmax_one(s, softmax_offset)
+    if mask is not None:
+        probs = probs * (~mask.all(dim=-1, keepdim=True)).to(probs.dtype)  # fully masked rows -> 0
+    return probs.to(orig_dtype)
+
+
+def masked_softmax_reference(
+    x: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    softmax_offset: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """The definition, for the tests: p = softmax(scale·x) over the kept keys, with -inf where
+    masked, an optional sink logit per head, and zeros for a row with nothing kept.
+
+    Written with differentiable torch ops (the row max is detached: softmax does not depend on
+    it), so in float64 its autograd gradients are the oracle for the kernels' backward.
+
+    Args:
+        x: [b, np, sq, sk] (or [..., sk] without a per-head offset).
+        mask: bool, broadcastable to x, True = masked.
+        scale: multiplies x.
+        softmax_offset: None, a float, or a tensor [np] or [1] of sink logits.
+    """
+    s = x * scale
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    sink = None
+    if softmax_offset is not None:
+        off = _as_offset(softmax_offset, x)
+        sink = off.reshape(1, -1, 1, 1) if off.numel() > 1 else off.reshape(-1)[:1]
+        m = torch.maximum(m, sink)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m).detach()
+    e = torch.exp(s - m)
+    d = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        d = d + torch.exp(sink - m)
+    return e / torch.where(d > 0, d, torch.ones_like(d))
+
+
+def softmax_backward(g: torch.Tensor, p: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Gradient of ``p = softmax(scale·x)`` w.r.t. x: scale·p·(g - sum(g·p)) over the last dim.
+
+    Args:
+        g: gradient of p; p: the softmax output (same shape); scale: the forward's scale.
+    """
+    return scale * p * (g - (g * p).sum(dim=-1, keepdim=True))
+
+__all__ += [
+    "causal_mask",
+    "sliding_window_causal_mask",
+    "attention_mask_func",
+    "softmax_one",
+    "scale_mask_softmax",
+    "masked_softmax_reference",
+    "softmax_backward",
+]

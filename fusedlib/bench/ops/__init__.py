@@ -16,6 +16,9 @@ OP_MODULES: dict[str, str] = {
     "cross_entropy": "cross_entropy",
     "bias_dropout_add": "bias_dropout_add",
     "geglu": "geglu", "swiglu": "swiglu", "weighted_swiglu": "weighted_swiglu",
+    "causal_softmax": "causal_softmax",
+    "masked_softmax": "masked_softmax",
+    "softmax_one": "softmax_one",
 }
 
 

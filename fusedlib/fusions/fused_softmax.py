@@ -1,0 +1,619 @@
+"""The attention softmax family, Megatron-core's ``fused_softmax`` on Triton kernels.
+
+Megatron-core's names and call signatures:
+
+* ``ScaledUpperTriangMaskedSoftmax.apply(x[attn_batches, sq, sk], scale)``: causal;
+* ``ScaledMaskedSoftmax.apply(x[b, np, sq, sk], mask, scale)``: a bool mask, True = masked,
+  of shape [b or 1, 1, sq, sk] (any shape that broadcasts to x works);
+* ``ScaledSoftmax.apply(x, scale)``: no mask;
+* ``SoftmaxOne(dim, denominator_offset)``: the off-by-one softmax, fixed or learnable offset;
+* ``FusedScaleMaskSoftmax(...)`` with ``forward(input, mask, softmax_offset=None)``, its
+  ``is_kernel_available`` and its torch fallback ``forward_torch_softmax``.
+
+What differs from Megatron-core, and why:
+
+* fusedlib's kernels take any sq and sk (1, 5000, 32768...), float32/float16/bfloat16 (and
+  float64), any batch and head count: ``is_kernel_available`` is just the user's switch.
+  Megatron-core's CUDA kernels (from Apex) need 16 < sk <= 4096, sq and sk multiples of 4,
+  fp16/bf16 and a batch-per-block divisibility; otherwise it silently runs the torch path.
+  That rule is kept, explained, in :func:`megatron_kernel_availability`.
+* A row whose every key is masked gives zeros and a zero gradient, in the kernels and in the
+  fallback, never NaN and never the uniform row 1/sk that filling -10000 would give.
+* Causal with sq != sk: the diagonal is aligned bottom-right (query q sees keys
+  j <= q + sk - sq: the queries are the last sq positions, as with a KV cache). For
+  sq == sk this is the usual mask; Megatron-core asserts sq == sk (except sq = 1).
+* With a causal type and a mask, both apply (the union of the masked sets); Megatron-core's
+  fused causal path ignores the mask while its fallback uses the mask instead of causal.
+* ``softmax_offset`` runs in the fused kernel too (Megatron-core falls back to torch), with
+  its gradient; a sliding window runs in the kernel as a band.
+
+Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py``,
+``megatron/core/transformer/utils.py`` (``get_default_causal_mask``,
+``get_sliding_window_causal_mask``, ``attention_mask_func``); Apex ``csrc/megatron``
+(``get_batch_per_block``); Miller, "Attention is off by one" (2023).
+"""
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.autograd.function import once_differentiable
+
+from .. import unfused
+from ..kernels.softmax import causal_band, softmax_bwd, softmax_fwd, window_band
+from ..runtime import default_device
+from ..transformer.enums import AttnMaskType
+from ..utils import check_same_device, check_tensor
+
+__all__ = [
+    "ScaledUpperTriangMaskedSoftmax",
+    "ScaledMaskedSoftmax",
+    "ScaledSoftmax",
+    "SoftmaxOne",
+    "FusedScaleMaskSoftmax",
+    "fused_scale_mask_softmax",
+    "get_default_causal_mask",
+    "get_sliding_window_causal_mask",
+    "attention_mask_func",
+    "get_batch_per_block",
+    "megatron_kernel_availability",
+]
+
+#: Megatron-core's ``attention_mask_func`` (out of place here): masked scores -> -10000.
+attention_mask_func = unfused.attention_mask_func
+
+_CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right")
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks (Megatron-core: megatron/core/transformer/utils.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def get_default_causal_mask(sq: int, sk: Optional[int] = None,
+                            device: Optional[Union[torch.device, str]] = None) -> torch.Tensor:
+    """The causal mask, bool [sq, sk], True = masked (above the diagonal).
+
+    Args:
+        sq: query length. ``get_default_causal_mask(sq)`` is Megatron-core's call: [sq, sq],
+            ``triu(ones(sq, sq), diagonal=1)``.
+        sk: key length (default sq). For sq != sk the diagonal is aligned bottom-right: query q
+            sees keys j <= q + sk - sq.
+        device: default: CUDA when present, else the CPU (Megatron-core always builds on CUDA).
+
+    Returns:
+        A new bool tensor [sq, sk].
+
+    Source: Megatron-LM ``megatron/core/transformer/utils.py`` (``get_default_causal_mask``).
+    """
+    return unfused.causal_mask(sq, sk, device=default_device() if device is None else device)
+
+
+def get_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int],
+                                   device: Optional[Union[torch.device, str]] = None) -> torch.Tensor:
+    """The sliding-window mask, bool [sq, skv], True = masked.
+
+    Query q sees keys j with skv - sq - left <= j - q <= skv - sq + right.
+
+    Args:
+        sq, skv: query and key lengths.
+        window_size: ``(left, right)``; -1 means unbounded on that side.
+        device: default: CUDA when present, else the CPU.
+
+    Returns:
+        A new bool tensor [sq, skv].
+
+    Source: Megatron-LM ``megatron/core/transformer/utils.py`` (``get_sliding_window_causal_mask``).
+    """
+    _check_window(window_size)
+    return unfused.sliding_window_causal_mask(sq, skv, window_size,
+                                              device=default_device() if device is None else device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-core's kernel-availability rule, kept for readers comparing the two
+# ---------------------------------------------------------------------------------------------
+
+
+def get_batch_per_block(sq: int, sk: int, b: int, np: int) -> int:
+    """Rows one CUDA block of Megatron-core's (Apex's) softmax kernels handles.
+
+    The kernel gives each row to one warp (or to part of one, for short rows) and keeps it in
+    registers: a block is 128 threads; a warp spans min(next_pow2(sk), 32) threads; rows of
+    up to 128 elements are packed two per warp. So
+
+        warp_size       = min(next_pow2(sk), 32)
+        batches_per_warp = 2 if next_pow2(sk) <= 128 else 1
+        batch_per_block = (128 // warp_size) · batches_per_warp
+
+    (sq, b, np are unused, as in Apex). Computed here in Python; Megatron-core asks the CUDA
+    extension ``scaled_masked_softmax_cuda.get_batch_per_block``.
+
+    Source: Apex ``csrc/megatron/scaled_masked_softmax.h`` (``get_batch_per_block``).
+    """
+    np2 = 1 << max(0, math.ceil(math.log2(max(1, sk))))
+    warp_size = min(np2, 32)
+    batches_per_warp = 2 if np2 <= 128 else 1
+    return (128 // warp_size) * batches_per_warp
+
+
+def megatron_kernel_availability(
+    attn_mask_type: AttnMaskType,
+    input_in_float16: bool,
+    scaled_masked_softmax_fusion: bool,
+    b: int,
+    np: int,
+    sq: int,
+    sk: int,
+    softmax_offset: Optional[torch.Tensor] = None,
+    window_size: Optional[tuple[int, int]] = None,
+) -> tuple[bool, str]:
+    """Would Megatron-core run its fused CUDA softmax here, and if not, why?
+
+    Megatron-core's ``FusedScaleMaskSoftmax.is_kernel_available`` returns a bare bool and falls
+    back to PyTorch without a word, which is how ``masked_softmax_fusion=True`` ends up unused.
+    The rule, condition by condition, with the reason each exists:
+
+    1. the user asked (``scaled_masked_softmax_fusion``);
+    2. fp16 or bf16 input: the kernels are compiled for half types only;
+    3. 16 < sk <= 4096: one warp holds a row in registers, the kernel is templated on
+       log2(next_pow2(sk)) up to 4096; above that the row does not fit;
+    4. sq % 4 == 0 and sk % 4 == 0: rows are loaded 4 elements (8 bytes) at a time;
+    5. b·np % 4 == 0;
+    6. batch-per-block (:func:`get_batch_per_block`) divides b·np (causal: the grid is
+       (sq, b·np / batch_per_block)) or sq (masked: (sq / batch_per_block, np, b)): the grid
+       has no tail block;
+    7. no ``softmax_offset`` (``forward`` takes the torch path for it), and, in Megatron-core
+       versions with the fix of its issue #7847, no sliding window (the kernels have none).
+
+    fusedlib's kernels have none of these limits: see :class:`FusedScaleMaskSoftmax`.
+
+    Args:
+        attn_mask_type: the mask type; b, np, sq, sk: the scores' shape [b, np, sq, sk].
+        input_in_float16: the input is fp16 or bf16.
+        scaled_masked_softmax_fusion: the user's switch (``config.masked_softmax_fusion``).
+        softmax_offset, window_size: as :class:`FusedScaleMaskSoftmax`.
+
+    Returns:
+        ``(available, reason)``: reason says which condition failed ("" when available).
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``is_kernel_available``).
+    """
+    attn_batches = b * np
+    if not scaled_masked_softmax_fusion:
+        return False, "scaled_masked_softmax_fusion is False"
+    if not input_in_float16:
+        return False, "input is not fp16/bf16: the CUDA kernels take half precision only"
+    if not 16 < sk <= 4096:
+        return False, f"sk = {sk} is outside 16 < sk <= 4096: a row must fit one warp's registers"
+    if sq % 4 != 0 or sk % 4 != 0:
+        return False, f"sq = {sq} and sk = {sk} must be multiples of 4 (4-element vector loads)"
+    if attn_batches % 4 != 0:
+        return False, f"b·np = {attn_batches} must be a multiple of 4"
+    bpb = get_batch_per_block(sq, sk, b, np)
+    if _mask_type_name(attn_mask_type) == "causal":
+        if attn_batches % bpb != 0:
+            return False, f"b·np = {attn_batches} is not a multiple of batch_per_block = {bpb}"
+    elif sq % bpb != 0:
+        return False, f"sq = {sq} is not a multiple of batch_per_block = {bpb}"
+    if softmax_offset is not None:
+        return False, "softmax_offset is given: Megatron-core computes it in PyTorch"
+    if window_size is not None:
+        return False, "a sliding window is set: the CUDA kernels have no window"
+    return True, ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _mask_type_name(attn_mask_type: object) -> str:
+    """The member name of an AttnMaskType (fusedlib's, or Megatron-core's enum by name)."""
+    name = getattr(attn_mask_type, "name", None)
+    if not isinstance(attn_mask_type, enum.Enum) or name not in AttnMaskType.__members__:
+        allowed = ", ".join(AttnMaskType.__members__)
+        raise TypeError(f"attn_mask_type must be an AttnMaskType ({allowed}), got {attn_mask_type!r}")
+    return name
+
+
+def _check_scale(scale: object) -> float:
+    if scale is None:
+        return 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _check_window(window_size: object) -> Optional[tuple[int, int]]:
+    if window_size is None:
+        return None
+    ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+          and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window_size))
+    if not ok:
+        raise ValueError(f"window_size must be None or a pair (left, right) of ints >= -1, got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_mask(mask: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
+    if mask is None:
+        return None
+    check_tensor("mask", mask, dtypes=(torch.bool,))
+    ok = mask.dim() <= x.dim() and all(m in (1, n) for m, n in zip(reversed(mask.shape), reversed(x.shape)))
+    if not ok:
+        raise ValueError(f"mask of shape {list(mask.shape)} does not broadcast to the scores' shape {list(x.shape)} "
+                         "(Megatron-core's layout: [b or 1, 1, sq, sk], True = masked)")
+    return mask
+
+
+def _check_offset(offset: object, x4: torch.Tensor) -> Optional[torch.Tensor]:
+    """The sink logit(s) as a tensor [1] or [np]; a float becomes a constant tensor."""
+    if offset is None:
+        return None
+    if isinstance(offset, numbers.Real) and not isinstance(offset, bool):
+        return torch.tensor([float(offset)], device=x4.device, dtype=torch.promote_types(x4.dtype, torch.float32))
+    check_tensor("softmax_offset", offset, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+    if offset.numel() not in (1, x4.shape[1]):
+        raise ValueError(f"softmax_offset must have 1 or np = {x4.shape[1]} elements (one sink logit per head), "
+                         f"got shape {list(offset.shape)}")
+    return offset
+
+
+def _as_4d(x: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """[attn_batches, sq, sk] -> [attn_batches, 1, sq, sk] (a view), and the mask to match."""
+    if x.dim() == 4:
+        return x, mask
+    x4 = x.unsqueeze(1)
+    if mask is not None:
+        mask = mask.reshape((1,) * (3 - mask.dim()) + tuple(mask.shape)).unsqueeze(1)
+    return x4, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------
+
+
+class _ScaleMaskSoftmaxFunction(torch.autograd.Function):
+    """Every variant in one Function: x4 [b, np, sq, sk], bool mask or None, a band or None,
+    sink logits [1] or [np] or None. Saves p (and p_sink), not x: dx needs only p and g.
+    Differentiable once (a double backward raises)."""
+
+    @staticmethod
+    def forward(ctx, x4, mask, scale, band, offset):
+        off = None
+        if offset is not None:  # sink logits in the compute dtype, [1] or [np]
+            off = offset.detach().to(torch.promote_types(x4.dtype, torch.float32)).reshape(-1).contiguous()
+        p, sink = softmax_fwd(x4, scale, mask, band, off)
+        ctx.save_for_backward(p, sink)
+        ctx.scale, ctx.band = scale, band
+        ctx.offset_meta = (offset.shape, offset.dtype, offset.numel()) if offset is not None else None
+        return p
+
+    @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    def backward(ctx, grad_output):
+        p, sink = ctx.saved_tensors
+        want_offset = ctx.offset_meta is not None and ctx.needs_input_grad[4]
+        dx, doff_rows = softmax_bwd(grad_output, p, ctx.scale, ctx.band, sink if want_offset else None)
+        d_offset = None
+        if want_offset:
+            shape, dtype, numel = ctx.offset_meta
+            B, H, SQ, _ = p.shape
+            rows = doff_rows.view(B, H, SQ)  # [b·np·sq] -> [b, np, sq]
+            d_offset = (rows.sum(dim=(0, 2)) if numel > 1 else rows.sum()).reshape(shape).to(dtype)
+        return dx, None, None, None, d_offset
+
+
+def fused_scale_mask_softmax(
+    input: torch.Tensor,  # noqa: A002 (Megatron's name)
+    mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Optional[tuple[int, int]] = None,
+    softmax_offset: Optional[Union[torch.Tensor, float]] = None,
+) -> torch.Tensor:
+    """softmax(scale·input) over the last dim, with masks and an optional sink, in one kernel.
+
+    Args:
+        input: scores [b, np, sq, sk] or [attn_batches, sq, sk]; float32/float16/bfloat16
+            (float64 for gradcheck); CUDA or CPU; any strides.
+        mask: bool, broadcastable to ``input`` ([b or 1, 1, sq, sk] in Megatron-core), True =
+            masked; or None.
+        scale: multiplies the scores before masking (None: 1).
+        causal: mask keys j > q + sk - sq (bottom-right diagonal).
+        window_size: ``(left, right)`` sliding window (replaces ``causal``'s band), or None.
+        softmax_offset: sink logit o, a float or a tensor [1] or [np] (4-D input): the row's
+            denominator gains e^o. A tensor that requires grad receives its gradient.
+
+    Returns:
+        Probabilities of ``input``'s shape and dtype (contiguous). A row with every key
+        masked (and no sink) is all zeros, with zero gradient.
+
+    Raises:
+        TypeError: non-tensor input, unsupported dtype, non-bool mask, non-real scale.
+        ValueError: input not 3-D/4-D, a mask that does not broadcast, an offset of the wrong
+            size, a bad window, or tensors on different devices.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py``.
+    """
+    check_tensor("input", input, ndim=(3, 4))
+    scale_f = _check_scale(scale)
+    mask = _check_mask(mask, input)
+    window = _check_window(window_size)
+    x4, mask4 = _as_4d(input, mask)
+    offset = _check_offset(softmax_offset, x4)
+    if offset is not None and offset.numel() > 1 and input.dim() != 4:
+        raise ValueError("a per-head softmax_offset needs 4-D scores [b, np, sq, sk]")
+    check_same_device(input=input, mask=mask, softmax_offset=offset)
+    sq, sk = x4.shape[-2:]
+    band = window_band(sq, sk, window) if window is not None else (causal_band(sq, sk) if causal else None)
+    p4 = _ScaleMaskSoftmaxFunction.apply(x4, mask4, scale_f, band, offset)
+    return p4.view(input.shape)
+
+
+class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
+    """Fused scale + causal mask + softmax: ``apply(inputs, scale)``.
+
+    inputs: [attn_batches, sq, sk] (Megatron-core: ``b·np`` attention batches), float32/16/bf16.
+    Row q keeps keys j <= q + sk - sq; the other columns are never read and come out as
+    zeros. Returns probabilities of the same shape and dtype. backward returns
+    ``(d inputs, None)``: scale·p·(g - sum(g·p)), zeros above the diagonal.
+
+    Raises:
+        TypeError / ValueError: not a 3-D floating tensor, or a non-real scale.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``ScaledUpperTriangMaskedSoftmax``).
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, scale):
+        check_tensor("inputs", inputs, ndim=3)
+        ctx.scale = _check_scale(scale)
+        sq, sk = inputs.shape[-2:]
+        ctx.band = causal_band(sq, sk)
+        p4, _ = softmax_fwd(inputs.unsqueeze(1), ctx.scale, band=ctx.band)  # [ab, sq, sk] -> [ab, 1, sq, sk]
+        out = p4.view(inputs.shape)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    def backward(ctx, output_grads):
+        (p,) = ctx.saved_tensors
+        dx, _ = softmax_bwd(output_grads.unsqueeze(1), p.unsqueeze(1), ctx.scale, ctx.band)
+        return dx.view(p.shape), None
+
+
+class ScaledMaskedSoftmax(torch.autograd.Function):
+    """Fused scale + bool mask + softmax: ``apply(inputs, mask, scale)``.
+
+    inputs: [b, np, sq, sk], float32/16/bf16; mask: bool, [b or 1, 1, sq, sk] (or anything that
+    broadcasts), True = masked, read as bytes; None means no mask. Returns probabilities of
+    inputs' shape and dtype; a fully masked row is zeros. backward returns
+    ``(d inputs, None, None)``.
+
+    Raises:
+        TypeError / ValueError: not a 4-D floating tensor, a non-bool or non-broadcasting mask,
+        a non-real scale, or tensors on different devices.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``ScaledMaskedSoftmax``).
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, mask, scale):
+        check_tensor("inputs", inputs, ndim=4)
+        ctx.scale = _check_scale(scale)
+        mask = _check_mask(mask, inputs)
+        check_same_device(inputs=inputs, mask=mask)
+        p, _ = softmax_fwd(inputs, ctx.scale, mask=mask)
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    def backward(ctx, output_grads):
+        (p,) = ctx.saved_tensors
+        dx, _ = softmax_bwd(output_grads, p, ctx.scale)
+        return dx, None, None
+
+
+class ScaledSoftmax(torch.autograd.Function):
+    """Fused scale + softmax (no mask): ``apply(inputs, scale)``.
+
+    inputs: [b, np, sq, sk] or [attn_batches, sq, sk] (any [..., sk] works), float32/16/bf16.
+    Returns probabilities of inputs' shape and dtype; backward returns ``(d inputs, None)``.
+
+    Raises:
+        TypeError / ValueError: not a floating tensor with at least 1 dim, or a non-real scale.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``ScaledSoftmax``).
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, scale):
+        check_tensor("inputs", inputs, min_ndim=1)
+        ctx.scale = _check_scale(scale)
+        x4 = inputs.reshape(1, 1, math.prod(inputs.shape[:-1]), inputs.shape[-1])  # [..., sk] -> [1, 1, rows, sk]
+        p, _ = softmax_fwd(x4, ctx.scale)
+        out = p.view(inputs.shape)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    def backward(ctx, output_grads):
+        (p,) = ctx.saved_tensors
+        sk = p.shape[-1]
+        rows = math.prod(p.shape[:-1])
+        dx, _ = softmax_bwd(output_grads.reshape(1, 1, rows, sk), p.reshape(1, 1, rows, sk), ctx.scale)
+        return dx.view(p.shape), None
+
+
+class SoftmaxOne(nn.Module):
+    r"""The off-by-one softmax, p_j = e^{x_j} / (e^{o} + \sum_k e^{x_k}), in one kernel.
+
+    It is a softmax over the row plus one extra "sink" logit o whose probability is dropped, so
+    a head can put weight on nothing: when every x_j << o the row sums to ~0 instead of 1.
+
+    Args:
+        dim: the softmax dim; must be the last (None or -1), as in Megatron-core.
+        denominator_offset: the sink logit o: a float (fixed), or a tensor [np] (one per head;
+            an ``nn.Parameter`` makes it learnable and receives its gradient) or [1].
+            Default 0.0: the denominator gains e^0 = 1, Miller's softmax_1. (Megatron-core's
+            default is 1.0, which its code reads as a logit, adding e^1; and with a float it
+            cannot run, since it calls ``.reshape`` on the offset.)
+
+    ``forward(x)``: x [b, np, sq, sk] (per-head offset) or any [..., sk] (scalar offset),
+    float32/float16/bfloat16. Returns a tensor like x.
+
+    Raises:
+        ValueError: dim not the last, an offset of the wrong size, x not 4-D with a per-head
+            offset. TypeError: as :func:`fused_scale_mask_softmax`.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``SoftmaxOne``); Miller,
+    "Attention is off by one" (2023), https://www.evanmiller.org/attention-is-off-by-one.html.
+    """
+
+    def __init__(self, dim: Optional[int] = None, denominator_offset: Union[torch.Tensor, float] = 0.0) -> None:
+        super().__init__()
+        self.dim = dim
+        self.denominator_offset = denominator_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_tensor("x", x, min_ndim=1)
+        if self.dim is not None and self.dim not in (-1, x.dim() - 1):
+            raise ValueError(f"SoftmaxOne works over the last dim; got dim={self.dim} for a {x.dim()}-D input")
+        off = self.denominator_offset
+        per_head = isinstance(off, torch.Tensor) and off.numel() > 1
+        if per_head or x.dim() == 4:
+            if x.dim() != 4:
+                raise ValueError(f"a per-head denominator_offset needs x of shape [b, np, sq, sk], got {list(x.shape)}")
+            return fused_scale_mask_softmax(x, softmax_offset=off)
+        x4 = x.reshape(1, 1, math.prod(x.shape[:-1]), x.shape[-1])  # [..., sk] -> [1, 1, rows, sk]
+        return fused_scale_mask_softmax(x4, softmax_offset=off).view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The module Megatron-core's attention uses
+# ---------------------------------------------------------------------------------------------
+
+
+class FusedScaleMaskSoftmax(nn.Module):
+    """Scale + mask + softmax for attention scores, fused, with a PyTorch fallback.
+
+    Args:
+        input_in_fp16, input_in_bf16: the scores' dtype flags (at most one True); with
+            ``softmax_in_fp32`` the fallback upcasts such inputs to float32 and casts back.
+        attn_mask_type: :class:`~fusedlib.transformer.enums.AttnMaskType` (Megatron-core's enum
+            is accepted by member name). Causal types (causal, padding_causal,
+            causal_bottom_right) mask keys j > q + sk - sq; every type also applies the mask
+            passed to ``forward``, if any.
+        scaled_masked_softmax_fusion: use fusedlib's kernel (True) or the PyTorch path.
+        mask_func: ``(scores, mask) -> scores`` for the PyTorch path (Megatron-core's
+            ``attention_mask_func`` fills -10000); the kernel masks with -inf instead.
+        softmax_in_fp32: compute the PyTorch path in float32 (the kernel always does).
+        scale: multiplies the scores first, or None (Megatron-core passes the layer number
+            for ``apply_query_key_layer_scaling``).
+        window_size: ``(left, right)`` sliding window, or None; it replaces the causal band.
+
+    ``forward(input, mask, softmax_offset=None)``: input [b, np, sq, sk]; mask bool,
+    broadcastable, True = masked, or None; softmax_offset: sink logits [np] (the off-by-one
+    softmax, fixed or learnable). Returns probabilities of input's shape and dtype.
+
+    Raises:
+        ValueError: both fp16 and bf16 flags; a scale without softmax_in_fp32 (Megatron-core's
+            rule); a bad window; input not 4-D; dtype flags that contradict the input's dtype.
+        TypeError: attn_mask_type not an AttnMaskType, mask_func not callable.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``FusedScaleMaskSoftmax``).
+    """
+
+    def __init__(
+        self,
+        input_in_fp16: bool,
+        input_in_bf16: bool,
+        attn_mask_type: AttnMaskType,
+        scaled_masked_softmax_fusion: bool,
+        mask_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        softmax_in_fp32: bool,
+        scale: Optional[float],
+        window_size: Optional[tuple[int, int]] = None,
+    ) -> None:
+        super().__init__()
+        if input_in_fp16 and input_in_bf16:
+            raise ValueError("both fp16 and bf16 flags cannot be active at the same time")
+        self.input_in_fp16 = bool(input_in_fp16)
+        self.input_in_bf16 = bool(input_in_bf16)
+        self.input_in_float16 = self.input_in_fp16 or self.input_in_bf16
+        self.attn_mask_type = attn_mask_type
+        self._mask_type = _mask_type_name(attn_mask_type)
+        self.scaled_masked_softmax_fusion = bool(scaled_masked_softmax_fusion)
+        if not callable(mask_func):
+            raise TypeError(f"mask_func must be callable, got {type(mask_func).__name__}")
+        self.mask_func = mask_func
+        self.softmax_in_fp32 = bool(softmax_in_fp32)
+        if scale is not None and not softmax_in_fp32:
+            raise ValueError("softmax should be in fp32 when scaled (scale given, softmax_in_fp32=False)")
+        _check_scale(scale)
+        self.scale = scale
+        self.window_size = _check_window(window_size)
+
+    def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor],  # noqa: A002
+                softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Probabilities [b, np, sq, sk]: the fused kernel when available, else PyTorch."""
+        check_tensor("input", input, ndim=4)
+        for flag, dtype in (("input_in_fp16", torch.float16), ("input_in_bf16", torch.bfloat16)):
+            if getattr(self, flag) and input.dtype != dtype:
+                raise ValueError(f"{flag}=True but input has dtype {str(input.dtype).replace('torch.', '')}")
+        if self.is_kernel_available(mask, *input.size()):
+            return self.forward_fused_softmax(input, mask, softmax_offset)
+        return self.forward_torch_softmax(input, mask, softmax_offset)
+
+    def is_kernel_available(self, mask: Optional[torch.Tensor], b: int, np: int, sq: int, sk: int) -> bool:
+        """fusedlib's rule: the fused kernel runs whenever ``scaled_masked_softmax_fusion`` is on.
+
+        It takes any b, np, sq, sk, any float dtype, masks, windows and offsets, so there is
+        no shape condition; Megatron-core's is in :func:`megatron_kernel_availability`.
+        """
+        return self.scaled_masked_softmax_fusion
+
+    def _is_causal(self) -> bool:
+        return self._mask_type in _CAUSAL_TYPES
+
+    def forward_fused_softmax(self, input: torch.Tensor, mask: Optional[torch.Tensor],  # noqa: A002
+                              softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The fused kernel: causal / window as a band (never read outside it), the caller's
+        mask read as bytes, the sink logit in the denominator."""
+        return fused_scale_mask_softmax(input, mask, self.scale, causal=self._is_causal(),
+                                        window_size=self.window_size, softmax_offset=softmax_offset)
+
+    def forward_torch_softmax(self, input: torch.Tensor, mask: Optional[torch.Tensor],  # noqa: A002
+                              softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The PyTorch path (:func:`fusedlib.unfused.scale_mask_softmax`): upcast, scale,
+        ``mask_func``, softmax (or the sink softmax), zero the fully masked rows, cast back.
+        The masks: the caller's, or-ed with the causal or sliding-window mask."""
+        mask = _check_mask(mask, input)
+        sq, sk = input.shape[-2:]
+        structural = None
+        if self.window_size is not None:
+            structural = unfused.sliding_window_causal_mask(sq, sk, self.window_size, device=input.device)
+        elif self._is_causal():
+            structural = unfused.causal_mask(sq, sk, device=input.device)
+        if structural is not None:
+            mask = structural if mask is None else (mask | structural)
+        if softmax_offset is not None:
+            _check_offset(softmax_offset, input)
+        return unfused.scale_mask_softmax(input, mask, self.scale, self.softmax_in_fp32, softmax_offset,
+                                          mask_func=self.mask_func)
+
+    @staticmethod
+    def get_batch_per_block(sq: int, sk: int, b: int, np: int) -> int:
+        """Megatron-core's batch-per-block, computed in Python: see :func:`get_batch_per_block`."""
+        return get_batch_per_block(sq, sk, b, np)

@@ -1,0 +1,586 @@
+"""Triton kernels for the attention softmax family, forward and backward.
+
+One forward and one backward kernel serve every variant Megatron-core has a CUDA kernel for
+(scaled, scaled + bool mask, scaled + causal), plus a causal band with a sliding window and
+the off-by-one softmax with a per-head sink logit. Compile-time flags pick the variant, so
+each specialisation carries only the loads it needs.
+
+Forward, for each row r of scores x (the row of query q in head h of batch b), with the
+kept set K_r = {j : mask[b, h, q, j] is False, and j is inside the band of row q}:
+
+    s_j = scale·x_j                  for j in K_r, else -inf
+    M   = max(max_j s_j, o_h)        (o_h: the sink logit of head h, only with an offset)
+    D   = sum_j e^{s_j - M} + e^{o_h - M}
+    p_j = e^{s_j - M} / D            p_sink = e^{o_h - M} / D   (saved, float32, per row)
+
+A row with nothing kept and no sink has D = 0: it is written as zeros, never NaN.
+
+Backward, with g the gradient of p:
+
+    c    = sum_j g_j·p_j
+    dx_j = scale·p_j·(g_j - c)       dx_j = 0 wherever p_j = 0 (masked, outside the band)
+    do_h = - sum over the head's rows of p_sink·c      (per-row partials, summed on the host)
+
+Causal band: row q keeps columns q + band_lo <= j <= q + band_hi. Plain causal is
+band_lo = -sq (no lower edge), band_hi = sk - sq: the diagonal aligned bottom-right, so the
+query q of the last sq positions of an sk-long sequence sees keys 0 .. q + sk - sq. A sliding
+window (left, right) is band_lo = sk - sq - left, band_hi = sk - sq + right. Columns outside the band are never
+read: the load mask stops at the band, rounded out to whole 16-byte vectors (the rounding
+reads at most VEC - 1 extra elements per row, and keeps every load a full vector). They are
+written as zeros, because the output is a dense tensor.
+
+Two kernel shapes:
+
+* rows that fit in registers (next power of two <= MAX_REGISTER_BLOCK): one program holds
+  BLOCK_M whole rows, reads x once and writes p once;
+* longer rows: a looping kernel, one row per program, that walks the row in tiles twice:
+  first keeping a running max M and a running denominator D (the "online softmax" of
+  Milakov & Gimelshein, 2018: D <- D·e^{M_old - M_new} + sum e^{s - M_new}), then writing p.
+  It reads x twice; the second read of a 64 KB row usually comes from L2.
+
+Dtype policy: load, compute in float32 (float64 for float64 inputs, so gradcheck checks the
+kernels), store p and dx in x's dtype; p_sink and the offset-gradient partials in float32.
+
+Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` and Apex's
+``csrc/megatron/scaled_*_softmax.h`` (the CUDA kernels it calls); Triton's fused-softmax
+tutorial (02-fused-softmax.py); Milakov & Gimelshein, "Online normalizer calculation for
+softmax", arXiv:1805.02867; Miller, "Attention is off by one" (2023).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime import launch
+from ..utils import MAX_FUSED_SIZE, acc_dtype, as_rows, calculate_settings
+
+__all__ = [
+    "softmax_fwd",
+    "softmax_bwd",
+    "softmax_settings",
+    "causal_band",
+    "window_band",
+    "MAX_REGISTER_BLOCK",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Launch settings: every tile choice is here, in tables.
+# ---------------------------------------------------------------------------------------------
+
+#: Longest row, as its next power of two, that one program holds in registers. 16 Ki
+#: elements at 16 warps is 32 float32 values per thread; longer rows would spill or cut
+#: occupancy, so they take the looping kernel.
+MAX_REGISTER_BLOCK: int = 16384
+
+# Rows per program of the register kernel, as (upper bound of BLOCK_N, BLOCK_M): short rows
+# are packed so that a program holds about 1-2 Ki elements (8-16 per thread at 4 warps);
+# rows of 2 Ki and more get a program each. Warps come from calculate_settings of the tile.
+_ROWS_PER_PROGRAM: tuple[tuple[int, int], ...] = (
+    (32, 32),    # up to 32 columns: 32 rows x 32 = 1 Ki elements
+    (128, 16),   # up to 128: 16 rows (2 Ki)
+    (512, 4),    # up to 512: 4 rows (2 Ki)
+    (1024, 2),   # up to 1 Ki: 2 rows (2 Ki)
+    (MAX_FUSED_SIZE, 1),  # 2 Ki and longer: one row per program
+)
+
+# Looping kernel (rows longer than MAX_REGISTER_BLOCK): column tile and warps. 4 Ki columns
+# at 8 warps is 16 elements per thread, two 16-byte loads of bf16.
+ONLINE_BLOCK_N: int = 4096
+ONLINE_NUM_WARPS: int = 8
+
+#: Bytes of one vector load; VEC = elements per vector, the granule the band is rounded to.
+VECTOR_BYTES: int = 16
+
+
+def softmax_settings(n_cols: int, max_register_block: Optional[int] = None) -> dict:
+    """Which kernel and tile a row of ``n_cols`` elements gets.
+
+    Args:
+        n_cols: the row length sk (>= 1).
+        max_register_block: the longest row (as its next power of two) held in registers
+            (None: ``MAX_REGISTER_BLOCK``).
+
+    Returns:
+        ``{"online": bool, "BLOCK_M": rows per program, "BLOCK_N": columns per tile,
+        "num_warps": warps}``.
+    """
+    max_register_block = MAX_REGISTER_BLOCK if max_register_block is None else max_register_block
+    block_n = triton.next_power_of_2(n_cols)
+    if block_n > max_register_block:
+        return {"online": True, "BLOCK_M": 1, "BLOCK_N": min(ONLINE_BLOCK_N, max_register_block),
+                "num_warps": ONLINE_NUM_WARPS}
+    block_m = next(m for bound, m in _ROWS_PER_PROGRAM if block_n <= bound)
+    _, warps = calculate_settings(block_m * block_n)
+    return {"online": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps}
+
+
+def causal_band(sq: int, sk: int) -> tuple[int, int]:
+    """(band_lo, band_hi) of the causal mask, diagonal aligned bottom-right.
+
+    Row q keeps columns j <= q + sk - sq; for sq == sk that is the usual lower triangle
+    (j <= q). For sq > sk the first sq - sk rows keep nothing and come out as zeros.
+    band_lo = -sq puts every row's lower edge q - sq below column 0: no lower limit.
+    """
+    return -sq, sk - sq
+
+
+def window_band(sq: int, sk: int, window_size: tuple[int, int]) -> tuple[int, int]:
+    """(band_lo, band_hi) of a sliding window ``(left, right)``, as Megatron-core's
+    ``get_sliding_window_causal_mask``: row q keeps sk - sq - left <= j - q <= sk - sq + right.
+    ``-1`` on either side means unbounded (FlashAttention's convention)."""
+    left, right = window_size
+    lo = -sq if left < 0 else sk - sq - left  # -sq: below column 0 for every row
+    hi = sk if right < 0 else sk - sq + right
+    return lo, hi
+
+
+# ---------------------------------------------------------------------------------------------
+# Device functions shared by the kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_layout(rows, n_heads, sq):
+    """Split row indices r = (b·n_heads + h)·sq + q into (b, h, q)."""
+    q = rows % sq
+    bh = rows // sq
+    return bh // n_heads, bh % n_heads, q
+
+
+@triton.jit
+def _band_masks(q, cols, in_range, band_lo, band_hi, VEC: tl.constexpr):
+    """Kept columns of the band of each row q, and the (wider) load mask: the band rounded
+    out to whole vectors of VEC elements, so that every load is a full 16-byte vector."""
+    lo = tl.maximum(q + band_lo, 0)  # first kept column (clamped: no negative division)
+    hi = tl.maximum(q + band_hi + 1, 0)  # one past the last kept column
+    keep = in_range & (cols >= lo) & (cols < hi)
+    lo_vec = (lo // VEC) * VEC
+    hi_vec = ((hi + VEC - 1) // VEC) * VEC
+    load_ok = in_range & (cols >= lo_vec) & (cols < hi_vec)
+    return keep, load_ok
+
+
+@triton.jit
+def _scores(X_ptr, x_offs, MASK_ptr, mask_row_offs, M_k_stride, cols, scale, keep, load_ok,
+            HAS_MASK: tl.constexpr, VEC: tl.constexpr, ACC: tl.constexpr):
+    """s = scale·x where kept and not masked, else -inf (loads nothing outside load_ok)."""
+    x = tl.load(X_ptr + x_offs, mask=load_ok, other=0.0)
+    if HAS_MASK:
+        # The same columns, written so that Triton's alignment analysis sees runs of VEC
+        # (not 16): the mask bytes then load VEC at a time into the same registers layout as
+        # x, instead of 16 at a time and a shuffle through shared memory to match x.
+        cols_vec = (cols // VEC) * VEC + cols % VEC
+        masked = tl.load(MASK_ptr + mask_row_offs + cols_vec * M_k_stride, mask=load_ok, other=1)  # 1 = masked
+        keep = keep & (masked == 0)
+    return tl.where(keep, x.to(ACC) * scale, float("-inf"))
+
+
+@triton.jit
+def _safe_reciprocal(d):
+    """1/d where d > 0, else 0 (a row that kept nothing), without ever dividing by zero.
+
+    Correctly rounded (``div_rn``; Triton's float32 ``/`` is a 2-ulp approximation on NVIDIA
+    GPUs), so a row of k equal scores gives exactly float32(1/k), as PyTorch does.
+    """
+    pos = d > 0
+    d_safe = tl.where(pos, d, 1.0)
+    if d.dtype == tl.float32:
+        r = tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d_safe)
+    else:  # float64: '/' is IEEE division already
+        r = 1.0 / d_safe
+    return tl.where(pos, r, 0.0)
+
+
+@triton.jit
+def _finite_or_zero(m):
+    """The row max to subtract: m, or 0 where the row kept nothing (m = -inf), so that
+    s - m never computes -inf - (-inf)."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows held in registers
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _softmax_fwd_kernel(
+    X_ptr,  # scores x, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
+    Y_ptr,  # probabilities p, [n_rows, n_cols], contiguous, x's dtype
+    MASK_ptr,  # uint8 view of the bool mask (1 = masked), element (b, h, q, j) at the M_* strides
+    OFFSET_ptr,  # ACC sink logits, one per head at OFFSET_head_stride (0: one for all heads)
+    SINK_ptr,  # ACC [n_rows]: p_sink of each row, written for the backward
+    n_rows,
+    n_cols,
+    X_row_stride,
+    X_col_stride,
+    n_heads,  # rows are (b, h, q) with q fastest: r = (b·n_heads + h)·sq + q
+    sq,
+    M_b_stride,
+    M_h_stride,
+    M_q_stride,
+    M_k_stride,
+    OFFSET_head_stride,
+    scale,
+    band_lo,  # row q keeps q + band_lo <= j <= q + band_hi (with BAND)
+    band_hi,
+    HAS_MASK: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    BAND: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # columns: the whole row, padded to a power of two
+    VEC: tl.constexpr,  # elements per 16-byte vector
+    ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64 offsets
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    row_ok = rows < n_rows
+    in_range = row_ok[:, None] & (cols < n_cols)
+    b, h, q = _row_layout(rows, n_heads, sq)
+
+    # [1] which columns to read: the band (causal / window) or the whole row
+    keep = in_range
+    load_ok = in_range
+    if BAND:
+        keep, load_ok = _band_masks(q[:, None], cols, in_range, band_lo, band_hi, VEC)
+
+    # [2] s = scale·x, -inf where masked; the mask is read as bytes
+    x_offs = rows[:, None] * X_row_stride + cols * X_col_stride
+    mask_row_offs = (b * M_b_stride + h * M_h_stride + q * M_q_stride)[:, None]
+    s = _scores(X_ptr, x_offs, MASK_ptr, mask_row_offs, M_k_stride, cols, scale, keep, load_ok, HAS_MASK, VEC, ACC)
+
+    # [3] max, exponentials, denominator (plus the sink's e^{o - M})
+    row_max = tl.max(s, axis=1)
+    if HAS_OFFSET:
+        o = tl.load(OFFSET_ptr + h * OFFSET_head_stride, mask=row_ok, other=0.0).to(ACC)
+        row_max = tl.maximum(row_max, o)
+    m = _finite_or_zero(row_max)
+    e = tl.exp(s - m[:, None])
+    denom = tl.sum(e, axis=1)
+    if HAS_OFFSET:
+        e_sink = tl.exp(o - m)
+        denom += e_sink
+    inv = _safe_reciprocal(denom)
+
+    # [4] write the whole row: p inside, zeros outside (never read there)
+    tl.store(Y_ptr + rows[:, None] * n_cols + cols, (e * inv[:, None]).to(Y_ptr.dtype.element_ty), mask=in_range)
+    if HAS_OFFSET:
+        tl.store(SINK_ptr + rows, e_sink * inv, mask=row_ok)
+
+
+@triton.jit
+def _softmax_bwd_kernel(
+    G_ptr,  # grad of p, [n_rows, n_cols], strides (G_row_stride, G_col_stride); never written
+    P_ptr,  # saved probabilities p, [n_rows, n_cols], contiguous
+    DX_ptr,  # grad of x, [n_rows, n_cols], contiguous, p's dtype
+    SINK_ptr,  # ACC [n_rows]: p_sink saved by the forward (with HAS_OFFSET)
+    DOFF_ptr,  # ACC [n_rows]: this row's share of the sink-logit gradient, -p_sink·c
+    n_rows,
+    n_cols,
+    G_row_stride,
+    G_col_stride,
+    sq,
+    scale,
+    band_lo,
+    band_hi,
+    HAS_OFFSET: tl.constexpr,
+    BAND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    row_ok = rows < n_rows
+    in_range = row_ok[:, None] & (cols < n_cols)
+    load_ok = in_range
+    if BAND:  # p = 0 outside the band: read neither g nor p there
+        _, load_ok = _band_masks((rows % sq)[:, None], cols, in_range, band_lo, band_hi, VEC)
+
+    g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols * G_col_stride, mask=load_ok, other=0.0).to(ACC)
+    p = tl.load(P_ptr + rows[:, None] * n_cols + cols, mask=load_ok, other=0.0).to(ACC)
+    gp = g * p
+    c = tl.sum(gp, axis=1)  # c = sum_j g_j·p_j
+    dx = scale * (gp - p * c[:, None])  # scale·p·(g - c); 0 where p = 0
+    tl.store(DX_ptr + rows[:, None] * n_cols + cols, dx.to(DX_ptr.dtype.element_ty), mask=in_range)
+    if HAS_OFFSET:
+        sink = tl.load(SINK_ptr + rows, mask=row_ok, other=0.0)
+        tl.store(DOFF_ptr + rows, -sink * c, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows longer than registers hold: loop over column tiles
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _softmax_fwd_online_kernel(
+    X_ptr,  # scores x, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
+    Y_ptr,  # probabilities p, [n_rows, n_cols], contiguous
+    MASK_ptr,  # uint8 mask, as in _softmax_fwd_kernel
+    OFFSET_ptr,  # ACC sink logits, as in _softmax_fwd_kernel
+    SINK_ptr,  # ACC [n_rows]: p_sink of each row
+    n_rows,
+    n_cols,
+    X_row_stride,
+    X_col_stride,
+    n_heads,
+    sq,
+    M_b_stride,
+    M_h_stride,
+    M_q_stride,
+    M_k_stride,
+    OFFSET_head_stride,
+    scale,
+    band_lo,
+    band_hi,
+    HAS_MASK: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    BAND: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # columns per tile
+    VEC: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # This kernel spells out _row_layout, _band_masks, _scores, _finite_or_zero and
+    # _safe_reciprocal inline: the same arithmetic, but Triton's CPU interpreter pays
+    # milliseconds for each call of a nested @triton.jit function.
+    row = tl.program_id(0).to(tl.int64)  # one row per program
+    q = row % sq
+    h = (row // sq) % n_heads
+    b = (row // sq) // n_heads
+    lane = tl.arange(0, BLOCK_N)
+    # kept columns [lo, hi); loads cover [lo_vec, hi_vec), the same rounded out to vectors
+    lo = 0
+    hi = n_cols
+    if BAND:
+        lo = tl.maximum(q + band_lo, 0)
+        hi = tl.minimum(tl.maximum(q + band_hi + 1, 0), n_cols)
+    lo_vec = (lo // VEC) * VEC
+    hi_vec = ((hi + VEC - 1) // VEC) * VEC
+    first = (lo // BLOCK_N) * BLOCK_N  # the first tile holding a kept column
+    x_row = X_ptr + row * X_row_stride
+    m_row = MASK_ptr + b * M_b_stride + h * M_h_stride + q * M_q_stride
+
+    # pass 1: running max M and denominator D over the tiles in the band
+    # (started from a reduction so that they carry the ACC dtype through the loop)
+    M = tl.max(tl.full([BLOCK_N], float("-inf"), ACC), axis=0)
+    D = tl.sum(tl.zeros([BLOCK_N], ACC), axis=0)
+    for start in range(first, hi, BLOCK_N):
+        cols = start + lane
+        keep = (cols >= lo) & (cols < hi)
+        load_ok = (cols < n_cols) & (cols >= lo_vec) & (cols < hi_vec)
+        x = tl.load(x_row + cols * X_col_stride, mask=load_ok, other=0.0)
+        if HAS_MASK:
+            masked = tl.load(m_row + ((cols // VEC) * VEC + cols % VEC) * M_k_stride, mask=load_ok, other=1)
+            keep = keep & (masked == 0)
+        s = tl.where(keep, x.to(ACC) * scale, float("-inf"))
+        M_new = tl.maximum(M, tl.max(s, axis=0))
+        m = tl.where(M_new == float("-inf"), 0.0, M_new)  # _finite_or_zero
+        D = D * tl.exp(M - m) + tl.sum(tl.exp(s - m), axis=0)  # rescale the old sum to the new max
+        M = M_new
+    if HAS_OFFSET:  # the sink is one more logit in the row
+        o = tl.load(OFFSET_ptr + h * OFFSET_head_stride).to(ACC)
+        M_new = tl.maximum(M, o)
+        m = tl.where(M_new == float("-inf"), 0.0, M_new)
+        D = D * tl.exp(M - m) + tl.exp(o - m)
+        M = M_new
+    m = tl.where(M == float("-inf"), 0.0, M)
+    D_safe = tl.where(D > 0, D, 1.0)
+    if ACC == tl.float32:
+        inv = tl.div_rn(tl.full(D.shape, 1.0, tl.float32), D_safe)  # correctly rounded 1/D
+    else:
+        inv = 1.0 / D_safe
+    inv = tl.where(D > 0, inv, 0.0)  # a row that kept nothing: zeros
+
+    # pass 2: p = e^{s - M}/D inside the band; plain zeros in tiles wholly outside it
+    y_row = Y_ptr + row * n_cols
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + lane
+        in_range = cols < n_cols
+        if (start + BLOCK_N <= lo) | (start >= hi):
+            tl.store(y_row + cols, tl.zeros([BLOCK_N], ACC).to(Y_ptr.dtype.element_ty), mask=in_range)
+        else:
+            keep = (cols >= lo) & (cols < hi)
+            load_ok = in_range & (cols >= lo_vec) & (cols < hi_vec)
+            x = tl.load(x_row + cols * X_col_stride, mask=load_ok, other=0.0)
+            if HAS_MASK:
+                masked = tl.load(m_row + ((cols // VEC) * VEC + cols % VEC) * M_k_stride, mask=load_ok, other=1)
+                keep = keep & (masked == 0)
+            s = tl.where(keep, x.to(ACC) * scale, float("-inf"))
+            tl.store(y_row + cols, (tl.exp(s - m) * inv).to(Y_ptr.dtype.element_ty), mask=in_range)
+    if HAS_OFFSET:
+        tl.store(SINK_ptr + row, tl.exp(o - m) * inv)
+
+
+@triton.jit
+def _softmax_bwd_online_kernel(
+    G_ptr,  # grad of p, [n_rows, n_cols], strides (G_row_stride, G_col_stride); never written
+    P_ptr,  # saved p, [n_rows, n_cols], contiguous
+    DX_ptr,  # grad of x, [n_rows, n_cols], contiguous
+    SINK_ptr,  # ACC [n_rows]: p_sink (with HAS_OFFSET)
+    DOFF_ptr,  # ACC [n_rows]: -p_sink·c per row (with HAS_OFFSET)
+    n_rows,
+    n_cols,
+    G_row_stride,
+    G_col_stride,
+    sq,
+    scale,
+    band_lo,
+    band_hi,
+    HAS_OFFSET: tl.constexpr,
+    BAND: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    q = row % sq
+    lane = tl.arange(0, BLOCK_N)
+    lo = 0
+    hi = n_cols
+    if BAND:
+        lo = tl.maximum(q + band_lo, 0)
+        hi = tl.minimum(tl.maximum(q + band_hi + 1, 0), n_cols)
+    lo_vec = (lo // VEC) * VEC  # p = 0 outside [lo, hi): read neither g nor p there
+    hi_vec = ((hi + VEC - 1) // VEC) * VEC
+    first = (lo // BLOCK_N) * BLOCK_N
+    g_row = G_ptr + row * G_row_stride
+    p_row = P_ptr + row * n_cols
+    dx_row = DX_ptr + row * n_cols
+
+    # pass 1: c = sum_j g_j·p_j over the band
+    c = tl.sum(tl.zeros([BLOCK_N], ACC), axis=0)
+    for start in range(first, hi, BLOCK_N):
+        cols = start + lane
+        load_ok = (cols < n_cols) & (cols >= lo_vec) & (cols < hi_vec)
+        g = tl.load(g_row + cols * G_col_stride, mask=load_ok, other=0.0).to(ACC)
+        p = tl.load(p_row + cols, mask=load_ok, other=0.0).to(ACC)
+        c += tl.sum(g * p, axis=0)
+
+    # pass 2: dx = scale·p·(g - c), zeros in tiles wholly outside the band
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + lane
+        in_range = cols < n_cols
+        if (start + BLOCK_N <= lo) | (start >= hi):
+            tl.store(dx_row + cols, tl.zeros([BLOCK_N], ACC).to(DX_ptr.dtype.element_ty), mask=in_range)
+        else:
+            load_ok = in_range & (cols >= lo_vec) & (cols < hi_vec)
+            g = tl.load(g_row + cols * G_col_stride, mask=load_ok, other=0.0).to(ACC)
+            p = tl.load(p_row + cols, mask=load_ok, other=0.0).to(ACC)
+            tl.store(dx_row + cols, (scale * (g * p - p * c)).to(DX_ptr.dtype.element_ty), mask=in_range)
+    if HAS_OFFSET:
+        tl.store(DOFF_ptr + row, -tl.load(SINK_ptr + row) * c)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launchers (no autograd, no user-input checks: fusedlib.fusions.fused_softmax does those)
+# ---------------------------------------------------------------------------------------------
+
+
+def _vec(dtype: torch.dtype) -> int:
+    return VECTOR_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
+def softmax_fwd(
+    x4: torch.Tensor,
+    scale: float = 1.0,
+    mask: Optional[torch.Tensor] = None,
+    band: Optional[tuple[int, int]] = None,
+    offset: Optional[torch.Tensor] = None,
+    max_register_block: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Launch the forward kernel over every row of ``x4``.
+
+    Args:
+        x4: scores [b, np, sq, sk], float32/float16/bfloat16/float64, any strides (the leading
+            three dims are merged into rows by ``reshape``, a copy only where strides forbid).
+        scale: multiplies x before the mask.
+        mask: bool, broadcastable to x4's shape, True = masked; read as bytes through its
+            (expanded, possibly zero) strides, never copied.
+        band: ``(band_lo, band_hi)``: row q keeps q + band_lo <= j <= q + band_hi (see
+            :func:`causal_band`, :func:`window_band`); None keeps every column.
+        offset: sink logits in the compute dtype, [np] (one per head) or [1] (shared).
+        max_register_block: longest row (next power of two) held in registers; longer rows
+            use the looping kernel. None: the module's ``MAX_REGISTER_BLOCK``, read at call
+            time (tests lower it to run the looping kernel on short rows).
+
+    Returns:
+        ``(p, p_sink)``: p a new contiguous tensor of x4's shape and dtype; p_sink [b·np·sq] in
+        the compute dtype when ``offset`` is given, else None.
+    """
+    B, H, SQ, SK = x4.shape
+    x2d = as_rows(x4.reshape(B * H * SQ, SK))  # [b, np, sq, sk] -> [b·np·sq, sk]
+    n_rows, n_cols = x2d.shape
+    y = torch.empty((B, H, SQ, SK), dtype=x4.dtype, device=x4.device)
+    acc_torch = torch.promote_types(x4.dtype, torch.float32)
+    sink = torch.empty(n_rows, dtype=acc_torch, device=x4.device) if offset is not None else None
+    if y.numel() == 0:
+        return y, sink
+    if mask is not None:
+        m4 = mask.expand(B, H, SQ, SK).view(torch.uint8)  # bool -> bytes, same strides
+        m_strides = m4.stride()
+    else:
+        m4, m_strides = x2d, (0, 0, 0, 0)  # unused pointer (HAS_MASK=False)
+    band_lo, band_hi = band if band is not None else (0, 0)
+    cfg = softmax_settings(n_cols, max_register_block)
+    common = (
+        x2d, y, m4, offset if offset is not None else x2d, sink if sink is not None else x2d,
+        n_rows, n_cols, x2d.stride(0), x2d.stride(1), H, SQ, *m_strides,
+        (1 if offset is not None and offset.numel() > 1 else 0), float(scale), band_lo, band_hi,
+    )
+    flags = dict(HAS_MASK=mask is not None, HAS_OFFSET=offset is not None, BAND=band is not None,
+                 BLOCK_N=cfg["BLOCK_N"], VEC=_vec(x4.dtype), ACC=acc_dtype(x4.dtype), num_warps=cfg["num_warps"])
+    if cfg["online"]:
+        launch(_softmax_fwd_online_kernel, (n_rows,), x4.device, *common, **flags)
+    else:
+        launch(_softmax_fwd_kernel, (triton.cdiv(n_rows, cfg["BLOCK_M"]),), x4.device, *common,
+               BLOCK_M=cfg["BLOCK_M"], **flags)
+    return y, sink
+
+
+def softmax_bwd(
+    g4: torch.Tensor,
+    p4: torch.Tensor,
+    scale: float = 1.0,
+    band: Optional[tuple[int, int]] = None,
+    sink: Optional[torch.Tensor] = None,
+    max_register_block: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Launch the backward kernel: dx = scale·p·(g - sum(g·p)) row by row.
+
+    Args:
+        g4: gradient of p, [b, np, sq, sk], p's dtype, any strides; read, never written.
+        p4: the forward's output, [b, np, sq, sk], contiguous.
+        scale: the forward's scale.
+        band: the forward's band (g and p are not read outside it), or None.
+        sink: the forward's p_sink [b·np·sq] when it had an offset, else None.
+        max_register_block: as :func:`softmax_fwd`.
+
+    Returns:
+        ``(dx, d_offset_rows)``: dx a new contiguous tensor of p's shape and dtype;
+        d_offset_rows [b·np·sq] (each row's -p_sink·sum(g·p), compute dtype) when ``sink`` is
+        given, else None. Summing it over the rows of a head gives that head's gradient.
+    """
+    B, H, SQ, SK = p4.shape
+    dx = torch.empty((B, H, SQ, SK), dtype=p4.dtype, device=p4.device)
+    doff = torch.empty_like(sink) if sink is not None else None
+    if dx.numel() == 0:
+        return dx, doff
+    g2d = as_rows(g4.reshape(B * H * SQ, SK))  # [b, np, sq, sk] -> [b·np·sq, sk]
+    n_rows, n_cols = g2d.shape
+    band_lo, band_hi = band if band is not None else (0, 0)
+    cfg = softmax_settings(n_cols, max_register_block)
+    args = (g2d, p4, dx, sink if sink is not None else p4, doff if doff is not None else p4,
+            n_rows, n_cols, g2d.stride(0), g2d.stride(1), SQ, float(scale), band_lo, band_hi)
+    flags = dict(HAS_OFFSET=sink is not None, BAND=band is not None, BLOCK_N=cfg["BLOCK_N"],
+                 VEC=_vec(p4.dtype), ACC=acc_dtype(p4.dtype), num_warps=cfg["num_warps"])
+    if cfg["online"]:
+        launch(_softmax_bwd_online_kernel, (n_rows,), p4.device, *args, **flags)
+    else:
+        launch(_softmax_bwd_kernel, (triton.cdiv(n_rows, cfg["BLOCK_M"]),), p4.device, *args,
+               BLOCK_M=cfg["BLOCK_M"], **flags)
+    return dx, doff
