@@ -39,7 +39,8 @@ def bwd_candidates(block_n: int) -> list[NormConfig]:
         per_thread = block_m * block_n // (32 * warps)
         if block_m * block_n > 8192 and block_m > 1 or not 4 <= per_thread <= 32:
             continue
-        for programs_per_sm, stages in itertools.product((1, 2, 4) if warps <= 8 else (1, 2), (1, 2)):
+        stages_options = (1, 2, 3) if block_m * block_n <= 8192 else (1, 2)
+        for programs_per_sm, stages in itertools.product((1, 2, 4) if warps <= 8 else (1, 2), stages_options):
             out.append(NormConfig(block_m, warps, programs_per_sm, stages))
     return out
 

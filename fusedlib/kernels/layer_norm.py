@@ -302,11 +302,12 @@ _BWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
     (MAX_HIDDEN_SIZE, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=1)),
 )
 
-# Second stage: a [BLOCK_P, BLOCK_N] float32 tile of partials per step (8 KiB per buffer),
-# 64 columns per program on a GPU: 64 programs for h = 4096, each summing a few hundred
-# partial rows. The CPU interpreter runs programs one by one: 4096 columns per program.
-_REDUCE_BLOCK_P = 32
-_REDUCE_BLOCK_N = {"cuda": 64, "cpu": 4096}
+# Second stage, as device type -> (BLOCK_P, BLOCK_N): a [BLOCK_P, BLOCK_N] float32 tile of
+# partials per loop step. GPU: 32 columns per program (128 programs for h = 4096) and 128
+# partial rows per step (16 KiB per buffer), so the 264 partial rows of h = 4096 take 3
+# steps: the kernel is a few microseconds of latency, not bandwidth. CPU interpreter:
+# programs run one by one, so few wide ones.
+_REDUCE_TILE: dict[str, tuple[int, int]] = {"cuda": (128, 32), "cpu": (8, 4096)}
 
 
 def norm_config(n_cols: int, pass_: str) -> tuple[int, NormConfig]:
@@ -452,11 +453,12 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
         ZERO_CENTERED_GAMMA=zero_centered_gamma, MEMORY_EFFICIENT=memory_efficient,
         NUM_STAGES=cfg.num_stages, ACC=acc_dtype(x_or_y.dtype), num_warps=cfg.num_warps,
     )
-    reduce_block_n = min(_REDUCE_BLOCK_N[x_or_y.device.type], block_n)
+    block_p, reduce_block_n = _REDUCE_TILE[x_or_y.device.type]
+    block_p, reduce_block_n = min(block_p, triton.next_power_of_2(programs)), min(reduce_block_n, block_n)
     launch(
         _norm_bwd_reduce_kernel, (triton.cdiv(h, reduce_block_n),), x_or_y.device,
         dw_partial, db_partial, dweight, dbias if dbias is not None else dweight, programs, h,
-        BLOCK_P=_REDUCE_BLOCK_P, BLOCK_N=reduce_block_n, HAS_BIAS=bias is not None,
+        BLOCK_P=block_p, BLOCK_N=reduce_block_n, HAS_BIAS=bias is not None,
         ACC=acc_dtype(x_or_y.dtype), num_warps=4,
     )
     return dx, dweight, dbias
