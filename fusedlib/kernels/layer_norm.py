@@ -98,12 +98,6 @@ def _norm_fwd_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    # gamma and beta: loaded once per program, reused for all its rows
-    gamma = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(ACC)
-    if ZERO_CENTERED_GAMMA:
-        gamma = gamma + 1.0  # in ACC: a weight near 0 keeps its precision
-    if HAS_BIAS:
-        beta = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     row_start = pid.to(tl.int64) * rows_per_program  # int64: n_rows * n_cols may pass 2^31
     for m in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
         rows = row_start + m + tl.arange(0, BLOCK_M)
@@ -121,11 +115,15 @@ def _norm_fwd_kernel(
         var = tl.sum(x_c * x_c, axis=1) / n_cols
         rstd = 1.0 / tl.sqrt(var + eps)
         tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
-        # normalize, scale, shift
+        # normalize, scale, shift. gamma and beta are loaded here, not before the loop: kept
+        # in registers through the reductions they would cost occupancy; reloads hit the cache
+        gamma = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+        if ZERO_CENTERED_GAMMA:
+            gamma = gamma + 1.0  # in ACC: a weight near 0 keeps its precision
         x_hat = x_c * rstd[:, None]
         y = x_hat * gamma[None, :]
         if HAS_BIAS:
-            y = y + beta[None, :]
+            y = y + tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
         tl.store(Y_ptr + rows[:, None] * n_cols + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -270,8 +268,9 @@ class NormConfig:
 
 # Forward settings per row length, as (upper bound of BLOCK_N, NormConfig). Aim: about
 # 16-32 elements per thread (two to four 16-byte bf16 vectors), one tile per program so
-# the hardware scheduler keeps several rows in flight per SM; short rows take several rows
-# per tile. Compiled for sm_90 with no register spills (checked with cuobjdump -res-usage).
+# the hardware scheduler keeps several rows in flight per SM (h = 4096: 39 registers per
+# thread at 8 warps, 6 programs per SM); short rows take several rows per tile. Compiled
+# for sm_90 with no register spills (tools/check_norm_registers.py).
 _FWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
     (128, NormConfig(BLOCK_M=32, num_warps=4, programs_per_sm=0, num_stages=1)),
     (512, NormConfig(BLOCK_M=8, num_warps=4, programs_per_sm=0, num_stages=1)),
@@ -279,8 +278,11 @@ _FWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
     (2048, NormConfig(BLOCK_M=2, num_warps=4, programs_per_sm=0, num_stages=1)),
     (4096, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=0, num_stages=1)),
     (8192, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=0, num_stages=1)),
-    (16384, NormConfig(BLOCK_M=1, num_warps=16, programs_per_sm=0, num_stages=1)),
-    (32768, NormConfig(BLOCK_M=1, num_warps=16, programs_per_sm=0, num_stages=1)),
+    # long rows: a whole row per program leaves 1 program per SM; a persistent grid that
+    # loads the next row while reducing this one keeps the memory busy (shared memory
+    # holds the next row of x, gamma and beta: 96 KiB at 16 Ki, 192 KiB at 32 Ki columns)
+    (16384, NormConfig(BLOCK_M=1, num_warps=16, programs_per_sm=2, num_stages=2)),
+    (32768, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=2)),
     (MAX_HIDDEN_SIZE, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=0, num_stages=1)),
 )
 
@@ -288,8 +290,9 @@ _FWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
 # grid: each program holds gamma and its two float32 partial sums (dgamma, dbeta) in
 # registers across all its rows, so registers, not bandwidth, bound the tile: about 16
 # elements per thread per array. Two stages of pipelining load the next rows of x and dy
-# while the current ones are reduced; past 16 Ki columns the stage buffers would not fit
-# in shared memory next to one program's registers.
+# into shared memory while the current ones are reduced: one extra row of each, 16 KiB at
+# 4 Ki bf16 columns, 128 KiB at 32 Ki; at 64 Ki it would exceed the SM's 227 KiB, so the
+# last row does not pipeline. Compiled for sm_90 with no register spills.
 _BWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
     (128, NormConfig(BLOCK_M=16, num_warps=4, programs_per_sm=4, num_stages=2)),
     (512, NormConfig(BLOCK_M=4, num_warps=4, programs_per_sm=4, num_stages=2)),
@@ -297,8 +300,8 @@ _BWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
     (2048, NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=4, num_stages=2)),
     (4096, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=2, num_stages=2)),
     (8192, NormConfig(BLOCK_M=1, num_warps=16, programs_per_sm=1, num_stages=2)),
-    (16384, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=1)),
-    (32768, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=1)),
+    (16384, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=2)),
+    (32768, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=2)),
     (MAX_HIDDEN_SIZE, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=1)),
 )
 
