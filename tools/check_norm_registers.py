@@ -75,14 +75,14 @@ def main(hidden_sizes):
             _, cb = L.norm_config(h, "bwd")
             for me in (False, True):
                 sig = {"DY_ptr": "*bf16", "X_ptr": "*bf16", "W_ptr": "*bf16", "B_ptr": "*bf16", "MEAN_ptr": "*fp32",
-                       "RSTD_ptr": "*fp32", "DX_ptr": "*bf16", "DW_PARTIAL_ptr": "*fp32", "DB_PARTIAL_ptr": "*fp32",
+                       "RSTD_ptr": "*fp32", "DX_ptr": "*bf16", "PARTIAL_ptr": "*fp32",
                        "n_rows": "i32", "n_cols": "i32", "DY_row_stride": "i32", "DY_col_stride": "i32",
                        "X_row_stride": "i32", "X_col_stride": "i32", "rows_per_program": "i32"}
                 const = dict(DY_col_stride=1, X_col_stride=1, BLOCK_M=cb.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms,
                              HAS_BIAS=not rms, ZERO_CENTERED_GAMMA=False, MEMORY_EFFICIENT=me,
                              NUM_STAGES=cb.num_stages, ACC=tl.float32)
-                aligned = ["DY_ptr", "X_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "DX_ptr", "DW_PARTIAL_ptr",
-                           "DB_PARTIAL_ptr", "n_rows"] + aligned_dims + (
+                aligned = ["DY_ptr", "X_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "DX_ptr", "PARTIAL_ptr",
+                           "n_rows"] + aligned_dims + (
                     ["DY_row_stride", "X_row_stride"] if aligned_dims else [])
                 r = compile_kernel(L._norm_bwd_kernel, sig, const, aligned, cb.num_warps)
                 print(f"h={h:5d} {'RMSNorm  ' if rms else 'LayerNorm'} bwd{' (memory-efficient)' if me else ''} {cb}: "

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from ..utils import MAX_FUSED_SIZE, acc_dtype, as_rows
+from ..utils import MAX_FUSED_SIZE, as_rows
 
 __all__ = [
     "NormConfig",
@@ -136,8 +136,7 @@ def _norm_bwd_kernel(
     MEAN_ptr,  # ACC [n_rows]: row means (read only for LayerNorm, not MEMORY_EFFICIENT)
     RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
     DX_ptr,  # grad of x, [n_rows, n_cols], contiguous, x's dtype
-    DW_PARTIAL_ptr,  # ACC [n_programs, n_cols]: this program's sum of dy * x_hat over its rows
-    DB_PARTIAL_ptr,  # ACC [n_programs, n_cols]: this program's sum of dy (written only if HAS_BIAS)
+    PARTIAL_ptr,  # ACC [2, n_programs, n_cols]: per program, its rows' sums of dy * x_hat ([0]) and dy ([1])
     n_rows,
     n_cols,
     DY_row_stride,
@@ -204,15 +203,14 @@ def _norm_bwd_kernel(
         dw_acc += dy * x_hat
         if HAS_BIAS:
             db_acc += dy
-    tl.store(DW_PARTIAL_ptr + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    tl.store(PARTIAL_ptr + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB_PARTIAL_ptr + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+        tl.store(PARTIAL_ptr + (tl.num_programs(0) + pid) * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
 @triton.jit
 def _norm_bwd_reduce_kernel(
-    DW_PARTIAL_ptr,  # ACC [n_partials, n_cols]: per-program partial sums of dgamma
-    DB_PARTIAL_ptr,  # ACC [n_partials, n_cols]: per-program partial sums of dbeta (read only if HAS_BIAS)
+    PARTIAL_ptr,  # ACC [2, n_partials, n_cols]: per-program partial sums of dgamma ([0]) and dbeta ([1])
     DW_ptr,  # dgamma, [n_cols], w's dtype
     DB_ptr,  # dbeta, [n_cols], b's dtype (written only if HAS_BIAS)
     n_partials,
@@ -232,9 +230,9 @@ def _norm_bwd_reduce_kernel(
         prow = p + tl.arange(0, BLOCK_P)
         mask = (prow < n_partials)[:, None] & col_mask[None, :]
         offs = prow[:, None].to(tl.int64) * n_cols + cols[None, :]
-        dw += tl.load(DW_PARTIAL_ptr + offs, mask=mask, other=0.0)
+        dw += tl.load(PARTIAL_ptr + offs, mask=mask, other=0.0)
         if HAS_BIAS:
-            db += tl.load(DB_PARTIAL_ptr + offs, mask=mask, other=0.0)
+            db += tl.load(PARTIAL_ptr + n_partials * n_cols + offs, mask=mask, other=0.0)
     tl.store(DW_ptr + cols, tl.sum(dw, axis=0).to(DW_ptr.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_ptr + cols, tl.sum(db, axis=0).to(DB_ptr.dtype.element_ty), mask=col_mask)
@@ -313,8 +311,21 @@ _BWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
 _REDUCE_TILE: dict[str, tuple[int, int]] = {"cuda": (128, 32), "cpu": (8, 4096)}
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    # triton.next_power_of_2 / triton.cdiv are constexpr functions: ~5 us each from Python,
+    # and the host functions run on every step (the lead's H200 runs are CPU-bound there)
+    return 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
 def norm_config(n_cols: int, pass_: str) -> tuple[int, NormConfig]:
-    """``(BLOCK_N, NormConfig)`` for rows of ``n_cols`` elements.
+    """``(BLOCK_N, NormConfig)`` for rows of ``n_cols`` elements (cached: to try other
+    settings, pass ``config=`` to :func:`norm_fwd` / :func:`norm_bwd`, as
+    ``tools/tune_layer_norm.py`` does, rather than editing the tables at run time).
 
     Args:
         n_cols: the hidden size, 1 to :data:`MAX_HIDDEN_SIZE`.
@@ -333,7 +344,7 @@ def norm_config(n_cols: int, pass_: str) -> tuple[int, NormConfig]:
     table = {"fwd": _FWD_CONFIGS, "bwd": _BWD_CONFIGS}.get(pass_)
     if table is None:
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = _next_power_of_2(n_cols)
     for bound, cfg in table:
         if block_n <= bound:
             return block_n, cfg
@@ -348,14 +359,19 @@ def _multiprocessor_count(device: torch.device) -> int:
     return 4
 
 
+def _acc(dtype: torch.dtype):
+    # the kernels' compute dtype (fusedlib.utils.acc_dtype), without its import per call
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
 def _grid(n_rows: int, block_m: int, programs_per_sm: int, device: torch.device) -> tuple[int, int]:
     """(programs, rows_per_program) covering n_rows >= 1 rows in tiles of block_m."""
-    tiles = triton.cdiv(n_rows, block_m)
+    tiles = _cdiv(n_rows, block_m)
     if programs_per_sm == 0:
         return tiles, block_m
     programs = max(1, min(tiles, programs_per_sm * _multiprocessor_count(device)))
-    rows_per_program = triton.cdiv(tiles, programs) * block_m
-    return triton.cdiv(n_rows, rows_per_program), rows_per_program
+    rows_per_program = _cdiv(tiles, programs) * block_m
+    return _cdiv(n_rows, rows_per_program), rows_per_program
 
 
 # ----------------------------------------------------------------------------------------
@@ -399,7 +415,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
         n_rows, h, x2d.stride(0), x2d.stride(1), float(eps), rows_per_program,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
-        ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=cfg.num_stages, ACC=acc_dtype(x.dtype),
+        ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=cfg.num_stages, ACC=_acc(x.dtype),
         num_warps=cfg.num_warps,
     )
     return y, mean, rstd
@@ -443,26 +459,24 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
     cfg = config or cfg
     programs, rows_per_program = _grid(n_rows, cfg.BLOCK_M, max(1, cfg.programs_per_sm), x_or_y.device)
     acc = torch.promote_types(x_or_y.dtype, torch.float32)
-    # [2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1])
+    # [2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1], with a bias)
     partial = torch.empty((2 if bias is not None else 1, programs, h), dtype=acc, device=x_or_y.device)
-    dw_partial = partial[0]
-    db_partial = partial[1] if bias is not None else partial[0]
     launch(
         _norm_bwd_kernel, (programs,), x_or_y.device,
         dy2d, x2d, weight, bias if bias is not None else weight,
-        mean if mean is not None else rstd, rstd, dx, dw_partial, db_partial,
+        mean if mean is not None else rstd, rstd, dx, partial,
         n_rows, h, dy2d.stride(0), dy2d.stride(1), x2d.stride(0), x2d.stride(1), rows_per_program,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
         ZERO_CENTERED_GAMMA=zero_centered_gamma, MEMORY_EFFICIENT=memory_efficient,
-        NUM_STAGES=cfg.num_stages, ACC=acc_dtype(x_or_y.dtype), num_warps=cfg.num_warps,
+        NUM_STAGES=cfg.num_stages, ACC=_acc(x_or_y.dtype), num_warps=cfg.num_warps,
     )
     block_p, reduce_block_n = _REDUCE_TILE[x_or_y.device.type]
-    block_p, reduce_block_n = min(block_p, triton.next_power_of_2(programs)), min(reduce_block_n, block_n)
+    block_p, reduce_block_n = min(block_p, _next_power_of_2(programs)), min(reduce_block_n, block_n)
     launch(
-        _norm_bwd_reduce_kernel, (triton.cdiv(h, reduce_block_n),), x_or_y.device,
-        dw_partial, db_partial, dweight, dbias if dbias is not None else dweight, programs, h,
+        _norm_bwd_reduce_kernel, (_cdiv(h, reduce_block_n),), x_or_y.device,
+        partial, dweight, dbias if dbias is not None else dweight, programs, h,
         BLOCK_P=block_p, BLOCK_N=reduce_block_n, HAS_BIAS=bias is not None,
-        ACC=acc_dtype(x_or_y.dtype), num_warps=4,
+        ACC=_acc(x_or_y.dtype), num_warps=4,
     )
     return dx, dweight, dbias
 
