@@ -30,8 +30,8 @@ need not be saved (Apex's ``memory_efficient=True``). It needs every gamma != 0.
 
 dgamma and dbeta are reduced in two deterministic stages, without atomics: each backward
 program loops over ``rows_per_program`` rows and keeps its own partial sums in
-registers (float32), stores them as one row of a ``[n_programs, n_cols]`` buffer, and
-:func:`_norm_bwd_reduce_kernel` sums that buffer's columns in a fixed order.
+registers (float32), stores them as row ``pid`` of a ``[2, n_programs, n_cols]`` buffer
+(dgamma, dbeta), and :func:`_norm_bwd_reduce_kernel` sums its columns in a fixed order.
 
 Dtype policy: load, compute in float32 (float64 for float64 inputs, so
 ``torch.autograd.gradcheck`` checks these kernels), store y and dx in x's dtype; row
