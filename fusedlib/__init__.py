@@ -109,3 +109,26 @@ __all__ += [
     "fused_scale_mask_softmax",
     "AttnMaskType",
 ]
+
+# Chapter 4: fused LayerNorm and RMSNorm, and the TransformerConfig switches they read.
+from .fusions.fused_layer_norm import (  # noqa: E402
+    FusedLayerNorm,
+    FusedLayerNormAffineFunction,
+    FusedNorm,
+    FusedRMSNorm,
+    FusedRMSNormAffineFunction,
+    fused_layer_norm,
+    fused_rms_norm,
+)
+from .transformer import TransformerConfig  # noqa: E402
+
+__all__ += [
+    "FusedLayerNorm",
+    "FusedLayerNormAffineFunction",
+    "FusedNorm",
+    "FusedRMSNorm",
+    "FusedRMSNormAffineFunction",
+    "fused_layer_norm",
+    "fused_rms_norm",
+    "TransformerConfig",
+]

@@ -640,3 +640,111 @@ __all__ += [
     "masked_softmax_reference",
     "softmax_backward",
 ]
+
+
+# ----------------------------------------------------------------------------------------
+# LayerNorm and RMSNorm (chapter 4). Sources: Ba et al., "Layer Normalization" (2016),
+# arXiv:1607.06450; Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019),
+# arXiv:1910.07467; Megatron-LM megatron/core/fusions/fused_layer_norm.py (zero-centered gamma).
+# ----------------------------------------------------------------------------------------
+
+__all__ += ["layer_norm", "layer_norm_back", "rms_norm", "rms_norm_back"]
+
+
+def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
+    return weight + 1 if zero_centered_gamma else weight
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5,
+               zero_centered_gamma: bool = False) -> torch.Tensor:
+    """Unfused LayerNorm over the last dim, one PyTorch op per line.
+
+    ``y = gamma · (x - mean) / sqrt(var + eps) + beta``, biased variance (divided by h),
+    ``gamma = weight`` or ``weight + 1`` with ``zero_centered_gamma``.
+
+    Args:
+        x: [..., h], any float dtype; computed in that dtype.
+        weight: [h].
+        bias: [h] or None.
+        eps: added to the variance.
+        zero_centered_gamma: the weight is stored around 0 (Megatron's
+            ``layernorm_zero_centered_gamma``).
+
+    Returns:
+        [..., h], x's dtype.
+    """
+    mean = x.mean(dim=-1, keepdim=True)  # [..., 1]
+    x_c = x - mean
+    var = (x_c * x_c).mean(dim=-1, keepdim=True)  # [..., 1]
+    rstd = torch.rsqrt(var + eps)
+    y = x_c * rstd * _gamma(weight, zero_centered_gamma)
+    return y + bias if bias is not None else y
+
+
+def layer_norm_back(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+                    zero_centered_gamma: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`layer_norm`, by the closed form derived in chapter 4.
+
+    With ``x_hat = (x - mean)·rstd`` and ``g = gamma·dy``::
+
+        dx     = rstd · (g - mean(g) - x_hat · mean(g · x_hat))     (means over the row)
+        dgamma = sum over rows of dy · x_hat                          (= d weight)
+        dbeta  = sum over rows of dy
+
+    Args:
+        dy: [..., h], the output's gradient.
+        x: [..., h], the forward input.
+        weight: [h].
+        eps, zero_centered_gamma: as in :func:`layer_norm`.
+
+    Returns:
+        ``(dx [..., h], dweight [h], dbias [h])`` in the inputs' dtype.
+    """
+    mean = x.mean(dim=-1, keepdim=True)
+    x_c = x - mean
+    rstd = torch.rsqrt((x_c * x_c).mean(dim=-1, keepdim=True) + eps)
+    x_hat = x_c * rstd
+    g = _gamma(weight, zero_centered_gamma) * dy
+    dx = rstd * (g - g.mean(dim=-1, keepdim=True) - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
+    h = x.shape[-1]
+    dweight = (dy * x_hat).reshape(-1, h).sum(0)  # [..., h] -> [rows, h] -> [h]
+    dbias = dy.reshape(-1, h).sum(0)
+    return dx, dweight, dbias
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+             zero_centered_gamma: bool = False) -> torch.Tensor:
+    """Unfused RMSNorm over the last dim: ``y = gamma · x / sqrt(mean(x²) + eps)``.
+
+    Args:
+        x: [..., h], any float dtype; computed in that dtype.
+        weight: [h].
+        eps: added to the mean square.
+        zero_centered_gamma: gamma = weight + 1.
+
+    Returns:
+        [..., h], x's dtype.
+    """
+    rstd = torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)  # [..., 1]
+    return x * rstd * _gamma(weight, zero_centered_gamma)
+
+
+def rms_norm_back(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+                  zero_centered_gamma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`rms_norm`: with ``x_hat = x·rstd`` and ``g = gamma·dy``::
+
+        dx     = rstd · (g - x_hat · mean(g · x_hat))
+        dgamma = sum over rows of dy · x_hat
+
+    Args:
+        dy: [..., h]; x: [..., h]; weight: [h]; eps, zero_centered_gamma: as in :func:`rms_norm`.
+
+    Returns:
+        ``(dx [..., h], dweight [h])``.
+    """
+    rstd = torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
+    x_hat = x * rstd
+    g = _gamma(weight, zero_centered_gamma) * dy
+    dx = rstd * (g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
+    dweight = (dy * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    return dx, dweight

@@ -184,3 +184,58 @@ def num_programs_hint(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# ----------------------------------------------------------------------------------------
+# Viewless tensors (Megatron-core megatron/core/utils.py), used by the norms' Apex backend.
+# ----------------------------------------------------------------------------------------
+
+__all__ += ["make_viewless_tensor"]
+
+
+def _kernel_make_viewless_tensor(inp: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    # A new tensor object whose .data is inp's storage, shape and strides, with no _base.
+    out = torch.empty((1,), dtype=inp.dtype, device=inp.device, requires_grad=requires_grad)
+    out.data = inp.data
+    return out
+
+
+class _MakeViewlessTensor(torch.autograd.Function):
+    """Identity in autograd; its output shares ``inp``'s memory but is not a view."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        return _kernel_make_viewless_tensor(inp, requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad_output, None
+
+
+def make_viewless_tensor(inp: torch.Tensor, requires_grad: bool, keep_graph: bool) -> torch.Tensor:
+    """Return ``inp``, or a tensor sharing its memory whose ``_base`` is None.
+
+    Megatron's pipeline schedule frees an activation once the next stage has it, with
+    ``deallocate_output_tensor(out)``: ``out.data = torch.empty((1,))`` keeps the autograd
+    graph but drops the memory. For a *view* that frees nothing (its ``_base`` still
+    holds the whole storage), so the schedule asserts ``out._base is None``. Apex's
+    persistent LayerNorm returns ``ymat.view(x.shape)``, a view; Megatron wraps it with
+    this function. fusedlib's own kernels allocate their outputs in the input's shape and
+    never need it.
+
+    Args:
+        inp: any tensor.
+        requires_grad: for the new tensor.
+        keep_graph: True: go through an identity autograd Function, so gradients flow to
+            ``inp``'s graph; False: a plain new tensor (no graph).
+
+    Returns:
+        ``inp`` itself if it is not a view, else a viewless tensor with the same data.
+
+    Source: Megatron-LM ``megatron/core/utils.py`` (``make_viewless_tensor``).
+    """
+    if inp._base is None:
+        return inp
+    if keep_graph:
+        return _MakeViewlessTensor.apply(inp, requires_grad)
+    return _kernel_make_viewless_tensor(inp, requires_grad)

@@ -19,6 +19,8 @@ OP_MODULES: dict[str, str] = {
     "causal_softmax": "causal_softmax",
     "masked_softmax": "masked_softmax",
     "softmax_one": "softmax_one",
+    "layer_norm": "layer_norm",
+    "rms_norm": "rms_norm",
 }
 
 

@@ -1,0 +1,439 @@
+"""Fused LayerNorm and RMSNorm: Megatron-core's ``FusedLayerNorm`` on fusedlib's Triton kernels.
+
+Layers, as everywhere in fusedlib:
+
+* functional: :func:`fused_layer_norm`, :func:`fused_rms_norm` (autograd through
+  :class:`FusedLayerNormAffineFunction` / :class:`FusedRMSNormAffineFunction`, Apex's names);
+* modules: :class:`FusedLayerNorm` (Megatron-core's class and arguments) and its sibling
+  :class:`FusedRMSNorm`; :class:`FusedNorm` builds whichever ``config.normalization``
+  names, as Megatron's ``TENorm`` does.
+
+Why two modules and not one: a module's parameters are fixed by its class (LayerNorm has
+weight and bias, RMSNorm a weight only), so a checkpoint's keys never depend on a config
+field, and ``FusedLayerNorm`` keeps Megatron-core's contract (it refuses anything but
+``"LayerNorm"``). Layer specs that should follow ``config.normalization`` use
+:class:`FusedNorm`.
+
+What the ``TransformerConfig`` switches do here:
+
+* ``normalization``: which module :class:`FusedNorm` builds; each class checks it.
+* ``layernorm_zero_centered_gamma``: the weight is stored around 0 (initialized to 0) and
+  the kernels use ``gamma = weight + 1``, added in float32 inside the kernel (Megatron
+  computes ``self.weight + 1`` in the weight's dtype, which rounds a bf16 weight).
+* ``persist_layer_norm``: Apex's persistent kernel exists for the hidden sizes in
+  :data:`fusedlib.backends.apex.PERSIST_LN_HIDDEN_SIZES` only. fusedlib's kernels hold the
+  row in registers for every hidden size 1..65536 (Triton compiles one kernel per
+  power-of-two block and masks the rest), so with ``backend="fusedlib"`` the switch is
+  accepted and changes nothing; with ``backend="apex"`` it picks Apex's kernel as
+  Megatron-core does.
+* ``memory_efficient_layer_norm``: save the output y instead of the input x and recover
+  ``x_hat = (y - beta) / gamma`` in the backward. Needs every gamma != 0: the forward
+  checks that (one host sync, skipped while a CUDA graph is being captured) and, where a
+  gamma is exactly 0, saves x for that call instead, so gradients stay exact.
+* ``sequence_parallel``: set as an attribute on weight and bias, for Megatron's
+  gradient all-reduce across the tensor-parallel group.
+
+The output is never a view (its ``_base`` is None), so Megatron's pipeline schedule can
+free it with ``deallocate_output_tensor``; Apex's persistent kernel returns a view and
+Megatron wraps it with :func:`fusedlib.utils.make_viewless_tensor`.
+
+Hidden sizes above 65536 raise a ValueError: the kernels hold one row in registers.
+
+Source: Megatron-LM ``megatron/core/fusions/fused_layer_norm.py``; Apex
+``apex/normalization/fused_layer_norm.py`` (``memory_efficient``); Triton tutorial
+``05-layer-norm.py``; Ba et al. 2016 (arXiv:1607.06450); Zhang & Sennrich 2019
+(arXiv:1910.07467).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+import torch
+from torch.nn import init
+from torch.nn.parameter import Parameter
+
+from ..backends import apex as apex_backend
+from ..kernels.layer_norm import MAX_HIDDEN_SIZE, norm_bwd, norm_fwd
+from ..utils import check_same_device, check_tensor
+
+__all__ = [
+    "FusedLayerNormAffineFunction",
+    "FusedRMSNormAffineFunction",
+    "fused_layer_norm",
+    "fused_rms_norm",
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "FusedNorm",
+    "BACKENDS",
+]
+
+#: Values of the modules' ``backend`` argument.
+BACKENDS: tuple[str, ...] = ("fusedlib", "apex")
+
+
+# ----------------------------------------------------------------------------------------
+# Argument checks
+# ----------------------------------------------------------------------------------------
+
+
+def _check_param(name: str, p: Optional[torch.Tensor], x: torch.Tensor, x_name: str) -> Optional[torch.Tensor]:
+    if p is None:
+        return None
+    check_tensor(name, p, ndim=1)
+    if p.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"{name} must have shape [h] with h = {x_name}.shape[-1] = {x.shape[-1]}, got {list(p.shape)}"
+        )
+    if p.dtype != x.dtype:
+        raise TypeError(f"{name} dtype {p.dtype} must match {x_name} dtype {x.dtype}")
+    return p.contiguous()  # [h]: a copy only for a strided parameter (h elements)
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                  x_name: str = "input") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    check_tensor(x_name, x, min_ndim=1)
+    if not 1 <= x.shape[-1] <= MAX_HIDDEN_SIZE:
+        raise ValueError(
+            f"the hidden size {x_name}.shape[-1] must be in 1..{MAX_HIDDEN_SIZE} (fusedlib's norm kernels hold "
+            f"one row in registers), got {x.shape[-1]}"
+        )
+    if weight is None:
+        raise TypeError("weight must be a torch.Tensor, got NoneType")
+    weight = _check_param("weight", weight, x, x_name)
+    bias = _check_param("bias", bias, x, x_name)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    check_same_device(**{x_name: x, "weight": weight, "bias": bias})
+    return weight, bias
+
+
+def _gamma_has_zero(weight: torch.Tensor, zero_centered_gamma: bool) -> bool:
+    """True if some gamma is exactly 0, so x_hat cannot be recovered from y there.
+
+    One host sync; skipped (False) while a CUDA graph is being captured, where a sync is
+    not allowed. gamma is formed as the kernels form it: in float32 (float64 for float64).
+    """
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    gamma = weight.to(torch.promote_types(weight.dtype, torch.float32))
+    if zero_centered_gamma:
+        gamma = gamma + 1.0
+    return bool((gamma == 0).any())
+
+
+# ----------------------------------------------------------------------------------------
+# Autograd wiring
+# ----------------------------------------------------------------------------------------
+
+
+class FusedLayerNormAffineFunction(torch.autograd.Function):
+    """Autograd wiring of fused LayerNorm over the last dim.
+
+    ``forward(ctx, input, weight, bias, eps, memory_efficient=False, zero_centered_gamma=False)``
+    runs one kernel that writes y and the row statistics (mean, rstd: float32, 8 bytes
+    per row) and saves ``(input, weight, bias, mean, rstd)``, or with ``memory_efficient``
+    ``(y, weight, bias, rstd)``. ``backward`` runs one kernel for dx and the per-program
+    partial sums of dgamma/dbeta, and one small kernel that sums the partials.
+
+    Shapes: input [..., h] (e.g. [s, b, h]), weight and bias [h] (bias may be None).
+    Returns y of input's shape and dtype, a new tensor that is not a view.
+
+    Source: Apex ``apex/normalization/fused_layer_norm.py`` (same name, same saved
+    tensors); Megatron-LM ``megatron/core/fusions/fused_layer_norm.py``.
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: A002
+                eps: float, memory_efficient: bool = False, zero_centered_gamma: bool = False) -> torch.Tensor:
+        weight_c, bias_c = _check_inputs(input, weight, bias, eps)
+        y, mean, rstd = norm_fwd(input, weight_c, bias_c, eps, rms_norm=False,
+                                 zero_centered_gamma=zero_centered_gamma)
+        ctx.memory_efficient = bool(memory_efficient) and not _gamma_has_zero(weight_c, zero_centered_gamma)
+        ctx.zero_centered_gamma = zero_centered_gamma
+        if ctx.memory_efficient:
+            ctx.save_for_backward(y, weight_c, bias_c, None, rstd)
+        else:
+            ctx.save_for_backward(input, weight_c, bias_c, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        # grad_output needs no check: autograd's engine has matched it to y's shape, dtype and
+        # device (strides may differ: the kernel takes them)
+        x_or_y, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dweight, dbias = norm_bwd(grad_output, x_or_y, weight, bias, mean, rstd, rms_norm=False,
+                                      zero_centered_gamma=ctx.zero_centered_gamma,
+                                      memory_efficient=ctx.memory_efficient)
+        return dx, dweight, dbias, None, None, None
+
+
+class FusedRMSNormAffineFunction(torch.autograd.Function):
+    """Autograd wiring of fused RMSNorm over the last dim.
+
+    ``forward(ctx, input, weight, eps, memory_efficient=False, zero_centered_gamma=False)``
+    saves ``(input, weight, rstd)``, or with ``memory_efficient`` ``(y, weight, rstd)``;
+    ``backward`` returns ``(dx, dweight, None, None, None)``.
+
+    Shapes: input [..., h], weight [h]. Returns y of input's shape and dtype, not a view.
+
+    Source: Apex ``apex/normalization/fused_layer_norm.py`` (``FusedRMSNormAffineFunction``).
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, eps: float,  # noqa: A002
+                memory_efficient: bool = False, zero_centered_gamma: bool = False) -> torch.Tensor:
+        weight_c, _ = _check_inputs(input, weight, None, eps)
+        y, _, rstd = norm_fwd(input, weight_c, None, eps, rms_norm=True, zero_centered_gamma=zero_centered_gamma)
+        ctx.memory_efficient = bool(memory_efficient) and not _gamma_has_zero(weight_c, zero_centered_gamma)
+        ctx.zero_centered_gamma = zero_centered_gamma
+        ctx.save_for_backward(y if ctx.memory_efficient else input, weight_c, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x_or_y, weight, rstd = ctx.saved_tensors  # grad_output: matched to y by autograd
+        dx, dweight, _ = norm_bwd(grad_output, x_or_y, weight, None, None, rstd, rms_norm=True,
+                                  zero_centered_gamma=ctx.zero_centered_gamma, memory_efficient=ctx.memory_efficient)
+        return dx, dweight, None, None, None
+
+
+def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float = 1e-5, *,
+                     zero_centered_gamma: bool = False, memory_efficient: bool = False) -> torch.Tensor:
+    """Fused LayerNorm over the last dim, with autograd.
+
+    ``y = gamma · (x - mean) / sqrt(var + eps) + beta`` per row, biased variance,
+    ``gamma = weight`` (``weight + 1`` with ``zero_centered_gamma``), ``beta = bias``.
+
+    Args:
+        x: [..., h], float32 / float16 / bfloat16 (float64 for gradcheck), CUDA or CPU,
+            any strides; 1 <= h <= 65536.
+        weight: [h], x's dtype and device.
+        bias: [h], x's dtype and device, or None.
+        eps: added to the variance, >= 0.
+        zero_centered_gamma: gamma = weight + 1 (Megatron's ``layernorm_zero_centered_gamma``).
+        memory_efficient: save y instead of x for the backward (Megatron's
+            ``memory_efficient_layer_norm``).
+
+    Returns:
+        y: a new contiguous tensor of x's shape and dtype (``y._base is None``).
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, or weight/bias dtype != x dtype.
+        ValueError: weight/bias not of shape [h], h outside 1..65536, eps < 0 or not
+            finite, tensors on different devices.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_layer_norm.py``.
+    """
+    return FusedLayerNormAffineFunction.apply(x, weight, bias, eps, memory_efficient, zero_centered_gamma)
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
+                   zero_centered_gamma: bool = False, memory_efficient: bool = False) -> torch.Tensor:
+    """Fused RMSNorm over the last dim, with autograd: ``y = gamma · x / sqrt(mean(x²) + eps)``.
+
+    Args:
+        x: [..., h], as :func:`fused_layer_norm`.
+        weight: [h], x's dtype and device.
+        eps: added to the mean square, >= 0.
+        zero_centered_gamma, memory_efficient: as :func:`fused_layer_norm`.
+
+    Returns:
+        y: a new contiguous tensor of x's shape and dtype (``y._base is None``).
+
+    Raises:
+        TypeError, ValueError: as :func:`fused_layer_norm`.
+
+    Source: Zhang & Sennrich 2019, arXiv:1910.07467; Apex ``FusedRMSNormAffineFunction``.
+    """
+    return FusedRMSNormAffineFunction.apply(x, weight, eps, memory_efficient, zero_centered_gamma)
+
+
+# ----------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------
+
+
+def _hidden_size(hidden_size: Union[int, Sequence[int], torch.Size]) -> int:
+    if isinstance(hidden_size, numbers.Integral) and not isinstance(hidden_size, bool):
+        h = int(hidden_size)
+    elif isinstance(hidden_size, (tuple, list, torch.Size)) and len(hidden_size) == 1:
+        h = int(hidden_size[0])
+    else:
+        raise ValueError(f"hidden_size must be an int (or a 1-element shape), got {hidden_size!r}")
+    if not 1 <= h <= MAX_HIDDEN_SIZE:
+        raise ValueError(
+            f"hidden_size must be in 1..{MAX_HIDDEN_SIZE} (fusedlib's norm kernels hold one row in registers), got {h}"
+        )
+    return h
+
+
+class _FusedNormBase(torch.nn.Module):
+    """What FusedLayerNorm and FusedRMSNorm share: config switches, weight, backend."""
+
+    _normalization = ""  # the config.normalization this class implements
+
+    def __init__(self, config, hidden_size, eps: float, backend: str, has_bias: bool) -> None:
+        super().__init__()
+        if config.normalization != self._normalization:
+            other = "FusedRMSNorm" if config.normalization == "RMSNorm" else "FusedLayerNorm"
+            raise ValueError(
+                f"{type(self).__name__} implements normalization={self._normalization!r}, but "
+                f"config.normalization={config.normalization!r}: use {other}, or FusedNorm, which builds the "
+                "module config.normalization names"
+            )
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+        self.config = config
+        self.backend = backend
+        self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
+        h = _hidden_size(hidden_size)
+        self.hidden_size = torch.Size((h,))
+        self.eps = float(eps)
+        # torch.empty, not torch.Tensor, for correct device placement (as in Megatron-core)
+        self.weight = Parameter(torch.empty(h))
+        self.bias = Parameter(torch.empty(h)) if has_bias else None
+        self.reset_parameters()
+        self.sequence_parallel = bool(config.sequence_parallel)
+        # Megatron all-reduces the gradients of parameters marked sequence_parallel across
+        # the tensor-parallel group: each rank saw only its slice of the sequence.
+        setattr(self.weight, "sequence_parallel", self.sequence_parallel)
+        if self.bias is not None:
+            setattr(self.bias, "sequence_parallel", self.sequence_parallel)
+
+    def reset_parameters(self) -> None:
+        """gamma = 1, beta = 0: the weight is 1, or 0 when stored zero-centered."""
+        if self.zero_centered_gamma:
+            init.zeros_(self.weight)
+        else:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"{tuple(self.hidden_size)}, eps={self.eps}, backend={self.backend!r}, "
+                f"zero_centered_gamma={self.zero_centered_gamma}")
+
+
+class FusedLayerNorm(_FusedNormBase):
+    """LayerNorm over the last dim on fusedlib's fused Triton kernels (or Apex's).
+
+    Args:
+        config: a :class:`fusedlib.transformer.TransformerConfig` (or any object with its
+            fields): reads ``normalization`` (must be ``"LayerNorm"``),
+            ``layernorm_zero_centered_gamma``, ``persist_layer_norm``,
+            ``memory_efficient_layer_norm`` (at each forward) and ``sequence_parallel``.
+        hidden_size: h, 1..65536 (an int or a 1-element shape).
+        eps: added to the variance.
+        persist_layer_norm, zero_centered_gamma, normalization: accepted for Megatron-core's
+            interface and ignored, as in Megatron-core: the config's fields decide.
+        backend: ``"fusedlib"`` (default) or ``"apex"`` (Apex's kernels, chosen as
+            Megatron-core does; raises :class:`fusedlib.backends.apex.ApexNotAvailableError`
+            with install instructions where Apex does not import).
+
+    Attributes:
+        weight: [h] gamma (zero-centered: gamma - 1), ``sequence_parallel`` attribute set.
+        bias: [h] beta, ``sequence_parallel`` attribute set.
+        persist_layer_norm: with ``backend="apex"``, whether Apex's persistent kernel is
+            used (config asks, h is in its list, it imports); with ``"fusedlib"``,
+            ``config.persist_layer_norm`` as given (no effect).
+
+    Shapes: input [..., h] (Megatron: [s, b, h]) -> output of the same shape and dtype;
+    parameters must have the input's dtype (``module.to(torch.bfloat16)``).
+
+    Raises:
+        ValueError: config.normalization != "LayerNorm", hidden_size outside 1..65536,
+            eps < 0, an unknown backend.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_layer_norm.py`` (``FusedLayerNorm``).
+    """
+
+    _normalization = "LayerNorm"
+
+    def __init__(self, config, hidden_size: Union[int, Sequence[int]], eps: float = 1e-5,
+                 persist_layer_norm: bool = True, zero_centered_gamma: bool = False,
+                 normalization: str = "LayerNorm", *, backend: str = "fusedlib") -> None:
+        super().__init__(config, hidden_size, eps, backend, has_bias=True)
+        persist = bool(config.persist_layer_norm)
+        if backend == "apex":
+            persist = (persist and self.hidden_size[0] in apex_backend.PERSIST_LN_HIDDEN_SIZES
+                       and apex_backend.apex_available("FastLayerNormFN"))
+            if not persist:
+                apex_backend.require("FusedLayerNormAffineFunction")  # a clear error now, not at forward
+        self.persist_layer_norm = persist
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        """y = LayerNorm(input): [..., h] -> [..., h], never a view."""
+        memory_efficient = bool(self.config.memory_efficient_layer_norm)
+        if self.backend == "apex":
+            weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+            return apex_backend.apex_layer_norm(input, weight, self.bias, self.eps,
+                                                persist=self.persist_layer_norm, memory_efficient=memory_efficient)
+        return FusedLayerNormAffineFunction.apply(input, self.weight, self.bias, self.eps, memory_efficient,
+                                                  self.zero_centered_gamma)
+
+
+class FusedRMSNorm(_FusedNormBase):
+    """RMSNorm over the last dim on fusedlib's fused Triton kernels (or Apex's).
+
+    Args:
+        config: reads ``normalization`` (must be ``"RMSNorm"``),
+            ``layernorm_zero_centered_gamma``, ``memory_efficient_layer_norm`` (at each
+            forward) and ``sequence_parallel``.
+        hidden_size: h, 1..65536.
+        eps: added to the mean square.
+        zero_centered_gamma, normalization: accepted for interface symmetry, ignored (the
+            config decides).
+        backend: ``"fusedlib"`` or ``"apex"`` (``FusedRMSNormAffineFunction``).
+
+    Attributes:
+        weight: [h] gamma (zero-centered: gamma - 1), ``sequence_parallel`` attribute set.
+        bias: None (RMSNorm has no shift).
+
+    Raises:
+        ValueError: config.normalization != "RMSNorm", and as :class:`FusedLayerNorm`.
+
+    Source: Zhang & Sennrich 2019, arXiv:1910.07467; Megatron-core's RMSNorm through
+    ``TENorm`` (``megatron/core/extensions/transformer_engine.py``).
+    """
+
+    _normalization = "RMSNorm"
+
+    def __init__(self, config, hidden_size: Union[int, Sequence[int]], eps: float = 1e-5,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm", *,
+                 backend: str = "fusedlib") -> None:
+        super().__init__(config, hidden_size, eps, backend, has_bias=False)
+        if backend == "apex":
+            apex_backend.require("FusedRMSNormAffineFunction")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        """y = RMSNorm(input): [..., h] -> [..., h], never a view."""
+        memory_efficient = bool(self.config.memory_efficient_layer_norm)
+        if self.backend == "apex":
+            weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+            return apex_backend.apex_rms_norm(input, weight, self.eps, memory_efficient=memory_efficient)
+        return FusedRMSNormAffineFunction.apply(input, self.weight, self.eps, memory_efficient,
+                                                self.zero_centered_gamma)
+
+
+class FusedNorm:
+    """Build the norm ``config.normalization`` names: :class:`FusedLayerNorm` or :class:`FusedRMSNorm`.
+
+    ``FusedNorm(config, hidden_size, eps=1e-5, backend="fusedlib")`` returns an instance of
+    one of the two classes, as Megatron's ``TENorm`` returns Transformer Engine's
+    ``LayerNorm`` or ``RMSNorm``; put it in a layer spec's norm slot.
+
+    Raises:
+        ValueError: as the class it builds.
+
+    Source: Megatron-LM ``megatron/core/extensions/transformer_engine.py`` (``TENorm``).
+    """
+
+    def __new__(cls, config, hidden_size: Union[int, Sequence[int]], eps: float = 1e-5, *,
+                backend: str = "fusedlib") -> torch.nn.Module:
+        if config.normalization == "RMSNorm":
+            return FusedRMSNorm(config, hidden_size, eps, backend=backend)
+        return FusedLayerNorm(config, hidden_size, eps, backend=backend)

@@ -1,0 +1,510 @@
+"""Triton kernels for LayerNorm and RMSNorm, forward and backward.
+
+One row of ``n_cols`` elements is normalized at a time, held whole in registers
+(``BLOCK_N`` = the next power of two >= n_cols, up to 64 Ki elements), so each element
+of x is read from memory once and each element of y written once.
+
+Forward (per row; LayerNorm, then RMSNorm where it differs)::
+
+    mean  = sum(x) / N                                  (RMSNorm: no mean)
+    var   = sum((x - mean)^2) / N                       (RMSNorm: sum(x^2) / N)
+    rstd  = 1 / sqrt(var + eps)
+    x_hat = (x - mean) * rstd                           (RMSNorm: x * rstd)
+    y     = gamma * x_hat + beta                        (RMSNorm: no beta)
+
+with ``gamma = w``, or ``gamma = w + 1`` for a zero-centered weight, added in the
+compute dtype. ``mean`` and ``rstd`` are written per row (8 bytes against the row's
+2·N bytes in bf16) so the backward need not recompute them.
+
+Backward, with ``g = gamma * dy`` (derived in chapter 4)::
+
+    c1 = sum(x_hat * g) / N
+    c2 = sum(g) / N                                     (RMSNorm: c2 = 0)
+    dx = (g - (x_hat * c1 + c2)) * rstd
+    dgamma = sum over rows of dy * x_hat                (= dw, also with w + 1)
+    dbeta  = sum over rows of dy
+
+``memory_efficient``: the backward reads the saved *output* y instead of x and recovers
+``x_hat = (y - beta) / gamma``; y is usually kept alive by the next layer anyway, so x
+need not be saved (Apex's ``memory_efficient=True``). It needs every gamma != 0.
+
+dgamma and dbeta are reduced in two deterministic stages, without atomics: each backward
+program loops over ``rows_per_program`` rows and keeps its own partial sums in
+registers (float32), stores them as row ``pid`` of a ``[2, n_programs, n_cols]`` buffer
+(dgamma, dbeta), and :func:`_norm_bwd_reduce_kernel` sums its columns in a fixed order.
+
+Dtype policy: load, compute in float32 (float64 for float64 inputs, so
+``torch.autograd.gradcheck`` checks these kernels), store y and dx in x's dtype; row
+statistics and the dgamma/dbeta partials in float32, the final dgamma/dbeta in w's dtype.
+
+Sources: Triton's layer-norm tutorial ``python/tutorials/05-layer-norm.py`` (the
+dx formula and the two-stage dgamma/dbeta); Apex ``apex/contrib/csrc/layer_norm``
+(persistent row-in-registers kernels, ``memory_efficient``); Megatron-LM
+``megatron/core/fusions/fused_layer_norm.py``; Ba et al. 2016, "Layer Normalization",
+arXiv:1607.06450; Zhang & Sennrich 2019, "Root Mean Square Layer Normalization",
+arXiv:1910.07467.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime import launch
+from ..utils import MAX_FUSED_SIZE, as_rows
+
+__all__ = [
+    "NormConfig",
+    "norm_config",
+    "layer_norm_fwd",
+    "layer_norm_bwd",
+    "rms_norm_fwd",
+    "rms_norm_bwd",
+    "norm_fwd",
+    "norm_bwd",
+    "MAX_HIDDEN_SIZE",
+]
+
+#: Largest hidden size the kernels take: one row must fit in one program's registers.
+MAX_HIDDEN_SIZE: int = MAX_FUSED_SIZE
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X_ptr,  # input x, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
+    Y_ptr,  # output y, [n_rows, n_cols], contiguous, x's dtype
+    W_ptr,  # weight w, [n_cols], contiguous: gamma = w, or w + 1 if ZERO_CENTERED_GAMMA
+    B_ptr,  # bias beta, [n_cols], contiguous (read only if HAS_BIAS)
+    MEAN_ptr,  # ACC [n_rows]: row means (written only for LayerNorm)
+    RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
+    n_rows,
+    n_cols,
+    X_row_stride,
+    X_col_stride,
+    eps,
+    rows_per_program,  # rows this program normalizes, a multiple of BLOCK_M
+    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row
+    IS_RMS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ZERO_CENTERED_GAMMA: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # software pipelining depth of the row loop (1: none)
+    ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    row_start = pid.to(tl.int64) * rows_per_program  # int64: n_rows * n_cols may pass 2^31
+    for m in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
+        rows = row_start + m + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :] * X_col_stride,
+                    mask=mask, other=0.0).to(ACC)
+        # row statistics, [BLOCK_M]
+        if IS_RMS_NORM:
+            x_c = x
+        else:
+            mean = tl.sum(x, axis=1) / n_cols
+            tl.store(MEAN_ptr + rows, mean, mask=row_mask)
+            x_c = tl.where(mask, x - mean[:, None], 0.0)  # padding columns must add 0 to var
+        var = tl.sum(x_c * x_c, axis=1) / n_cols
+        rstd = 1.0 / tl.sqrt(var + eps)
+        tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
+        # normalize, scale, shift. gamma and beta are loaded here, not before the loop: kept
+        # in registers through the reductions they would cost occupancy; reloads hit the cache
+        gamma = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+        if ZERO_CENTERED_GAMMA:
+            gamma = gamma + 1.0  # in ACC: a weight near 0 keeps its precision
+        x_hat = x_c * rstd[:, None]
+        y = x_hat * gamma[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+        tl.store(Y_ptr + rows[:, None] * n_cols + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    DY_ptr,  # grad of the output dy, [n_rows, n_cols], strides (DY_row_stride, DY_col_stride)
+    X_ptr,  # saved input x, or saved output y if MEMORY_EFFICIENT, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
+    W_ptr,  # weight w, [n_cols], contiguous: gamma = w, or w + 1 if ZERO_CENTERED_GAMMA
+    B_ptr,  # bias beta, [n_cols], contiguous (read only if MEMORY_EFFICIENT and HAS_BIAS)
+    MEAN_ptr,  # ACC [n_rows]: row means (read only for LayerNorm, not MEMORY_EFFICIENT)
+    RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
+    DX_ptr,  # grad of x, [n_rows, n_cols], contiguous, x's dtype
+    PARTIAL_ptr,  # ACC [2, n_programs, n_cols]: per program, its rows' sums of dy * x_hat ([0]) and dy ([1])
+    n_rows,
+    n_cols,
+    DY_row_stride,
+    DY_col_stride,
+    X_row_stride,
+    X_col_stride,
+    rows_per_program,  # rows this program handles, a multiple of BLOCK_M
+    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row
+    IS_RMS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ZERO_CENTERED_GAMMA: tl.constexpr,
+    MEMORY_EFFICIENT: tl.constexpr,  # X_ptr holds y: recover x_hat = (y - beta) / gamma
+    NUM_STAGES: tl.constexpr,  # software pipelining depth of the row loop (1: none)
+    ACC: tl.constexpr,  # compute and accumulation dtype: float32, or float64 for float64 inputs
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    gamma = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    if ZERO_CENTERED_GAMMA:
+        gamma = gamma + 1.0
+    if MEMORY_EFFICIENT:
+        # 1 / gamma, once per program; padding columns get 1 so that 0 / 0 never happens
+        rgamma = 1.0 / tl.where(col_mask, gamma, 1.0)
+        if HAS_BIAS:
+            beta = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    # per-program partial sums of dgamma and dbeta, kept per row of the tile and summed
+    # over the tile's rows once, after the loop
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    if HAS_BIAS:
+        db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    row_start = pid.to(tl.int64) * rows_per_program
+    for m in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
+        rows = row_start + m + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy = tl.load(DY_ptr + rows[:, None] * DY_row_stride + cols[None, :] * DY_col_stride,
+                     mask=mask, other=0.0).to(ACC)  # padding: dy = 0, so it adds nothing below
+        x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :] * X_col_stride,
+                    mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(RSTD_ptr + rows, mask=row_mask, other=0.0)
+        # x_hat, [BLOCK_M, BLOCK_N], zero in the padding columns
+        if MEMORY_EFFICIENT:
+            if HAS_BIAS:
+                x_hat = tl.where(mask, (x - beta[None, :]) * rgamma[None, :], 0.0)
+            else:
+                x_hat = tl.where(mask, x * rgamma[None, :], 0.0)
+        elif IS_RMS_NORM:
+            x_hat = x * rstd[:, None]
+        else:
+            mean = tl.load(MEAN_ptr + rows, mask=row_mask, other=0.0)
+            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        # dx = (g - (x_hat * c1 + c2)) * rstd, g = gamma * dy
+        g = gamma[None, :] * dy
+        c1 = tl.sum(x_hat * g, axis=1) / n_cols
+        if IS_RMS_NORM:
+            dx = (g - x_hat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) / n_cols
+            dx = (g - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
+        # first stage of dgamma / dbeta: accumulate over this program's rows
+        dw_acc += dy * x_hat
+        if HAS_BIAS:
+            db_acc += dy
+    tl.store(PARTIAL_ptr + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(PARTIAL_ptr + (tl.num_programs(0) + pid) * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _norm_bwd_reduce_kernel(
+    PARTIAL_ptr,  # ACC [2, n_partials, n_cols]: per-program partial sums of dgamma ([0]) and dbeta ([1])
+    DW_ptr,  # dgamma, [n_cols], w's dtype
+    DB_ptr,  # dbeta, [n_cols], b's dtype (written only if HAS_BIAS)
+    n_partials,
+    n_cols,
+    BLOCK_P: tl.constexpr,  # partial rows summed per step
+    BLOCK_N: tl.constexpr,  # columns per program
+    HAS_BIAS: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # second stage: sum the [n_partials, n_cols] partials over their rows, in a fixed order
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    dw = tl.zeros((BLOCK_P, BLOCK_N), dtype=ACC)
+    db = tl.zeros((BLOCK_P, BLOCK_N), dtype=ACC)
+    for p in range(0, n_partials, BLOCK_P):
+        prow = p + tl.arange(0, BLOCK_P)
+        mask = (prow < n_partials)[:, None] & col_mask[None, :]
+        offs = prow[:, None].to(tl.int64) * n_cols + cols[None, :]
+        dw += tl.load(PARTIAL_ptr + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db += tl.load(PARTIAL_ptr + n_partials * n_cols + offs, mask=mask, other=0.0)
+    tl.store(DW_ptr + cols, tl.sum(dw, axis=0).to(DW_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_ptr + cols, tl.sum(db, axis=0).to(DB_ptr.dtype.element_ty), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------------------
+# Launch settings
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    """How a norm kernel is launched for one row length.
+
+    Attributes:
+        BLOCK_M: rows per tile (several for short rows, so a program moves enough bytes).
+        num_warps: warps per program.
+        programs_per_sm: 0 launches one program per tile of BLOCK_M rows; k > 0 launches a
+            persistent grid of k programs per streaming multiprocessor, each looping over
+            ``rows_per_program`` rows (the backward always loops: its dgamma/dbeta partials
+            are one row per program).
+        num_stages: software-pipelining depth of the row loop (``tl.range(num_stages=)``):
+            2 loads the next tile while the current one is reduced; 1 does not pipeline.
+    """
+
+    BLOCK_M: int
+    num_warps: int
+    programs_per_sm: int
+    num_stages: int
+
+
+# Forward settings per row length, as (upper bound of BLOCK_N, NormConfig). Aim: about
+# 16-32 elements per thread (two to four 16-byte bf16 vectors), one tile per program so
+# the hardware scheduler keeps several rows in flight per SM (h = 4096: 39 registers per
+# thread at 8 warps, 6 programs per SM); short rows take several rows per tile. Compiled
+# for sm_90 with no register spills (tools/check_norm_registers.py).
+_FWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
+    (128, NormConfig(BLOCK_M=32, num_warps=4, programs_per_sm=0, num_stages=1)),
+    (512, NormConfig(BLOCK_M=8, num_warps=4, programs_per_sm=0, num_stages=1)),
+    (1024, NormConfig(BLOCK_M=4, num_warps=4, programs_per_sm=0, num_stages=1)),
+    (2048, NormConfig(BLOCK_M=2, num_warps=4, programs_per_sm=0, num_stages=1)),
+    (4096, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=0, num_stages=1)),
+    (8192, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=0, num_stages=1)),
+    # long rows: a whole row per program leaves 1 program per SM; a persistent grid that
+    # loads the next row while reducing this one keeps the memory busy (shared memory
+    # holds the next row of x, gamma and beta: 96 KiB at 16 Ki, 192 KiB at 32 Ki columns)
+    (16384, NormConfig(BLOCK_M=1, num_warps=16, programs_per_sm=2, num_stages=2)),
+    (32768, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=2)),
+    (MAX_HIDDEN_SIZE, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=0, num_stages=1)),
+)
+
+# Backward settings per row length, as (upper bound of BLOCK_N, NormConfig). A persistent
+# grid: each program holds gamma and its two float32 partial sums (dgamma, dbeta) in
+# registers across all its rows, so registers, not bandwidth, bound the tile: about 16
+# elements per thread per array. Two stages of pipelining load the next rows of x and dy
+# into shared memory while the current ones are reduced: one extra row of each, 16 KiB at
+# 4 Ki bf16 columns, 128 KiB at 32 Ki; at 64 Ki it would exceed the SM's 227 KiB, so the
+# last row does not pipeline. Compiled for sm_90 with no register spills.
+_BWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
+    (128, NormConfig(BLOCK_M=16, num_warps=4, programs_per_sm=4, num_stages=2)),
+    (512, NormConfig(BLOCK_M=4, num_warps=4, programs_per_sm=4, num_stages=2)),
+    (1024, NormConfig(BLOCK_M=2, num_warps=4, programs_per_sm=4, num_stages=2)),
+    (2048, NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=4, num_stages=2)),
+    (4096, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=2, num_stages=2)),
+    (8192, NormConfig(BLOCK_M=1, num_warps=16, programs_per_sm=1, num_stages=2)),
+    (16384, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=2)),
+    (32768, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=2)),
+    (MAX_HIDDEN_SIZE, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=1)),
+)
+
+# Second stage, as device type -> (BLOCK_P, BLOCK_N): a [BLOCK_P, BLOCK_N] float32 tile of
+# partials per loop step. GPU: 32 columns per program (128 programs for h = 4096) and 128
+# partial rows per step (16 KiB per buffer), so the 264 partial rows of h = 4096 take 3
+# steps: the kernel is a few microseconds of latency, not bandwidth. CPU interpreter:
+# programs run one by one, so few wide ones.
+_REDUCE_TILE: dict[str, tuple[int, int]] = {"cuda": (128, 32), "cpu": (8, 4096)}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    # triton.next_power_of_2 / triton.cdiv are constexpr functions: ~5 us each from Python,
+    # and the host functions run on every step (the lead's H200 runs are CPU-bound there)
+    return 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def norm_config(n_cols: int, pass_: str) -> tuple[int, NormConfig]:
+    """``(BLOCK_N, NormConfig)`` for rows of ``n_cols`` elements (cached: to try other
+    settings, pass ``config=`` to :func:`norm_fwd` / :func:`norm_bwd`, as
+    ``tools/tune_layer_norm.py`` does, rather than editing the tables at run time).
+
+    Args:
+        n_cols: the hidden size, 1 to :data:`MAX_HIDDEN_SIZE`.
+        pass_: ``"fwd"`` or ``"bwd"``.
+
+    Returns:
+        The row block (next power of two >= n_cols) and the table's settings for it.
+
+    Raises:
+        ValueError: for n_cols outside 1..MAX_HIDDEN_SIZE, or an unknown pass.
+    """
+    if not 1 <= n_cols <= MAX_HIDDEN_SIZE:
+        raise ValueError(
+            f"hidden size must be in 1..{MAX_HIDDEN_SIZE} (one row is held in a program's registers), got {n_cols}"
+        )
+    table = {"fwd": _FWD_CONFIGS, "bwd": _BWD_CONFIGS}.get(pass_)
+    if table is None:
+        raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
+    block_n = _next_power_of_2(n_cols)
+    for bound, cfg in table:
+        if block_n <= bound:
+            return block_n, cfg
+    raise AssertionError("unreachable: the last bound is MAX_HIDDEN_SIZE")
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    # The CPU interpreter runs one program at a time: a "device" of 4 SMs keeps grids small.
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _acc(dtype: torch.dtype):
+    # the kernels' compute dtype (fusedlib.utils.acc_dtype), without its import per call
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _grid(n_rows: int, block_m: int, programs_per_sm: int, device: torch.device) -> tuple[int, int]:
+    """(programs, rows_per_program) covering n_rows >= 1 rows in tiles of block_m."""
+    tiles = _cdiv(n_rows, block_m)
+    if programs_per_sm == 0:
+        return tiles, block_m
+    programs = max(1, min(tiles, programs_per_sm * _multiprocessor_count(device)))
+    rows_per_program = _cdiv(tiles, programs) * block_m
+    return _cdiv(n_rows, rows_per_program), rows_per_program
+
+
+# ----------------------------------------------------------------------------------------
+# Host functions (no autograd, no argument checks beyond what the kernels need)
+# ----------------------------------------------------------------------------------------
+
+
+def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *,
+             rms_norm: bool, zero_centered_gamma: bool = False,
+             config: Optional[NormConfig] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Launch the forward kernel over the last dim of ``x``.
+
+    Args:
+        x: [..., h], float32/float16/bfloat16/float64, any strides.
+        weight: [h], x's dtype, contiguous.
+        bias: [h], x's dtype, contiguous, or None (always None for RMSNorm).
+        eps: added to the variance (RMSNorm: to the mean square).
+        rms_norm: RMSNorm instead of LayerNorm.
+        zero_centered_gamma: gamma = weight + 1.
+        config: launch settings (default: the table's for h).
+
+    Returns:
+        ``(y, mean, rstd)``: y a new contiguous tensor of x's shape and dtype (not a view:
+        its ``_base`` is None); mean (None for RMSNorm) and rstd float32 [rows] (float64
+        for float64 x), rows = x.numel() // h.
+    """
+    h = x.shape[-1]
+    x2d = as_rows(x)  # [..., h] -> [rows, h]
+    n_rows = x2d.shape[0]
+    stat_dtype = torch.promote_types(x.dtype, torch.float32)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # written as [rows, h], contiguous
+    rstd = torch.empty(n_rows, dtype=stat_dtype, device=x.device)
+    mean = None if rms_norm else torch.empty(n_rows, dtype=stat_dtype, device=x.device)
+    if n_rows == 0:
+        return y, mean, rstd
+    block_n, cfg = norm_config(h, "fwd")
+    cfg = config or cfg
+    programs, rows_per_program = _grid(n_rows, cfg.BLOCK_M, cfg.programs_per_sm, x.device)
+    launch(
+        _norm_fwd_kernel, (programs,), x.device,
+        x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
+        n_rows, h, x2d.stride(0), x2d.stride(1), float(eps), rows_per_program,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
+        ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=cfg.num_stages, ACC=_acc(x.dtype),
+        num_warps=cfg.num_warps,
+    )
+    return y, mean, rstd
+
+
+def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+             mean: Optional[torch.Tensor], rstd: torch.Tensor, *, rms_norm: bool,
+             zero_centered_gamma: bool = False, memory_efficient: bool = False,
+             config: Optional[NormConfig] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Launch the backward kernel, then the second-stage reduction of dgamma and dbeta.
+
+    Args:
+        dy: gradient of y, [..., h], x's dtype, any strides.
+        x_or_y: the forward input x, or with ``memory_efficient`` its output y; [..., h].
+        weight: [h], contiguous.
+        bias: [h], contiguous, or None. Read only with ``memory_efficient``.
+        mean: float32 [rows] from the forward (LayerNorm; unused with ``memory_efficient``).
+        rstd: float32 [rows] from the forward.
+        rms_norm, zero_centered_gamma: as in the forward.
+        memory_efficient: ``x_or_y`` is y; x_hat = (y - beta) / gamma (needs gamma != 0).
+        config: launch settings (default: the table's for h).
+
+    Returns:
+        ``(dx, dweight, dbias)``: dx a new contiguous tensor of x's shape and dtype; dweight
+        [h] and dbias [h] (None without bias) in the parameters' dtype, summed over every
+        row in float32 in a fixed order.
+    """
+    h = x_or_y.shape[-1]
+    x2d = as_rows(x_or_y)  # [..., h] -> [rows, h]
+    dy2d = as_rows(dy)
+    n_rows = x2d.shape[0]
+    dx = torch.empty(x_or_y.shape, dtype=x_or_y.dtype, device=x_or_y.device)
+    dweight = torch.empty_like(weight)
+    dbias = torch.empty_like(bias) if bias is not None else None
+    if n_rows == 0:
+        dweight.zero_()
+        if dbias is not None:
+            dbias.zero_()
+        return dx, dweight, dbias
+    block_n, cfg = norm_config(h, "bwd")
+    cfg = config or cfg
+    programs, rows_per_program = _grid(n_rows, cfg.BLOCK_M, max(1, cfg.programs_per_sm), x_or_y.device)
+    acc = torch.promote_types(x_or_y.dtype, torch.float32)
+    # [2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1], with a bias)
+    partial = torch.empty((2 if bias is not None else 1, programs, h), dtype=acc, device=x_or_y.device)
+    launch(
+        _norm_bwd_kernel, (programs,), x_or_y.device,
+        dy2d, x2d, weight, bias if bias is not None else weight,
+        mean if mean is not None else rstd, rstd, dx, partial,
+        n_rows, h, dy2d.stride(0), dy2d.stride(1), x2d.stride(0), x2d.stride(1), rows_per_program,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
+        ZERO_CENTERED_GAMMA=zero_centered_gamma, MEMORY_EFFICIENT=memory_efficient,
+        NUM_STAGES=cfg.num_stages, ACC=_acc(x_or_y.dtype), num_warps=cfg.num_warps,
+    )
+    block_p, reduce_block_n = _REDUCE_TILE[x_or_y.device.type]
+    block_p, reduce_block_n = min(block_p, _next_power_of_2(programs)), min(reduce_block_n, block_n)
+    launch(
+        _norm_bwd_reduce_kernel, (_cdiv(h, reduce_block_n),), x_or_y.device,
+        partial, dweight, dbias if dbias is not None else dweight, programs, h,
+        BLOCK_P=block_p, BLOCK_N=reduce_block_n, HAS_BIAS=bias is not None,
+        ACC=_acc(x_or_y.dtype), num_warps=4,
+    )
+    return dx, dweight, dbias
+
+
+def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                   zero_centered_gamma: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm forward: ``(y, mean, rstd)``; see :func:`norm_fwd`."""
+    return norm_fwd(x, weight, bias, eps, rms_norm=False, zero_centered_gamma=zero_centered_gamma)
+
+
+def layer_norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   mean: Optional[torch.Tensor], rstd: torch.Tensor, zero_centered_gamma: bool = False,
+                   memory_efficient: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """LayerNorm backward: ``(dx, dweight, dbias)``; see :func:`norm_bwd`."""
+    return norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm=False,
+                    zero_centered_gamma=zero_centered_gamma, memory_efficient=memory_efficient)
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered_gamma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm forward: ``(y, rstd)``; see :func:`norm_fwd`."""
+    y, _, rstd = norm_fwd(x, weight, None, eps, rms_norm=True, zero_centered_gamma=zero_centered_gamma)
+    return y, rstd
+
+
+def rms_norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                 zero_centered_gamma: bool = False, memory_efficient: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm backward: ``(dx, dweight)``; see :func:`norm_bwd`."""
+    dx, dw, _ = norm_bwd(dy, x_or_y, weight, None, None, rstd, rms_norm=True,
+                         zero_centered_gamma=zero_centered_gamma, memory_efficient=memory_efficient)
+    return dx, dw

@@ -1,0 +1,460 @@
+"""LayerNorm and RMSNorm: fusedlib's Triton kernels against float64 PyTorch references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedlib import unfused
+from fusedlib.backends import apex as apex_backend
+from fusedlib.fusions.fused_layer_norm import (
+    FusedLayerNorm,
+    FusedLayerNormAffineFunction,
+    FusedNorm,
+    FusedRMSNorm,
+    FusedRMSNormAffineFunction,
+    fused_layer_norm,
+    fused_rms_norm,
+)
+from fusedlib.kernels.layer_norm import MAX_HIDDEN_SIZE, norm_config
+from fusedlib.transformer import TransformerConfig
+
+from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
+
+NORMS = ("layer", "rms")
+HIDDEN = (1, 7, 768, 1000, 4096, 5120, 14336, 65536)
+EPS = 1e-5
+
+
+def _params(h, dtype, norm, *, zero_centered=False, requires_grad=True):
+    if zero_centered:
+        w = 0.1 * torch.randn(h, device=DEVICE)  # stored around 0: gamma = 1 + w
+    else:
+        w = torch.randn(h, device=DEVICE)
+    w = w.to(dtype).requires_grad_(requires_grad)
+    b = torch.randn(h, device=DEVICE).to(dtype).requires_grad_(requires_grad) if norm == "layer" else None
+    return w, b
+
+
+def _x(shape, dtype):
+    # a nonzero mean, so LayerNorm's centering matters
+    return (2 * torch.randn(shape, device=DEVICE) + 0.5).to(dtype).requires_grad_(True)
+
+
+def _apply(norm, x, w, b, **kw):
+    if norm == "layer":
+        return fused_layer_norm(x, w, b, EPS, **kw)
+    return fused_rms_norm(x, w, EPS, **kw)
+
+
+def _reference(norm, x64, w64, b64, dy64, zero_centered=False):
+    """(y, dx, dw, db) in float64; db None for RMSNorm."""
+    if norm == "layer":
+        y = unfused.layer_norm(x64, w64, b64, EPS, zero_centered)
+        dx, dw, db = unfused.layer_norm_back(dy64, x64, w64, EPS, zero_centered)
+        return y, dx, dw, db
+    y = unfused.rms_norm(x64, w64, EPS, zero_centered)
+    dx, dw = unfused.rms_norm_back(dy64, x64, w64, EPS, zero_centered)
+    return y, dx, dw, None
+
+
+def _check_fwd_bwd(norm, x, w, b, dy=None, *, zero_centered=False, memory_efficient=False, dx_scale=1.0):
+    dtype = x.dtype
+    x_before = x.detach().clone()
+    y = _apply(norm, x, w, b, zero_centered_gamma=zero_centered, memory_efficient=memory_efficient)
+    assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
+    assert y._base is None, "output must not be a view (Megatron's deallocate_output_tensor)"
+    assert y.data_ptr() != x.data_ptr()
+    dy = torch.randn_like(y) if dy is None else dy
+    dy_before = dy.clone()
+    y.backward(dy)
+    assert torch.equal(dy, dy_before), "grad_output was modified"
+    assert torch.equal(x.detach(), x_before), "input was modified"
+    x64, w64, dy64 = x.detach().double(), w.detach().double(), dy.double()
+    b64 = b.detach().double() if b is not None else None
+    y64, dx64, dw64, db64 = _reference(norm, x64, w64, b64, dy64, zero_centered)
+    assert_close(y, y64, dtype)
+    assert x.grad.dtype == dtype and w.grad.dtype == dtype
+    assert_close(x.grad, dx64, dtype, scale=dx_scale)
+    rows = max(1, x.numel() // x.shape[-1])
+    assert_close(w.grad, dw64, dtype, scale=rows**0.5)
+    if b is not None:
+        assert b.grad.dtype == dtype
+        assert_close(b.grad, db64, dtype, scale=rows**0.5)
+    return y
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("h", HIDDEN)
+def test_forward_backward_against_float64(norm, dtype, h):
+    rows = 2 if h > 8192 else (3 if h > 1000 else 9)
+    w, b = _params(h, dtype, norm)
+    _check_fwd_bwd(norm, _x((rows, h), dtype), w, b)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_every_block_size_from_1_to_65536(norm):
+    # Triton compiles one kernel per power-of-two BLOCK_N and masks the rest of the row, so
+    # one size inside each of the 17 blocks (and both ends) covers every hidden size 1..65536.
+    sizes = [1, 2, 3] + [2**k + 1 for k in range(2, 16)] + [MAX_HIDDEN_SIZE - 1, MAX_HIDDEN_SIZE]
+    assert {norm_config(h, "fwd")[0] for h in range(1, MAX_HIDDEN_SIZE + 1, 7)} <= {norm_config(h, "fwd")[0] for h in sizes}
+    for h in sizes:
+        w, b = _params(h, torch.float32, norm)
+        _check_fwd_bwd(norm, _x((2, h), torch.float32), w, b)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_zero_centered_gamma(norm, dtype):
+    w, b = _params(640, dtype, norm, zero_centered=True)
+    _check_fwd_bwd(norm, _x((5, 3, 640), dtype), w, b, zero_centered=True)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_memory_efficient_equals_normal_mode(norm, dtype):
+    h = 1000
+    # gamma near 1 and a small beta, as in a trained model: x_hat = (y - beta) / gamma is
+    # recovered from y rounded to `dtype`, an error of about ulp(y) / gamma.
+    w = (1 + 0.2 * torch.randn(h, device=DEVICE)).to(dtype)
+    b = (0.1 * torch.randn(h, device=DEVICE)).to(dtype) if norm == "layer" else None
+    x = _x((7, h), dtype)
+    dy = torch.randn(7, h, device=DEVICE).to(dtype)
+    grads = {}
+    for me in (False, True):
+        xi = x.detach().clone().requires_grad_(True)
+        wi = w.clone().requires_grad_(True)
+        bi = b.clone().requires_grad_(True) if b is not None else None
+        y = _apply(norm, xi, wi, bi, memory_efficient=me)
+        saved = y.grad_fn.saved_tensors[0]
+        assert saved.data_ptr() == (y.data_ptr() if me else xi.data_ptr()), "memory_efficient decides what is saved"
+        _check_fwd_bwd(norm, xi, wi, bi, dy, memory_efficient=me, dx_scale=2.0)
+        grads[me] = [xi.grad, wi.grad] + ([bi.grad] if bi is not None else [])
+    atol, rtol = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}[dtype]
+    for normal, efficient in zip(grads[False], grads[True]):
+        torch.testing.assert_close(efficient.float(), normal.float(), atol=atol * 7**0.5, rtol=rtol)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_memory_efficient_with_a_zero_gamma_saves_the_input(norm):
+    # where gamma = 0, x_hat cannot be recovered from y: the forward then saves x instead
+    w, b = _params(33, torch.float32, norm)
+    with torch.no_grad():
+        w[5] = 0.0
+    x = _x((4, 33), torch.float32)
+    assert _apply(norm, x, w, b, memory_efficient=True).grad_fn.saved_tensors[0].data_ptr() == x.data_ptr()
+    _check_fwd_bwd(norm, x, w, b, memory_efficient=True)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_non_contiguous_input_and_grad(norm, dtype):
+    x = (2 * torch.randn(48, 20, device=DEVICE)).to(dtype).t().requires_grad_(True)  # [20, 48], strides (1, 20)
+    assert not x.is_contiguous()
+    dy = torch.randn(48, 20, device=DEVICE).to(dtype).t()
+    w, b = _params(48, dtype, norm)
+    _check_fwd_bwd(norm, x, w, b, dy)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_non_contiguous_3d_and_strided_weight(norm):
+    x = torch.randn(4, 6, 40, device=DEVICE).permute(1, 0, 2).requires_grad_(True)  # [6, 4, 40]
+    w = torch.randn(80, device=DEVICE)[::2].requires_grad_(True)
+    b = torch.randn(80, device=DEVICE)[1::2].requires_grad_(True) if norm == "layer" else None
+    _check_fwd_bwd(norm, x, w, b)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_many_rows_exercise_the_two_stage_reduction(norm):
+    # several backward programs, each looping over many tiles, plus ragged last tiles
+    for h in (24, 300):
+        w, b = _params(h, torch.float32, norm)
+        _check_fwd_bwd(norm, _x((517, h), torch.float32), w, b)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_single_row_and_1d_input(norm):
+    w, b = _params(300, torch.float32, norm)
+    _check_fwd_bwd(norm, _x((1, 300), torch.float32), w, b)
+    w, b = _params(300, torch.float32, norm)
+    _check_fwd_bwd(norm, _x((300,), torch.float32), w, b)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_empty_input(norm):
+    w, b = _params(16, torch.float32, norm)
+    x = torch.randn(0, 16, device=DEVICE, requires_grad=True)
+    y = _apply(norm, x, w, b)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert x.grad.shape == (0, 16)
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_parameter_gradients_are_deterministic(norm):
+    w, b = _params(300, torch.float32, norm)
+    x = _x((131, 300), torch.float32)
+    dy = torch.randn(131, 300, device=DEVICE)
+    first = torch.autograd.grad(_apply(norm, x, w, b), [w], dy)[0]
+    second = torch.autograd.grad(_apply(norm, x, w, b), [w], dy)[0]
+    assert torch.equal(first, second), "two-stage reduction: no atomics, same bits every run"
+
+
+def test_gradcheck_float64():
+    # float64 inputs run the same kernels computing in float64, so gradcheck checks them.
+    x = torch.randn(3, 5, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: fused_layer_norm(x, w, b), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: fused_rms_norm(x, w), (x, w))
+    # the switches, on a [2, 2, 4] input; fast mode checks one random projection of the Jacobian
+    x3 = torch.randn(2, 2, 4, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    w3 = torch.randn(4, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b3 = torch.randn(4, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    for kw in ({"zero_centered_gamma": True}, {"memory_efficient": True}):
+        assert torch.autograd.gradcheck(lambda x, w, b: fused_layer_norm(x, w, b, **kw), (x3, w3, b3), fast_mode=True)
+        assert torch.autograd.gradcheck(lambda x, w: fused_rms_norm(x, w, **kw), (x3, w3), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda x, w: fused_layer_norm(x, w, None), (x3, w3), fast_mode=True)
+
+
+def test_closed_form_backward_is_autograd_backward():
+    # the references' closed forms (derived in chapter 4) against autograd, float64
+    x = torch.randn(4, 3, 9, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(9, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(4, 3, 9, dtype=torch.float64)
+    for zc in (False, True):
+        got = unfused.layer_norm_back(dy, x.detach(), w.detach(), EPS, zc)
+        want = torch.autograd.grad(unfused.layer_norm(x, w, b, EPS, zc), (x, w, b), dy)
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, atol=1e-12, rtol=1e-12)
+        got = unfused.rms_norm_back(dy, x.detach(), w.detach(), EPS, zc)
+        want = torch.autograd.grad(unfused.rms_norm(x, w, EPS, zc), (x, w), dy)
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(unfused.layer_norm(x, w, b, EPS), torch.nn.functional.layer_norm(x, (9,), w, b, EPS))
+    torch.testing.assert_close(unfused.rms_norm(x, w, EPS), torch.nn.functional.rms_norm(x, (9,), w, EPS))
+
+
+# ---------------------------------------------------------------------------------------
+# Modules and the TransformerConfig switches
+# ---------------------------------------------------------------------------------------
+
+
+def test_transformer_config_defaults_are_megatrons():
+    cfg = TransformerConfig()
+    assert (cfg.normalization, cfg.layernorm_epsilon, cfg.layernorm_zero_centered_gamma, cfg.persist_layer_norm,
+            cfg.memory_efficient_layer_norm, cfg.sequence_parallel) == ("LayerNorm", 1e-5, False, False, False, False)
+    with pytest.raises(ValueError, match="normalization must be one of 'LayerNorm', 'RMSNorm', got 'BatchNorm'"):
+        TransformerConfig(normalization="BatchNorm")
+    with pytest.raises(ValueError, match="layernorm_epsilon must be >= 0"):
+        TransformerConfig(layernorm_epsilon=-1.0)
+
+
+@pytest.mark.parametrize("zero_centered", (False, True))
+@pytest.mark.parametrize("sequence_parallel", (False, True))
+def test_fused_layer_norm_module(zero_centered, sequence_parallel):
+    cfg = TransformerConfig(layernorm_zero_centered_gamma=zero_centered, sequence_parallel=sequence_parallel,
+                            persist_layer_norm=True)  # 1000 is not in Apex's persistent list: no matter
+    ln = FusedLayerNorm(config=cfg, hidden_size=1000, eps=1e-5, persist_layer_norm=True, zero_centered_gamma=False,
+                        normalization="LayerNorm").to(DEVICE)
+    assert torch.equal(ln.weight, torch.zeros(1000, device=DEVICE) if zero_centered else torch.ones(1000, device=DEVICE))
+    assert torch.equal(ln.bias, torch.zeros(1000, device=DEVICE))
+    assert ln.weight.sequence_parallel is sequence_parallel and ln.bias.sequence_parallel is sequence_parallel
+    assert ln.persist_layer_norm is True and ln.zero_centered_gamma is zero_centered
+    with torch.no_grad():
+        ln.weight.normal_(0.0, 0.1)
+        ln.bias.normal_()
+    x = _x((3, 2, 1000), torch.float32)  # [s, b, h]
+    y = ln(x)
+    assert y._base is None
+    y64 = unfused.layer_norm(x.detach().double(), ln.weight.detach().double(), ln.bias.detach().double(), 1e-5,
+                             zero_centered)
+    assert_close(y, y64, torch.float32)
+    y.sum().backward()
+    assert ln.weight.grad.shape == (1000,) and ln.bias.grad.shape == (1000,)
+    assert sorted(ln.state_dict()) == ["bias", "weight"]
+
+
+def test_deallocate_output_tensor_accepts_the_output():
+    # Megatron's pipeline schedule frees a stage's output with out.data = torch.empty((1,)),
+    # after asserting out._base is None (a view would keep the whole storage alive).
+    def deallocate_output_tensor(out):
+        assert out._base is None, "counter-productive to free a view of another tensor."
+        out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+    ln = FusedLayerNorm(TransformerConfig(), 64).to(DEVICE)
+    x = _x((4, 2, 64), torch.float32)
+    y = ln(x)
+    deallocate_output_tensor(y)
+    assert y.numel() == 1 and y.grad_fn is not None
+    view = torch.randn(8, 64).view(4, 2, 64)
+    with pytest.raises(AssertionError, match="view"):
+        deallocate_output_tensor(view)
+
+
+def test_make_viewless_tensor():
+    from fusedlib.utils import make_viewless_tensor
+
+    base = torch.randn(8, 6, requires_grad=True)
+    view = (base * 2).view(4, 2, 6)
+    assert view._base is not None
+    out = make_viewless_tensor(view, requires_grad=True, keep_graph=True)
+    assert out._base is None and out.data_ptr() == view.data_ptr() and torch.equal(out, view)
+    out.sum().backward()
+    assert torch.equal(base.grad, torch.full_like(base, 2.0))
+    plain = torch.randn(3)
+    assert make_viewless_tensor(plain, requires_grad=False, keep_graph=False) is plain
+
+
+def test_memory_efficient_switch_is_read_at_forward():
+    cfg = TransformerConfig(memory_efficient_layer_norm=False)
+    ln = FusedLayerNorm(cfg, 32).to(DEVICE)
+    x = _x((5, 32), torch.float32)
+    assert ln(x).grad_fn.saved_tensors[0].data_ptr() == x.data_ptr()
+    cfg.memory_efficient_layer_norm = True
+    y = ln(x)
+    assert y.grad_fn.saved_tensors[0].data_ptr() == y.data_ptr()
+
+
+@pytest.mark.parametrize("zero_centered", (False, True))
+def test_fused_rms_norm_module_and_factory(zero_centered):
+    cfg = TransformerConfig(normalization="RMSNorm", layernorm_zero_centered_gamma=zero_centered, sequence_parallel=True)
+    rms = FusedNorm(cfg, 96, eps=1e-6)
+    assert isinstance(rms, FusedRMSNorm) and rms.bias is None and rms.weight.sequence_parallel is True
+    assert sorted(rms.state_dict()) == ["weight"]
+    rms = rms.to(DEVICE)
+    x = _x((2, 3, 96), torch.float32)
+    y = rms(x)
+    y64 = unfused.rms_norm(x.detach().double(), rms.weight.detach().double(), 1e-6, zero_centered)
+    assert_close(y, y64, torch.float32)
+    assert isinstance(FusedNorm(TransformerConfig(), 96), FusedLayerNorm)
+
+
+def test_module_parameters_follow_the_input_dtype():
+    ln = FusedLayerNorm(TransformerConfig(), 256).to(DEVICE, torch.bfloat16)
+    x = _x((4, 256), torch.bfloat16)
+    y = ln(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert ln.weight.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: FusedLayerNorm(TransformerConfig(normalization="RMSNorm"), 64), ValueError,
+         "FusedLayerNorm implements normalization='LayerNorm', but config.normalization='RMSNorm': use FusedRMSNorm"),
+        (lambda: FusedRMSNorm(TransformerConfig(), 64), ValueError, "use FusedLayerNorm, or FusedNorm"),
+        (lambda: FusedLayerNorm(TransformerConfig(), 65537), ValueError, r"hidden_size must be in 1..65536"),
+        (lambda: FusedLayerNorm(TransformerConfig(), 0), ValueError, r"hidden_size must be in 1..65536"),
+        (lambda: FusedLayerNorm(TransformerConfig(), (4, 8)), ValueError, "hidden_size must be an int"),
+        (lambda: FusedLayerNorm(TransformerConfig(), 64, backend="cuda"), ValueError, "backend must be one of"),
+        (lambda: FusedLayerNorm(TransformerConfig(), 64, eps=-1.0), ValueError, "eps must be a finite number >= 0"),
+    ],
+)
+def test_module_bad_arguments_raise_clear_errors(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+# ---------------------------------------------------------------------------------------
+# The optional Apex backend
+# ---------------------------------------------------------------------------------------
+
+_APEX_PARTS = ("FastLayerNormFN", "FusedLayerNormAffineFunction", "FusedRMSNormAffineFunction")
+
+
+def test_apex_missing_gives_install_instructions(monkeypatch):
+    # runs everywhere: Apex's absence is simulated, so the message is checked even where Apex exists
+    monkeypatch.setattr(apex_backend, "apex_status",
+                        lambda: {name: "ModuleNotFoundError: No module named 'apex'" for name in _APEX_PARTS})
+    for make in (lambda: FusedLayerNorm(TransformerConfig(persist_layer_norm=True), 4096, backend="apex"),
+                 lambda: FusedRMSNorm(TransformerConfig(normalization="RMSNorm"), 4096, backend="apex")):
+        with pytest.raises(apex_backend.ApexNotAvailableError) as info:
+            make()
+        msg = str(info.value)
+        assert "No module named 'apex'" in msg
+        assert "conda install -c conda-forge nvidia-apex" in msg and "https://github.com/NVIDIA/apex" in msg
+        assert "not on PyPI" in msg and "backend='fusedlib'" in msg
+    assert isinstance(info.value, ImportError)
+
+
+def test_apex_status_reports_each_part():
+    status = apex_backend.apex_status()
+    assert set(status) == set(_APEX_PARTS)
+    assert apex_backend.apex_available() == any(why == "" for why in status.values())
+
+
+@pytest.mark.skipif(not apex_backend.apex_available() or DEVICE.type != "cuda",
+                    reason="Apex is not available here: " + apex_backend.APEX_INSTALL_HINT)
+def test_apex_backend_matches_fusedlib():  # pragma: no cover (needs Apex and a GPU)
+    for h in (4096, 1000):  # in Apex's persistent list, and not
+        cfg = TransformerConfig(persist_layer_norm=True)
+        if not (apex_backend.apex_available("FusedLayerNormAffineFunction")
+                or h in apex_backend.PERSIST_LN_HIDDEN_SIZES and apex_backend.apex_available("FastLayerNormFN")):
+            continue
+        ours = FusedLayerNorm(cfg, h).to(DEVICE, torch.bfloat16)
+        theirs = FusedLayerNorm(cfg, h, backend="apex").to(DEVICE, torch.bfloat16)
+        with torch.no_grad():
+            ours.weight.normal_()
+            ours.bias.normal_()
+        theirs.load_state_dict(ours.state_dict())
+        x = _x((64, h), torch.bfloat16)
+        y_ours, y_theirs = ours(x), theirs(x)
+        assert y_theirs._base is None
+        torch.testing.assert_close(y_theirs.float(), y_ours.float(), atol=2e-2, rtol=2e-2)
+        dy = torch.randn_like(y_ours)
+        g_ours = torch.autograd.grad(y_ours, [x, ours.weight, ours.bias], dy)
+        g_theirs = torch.autograd.grad(y_theirs, [x, theirs.weight, theirs.bias], dy)
+        for a, e in zip(g_theirs, g_ours):
+            torch.testing.assert_close(a.float(), e.float(), atol=0.1, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad inputs
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: (torch.randn(4, 8), torch.randn(7), torch.randn(8)), ValueError,
+         r"weight must have shape \[h\] with h = input.shape\[-1\] = 8, got \[7\]"),
+        (lambda: (torch.randn(4, 8), torch.randn(8), torch.randn(9)), ValueError, r"bias must have shape \[h\]"),
+        (lambda: (torch.randn(4, 8), torch.randn(8).half(), torch.randn(8)), TypeError, "weight dtype"),
+        (lambda: (torch.randn(4, 8), torch.randn(8), torch.randn(8).double()), TypeError, "bias dtype"),
+        (lambda: (torch.randn(4, 8).int(), torch.randn(8).int(), torch.randn(8).int()), TypeError,
+         "input must have dtype"),
+        (lambda: (torch.randn(4, 8), torch.randn(1, 8), torch.randn(8)), ValueError, "weight must have 1 dims"),
+        (lambda: ([1.0, 2.0], torch.randn(2), torch.randn(2)), TypeError, "input must be a torch.Tensor"),
+        (lambda: (torch.randn(2, MAX_HIDDEN_SIZE + 1), torch.randn(MAX_HIDDEN_SIZE + 1), None), ValueError,
+         r"hidden size input.shape\[-1\] must be in 1..65536 .* got 65537"),
+        (lambda: (torch.randn(4, 0), torch.randn(0), torch.randn(0)), ValueError, r"must be in 1..65536"),
+    ],
+)
+def test_bad_input_raises_clear_error(make, error, match):
+    x, w, b = make()
+    x = x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+    with pytest.raises(error, match=match):
+        fused_layer_norm(x, w.to(DEVICE), b.to(DEVICE) if b is not None else None)
+
+
+def test_bad_eps_and_mixed_devices_raise():
+    x, w = torch.randn(4, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+    for eps in (-1e-5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            fused_rms_norm(x, w, eps)
+    other = "cpu" if DEVICE.type == "cuda" else "meta"
+    with pytest.raises(ValueError, match="one device, got input on"):
+        fused_layer_norm(x, torch.randn(8, device=other), None)
+    with pytest.raises(ValueError, match="hidden size must be in 1..65536"):
+        norm_config(70000, "fwd")
+
+
+def test_autograd_functions_are_the_entry_points():
+    x = _x((3, 16), torch.float32)
+    w, b = _params(16, torch.float32, "layer")
+    assert torch.equal(FusedLayerNormAffineFunction.apply(x, w, b, EPS), fused_layer_norm(x, w, b, EPS))
+    assert torch.equal(FusedRMSNormAffineFunction.apply(x, w, EPS), fused_rms_norm(x, w, EPS))

@@ -1,0 +1,95 @@
+"""Compile the norm kernels for an H100/H200 (sm_90) without a GPU; print registers, spills, shared memory.
+
+Usage (any machine with triton's bundled CUDA tools, no GPU needed):
+    python tools/check_norm_registers.py                 # every row of the two tables
+    python tools/check_norm_registers.py 4096 16384      # chosen hidden sizes
+
+For each hidden size, LayerNorm and RMSNorm, forward and backward (and the memory-efficient
+backward), with the table's NormConfig and bf16 inputs, it prints REG (registers per
+thread), LOCAL (bytes spilled per thread: should be 0), SMEM (bytes of shared memory per
+program: the pipeline's stage buffers and reduction scratch) and the programs per SM that
+those allow. The tables in fusedlib/kernels/layer_norm.py were checked with it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, even on a machine without a GPU
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+
+from fusedlib.kernels import layer_norm as L  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+SM_REGISTERS, SM_THREADS, SM_SMEM = 65536, 2048, 227 * 1024
+
+
+def compile_kernel(kernel, signature, constexprs, aligned, num_warps):
+    """(registers, spilled bytes, shared bytes) of ``kernel`` compiled for sm_90."""
+    names = kernel.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # 16-byte aligned, as at run time
+    sig = {n: ("constexpr" if n in constexprs else signature[n]) for n in names}
+    backend = make_backend(TARGET)
+    options = backend.parse_options({"num_warps": num_warps}).__dict__
+    compiled = triton.compile(ASTSource(kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                              target=TARGET, options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    usage = dict(kv.split(":") for kv in next(line for line in out.splitlines() if "REG:" in line).split())
+    return int(usage["REG"]), int(usage["LOCAL"]), compiled.metadata.shared
+
+
+def programs_per_sm(regs, num_warps, smem):
+    threads = 32 * num_warps
+    return min(SM_REGISTERS // (max(regs, 1) * threads), SM_THREADS // threads, SM_SMEM // smem if smem else 32)
+
+
+def main(hidden_sizes):
+    for h in hidden_sizes:
+        block_n = triton.next_power_of_2(h)
+        aligned_dims = ["n_cols"] if h % 16 == 0 else []
+        for rms in (False, True):
+            _, cf = L.norm_config(h, "fwd")
+            sig = {"X_ptr": "*bf16", "Y_ptr": "*bf16", "W_ptr": "*bf16", "B_ptr": "*bf16", "MEAN_ptr": "*fp32",
+                   "RSTD_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "X_row_stride": "i32",
+                   "X_col_stride": "i32", "eps": "fp32", "rows_per_program": "i32"}
+            const = dict(X_col_stride=1, BLOCK_M=cf.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms, HAS_BIAS=not rms,
+                         ZERO_CENTERED_GAMMA=False, NUM_STAGES=cf.num_stages, ACC=tl.float32)
+            if cf.programs_per_sm == 0 and cf.BLOCK_M == 1:
+                const["rows_per_program"] = 1  # Triton specializes an int argument equal to 1
+            aligned = ["X_ptr", "Y_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "n_rows"] + aligned_dims + (
+                ["X_row_stride"] if aligned_dims else [])
+            r = compile_kernel(L._norm_fwd_kernel, sig, const, aligned, cf.num_warps)
+            print(f"h={h:5d} {'RMSNorm  ' if rms else 'LayerNorm'} fwd {cf}: REG={r[0]} LOCAL={r[1]} SMEM={r[2]} "
+                  f"-> {programs_per_sm(r[0], cf.num_warps, r[2])} programs/SM", flush=True)
+            _, cb = L.norm_config(h, "bwd")
+            for me in (False, True):
+                sig = {"DY_ptr": "*bf16", "X_ptr": "*bf16", "W_ptr": "*bf16", "B_ptr": "*bf16", "MEAN_ptr": "*fp32",
+                       "RSTD_ptr": "*fp32", "DX_ptr": "*bf16", "PARTIAL_ptr": "*fp32",
+                       "n_rows": "i32", "n_cols": "i32", "DY_row_stride": "i32", "DY_col_stride": "i32",
+                       "X_row_stride": "i32", "X_col_stride": "i32", "rows_per_program": "i32"}
+                const = dict(DY_col_stride=1, X_col_stride=1, BLOCK_M=cb.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms,
+                             HAS_BIAS=not rms, ZERO_CENTERED_GAMMA=False, MEMORY_EFFICIENT=me,
+                             NUM_STAGES=cb.num_stages, ACC=tl.float32)
+                aligned = ["DY_ptr", "X_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "DX_ptr", "PARTIAL_ptr",
+                           "n_rows"] + aligned_dims + (
+                    ["DY_row_stride", "X_row_stride"] if aligned_dims else [])
+                r = compile_kernel(L._norm_bwd_kernel, sig, const, aligned, cb.num_warps)
+                print(f"h={h:5d} {'RMSNorm  ' if rms else 'LayerNorm'} bwd{' (memory-efficient)' if me else ''} {cb}: "
+                      f"REG={r[0]} LOCAL={r[1]} SMEM={r[2]} -> {programs_per_sm(r[0], cb.num_warps, r[2])} programs/SM",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    sizes = [int(a) for a in sys.argv[1:]] or [bound for bound, _ in L._FWD_CONFIGS]
+    main(sizes)
