@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -46,7 +47,15 @@ CUDA_AVAILABLE: bool = torch.cuda.is_available()
 
 #: True when Triton was set (by us or the user) to interpret every kernel.
 INTERPRET_ON_CPU: bool
+#: Set when fusedlib had to switch Triton to its interpreter *after* Triton was imported
+#: (``import triton``, or ``torch.compile``, ran before ``import fusedlib`` on a machine
+#: without CUDA): Triton's own library functions (``tl.sigmoid``, ``tl.sum``...) were then
+#: already defined for the compiler, and kernels that call them cannot run. :func:`launch`
+#: raises a clear error instead of Triton's "Cannot call @triton.jit'd outside of the scope
+#: of a kernel".
+LATE_INTERPRET: bool = False
 if not CUDA_AVAILABLE and os.environ.get("TRITON_INTERPRET") is None:
+    LATE_INTERPRET = "triton" in sys.modules
     # Must happen before `import triton` decorates any kernel: triton.jit reads it then.
     os.environ["TRITON_INTERPRET"] = "1"
     logger.info(
@@ -99,12 +108,21 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
     Raises:
         ValueError: for a device that is neither CUDA nor CPU, or for CPU tensors in a
             process whose kernels are compiled for CUDA (see the module docstring).
+        RuntimeError: on a machine without CUDA where Triton was imported before fusedlib
+            (see :data:`LATE_INTERPRET`).
 
     On CUDA the kernel is compiled (once per signature, then cached by Triton); in a
     process with ``TRITON_INTERPRET=1`` it runs in Triton's interpreter. Tensors on a
     GPU are copied to the host and back by the interpreter.
     """
     kernel_mode(tensors_device)  # raises for devices other than cuda / cpu
+    if LATE_INTERPRET:
+        raise RuntimeError(
+            "Triton was imported before fusedlib on this machine without a CUDA GPU, so its library "
+            "functions were built for the compiler and fusedlib's kernels cannot run in Triton's "
+            "interpreter. Import fusedlib first (before triton and before any torch.compile call), "
+            "or set TRITON_INTERPRET=1 in the environment before starting Python."
+        )
     if INTERPRET_ON_CPU:
         kernel[tuple(grid)](*args, **kwargs)
         return

@@ -49,7 +49,9 @@ def test_interpreter_is_set_before_kernels_on_a_cpu_only_machine():
     # A fresh process: importing fusedlib must settle TRITON_INTERPRET before any kernel is defined.
     code = ("import os, torch, fusedlib; "
             "print(os.environ.get('TRITON_INTERPRET'), fusedlib.runtime.INTERPRET_ON_CPU, torch.cuda.is_available())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}  # as a fresh shell
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout.split()
     if out[2] == "False":
         assert out[:2] == ["1", "True"]
     else:
@@ -66,3 +68,18 @@ def test_compiled_mode_refuses_cpu_tensors_clearly():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "TRITON_INTERPRET": "0"}).stdout
     assert "compiled for CUDA" in out and "TRITON_INTERPRET=1" in out
+
+
+def test_triton_imported_before_fusedlib_gives_a_clear_error_on_a_cpu_only_machine():
+    code = ("import triton, torch\n"
+            "import fusedlib\n"
+            "if torch.cuda.is_available():\n"
+            "    print('has a GPU')\n"
+            "else:\n"
+            "    try:\n"
+            "        fusedlib.bias_gelu_impl(torch.randn(2, 4), torch.randn(4))\n"
+            "    except RuntimeError as e:\n"
+            "        print('RuntimeError:', e)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.startswith("has a GPU") or ("imported before fusedlib" in out and "Import fusedlib first" in out)
