@@ -67,6 +67,36 @@ INTERPRET_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
 
 
+def _fix_interpreter_index() -> None:
+    """Make Triton 3.6's interpreter accept a runtime int as a loop bound under NumPy 2.x.
+
+    The interpreter passes an int argument (``n_cols``) as a 1-element 1-D array, and Triton
+    <= 3.6 turns it back into an int with ``int(array)``, which NumPy 2.x refuses ("only
+    0-dimensional arrays can be converted to Python scalars"): every ``range(0, n_cols,
+    BLOCK_N)`` in a kernel failed. Triton 3.9 uses ``int(array.squeeze())``; this wraps the
+    interpreter's tensor patching to do the same (a no-op where Triton already does).
+    Compiled kernels are not affected.
+    """
+    try:
+        from triton.runtime import interpreter as _interp
+    except ImportError:  # pragma: no cover (no interpreter in this Triton)
+        return
+    orig = getattr(_interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_fusedlib_index_fix", False):
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    _patch_lang_tensor._fusedlib_index_fix = True
+    _interp._patch_lang_tensor = _patch_lang_tensor
+
+
+if INTERPRET_ON_CPU:
+    _fix_interpreter_index()
+
+
 def default_device() -> torch.device:
     """The device the book runs on: ``cuda`` when a GPU is present, else ``cpu``.
 

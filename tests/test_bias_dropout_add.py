@@ -24,6 +24,7 @@ from fusedlib.kernels.bias_dropout_add import (
     KEEP_BITS,
     drop_threshold,
     dropout_mask,
+    dropout_scale,
     philox_seed,
 )
 
@@ -56,14 +57,16 @@ def _check_train(x, b, r, p, g=None):
     assert out.data_ptr() not in (x.data_ptr(), r.data_ptr())
     keep = _replayed_mask(tuple(x.shape), p)
     b64 = b.detach().double() if b is not None else None
-    assert_close(out, unfused.bias_dropout_add_masked(x.detach().double(), b64, r.detach().double(), keep, p), r.dtype)
+    p_used = drop_threshold(p) / 2**KEEP_BITS  # the probability applied (16-bit resolution): scale 1/(1 - p_used)
+    assert_close(out, unfused.bias_dropout_add_masked(x.detach().double(), b64, r.detach().double(), keep, p_used),
+                 r.dtype)
     g = torch.randn(out.shape, device=DEVICE).to(out.dtype) if g is None else g
     g_before = g.clone()
     out.backward(g)
     assert torch.equal(g, g_before), "grad_output was modified"
     for t, before in zip([t for t in (x, b, r) if t is not None], inputs_before):
         assert torch.equal(t.detach(), before), "an input was modified"
-    scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+    scale = 1.0 / (1.0 - p_used) if p_used < 1 else 0.0
     dx64 = torch.where(keep, g.double() * scale, torch.zeros((), dtype=torch.float64, device=DEVICE))
     assert x.grad.dtype == x.dtype and r.grad.dtype == r.dtype
     assert_close(x.grad, dx64, x.dtype)
@@ -148,6 +151,39 @@ def test_empty_input(dtype):
     assert torch.equal(b.grad, torch.zeros_like(b))
 
 
+@pytest.mark.parametrize("fn", ["train", "inference"])
+def test_hidden_size_zero(fn):
+    # h = 0: reshape(-1, 0) cannot infer the row count; the op returns empty results
+    f = get_bias_dropout_add(fn == "train", True)
+    x, b, r = _inputs((4, 0), torch.float32)
+    out = f((x, b), r, 0.1)
+    assert out.shape == (4, 0) and out.dtype == torch.float32
+    out.sum().backward()
+    assert x.grad.shape == (4, 0) and b.grad.shape == (0,) and r.grad.shape == (4, 0)
+    x3, _, r3 = _inputs((2, 3, 0), torch.float32, requires_grad=False)
+    out3 = f((x3, None), r3, 0.5)
+    assert out3.shape == (2, 3, 0)
+
+
+def test_mean_preserved_at_p_0_99999():
+    # p = 0.99999 is applied as p' = 65535/65536 (16-bit resolution): kept values must be
+    # scaled by 1/(1 - p') = 65536 (not 1/(1 - p) = 100000, a 1.53x bias), so E[out] = x.
+    n_rows, h = 1024, 4096  # 2^22 elements: ~64 kept
+    x = torch.ones(n_rows, h, device=DEVICE)
+    out = bias_dropout_add_fused_train((x, None), torch.zeros_like(x), 0.99999)
+    kept = out != 0
+    assert torch.equal(out[kept].cpu(), torch.full((int(kept.sum()),), 65536.0))
+    assert dropout_scale(0.99999) * (1 - drop_threshold(0.99999) / 2**KEEP_BITS) == 1.0
+    # the mean of the kept-and-scaled values: E = 1, sd = sqrt((1 - q)/(n q)) with q = 2^-16
+    n, q = x.numel(), 2.0**-KEEP_BITS
+    assert abs(out.double().mean().item() - 1.0) <= 4 * math.sqrt((1 - q) / (n * q))
+
+
+def test_scale_is_exact_for_representable_p():
+    for p, s in ((0.0, 1.0), (0.5, 2.0), (0.25, 4.0 / 3.0), (0.75, 4.0), (1.0, 0.0), (1 - 2.0**-18, 0.0)):
+        assert dropout_scale(p) == s, p
+
+
 def test_gradcheck_float64():
     # float64 runs the same kernels computing in float64; the seed is replayed on every call so
     # gradcheck's repeated evaluations see one mask. p = 0.5: 1/(1-p) = 2 is exact in float32.
@@ -215,8 +251,9 @@ def test_kept_fraction_within_4_sigma_and_kept_values_scaled(p):
     x = torch.ones(n_rows, h, device=DEVICE)
     out = bias_dropout_add_fused_train((x, None), torch.zeros_like(x), p)
     kept = out != 0
-    scale32 = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
-    assert torch.equal(out[kept].cpu(), scale32.expand(int(kept.sum())))  # kept values scaled by 1/(1-p)
+    p_used = drop_threshold(p) / 2**KEEP_BITS  # 0.1 -> 6554/65536
+    scale32 = torch.tensor(1.0 / (1.0 - p_used), dtype=torch.float32)
+    assert torch.equal(out[kept].cpu(), scale32.expand(int(kept.sum())))  # kept values scaled by 1/(1-p')
     n = x.numel()
     sigma = math.sqrt(n * p * (1 - p))  # kept count ~ Binomial(n, 1 - p)
     assert abs(int(kept.sum()) - n * (1 - p)) <= 4 * sigma

@@ -426,3 +426,11 @@ def test_tensor_parallel_gloo_matches_gathered_reference(world_size):
     assert len(results) == world_size
     for rank, done in enumerate(results):
         assert len(done) == 3 * len(PATHS) + 2 * len(PATHS), (rank, done)
+
+
+@pytest.mark.parametrize("fn", [vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy])
+@pytest.mark.parametrize("group", ["g", 0, object()])
+def test_tp_group_of_the_wrong_type_raises_naming_it(fn, group):
+    x, t = _inputs((3,), 5, torch.float32)
+    with pytest.raises(TypeError, match=r"tp_group must be None or a torch.distributed.ProcessGroup"):
+        fn(x, t, tp_group=group)

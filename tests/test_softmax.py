@@ -633,3 +633,52 @@ def test_mixed_devices_raise():
     x = torch.randn(1, 1, 3, 4, device=DEVICE)
     with pytest.raises(ValueError, match="one device, got input on"):
         fused_scale_mask_softmax(x, torch.zeros(1, 1, 3, 4, dtype=torch.bool, device=other))
+
+
+@pytest.mark.parametrize("path", ["register", "online"])
+@pytest.mark.parametrize("case", ["nan_offset", "nan_score", "nan_score_masked"])
+def test_nan_propagates_like_torch(path, case, monkeypatch):
+    # A NaN must never be hidden behind zeros: the fused kernels give what the fallback (and
+    # torch.softmax) give, NaN for NaN, forward and backward, offset gradient included.
+    if path == "online":
+        monkeypatch.setattr(ksoftmax, "MAX_REGISTER_BLOCK", ONLINE_TILE)
+    x0 = torch.randn(1, 2, 2, 6, device=DEVICE)
+    mask = None
+    off0 = torch.randn(2, device=DEVICE)
+    if case == "nan_offset":
+        off0[1] = float("nan")  # head 1: every row NaN; head 0 finite
+    else:
+        x0[0, 0, 1, 3] = float("nan")  # one row NaN, the others finite
+        if case == "nan_score_masked":  # masked: the NaN is never read, the row stays finite
+            mask = torch.zeros(1, 1, 2, 6, dtype=torch.bool, device=DEVICE)
+            mask[0, 0, 1, 3] = True
+    g = torch.randn(1, 2, 2, 6, device=DEVICE)
+    out = {}
+    for fusion in (True, False):
+        x = x0.clone().requires_grad_(True)
+        off = off0.clone().requires_grad_(True) if "offset" in case else None
+        p = _fsm(scaled_masked_softmax_fusion=fusion)(x, mask, off)
+        p.backward(g)
+        out[fusion] = (p.detach(), x.grad, off.grad if off is not None else None)
+    if case == "nan_score":
+        expected = torch.softmax(x0, dim=-1)
+        assert expected[0, 0, 1].isnan().all() and not expected[0, 0, 0].isnan().any()
+        torch.testing.assert_close(out[True][0], expected, equal_nan=True)
+    for fused, ref in zip(out[True], out[False]):
+        if ref is not None:
+            assert torch.equal(fused.isnan(), ref.isnan()), (fused, ref)
+            torch.testing.assert_close(fused, ref, equal_nan=True, atol=1e-5, rtol=1e-5)
+    if case == "nan_offset":
+        assert out[True][0][0, 1].isnan().all() and out[True][1][0, 1].isnan().all()
+        assert torch.isfinite(out[True][0][0, 0]).all() and torch.isfinite(out[True][1][0, 0]).all()
+    if case == "nan_score_masked":
+        assert torch.isfinite(out[True][0]).all() and torch.isfinite(out[True][1]).all()
+
+
+def test_fallback_offset_on_another_device_raises_naming_it():
+    x = torch.randn(1, 1, 3, 4, device=DEVICE)
+    off = torch.zeros(1, device="meta")
+    with pytest.raises(ValueError, match="softmax_offset must be on input's device"):
+        _fsm(scaled_masked_softmax_fusion=False)(x, None, off)
+    with pytest.raises(ValueError, match="softmax_offset on meta"):
+        _fsm(scaled_masked_softmax_fusion=True)(x, None, off)

@@ -28,6 +28,7 @@ Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py``; Srivastava 
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Callable, Optional, Tuple
 
@@ -74,8 +75,9 @@ def _check(x_with_bias: object, residual: object, prob: object
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    # [..., h] -> [prod(...), h]: a view where strides allow (kernels take both strides)
-    return t.reshape(-1, t.shape[-1])
+    # [..., h] -> [prod(...), h]: a view where strides allow (kernels take both strides).
+    # The row count is spelled out: reshape(-1, 0) cannot infer it for h = 0.
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 class BiasDropoutAddFunction(torch.autograd.Function):
@@ -85,11 +87,12 @@ class BiasDropoutAddFunction(torch.autograd.Function):
     generator (only when ``training`` and p > 0), launches one kernel, and saves the seed:
     8 bytes, where torch's dropout saves a mask of one byte per element. ``backward``
     regenerates the mask from the seed and returns ``(dx, dbias, dresidual, None, None)``:
-    dx = g·mask/(1-p) in x's dtype, dbias its float32 sum over leading dims in bias's
+    dx = g·mask/(1-p') in x's dtype (p' the applied probability, see below), dbias its float32 sum over leading dims in bias's
     dtype (None when bias is None or needs no grad), dresidual = g itself (the residual's
     dtype, as out's).
 
-    Shapes: x, residual [..., h] (e.g. [s, b, h]); bias [h] or None.
+    Shapes: x, residual [..., h] (e.g. [s, b, h], h = 0 allowed: empty results); bias [h] or None.
+    prob is applied as p' = round(prob·2^16)/2^16 and kept values scaled by 1/(1 - p').
 
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py``.
     """
@@ -134,7 +137,7 @@ def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training
                          "elements share memory (an expanded tensor): pass x.contiguous()")
     b = bias.contiguous() if bias is not None else None
     try:
-        x2d = x.view(-1, x.shape[-1])  # [..., h] -> [rows, h] without a copy, or raise
+        x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])  # [..., h] -> [rows, h] without a copy, or raise
     except RuntimeError:
         x.copy_(bias_dropout_add_fwd(_rows(x), b, _rows(residual), None, p).view(x.shape))
         return x
@@ -156,6 +159,11 @@ def bias_dropout_add_fused_train(x_with_bias: XWithBias, residual: torch.Tensor,
     Returns:
         A new tensor of x's shape and the residual's dtype. The mask comes from Philox
         seeded by torch's generator on x's device: ``torch.manual_seed`` reproduces it.
+
+    Dropout resolution: the drop probability is applied with 16-bit resolution, p' =
+    round(p·2^16)/2^16 (exact for p = 0, 0.5, 1; within 2^-17 = 7.6e-6 of p otherwise;
+    every p > 1 - 2^-17 drops everything), and kept values are scaled by 1/(1 - p'), so
+    that E[out] = residual + x + bias exactly (torch's dropout: p and 1/(1 - p)).
 
     Raises:
         TypeError: non-tensor, unsupported dtype, or x_with_bias not a pair.
@@ -217,6 +225,10 @@ def get_bias_dropout_add(training: bool, fused: bool) -> Callable[[XWithBias, to
     Returns:
         :func:`bias_dropout_add_fused_train` or :func:`bias_dropout_add_fused_inference` when
         ``fused``, else ``bias_dropout_add_unfused(training)``.
+
+    The fused functions apply the drop probability with 16-bit resolution (p rounded to a
+    multiple of 1/65536, exact for 0, 0.5, 1) and scale kept values by 1/(1 - p_rounded),
+    so the expectation is exact: see :func:`bias_dropout_add_fused_train`.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``get_bias_dropout_add``).
     """

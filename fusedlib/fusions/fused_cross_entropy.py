@@ -26,7 +26,7 @@ from ..parallel.cross_entropy import (
     shard_range,
     start_target_check,
 )
-from ..parallel.utils import all_reduce, tp_rank_and_size
+from ..parallel.utils import all_reduce, check_tp_group, tp_rank_and_size
 
 __all__ = [
     "calculate_logits_max",
@@ -134,7 +134,8 @@ def fused_vocab_parallel_cross_entropy(
         the logits has the logits' dtype (Megatron's fused path always returned bfloat16).
 
     Raises:
-        TypeError, ValueError: as :func:`fusedlib.parallel.vocab_parallel_cross_entropy`.
+        TypeError, ValueError: as :func:`fusedlib.parallel.vocab_parallel_cross_entropy`
+            (TypeError for a tp_group neither None nor a torch.distributed ProcessGroup).
 
     Collectives: all-reduce MAX [rows], then one all-reduce SUM [2, rows] ([3, rows] with
     label smoothing). None on a single rank, none in backward.
@@ -142,4 +143,5 @@ def fused_vocab_parallel_cross_entropy(
     Source: Megatron-LM ``megatron/core/fusions/fused_cross_entropy.py``
     (``fused_vocab_parallel_cross_entropy``).
     """
+    check_tp_group(tp_group)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, label_smoothing, ignore_index)

@@ -334,7 +334,8 @@ def fused_scale_mask_softmax(
 
     Returns:
         Probabilities of ``input``'s shape and dtype (contiguous). A row with every key
-        masked (and no sink) is all zeros, with zero gradient.
+        masked (and no sink) is all zeros, with zero gradient. A NaN score in a kept column,
+        or a NaN sink logit, makes its whole row NaN (and its gradients), as torch.softmax.
 
     Raises:
         TypeError: non-tensor input, unsupported dtype, non-bool mask, non-real scale.
@@ -529,7 +530,8 @@ class FusedScaleMaskSoftmax(nn.Module):
 
     Raises:
         ValueError: both fp16 and bf16 flags; a scale without softmax_in_fp32 (Megatron-core's
-            rule); a bad window; input not 4-D; dtype flags that contradict the input's dtype.
+            rule); a bad window; input not 4-D; dtype flags that contradict the input's dtype;
+            a mask or softmax_offset on another device than input (both paths).
         TypeError: attn_mask_type not an AttnMaskType, mask_func not callable.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``FusedScaleMaskSoftmax``).
@@ -610,6 +612,11 @@ class FusedScaleMaskSoftmax(nn.Module):
             mask = structural if mask is None else (mask | structural)
         if softmax_offset is not None:
             _check_offset(softmax_offset, input)
+        # devices first: torch's own error for a mismatch names no argument (a 'meta' offset
+        # gives "Cannot copy out of meta tensor")
+        for name, t in (("mask", mask), ("softmax_offset", softmax_offset)):
+            if isinstance(t, torch.Tensor) and t.device != input.device:
+                raise ValueError(f"{name} must be on input's device ({input.device}), got {name} on {t.device}")
         return unfused.scale_mask_softmax(input, mask, self.scale, self.softmax_in_fp32, softmax_offset,
                                           mask_func=self.mask_func)
 

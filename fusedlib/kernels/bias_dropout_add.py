@@ -5,7 +5,7 @@ per column block), no mask written:
 
     v    = x + b
     m    = keep(seed, row, col)                 Bernoulli(1 - p), from Philox
-    out  = residual + m·v·s                     s = 1 / (1 - p)
+    out  = residual + m·v·s                     s = 1 / (1 - p'), p' = P(drop) below
 
 Backward, one read of g = d out, one write of dx per element, plus a per-program
 partial sum of dx over rows for the bias gradient (two stages: deterministic, no
@@ -24,8 +24,9 @@ counter and a 64-bit key (the seed) to four 32-bit words: 128 random bits.
                           word (col % 8) // 2, its low half for even col, high half for odd
     kept  <=>  those 16 bits >= T = round(p·2^16)
 
-So P(drop) = T/2^16 exactly: within 2^-17 of p (7.6e-6), p = 0 keeps all and p = 1 drops
-all. An eighth of ``tl.rand``'s integer work, which keeps the kernel memory-bound. The
+So P(drop) = p' = T/2^16 exactly: within 2^-17 of p (7.6e-6), p = 0 keeps all and p = 1
+drops all, exact for p = 0.5. Kept values are scaled by 1/(1 - p'), not 1/(1 - p), so that
+E[out] = residual + x + b whatever the rounding (:func:`dropout_scale`). An eighth of ``tl.rand``'s integer work, which keeps the kernel memory-bound. The
 mask depends on (seed, row, col) only, not on the tiling, the grid or the device: the
 forward, the backward and :func:`dropout_mask` draw the same one, compiled or interpreted.
 
@@ -78,10 +79,16 @@ def drop_threshold(p: float) -> int:
 
 
 def dropout_scale(p: float) -> float:
-    """s = 1/(1 - p), the factor kept elements are scaled by so that E[out] = residual + x + b
-    (0 for p = 1, where nothing is kept). Passed to the kernels as a float32 scalar, as
-    torch's own dropout computes it for float32, float16 and bfloat16."""
-    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+    """s = 1/(1 - p'), the factor kept elements are scaled by, where p' = T/2^16 is the drop
+    probability the kernels actually apply (T = :func:`drop_threshold`): with it
+    E[out] = residual + x + b exactly. (1/(1 - p) with the rounded p' would be biased by
+    (1 - p')/(1 - p): 1.53x at p = 0.99999.) Equal to 1/(1 - p) for every p that is a
+    multiple of 2^-16 (0, 0.5, 0.25...); within 2^-17/(1 - p) relative of it otherwise.
+    0 when nothing is kept (T = 2^16: p = 1, or p > 1 - 2^-17). Passed to the kernels as a
+    float32 scalar."""
+    t = drop_threshold(p)
+    full = 1 << KEEP_BITS
+    return 0.0 if t >= full else full / (full - t)
 
 
 # Tile shapes, as (upper bound of n_cols, BLOCK_N, BLOCK_M, num_warps). Long rows: tiles of
@@ -180,7 +187,7 @@ def _bias_dropout_add_fwd_kernel(
     OUT_row_stride,
     OUT_col_stride,
     T,  # drop threshold round(p·2^16)
-    scale,  # 1/(1 - p), float32
+    scale,  # 1/(1 - p') with p' = T/2^16 (dropout_scale), float32
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,  # training with p > 0; else no random numbers at all
     BLOCK_M: tl.constexpr,  # rows per program
@@ -221,7 +228,7 @@ def _bias_dropout_add_bwd_kernel(
     G_row_stride,
     G_col_stride,
     T,  # drop threshold, as in the forward
-    scale,  # 1/(1 - p), float32, as in the forward
+    scale,  # 1/(1 - p'), float32, as in the forward
     DROPOUT: tl.constexpr,
     STORE_DX: tl.constexpr,  # write dx (off when dx is g itself and only db is wanted)
     HAS_DBIAS: tl.constexpr,  # write the bias-gradient partials
@@ -315,7 +322,7 @@ def bias_dropout_add_fwd(x2d: torch.Tensor, bias: torch.Tensor | None, r2d: torc
 def bias_dropout_add_bwd(g2d: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tensor | None, p: float,
                          need_dx: bool = True, need_dbias: bool = False
                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Launch the backward kernel: ``dx = g·mask/(1 - p)`` and, if asked, its float32 sum over rows.
+    """Launch the backward kernel: ``dx = g·mask/(1 - p')`` (p' = T/2^16) and, if asked, its float32 sum over rows.
 
     Args:
         g2d: grad of out, [n_rows, n_cols], the residual's dtype, any strides.

@@ -13,7 +13,8 @@ kept set K_r = {j : mask[b, h, q, j] is False, and j is inside the band of row q
     D   = sum_j e^{s_j - M} + e^{o_h - M}
     p_j = e^{s_j - M} / D            p_sink = e^{o_h - M} / D   (saved, float32, per row)
 
-A row with nothing kept and no sink has D = 0: it is written as zeros, never NaN.
+A row with nothing kept and no sink has D = 0: it is written as zeros, never NaN. A NaN in
+a kept score or in the sink logit makes D NaN and the whole row NaN, as torch.softmax does.
 
 Backward, with g the gradient of p:
 
@@ -180,18 +181,22 @@ def _scores(X_ptr, x_offs, MASK_ptr, mask_row_offs, M_k_stride, cols, scale, kee
 
 @triton.jit
 def _safe_reciprocal(d):
-    """1/d where d > 0, else 0 (a row that kept nothing), without ever dividing by zero.
+    """1/d, or 0 where d == 0 (a row that kept nothing), without ever dividing by zero.
+
+    d is a sum of exponentials, so d >= 0 or NaN. A NaN d (a NaN score in a kept column, or
+    a NaN sink logit) gives a NaN reciprocal: the whole row becomes NaN, as in torch.softmax,
+    instead of the NaN being hidden behind zeros.
 
     Correctly rounded (``div_rn``; Triton's float32 ``/`` is a 2-ulp approximation on NVIDIA
     GPUs), so a row of k equal scores gives exactly float32(1/k), as PyTorch does.
     """
-    pos = d > 0
-    d_safe = tl.where(pos, d, 1.0)
+    empty = d == 0
+    d_safe = tl.where(empty, 1.0, d)
     if d.dtype == tl.float32:
         r = tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d_safe)
     else:  # float64: '/' is IEEE division already
         r = 1.0 / d_safe
-    return tl.where(pos, r, 0.0)
+    return tl.where(empty, 0.0, r)
 
 
 @triton.jit
@@ -389,12 +394,12 @@ def _softmax_fwd_online_kernel(
         D = D * tl.exp(M - m) + tl.exp(o - m)
         M = M_new
     m = tl.where(M == float("-inf"), 0.0, M)
-    D_safe = tl.where(D > 0, D, 1.0)
+    D_safe = tl.where(D == 0, 1.0, D)
     if ACC == tl.float32:
         inv = tl.div_rn(tl.full(D.shape, 1.0, tl.float32), D_safe)  # correctly rounded 1/D
     else:
         inv = 1.0 / D_safe
-    inv = tl.where(D > 0, inv, 0.0)  # a row that kept nothing: zeros
+    inv = tl.where(D == 0, 0.0, inv)  # a row that kept nothing: zeros; a NaN D stays NaN
 
     # pass 2: p = e^{s - M}/D inside the band; plain zeros in tiles wholly outside it
     y_row = Y_ptr + row * n_cols

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from ..utils import as_rows, check_same_device, check_tensor
-from .utils import VocabUtility, all_reduce, tp_rank_and_size
+from .utils import VocabUtility, all_reduce, check_tp_group, tp_rank_and_size
 
 __all__ = [
     "VocabParallelCrossEntropy",
@@ -319,7 +319,8 @@ def vocab_parallel_cross_entropy(
 
     Raises:
         TypeError, ValueError: see :func:`prepare_inputs`; ValueError for target ids outside
-            [0, V) (see :func:`check_target_values`).
+            [0, V) (see :func:`check_target_values`); TypeError for a tp_group that is neither
+            None nor a torch.distributed ProcessGroup.
 
     Collectives: all-reduce MAX [rows], SUM [rows], SUM [rows] (and SUM [rows] for the mean
     with label smoothing), each a separate call. Backward: none.
@@ -327,4 +328,5 @@ def vocab_parallel_cross_entropy(
     Source: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py``
     (``vocab_parallel_cross_entropy``); the fixes are listed in this module's docstring.
     """
+    check_tp_group(tp_group)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, tp_group, ignore_index)

@@ -107,13 +107,31 @@ def count_collectives() -> Iterator[CollectiveLog]:
 _OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX}
 
 
+def check_tp_group(tp_group: object) -> None:
+    """Raise TypeError unless ``tp_group`` is None or a ``torch.distributed.ProcessGroup``.
+
+    Without it, a wrong object (a group name as a str...) reaches torch.distributed, whose
+    error ("Default process group has not been initialized") names no argument.
+    """
+    if tp_group is None:
+        return
+    group_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    if group_type is None or not isinstance(tp_group, group_type):
+        raise TypeError("tp_group must be None or a torch.distributed.ProcessGroup (e.g. from "
+                        f"torch.distributed.new_group), got {type(tp_group).__name__} {tp_group!r}")
+
+
 def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     """This process's rank in ``tp_group`` and the group's size.
 
     ``tp_group=None`` means the default (world) group when ``torch.distributed`` is
     initialized, and a single rank (0 of 1, no communication) when it is not.
     Megatron-core instead takes its tensor-parallel group from ``parallel_state``.
+
+    Raises:
+        TypeError: tp_group neither None nor a ProcessGroup (:func:`check_tp_group`).
     """
+    check_tp_group(tp_group)
     if tp_group is None and not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
