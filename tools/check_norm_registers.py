@@ -3,6 +3,7 @@
 Usage (any machine with triton's bundled CUDA tools, no GPU needed):
     python tools/check_norm_registers.py                 # every row of the two tables
     python tools/check_norm_registers.py 4096 16384      # chosen hidden sizes
+    python tools/check_norm_registers.py --fp64 8        # float64 inputs (gradcheck's kernels)
 
 For each hidden size, LayerNorm and RMSNorm, forward and backward (and the memory-efficient
 backward), with the table's NormConfig and bf16 inputs, it prints REG (registers per
@@ -54,42 +55,64 @@ def programs_per_sm(regs, num_warps, smem):
     return min(SM_REGISTERS // (max(regs, 1) * threads), SM_THREADS // threads, SM_SMEM // smem if smem else 32)
 
 
-def main(hidden_sizes):
+def main(hidden_sizes, dtype="bf16"):
+    """Compile every kernel the tables pick for ``hidden_sizes`` with ``dtype`` inputs
+    ("bf16", or "fp64": float64 inputs compute in float64) and print its resources."""
+    acc, stat = (tl.float64, "*fp64") if dtype == "fp64" else (tl.float32, "*fp32")
+    elem = f"*{dtype}"
     for h in hidden_sizes:
         block_n = triton.next_power_of_2(h)
         aligned_dims = ["n_cols"] if h % 16 == 0 else []
         for rms in (False, True):
+            name = "RMSNorm  " if rms else "LayerNorm"
             _, cf = L.norm_config(h, "fwd")
-            sig = {"X_ptr": "*bf16", "Y_ptr": "*bf16", "W_ptr": "*bf16", "B_ptr": "*bf16", "MEAN_ptr": "*fp32",
-                   "RSTD_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "X_row_stride": "i32",
+            sig = {"X_ptr": elem, "Y_ptr": elem, "W_ptr": elem, "B_ptr": elem, "MEAN_ptr": stat,
+                   "RSTD_ptr": stat, "n_rows": "i32", "n_cols": "i32", "X_row_stride": "i32",
                    "X_col_stride": "i32", "eps": "fp32", "rows_per_program": "i32"}
             const = dict(X_col_stride=1, BLOCK_M=cf.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms, HAS_BIAS=not rms,
-                         ZERO_CENTERED_GAMMA=False, NUM_STAGES=cf.num_stages, ACC=tl.float32)
+                         ZERO_CENTERED_GAMMA=False, NUM_STAGES=cf.num_stages, ACC=acc)
             if cf.programs_per_sm == 0 and cf.BLOCK_M == 1:
                 const["rows_per_program"] = 1  # Triton specializes an int argument equal to 1
             aligned = ["X_ptr", "Y_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "n_rows"] + aligned_dims + (
                 ["X_row_stride"] if aligned_dims else [])
             r = compile_kernel(L._norm_fwd_kernel, sig, const, aligned, cf.num_warps)
-            print(f"h={h:5d} {'RMSNorm  ' if rms else 'LayerNorm'} fwd {cf}: REG={r[0]} LOCAL={r[1]} SMEM={r[2]} "
+            print(f"h={h:5d} {dtype} {name} fwd {cf}: REG={r[0]} LOCAL={r[1]} SMEM={r[2]} "
                   f"-> {programs_per_sm(r[0], cf.num_warps, r[2])} programs/SM", flush=True)
-            _, cb = L.norm_config(h, "bwd")
+            _, cb = L.norm_config(h, "bwd", rms)
+            bwd_block = min(cb.split_block, block_n) if cb.split_block else block_n
             for me in (False, True):
-                sig = {"DY_ptr": "*bf16", "X_ptr": "*bf16", "W_ptr": "*bf16", "B_ptr": "*bf16", "MEAN_ptr": "*fp32",
-                       "RSTD_ptr": "*fp32", "DX_ptr": "*bf16", "PARTIAL_ptr": "*fp32",
+                if cb.split_block:
+                    s_m, s_n, s_warps = L._ROW_STATS_TILE["cuda"]
+                    sig = {"DY_ptr": elem, "X_ptr": elem, "W_ptr": elem, "B_ptr": elem, "MEAN_ptr": stat,
+                           "RSTD_ptr": stat, "C_ptr": stat, "n_rows": "i32", "n_cols": "i32", "DY_row_stride": "i32",
+                           "DY_col_stride": "i32", "X_row_stride": "i32", "X_col_stride": "i32"}
+                    const = dict(DY_col_stride=1, X_col_stride=1, BLOCK_M=s_m, BLOCK_N=min(s_n, block_n),
+                                 IS_RMS_NORM=rms, HAS_BIAS=not rms, ZERO_CENTERED_GAMMA=False, MEMORY_EFFICIENT=me,
+                                 ACC=acc)
+                    aligned = ["DY_ptr", "X_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "C_ptr",
+                               "n_rows"] + aligned_dims + (["DY_row_stride", "X_row_stride"] if aligned_dims else [])
+                    r = compile_kernel(L._norm_bwd_row_stats_kernel, sig, const, aligned, s_warps)
+                    print(f"h={h:5d} {dtype} {name} bwd row sums{' (memory-efficient)' if me else ''}: "
+                          f"REG={r[0]} LOCAL={r[1]} SMEM={r[2]} -> {programs_per_sm(r[0], s_warps, r[2])} programs/SM",
+                          flush=True)
+                sig = {"DY_ptr": elem, "X_ptr": elem, "W_ptr": elem, "B_ptr": elem, "MEAN_ptr": stat,
+                       "RSTD_ptr": stat, "C_ptr": stat, "DX_ptr": elem, "PARTIAL_ptr": stat,
                        "n_rows": "i32", "n_cols": "i32", "DY_row_stride": "i32", "DY_col_stride": "i32",
                        "X_row_stride": "i32", "X_col_stride": "i32", "rows_per_program": "i32"}
-                const = dict(DY_col_stride=1, X_col_stride=1, BLOCK_M=cb.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms,
+                const = dict(DY_col_stride=1, X_col_stride=1, BLOCK_M=cb.BLOCK_M, BLOCK_N=bwd_block, IS_RMS_NORM=rms,
                              HAS_BIAS=not rms, ZERO_CENTERED_GAMMA=False, MEMORY_EFFICIENT=me,
-                             NUM_STAGES=cb.num_stages, ACC=tl.float32)
-                aligned = ["DY_ptr", "X_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "DX_ptr", "PARTIAL_ptr",
-                           "n_rows"] + aligned_dims + (
+                             SPLIT=bool(cb.split_block), NUM_STAGES=cb.num_stages, ACC=acc)
+                aligned = ["DY_ptr", "X_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "C_ptr", "DX_ptr",
+                           "PARTIAL_ptr", "n_rows"] + aligned_dims + (
                     ["DY_row_stride", "X_row_stride"] if aligned_dims else [])
                 r = compile_kernel(L._norm_bwd_kernel, sig, const, aligned, cb.num_warps)
-                print(f"h={h:5d} {'RMSNorm  ' if rms else 'LayerNorm'} bwd{' (memory-efficient)' if me else ''} {cb}: "
+                print(f"h={h:5d} {dtype} {name} bwd{' (memory-efficient)' if me else ''} {cb}: "
                       f"REG={r[0]} LOCAL={r[1]} SMEM={r[2]} -> {programs_per_sm(r[0], cb.num_warps, r[2])} programs/SM",
                       flush=True)
 
 
 if __name__ == "__main__":
-    sizes = [int(a) for a in sys.argv[1:]] or [bound for bound, _ in L._FWD_CONFIGS]
-    main(sizes)
+    args = sys.argv[1:]
+    dtype = "fp64" if "--fp64" in args else "bf16"
+    sizes = [int(a) for a in args if a != "--fp64"] or [bound for bound, _ in L._FWD_CONFIGS]
+    main(sizes, dtype)

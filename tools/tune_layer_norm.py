@@ -42,6 +42,10 @@ def bwd_candidates(block_n: int) -> list[NormConfig]:
         stages_options = (1, 2, 3) if block_m * block_n <= 8192 else (1, 2)
         for programs_per_sm, stages in itertools.product((1, 2, 4) if warps <= 8 else (1, 2), stages_options):
             out.append(NormConfig(block_m, warps, programs_per_sm, stages))
+    if block_n >= 8192:  # the split backward: row sums first, then programs of split_block columns
+        for split, block_m, warps, programs_per_sm in itertools.product((1024, 2048, 4096), (1, 2), (4, 8), (4, 8)):
+            if 8 <= block_m * split // (32 * warps) <= 32:
+                out.append(NormConfig(block_m, warps, programs_per_sm, 2, split_block=split))
     return out
 
 
@@ -49,6 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--h", type=int, nargs="+", default=[4096])
     parser.add_argument("--op", nargs="+", default=["layer_norm", "rms_norm"], choices=["layer_norm", "rms_norm"])
+    parser.add_argument("--pass", dest="passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    parser.add_argument("--rep", type=int, default=100, help="do_bench's repetition budget per candidate, ms")
     args = parser.parse_args()
     copy = copy_record()
     print(f"copy {copy['GBps']:.0f} GB/s", flush=True)
@@ -65,7 +71,9 @@ def main() -> None:
         y, mean, rstd = norm_fwd(x, w, b, 1e-5, rms_norm=rms)
         block_n = triton.next_power_of_2(h)
         for pas, cands in (("fwd", fwd_candidates(block_n)), ("bwd", bwd_candidates(block_n))):
-            default = norm_config(h, pas)[1]
+            if pas not in args.passes:
+                continue
+            default = norm_config(h, pas, rms)[1]
             results = []
             for cfg in cands:
                 if pas == "fwd":
@@ -73,7 +81,7 @@ def main() -> None:
                 else:
                     fn = lambda: norm_bwd(dy, x, w, b, mean, rstd, rms_norm=rms, config=cfg)  # noqa: E731
                 try:
-                    ms = time_ms(fn)
+                    ms = time_ms(fn, warmup=10, rep=args.rep)
                 except Exception as exc:  # e.g. out of shared memory for this tile
                     print(f"{op} h={h} {pas} {cfg}: {type(exc).__name__}", flush=True)
                     continue

@@ -75,6 +75,13 @@ class BenchCase:
         peak_memory: also record ``peak_bytes`` (CUDA only): the most memory one call of the
             pass allocates beyond what was allocated before it (outputs and gradients
             included, inputs not), from ``torch.cuda.max_memory_allocated``.
+        cuda_graph: time each call as the replay of a CUDA graph that captured it (CUDA
+            only; ``"timer": "cuda_graph"`` in the record), and also as plain launches
+            (``"ms_eager"``). For ops whose GPU work per call is a fraction of a
+            millisecond, the host's time to launch a Python autograd step (several
+            hundred microseconds on the H200 machine) would otherwise be measured instead
+            of the kernels. An implementation that cannot be captured is timed with plain
+            launches (``"timer": "do_bench"``).
     """
 
     op: str
@@ -85,6 +92,7 @@ class BenchCase:
     impls: list[Impl]
     skipped: dict[str, str] = field(default_factory=dict)
     peak_memory: bool = False
+    cuda_graph: bool = False
 
 
 def environment() -> dict[str, str]:
@@ -94,19 +102,49 @@ def environment() -> dict[str, str]:
 
 
 def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | None = None,
-            warmup: int = 25, rep: int = 200) -> float:
+            warmup: int = 25, rep: int = 200, cuda_graph: bool = False) -> float:
     """Median time of ``fn()`` in milliseconds, by ``triton.testing.do_bench``.
 
     Args:
         fn: the work to time; called many times.
         grad_to_none: tensors whose ``.grad`` is reset before each call (backward timing).
         warmup, rep: do_bench's warm-up and repetition budgets, in milliseconds.
+        cuda_graph: capture one call of ``fn`` in a CUDA graph (after three warm-up calls on
+            a side stream, as ``torch.cuda.graph`` asks) and time the graph's replays: the
+            device time of the kernels without the host's launch gaps. ``fn`` must not
+            synchronize with the host.
 
     Returns:
         The median, in ms. do_bench flushes the L2 cache between calls.
+
+    Raises:
+        RuntimeError: from ``torch.cuda.graph`` when ``fn`` cannot be captured.
     """
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
-                                         return_mode="median"))
+    if not cuda_graph:
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
+                                             return_mode="median"))
+    leaves = list(grad_to_none or [])
+
+    def call() -> None:
+        for t in leaves:  # a fresh gradient in every call, as with plain launches
+            t.grad = None
+        fn()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            call()
+        return float(triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median"))
+    finally:
+        for t in leaves:
+            t.grad = None
+        del graph
 
 
 def _record(op: str, pas: str, impl: str, shape: Sequence[int], dtype: torch.dtype, ms: float,
@@ -171,13 +209,26 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
             if pas not in impl.passes:
                 continue
             label = f"{case.op} {pas} {impl.name}"
+            graph = case.cuda_graph and device.type == "cuda"
             try:
                 ms, peak = _time_pass(case, impl, pas, device, peak=case.peak_memory and device.type == "cuda")
+                timer, ms_graph = "do_bench", None
+                if graph:
+                    try:
+                        ms_graph, _ = _time_pass(case, impl, pas, device, cuda_graph=True)
+                        timer = "cuda_graph"
+                    except Exception as exc:  # not capturable: keep the plain-launch time
+                        logger.warning("%s: no CUDA graph (%s: %s); timed with plain launches",
+                                       label, type(exc).__name__, exc)
             except Exception as exc:  # a baseline that fails must not stop the run
                 logger.warning("%s failed: %s: %s", label, type(exc).__name__, exc)
                 case.skipped[impl.name] = f"{type(exc).__name__}: {exc}"
             else:
-                records.append(_record(case.op, pas, impl.name, case.shape, case.dtype, ms, case.bytes[pas]))
+                records.append(_record(case.op, pas, impl.name, case.shape, case.dtype,
+                                       ms_graph if ms_graph is not None else ms, case.bytes[pas]))
+                if graph:
+                    records[-1]["timer"] = timer
+                    records[-1]["ms_eager"] = round(ms, 5)
                 if peak is not None:
                     records[-1]["peak_bytes"] = int(peak)
             if progress:
@@ -196,11 +247,11 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
 
 
 def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device,
-               peak: bool = False) -> tuple[float, int | None]:
+               peak: bool = False, cuda_graph: bool = False) -> tuple[float, int | None]:
     if pas == "fwd":
         inputs = case.make_inputs(device, False)
         with torch.no_grad():
-            ms = time_ms(lambda: impl.fn(*inputs))
+            ms = time_ms(lambda: impl.fn(*inputs), cuda_graph=cuda_graph)
             return ms, (peak_extra_bytes(lambda: impl.fn(*inputs), device) if peak else None)
     inputs = case.make_inputs(device, True)
     out = impl.fn(*inputs)
@@ -214,7 +265,7 @@ def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device,
         o = o[0] if isinstance(o, tuple) else o
         o.backward(grad)
 
-    ms = time_ms(step, grad_to_none=leaves)
+    ms = time_ms(step, grad_to_none=leaves, cuda_graph=cuda_graph)
     if not peak:
         return ms, None
     for t in leaves:

@@ -74,6 +74,18 @@ MAX_HIDDEN_SIZE: int = MAX_FUSED_SIZE
 
 
 @triton.jit
+def _div_n(total, n, ACC: tl.constexpr):
+    """``total / n`` rounded as IEEE division does. A GPU's default float32 division is an
+    approximation (within 2 ulp): for h = 1 it left ``g - sum(g) / 1`` a few ulp from 0,
+    which ``rstd = 1 / sqrt(eps)`` then scaled to 1e-5 (seen on the H200)."""
+    if ACC == tl.float64:
+        q = total / n  # float64 division is IEEE already (div_rn takes float32 only)
+    else:
+        q = tl.math.div_rn(total, tl.zeros_like(total) + n)
+    return q
+
+
+@triton.jit
 def _norm_fwd_kernel(
     X_ptr,  # input x, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
     Y_ptr,  # output y, [n_rows, n_cols], contiguous, x's dtype
@@ -109,10 +121,10 @@ def _norm_fwd_kernel(
         if IS_RMS_NORM:
             x_c = x
         else:
-            mean = tl.sum(x, axis=1) / n_cols
+            mean = _div_n(tl.sum(x, axis=1), n_cols, ACC)
             tl.store(MEAN_ptr + rows, mean, mask=row_mask)
             x_c = tl.where(mask, x - mean[:, None], 0.0)  # padding columns must add 0 to var
-        var = tl.sum(x_c * x_c, axis=1) / n_cols
+        var = _div_n(tl.sum(x_c * x_c, axis=1), n_cols, ACC)
         rstd = 1.0 / tl.sqrt(var + eps)
         tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
         # normalize, scale, shift. gamma and beta are loaded here, not before the loop: kept
@@ -128,6 +140,81 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
+def _x_hat(x, mask, rows, row_mask, rgamma, beta, MEAN_ptr, rstd,
+           IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr):
+    """x_hat of a [BLOCK_M, BLOCK_N] tile, 0 outside ``mask``: from x and the saved row
+    statistics, or with MEMORY_EFFICIENT from y as (y - beta) / gamma (``rgamma`` = 1 / gamma)."""
+    if MEMORY_EFFICIENT:
+        if HAS_BIAS:
+            x_hat = tl.where(mask, (x - beta[None, :]) * rgamma[None, :], 0.0)
+        else:
+            x_hat = tl.where(mask, x * rgamma[None, :], 0.0)
+    elif IS_RMS_NORM:
+        x_hat = x * rstd[:, None]
+    else:
+        mean = tl.load(MEAN_ptr + rows, mask=row_mask, other=0.0)
+        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    return x_hat
+
+
+@triton.jit
+def _norm_bwd_row_stats_kernel(
+    DY_ptr,  # grad of the output dy, [n_rows, n_cols], strides (DY_row_stride, DY_col_stride)
+    X_ptr,  # saved input x, or saved output y if MEMORY_EFFICIENT, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
+    W_ptr,  # weight w, [n_cols], contiguous: gamma = w, or w + 1 if ZERO_CENTERED_GAMMA
+    B_ptr,  # bias beta, [n_cols], contiguous (read only if MEMORY_EFFICIENT and HAS_BIAS)
+    MEAN_ptr,  # ACC [n_rows]: row means (read only for LayerNorm, not MEMORY_EFFICIENT)
+    RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
+    C_ptr,  # ACC [2, n_rows] out: c1 = sum(x_hat * g) / N ([0]) and c2 = sum(g) / N ([1], LayerNorm only)
+    n_rows,
+    n_cols,
+    DY_row_stride,
+    DY_col_stride,
+    X_row_stride,
+    X_col_stride,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # columns per loop step
+    IS_RMS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ZERO_CENTERED_GAMMA: tl.constexpr,
+    MEMORY_EFFICIENT: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # Long rows, first of two kernels: the two row sums of dx's formula, one read of dy and x.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rstd = tl.load(RSTD_ptr + rows, mask=row_mask, other=0.0)
+    c1_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    c2_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy = tl.load(DY_ptr + rows[:, None] * DY_row_stride + cols[None, :] * DY_col_stride,
+                     mask=mask, other=0.0).to(ACC)
+        x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :] * X_col_stride,
+                    mask=mask, other=0.0).to(ACC)
+        gamma = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+        if ZERO_CENTERED_GAMMA:
+            gamma = gamma + 1.0
+        rgamma = gamma
+        beta = gamma
+        if MEMORY_EFFICIENT:
+            rgamma = 1.0 / tl.where(col_mask, gamma, 1.0)
+            if HAS_BIAS:
+                beta = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+        x_hat = _x_hat(x, mask, rows, row_mask, rgamma, beta, MEAN_ptr, rstd,
+                       IS_RMS_NORM, HAS_BIAS, MEMORY_EFFICIENT)
+        g = gamma[None, :] * dy
+        c1_acc += x_hat * g
+        if not IS_RMS_NORM:
+            c2_acc += g
+    tl.store(C_ptr + rows, _div_n(tl.sum(c1_acc, axis=1), n_cols, ACC), mask=row_mask)
+    if not IS_RMS_NORM:
+        tl.store(C_ptr + n_rows + rows, _div_n(tl.sum(c2_acc, axis=1), n_cols, ACC), mask=row_mask)
+
+
+@triton.jit
 def _norm_bwd_kernel(
     DY_ptr,  # grad of the output dy, [n_rows, n_cols], strides (DY_row_stride, DY_col_stride)
     X_ptr,  # saved input x, or saved output y if MEMORY_EFFICIENT, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
@@ -135,6 +222,7 @@ def _norm_bwd_kernel(
     B_ptr,  # bias beta, [n_cols], contiguous (read only if MEMORY_EFFICIENT and HAS_BIAS)
     MEAN_ptr,  # ACC [n_rows]: row means (read only for LayerNorm, not MEMORY_EFFICIENT)
     RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
+    C_ptr,  # ACC [2, n_rows]: c1 and c2 per row from _norm_bwd_row_stats_kernel (read only if SPLIT)
     DX_ptr,  # grad of x, [n_rows, n_cols], contiguous, x's dtype
     PARTIAL_ptr,  # ACC [2, n_programs, n_cols]: per program, its rows' sums of dy * x_hat ([0]) and dy ([1])
     n_rows,
@@ -145,20 +233,23 @@ def _norm_bwd_kernel(
     X_col_stride,
     rows_per_program,  # rows this program handles, a multiple of BLOCK_M
     BLOCK_M: tl.constexpr,  # rows per tile
-    BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row
+    BLOCK_N: tl.constexpr,  # the whole row (next power of two >= n_cols), or with SPLIT this program's columns
     IS_RMS_NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ZERO_CENTERED_GAMMA: tl.constexpr,
     MEMORY_EFFICIENT: tl.constexpr,  # X_ptr holds y: recover x_hat = (y - beta) / gamma
+    SPLIT: tl.constexpr,  # long rows: program (i, j) takes columns j·BLOCK_N.. of its rows; c1, c2 are read
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the row loop (1: none)
     ACC: tl.constexpr,  # compute and accumulation dtype: float32, or float64 for float64 inputs
 ):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # program_id(1) is 0 without SPLIT
     col_mask = cols < n_cols
     gamma = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(ACC)
     if ZERO_CENTERED_GAMMA:
         gamma = gamma + 1.0
+    rgamma = gamma
+    beta = gamma
     if MEMORY_EFFICIENT:
         # 1 / gamma, once per program; padding columns get 1 so that 0 / 0 never happens
         rgamma = 1.0 / tl.where(col_mask, gamma, 1.0)
@@ -179,24 +270,21 @@ def _norm_bwd_kernel(
         x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :] * X_col_stride,
                     mask=mask, other=0.0).to(ACC)
         rstd = tl.load(RSTD_ptr + rows, mask=row_mask, other=0.0)
-        # x_hat, [BLOCK_M, BLOCK_N], zero in the padding columns
-        if MEMORY_EFFICIENT:
-            if HAS_BIAS:
-                x_hat = tl.where(mask, (x - beta[None, :]) * rgamma[None, :], 0.0)
-            else:
-                x_hat = tl.where(mask, x * rgamma[None, :], 0.0)
-        elif IS_RMS_NORM:
-            x_hat = x * rstd[:, None]
-        else:
-            mean = tl.load(MEAN_ptr + rows, mask=row_mask, other=0.0)
-            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        x_hat = _x_hat(x, mask, rows, row_mask, rgamma, beta, MEAN_ptr, rstd,
+                       IS_RMS_NORM, HAS_BIAS, MEMORY_EFFICIENT)  # [BLOCK_M, BLOCK_N], 0 in the padding
         # dx = (g - (x_hat * c1 + c2)) * rstd, g = gamma * dy
         g = gamma[None, :] * dy
-        c1 = tl.sum(x_hat * g, axis=1) / n_cols
+        if SPLIT:
+            c1 = tl.load(C_ptr + rows, mask=row_mask, other=0.0)
+        else:
+            c1 = _div_n(tl.sum(x_hat * g, axis=1), n_cols, ACC)
         if IS_RMS_NORM:
             dx = (g - x_hat * c1[:, None]) * rstd[:, None]
         else:
-            c2 = tl.sum(g, axis=1) / n_cols
+            if SPLIT:
+                c2 = tl.load(C_ptr + n_rows + rows, mask=row_mask, other=0.0)
+            else:
+                c2 = _div_n(tl.sum(g, axis=1), n_cols, ACC)
             dx = (g - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
         tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
         # first stage of dgamma / dbeta: accumulate over this program's rows
@@ -256,12 +344,19 @@ class NormConfig:
             are one row per program).
         num_stages: software-pipelining depth of the row loop (``tl.range(num_stages=)``):
             2 loads the next tile while the current one is reduced; 1 does not pipeline.
+        split_block: backward only. 0: one program holds whole rows (one kernel, 3 passes
+            over the activations). k > 0, for long rows: a first kernel computes the two
+            row sums of dx's formula (reads dy and x), then programs of k columns each
+            write dx and their dgamma/dbeta partials (reads dy and x again, writes dx): 5
+            passes, but each program holds k columns instead of the row, so several fit
+            on an SM.
     """
 
     BLOCK_M: int
     num_warps: int
     programs_per_sm: int
     num_stages: int
+    split_block: int = 0
 
 
 # Forward settings per row length, as (upper bound of BLOCK_N, NormConfig). Aim: about
@@ -276,32 +371,44 @@ _FWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
     (2048, NormConfig(BLOCK_M=2, num_warps=4, programs_per_sm=0, num_stages=1)),
     (4096, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=0, num_stages=1)),
     (8192, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=0, num_stages=1)),
-    # long rows: a whole row per program leaves 1 program per SM; a persistent grid that
-    # loads the next row while reducing this one keeps the memory busy (shared memory
-    # holds the next row of x, gamma and beta: 96 KiB at 16 Ki, 192 KiB at 32 Ki columns)
-    (16384, NormConfig(BLOCK_M=1, num_warps=16, programs_per_sm=2, num_stages=2)),
+    # h = 12288 and 16384, bf16 on the H200: 0.164 / 0.142 ms at 8 warps, one row per
+    # program, against 0.172 / 0.152 for a persistent grid of 16 warps (tools/tune_layer_norm.py)
+    (16384, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=0, num_stages=1)),
+    # 32 Ki: a persistent grid that loads the next row (192 KiB of shared memory) while
+    # reducing this one keeps the memory busy with one program per SM
     (32768, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=2)),
     (MAX_HIDDEN_SIZE, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=0, num_stages=1)),
 )
 
 # Backward settings per row length, as (upper bound of BLOCK_N, NormConfig). A persistent
-# grid: each program holds gamma and its two float32 partial sums (dgamma, dbeta) in
-# registers across all its rows, so registers, not bandwidth, bound the tile: about 16
-# elements per thread per array. Two stages of pipelining load the next rows of x and dy
-# into shared memory while the current ones are reduced: one extra row of each, 16 KiB at
-# 4 Ki bf16 columns, 128 KiB at 32 Ki; at 64 Ki it would exceed the SM's 227 KiB, so the
-# last row does not pipeline. Compiled for sm_90 with no register spills.
+# grid: each program holds gamma and its float32 partial sums (dgamma, dbeta) in registers
+# across all its rows, so registers, not bandwidth, bound the tile: about 16 elements per
+# thread per array. Pipelining (num_stages) loads the next rows of x and dy into shared
+# memory while the current ones are reduced. Rows of more than 8 Ki elements do not fit a
+# program that several of share an SM, so they take the split backward (split_block).
 _BWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
     (128, NormConfig(BLOCK_M=16, num_warps=4, programs_per_sm=4, num_stages=2)),
     (512, NormConfig(BLOCK_M=4, num_warps=4, programs_per_sm=4, num_stages=2)),
-    (1024, NormConfig(BLOCK_M=2, num_warps=4, programs_per_sm=4, num_stages=2)),
-    (2048, NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=4, num_stages=2)),
-    (4096, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=2, num_stages=2)),
-    (8192, NormConfig(BLOCK_M=1, num_warps=16, programs_per_sm=1, num_stages=2)),
-    (16384, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=2)),
-    (32768, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=2)),
-    (MAX_HIDDEN_SIZE, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=1)),
+    # measured, bf16 on the H200, kernel alone (tools/tune_layer_norm.py), LayerNorm / RMSNorm:
+    # h = 1024: 0.230 / 0.213 ms (2 stages: 0.265 / 0.241)
+    (1024, NormConfig(BLOCK_M=2, num_warps=4, programs_per_sm=4, num_stages=3)),
+    # h = 2048: 0.213 / 0.214 ms (2 stages: 0.260 / 0.240)
+    (2048, NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=4, num_stages=3)),
+    # h = 4096: 0.212 / 0.210 ms (1 row x 8 warps at 2 per SM, 2 stages: 0.271 / 0.255)
+    (4096, NormConfig(BLOCK_M=2, num_warps=8, programs_per_sm=1, num_stages=3)),
+    # h = 8192: 0.215 / 0.210 ms (16 warps, 2 stages: 0.313 / 0.275)
+    (8192, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=1, num_stages=3)),
+    # h = 16384, LayerNorm: split, 1 Ki columns per program: 0.367 ms, against 0.484 for the
+    # best one-kernel setting (16 warps, 1 per SM, 2 stages) and 0.628 for 32 warps
+    (16384, NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=8, num_stages=2, split_block=1024)),
+    (MAX_HIDDEN_SIZE, NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=8, num_stages=2, split_block=1024)),
 )
+
+# RMSNorm's backward holds one array less per program (no dbeta partials), so a whole row
+# of 16 Ki still fits one program per SM: 0.302 ms at h = 16384, against 0.338 split.
+_RMS_BWD_CONFIGS: dict[int, NormConfig] = {
+    16384: NormConfig(BLOCK_M=1, num_warps=16, programs_per_sm=1, num_stages=1),
+}
 
 # Second stage, as device type -> (BLOCK_P, BLOCK_N): a [BLOCK_P, BLOCK_N] float32 tile of
 # partials per loop step. GPU: 32 columns per program (128 programs for h = 4096) and 128
@@ -322,7 +429,7 @@ def _next_power_of_2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def norm_config(n_cols: int, pass_: str) -> tuple[int, NormConfig]:
+def norm_config(n_cols: int, pass_: str, rms_norm: bool = False) -> tuple[int, NormConfig]:
     """``(BLOCK_N, NormConfig)`` for rows of ``n_cols`` elements (cached: to try other
     settings, pass ``config=`` to :func:`norm_fwd` / :func:`norm_bwd`, as
     ``tools/tune_layer_norm.py`` does, rather than editing the tables at run time).
@@ -330,6 +437,7 @@ def norm_config(n_cols: int, pass_: str) -> tuple[int, NormConfig]:
     Args:
         n_cols: the hidden size, 1 to :data:`MAX_HIDDEN_SIZE`.
         pass_: ``"fwd"`` or ``"bwd"``.
+        rms_norm: RMSNorm's backward, which has its own settings where they differ.
 
     Returns:
         The row block (next power of two >= n_cols) and the table's settings for it.
@@ -345,6 +453,8 @@ def norm_config(n_cols: int, pass_: str) -> tuple[int, NormConfig]:
     if table is None:
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
     block_n = _next_power_of_2(n_cols)
+    if rms_norm and pass_ == "bwd" and block_n in _RMS_BWD_CONFIGS:
+        return block_n, _RMS_BWD_CONFIGS[block_n]
     for bound, cfg in table:
         if block_n <= bound:
             return block_n, cfg
@@ -364,14 +474,21 @@ def _acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _grid(n_rows: int, block_m: int, programs_per_sm: int, device: torch.device) -> tuple[int, int]:
-    """(programs, rows_per_program) covering n_rows >= 1 rows in tiles of block_m."""
+def _grid(n_rows: int, block_m: int, programs_per_sm: int, device: torch.device,
+          column_blocks: int = 1) -> tuple[int, int]:
+    """(programs, rows_per_program) covering n_rows >= 1 rows in tiles of block_m; with
+    ``column_blocks`` > 1 the SMs' programs are shared among that many column blocks."""
     tiles = _cdiv(n_rows, block_m)
     if programs_per_sm == 0:
         return tiles, block_m
-    programs = max(1, min(tiles, programs_per_sm * _multiprocessor_count(device)))
+    programs = max(1, min(tiles, programs_per_sm * _multiprocessor_count(device) // column_blocks))
     rows_per_program = _cdiv(tiles, programs) * block_m
     return _cdiv(n_rows, rows_per_program), rows_per_program
+
+
+# Row sums of the split backward, as device type -> (BLOCK_M, BLOCK_N, num_warps): one row
+# per program, 4 Ki columns per step at 8 warps (16 elements per thread per array).
+_ROW_STATS_TILE: dict[str, tuple[int, int, int]] = {"cuda": (1, 4096, 8), "cpu": (1, 4096, 1)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -455,20 +572,36 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
         if dbias is not None:
             dbias.zero_()
         return dx, dweight, dbias
-    block_n, cfg = norm_config(h, "bwd")
+    block_n, cfg = norm_config(h, "bwd", rms_norm)
     cfg = config or cfg
-    programs, rows_per_program = _grid(n_rows, cfg.BLOCK_M, max(1, cfg.programs_per_sm), x_or_y.device)
     acc = torch.promote_types(x_or_y.dtype, torch.float32)
+    device = x_or_y.device
+    common = dict(IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None, ZERO_CENTERED_GAMMA=zero_centered_gamma,
+                  MEMORY_EFFICIENT=memory_efficient, ACC=_acc(x_or_y.dtype))
+    w_b = (weight, bias if bias is not None else weight)
+    stats = (mean if mean is not None else rstd, rstd)
+    strides = (dy2d.stride(0), dy2d.stride(1), x2d.stride(0), x2d.stride(1))
+    column_blocks = 1
+    row_sums = rstd  # unused pointer without a split
+    if cfg.split_block:
+        block_n = min(cfg.split_block, block_n)
+        column_blocks = _cdiv(h, block_n)
+        row_sums = torch.empty((2, n_rows), dtype=acc, device=device)  # c1, c2 per row
+        s_m, s_n, s_warps = _ROW_STATS_TILE[device.type]
+        s_n = min(s_n, _next_power_of_2(h))
+        launch(
+            _norm_bwd_row_stats_kernel, (_cdiv(n_rows, s_m),), device,
+            dy2d, x2d, *w_b, *stats, row_sums, n_rows, h, *strides,
+            BLOCK_M=s_m, BLOCK_N=s_n, **common, num_warps=s_warps,
+        )
+    programs, rows_per_program = _grid(n_rows, cfg.BLOCK_M, max(1, cfg.programs_per_sm), device, column_blocks)
     # [2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1], with a bias)
-    partial = torch.empty((2 if bias is not None else 1, programs, h), dtype=acc, device=x_or_y.device)
+    partial = torch.empty((2 if bias is not None else 1, programs, h), dtype=acc, device=device)
     launch(
-        _norm_bwd_kernel, (programs,), x_or_y.device,
-        dy2d, x2d, weight, bias if bias is not None else weight,
-        mean if mean is not None else rstd, rstd, dx, partial,
-        n_rows, h, dy2d.stride(0), dy2d.stride(1), x2d.stride(0), x2d.stride(1), rows_per_program,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
-        ZERO_CENTERED_GAMMA=zero_centered_gamma, MEMORY_EFFICIENT=memory_efficient,
-        NUM_STAGES=cfg.num_stages, ACC=_acc(x_or_y.dtype), num_warps=cfg.num_warps,
+        _norm_bwd_kernel, (programs, column_blocks), device,
+        dy2d, x2d, *w_b, *stats, row_sums, dx, partial, n_rows, h, *strides, rows_per_program,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, SPLIT=bool(cfg.split_block), NUM_STAGES=cfg.num_stages,
+        **common, num_warps=cfg.num_warps,
     )
     block_p, reduce_block_n = _REDUCE_TILE[x_or_y.device.type]
     block_p, reduce_block_n = min(block_p, _next_power_of_2(programs)), min(reduce_block_n, block_n)

@@ -112,7 +112,7 @@ def norm_case(op: str, shape: tuple[int, int], dtype: torch.dtype, baselines: bo
     if not rms:
         skipped["megatron-core"] = "megatron-core's FusedLayerNorm runs Apex's kernels: timed as 'apex'"
     nbytes = (rms_norm_bytes if rms else layer_norm_bytes)(n_rows, h, torch.finfo(dtype).bits // 8)
-    return BenchCase(op, shape, dtype, make_inputs, nbytes, impls, skipped)
+    return BenchCase(op, shape, dtype, make_inputs, nbytes, impls, skipped, cuda_graph=True)
 
 
 def norm_cases(op: str, sweep: bool, dtype: torch.dtype) -> list[BenchCase]:
