@@ -125,19 +125,30 @@ def _headline(records: Sequence[dict]) -> tuple[int, ...] | None:
 def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -> str:
     """Text table of every implementation at ``shape`` (default: the headline shape):
     ms, GB/s, % of the copy ceiling, and how many times faster fusedlib is.
+
+    Records timed as CUDA-graph replays (``"timer": "cuda_graph"``) also carry the time with
+    plain launches (``"ms_eager"``); the table then adds that column and fusedlib's ratio by it.
     """
     shape = tuple(shape) if shape is not None else _headline(records)
     copy = next(r for r in records if r["impl"] == "copy")
     rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
-    fused = {r["pass"]: r["ms"] for r in rows if r["impl"] == "fusedlib"}
-    out = [f"shape {list(shape)} {rows[0]['dtype'] if rows else ''}, copy ceiling {copy['GBps']:.0f} GB/s",
-           f"{'pass':<9}{'impl':<15}{'ms':>9}{'GB/s':>8}{'% copy':>8}{'fusedlib is':>13}"]
+    fused = {r["pass"]: r for r in rows if r["impl"] == "fusedlib"}
+    plain = any("ms_eager" in r for r in rows)
+    head = f"{'pass':<9}{'impl':<15}{'ms':>9}{'GB/s':>8}{'% copy':>8}{'fusedlib is':>13}"
+    if plain:
+        head += f"{'plain-launch ms':>17}{'fusedlib is':>13}"
+    timer = " (ms: CUDA-graph replays)" if plain else ""
+    out = [f"shape {list(shape)} {rows[0]['dtype'] if rows else ''}, copy ceiling {copy['GBps']:.0f} GB/s{timer}", head]
     order = {n: i for i, n in enumerate(IMPL_ORDER)}
     for r in sorted(rows, key=lambda r: (r["pass"], order.get(r["impl"], 99))):
         f = fused.get(r["pass"])
-        sp = f"{r['ms'] / f:.2f}x" if f and r["impl"] != "fusedlib" else ""
-        out.append(f"{r['pass']:<9}{r['impl']:<15}{r['ms']:>9.4f}{r['GBps']:>8.0f}"
-                   f"{100 * r['GBps'] / copy['GBps']:>8.1f}{sp:>13}")
+        sp = f"{r['ms'] / f['ms']:.2f}x" if f and r["impl"] != "fusedlib" else ""
+        line = f"{r['pass']:<9}{r['impl']:<15}{r['ms']:>9.4f}{r['GBps']:>8.0f}{100 * r['GBps'] / copy['GBps']:>8.1f}{sp:>13}"
+        if plain:
+            pe = r.get("ms_eager")
+            sp_e = f"{pe / f['ms_eager']:.2f}x" if pe and f and f.get("ms_eager") and r["impl"] != "fusedlib" else ""
+            line += (f"{pe:>17.4f}" if pe else f"{'':>17}") + f"{sp_e:>13}"
+        out.append(line)
     return "\n".join(out)
 
 
