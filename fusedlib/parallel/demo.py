@@ -53,8 +53,10 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, result_dir:
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
+    # device_id binds the NCCL group to this rank's GPU (without it barrier() warns that it guesses the device)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=120),
+                            **({"device_id": device} if backend == "nccl" else {}))
     try:
         result = fn(rank, world_size, device, *args)
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
