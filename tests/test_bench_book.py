@@ -100,3 +100,27 @@ def test_eager_traffic_counts_operands_and_results():
     rows = eager_traffic(lambda a, b: (a + b) * a, a, b)
     assert rows == [{"op": "add", "read_bytes": 800 + 80, "write_bytes": 800},
                     {"op": "mul", "read_bytes": 1600, "write_bytes": 800}]
+
+
+def test_measure_case_records_graph_and_plain_launch_times(monkeypatch):
+    # CUDA-graph cases: "ms" is the graph replay, "ms_eager" the plain launches; an
+    # implementation that cannot be captured keeps its plain-launch time, marked "do_bench"
+    def fake_time_pass(case, impl, pas, device, peak=False, cuda_graph=False):
+        if cuda_graph and impl.name == "liger":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return (0.25 if cuda_graph else 0.5), None
+
+    monkeypatch.setattr(core, "_time_pass", fake_time_pass)
+    case = core.BenchCase("layer_norm", (4, 8), torch.float32, lambda d, rg: (), {"fwd": 10**9, "fwd+bwd": 4 * 10**9},
+                          [core.Impl("fusedlib", None), core.Impl("liger", None)], cuda_graph=True)
+    recs = {(r["impl"], r["pass"]): r for r in core.measure_case(case, torch.device("cuda"))}
+    fused, liger = recs[("fusedlib", "fwd+bwd")], recs[("liger", "fwd+bwd")]
+    assert (fused["ms"], fused["ms_eager"], fused["timer"]) == (0.25, 0.5, "cuda_graph")
+    assert fused["GBps"] == pytest.approx(4e9 / 0.25e-3 / 1e9, rel=1e-3)
+    assert (liger["ms"], liger["ms_eager"], liger["timer"]) == (0.5, 0.5, "do_bench")
+    table = speedup_table([core._record("copy", "copy", "copy", (1 << 30,), torch.bfloat16, 1.0, 1 << 32)]
+                          + list(recs.values()))
+    assert "plain-launch ms" in table and "2.00x" in table and "1.00x" in table  # 0.5 / 0.25; 0.5 / 0.5
+    # on a CPU device the graph timer is not used: plain records without the extra fields
+    plain = core.measure_case(case, torch.device("cpu"))
+    assert all("timer" not in r and "ms_eager" not in r and r["ms"] == 0.5 for r in plain)
