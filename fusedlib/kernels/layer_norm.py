@@ -28,6 +28,14 @@ Backward, with ``g = gamma * dy`` (derived in chapter 4)::
 ``x_hat = (y - beta) / gamma``; y is usually kept alive by the next layer anyway, so x
 need not be saved (Apex's ``memory_efficient=True``). It needs every gamma != 0.
 
+Long rows (BLOCK_N above 8 Ki, LayerNorm; above 16 Ki, RMSNorm) take a *split* backward:
+:func:`_norm_bwd_row_stats_kernel` first reads dy and x and writes c1 and c2 per row, then
+the backward kernel runs a 2-D grid whose programs each take ``split_block`` columns of
+their rows and read c1, c2 instead of summing the row. That is 5 passes over the
+activations instead of 3, but a program holds 1 Ki columns instead of a whole row, so
+eight share an SM; one program per SM holding a 16 Ki row was slower (H200, h = 16384:
+0.367 ms split against 0.484 ms, NormConfig.split_block).
+
 dgamma and dbeta are reduced in two deterministic stages, without atomics: each backward
 program loops over ``rows_per_program`` rows and keeps its own partial sums in
 registers (float32), stores them as row ``pid`` of a ``[2, n_programs, n_cols]`` buffer
@@ -140,6 +148,24 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
+def _gamma_terms(W_ptr, B_ptr, cols, col_mask, HAS_BIAS: tl.constexpr, ZERO_CENTERED_GAMMA: tl.constexpr,
+                 MEMORY_EFFICIENT: tl.constexpr, ACC: tl.constexpr):
+    """(gamma, 1 / gamma, beta) at ``cols`` for the backward; the last two are only formed
+    with MEMORY_EFFICIENT (else gamma stands in for them, unused). Padding columns get
+    gamma = 1 in the reciprocal, so that 0 / 0 never happens."""
+    gamma = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    if ZERO_CENTERED_GAMMA:
+        gamma = gamma + 1.0  # in ACC: a weight near 0 keeps its precision
+    rgamma = gamma
+    beta = gamma
+    if MEMORY_EFFICIENT:
+        rgamma = 1.0 / tl.where(col_mask, gamma, 1.0)
+        if HAS_BIAS:
+            beta = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    return gamma, rgamma, beta
+
+
+@triton.jit
 def _x_hat(x, mask, rows, row_mask, rgamma, beta, MEAN_ptr, rstd,
            IS_RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr):
     """x_hat of a [BLOCK_M, BLOCK_N] tile, 0 outside ``mask``: from x and the saved row
@@ -194,15 +220,8 @@ def _norm_bwd_row_stats_kernel(
                      mask=mask, other=0.0).to(ACC)
         x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :] * X_col_stride,
                     mask=mask, other=0.0).to(ACC)
-        gamma = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(ACC)
-        if ZERO_CENTERED_GAMMA:
-            gamma = gamma + 1.0
-        rgamma = gamma
-        beta = gamma
-        if MEMORY_EFFICIENT:
-            rgamma = 1.0 / tl.where(col_mask, gamma, 1.0)
-            if HAS_BIAS:
-                beta = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+        gamma, rgamma, beta = _gamma_terms(W_ptr, B_ptr, cols, col_mask, HAS_BIAS, ZERO_CENTERED_GAMMA,
+                                           MEMORY_EFFICIENT, ACC)
         x_hat = _x_hat(x, mask, rows, row_mask, rgamma, beta, MEAN_ptr, rstd,
                        IS_RMS_NORM, HAS_BIAS, MEMORY_EFFICIENT)
         g = gamma[None, :] * dy
@@ -245,16 +264,9 @@ def _norm_bwd_kernel(
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # program_id(1) is 0 without SPLIT
     col_mask = cols < n_cols
-    gamma = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(ACC)
-    if ZERO_CENTERED_GAMMA:
-        gamma = gamma + 1.0
-    rgamma = gamma
-    beta = gamma
-    if MEMORY_EFFICIENT:
-        # 1 / gamma, once per program; padding columns get 1 so that 0 / 0 never happens
-        rgamma = 1.0 / tl.where(col_mask, gamma, 1.0)
-        if HAS_BIAS:
-            beta = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)
+    # gamma (and for MEMORY_EFFICIENT 1 / gamma and beta), once per program
+    gamma, rgamma, beta = _gamma_terms(W_ptr, B_ptr, cols, col_mask, HAS_BIAS, ZERO_CENTERED_GAMMA,
+                                       MEMORY_EFFICIENT, ACC)
     # per-program partial sums of dgamma and dbeta, kept per row of the tile and summed
     # over the tile's rows once, after the loop
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
