@@ -109,16 +109,20 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
         fn: the work to time; called many times.
         grad_to_none: tensors whose ``.grad`` is reset before each call (backward timing).
         warmup, rep: do_bench's warm-up and repetition budgets, in milliseconds.
-        cuda_graph: capture one call of ``fn`` in a CUDA graph (after three warm-up calls on
-            a side stream, as ``torch.cuda.graph`` asks) and time the graph's replays: the
-            device time of the kernels without the host's launch gaps. ``fn`` must not
-            synchronize with the host.
+        cuda_graph: (CUDA only) capture one call of ``fn`` in a CUDA graph (after three
+            warm-up calls on a side stream, as ``torch.cuda.graph`` asks) and time the
+            graph's replays: the device time of the kernels without the host's launch gaps.
+            ``fn`` must not synchronize with the host. ``grad_to_none`` is then cleared
+            before the warm-up calls and the capture, so the captured backward writes fresh
+            gradient buffers, which every replay overwrites (no accumulation), and once more
+            at the end.
 
     Returns:
         The median, in ms. do_bench flushes the L2 cache between calls.
 
     Raises:
-        RuntimeError: from ``torch.cuda.graph`` when ``fn`` cannot be captured.
+        RuntimeError: from ``torch.cuda.graph`` when ``fn`` cannot be captured; any
+            exception of ``fn`` itself, from the warm-up calls.
     """
     if not cuda_graph:
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,

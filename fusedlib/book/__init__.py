@@ -127,7 +127,9 @@ def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -
     ms, GB/s, % of the copy ceiling, and how many times faster fusedlib is.
 
     Records timed as CUDA-graph replays (``"timer": "cuda_graph"``) also carry the time with
-    plain launches (``"ms_eager"``); the table then adds that column and fusedlib's ratio by it.
+    plain launches (``"ms_eager"``); the table then adds that column and fusedlib's ratio by
+    it. A record of such a case that could not be captured (``"timer": "do_bench"``) is
+    marked ``*``: its ms is plain launches, so it gets no ratio against graph times.
     """
     shape = tuple(shape) if shape is not None else _headline(records)
     copy = next(r for r in records if r["impl"] == "copy")
@@ -140,15 +142,21 @@ def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -
     timer = " (ms: CUDA-graph replays)" if plain else ""
     out = [f"shape {list(shape)} {rows[0]['dtype'] if rows else ''}, copy ceiling {copy['GBps']:.0f} GB/s{timer}", head]
     order = {n: i for i, n in enumerate(IMPL_ORDER)}
+    fallback = False
     for r in sorted(rows, key=lambda r: (r["pass"], order.get(r["impl"], 99))):
         f = fused.get(r["pass"])
-        sp = f"{r['ms'] / f['ms']:.2f}x" if f and r["impl"] != "fusedlib" else ""
-        line = f"{r['pass']:<9}{r['impl']:<15}{r['ms']:>9.4f}{r['GBps']:>8.0f}{100 * r['GBps'] / copy['GBps']:>8.1f}{sp:>13}"
+        mixed = plain and (r.get("timer") == "do_bench") != (f is not None and f.get("timer") == "do_bench")
+        fallback |= plain and r.get("timer") == "do_bench"
+        sp = f"{r['ms'] / f['ms']:.2f}x" if f and r["impl"] != "fusedlib" and not mixed else ""
+        ms = f"{r['ms']:.4f}" + ("*" if plain and r.get("timer") == "do_bench" else "")
+        line = f"{r['pass']:<9}{r['impl']:<15}{ms:>9}{r['GBps']:>8.0f}{100 * r['GBps'] / copy['GBps']:>8.1f}{sp:>13}"
         if plain:
             pe = r.get("ms_eager")
             sp_e = f"{pe / f['ms_eager']:.2f}x" if pe and f and f.get("ms_eager") and r["impl"] != "fusedlib" else ""
             line += (f"{pe:>17.4f}" if pe else f"{'':>17}") + f"{sp_e:>13}"
         out.append(line)
+    if fallback:
+        out.append("* no CUDA graph could be captured: ms is plain launches")
     return "\n".join(out)
 
 

@@ -2,7 +2,8 @@
 
 One row of ``n_cols`` elements is normalized at a time, held whole in registers
 (``BLOCK_N`` = the next power of two >= n_cols, up to 64 Ki elements), so each element
-of x is read from memory once and each element of y written once.
+of x is read from memory once and each element of y written once. (The backward holds
+whole rows too, except the split backward for long rows, below.)
 
 Forward (per row; LayerNorm, then RMSNorm where it differs)::
 
@@ -355,13 +356,15 @@ class NormConfig:
             ``rows_per_program`` rows (the backward always loops: its dgamma/dbeta partials
             are one row per program).
         num_stages: software-pipelining depth of the row loop (``tl.range(num_stages=)``):
-            2 loads the next tile while the current one is reduced; 1 does not pipeline.
+            k > 1 loads the next k - 1 tiles while the current one is reduced; 1 does not
+            pipeline.
         split_block: backward only. 0: one program holds whole rows (one kernel, 3 passes
             over the activations). k > 0, for long rows: a first kernel computes the two
             row sums of dx's formula (reads dy and x), then programs of k columns each
             write dx and their dgamma/dbeta partials (reads dy and x again, writes dx): 5
             passes, but each program holds k columns instead of the row, so several fit
-            on an SM.
+            on an SM. A power of two; the programs_per_sm · SMs programs are shared among
+            the ceil(h / k) column blocks.
     """
 
     BLOCK_M: int
@@ -373,7 +376,7 @@ class NormConfig:
 
 # Forward settings per row length, as (upper bound of BLOCK_N, NormConfig). Aim: about
 # 16-32 elements per thread (two to four 16-byte bf16 vectors), one tile per program so
-# the hardware scheduler keeps several rows in flight per SM (h = 4096: 39 registers per
+# the hardware scheduler keeps several rows in flight per SM (h = 4096: 40 registers per
 # thread at 8 warps, 6 programs per SM); short rows take several rows per tile. Compiled
 # for sm_90 with no register spills (tools/check_norm_registers.py).
 _FWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
@@ -397,7 +400,8 @@ _FWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
 # across all its rows, so registers, not bandwidth, bound the tile: about 16 elements per
 # thread per array. Pipelining (num_stages) loads the next rows of x and dy into shared
 # memory while the current ones are reduced. Rows of more than 8 Ki elements do not fit a
-# program that several of share an SM, so they take the split backward (split_block).
+# program's registers with room for the pipeline (5 arrays of 16 Ki values at 16 Ki), so
+# LayerNorm's take the split backward (split_block).
 _BWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
     (128, NormConfig(BLOCK_M=16, num_warps=4, programs_per_sm=4, num_stages=2)),
     (512, NormConfig(BLOCK_M=4, num_warps=4, programs_per_sm=4, num_stages=2)),
@@ -424,7 +428,7 @@ _RMS_BWD_CONFIGS: dict[int, NormConfig] = {
 
 # Second stage, as device type -> (BLOCK_P, BLOCK_N): a [BLOCK_P, BLOCK_N] float32 tile of
 # partials per loop step. GPU: 32 columns per program (128 programs for h = 4096) and 128
-# partial rows per step (16 KiB per buffer), so the 264 partial rows of h = 4096 take 3
+# partial rows per step (16 KiB per buffer), so the 132 partial rows of h = 4096 take 2
 # steps: the kernel is a few microseconds of latency, not bandwidth. CPU interpreter:
 # programs run one by one, so few wide ones.
 _REDUCE_TILE: dict[str, tuple[int, int]] = {"cuda": (128, 32), "cpu": (8, 4096)}
@@ -436,7 +440,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def _next_power_of_2(n: int) -> int:
     # triton.next_power_of_2 / triton.cdiv are constexpr functions: ~5 us each from Python,
-    # and the host functions run on every step (the lead's H200 runs are CPU-bound there)
+    # and the host functions run on every step (the H200 runs' fused steps are host-bound)
     return 1 << (n - 1).bit_length()
 
 
@@ -452,7 +456,8 @@ def norm_config(n_cols: int, pass_: str, rms_norm: bool = False) -> tuple[int, N
         rms_norm: RMSNorm's backward, which has its own settings where they differ.
 
     Returns:
-        The row block (next power of two >= n_cols) and the table's settings for it.
+        The row block (next power of two >= n_cols) and the table's settings for it. With
+        a ``split_block``, the backward kernel's column block is min(split_block, BLOCK_N).
 
     Raises:
         ValueError: for n_cols outside 1..MAX_HIDDEN_SIZE, or an unknown pass.
@@ -556,21 +561,29 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
              config: Optional[NormConfig] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward kernel, then the second-stage reduction of dgamma and dbeta.
 
+    With a ``split_block`` in the settings (long rows), the row-sums kernel runs first and
+    the backward kernel runs on a 2-D grid of (row programs, column blocks).
+
     Args:
         dy: gradient of y, [..., h], x's dtype, any strides.
         x_or_y: the forward input x, or with ``memory_efficient`` its output y; [..., h].
         weight: [h], contiguous.
         bias: [h], contiguous, or None. Read only with ``memory_efficient``.
-        mean: float32 [rows] from the forward (LayerNorm; unused with ``memory_efficient``).
-        rstd: float32 [rows] from the forward.
+        mean: [rows] from the forward, float32 (float64 for float64 x); LayerNorm only,
+            unused with ``memory_efficient``.
+        rstd: [rows] from the forward, float32 (float64 for float64 x).
         rms_norm, zero_centered_gamma: as in the forward.
         memory_efficient: ``x_or_y`` is y; x_hat = (y - beta) / gamma (needs gamma != 0).
-        config: launch settings (default: the table's for h).
+        config: launch settings (default: the table's for h and the norm).
 
     Returns:
         ``(dx, dweight, dbias)``: dx a new contiguous tensor of x's shape and dtype; dweight
         [h] and dbias [h] (None without bias) in the parameters' dtype, summed over every
-        row in float32 in a fixed order.
+        row in float32 (float64 for float64 x) in a fixed order.
+
+    Raises:
+        ValueError: for h outside 1..MAX_HIDDEN_SIZE (:func:`norm_config`), or a
+            ``config.split_block`` that is not a power of two.
     """
     h = x_or_y.shape[-1]
     x2d = as_rows(x_or_y)  # [..., h] -> [rows, h]
@@ -586,6 +599,8 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
         return dx, dweight, dbias
     block_n, cfg = norm_config(h, "bwd", rms_norm)
     cfg = config or cfg
+    if cfg.split_block and cfg.split_block & (cfg.split_block - 1):
+        raise ValueError(f"config.split_block must be a power of two (a Triton block), got {cfg.split_block}")
     acc = torch.promote_types(x_or_y.dtype, torch.float32)
     device = x_or_y.device
     common = dict(IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None, ZERO_CENTERED_GAMMA=zero_centered_gamma,
@@ -607,7 +622,7 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
             BLOCK_M=s_m, BLOCK_N=s_n, **common, num_warps=s_warps,
         )
     programs, rows_per_program = _grid(n_rows, cfg.BLOCK_M, max(1, cfg.programs_per_sm), device, column_blocks)
-    # [2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1], with a bias)
+    # [1 or 2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1], only with a bias)
     partial = torch.empty((2 if bias is not None else 1, programs, h), dtype=acc, device=device)
     launch(
         _norm_bwd_kernel, (programs, column_blocks), device,
