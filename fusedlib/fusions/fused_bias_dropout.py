@@ -33,6 +33,7 @@ import numbers
 from typing import Callable, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import unfused
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd, bias_dropout_add_fwd, philox_seed
@@ -111,6 +112,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         return out.view(x.shape)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor):
         seed = ctx.saved_tensors[0] if ctx.dropout else None
         need_dx, need_db, need_dr = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]

@@ -17,6 +17,7 @@ arXiv:1606.08415.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._glu import (
     check_glu_bias,
@@ -135,6 +136,7 @@ class BiasGeGLUFunction(torch.autograd.Function):
         return glu_forward(ctx, input, check_glu_bias(bias, input), None, _ACT)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor):
         dy, db, _ = glu_backward(ctx, grad_output)
         return dy, db
@@ -152,6 +154,7 @@ class GeGLUFunction(torch.autograd.Function):
         return glu_forward(ctx, input, None, None, _ACT)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor):
         return glu_backward(ctx, grad_output)[0]
 

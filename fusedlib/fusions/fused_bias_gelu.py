@@ -13,6 +13,7 @@ Hendrycks & Gimpel, "Gaussian Error Linear Units (GELUs)", arXiv:1606.08415.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..kernels.bias_gelu import bias_gelu_bwd, bias_gelu_fwd
 from ..utils import as_rows, check_same_device, check_tensor
@@ -105,6 +106,7 @@ class GeLUFunction(torch.autograd.Function):
         return bias_gelu_fwd(as_rows(input), bias_c).view(input.shape)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         input, bias = ctx.saved_tensors  # noqa: A001
         # autograd has already checked grad_output's shape and dtype against the output

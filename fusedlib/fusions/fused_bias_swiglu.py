@@ -25,6 +25,7 @@ Functions" (swish/SiLU), arXiv:1710.05941.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._glu import (
     check_flag,
@@ -201,6 +202,7 @@ class BiasSwiGLUFunction(torch.autograd.Function):
                            check_flag("cpu_offload_input", cpu_offload_input))
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor):
         dy, db, _ = glu_backward(ctx, grad_output)
         return dy, db, None, None
@@ -222,6 +224,7 @@ class SwiGLUFunction(torch.autograd.Function):
                            check_flag("cpu_offload_input", cpu_offload_input))
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor):
         dy, _, _ = glu_backward(ctx, grad_output)
         return dy, None, None
@@ -244,6 +247,7 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
         return glu_forward(ctx, input, None, weights, _ACT, check_flag("fp8_input_store", fp8_input_store))
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor):
         dy, _, dw = glu_backward(ctx, grad_output)
         return dy, dw, None

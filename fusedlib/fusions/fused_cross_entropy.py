@@ -17,6 +17,7 @@ Source: Megatron-LM ``megatron/core/fusions/fused_cross_entropy.py``.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
 from ..kernels.cross_entropy import cross_entropy_fwd
@@ -101,6 +102,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss.view(target.shape)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output):
         x2d, t1d, lse = ctx.saved_tensors
         vocab_start_index, vocab_size, ignore_index, label_smoothing, shape = ctx.args

@@ -29,7 +29,9 @@ What the ``TransformerConfig`` switches do here:
 * ``memory_efficient_layer_norm``: save the output y instead of the input x and recover
   ``x_hat = (y - beta) / gamma`` in the backward. Needs every gamma != 0: the forward
   checks that (one host sync, skipped while a CUDA graph is being captured) and, where a
-  gamma is exactly 0, saves x for that call instead, so gradients stay exact.
+  gamma is exactly 0, saves x for that call instead, so gradients stay exact. The
+  recovered x_hat carries y's rounding divided by |gamma|: where a gamma is tiny next to
+  beta (LayerNorm), its dgamma and dx lose accuracy (chapter 4 measures it).
 * ``sequence_parallel``: set as an attribute on weight and bias, for Megatron's
   gradient all-reduce across the tensor-parallel group.
 
@@ -51,6 +53,7 @@ import numbers
 from typing import Optional, Sequence, Union
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn import init
 from torch.nn.parameter import Parameter
 
@@ -159,6 +162,7 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor):
         # grad_output needs no check: autograd's engine has matched it to y's shape, dtype and
         # device (strides may differ: the kernel takes them)
@@ -192,6 +196,7 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor):
         x_or_y, weight, rstd = ctx.saved_tensors  # grad_output: matched to y by autograd
         dx, dweight, _ = norm_bwd(grad_output, x_or_y, weight, None, None, rstd, rms_norm=True,
@@ -214,10 +219,12 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         eps: added to the variance, >= 0.
         zero_centered_gamma: gamma = weight + 1 (Megatron's ``layernorm_zero_centered_gamma``).
         memory_efficient: save y instead of x for the backward (Megatron's
-            ``memory_efficient_layer_norm``).
+            ``memory_efficient_layer_norm``); x_hat = (y - beta) / gamma then carries an
+            error of about ulp(y) / |gamma|, large where a gamma is tiny next to its beta.
 
     Returns:
-        y: a new contiguous tensor of x's shape and dtype (``y._base is None``).
+        y: a new contiguous tensor of x's shape and dtype (``y._base is None``). Its
+        backward is not differentiable again: a second derivative raises.
 
     Raises:
         TypeError: a non-tensor, an unsupported dtype, or weight/bias dtype != x dtype.

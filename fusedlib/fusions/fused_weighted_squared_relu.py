@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..kernels.squared_relu import weighted_squared_relu_bwd, weighted_squared_relu_fwd
 from ..utils import as_rows, check_same_device, check_tensor
@@ -148,6 +149,7 @@ class WeightedSquaredReLUFunction(torch.autograd.Function):
         return _fwd(input, weights, clamp_scale)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor):
         x, weights = ctx.saved_tensors
         _check_grad(grad_output, x)

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
 from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
@@ -284,6 +285,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss.view(target.shape)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output):
         x2d, t1d, lse = ctx.saved_tensors
         vocab_start_index, vocab_size, ignore_index, label_smoothing, shape = ctx.args
