@@ -17,12 +17,12 @@ Source: Megatron-LM ``megatron/core/fusions/fused_cross_entropy.py``.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
 from ..kernels.cross_entropy import cross_entropy_fwd
 from ..parallel.cross_entropy import (
     VocabParallelCrossEntropy,
+    _VocabParallelCrossEntropy as _UnfusedVocabParallelCrossEntropy,
     prepare_inputs,
     shard_range,
     start_target_check,
@@ -69,11 +69,11 @@ def calculate_cross_entropy_loss(predicted_logits_sum_exp_logits: torch.Tensor, 
         predicted_logits, sum_exp_logits, sum_logits, logits_max, target, vocab_size, ignore_index, label_smoothing)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+class _VocabParallelCrossEntropy(_UnfusedVocabParallelCrossEntropy):
     """Autograd wiring of the fused vocab-parallel cross entropy (2 all-reduces, 0 on one rank).
 
-    Saves the logits (a reference, no copy), the target and lse ([rows] float32); backward is
-    one Triton kernel with no communication.
+    Saves the logits (a reference, no copy), the target and lse ([rows] float32), as the
+    unfused Function does, whose backward it inherits: one Triton kernel, no communication.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_cross_entropy.py``.
     """
@@ -100,15 +100,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(x2d, t1d, lse)
         ctx.args = (vocab_start_index, vocab_size, ignore_index, label_smoothing, vocab_parallel_logits.shape)
         return loss.view(target.shape)
-
-    @staticmethod
-    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
-    def backward(ctx, grad_output):
-        x2d, t1d, lse = ctx.saved_tensors
-        vocab_start_index, vocab_size, ignore_index, label_smoothing, shape = ctx.args
-        grad = calculate_gradients(x2d, t1d, lse, grad_output.reshape(-1), vocab_start_index, vocab_size,
-                                   ignore_index, label_smoothing)
-        return grad.view(shape), None, None, None, None
 
 
 def fused_vocab_parallel_cross_entropy(
