@@ -127,12 +127,3 @@ def test_measure_case_records_graph_and_plain_launch_times(monkeypatch):
     plain = core.measure_case(case, torch.device("cpu"))
     assert all("timer" not in r and "ms_eager" not in r and r["ms"] == 0.5 for r in plain)
 
-
-def test_split_block_must_be_a_power_of_two():
-    from fusedlib.kernels.layer_norm import NormConfig, norm_bwd, norm_fwd
-
-    x, w = torch.randn(3, 100), torch.randn(100)
-    y, mean, rstd = norm_fwd(x, w, None, 1e-5, rms_norm=True)
-    with pytest.raises(ValueError, match="split_block must be a power of two"):
-        norm_bwd(torch.randn(3, 100), x, w, None, None, rstd, rms_norm=True,
-                 config=NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=2, num_stages=1, split_block=48))

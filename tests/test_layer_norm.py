@@ -207,6 +207,14 @@ def test_split_backward_against_float64(norm, memory_efficient, zero_centered):
     torch.testing.assert_close(dw, dw1, atol=1e-4, rtol=1e-5)
 
 
+def test_split_block_must_be_a_power_of_two():
+    x, w = torch.randn(3, 100, device=DEVICE), torch.randn(100, device=DEVICE)
+    y, mean, rstd = norm_fwd(x, w, None, 1e-5, rms_norm=True)
+    with pytest.raises(ValueError, match="split_block must be a power of two"):
+        norm_bwd(torch.randn(3, 100, device=DEVICE), x, w, None, None, rstd, rms_norm=True,
+                 config=NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=2, num_stages=1, split_block=48))
+
+
 @pytest.mark.parametrize("norm", NORMS)
 def test_single_row_and_1d_input(norm):
     w, b = _params(300, torch.float32, norm)
