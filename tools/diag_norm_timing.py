@@ -60,7 +60,6 @@ def main() -> None:
         for op in ("layer_norm", "rms_norm"):
             host_us_per_step(op, h)
             case = norm_case(op, ((1 << 27) // h, h), torch.bfloat16, baselines=True)
-            case.cuda_graph = True
             for r in measure_case(case, torch.device("cuda"), passes=("fwd+bwd",)):
                 print(f"  {r['op']} {r['shape']} {r['pass']:8s} {r['impl']:14s} graph {r['ms']:.4f} ms "
                       f"({r['GBps']:.0f} GB/s, {r.get('timer')})  plain launches {r.get('ms_eager', float('nan')):.4f} ms",
