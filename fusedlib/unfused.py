@@ -484,7 +484,8 @@ def causal_mask(sq: int, sk: int | None = None, device: torch.device | str | Non
     sq - sk rows are fully masked.
 
     Args:
-        sq: queries; sk: keys (default sq); device: where to build it.
+        sq: queries; sk: keys (default sq); device: where to build it (None: torch's default
+            device, as for ``torch.ones``).
     """
     sk = sq if sk is None else sk
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(diagonal=sk - sq + 1)
@@ -498,7 +499,7 @@ def sliding_window_causal_mask(sq: int, sk: int, window_size: tuple[int, int],
     Args:
         sq, sk: queries and keys.
         window_size: ``(left, right)``; -1 on a side means unbounded on that side.
-        device: where to build it.
+        device: where to build it (None: torch's default device).
     """
     left, right = window_size
     keep = torch.ones(sq, sk, dtype=torch.bool, device=device)

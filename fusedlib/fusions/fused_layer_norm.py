@@ -281,7 +281,8 @@ class _FusedNormBase(torch.nn.Module):
 
     _normalization = ""  # the config.normalization this class implements
 
-    def __init__(self, config, hidden_size, eps: float, backend: str, has_bias: bool) -> None:
+    def __init__(self, config, hidden_size, eps: float, backend: str, has_bias: bool,
+                 device: Optional[Union[torch.device, str]] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         if config.normalization != self._normalization:
             other = "FusedRMSNorm" if config.normalization == "RMSNorm" else "FusedLayerNorm"
@@ -300,9 +301,10 @@ class _FusedNormBase(torch.nn.Module):
         h = _hidden_size(hidden_size)
         self.hidden_size = torch.Size((h,))
         self.eps = float(eps)
-        # torch.empty, not torch.Tensor, for correct device placement (as in Megatron-core)
-        self.weight = Parameter(torch.empty(h))
-        self.bias = Parameter(torch.empty(h)) if has_bias else None
+        # torch.empty, not torch.Tensor, for correct device placement (as in Megatron-core), with
+        # PyTorch's factory arguments: None is torch's default device / dtype, as in torch.nn.LayerNorm
+        self.weight = Parameter(torch.empty(h, device=device, dtype=dtype))
+        self.bias = Parameter(torch.empty(h, device=device, dtype=dtype)) if has_bias else None
         self.reset_parameters()
         self.sequence_parallel = bool(config.sequence_parallel)
         # Megatron all-reduces the gradients of parameters marked sequence_parallel across
@@ -340,6 +342,9 @@ class FusedLayerNorm(_FusedNormBase):
         backend: ``"fusedlib"`` (default) or ``"apex"`` (Apex's kernels, chosen as
             Megatron-core does; raises :class:`fusedlib.backends.apex.ApexNotAvailableError`
             with install instructions where Apex does not import).
+        device, dtype: where and in which dtype the parameters are created (PyTorch's factory
+            arguments, as ``torch.nn.LayerNorm``'s); None: torch's default device and dtype
+            (``torch.set_default_device`` / ``torch.set_default_dtype``, float32 unless set).
 
     Attributes:
         weight: [h] gamma (zero-centered: gamma - 1), ``sequence_parallel`` attribute set.
@@ -349,7 +354,7 @@ class FusedLayerNorm(_FusedNormBase):
             ``config.persist_layer_norm`` as given (no effect).
 
     Shapes: input [..., h] (Megatron: [s, b, h]) -> output of the same shape and dtype;
-    parameters must have the input's dtype (``module.to(torch.bfloat16)``).
+    parameters must have the input's dtype (``dtype=``, or ``module.to(torch.bfloat16)``).
 
     Raises:
         ValueError: config.normalization != "LayerNorm", hidden_size outside 1..65536,
@@ -362,8 +367,9 @@ class FusedLayerNorm(_FusedNormBase):
 
     def __init__(self, config, hidden_size: Union[int, Sequence[int]], eps: float = 1e-5,
                  persist_layer_norm: bool = True, zero_centered_gamma: bool = False,
-                 normalization: str = "LayerNorm", *, backend: str = "fusedlib") -> None:
-        super().__init__(config, hidden_size, eps, backend, has_bias=True)
+                 normalization: str = "LayerNorm", *, backend: str = "fusedlib",
+                 device: Optional[Union[torch.device, str]] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(config, hidden_size, eps, backend, has_bias=True, device=device, dtype=dtype)
         persist = bool(config.persist_layer_norm)
         if backend == "apex":
             persist = (persist and self.hidden_size[0] in apex_backend.PERSIST_LN_HIDDEN_SIZES
@@ -395,6 +401,7 @@ class FusedRMSNorm(_FusedNormBase):
         zero_centered_gamma, normalization: accepted for interface symmetry, ignored (the
             config decides).
         backend: ``"fusedlib"`` or ``"apex"`` (``FusedRMSNormAffineFunction``).
+        device, dtype: of the parameters, as :class:`FusedLayerNorm`'s (None: torch's defaults).
 
     Attributes:
         weight: [h] gamma (zero-centered: gamma - 1), ``sequence_parallel`` attribute set.
@@ -411,8 +418,9 @@ class FusedRMSNorm(_FusedNormBase):
 
     def __init__(self, config, hidden_size: Union[int, Sequence[int]], eps: float = 1e-5,
                  zero_centered_gamma: bool = False, normalization: str = "RMSNorm", *,
-                 backend: str = "fusedlib") -> None:
-        super().__init__(config, hidden_size, eps, backend, has_bias=False)
+                 backend: str = "fusedlib", device: Optional[Union[torch.device, str]] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(config, hidden_size, eps, backend, has_bias=False, device=device, dtype=dtype)
         if backend == "apex":
             apex_backend.require("FusedRMSNormAffineFunction")
 
@@ -429,7 +437,7 @@ class FusedRMSNorm(_FusedNormBase):
 class FusedNorm:
     """Build the norm ``config.normalization`` names: :class:`FusedLayerNorm` or :class:`FusedRMSNorm`.
 
-    ``FusedNorm(config, hidden_size, eps=1e-5, backend="fusedlib")`` returns an instance of
+    ``FusedNorm(config, hidden_size, eps=1e-5, backend="fusedlib", device=None, dtype=None)`` returns an instance of
     one of the two classes, as Megatron's ``TENorm`` returns Transformer Engine's
     ``LayerNorm`` or ``RMSNorm``; put it in a layer spec's norm slot.
 
@@ -440,7 +448,8 @@ class FusedNorm:
     """
 
     def __new__(cls, config, hidden_size: Union[int, Sequence[int]], eps: float = 1e-5, *,
-                backend: str = "fusedlib") -> torch.nn.Module:
+                backend: str = "fusedlib", device: Optional[Union[torch.device, str]] = None,
+                dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
         if config.normalization == "RMSNorm":
-            return FusedRMSNorm(config, hidden_size, eps, backend=backend)
-        return FusedLayerNorm(config, hidden_size, eps, backend=backend)
+            return FusedRMSNorm(config, hidden_size, eps, backend=backend, device=device, dtype=dtype)
+        return FusedLayerNorm(config, hidden_size, eps, backend=backend, device=device, dtype=dtype)

@@ -487,7 +487,7 @@ def _softmax_bwd_online_kernel(
 
 
 def _vec(dtype: torch.dtype) -> int:
-    return VECTOR_BYTES // torch.empty((), dtype=dtype).element_size()
+    return VECTOR_BYTES // dtype.itemsize
 
 
 def softmax_fwd(

@@ -69,10 +69,10 @@ def bench_worker(rank: int, world_size: int, device: torch.device, shape: tuple[
     n_rows, vocab = shape
     gen = torch.Generator(device=device).manual_seed(0)  # the same full logits on every rank
     full = torch.randn(n_rows, vocab, device=device, dtype=dtype, generator=gen)
-    target = torch.randint(0, vocab, (n_rows,), device=device, generator=gen)
+    target = torch.randint(0, vocab, (n_rows,), device=device, dtype=torch.int64, generator=gen)
     x = shard(full, rank, world_size).requires_grad_(True)
     del full
-    grad = torch.randn(n_rows, device=device, generator=gen)
+    grad = torch.randn(n_rows, device=device, dtype=torch.float32, generator=gen)  # the loss's dtype
     group = dist.group.WORLD
 
     impls = {
@@ -108,7 +108,7 @@ def bench_worker(rank: int, world_size: int, device: torch.device, shape: tuple[
                 if rank == 0:
                     print(f"{name} {pas} failed: {type(exc).__name__}: {exc}")
                 continue
-            worst = torch.tensor([med], device=device)
+            worst = torch.tensor([med], dtype=torch.float64, device=device)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             x.grad = None
             peak = peak_extra_bytes(step, device) if device.type == "cuda" else 0

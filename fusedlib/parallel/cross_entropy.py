@@ -96,11 +96,12 @@ def start_target_check(t1d: torch.Tensor, vocab_size: int, ignore_index: int,
                        label_smoothing: float = 0.0) -> Callable[[], None]:
     """Start checking that every target id is in [0, vocab_size) or ``ignore_index``.
 
-    Returns a function that finishes the check and raises if it failed. On CUDA the check's
-    one boolean travels to pinned host memory behind an event, so the caller can launch the
-    forward kernel before waiting: the wait then overlaps the kernel instead of leaving the
-    GPU idle while the host catches up (a plain ``bool(bad.any())`` would). On the CPU the
-    returned function checks at once.
+    Returns a function that finishes the check and raises if it failed. The check's one
+    boolean is copied into a host flag, a CPU tensor that names its device (so a training
+    script's ``torch.set_default_device`` does not move it). On CUDA the flag is pinned and
+    the copy travels behind an event, so the caller can launch the forward kernel before
+    waiting: the wait then overlaps the kernel instead of leaving the GPU idle while the host
+    catches up (a plain ``bool(bad.any())`` would). On the CPU the copy is immediate.
 
     The price of a clear error instead of a silently wrong loss (Megatron-core does not
     check) is this one small read-back per call. Every rank holds the same target, so every
@@ -120,20 +121,20 @@ def start_target_check(t1d: torch.Tensor, vocab_size: int, ignore_index: int,
         raise ValueError(f"target must hold vocabulary ids in [0, {vocab_size}) or ignore_index={ignore_index}; "
                          f"{int(bad.sum())} of {t1d.numel()} are outside, e.g. {int(t1d[bad][0])}")
 
-    if t1d.device.type == "cuda":
-        host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        host.copy_(any_bad, non_blocking=True)
+    on_cuda = t1d.device.type == "cuda"
+    # pinned (page-locked) only for a device copy: pinning needs CUDA, and a CPU copy gains nothing
+    host = torch.empty((), dtype=torch.bool, device="cpu", pin_memory=on_cuda)
+    host.copy_(any_bad, non_blocking=on_cuda)
+    done = None
+    if on_cuda:
         done = torch.cuda.Event()
         done.record()
 
-        def finish() -> None:
+    def finish() -> None:
+        if done is not None:
             done.synchronize()
-            if host.item():
-                fail()
-    else:
-        def finish() -> None:
-            if bool(any_bad):
-                fail()
+        if host.item():
+            fail()
     return finish
 
 

@@ -108,13 +108,14 @@ def run_tp(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
 
 def make_global_inputs(n_rows: int, vocab_size: int, dtype: torch.dtype, seed: int, device: torch.device,
                        n_ignored: int = 0, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same random full-vocabulary logits [n_rows, V], targets [n_rows] and upstream gradient
-    [n_rows] on every rank (one seed); the first ``n_ignored`` targets are ``ignore_index``."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = (2 * torch.randn(n_rows, vocab_size, generator=gen, dtype=torch.float64)).to(dtype)
-    target = torch.randint(0, vocab_size, (n_rows,), generator=gen)
+    """The same random full-vocabulary logits [n_rows, V] of ``dtype``, int64 targets [n_rows] and
+    float64 upstream gradient [n_rows] on every rank, on ``device`` (drawn on the CPU from one
+    seed, whatever torch's default device); the first ``n_ignored`` targets are ``ignore_index``."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    logits = (2 * torch.randn(n_rows, vocab_size, generator=gen, dtype=torch.float64, device="cpu")).to(dtype)
+    target = torch.randint(0, vocab_size, (n_rows,), generator=gen, dtype=torch.int64, device="cpu")
     target[:n_ignored] = ignore_index
-    grad = torch.randn(n_rows, generator=gen, dtype=torch.float64)
+    grad = torch.randn(n_rows, generator=gen, dtype=torch.float64, device="cpu")
     return logits.to(device), target.to(device), grad.to(device)
 
 
