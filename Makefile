@@ -29,9 +29,11 @@ book: setup
 test: setup
 	$(PY) -m pytest tests chapters --nbval --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider
 
-# On a GPU: time every op and its baselines, write chapters/data/bench/<op>.json.
+# On a GPU: time every op and its baselines, write chapters/data/bench/<op>.json, and the
+# host cost per call of every op into chapters/data/bench/host.json.
 bench: setup
 	$(PY) -m fusedlib.bench --out chapters/data/bench
+	$(PY) -m fusedlib.bench --host --out chapters/data/bench
 
 clean:
 	rm -rf _build .pytest_cache

@@ -3,7 +3,7 @@
 Usage (GPU): python tools/diag_norm_timing.py [--h 4096 16384]
 
 For LayerNorm and RMSNorm at [2^27 / h, h] bf16 it runs the benchmark cases (fusedlib,
-eager, torch.compile, Liger where it imports) with ``cuda_graph=True`` and prints each
+eager, torch.compile, Liger where it imports; every case times CUDA graphs) and prints each
 record's graph-replay time, plain-launch time and bandwidth; then, for fusedlib, the
 host's time to launch one fwd+bwd step (perf_counter over 200 steps, no synchronization),
 and the kernels alone (forward kernel; backward kernel + second-stage reduction).

@@ -1,8 +1,10 @@
-"""The benchmark harness: ``python -m fusedlib.bench [--op NAME ...] [--out DIR] [--sweep]``.
+"""The benchmark harness: ``python -m fusedlib.bench [--op NAME ...] [--out DIR] [--sweep | --host]``.
 
-See :mod:`fusedlib.bench.core` for the protocol (DESIGN.md section 4) and
-:mod:`fusedlib.bench.ops` for the cases. Run it on a GPU; results are JSON lists of
-records, one file per op, that the chapters plot.
+See :mod:`fusedlib.bench.core` for the protocol (DESIGN.md section 4),
+:mod:`fusedlib.bench.ops` for the cases, :mod:`fusedlib.bench.host` for the host cost per
+call (``--host``), and :mod:`fusedlib.bench.tune` for the kernels' tile tuning
+(``python -m fusedlib.bench.tune --op NAME``). Run them on a GPU; results are JSON lists
+of records, one file per op (and ``host.json``), that the chapters plot.
 """
 from .core import BenchCase, Impl, copy_record, load_records, measure_case, time_ms, write_records  # noqa: F401
 from .ops import OP_MODULES, get_cases  # noqa: F401

@@ -5,35 +5,62 @@ Usage::
     python -m fusedlib.bench                          # every op, default shapes
     python -m fusedlib.bench --op bias_gelu --out chapters/data/bench
     python -m fusedlib.bench --op bias_gelu --sweep   # plus the op's sweep shapes
+    python -m fusedlib.bench --host                   # host cost per call -> DIR/host.json
 
 Writes ``DIR/<op>.json`` (a list of records, DESIGN.md section 4) and prints a table of
-ms, GB/s, the fraction of the copy ceiling, and fusedlib's speed-up over each baseline.
+ms (CUDA-graph replays), plain-launch ms, GB/s, the fraction of the copy ceiling, and
+fusedlib's speed-up over each baseline. ``--host`` writes ``DIR/host.json`` instead
+(:mod:`fusedlib.bench.host`): microseconds per call at tiny shapes, fusedlib against eager
+PyTorch and torch.compile; with ``--op`` it replaces those ops' records in the file and
+keeps the others'. Both need a CUDA GPU and exit with status 2 without one.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from . import OP_MODULES, copy_record, get_cases, measure_case, write_records
-from .core import matmul_record
+from .core import load_records, matmul_record
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring); ``--sweep`` with ``--host`` is an error."""
     parser = argparse.ArgumentParser(prog="python -m fusedlib.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--op", nargs="+", choices=sorted(OP_MODULES), default=None,
                         help="ops to time (default: all)")
-    parser.add_argument("--out", default="chapters/data/bench", help="folder for <op>.json")
+    parser.add_argument("--out", default="chapters/data/bench", help="folder for <op>.json / host.json")
     parser.add_argument("--sweep", action="store_true", help="also time each op's sweep shapes")
+    parser.add_argument("--host", action="store_true",
+                        help="host cost per call at tiny shapes (fusedlib, eager, torch.compile) into host.json")
+    parser.add_argument("--calls", type=int, default=None, help="--host: calls per repeat (default 300)")
+    parser.add_argument("--repeats", type=int, default=None, help="--host: repeats, median kept (default 5)")
     args = parser.parse_args(argv)
+    if args.host and args.sweep:
+        parser.error("--sweep does not apply to --host (tiny shapes only)")
+    if not args.host and (args.calls is not None or args.repeats is not None):
+        parser.error("--calls and --repeats apply to --host only")
+    for name in ("calls", "repeats"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("fusedlib.bench needs a CUDA GPU: timings in Triton's CPU interpreter mean nothing.",
-              file=sys.stderr)
+        why = ("--host measures the host's cost of launching GPU work; in Triton's CPU interpreter every "
+               "kernel runs in Python, so the numbers would mean nothing" if args.host
+               else "timings in Triton's CPU interpreter mean nothing")
+        print(f"fusedlib.bench needs a CUDA GPU: {why}.", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
     ops = args.op or list(OP_MODULES)
+    if args.host:
+        return main_host(ops, args.out, args.calls, args.repeats)
+    device = torch.device("cuda")
     copy = copy_record(device="cuda")
     print(f"copy ceiling: {copy['GBps']:.0f} GB/s ({copy['device']}, torch {copy['torch']}, "
           f"triton {copy['triton']})")
@@ -56,17 +83,55 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def main_host(ops: list[str], out: str, calls: int | None, repeats: int | None) -> int:
+    """``--host``: measure ``ops`` on the current CUDA device, merge into ``out/host.json``."""
+    from .host import CALLS, REPEATS, host_table, measure_host, merge_host_records
+
+    calls, repeats = calls or CALLS, repeats or REPEATS
+    records = []
+    with tqdm(total=len(ops) * 6, desc="host", unit="timing") as bar:
+        for op in ops:
+            recs, skipped = measure_host(op, "cuda", calls=calls, repeats=repeats,
+                                         progress=lambda label: (bar.set_postfix_str(label), bar.update(1)))
+            records += recs
+            for name, why in skipped.items():
+                tqdm.write(f"  {op}: {name} not timed: {why}")
+    path = Path(out) / "host.json"
+    old = load_records(path) if path.exists() else []
+    merged = merge_host_records(records, old)
+    if len(merged) > len(records):
+        print(f"kept {len(merged) - len(records)} records of other ops from {path}")
+    write_records(merged, path)
+    print(f"wrote {path}")
+    print(host_table(merged))
+    print(host_table(merged, "cpu_us"))
+    return 0
+
+
 def summary(records: list[dict]) -> str:
-    """A text table: op, pass, shape, impl, ms, GB/s, % of copy, fusedlib speed-up."""
+    """A text table: op, pass, shape, impl, ms, plain-launch ms, GB/s, % of copy, fusedlib speed-up.
+
+    ``ms`` is the CUDA-graph replay where the record has one (``"timer": "cuda_graph"``; a
+    ``*`` marks an implementation that could not be captured, whose ms is plain launches),
+    ``plain`` the plain-launch time (``"ms_eager"``); ``fused x`` divides each by fusedlib's
+    of the same kind. A torch.compile compiled once for several shapes is marked ``(dyn)``.
+    """
     copy = next(r for r in records if r["impl"] == "copy")
     rows = [r for r in records if r["impl"] != "copy"]
-    fused = {(r["pass"], tuple(r["shape"])): r["ms"] for r in rows if r["impl"] == "fusedlib"}
-    lines = [f"{'op':<16}{'pass':<9}{'shape':<18}{'impl':<15}{'ms':>9}{'GB/s':>9}{'%copy':>7}{'fused x':>9}"]
+    fused = {(r["pass"], tuple(r["shape"])): r for r in rows if r["impl"] == "fusedlib"}
+    lines = [f"{'op':<16}{'pass':<9}{'shape':<18}{'impl':<20}{'ms':>9}{'plain':>9}{'GB/s':>9}{'%copy':>7}"
+             f"{'fused x':>9}{'plain x':>9}"]
     for r in rows:
         f = fused.get((r["pass"], tuple(r["shape"])))
-        sp = f"{r['ms'] / f:.2f}" if f else "-"
-        lines.append(f"{r['op']:<16}{r['pass']:<9}{str(r['shape']):<18}{r['impl']:<15}{r['ms']:>9.4f}"
-                     f"{r['GBps']:>9.0f}{100 * r['GBps'] / copy['GBps']:>7.1f}{sp:>9}")
+        graph_r, graph_f = r.get("timer") == "cuda_graph", f is not None and f.get("timer") == "cuda_graph"
+        sp = f"{r['ms'] / f['ms']:.2f}" if f and graph_r == graph_f else "-"
+        pe, fe = r.get("ms_eager"), f.get("ms_eager") if f else None
+        sp_e = f"{pe / fe:.2f}" if pe and fe else "-"
+        impl = r["impl"] + (" (dyn)" if r.get("compile") == "dynamic" else "")
+        ms = f"{r['ms']:.4f}" + ("*" if r.get("timer") == "do_bench" else "")
+        plain = f"{pe:.4f}" if pe else "-"
+        lines.append(f"{r['op']:<16}{r['pass']:<9}{str(r['shape']):<18}{impl:<20}{ms:>9}{plain:>9}"
+                     f"{r['GBps']:>9.0f}{100 * r['GBps'] / copy['GBps']:>7.1f}{sp:>9}{sp_e:>9}")
     return "\n".join(lines)
 
 

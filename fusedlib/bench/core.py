@@ -53,11 +53,16 @@ class Impl:
         fn: called with the case's inputs, returns the output tensor (or a tuple whose
             first item is timed in backward); must support autograd for "fwd+bwd".
         passes: which passes this implementation takes part in.
+        compile: for a ``torch.compile`` baseline, how it was compiled: ``"static"`` (one
+            compile per shape) or ``"dynamic"`` (one compile shared by several shapes);
+            copied into its records. Build it with
+            :func:`fusedlib.bench.ops.baselines.compile_impl`.
     """
 
     name: str
     fn: Callable[..., torch.Tensor]
     passes: Sequence[str] = PASSES
+    compile: str | None = None
 
 
 @dataclass
@@ -75,13 +80,15 @@ class BenchCase:
         peak_memory: also record ``peak_bytes`` (CUDA only): the most memory one call of the
             pass allocates beyond what was allocated before it (outputs and gradients
             included, inputs not), from ``torch.cuda.max_memory_allocated``.
-        cuda_graph: time each call as the replay of a CUDA graph that captured it (CUDA
-            only; ``"timer": "cuda_graph"`` in the record), and also as plain launches
-            (``"ms_eager"``). For ops whose GPU work per call is a fraction of a
-            millisecond, the host's time to launch a Python autograd step (several
-            hundred microseconds on the H200 machine) would otherwise be measured instead
-            of the kernels. An implementation that cannot be captured is timed with plain
-            launches (``"timer": "do_bench"``).
+        cuda_graph: (default True) time each call both as the replay of a CUDA graph that
+            captured it (CUDA only; ``"ms"``, with ``"timer": "cuda_graph"`` in the record)
+            and as plain launches (``"ms_eager"``). Graph replays time the kernels; plain
+            launches are what an eager training step pays, host included: for ops whose
+            GPU work per call is a fraction of a millisecond, the host's time to launch a
+            Python autograd step (several hundred microseconds on the H200 machine) is
+            what plain launches measure. An implementation that cannot be captured keeps
+            its plain-launch time in ``"ms"`` too, marked ``"timer": "do_bench"`` with the
+            reason in ``"graph_error"``. False: plain launches only (no timer fields).
     """
 
     op: str
@@ -92,7 +99,7 @@ class BenchCase:
     impls: list[Impl]
     skipped: dict[str, str] = field(default_factory=dict)
     peak_memory: bool = False
-    cuda_graph: bool = False
+    cuda_graph: bool = True
 
 
 def environment() -> dict[str, str]:
@@ -204,8 +211,11 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
         progress: called with a label after each timing (the CLI's progress bar).
 
     Returns:
-        One record per (impl, pass) that ran. An implementation that raises is logged
-        with its error and left out, so one broken baseline does not lose the others.
+        One record per (impl, pass) that ran: DESIGN.md's fields, plus ``"compile"`` for a
+        ``torch.compile`` baseline (:attr:`Impl.compile`) and, for a ``cuda_graph`` case on
+        CUDA, ``"timer"``, ``"ms_eager"`` and (when the capture failed) ``"graph_error"``
+        (:class:`BenchCase`). An implementation that raises is logged with its error and
+        left out, so one broken baseline does not lose the others.
     """
     records = []
     for pas in passes:
@@ -216,23 +226,27 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
             graph = case.cuda_graph and device.type == "cuda"
             try:
                 ms, peak = _time_pass(case, impl, pas, device, peak=case.peak_memory and device.type == "cuda")
-                timer, ms_graph = "do_bench", None
+                timer, ms_graph, graph_error = "do_bench", None, None
                 if graph:
                     try:
                         ms_graph, _ = _time_pass(case, impl, pas, device, cuda_graph=True)
                         timer = "cuda_graph"
                     except Exception as exc:  # not capturable: keep the plain-launch time
-                        logger.warning("%s: no CUDA graph (%s: %s); timed with plain launches",
-                                       label, type(exc).__name__, exc)
+                        graph_error = f"{type(exc).__name__}: {exc}"[:300]
+                        logger.warning("%s: no CUDA graph (%s); timed with plain launches", label, graph_error)
             except Exception as exc:  # a baseline that fails must not stop the run
                 logger.warning("%s failed: %s: %s", label, type(exc).__name__, exc)
                 case.skipped[impl.name] = f"{type(exc).__name__}: {exc}"
             else:
                 records.append(_record(case.op, pas, impl.name, case.shape, case.dtype,
                                        ms_graph if ms_graph is not None else ms, case.bytes[pas]))
+                if impl.compile is not None:
+                    records[-1]["compile"] = impl.compile
                 if graph:
                     records[-1]["timer"] = timer
                     records[-1]["ms_eager"] = round(ms, 5)
+                    if graph_error is not None:
+                        records[-1]["graph_error"] = graph_error
                 if peak is not None:
                     records[-1]["peak_bytes"] = int(peak)
             if progress:

@@ -3,7 +3,7 @@
 Everything the notebooks need beyond fusedlib's ops lives here, so a chapter shows
 fusedlib's real code (``show_source``) and plots the benchmark's real records
 (``load_bench``, ``plot_bandwidth``), and prints speed claims from those records
-(``speedup_table``) instead of typing numbers by hand.
+(``speedup_table``; ``host_table`` for the host cost per call) instead of typing numbers by hand.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..bench.host import host_table  # noqa: F401  (re-exported for chapters: host.json's table)
 from ..runtime import CUDA_AVAILABLE, device_banner  # noqa: F401  (re-exported for chapters)
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "bench_or_stored",
     "plot_bandwidth",
     "speedup_table",
+    "host_table",
     "check",
     "eager_traffic",
 ]
@@ -127,19 +129,23 @@ def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -
     ms, GB/s, % of the copy ceiling, and how many times faster fusedlib is.
 
     Records timed as CUDA-graph replays (``"timer": "cuda_graph"``) also carry the time with
-    plain launches (``"ms_eager"``); the table then adds that column and fusedlib's ratio by
-    it. A record of such a case that could not be captured (``"timer": "do_bench"``) is
-    marked ``*``: its ms is plain launches, so it gets no ratio against graph times.
+    plain launches (``"ms_eager"``); the table then shows both: ``ms`` (graph replays: the
+    kernels) and ``plain-launch ms`` (what an eager training step pays, host included), each
+    with fusedlib's ratio. A record of such a case that could not be captured (``"timer":
+    "do_bench"``) is marked ``*``: its ms is plain launches, so it gets no ratio against graph
+    times. Records without ``ms_eager`` (plain launches only) show one column, so labelled.
+    A torch.compile compiled once for several shapes (``"compile": "dynamic"``) is marked
+    ``(dynamic)``.
     """
     shape = tuple(shape) if shape is not None else _headline(records)
     copy = next(r for r in records if r["impl"] == "copy")
     rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
     fused = {r["pass"]: r for r in rows if r["impl"] == "fusedlib"}
     plain = any("ms_eager" in r for r in rows)
-    head = f"{'pass':<9}{'impl':<15}{'ms':>9}{'GB/s':>8}{'% copy':>8}{'fusedlib is':>13}"
+    head = f"{'pass':<9}{'impl':<24}{'ms':>9}{'GB/s':>8}{'% copy':>8}{'fusedlib is':>13}"
     if plain:
         head += f"{'plain-launch ms':>17}{'fusedlib is':>13}"
-    timer = " (ms: CUDA-graph replays)" if plain else ""
+    timer = " (ms: CUDA-graph replays)" if plain else " (ms: plain launches)"
     out = [f"shape {list(shape)} {rows[0]['dtype'] if rows else ''}, copy ceiling {copy['GBps']:.0f} GB/s{timer}", head]
     order = {n: i for i, n in enumerate(IMPL_ORDER)}
     fallback = False
@@ -149,7 +155,8 @@ def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -
         fallback |= plain and r.get("timer") == "do_bench"
         sp = f"{r['ms'] / f['ms']:.2f}x" if f and r["impl"] != "fusedlib" and not mixed else ""
         ms = f"{r['ms']:.4f}" + ("*" if plain and r.get("timer") == "do_bench" else "")
-        line = f"{r['pass']:<9}{r['impl']:<15}{ms:>9}{r['GBps']:>8.0f}{100 * r['GBps'] / copy['GBps']:>8.1f}{sp:>13}"
+        impl = r["impl"] + (" (dynamic)" if r.get("compile") == "dynamic" else "")
+        line = f"{r['pass']:<9}{impl:<24}{ms:>9}{r['GBps']:>8.0f}{100 * r['GBps'] / copy['GBps']:>8.1f}{sp:>13}"
         if plain:
             pe = r.get("ms_eager")
             sp_e = f"{pe / f['ms_eager']:.2f}x" if pe and f and f.get("ms_eager") and r["impl"] != "fusedlib" else ""

@@ -1,7 +1,9 @@
 """Benchmark cases, one module per op (file names as in DESIGN.md section 4).
 
 Each module defines ``cases(device, sweep=False) -> list[BenchCase]``: the headline case
-at the default shape first, then (with ``sweep``) the same op at other shapes.
+at the default shape first, then (with ``sweep``) the same op at other shapes; and
+``case(shape, dtype=torch.bfloat16) -> BenchCase``: the op at any shape with every
+baseline (``--host`` uses it at tiny shapes).
 """
 from __future__ import annotations
 
@@ -33,3 +35,14 @@ def get_cases(op: str) -> Callable[..., list[BenchCase]]:
     if op not in OP_MODULES:
         raise KeyError(f"unknown op {op!r}; known ops: {', '.join(OP_MODULES)}")
     return importlib.import_module(f"{__name__}.{OP_MODULES[op]}").cases
+
+
+def get_case(op: str) -> Callable[..., BenchCase]:
+    """The ``case(shape, dtype=torch.bfloat16)`` function of op ``op``.
+
+    Raises:
+        KeyError: naming the known ops, for an unknown one.
+    """
+    if op not in OP_MODULES:
+        raise KeyError(f"unknown op {op!r}; known ops: {', '.join(OP_MODULES)}")
+    return importlib.import_module(f"{__name__}.{OP_MODULES[op]}").case

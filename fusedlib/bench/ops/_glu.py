@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from ..core import BenchCase, Impl
-from .baselines import compiled, try_import
+from .baselines import compile_impl, try_import
 
 DEFAULT_SHAPE = (8192, 32768)  # y = [s*b, 2*ffn] of a GPT MLP with gated units, bf16: 537 MB in, 268 MB out
 SWEEP_H = (1024, 4096, 16384, 65536)  # output widths h at a constant 2^28 input elements
@@ -37,8 +37,8 @@ def weighted_glu_bytes(n_rows: int, h: int, elem: int, w_elem: int) -> dict[str,
 
 def glu_case(op: str, shape: tuple[int, int], dtype: torch.dtype, fused: Callable, reference: Callable,
              megatron: tuple[str, str] | None, liger: tuple[str, str] | None, baselines: bool) -> BenchCase:
-    """One GLU case without bias: fusedlib, torch.compile of the unfused reference, liger; with
-    ``baselines`` also eager and megatron-core.
+    """One GLU case without bias: fusedlib, torch.compile of the unfused reference (static, for
+    this shape), liger; with ``baselines`` also eager and megatron-core.
 
     Liger's ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` take the two halves as two
     tensors (as Liger's LlamaMLP makes them with two linears), and copy a non-contiguous
@@ -58,7 +58,7 @@ def glu_case(op: str, shape: tuple[int, int], dtype: torch.dtype, fused: Callabl
         return y, a, b
 
     impls = [Impl("fusedlib", lambda y, *ab: fused(y, None)),
-             Impl("torch.compile", _first(compiled(reference)))]
+             compile_impl(reference, adapt=_first)]
     skipped = {}
     if liger_fn is not None:
         impls.append(Impl("liger", lambda y, a, b: liger_fn.apply(a, b)))
@@ -84,7 +84,7 @@ def _first(fn: Callable) -> Callable:
 def glu_cases(op: str, fused: Callable, reference: Callable, megatron: tuple[str, str] | None,
               liger: tuple[str, str] | None, sweep: bool, dtype: torch.dtype) -> list[BenchCase]:
     """The headline case at DEFAULT_SHAPE with every baseline; with ``sweep``, h in SWEEP_H at
-    2^28 input elements against torch.compile and Liger."""
+    2^28 input elements against torch.compile (compiled statically for each shape) and Liger."""
     out = [glu_case(op, DEFAULT_SHAPE, dtype, fused, reference, megatron, liger, baselines=True)]
     if sweep:
         n = DEFAULT_SHAPE[0] * DEFAULT_SHAPE[1]

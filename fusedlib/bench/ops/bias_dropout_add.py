@@ -7,7 +7,7 @@ import torch
 from ... import unfused
 from ...fusions.fused_bias_dropout import bias_dropout_add_fused_train
 from ..core import BenchCase, Impl
-from .baselines import compiled, try_import
+from .baselines import compile_impl, try_import
 
 DEFAULT_SHAPE = (32768, 4096)  # [s*b, h] of a GPT layer's output, bf16: 268 MB per tensor
 SWEEP_H = (1024, 4096, 8192, 16384)  # hidden sizes at a constant 2^27 elements
@@ -44,7 +44,7 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
         return x, b, r
 
     impls = [Impl("fusedlib", lambda x, b, r: bias_dropout_add_fused_train((x, b), r, PROB)),
-             Impl("torch.compile", compiled(_unfused_train))]
+             compile_impl(_unfused_train)]
     skipped = {}
     if baselines:
         impls.insert(1, Impl("eager", _unfused_train))
@@ -58,10 +58,15 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
                      impls, skipped)
 
 
+def case(shape: tuple[int, int], dtype: torch.dtype = torch.bfloat16) -> BenchCase:
+    """One case at ``shape`` = [rows, h] with every baseline (the headline's, and ``--host``'s)."""
+    return _case(tuple(shape), dtype, baselines=True)
+
+
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     """The headline case [32768, 4096] with every baseline; with ``sweep``, h in SWEEP_H at
-    2^27 elements against torch.compile."""
-    out = [_case(DEFAULT_SHAPE, dtype, baselines=True)]
+    2^27 elements against torch.compile (compiled statically for each shape)."""
+    out = [case(DEFAULT_SHAPE, dtype)]
     if sweep:
         n = DEFAULT_SHAPE[0] * DEFAULT_SHAPE[1]
         out += [_case((n // h, h), dtype, baselines=False) for h in SWEEP_H if h != DEFAULT_SHAPE[1]]

@@ -6,7 +6,7 @@ import torch
 from ... import unfused
 from ...fusions.fused_bias_gelu import bias_gelu_impl
 from ..core import BenchCase, Impl
-from .baselines import compiled, try_import
+from .baselines import compile_impl, try_import
 
 DEFAULT_SHAPE = (8192, 16384)  # [s*b, 4h] of a GPT MLP, bf16: 268 MB per tensor
 SWEEP_H = (1024, 4096, 16384, 65536)  # hidden sizes at a constant 2^27 elements
@@ -29,7 +29,7 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
         return y, b
 
     impls = [Impl("fusedlib", lambda y, b: bias_gelu_impl(y, b)),
-             Impl("torch.compile", compiled(lambda y, b: unfused.bias_gelu(b, y)))]
+             compile_impl(lambda y, b: unfused.bias_gelu(b, y))]
     skipped = {}
     if baselines:
         # eager: what a user writes in PyTorch, two kernels (add, then F.gelu's tanh form)
@@ -43,10 +43,15 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
                      bias_gelu_bytes(n_rows, h, torch.finfo(dtype).bits // 8), impls, skipped)
 
 
+def case(shape: tuple[int, int], dtype: torch.dtype = torch.bfloat16) -> BenchCase:
+    """One case at ``shape`` = [rows, h] with every baseline (the headline's, and ``--host``'s)."""
+    return _case(tuple(shape), dtype, baselines=True)
+
+
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     """The headline case [8192, 16384] with every baseline; with ``sweep``, h in SWEEP_H
-    at 2^27 elements against torch.compile."""
-    out = [_case(DEFAULT_SHAPE, dtype, baselines=True)]
+    at 2^27 elements against torch.compile (compiled statically for each shape)."""
+    out = [case(DEFAULT_SHAPE, dtype)]
     if sweep:
         n = DEFAULT_SHAPE[0] * DEFAULT_SHAPE[1]
         out += [_case((n // h, h), dtype, baselines=False) for h in SWEEP_H if h != DEFAULT_SHAPE[1]]

@@ -8,11 +8,11 @@ so no implementation gets the "grad_output == 1" shortcut Liger takes when it ca
 Liger writes the gradient into the logits during its forward pass (its inputs change
 between timing iterations; the values stay finite, the timing is unaffected).
 megatron-core's ``fused_vocab_parallel_cross_entropy`` needs a process group: a
-single-rank group is created here (NCCL, a HashStore: no network) when none exists.
+single-rank group is created (NCCL, a HashStore: no network) at its first call, when none
+exists.
 
-Also: ``python -m fusedlib.bench.ops.cross_entropy --tune`` times fusedlib's forward and
-backward kernels alone for a few (BLOCK_N, num_warps) settings, to fill the tile tables in
-:mod:`fusedlib.kernels.cross_entropy`.
+Tuning the kernels' tiles: ``python -m fusedlib.bench.tune --op cross_entropy``
+(``python -m fusedlib.bench.ops.cross_entropy --tune`` runs the same).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ...fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-from ..core import BenchCase, Impl, time_ms
-from .baselines import compiled, try_import
+from ..core import BenchCase, Impl
+from .baselines import compile_impl, try_import
 
 DEFAULT_SHAPE = (8192, 128256)  # [s*b, V]: 8 K tokens, Llama 3's 128,256-id vocabulary, bf16: 2.1 GB
 SWEEP_V = (32000, 50304, 151936, 256000)  # Llama 2, GPT-2 (padded), Qwen 2, Gemma vocabularies
@@ -61,7 +61,7 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
         return x, t
 
     impls = [Impl("fusedlib", lambda x, t: fused_vocab_parallel_cross_entropy(x, t).mean()),
-             Impl("torch.compile", compiled(lambda x, t: F.cross_entropy(x, t)))]
+             compile_impl(lambda x, t: F.cross_entropy(x, t))]
     skipped = {}
     if baselines:
         impls.insert(1, Impl("eager", lambda x, t: F.cross_entropy(x, t)))
@@ -72,12 +72,7 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
             skipped["liger"] = why
         mcore, why = try_import("megatron.core.fusions.fused_cross_entropy", "fused_vocab_parallel_cross_entropy")
         if mcore is not None:
-            try:
-                group = _single_rank_group()
-            except Exception as exc:  # no NCCL, or a group of another size already exists
-                skipped["megatron-core"] = f"no single-rank process group: {type(exc).__name__}: {exc}"
-            else:
-                impls.append(Impl("megatron-core", lambda x, t: mcore(x, t, group).mean()))
+            impls.append(Impl("megatron-core", _megatron_ce(mcore)))
         else:
             skipped["megatron-core"] = why
     return BenchCase("cross_entropy", shape, dtype, make_inputs,
@@ -85,53 +80,46 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
                      peak_memory=True)
 
 
+def _megatron_ce(mcore):
+    """megatron-core's loss, mean over tokens, on a single-rank group made at the first call
+    (building a case makes no process group: ``--host`` never calls it). A failure there (no
+    NCCL, a group of another size) is recorded as this baseline's reason for not running."""
+    group = []
+
+    def fn(x, t):
+        if not group:
+            group.append(_single_rank_group())
+        return mcore(x, t, group[0]).mean()
+
+    return fn
+
+
+def case(shape: tuple[int, int], dtype: torch.dtype = torch.bfloat16) -> BenchCase:
+    """One case at ``shape`` = [rows, V] with every baseline (the headline's, and ``--host``'s)."""
+    return _case(tuple(shape), dtype, baselines=True)
+
+
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     """The headline case [8192, 128256] with every baseline; with ``sweep``, other vocabularies
-    (SWEEP_V, 8192 rows) against torch.compile."""
-    out = [_case(DEFAULT_SHAPE, dtype, baselines=True)]
+    (SWEEP_V, 8192 rows) against torch.compile (compiled statically for each shape)."""
+    out = [case(DEFAULT_SHAPE, dtype)]
     if sweep:
         out += [_case((DEFAULT_SHAPE[0], v), dtype, baselines=False) for v in SWEEP_V if v != DEFAULT_SHAPE[1]]
     return out
 
 
-#: (BLOCK_N, num_warps) settings :func:`tune` tries for each kernel.
-TUNE_SETTINGS = ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))
-
-
-def tune(shape: tuple[int, int] = DEFAULT_SHAPE, dtype: torch.dtype = torch.bfloat16) -> str:
-    """Time the forward and backward kernels alone for each of :data:`TUNE_SETTINGS` (CUDA).
-
-    Returns:
-        A text table: setting, forward ms and GB/s, backward ms and GB/s.
-    """
-    from ...kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
-
-    n_rows, vocab = shape
-    x = torch.randn(n_rows, vocab, device="cuda", dtype=dtype)
-    t = torch.randint(0, vocab, (n_rows,), device="cuda")
-    g = torch.randn(n_rows, device="cuda")
-    _, lse = cross_entropy_fwd(x, t, finalize=True)
-    nbytes = x.numel() * x.element_size()
-    lines = [f"{list(shape)} {dtype}: fwd reads {nbytes / 1e9:.2f} GB, bwd moves {2 * nbytes / 1e9:.2f} GB",
-             f"{'BLOCK_N':>8}{'warps':>6}{'fwd ms':>9}{'GB/s':>7}{'bwd ms':>9}{'GB/s':>7}"]
-    for block_n, warps in TUNE_SETTINGS:
-        fwd = time_ms(lambda: cross_entropy_fwd(x, t, finalize=True, block_n=block_n, num_warps=warps))
-        bwd = time_ms(lambda: cross_entropy_bwd(x, t, lse, g, block_n=block_n, num_warps=warps))
-        lines.append(f"{block_n:>8}{warps:>6}{fwd:>9.4f}{nbytes / fwd / 1e6:>7.0f}{bwd:>9.4f}"
-                     f"{2 * nbytes / bwd / 1e6:>7.0f}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
+    """``--tune``: the same as ``python -m fusedlib.bench.tune --op cross_entropy``."""
     parser = argparse.ArgumentParser(prog="python -m fusedlib.bench.ops.cross_entropy")
-    parser.add_argument("--tune", action="store_true", help="time the kernels for TUNE_SETTINGS")
+    parser.add_argument("--tune", action="store_true",
+                        help="time the kernels' tile candidates (python -m fusedlib.bench.tune --op cross_entropy)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
-    if args.tune:
-        print(tune())
-    return 0
+    if not args.tune:
+        parser.print_help()
+        return 0
+    from ..tune import main as tune_main
+
+    return tune_main(["--op", "cross_entropy"])
 
 
 if __name__ == "__main__":

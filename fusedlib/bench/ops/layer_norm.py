@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ...backends import apex as apex_backend
 from ...fusions.fused_layer_norm import fused_layer_norm, fused_rms_norm
 from ..core import BenchCase, Impl
-from .baselines import try_import
+from .baselines import compile_impl, try_import
 
 DEFAULT_SHAPE = (32768, 4096)  # [s*b, h]: s = 8192, b = 4 at h = 4096, bf16: 268 MB per tensor
 SWEEP_H = (768, 1024, 2048, 5120, 8192, 12288, 16384)  # and 4096 (the headline), at 2^27 elements
@@ -39,19 +39,6 @@ def rms_norm_bytes(n_rows: int, h: int, elem: int) -> dict[str, int]:
     fwd = (2 * n + h) * elem
     bwd = (3 * n + 2 * h) * elem
     return {"fwd": fwd, "fwd+bwd": fwd + bwd}
-
-
-def compiled_static(fn: Callable) -> Callable:
-    """``torch.compile(fn, dynamic=False)``: Inductor specializes on each shape, as in a
-    training run, where the shape never changes. Each sweep shape is one more compile of
-    the same code object, so the recompile limit (8 by default, after which Dynamo falls
-    back to eager) is raised to 64 in this process."""
-    import torch._dynamo
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < 64:
-            setattr(torch._dynamo.config, name, 64)
-    return torch.compile(fn, dynamic=False)
 
 
 def _liger_rms_norm() -> tuple[Callable | None, str]:
@@ -88,7 +75,7 @@ def norm_case(op: str, shape: tuple[int, int], dtype: torch.dtype, baselines: bo
         impls = [Impl("fusedlib", lambda x, w, b: fused_layer_norm(x, w, b, EPS))]
     if baselines:
         impls.append(Impl("eager", eager))
-    impls.append(Impl("torch.compile", compiled_static(eager)))
+    impls.append(compile_impl(eager))  # static: Inductor specializes on this shape
     skipped: dict[str, str] = {}
     if rms:
         liger, why = _liger_rms_norm()
@@ -112,7 +99,7 @@ def norm_case(op: str, shape: tuple[int, int], dtype: torch.dtype, baselines: bo
     if not rms:
         skipped["megatron-core"] = "megatron-core's FusedLayerNorm runs Apex's kernels: timed as 'apex'"
     nbytes = (rms_norm_bytes if rms else layer_norm_bytes)(n_rows, h, torch.finfo(dtype).bits // 8)
-    return BenchCase(op, shape, dtype, make_inputs, nbytes, impls, skipped, cuda_graph=True)
+    return BenchCase(op, shape, dtype, make_inputs, nbytes, impls, skipped)
 
 
 def norm_cases(op: str, sweep: bool, dtype: torch.dtype) -> list[BenchCase]:
@@ -121,6 +108,11 @@ def norm_cases(op: str, sweep: bool, dtype: torch.dtype) -> list[BenchCase]:
         n = DEFAULT_SHAPE[0] * DEFAULT_SHAPE[1]
         out += [norm_case(op, (n // h, h), dtype, baselines=False) for h in SWEEP_H]
     return out
+
+
+def case(shape: tuple[int, int], dtype: torch.dtype = torch.bfloat16) -> BenchCase:
+    """One case at ``shape`` = [rows, h] with every baseline (the headline's, and ``--host``'s)."""
+    return norm_case("layer_norm", tuple(shape), dtype, baselines=True)
 
 
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:

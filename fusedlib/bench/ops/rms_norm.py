@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 
 from ..core import BenchCase
-from .layer_norm import DEFAULT_SHAPE, SWEEP_H, norm_cases, rms_norm_bytes  # noqa: F401
+from .layer_norm import DEFAULT_SHAPE, SWEEP_H, norm_case, norm_cases, rms_norm_bytes  # noqa: F401
+
+
+def case(shape: tuple[int, int], dtype: torch.dtype = torch.bfloat16) -> BenchCase:
+    """One case at ``shape`` = [rows, h] with every baseline (the headline's, and ``--host``'s)."""
+    return norm_case("rms_norm", tuple(shape), dtype, baselines=True)
 
 
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:

@@ -14,7 +14,7 @@ from ...fusions.fused_softmax import FusedScaleMaskSoftmax, attention_mask_func
 from ...transformer.enums import AttnMaskType
 from ..core import BenchCase, Impl
 from ._softmax_common import SCALE, causal_bytes, megatron_softmax
-from .baselines import compiled
+from .baselines import compile_impl
 
 DEFAULT_SHAPE = (4, 32, 2048, 2048)  # [b, np, sq, sk]
 
@@ -42,7 +42,7 @@ def _case(shape: tuple[int, int, int, int], dtype: torch.dtype) -> BenchCase:
                                   attention_mask_func, True, SCALE)
     impls = [Impl("fusedlib", lambda x, off, mask: fused(x, None, off)),
              Impl("eager", _unfused),
-             Impl("torch.compile", compiled(_unfused))]
+             compile_impl(_unfused)]
     skipped = {}
     mcore, why = megatron_softmax("causal", SCALE)
     if mcore is not None:
@@ -53,7 +53,12 @@ def _case(shape: tuple[int, int, int, int], dtype: torch.dtype) -> BenchCase:
                      softmax_one_bytes(b, np_, sq, sk, torch.finfo(dtype).bits // 8), impls, skipped)
 
 
+def case(shape: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat16) -> BenchCase:
+    """One case at ``shape`` = [b, np, sq, sk] with every baseline (the headline's, and ``--host``'s)."""
+    return _case(tuple(shape), dtype)
+
+
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     """The headline [4, 32, 2048, 2048] with a learnable [32] sink, every baseline (no sweep:
     the sweep of the causal kernel is causal_softmax's)."""
-    return [_case(DEFAULT_SHAPE, dtype)]
+    return [case(DEFAULT_SHAPE, dtype)]

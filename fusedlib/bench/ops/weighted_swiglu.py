@@ -8,7 +8,7 @@ from ... import unfused
 from ...fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from ..core import BenchCase, Impl
 from ._glu import DEFAULT_SHAPE, SWEEP_H, weighted_glu_bytes
-from .baselines import compiled, try_import
+from .baselines import compile_impl, try_import
 
 MEGATRON = ("megatron.core.fusions.fused_bias_swiglu", "weighted_bias_swiglu_impl")
 
@@ -23,7 +23,7 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
         return y, w
 
     impls = [Impl("fusedlib", lambda y, w: weighted_bias_swiglu_impl(y, None, w)),
-             Impl("torch.compile", compiled(unfused.weighted_swiglu))]
+             compile_impl(unfused.weighted_swiglu)]
     skipped = {}
     if baselines:
         impls.insert(1, Impl("eager", unfused.weighted_swiglu))
@@ -37,10 +37,15 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
     return BenchCase("weighted_swiglu", shape, dtype, make_inputs, nbytes, impls, skipped)
 
 
+def case(shape: tuple[int, int], dtype: torch.dtype = torch.bfloat16) -> BenchCase:
+    """One case at ``shape`` = [rows, 2h] with every baseline (the headline's, and ``--host``'s)."""
+    return _case(tuple(shape), dtype, baselines=True)
+
+
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
     """The headline case [8192, 32768] with every baseline; with ``sweep``, other widths at 2^28
-    elements against torch.compile."""
-    out = [_case(DEFAULT_SHAPE, dtype, baselines=True)]
+    elements against torch.compile (compiled statically for each shape)."""
+    out = [case(DEFAULT_SHAPE, dtype)]
     if sweep:
         n = DEFAULT_SHAPE[0] * DEFAULT_SHAPE[1]
         out += [_case((n // (2 * h), 2 * h), dtype, baselines=False) for h in SWEEP_H if 2 * h != DEFAULT_SHAPE[1]]

@@ -1,0 +1,289 @@
+"""Host cost per call: ``python -m fusedlib.bench --host``.
+
+The kernels can be near the copy ceiling while the Python around them is not: an eager
+training step pays, for every op, the host's time to check arguments, pick launch settings,
+run ``autograd.Function`` and launch the kernels. Below a few hundred microseconds of GPU
+work per op, that time, not the kernels, decides the step's speed. This module measures it.
+
+Method (DESIGN.md section 4): each op at a tiny shape (:data:`HOST_SHAPES`: a few thousand
+elements, so the GPU work per call is a few microseconds and the GPU waits on the host),
+for fusedlib, eager unfused PyTorch and ``torch.compile`` of it (compiled statically for that
+shape, :func:`fusedlib.bench.ops.baselines.compile_impl`), in two passes:
+
+* ``"fwd"``: the op's forward on inputs that need no gradient, under ``torch.no_grad()``
+  (as the throughput benchmark's forward pass);
+* ``"fwd+bwd"``: the forward on inputs that need gradients, then
+  ``out.float().sum().backward()``, the same for all three; every call first sets the
+  inputs' ``.grad`` to None (as ``zero_grad(set_to_none=True)``), so no call pays for
+  accumulating into the last one's gradients.
+
+After :data:`WARMUP` calls (Triton compiles its kernels, Inductor its graph), each
+implementation makes :data:`REPEATS` repeats of :data:`CALLS` back-to-back calls with one
+``torch.cuda.synchronize()`` at the end; per repeat, microseconds per call:
+
+* ``us``: wall time of the calls and the final synchronize (the enqueue rate the GPU sees);
+* ``enqueue_us``: wall time of the calls alone (``time.perf_counter`` before the synchronize);
+* ``cpu_us``: CPU time of the process during the calls (``time.process_time``: every thread,
+  the autograd engine's device thread that runs the backward included).
+
+Each record holds the medians over the repeats, and the repeats of ``us``. Records
+(``chapters/data/bench/host.json``, a JSON list)::
+
+    {"op": "host", "measured_op": "bias_gelu", "pass": "fwd+bwd", "impl": "fusedlib",
+     "shape": [32, 256], "dtype": "bfloat16", "us": 835.1, "enqueue_us": 801.3,
+     "cpu_us": 820.7, "us_repeats": [...], "calls": 300, "repeats": 5, "warmup": 20,
+     "device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0"}
+
+with ``"compile": "static"`` on torch.compile's records.
+
+Without a GPU, ``python -m fusedlib.bench --host`` refuses (exit status 2): on the CPU
+Triton's interpreter runs every kernel in Python, so the numbers would mean nothing, and
+writing them would overwrite the H200's file. :func:`measure_host` itself runs on any
+device (the tests use it on the CPU with a few calls).
+
+Source: the CUDA C++ Programming Guide, "Asynchronous Concurrent Execution" (a kernel launch
+returns to the host before the kernel runs, so back-to-back launches measure the host).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from .core import PASSES, BenchCase, Impl, environment
+from .ops import OP_MODULES, get_case
+
+__all__ = [
+    "HOST_SHAPES",
+    "HOST_IMPLS",
+    "CALLS",
+    "REPEATS",
+    "WARMUP",
+    "host_timing",
+    "host_step",
+    "host_record",
+    "measure_host",
+    "merge_host_records",
+    "host_table",
+]
+
+logger = logging.getLogger("fusedlib.bench")
+
+#: Tiny shape per op (the op's own layout: [rows, h], GLUs [rows, 2h], causal softmax
+#: [b·np, sq, sk], the other softmaxes [b, np, sq, sk], cross entropy [rows, V]). A few
+#: thousand elements: each kernel is a few microseconds of GPU time, so the host decides.
+HOST_SHAPES: dict[str, tuple[int, ...]] = {
+    "bias_gelu": (32, 256),
+    "bias_dropout_add": (32, 256),
+    "geglu": (32, 512),
+    "swiglu": (32, 512),
+    "weighted_swiglu": (32, 512),
+    "layer_norm": (32, 256),
+    "rms_norm": (32, 256),
+    "causal_softmax": (4, 32, 32),
+    "masked_softmax": (1, 4, 32, 32),
+    "softmax_one": (1, 4, 32, 32),
+    "cross_entropy": (32, 512),
+}
+
+#: The implementations timed: fusedlib and what a user writes without it.
+HOST_IMPLS: tuple[str, ...] = ("fusedlib", "eager", "torch.compile")
+
+CALLS = 300  #: back-to-back calls per repeat
+REPEATS = 5  #: repeats; records hold the medians
+WARMUP = 20  #: untimed calls first (compiles, caches, allocator)
+
+
+def host_timing(step: Callable[[], object], calls: int = CALLS, repeats: int = REPEATS,
+                sync: Callable[[], object] = lambda: None,
+                clock: Callable[[], float] = time.perf_counter,
+                cpu_clock: Callable[[], float] = time.process_time) -> dict:
+    """Time ``repeats`` x ``calls`` back-to-back calls of ``step``, one ``sync()`` per repeat.
+
+    Args:
+        step: one call of the op (enqueues GPU work and returns).
+        calls: calls per repeat (>= 1).
+        repeats: repeats (>= 1).
+        sync: waits for the device (``torch.cuda.synchronize``); called before each repeat
+            (untimed, so no earlier work is charged) and at its end (timed).
+        clock: wall clock in seconds (``time.perf_counter``; tests pass a fake).
+        cpu_clock: the process's CPU time in seconds (``time.process_time``).
+
+    Returns:
+        ``{"us", "enqueue_us", "cpu_us"}``: medians over the repeats of microseconds per call
+        of wall time with the final sync, wall time of the calls alone, and CPU time of the
+        calls alone; and ``"us_repeats"``, the repeats' ``us`` in order.
+
+    Raises:
+        ValueError: for ``calls`` or ``repeats`` below 1.
+    """
+    if calls < 1 or repeats < 1:
+        raise ValueError(f"calls and repeats must be >= 1, got calls={calls}, repeats={repeats}")
+    wall, enqueue, cpu = [], [], []
+    for _ in range(repeats):
+        sync()
+        t0, c0 = clock(), cpu_clock()
+        for _ in range(calls):
+            step()
+        c1, t1 = cpu_clock(), clock()
+        sync()
+        t2 = clock()
+        wall.append((t2 - t0) / calls * 1e6)
+        enqueue.append((t1 - t0) / calls * 1e6)
+        cpu.append((c1 - c0) / calls * 1e6)
+    return {"us": statistics.median(wall), "enqueue_us": statistics.median(enqueue),
+            "cpu_us": statistics.median(cpu), "us_repeats": wall}
+
+
+def host_step(case: BenchCase, impl: Impl, pass_: str, device: torch.device
+              ) -> tuple[Callable[[], object], contextlib.AbstractContextManager]:
+    """One call of ``impl`` in ``pass_``, on fresh inputs of ``case``, and the context to run it in.
+
+    Args:
+        case: the op at its (tiny) shape.
+        impl: the implementation.
+        pass_: ``"fwd"`` (no gradients; run it in the returned ``torch.no_grad()``) or
+            ``"fwd+bwd"`` (``.grad = None`` on every input leaf, the forward, then
+            ``out.float().sum().backward()``; the first item of a tuple output is used).
+        device: where the inputs live.
+
+    Returns:
+        ``(step, context)``.
+
+    Raises:
+        ValueError: for another pass.
+    """
+    if pass_ == "fwd":
+        inputs = case.make_inputs(device, False)
+        return (lambda: impl.fn(*inputs)), torch.no_grad()
+    if pass_ != "fwd+bwd":
+        raise ValueError(f"pass_ must be 'fwd' or 'fwd+bwd', got {pass_!r}")
+    inputs = case.make_inputs(device, True)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = impl.fn(*inputs)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().sum().backward()
+
+    return step, contextlib.nullcontext()
+
+
+def host_record(op: str, pass_: str, impl: Impl, shape: Sequence[int], dtype: torch.dtype, timing: dict,
+                calls: int, repeats: int, warmup: int) -> dict:
+    """One ``host.json`` record (module docstring) from :func:`host_timing`'s result."""
+    rec = {
+        "op": "host", "measured_op": op, "pass": pass_, "impl": impl.name, "shape": list(shape),
+        "dtype": str(dtype).replace("torch.", ""),
+        "us": round(timing["us"], 2), "enqueue_us": round(timing["enqueue_us"], 2),
+        "cpu_us": round(timing["cpu_us"], 2), "us_repeats": [round(u, 2) for u in timing["us_repeats"]],
+        "calls": calls, "repeats": repeats, "warmup": warmup, **environment(),
+    }
+    if impl.compile is not None:
+        rec["compile"] = impl.compile
+    return rec
+
+
+def measure_host(op: str, device: torch.device | str = "cuda", calls: int = CALLS, repeats: int = REPEATS,
+                 warmup: int = WARMUP, impls: Iterable[str] = HOST_IMPLS, shape: Sequence[int] | None = None,
+                 dtype: torch.dtype = torch.bfloat16, passes: Sequence[str] = PASSES,
+                 progress: Callable[[str], None] | None = None) -> tuple[list[dict], dict[str, str]]:
+    """Host cost per call of ``op`` for each implementation in ``impls`` and each pass.
+
+    Args:
+        op: an op name (:data:`fusedlib.bench.ops.OP_MODULES`).
+        device: a CUDA device for meaningful numbers (on the CPU the sync is a no-op and the
+            kernels run in Triton's interpreter: for tests only).
+        calls, repeats, warmup: see :func:`host_timing` and the module docstring.
+        impls: implementation names to time, of those the op's case has.
+        shape: the op's shape (default :data:`HOST_SHAPES`).
+        dtype: the inputs' dtype.
+        passes: subset of ("fwd", "fwd+bwd").
+        progress: called with a label after each implementation and pass.
+
+    Returns:
+        ``(records, skipped)``: one record per (impl, pass) that ran; an implementation that
+        raises is logged and named in ``skipped`` with its error, the others still run.
+
+    Raises:
+        KeyError: for an unknown op.
+    """
+    if op not in OP_MODULES:
+        raise KeyError(f"unknown op {op!r}; known ops: {', '.join(OP_MODULES)}")
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    case = get_case(op)(tuple(shape or HOST_SHAPES[op]), dtype)
+    wanted = set(impls)
+    records, skipped = [], {}
+    for pas in passes:
+        for impl in case.impls:
+            if impl.name not in wanted or pas not in impl.passes:
+                continue
+            label = f"host {op} {pas} {impl.name}"
+            try:
+                step, ctx = host_step(case, impl, pas, device)
+                with ctx:
+                    for _ in range(warmup):
+                        step()
+                    sync()
+                    timing = host_timing(step, calls, repeats, sync)
+            except Exception as exc:  # one failing implementation must not lose the others
+                logger.warning("%s failed: %s: %s", label, type(exc).__name__, exc)
+                skipped[impl.name] = f"{pas}: {type(exc).__name__}: {exc}"
+            else:
+                records.append(host_record(op, pas, impl, case.shape, dtype, timing, calls, repeats, warmup))
+            if progress:
+                progress(label)
+    return records, skipped
+
+
+def merge_host_records(new: list[dict], old: list[dict]) -> list[dict]:
+    """``new``, then the records of ``old`` whose op was not measured in ``new``: a run of a
+    few ops (``--op``) keeps the others' records in ``host.json``; each record names its
+    device and versions, and the three implementations of one op always come from one run."""
+    measured = {r["measured_op"] for r in new}
+    return list(new) + [r for r in old if r.get("measured_op") not in measured]
+
+
+def host_table(records: Sequence[dict], field: str = "us") -> str:
+    """Text table of ``host.json`` records: per op and pass, microseconds per call of fusedlib,
+    eager and torch.compile, and fusedlib's time over eager's.
+
+    Args:
+        records: host records (other records are ignored).
+        field: ``"us"`` (wall time with the final sync), ``"enqueue_us"`` or ``"cpu_us"``.
+
+    Returns:
+        The table; a missing measurement shows as ``-``.
+
+    Raises:
+        ValueError: for another field.
+    """
+    if field not in ("us", "enqueue_us", "cpu_us"):
+        raise ValueError(f"field must be 'us', 'enqueue_us' or 'cpu_us', got {field!r}")
+    rows = [r for r in records if r.get("op") == "host"]
+    value = {(r["measured_op"], r["pass"], r["impl"]): r[field] for r in rows}
+    ops = [op for op in OP_MODULES if any(r["measured_op"] == op for r in rows)]
+    ops += sorted({r["measured_op"] for r in rows} - set(ops))
+    what = {"us": "wall time per call with one sync at the end", "enqueue_us": "wall time per call, enqueue only",
+            "cpu_us": "CPU time per call, enqueue only"}[field]
+    env = f" ({rows[0]['device']}, torch {rows[0]['torch']}, triton {rows[0]['triton']})" if rows else ""
+    cols = ("fusedlib", "eager", "compile", "f/eager")
+    out = [f"{field}: {what}, microseconds{env}",
+           f"{'':<18}" + "".join(f"{p + ' (us)':<38}" for p in PASSES).rstrip(),
+           f"{'op':<18}" + "".join("".join(f"{c:>9}" for c in cols) + "  " for _ in PASSES).rstrip()]
+    for op in ops:
+        line = f"{op:<18}"
+        for p in PASSES:
+            vals = [value.get((op, p, i)) for i in HOST_IMPLS]
+            line += "".join(f"{'-' if v is None else f'{v:.0f}':>9}" for v in vals)
+            f, e = vals[0], vals[1]
+            line += f"{f'{f / e:.2f}x' if f is not None and e else '-':>9}  "
+        out.append(line.rstrip())
+    return "\n".join(out)

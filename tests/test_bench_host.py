@@ -1,0 +1,383 @@
+"""The benchmark harness's host-cost mode, its compiled baselines, graph/plain records, and the
+tuning entry point: everything that runs without a GPU (fake clocks and timers, Triton's
+interpreter at tiny shapes, a recording torch.compile backend)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fusedlib.bench import core
+from fusedlib.bench import host as host_mod
+from fusedlib.bench import tune as tune_mod
+from fusedlib.bench.__main__ import main, main_host, parse_args, summary
+from fusedlib.bench.ops import OP_MODULES, baselines, get_case, get_cases
+from fusedlib.book import host_table as book_host_table
+from fusedlib.book import speedup_table
+
+HOST_SCHEMA = {"op", "measured_op", "pass", "impl", "shape", "dtype", "us", "enqueue_us", "cpu_us",
+               "us_repeats", "calls", "repeats", "warmup", "device", "torch", "triton"}
+
+
+# ------------------------------------------------------------------------------------------
+# torch.compile baselines: static per shape, one helper, the opt-in recorded
+# ------------------------------------------------------------------------------------------
+
+def _static(example_inputs) -> bool:
+    return all(isinstance(t, torch.Tensor) and all(isinstance(d, int) for d in t.shape) for t in example_inputs)
+
+
+def test_compile_helper_compiles_each_shape_statically_past_the_default_limit():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(example_inputs)
+        return gm.forward
+
+    def make():  # a lambda built per case shares its code object, as in the op modules
+        return lambda y, b: torch.nn.functional.gelu(y + b, approximate="tanh")
+
+    torch._dynamo.reset()
+    try:
+        fns = []
+        for h in range(4, 14):  # 10 shapes: more than Dynamo's default recompile limit of 8
+            impl = baselines.compile_impl(make(), backend=backend)
+            assert impl.name == "torch.compile" and impl.compile == "static"
+            y, b = torch.randn(3, h), torch.randn(h)
+            torch.testing.assert_close(impl.fn(y, b), torch.nn.functional.gelu(y + b, approximate="tanh"))
+            fns.append(impl.fn)
+        assert len(set(map(id, fns))) == 10, "a fresh compiled function per shape"
+        assert len(seen) == 10 and all(_static(ex) for ex in seen), "one static compile per shape"
+        # the explicit opt-in: one dynamic compile serves several shapes, with symbolic sizes
+        seen.clear()
+        dyn = baselines.compile_impl(make(), dynamic=True, backend=backend)
+        assert dyn.compile == "dynamic"
+        for h in (20, 24, 28):
+            dyn.fn(torch.randn(3, h), torch.randn(h))
+        assert len(seen) == 1 and not _static(seen[0])
+    finally:
+        torch._dynamo.reset()
+
+
+def test_every_torch_compile_baseline_is_static_but_the_softmax_sweeps(monkeypatch):
+    calls = []
+
+    def fake_compile(fn, dynamic=None, backend="inductor", **kw):
+        calls.append(dynamic)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    dynamic_ops = set()
+    for op in OP_MODULES:
+        for i, case in enumerate(get_cases(op)(torch.device("cpu"), sweep=True)):
+            assert case.cuda_graph, f"{op} {case.shape}: every case times CUDA graphs and plain launches"
+            comp = [impl for impl in case.impls if impl.name == "torch.compile"]
+            assert len(comp) == 1, f"{op} {case.shape}: one torch.compile baseline"
+            assert comp[0].compile == "static" if i == 0 else comp[0].compile in ("static", "dynamic")
+            if comp[0].compile == "dynamic":
+                dynamic_ops.add(op)
+    assert dynamic_ops == {"causal_softmax", "masked_softmax"}
+    assert calls and set(calls) == {False, True} and calls.count(True) == 2, calls
+
+
+def test_every_op_has_a_case_at_its_host_shape_with_the_three_host_impls():
+    for op in OP_MODULES:
+        case = get_case(op)(host_mod.HOST_SHAPES[op])
+        assert case.op == op and case.shape == host_mod.HOST_SHAPES[op]
+        assert set(host_mod.HOST_IMPLS) <= {i.name for i in case.impls}, op
+    with pytest.raises(KeyError, match="known ops"):
+        get_case("no_such_op")
+
+
+# ------------------------------------------------------------------------------------------
+# Graph and plain-launch records
+# ------------------------------------------------------------------------------------------
+
+def _copy():
+    return core._record("copy", "copy", "copy", (1 << 30,), torch.bfloat16, 1.0, 1 << 32)
+
+
+def test_records_mark_the_compile_and_a_failed_capture(monkeypatch):
+    def fake_time_pass(case, impl, pas, device, peak=False, cuda_graph=False):
+        if cuda_graph and impl.name == "fusedlib" and pas == "fwd+bwd":
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return {"fusedlib": 0.4, "torch.compile": 0.6}[impl.name] / (2 if cuda_graph else 1), None
+
+    monkeypatch.setattr(core, "_time_pass", fake_time_pass)
+    case = core.BenchCase("cross_entropy", (4, 8), torch.float32, lambda d, rg: (), {"fwd": 10**9, "fwd+bwd": 3 * 10**9},
+                          [core.Impl("fusedlib", None), core.Impl("torch.compile", None, compile="static")])
+    recs = {(r["impl"], r["pass"]): r for r in core.measure_case(case, torch.device("cuda"))}
+    fused, comp = recs[("fusedlib", "fwd+bwd")], recs[("torch.compile", "fwd+bwd")]
+    assert (fused["ms"], fused["ms_eager"], fused["timer"]) == (0.4, 0.4, "do_bench")
+    assert "stream is capturing" in fused["graph_error"]
+    assert (comp["ms"], comp["ms_eager"], comp["timer"], comp["compile"]) == (0.3, 0.6, "cuda_graph", "static")
+    assert "graph_error" not in comp and "compile" not in fused
+    assert recs[("fusedlib", "fwd")]["timer"] == "cuda_graph"
+    # the tables: a plain-launch ms is never divided by a graph ms; plain launches compare
+    table = speedup_table([_copy()] + list(recs.values()))
+    assert "plain-launch ms" in table and "0.4000*" in table and "1.50x" in table  # 0.6 / 0.4 plain
+    text = summary([_copy()] + list(recs.values()))
+    fwd_bwd_compile = next(line for line in text.splitlines() if "fwd+bwd" in line and "torch.compile" in line)
+    assert fwd_bwd_compile.split()[-2:] == ["-", "1.50"], fwd_bwd_compile
+
+
+def test_tables_label_plain_only_records_and_dynamic_compiles():
+    rec = lambda impl, ms, **kw: {**core._record("bias_gelu", "fwd", impl, (8, 16), torch.bfloat16, ms, 10**6), **kw}
+    recs = [_copy(), rec("fusedlib", 0.1), rec("torch.compile", 0.2, compile="dynamic")]
+    table = speedup_table(recs)
+    assert "(ms: plain launches)" in table and "plain-launch ms" not in table
+    assert "torch.compile (dynamic)" in table and "2.00x" in table
+    assert "torch.compile (dyn)" in summary(recs)
+
+
+# ------------------------------------------------------------------------------------------
+# Host timing: the arithmetic, the step, the records
+# ------------------------------------------------------------------------------------------
+
+class FakeClocks:
+    """Wall and CPU clocks that advance only when the fake step or sync runs."""
+
+    def __init__(self, step_wall, step_cpu, pre_sync, post_syncs):
+        self.wall = self.cpu = 0.0
+        self.step_wall, self.step_cpu = step_wall, step_cpu
+        self.pre_sync, self.post_syncs = pre_sync, list(post_syncs)
+        self.syncs = 0
+
+    def step(self):
+        self.wall += self.step_wall
+        self.cpu += self.step_cpu
+
+    def sync(self):
+        # host_timing syncs before each repeat (untimed) and after it (timed)
+        self.wall += self.pre_sync if self.syncs % 2 == 0 else self.post_syncs[self.syncs // 2]
+        self.syncs += 1
+
+
+def test_host_timing_arithmetic_with_fake_clocks():
+    post = [30e-6, 0.0, 600e-6, 300e-6, 90e-6]  # the final sync's wait, per repeat
+    clk = FakeClocks(step_wall=10e-6, step_cpu=8e-6, pre_sync=1.0, post_syncs=post)
+    t = host_mod.host_timing(clk.step, calls=300, repeats=5, sync=clk.sync,
+                             clock=lambda: clk.wall, cpu_clock=lambda: clk.cpu)
+    # per repeat: (300 calls x 10 us + the final sync) / 300; the untimed 1 s sync before is not charged
+    expect = [10 + p * 1e6 / 300 for p in post]  # 10.1, 10.0, 12.0, 11.0, 10.3
+    assert t["us_repeats"] == pytest.approx(expect)
+    assert t["us"] == pytest.approx(10.3)  # the median
+    assert t["enqueue_us"] == pytest.approx(10.0) and t["cpu_us"] == pytest.approx(8.0)
+    assert clk.syncs == 10
+    with pytest.raises(ValueError, match="calls"):
+        host_mod.host_timing(clk.step, calls=0)
+
+
+def test_host_step_resets_gradients_and_forward_keeps_no_graph():
+    x0 = torch.randn(3, 5, dtype=torch.float64)
+    x = x0.clone().requires_grad_(True)
+    case = core.BenchCase("bias_gelu", (3, 5), torch.float64, lambda d, rg: (x,) if rg else (x0.clone(),), {}, [])
+    impl = core.Impl("eager", lambda t: (t * 3.0, None))  # a tuple: the first item is used
+    step, ctx = host_mod.host_step(case, impl, "fwd+bwd", torch.device("cpu"))
+    step()
+    step()
+    torch.testing.assert_close(x.grad, torch.full_like(x0, 3.0))  # not 6: no accumulation
+    fwd, ctx = host_mod.host_step(case, impl, "fwd", torch.device("cpu"))
+    with ctx:
+        out, _ = fwd()
+    assert out.grad_fn is None and not out.requires_grad
+    with pytest.raises(ValueError, match="pass_"):
+        host_mod.host_step(case, impl, "bwd", torch.device("cpu"))
+
+
+def test_measure_host_records_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setattr(baselines, "compiled", lambda fn, dynamic=False, backend="inductor": fn)  # no Inductor on CI
+    recs, skipped = host_mod.measure_host("bias_gelu", "cpu", calls=2, repeats=2, warmup=1, shape=(4, 16),
+                                          dtype=torch.float32)
+    assert skipped == {}
+    assert [(r["pass"], r["impl"]) for r in recs] == [(p, i) for p in ("fwd", "fwd+bwd") for i in host_mod.HOST_IMPLS]
+    for r in recs:
+        assert set(r) == HOST_SCHEMA | ({"compile"} if r["impl"] == "torch.compile" else set())
+        assert (r["op"], r["measured_op"], r["shape"], r["dtype"], r["calls"], r["repeats"]) == \
+            ("host", "bias_gelu", [4, 16], "float32", 2, 2)
+        assert r["us"] > 0 and len(r["us_repeats"]) == 2 and r["device"] == "cpu"
+    assert next(r for r in recs if r["impl"] == "torch.compile")["compile"] == "static"
+    path = core.write_records(recs, tmp_path / "host.json")
+    assert core.load_records(path) == json.loads(json.dumps(recs))
+    with pytest.raises(KeyError, match="known ops"):
+        host_mod.measure_host("no_such_op", "cpu")
+
+
+def test_measure_host_keeps_going_when_an_impl_fails(monkeypatch):
+    def broken(*_):
+        raise RuntimeError("baseline broke")
+
+    real = get_case("rms_norm")
+
+    def case_with_broken_eager(shape, dtype=torch.bfloat16):
+        case = real(shape, dtype)
+        case.impls = [core.Impl("eager", broken) if i.name == "eager" else i for i in case.impls]
+        return case
+
+    monkeypatch.setattr(host_mod, "get_case", lambda op: case_with_broken_eager)
+    recs, skipped = host_mod.measure_host("rms_norm", "cpu", calls=1, repeats=1, warmup=0, impls=("eager",),
+                                          shape=(2, 8), dtype=torch.float32, passes=("fwd",))
+    assert recs == [] and "baseline broke" in skipped["eager"]
+
+
+def _host_rec(op, pas, impl, us, device="NVIDIA H200"):
+    return {"op": "host", "measured_op": op, "pass": pas, "impl": impl, "us": us, "enqueue_us": us - 1,
+            "cpu_us": us - 2, "device": device, "torch": "2.11", "triton": "3.6"}
+
+
+def test_host_table_and_merge():
+    recs = [_host_rec("bias_gelu", p, i, u) for p, vals in (("fwd", (83, 17, 66)), ("fwd+bwd", (835, 302, 612)))
+            for i, u in zip(host_mod.HOST_IMPLS, vals)][:-1]  # torch.compile fwd+bwd missing
+    table = host_mod.host_table(recs)
+    assert book_host_table is host_mod.host_table
+    row = next(line for line in table.splitlines() if line.startswith("bias_gelu"))
+    assert row.split()[1:] == ["83", "17", "66", "4.88x", "835", "302", "-", "2.76x"]
+    assert "NVIDIA H200" in table
+    row = next(line for line in host_mod.host_table(recs, "cpu_us").splitlines() if line.startswith("bias_gelu"))
+    assert row.split()[1:4] == ["81", "15", "64"]
+    with pytest.raises(ValueError, match="field"):
+        host_mod.host_table(recs, "ms")
+    old = [_host_rec("bias_gelu", "fwd", "fusedlib", 999), _host_rec("layer_norm", "fwd", "fusedlib", 69)]
+    merged = host_mod.merge_host_records(recs, old)
+    assert merged[:len(recs)] == recs and merged[len(recs):] == [old[1]]
+
+
+# ------------------------------------------------------------------------------------------
+# The command line
+# ------------------------------------------------------------------------------------------
+
+def test_cli_parsing():
+    a = parse_args(["--host", "--op", "bias_gelu", "layer_norm", "--out", "x/y", "--calls", "7"])
+    assert (a.host, a.op, a.out, a.calls, a.repeats, a.sweep) == (True, ["bias_gelu", "layer_norm"], "x/y", 7, None, False)
+    a = parse_args([])
+    assert (a.host, a.op, a.out) == (False, None, "chapters/data/bench")
+    for bad in (["--host", "--sweep"], ["--calls", "5"], ["--host", "--repeats", "0"], ["--op", "no_such_op"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_cli_host_refuses_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--host"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "host" in err
+
+
+def test_cli_host_writes_and_merges_host_json(tmp_path, monkeypatch, capsys):
+    seen = []
+
+    def fake_measure_host(op, device, calls=0, repeats=0, progress=None, **kw):
+        seen.append((op, device, calls, repeats))
+        if progress:
+            progress(op)
+        return [_host_rec(op, p, i, 10.0) for p in ("fwd", "fwd+bwd") for i in host_mod.HOST_IMPLS], {}
+
+    monkeypatch.setattr(host_mod, "measure_host", fake_measure_host)
+    core.write_records([_host_rec("layer_norm", "fwd", "fusedlib", 69), _host_rec("swiglu", "fwd", "eager", 5)],
+                       tmp_path / "host.json")
+    assert main_host(["swiglu"], str(tmp_path), 3, 2) == 0
+    assert seen == [("swiglu", "cuda", 3, 2)]
+    written = core.load_records(tmp_path / "host.json")
+    assert [(r["measured_op"], r["us"]) for r in written] == [("swiglu", 10.0)] * 6 + [("layer_norm", 69)]
+    out = capsys.readouterr().out
+    assert "kept 1 records" in out and "swiglu" in out
+
+
+# ------------------------------------------------------------------------------------------
+# Tuning: python -m fusedlib.bench.tune
+# ------------------------------------------------------------------------------------------
+
+def test_tune_cli_parsing():
+    a = tune_mod.parse_args(["--op", "layer_norm", "--shape", "8192,16384", "--shape", "16,8", "--pass", "bwd"])
+    assert (a.op, a.shape, a.passes, a.repeat, a.rep, a.limit, a.list) == \
+        ("layer_norm", [(8192, 16384), (16, 8)], ["bwd"], 2, 100, None, False)
+    for bad in ([], ["--op", "no_such_op"], ["--op", "bias_gelu", "--shape", "8192x16384"],
+                ["--op", "bias_gelu", "--shape", "0,4"], ["--op", "bias_gelu", "--limit", "0"]):
+        with pytest.raises(SystemExit):
+            tune_mod.parse_args(bad)
+
+
+def test_tune_candidates_cover_the_current_tables():
+    for op, spec in tune_mod.TUNE_OPS.items():
+        for shape in spec.shapes:
+            for pass_ in ("fwd", "bwd"):
+                cands = tune_mod.candidates(op, pass_, shape)
+                assert cands and all(c == json.loads(json.dumps(c)) for c in cands), (op, pass_)
+                assert len({json.dumps(c, sort_keys=True) for c in cands}) == len(cands), "no duplicates"
+                assert tune_mod.current_tile(op, pass_, shape) in cands, (op, pass_, shape)
+    # the launchers cap BLOCK_N at the row's next power of two; so do the candidates
+    assert {c["BLOCK_N"] for c in tune_mod.candidates("bias_gelu", "fwd", (4, 100))} == {128}
+    with pytest.raises(KeyError, match="known"):
+        tune_mod.candidates("no_such_op", "fwd", (4, 4))
+    with pytest.raises(ValueError, match="pass_"):
+        tune_mod.candidates("bias_gelu", "fwd+bwd", (4, 4))
+
+
+def test_tune_list_runs_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune_mod.main(["--op", "cross_entropy", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "cross_entropy fwd [8192, 128256]: 6 candidates" in out and "<- current" in out
+    assert "_FWD_TILES" in out
+    assert tune_mod.main(["--op", "cross_entropy"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    from fusedlib.bench.ops import cross_entropy
+
+    assert cross_entropy.main(["--tune"]) == 2  # the old entry point runs the same
+
+
+def test_tile_override_sets_the_table_and_restores_it():
+    import fusedlib.utils as utils
+    from fusedlib.kernels import bias_dropout_add as kd
+
+    before = (kd._DROPOUT_TILES, kd._BWD_SCALE, utils.PROGRAMS_PER_SM)
+    tile = {"BLOCK_N": 256, "BLOCK_M": 16, "num_warps": 2, "programs_per_sm": 32}
+    with tune_mod.tile_override("bias_dropout_add", "bwd", tile):
+        assert tune_mod.current_tile("bias_dropout_add", "bwd", (64, 4096)) == tile
+    assert (kd._DROPOUT_TILES, kd._BWD_SCALE, utils.PROGRAMS_PER_SM) == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with tune_mod.tile_override("causal_softmax", "fwd", {"online": True, "BLOCK_M": 1, "BLOCK_N": 64,
+                                                              "num_warps": 2}):
+            raise RuntimeError("inside")
+    assert tune_mod.current_tile("causal_softmax", "fwd", (1, 2048, 2048))["BLOCK_N"] == 2048  # restored
+
+
+def test_tile_override_names_a_table_that_moved(monkeypatch):
+    from fusedlib.kernels import glu
+
+    monkeypatch.delattr(glu, "_GLU_TILES")
+    with pytest.raises(AttributeError, match="_GLU_TILES no longer exists"):
+        with tune_mod.tile_override("swiglu", "fwd", {"BLOCK_N": 64, "BLOCK_M": 4, "num_warps": 4}):
+            pass
+
+
+TINY = {"bias_gelu": (4, 64), "bias_dropout_add": (4, 64), "geglu": (4, 128), "swiglu": (4, 128),
+        "layer_norm": (4, 64), "rms_norm": (4, 64), "causal_softmax": (2, 16, 16),
+        "masked_softmax": (1, 2, 16, 16), "cross_entropy": (4, 64)}
+
+
+@pytest.mark.parametrize("op", sorted(tune_mod.TUNE_OPS))
+def test_tune_launches_each_kernel_with_the_candidate_tile(op):
+    assert set(TINY) == set(tune_mod.TUNE_OPS)
+    shape = TINY[op]
+    seen = []
+
+    def fake_timer(fn, warmup=0, rep=0):
+        out = fn()  # the real launcher, in Triton's interpreter, with the tile in force
+        assert out is not None
+        pass_ = "fwd" if len(seen) < 2 else "bwd"
+        seen.append(tune_mod.current_tile(op, pass_, shape))
+        return 1e-5  # ms: GB/s of a tiny shape still shows in the record's one decimal
+
+    lines = []
+    recs = tune_mod.tune(op, [shape], dtype=torch.float32, device="cpu", repeat=2, limit=1,
+                         copy_gbps=1000.0, timer=fake_timer, emit=lines.append)
+    assert [r["pass"] for r in recs] == ["fwd", "bwd"]
+    for r, pass_ in zip(recs, ("fwd", "bwd")):
+        assert r["tile"] == tune_mod.candidates(op, pass_, shape)[0] and r["ms_repeats"] == [1e-5, 1e-5]
+        assert r["bytes"] == tune_mod.kernel_bytes(op, pass_, shape, torch.float32) > 0
+        assert r["GBps"] == pytest.approx(r["bytes"] / 1e-8 / 1e9, rel=1e-3)
+    if tune_mod._table_patches(op, "fwd", recs[0]["tile"]):  # the table-driven launchers saw the tile
+        assert seen == [recs[0]["tile"]] * 2 + [recs[1]["tile"]] * 2
+    assert any("best:" in line for line in lines) and "winners go into" in lines[-1]
