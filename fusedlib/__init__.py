@@ -1,41 +1,74 @@
 """fusedlib: fused Transformer-training ops on Triton kernels, and the book that builds them.
 
-Public API (Megatron-core's names):
+Importing fusedlib first imports :mod:`fusedlib.runtime`, which sets ``TRITON_INTERPRET=1``
+on a machine with no CUDA GPU before any kernel is defined. Everything below is importable
+from ``fusedlib`` itself (Megatron-core's names); by layer:
 
-* ``fusedlib.fusions.fused_bias_gelu``: ``bias_gelu_impl``, ``GeLUFunction``,
-  ``bias_gelu``, ``bias_gelu_back``.
-* ``fusedlib.parallel``: ``vocab_parallel_cross_entropy`` (unfused, 3 all-reduces),
-  ``fused_vocab_parallel_cross_entropy`` (2 all-reduces; also
-  ``fusedlib.fusions.fused_cross_entropy``), ``VocabUtility``, ``count_collectives``.
-* ``fusedlib.fusions.fused_bias_dropout``: ``get_bias_dropout_add``,
-  ``bias_dropout_add_fused_train``, ``bias_dropout_add_fused_inference``,
-  ``bias_dropout_add_unfused``, ``BiasDropoutAddFunction``.
-* ``fusedlib.fusions.fused_bias_swiglu``: ``bias_swiglu_impl``, ``weighted_bias_swiglu_impl``,
-  ``SwiGLUFunction``, ``BiasSwiGLUFunction``, ``WeightedSwiGLUFunction``, and the plain
-  ``swiglu``, ``bias_swiglu``, ``weighted_swiglu`` (+ ``_back``) functions.
-* ``fusedlib.fusions.fused_bias_geglu``: ``bias_geglu_impl``, ``GeGLUFunction``,
-  ``BiasGeGLUFunction``, ``geglu``, ``bias_geglu`` (+ ``_back``).
-* ``fusedlib.fusions.fused_weighted_squared_relu``: ``weighted_squared_relu_impl``,
-  ``WeightedSquaredReLUFunction``, ``weighted_squared_relu`` (+ ``_back``).
-* ``fusedlib.fusions.fused_softmax``: ``ScaledUpperTriangMaskedSoftmax``,
-  ``ScaledMaskedSoftmax``, ``ScaledSoftmax``, ``SoftmaxOne``, ``FusedScaleMaskSoftmax``,
-  ``fused_scale_mask_softmax``; ``fusedlib.transformer.enums.AttnMaskType``.
-* ``fusedlib.unfused``: the plain PyTorch references.
-* ``fusedlib.jit``: ``jit_fuser``, ``enable_jit_fuser``, ``disable_jit_fuser``.
-* ``fusedlib.runtime``: where kernels run (compiled on CUDA, interpreted on the CPU).
-* ``fusedlib.bench``: the benchmark harness (``python -m fusedlib.bench``).
-* ``fusedlib.book``: helpers for the chapters.
+* runtime: ``runtime`` (where kernels run: compiled on CUDA, interpreted on the CPU).
+* helpers that need no kernel: ``jit`` (``jit_fuser``, ``enable_jit_fuser``,
+  ``disable_jit_fuser``), ``checks`` (the input checks every op shares), ``utils``
+  (Megatron-core's ``make_viewless_tensor``), ``unfused`` (the plain PyTorch references).
+* fusions, by chapter (``fusedlib.fusions``; the kernels and their launch settings are in
+  ``fusedlib.kernels``):
 
-Importing fusedlib first imports :mod:`fusedlib.runtime`, which sets
-``TRITON_INTERPRET=1`` on a machine with no CUDA GPU before any kernel is defined.
+  1. bias + GeLU: ``bias_gelu_impl``, ``GeLUFunction``, ``bias_gelu``, ``bias_gelu_back``.
+  2. bias + dropout + add: ``get_bias_dropout_add``, ``bias_dropout_add_fused_train``,
+     ``bias_dropout_add_fused_inference``, ``bias_dropout_add_unfused``,
+     ``BiasDropoutAddFunction``.
+  3. gated linear units: ``bias_geglu_impl``, ``GeGLUFunction``, ``BiasGeGLUFunction``;
+     ``bias_swiglu_impl``, ``weighted_bias_swiglu_impl``, ``SwiGLUFunction``,
+     ``BiasSwiGLUFunction``, ``WeightedSwiGLUFunction``; ``weighted_squared_relu_impl``,
+     ``WeightedSquaredReLUFunction``. (The plain ``swiglu``, ``geglu``... functions and
+     their ``_back`` are in the fusion modules.)
+  4. LayerNorm and RMSNorm: ``fused_layer_norm``, ``fused_rms_norm``, ``FusedLayerNorm``,
+     ``FusedRMSNorm``, ``FusedNorm``, ``FusedLayerNormAffineFunction``,
+     ``FusedRMSNormAffineFunction``.
+  5. softmax: ``fused_scale_mask_softmax``, ``FusedScaleMaskSoftmax``,
+     ``ScaledUpperTriangMaskedSoftmax``, ``ScaledMaskedSoftmax``, ``ScaledSoftmax``,
+     ``SoftmaxOne``.
+  6. cross entropy: ``fused_vocab_parallel_cross_entropy`` (2 all-reduces).
+
+* parallel: ``parallel`` (the package), ``vocab_parallel_cross_entropy`` (unfused, 3
+  all-reduces), ``VocabUtility``, ``count_collectives``.
+* transformer: ``TransformerConfig``, ``AttnMaskType``.
+
+Not imported here (import them by name): ``fusedlib.bench``, the benchmark harness
+(``python -m fusedlib.bench``), and ``fusedlib.book``, the chapters' helpers.
 """
-from . import runtime  # noqa: F401  (first: settles TRITON_INTERPRET before kernels are defined)
-from . import jit, unfused, utils  # noqa: F401
-from .fusions.fused_bias_gelu import GeLUFunction, bias_gelu, bias_gelu_back, bias_gelu_impl
-from . import parallel  # noqa: F401
-from .fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-from .parallel import VocabUtility, count_collectives, vocab_parallel_cross_entropy
-from .fusions.fused_softmax import (
+# runtime first: settles TRITON_INTERPRET before any kernel is defined
+from . import runtime
+
+# helpers that need no kernel
+from . import checks, jit, unfused, utils
+
+# fusions, by chapter
+from .fusions.fused_bias_gelu import GeLUFunction, bias_gelu, bias_gelu_back, bias_gelu_impl  # 1
+from .fusions.fused_bias_dropout import (  # 2
+    BiasDropoutAddFunction,
+    bias_dropout_add_fused_inference,
+    bias_dropout_add_fused_train,
+    bias_dropout_add_unfused,
+    get_bias_dropout_add,
+)
+from .fusions.fused_bias_geglu import BiasGeGLUFunction, GeGLUFunction, bias_geglu_impl  # 3
+from .fusions.fused_bias_swiglu import (
+    BiasSwiGLUFunction,
+    SwiGLUFunction,
+    WeightedSwiGLUFunction,
+    bias_swiglu_impl,
+    weighted_bias_swiglu_impl,
+)
+from .fusions.fused_weighted_squared_relu import WeightedSquaredReLUFunction, weighted_squared_relu_impl
+from .fusions.fused_layer_norm import (  # 4
+    FusedLayerNorm,
+    FusedLayerNormAffineFunction,
+    FusedNorm,
+    FusedRMSNorm,
+    FusedRMSNormAffineFunction,
+    fused_layer_norm,
+    fused_rms_norm,
+)
+from .fusions.fused_softmax import (  # 5
     FusedScaleMaskSoftmax,
     ScaledMaskedSoftmax,
     ScaledSoftmax,
@@ -43,53 +76,38 @@ from .fusions.fused_softmax import (
     SoftmaxOne,
     fused_scale_mask_softmax,
 )
+from .fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy  # 6
+
+# parallel
+from . import parallel
+from .parallel import VocabUtility, count_collectives, vocab_parallel_cross_entropy
+
+# transformer
+from .transformer import TransformerConfig
 from .transformer.enums import AttnMaskType
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # runtime
     "runtime",
+    # helpers that need no kernel
+    "checks",
     "jit",
     "unfused",
     "utils",
+    # 1. bias + GeLU
     "GeLUFunction",
     "bias_gelu",
     "bias_gelu_back",
     "bias_gelu_impl",
-    "parallel",
-    "vocab_parallel_cross_entropy",
-    "fused_vocab_parallel_cross_entropy",
-    "VocabUtility",
-    "count_collectives",
-]
-
-from .fusions.fused_bias_dropout import (  # noqa: E402  (chapter 2)
-    BiasDropoutAddFunction,
-    bias_dropout_add_fused_inference,
-    bias_dropout_add_fused_train,
-    bias_dropout_add_unfused,
-    get_bias_dropout_add,
-)
-
-__all__ += [
+    # 2. bias + dropout + add
     "BiasDropoutAddFunction",
     "bias_dropout_add_fused_inference",
     "bias_dropout_add_fused_train",
     "bias_dropout_add_unfused",
     "get_bias_dropout_add",
-]
-
-from .fusions.fused_bias_geglu import BiasGeGLUFunction, GeGLUFunction, bias_geglu_impl  # noqa: E402  (chapter 3)
-from .fusions.fused_bias_swiglu import (  # noqa: E402
-    BiasSwiGLUFunction,
-    SwiGLUFunction,
-    WeightedSwiGLUFunction,
-    bias_swiglu_impl,
-    weighted_bias_swiglu_impl,
-)
-from .fusions.fused_weighted_squared_relu import WeightedSquaredReLUFunction, weighted_squared_relu_impl  # noqa: E402
-
-__all__ += [
+    # 3. gated linear units
     "BiasGeGLUFunction",
     "GeGLUFunction",
     "bias_geglu_impl",
@@ -100,29 +118,7 @@ __all__ += [
     "weighted_bias_swiglu_impl",
     "WeightedSquaredReLUFunction",
     "weighted_squared_relu_impl",
-    # chapter 5
-    "FusedScaleMaskSoftmax",
-    "ScaledMaskedSoftmax",
-    "ScaledSoftmax",
-    "ScaledUpperTriangMaskedSoftmax",
-    "SoftmaxOne",
-    "fused_scale_mask_softmax",
-    "AttnMaskType",
-]
-
-# Chapter 4: fused LayerNorm and RMSNorm, and the TransformerConfig switches they read.
-from .fusions.fused_layer_norm import (  # noqa: E402
-    FusedLayerNorm,
-    FusedLayerNormAffineFunction,
-    FusedNorm,
-    FusedRMSNorm,
-    FusedRMSNormAffineFunction,
-    fused_layer_norm,
-    fused_rms_norm,
-)
-from .transformer import TransformerConfig  # noqa: E402
-
-__all__ += [
+    # 4. LayerNorm and RMSNorm
     "FusedLayerNorm",
     "FusedLayerNormAffineFunction",
     "FusedNorm",
@@ -130,5 +126,21 @@ __all__ += [
     "FusedRMSNormAffineFunction",
     "fused_layer_norm",
     "fused_rms_norm",
+    # 5. softmax
+    "FusedScaleMaskSoftmax",
+    "ScaledMaskedSoftmax",
+    "ScaledSoftmax",
+    "ScaledUpperTriangMaskedSoftmax",
+    "SoftmaxOne",
+    "fused_scale_mask_softmax",
+    # 6. cross entropy
+    "fused_vocab_parallel_cross_entropy",
+    # parallel
+    "parallel",
+    "vocab_parallel_cross_entropy",
+    "VocabUtility",
+    "count_collectives",
+    # transformer
     "TransformerConfig",
+    "AttnMaskType",
 ]

@@ -3,6 +3,7 @@ tuning entry point: everything that runs without a GPU (fake clocks and timers, 
 interpreter at tiny shapes, a recording torch.compile backend)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -319,7 +320,7 @@ def test_tune_list_runs_without_a_gpu(capsys, monkeypatch):
     assert tune_mod.main(["--op", "cross_entropy", "--list"]) == 0
     out = capsys.readouterr().out
     assert "cross_entropy fwd [8192, 128256]: 6 candidates" in out and "<- current" in out
-    assert "_FWD_TILES" in out
+    assert "cross_entropy.py FWD_TILES" in out
     assert tune_mod.main(["--op", "cross_entropy"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     from fusedlib.bench.ops import cross_entropy
@@ -327,29 +328,20 @@ def test_tune_list_runs_without_a_gpu(capsys, monkeypatch):
     assert cross_entropy.main(["--tune"]) == 2  # the old entry point runs the same
 
 
-def test_tile_override_sets_the_table_and_restores_it():
-    import fusedlib.utils as utils
+def test_candidates_are_tiles_and_the_current_tile_is_the_tables_pick():
     from fusedlib.kernels import bias_dropout_add as kd
+    from fusedlib.kernels import layer_norm as kln
+    from fusedlib.kernels.launch import Tile, pick
 
-    before = (kd._DROPOUT_TILES, kd._BWD_SCALE, utils.PROGRAMS_PER_SM)
-    tile = {"BLOCK_N": 256, "BLOCK_M": 16, "num_warps": 2, "programs_per_sm": 32}
-    with tune_mod.tile_override("bias_dropout_add", "bwd", tile):
-        assert tune_mod.current_tile("bias_dropout_add", "bwd", (64, 4096)) == tile
-    assert (kd._DROPOUT_TILES, kd._BWD_SCALE, utils.PROGRAMS_PER_SM) == before
-    with pytest.raises(RuntimeError, match="inside"):
-        with tune_mod.tile_override("causal_softmax", "fwd", {"online": True, "BLOCK_M": 1, "BLOCK_N": 64,
-                                                              "num_warps": 2}):
-            raise RuntimeError("inside")
-    assert tune_mod.current_tile("causal_softmax", "fwd", (1, 2048, 2048))["BLOCK_N"] == 2048  # restored
-
-
-def test_tile_override_names_a_table_that_moved(monkeypatch):
-    from fusedlib.kernels import glu
-
-    monkeypatch.delattr(glu, "_GLU_TILES")
-    with pytest.raises(AttributeError, match="_GLU_TILES no longer exists"):
-        with tune_mod.tile_override("swiglu", "fwd", {"BLOCK_N": 64, "BLOCK_M": 4, "num_warps": 4}):
-            pass
+    for op, spec in tune_mod.TUNE_OPS.items():
+        for pass_ in ("fwd", "bwd"):
+            for cand in tune_mod.candidates(op, pass_, spec.shapes[0]):
+                assert Tile(**cand) is not None  # every candidate is a Tile's fields
+    assert tune_mod.current_tile("bias_dropout_add", "bwd", (64, 4096)) == dataclasses.asdict(pick(kd.BWD_TILES, 4096))
+    # RMSNorm's backward has its own row at 16 Ki (a whole row in one program), LayerNorm's splits
+    rms, ln = (tune_mod.current_tile(op, "bwd", (8, 16384)) for op in ("rms_norm", "layer_norm"))
+    assert rms["BLOCK_N"] == 16384 and ln["BLOCK_N"] == 1024 < 16384
+    assert ln == dataclasses.asdict(pick(kln.BWD_TILES, 16384))
 
 
 TINY = {"bias_gelu": (4, 64), "bias_dropout_add": (4, 64), "geglu": (4, 128), "swiglu": (4, 128),
@@ -357,18 +349,40 @@ TINY = {"bias_gelu": (4, 64), "bias_dropout_add": (4, 64), "geglu": (4, 128), "s
         "masked_softmax": (1, 2, 16, 16), "cross_entropy": (4, 64)}
 
 
+def _kernel_modules():
+    import importlib
+    import pkgutil
+
+    import fusedlib.kernels
+
+    for info in pkgutil.iter_modules(fusedlib.kernels.__path__):
+        mod = importlib.import_module(f"fusedlib.kernels.{info.name}")
+        if callable(getattr(mod, "launch", None)) and not isinstance(mod.launch, type(pkgutil)):
+            yield mod
+
+
 @pytest.mark.parametrize("op", sorted(tune_mod.TUNE_OPS))
-def test_tune_launches_each_kernel_with_the_candidate_tile(op):
+def test_tune_launches_each_kernel_with_the_candidate_tile(op, monkeypatch):
     assert set(TINY) == set(tune_mod.TUNE_OPS)
     shape = TINY[op]
     seen = []
 
     def fake_timer(fn, warmup=0, rep=0):
-        out = fn()  # the real launcher, in Triton's interpreter, with the tile in force
+        launches.clear()
+        out = fn()  # the real launcher, in Triton's interpreter, with the candidate tile passed
         assert out is not None
-        pass_ = "fwd" if len(seen) < 2 else "bwd"
-        seen.append(tune_mod.current_tile(op, pass_, shape))
+        seen.append(list(launches))
         return 1e-5  # ms: GB/s of a tiny shape still shows in the record's one decimal
+
+    launches = []
+    for mod in _kernel_modules():
+        real = mod.launch
+
+        def recording(kernel, grid, device, *args, _real=real, **kwargs):
+            launches.append(kwargs)
+            return _real(kernel, grid, device, *args, **kwargs)
+
+        monkeypatch.setattr(mod, "launch", recording)
 
     lines = []
     recs = tune_mod.tune(op, [shape], dtype=torch.float32, device="cpu", repeat=2, limit=1,
@@ -378,6 +392,10 @@ def test_tune_launches_each_kernel_with_the_candidate_tile(op):
         assert r["tile"] == tune_mod.candidates(op, pass_, shape)[0] and r["ms_repeats"] == [1e-5, 1e-5]
         assert r["bytes"] == tune_mod.kernel_bytes(op, pass_, shape, torch.float32) > 0
         assert r["GBps"] == pytest.approx(r["bytes"] / 1e-8 / 1e9, rel=1e-3)
-    if tune_mod._table_patches(op, "fwd", recs[0]["tile"]):  # the table-driven launchers saw the tile
-        assert seen == [recs[0]["tile"]] * 2 + [recs[1]["tile"]] * 2
+    # every timed call launched a kernel with the candidate's tile (its block, warps, rows)
+    for calls, tile in zip((seen[:2], seen[2:]), (recs[0]["tile"], recs[1]["tile"])):
+        for kwargs_list in calls:
+            assert any(kw.get("BLOCK_N") == tile["BLOCK_N"] and kw.get("num_warps") == tile["num_warps"]
+                       and kw.get("BLOCK_M", tile["BLOCK_M"]) == tile["BLOCK_M"] for kw in kwargs_list), \
+                (op, tile, kwargs_list)
     assert any("best:" in line for line in lines) and "winners go into" in lines[-1]

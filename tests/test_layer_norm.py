@@ -15,7 +15,8 @@ from fusedlib.fusions.fused_layer_norm import (
     fused_layer_norm,
     fused_rms_norm,
 )
-from fusedlib.kernels.layer_norm import MAX_HIDDEN_SIZE, NormConfig, norm_bwd, norm_config, norm_fwd
+from fusedlib.kernels.launch import Tile, next_power_of_2, pick
+from fusedlib.kernels.layer_norm import FWD_TILES, MAX_HIDDEN_SIZE, norm_bwd, norm_fwd
 from fusedlib.transformer import TransformerConfig
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
@@ -98,7 +99,8 @@ def test_every_block_size_from_1_to_65536(norm):
     # Triton compiles one kernel per power-of-two BLOCK_N and masks the rest of the row, so
     # one size inside each of the 17 blocks (and both ends) covers every hidden size 1..65536.
     sizes = [1, 2, 3] + [2**k + 1 for k in range(2, 16)] + [MAX_HIDDEN_SIZE - 1, MAX_HIDDEN_SIZE]
-    assert {norm_config(h, "fwd")[0] for h in range(1, MAX_HIDDEN_SIZE + 1, 7)} <= {norm_config(h, "fwd")[0] for h in sizes}
+    assert {next_power_of_2(h) for h in range(1, MAX_HIDDEN_SIZE + 1, 7)} <= {next_power_of_2(h) for h in sizes}
+    assert all(pick(FWD_TILES, h).BLOCK_N == next_power_of_2(h) for h in sizes)  # the forward holds whole rows
     for h in sizes:
         w, b = _params(h, torch.float32, norm)
         _check_fwd_bwd(norm, _x((2, h), torch.float32), w, b)
@@ -189,9 +191,9 @@ def test_split_backward_against_float64(norm, memory_efficient, zero_centered):
     dy = torch.randn(h, rows, device=DEVICE).t()
     rms = norm == "rms"
     y, mean, rstd = norm_fwd(x, w, b, EPS, rms_norm=rms, zero_centered_gamma=zero_centered)
-    cfg = NormConfig(BLOCK_M=2, num_warps=4, programs_per_sm=2, num_stages=2, split_block=64)
+    tile = Tile(BLOCK_M=2, BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=2)  # 64 < 512: split
     dx, dw, db = norm_bwd(dy, y if memory_efficient else x, w, b, mean, rstd, rms_norm=rms,
-                          zero_centered_gamma=zero_centered, memory_efficient=memory_efficient, config=cfg)
+                          zero_centered_gamma=zero_centered, memory_efficient=memory_efficient, tile=tile)
     b64 = b.double() if b is not None else None
     _, dx64, dw64, db64 = _reference(norm, x.double(), w.double(), b64, dy.double(), zero_centered)
     scale = 4.0 if memory_efficient else 1.0  # x_hat recovered from y rounded to float32
@@ -207,12 +209,14 @@ def test_split_backward_against_float64(norm, memory_efficient, zero_centered):
     torch.testing.assert_close(dw, dw1, atol=1e-4, rtol=1e-5)
 
 
-def test_split_block_must_be_a_power_of_two():
+def test_tile_block_n_must_be_a_power_of_two_and_the_forward_whole_rows():
     x, w = torch.randn(3, 100, device=DEVICE), torch.randn(100, device=DEVICE)
     y, mean, rstd = norm_fwd(x, w, None, 1e-5, rms_norm=True)
-    with pytest.raises(ValueError, match="split_block must be a power of two"):
+    with pytest.raises(ValueError, match="BLOCK_N must be a power of two"):
         norm_bwd(torch.randn(3, 100, device=DEVICE), x, w, None, None, rstd, rms_norm=True,
-                 config=NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=2, num_stages=1, split_block=48))
+                 tile=Tile(BLOCK_M=1, BLOCK_N=48, num_warps=4, num_stages=1, programs_per_sm=2))
+    with pytest.raises(ValueError, match="the norms' forward holds whole rows"):
+        norm_fwd(x, w, None, 1e-5, rms_norm=True, tile=Tile(BLOCK_M=1, BLOCK_N=64, num_warps=4))
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -493,8 +497,8 @@ def test_bad_eps_and_mixed_devices_raise():
     other = "cpu" if DEVICE.type == "cuda" else "meta"
     with pytest.raises(ValueError, match="one device, got input on"):
         fused_layer_norm(x, torch.randn(8, device=other), None)
-    with pytest.raises(ValueError, match="hidden size must be in 1..65536"):
-        norm_config(70000, "fwd")
+    with pytest.raises(ValueError, match="past the tile table's last bound, 65536"):
+        pick(FWD_TILES, 70000)
 
 
 def test_autograd_functions_are_the_entry_points():

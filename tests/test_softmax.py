@@ -518,10 +518,14 @@ def test_empty_inputs():
 
 def test_kernel_settings_table():
     # the structure of the tables, not their tuned values
+    # (a tile narrower than the row's next power of two runs the looping kernel)
     for sk in (1, 7, 100, 2048, 5000, 16384):
-        cfg = ksoftmax.softmax_settings(sk)
-        assert not cfg["online"] and cfg["BLOCK_N"] == triton.next_power_of_2(sk) and cfg["BLOCK_M"] >= 1
-    assert ksoftmax.softmax_settings(16385)["online"] and ksoftmax.softmax_settings(32768)["BLOCK_M"] == 1
+        tile = ksoftmax.softmax_tile(sk)
+        assert tile.BLOCK_N == triton.next_power_of_2(sk) and tile.BLOCK_M >= 1
+    for sk in (16385, 32768):
+        tile = ksoftmax.softmax_tile(sk)
+        assert tile.BLOCK_N < triton.next_power_of_2(sk) and tile.BLOCK_M == 1
+    assert ksoftmax.softmax_tile(21, max_register_block=8).BLOCK_N == 8
     assert ksoftmax.causal_band(4, 4) == (-4, 0)
     assert ksoftmax.causal_band(9, 5) == (-9, -4)  # every row's lower edge below column 0
     assert ksoftmax.window_band(4, 6, (2, 1)) == (0, 3)

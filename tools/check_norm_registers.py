@@ -6,7 +6,7 @@ Usage (any machine with triton's bundled CUDA tools, no GPU needed):
     python tools/check_norm_registers.py --fp64 8        # float64 inputs (gradcheck's kernels)
 
 For each hidden size, LayerNorm and RMSNorm, forward and backward (and the memory-efficient
-backward), with the table's NormConfig and bf16 inputs, it prints REG (registers per
+backward), with the tables' Tile and bf16 inputs, it prints REG (registers per
 thread), LOCAL (bytes spilled per thread: should be 0), SMEM (bytes of shared memory per
 program: the pipeline's stage buffers and reduction scratch) and the programs per SM that
 those allow. The tables in fusedlib/kernels/layer_norm.py were checked with it.
@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 
 from fusedlib.kernels import layer_norm as L  # noqa: E402
+from fusedlib.kernels.launch import pick  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -65,7 +66,7 @@ def main(hidden_sizes, dtype="bf16"):
         aligned_dims = ["n_cols"] if h % 16 == 0 else []
         for rms in (False, True):
             name = "RMSNorm  " if rms else "LayerNorm"
-            _, cf = L.norm_config(h, "fwd")
+            cf = pick(L.FWD_TILES, h)
             sig = {"X_ptr": elem, "Y_ptr": elem, "W_ptr": elem, "B_ptr": elem, "MEAN_ptr": stat,
                    "RSTD_ptr": stat, "n_rows": "i32", "n_cols": "i32", "X_row_stride": "i32",
                    "X_col_stride": "i32", "eps": "fp32", "rows_per_program": "i32"}
@@ -78,11 +79,13 @@ def main(hidden_sizes, dtype="bf16"):
             r = compile_kernel(L._norm_fwd_kernel, sig, const, aligned, cf.num_warps)
             print(f"h={h:5d} {dtype} {name} fwd {cf}: REG={r[0]} LOCAL={r[1]} SMEM={r[2]} "
                   f"-> {programs_per_sm(r[0], cf.num_warps, r[2])} programs/SM", flush=True)
-            _, cb = L.norm_config(h, "bwd", rms)
-            bwd_block = min(cb.split_block, block_n) if cb.split_block else block_n
+            cb = pick(L.RMS_BWD_TILES if rms else L.BWD_TILES, h)
+            bwd_block = cb.BLOCK_N  # below block_n: the split backward
+            split = bwd_block < block_n
             for me in (False, True):
-                if cb.split_block:
-                    s_m, s_n, s_warps = L._ROW_STATS_TILE["cuda"]
+                if split:
+                    s_tile = L._ROW_STATS_TILES["cuda"]
+                    s_m, s_n, s_warps = s_tile.BLOCK_M, s_tile.BLOCK_N, s_tile.num_warps
                     sig = {"DY_ptr": elem, "X_ptr": elem, "W_ptr": elem, "B_ptr": elem, "MEAN_ptr": stat,
                            "RSTD_ptr": stat, "C_ptr": stat, "n_rows": "i32", "n_cols": "i32", "DY_row_stride": "i32",
                            "DY_col_stride": "i32", "X_row_stride": "i32", "X_col_stride": "i32"}
@@ -101,7 +104,7 @@ def main(hidden_sizes, dtype="bf16"):
                        "X_row_stride": "i32", "X_col_stride": "i32", "rows_per_program": "i32"}
                 const = dict(DY_col_stride=1, X_col_stride=1, BLOCK_M=cb.BLOCK_M, BLOCK_N=bwd_block, IS_RMS_NORM=rms,
                              HAS_BIAS=not rms, ZERO_CENTERED_GAMMA=False, MEMORY_EFFICIENT=me,
-                             SPLIT=bool(cb.split_block), NUM_STAGES=cb.num_stages, ACC=acc)
+                             SPLIT=split, NUM_STAGES=cb.num_stages, ACC=acc)
                 aligned = ["DY_ptr", "X_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "C_ptr", "DX_ptr",
                            "PARTIAL_ptr", "n_rows"] + aligned_dims + (
                     ["DY_row_stride", "X_row_stride"] if aligned_dims else [])
@@ -114,5 +117,5 @@ def main(hidden_sizes, dtype="bf16"):
 if __name__ == "__main__":
     args = sys.argv[1:]
     dtype = "fp64" if "--fp64" in args else "bf16"
-    sizes = [int(a) for a in args if a != "--fp64"] or [bound for bound, _ in L._FWD_CONFIGS]
+    sizes = [int(a) for a in args if a != "--fp64"] or [bound for bound, _ in L.FWD_TILES]
     main(sizes, dtype)

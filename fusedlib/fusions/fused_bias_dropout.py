@@ -36,8 +36,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import unfused
+from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd, bias_dropout_add_fwd, philox_seed
-from ..utils import check_same_device, check_tensor
 
 __all__ = [
     "BiasDropoutAddFunction",
@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 XWithBias = Tuple[torch.Tensor, Optional[torch.Tensor]]
+Tensor = torch.Tensor
 
 
 def _check_prob(prob: object) -> float:
@@ -56,9 +57,26 @@ def _check_prob(prob: object) -> float:
     return float(prob)
 
 
+def _happy(x_with_bias: object, residual: object, prob: object) -> bool:
+    """The common case of :func:`_check` in one cheap test (no message, no raise)."""
+    if not (isinstance(x_with_bias, (tuple, list)) and len(x_with_bias) == 2):
+        return False
+    x, bias = x_with_bias
+    if not (isinstance(x, Tensor) and isinstance(residual, Tensor) and x.dtype in FLOAT_DTYPES
+            and residual.dtype in FLOAT_DTYPES and x.dim() >= 1 and residual.shape == x.shape
+            and type(prob) is float and 0.0 <= prob <= 1.0):
+        return False
+    if bias is None:
+        return on_one_kernel_device(x, residual)
+    return (isinstance(bias, Tensor) and bias.dtype in FLOAT_DTYPES and bias.dim() == 1
+            and bias.shape[0] == x.shape[-1] and on_one_kernel_device(x, bias, residual))
+
+
 def _check(x_with_bias: object, residual: object, prob: object
            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, float]:
     """Unpack and check Megatron's arguments; returns (x, bias, residual, p)."""
+    if _happy(x_with_bias, residual, prob):
+        return x_with_bias[0], x_with_bias[1], residual, prob
     if not isinstance(x_with_bias, (tuple, list)) or len(x_with_bias) != 2:
         raise TypeError(f"x_with_bias must be a pair (x, bias) with bias a tensor or None, got {type(x_with_bias).__name__}"
                         + (f" of length {len(x_with_bias)}" if isinstance(x_with_bias, (tuple, list)) else ""))
@@ -73,12 +91,6 @@ def _check(x_with_bias: object, residual: object, prob: object
             raise ValueError(f"bias must have shape [h] with h = x.shape[-1] = {x.shape[-1]}, got {list(bias.shape)}")
     check_same_device(x=x, bias=bias, residual=residual)
     return x, bias, residual, _check_prob(prob)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    # [..., h] -> [prod(...), h]: a view where strides allow (kernels take both strides).
-    # The row count is spelled out: reshape(-1, 0) cannot infer it for h = 0.
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 class BiasDropoutAddFunction(torch.autograd.Function):
@@ -104,24 +116,21 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         dropout = training and prob > 0.0
         seed = philox_seed(x.device) if dropout else None
         b = bias.contiguous() if bias is not None else None  # [h]: a copy only for a strided bias
-        out = bias_dropout_add_fwd(_rows(x), b, _rows(residual), seed, prob)
+        out = bias_dropout_add_fwd(x, b, residual, seed, prob)  # [..., h], the residual's dtype
         if seed is not None:
             ctx.save_for_backward(seed)
         ctx.dropout, ctx.prob, ctx.x_dtype = dropout, prob, x.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return out.view(x.shape)
+        return out
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, grad_output: torch.Tensor):
         seed = ctx.saved_tensors[0] if ctx.dropout else None
-        need_dx, need_db, need_dr = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        g2d = _rows(grad_output)  # [..., h] -> [rows, h]
-        dx, db = bias_dropout_add_bwd(g2d, ctx.x_dtype, seed, ctx.prob, need_dx=need_dx, need_dbias=need_db)
-        if dx is g2d:
-            dx = grad_output  # nothing dropped and x has out's dtype: dx is g, as for a plain add
-        elif dx is not None:
-            dx = dx.view(grad_output.shape)  # [rows, h] -> [..., h]
+        need_dx, need_db, need_dr = ctx.needs_input_grad[:3]
+        # dx: [..., h] of x's dtype, or grad_output itself when nothing was dropped and x has
+        # out's dtype (as for a plain add); db: [h] float32
+        dx, db = bias_dropout_add_bwd(grad_output, ctx.x_dtype, seed, ctx.prob, need_dx=need_dx, need_dbias=need_db)
         db = db.to(ctx.bias_dtype) if db is not None else None
         return dx, db, (grad_output if need_dr else None), None, None
 
@@ -141,9 +150,9 @@ def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training
     try:
         x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])  # [..., h] -> [rows, h] without a copy, or raise
     except RuntimeError:
-        x.copy_(bias_dropout_add_fwd(_rows(x), b, _rows(residual), None, p).view(x.shape))
+        x.copy_(bias_dropout_add_fwd(x, b, residual, None, p))
         return x
-    bias_dropout_add_fwd(x2d, b, _rows(residual), None, p, out=x2d)
+    bias_dropout_add_fwd(x2d, b, residual, None, p, out=x2d)
     if not x.is_inference():  # (inference tensors keep no version counter in some torch versions)
         torch.autograd.graph.increment_version(x)  # x changed in place: let autograd's checks see it
     return x

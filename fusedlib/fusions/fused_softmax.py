@@ -44,10 +44,11 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from .. import unfused
+from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ..kernels.launch import acc_dtype
 from ..kernels.softmax import causal_band, softmax_bwd, softmax_fwd, window_band
 from ..runtime import default_device
 from ..transformer.enums import AttnMaskType
-from ..utils import check_same_device, check_tensor
 
 __all__ = [
     "ScaledUpperTriangMaskedSoftmax",
@@ -221,7 +222,17 @@ def _mask_type_name(attn_mask_type: object) -> str:
     return name
 
 
+Tensor = torch.Tensor
+
+
+def _is_float_tensor(t: object, ndim: int) -> bool:
+    """The happy case of ``check_tensor(name, t, ndim=ndim)`` (ndim 0: any), as one cheap test."""
+    return isinstance(t, Tensor) and t.dtype in FLOAT_DTYPES and (ndim == 0 or t.dim() == ndim)
+
+
 def _check_scale(scale: object) -> float:
+    if type(scale) is float and math.isfinite(scale):
+        return scale
     if scale is None:
         return 1.0
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -244,7 +255,8 @@ def _check_window(window_size: object) -> Optional[tuple[int, int]]:
 def _check_mask(mask: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
     if mask is None:
         return None
-    check_tensor("mask", mask, dtypes=(torch.bool,))
+    if not (isinstance(mask, Tensor) and mask.dtype == torch.bool):
+        check_tensor("mask", mask, dtypes=(torch.bool,))
     ok = mask.dim() <= x.dim() and all(m in (1, n) for m, n in zip(reversed(mask.shape), reversed(x.shape)))
     if not ok:
         raise ValueError(f"mask of shape {list(mask.shape)} does not broadcast to the scores' shape {list(x.shape)} "
@@ -258,7 +270,8 @@ def _check_offset(offset: object, x4: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     if isinstance(offset, numbers.Real) and not isinstance(offset, bool):
         return torch.tensor([float(offset)], device=x4.device, dtype=torch.promote_types(x4.dtype, torch.float32))
-    check_tensor("softmax_offset", offset, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+    if not _is_float_tensor(offset, 0):
+        check_tensor("softmax_offset", offset, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
     if offset.numel() not in (1, x4.shape[1]):
         raise ValueError(f"softmax_offset must have 1 or np = {x4.shape[1]} elements (one sink logit per head), "
                          f"got shape {list(offset.shape)}")
@@ -288,8 +301,9 @@ class _ScaleMaskSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x4, mask, scale, band, offset):
         off = None
-        if offset is not None:  # sink logits in the compute dtype, [1] or [np]
-            off = offset.detach().to(torch.promote_types(x4.dtype, torch.float32)).reshape(-1).contiguous()
+        if offset is not None:  # sink logits in the compute dtype, [1] or [np] (no graph: forward runs without grad)
+            off = offset.to(acc_dtype(x4.dtype))
+            off = (off if off.dim() == 1 else off.reshape(-1)).contiguous()
         p, sink = softmax_fwd(x4, scale, mask, band, off)
         ctx.save_for_backward(p, sink)
         ctx.scale, ctx.band = scale, band
@@ -344,7 +358,8 @@ def fused_scale_mask_softmax(
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py``.
     """
-    check_tensor("input", input, ndim=(3, 4))
+    if not (_is_float_tensor(input, 4) or _is_float_tensor(input, 3)):
+        check_tensor("input", input, ndim=(3, 4))
     scale_f = _check_scale(scale)
     mask = _check_mask(mask, input)
     window = _check_window(window_size)
@@ -352,11 +367,13 @@ def fused_scale_mask_softmax(
     offset = _check_offset(softmax_offset, x4)
     if offset is not None and offset.numel() > 1 and input.dim() != 4:
         raise ValueError("a per-head softmax_offset needs 4-D scores [b, np, sq, sk]")
-    check_same_device(input=input, mask=mask, softmax_offset=offset)
+    present = [t for t in (input, mask, offset) if t is not None]
+    if not on_one_kernel_device(*present):
+        check_same_device(input=input, mask=mask, softmax_offset=offset)
     sq, sk = x4.shape[-2:]
     band = window_band(sq, sk, window) if window is not None else (causal_band(sq, sk) if causal else None)
     p4 = _ScaleMaskSoftmaxFunction.apply(x4, mask4, scale_f, band, offset)
-    return p4.view(input.shape)
+    return p4 if input.dim() == 4 else p4.view(input.shape)  # [b, 1, sq, sk] -> [b, sq, sk]
 
 
 class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
@@ -375,12 +392,12 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inputs, scale):
-        check_tensor("inputs", inputs, ndim=3)
+        if not _is_float_tensor(inputs, 3):
+            check_tensor("inputs", inputs, ndim=3)
         ctx.scale = _check_scale(scale)
         sq, sk = inputs.shape[-2:]
         ctx.band = causal_band(sq, sk)
-        p4, _ = softmax_fwd(inputs.unsqueeze(1), ctx.scale, band=ctx.band)  # [ab, sq, sk] -> [ab, 1, sq, sk]
-        out = p4.view(inputs.shape)
+        out, _ = softmax_fwd(inputs, ctx.scale, band=ctx.band)  # [ab, sq, sk]: one head per attention batch
         ctx.save_for_backward(out)
         return out
 
@@ -388,8 +405,8 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
     def backward(ctx, output_grads):
         (p,) = ctx.saved_tensors
-        dx, _ = softmax_bwd(output_grads.unsqueeze(1), p.unsqueeze(1), ctx.scale, ctx.band)
-        return dx.view(p.shape), None
+        dx, _ = softmax_bwd(output_grads, p, ctx.scale, ctx.band)
+        return dx, None
 
 
 class ScaledMaskedSoftmax(torch.autograd.Function):
@@ -409,10 +426,12 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inputs, mask, scale):
-        check_tensor("inputs", inputs, ndim=4)
+        if not _is_float_tensor(inputs, 4):
+            check_tensor("inputs", inputs, ndim=4)
         ctx.scale = _check_scale(scale)
         mask = _check_mask(mask, inputs)
-        check_same_device(inputs=inputs, mask=mask)
+        if not on_one_kernel_device(inputs, *([] if mask is None else [mask])):
+            check_same_device(inputs=inputs, mask=mask)
         p, _ = softmax_fwd(inputs, ctx.scale, mask=mask)
         ctx.save_for_backward(p)
         return p
@@ -570,7 +589,8 @@ class FusedScaleMaskSoftmax(nn.Module):
     def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor],  # noqa: A002
                 softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Probabilities [b, np, sq, sk]: the fused kernel when available, else PyTorch."""
-        check_tensor("input", input, ndim=4)
+        if not _is_float_tensor(input, 4):
+            check_tensor("input", input, ndim=4)
         for flag, dtype in (("input_in_fp16", torch.float16), ("input_in_bf16", torch.bfloat16)):
             if getattr(self, flag) and input.dtype != dtype:
                 raise ValueError(f"{flag}=True but input has dtype {str(input.dtype).replace('torch.', '')}")

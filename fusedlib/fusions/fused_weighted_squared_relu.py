@@ -20,8 +20,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.squared_relu import weighted_squared_relu_bwd, weighted_squared_relu_fwd
-from ..utils import as_rows, check_same_device, check_tensor
 from ._glu import check_row_weights
 
 __all__ = [
@@ -34,8 +34,12 @@ __all__ = [
 ]
 
 
+Tensor = torch.Tensor
+
+
 def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input") -> torch.Tensor:
-    check_tensor(x_name, x, min_ndim=1)
+    if not (isinstance(x, Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1):
+        check_tensor(x_name, x, min_ndim=1)
     weights = check_row_weights(weights, x, x_name)
     if clamp_scale is not None:
         if isinstance(clamp_scale, bool) or not isinstance(clamp_scale, (int, float)):
@@ -46,6 +50,8 @@ def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input
 
 
 def _check_grad(g: object, x: torch.Tensor) -> None:
+    if isinstance(g, Tensor) and g.dtype == x.dtype and g.shape == x.shape and on_one_kernel_device(g, x):
+        return
     check_tensor("grad_output", g, shape=tuple(x.shape))
     if g.dtype != x.dtype:
         raise TypeError(f"grad_output dtype {g.dtype} must match input dtype {x.dtype}")
@@ -53,14 +59,12 @@ def _check_grad(g: object, x: torch.Tensor) -> None:
 
 
 def _fwd(x: torch.Tensor, weights: torch.Tensor, clamp_scale: float | None) -> torch.Tensor:
-    # [..., h] -> [rows, h] (a view where strides allow) -> back to [..., h]
-    return weighted_squared_relu_fwd(as_rows(x), weights, clamp_scale).view(x.shape)
+    return weighted_squared_relu_fwd(x, weights, clamp_scale)  # [..., h] -> [..., h]
 
 
 def _bwd(g: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
          clamp_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = weighted_squared_relu_bwd(as_rows(g), as_rows(x), weights, clamp_scale)
-    return dx.view(x.shape), dw
+    return weighted_squared_relu_bwd(g, x, weights, clamp_scale)  # (dx [..., h], dw [rows, 1])
 
 
 def weighted_squared_relu(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

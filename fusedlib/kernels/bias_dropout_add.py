@@ -40,20 +40,23 @@ Dror & Shaw, "Parallel random numbers: as easy as 1, 2, 3" (SC 2011); Dao,
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
-from ..runtime import kernel_mode, launch
+from ..runtime import INTERPRET_ON_CPU, launch
+from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, next_power_of_2, persistent_grid, pick
 from .reduce import sum_partials
-from ..utils import num_programs_hint
 
 __all__ = [
     "KEEP_BITS",
     "ELEMENTS_PER_PHILOX",
+    "FWD_TILES",
+    "BWD_TILES",
     "drop_threshold",
     "dropout_scale",
-    "dropout_tile",
     "philox_seed",
     "bias_dropout_add_fwd",
     "bias_dropout_add_bwd",
@@ -91,22 +94,27 @@ def dropout_scale(p: float) -> float:
     return 0.0 if t >= full else full / (full - t)
 
 
-# Tile shapes, as (upper bound of n_cols, BLOCK_N, BLOCK_M, num_warps). Long rows: tiles of
-# [4, 1024], 4 warps: 32 elements per thread, as four 16-byte vectors of bf16 per tensor,
-# and 4 Philox calls per thread. BLOCK_N is a multiple of 8 (one Philox call per 8 columns).
-# H200, [32768, 4096] bf16, kernel only (NOTES.md): forward 0.197 ms for [4, 1024] and
-# 0.199 for [2, 2048]; backward ([8, 1024] at 8 warps, 4 programs per SM) 0.163 ms
-# against 0.210 for [4, 2048].
-_DROPOUT_TILES: tuple[tuple[int, int, int, int], ...] = (
-    (64, 64, 64, 4),  # short rows: BLOCK_N = next power of two >= max(n_cols, 8), 64 rows
-    (512, 512, 8, 4),  # BLOCK_N <= 512, 8 rows (4 Ki elements)
-    (1 << 62, 1024, 4, 4),  # long rows: [4, 1024] tiles (4 Ki elements)
+# Tile shapes of the forward (and of dropout_mask), as (upper bound of n_cols, Tile). Long
+# rows: tiles of [4, 1024], 4 warps: 32 elements per thread, as four 16-byte vectors of bf16
+# per tensor, and 4 Philox calls per thread. BLOCK_N is a multiple of 8 (one Philox call per
+# 8 columns): at least 8, else the row's next power of two, capped as below. H200, [32768,
+# 4096] bf16, kernel only (NOTES.md): forward 0.197 ms for [4, 1024] and 0.199 for [2, 2048].
+FWD_TILES: TileTable = (
+    (64, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4)),  # short rows: BLOCK_N = next power of two >= max(n_cols, 8), 64 rows
+    (512, Tile(BLOCK_M=8, BLOCK_N=512, num_warps=4)),  # BLOCK_N <= 512, 8 rows (4 Ki elements)
+    (HUGE, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4)),  # long rows: [4, 1024] tiles (4 Ki elements)
 )
 
-#: The backward's tiles have BWD_SCALE times the rows and warps of the forward's (same work
-#: per thread): its grid is small (a few programs per SM, each looping over rows and keeping
-#: one float32 partial of db), so each program needs more loads in flight.
-_BWD_SCALE: int = 2
+# The backward's tiles: twice the forward's rows and warps (the same work per thread). Its
+# grid is small (a persistent grid of a few programs per SM, each looping over rows and
+# keeping one float32 partial of db), so each program needs more loads in flight. H200,
+# [32768, 4096] bf16, kernel only (NOTES.md): [8, 1024] at 8 warps, 4 programs per SM,
+# 0.163 ms against 0.210 for [4, 2048], and against 0.211 at 16 programs per SM.
+BWD_TILES: TileTable = (
+    (64, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, programs_per_sm=4)),
+    (512, Tile(BLOCK_M=16, BLOCK_N=512, num_warps=8, programs_per_sm=4)),
+    (HUGE, Tile(BLOCK_M=8, BLOCK_N=1024, num_warps=8, programs_per_sm=4)),
+)
 
 #: Elements per program in Triton's CPU interpreter, which runs programs one at a time at
 #: a fixed cost per operation: few large programs are far faster there (measured: 16x
@@ -114,29 +122,19 @@ _BWD_SCALE: int = 2
 _INTERPRETER_TILE_ELEMENTS: int = 1 << 18
 
 
-def dropout_tile(n_cols: int, device: torch.device | None = None, n_rows: int = 1,
-                 backward: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a kernel over rows of ``n_cols``.
-
-    Args:
-        n_cols: row length (>= 1).
-        device: where the kernel runs; in Triton's interpreter BLOCK_M is enlarged, up to
-            ``n_rows`` (the mask is the same for every tiling).
-        n_rows: number of rows (only used in the interpreter).
-        backward: tiles for the backward kernel (``_BWD_SCALE`` times the rows and warps).
-
-    Returns:
-        Rows per tile, columns per tile (powers of two, BLOCK_N >= 8), warps per program.
-    """
-    for bound, block_n, block_m, warps in _DROPOUT_TILES:
-        if n_cols <= bound:
-            block_n = min(block_n, max(ELEMENTS_PER_PHILOX, triton.next_power_of_2(n_cols)))
-            if backward:
-                block_m, warps = block_m * _BWD_SCALE, warps * _BWD_SCALE
-            if device is not None and kernel_mode(device) == "interpreted":
-                block_m = max(block_m, min(_INTERPRETER_TILE_ELEMENTS // block_n, triton.next_power_of_2(n_rows)))
-            return block_m, block_n, warps
-    raise AssertionError("unreachable")
+def _tile(table: TileTable, tile: Tile | None, n_rows: int, n_cols: int) -> tuple[Tile, int]:
+    """(tile, BLOCK_M) for rows of ``n_cols``: ``tile`` as given, else the table's pick with
+    BLOCK_N >= 8 and, in Triton's interpreter, BLOCK_M enlarged up to ``n_rows`` (the mask is
+    the same for every tiling)."""
+    if tile is not None:
+        return tile, tile.BLOCK_M
+    tile = pick(table, n_cols)
+    if tile.BLOCK_N < ELEMENTS_PER_PHILOX:  # rows of fewer than 8 columns: one Philox call per row
+        tile = replace(tile, BLOCK_N=ELEMENTS_PER_PHILOX)
+    block_m = tile.BLOCK_M
+    if INTERPRET_ON_CPU:
+        block_m = max(block_m, min(_INTERPRETER_TILE_ELEMENTS // tile.BLOCK_N, next_power_of_2(n_rows)))
+    return tile, block_m
 
 
 def philox_seed(device: torch.device) -> torch.Tensor:
@@ -280,98 +278,103 @@ def _dropout_mask_kernel(
     tl.store(MASK_ptr + rows[:, None] * n_cols + cols[None, :], keep.to(tl.int8), mask=mask)
 
 
-def _acc(*dtypes: torch.dtype):
-    return tl.float64 if torch.float64 in dtypes else tl.float32
-
-
-def bias_dropout_add_fwd(x2d: torch.Tensor, bias: torch.Tensor | None, r2d: torch.Tensor,
-                         seed: torch.Tensor | None, p: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch the forward kernel: ``out = r2d + dropout(x2d + bias, p)``.
+def bias_dropout_add_fwd(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                         seed: torch.Tensor | None, p: float, out: torch.Tensor | None = None,
+                         tile: Tile | None = None) -> torch.Tensor:
+    """Launch the forward kernel: ``out = residual + dropout(x + bias, p)``.
 
     Args:
-        x2d: [n_rows, n_cols], a float dtype, any strides.
+        x: [..., n_cols] ([n_rows, n_cols] in the kernel), a float dtype, any strides.
         bias: [n_cols] contiguous, or None.
-        r2d: the residual, [n_rows, n_cols], any float dtype, any strides.
+        residual: x's shape, any float dtype, any strides.
         seed: int64 [1] Philox key (:func:`philox_seed`), or None for no dropout.
         p: dropout probability in [0, 1] (ignored when ``seed`` is None).
-        out: where to write ([n_rows, n_cols], r2d's dtype; may be ``x2d`` itself for the
-            in-place inference path), or None for a new contiguous tensor.
+        out: where to write, the residual's dtype: [n_rows, n_cols] with any strides (it may
+            be ``x`` itself, for the in-place inference path), or None for a new contiguous
+            tensor of x's shape.
+        tile: launch settings (None: ``pick(FWD_TILES, n_cols)``, BLOCK_N >= 8, BLOCK_M
+            enlarged in Triton's interpreter).
 
     Returns:
-        ``out``: r2d's dtype.
+        ``out``: the residual's dtype.
     """
-    n_rows, n_cols = x2d.shape
-    if out is None:
-        out = torch.empty((n_rows, n_cols), dtype=r2d.dtype, device=r2d.device)
+    device = x.device
+    fresh = out is None
+    if fresh:
+        out = torch.empty(x.shape, dtype=residual.dtype, device=device)  # written as [n_rows, n_cols]
     if out.numel() == 0:
         return out
-    block_m, block_n, warps = dropout_tile(n_cols, x2d.device, n_rows)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    x2d, r2d = as_rows(x), as_rows(residual)  # [..., n_cols] -> [n_rows, n_cols]
+    n_rows, n_cols = x2d.shape
+    out_strides = (n_cols, 1) if fresh else out.stride()
+    tile, block_m = _tile(FWD_TILES, tile, n_rows, n_cols)
     dropout = seed is not None
     launch(
-        _bias_dropout_add_fwd_kernel, grid, x2d.device,
+        _bias_dropout_add_fwd_kernel, (cdiv(n_rows, block_m), cdiv(n_cols, tile.BLOCK_N)), device,
         x2d, bias if bias is not None else x2d, r2d, out, seed if dropout else x2d,
-        n_rows, n_cols, x2d.stride(0), x2d.stride(1), r2d.stride(0), r2d.stride(1), out.stride(0), out.stride(1),
+        n_rows, n_cols, *x2d.stride(), *r2d.stride(), *out_strides,
         drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0,
-        HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK_M=block_m, BLOCK_N=block_n,
-        ACC=_acc(x2d.dtype, r2d.dtype), num_warps=warps,
+        HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
+        ACC=TL_DTYPE[acc_dtype(x.dtype, residual.dtype)], num_warps=tile.num_warps,
     )
     return out
 
 
-def bias_dropout_add_bwd(g2d: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tensor | None, p: float,
-                         need_dx: bool = True, need_dbias: bool = False
+def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tensor | None, p: float,
+                         need_dx: bool = True, need_dbias: bool = False, tile: Tile | None = None
                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel: ``dx = g·mask/(1 - p')`` (p' = T/2^16) and, if asked, its float32 sum over rows.
 
     Args:
-        g2d: grad of out, [n_rows, n_cols], the residual's dtype, any strides.
+        g: grad of out, [..., n_cols] ([n_rows, n_cols] in the kernel), the residual's
+            dtype, any strides.
         x_dtype: dtype of dx.
         seed: the forward's Philox key, or None if the forward dropped nothing.
         p: the forward's dropout probability.
         need_dx, need_dbias: which gradients to compute.
+        tile: launch settings (None: ``pick(BWD_TILES, n_cols)``, as in the forward); its
+            ``programs_per_sm`` sizes the persistent grid.
 
     Returns:
-        ``(dx, db)``: dx [n_rows, n_cols] of ``x_dtype`` (``g2d`` itself when nothing was
-        dropped and dtypes match), or None; db [n_cols] float32 (float64 for float64
-        inputs), summed in two deterministic stages, or None.
+        ``(dx, db)``: dx of g's shape and ``x_dtype`` (``g`` itself when nothing was dropped
+        and dtypes match), or None; db [n_cols] float32 (float64 for float64 inputs), summed
+        in two deterministic stages, or None.
     """
-    n_rows, n_cols = g2d.shape
     dropout = seed is not None
     dx = db = None
-    store_dx = need_dx and (dropout or g2d.dtype != x_dtype)
+    store_dx = need_dx and (dropout or g.dtype != x_dtype)
     if need_dx and not store_dx:
-        dx = g2d  # nothing dropped, same dtype: dx is g, no kernel needed for it
-    acc_torch = torch.float64 if torch.float64 in (x_dtype, g2d.dtype) else torch.float32
+        dx = g  # nothing dropped, same dtype: dx is g, no kernel needed for it
+    acc = acc_dtype(x_dtype, g.dtype)
+    device = g.device
     if store_dx:
-        dx = torch.empty((n_rows, n_cols), dtype=x_dtype, device=g2d.device)
-    if g2d.numel() == 0:
-        return dx, (torch.zeros(n_cols, dtype=acc_torch, device=g2d.device) if need_dbias else None)
+        dx = torch.empty(g.shape, dtype=x_dtype, device=device)  # written as [n_rows, n_cols]
+    if g.numel() == 0:
+        return dx, (torch.zeros(g.shape[-1], dtype=acc, device=device) if need_dbias else None)
     if not (store_dx or need_dbias):
         return dx, None
-    block_m, block_n, warps = dropout_tile(n_cols, g2d.device, n_rows, backward=True)
-    col_programs = triton.cdiv(n_cols, block_n)
-    # Enough row programs to fill the device (the shared hint); each loops over its rows and
-    # keeps one float32 partial of the bias gradient per column: [row_programs, n_cols] floats.
-    programs = num_programs_hint(g2d.device)
-    row_programs = max(1, min(triton.cdiv(n_rows, block_m), programs // col_programs))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, row_programs), block_m) * block_m
-    row_programs = triton.cdiv(n_rows, rows_per_program)
-    db_partial = torch.empty((row_programs, n_cols), dtype=acc_torch, device=g2d.device) if need_dbias else g2d
+    g2d = as_rows(g)  # [..., n_cols] -> [n_rows, n_cols]
+    n_rows, n_cols = g2d.shape
+    tile, block_m = _tile(BWD_TILES, tile, n_rows, n_cols)
+    col_programs = cdiv(n_cols, tile.BLOCK_N)
+    # Enough row programs to fill the device; each loops over its rows and keeps one float32
+    # partial of the bias gradient per column: [row_programs, n_cols] floats.
+    row_programs, rows_per_program = persistent_grid(n_rows, block_m, tile.programs_per_sm, device, col_programs)
+    db_partial = torch.empty((row_programs, n_cols), dtype=acc, device=device) if need_dbias else g2d
     launch(
-        _bias_dropout_add_bwd_kernel, (row_programs, col_programs), g2d.device,
+        _bias_dropout_add_bwd_kernel, (row_programs, col_programs), device,
         g2d, dx if store_dx else g2d, db_partial, seed if dropout else g2d,
-        n_rows, n_cols, rows_per_program, g2d.stride(0), g2d.stride(1),
+        n_rows, n_cols, rows_per_program, *g2d.stride(),
         drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0,
-        DROPOUT=dropout, STORE_DX=store_dx, HAS_DBIAS=need_dbias, BLOCK_M=block_m, BLOCK_N=block_n,
-        ACC=_acc(x_dtype, g2d.dtype), num_warps=warps,
+        DROPOUT=dropout, STORE_DX=store_dx, HAS_DBIAS=need_dbias, BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
+        ACC=TL_DTYPE[acc], num_warps=tile.num_warps,
     )
     if need_dbias:
-        db = sum_partials(db_partial, acc_torch)  # stage 2: [row_programs, n_cols] -> [n_cols], fixed order
+        db = sum_partials(db_partial, acc)  # stage 2: [row_programs, n_cols] -> [n_cols], fixed order
     return dx, db
 
 
-def dropout_mask(seed: torch.Tensor, n_rows: int, n_cols: int, p: float) -> torch.Tensor:
+def dropout_mask(seed: torch.Tensor, n_rows: int, n_cols: int, p: float, tile: Tile | None = None) -> torch.Tensor:
     """The keep mask the kernels draw for ``seed`` on an [n_rows, n_cols] input: for tests
     and the book (the fused op itself never writes it).
 
@@ -379,6 +382,7 @@ def dropout_mask(seed: torch.Tensor, n_rows: int, n_cols: int, p: float) -> torc
         seed: int64 [1] Philox key on the device to run on.
         n_rows, n_cols: the 2-D shape of the op's input ([..., h] -> [prod(...), h]).
         p: dropout probability in [0, 1].
+        tile: launch settings (None: the forward's); the mask does not depend on them.
 
     Returns:
         bool [n_rows, n_cols] on ``seed``'s device: True where the element is kept.
@@ -386,8 +390,8 @@ def dropout_mask(seed: torch.Tensor, n_rows: int, n_cols: int, p: float) -> torc
     mask = torch.empty((n_rows, n_cols), dtype=torch.int8, device=seed.device)
     if mask.numel() == 0:
         return mask.bool()
-    block_m, block_n, warps = dropout_tile(n_cols, seed.device, n_rows)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    tile, block_m = _tile(FWD_TILES, tile, n_rows, n_cols)
+    grid = (cdiv(n_rows, block_m), cdiv(n_cols, tile.BLOCK_N))
     launch(_dropout_mask_kernel, grid, seed.device, seed, mask, n_rows, n_cols, drop_threshold(p),
-           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+           BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N, num_warps=tile.num_warps)
     return mask.bool()

@@ -27,11 +27,11 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
+from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, persistent_grid, pick
 from .math import tanh
 from .reduce import sum_partials
-from ..utils import acc_dtype, num_programs_hint
 
-__all__ = ["bias_gelu_fwd", "bias_gelu_bwd", "elementwise_block"]
+__all__ = ["bias_gelu_fwd", "bias_gelu_bwd", "FWD_TILES", "BWD_TILES"]
 
 # Constants of the tanh approximation (derived with sympy in chapter 1). Kernels may read
 # module globals only as tl.constexpr: a plain float compiles in the interpreter alone.
@@ -110,98 +110,94 @@ def _bias_gelu_bwd_kernel(
     tl.store(DB_PARTIAL_ptr + pid_m * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
-# Tile shapes for elementwise row kernels, as (upper bound of n_cols, BLOCK_N, BLOCK_M,
-# num_warps). About 4 Ki elements per program (16 per thread at 8 warps... 32 at 4):
-# enough bytes in flight per SM to saturate HBM, few enough registers for full occupancy.
-_ELEMENTWISE_TILES: tuple[tuple[int, int, int, int], ...] = (
-    (16, 16, 256, 4),  # tiny rows: many rows per program
-    (128, 128, 32, 4),
-    (1024, 1024, 4, 4),
-    (1 << 62, 2048, 2, 8),  # long rows: 2 Ki columns x 2 rows
+# Tile shapes of the forward, as (upper bound of n_cols, Tile); BLOCK_N is capped at the
+# row's next power of two. About 4 Ki elements per program (16 per thread at 8 warps... 32
+# at 4): enough bytes in flight per SM to saturate HBM, few enough registers for full occupancy.
+FWD_TILES: TileTable = (
+    (16, Tile(BLOCK_M=256, BLOCK_N=16, num_warps=4)),  # tiny rows: many rows per program
+    (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4)),
+    (1024, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4)),
+    (HUGE, Tile(BLOCK_M=2, BLOCK_N=2048, num_warps=8)),  # long rows: 2 Ki columns x 2 rows
 )
 
 
 # The backward's tiles: its programs loop over rows_per_program rows to keep a running
 # bias-gradient sum, so each step holds more rows than a forward tile. Long rows:
 # 2048 x 4 at 8 warps, 0.245 ms for [8192, 16384] bf16 on the H200 against 0.250 for
-# 2048 x 2 and 0.338 for 4096 x 2 (kernel only, 4 programs per SM, NOTES.md).
-_BWD_TILES: tuple[tuple[int, int, int, int], ...] = (
-    (16, 16, 256, 4),
-    (128, 128, 32, 4),
-    (1024, 1024, 4, 4),
-    (1 << 62, 2048, 4, 8),
+# 2048 x 2 and 0.338 for 4096 x 2 (kernel only, 4 programs per SM, NOTES.md). A persistent
+# grid of 4 programs per SM, each writing one float32 partial row of the bias gradient:
+# 0.245 ms at 4 per SM against 0.273 at 16 (kernel only, H200, NOTES.md).
+BWD_TILES: TileTable = (
+    (16, Tile(BLOCK_M=256, BLOCK_N=16, num_warps=4, programs_per_sm=4)),
+    (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, programs_per_sm=4)),
+    (1024, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4, programs_per_sm=4)),
+    (HUGE, Tile(BLOCK_M=4, BLOCK_N=2048, num_warps=8, programs_per_sm=4)),
 )
 
 
-def elementwise_block(n_cols: int, table: tuple[tuple[int, int, int, int], ...] | None = None) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for an elementwise kernel over rows of ``n_cols``.
-
-    Args:
-        n_cols: row length (>= 1).
-        table: the tile table to read (default: the forward's).
-
-    Returns:
-        Rows per tile, columns per tile (powers of two), warps per program.
-    """
-    for bound, block_n, block_m, warps in table or _ELEMENTWISE_TILES:
-        if n_cols <= bound:
-            return block_m, min(block_n, triton.next_power_of_2(n_cols)), warps
-    raise AssertionError("unreachable")
-
-
-def bias_gelu_fwd(y2d: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def bias_gelu_fwd(y: torch.Tensor, bias: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
     """Launch the forward kernel.
 
     Args:
-        y2d: [n_rows, n_cols], float32/float16/bfloat16, any strides.
+        y: [..., n_cols] ([n_rows, n_cols] in the kernel), float32/float16/bfloat16/float64,
+            any strides (leading dims merged by :func:`~fusedlib.kernels.launch.as_rows`).
         bias: [n_cols], same dtype and device, contiguous.
+        tile: launch settings (None: ``pick(FWD_TILES, n_cols)``).
 
     Returns:
-        ``gelutanh(y2d + bias)``: a new contiguous [n_rows, n_cols] tensor of y's dtype.
+        ``gelutanh(y + bias)``: a new contiguous tensor of y's shape and dtype.
     """
-    n_rows, n_cols = y2d.shape
-    out = torch.empty((n_rows, n_cols), dtype=y2d.dtype, device=y2d.device)
+    device = y.device
+    out = torch.empty(y.shape, dtype=y.dtype, device=device)  # written as [n_rows, n_cols]
     if out.numel() == 0:
         return out
-    block_m, block_n, warps = elementwise_block(n_cols)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    y2d = as_rows(y)  # [..., n_cols] -> [n_rows, n_cols]
+    n_rows, n_cols = y2d.shape
+    if tile is None:
+        tile = pick(FWD_TILES, n_cols)
+    row_stride, col_stride = y2d.stride()
     launch(
-        _bias_gelu_fwd_kernel, grid, y2d.device,
-        y2d, bias, out, n_rows, n_cols, y2d.stride(0), y2d.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+        _bias_gelu_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(n_cols, tile.BLOCK_N)), device,
+        y2d, bias, out, n_rows, n_cols, row_stride, col_stride,
+        BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps,
     )
     return out
 
 
-def bias_gelu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def bias_gelu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
+                  tile: Tile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel, then reduce the per-program bias partials.
 
     Args:
-        g2d: grad of the output, [n_rows, n_cols], any strides, y's dtype.
-        y2d: the forward input, [n_rows, n_cols], any strides.
+        g: grad of the output, y's shape and dtype, any strides.
+        y: the forward input, [..., n_cols], any strides.
         bias: [n_cols], contiguous.
+        tile: launch settings (None: ``pick(BWD_TILES, n_cols)``); its ``programs_per_sm``
+            sizes the persistent grid.
 
     Returns:
-        ``(dy, dbias)``: dy a new contiguous [n_rows, n_cols] tensor of y's dtype; dbias [n_cols]
+        ``(dy, dbias)``: dy a new contiguous tensor of y's shape and dtype; dbias [n_cols]
         of bias's dtype, summed over rows in float32.
     """
-    n_rows, n_cols = y2d.shape
-    dy = torch.empty((n_rows, n_cols), dtype=y2d.dtype, device=y2d.device)
+    device = y.device
+    dy = torch.empty(y.shape, dtype=y.dtype, device=device)  # written as [n_rows, n_cols]
     if dy.numel() == 0:
         return dy, torch.zeros_like(bias)
-    block_m, block_n, warps = elementwise_block(n_cols, _BWD_TILES)
-    col_programs = triton.cdiv(n_cols, block_n)
+    g2d, y2d = as_rows(g), as_rows(y)  # [..., n_cols] -> [n_rows, n_cols]
+    n_rows, n_cols = y2d.shape
+    if tile is None:
+        tile = pick(BWD_TILES, n_cols)
+    col_programs = cdiv(n_cols, tile.BLOCK_N)
     # Enough row programs to fill the device; each loops over its rows and keeps one
     # float32 partial of the bias gradient per column: [row_programs, n_cols] floats.
-    row_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_hint(y2d.device) // col_programs))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, row_programs), block_m) * block_m
-    row_programs = triton.cdiv(n_rows, rows_per_program)
-    db_partial = torch.empty((row_programs, n_cols), dtype=torch.promote_types(y2d.dtype, torch.float32),
-                             device=y2d.device)
+    row_programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device,
+                                                     col_programs)
+    acc = acc_dtype(y.dtype)
+    db_partial = torch.empty((row_programs, n_cols), dtype=acc, device=device)
+    g_strides, y_strides = g2d.stride(), y2d.stride()
     launch(
-        _bias_gelu_bwd_kernel, (row_programs, col_programs), y2d.device,
-        g2d, y2d, bias, dy, db_partial, n_rows, n_cols, rows_per_program,
-        g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+        _bias_gelu_bwd_kernel, (row_programs, col_programs), device,
+        g2d, y2d, bias, dy, db_partial, n_rows, n_cols, rows_per_program, *g_strides, *y_strides,
+        BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc], num_warps=tile.num_warps,
     )
     return dy, sum_partials(db_partial, bias.dtype)

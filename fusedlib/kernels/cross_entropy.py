@@ -50,9 +50,9 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from ..utils import acc_dtype
+from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, pick
 
-__all__ = ["cross_entropy_fwd", "cross_entropy_bwd", "fwd_settings", "bwd_settings", "smoothing_coefs", "stats_dtype",
+__all__ = ["cross_entropy_fwd", "cross_entropy_bwd", "smoothing_coefs", "FWD_TILES", "BWD_TILES", "TILE_ELEMENTS",
            "STAT_ROWS"]
 
 #: Rows of the forward statistics tensor [4, n_rows]: shard max, shard sum of e^{x - max},
@@ -178,45 +178,37 @@ def _cross_entropy_bwd_kernel(
     tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
 
 
-# Launch settings, as (upper bound of n_cols, BLOCK_N, num_warps); a BLOCK_N of 0 means
-# "the next power of two >= n_cols" (the whole row in one step). Short rows are packed
-# BLOCK_M = TILE_ELEMENTS // BLOCK_N to a program (many rows per program: fewer, larger
-# programs, which also suits Triton's CPU interpreter); long rows get one row per program.
+# Launch settings, as (upper bound of n_cols, Tile); a BLOCK_N of 0 means "the next power of
+# two >= n_cols" (the whole row in one step). Short rows are packed BLOCK_M = TILE_ELEMENTS //
+# BLOCK_N to a program (many rows per program: fewer, larger programs, which also suits
+# Triton's CPU interpreter): one table row per power of two; long rows get one row per program
+# (the backward: TILE_ELEMENTS // BLOCK_N rows of one column block).
 TILE_ELEMENTS = 4096
-#
+
+
+def _packed(first: int, last: int, num_warps: int) -> TileTable:
+    """Table rows for the bounds first, 2·first, ..., last (powers of two): the whole row in one
+    step (BLOCK_N = 0), TILE_ELEMENTS // bound rows per program."""
+    bounds = [first << k for k in range((last // first).bit_length())]
+    return tuple((b, Tile(BLOCK_M=max(1, TILE_ELEMENTS // b), BLOCK_N=0, num_warps=num_warps)) for b in bounds)
+
+
 # Forward: one program per row loops over its row. A step of 4096 elements at 8 warps is
 # 16 elements per thread: two 16-byte loads in flight per thread for bf16, and with ~8
 # programs resident per SM, ~64 KB in flight per SM, enough to cover HBM latency.
-_FWD_TILES: tuple[tuple[int, int, int], ...] = (
-    (1024, 0, 4),  # short rows: one step, several rows per program, 4 warps
-    (4096, 0, 8),  # one step of up to 4 Ki elements, one row
-    (1 << 62, 4096, 4),  # long rows (a 128 Ki vocabulary: 32 steps of 4 Ki); 4 warps measured
-    # 0.558 ms against 0.597 at 8 warps on the H200 ([8192, 128256] bf16, NOTES.md)
+FWD_TILES: TileTable = (
+    *_packed(1, 1024, num_warps=4),  # short rows: one step, several rows per program, 4 warps
+    *_packed(2048, 4096, num_warps=8),  # one step of up to 4 Ki elements (2 rows of 2 Ki, or one row)
+    (HUGE, Tile(BLOCK_M=1, BLOCK_N=4096, num_warps=4)),  # long rows (a 128 Ki vocabulary: 32 steps of 4 Ki);
+    # 4 warps measured 0.558 ms against 0.597 at 8 warps on the H200 ([8192, 128256] bf16, NOTES.md)
 )
 # Backward: purely elementwise, a 2-D grid of (row block, column block) programs; 4 Ki
 # columns at 8 warps = 16 elements per thread (two 16-byte loads and stores for bf16).
-_BWD_TILES: tuple[tuple[int, int, int], ...] = (
-    (1024, 0, 4),
-    (1 << 62, 2048, 4),  # 2 Ki columns at 4 warps: 1.063 ms against 1.088 for 4 Ki at 8 (H200, NOTES.md)
+BWD_TILES: TileTable = (
+    *_packed(1, 1024, num_warps=4),
+    (HUGE, Tile(BLOCK_M=TILE_ELEMENTS // 2048, BLOCK_N=2048, num_warps=4)),  # 2 Ki columns at 4 warps:
+    # 1.063 ms against 1.088 for 4 Ki at 8 (H200, NOTES.md)
 )
-
-
-def _pick(table: tuple[tuple[int, int, int], ...], n_cols: int) -> tuple[int, int, int]:
-    for bound, block, warps in table:
-        if n_cols <= bound:
-            block = block or triton.next_power_of_2(max(n_cols, 1))
-            return max(1, TILE_ELEMENTS // block), block, warps
-    raise AssertionError("unreachable: the last bound is 2^62")
-
-
-def fwd_settings(n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the forward kernel for rows of ``n_cols`` (``_FWD_TILES``)."""
-    return _pick(_FWD_TILES, n_cols)
-
-
-def bwd_settings(n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the backward kernel for rows of ``n_cols`` (``_BWD_TILES``)."""
-    return _pick(_BWD_TILES, n_cols)
 
 
 def smoothing_coefs(label_smoothing: float, vocab_size: int, dtype: torch.dtype,
@@ -239,11 +231,6 @@ def smoothing_coefs(label_smoothing: float, vocab_size: int, dtype: torch.dtype,
     return coefs
 
 
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for float64 logits, else float32: the dtype of the statistics, lse and loss."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def cross_entropy_fwd(
     x2d: torch.Tensor,
     target1d: torch.Tensor,
@@ -252,8 +239,7 @@ def cross_entropy_fwd(
     label_smoothing: float = 0.0,
     vocab_size: int | None = None,
     finalize: bool = False,
-    block_n: int | None = None,
-    num_warps: int | None = None,
+    tile: Tile | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel: one read of the logits.
 
@@ -266,7 +252,7 @@ def cross_entropy_fwd(
         vocab_size: the global vocabulary size V (default: ``n_cols``).
         finalize: ``x2d`` holds the whole vocabulary: the kernel writes the loss and lse
             itself. False: it writes the shard statistics.
-        block_n, num_warps: override the ``_FWD_TILES`` choice (for tuning).
+        tile: launch settings (None: ``pick(FWD_TILES, n_cols)``).
 
     Returns:
         Without ``finalize``: ``stats``, a new contiguous [4, n_rows] float32 (float64 for
@@ -274,26 +260,25 @@ def cross_entropy_fwd(
         two new [n_rows] tensors of that dtype (0 for ignored rows).
     """
     n_rows, n_cols = x2d.shape
-    sdt = stats_dtype(x2d.dtype)
-    block_m, block, warps = fwd_settings(n_cols)
-    if block_n:  # a tuning override: one row per program unless the whole row fits
-        block_m, block = max(1, TILE_ELEMENTS // block_n) if block_n >= n_cols else 1, block_n
-    warps = num_warps or warps
+    device = x2d.device
+    sdt = acc_dtype(x2d.dtype)  # statistics, loss and lse: float32 (float64 for float64 logits)
     if finalize:
-        loss = torch.empty(n_rows, dtype=sdt, device=x2d.device)
-        lse = torch.empty(n_rows, dtype=sdt, device=x2d.device)
+        loss = torch.empty(n_rows, dtype=sdt, device=device)
+        lse = torch.empty(n_rows, dtype=sdt, device=device)
         stats = loss  # unused pointer
     else:
-        stats = torch.empty((4, n_rows), dtype=sdt, device=x2d.device)
+        stats = torch.empty((4, n_rows), dtype=sdt, device=device)
         loss = lse = stats  # unused pointers
     if n_rows > 0:
+        if tile is None:
+            tile = pick(FWD_TILES, n_cols)
         launch(
-            _cross_entropy_fwd_kernel, (triton.cdiv(n_rows, block_m),), x2d.device,
+            _cross_entropy_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device,
             x2d, target1d, stats, loss, lse,
-            smoothing_coefs(label_smoothing, vocab_size or n_cols, sdt, x2d.device) if label_smoothing > 0 else lse,
-            n_rows, n_cols, x2d.stride(0), x2d.stride(1), target1d.stride(0), vocab_start_index, ignore_index,
-            BLOCK_M=block_m, BLOCK_N=block, ACC=acc_dtype(x2d.dtype), SMOOTHING=label_smoothing > 0,
-            FINALIZE=bool(finalize), num_warps=warps,
+            smoothing_coefs(label_smoothing, vocab_size or n_cols, sdt, device) if label_smoothing > 0 else lse,
+            n_rows, n_cols, *x2d.stride(), target1d.stride(0), vocab_start_index, ignore_index,
+            BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[sdt], SMOOTHING=label_smoothing > 0,
+            FINALIZE=bool(finalize), num_warps=tile.num_warps,
         )
     return (loss, lse) if finalize else stats
 
@@ -307,8 +292,7 @@ def cross_entropy_bwd(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     vocab_size: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """Launch the backward kernel: one read of the logits, one write of the gradient.
 
@@ -321,25 +305,25 @@ def cross_entropy_bwd(
         ignore_index: rows with this target get a zero gradient.
         label_smoothing: Megatron's epsilon (s = eps·V/(V-1)).
         vocab_size: the global vocabulary size V (default: ``n_cols``).
-        block_n, num_warps: override the ``_BWD_TILES`` choice (for tuning).
+        tile: launch settings (None: ``pick(BWD_TILES, n_cols)``).
 
     Returns:
         ``(softmax(x) - (1 - s)·onehot - s/V) · grad``, a new contiguous [n_rows, n_cols]
         tensor of the logits' dtype.
     """
     n_rows, n_cols = x2d.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    device = x2d.device
+    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=device)
     if dx.numel() == 0:
         return dx
-    block_m, block, warps = bwd_settings(n_cols)
-    if block_n:  # a tuning override
-        block_m, block = max(1, TILE_ELEMENTS // block_n) if block_n >= n_cols else 1, block_n
-    warps = num_warps or warps
+    if tile is None:
+        tile = pick(BWD_TILES, n_cols)
     launch(
-        _cross_entropy_bwd_kernel, (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block)), x2d.device,
+        _cross_entropy_bwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(n_cols, tile.BLOCK_N)), device,
         x2d, target1d, lse, grad1d, dx,
-        smoothing_coefs(label_smoothing, vocab_size or n_cols, lse.dtype, x2d.device) if label_smoothing > 0 else lse,
-        n_rows, n_cols, x2d.stride(0), x2d.stride(1), target1d.stride(0), grad1d.stride(0), vocab_start_index,
-        ignore_index, BLOCK_M=block_m, BLOCK_N=block, ACC=acc_dtype(x2d.dtype), SMOOTHING=label_smoothing > 0, num_warps=warps,
+        smoothing_coefs(label_smoothing, vocab_size or n_cols, lse.dtype, device) if label_smoothing > 0 else lse,
+        n_rows, n_cols, *x2d.stride(), target1d.stride(0), grad1d.stride(0), vocab_start_index,
+        ignore_index, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(x2d.dtype)],
+        SMOOTHING=label_smoothing > 0, num_warps=tile.num_warps,
     )
     return dx

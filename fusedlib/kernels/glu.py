@@ -39,14 +39,11 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from ..utils import acc_dtype, num_programs_hint
+from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, persistent_grid, pick
 from .math import tanh
 from .reduce import sum_partials
 
-__all__ = ["GLU_ACTIVATIONS", "glu_fwd", "glu_bwd", "glu_block", "partial_dtype", "cdiv"]
-
-#: The activations a GLU kernel takes: "silu" makes SwiGLU, "gelu_tanh" makes GEGLU.
-GLU_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
+__all__ = ["glu_fwd", "glu_bwd", "TILES", "BIAS_BWD_TILES"]
 
 # Constants of the tanh approximation of GeLU (derived with sympy in chapters 1 and 3). Kernels
 # may read module globals only as tl.constexpr: a plain float compiles in the interpreter alone.
@@ -240,92 +237,82 @@ def _bias_glu_bwd_kernel(
     tl.store(db_row + n_cols + cols, tl.sum(db2_acc, axis=0), mask=col_mask)
 
 
-# Tile shapes of the GLU kernels, as (upper bound of h, BLOCK_N, BLOCK_M, num_warps), where
-# h is the output width (half of y's). A tile of BLOCK_M x BLOCK_N outputs reads 2 tiles of y
-# (3 tensors per tile in the forward, 5 in the backward). ~4 Ki outputs per program = 16 per
-# thread at 8 warps: two 16-byte vectors per thread per bf16 stream, enough bytes in flight
-# per SM to saturate HBM, few enough registers for full occupancy. To tune on a GPU, edit
-# this table (BLOCK_M·BLOCK_N between 2 Ki and 8 Ki, warps 4 or 8).
-_GLU_TILES: tuple[tuple[int, int, int, int], ...] = (
-    (16, 16, 256, 4),  # tiny rows (h <= 16): many rows per program
-    (128, 128, 32, 4),  # h <= 128
-    (1024, 1024, 4, 4),  # h <= 1 Ki: 4 rows of up to 1 Ki
-    (1 << 62, 2048, 2, 8),  # long rows: 2 Ki columns x 2 rows
+# Tile shapes of the GLU kernels, as (upper bound of h, Tile), where h is the output width
+# (half of y's); BLOCK_N is capped at h's next power of two. A tile of BLOCK_M x BLOCK_N
+# outputs reads 2 tiles of y (3 tensors per tile in the forward, 5 in the backward). ~4 Ki
+# outputs per program = 16 per thread at 8 warps: two 16-byte vectors per thread per bf16
+# stream, enough bytes in flight per SM to saturate HBM, few enough registers for full
+# occupancy. To tune on a GPU: python -m fusedlib.bench.tune --op swiglu (BLOCK_M·BLOCK_N
+# between 2 Ki and 8 Ki, warps 4 or 8).
+TILES: TileTable = (
+    (16, Tile(BLOCK_M=256, BLOCK_N=16, num_warps=4)),  # tiny rows (h <= 16): many rows per program
+    (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4)),  # h <= 128
+    (1024, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4)),  # h <= 1 Ki: 4 rows of up to 1 Ki
+    (HUGE, Tile(BLOCK_M=2, BLOCK_N=2048, num_warps=8)),  # long rows: 2 Ki columns x 2 rows
+)
+
+# The backward with a bias: the same tiles on a persistent grid of 4 programs per SM, whose
+# programs walk many rows and keep one float32 partial row of the bias gradient each (as
+# bias-GeLU's backward, where 4 per SM beat 16: NOTES.md).
+BIAS_BWD_TILES: TileTable = tuple(
+    (bound, Tile(tile.BLOCK_M, tile.BLOCK_N, tile.num_warps, programs_per_sm=4)) for bound, tile in TILES
 )
 
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints >= 0, in plain Python: ``triton.cdiv`` is a ``constexpr_function``
-    in recent Triton (3.9), whose call wrapper costs more CPU time than the arithmetic."""
-    return (a + b - 1) // b
+def _out_shape(y: torch.Tensor) -> tuple[int, ...]:
+    # [..., 2h] -> [..., h]
+    shape = y.shape
+    return (*shape[:-1], shape[-1] // 2)
 
 
-def _next_power_of_2(n: int) -> int:
-    """The least power of two >= n (n >= 1)."""
-    return 1 << (n - 1).bit_length()
-
-
-def glu_block(n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for the GLU kernels with output rows of ``n_cols``.
-
-    Args:
-        n_cols: h, the output row length (>= 1).
-
-    Returns:
-        Rows per tile, columns per tile (powers of two), warps per program.
-    """
-    for bound, block_n, block_m, warps in _GLU_TILES:
-        if n_cols <= bound:
-            return block_m, min(block_n, _next_power_of_2(n_cols)), warps
-    raise AssertionError("unreachable: the last bound is 2^62")
-
-
-def partial_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the kernels' partial sums for inputs of ``dtype``: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def glu_fwd(y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
-            activation: str) -> torch.Tensor:
+def glu_fwd(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
+            activation: str, tile: Tile | None = None) -> torch.Tensor:
     """Launch the forward kernel: ``act(y1 + b1)·(y2 + b2)·w``.
 
     Args:
-        y2d: [n_rows, 2h], float32/float16/bfloat16/float64, any strides.
+        y: [..., 2h] ([n_rows, 2h] in the kernel), float32/float16/bfloat16/float64, any strides.
         bias: [2h] of y's dtype, contiguous, or None.
         weights: [n_rows, 1] (any float dtype, any stride), or None.
         activation: "silu" or "gelu_tanh".
+        tile: launch settings (None: ``pick(TILES, h)``).
 
     Returns:
-        A new contiguous [n_rows, h] tensor of y's dtype.
+        A new contiguous [..., h] tensor of y's dtype.
     """
-    n_rows, h = y2d.shape[0], y2d.shape[1] // 2
-    out = torch.empty((n_rows, h), dtype=y2d.dtype, device=y2d.device)
+    device = y.device
+    out = torch.empty(_out_shape(y), dtype=y.dtype, device=device)  # written as [n_rows, h]
     if out.numel() == 0:
         return out
-    block_m, block_n, warps = glu_block(h)
+    y2d = as_rows(y)  # [..., 2h] -> [n_rows, 2h]
+    n_rows, h = y2d.shape[0], y2d.shape[1] // 2
+    if tile is None:
+        tile = pick(TILES, h)
     launch(
-        _glu_fwd_kernel, (cdiv(n_rows, block_m), cdiv(h, block_n)), y2d.device,
+        _glu_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(h, tile.BLOCK_N)), device,
         y2d, y2d if bias is None else bias, y2d if weights is None else weights, out,  # y2d: unused dummies
-        n_rows, h, y2d.stride(0), y2d.stride(1), 0 if weights is None else weights.stride(0),
+        n_rows, h, *y2d.stride(), 0 if weights is None else weights.stride(0),
         ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_WEIGHTS=weights is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+        BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps,
     )
     return out
 
 
-def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
-            activation: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
+            activation: str, tile: Tile | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch a backward kernel, then reduce the bias / weight partial sums.
 
     Args:
-        g2d: grad of the output, [n_rows, h], any strides.
-        y2d: the forward input, [n_rows, 2h], any strides.
+        g: grad of the output, [..., h], any strides.
+        y: the forward input, [..., 2h], any strides.
         bias: [2h], contiguous, or None.
         weights: [n_rows, 1], or None (not both: Megatron has no weighted GLU with a bias).
         activation: "silu" or "gelu_tanh".
+        tile: launch settings (None: ``pick(TILES, h)``, or with a bias ``pick(BIAS_BWD_TILES,
+            h)``, whose ``programs_per_sm`` sizes the persistent grid).
 
     Returns:
-        ``(dy, dbias, dweights)``: dy a new contiguous [n_rows, 2h] tensor of y's dtype;
+        ``(dy, dbias, dweights)``: dy a new contiguous tensor of y's shape and dtype;
         dbias [2h] in bias's dtype (None without bias), summed over rows in float32;
         dweights [n_rows, 1] in weights' dtype (None without weights), summed over h in float32.
 
@@ -334,41 +321,43 @@ def glu_bwd(g2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, wei
     """
     if bias is not None and weights is not None:
         raise NotImplementedError("a GLU with both a bias and row weights has no backward kernel")
-    n_rows, h = y2d.shape[0], y2d.shape[1] // 2
-    dy = torch.empty((n_rows, 2 * h), dtype=y2d.dtype, device=y2d.device)
+    device = y.device
+    dy = torch.empty(y.shape, dtype=y.dtype, device=device)  # written as [n_rows, 2h]
     if dy.numel() == 0:
         db = torch.zeros_like(bias) if bias is not None else None
         dw = torch.zeros_like(weights) if weights is not None else None
         return dy, db, dw
-    block_m, block_n, warps = glu_block(h)
-    col_programs = cdiv(h, block_n)
-    acc = partial_dtype(y2d.dtype)
+    g2d, y2d = as_rows(g), as_rows(y)  # [..., h] -> [n_rows, h]; [..., 2h] -> [n_rows, 2h]
+    n_rows, h = y2d.shape[0], y2d.shape[1] // 2
+    if tile is None:
+        tile = pick(TILES if bias is None else BIAS_BWD_TILES, h)
+    col_programs = cdiv(h, tile.BLOCK_N)
+    acc = acc_dtype(y.dtype)
     if bias is None:
-        dw_partial = dy if weights is None else torch.empty((n_rows, col_programs), dtype=acc, device=y2d.device)
+        dw_partial = dy if weights is None else torch.empty((n_rows, col_programs), dtype=acc, device=device)
         launch(
-            _glu_bwd_kernel, (cdiv(n_rows, block_m), col_programs), y2d.device,
+            _glu_bwd_kernel, (cdiv(n_rows, tile.BLOCK_M), col_programs), device,
             g2d, y2d, y2d if weights is None else weights, dy, dw_partial,  # y2d, dy: unused dummies
-            n_rows, h, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
-            0 if weights is None else weights.stride(0),
+            n_rows, h, *g2d.stride(), *y2d.stride(), 0 if weights is None else weights.stride(0),
             ACTIVATION=activation, HAS_WEIGHTS=weights is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+            BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc], num_warps=tile.num_warps,
         )
         if weights is None:
             return dy, None, None
         # [n_rows, col_programs] partials -> [n_rows, 1]: no reduction left for one column tile
         dw = dw_partial if col_programs == 1 else dw_partial.sum(1, keepdim=True)
         return dy, None, dw.to(weights.dtype)
-    # Enough row programs to fill the device (utils.PROGRAMS_PER_SM per SM); each loops over
-    # its rows and keeps one partial of the bias gradient per column: [row_programs, 2h]
-    # floats, summed by a second small kernel (kernels/reduce.py).
-    row_programs = max(1, min(cdiv(n_rows, block_m), num_programs_hint(y2d.device) // col_programs))
-    rows_per_program = cdiv(cdiv(n_rows, row_programs), block_m) * block_m
-    row_programs = cdiv(n_rows, rows_per_program)
-    db_partial = torch.empty((row_programs, 2 * h), dtype=acc, device=y2d.device)
+    # Enough row programs to fill the device (the tile's programs_per_sm); each loops over its
+    # rows and keeps one partial of the bias gradient per column: [row_programs, 2h] floats,
+    # summed by a second small kernel (kernels/reduce.py).
+    row_programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device,
+                                                     col_programs)
+    db_partial = torch.empty((row_programs, 2 * h), dtype=acc, device=device)
     launch(
-        _bias_glu_bwd_kernel, (row_programs, col_programs), y2d.device,
+        _bias_glu_bwd_kernel, (row_programs, col_programs), device,
         g2d, y2d, bias, dy, db_partial,
-        n_rows, h, rows_per_program, g2d.stride(0), g2d.stride(1), y2d.stride(0), y2d.stride(1),
-        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(y2d.dtype), num_warps=warps,
+        n_rows, h, rows_per_program, *g2d.stride(), *y2d.stride(),
+        ACTIVATION=activation, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc],
+        num_warps=tile.num_warps,
     )
     return dy, sum_partials(db_partial, bias.dtype), None

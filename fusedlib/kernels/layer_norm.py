@@ -31,11 +31,12 @@ need not be saved (Apex's ``memory_efficient=True``). It needs every gamma != 0.
 
 Long rows (BLOCK_N above 8 Ki, LayerNorm; above 16 Ki, RMSNorm) take a *split* backward:
 :func:`_norm_bwd_row_stats_kernel` first reads dy and x and writes c1 and c2 per row, then
-the backward kernel runs a 2-D grid whose programs each take ``split_block`` columns of
+the backward kernel runs a 2-D grid whose programs each take BLOCK_N columns of
 their rows and read c1, c2 instead of summing the row. That is 5 passes over the
 activations instead of 3, but a program holds 1 Ki columns instead of a whole row, so
 eight share an SM; one program per SM holding a 16 Ki row was slower (H200, h = 16384:
-0.367 ms split against 0.484 ms, NormConfig.split_block).
+0.367 ms split against 0.484 ms, BWD_TILES). A backward tile whose BLOCK_N is less than the
+row's next power of two takes the split backward.
 
 dgamma and dbeta are reduced in two deterministic stages, without atomics: each backward
 program loops over ``rows_per_program`` rows and keeps its own partial sums in
@@ -55,8 +56,6 @@ arXiv:1910.07467.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -64,17 +63,25 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from ..utils import MAX_FUSED_SIZE, as_rows
+from .launch import (
+    MAX_FUSED_SIZE,
+    TL_DTYPE,
+    Tile,
+    TileTable,
+    acc_dtype,
+    as_rows,
+    cdiv,
+    next_power_of_2,
+    persistent_grid,
+    pick,
+)
 
 __all__ = [
-    "NormConfig",
-    "norm_config",
-    "layer_norm_fwd",
-    "layer_norm_bwd",
-    "rms_norm_fwd",
-    "rms_norm_bwd",
     "norm_fwd",
     "norm_bwd",
+    "FWD_TILES",
+    "BWD_TILES",
+    "RMS_BWD_TILES",
     "MAX_HIDDEN_SIZE",
 ]
 
@@ -344,168 +351,84 @@ def _norm_bwd_reduce_kernel(
 # ----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class NormConfig:
-    """How a norm kernel is launched for one row length.
-
-    Attributes:
-        BLOCK_M: rows per tile (several for short rows, so a program moves enough bytes).
-        num_warps: warps per program.
-        programs_per_sm: 0 launches one program per tile of BLOCK_M rows; k > 0 launches a
-            persistent grid of k programs per streaming multiprocessor, each looping over
-            ``rows_per_program`` rows (the backward always loops: its dgamma/dbeta partials
-            are one row per program).
-        num_stages: software-pipelining depth of the row loop (``tl.range(num_stages=)``):
-            k > 1 loads the next k - 1 tiles while the current one is reduced; 1 does not
-            pipeline.
-        split_block: backward only. 0: one program holds whole rows (one kernel, 3 passes
-            over the activations). k > 0, for long rows: a first kernel computes the two
-            row sums of dx's formula (reads dy and x), then programs of k columns each
-            write dx and their dgamma/dbeta partials (reads dy and x again, writes dx): 5
-            passes, but each program holds k columns instead of the row, so several fit
-            on an SM. A power of two; the programs_per_sm · SMs programs are shared among
-            the ceil(h / k) column blocks.
-    """
-
-    BLOCK_M: int
-    num_warps: int
-    programs_per_sm: int
-    num_stages: int
-    split_block: int = 0
-
-
-# Forward settings per row length, as (upper bound of BLOCK_N, NormConfig). Aim: about
-# 16-32 elements per thread (two to four 16-byte bf16 vectors), one tile per program so
-# the hardware scheduler keeps several rows in flight per SM (h = 4096: 40 registers per
-# thread at 8 warps, 6 programs per SM); short rows take several rows per tile. Compiled
-# for sm_90 with no register spills (tools/check_norm_registers.py).
-_FWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
-    (128, NormConfig(BLOCK_M=32, num_warps=4, programs_per_sm=0, num_stages=1)),
-    (512, NormConfig(BLOCK_M=8, num_warps=4, programs_per_sm=0, num_stages=1)),
-    (1024, NormConfig(BLOCK_M=4, num_warps=4, programs_per_sm=0, num_stages=1)),
-    (2048, NormConfig(BLOCK_M=2, num_warps=4, programs_per_sm=0, num_stages=1)),
-    (4096, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=0, num_stages=1)),
-    (8192, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=0, num_stages=1)),
+# Tiles (fusedlib.kernels.launch.Tile) as the norms read them:
+#   BLOCK_M          rows per tile (several for short rows, so a program moves enough bytes);
+#   BLOCK_N          0: the whole row (the next power of two >= h); the backward's tiles for
+#                    long rows give fewer columns, which runs the split backward (above);
+#   num_warps        warps per program;
+#   num_stages       software-pipelining depth of the row loop (1: none);
+#   programs_per_sm  0: one program per tile of BLOCK_M rows; k > 0: a persistent grid of k
+#                    programs per SM, each looping over rows (the backward always loops: its
+#                    dgamma/dbeta partials are one row per program). A split backward's
+#                    k · SMs programs are shared among the ceil(h / BLOCK_N) column blocks.
+#
+# Forward settings per row length, as (upper bound of h, Tile); the bounds are powers of two,
+# so a row length and its BLOCK_N take the same row. Aim: about 16-32 elements per thread (two
+# to four 16-byte bf16 vectors), one tile per program so the hardware scheduler keeps several
+# rows in flight per SM (h = 4096: 40 registers per thread at 8 warps, 6 programs per SM);
+# short rows take several rows per tile. Compiled for sm_90 with no register spills
+# (tools/check_norm_registers.py).
+FWD_TILES: TileTable = (
+    (128, Tile(BLOCK_M=32, BLOCK_N=0, num_warps=4, num_stages=1, programs_per_sm=0)),
+    (512, Tile(BLOCK_M=8, BLOCK_N=0, num_warps=4, num_stages=1, programs_per_sm=0)),
+    (1024, Tile(BLOCK_M=4, BLOCK_N=0, num_warps=4, num_stages=1, programs_per_sm=0)),
+    (2048, Tile(BLOCK_M=2, BLOCK_N=0, num_warps=4, num_stages=1, programs_per_sm=0)),
+    (4096, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=8, num_stages=1, programs_per_sm=0)),
+    (8192, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=8, num_stages=1, programs_per_sm=0)),
     # h = 12288 and 16384, bf16 on the H200: 0.164 / 0.142 ms at 8 warps, one row per
     # program, against 0.172 / 0.152 for a persistent grid of 16 warps (tools/tune_layer_norm.py)
-    (16384, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=0, num_stages=1)),
+    (16384, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=8, num_stages=1, programs_per_sm=0)),
     # 32 Ki: a persistent grid that loads the next row (192 KiB of shared memory) while
     # reducing this one keeps the memory busy with one program per SM
-    (32768, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=1, num_stages=2)),
-    (MAX_HIDDEN_SIZE, NormConfig(BLOCK_M=1, num_warps=32, programs_per_sm=0, num_stages=1)),
+    (32768, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=32, num_stages=2, programs_per_sm=1)),
+    (MAX_HIDDEN_SIZE, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=32, num_stages=1, programs_per_sm=0)),
 )
 
-# Backward settings per row length, as (upper bound of BLOCK_N, NormConfig). A persistent
-# grid: each program holds gamma and its float32 partial sums (dgamma, dbeta) in registers
-# across all its rows, so registers, not bandwidth, bound the tile: about 16 elements per
-# thread per array. Pipelining (num_stages) loads the next rows of x and dy into shared
-# memory while the current ones are reduced. Rows of more than 8 Ki elements do not fit a
-# program's registers with room for the pipeline (5 arrays of 16 Ki values at 16 Ki), so
-# LayerNorm's take the split backward (split_block).
-_BWD_CONFIGS: tuple[tuple[int, NormConfig], ...] = (
-    (128, NormConfig(BLOCK_M=16, num_warps=4, programs_per_sm=4, num_stages=2)),
-    (512, NormConfig(BLOCK_M=4, num_warps=4, programs_per_sm=4, num_stages=2)),
+# Backward settings per row length, as (upper bound of h, Tile). A persistent grid: each
+# program holds gamma and its float32 partial sums (dgamma, dbeta) in registers across all
+# its rows, so registers, not bandwidth, bound the tile: about 16 elements per thread per
+# array. Pipelining (num_stages) loads the next rows of x and dy into shared memory while
+# the current ones are reduced. Rows of more than 8 Ki elements do not fit a program's
+# registers with room for the pipeline (5 arrays of 16 Ki values at 16 Ki), so LayerNorm's
+# take the split backward (BLOCK_N = 1024 columns per program).
+BWD_TILES: TileTable = (
+    (128, Tile(BLOCK_M=16, BLOCK_N=0, num_warps=4, num_stages=2, programs_per_sm=4)),
+    (512, Tile(BLOCK_M=4, BLOCK_N=0, num_warps=4, num_stages=2, programs_per_sm=4)),
     # measured, bf16 on the H200, kernel alone (tools/tune_layer_norm.py), LayerNorm / RMSNorm:
     # h = 1024: 0.230 / 0.213 ms (2 stages: 0.265 / 0.241)
-    (1024, NormConfig(BLOCK_M=2, num_warps=4, programs_per_sm=4, num_stages=3)),
+    (1024, Tile(BLOCK_M=2, BLOCK_N=0, num_warps=4, num_stages=3, programs_per_sm=4)),
     # h = 2048: 0.213 / 0.214 ms (2 stages: 0.260 / 0.240)
-    (2048, NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=4, num_stages=3)),
+    (2048, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=4, num_stages=3, programs_per_sm=4)),
     # h = 4096: 0.212 / 0.210 ms (1 row x 8 warps at 2 per SM, 2 stages: 0.271 / 0.255)
-    (4096, NormConfig(BLOCK_M=2, num_warps=8, programs_per_sm=1, num_stages=3)),
+    (4096, Tile(BLOCK_M=2, BLOCK_N=0, num_warps=8, num_stages=3, programs_per_sm=1)),
     # h = 8192: 0.215 / 0.210 ms (16 warps, 2 stages: 0.313 / 0.275)
-    (8192, NormConfig(BLOCK_M=1, num_warps=8, programs_per_sm=1, num_stages=3)),
+    (8192, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=8, num_stages=3, programs_per_sm=1)),
     # h = 16384, LayerNorm: split, 1 Ki columns per program: 0.367 ms, against 0.484 for the
     # best one-kernel setting (16 warps, 1 per SM, 2 stages) and 0.628 for 32 warps
-    (16384, NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=8, num_stages=2, split_block=1024)),
-    (MAX_HIDDEN_SIZE, NormConfig(BLOCK_M=1, num_warps=4, programs_per_sm=8, num_stages=2, split_block=1024)),
+    (16384, Tile(BLOCK_M=1, BLOCK_N=1024, num_warps=4, num_stages=2, programs_per_sm=8)),
+    (MAX_HIDDEN_SIZE, Tile(BLOCK_M=1, BLOCK_N=1024, num_warps=4, num_stages=2, programs_per_sm=8)),
 )
 
-# RMSNorm's backward holds one array less per program (no dbeta partials), so a whole row
-# of 16 Ki still fits one program per SM: 0.302 ms at h = 16384, against 0.338 split.
-_RMS_BWD_CONFIGS: dict[int, NormConfig] = {
-    16384: NormConfig(BLOCK_M=1, num_warps=16, programs_per_sm=1, num_stages=1),
-}
+# RMSNorm's backward: LayerNorm's, except for rows of 8 Ki to 16 Ki. It holds one array less
+# per program (no dbeta partials), so a whole row of 16 Ki still fits one program per SM:
+# 0.302 ms at h = 16384, against 0.338 split.
+RMS_BWD_TILES: TileTable = tuple(
+    (bound, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=16, num_stages=1, programs_per_sm=1) if bound == 16384 else tile)
+    for bound, tile in BWD_TILES
+)
 
-# Second stage, as device type -> (BLOCK_P, BLOCK_N): a [BLOCK_P, BLOCK_N] float32 tile of
-# partials per loop step. GPU: 32 columns per program (128 programs for h = 4096) and 128
-# partial rows per step (16 KiB per buffer), so the 132 partial rows of h = 4096 take 2
-# steps: the kernel is a few microseconds of latency, not bandwidth. CPU interpreter:
-# programs run one by one, so few wide ones.
-_REDUCE_TILE: dict[str, tuple[int, int]] = {"cuda": (128, 32), "cpu": (8, 4096)}
+# Second stage, per device type: a [BLOCK_M, BLOCK_N] float32 tile of partials per loop step.
+# GPU: 32 columns per program (128 programs for h = 4096) and 128 partial rows per step (16
+# KiB per buffer), so the 132 partial rows of h = 4096 take 2 steps: the kernel is a few
+# microseconds of latency, not bandwidth. CPU interpreter: programs run one by one, so few
+# wide ones. BLOCK_N is capped at the backward's column block.
+_REDUCE_TILES: dict[str, Tile] = {"cuda": Tile(BLOCK_M=128, BLOCK_N=32, num_warps=4),
+                                  "cpu": Tile(BLOCK_M=8, BLOCK_N=4096, num_warps=4)}
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    # triton.next_power_of_2 / triton.cdiv are constexpr functions: ~5 us each from Python,
-    # and the host functions run on every step (the H200 runs' fused steps are host-bound)
-    return 1 << (n - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def norm_config(n_cols: int, pass_: str, rms_norm: bool = False) -> tuple[int, NormConfig]:
-    """``(BLOCK_N, NormConfig)`` for rows of ``n_cols`` elements (cached: to try other
-    settings, pass ``config=`` to :func:`norm_fwd` / :func:`norm_bwd`, as
-    ``tools/tune_layer_norm.py`` does, rather than editing the tables at run time).
-
-    Args:
-        n_cols: the hidden size, 1 to :data:`MAX_HIDDEN_SIZE`.
-        pass_: ``"fwd"`` or ``"bwd"``.
-        rms_norm: RMSNorm's backward, which has its own settings where they differ.
-
-    Returns:
-        The row block (next power of two >= n_cols) and the table's settings for it. With
-        a ``split_block``, the backward kernel's column block is min(split_block, BLOCK_N).
-
-    Raises:
-        ValueError: for n_cols outside 1..MAX_HIDDEN_SIZE, or an unknown pass.
-    """
-    if not 1 <= n_cols <= MAX_HIDDEN_SIZE:
-        raise ValueError(
-            f"hidden size must be in 1..{MAX_HIDDEN_SIZE} (one row is held in a program's registers), got {n_cols}"
-        )
-    table = {"fwd": _FWD_CONFIGS, "bwd": _BWD_CONFIGS}.get(pass_)
-    if table is None:
-        raise ValueError(f"pass_ must be 'fwd' or 'bwd', got {pass_!r}")
-    block_n = _next_power_of_2(n_cols)
-    if rms_norm and pass_ == "bwd" and block_n in _RMS_BWD_CONFIGS:
-        return block_n, _RMS_BWD_CONFIGS[block_n]
-    for bound, cfg in table:
-        if block_n <= bound:
-            return block_n, cfg
-    raise AssertionError("unreachable: the last bound is MAX_HIDDEN_SIZE")
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device: torch.device) -> int:
-    # The CPU interpreter runs one program at a time: a "device" of 4 SMs keeps grids small.
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-def _acc(dtype: torch.dtype):
-    # the kernels' compute dtype (fusedlib.utils.acc_dtype), without its import per call
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _grid(n_rows: int, block_m: int, programs_per_sm: int, device: torch.device,
-          column_blocks: int = 1) -> tuple[int, int]:
-    """(programs, rows_per_program) covering n_rows >= 1 rows in tiles of block_m; with
-    ``column_blocks`` > 1 the SMs' programs are shared among that many column blocks."""
-    tiles = _cdiv(n_rows, block_m)
-    if programs_per_sm == 0:
-        return tiles, block_m
-    programs = max(1, min(tiles, programs_per_sm * _multiprocessor_count(device) // column_blocks))
-    rows_per_program = _cdiv(tiles, programs) * block_m
-    return _cdiv(n_rows, rows_per_program), rows_per_program
-
-
-# Row sums of the split backward, as device type -> (BLOCK_M, BLOCK_N, num_warps): one row
-# per program, 4 Ki columns per step at 8 warps (16 elements per thread per array).
-_ROW_STATS_TILE: dict[str, tuple[int, int, int]] = {"cuda": (1, 4096, 8), "cpu": (1, 4096, 1)}
+# Row sums of the split backward, per device type: one row per program, 4 Ki columns per step
+# at 8 warps (16 elements per thread per array); BLOCK_N capped at the row's next power of two.
+_ROW_STATS_TILES: dict[str, Tile] = {"cuda": Tile(BLOCK_M=1, BLOCK_N=4096, num_warps=8),
+                                     "cpu": Tile(BLOCK_M=1, BLOCK_N=4096, num_warps=1)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -515,42 +438,51 @@ _ROW_STATS_TILE: dict[str, tuple[int, int, int]] = {"cuda": (1, 4096, 8), "cpu":
 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *,
              rms_norm: bool, zero_centered_gamma: bool = False,
-             config: Optional[NormConfig] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+             tile: Optional[Tile] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Launch the forward kernel over the last dim of ``x``.
 
     Args:
-        x: [..., h], float32/float16/bfloat16/float64, any strides.
+        x: [..., h], float32/float16/bfloat16/float64, any strides; 1 <= h <= MAX_HIDDEN_SIZE.
         weight: [h], x's dtype, contiguous.
         bias: [h], x's dtype, contiguous, or None (always None for RMSNorm).
         eps: added to the variance (RMSNorm: to the mean square).
         rms_norm: RMSNorm instead of LayerNorm.
         zero_centered_gamma: gamma = weight + 1.
-        config: launch settings (default: the table's for h).
+        tile: launch settings (None: ``pick(FWD_TILES, h)``); BLOCK_N must be 0 or cover
+            the whole row.
 
     Returns:
         ``(y, mean, rstd)``: y a new contiguous tensor of x's shape and dtype (not a view:
         its ``_base`` is None); mean (None for RMSNorm) and rstd float32 [rows] (float64
         for float64 x), rows = x.numel() // h.
+
+    Raises:
+        ValueError: for h past MAX_HIDDEN_SIZE, or a tile narrower than the row.
     """
+    device = x.device
     h = x.shape[-1]
     x2d = as_rows(x)  # [..., h] -> [rows, h]
     n_rows = x2d.shape[0]
-    stat_dtype = torch.promote_types(x.dtype, torch.float32)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # written as [rows, h], contiguous
-    rstd = torch.empty(n_rows, dtype=stat_dtype, device=x.device)
-    mean = None if rms_norm else torch.empty(n_rows, dtype=stat_dtype, device=x.device)
+    acc = acc_dtype(x.dtype)
+    y = torch.empty(x.shape, dtype=x.dtype, device=device)  # written as [rows, h], contiguous
+    rstd = torch.empty(n_rows, dtype=acc, device=device)
+    mean = None if rms_norm else torch.empty(n_rows, dtype=acc, device=device)
     if n_rows == 0:
         return y, mean, rstd
-    block_n, cfg = norm_config(h, "fwd")
-    cfg = config or cfg
-    programs, rows_per_program = _grid(n_rows, cfg.BLOCK_M, cfg.programs_per_sm, x.device)
+    if tile is None:
+        tile = pick(FWD_TILES, h)
+    block_n = next_power_of_2(h)
+    if 0 < tile.BLOCK_N < block_n:
+        raise ValueError(f"the norms' forward holds whole rows: tile.BLOCK_N must be 0 or >= {block_n} "
+                         f"for h = {h}, got {tile.BLOCK_N}")
+    programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device)
     launch(
-        _norm_fwd_kernel, (programs,), x.device,
+        _norm_fwd_kernel, (programs,), device,
         x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
-        n_rows, h, x2d.stride(0), x2d.stride(1), float(eps), rows_per_program,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
-        ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=cfg.num_stages, ACC=_acc(x.dtype),
-        num_warps=cfg.num_warps,
+        n_rows, h, *x2d.stride(), float(eps), rows_per_program,
+        BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
+        ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=tile.num_stages, ACC=TL_DTYPE[acc],
+        num_warps=tile.num_warps,
     )
     return y, mean, rstd
 
@@ -558,11 +490,12 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
 def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
              mean: Optional[torch.Tensor], rstd: torch.Tensor, *, rms_norm: bool,
              zero_centered_gamma: bool = False, memory_efficient: bool = False,
-             config: Optional[NormConfig] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+             tile: Optional[Tile] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward kernel, then the second-stage reduction of dgamma and dbeta.
 
-    With a ``split_block`` in the settings (long rows), the row-sums kernel runs first and
-    the backward kernel runs on a 2-D grid of (row programs, column blocks).
+    With a tile narrower than the row (long rows: BLOCK_N < the next power of two >= h), the
+    row-sums kernel runs first and the backward kernel runs on a 2-D grid of (row programs,
+    column blocks of BLOCK_N).
 
     Args:
         dy: gradient of y, [..., h], x's dtype, any strides.
@@ -574,7 +507,7 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
         rstd: [rows] from the forward, float32 (float64 for float64 x).
         rms_norm, zero_centered_gamma: as in the forward.
         memory_efficient: ``x_or_y`` is y; x_hat = (y - beta) / gamma (needs gamma != 0).
-        config: launch settings (default: the table's for h and the norm).
+        tile: launch settings (None: ``pick(BWD_TILES, h)``, RMSNorm ``pick(RMS_BWD_TILES, h)``).
 
     Returns:
         ``(dx, dweight, dbias)``: dx a new contiguous tensor of x's shape and dtype; dweight
@@ -582,89 +515,58 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
         row in float32 (float64 for float64 x) in a fixed order.
 
     Raises:
-        ValueError: for h outside 1..MAX_HIDDEN_SIZE (:func:`norm_config`), or a
-            ``config.split_block`` that is not a power of two.
+        ValueError: for h past MAX_HIDDEN_SIZE, or a ``tile.BLOCK_N`` that is not a power of two.
     """
+    device = x_or_y.device
     h = x_or_y.shape[-1]
     x2d = as_rows(x_or_y)  # [..., h] -> [rows, h]
     dy2d = as_rows(dy)
     n_rows = x2d.shape[0]
-    dx = torch.empty(x_or_y.shape, dtype=x_or_y.dtype, device=x_or_y.device)
+    dx = torch.empty(x_or_y.shape, dtype=x_or_y.dtype, device=device)  # written as [rows, h]
+    if n_rows == 0:
+        return dx, torch.zeros_like(weight), (torch.zeros_like(bias) if bias is not None else None)
+    if tile is None:
+        tile = pick(RMS_BWD_TILES if rms_norm else BWD_TILES, h)
+    elif tile.BLOCK_N & (tile.BLOCK_N - 1):
+        raise ValueError(f"tile.BLOCK_N must be a power of two (a Triton block), got {tile.BLOCK_N}")
+    row_block = next_power_of_2(h)
+    block_n = min(tile.BLOCK_N or row_block, row_block)
+    split = block_n < row_block  # long rows: programs of block_n columns read the row sums c1, c2
+    acc = acc_dtype(x_or_y.dtype)
     dweight = torch.empty_like(weight)
     dbias = torch.empty_like(bias) if bias is not None else None
-    if n_rows == 0:
-        dweight.zero_()
-        if dbias is not None:
-            dbias.zero_()
-        return dx, dweight, dbias
-    block_n, cfg = norm_config(h, "bwd", rms_norm)
-    cfg = config or cfg
-    if cfg.split_block and cfg.split_block & (cfg.split_block - 1):
-        raise ValueError(f"config.split_block must be a power of two (a Triton block), got {cfg.split_block}")
-    acc = torch.promote_types(x_or_y.dtype, torch.float32)
-    device = x_or_y.device
     common = dict(IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None, ZERO_CENTERED_GAMMA=zero_centered_gamma,
-                  MEMORY_EFFICIENT=memory_efficient, ACC=_acc(x_or_y.dtype))
+                  MEMORY_EFFICIENT=memory_efficient, ACC=TL_DTYPE[acc])
     w_b = (weight, bias if bias is not None else weight)
     stats = (mean if mean is not None else rstd, rstd)
-    strides = (dy2d.stride(0), dy2d.stride(1), x2d.stride(0), x2d.stride(1))
+    strides = (*dy2d.stride(), *x2d.stride())
     column_blocks = 1
     row_sums = rstd  # unused pointer without a split
-    if cfg.split_block:
-        block_n = min(cfg.split_block, block_n)
-        column_blocks = _cdiv(h, block_n)
+    if split:
+        column_blocks = cdiv(h, block_n)
         row_sums = torch.empty((2, n_rows), dtype=acc, device=device)  # c1, c2 per row
-        s_m, s_n, s_warps = _ROW_STATS_TILE[device.type]
-        s_n = min(s_n, _next_power_of_2(h))
+        s_tile = _ROW_STATS_TILES[device.type]
         launch(
-            _norm_bwd_row_stats_kernel, (_cdiv(n_rows, s_m),), device,
+            _norm_bwd_row_stats_kernel, (cdiv(n_rows, s_tile.BLOCK_M),), device,
             dy2d, x2d, *w_b, *stats, row_sums, n_rows, h, *strides,
-            BLOCK_M=s_m, BLOCK_N=s_n, **common, num_warps=s_warps,
+            BLOCK_M=s_tile.BLOCK_M, BLOCK_N=min(s_tile.BLOCK_N, row_block), **common, num_warps=s_tile.num_warps,
         )
-    programs, rows_per_program = _grid(n_rows, cfg.BLOCK_M, max(1, cfg.programs_per_sm), device, column_blocks)
+    programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, max(1, tile.programs_per_sm), device,
+                                                 column_blocks)
     # [1 or 2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1], only with a bias)
     partial = torch.empty((2 if bias is not None else 1, programs, h), dtype=acc, device=device)
     launch(
         _norm_bwd_kernel, (programs, column_blocks), device,
         dy2d, x2d, *w_b, *stats, row_sums, dx, partial, n_rows, h, *strides, rows_per_program,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, SPLIT=bool(cfg.split_block), NUM_STAGES=cfg.num_stages,
-        **common, num_warps=cfg.num_warps,
+        BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=tile.num_stages,
+        **common, num_warps=tile.num_warps,
     )
-    block_p, reduce_block_n = _REDUCE_TILE[x_or_y.device.type]
-    block_p, reduce_block_n = min(block_p, _next_power_of_2(programs)), min(reduce_block_n, block_n)
+    r_tile = _REDUCE_TILES[device.type]
+    reduce_block_n = min(r_tile.BLOCK_N, block_n)
     launch(
-        _norm_bwd_reduce_kernel, (_cdiv(h, reduce_block_n),), x_or_y.device,
+        _norm_bwd_reduce_kernel, (cdiv(h, reduce_block_n),), device,
         partial, dweight, dbias if dbias is not None else dweight, programs, h,
-        BLOCK_P=block_p, BLOCK_N=reduce_block_n, HAS_BIAS=bias is not None,
-        ACC=_acc(x_or_y.dtype), num_warps=4,
+        BLOCK_P=min(r_tile.BLOCK_M, next_power_of_2(programs)), BLOCK_N=reduce_block_n, HAS_BIAS=bias is not None,
+        ACC=TL_DTYPE[acc], num_warps=r_tile.num_warps,
     )
     return dx, dweight, dbias
-
-
-def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-                   zero_centered_gamma: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LayerNorm forward: ``(y, mean, rstd)``; see :func:`norm_fwd`."""
-    return norm_fwd(x, weight, bias, eps, rms_norm=False, zero_centered_gamma=zero_centered_gamma)
-
-
-def layer_norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   mean: Optional[torch.Tensor], rstd: torch.Tensor, zero_centered_gamma: bool = False,
-                   memory_efficient: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """LayerNorm backward: ``(dx, dweight, dbias)``; see :func:`norm_bwd`."""
-    return norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm=False,
-                    zero_centered_gamma=zero_centered_gamma, memory_efficient=memory_efficient)
-
-
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 zero_centered_gamma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm forward: ``(y, rstd)``; see :func:`norm_fwd`."""
-    y, _, rstd = norm_fwd(x, weight, None, eps, rms_norm=True, zero_centered_gamma=zero_centered_gamma)
-    return y, rstd
-
-
-def rms_norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                 zero_centered_gamma: bool = False, memory_efficient: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm backward: ``(dx, dweight)``; see :func:`norm_bwd`."""
-    dx, dw, _ = norm_bwd(dy, x_or_y, weight, None, None, rstd, rms_norm=True,
-                         zero_centered_gamma=zero_centered_gamma, memory_efficient=memory_efficient)
-    return dx, dw

@@ -17,9 +17,3 @@ def tanh(z):
     t = (1.0 - e) / (1.0 + e)
     return tl.where(z >= 0, t, -t)
 
-
-@triton.jit
-def sigmoid(z):
-    """sigmoid(z) = 1 / (1 + e^{-z}), evaluated as e^{-|z|} so that it never overflows."""
-    e = tl.exp(-tl.abs(z))
-    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))

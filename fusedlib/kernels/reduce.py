@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from ..utils import acc_dtype
+from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, pick
 
 __all__ = ["sum_partials"]
 
@@ -39,6 +39,13 @@ def _sum_partials_kernel(
     tl.store(OUT_ptr + cols, tl.sum(acc, axis=0).to(OUT_ptr.dtype.element_ty), mask=col_mask)
 
 
+# One tile for every width, as (upper bound of n_cols, Tile): 16 partial rows per step
+# (BLOCK_M) by up to 256 columns per program (BLOCK_N, capped at the row's next power of two).
+SUM_PARTIALS_TILES: TileTable = (
+    (HUGE, Tile(BLOCK_M=16, BLOCK_N=256, num_warps=4)),
+)
+
+
 def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Sum ``partials`` [n_partials, n_cols] over dim 0 and cast to ``out_dtype``.
 
@@ -50,9 +57,10 @@ def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
         A new [n_cols] tensor.
     """
     n_partials, n_cols = partials.shape
-    out = torch.empty(n_cols, dtype=out_dtype, device=partials.device)
-    block_c = min(256, triton.next_power_of_2(n_cols))
-    launch(_sum_partials_kernel, (triton.cdiv(n_cols, block_c),), partials.device,
-           partials, out, n_partials, n_cols, BLOCK_R=16, BLOCK_C=block_c, ACC=acc_dtype(partials.dtype),
-           num_warps=4)
+    device = partials.device
+    out = torch.empty(n_cols, dtype=out_dtype, device=device)
+    tile = pick(SUM_PARTIALS_TILES, n_cols)
+    launch(_sum_partials_kernel, (cdiv(n_cols, tile.BLOCK_N),), device,
+           partials, out, n_partials, n_cols, BLOCK_R=tile.BLOCK_M, BLOCK_C=tile.BLOCK_N,
+           ACC=TL_DTYPE[acc_dtype(partials.dtype)], num_warps=tile.num_warps)
     return out

@@ -56,12 +56,14 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from ..utils import MAX_FUSED_SIZE, acc_dtype, as_rows, calculate_settings
+from .launch import MAX_FUSED_SIZE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, next_power_of_2, pick
 
 __all__ = [
     "softmax_fwd",
     "softmax_bwd",
-    "softmax_settings",
+    "softmax_tile",
+    "TILES",
+    "ONLINE_TILE",
     "causal_band",
     "window_band",
     "MAX_REGISTER_BLOCK",
@@ -76,46 +78,59 @@ __all__ = [
 #: occupancy, so they take the looping kernel.
 MAX_REGISTER_BLOCK: int = 16384
 
-# Rows per program of the register kernel, as (upper bound of BLOCK_N, BLOCK_M): short rows
-# are packed so that a program holds about 1-2 Ki elements (8-16 per thread at 4 warps);
-# rows of 2 Ki and more get a program each. Warps come from calculate_settings of the tile.
-_ROWS_PER_PROGRAM: tuple[tuple[int, int], ...] = (
-    (32, 32),    # up to 32 columns: 32 rows x 32 = 1 Ki elements
-    (128, 16),   # up to 128: 16 rows (2 Ki)
-    (512, 4),    # up to 512: 4 rows (2 Ki)
-    (1024, 2),   # up to 1 Ki: 2 rows (2 Ki)
-    (MAX_FUSED_SIZE, 1),  # 2 Ki and longer: one row per program
+# Tiles of the register kernel, as (upper bound of sk, Tile) with BLOCK_N = 0: the whole row
+# (the next power of two >= sk); the bounds are powers of two. Short rows are packed so that
+# a program holds about 1-2 Ki elements (8-16 per thread at 4 warps); rows of 2 Ki and more
+# get a program each. Warps by the tile's elements: up to 2 Ki, 4 warps (<= 16 elements per
+# thread); up to 8 Ki, 8 (<= 32 per thread); up to 32 Ki, 16; up to 64 Ki, 32 (the most a
+# program can have); the same steps as the Triton layer-norm tutorial and Liger.
+TILES: TileTable = (
+    (32, Tile(BLOCK_M=32, BLOCK_N=0, num_warps=4)),  # up to 32 columns: 32 rows x 32 = 1 Ki elements
+    (128, Tile(BLOCK_M=16, BLOCK_N=0, num_warps=4)),  # up to 128: 16 rows (2 Ki)
+    (512, Tile(BLOCK_M=4, BLOCK_N=0, num_warps=4)),  # up to 512: 4 rows (2 Ki)
+    (1024, Tile(BLOCK_M=2, BLOCK_N=0, num_warps=4)),  # up to 1 Ki: 2 rows (2 Ki)
+    (2048, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=4)),  # 2 Ki and longer: one row per program
+    (8192, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=8)),
+    (32768, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=16)),
+    (MAX_FUSED_SIZE, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=32)),
 )
 
-# Looping kernel (rows longer than MAX_REGISTER_BLOCK): column tile and warps. 4 Ki columns
-# at 8 warps is 16 elements per thread, two 16-byte loads of bf16.
-ONLINE_BLOCK_N: int = 4096
-ONLINE_NUM_WARPS: int = 8
+# Looping kernel (rows longer than MAX_REGISTER_BLOCK): one row per program, in column tiles
+# of 4 Ki at 8 warps: 16 elements per thread, two 16-byte loads of bf16.
+ONLINE_TILE: Tile = Tile(BLOCK_M=1, BLOCK_N=4096, num_warps=8)
 
 #: Bytes of one vector load; VEC = elements per vector, the granule the band is rounded to.
 VECTOR_BYTES: int = 16
 
+# (n_cols, max_register_block) -> Tile: softmax_tile's memory (plain ints as keys).
+_TILE_PICKS: dict[tuple[int, int], Tile] = {}
 
-def softmax_settings(n_cols: int, max_register_block: Optional[int] = None) -> dict:
-    """Which kernel and tile a row of ``n_cols`` elements gets.
+
+def softmax_tile(n_cols: int, max_register_block: Optional[int] = None) -> Tile:
+    """The tile a row of ``n_cols`` elements gets; a BLOCK_N below the row's next power of two
+    means the looping kernel.
 
     Args:
         n_cols: the row length sk (>= 1).
         max_register_block: the longest row (as its next power of two) held in registers
-            (None: ``MAX_REGISTER_BLOCK``).
+            (None: ``MAX_REGISTER_BLOCK``, read at call time).
 
     Returns:
-        ``{"online": bool, "BLOCK_M": rows per program, "BLOCK_N": columns per tile,
-        "num_warps": warps}``.
+        ``pick(TILES, n_cols)`` for rows that fit in registers, else :data:`ONLINE_TILE` (its
+        BLOCK_N capped at ``max_register_block``).
     """
-    max_register_block = MAX_REGISTER_BLOCK if max_register_block is None else max_register_block
-    block_n = triton.next_power_of_2(n_cols)
-    if block_n > max_register_block:
-        return {"online": True, "BLOCK_M": 1, "BLOCK_N": min(ONLINE_BLOCK_N, max_register_block),
-                "num_warps": ONLINE_NUM_WARPS}
-    block_m = next(m for bound, m in _ROWS_PER_PROGRAM if block_n <= bound)
-    _, warps = calculate_settings(block_m * block_n)
-    return {"online": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps}
+    if max_register_block is None:
+        max_register_block = MAX_REGISTER_BLOCK
+    key = (n_cols, max_register_block)
+    tile = _TILE_PICKS.get(key)
+    if tile is None:
+        if next_power_of_2(n_cols) > max_register_block:
+            tile = Tile(BLOCK_M=1, BLOCK_N=min(ONLINE_TILE.BLOCK_N, max_register_block),
+                        num_warps=ONLINE_TILE.num_warps)
+        else:
+            tile = pick(TILES, n_cols)
+        _TILE_PICKS[key] = tile
+    return tile
 
 
 def causal_band(sq: int, sk: int) -> tuple[int, int]:
@@ -486,8 +501,25 @@ def _softmax_bwd_online_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+# Elements per 16-byte vector, by dtype
+_VEC: dict[torch.dtype, int] = {d: VECTOR_BYTES // d.itemsize
+                                for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
 def _vec(dtype: torch.dtype) -> int:
-    return VECTOR_BYTES // dtype.itemsize
+    vec = _VEC.get(dtype)
+    return vec if vec is not None else VECTOR_BYTES // dtype.itemsize
+
+
+def _resolve(tile: Optional[Tile], n_cols: int, max_register_block: Optional[int]) -> tuple[Tile, bool]:
+    """(tile, online): the table's tile unless one is given; online (the looping kernel) when
+    its BLOCK_N is below the row's next power of two."""
+    if tile is None:
+        tile = softmax_tile(n_cols, max_register_block)
+    block_n = next_power_of_2(n_cols)
+    if tile.BLOCK_N == 0 or tile.BLOCK_N > block_n:  # 0: the whole row; a wider tile is capped to it
+        return Tile(tile.BLOCK_M, block_n, tile.num_warps, tile.num_stages, tile.programs_per_sm), False
+    return tile, tile.BLOCK_N < block_n
 
 
 def softmax_fwd(
@@ -497,12 +529,14 @@ def softmax_fwd(
     band: Optional[tuple[int, int]] = None,
     offset: Optional[torch.Tensor] = None,
     max_register_block: Optional[int] = None,
+    tile: Optional[Tile] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Launch the forward kernel over every row of ``x4``.
 
     Args:
-        x4: scores [b, np, sq, sk], float32/float16/bfloat16/float64, any strides (the leading
-            three dims are merged into rows by ``reshape``, a copy only where strides forbid).
+        x4: scores [b, np, sq, sk] (or [b, sq, sk]: one head), float32/float16/bfloat16/float64,
+            any strides (the leading dims are merged into rows by ``reshape``, a copy only where
+            strides forbid).
         scale: multiplies x before the mask.
         mask: bool, broadcastable to x4's shape, True = masked; read as bytes through its
             (expanded, possibly zero) strides, never copied.
@@ -512,38 +546,44 @@ def softmax_fwd(
         max_register_block: longest row (next power of two) held in registers; longer rows
             use the looping kernel. None: the module's ``MAX_REGISTER_BLOCK``, read at call
             time (tests lower it to run the looping kernel on short rows).
+        tile: launch settings (None: :func:`softmax_tile`); a BLOCK_N below the row's next
+            power of two runs the looping kernel in column tiles of BLOCK_N, one row per program.
 
     Returns:
         ``(p, p_sink)``: p a new contiguous tensor of x4's shape and dtype; p_sink [b·np·sq] in
         the compute dtype when ``offset`` is given, else None.
     """
-    B, H, SQ, SK = x4.shape
-    x2d = as_rows(x4.reshape(B * H * SQ, SK))  # [b, np, sq, sk] -> [b·np·sq, sk]
-    n_rows, n_cols = x2d.shape
-    y = torch.empty((B, H, SQ, SK), dtype=x4.dtype, device=x4.device)
-    acc_torch = torch.promote_types(x4.dtype, torch.float32)
-    sink = torch.empty(n_rows, dtype=acc_torch, device=x4.device) if offset is not None else None
+    if x4.dim() == 3:  # [b, sq, sk]: one head
+        (B, SQ, SK), H = x4.shape, 1
+    else:
+        B, H, SQ, SK = x4.shape
+    device = x4.device
+    n_rows, n_cols = B * H * SQ, SK
+    y = torch.empty(x4.shape, dtype=x4.dtype, device=device)
+    acc = acc_dtype(x4.dtype)
+    sink = torch.empty(n_rows, dtype=acc, device=device) if offset is not None else None
     if y.numel() == 0:
         return y, sink
+    x2d = x4.reshape(n_rows, n_cols)  # [b, np, sq, sk] -> [b·np·sq, sk]
     if mask is not None:
         m4 = mask.expand(B, H, SQ, SK).view(torch.uint8)  # bool -> bytes, same strides
         m_strides = m4.stride()
     else:
         m4, m_strides = x2d, (0, 0, 0, 0)  # unused pointer (HAS_MASK=False)
     band_lo, band_hi = band if band is not None else (0, 0)
-    cfg = softmax_settings(n_cols, max_register_block)
+    tile, online = _resolve(tile, n_cols, max_register_block)
     common = (
         x2d, y, m4, offset if offset is not None else x2d, sink if sink is not None else x2d,
-        n_rows, n_cols, x2d.stride(0), x2d.stride(1), H, SQ, *m_strides,
+        n_rows, n_cols, *x2d.stride(), H, SQ, *m_strides,
         (1 if offset is not None and offset.numel() > 1 else 0), float(scale), band_lo, band_hi,
     )
     flags = dict(HAS_MASK=mask is not None, HAS_OFFSET=offset is not None, BAND=band is not None,
-                 BLOCK_N=cfg["BLOCK_N"], VEC=_vec(x4.dtype), ACC=acc_dtype(x4.dtype), num_warps=cfg["num_warps"])
-    if cfg["online"]:
-        launch(_softmax_fwd_online_kernel, (n_rows,), x4.device, *common, **flags)
+                 BLOCK_N=tile.BLOCK_N, VEC=_vec(x4.dtype), ACC=TL_DTYPE[acc], num_warps=tile.num_warps)
+    if online:
+        launch(_softmax_fwd_online_kernel, (n_rows,), device, *common, **flags)
     else:
-        launch(_softmax_fwd_kernel, (triton.cdiv(n_rows, cfg["BLOCK_M"]),), x4.device, *common,
-               BLOCK_M=cfg["BLOCK_M"], **flags)
+        launch(_softmax_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device, *common,
+               BLOCK_M=tile.BLOCK_M, **flags)
     return y, sink
 
 
@@ -554,38 +594,43 @@ def softmax_bwd(
     band: Optional[tuple[int, int]] = None,
     sink: Optional[torch.Tensor] = None,
     max_register_block: Optional[int] = None,
+    tile: Optional[Tile] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward kernel: dx = scale·p·(g - sum(g·p)) row by row.
 
     Args:
-        g4: gradient of p, [b, np, sq, sk], p's dtype, any strides; read, never written.
-        p4: the forward's output, [b, np, sq, sk], contiguous.
+        g4: gradient of p, p's shape and dtype, any strides; read, never written.
+        p4: the forward's output, [b, np, sq, sk] (or [b, sq, sk]: one head), contiguous.
         scale: the forward's scale.
         band: the forward's band (g and p are not read outside it), or None.
         sink: the forward's p_sink [b·np·sq] when it had an offset, else None.
-        max_register_block: as :func:`softmax_fwd`.
+        max_register_block, tile: as :func:`softmax_fwd`.
 
     Returns:
         ``(dx, d_offset_rows)``: dx a new contiguous tensor of p's shape and dtype;
         d_offset_rows [b·np·sq] (each row's -p_sink·sum(g·p), compute dtype) when ``sink`` is
         given, else None. Summing it over the rows of a head gives that head's gradient.
     """
-    B, H, SQ, SK = p4.shape
-    dx = torch.empty((B, H, SQ, SK), dtype=p4.dtype, device=p4.device)
+    if p4.dim() == 3:  # [b, sq, sk]: one head
+        (B, SQ, SK), H = p4.shape, 1
+    else:
+        B, H, SQ, SK = p4.shape
+    device = p4.device
+    dx = torch.empty(p4.shape, dtype=p4.dtype, device=device)
     doff = torch.empty_like(sink) if sink is not None else None
     if dx.numel() == 0:
         return dx, doff
-    g2d = as_rows(g4.reshape(B * H * SQ, SK))  # [b, np, sq, sk] -> [b·np·sq, sk]
-    n_rows, n_cols = g2d.shape
+    n_rows, n_cols = B * H * SQ, SK
+    g2d = g4.reshape(n_rows, n_cols)  # [b, np, sq, sk] -> [b·np·sq, sk]
     band_lo, band_hi = band if band is not None else (0, 0)
-    cfg = softmax_settings(n_cols, max_register_block)
+    tile, online = _resolve(tile, n_cols, max_register_block)
     args = (g2d, p4, dx, sink if sink is not None else p4, doff if doff is not None else p4,
-            n_rows, n_cols, g2d.stride(0), g2d.stride(1), SQ, float(scale), band_lo, band_hi)
-    flags = dict(HAS_OFFSET=sink is not None, BAND=band is not None, BLOCK_N=cfg["BLOCK_N"],
-                 VEC=_vec(p4.dtype), ACC=acc_dtype(p4.dtype), num_warps=cfg["num_warps"])
-    if cfg["online"]:
-        launch(_softmax_bwd_online_kernel, (n_rows,), p4.device, *args, **flags)
+            n_rows, n_cols, *g2d.stride(), SQ, float(scale), band_lo, band_hi)
+    flags = dict(HAS_OFFSET=sink is not None, BAND=band is not None, BLOCK_N=tile.BLOCK_N,
+                 VEC=_vec(p4.dtype), ACC=TL_DTYPE[acc_dtype(p4.dtype)], num_warps=tile.num_warps)
+    if online:
+        launch(_softmax_bwd_online_kernel, (n_rows,), device, *args, **flags)
     else:
-        launch(_softmax_bwd_kernel, (triton.cdiv(n_rows, cfg["BLOCK_M"]),), p4.device, *args,
-               BLOCK_M=cfg["BLOCK_M"], **flags)
+        launch(_softmax_bwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device, *args,
+               BLOCK_M=tile.BLOCK_M, **flags)
     return dx, doff

@@ -29,11 +29,15 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from ..utils import acc_dtype
-from .glu import cdiv, glu_block, partial_dtype
+from .glu import TILES as GLU_TILES
+from .launch import TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, pick
 from .math import tanh
 
-__all__ = ["weighted_squared_relu_fwd", "weighted_squared_relu_bwd"]
+__all__ = ["weighted_squared_relu_fwd", "weighted_squared_relu_bwd", "TILES"]
+
+# Tile shapes, as (upper bound of n_cols, Tile): the GLU kernels' table (an elementwise
+# kernel with one weight per row, as the weighted SwiGLU's), for both passes.
+TILES: TileTable = GLU_TILES
 
 
 @triton.jit
@@ -110,58 +114,71 @@ def _weighted_squared_relu_bwd_kernel(
     tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
 
 
-def weighted_squared_relu_fwd(x2d: torch.Tensor, weights: torch.Tensor, clamp_scale: float | None) -> torch.Tensor:
+def weighted_squared_relu_fwd(x: torch.Tensor, weights: torch.Tensor, clamp_scale: float | None,
+                              tile: Tile | None = None) -> torch.Tensor:
     """Launch the forward kernel: ``relu(x)²·w`` (or the soft-clamped form).
 
     Args:
-        x2d: [n_rows, h], float32/float16/bfloat16/float64, any strides.
+        x: [..., h] ([n_rows, h] in the kernel), float32/float16/bfloat16/float64, any strides.
         weights: [n_rows, 1], any float dtype, any stride.
         clamp_scale: s > 0 of the soft clamp, or None.
+        tile: launch settings (None: ``pick(TILES, h)``).
 
     Returns:
-        A new contiguous [n_rows, h] tensor of x's dtype.
+        A new contiguous tensor of x's shape and dtype.
     """
-    n_rows, n_cols = x2d.shape
-    out = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    device = x.device
+    out = torch.empty(x.shape, dtype=x.dtype, device=device)  # written as [n_rows, h]
     if out.numel() == 0:
         return out
-    block_m, block_n, warps = glu_block(n_cols)
-    grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
+    x2d = as_rows(x)  # [..., h] -> [n_rows, h]
+    n_rows, n_cols = x2d.shape
+    if tile is None:
+        tile = pick(TILES, n_cols)
+    grid = (cdiv(n_rows, tile.BLOCK_M), cdiv(n_cols, tile.BLOCK_N))
     launch(
-        _weighted_squared_relu_fwd_kernel, grid, x2d.device,
-        x2d, weights, out, n_rows, n_cols, x2d.stride(0), x2d.stride(1), weights.stride(0),
+        _weighted_squared_relu_fwd_kernel, grid, device,
+        x2d, weights, out, n_rows, n_cols, *x2d.stride(), weights.stride(0),
         float(clamp_scale) if clamp_scale is not None else 1.0,
-        CLAMP=clamp_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(x2d.dtype), num_warps=warps,
+        CLAMP=clamp_scale is not None, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N,
+        ACC=TL_DTYPE[acc_dtype(x.dtype)], num_warps=tile.num_warps,
     )
     return out
 
 
-def weighted_squared_relu_bwd(g2d: torch.Tensor, x2d: torch.Tensor, weights: torch.Tensor,
-                              clamp_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def weighted_squared_relu_bwd(g: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
+                              clamp_scale: float | None, tile: Tile | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel, then sum the weight-gradient partials over column tiles.
 
     Args:
-        g2d: grad of the output, [n_rows, h], any strides.
-        x2d: the forward input, [n_rows, h], any strides.
+        g: grad of the output, x's shape, any strides.
+        x: the forward input, [..., h], any strides.
         weights: [n_rows, 1].
         clamp_scale: as in the forward.
+        tile: launch settings (None: ``pick(TILES, h)``).
 
     Returns:
-        ``(dx, dweights)``: dx a new contiguous [n_rows, h] tensor of x's dtype; dweights
+        ``(dx, dweights)``: dx a new contiguous tensor of x's shape and dtype; dweights
         [n_rows, 1] in weights' dtype, summed over h in float32.
     """
-    n_rows, n_cols = x2d.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    device = x.device
+    dx = torch.empty(x.shape, dtype=x.dtype, device=device)  # written as [n_rows, h]
     if dx.numel() == 0:
         return dx, torch.zeros_like(weights)
-    block_m, block_n, warps = glu_block(n_cols)
-    grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
-    dw_partial = torch.empty((n_rows, grid[1]), dtype=partial_dtype(x2d.dtype), device=x2d.device)
+    g2d, x2d = as_rows(g), as_rows(x)  # [..., h] -> [n_rows, h]
+    n_rows, n_cols = x2d.shape
+    if tile is None:
+        tile = pick(TILES, n_cols)
+    grid = (cdiv(n_rows, tile.BLOCK_M), cdiv(n_cols, tile.BLOCK_N))
+    acc = acc_dtype(x.dtype)
+    dw_partial = torch.empty((n_rows, grid[1]), dtype=acc, device=device)
     launch(
-        _weighted_squared_relu_bwd_kernel, grid, x2d.device,
+        _weighted_squared_relu_bwd_kernel, grid, device,
         g2d, x2d, weights, dx, dw_partial, n_rows, n_cols,
-        g2d.stride(0), g2d.stride(1), x2d.stride(0), x2d.stride(1), weights.stride(0),
+        *g2d.stride(), *x2d.stride(), weights.stride(0),
         float(clamp_scale) if clamp_scale is not None else 1.0,
-        CLAMP=clamp_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, ACC=acc_dtype(x2d.dtype), num_warps=warps,
+        CLAMP=clamp_scale is not None, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc],
+        num_warps=tile.num_warps,
     )
     return dx, dw_partial.sum(1, keepdim=True).to(weights.dtype)

@@ -1,0 +1,121 @@
+"""Input checks shared by every fused op: one clear error, naming the argument, for bad input.
+
+:func:`check_tensor` checks one argument (type, dtype, dims, shape) and
+:func:`check_same_device` that the tensors share one device a kernel can run on. They build
+their messages only when something is wrong, but even their happy path costs microseconds of
+Python per call, paid on every step of an eager training loop. So each op tests its happy
+case first with one cheap combined condition (:data:`FLOAT_DTYPES` membership,
+:func:`on_one_kernel_device`, a few dims and sizes) and calls these detailed checks only
+when that condition fails: the error is the same, the common case pays a fraction.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+__all__ = [
+    "SUPPORTED_FLOAT_DTYPES",
+    "FLOAT_DTYPES",
+    "KERNEL_DEVICE_TYPES",
+    "check_tensor",
+    "check_same_device",
+    "on_one_kernel_device",
+]
+
+#: The dtypes fusedlib's kernels take: loaded, computed in float32, stored back. float64
+#: is computed in float64: it is there so gradcheck can check the kernels, not for speed.
+SUPPORTED_FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+#: :data:`SUPPORTED_FLOAT_DTYPES` as a set, for the fast path's membership test.
+FLOAT_DTYPES: frozenset[torch.dtype] = frozenset(SUPPORTED_FLOAT_DTYPES)
+
+#: Device types fusedlib's kernels run on (compiled on CUDA, interpreted on the CPU).
+KERNEL_DEVICE_TYPES: frozenset[str] = frozenset(("cuda", "cpu"))
+
+
+def on_one_kernel_device(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is on one device of a type in :data:`KERNEL_DEVICE_TYPES`: the
+    happy case of :func:`check_same_device`, as one cheap test (no message, no raise).
+
+    Args:
+        *tensors: one or more tensors (no None).
+    """
+    device = tensors[0].device
+    if device.type not in KERNEL_DEVICE_TYPES:
+        return False
+    for t in tensors[1:]:
+        if t.device != device:
+            return False
+    return True
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtypes: Iterable[torch.dtype] | None = SUPPORTED_FLOAT_DTYPES,
+    ndim: int | tuple[int, ...] | None = None,
+    min_ndim: int | None = None,
+    shape: tuple[int | None, ...] | None = None,
+) -> torch.Tensor:
+    """Check one argument of a fused op and return it.
+
+    Args:
+        name: the argument's name, used in the error message.
+        t: the value passed.
+        dtypes: allowed dtypes (None: any).
+        ndim: required number of dims, or a tuple of allowed numbers.
+        min_ndim: least number of dims.
+        shape: required shape; ``None`` entries match any size.
+
+    Returns:
+        ``t``, unchanged.
+
+    Raises:
+        TypeError: ``t`` is not a tensor, or has a dtype not in ``dtypes``.
+        ValueError: wrong number of dims or shape.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None:
+        allowed_nd = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed_nd:
+            raise ValueError(f"{name} must have {' or '.join(map(str, allowed_nd))} dims, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(s is None or s == n for s, n in zip(shape, t.shape))
+        if not ok:
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """Check that every given tensor (None entries skipped) is on one device.
+
+    Args:
+        **tensors: name=tensor pairs.
+
+    Returns:
+        The common device.
+
+    Raises:
+        ValueError: naming each argument and its device when they differ, or when the
+            device is neither CUDA nor CPU.
+    """
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {v.device for v in present.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{k} on {v.device}" for k, v in present.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
+    dev = devices.pop()
+    if dev.type not in KERNEL_DEVICE_TYPES:
+        raise ValueError(f"fusedlib kernels run on 'cuda' or 'cpu' tensors, got {dev}")
+    return dev
