@@ -126,20 +126,28 @@ def profile(op: str, calls: int = 300) -> None:
 
 
 def compile_check(ops) -> dict:
-    """{op: "ok" or the error}: the fusedlib forward in torch.compile(fullgraph=True, backend="eager")."""
+    """{op: "ok" or the error}: fusedlib's forward in torch.compile(fullgraph=True, backend="eager"),
+    then a backward through it; compiled first before any eager call (empty caches), then
+    again after eager calls (filled caches)."""
     out = {}
     for op in ops:
         case = get_case(op)(HOST_SHAPES[op], DTYPE)
         fn = _impl(case, "fusedlib").fn
-        torch._dynamo.reset()
-        try:
-            inputs = case.make_inputs(torch.device("cpu"), True)
-            res = torch.compile(fn, fullgraph=True, backend="eager")(*inputs)
-            res = res[0] if isinstance(res, tuple) else res
-            res.float().sum().backward()
-            out[op] = "ok"
-        except Exception as exc:  # report and go on
-            out[op] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        results = []
+        for warm in (False, True):
+            torch._dynamo.reset()
+            try:
+                inputs = case.make_inputs(torch.device("cpu"), True)
+                if warm:
+                    res = fn(*inputs)
+                    (res[0] if isinstance(res, tuple) else res).float().sum().backward()
+                res = torch.compile(fn, fullgraph=True, backend="eager")(*inputs)
+                res = res[0] if isinstance(res, tuple) else res
+                res.float().sum().backward()
+                results.append("ok")
+            except Exception as exc:  # report and go on
+                results.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        out[op] = results[0] if results[0] == results[1] else f"cold: {results[0]}; warm: {results[1]}"
     return out
 
 

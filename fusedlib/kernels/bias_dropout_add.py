@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import INTERPRET_ON_CPU, launch
-from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, next_power_of_2, persistent_grid, pick
+from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like, next_power_of_2, persistent_grid, pick
 from .reduce import sum_partials
 
 __all__ = [
@@ -301,7 +301,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: torch.Tensor | None, residual: t
     device = x.device
     fresh = out is None
     if fresh:
-        out = torch.empty(x.shape, dtype=residual.dtype, device=device)  # written as [n_rows, n_cols]
+        out = empty_contiguous_like(residual)  # x's shape, the residual's dtype; written as [n_rows, n_cols]
     if out.numel() == 0:
         return out
     x2d, r2d = as_rows(x), as_rows(residual)  # [..., n_cols] -> [n_rows, n_cols]
@@ -348,7 +348,7 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
     acc = acc_dtype(x_dtype, g.dtype)
     device = g.device
     if store_dx:
-        dx = torch.empty(g.shape, dtype=x_dtype, device=device)  # written as [n_rows, n_cols]
+        dx = empty_contiguous_like(g, x_dtype)  # written as [n_rows, n_cols]
     if g.numel() == 0:
         return dx, (torch.zeros(g.shape[-1], dtype=acc, device=device) if need_dbias else None)
     if not (store_dx or need_dbias):

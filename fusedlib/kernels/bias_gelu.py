@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, persistent_grid, pick
+from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like, persistent_grid, pick
 from .math import tanh
 from .reduce import sum_partials
 
@@ -148,7 +148,7 @@ def bias_gelu_fwd(y: torch.Tensor, bias: torch.Tensor, tile: Tile | None = None)
         ``gelutanh(y + bias)``: a new contiguous tensor of y's shape and dtype.
     """
     device = y.device
-    out = torch.empty(y.shape, dtype=y.dtype, device=device)  # written as [n_rows, n_cols]
+    out = empty_contiguous_like(y)  # written as [n_rows, n_cols]
     if out.numel() == 0:
         return out
     y2d = as_rows(y)  # [..., n_cols] -> [n_rows, n_cols]
@@ -180,7 +180,7 @@ def bias_gelu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
         of bias's dtype, summed over rows in float32.
     """
     device = y.device
-    dy = torch.empty(y.shape, dtype=y.dtype, device=device)  # written as [n_rows, n_cols]
+    dy = empty_contiguous_like(y)  # written as [n_rows, n_cols]
     if dy.numel() == 0:
         return dy, torch.zeros_like(bias)
     g2d, y2d = as_rows(g), as_rows(y)  # [..., n_cols] -> [n_rows, n_cols]

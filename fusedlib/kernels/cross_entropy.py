@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, pick
+from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, empty_contiguous_like, pick
 
 __all__ = ["cross_entropy_fwd", "cross_entropy_bwd", "smoothing_coefs", "FWD_TILES", "BWD_TILES", "TILE_ELEMENTS",
            "STAT_ROWS"]
@@ -313,7 +313,7 @@ def cross_entropy_bwd(
     """
     n_rows, n_cols = x2d.shape
     device = x2d.device
-    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=device)
+    dx = empty_contiguous_like(x2d)
     if dx.numel() == 0:
         return dx
     if tile is None:

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, persistent_grid, pick
+from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like, persistent_grid, pick
 from .math import tanh
 from .reduce import sum_partials
 
@@ -322,7 +322,7 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
     if bias is not None and weights is not None:
         raise NotImplementedError("a GLU with both a bias and row weights has no backward kernel")
     device = y.device
-    dy = torch.empty(y.shape, dtype=y.dtype, device=device)  # written as [n_rows, 2h]
+    dy = empty_contiguous_like(y)  # written as [n_rows, 2h]
     if dy.numel() == 0:
         db = torch.zeros_like(bias) if bias is not None else None
         dw = torch.zeros_like(weights) if weights is not None else None

@@ -16,7 +16,8 @@ This module holds each of those once:
   wrapper costs several microseconds of Python each);
 * :func:`acc_dtype` and :data:`TL_DTYPE`: the dtype policy (load, compute in float32, store
   in the output dtype; float64 stays float64, so ``gradcheck`` can check the kernels);
-* :func:`as_rows`: [..., n] -> [rows, n] without a copy where strides allow.
+* :func:`as_rows`: [..., n] -> [rows, n] without a copy where strides allow;
+  :func:`empty_contiguous_like`: an output of the input's shape, contiguous.
 
 The host side is part of the op (DESIGN.md): an eager training step pays for every line
 here on every call, so everything that depends only on the row length or the dtype is a
@@ -45,6 +46,7 @@ __all__ = [
     "acc_dtype",
     "TL_DTYPE",
     "as_rows",
+    "empty_contiguous_like",
     "MAX_FUSED_SIZE",
     "HUGE",
 ]
@@ -100,8 +102,9 @@ TileTable = tuple[tuple[int, Tile], ...]
 
 # pick()'s memory: (id(table), n_cols) -> Tile. Tables are module constants; each table
 # seen is also kept in _PINNED, so that its id cannot be reused by another object while
-# its picks are remembered. Plain dicts keyed by ints: torch.compile (Dynamo) traces the
-# lookups and caches nothing stale.
+# its picks are remembered. Plain dicts keyed by ints, which torch.compile (Dynamo) traces;
+# they are filled only outside a compile: Dynamo refuses a write to a global inside an
+# autograd.Function it traces ("unsafe side effect"), and a compiled graph needs no cache.
 _PICKS: dict[tuple[int, int], Tile] = {}
 _PINNED: dict[int, TileTable] = {}
 
@@ -137,8 +140,9 @@ def pick(table: TileTable, n_cols: int) -> Tile:
     tile = _PICKS.get(key)
     if tile is None:
         tile = _lookup(table, n_cols)
-        _PINNED[id(table)] = table
-        _PICKS[key] = tile
+        if not torch.compiler.is_compiling():
+            _PINNED[id(table)] = table
+            _PICKS[key] = tile
     return tile
 
 
@@ -152,7 +156,7 @@ _SMS: dict[torch.device, int] = {}
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (CUDA), or :data:`INTERPRETER_SMS` (CPU);
-    queried once per device."""
+    queried once per device (remembered outside a compile, as :func:`pick`'s tiles)."""
     n = _SMS.get(device)
     if n is None:
         if device.type == "cuda":
@@ -160,7 +164,8 @@ def sm_count(device: torch.device) -> int:
             n = torch.cuda.get_device_properties(index).multi_processor_count
         else:
             n = INTERPRETER_SMS
-        _SMS[device] = n
+        if not torch.compiler.is_compiling():
+            _SMS[device] = n
     return n
 
 
@@ -231,3 +236,24 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
         A 2-D tensor [rows, n] (``t`` itself when it is 2-D; a view where strides allow).
     """
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def empty_contiguous_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new uninitialised contiguous tensor of ``t``'s shape, device and dtype (or ``dtype``).
+
+    ``torch.empty_like(t)`` where ``t`` is contiguous (it keeps the strides, and parses no
+    arguments: about half the host time of ``torch.empty(shape, dtype=..., device=...)``),
+    else ``torch.empty`` with ``t``'s shape, dtype and device.
+
+    Args:
+        t: any tensor.
+        dtype: the result's dtype (None: ``t``'s).
+
+    Returns:
+        A contiguous tensor (``is_contiguous()``) of ``t``'s shape on ``t``'s device.
+    """
+    if dtype is None or dtype == t.dtype:
+        if t.is_contiguous():
+            return torch.empty_like(t)
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return torch.empty(t.shape, dtype=dtype, device=t.device)

@@ -71,6 +71,7 @@ from .launch import (
     acc_dtype,
     as_rows,
     cdiv,
+    empty_contiguous_like,
     next_power_of_2,
     persistent_grid,
     pick,
@@ -464,7 +465,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     x2d = as_rows(x)  # [..., h] -> [rows, h]
     n_rows = x2d.shape[0]
     acc = acc_dtype(x.dtype)
-    y = torch.empty(x.shape, dtype=x.dtype, device=device)  # written as [rows, h], contiguous
+    y = empty_contiguous_like(x)  # written as [rows, h]
     rstd = torch.empty(n_rows, dtype=acc, device=device)
     mean = None if rms_norm else torch.empty(n_rows, dtype=acc, device=device)
     if n_rows == 0:
@@ -522,7 +523,7 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
     x2d = as_rows(x_or_y)  # [..., h] -> [rows, h]
     dy2d = as_rows(dy)
     n_rows = x2d.shape[0]
-    dx = torch.empty(x_or_y.shape, dtype=x_or_y.dtype, device=device)  # written as [rows, h]
+    dx = empty_contiguous_like(x_or_y)  # written as [rows, h]
     if n_rows == 0:
         return dx, torch.zeros_like(weight), (torch.zeros_like(bias) if bias is not None else None)
     if tile is None:

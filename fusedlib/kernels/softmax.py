@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from .launch import MAX_FUSED_SIZE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, next_power_of_2, pick
+from .launch import MAX_FUSED_SIZE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, empty_contiguous_like, next_power_of_2, pick
 
 __all__ = [
     "softmax_fwd",
@@ -129,7 +129,8 @@ def softmax_tile(n_cols: int, max_register_block: Optional[int] = None) -> Tile:
                         num_warps=ONLINE_TILE.num_warps)
         else:
             tile = pick(TILES, n_cols)
-        _TILE_PICKS[key] = tile
+        if not torch.compiler.is_compiling():  # (as pick's memory: no writes inside a compile)
+            _TILE_PICKS[key] = tile
     return tile
 
 
@@ -559,7 +560,7 @@ def softmax_fwd(
         B, H, SQ, SK = x4.shape
     device = x4.device
     n_rows, n_cols = B * H * SQ, SK
-    y = torch.empty(x4.shape, dtype=x4.dtype, device=device)
+    y = empty_contiguous_like(x4)
     acc = acc_dtype(x4.dtype)
     sink = torch.empty(n_rows, dtype=acc, device=device) if offset is not None else None
     if y.numel() == 0:
@@ -616,7 +617,7 @@ def softmax_bwd(
     else:
         B, H, SQ, SK = p4.shape
     device = p4.device
-    dx = torch.empty(p4.shape, dtype=p4.dtype, device=device)
+    dx = empty_contiguous_like(p4)
     doff = torch.empty_like(sink) if sink is not None else None
     if dx.numel() == 0:
         return dx, doff

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..runtime import launch
 from .glu import TILES as GLU_TILES
-from .launch import TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, pick
+from .launch import TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like, pick
 from .math import tanh
 
 __all__ = ["weighted_squared_relu_fwd", "weighted_squared_relu_bwd", "TILES"]
@@ -128,7 +128,7 @@ def weighted_squared_relu_fwd(x: torch.Tensor, weights: torch.Tensor, clamp_scal
         A new contiguous tensor of x's shape and dtype.
     """
     device = x.device
-    out = torch.empty(x.shape, dtype=x.dtype, device=device)  # written as [n_rows, h]
+    out = empty_contiguous_like(x)  # written as [n_rows, h]
     if out.numel() == 0:
         return out
     x2d = as_rows(x)  # [..., h] -> [n_rows, h]
@@ -163,7 +163,7 @@ def weighted_squared_relu_bwd(g: torch.Tensor, x: torch.Tensor, weights: torch.T
         [n_rows, 1] in weights' dtype, summed over h in float32.
     """
     device = x.device
-    dx = torch.empty(x.shape, dtype=x.dtype, device=device)  # written as [n_rows, h]
+    dx = empty_contiguous_like(x)  # written as [n_rows, h]
     if dx.numel() == 0:
         return dx, torch.zeros_like(weights)
     g2d, x2d = as_rows(g), as_rows(x)  # [..., h] -> [n_rows, h]
