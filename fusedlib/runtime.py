@@ -132,7 +132,7 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
         kernel: the ``@triton.jit`` function.
         grid: the launch grid, a tuple of 1 to 3 ints (program counts).
         tensors_device: the device of the kernel's tensor arguments (all on one device;
-            callers check that with :func:`fusedlib.utils.check_same_device`).
+            callers check that with :func:`fusedlib.checks.check_same_device`).
         *args, **kwargs: the kernel's arguments, constexprs and ``num_warps`` included.
 
     Raises:

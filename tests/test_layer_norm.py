@@ -182,7 +182,7 @@ def test_many_rows_exercise_the_two_stage_reduction(norm):
 @pytest.mark.parametrize("memory_efficient", (False, True))
 @pytest.mark.parametrize("zero_centered", (False, True))
 def test_split_backward_against_float64(norm, memory_efficient, zero_centered):
-    # The long-row backward (row sums, then programs of split_block columns), forced at a
+    # The long-row backward (row sums, then programs of BLOCK_N columns), forced at a
     # small h: ragged last column block (300 = 4 x 64 + 44), several row programs, ragged
     # last row tile, dy transposed (non-contiguous).
     h, rows = 300, 37

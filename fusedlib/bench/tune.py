@@ -122,7 +122,7 @@ def _elementwise(block_n_cap: int, tiles: Sequence[tuple[int, int, int]], per_sm
 
 def _norm_fwd_candidates(block_n: int) -> list[dict]:
     # one tile per program, or persistent with the next tile prefetched; 4..64 elements per
-    # thread, at most 16 Ki elements per tile (the tuning run behind _FWD_CONFIGS)
+    # thread, at most 16 Ki elements per tile (the tuning run behind layer_norm.FWD_TILES)
     out = []
     for block_m, warps in itertools.product((1, 2, 4, 8, 16, 32), (4, 8, 16, 32)):
         per_thread = block_m * block_n // (32 * warps)
@@ -135,7 +135,7 @@ def _norm_fwd_candidates(block_n: int) -> list[dict]:
 
 def _norm_bwd_candidates(block_n: int) -> list[dict]:
     # a persistent grid (registers bound the tile: 4..32 elements per thread), pipelined
-    # 1-3 stages; long rows also the split backward (the run behind _BWD_CONFIGS)
+    # 1-3 stages; long rows also the split backward (the run behind layer_norm.BWD_TILES)
     out = []
     for block_m, warps in itertools.product((1, 2, 4, 8, 16), (4, 8, 16, 32)):
         per_thread = block_m * block_n // (32 * warps)
@@ -195,7 +195,7 @@ def candidates(op: str, pass_: str, shape: Sequence[int]) -> list[dict]:
     if op in ("geglu", "swiglu"):
         cap = _p2(shape[-1] // 2)  # the output width h
         tiles = [(bn, bm, w) for bn, bm, w in itertools.product((1024, 2048, 4096), (1, 2, 4, 8), (4, 8))
-                 if 2048 <= bn * bm <= 8192]  # the range _GLU_TILES' comment gives
+                 if 2048 <= bn * bm <= 8192]  # the range glu.TILES' comment gives
         return _elementwise(cap, tiles)
     if op in ("layer_norm", "rms_norm"):
         block_n = _p2(shape[-1])

@@ -47,7 +47,10 @@ import triton
 import triton.language as tl
 
 from ..runtime import INTERPRET_ON_CPU, launch
-from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like, next_power_of_2, persistent_grid, pick
+from .launch import (
+    HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
+    next_power_of_2, persistent_grid, pick,
+)
 from .reduce import sum_partials
 
 __all__ = [
@@ -100,7 +103,8 @@ def dropout_scale(p: float) -> float:
 # 8 columns): at least 8, else the row's next power of two, capped as below. H200, [32768,
 # 4096] bf16, kernel only (NOTES.md): forward 0.197 ms for [4, 1024] and 0.199 for [2, 2048].
 FWD_TILES: TileTable = (
-    (64, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4)),  # short rows: BLOCK_N = next power of two >= max(n_cols, 8), 64 rows
+    # short rows: BLOCK_N = next power of two >= max(n_cols, 8), 64 rows
+    (64, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4)),
     (512, Tile(BLOCK_M=8, BLOCK_N=512, num_warps=4)),  # BLOCK_N <= 512, 8 rows (4 Ki elements)
     (HUGE, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4)),  # long rows: [4, 1024] tiles (4 Ki elements)
 )

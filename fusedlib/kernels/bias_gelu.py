@@ -27,7 +27,10 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like, persistent_grid, pick
+from .launch import (
+    HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
+    persistent_grid, pick,
+)
 from .math import tanh
 from .reduce import sum_partials
 

@@ -56,7 +56,10 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
-from .launch import MAX_FUSED_SIZE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, empty_contiguous_like, next_power_of_2, pick
+from .launch import (
+    MAX_FUSED_SIZE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, empty_contiguous_like,
+    next_power_of_2, pick,
+)
 
 __all__ = [
     "softmax_fwd",
