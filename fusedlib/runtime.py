@@ -125,6 +125,9 @@ def kernel_mode(device: torch.device | str) -> str:
     raise ValueError(f"fusedlib kernels run on 'cuda' or 'cpu' tensors, got device {dev}")
 
 
+_KERNEL_DEVICE_TYPES = ("cuda", "cpu")
+
+
 def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args: Any, **kwargs: Any) -> None:
     """Launch a ``@triton.jit`` kernel for tensors on ``tensors_device``.
 
@@ -145,7 +148,8 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
     process with ``TRITON_INTERPRET=1`` it runs in Triton's interpreter. Tensors on a
     GPU are copied to the host and back by the interpreter.
     """
-    kernel_mode(tensors_device)  # raises for devices other than cuda / cpu
+    if tensors_device.type not in _KERNEL_DEVICE_TYPES:
+        kernel_mode(tensors_device)  # raises for devices other than cuda / cpu
     if LATE_INTERPRET:
         raise RuntimeError(
             "Triton was imported before fusedlib on this machine without a CUDA GPU, so its library "
