@@ -9,17 +9,22 @@ Public API (Megatron-core's names):
   ``fusedlib.fusions.fused_cross_entropy``), ``VocabUtility``, ``count_collectives``.
 * ``fusedlib.fusions.fused_bias_dropout``: ``get_bias_dropout_add``,
   ``bias_dropout_add_fused_train``, ``bias_dropout_add_fused_inference``,
-  ``bias_dropout_add_unfused``, ``BiasDropoutAddFunction``.
+  ``bias_dropout_add_unfused``, ``_bias_dropout_add_func`` (the unfused function),
+  ``BiasDropoutAddFunction``.
 * ``fusedlib.fusions.fused_bias_swiglu``: ``bias_swiglu_impl``, ``weighted_bias_swiglu_impl``,
-  ``SwiGLUFunction``, ``BiasSwiGLUFunction``, ``WeightedSwiGLUFunction``, and the plain
-  ``swiglu``, ``bias_swiglu``, ``weighted_swiglu`` (+ ``_back``) functions.
+  ``SwiGLUFunction``, ``BiasSwiGLUFunction``, ``WeightedSwiGLUFunction`` (all with the
+  optional ``clamp_value`` of clamped SwiGLU), and the plain ``swiglu``, ``bias_swiglu``,
+  ``weighted_swiglu``, ``clamped_swiglu``, ``bias_clamped_swiglu``, ``clamped_weighted_swiglu``
+  (+ ``_back``) functions.
 * ``fusedlib.fusions.fused_bias_geglu``: ``bias_geglu_impl``, ``GeGLUFunction``,
   ``BiasGeGLUFunction``, ``geglu``, ``bias_geglu`` (+ ``_back``).
 * ``fusedlib.fusions.fused_weighted_squared_relu``: ``weighted_squared_relu_impl``,
   ``WeightedSquaredReLUFunction``, ``weighted_squared_relu`` (+ ``_back``).
 * ``fusedlib.fusions.fused_softmax``: ``ScaledUpperTriangMaskedSoftmax``,
   ``ScaledMaskedSoftmax``, ``ScaledSoftmax``, ``SoftmaxOne``, ``FusedScaleMaskSoftmax``,
-  ``fused_scale_mask_softmax``; ``fusedlib.transformer.enums.AttnMaskType``.
+  ``fused_scale_mask_softmax``; ``fusedlib.transformer.enums.AttnMaskType``;
+  ``fusedlib.transformer.utils``: ``attention_mask_func`` and the mask builders.
+* ``fusedlib.activations``: ``squared_relu``, ``quick_gelu``, ``fast_gelu``.
 * ``fusedlib.unfused``: the plain PyTorch references.
 * ``fusedlib.jit``: ``jit_fuser``, ``enable_jit_fuser``, ``disable_jit_fuser``.
 * ``fusedlib.runtime``: where kernels run (compiled on CUDA, interpreted on the CPU).

@@ -428,6 +428,38 @@ def test_tensor_parallel_gloo_matches_gathered_reference(world_size):
         assert len(done) == 3 * len(PATHS) + 2 * len(PATHS), (rank, done)
 
 
+class _OneRankGroup:
+    """Megatron-core's unit-test stand-in for a tensor-parallel group of one rank."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_group_with_rank_and_size_methods_megatrons_stand_in(monkeypatch, dtype):
+    # Megatron-core's fused_vocab_parallel_cross_entropy only calls tp_group.rank() and
+    # .size() (and torch.distributed.all_reduce, patched to the identity by its test): such
+    # an object is accepted, and with one rank no collective is issued at all.
+    def no_all_reduce(tensor, op=None, group=None):
+        raise AssertionError("a one-rank group needs no all_reduce")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", no_all_reduce)
+    for path in PATHS:
+        x, t = _inputs((4, 2), 8, dtype, n_ignored=0)
+        with count_collectives() as log:
+            loss = ce(path, x, t, tp_group=_OneRankGroup())
+        loss.sum().backward()
+        assert not log and x.grad.dtype == dtype and x.grad.shape == x.shape
+        x64 = x.detach().double().requires_grad_(True)
+        ref = F.cross_entropy(x64.reshape(-1, 8), t.reshape(-1), reduction="none").reshape(4, 2)
+        ref.sum().backward()
+        assert_close(loss, ref.detach(), loss_tol(dtype))
+        assert_close(x.grad, x64.grad, dtype)
+
+
 @pytest.mark.parametrize("fn", [vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy])
 @pytest.mark.parametrize("group", ["g", 0, object()])
 def test_tp_group_of_the_wrong_type_raises_naming_it(fn, group):
