@@ -11,7 +11,7 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ __all__ = [
     "load_bench",
     "bench_or_stored",
     "plot_bandwidth",
+    "plot_sweep",
     "speedup_table",
     "check",
     "eager_traffic",
@@ -160,9 +161,20 @@ def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -
     return "\n".join(out)
 
 
+def _legend_below(ax, handles=None, labels=None):
+    """A legend under the axes (below the tick labels), where it cannot cover a bar or a line."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    return ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14),
+                     ncol=min(3, len(labels)), frameon=False)
+
+
 def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | None = None, ax=None):
     """Bar chart of effective bandwidth (GB/s) per implementation and pass, against the
     measured copy ceiling: the book's roofline view of a memory-bound op.
+
+    The y axis starts at 0 and ends above the copy ceiling; the legend sits under the axes,
+    clear of the bars.
 
     Returns:
         The matplotlib Axes.
@@ -174,8 +186,9 @@ def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | N
     rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
     passes = [p for p in ("fwd", "fwd+bwd") if any(r["pass"] == p for r in rows)]
     impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.6))
+    own = ax is None
+    if own:
+        _, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(1, len(impls))
     for k, impl in enumerate(impls):
         xs, ys = [], []
@@ -187,10 +200,74 @@ def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | N
         ax.bar(xs, ys, width, label=impl, color=IMPL_COLORS.get(impl))
     ax.axhline(copy["GBps"], color="k", ls="--", lw=1, label=f"copy ceiling {copy['GBps']:.0f} GB/s")
     ax.set_xticks(range(len(passes)), passes)
+    ax.set_ylim(0, 1.08 * max([copy["GBps"]] + [r["GBps"] for r in rows]))
     ax.set_ylabel("effective bandwidth (GB/s)")
     ax.set_title(f"{title}, {list(shape)} {rows[0]['dtype'] if rows else ''}, {copy['device']}")
-    ax.legend(fontsize=8, loc="lower right")
+    _legend_below(ax)
+    if own:
+        ax.figure.tight_layout()
     return ax
+
+
+def plot_sweep(records: Sequence[dict], title: str, impls: Sequence[str] | None = None,
+               width: Callable[[Sequence[int]], int] = lambda shape: shape[-1],
+               xlabel: str = "hidden size h (columns)", marks: Sequence[float] = ()):
+    """Effective bandwidth (GB/s) against the row width, one panel per pass (fwd, fwd+bwd):
+    the sweep of ``python -m fusedlib.bench --sweep``, whose shapes keep the element count.
+
+    Args:
+        records: bench records of one op (with its ``copy`` record, drawn as the ceiling).
+        title: the panels' title, followed by the pass.
+        impls: the implementations to draw, in this order (default: every one in the records
+            that has more than one shape, in the book's order).
+        width: the x value of a record's shape (default: its last dim).
+        xlabel: the x axis's label.
+        marks: x values to mark with a dotted vertical line (e.g. a kernel's limit).
+
+    Both panels share a y axis from 0 to above the copy ceiling; the legend sits under the
+    panels. Returns the matplotlib Figure.
+
+    Raises:
+        ValueError: when ``records`` has no copy record or no sweep (one shape per impl).
+    """
+    import matplotlib.pyplot as plt
+
+    copy = next((r for r in records if r["impl"] == "copy"), None)
+    if copy is None:
+        raise ValueError("records: no copy record (the ceiling)")
+    rows = [r for r in records if r["impl"] != "copy"]
+    shapes = {}
+    for r in rows:
+        shapes.setdefault(r["impl"], set()).add(tuple(r["shape"]))
+    if impls is None:
+        impls = [i for i in IMPL_ORDER if len(shapes.get(i, ())) > 1]
+        impls += sorted(i for i in shapes if i not in IMPL_ORDER and len(shapes[i]) > 1)
+    if not any(len(shapes.get(i, ())) > 1 for i in impls):
+        raise ValueError(f"records: no sweep (one shape per implementation) for {list(impls)}")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    top = copy["GBps"]
+    for ax, pas in zip(axes, ("fwd", "fwd+bwd")):
+        for impl in impls:
+            pts = sorted((width(r["shape"]), r["GBps"]) for r in rows if r["impl"] == impl and r["pass"] == pas)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=impl, color=IMPL_COLORS.get(impl))
+                top = max(top, *(p[1] for p in pts))
+        ax.axhline(copy["GBps"], color="k", ls="--", lw=1, label=f"copy ceiling {copy['GBps']:.0f} GB/s")
+        for x in marks:
+            ax.axvline(x, color="grey", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_title(f"{title}, {pas}", fontsize=10)
+    axes[0].set_ylim(0, 1.08 * top)
+    axes[0].set_ylabel("effective bandwidth (GB/s)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    for h, l in zip(*axes[1].get_legend_handles_labels()):
+        if l not in labels:
+            handles.append(h)
+            labels.append(l)
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # the bottom strip holds the legend
+    return fig
 
 
 def eager_traffic(fn: Any, *example_inputs: torch.Tensor) -> list[dict]:
