@@ -10,7 +10,7 @@ from fusedlib.bench import core
 from fusedlib.bench.__main__ import main, summary
 from fusedlib.bench.ops import OP_MODULES, get_cases
 from fusedlib.bench.ops.bias_gelu import bias_gelu_bytes
-from fusedlib.book import check, eager_traffic, plot_bandwidth, plot_sweep, speedup_table
+from fusedlib.book import backward_table, check, sweep_table, eager_traffic, plot_bandwidth, plot_sweep, speedup_table
 from fusedlib import unfused
 
 SCHEMA = {"op", "pass", "impl", "shape", "dtype", "ms", "bytes", "GBps", "device", "torch", "triton"}
@@ -78,6 +78,19 @@ def test_summary_and_speedup_table_print_ratios_from_records():
     assert "fused x" in summary(recs)
 
 
+def test_backward_table_splits_fwd_bwd_into_its_passes():
+    recs = _records()
+    table = backward_table(recs)
+    fused = next(line for line in table.splitlines() if line.startswith("fusedlib"))
+    # fwd 0.14 ms, fwd+bwd 0.4 ms: the backward took 0.26 ms for bytes[fwd+bwd] - bytes[fwd]
+    b = bias_gelu_bytes(8192, 16384, 2)
+    gbps = (b["fwd+bwd"] - b["fwd"]) / 0.26e-3 / 1e9
+    assert fused.split() == ["fusedlib", "0.1400", "0.4000", "0.2600", f"{gbps:.0f}", f"{100 * gbps / 4294.967296:.1f}"]
+    assert any(line.startswith("torch.compile") for line in table.splitlines())
+    with pytest.raises(ValueError, match="no copy record"):
+        backward_table([r for r in recs if r["impl"] != "copy"])
+
+
 def _sweep_records():
     """Two impls over three widths of the same element count, fwd and fwd+bwd, and the copy."""
     out = [core._record("copy", "copy", "copy", (1 << 30,), torch.bfloat16, 1.0, 1 << 32)]
@@ -87,6 +100,19 @@ def _sweep_records():
                 out.append(core._record("bias_gelu", pas, impl, ((1 << 27) // h, h), torch.bfloat16, ms * k,
                                         bias_gelu_bytes((1 << 27) // h, h, 2)[pas]))
     return out
+
+
+def test_sweep_table_prints_percent_of_copy_per_shape_and_pass():
+    table = sweep_table(_sweep_records(), impls=("torch.compile", "fusedlib")).splitlines()
+    assert len(table) == 3 + 3  # title, two header lines, three widths
+    assert table[2].split() == ["shape", "compile", "fusedlib", "compile", "fusedlib"]
+    first = table[3].split("]")  # [131072, 1024] then the four columns
+    assert first[0] == "[131072, 1024"
+    b = bias_gelu_bytes(131072, 1024, 2)
+    expect = [b["fwd"] / 0.3e-3, b["fwd"] / 0.15e-3, b["fwd+bwd"] / 0.75e-3, b["fwd+bwd"] / 0.375e-3]
+    assert first[1].split() == [f"{100 * v / 1e9 / 4294.967296:.1f}" for v in expect]
+    with pytest.raises(ValueError, match="no copy record"):
+        sweep_table(_records()[1:])
 
 
 def _overlaps(a, b) -> bool:

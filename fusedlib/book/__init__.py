@@ -26,6 +26,8 @@ __all__ = [
     "plot_bandwidth",
     "plot_sweep",
     "speedup_table",
+    "backward_table",
+    "sweep_table",
     "check",
     "eager_traffic",
 ]
@@ -167,6 +169,76 @@ def _legend_below(ax, handles=None, labels=None):
         handles, labels = ax.get_legend_handles_labels()
     return ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14),
                      ncol=min(3, len(labels)), frameon=False)
+
+
+def backward_table(records: Sequence[dict], shape: Sequence[int] | None = None) -> str:
+    """Text table that splits each implementation's fwd+bwd time at ``shape`` (default: the
+    headline shape) into its forward and the rest, the backward as the step times it:
+    ``bwd ms = fwd+bwd ms - fwd ms``, charged the backward's fewest bytes
+    (``bytes[fwd+bwd] - bytes[fwd]``), with its GB/s and % of the copy ceiling.
+
+    Where fwd+bwd is far below the ceiling while fwd is near it, this says which half loses.
+    The fwd+bwd time is one training step as the benchmark times it (autograd included), so
+    the backward's share holds whatever that step adds beyond its kernels.
+
+    Raises:
+        ValueError: when ``records`` has no copy record.
+    """
+    shape = tuple(shape) if shape is not None else _headline(records)
+    copy = next((r for r in records if r["impl"] == "copy"), None)
+    if copy is None:
+        raise ValueError("records: no copy record (the ceiling)")
+    rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
+    order = {n: i for i, n in enumerate(IMPL_ORDER)}
+    out = [f"shape {list(shape)}, copy ceiling {copy['GBps']:.0f} GB/s; bwd = fwd+bwd - fwd",
+           f"{'impl':<15}{'fwd ms':>9}{'fwd+bwd ms':>12}{'bwd ms':>9}{'bwd GB/s':>10}{'bwd % copy':>12}"]
+    for impl in sorted({r["impl"] for r in rows}, key=lambda i: order.get(i, 99)):
+        f = next((r for r in rows if r["impl"] == impl and r["pass"] == "fwd"), None)
+        fb = next((r for r in rows if r["impl"] == impl and r["pass"] == "fwd+bwd"), None)
+        if f is None or fb is None:
+            continue
+        bwd_ms, bwd_bytes = fb["ms"] - f["ms"], fb["bytes"] - f["bytes"]
+        gbps = bwd_bytes / (bwd_ms * 1e-3) / 1e9 if bwd_ms > 0 else float("inf")
+        out.append(f"{impl:<15}{f['ms']:>9.4f}{fb['ms']:>12.4f}{bwd_ms:>9.4f}{gbps:>10.0f}"
+                   f"{100 * gbps / copy['GBps']:>12.1f}")
+    return "\n".join(out)
+
+
+SHORT_NAMES = {"torch.compile": "compile", "megatron-core": "mcore"}
+
+
+def sweep_table(records: Sequence[dict], impls: Sequence[str] | None = None) -> str:
+    """Text table of a sweep: one line per shape, the % of the copy ceiling of each
+    implementation (default: those measured at more than one shape) in each pass, ``-``
+    where it was not measured at that shape. torch.compile is abbreviated "compile",
+    megatron-core "mcore".
+
+    Raises:
+        ValueError: when ``records`` has no copy record.
+    """
+    copy = next((r for r in records if r["impl"] == "copy"), None)
+    if copy is None:
+        raise ValueError("records: no copy record (the ceiling)")
+    rows = [r for r in records if r["impl"] != "copy"]
+    if impls is None:
+        n_shapes = {}
+        for r in rows:
+            n_shapes.setdefault(r["impl"], set()).add(tuple(r["shape"]))
+        impls = [i for i in IMPL_ORDER if len(n_shapes.get(i, ())) > 1]
+        impls += sorted(i for i in n_shapes if i not in IMPL_ORDER and len(n_shapes[i]) > 1)
+    shapes = sorted({tuple(r["shape"]) for r in rows}, key=lambda s: s[-1])
+    cols = [(p, i) for p in ("fwd", "fwd+bwd") for i in impls]
+    width = max(10, *(len(SHORT_NAMES.get(i, i)) + 2 for i in impls))
+    out = [f"% of the copy ceiling ({copy['GBps']:.0f} GB/s)",
+           f"{'':<20}" + "".join(f"{p:>{width}}" for p, _ in cols),
+           f"{'shape':<20}" + "".join(f"{SHORT_NAMES.get(i, i):>{width}}" for _, i in cols)]
+    for shape in shapes:
+        line = f"{str(list(shape)):<20}"
+        for p, i in cols:
+            r = next((r for r in rows if r["impl"] == i and r["pass"] == p and tuple(r["shape"]) == shape), None)
+            line += f"{100 * r['GBps'] / copy['GBps']:>{width}.1f}" if r else f"{'-':>{width}}"
+        out.append(line)
+    return "\n".join(out)
 
 
 def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | None = None, ax=None):
