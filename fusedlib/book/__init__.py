@@ -28,6 +28,7 @@ __all__ = [
     "plot_sweep",
     "speedup_table",
     "host_table",
+    "plot_host",
     "backward_table",
     "sweep_table",
     "check",
@@ -382,3 +383,54 @@ def eager_traffic(fn: Any, *example_inputs: torch.Tensor) -> list[dict]:
             rows.append({"op": target, "read_bytes": sum(nbytes(a) for a in node.args),
                          "write_bytes": nbytes(node)})
     return rows
+
+
+def plot_host(records: Sequence[dict], pass_: str = "fwd+bwd", field: str = "us", ax=None):
+    """Bar chart of ``host.json``: host microseconds per call of each op for fusedlib, eager
+    PyTorch and ``torch.compile``, in one pass (horizontal bars, one group per op).
+
+    Args:
+        records: host records (``"op": "host"``; other records are ignored).
+        pass_: ``"fwd"`` or ``"fwd+bwd"``.
+        field: ``"us"`` (wall time per call with one sync at the end), ``"enqueue_us"`` or
+            ``"cpu_us"``.
+        ax: an Axes to draw into (default: a new figure).
+
+    Returns:
+        The matplotlib Axes. The x axis starts at 0; the legend sits under the axes.
+
+    Raises:
+        ValueError: for another pass or field, or when no record has that pass.
+    """
+    import matplotlib.pyplot as plt
+
+    if pass_ not in ("fwd", "fwd+bwd"):
+        raise ValueError(f"pass_ must be 'fwd' or 'fwd+bwd', got {pass_!r}")
+    if field not in ("us", "enqueue_us", "cpu_us"):
+        raise ValueError(f"field must be 'us', 'enqueue_us' or 'cpu_us', got {field!r}")
+    rows = [r for r in records if r.get("op") == "host" and r["pass"] == pass_]
+    if not rows:
+        raise ValueError(f"records: no host record of pass {pass_!r}")
+    ops = list(dict.fromkeys(r["measured_op"] for r in rows))
+    impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
+    own = ax is None
+    if own:
+        _, ax = plt.subplots(figsize=(7, 0.45 * len(ops) * len(impls) + 1.5))
+    height = 0.8 / max(1, len(impls))
+    for k, impl in enumerate(impls):
+        ys, xs = [], []
+        for j, op in enumerate(ops):
+            r = next((r for r in rows if r["measured_op"] == op and r["impl"] == impl), None)
+            if r:
+                ys.append(j + (k - (len(impls) - 1) / 2) * height)
+                xs.append(r[field])
+        ax.barh(ys, xs, height, label=impl, color=IMPL_COLORS.get(impl))
+    ax.set_yticks(range(len(ops)), ops)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.08 * max(r[field] for r in rows))
+    ax.set_xlabel(f"host time per call, {pass_} (microseconds)")
+    ax.set_title(f"host cost per call at tiny shapes, {rows[0]['device']}", fontsize=10)
+    _legend_below(ax)
+    if own:
+        ax.figure.tight_layout()
+    return ax
