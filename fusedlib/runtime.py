@@ -25,14 +25,37 @@ nearest even (and mishandles float64 -> bfloat16 and bfloat16 subnormals); when 
 interpreted, this module patches its conversions so that every kernel's bfloat16 results are
 correctly rounded on the CPU too (:data:`BF16_ROUNDING` says whether it could).
 
-Source: Triton's interpreter, ``triton/runtime/interpreter.py``.
+Device-side input checks (:class:`DeviceCheck`, :func:`check_errors`). Some bad input can
+only be seen in the data: a cross-entropy target id outside the vocabulary, a gamma of
+exactly 0 where the memory-efficient norm must divide by it. Reading a flag back to the host
+in the forward would synchronise the host with the GPU on every call, which also breaks
+``torch.compile(fullgraph=True)`` (a data-dependent branch) and CUDA-graph capture. Instead
+the kernel that meets the bad value makes the outputs it affects NaN (never a wrong finite
+number) and writes the value into a word of pinned host memory that it can address directly
+(zero-copy: no extra launch, no copy, no event). The host then learns of it without waiting:
+
+* eager mode on CUDA: every later fusedlib kernel launch reads the words (a few loads from
+  host memory, no call into CUDA) and raises a ValueError naming the op, the argument
+  and what was expected, as soon as one is set; :func:`check_errors` waits for the GPU and
+  raises, for a definite answer at a point the caller chooses (e.g. once per training step,
+  the same point on every rank);
+* CPU tensors (Triton's interpreter) and ``FUSEDLIB_SYNC_CHECKS=1`` (a debug mode: one
+  stream synchronisation per checked call): the op raises at once, before it returns;
+* while ``torch.compile`` traces, the check is not compiled in: NaN in the affected outputs
+  is the signal. A CUDA graph captured in eager mode keeps the check (its replays write the
+  same word), reported at the next fusedlib call or by :func:`check_errors`.
+
+Source: Triton's interpreter, ``triton/runtime/interpreter.py``; zero-copy host memory:
+the CUDA C++ Programming Guide, "Mapped Memory" (every page-locked allocation is
+device-addressable under unified virtual addressing); Triton accepts such pointers since
+triton-lang/triton#1197.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +67,9 @@ __all__ = [
     "device_banner",
     "launch",
     "kernel_mode",
+    "SYNC_CHECKS",
+    "DeviceCheck",
+    "check_errors",
 ]
 
 logger = logging.getLogger("fusedlib")
@@ -69,6 +95,17 @@ if not CUDA_AVAILABLE and os.environ.get("TRITON_INTERPRET") is None:
         "(correct but slow: use small inputs)."
     )
 INTERPRET_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _env_flag(name: str) -> bool:
+    """True when the environment variable ``name`` is set to anything but "", "0", "false", "no"."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+#: ``FUSEDLIB_SYNC_CHECKS=1`` (read at import; tests may set the attribute): debug mode. Ops
+#: with a device-side check (:class:`DeviceCheck`) wait for their kernel and raise at once on
+#: CUDA too, as on the CPU: one stream synchronisation per checked call.
+SYNC_CHECKS: bool = _env_flag("FUSEDLIB_SYNC_CHECKS")
 
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
 
@@ -336,7 +373,12 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
     On CUDA the kernel is compiled (once per signature, then cached by Triton); in a
     process with ``TRITON_INTERPRET=1`` it runs in Triton's interpreter. Tensors on a
     GPU are copied to the host and back by the interpreter.
+
+    Once a device-side check has been launched lazily (:class:`DeviceCheck`), every launch
+    first reads the check words and raises the ValueError of any that is set.
     """
+    if _ARMED and not torch.compiler.is_compiling():
+        _poll()  # a device-side check of an earlier call found bad input: raise it now
     kernel_mode(tensors_device)  # raises for devices other than cuda / cpu
     if LATE_INTERPRET:
         raise RuntimeError(
@@ -359,6 +401,179 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
             kernel[tuple(grid)](*args, **kwargs)
     else:
         kernel[tuple(grid)](*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------
+# Device-side checks, reported without a host sync
+# ----------------------------------------------------------------------------------------
+
+#: Most checks a process can register (each owns one word of the check buffer).
+MAX_CHECKS: int = 8
+#: Words between two checks' words: 2 int64 = 16 bytes, so every word is 16-byte aligned and
+#: Triton compiles one variant of a kernel whatever the check it writes to.
+_WORD_STRIDE: int = 2
+
+_CHECKS: list["DeviceCheck"] = []
+#: kernels on CUDA tensors (True: pinned host memory, shared by every GPU) or CPU tensors
+#: (False: plain memory) -> (the int64 buffer, a memoryview of it: reads and writes without a
+#: torch call).
+_BUFFERS: dict[bool, tuple[torch.Tensor, memoryview]] = {}
+#: Indices of the registered checks' words.
+_INDICES: tuple[int, ...] = ()
+#: Indices of the CUDA devices that ran a lazily reported check (check_errors synchronises them).
+_PENDING_DEVICES: set[int] = set()
+#: True once a lazily reported check was launched: from then on :func:`launch` polls.
+_ARMED: bool = False
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _buffer(cuda: bool) -> tuple[torch.Tensor, memoryview] | None:
+    """The check buffer for kernels on CUDA (or CPU) tensors, made on first use (None while a
+    CUDA graph is being captured and it does not exist yet: pinned memory is not allocated then)."""
+    entry = _BUFFERS.get(cuda)
+    if entry is None:
+        if cuda:
+            if _capturing():
+                return None
+            buf = torch.zeros(MAX_CHECKS * _WORD_STRIDE, dtype=torch.int64, device="cpu", pin_memory=True)
+        else:
+            buf = torch.zeros(MAX_CHECKS * _WORD_STRIDE, dtype=torch.int64, device="cpu")
+        entry = _BUFFERS[cuda] = (buf, memoryview(buf.numpy()))
+    return entry
+
+
+class DeviceCheck:
+    """A check of an op's input that the op's kernel makes on the device, reported without a sync.
+
+    The kernel gets :meth:`word` (an int64 [1] tensor in host memory that it can address, or
+    None: then it checks nothing) and, when it meets a bad value, stores a nonzero int64 code
+    into it (e.g. the bad id itself, which is never 0) and makes the affected outputs NaN.
+    After the launch the op calls :meth:`launched`: on the CPU (Triton's interpreter), and
+    on CUDA with :data:`SYNC_CHECKS`, it raises at once; otherwise (CUDA, eager) the next
+    fusedlib launch or :func:`check_errors` raises. Several programs may store different codes
+    into the word; any one of them is reported.
+
+    Args:
+        op: the public op's name, the start of the error message.
+        message: ``message(code, context) -> str``: what was expected and what was found,
+            from the stored code and the context the op passed to :meth:`launched`.
+
+    Raises:
+        ValueError: at construction, when more than :data:`MAX_CHECKS` checks exist.
+    """
+
+    __slots__ = ("op", "message", "index", "context", "_words")
+
+    def __init__(self, op: str, message: Callable[[int, Any], str]) -> None:
+        global _INDICES
+        if len(_CHECKS) >= MAX_CHECKS:
+            raise ValueError(f"at most {MAX_CHECKS} DeviceChecks can exist (fusedlib.runtime.MAX_CHECKS)")
+        self.op = op
+        self.message = message
+        self.index = len(_CHECKS) * _WORD_STRIDE
+        self.context: Any = None
+        self._words: dict[bool, torch.Tensor] = {}
+        _CHECKS.append(self)
+        _INDICES = tuple(c.index for c in _CHECKS)
+
+    def __repr__(self) -> str:
+        return f"DeviceCheck({self.op!r})"
+
+    def word(self, like: torch.Tensor) -> torch.Tensor | None:
+        """The int64 [1] word that a kernel on ``like``'s device stores its finding in, or None
+        when the check is not to be compiled in (``torch.compile`` is tracing: NaN is the signal).
+
+        Args:
+            like: a tensor the kernel reads (its device picks the buffer; ``tensor.is_cuda`` is
+                cheaper than ``tensor.device.type``).
+        """
+        if torch.compiler.is_compiling():
+            return None
+        cuda = like.is_cuda
+        w = self._words.get(cuda)
+        if w is None:
+            entry = _buffer(cuda)
+            if entry is None:
+                return None
+            w = self._words[cuda] = entry[0][self.index:self.index + 1]
+        return w
+
+    def launched(self, like: torch.Tensor, context: Any = None) -> None:
+        """Call right after launching the kernel that got :meth:`word`.
+
+        Args:
+            like: the tensor given to :meth:`word`.
+            context: what :attr:`message` needs to name the expectation (e.g. the vocabulary
+                size); kept as the latest call's (a lazily reported error names it).
+
+        Raises:
+            ValueError: on the CPU (or with ``TRITON_INTERPRET=1``), and on CUDA with
+                :data:`SYNC_CHECKS`, when the kernel stored a code: the op's input was bad.
+        """
+        global _ARMED
+        self.context = context
+        cuda = like.is_cuda
+        if cuda and not INTERPRET_ON_CPU:
+            if not SYNC_CHECKS or _capturing():
+                _PENDING_DEVICES.add(like.get_device())
+                _ARMED = True
+                return
+            torch.cuda.current_stream(like.device).synchronize()
+        entry = _BUFFERS.get(cuda)
+        if entry is not None and entry[1][self.index]:
+            self._raise(entry[1])
+
+    def _raise(self, view: memoryview) -> None:
+        code = view[self.index]
+        view[self.index] = 0  # reported: the next call starts clean
+        err = ValueError(self.message(code, self.context))
+        if hasattr(err, "add_note"):  # Python >= 3.11: shown in the traceback, not in str(err)
+            err.add_note(f"fusedlib.runtime: found on the device by {self.op}'s kernel; on CUDA it is reported "
+                         "at a later fusedlib call or by fusedlib.runtime.check_errors() (set "
+                         "FUSEDLIB_SYNC_CHECKS=1 to raise inside the call itself)")
+        raise err
+
+
+def _sync_pending() -> None:
+    if _PENDING_DEVICES and not _capturing():
+        for device in tuple(_PENDING_DEVICES):
+            torch.cuda.synchronize(device)
+
+
+def _poll() -> None:
+    """Raise the first error a lazily reported check has stored (no wait, unless one is set)."""
+    view = _BUFFERS[True][1]
+    for i in _INDICES:
+        if view[i]:
+            _sync_pending()  # the error path only: let the kernel finish, so its word is final
+            _CHECKS[i // _WORD_STRIDE]._raise(view)
+
+
+def check_errors() -> None:
+    """Wait for the GPU work of fusedlib's device-side checks and raise what they found.
+
+    On CUDA, eager ops with a device-side check (cross-entropy target ids, the memory-efficient
+    norms' gamma) report bad input lazily: the affected outputs are NaN at once, and the
+    ValueError comes at a later fusedlib kernel launch. Call this where a definite answer is
+    wanted: e.g. at the end of a training step (with tensor parallelism, at the same point on
+    every rank, so that every rank raises together and no collective is left waiting).
+    A no-op while ``torch.compile`` traces and before any check ran lazily on a GPU; it
+    does not wait while a CUDA graph is being captured.
+
+    Raises:
+        ValueError: naming the op, the argument and what was expected, for the first check
+            whose word is set (the word is cleared; call again for the next).
+    """
+    if torch.compiler.is_compiling():
+        return
+    _sync_pending()
+    for _, view in _BUFFERS.values():
+        for check in _CHECKS:
+            if view[check.index]:
+                check._raise(view)
 
 
 def device_banner() -> str:

@@ -635,7 +635,7 @@ def _as_offset(offset: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
     """The sink logit(s) as a tensor of x's dtype and device (differentiable for a tensor)."""
     if isinstance(offset, torch.Tensor):
         return offset.to(dtype=x.dtype, device=x.device)
-    return torch.tensor(float(offset), dtype=x.dtype, device=x.device)
+    return torch.full((), float(offset), dtype=x.dtype, device=x.device)  # a fill: no host-to-device copy
 
 
 def softmax_one(x: torch.Tensor, offset: torch.Tensor | float) -> torch.Tensor:

@@ -9,7 +9,6 @@ Source: the launch-settings idea follows Liger-Kernel's ``calculate_settings``
 """
 from __future__ import annotations
 
-import functools
 from typing import Iterable
 
 import torch
@@ -21,6 +20,8 @@ __all__ = [
     "check_same_device",
     "calculate_settings",
     "MAX_FUSED_SIZE",
+    "num_programs_hint",
+    "sm_count",
 ]
 
 #: The dtypes fusedlib's kernels take: loaded, computed in float32, stored back. float64
@@ -177,13 +178,33 @@ def num_programs_hint(device: torch.device) -> int:
     turn and fewer, larger programs are faster.
     """
     if device.type == "cuda":
-        return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return PROGRAMS_PER_SM * sm_count(device)
     return 8
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+#: CUDA device index -> streaming multiprocessors. A plain dict, not ``functools.lru_cache``:
+#: torch.compile's Dynamo traces a dict lookup silently, but warns at every lru_cache'd call
+#: (it ignores the cache and traces the wrapped function). Not written while Dynamo traces: a
+#: side effect inside an autograd.Function's traced backward breaks the trace.
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (index None: the current device), cached.
+
+    Args:
+        device: a CUDA device.
+
+    Returns:
+        ``torch.cuda.get_device_properties(device).multi_processor_count`` (132 on an H200).
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(index)
+    if n is None:
+        n = torch.cuda.get_device_properties(index).multi_processor_count
+        if not torch.compiler.is_compiling():
+            _SM_COUNT[index] = n
+    return n
 
 
 # ----------------------------------------------------------------------------------------

@@ -145,8 +145,11 @@ def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training
         x.copy_(bias_dropout_add_fwd(_rows(x), b, _rows(residual), None, p).view(x.shape))
         return x
     bias_dropout_add_fwd(x2d, b, _rows(residual), None, p, out=x2d)
-    if not x.is_inference():  # (inference tensors keep no version counter in some torch versions)
-        torch.autograd.graph.increment_version(x)  # x changed in place: let autograd's checks see it
+    # x changed in place: let autograd's checks see it (inference tensors keep no version counter
+    # in some torch versions). Not while torch.compile traces: it records the kernel's write to x
+    # itself, and cannot trace is_inference().
+    if not torch.compiler.is_compiling() and not x.is_inference():
+        torch.autograd.graph.increment_version(x)
     return x
 
 

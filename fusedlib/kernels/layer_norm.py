@@ -27,7 +27,10 @@ Backward, with ``g = gamma * dy`` (derived in chapter 4)::
 
 ``memory_efficient``: the backward reads the saved *output* y instead of x and recovers
 ``x_hat = (y - beta) / gamma``; y is usually kept alive by the next layer anyway, so x
-need not be saved (Apex's ``memory_efficient=True``). It needs every gamma != 0.
+need not be saved (Apex's ``memory_efficient=True``). It needs every gamma != 0: where a
+gamma is exactly 0, y = beta there and x_hat is lost, so the backward gives NaN (dgamma of
+that column, and dx, whose row sums take in every column), never a wrong finite value; the
+forward kernel reports such a column (``CHECK_GAMMA``) without a host sync.
 
 Long rows (BLOCK_N above 8 Ki, LayerNorm; above 16 Ki, RMSNorm) take a *split* backward:
 :func:`_norm_bwd_row_stats_kernel` first reads dy and x and writes c1 and c2 per row, then
@@ -55,7 +58,6 @@ arXiv:1910.07467.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,8 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import launch
-from ..utils import MAX_FUSED_SIZE, as_rows
+from ..runtime import DeviceCheck, launch
+from ..utils import MAX_FUSED_SIZE, as_rows, sm_count
 
 __all__ = [
     "NormConfig",
@@ -102,6 +104,7 @@ def _norm_fwd_kernel(
     B_ptr,  # bias beta, [n_cols], contiguous (read only if HAS_BIAS)
     MEAN_ptr,  # ACC [n_rows]: row means (written only for LayerNorm)
     RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
+    ERR_ptr,  # int64 [1], only with CHECK_GAMMA: 1 + the index of a column whose gamma is 0
     n_rows,
     n_cols,
     X_row_stride,
@@ -115,10 +118,19 @@ def _norm_fwd_kernel(
     ZERO_CENTERED_GAMMA: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the row loop (1: none)
     ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
+    CHECK_GAMMA: tl.constexpr,  # memory-efficient backward ahead: report a gamma of exactly 0
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
+    if CHECK_GAMMA:
+        # The memory-efficient backward divides by gamma (x_hat = (y - beta) / gamma): a gamma
+        # of 0 gives NaN there. Program 0 reports such a column (as 1 + its index, never 0).
+        g0 = tl.load(W_ptr + cols, mask=col_mask, other=1.0).to(ACC)
+        if ZERO_CENTERED_GAMMA:
+            g0 = g0 + 1.0
+        first = (tl.zeros_like(cols) + pid) == 0  # program 0, as a [BLOCK_N] mask
+        tl.store(ERR_ptr + tl.zeros_like(cols), cols.to(tl.int64) + 1, mask=(g0 == 0.0) & col_mask & first)
     row_start = pid.to(tl.int64) * rows_per_program  # int64: n_rows * n_cols may pass 2^31
     for m in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
         rows = row_start + m + tl.arange(0, BLOCK_M)
@@ -444,7 +456,13 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
+#: (n_cols, pass_, rms_norm) -> norm_config's answer. A plain dict, not ``functools.lru_cache``:
+#: torch.compile's Dynamo traces a dict lookup silently but warns at each lru_cache'd call. It is
+#: not written while Dynamo traces (a side effect inside an autograd.Function's traced backward
+#: breaks the trace).
+_NORM_CONFIGS: dict[tuple[int, str, bool], tuple[int, NormConfig]] = {}
+
+
 def norm_config(n_cols: int, pass_: str, rms_norm: bool = False) -> tuple[int, NormConfig]:
     """``(BLOCK_N, NormConfig)`` for rows of ``n_cols`` elements (cached: to try other
     settings, pass ``config=`` to :func:`norm_fwd` / :func:`norm_bwd`, as
@@ -462,6 +480,16 @@ def norm_config(n_cols: int, pass_: str, rms_norm: bool = False) -> tuple[int, N
     Raises:
         ValueError: for n_cols outside 1..MAX_HIDDEN_SIZE, or an unknown pass.
     """
+    key = (n_cols, pass_, rms_norm)
+    found = _NORM_CONFIGS.get(key)
+    if found is None:
+        found = _norm_config(n_cols, pass_, rms_norm)
+        if not torch.compiler.is_compiling():
+            _NORM_CONFIGS[key] = found
+    return found
+
+
+def _norm_config(n_cols: int, pass_: str, rms_norm: bool) -> tuple[int, NormConfig]:
     if not 1 <= n_cols <= MAX_HIDDEN_SIZE:
         raise ValueError(
             f"hidden size must be in 1..{MAX_HIDDEN_SIZE} (one row is held in a program's registers), got {n_cols}"
@@ -478,11 +506,10 @@ def norm_config(n_cols: int, pass_: str, rms_norm: bool = False) -> tuple[int, N
     raise AssertionError("unreachable: the last bound is MAX_HIDDEN_SIZE")
 
 
-@functools.lru_cache(maxsize=None)
 def _multiprocessor_count(device: torch.device) -> int:
     # The CPU interpreter runs one program at a time: a "device" of 4 SMs keeps grids small.
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return sm_count(device)  # cached in a dict (Dynamo traces it without a warning)
     return 4
 
 
@@ -515,7 +542,8 @@ _ROW_STATS_TILE: dict[str, tuple[int, int, int]] = {"cuda": (1, 4096, 8), "cpu":
 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *,
              rms_norm: bool, zero_centered_gamma: bool = False,
-             config: Optional[NormConfig] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+             config: Optional[NormConfig] = None,
+             gamma_check: Optional[DeviceCheck] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Launch the forward kernel over the last dim of ``x``.
 
     Args:
@@ -526,11 +554,17 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         rms_norm: RMSNorm instead of LayerNorm.
         zero_centered_gamma: gamma = weight + 1.
         config: launch settings (default: the table's for h).
+        gamma_check: for a memory-efficient backward ahead, the op's
+            :class:`~fusedlib.runtime.DeviceCheck`: the kernel stores 1 + the index of a
+            column whose gamma is exactly 0 (reported at once on the CPU, lazily on CUDA).
 
     Returns:
         ``(y, mean, rstd)``: y a new contiguous tensor of x's shape and dtype (not a view:
         its ``_base`` is None); mean (None for RMSNorm) and rstd float32 [rows] (float64
         for float64 x), rows = x.numel() // h.
+
+    Raises:
+        ValueError: from ``gamma_check``, for a gamma of 0.
     """
     h = x.shape[-1]
     x2d = as_rows(x)  # [..., h] -> [rows, h]
@@ -544,14 +578,18 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     block_n, cfg = norm_config(h, "fwd")
     cfg = config or cfg
     programs, rows_per_program = _grid(n_rows, cfg.BLOCK_M, cfg.programs_per_sm, x.device)
+    err = gamma_check.word(x) if gamma_check is not None else None
     launch(
         _norm_fwd_kernel, (programs,), x.device,
         x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
+        err if err is not None else rstd,
         n_rows, h, x2d.stride(0), x2d.stride(1), float(eps), rows_per_program,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
         ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=cfg.num_stages, ACC=_acc(x.dtype),
-        num_warps=cfg.num_warps,
+        CHECK_GAMMA=err is not None, num_warps=cfg.num_warps,
     )
+    if err is not None:
+        gamma_check.launched(x, zero_centered_gamma)
     return y, mean, rstd
 
 
