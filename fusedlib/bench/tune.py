@@ -370,8 +370,8 @@ def _setup(op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
         n, h = shape
         rms = op == "rms_norm"
         x = rnd(n, h)
-        w = (1 + 0.1 * torch.randn(h, device=device)).to(dtype)
-        b = None if rms else (0.1 * torch.randn(h, device=device)).to(dtype)
+        w = (1 + 0.1 * torch.randn(h, device=device, dtype=torch.float32)).to(dtype)
+        b = None if rms else (0.1 * torch.randn(h, device=device, dtype=torch.float32)).to(dtype)
         _, mean, rstd = norm_fwd(x, w, b, 1e-5, rms_norm=rms)
         return {"x": x, "w": w, "b": b, "dy": torch.randn_like(x), "mean": mean, "rstd": rstd}
     if op in ("causal_softmax", "masked_softmax"):
@@ -393,7 +393,7 @@ def _setup(op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     x = rnd(n, v)
     t = torch.randint(0, v, (n,), device=device)
     _, lse = cross_entropy_fwd(x, t, finalize=True)
-    return {"x": x, "t": t, "lse": lse, "g": torch.randn(n, device=device)}
+    return {"x": x, "t": t, "lse": lse, "g": torch.randn(n, device=device, dtype=torch.float32)}
 
 
 def _launcher(op: str, pass_: str, tile: dict, inp: dict) -> Callable[[], object]:

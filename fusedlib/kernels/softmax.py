@@ -526,7 +526,11 @@ def softmax_fwd(
     if y.numel() == 0:
         return y, sink
     if mask is not None:
-        m4 = mask.expand(B, H, SQ, SK).view(torch.uint8)  # bool -> bytes, same strides
+        m4 = mask.expand(B, H, SQ, SK)
+        if not torch.compiler.is_compiling():
+            # bool -> bytes, same strides (Inductor cannot lower a bool -> uint8 view: traced, the
+            # kernel takes the bool tensor itself, 1 byte per element too, loaded as int1)
+            m4 = m4.view(torch.uint8)
         m_strides = m4.stride()
     else:
         m4, m_strides = x2d, (0, 0, 0, 0)  # unused pointer (HAS_MASK=False)
