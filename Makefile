@@ -1,6 +1,7 @@
 # fusedlib: two commands do everything on a fresh machine (Python 3.10+, GPU optional).
 #   make book   set up .venv, execute every chapter on this machine's device, build _build/html
-#   make test   set up .venv, run the unit tests and nbval over every chapter
+#   make test   set up .venv, run the unit tests (the built book in a browser included) and nbval
+#               over every chapter
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -13,10 +14,14 @@ TORCH  ?= $(shell $(PYTHON) tools/pick_torch.py $(PYTHON))
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml tools/pick_torch.py
+# The browser test of the built book (tests/test_book_browser.py) needs Chromium and chromedriver:
+# tools/install_browser.sh installs them with apt-get where it can (root on Debian, as in CI) and
+# otherwise says why not, in one line; the test then skips with that reason.
+$(STAMP): pyproject.toml tools/pick_torch.py tools/install_browser.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install --disable-pip-version-check -e ".[book,test]"
+	sh tools/install_browser.sh $(VENV)/browser-install.log
 	$(PY) -c "import fusedlib, torch, triton; print('fusedlib', fusedlib.__version__, '| torch', torch.__version__, '| triton', triton.__version__)"
 	touch $@
 

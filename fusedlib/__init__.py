@@ -14,12 +14,16 @@ from ``fusedlib`` itself (Megatron-core's names); by layer:
   1. bias + GeLU: ``bias_gelu_impl``, ``GeLUFunction``, ``bias_gelu``, ``bias_gelu_back``.
   2. bias + dropout + add: ``get_bias_dropout_add``, ``bias_dropout_add_fused_train``,
      ``bias_dropout_add_fused_inference``, ``bias_dropout_add_unfused``,
-     ``BiasDropoutAddFunction``.
+     ``BiasDropoutAddFunction``. (Megatron-core's unfused ``_bias_dropout_add_func`` is in
+     ``fusedlib.fusions.fused_bias_dropout``.)
   3. gated linear units: ``bias_geglu_impl``, ``GeGLUFunction``, ``BiasGeGLUFunction``;
      ``bias_swiglu_impl``, ``weighted_bias_swiglu_impl``, ``SwiGLUFunction``,
-     ``BiasSwiGLUFunction``, ``WeightedSwiGLUFunction``; ``weighted_squared_relu_impl``,
-     ``WeightedSquaredReLUFunction``. (The plain ``swiglu``, ``geglu``... functions and
-     their ``_back`` are in the fusion modules.)
+     ``BiasSwiGLUFunction``, ``WeightedSwiGLUFunction`` (all with the optional
+     ``clamp_value`` of clamped SwiGLU); ``weighted_squared_relu_impl``,
+     ``WeightedSquaredReLUFunction``. (The plain ``swiglu``, ``bias_swiglu``,
+     ``weighted_swiglu``, ``clamped_swiglu``, ``bias_clamped_swiglu``,
+     ``clamped_weighted_swiglu``, ``geglu``, ``bias_geglu``... functions and their ``_back``
+     are in the fusion modules.)
   4. LayerNorm and RMSNorm: ``fused_layer_norm``, ``fused_rms_norm``, ``FusedLayerNorm``,
      ``FusedRMSNorm``, ``FusedNorm``, ``FusedLayerNormAffineFunction``,
      ``FusedRMSNormAffineFunction``.
@@ -32,8 +36,11 @@ from ``fusedlib`` itself (Megatron-core's names); by layer:
   all-reduces), ``VocabUtility``, ``count_collectives``.
 * transformer: ``TransformerConfig``, ``AttnMaskType``.
 
-Not imported here (import them by name): ``fusedlib.bench``, the benchmark harness
-(``python -m fusedlib.bench``), and ``fusedlib.book``, the chapters' helpers.
+Not imported here (import them by name): ``fusedlib.activations`` (``squared_relu``,
+``quick_gelu``, ``fast_gelu``), ``fusedlib.transformer.utils`` (``attention_mask_func`` and
+the mask builders), ``fusedlib.kernels`` (the Triton kernels, their launchers and tile tables),
+``fusedlib.bench``, the benchmark harness (``python -m fusedlib.bench``), and
+``fusedlib.book``, the chapters' helpers.
 """
 # runtime first: settles TRITON_INTERPRET before any kernel is defined
 from . import runtime

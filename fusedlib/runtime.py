@@ -20,15 +20,44 @@ On a machine without CUDA this module sets ``TRITON_INTERPRET=1`` before any
 first), which is how Triton's own tutorials run on a CPU. It says so once, on the
 ``fusedlib`` logger, not on stderr.
 
-Source: Triton's interpreter, ``triton/runtime/interpreter.py``.
+Triton's interpreter (3.6 and 3.9) truncates float32 -> bfloat16 where the GPU rounds to
+nearest even (and mishandles float64 -> bfloat16 and bfloat16 subnormals); when kernels are
+interpreted, this module patches its conversions so that every kernel's bfloat16 results are
+correctly rounded on the CPU too (:data:`BF16_ROUNDING` says whether it could).
+
+Device-side input checks (:class:`DeviceCheck`, :func:`check_errors`). Some bad input can
+only be seen in the data: a cross-entropy target id outside the vocabulary, a gamma of
+exactly 0 where the memory-efficient norm must divide by it. Reading a flag back to the host
+in the forward would synchronise the host with the GPU on every call, which also breaks
+``torch.compile(fullgraph=True)`` (a data-dependent branch) and CUDA-graph capture. Instead
+the kernel that meets the bad value makes the outputs it affects NaN (never a wrong finite
+number) and writes the value into a word of pinned host memory that it can address directly
+(zero-copy: no extra launch, no copy, no event). The host then learns of it without waiting:
+
+* eager mode on CUDA: every later fusedlib kernel launch reads the words (a few loads from
+  host memory, no call into CUDA) and raises a ValueError naming the op, the argument
+  and what was expected, as soon as one is set; :func:`check_errors` waits for the GPU and
+  raises, for a definite answer at a point the caller chooses (e.g. once per training step,
+  the same point on every rank);
+* CPU tensors (Triton's interpreter) and ``FUSEDLIB_SYNC_CHECKS=1`` (a debug mode: one
+  stream synchronisation per checked call): the op raises at once, before it returns;
+* while ``torch.compile`` traces, the check is not compiled in: NaN in the affected outputs
+  is the signal. A CUDA graph captured in eager mode keeps the check (its replays write the
+  same word), reported at the next fusedlib call or by :func:`check_errors`.
+
+Source: Triton's interpreter, ``triton/runtime/interpreter.py``; zero-copy host memory:
+the CUDA C++ Programming Guide, "Mapped Memory" (every page-locked allocation is
+device-addressable under unified virtual addressing); Triton accepts such pointers since
+triton-lang/triton#1197.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -38,6 +67,9 @@ __all__ = [
     "device_banner",
     "launch",
     "kernel_mode",
+    "SYNC_CHECKS",
+    "DeviceCheck",
+    "check_errors",
 ]
 
 logger = logging.getLogger("fusedlib")
@@ -63,6 +95,17 @@ if not CUDA_AVAILABLE and os.environ.get("TRITON_INTERPRET") is None:
         "(correct but slow: use small inputs)."
     )
 INTERPRET_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _env_flag(name: str) -> bool:
+    """True when the environment variable ``name`` is set to anything but "", "0", "false", "no"."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+#: ``FUSEDLIB_SYNC_CHECKS=1`` (read at import; tests may set the attribute): debug mode. Ops
+#: with a device-side check (:class:`DeviceCheck`) wait for their kernel and raise at once on
+#: CUDA too, as on the CPU: one stream synchronisation per checked call.
+SYNC_CHECKS: bool = _env_flag("FUSEDLIB_SYNC_CHECKS")
 
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
 
@@ -93,8 +136,194 @@ def _fix_interpreter_index() -> None:
     _interp._patch_lang_tensor = _patch_lang_tensor
 
 
+# ---------------------------------------------------------------------------------------------
+# bfloat16 rounding in Triton's interpreter
+# ---------------------------------------------------------------------------------------------
+#
+# Triton's interpreter keeps bfloat16 values as their uint16 bit patterns and converts them in
+# ``InterpreterBuilder.cast_impl`` (which ``create_fp_trunc``, ``create_fp_ext`` and the int <->
+# float casts call) and ``create_fp_to_fp``. In Triton 3.6 and 3.9 (``triton/runtime/
+# interpreter.py``) these are wrong for bfloat16, where the compiled kernels are right:
+#
+# * float32 -> bfloat16 (``x.to(tl.bfloat16)``, and ``tl.store`` of a float32 value through a
+#   bfloat16 pointer, which casts the same way) calls ``_convert_float(..., rounding_mode=None)``,
+#   which *truncates* the mantissa: results are up to one ulp low in magnitude (about half of
+#   them one ulp off), values past the largest finite bfloat16 give the largest finite one
+#   instead of inf, and float32 subnormals come out wrong. Its RTNE branch (used for explicit
+#   rounding modes) rounds half up, with no carry into the exponent.
+# * float64 -> bfloat16 falls into ``src.data.astype(np.uint16)``: the *value* is converted to
+#   an integer and stored as bits, which is garbage (``.to(tl.bfloat16, fp_downcast_rounding=
+#   "rtz")`` from float64 raises). int -> bfloat16 and bfloat16 -> int likewise.
+# * float16 -> bfloat16 goes through float32 and is truncated as above.
+# * bfloat16 -> float32 flushes bfloat16 subnormals to zero (it should be exact).
+#
+# (Source: ``triton/runtime/interpreter.py`` of Triton 3.6.0 and 3.9.0, ``InterpreterBuilder``
+# and ``_convert_float``.) The compiled kernels (PTX ``cvt.rn.bf16.f32``) round to nearest
+# even. The wrappers below replace every conversion that produces or consumes bfloat16 bits
+# with exact NumPy bit arithmetic and leave every other conversion to Triton. bfloat16
+# *arithmetic* in the interpreter (``x + y`` on two bfloat16 tensors) still operates on the
+# bit patterns as integers in Triton 3.6 and 3.9; fusedlib's kernels never do it (they load,
+# convert to float32 or float64, compute, and convert once when storing).
+# tests/test_bf16_rounding.py checks all of it, on the CPU and on the GPU.
+
+
+def _f32_to_bf16_bits(x32: "np.ndarray", rtz: bool = False) -> "np.ndarray":
+    """float32 values -> bfloat16 bit patterns (uint16), rounded to nearest even (or toward zero).
+
+    bfloat16 is the upper half of float32 (same sign and exponent fields, 7 of the 23 mantissa
+    bits), so rounding is integer arithmetic on the bits u: add 0x7FFF plus the lowest kept bit
+    (ties go to the even neighbour), then drop the low 16 bits. A carry out of the mantissa
+    increments the exponent, which is the correctly rounded result, also for subnormals and for
+    values that round past the largest finite bfloat16 (they become inf, as IEEE 754 requires).
+    NaN stays NaN (sign kept, quiet bit set). Toward zero: just drop the low bits.
+    """
+    u = np.asarray(x32, dtype=np.float32).view(np.uint32)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if rtz:
+        r = u >> np.uint32(16)
+    else:
+        finite_or_inf = np.where(nan, np.uint32(0), u)  # keep NaNs away from the add (it could wrap)
+        r = (finite_or_inf + (np.uint32(0x7FFF) + ((finite_or_inf >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    r = np.where(nan, (u >> np.uint32(16)) | np.uint32(0x0040), r)
+    return r.astype(np.uint16)
+
+
+def _f64_to_f32(x64: "np.ndarray", round_to_odd: bool) -> "np.ndarray":
+    """float64 -> float32 rounded toward zero, or to odd (toward zero, then the last bit set if inexact).
+
+    Rounding to odd first and then to nearest even at bfloat16 is the correctly rounded
+    float64 -> bfloat16 conversion (one rounding), because float32 keeps at least two more
+    bits than bfloat16 (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums:
+    proved algorithms using rounding to odd", IEEE Trans. Computers 57(4), 2008); rounding
+    to nearest twice could round a value just above a tie the wrong way. Overflow gives the
+    largest finite float32, which then rounds to inf at bfloat16.
+    """
+    x64 = np.asarray(x64, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = x64.astype(np.float32)  # to nearest even
+    back = f.astype(np.float64)
+    inexact = np.isfinite(x64) & (back != x64)
+    f = np.where(inexact & (np.abs(back) > np.abs(x64)), np.nextafter(f, np.float32(0)), f).astype(np.float32)
+    if round_to_odd:
+        f = np.where(inexact, f.view(np.uint32) | np.uint32(1), f.view(np.uint32)).astype(np.uint32).view(np.float32)
+    return f
+
+
+def _bf16_bits_to_f32(bits: "np.ndarray") -> "np.ndarray":
+    """bfloat16 bit patterns (uint16) -> float32, exactly (subnormals, inf and NaN included)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _to_bf16_bits(data: "np.ndarray", rtz: bool) -> "np.ndarray | None":
+    """float16/32/64, int or bool values -> bfloat16 bits, with one rounding; None for other data."""
+    data = np.asarray(data)
+    if data.dtype == np.float32:
+        x32 = data
+    elif data.dtype == np.float16:
+        x32 = data.astype(np.float32)  # exact
+    elif data.dtype == np.float64 or data.dtype.kind in "iub":
+        # ints: exact in float64 up to 2^53 in magnitude (beyond that, rounded twice)
+        x32 = _f64_to_f32(data.astype(np.float64), round_to_odd=not rtz)
+    else:
+        return None
+    return _f32_to_bf16_bits(x32, rtz=rtz).reshape(data.shape)
+
+
+#: Whether Triton's interpreter rounds bfloat16 correctly in this process: ``"patched"`` (fusedlib
+#: fixed its conversions, below), ``"compiled"`` (kernels are compiled; the GPU rounds correctly),
+#: or ``"unavailable: <why>"`` (this Triton lacks the hooks; bfloat16 results may be truncated).
+BF16_ROUNDING: str = "compiled"
+
+
+def _fix_interpreter_bf16() -> str:
+    """Make Triton's interpreter convert to and from bfloat16 like the GPU: correctly rounded.
+
+    Wraps ``InterpreterBuilder.cast_impl``, ``create_fp_trunc``, ``create_fp_ext``, the int <->
+    float casts and ``create_fp_to_fp`` (Triton 3.6 and 3.9, ``triton/runtime/interpreter.py``;
+    see the comment above for what each got wrong). A conversion to bfloat16 from float16,
+    float32, float64 or an integer rounds once, to nearest even (toward zero where the kernel
+    asks ``fp_downcast_rounding="rtz"``); a conversion from bfloat16 first widens the bits to
+    float32 exactly and hands that to Triton's own code. Everything else is Triton's. Applying it
+    twice changes nothing; compiled kernels are not affected.
+
+    Returns:
+        The new value of :data:`BF16_ROUNDING`: ``"patched"``, or ``"unavailable: <why>"`` (also
+        logged as a warning on the ``fusedlib`` logger) when this Triton has no such hooks.
+    """
+    try:
+        from triton.runtime import interpreter as _interp
+        import triton.language as tl
+    except ImportError as e:  # pragma: no cover (no interpreter in this Triton)
+        return _bf16_unavailable(f"cannot import triton.runtime.interpreter ({e})")
+    builder_cls = getattr(_interp, "InterpreterBuilder", None)
+    handle_cls = getattr(_interp, "TensorHandle", None)
+    if builder_cls is None or handle_cls is None or not callable(getattr(builder_cls, "cast_impl", None)) \
+            or not callable(getattr(builder_cls, "create_fp_to_fp", None)):
+        return _bf16_unavailable("its interpreter has no InterpreterBuilder.cast_impl / create_fp_to_fp")
+    if getattr(builder_cls.cast_impl, "_fusedlib_bf16_fix", False):
+        return "patched"
+    rounding_modes = getattr(getattr(_interp, "_ir", None), "ROUNDING_MODE", None)
+    rtne_mode = getattr(rounding_modes, "RTNE", None)
+    rtz_mode = getattr(rounding_modes, "RTZ", None)
+    bf16 = tl.bfloat16
+
+    def convert(src, dst_type, rounding_mode=None):
+        """The bfloat16 conversion of ``src`` to ``dst_type``, or None to leave it to Triton."""
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if (src_ty == bf16) == (dst_ty == bf16):
+            return None  # no bfloat16 involved (or bfloat16 to itself): Triton's
+        if src_ty == bf16:
+            if np.asarray(src.data).dtype != np.uint16:
+                return None
+            x32 = _bf16_bits_to_f32(src.data)
+            if dst_ty == tl.float32:
+                return handle_cls(x32, dst_ty)
+            if dst_ty == tl.float64 or (dst_ty == tl.float16 and rounding_mode in (None, rtne_mode)):
+                return handle_cls(x32.astype(np.float64 if dst_ty == tl.float64 else np.float16), dst_ty)
+            return ("widened", handle_cls(x32, tl.float32))  # ints, fp8, other rounding: Triton's, from float32
+        if rounding_mode is not None and rounding_mode not in (rtne_mode, rtz_mode):
+            return None
+        if not (src_ty.is_floating() or src_ty.is_int()) or getattr(src_ty, "is_fp8", lambda: False)():
+            return None  # fp8 and anything else: Triton's
+        bits = _to_bf16_bits(src.data, rtz=rounding_mode is not None and rounding_mode == rtz_mode)
+        return None if bits is None else handle_cls(bits, dst_ty)
+
+    def wrap(name, takes_rounding):
+        orig = getattr(builder_cls, name)
+
+        def wrapped(self, src, dst_type, *args):
+            out = convert(src, dst_type, args[0] if takes_rounding and args else None)
+            if out is None:
+                return orig(self, src, dst_type, *args)
+            if isinstance(out, tuple):  # from bfloat16: Triton's own conversion of the exact float32
+                return orig(self, out[1], dst_type, *args)
+            return out
+
+        wrapped.__name__ = wrapped.__qualname__ = name
+        wrapped.__doc__ = f"Triton's ``{name}``, with bfloat16 conversions rounded correctly (fusedlib.runtime)."
+        wrapped._fusedlib_bf16_fix = True
+        wrapped._fusedlib_orig = orig
+        setattr(builder_cls, name, wrapped)
+
+    for name in ("create_fp_trunc", "create_fp_ext", "create_si_to_fp", "create_ui_to_fp", "create_fp_to_si",
+                 "create_fp_to_ui"):
+        if callable(getattr(builder_cls, name, None)):
+            wrap(name, takes_rounding=False)
+    wrap("create_fp_to_fp", takes_rounding=True)
+    wrap("cast_impl", takes_rounding=False)  # last: its marker says the whole patch is in place
+    return "patched"
+
+
+def _bf16_unavailable(why: str) -> str:
+    msg = (f"fusedlib: cannot fix bfloat16 rounding in Triton {triton.__version__}'s interpreter: {why}; "
+           "bfloat16 results of kernels run on the CPU may be truncated instead of rounded")
+    logger.warning(msg)
+    return f"unavailable: {why}"
+
+
 if INTERPRET_ON_CPU:
     _fix_interpreter_index()
+    BF16_ROUNDING = _fix_interpreter_bf16()
 
 
 def default_device() -> torch.device:
@@ -147,7 +376,12 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
     On CUDA the kernel is compiled (once per signature, then cached by Triton); in a
     process with ``TRITON_INTERPRET=1`` it runs in Triton's interpreter. Tensors on a
     GPU are copied to the host and back by the interpreter.
+
+    Once a device-side check has been launched lazily (:class:`DeviceCheck`), every launch
+    first reads the check words and raises the ValueError of any that is set.
     """
+    if _ARMED and not torch.compiler.is_compiling():
+        _poll()  # a device-side check of an earlier call found bad input: raise it now
     if tensors_device.type not in _KERNEL_DEVICE_TYPES:
         kernel_mode(tensors_device)  # raises for devices other than cuda / cpu
     if LATE_INTERPRET:
@@ -171,6 +405,179 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
             kernel[tuple(grid)](*args, **kwargs)
     else:
         kernel[tuple(grid)](*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------
+# Device-side checks, reported without a host sync
+# ----------------------------------------------------------------------------------------
+
+#: Most checks a process can register (each owns one word of the check buffer).
+MAX_CHECKS: int = 8
+#: Words between two checks' words: 2 int64 = 16 bytes, so every word is 16-byte aligned and
+#: Triton compiles one variant of a kernel whatever the check it writes to.
+_WORD_STRIDE: int = 2
+
+_CHECKS: list["DeviceCheck"] = []
+#: kernels on CUDA tensors (True: pinned host memory, shared by every GPU) or CPU tensors
+#: (False: plain memory) -> (the int64 buffer, a memoryview of it: reads and writes without a
+#: torch call).
+_BUFFERS: dict[bool, tuple[torch.Tensor, memoryview]] = {}
+#: Indices of the registered checks' words.
+_INDICES: tuple[int, ...] = ()
+#: Indices of the CUDA devices that ran a lazily reported check (check_errors synchronises them).
+_PENDING_DEVICES: set[int] = set()
+#: True once a lazily reported check was launched: from then on :func:`launch` polls.
+_ARMED: bool = False
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _buffer(cuda: bool) -> tuple[torch.Tensor, memoryview] | None:
+    """The check buffer for kernels on CUDA (or CPU) tensors, made on first use (None while a
+    CUDA graph is being captured and it does not exist yet: pinned memory is not allocated then)."""
+    entry = _BUFFERS.get(cuda)
+    if entry is None:
+        if cuda:
+            if _capturing():
+                return None
+            buf = torch.zeros(MAX_CHECKS * _WORD_STRIDE, dtype=torch.int64, device="cpu", pin_memory=True)
+        else:
+            buf = torch.zeros(MAX_CHECKS * _WORD_STRIDE, dtype=torch.int64, device="cpu")
+        entry = _BUFFERS[cuda] = (buf, memoryview(buf.numpy()))
+    return entry
+
+
+class DeviceCheck:
+    """A check of an op's input that the op's kernel makes on the device, reported without a sync.
+
+    The kernel gets :meth:`word` (an int64 [1] tensor in host memory that it can address, or
+    None: then it checks nothing) and, when it meets a bad value, stores a nonzero int64 code
+    into it (e.g. the bad id itself, which is never 0) and makes the affected outputs NaN.
+    After the launch the op calls :meth:`launched`: on the CPU (Triton's interpreter), and
+    on CUDA with :data:`SYNC_CHECKS`, it raises at once; otherwise (CUDA, eager) the next
+    fusedlib launch or :func:`check_errors` raises. Several programs may store different codes
+    into the word; any one of them is reported.
+
+    Args:
+        op: the public op's name, the start of the error message.
+        message: ``message(code, context) -> str``: what was expected and what was found,
+            from the stored code and the context the op passed to :meth:`launched`.
+
+    Raises:
+        ValueError: at construction, when more than :data:`MAX_CHECKS` checks exist.
+    """
+
+    __slots__ = ("op", "message", "index", "context", "_words")
+
+    def __init__(self, op: str, message: Callable[[int, Any], str]) -> None:
+        global _INDICES
+        if len(_CHECKS) >= MAX_CHECKS:
+            raise ValueError(f"at most {MAX_CHECKS} DeviceChecks can exist (fusedlib.runtime.MAX_CHECKS)")
+        self.op = op
+        self.message = message
+        self.index = len(_CHECKS) * _WORD_STRIDE
+        self.context: Any = None
+        self._words: dict[bool, torch.Tensor] = {}
+        _CHECKS.append(self)
+        _INDICES = tuple(c.index for c in _CHECKS)
+
+    def __repr__(self) -> str:
+        return f"DeviceCheck({self.op!r})"
+
+    def word(self, like: torch.Tensor) -> torch.Tensor | None:
+        """The int64 [1] word that a kernel on ``like``'s device stores its finding in, or None
+        when the check is not to be compiled in (``torch.compile`` is tracing: NaN is the signal).
+
+        Args:
+            like: a tensor the kernel reads (its device picks the buffer; ``tensor.is_cuda`` is
+                cheaper than ``tensor.device.type``).
+        """
+        if torch.compiler.is_compiling():
+            return None
+        cuda = like.is_cuda
+        w = self._words.get(cuda)
+        if w is None:
+            entry = _buffer(cuda)
+            if entry is None:
+                return None
+            w = self._words[cuda] = entry[0][self.index:self.index + 1]
+        return w
+
+    def launched(self, like: torch.Tensor, context: Any = None) -> None:
+        """Call right after launching the kernel that got :meth:`word`.
+
+        Args:
+            like: the tensor given to :meth:`word`.
+            context: what :attr:`message` needs to name the expectation (e.g. the vocabulary
+                size); kept as the latest call's (a lazily reported error names it).
+
+        Raises:
+            ValueError: on the CPU (or with ``TRITON_INTERPRET=1``), and on CUDA with
+                :data:`SYNC_CHECKS`, when the kernel stored a code: the op's input was bad.
+        """
+        global _ARMED
+        self.context = context
+        cuda = like.is_cuda
+        if cuda and not INTERPRET_ON_CPU:
+            if not SYNC_CHECKS or _capturing():
+                _PENDING_DEVICES.add(like.get_device())
+                _ARMED = True
+                return
+            torch.cuda.current_stream(like.device).synchronize()
+        entry = _BUFFERS.get(cuda)
+        if entry is not None and entry[1][self.index]:
+            self._raise(entry[1])
+
+    def _raise(self, view: memoryview) -> None:
+        code = view[self.index]
+        view[self.index] = 0  # reported: the next call starts clean
+        err = ValueError(self.message(code, self.context))
+        if hasattr(err, "add_note"):  # Python >= 3.11: shown in the traceback, not in str(err)
+            err.add_note(f"fusedlib.runtime: found on the device by {self.op}'s kernel; on CUDA it is reported "
+                         "at a later fusedlib call or by fusedlib.runtime.check_errors() (set "
+                         "FUSEDLIB_SYNC_CHECKS=1 to raise inside the call itself)")
+        raise err
+
+
+def _sync_pending() -> None:
+    if _PENDING_DEVICES and not _capturing():
+        for device in tuple(_PENDING_DEVICES):
+            torch.cuda.synchronize(device)
+
+
+def _poll() -> None:
+    """Raise the first error a lazily reported check has stored (no wait, unless one is set)."""
+    view = _BUFFERS[True][1]
+    for i in _INDICES:
+        if view[i]:
+            _sync_pending()  # the error path only: let the kernel finish, so its word is final
+            _CHECKS[i // _WORD_STRIDE]._raise(view)
+
+
+def check_errors() -> None:
+    """Wait for the GPU work of fusedlib's device-side checks and raise what they found.
+
+    On CUDA, eager ops with a device-side check (cross-entropy target ids, the memory-efficient
+    norms' gamma) report bad input lazily: the affected outputs are NaN at once, and the
+    ValueError comes at a later fusedlib kernel launch. Call this where a definite answer is
+    wanted: e.g. at the end of a training step (with tensor parallelism, at the same point on
+    every rank, so that every rank raises together and no collective is left waiting).
+    A no-op while ``torch.compile`` traces and before any check ran lazily on a GPU; it
+    does not wait while a CUDA graph is being captured.
+
+    Raises:
+        ValueError: naming the op, the argument and what was expected, for the first check
+            whose word is set (the word is cleared; call again for the next).
+    """
+    if torch.compiler.is_compiling():
+        return
+    _sync_pending()
+    for _, view in _BUFFERS.values():
+        for check in _CHECKS:
+            if view[check.index]:
+                check._raise(view)
 
 
 def device_banner() -> str:

@@ -251,6 +251,12 @@ __all__ += [
     "bias_swiglu_back",
     "weighted_swiglu",
     "weighted_swiglu_back",
+    "clamped_swiglu",
+    "bias_clamped_swiglu",
+    "clamped_swiglu_back",
+    "bias_clamped_swiglu_back",
+    "clamped_weighted_swiglu",
+    "clamped_weighted_swiglu_back",
     "geglu",
     "bias_geglu",
     "geglu_back",
@@ -364,6 +370,109 @@ def weighted_swiglu_back(g: torch.Tensor, y: torch.Tensor,
     """
     dy = swiglu_back(g * weights, y).to(y.dtype)
     dw = (swiglu(y) * g.to(weights.dtype)).sum(-1, keepdim=True)
+    return dy, dw.to(weights.dtype)
+
+
+def _clamp_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Megatron's clamped units compute in float32; float64 stays float64 here (the reference).
+    return torch.promote_types(dtype, torch.float32)
+
+
+def clamped_swiglu(y: torch.Tensor, clamp_value: float) -> torch.Tensor:
+    """Clamped SwiGLU, ``silu(min(y1, c))·clamp(y2, -c, c)``, as Megatron-core's ``clamped_swiglu``.
+
+    The gate half is clamped from above only, the linear half on both sides (gpt-oss's
+    ``swiglu_limit`` is such a c, with c = 7). Computed in float32 (float64 for float64 input:
+    Megatron casts every dtype to float32) and cast back to y's dtype. Autograd through
+    ``torch.clamp`` gives the clamp's gradient: 1 for y1 <= c (and -c <= y2 <= c), else 0.
+
+    Args:
+        y: [..., 2h], any float dtype.
+        clamp_value: c > 0 (not checked here).
+
+    Returns:
+        [..., h], y's dtype.
+    """
+    y1, y2 = torch.chunk(y.to(_clamp_dtype(y.dtype)), 2, -1)
+    out = torch.nn.functional.silu(y1.clamp(max=clamp_value)) * y2.clamp(min=-clamp_value, max=clamp_value)
+    return out.to(y.dtype)
+
+
+def bias_clamped_swiglu(y: torch.Tensor, bias: torch.Tensor, clamp_value: float) -> torch.Tensor:
+    """Unfused ``clamped_swiglu(y + bias, c)``: the clamps act after the bias (Megatron's order).
+
+    Args:
+        y: [..., 2h]. bias: [2h]. clamp_value: c > 0.
+
+    Returns:
+        [..., h].
+    """
+    return clamped_swiglu(y + bias, clamp_value)
+
+
+def clamped_swiglu_back(g: torch.Tensor, y: torch.Tensor, clamp_value: float) -> torch.Tensor:
+    """Gradient of :func:`clamped_swiglu` w.r.t. the unclamped y, as Megatron's ``clamped_swiglu_back``.
+
+    With x1 = min(y1, c), x2 = clamp(y2, -c, c):
+    ``[g·x2·silu'(x1)·[y1 <= c] | g·silu(x1)·[-c <= y2 <= c]]``: zero where a clamp is
+    active, passing at the boundary itself (as torch.clamp's autograd).
+
+    Args:
+        g: [..., h]. y: [..., 2h]. clamp_value: c > 0.
+
+    Returns:
+        [..., 2h], y's dtype (computed in float32, float64 for float64).
+    """
+    acc = _clamp_dtype(y.dtype)
+    y1, y2 = torch.chunk(y.to(acc), 2, -1)
+    x1, x2 = y1.clamp(max=clamp_value), y2.clamp(min=-clamp_value, max=clamp_value)
+    g = g.to(torch.promote_types(g.dtype, acc))
+    keep1 = y1 <= clamp_value
+    keep2 = (y2 >= -clamp_value) & (y2 <= clamp_value)
+    dy1 = torch.where(keep1, g * x2 * silu_grad(x1), 0.0)
+    dy2 = torch.where(keep2, g * silu(x1), 0.0)
+    return torch.cat((dy1, dy2), -1).to(y.dtype)
+
+
+def bias_clamped_swiglu_back(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
+                             clamp_value: float) -> torch.Tensor:
+    """Gradient of :func:`bias_clamped_swiglu` w.r.t. y (the bias gradient is its sum over leading dims).
+
+    Args:
+        g: [..., h]. y: [..., 2h]. bias: [2h]. clamp_value: c > 0.
+
+    Returns:
+        [..., 2h].
+    """
+    return clamped_swiglu_back(g, y + bias, clamp_value)
+
+
+def clamped_weighted_swiglu(y: torch.Tensor, weights: torch.Tensor, clamp_value: float) -> torch.Tensor:
+    """Row-weighted clamped SwiGLU: ``(clamped_swiglu(y, c)·weights).to(y.dtype)``, as Megatron
+    writes it (the clamped unit is rounded to y's dtype before the product).
+
+    Args:
+        y: [n, 2h]. weights: [n, 1]. clamp_value: c > 0.
+
+    Returns:
+        [n, h], y's dtype.
+    """
+    return (clamped_swiglu(y, clamp_value) * weights).to(y.dtype)
+
+
+def clamped_weighted_swiglu_back(g: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
+                                 clamp_value: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`clamped_weighted_swiglu`:
+    ``(clamped_swiglu_back(g·w, y, c), sum_h clamped_swiglu(y, c)·g)``.
+
+    Args:
+        g: [n, h]. y: [n, 2h]. weights: [n, 1]. clamp_value: c > 0.
+
+    Returns:
+        ``(dy, dweights)``: dy [n, 2h] in y's dtype, dweights [n, 1] in weights' dtype.
+    """
+    dy = clamped_swiglu_back(g * weights, y, clamp_value).to(y.dtype)
+    dw = (clamped_swiglu(y, clamp_value) * g.to(weights.dtype)).sum(-1, keepdim=True)
     return dy, dw.to(weights.dtype)
 
 
@@ -526,7 +635,7 @@ def _as_offset(offset: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
     """The sink logit(s) as a tensor of x's dtype and device (differentiable for a tensor)."""
     if isinstance(offset, torch.Tensor):
         return offset.to(dtype=x.dtype, device=x.device)
-    return torch.tensor(float(offset), dtype=x.dtype, device=x.device)
+    return torch.full((), float(offset), dtype=x.dtype, device=x.device)  # a fill: no host-to-device copy
 
 
 def softmax_one(x: torch.Tensor, offset: torch.Tensor | float) -> torch.Tensor:

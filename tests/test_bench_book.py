@@ -10,7 +10,7 @@ from fusedlib.bench import core
 from fusedlib.bench.__main__ import main, summary
 from fusedlib.bench.ops import OP_MODULES, get_cases
 from fusedlib.bench.ops.bias_gelu import bias_gelu_bytes
-from fusedlib.book import check, eager_traffic, plot_bandwidth, speedup_table
+from fusedlib.book import backward_table, check, sweep_table, eager_traffic, plot_bandwidth, plot_sweep, speedup_table
 from fusedlib import unfused
 
 SCHEMA = {"op", "pass", "impl", "shape", "dtype", "ms", "bytes", "GBps", "device", "torch", "triton"}
@@ -78,6 +78,48 @@ def test_summary_and_speedup_table_print_ratios_from_records():
     assert "fused x" in summary(recs)
 
 
+def test_backward_table_splits_fwd_bwd_into_its_passes():
+    recs = _records()
+    table = backward_table(recs)
+    fused = next(line for line in table.splitlines() if line.startswith("fusedlib"))
+    # fwd 0.14 ms, fwd+bwd 0.4 ms: the backward took 0.26 ms for bytes[fwd+bwd] - bytes[fwd]
+    b = bias_gelu_bytes(8192, 16384, 2)
+    gbps = (b["fwd+bwd"] - b["fwd"]) / 0.26e-3 / 1e9
+    assert fused.split() == ["fusedlib", "0.1400", "0.4000", "0.2600", f"{gbps:.0f}", f"{100 * gbps / 4294.967296:.1f}"]
+    assert any(line.startswith("torch.compile") for line in table.splitlines())
+    with pytest.raises(ValueError, match="no copy record"):
+        backward_table([r for r in recs if r["impl"] != "copy"])
+
+
+def _sweep_records():
+    """Two impls over three widths of the same element count, fwd and fwd+bwd, and the copy."""
+    out = [core._record("copy", "copy", "copy", (1 << 30,), torch.bfloat16, 1.0, 1 << 32)]
+    for impl, ms in (("fusedlib", 0.15), ("torch.compile", 0.3)):
+        for h in (1024, 4096, 16384):
+            for pas, k in (("fwd", 1), ("fwd+bwd", 2.5)):
+                out.append(core._record("bias_gelu", pas, impl, ((1 << 27) // h, h), torch.bfloat16, ms * k,
+                                        bias_gelu_bytes((1 << 27) // h, h, 2)[pas]))
+    return out
+
+
+def test_sweep_table_prints_percent_of_copy_per_shape_and_pass():
+    table = sweep_table(_sweep_records(), impls=("torch.compile", "fusedlib")).splitlines()
+    assert len(table) == 3 + 3  # title, two header lines, three widths
+    assert table[2].split() == ["shape", "compile", "fusedlib", "compile", "fusedlib"]
+    first = table[3].split("]")  # [131072, 1024] then the four columns
+    assert first[0] == "[131072, 1024"
+    b = bias_gelu_bytes(131072, 1024, 2)
+    expect = [b["fwd"] / 0.3e-3, b["fwd"] / 0.15e-3, b["fwd+bwd"] / 0.75e-3, b["fwd+bwd"] / 0.375e-3]
+    assert first[1].split() == [f"{100 * v / 1e9 / 4294.967296:.1f}" for v in expect]
+    with pytest.raises(ValueError, match="no copy record"):
+        sweep_table(_records()[1:])
+
+
+def _overlaps(a, b) -> bool:
+    """Whether two display-space boxes share an area (touching edges do not count)."""
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
 def test_plot_bandwidth_draws_every_impl():
     import matplotlib
 
@@ -85,6 +127,51 @@ def test_plot_bandwidth_draws_every_impl():
     ax = plot_bandwidth(_records(), "bias + GeLU")
     labels = ax.get_legend_handles_labels()[1]
     assert "fusedlib" in labels and "torch.compile" in labels and any("copy" in s for s in labels)
+
+
+def test_plot_bandwidth_starts_at_zero_and_its_legend_covers_no_bar():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    recs = _records()
+    ax = plot_bandwidth(recs, "bias + GeLU")
+    fig = ax.figure
+    fig.canvas.draw()
+    bottom, top = ax.get_ylim()
+    ceiling = next(r["GBps"] for r in recs if r["impl"] == "copy")
+    assert bottom == 0 and top > ceiling
+    legend = ax.get_legend().get_window_extent()
+    bars = [p.get_window_extent() for p in ax.patches]
+    assert len(bars) == 4  # 2 impls x 2 passes
+    assert not any(_overlaps(legend, b) for b in bars)
+    assert not _overlaps(legend, ax.get_window_extent()), "the legend lies inside the axes"
+    assert legend.y0 >= 0, "the legend is cut off at the figure's bottom"
+
+
+def test_plot_sweep_starts_at_zero_and_its_legend_is_outside_the_panels():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = plot_sweep(_sweep_records(), "bias + GeLU")
+    fig.canvas.draw()
+    axes = fig.axes
+    assert len(axes) == 2 and [a.get_title() for a in axes] == ["bias + GeLU, fwd", "bias + GeLU, fwd+bwd"]
+    for ax in axes:
+        assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > 4294.967296  # the copy ceiling, GB/s
+        lines = {l.get_label(): l for l in ax.get_lines()}
+        assert list(lines["fusedlib"].get_xdata()) == [1024, 4096, 16384]
+        assert "torch.compile" in lines
+    legend = fig.legends[0]
+    assert {t.get_text() for t in legend.get_texts()} >= {"fusedlib", "torch.compile"}
+    box = legend.get_window_extent()
+    assert box.y0 >= 0 and not any(_overlaps(box, a.get_window_extent()) for a in axes)
+
+
+def test_plot_sweep_refuses_records_without_a_sweep():
+    with pytest.raises(ValueError, match="no sweep"):
+        plot_sweep(_records(), "bias + GeLU")
+    with pytest.raises(ValueError, match="no copy record"):
+        plot_sweep([r for r in _sweep_records() if r["impl"] != "copy"], "bias + GeLU")
 
 
 def test_check_prints_a_device_independent_verdict(capsys):

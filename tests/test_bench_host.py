@@ -399,3 +399,39 @@ def test_tune_launches_each_kernel_with_the_candidate_tile(op, monkeypatch):
                        and kw.get("BLOCK_M", tile["BLOCK_M"]) == tile["BLOCK_M"] for kw in kwargs_list), \
                 (op, tile, kwargs_list)
     assert any("best:" in line for line in lines) and "winners go into" in lines[-1]
+
+
+def _host_records():
+    rows = []
+    for op, base in (("bias_gelu", 20.0), ("layer_norm", 30.0)):
+        for k, impl in enumerate(("fusedlib", "eager", "torch.compile")):
+            for p in ("fwd", "fwd+bwd"):
+                us = base * (k + 1) * (3 if p == "fwd+bwd" else 1)
+                rows.append({"op": "host", "measured_op": op, "pass": p, "impl": impl, "us": us,
+                             "enqueue_us": us / 2, "cpu_us": us / 2, "device": "test", "torch": "t", "triton": "t",
+                             "shape": [32, 256], "dtype": "bfloat16"})
+    return rows
+
+
+def test_plot_host_draws_every_op_and_impl_from_zero():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fusedlib.book import plot_host
+
+    ax = plot_host(_host_records(), "fwd+bwd")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["bias_gelu", "layer_norm"]
+    assert ax.get_xlim()[0] == 0
+    widths = sorted(p.get_width() for p in ax.patches)
+    # 2 ops x 3 impls, fwd+bwd: base * (k + 1) * 3
+    assert widths == sorted(b * (k + 1) * 3 for b in (20.0, 30.0) for k in range(3))
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert set(labels) == {"fusedlib", "eager", "torch.compile"}
+
+
+@pytest.mark.parametrize("kwargs, match", [({"pass_": "bwd"}, "pass_"), ({"field": "ms"}, "field")])
+def test_plot_host_rejects_bad_arguments(kwargs, match):
+    from fusedlib.book import plot_host
+
+    with pytest.raises(ValueError, match=match):
+        plot_host(_host_records(), **kwargs)

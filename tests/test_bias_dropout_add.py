@@ -15,6 +15,7 @@ import torch
 from fusedlib import unfused
 from fusedlib.fusions.fused_bias_dropout import (
     BiasDropoutAddFunction,
+    _bias_dropout_add_func,
     bias_dropout_add_fused_inference,
     bias_dropout_add_fused_train,
     bias_dropout_add_unfused,
@@ -222,13 +223,7 @@ def test_p0_is_the_plain_sum(dtype):
     x, b, r = _inputs((13, 77), dtype)
     out = bias_dropout_add_fused_train((x, b), r, 0.0)
     plain = ((x.float() + b.float()) + r.float()).to(dtype)  # one float32 sum, rounded once
-    if dtype == torch.bfloat16 and DEVICE.type == "cpu":
-        # Triton's interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest even):
-        # the stored value is the plain sum, truncated; within one bf16 ulp of the rounded one.
-        ulp = torch.finfo(torch.bfloat16).eps * plain.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
-        assert ((out.float() - plain.float()).abs() <= ulp).all()
-    else:
-        assert torch.equal(out, plain)
+    assert torch.equal(out, plain)  # bf16 on the CPU too: fusedlib.runtime makes the interpreter round
     g = torch.randn_like(out)
     out.backward(g)
     assert torch.equal(x.grad, g) and torch.equal(r.grad, g)  # nothing dropped, nothing scaled
@@ -432,6 +427,99 @@ def test_fused_matches_unfused_without_dropout():
     ref.backward(g)
     assert torch.equal(x.grad, xu.grad) and torch.equal(r.grad, ru.grad)
     torch.testing.assert_close(b.grad, bu.grad)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_bias_dropout_add_func_training_is_torch_dropout(dtype, bias):
+    # Megatron's unfused function: residual + F.dropout(x + bias, p), torch's generator and
+    # mask, autograd through it; same seed, same mask, the same numbers as the eager ops.
+    x, b, r = _inputs((7, 3, 33), dtype, bias=bias)
+    x_before, r_before = x.detach().clone(), r.detach().clone()
+    torch.manual_seed(SEED)
+    out = _bias_dropout_add_func((x, b), r, 0.3, True)
+    xe, be, re_ = (t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, b, r))
+    torch.manual_seed(SEED)
+    expected = re_ + torch.nn.functional.dropout(xe + be if bias else xe, p=0.3, training=True)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    assert torch.equal(x.detach(), x_before) and torch.equal(r.detach(), r_before)  # training: never in place
+    g = torch.randn_like(out)
+    out.backward(g)
+    expected.backward(g)
+    assert torch.equal(x.grad, xe.grad) and torch.equal(r.grad, g)
+    if bias:
+        assert torch.equal(b.grad, be.grad)
+    kept = x.grad != 0  # dx = g·mask/(1 - p): the mask against the float64 oracle
+    want = unfused.bias_dropout_add_masked(x.detach().double(), b.detach().double() if bias else None,
+                                           r.detach().double(), kept, 0.3)
+    # The eager ops round three times in ``dtype`` (x + b, then ·1/(1-p), then + r), each within
+    # u = eps/2 of its own result: |out - want| <= u·(|x + b|·s (1 + u) + |x + b|·s + |want|) + O(u²),
+    # s = 1/(1 - p), absolute per element (a relative bound fails where + r cancels).
+    u = torch.finfo(dtype).eps / 2
+    v = (x.detach().double() + (b.detach().double() if bias else 0)).abs() / (1 - 0.3) * kept
+    bound = 1.01 * u * (2 * v + want.abs()) + torch.finfo(dtype).tiny
+    assert ((out.detach().double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_bias_dropout_add_func_fp32_residual(x_dtype, training, bias):
+    # fp32_residual_connection: x and bias are upcast to the residual's float32, never the
+    # residual downcast; the result is exact in float32 (no dropout at p = 0).
+    x, b, r = _inputs((16, 64), x_dtype, r_dtype=torch.float32, bias=bias)
+    out = _bias_dropout_add_func((x, b), r, 0.0, training)
+    assert out.dtype == torch.float32
+    expected = r.detach().double() + x.detach().double() + (b.detach().double() if bias else 0.0)
+    assert_close(out, expected, torch.float32)
+    out.backward(torch.ones_like(out))
+    assert x.grad.dtype == x_dtype and r.grad.dtype == torch.float32 and (not bias or b.grad.dtype == x_dtype)
+
+
+def test_bias_dropout_add_func_inference_in_place():
+    # Megatron's in-place inference path: same dtype and no grads -> the result is x itself;
+    # x of another dtype than the residual is upcast first, a new tensor, so x is left alone.
+    x, b, r = _inputs((8, 40), torch.bfloat16, requires_grad=False)
+    expected = x.double() + b.double() + r.double()  # (two bf16 roundings in place: within the bf16 tolerance)
+    out = _bias_dropout_add_func((x, b), r, 0.5, False)
+    assert out is x
+    assert_close(x, expected, torch.bfloat16)
+    x2, _, r32 = _inputs((8, 40), torch.bfloat16, r_dtype=torch.float32, requires_grad=False)
+    x2_before = x2.clone()
+    out = _bias_dropout_add_func((x2, None), r32, 0.0, False)
+    assert out.dtype == torch.float32 and out.data_ptr() != x2.data_ptr() and torch.equal(x2, x2_before)
+    x3, b3, r3 = _inputs((4, 8), torch.float32, requires_grad=True)
+    assert _bias_dropout_add_func((x3, b3), r3, 0.0, False) is not x3  # x requires grad: not in place
+
+
+def test_bias_dropout_add_unfused_calls_bias_dropout_add_func(monkeypatch):
+    # as in Megatron-core, the unfused selector goes through _bias_dropout_add_func (patchable)
+    from fusedlib.fusions import fused_bias_dropout as mod
+
+    calls = []
+    monkeypatch.setattr(mod, "_bias_dropout_add_func", lambda *a: calls.append(a) or a[1])
+    x, b, r = _inputs((2, 4), torch.float32, requires_grad=False)
+    assert get_bias_dropout_add(False, False)((x, b), r, 0.2) is r
+    assert len(calls) == 1 and calls[0][2:] == (0.2, False)
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        (lambda x, r: ((x,), r, 0.1, True), TypeError, r"x_with_bias must be a pair \(x, bias\)"),
+        (lambda x, r: (x, r, 0.1, True), TypeError, r"x_with_bias must be a pair \(x, bias\)"),
+        (lambda x, r: (([1.0], None), r, 0.1, True), TypeError, "x must be a torch.Tensor"),
+        (lambda x, r: ((x, [0.0]), r, 0.1, True), TypeError, "bias must be a torch.Tensor or None"),
+        (lambda x, r: ((x, None), 2.0, 0.1, True), TypeError, "residual must be a torch.Tensor"),
+        (lambda x, r: ((x, None), r, 1.5, True), ValueError, r"prob must be a dropout probability in \[0, 1\]"),
+        (lambda x, r: ((x, None), r, "0.1", True), ValueError, r"prob must be a dropout probability"),
+        (lambda x, r: ((x, None), r, 0.1, "yes"), TypeError, "training must be a bool"),
+    ],
+)
+def test_bias_dropout_add_func_bad_input(args, error, match):
+    x, _, r = _inputs((4, 8), torch.float32, bias=False, requires_grad=False)
+    with pytest.raises(error, match=match):
+        _bias_dropout_add_func(*args(x, r))
 
 
 # ---------------------------------------------------------------------------------------

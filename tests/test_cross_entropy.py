@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fusedlib
 from fusedlib import unfused
 from fusedlib.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from fusedlib.kernels.cross_entropy import STAT_ROWS
@@ -133,11 +134,17 @@ def test_gradient_has_the_logits_dtype(path, dtype):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bad", (7, 100, -2, -101))
 def test_targets_outside_the_vocabulary_raise(path, bad):
+    # On the CPU the call raises; on CUDA the kernel reports it without a host sync and
+    # check_errors() raises (tests/test_compile_graph.py tests each mode on its own).
     x, t = _inputs((5,), 7, torch.float32)
     t[2] = bad
-    with pytest.raises(ValueError, match=rf"target must hold vocabulary ids in \[0, 7\) or ignore_index=-100; "
-                                         rf"1 of 5 are outside, e.g. {bad}"):
-        ce(path, x, t)
+    op = "vocab_parallel_cross_entropy" if path == "unfused" else "fused_vocab_parallel_cross_entropy"
+    with pytest.raises(ValueError, match=rf"^{op}: target must hold vocabulary ids in \[0, 7\) or ignore_index=-100, "
+                                         rf"got {bad} \(its loss and gradient are NaN\)"):
+        loss = ce(path, x, t)
+        fusedlib.runtime.check_errors()
+    assert DEVICE.type == "cpu" or torch.isnan(loss[2])
+    fusedlib.runtime.check_errors()  # reported once
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -331,14 +338,16 @@ def test_kernels_compile_for_sm90_with_vector_loads():
         div = ("X_ptr", "TARGET_ptr", "STATS_ptr", "LOSS_ptr", "LSE_ptr", "G_ptr", "DX_ptr", "COEF_ptr",
                "X_row_stride", "n_cols")
         common = {"n_rows": "i32", "n_cols": "i32", "X_row_stride": "i32", "X_col_stride": "constexpr",
-                  "target_stride": "constexpr", "vocab_start_index": "i32", "ignore_index": "i32",
+                  "target_stride": "constexpr", "vocab_start_index": "i32", "vocab_size": "i32",
+                  "ignore_index": "i32", "ERR_ptr": "*i64",
                   "TARGET_ptr": "*i64", "X_ptr": "*bf16", "COEF_ptr": "*fp32", "LSE_ptr": "*fp32",
                   "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "ACC": "constexpr", "SMOOTHING": "constexpr"}
         consts = {"X_col_stride": 1, "target_stride": 1, "BLOCK_M": 1, "BLOCK_N": 4096, "ACC": tl.float32,
                   "SMOOTHING": True}
         kernels = {
-            "fwd": (ce._cross_entropy_fwd_kernel, {"STATS_ptr": "*fp32", "LOSS_ptr": "*fp32", "FINALIZE": "constexpr"},
-                    {"FINALIZE": False}),
+            "fwd": (ce._cross_entropy_fwd_kernel, {"STATS_ptr": "*fp32", "LOSS_ptr": "*fp32", "FINALIZE": "constexpr",
+                                                   "CHECK": "constexpr"},
+                    {"FINALIZE": False, "CHECK": True}),
             "bwd": (ce._cross_entropy_bwd_kernel, {"G_ptr": "*fp32", "DX_ptr": "*bf16", "g_stride": "i32"}, {}),
         }
         for name, (fn, sig, extra) in kernels.items():
@@ -426,6 +435,38 @@ def test_tensor_parallel_gloo_matches_gathered_reference(world_size):
     assert len(results) == world_size
     for rank, done in enumerate(results):
         assert len(done) == 3 * len(PATHS) + 2 * len(PATHS), (rank, done)
+
+
+class _OneRankGroup:
+    """Megatron-core's unit-test stand-in for a tensor-parallel group of one rank."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_group_with_rank_and_size_methods_megatrons_stand_in(monkeypatch, dtype):
+    # Megatron-core's fused_vocab_parallel_cross_entropy only calls tp_group.rank() and
+    # .size() (and torch.distributed.all_reduce, patched to the identity by its test): such
+    # an object is accepted, and with one rank no collective is issued at all.
+    def no_all_reduce(tensor, op=None, group=None):
+        raise AssertionError("a one-rank group needs no all_reduce")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", no_all_reduce)
+    for path in PATHS:
+        x, t = _inputs((4, 2), 8, dtype, n_ignored=0)
+        with count_collectives() as log:
+            loss = ce(path, x, t, tp_group=_OneRankGroup())
+        loss.sum().backward()
+        assert not log and x.grad.dtype == dtype and x.grad.shape == x.shape
+        x64 = x.detach().double().requires_grad_(True)
+        ref = F.cross_entropy(x64.reshape(-1, 8), t.reshape(-1), reduction="none").reshape(4, 2)
+        ref.sum().backward()
+        assert_close(loss, ref.detach(), loss_tol(dtype))
+        assert_close(x.grad, x64.grad, dtype)
 
 
 @pytest.mark.parametrize("fn", [vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy])

@@ -874,8 +874,6 @@ ALLOWED = {
         "benchmark input, an int end: int64 whatever the default dtype",
     ("bench/ops/layer_norm.py", "torch.randn(h, device=device)"):
         "benchmark parameter, cast to the benchmark's dtype right after (.to(dtype))",
-    ("bench/ops/cross_entropy.py", "torch.randn(n_rows, device='cuda')"):
-        "benchmark upstream gradient on a GPU-only path; autograd casts it to the loss's dtype",
 }
 
 

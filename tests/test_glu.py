@@ -2,6 +2,8 @@
 fusedlib's Triton kernels against float64 PyTorch references (autograd of the unfused forward)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -40,9 +42,10 @@ def _randn(shape, dtype, scale=2.0):
     return (scale * torch.randn(shape, device=DEVICE, dtype=torch.float32)).to(dtype)
 
 
-def _reference(glu: str, y, bias, weights, g):
-    """Float64 forward and autograd gradients (d y, d bias, d weights) of the unfused unit."""
-    ref = GLUS[glu][1]
+def _reference(glu: str, y, bias, weights, g, clamp_value=None):
+    """Float64 forward and autograd gradients (d y, d bias, d weights) of the unfused unit
+    (for SwiGLU with ``clamp_value``: of the clamped unit, autograd through torch.clamp)."""
+    ref = GLUS[glu][1] if clamp_value is None else (lambda x: unfused.clamped_swiglu(x, clamp_value))
     y64 = y.detach().double().requires_grad_(True)
     b64 = bias.detach().double().requires_grad_(True) if bias is not None else None
     w64 = weights.detach().double().requires_grad_(True) if weights is not None else None
@@ -55,19 +58,20 @@ def _reference(glu: str, y, bias, weights, g):
             w64.grad if w64 is not None else None)
 
 
-def _check_glu(glu: str, y, bias=None, g=None, weights=None):
+def _check_glu(glu: str, y, bias=None, g=None, weights=None, clamp_value=None):
     """Fused forward and backward against the float64 reference; inputs and g never modified."""
     dtype = y.dtype
     y_before = y.detach().clone()
+    kw = {} if clamp_value is None else {"clamp_value": clamp_value}  # only SwiGLU takes a clamp
     if weights is None:
-        out = GLUS[glu][0](y, bias)
+        out = GLUS[glu][0](y, bias, **kw)
     else:
-        out = weighted_bias_swiglu_impl(y, None, weights)
+        out = weighted_bias_swiglu_impl(y, None, weights, **kw)
     h = y.shape[-1] // 2
     assert out.shape == (*y.shape[:-1], h) and out.dtype == dtype and out.is_contiguous()
     g = _randn(out.shape, dtype, 1.0) if g is None else g
     g_before = g.clone()
-    out64, dy64, db64, dw64 = _reference(glu, y, bias, weights, g)
+    out64, dy64, db64, dw64 = _reference(glu, y, bias, weights, g, clamp_value)
     assert_close(out, out64, dtype)
     out.backward(g)
     assert torch.equal(g, g_before), "grad_output was modified"
@@ -76,6 +80,12 @@ def _check_glu(glu: str, y, bias=None, g=None, weights=None):
     # float32: dy multiplies g·x2·act'(x1) with |g·x2| up to ~30 and x1 = y + b rounded in
     # float32 (the reference adds exactly): a few 1e-5 absolute; the others: one output rounding.
     assert_close(y.grad, dy64, dtype, scale=4.0 if dtype == torch.float32 else 1.0)
+    if clamp_value is not None:
+        # where a clamp is active (x1 = y1 + b1 > c, or |x2| > c) the gradient is exactly 0
+        x = y.detach().double() + (bias.detach().double() if bias is not None else 0.0)
+        x1, x2 = torch.chunk(x, 2, -1)
+        active = torch.cat((x1 > clamp_value, x2.abs() > clamp_value), -1)
+        assert torch.all(y.grad[active] == 0), "non-zero gradient where a clamp is active"
     rows = max(1, y.numel() // y.shape[-1])
     if bias is not None:
         assert bias.grad.dtype == bias.dtype and bias.grad.shape == bias.shape
@@ -198,6 +208,264 @@ def test_weighted_swiglu_bias_not_implemented():
     y = _randn((4, 8), torch.float32)
     with pytest.raises(NotImplementedError, match="Bias is not supported for weighted swiglu fusion"):
         weighted_bias_swiglu_impl(y, _randn((8,), torch.float32), torch.rand(4, 1, device=DEVICE))
+
+
+# ------------------------------------------------------------------ clamped SwiGLU (clamp_value)
+
+#: c, exactly representable in every dtype, with its neighbours c ± eps too (1 <= c < 2)
+CLAMP = 1.5
+
+
+def _boundary_values(dtype):
+    """Values at, just inside and just outside ±c in ``dtype`` (c in [1, 2): one ulp = eps)."""
+    eps = torch.finfo(dtype).eps
+    c = CLAMP
+    return [c, c + eps, c - eps, -c, -c - eps, -c + eps]
+
+
+def _straddling(shape, dtype, boundary=True):
+    """Random [..., 2h] inputs about half of which lie beyond ±c; with ``boundary``, exact
+    boundary values are written into both halves of the first rows (leave it off when a bias
+    is added, since y + b would move them, or when the tensor is transposed afterwards)."""
+    y = _randn(shape, dtype, scale=1.5 * CLAMP)  # |N(0, 1.5c)| > c with probability ~1/2
+    if boundary:
+        h = shape[-1] // 2
+        rows = y.view(-1, shape[-1])
+        for k, v in enumerate(_boundary_values(dtype)):
+            r, j = divmod(k, h)
+            if r < rows.shape[0]:
+                rows[r, j] = v  # gate half
+                rows[r, h + j] = v  # linear half
+    return y
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.float64,))
+@pytest.mark.parametrize("h", (1, 7, 2049))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_clamped_swiglu_forward_backward(dtype, h, with_bias):
+    # Tolerances as for the unclamped unit (_check_glu): the kernel clamps the same values the
+    # reference clamps (c and the inputs are exact in every dtype; x1 = y + b is exact in float32
+    # for 16-bit inputs, and lands within one float32 rounding of c for float32 with
+    # probability ~1e-7), then computes the same unit on bounded values.
+    rows = 3 if h > 1000 else 17
+    y = _straddling((rows, 2 * h), dtype, boundary=not with_bias).requires_grad_(True)
+    b = _randn((2 * h,), dtype, 1.0).requires_grad_(True) if with_bias else None
+    _check_glu("swiglu", y, b, clamp_value=CLAMP)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.float64,))
+@pytest.mark.parametrize("w_dtype", [torch.float32, "same"])
+@pytest.mark.parametrize("h", (1, 37))
+def test_clamped_weighted_swiglu(dtype, w_dtype, h):
+    w_dtype = dtype if w_dtype == "same" else w_dtype
+    y = _straddling((19, 2 * h), dtype).requires_grad_(True)
+    w = torch.rand(19, 1, device=DEVICE).to(w_dtype).requires_grad_(True)
+    _check_glu("swiglu", y, weights=w, clamp_value=CLAMP)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.float64,))
+def test_clamped_swiglu_boundary(dtype):
+    # Megatron's rule: the gradient passes at x1 = c and |x2| = c exactly, and is 0 one ulp
+    # beyond (masks y_1 <= c and -c <= y_2 <= c); torch.clamp's autograd agrees.
+    c, eps = CLAMP, torch.finfo(dtype).eps
+    y1 = [c, c + eps, c - eps, 10 * c, -10 * c, 0.25, -c]
+    y2 = [c, -c, c + eps, -c - eps, c - eps, 0.5, -10 * c]
+    zero1 = [False, True, False, True, False, False, False]
+    zero2 = [False, False, True, True, False, False, True]
+    y = torch.tensor([y1 + y2], device=DEVICE, dtype=torch.float64).to(dtype).requires_grad_(True)
+    g = torch.full((1, len(y1)), 0.75, device=DEVICE, dtype=dtype)
+    _check_glu("swiglu", y, g=g, clamp_value=c)
+    assert (y.grad[0] == 0).tolist() == zero1 + zero2
+    # the same through a bias: x = y + b with y = 1.0 and b = 0.5 lands exactly on c
+    yb = torch.tensor([[1.0, 1.0 + 2 * eps, 1.0, 1.0]], device=DEVICE, dtype=dtype).requires_grad_(True)
+    b = torch.tensor([0.5, 0.5, 0.5, -2.5], device=DEVICE, dtype=dtype).requires_grad_(True)  # x2 = 1.5, -1.5
+    out = bias_swiglu_impl(yb, b, clamp_value=c)
+    out.backward(torch.ones_like(out))
+    assert (yb.grad[0] == 0).tolist() == [False, True, False, False]
+    assert torch.equal(b.grad, yb.grad[0])  # one row: d bias = d y
+
+
+def test_clamp_value_is_applied_as_a_float32_number():
+    # c = 0.1 is 0.100000001490116... in float32, as Megatron's float32 clamp sees it: the
+    # float32 input 0.1 (the same float32 number) sits exactly on the bound, so its gradient passes.
+    y = torch.tensor([[0.1, 1.0]], device=DEVICE).requires_grad_(True)
+    out = bias_swiglu_impl(y, None, clamp_value=0.1)
+    out.backward(torch.ones_like(out))
+    assert y.grad[0, 0] != 0 and y.grad[0, 1] == 0  # y2 = 1.0 > 0.1 is clamped
+    assert out.item() == pytest.approx(unfused.silu(torch.tensor(0.1)).item() * 0.1, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_clamped_swiglu_non_contiguous(dtype):
+    y = _straddling((2 * 40, 21), dtype, boundary=False).t().requires_grad_(True)  # [21, 80], strides (1, 21)
+    assert not y.is_contiguous()
+    g = _randn((40, 21), dtype, 1.0).t()
+    b = _randn((2 * 80,), dtype, 1.0)[::2].requires_grad_(True)  # a strided bias
+    _check_glu("swiglu", y, b, g, clamp_value=CLAMP)
+    base = _straddling((9, 3 * 24), dtype, boundary=False)
+    y = base[:, : 2 * 24].requires_grad_(True)  # row stride 3h
+    _check_glu("swiglu", y, clamp_value=CLAMP)
+    y3 = _straddling((4, 6, 2 * 20), dtype, boundary=False).permute(1, 0, 2).requires_grad_(True)  # [s, b, 2h]
+    w = torch.rand(24, 1, device=DEVICE).requires_grad_(True)
+    _check_glu("swiglu", y3, weights=w, clamp_value=CLAMP)
+
+
+def test_clamped_swiglu_multi_program_bias_reduction():
+    y = _straddling((1031, 2 * 12), torch.float32, boundary=False).requires_grad_(True)
+    _check_glu("swiglu", y, _randn((24,), torch.float32).requires_grad_(True), clamp_value=CLAMP)
+
+
+def test_clamp_value_none_is_the_unclamped_kernel(monkeypatch):
+    # clamp_value=None launches the kernels without the clamp (HAS_CLAMP=False, the very same
+    # specialization as before clamp_value existed), so the results are bitwise the unclamped
+    # ones; a clamp that no input reaches launches HAS_CLAMP=True and gives the same bits.
+    from fusedlib.kernels import glu as kglu
+
+    launched = []
+    real_launch = kglu.launch
+
+    def spy(kernel, grid, device, *args, **kwargs):
+        launched.append(kwargs["HAS_CLAMP"])
+        return real_launch(kernel, grid, device, *args, **kwargs)
+
+    monkeypatch.setattr(kglu, "launch", spy)
+
+    def run(fn, *tensors):
+        leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+        out = fn(*leaves)
+        out.backward(torch.linspace(-2, 2, out.numel(), device=DEVICE).view(out.shape).to(out.dtype))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    y = _randn((33, 2 * 50), torch.bfloat16)
+    b = _randn((100,), torch.bfloat16, 1.0)
+    w = torch.rand(33, 1, device=DEVICE)
+    cases = [
+        (lambda y, b: bias_swiglu_impl(y, b), lambda y, b: bias_swiglu_impl(y, b, clamp_value=None),
+         lambda y, b: BiasSwiGLUFunction.apply(y, b, False, False, None), (y, b)),
+        (lambda y: bias_swiglu_impl(y, None), lambda y: bias_swiglu_impl(y, None, False, False, None),
+         lambda y: SwiGLUFunction.apply(y, False, False, None), (y,)),
+        (lambda y, w: weighted_bias_swiglu_impl(y, None, w), lambda y, w: weighted_bias_swiglu_impl(y, None, w, False, None),
+         lambda y, w: WeightedSwiGLUFunction.apply(y, w, False, None), (y, w)),
+    ]
+    for plain, *with_none, tensors in cases:
+        expected = run(plain, *tensors)
+        for fn in with_none:
+            assert all(torch.equal(a, e) for a, e in zip(run(fn, *tensors), expected))
+    assert launched and not any(launched)
+    launched.clear()
+    far = 1e30  # finite, > 0, beyond every input: the clamped kernels change nothing
+    for plain, clamped, tensors in (
+        (lambda y, b: bias_swiglu_impl(y, b), lambda y, b: bias_swiglu_impl(y, b, clamp_value=far), (y, b)),
+        (lambda y: bias_swiglu_impl(y, None), lambda y: bias_swiglu_impl(y, None, clamp_value=far), (y,)),
+        (lambda y, w: weighted_bias_swiglu_impl(y, None, w), lambda y, w: weighted_bias_swiglu_impl(y, None, w, clamp_value=far),
+         (y, w)),
+    ):
+        assert all(torch.equal(a, e) for a, e in zip(run(clamped, *tensors), run(plain, *tensors)))
+    assert launched.count(True) == 6 and launched.count(False) == 6
+
+
+def _bad_clamp_cases():
+    t = lambda *s: torch.randn(*s, device=DEVICE)  # noqa: E731
+    calls = {
+        "bias_swiglu_impl": lambda c: bias_swiglu_impl(t(4, 8), t(8), clamp_value=c),
+        "bias_swiglu_impl nobias": lambda c: bias_swiglu_impl(t(4, 8), None, False, False, c),
+        "weighted": lambda c: weighted_bias_swiglu_impl(t(4, 8), None, torch.rand(4, 1, device=DEVICE), clamp_value=c),
+        "Function": lambda c: SwiGLUFunction.apply(t(4, 8), False, False, c),
+        "clamped_swiglu": lambda c: swiglu_mod.clamped_swiglu(t(4, 8), c),
+    }
+    values = [
+        (0.0, ValueError, "clamp_value must be a finite number > 0"),
+        (-1.0, ValueError, "clamp_value must be a finite number > 0"),
+        (math.inf, ValueError, "clamp_value must be a finite number > 0"),
+        (math.nan, ValueError, "clamp_value must be a finite number > 0"),
+        ("7", TypeError, "clamp_value must be a float > 0"),
+        (True, TypeError, "clamp_value must be a float > 0"),
+        (torch.tensor(7.0), TypeError, "clamp_value must be a float > 0"),
+    ]
+    cases = [(f"{name}-{v!r}", call, v, err, match) for name, call in calls.items() for v, err, match in values]
+    cases.append(("clamped_swiglu-None", calls["clamped_swiglu"], None, TypeError, "clamp_value must be a float > 0"))
+    return cases
+
+
+@pytest.mark.parametrize("case", _bad_clamp_cases(), ids=lambda c: c[0])
+def test_bad_clamp_value_raises(case):
+    _, call, value, error, match = case
+    with pytest.raises(error, match=match):
+        call(value)
+
+
+def test_clamp_value_accepts_an_int_and_numpy_float():
+    y = _straddling((5, 2 * 9), torch.float32)
+    ref = bias_swiglu_impl(y, None, clamp_value=2.0)
+    assert torch.equal(bias_swiglu_impl(y, None, clamp_value=2), ref)
+    import numpy as np
+
+    assert torch.equal(bias_swiglu_impl(y, None, clamp_value=np.float32(2.0)), ref)
+
+
+def test_clamped_plain_functions_match_reference():
+    y = _straddling((5, 2, 2 * 65), torch.float32)
+    b = _randn((130,), torch.float32, 1.0)
+    g = _randn((5, 2, 65), torch.float32, 1.0)
+    w = torch.rand(10, 1, device=DEVICE)
+    y64, b64, g64, w64 = y.double(), b.double(), g.double(), w.double()
+    c = CLAMP
+    assert_close(swiglu_mod.clamped_swiglu(y, c), unfused.clamped_swiglu(y64, c), torch.float32)
+    assert_close(swiglu_mod.bias_clamped_swiglu(y, b, c), unfused.bias_clamped_swiglu(y64, b64, c), torch.float32)
+    assert_close(swiglu_mod.clamped_swiglu_back(g, y, c), unfused.clamped_swiglu_back(g64, y64, c), torch.float32)
+    assert_close(swiglu_mod.bias_clamped_swiglu_back(g, y, b, c), unfused.bias_clamped_swiglu_back(g64, y64, b64, c),
+                 torch.float32)
+    y2, g2 = y.reshape(10, -1), g.reshape(10, -1)
+    assert_close(swiglu_mod.clamped_weighted_swiglu(y2, w, c),
+                 unfused.clamped_weighted_swiglu(y2.double(), w64, c), torch.float32)
+    dy, dw = swiglu_mod.clamped_weighted_swiglu_back(g2, y2, w, c)
+    dy64, dw64 = unfused.clamped_weighted_swiglu_back(g2.double(), y2.double(), w64, c)
+    assert_close(dy, dy64, torch.float32)
+    assert_close(dw, dw64, torch.float32, scale=65**0.5)
+
+
+def test_clamped_backward_formulas_are_autograd_gradients():
+    # unfused.clamped_swiglu_back (Megatron's masks) against autograd through torch.clamp, with
+    # values on the boundaries: they agree there too (the gradient passes at ±c).
+    c = 0.75
+    y = torch.randn(6, 2 * 9, dtype=torch.float64)
+    y[0, :4] = torch.tensor([c, -c, 2 * c, -2 * c], dtype=torch.float64)
+    y[0, 9:13] = torch.tensor([c, -c, 2 * c, -2 * c], dtype=torch.float64)
+    y.requires_grad_(True)
+    g = torch.randn(6, 9, dtype=torch.float64)
+    unfused.clamped_swiglu(y, c).backward(g)
+    torch.testing.assert_close(y.grad, unfused.clamped_swiglu_back(g, y.detach(), c), atol=1e-12, rtol=1e-12)
+    assert (y.grad[0, [0, 1, 9, 10]] != 0).all() and (y.grad[0, [2, 11, 12]] == 0).all()
+    w = torch.rand(6, 1, dtype=torch.float64, requires_grad=True)
+    y.grad = None
+    unfused.clamped_weighted_swiglu(y, w, c).backward(g)
+    dy, dw = unfused.clamped_weighted_swiglu_back(g, y.detach(), w.detach(), c)
+    torch.testing.assert_close(y.grad, dy, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(w.grad, dw, atol=1e-12, rtol=1e-12)
+    # a clamp no input reaches is the unclamped unit
+    torch.testing.assert_close(unfused.clamped_swiglu(y.detach(), 1e6), unfused.swiglu(y.detach()), atol=1e-15, rtol=1e-15)
+
+
+def test_clamped_gradcheck_float64():
+    # float64 kernels compute in float64; inputs are kept 1e-2 away from ±c, where the
+    # clamped unit is smooth, so finite differences (eps = 1e-6) see no kink.
+    c = CLAMP
+
+    def away(*shape):  # N(0, 2c) values moved out of the 1e-2 bands around ±c
+        x = 2 * c * torch.randn(*shape, device=DEVICE, dtype=torch.float64)
+        return torch.where(((x.abs() - c).abs() < 1e-2), x * 0.9, x)
+
+    y, y3 = away(3, 10).requires_grad_(True), away(2, 3, 8).requires_grad_(True)
+    w = torch.rand(3, 1, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(10, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    yb = (away(3, 10) - b.detach()).requires_grad_(True)  # x = yb + b lies away from ±c too
+    assert ((((y.detach().abs() - c).abs()) >= 1e-2).all() and (((yb + b).detach().abs() - c).abs() >= 1e-2).all())
+    assert (y.detach().abs() > c).any() and (y.detach().abs() < c).any()  # both sides of the clamp
+    gc = torch.autograd.gradcheck
+    assert gc(lambda y: SwiGLUFunction.apply(y, False, False, c), (y,))
+    assert gc(lambda y, w: WeightedSwiGLUFunction.apply(y, w, False, c), (y, w))
+    assert gc(lambda y: bias_swiglu_impl(y, None, clamp_value=c), (y3,))
+    assert gc(lambda y, b: BiasSwiGLUFunction.apply(y, b, False, False, c), (yb, b))
 
 
 # ------------------------------------------------------------------ weighted squared ReLU

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fusedlib
 from fusedlib import unfused
 from fusedlib.backends import apex as apex_backend
 from fusedlib.fusions.fused_layer_norm import (
@@ -141,15 +142,24 @@ def test_memory_efficient_equals_normal_mode(norm, dtype):
 
 
 @pytest.mark.parametrize("norm", NORMS)
-def test_memory_efficient_with_a_zero_gamma_saves_the_input(norm):
-    # where gamma = 0, x_hat cannot be recovered from y: the forward then saves x instead
-    w, b = _params(33, torch.float32, norm)
+@pytest.mark.parametrize("zero_centered", (False, True))
+def test_memory_efficient_with_a_zero_gamma_raises(norm, zero_centered):
+    # where gamma = 0, x_hat cannot be recovered from y (its dgamma and dx would be NaN): the
+    # forward kernel reports it, without a host sync. On the CPU the call raises; on CUDA
+    # check_errors() does (tests/test_compile_graph.py tests each mode, and the NaN, on its own).
+    w, b = _params(33, torch.float32, norm, zero_centered=zero_centered)
     with torch.no_grad():
-        w[5] = 0.0
+        w[5] = -1.0 if zero_centered else 0.0
     x = _x((4, 33), torch.float32)
-    y = _apply(norm, x, w, b, memory_efficient=True)  # kept: torch 2.11 frees a temporary's saved tensors
-    assert y.grad_fn.saved_tensors[0].data_ptr() == x.data_ptr()
-    _check_fwd_bwd(norm, x, w, b, memory_efficient=True)
+    op = "fused_layer_norm" if norm == "layer" else "fused_rms_norm"
+    gamma = r"weight\[5\] \+ 1" if zero_centered else r"weight\[5\]"
+    with pytest.raises(ValueError, match=rf"^{op}: memory_efficient=True needs every gamma != 0 \(x_hat = \(y - beta\) "
+                                         rf"/ gamma\), got gamma = {gamma} = 0: its dgamma and dx are NaN"):
+        _apply(norm, x, w, b, memory_efficient=True, zero_centered_gamma=zero_centered)
+        fusedlib.runtime.check_errors()
+    fusedlib.runtime.check_errors()  # reported once
+    # the same weight without memory_efficient: x is saved, exact gradients
+    _check_fwd_bwd(norm, x, w, b, zero_centered=zero_centered)
 
 
 @pytest.mark.parametrize("norm", NORMS)

@@ -19,14 +19,84 @@ def _name(req: str) -> str:
 CONDA_NAME = {"torch": "pytorch"}
 
 
+def _environment() -> dict:
+    return yaml.safe_load((ROOT / "environment.yml").read_text())
+
+
+def _conda_specs(env: dict) -> list[str]:
+    return [d for d in env["dependencies"] if isinstance(d, str)]
+
+
+def _pip_specs(env: dict) -> list[str]:
+    return [p for d in env["dependencies"] if isinstance(d, dict) for p in d.get("pip", [])]
+
+
 def test_environment_names_the_core_packages_of_pyproject():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    conda = {_name(d) for d in env["dependencies"] if isinstance(d, str)}
+    env = _environment()
+    # a package not on conda-forge comes from PyPI through the environment's pip section
+    have = {_name(d) for d in _conda_specs(env)} | {_name(p) for p in _pip_specs(env)}
     core = [_name(d) for d in pyproject["project"]["dependencies"]]
     extras = [_name(d) for group in ("book", "test") for d in pyproject["project"]["optional-dependencies"][group]]
-    missing = [CONDA_NAME.get(n, n) for n in core + extras if CONDA_NAME.get(n, n) not in conda]
+    missing = [CONDA_NAME.get(n, n) for n in core + extras if CONDA_NAME.get(n, n) not in have and n not in have]
     assert not missing, f"environment.yml lacks {missing}"
+
+
+def check_cuda_pytorch_from_conda_forge(env: dict) -> list[str]:
+    """What keeps `env` (a parsed environment.yml) from a current PyTorch with CUDA.
+
+    PyTorch stopped publishing to the `pytorch` conda channel after 2.5, and `pytorch-cuda` (its
+    CUDA selector) exists only there, so either one pins an old PyTorch or fails to resolve;
+    conda-forge's pytorch is selected as its CUDA build by the build string `cuda*`.
+    """
+    faults = []
+    channels = env.get("channels", [])
+    if channels != ["conda-forge"]:
+        faults.append(f"channels are {channels}, not conda-forge alone")
+    specs = _conda_specs(env)
+    for spec in specs:
+        name = _name(spec.split("::")[-1])
+        if "::" in spec:
+            faults.append(f"{spec!r} names a channel of its own")
+        if name in ("pytorch-cuda", "cpuonly", "pytorch-cpu"):
+            faults.append(f"{spec!r} selects a PyTorch variant of the pytorch channel or a CPU build")
+    torch_specs = [s for s in specs if _name(s) == "pytorch"]
+    if len(torch_specs) != 1:
+        faults.append(f"pytorch listed {len(torch_specs)} times")
+    else:
+        # conda's "name version build" form: the build string must ask for a CUDA build
+        parts = torch_specs[0].split()
+        if len(parts) != 3 or not parts[2].startswith("cuda"):
+            faults.append(f"{torch_specs[0]!r} does not require conda-forge's CUDA build (`pytorch >=X cuda*`)")
+    return faults
+
+
+def test_environment_gives_a_cuda_pytorch_from_conda_forge():
+    assert check_cuda_pytorch_from_conda_forge(_environment()) == []
+
+
+def test_the_cuda_pytorch_check_rejects_the_pytorch_channel_and_pytorch_cuda():
+    """The check above fails on the old file's kinds of fault, one at a time."""
+    good = _environment()
+    assert not check_cuda_pytorch_from_conda_forge(good)
+
+    def variant(channels=None, replace=None, add=()):
+        env = {**good, "channels": channels or good["channels"]}
+        deps = [replace.get(d, d) if isinstance(d, str) and replace else d for d in good["dependencies"]]
+        env["dependencies"] = deps + list(add)
+        return env
+
+    torch = next(s for s in _conda_specs(good) if _name(s) == "pytorch")
+    bad = {
+        "pytorch channel": variant(channels=["pytorch", "nvidia", "conda-forge"]),
+        "pytorch-cuda": variant(add=["pytorch-cuda"]),
+        "pytorch-cuda with version": variant(add=["pytorch-cuda=12.4"]),
+        "channel in the spec": variant(replace={torch: "pytorch::pytorch>=2.6"}),
+        "no CUDA build": variant(replace={torch: "pytorch>=2.6"}),
+        "CPU build": variant(replace={torch: "pytorch >=2.6 cpu*"}),
+    }
+    for what, env in bad.items():
+        assert check_cuda_pytorch_from_conda_forge(env), f"not caught: {what}"
 
 
 def test_toc_lists_every_chapter_and_only_existing_files():

@@ -1,23 +1,39 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (see ../shared/gpu/README.md): install the carried wheels,
-# then run the steps named in $STEPS (default: test bench notebooks), writing logs and results
-# under $OUT (RESULTS when run by hand). Keep the device time short: one script, one call.
-#   STEPS="test bench" bash tools/gpu_session.sh
+# then run the steps named in $STEPS (default: test bench host notebooks), writing logs and
+# results under $OUT (RESULTS when run by hand). Keep the device time short: one script, one call.
+#   STEPS="test bench" SEEDS="0 1 2" bash tools/gpu_session.sh
+# Steps:
+#   test       unit tests with pytest-xdist (-n $JOBS), once per seed offset in $SEEDS
+#   nbval      nbval over $NOTEBOOKS (default: every chapter), one worker per notebook
+#   bench      python -m fusedlib.bench --sweep (ops: $BENCH_OPS, default all)
+#   host       python -m fusedlib.bench --host (host cost per call)
+#   tp2        the tensor-parallel cross-entropy benchmark on two GPUs
+#   notebooks  execute $NOTEBOOKS (default: every chapter) in place with nbclient
 set -uo pipefail
 OUT=${OUT:-RESULTS}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-STEPS=${STEPS:-"test bench notebooks"}
+STEPS=${STEPS:-"test bench host notebooks"}
+JOBS=${JOBS:-12}
 nvidia-smi -L
 for step in $STEPS; do
-  echo "=== $step"
+  echo "=== $step $(date +%T)"
   case $step in
-    test) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --maxfail=10 -p no:cacheprovider -W ignore::UserWarning \
-            ${TEST_FILES:-tests} > "$OUT/test.txt" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test.txt" | tail -15 ;;
-    bench) timeout ${BENCH_TIMEOUT:-300} python3 -m fusedlib.bench --sweep ${BENCH_OPS:+--op $BENCH_OPS} --out chapters/data/bench 2>&1 \
+    test) for s in ${SEEDS:-0}; do
+            timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -n "$JOBS" -p no:cacheprovider --seed-offset "$s" \
+              ${TEST_FILES:-tests} > "$OUT/test-seed$s.txt" 2>&1
+            echo "seed offset $s: $(tail -1 "$OUT/test-seed$s.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/test-seed$s.txt" | head -20
+          done ;;
+    nbval) timeout ${NBVAL_TIMEOUT:-300} python3 -m pytest -q -n 7 --dist loadfile -p no:cacheprovider --nbval \
+             --nbval-current-env ${NOTEBOOKS:-chapters/*.ipynb} > "$OUT/nbval.txt" 2>&1
+           tail -1 "$OUT/nbval.txt"; grep -E "^(FAILED|ERROR)" "$OUT/nbval.txt" | head -20 ;;
+    bench) timeout ${BENCH_TIMEOUT:-400} python3 -m fusedlib.bench --sweep ${BENCH_OPS:+--op $BENCH_OPS} --out chapters/data/bench 2>&1 \
              | grep -v "^bench:\|UserWarning\|warnings.warn\|SyntaxWarning\|Evict LRU" | tee "$OUT/bench.txt" ;;
+    host) timeout ${HOST_TIMEOUT:-300} python3 -m fusedlib.bench --host ${HOST_OPS:+--op $HOST_OPS} --out chapters/data/bench 2>&1 \
+             | grep -v "UserWarning\|warnings.warn" | tee "$OUT/host.txt" ;;
     tp2) timeout ${TP2_TIMEOUT:-120} python3 -m fusedlib.parallel.bench_tp --tp 2 --out chapters/data/bench 2>&1 | tail -15 | tee "$OUT/tp2.txt" ;;
     notebooks) timeout ${NB_TIMEOUT:-420} python3 tools/execute_notebooks.py ${NOTEBOOKS:-} 2>&1 | tee "$OUT/notebooks.txt" ;;
     *) echo "unknown step $step" ;;

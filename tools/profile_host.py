@@ -167,9 +167,10 @@ def pieces():
 def profile(names):
     table_ops = ops()
     for name in names:
-        mk, fused, _ = table_ops[name]
+      mk, fused, eager = table_ops[name]
+      for which, f in (("fusedlib", fused), ("eager", eager)):
         inp = mk()
-        step = fwd_bwd(fused, inp)
+        step = fwd_bwd(f, inp)
         for _ in range(20):
             step()
         torch.cuda.synchronize()
@@ -179,7 +180,7 @@ def profile(names):
             step()
         pr.disable()
         torch.cuda.synchronize()
-        print(f"===== cProfile {name} fwd+bwd, 300 calls, by own time")
+        print(f"===== cProfile {name} {which} fwd+bwd, 300 calls, by own time")
         pstats.Stats(pr).sort_stats("tottime").print_stats(22)
 
 

@@ -188,7 +188,7 @@ def candidates(op: str, pass_: str, shape: Sequence[int]) -> list[dict]:
             return _elementwise(cap, [(2048, 2, 4), (1024, 4, 4), (4096, 1, 4), (1024, 2, 2), (2048, 4, 8),
                                       (4096, 2, 8), (1024, 8, 8)])
         # the backward's tile itself (rows and warps already scaled), as the forward tiles
-        # times 1 or 2 (the run behind _BWD_SCALE = 2)
+        # times 1 or 2 (the run behind BWD_TILES: twice the forward's rows and warps)
         base = [(2048, 2, 4), (1024, 4, 4), (4096, 1, 4), (2048, 4, 8)]
         return _elementwise(cap, [(bn, bm * s, w * s) for (bn, bm, w) in base for s in (1, 2)],
                             per_sm=(4, 8, 16, 32))
@@ -297,8 +297,8 @@ def _setup(op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
         n, h = shape
         rms = op == "rms_norm"
         x = rnd(n, h)
-        w = (1 + 0.1 * torch.randn(h, device=device)).to(dtype)
-        b = None if rms else (0.1 * torch.randn(h, device=device)).to(dtype)
+        w = (1 + 0.1 * torch.randn(h, device=device, dtype=torch.float32)).to(dtype)
+        b = None if rms else (0.1 * torch.randn(h, device=device, dtype=torch.float32)).to(dtype)
         _, mean, rstd = norm_fwd(x, w, b, 1e-5, rms_norm=rms)
         return {"x": x, "w": w, "b": b, "dy": torch.randn_like(x), "mean": mean, "rstd": rstd}
     if op in ("causal_softmax", "masked_softmax"):
@@ -320,7 +320,7 @@ def _setup(op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     x = rnd(n, v)
     t = torch.randint(0, v, (n,), device=device)
     _, lse = cross_entropy_fwd(x, t, finalize=True)
-    return {"x": x, "t": t, "lse": lse, "g": torch.randn(n, device=device)}
+    return {"x": x, "t": t, "lse": lse, "g": torch.randn(n, device=device, dtype=torch.float32)}
 
 
 def _launcher(op: str, pass_: str, tile: dict, inp: dict) -> Callable[[], object]:

@@ -11,7 +11,7 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -25,8 +25,12 @@ __all__ = [
     "load_bench",
     "bench_or_stored",
     "plot_bandwidth",
+    "plot_sweep",
     "speedup_table",
     "host_table",
+    "plot_host",
+    "backward_table",
+    "sweep_table",
     "check",
     "eager_traffic",
 ]
@@ -167,9 +171,90 @@ def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -
     return "\n".join(out)
 
 
+def _legend_below(ax, handles=None, labels=None):
+    """A legend under the axes (below the tick labels), where it cannot cover a bar or a line."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    return ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14),
+                     ncol=min(3, len(labels)), frameon=False)
+
+
+def backward_table(records: Sequence[dict], shape: Sequence[int] | None = None) -> str:
+    """Text table that splits each implementation's fwd+bwd time at ``shape`` (default: the
+    headline shape) into its forward and the rest, the backward as the step times it:
+    ``bwd ms = fwd+bwd ms - fwd ms``, charged the backward's fewest bytes
+    (``bytes[fwd+bwd] - bytes[fwd]``), with its GB/s and % of the copy ceiling.
+
+    Where fwd+bwd is far below the ceiling while fwd is near it, this says which half loses.
+    The fwd+bwd time is one training step as the benchmark times it (autograd included), so
+    the backward's share holds whatever that step adds beyond its kernels.
+
+    Raises:
+        ValueError: when ``records`` has no copy record.
+    """
+    shape = tuple(shape) if shape is not None else _headline(records)
+    copy = next((r for r in records if r["impl"] == "copy"), None)
+    if copy is None:
+        raise ValueError("records: no copy record (the ceiling)")
+    rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
+    order = {n: i for i, n in enumerate(IMPL_ORDER)}
+    out = [f"shape {list(shape)}, copy ceiling {copy['GBps']:.0f} GB/s; bwd = fwd+bwd - fwd",
+           f"{'impl':<15}{'fwd ms':>9}{'fwd+bwd ms':>12}{'bwd ms':>9}{'bwd GB/s':>10}{'bwd % copy':>12}"]
+    for impl in sorted({r["impl"] for r in rows}, key=lambda i: order.get(i, 99)):
+        f = next((r for r in rows if r["impl"] == impl and r["pass"] == "fwd"), None)
+        fb = next((r for r in rows if r["impl"] == impl and r["pass"] == "fwd+bwd"), None)
+        if f is None or fb is None:
+            continue
+        bwd_ms, bwd_bytes = fb["ms"] - f["ms"], fb["bytes"] - f["bytes"]
+        gbps = bwd_bytes / (bwd_ms * 1e-3) / 1e9 if bwd_ms > 0 else float("inf")
+        out.append(f"{impl:<15}{f['ms']:>9.4f}{fb['ms']:>12.4f}{bwd_ms:>9.4f}{gbps:>10.0f}"
+                   f"{100 * gbps / copy['GBps']:>12.1f}")
+    return "\n".join(out)
+
+
+SHORT_NAMES = {"torch.compile": "compile", "megatron-core": "mcore"}
+
+
+def sweep_table(records: Sequence[dict], impls: Sequence[str] | None = None) -> str:
+    """Text table of a sweep: one line per shape, the % of the copy ceiling of each
+    implementation (default: those measured at more than one shape) in each pass, ``-``
+    where it was not measured at that shape. torch.compile is abbreviated "compile",
+    megatron-core "mcore".
+
+    Raises:
+        ValueError: when ``records`` has no copy record.
+    """
+    copy = next((r for r in records if r["impl"] == "copy"), None)
+    if copy is None:
+        raise ValueError("records: no copy record (the ceiling)")
+    rows = [r for r in records if r["impl"] != "copy"]
+    if impls is None:
+        n_shapes = {}
+        for r in rows:
+            n_shapes.setdefault(r["impl"], set()).add(tuple(r["shape"]))
+        impls = [i for i in IMPL_ORDER if len(n_shapes.get(i, ())) > 1]
+        impls += sorted(i for i in n_shapes if i not in IMPL_ORDER and len(n_shapes[i]) > 1)
+    shapes = sorted({tuple(r["shape"]) for r in rows}, key=lambda s: s[-1])
+    cols = [(p, i) for p in ("fwd", "fwd+bwd") for i in impls]
+    width = max(10, *(len(SHORT_NAMES.get(i, i)) + 2 for i in impls))
+    out = [f"% of the copy ceiling ({copy['GBps']:.0f} GB/s)",
+           f"{'':<20}" + "".join(f"{p:>{width}}" for p, _ in cols),
+           f"{'shape':<20}" + "".join(f"{SHORT_NAMES.get(i, i):>{width}}" for _, i in cols)]
+    for shape in shapes:
+        line = f"{str(list(shape)):<20}"
+        for p, i in cols:
+            r = next((r for r in rows if r["impl"] == i and r["pass"] == p and tuple(r["shape"]) == shape), None)
+            line += f"{100 * r['GBps'] / copy['GBps']:>{width}.1f}" if r else f"{'-':>{width}}"
+        out.append(line)
+    return "\n".join(out)
+
+
 def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | None = None, ax=None):
     """Bar chart of effective bandwidth (GB/s) per implementation and pass, against the
     measured copy ceiling: the book's roofline view of a memory-bound op.
+
+    The y axis starts at 0 and ends above the copy ceiling; the legend sits under the axes,
+    clear of the bars.
 
     Returns:
         The matplotlib Axes.
@@ -181,8 +266,9 @@ def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | N
     rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
     passes = [p for p in ("fwd", "fwd+bwd") if any(r["pass"] == p for r in rows)]
     impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.6))
+    own = ax is None
+    if own:
+        _, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(1, len(impls))
     for k, impl in enumerate(impls):
         xs, ys = [], []
@@ -194,10 +280,74 @@ def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | N
         ax.bar(xs, ys, width, label=impl, color=IMPL_COLORS.get(impl))
     ax.axhline(copy["GBps"], color="k", ls="--", lw=1, label=f"copy ceiling {copy['GBps']:.0f} GB/s")
     ax.set_xticks(range(len(passes)), passes)
+    ax.set_ylim(0, 1.08 * max([copy["GBps"]] + [r["GBps"] for r in rows]))
     ax.set_ylabel("effective bandwidth (GB/s)")
     ax.set_title(f"{title}, {list(shape)} {rows[0]['dtype'] if rows else ''}, {copy['device']}")
-    ax.legend(fontsize=8, loc="lower right")
+    _legend_below(ax)
+    if own:
+        ax.figure.tight_layout()
     return ax
+
+
+def plot_sweep(records: Sequence[dict], title: str, impls: Sequence[str] | None = None,
+               width: Callable[[Sequence[int]], int] = lambda shape: shape[-1],
+               xlabel: str = "hidden size h (columns)", marks: Sequence[float] = ()):
+    """Effective bandwidth (GB/s) against the row width, one panel per pass (fwd, fwd+bwd):
+    the sweep of ``python -m fusedlib.bench --sweep``, whose shapes keep the element count.
+
+    Args:
+        records: bench records of one op (with its ``copy`` record, drawn as the ceiling).
+        title: the panels' title, followed by the pass.
+        impls: the implementations to draw, in this order (default: every one in the records
+            that has more than one shape, in the book's order).
+        width: the x value of a record's shape (default: its last dim).
+        xlabel: the x axis's label.
+        marks: x values to mark with a dotted vertical line (e.g. a kernel's limit).
+
+    Both panels share a y axis from 0 to above the copy ceiling; the legend sits under the
+    panels. Returns the matplotlib Figure.
+
+    Raises:
+        ValueError: when ``records`` has no copy record or no sweep (one shape per impl).
+    """
+    import matplotlib.pyplot as plt
+
+    copy = next((r for r in records if r["impl"] == "copy"), None)
+    if copy is None:
+        raise ValueError("records: no copy record (the ceiling)")
+    rows = [r for r in records if r["impl"] != "copy"]
+    shapes = {}
+    for r in rows:
+        shapes.setdefault(r["impl"], set()).add(tuple(r["shape"]))
+    if impls is None:
+        impls = [i for i in IMPL_ORDER if len(shapes.get(i, ())) > 1]
+        impls += sorted(i for i in shapes if i not in IMPL_ORDER and len(shapes[i]) > 1)
+    if not any(len(shapes.get(i, ())) > 1 for i in impls):
+        raise ValueError(f"records: no sweep (one shape per implementation) for {list(impls)}")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    top = copy["GBps"]
+    for ax, pas in zip(axes, ("fwd", "fwd+bwd")):
+        for impl in impls:
+            pts = sorted((width(r["shape"]), r["GBps"]) for r in rows if r["impl"] == impl and r["pass"] == pas)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=impl, color=IMPL_COLORS.get(impl))
+                top = max(top, *(p[1] for p in pts))
+        ax.axhline(copy["GBps"], color="k", ls="--", lw=1, label=f"copy ceiling {copy['GBps']:.0f} GB/s")
+        for x in marks:
+            ax.axvline(x, color="grey", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_title(f"{title}, {pas}", fontsize=10)
+    axes[0].set_ylim(0, 1.08 * top)
+    axes[0].set_ylabel("effective bandwidth (GB/s)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    for h, l in zip(*axes[1].get_legend_handles_labels()):
+        if l not in labels:
+            handles.append(h)
+            labels.append(l)
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # the bottom strip holds the legend
+    return fig
 
 
 def eager_traffic(fn: Any, *example_inputs: torch.Tensor) -> list[dict]:
@@ -233,3 +383,54 @@ def eager_traffic(fn: Any, *example_inputs: torch.Tensor) -> list[dict]:
             rows.append({"op": target, "read_bytes": sum(nbytes(a) for a in node.args),
                          "write_bytes": nbytes(node)})
     return rows
+
+
+def plot_host(records: Sequence[dict], pass_: str = "fwd+bwd", field: str = "us", ax=None):
+    """Bar chart of ``host.json``: host microseconds per call of each op for fusedlib, eager
+    PyTorch and ``torch.compile``, in one pass (horizontal bars, one group per op).
+
+    Args:
+        records: host records (``"op": "host"``; other records are ignored).
+        pass_: ``"fwd"`` or ``"fwd+bwd"``.
+        field: ``"us"`` (wall time per call with one sync at the end), ``"enqueue_us"`` or
+            ``"cpu_us"``.
+        ax: an Axes to draw into (default: a new figure).
+
+    Returns:
+        The matplotlib Axes. The x axis starts at 0; the legend sits under the axes.
+
+    Raises:
+        ValueError: for another pass or field, or when no record has that pass.
+    """
+    import matplotlib.pyplot as plt
+
+    if pass_ not in ("fwd", "fwd+bwd"):
+        raise ValueError(f"pass_ must be 'fwd' or 'fwd+bwd', got {pass_!r}")
+    if field not in ("us", "enqueue_us", "cpu_us"):
+        raise ValueError(f"field must be 'us', 'enqueue_us' or 'cpu_us', got {field!r}")
+    rows = [r for r in records if r.get("op") == "host" and r["pass"] == pass_]
+    if not rows:
+        raise ValueError(f"records: no host record of pass {pass_!r}")
+    ops = list(dict.fromkeys(r["measured_op"] for r in rows))
+    impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
+    own = ax is None
+    if own:
+        _, ax = plt.subplots(figsize=(7, 0.45 * len(ops) * len(impls) + 1.5))
+    height = 0.8 / max(1, len(impls))
+    for k, impl in enumerate(impls):
+        ys, xs = [], []
+        for j, op in enumerate(ops):
+            r = next((r for r in rows if r["measured_op"] == op and r["impl"] == impl), None)
+            if r:
+                ys.append(j + (k - (len(impls) - 1) / 2) * height)
+                xs.append(r[field])
+        ax.barh(ys, xs, height, label=impl, color=IMPL_COLORS.get(impl))
+    ax.set_yticks(range(len(ops)), ops)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.08 * max(r[field] for r in rows))
+    ax.set_xlabel(f"host time per call, {pass_} (microseconds)")
+    ax.set_title(f"host cost per call at tiny shapes, {rows[0]['device']}", fontsize=10)
+    _legend_below(ax)
+    if own:
+        ax.figure.tight_layout()
+    return ax

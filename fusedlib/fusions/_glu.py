@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -14,7 +15,7 @@ from ..checks import FLOAT_DTYPES, SUPPORTED_FLOAT_DTYPES, check_same_device, ch
 from ..kernels.glu import glu_bwd, glu_fwd
 
 __all__ = ["check_glu_input", "check_glu_bias", "check_row_weights", "check_glu_grad", "check_flag",
-           "glu_apply", "glu_backward_apply", "glu_forward", "glu_backward", "FP8_STORE_DTYPE"]
+           "check_clamp_value", "glu_apply", "glu_backward_apply", "glu_forward", "glu_backward", "FP8_STORE_DTYPE"]
 
 #: The dtype Megatron's ``fp8_input_store`` keeps the saved input in between forward and backward.
 FP8_STORE_DTYPE = torch.float8_e4m3fn
@@ -108,28 +109,55 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+def check_clamp_value(value: object, allow_none: bool = True) -> float | None:
+    """Check Megatron's ``clamp_value``: None (no clamp) or a finite number c > 0.
+
+    Returns:
+        ``float(value)``, or None.
+
+    Raises:
+        TypeError: not a real number (a bool, a str, a tensor), or None where a clamp is required.
+        ValueError: not finite, or <= 0. (Megatron-core treats ``clamp_value <= 0`` silently as
+            no clamp; here it is an error, since no clamp is ``None``.)
+    """
+    if value is None and allow_none:
+        return None
+    if type(value) is float and 0.0 < value < math.inf:  # the happy case in one test
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        kind = "a float > 0 or None" if allow_none else "a float > 0"
+        raise TypeError(f"clamp_value must be {kind}, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"clamp_value must be a finite number > 0 (None for no clamp), got {value!r}")
+    return value
+
+
 def glu_apply(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
-              activation: str) -> torch.Tensor:
-    """Forward kernel on [..., 2h] -> [..., h], no autograd. Inputs already checked."""
-    return glu_fwd(y, bias, weights, activation)
+              activation: str, clamp_value: float | None = None) -> torch.Tensor:
+    """Forward kernel on [..., 2h] -> [..., h], no autograd. Inputs (and clamp_value) already checked."""
+    return glu_fwd(y, bias, weights, activation, clamp_value)
 
 
 def glu_backward_apply(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
-                       activation: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                       activation: str, clamp_value: float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Backward kernel: (dy [..., 2h], dbias or None, dweights or None). Inputs already checked."""
-    return glu_bwd(g, y, bias, weights, activation)
+    return glu_bwd(g, y, bias, weights, activation, clamp_value)
 
 
 def glu_forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None, activation: str,
-                fp8_input_store: bool = False, cpu_offload_input: bool = False) -> torch.Tensor:
+                fp8_input_store: bool = False, cpu_offload_input: bool = False,
+                clamp_value: float | None = None) -> torch.Tensor:
     """The body of every GLU ``Function.forward``: run the kernel, save what backward needs.
 
     Saves y (as float8_e4m3fn when ``fp8_input_store``, as Megatron does: half the saved
     bytes, at the cost of a lossy copy), bias and weights; not the output, which the
     backward recomputes from y. ``cpu_offload_input`` tags the saved tensors with
     ``activation_offloading = True`` for Megatron's activation-offloading context.
+    ``clamp_value`` (already checked: a float > 0, or None) is kept on ctx for the backward.
     """
-    out = glu_apply(y, bias, weights, activation)
+    out = glu_apply(y, bias, weights, activation, clamp_value)
     saved = y.to(FP8_STORE_DTYPE) if fp8_input_store else y
     if cpu_offload_input:
         saved.activation_offloading = True
@@ -139,6 +167,7 @@ def glu_forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, weights: torch.
     ctx.ori_input_dtype = y.dtype
     ctx.fp8_input_store = fp8_input_store
     ctx.activation = activation
+    ctx.clamp_value = clamp_value
     return out
 
 
@@ -148,4 +177,4 @@ def glu_backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     if ctx.fp8_input_store:
         y = y.to(ctx.ori_input_dtype)
     check_glu_grad(grad_output, y, y.shape[-1] // 2)
-    return glu_backward_apply(grad_output, y, bias, weights, ctx.activation)
+    return glu_backward_apply(grad_output, y, bias, weights, ctx.activation, ctx.clamp_value)

@@ -11,7 +11,8 @@ Same names, signatures and semantics as Megatron-core:
 * ``bias_dropout_add_fused_train`` / ``bias_dropout_add_fused_inference``: Megatron's two
   ``jit_fuser`` functions, here two settings of one Triton kernel (with and without the
   random numbers: ``training`` selects a compile-time constant).
-* ``bias_dropout_add_unfused(training)``: plain PyTorch (:func:`fusedlib.unfused.bias_dropout_add`).
+* ``bias_dropout_add_unfused(training)``: plain PyTorch, :func:`_bias_dropout_add_func`
+  (Megatron's name for the unfused function, which its unit tests import).
 
 Semantics, as Megatron-core's ``_bias_dropout_add_func``:
 
@@ -153,8 +154,11 @@ def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training
         x.copy_(bias_dropout_add_fwd(x, b, residual, None, p))
         return x
     bias_dropout_add_fwd(x2d, b, residual, None, p, out=x2d)
-    if not x.is_inference():  # (inference tensors keep no version counter in some torch versions)
-        torch.autograd.graph.increment_version(x)  # x changed in place: let autograd's checks see it
+    # x changed in place: let autograd's checks see it (inference tensors keep no version counter
+    # in some torch versions). Not while torch.compile traces: it records the kernel's write to x
+    # itself, and cannot trace is_inference().
+    if not torch.compiler.is_compiling() and not x.is_inference():
+        torch.autograd.graph.increment_version(x)
     return x
 
 
@@ -207,6 +211,50 @@ def bias_dropout_add_fused_inference(x_with_bias: XWithBias, residual: torch.Ten
     return _fused(x_with_bias, residual, prob, training=False)
 
 
+def _bias_dropout_add_func(x_with_bias: XWithBias, residual: torch.Tensor, prob: float,
+                           training: bool) -> torch.Tensor:
+    """Megatron-core's unfused bias-dropout-add, ``residual + dropout(x + bias, prob)``: three eager kernels.
+
+    The function behind :func:`bias_dropout_add_unfused` (and, in Megatron-core, behind the
+    ``jit_fuser``-compiled train and inference functions), with Megatron's name and
+    signature; it computes :func:`fusedlib.unfused.bias_dropout_add`.
+
+    Args:
+        x_with_bias: ``(x, bias)`` as a linear layer returns them: x [..., h] (e.g. [s, b, h]),
+            any float dtype; bias [h] (broadcast against x) or None.
+        residual: [..., h] (broadcastable with x), any float dtype.
+        prob: dropout probability in [0, 1] (Megatron's ``hidden_dropout``).
+        training: dropout on (``torch.nn.functional.dropout`` with torch's generator: its mask
+            is saved for the backward), or the identity.
+
+    Returns:
+        ``residual + dropout(x + bias)`` in the residual's dtype: when x (or bias) has another
+        dtype (``fp32_residual_connection``: x bf16, residual fp32) it is cast to the
+        residual's first, so the residual stream keeps its precision, as current Megatron-core
+        does (megatron-core 0.16 and earlier cast the residual to x's dtype instead). In
+        inference (``training=False``) with no input requiring grad and x of the residual's
+        dtype, the sum is computed in place: the result *is* x, overwritten.
+
+    Raises:
+        TypeError: x_with_bias not a pair, x or residual not a tensor, training not a bool.
+        ValueError: prob outside [0, 1].
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``_bias_dropout_add_func``).
+    """
+    if not isinstance(x_with_bias, (tuple, list)) or len(x_with_bias) != 2:
+        raise TypeError("x_with_bias must be a pair (x, bias) with bias a tensor or None, "
+                        f"got {type(x_with_bias).__name__}")
+    x, bias = x_with_bias
+    for name, t in (("x", x), ("residual", residual)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    return unfused.bias_dropout_add((x, bias), residual, _check_prob(prob), training)
+
+
 def bias_dropout_add_unfused(training: bool) -> Callable[[XWithBias, torch.Tensor, float], torch.Tensor]:
     """Plain-PyTorch bias-dropout-add for ``training`` mode: three eager kernels.
 
@@ -214,14 +262,14 @@ def bias_dropout_add_unfused(training: bool) -> Callable[[XWithBias, torch.Tenso
         training: dropout on (True) or the identity (False).
 
     Returns:
-        ``f(x_with_bias, residual, prob)`` calling :func:`fusedlib.unfused.bias_dropout_add`
-        (Megatron's ``_bias_dropout_add_func``, in place in inference without grads).
+        ``f(x_with_bias, residual, prob)`` calling :func:`_bias_dropout_add_func` (in place in
+        inference without grads).
 
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``bias_dropout_add_unfused``).
     """
 
     def _bias_dropout_add(x_with_bias: XWithBias, residual: torch.Tensor, prob: float) -> torch.Tensor:
-        return unfused.bias_dropout_add(x_with_bias, residual, prob, training)
+        return _bias_dropout_add_func(x_with_bias, residual, prob, training)
 
     return _bias_dropout_add
 

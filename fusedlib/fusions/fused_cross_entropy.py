@@ -23,10 +23,12 @@ from ..kernels.cross_entropy import cross_entropy_fwd
 from ..parallel.cross_entropy import (
     VocabParallelCrossEntropy,
     _VocabParallelCrossEntropy as _UnfusedVocabParallelCrossEntropy,
+    check_label_smoothing,
     prepare_inputs,
     shard_range,
-    start_target_check,
+    target_check_message,
 )
+from ..runtime import DeviceCheck
 from ..parallel.utils import all_reduce, check_tp_group, tp_rank_and_size
 
 __all__ = [
@@ -35,10 +37,16 @@ __all__ = [
     "calculate_cross_entropy_loss",
     "calculate_gradients",
     "fused_vocab_parallel_cross_entropy",
+    "TARGET_CHECK",
 ]
 
 calculate_logits_max = VocabParallelCrossEntropy.calculate_logits_max
 calculate_gradients = VocabParallelCrossEntropy.calculate_gradients
+
+#: The device-side target check of :func:`fused_vocab_parallel_cross_entropy` (as the unfused
+#: path's, :data:`fusedlib.parallel.cross_entropy.TARGET_CHECK`, under this op's name).
+TARGET_CHECK = DeviceCheck("fused_vocab_parallel_cross_entropy",
+                           target_check_message("fused_vocab_parallel_cross_entropy"))
 
 
 def calculate_predicted_logits(stats: torch.Tensor, logits_max: torch.Tensor, label_smoothing: float = 0.0
@@ -82,15 +90,17 @@ class _VocabParallelCrossEntropy(_UnfusedVocabParallelCrossEntropy):
     def forward(ctx, vocab_parallel_logits, target, tp_group=None, label_smoothing=0.0, ignore_index=-100):
         x2d, t1d = prepare_inputs(vocab_parallel_logits, target, label_smoothing, ignore_index)
         vocab_start_index, vocab_size = shard_range(x2d, tp_group)
-        finish_target_check = start_target_check(t1d, vocab_size, ignore_index, label_smoothing)
+        check_label_smoothing(vocab_size, label_smoothing)
 
+        # The forward kernel checks the target ids: a bad id's row gets NaN and, on the CPU,
+        # a ValueError here, before any collective; on CUDA later, with no host sync (TARGET_CHECK).
         if tp_rank_and_size(tp_group)[1] == 1:
             # The whole vocabulary is here: one kernel writes loss and lse, no collectives.
-            loss, lse = cross_entropy_fwd(x2d, t1d, 0, ignore_index, label_smoothing, vocab_size, finalize=True)
-            finish_target_check()  # raises for ids outside [0, V) (waits while the kernel runs)
+            loss, lse = cross_entropy_fwd(x2d, t1d, 0, ignore_index, label_smoothing, vocab_size, finalize=True,
+                                          check=TARGET_CHECK)
         else:
-            stats, logits_max = calculate_logits_max(x2d, t1d, vocab_start_index, ignore_index, label_smoothing)
-            finish_target_check()  # before any collective: every rank raises together
+            stats, logits_max = calculate_logits_max(x2d, t1d, vocab_start_index, ignore_index, label_smoothing,
+                                                     vocab_size, check=TARGET_CHECK)
             all_reduce(logits_max, "MAX", tp_group)  # collective 1: the global max
             block = calculate_predicted_logits(stats, logits_max, label_smoothing)
             all_reduce(block, "SUM", tp_group)  # collective 2: sum-exp, x_t (and sum of logits) at once
@@ -128,7 +138,12 @@ def fused_vocab_parallel_cross_entropy(
 
     Raises:
         TypeError, ValueError: as :func:`fusedlib.parallel.vocab_parallel_cross_entropy`
-            (TypeError for a tp_group neither None nor a torch.distributed ProcessGroup).
+            (TypeError for a tp_group neither None nor a torch.distributed ProcessGroup). A
+            target id outside [0, V) other than ignore_index makes its row's loss and gradient
+            NaN and raises a ValueError: at once on the CPU (and with
+            ``FUSEDLIB_SYNC_CHECKS=1``); on CUDA at a later fusedlib call or at
+            :func:`fusedlib.runtime.check_errors`, so that no host sync is needed (this op
+            compiles with ``torch.compile(fullgraph=True)`` and captures in CUDA graphs).
 
     Collectives: all-reduce MAX [rows], then one all-reduce SUM [2, rows] ([3, rows] with
     label smoothing). None on a single rank, none in backward.

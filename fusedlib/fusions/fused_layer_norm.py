@@ -27,11 +27,15 @@ What the ``TransformerConfig`` switches do here:
   accepted and changes nothing; with ``backend="apex"`` it picks Apex's kernel as
   Megatron-core does.
 * ``memory_efficient_layer_norm``: save the output y instead of the input x and recover
-  ``x_hat = (y - beta) / gamma`` in the backward. Needs every gamma != 0: the forward
-  checks that (one host sync, skipped while a CUDA graph is being captured) and, where a
-  gamma is exactly 0, saves x for that call instead, so gradients stay exact. The
-  recovered x_hat carries y's rounding divided by |gamma|: where a gamma is tiny next to
-  beta (LayerNorm), its dgamma and dx lose accuracy (chapter 4 measures it).
+  ``x_hat = (y - beta) / gamma`` in the backward. Needs every gamma != 0: where a gamma is
+  exactly 0, x_hat is lost (y = beta there), and the backward gives NaN (that column's
+  dgamma, and dx), never a wrong finite value. The forward kernel checks gamma on the
+  device (:data:`LAYER_NORM_GAMMA_CHECK`, :data:`RMS_NORM_GAMMA_CHECK`) without a host
+  sync: a ValueError at once on the CPU (and with ``FUSEDLIB_SYNC_CHECKS=1``); on CUDA at a
+  later fusedlib call or :func:`fusedlib.runtime.check_errors`; under ``torch.compile`` the
+  NaN is the signal. The recovered x_hat carries y's rounding divided by |gamma|: where a
+  gamma is tiny next to beta (LayerNorm), its dgamma and dx lose accuracy (chapter 4
+  measures it).
 * ``sequence_parallel``: set as an attribute on weight and bias, for Megatron's
   gradient all-reduce across the tensor-parallel group.
 
@@ -60,6 +64,7 @@ from torch.nn.parameter import Parameter
 from ..backends import apex as apex_backend
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.layer_norm import MAX_HIDDEN_SIZE, norm_bwd, norm_fwd
+from ..runtime import DeviceCheck
 
 __all__ = [
     "FusedLayerNormAffineFunction",
@@ -70,6 +75,8 @@ __all__ = [
     "FusedRMSNorm",
     "FusedNorm",
     "BACKENDS",
+    "LAYER_NORM_GAMMA_CHECK",
+    "RMS_NORM_GAMMA_CHECK",
 ]
 
 #: Values of the modules' ``backend`` argument.
@@ -127,18 +134,21 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return weight, bias
 
 
-def _gamma_has_zero(weight: torch.Tensor, zero_centered_gamma: bool) -> bool:
-    """True if some gamma is exactly 0, so x_hat cannot be recovered from y there.
+def _gamma_check_message(op: str):
+    def message(code: int, zero_centered_gamma) -> str:
+        col = code - 1
+        gamma = f"weight[{col}] + 1" if zero_centered_gamma else f"weight[{col}]"
+        return (f"{op}: memory_efficient=True needs every gamma != 0 (x_hat = (y - beta) / gamma), got gamma = "
+                f"{gamma} = 0: its dgamma and dx are NaN; use memory_efficient=False (the config's "
+                "memory_efficient_layer_norm=False) with this weight")
 
-    One host sync; skipped (False) while a CUDA graph is being captured, where a sync is
-    not allowed. gamma is formed as the kernels form it: in float32 (float64 for float64).
-    """
-    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    gamma = weight.to(torch.promote_types(weight.dtype, torch.float32))
-    if zero_centered_gamma:
-        gamma = gamma + 1.0
-    return bool((gamma == 0).any())
+    return message
+
+
+#: Device-side checks of the memory-efficient norms: the forward kernel stores 1 + the index
+#: of a column whose gamma (in the compute dtype, + 1 when zero-centered) is exactly 0.
+LAYER_NORM_GAMMA_CHECK = DeviceCheck("fused_layer_norm", _gamma_check_message("fused_layer_norm"))
+RMS_NORM_GAMMA_CHECK = DeviceCheck("fused_rms_norm", _gamma_check_message("fused_rms_norm"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -166,9 +176,10 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: A002
                 eps: float, memory_efficient: bool = False, zero_centered_gamma: bool = False) -> torch.Tensor:
         weight_c, bias_c = _check_inputs(input, weight, bias, eps)
-        y, mean, rstd = norm_fwd(input, weight_c, bias_c, eps, rms_norm=False,
-                                 zero_centered_gamma=zero_centered_gamma)
-        ctx.memory_efficient = bool(memory_efficient) and not _gamma_has_zero(weight_c, zero_centered_gamma)
+        memory_efficient = bool(memory_efficient)
+        y, mean, rstd = norm_fwd(input, weight_c, bias_c, eps, rms_norm=False, zero_centered_gamma=zero_centered_gamma,
+                                 gamma_check=LAYER_NORM_GAMMA_CHECK if memory_efficient else None)
+        ctx.memory_efficient = memory_efficient
         ctx.zero_centered_gamma = zero_centered_gamma
         if ctx.memory_efficient:
             ctx.save_for_backward(y, weight_c, bias_c, None, rstd)
@@ -204,8 +215,10 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, eps: float,  # noqa: A002
                 memory_efficient: bool = False, zero_centered_gamma: bool = False) -> torch.Tensor:
         weight_c, _ = _check_inputs(input, weight, None, eps)
-        y, _, rstd = norm_fwd(input, weight_c, None, eps, rms_norm=True, zero_centered_gamma=zero_centered_gamma)
-        ctx.memory_efficient = bool(memory_efficient) and not _gamma_has_zero(weight_c, zero_centered_gamma)
+        memory_efficient = bool(memory_efficient)
+        y, _, rstd = norm_fwd(input, weight_c, None, eps, rms_norm=True, zero_centered_gamma=zero_centered_gamma,
+                              gamma_check=RMS_NORM_GAMMA_CHECK if memory_efficient else None)
+        ctx.memory_efficient = memory_efficient
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.save_for_backward(y if ctx.memory_efficient else input, weight_c, rstd)
         return y
@@ -236,6 +249,7 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         memory_efficient: save y instead of x for the backward (Megatron's
             ``memory_efficient_layer_norm``); x_hat = (y - beta) / gamma then carries an
             error of about ulp(y) / |gamma|, large where a gamma is tiny next to its beta.
+            Every gamma must be nonzero: see Raises.
 
     Returns:
         y: a new contiguous tensor of x's shape and dtype (``y._base is None``). Its
@@ -244,7 +258,10 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     Raises:
         TypeError: a non-tensor, an unsupported dtype, or weight/bias dtype != x dtype.
         ValueError: weight/bias not of shape [h], h outside 1..65536, eps < 0 or not
-            finite, tensors on different devices.
+            finite, tensors on different devices. With ``memory_efficient``, a gamma of
+            exactly 0 (its dgamma and dx would be NaN): checked by the forward kernel, so
+            raised at once on the CPU (and with ``FUSEDLIB_SYNC_CHECKS=1``), on CUDA at a
+            later fusedlib call or :func:`fusedlib.runtime.check_errors` (no host sync).
 
     Source: Megatron-LM ``megatron/core/fusions/fused_layer_norm.py``.
     """

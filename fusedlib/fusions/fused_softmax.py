@@ -269,7 +269,9 @@ def _check_offset(offset: object, x4: torch.Tensor) -> Optional[torch.Tensor]:
     if offset is None:
         return None
     if isinstance(offset, numbers.Real) and not isinstance(offset, bool):
-        return torch.tensor([float(offset)], device=x4.device, dtype=torch.promote_types(x4.dtype, torch.float32))
+        # torch.full, not torch.tensor([offset], device=...): a host-to-device copy of a Python
+        # list synchronises the host, which a CUDA graph capture cannot contain
+        return torch.full((1,), float(offset), device=x4.device, dtype=torch.promote_types(x4.dtype, torch.float32))
     if not _is_float_tensor(offset, 0):
         check_tensor("softmax_offset", offset, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
     if offset.numel() not in (1, x4.shape[1]):

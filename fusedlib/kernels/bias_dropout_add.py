@@ -169,7 +169,9 @@ def _keep_mask(seed, rows, pid_n, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
     j = tl.arange(0, 8)[None, None, :]  # column % 8
     w = tl.where(j < 2, w0[:, :, None], tl.where(j < 4, w1[:, :, None], tl.where(j < 6, w2[:, :, None], w3[:, :, None])))
     bits16 = tl.where(j % 2 == 0, w & 0xFFFF, w >> 16)  # [BM, BN/8, 8]: low half for even columns
-    keep = bits16 >= T.to(tl.uint32)
+    # Compared as int32 (values 0..2^16, exact in both types), with T as given: no method is
+    # called on T, which torch.compile's Inductor may pass as a plain Python int.
+    keep = bits16.to(tl.int32) >= T
     return tl.reshape(keep, [BLOCK_M, BLOCK_N])  # [BM, BN/8, 8] -> [BM, BN]: column = 8·g + j
 
 

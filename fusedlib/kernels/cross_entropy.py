@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import launch
+from ..runtime import DeviceCheck, launch
 from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, empty_contiguous_like, pick
 
 __all__ = ["cross_entropy_fwd", "cross_entropy_bwd", "smoothing_coefs", "FWD_TILES", "BWD_TILES", "TILE_ELEMENTS",
@@ -68,18 +68,21 @@ def _cross_entropy_fwd_kernel(
     LOSS_ptr,  # ACC [n_rows] out, only with FINALIZE: the loss (0 for ignored rows)
     LSE_ptr,  # ACC [n_rows] out, only with FINALIZE: log-sum-exp (0 for ignored rows)
     COEF_ptr,  # ACC [2], only with SMOOTHING and FINALIZE: 1 - s and s / V (V: GLOBAL vocabulary size)
+    ERR_ptr,  # int64 [1], only with CHECK: a target id outside [0, V) is stored here (never 0)
     n_rows,
     n_cols,
     X_row_stride,
     X_col_stride,
     target_stride,
     vocab_start_index,  # global id of this shard's first column
+    vocab_size,  # V, the GLOBAL vocabulary size: valid targets are 0 .. V - 1 (and ignore_index)
     ignore_index,  # target id whose rows get zero loss and zero gradient
     BLOCK_M: tl.constexpr,  # rows per program (1 for long rows)
     BLOCK_N: tl.constexpr,  # columns per loop step
     ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 logits
     SMOOTHING: tl.constexpr,  # label smoothing: also sum the logits
     FINALIZE: tl.constexpr,  # one device (the shard is the whole vocabulary): write loss and lse
+    CHECK: tl.constexpr,  # report a bad target id through ERR_ptr (its rows get NaN either way)
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: rows * stride may pass 2^31
     row_mask = rows < n_rows
@@ -116,6 +119,15 @@ def _cross_entropy_fwd_kernel(
     in_shard = active & (local_t >= 0) & (local_t < n_cols)
     x_t = tl.load(x_rows_ptr + local_t * X_col_stride, mask=in_shard, other=0.0).to(ACC)
 
+    # A target id outside [0, V) (other than ignore_index) is in no shard: its row's loss
+    # would silently be lse - 0. Make it NaN instead (the loss, lse and so the gradient,
+    # through the sum of exponentials on every rank) and report the id (nonzero: 0 is valid).
+    bad = active & ((target < 0) | (target >= vocab_size))
+    if CHECK:
+        tl.store(ERR_ptr + tl.zeros_like(target), target, mask=bad & row_mask)
+    s = tl.where(bad, float("nan"), s)
+    x_t = tl.where(bad, float("nan"), x_t)
+
     if FINALIZE:
         # The whole vocabulary is here: lse = m + log(s), loss = lse - (1-s)·x_t - (s/V)·sum x,
         # written as log(s) + (m - x_t) + ... so that large logits do not cancel in float32.
@@ -140,7 +152,7 @@ def _cross_entropy_fwd_kernel(
 def _cross_entropy_bwd_kernel(
     X_ptr,  # logits (a vocabulary shard), [n_rows, n_cols], strides (X_row_stride, X_col_stride)
     TARGET_ptr,  # target ids in the GLOBAL vocabulary, [n_rows], stride target_stride
-    LSE_ptr,  # ACC [n_rows]: global log-sum-exp per row (finite; 0 for ignored rows)
+    LSE_ptr,  # ACC [n_rows]: global log-sum-exp per row (0 for ignored rows; NaN for a bad target: dx NaN)
     G_ptr,  # grad of the loss, [n_rows], stride g_stride (0 for a broadcast scalar)
     DX_ptr,  # out: grad of the logits, [n_rows, n_cols], contiguous, the logits' dtype
     COEF_ptr,  # ACC [2], only with SMOOTHING: 1 - s (the one-hot weight) and s / V (V: GLOBAL vocabulary size)
@@ -240,6 +252,7 @@ def cross_entropy_fwd(
     vocab_size: int | None = None,
     finalize: bool = False,
     tile: Tile | None = None,
+    check: DeviceCheck | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel: one read of the logits.
 
@@ -253,11 +266,21 @@ def cross_entropy_fwd(
         finalize: ``x2d`` holds the whole vocabulary: the kernel writes the loss and lse
             itself. False: it writes the shard statistics.
         tile: launch settings (None: ``pick(FWD_TILES, n_cols)``).
+        check: the calling op's :class:`fusedlib.runtime.DeviceCheck` for target ids, or None.
 
     Returns:
         Without ``finalize``: ``stats``, a new contiguous [4, n_rows] float32 (float64 for
         float64 logits) tensor whose rows are :data:`STAT_ROWS`. With it: ``(loss, lse)``,
         two new [n_rows] tensors of that dtype (0 for ignored rows).
+
+    A row whose target is neither in [0, vocab_size) nor ``ignore_index`` gets NaN: its
+    sum of exponentials and target logit (so its loss and lse, after any all-reduce), or with
+    ``finalize`` its loss and lse. With a ``check``, the kernel also stores the bad id for it,
+    and :meth:`~fusedlib.runtime.DeviceCheck.launched` reports it (at once on the CPU, lazily
+    on CUDA: no host sync).
+
+    Raises:
+        ValueError: from ``check``, for a bad target id (see above).
     """
     n_rows, n_cols = x2d.shape
     device = x2d.device
@@ -272,14 +295,19 @@ def cross_entropy_fwd(
     if n_rows > 0:
         if tile is None:
             tile = pick(FWD_TILES, n_cols)
+        vocab_size = vocab_size or n_cols
+        err = check.word(x2d) if check is not None else None
         launch(
             _cross_entropy_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device,
             x2d, target1d, stats, loss, lse,
-            smoothing_coefs(label_smoothing, vocab_size or n_cols, sdt, device) if label_smoothing > 0 else lse,
-            n_rows, n_cols, *x2d.stride(), target1d.stride(0), vocab_start_index, ignore_index,
+            smoothing_coefs(label_smoothing, vocab_size, sdt, device) if label_smoothing > 0 else lse,
+            err if err is not None else target1d,
+            n_rows, n_cols, *x2d.stride(), target1d.stride(0), vocab_start_index, vocab_size, ignore_index,
             BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[sdt], SMOOTHING=label_smoothing > 0,
-            FINALIZE=bool(finalize), num_warps=tile.num_warps,
+            FINALIZE=bool(finalize), CHECK=err is not None, num_warps=tile.num_warps,
         )
+        if err is not None:
+            check.launched(x2d, (vocab_size, ignore_index))
     return (loss, lse) if finalize else stats
 
 
@@ -299,7 +327,8 @@ def cross_entropy_bwd(
     Args:
         x2d: the forward logits, [n_rows, n_cols], any strides.
         target1d: [n_rows] target ids in the global vocabulary.
-        lse: [n_rows] contiguous float32 (float64) global log-sum-exp, finite (0 for ignored rows).
+        lse: [n_rows] contiguous float32 (float64) global log-sum-exp (0 for ignored rows; NaN
+            for a row with a bad target id, whose gradient is then NaN).
         grad1d: [n_rows] gradient of the per-row loss, any stride (0 for a broadcast scalar).
         vocab_start_index: global id of column 0 of ``x2d``.
         ignore_index: rows with this target get a zero gradient.

@@ -9,12 +9,20 @@ half by an activation of the other (``y1, y2 = torch.chunk(y, 2, -1)``):
     act = silu:       silu(x)  = x·σ(x)                                     (SwiGLU)
     act = gelu_tanh:  gelu(x)  = 0.5·x·(1 + tanh(c0·x·(1 + c1·x²)))         (GEGLU)
 
+Clamped (``HAS_CLAMP``, Megatron-core's ``clamp_value`` c > 0), after the bias:
+
+    x1 <- min(x1, c),   x2 <- min(max(x2, -c), c)          (NaN stays NaN, as torch.clamp)
+
 Backward (derived with sympy in chapter 3), with g the gradient of out:
 
     dx1 = g·w·x2·act'(x1)        silu'(x) = σ(x)·(1 + x·(1 - σ(x)))
     dx2 = g·w·act(x1)            gelu'(x) = 0.5·x·(1 - t²)·(c0 + c2·x²) + 0.5·(1 + t)
     db  = sum over rows of [dx1 | dx2]                                  (float32, two stages)
     dw  = sum over the h columns of act(x1)·x2·g                        (float32, two stages)
+
+with x1, x2 the clamped values when clamped; then dx1 = 0 where x1 > c and dx2 = 0 where
+|x2| > c (the clamp's derivative; at |x| = c exactly the gradient passes, as torch.clamp's
+autograd and Megatron's masks ``y_1 <= c``, ``-c <= y_2 <= c`` have it).
 
 Two backward kernels: ``_glu_bwd_kernel`` (no bias: elementwise, one tile per program, with
 the optional row weights) and ``_bias_glu_bwd_kernel`` (programs walk many rows to sum the
@@ -27,7 +35,9 @@ bytes. The kernels address y through its two strides, y1 at columns [0, h) and y
 [h, 2h), so a non-contiguous y needs no copy.
 
 Dtype policy: load, compute in float32 (float64 for float64 inputs, so gradcheck checks the
-kernels), store in y's dtype; bias and weight gradients accumulated in float32.
+kernels), store in y's dtype; bias and weight gradients accumulated in float32. The clamp
+bound c is a float32 kernel argument (a Python float passed to Triton), as in Megatron's
+float32 arithmetic; ``HAS_CLAMP=False`` compiles no clamp at all.
 
 Sources: Shazeer, "GLU Variants Improve Transformer", arXiv:2002.05202; Megatron-LM
 ``megatron/core/fusions/fused_bias_swiglu.py`` and ``fused_bias_geglu.py``.
@@ -89,6 +99,17 @@ def _act_fwd_and_grad(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _clamp_halves(x1, x2, clamp_value):
+    """Megatron's clamps: the gate x1 from above at c, the linear half x2 to [-c, c].
+
+    Written with ``tl.where`` on ``>`` and ``<`` so that a NaN stays NaN, as torch.clamp.
+    """
+    x1 = tl.where(x1 > clamp_value, clamp_value, x1)
+    x2 = tl.where(x2 > clamp_value, clamp_value, tl.where(x2 < -clamp_value, -clamp_value, x2))
+    return x1, x2
+
+
+@triton.jit
 def _glu_fwd_kernel(
     Y_ptr,  # input y = [y1 | y2], [n_rows, 2·n_cols], strides (Y_row_stride, Y_col_stride)
     B_ptr,  # bias = [b1 | b2], [2·n_cols], contiguous (unused unless HAS_BIAS)
@@ -99,9 +120,11 @@ def _glu_fwd_kernel(
     Y_row_stride,
     Y_col_stride,
     W_row_stride,
+    clamp_value,  # c of Megatron's clamp, float32 (unused unless HAS_CLAMP)
     ACTIVATION: tl.constexpr,  # "silu" (SwiGLU) or "gelu_tanh" (GEGLU)
     HAS_BIAS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,  # clamp x1 <= c and -c <= x2 <= c (after the bias)
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # output columns per program
     ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
@@ -122,6 +145,8 @@ def _glu_fwd_kernel(
     if HAS_BIAS:
         x1 += tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
         x2 += tl.load(B_ptr + n_cols + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+    if HAS_CLAMP:
+        x1, x2 = _clamp_halves(x1, x2, clamp_value)
 
     # -- gate: out = act(x1)·x2 (·w)
     out = _act_fwd(x1, ACTIVATION) * x2
@@ -154,8 +179,10 @@ def _glu_bwd_kernel(
     Y_row_stride,
     Y_col_stride,
     W_row_stride,
+    clamp_value,  # c of Megatron's clamp, float32 (unused unless HAS_CLAMP)
     ACTIVATION: tl.constexpr,  # "silu" (SwiGLU) or "gelu_tanh" (GEGLU)
     HAS_WEIGHTS: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACC: tl.constexpr,  # compute and accumulation dtype
@@ -174,6 +201,11 @@ def _glu_bwd_kernel(
     x2 = tl.load(y_rows + (n_cols + cols)[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC)
     g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride,
                 mask=mask, other=0.0).to(ACC)  # masked lanes: g = 0, so they add nothing to dw
+    if HAS_CLAMP:
+        # where a clamp is active the output does not depend on that input: zero gradient
+        keep1 = x1 <= clamp_value
+        keep2 = (x2 >= -clamp_value) & (x2 <= clamp_value)
+        x1, x2 = _clamp_halves(x1, x2, clamp_value)
     a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
     if HAS_WEIGHTS:
         # d out/d w = act(x1)·x2, so this tile's part of dw is Σ_cols act(x1)·x2·g = Σ dy2·x2;
@@ -182,6 +214,9 @@ def _glu_bwd_kernel(
         w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
         dy1 = dy1 * w[:, None]
         dy2 = dy2 * w[:, None]
+    if HAS_CLAMP:
+        dy1 = tl.where(keep1, dy1, 0.0)
+        dy2 = tl.where(keep2, dy2, 0.0)
 
     # -- one write each into the two halves of dy
     dy1_ptrs = DY_ptr + rows[:, None] * (2 * n_cols) + cols[None, :]
@@ -203,7 +238,9 @@ def _bias_glu_bwd_kernel(
     G_col_stride,
     Y_row_stride,
     Y_col_stride,
+    clamp_value,  # c of Megatron's clamp, float32 (unused unless HAS_CLAMP)
     ACTIVATION: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACC: tl.constexpr,
@@ -229,7 +266,14 @@ def _bias_glu_bwd_kernel(
         x2 = tl.load(y_rows + (n_cols + cols)[None, :] * Y_col_stride, mask=mask, other=0.0).to(ACC) + b2[None, :]
         g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride,
                     mask=mask, other=0.0).to(ACC)  # masked lanes: g = 0, so dy = 0 there
+        if HAS_CLAMP:
+            keep1 = x1 <= clamp_value
+            keep2 = (x2 >= -clamp_value) & (x2 <= clamp_value)
+            x1, x2 = _clamp_halves(x1, x2, clamp_value)
         a, dy1, dy2 = _glu_grads(x1, x2, g, ACTIVATION)
+        if HAS_CLAMP:
+            dy1 = tl.where(keep1, dy1, 0.0)
+            dy2 = tl.where(keep2, dy2, 0.0)
         dy1_ptrs = DY_ptr + rows[:, None] * (2 * n_cols) + cols[None, :]
         tl.store(dy1_ptrs, dy1.to(DY_ptr.dtype.element_ty), mask=mask)
         tl.store(dy1_ptrs + n_cols, dy2.to(DY_ptr.dtype.element_ty), mask=mask)
@@ -269,7 +313,7 @@ def _out_shape(y: torch.Tensor) -> tuple[int, ...]:
 
 
 def glu_fwd(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
-            activation: str, tile: Tile | None = None) -> torch.Tensor:
+            activation: str, clamp_value: float | None = None, tile: Tile | None = None) -> torch.Tensor:
     """Launch the forward kernel: ``act(y1 + b1)·(y2 + b2)·w``.
 
     Args:
@@ -277,6 +321,8 @@ def glu_fwd(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | 
         bias: [2h] of y's dtype, contiguous, or None.
         weights: [n_rows, 1] (any float dtype, any stride), or None.
         activation: "silu" or "gelu_tanh".
+        clamp_value: c > 0 (checked by the caller): clamp x1 = y1 + b1 to (-inf, c] and
+            x2 = y2 + b2 to [-c, c] first, as Megatron's clamped SwiGLU; None: no clamp.
         tile: launch settings (None: ``pick(TILES, h)``).
 
     Returns:
@@ -294,14 +340,15 @@ def glu_fwd(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | 
         _glu_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(h, tile.BLOCK_N)), device,
         y2d, y2d if bias is None else bias, y2d if weights is None else weights, out,  # y2d: unused dummies
         n_rows, h, *y2d.stride(), 0 if weights is None else weights.stride(0),
+        0.0 if clamp_value is None else float(clamp_value),
         ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_WEIGHTS=weights is not None,
-        BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps,
+        HAS_CLAMP=clamp_value is not None, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps,
     )
     return out
 
 
 def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,
-            activation: str, tile: Tile | None = None
+            activation: str, clamp_value: float | None = None, tile: Tile | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch a backward kernel, then reduce the bias / weight partial sums.
 
@@ -311,6 +358,8 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
         bias: [2h], contiguous, or None.
         weights: [n_rows, 1], or None (not both: Megatron has no weighted GLU with a bias).
         activation: "silu" or "gelu_tanh".
+        clamp_value: the forward's c, or None. Clamped: the gradient is zero where x1 > c
+            or |x2| > c, and computed at the clamped values elsewhere.
         tile: launch settings (None: ``pick(TILES, h)``, or with a bias ``pick(BIAS_BWD_TILES,
             h)``, whose ``programs_per_sm`` sizes the persistent grid).
 
@@ -342,7 +391,8 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
             _glu_bwd_kernel, (cdiv(n_rows, tile.BLOCK_M), col_programs), device,
             g2d, y2d, y2d if weights is None else weights, dy, dw_partial,  # y2d, dy: unused dummies
             n_rows, h, *g2d.stride(), *y2d.stride(), 0 if weights is None else weights.stride(0),
-            ACTIVATION=activation, HAS_WEIGHTS=weights is not None,
+            0.0 if clamp_value is None else float(clamp_value),
+            ACTIVATION=activation, HAS_WEIGHTS=weights is not None, HAS_CLAMP=clamp_value is not None,
             BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc], num_warps=tile.num_warps,
         )
         if weights is None:
@@ -360,7 +410,8 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
         _bias_glu_bwd_kernel, (row_programs, col_programs), device,
         g2d, y2d, bias, dy, db_partial,
         n_rows, h, rows_per_program, *g2d.stride(), *y2d.stride(),
-        ACTIVATION=activation, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc],
+        0.0 if clamp_value is None else float(clamp_value),
+        ACTIVATION=activation, HAS_CLAMP=clamp_value is not None, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc],
         num_warps=tile.num_warps,
     )
     return dy, sum_partials(db_partial, bias.dtype), None

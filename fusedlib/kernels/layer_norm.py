@@ -27,7 +27,10 @@ Backward, with ``g = gamma * dy`` (derived in chapter 4)::
 
 ``memory_efficient``: the backward reads the saved *output* y instead of x and recovers
 ``x_hat = (y - beta) / gamma``; y is usually kept alive by the next layer anyway, so x
-need not be saved (Apex's ``memory_efficient=True``). It needs every gamma != 0.
+need not be saved (Apex's ``memory_efficient=True``). It needs every gamma != 0: where a
+gamma is exactly 0, y = beta there and x_hat is lost, so the backward gives NaN (dgamma of
+that column, and dx, whose row sums take in every column), never a wrong finite value; the
+forward kernel reports such a column (``CHECK_GAMMA``) without a host sync.
 
 Long rows (BLOCK_N above 8 Ki, LayerNorm; above 16 Ki, RMSNorm) take a *split* backward:
 :func:`_norm_bwd_row_stats_kernel` first reads dy and x and writes c1 and c2 per row, then
@@ -62,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import launch
+from ..runtime import DeviceCheck, launch
 from .launch import (
     MAX_FUSED_SIZE,
     TL_DTYPE,
@@ -110,6 +113,7 @@ def _norm_fwd_kernel(
     B_ptr,  # bias beta, [n_cols], contiguous (read only if HAS_BIAS)
     MEAN_ptr,  # ACC [n_rows]: row means (written only for LayerNorm)
     RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
+    ERR_ptr,  # int64 [1], only with CHECK_GAMMA: 1 + the index of a column whose gamma is 0
     n_rows,
     n_cols,
     X_row_stride,
@@ -123,10 +127,19 @@ def _norm_fwd_kernel(
     ZERO_CENTERED_GAMMA: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the row loop (1: none)
     ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
+    CHECK_GAMMA: tl.constexpr,  # memory-efficient backward ahead: report a gamma of exactly 0
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
+    if CHECK_GAMMA:
+        # The memory-efficient backward divides by gamma (x_hat = (y - beta) / gamma): a gamma
+        # of 0 gives NaN there. Program 0 reports such a column (as 1 + its index, never 0).
+        g0 = tl.load(W_ptr + cols, mask=col_mask, other=1.0).to(ACC)
+        if ZERO_CENTERED_GAMMA:
+            g0 = g0 + 1.0
+        first = (tl.zeros_like(cols) + pid) == 0  # program 0, as a [BLOCK_N] mask
+        tl.store(ERR_ptr + tl.zeros_like(cols), cols.to(tl.int64) + 1, mask=(g0 == 0.0) & col_mask & first)
     row_start = pid.to(tl.int64) * rows_per_program  # int64: n_rows * n_cols may pass 2^31
     for m in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
         rows = row_start + m + tl.arange(0, BLOCK_M)
@@ -438,8 +451,8 @@ _ROW_STATS_TILES: dict[str, Tile] = {"cuda": Tile(BLOCK_M=1, BLOCK_N=4096, num_w
 
 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *,
-             rms_norm: bool, zero_centered_gamma: bool = False,
-             tile: Optional[Tile] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+             rms_norm: bool, zero_centered_gamma: bool = False, tile: Optional[Tile] = None,
+             gamma_check: Optional[DeviceCheck] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Launch the forward kernel over the last dim of ``x``.
 
     Args:
@@ -451,6 +464,9 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         zero_centered_gamma: gamma = weight + 1.
         tile: launch settings (None: ``pick(FWD_TILES, h)``); BLOCK_N must be 0 or cover
             the whole row.
+        gamma_check: for a memory-efficient backward ahead, the op's
+            :class:`~fusedlib.runtime.DeviceCheck`: the kernel stores 1 + the index of a
+            column whose gamma is exactly 0 (reported at once on the CPU, lazily on CUDA).
 
     Returns:
         ``(y, mean, rstd)``: y a new contiguous tensor of x's shape and dtype (not a view:
@@ -458,7 +474,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         for float64 x), rows = x.numel() // h.
 
     Raises:
-        ValueError: for h past MAX_HIDDEN_SIZE, or a tile narrower than the row.
+        ValueError: for h past MAX_HIDDEN_SIZE, or a tile narrower than the row; from
+            ``gamma_check``, for a gamma of 0.
     """
     device = x.device
     h = x.shape[-1]
@@ -477,14 +494,18 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         raise ValueError(f"the norms' forward holds whole rows: tile.BLOCK_N must be 0 or >= {block_n} "
                          f"for h = {h}, got {tile.BLOCK_N}")
     programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device)
+    err = gamma_check.word(x) if gamma_check is not None else None
     launch(
         _norm_fwd_kernel, (programs,), device,
         x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
+        err if err is not None else rstd,
         n_rows, h, *x2d.stride(), float(eps), rows_per_program,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
         ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=tile.num_stages, ACC=TL_DTYPE[acc],
-        num_warps=tile.num_warps,
+        CHECK_GAMMA=err is not None, num_warps=tile.num_warps,
     )
+    if err is not None:
+        gamma_check.launched(x, zero_centered_gamma)
     return y, mean, rstd
 
 

@@ -570,7 +570,11 @@ def softmax_fwd(
         return y, sink
     x2d = x4.reshape(n_rows, n_cols)  # [b, np, sq, sk] -> [b·np·sq, sk]
     if mask is not None:
-        m4 = mask.expand(B, H, SQ, SK).view(torch.uint8)  # bool -> bytes, same strides
+        m4 = mask.expand(B, H, SQ, SK)
+        if not torch.compiler.is_compiling():
+            # bool -> bytes, same strides (Inductor cannot lower a bool -> uint8 view: traced, the
+            # kernel takes the bool tensor itself, 1 byte per element too, loaded as int1)
+            m4 = m4.view(torch.uint8)
         m_strides = m4.stride()
     else:
         m4, m_strides = x2d, (0, 0, 0, 0)  # unused pointer (HAS_MASK=False)

@@ -29,12 +29,24 @@ Fixed with respect to Megatron-core (each has a test in ``tests/test_cross_entro
 * label smoothing uses the global vocabulary size and the all-reduced mean of the logits
   (Megatron uses the shard's size and the shard's mean, so ranks disagree with one device);
 * ``ignore_index`` rows get zero loss and zero gradient (Megatron has no ignore_index);
-* target ids outside [0, V) raise a ValueError (Megatron silently returns a wrong loss);
+* target ids outside [0, V) give a NaN loss (and gradient) for their rows and a ValueError
+  (Megatron silently returns a wrong loss), without a host sync: see below;
 * offsets are int64, so logits with more than 2^31 elements are indexed correctly.
+
+Target ids are checked on the device, by the forward kernel that reads them anyway
+(:data:`TARGET_CHECK`, a :class:`fusedlib.runtime.DeviceCheck`): a bad id makes its row's
+loss, lse and gradient NaN and is stored in pinned host memory. On the CPU the op raises at
+once, before any collective. On CUDA nothing waits for the GPU (a read-back would stall the
+host on every call and break ``torch.compile(fullgraph=True)`` and CUDA-graph capture): the
+ValueError comes at a later fusedlib kernel launch or at :func:`fusedlib.runtime.check_errors`;
+``FUSEDLIB_SYNC_CHECKS=1`` makes CUDA raise at once too. Under ``torch.compile`` the NaN alone
+is the signal. With tensor parallelism every rank holds the same target, so every rank finds
+it; call ``check_errors()`` at the same point on every rank (e.g. once per step) for every
+rank to raise together.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -43,14 +55,16 @@ import torch.distributed as dist
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from ..kernels.launch import as_rows
+from ..runtime import DeviceCheck
 from .utils import VocabUtility, all_reduce, check_tp_group, tp_rank_and_size
 
 __all__ = [
     "VocabParallelCrossEntropy",
     "vocab_parallel_cross_entropy",
     "prepare_inputs",
-    "check_target_values",
-    "start_target_check",
+    "check_label_smoothing",
+    "target_check_message",
+    "TARGET_CHECK",
 ]
 
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -101,56 +115,36 @@ def prepare_inputs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, la
     return as_rows(vocab_parallel_logits), target.reshape(-1)
 
 
-def start_target_check(t1d: torch.Tensor, vocab_size: int, ignore_index: int,
-                       label_smoothing: float = 0.0) -> Callable[[], None]:
-    """Start checking that every target id is in [0, vocab_size) or ``ignore_index``.
-
-    Returns a function that finishes the check and raises if it failed. The check's one
-    boolean is copied into a host flag, a CPU tensor that names its device (so a training
-    script's ``torch.set_default_device`` does not move it). On CUDA the flag is pinned and
-    the copy travels behind an event, so the caller can launch the forward kernel before
-    waiting: the wait then overlaps the kernel instead of leaving the GPU idle while the host
-    catches up (a plain ``bool(bad.any())`` would). On the CPU the copy is immediate.
-
-    The price of a clear error instead of a silently wrong loss (Megatron-core does not
-    check) is this one small read-back per call. Every rank holds the same target, so every
-    rank raises together and no collective is left waiting.
+def check_label_smoothing(vocab_size: int, label_smoothing: float) -> None:
+    """Raise for label smoothing with a vocabulary of one id (s = eps·V/(V-1) is undefined).
 
     Raises:
-        ValueError: at once, for label smoothing with a vocabulary of one id (s = eps·V/(V-1)
-            is undefined); from the returned function, naming how many ids are out of range
-            and one of them.
+        ValueError: label_smoothing > 0 and vocab_size < 2.
     """
     if label_smoothing > 0 and vocab_size < 2:
         raise ValueError(f"label_smoothing needs a vocabulary of at least 2 ids, got vocab_size={vocab_size}")
-    bad = ((t1d < 0) | (t1d >= vocab_size)) & (t1d != ignore_index)
-    any_bad = bad.any()
-
-    def fail() -> None:
-        raise ValueError(f"target must hold vocabulary ids in [0, {vocab_size}) or ignore_index={ignore_index}; "
-                         f"{int(bad.sum())} of {t1d.numel()} are outside, e.g. {int(t1d[bad][0])}")
-
-    on_cuda = t1d.device.type == "cuda"
-    # pinned (page-locked) only for a device copy: pinning needs CUDA, and a CPU copy gains nothing
-    host = torch.empty((), dtype=torch.bool, device="cpu", pin_memory=on_cuda)
-    host.copy_(any_bad, non_blocking=on_cuda)
-    done = None
-    if on_cuda:
-        done = torch.cuda.Event()
-        done.record()
-
-    def finish() -> None:
-        if done is not None:
-            done.synchronize()
-        if host.item():
-            fail()
-    return finish
 
 
-def check_target_values(t1d: torch.Tensor, vocab_size: int, ignore_index: int, label_smoothing: float = 0.0) -> None:
-    """Raise a ValueError for target ids outside [0, vocab_size) other than ``ignore_index``
-    (at once: :func:`start_target_check` and wait)."""
-    start_target_check(t1d, vocab_size, ignore_index, label_smoothing)()
+def target_check_message(op: str) -> Callable[[int, Any], str]:
+    """The message function of a target-id :class:`~fusedlib.runtime.DeviceCheck` for ``op``:
+    ``message(bad_id, (vocab_size, ignore_index))``. On CUDA (reported lazily) the vocabulary
+    size and ignore_index named are those of the op's latest call."""
+
+    def message(bad: int, context: Any) -> str:
+        vocab_size, ignore_index = context if context is not None else ("V", "ignore_index")
+        return (f"{op}: target must hold vocabulary ids in [0, {vocab_size}) or ignore_index={ignore_index}, "
+                f"got {bad} (its loss and gradient are NaN)")
+
+    return message
+
+
+#: The device-side target check of :func:`vocab_parallel_cross_entropy` (its kernel stores a
+#: bad id; see the module docstring).
+TARGET_CHECK = DeviceCheck("vocab_parallel_cross_entropy", target_check_message("vocab_parallel_cross_entropy"))
+
+
+#: The vocabulary size assumed when none is given: no target id reaches it.
+_NO_UPPER_BOUND = 1 << 62
 
 
 class VocabParallelCrossEntropy:
@@ -164,7 +158,8 @@ class VocabParallelCrossEntropy:
 
     @staticmethod
     def calculate_logits_max(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, vocab_start_index: int,
-                             ignore_index: int = -100, label_smoothing: float = 0.0
+                             ignore_index: int = -100, label_smoothing: float = 0.0,
+                             vocab_size: int | None = None, check: DeviceCheck | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One read of the shard (Triton): its max, sum of exponentials, target logit and sum.
 
@@ -174,13 +169,21 @@ class VocabParallelCrossEntropy:
             vocab_start_index: global id of the shard's first column.
             ignore_index: rows with this target are skipped.
             label_smoothing: > 0 also sums the logits.
+            vocab_size: the GLOBAL vocabulary size V that target ids are checked against
+                (default None: V unknown, only negative ids other than ignore_index are bad).
+            check: the op's target :class:`~fusedlib.runtime.DeviceCheck`, or None.
 
         Returns:
             ``(stats, logits_max)``: stats [4, rows] float32 (float64 for float64 logits) with
             rows (local max m_r, sum e^{x - m_r}, target logit or 0, sum of logits); and a
             copy of its first row, [rows], to be all-reduced with MAX. Ignored rows: m_r = -inf.
+            A row whose target is outside [0, V) and not ignore_index: NaN sum and target logit.
+
+        Raises:
+            ValueError: from ``check`` (at once on the CPU), for a target id outside [0, V).
         """
-        stats = cross_entropy_fwd(vocab_parallel_logits, target, vocab_start_index, ignore_index, label_smoothing)
+        stats = cross_entropy_fwd(vocab_parallel_logits, target, vocab_start_index, ignore_index, label_smoothing,
+                                  _NO_UPPER_BOUND if vocab_size is None else vocab_size, check=check)
         return stats, stats[0].clone()
 
     @staticmethod
@@ -276,11 +279,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None, ignore_index=-100):
         x2d, t1d = prepare_inputs(vocab_parallel_logits, target, label_smoothing, ignore_index)
         vocab_start_index, vocab_size = shard_range(x2d, tp_group)
-        finish_target_check = start_target_check(t1d, vocab_size, ignore_index, label_smoothing)
+        check_label_smoothing(vocab_size, label_smoothing)
         vpce = VocabParallelCrossEntropy
 
-        stats, logits_max = vpce.calculate_logits_max(x2d, t1d, vocab_start_index, ignore_index, label_smoothing)
-        finish_target_check()  # raises for ids outside [0, V), before any collective
+        # the kernel checks the target ids (bad rows: NaN; on the CPU it raises here, before
+        # any collective; on CUDA later, without a host sync: TARGET_CHECK)
+        stats, logits_max = vpce.calculate_logits_max(x2d, t1d, vocab_start_index, ignore_index, label_smoothing,
+                                                      vocab_size, check=TARGET_CHECK)
         all_reduce(logits_max, "MAX", tp_group)  # collective 1: the global max M
         predicted_logits, sum_exp_logits, sum_logits = vpce.calculate_predicted_logits(stats, logits_max)
         all_reduce(predicted_logits, "SUM", tp_group)  # collective 2: x_t from the rank that holds t
@@ -330,9 +335,12 @@ def vocab_parallel_cross_entropy(
         the logits has the logits' dtype.
 
     Raises:
-        TypeError, ValueError: see :func:`prepare_inputs`; ValueError for target ids outside
-            [0, V) (see :func:`check_target_values`); TypeError for a tp_group that is neither
-            None nor a torch.distributed ProcessGroup.
+        TypeError, ValueError: see :func:`prepare_inputs`; TypeError for a tp_group that is
+            neither None nor a torch.distributed ProcessGroup; ValueError for label smoothing
+            with V < 2, and for target ids outside [0, V) other than ignore_index: at once on
+            the CPU (and with ``FUSEDLIB_SYNC_CHECKS=1``), else at a later fusedlib call or
+            :func:`fusedlib.runtime.check_errors`, without a host sync. Their rows' loss and
+            gradient are NaN in every mode (the only signal inside ``torch.compile``).
 
     Collectives: all-reduce MAX [rows], SUM [rows], SUM [rows] (and SUM [rows] for the mean
     with label smoothing), each a separate call. Backward: none.

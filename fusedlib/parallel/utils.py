@@ -107,18 +107,29 @@ def count_collectives() -> Iterator[CollectiveLog]:
 _OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX}
 
 
+def _is_process_group(tp_group: object) -> bool:
+    group_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    return group_type is not None and isinstance(tp_group, group_type)
+
+
+def _has_rank_and_size(tp_group: object) -> bool:
+    return callable(getattr(tp_group, "rank", None)) and callable(getattr(tp_group, "size", None))
+
+
 def check_tp_group(tp_group: object) -> None:
-    """Raise TypeError unless ``tp_group`` is None or a ``torch.distributed.ProcessGroup``.
+    """Raise TypeError unless ``tp_group`` is None, a ``torch.distributed.ProcessGroup``, or an
+    object with ``rank()`` and ``size()`` methods (what Megatron-core's
+    ``fused_vocab_parallel_cross_entropy`` calls on it; its unit test passes such a stand-in
+    for a one-rank group, with ``torch.distributed.all_reduce`` patched).
 
     Without it, a wrong object (a group name as a str...) reaches torch.distributed, whose
     error ("Default process group has not been initialized") names no argument.
     """
-    if tp_group is None:
+    if tp_group is None or _is_process_group(tp_group) or _has_rank_and_size(tp_group):
         return
-    group_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
-    if group_type is None or not isinstance(tp_group, group_type):
-        raise TypeError("tp_group must be None or a torch.distributed.ProcessGroup (e.g. from "
-                        f"torch.distributed.new_group), got {type(tp_group).__name__} {tp_group!r}")
+    raise TypeError("tp_group must be None or a torch.distributed.ProcessGroup (e.g. from "
+                    "torch.distributed.new_group; or an object with rank() and size() methods), "
+                    f"got {type(tp_group).__name__} {tp_group!r}")
 
 
 def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -127,13 +138,17 @@ def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     ``tp_group=None`` means the default (world) group when ``torch.distributed`` is
     initialized, and a single rank (0 of 1, no communication) when it is not.
     Megatron-core instead takes its tensor-parallel group from ``parallel_state``.
+    A group that is not a ProcessGroup but has ``rank()`` and ``size()`` is asked those, as
+    Megatron-core's fused cross entropy does.
 
     Raises:
-        TypeError: tp_group neither None nor a ProcessGroup (:func:`check_tp_group`).
+        TypeError: tp_group none of these (:func:`check_tp_group`).
     """
     check_tp_group(tp_group)
     if tp_group is None and not (dist.is_available() and dist.is_initialized()):
         return 0, 1
+    if tp_group is not None and not _is_process_group(tp_group):
+        return int(tp_group.rank()), int(tp_group.size())
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
