@@ -50,7 +50,7 @@ also where it was dropped: with g = dL/dz, the gradient of p is g'_j = g_j·k_j/
 
 is -scale·p_j·c where k_j = 0. So the forward saves, per row, m (the max it subtracted) and
 1/D (float32, 8 bytes a row) instead of p, and the backward reads x again, recomputes
-p = e^{scale·x - m}·(1/D) (the forward's arithmetic, so the very same p), regenerates k from
+p = e^{scale·x - m}·(1/D) (with the forward's own arithmetic), regenerates k from
 the seed and reads g: the [b, np, sq, sk] tensor moves forward 1R + 1W (x in, z out) and
 backward 2R + 1W (x and g in, dx out), the fewest possible (the forward must read x and write
 z; dx needs g and p everywhere). Unfused (softmax, then torch's dropout): forward 1R + 1W and
@@ -303,16 +303,16 @@ def _softmax_fwd_kernel(
         denom += e_sink
     inv = _safe_reciprocal(denom)
 
-    # [4] dropout: keep each p_j = e_j/D with probability 1 - p', scaled by 1/(1 - p'); the
-    # mask is Philox of (row, column), never stored: the backward recomputes p from x and
-    # (m, 1/D), saved here
+    # with DROPOUT (the attention dropout): keep each p_j = e_j/D with probability 1 - p',
+    # scaled by 1/(1 - p'); the mask is Philox of (row, column), never stored: the backward
+    # recomputes p from x and (m, 1/D), saved here
     if DROPOUT:
         kept = _keep_mask(tl.load(SEED_ptr), rows, 0, T, BLOCK_M, BLOCK_N)
         e = tl.where(kept, e * keep_scale, 0.0)
         tl.store(STATS_ptr + rows, m, mask=row_ok)
         tl.store(STATS_ptr + n_rows + rows, inv, mask=row_ok)
 
-    # [5] write the whole row: p (or z) inside, zeros outside (never read there)
+    # [4] write the whole row: p (or z) inside, zeros outside (never read there)
     tl.store(Y_ptr + rows[:, None] * n_cols + cols, (e * inv[:, None]).to(Y_ptr.dtype.element_ty), mask=in_range)
     if HAS_OFFSET:
         tl.store(SINK_ptr + rows, e_sink * inv, mask=row_ok)
