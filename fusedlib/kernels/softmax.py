@@ -626,7 +626,11 @@ def _mask_strides(mask: Optional[torch.Tensor], shape: tuple[int, int, int, int]
     broadcast) and its four strides; ``(dummy, zeros)`` without a mask."""
     if mask is None:
         return dummy, (0, 0, 0, 0)  # unused pointer (HAS_MASK=False)
-    m4 = mask.expand(*shape).view(torch.uint8)  # bool -> bytes, same strides
+    m4 = mask.expand(*shape)
+    if not torch.compiler.is_compiling():
+        # bool -> bytes, same strides (Inductor cannot lower a bool -> uint8 view: traced, the
+        # kernel takes the bool tensor itself, 1 byte per element too, loaded as int1)
+        m4 = m4.view(torch.uint8)
     return m4, m4.stride()
 
 
