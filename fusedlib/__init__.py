@@ -22,7 +22,9 @@ Public API (Megatron-core's names):
   ``WeightedSquaredReLUFunction``, ``weighted_squared_relu`` (+ ``_back``).
 * ``fusedlib.fusions.fused_softmax``: ``ScaledUpperTriangMaskedSoftmax``,
   ``ScaledMaskedSoftmax``, ``ScaledSoftmax``, ``SoftmaxOne``, ``FusedScaleMaskSoftmax``,
-  ``fused_scale_mask_softmax``; ``fusedlib.transformer.enums.AttnMaskType``;
+  ``fused_scale_mask_softmax``, and with the attention dropout fused
+  ``fused_scale_mask_softmax_dropout`` (``ScaledMaskedSoftmaxDropout``);
+  ``fusedlib.transformer.enums.AttnMaskType``;
   ``fusedlib.transformer.utils``: ``attention_mask_func`` and the mask builders.
 * ``fusedlib.activations``: ``squared_relu``, ``quick_gelu``, ``fast_gelu``.
 * ``fusedlib.unfused``: the plain PyTorch references.
@@ -45,8 +47,10 @@ from .fusions.fused_softmax import (
     ScaledMaskedSoftmax,
     ScaledSoftmax,
     ScaledUpperTriangMaskedSoftmax,
+    ScaledMaskedSoftmaxDropout,
     SoftmaxOne,
     fused_scale_mask_softmax,
+    fused_scale_mask_softmax_dropout,
 )
 from .transformer.enums import AttnMaskType
 
@@ -112,6 +116,8 @@ __all__ += [
     "ScaledUpperTriangMaskedSoftmax",
     "SoftmaxOne",
     "fused_scale_mask_softmax",
+    "ScaledMaskedSoftmaxDropout",
+    "fused_scale_mask_softmax_dropout",
     "AttnMaskType",
 ]
 

@@ -741,6 +741,64 @@ def softmax_backward(g: torch.Tensor, p: torch.Tensor, scale: float = 1.0) -> to
     """
     return scale * p * (g - (g * p).sum(dim=-1, keepdim=True))
 
+def scale_mask_softmax_dropout(
+    x: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    training: bool = True,
+    softmax_in_fp32: bool = True,
+    softmax_offset: torch.Tensor | None = None,
+    mask_func=attention_mask_func,
+) -> torch.Tensor:
+    """The unfused attention probabilities of Megatron-core's ``DotProductAttention``:
+    :func:`scale_mask_softmax`, then ``torch.nn.functional.dropout``.
+
+    The softmax writes p, the dropout reads it and writes the output and a one-byte-per-element
+    mask, which autograd keeps (with p) for the backward.
+
+    Args:
+        x, mask, scale, softmax_in_fp32, softmax_offset, mask_func: as :func:`scale_mask_softmax`.
+        dropout_p: dropout probability in [0, 1].
+        training: dropout on, or the identity.
+
+    Returns:
+        Tensor like ``x``.
+
+    Raises:
+        ValueError: from ``torch.nn.functional.dropout`` for dropout_p outside [0, 1].
+    """
+    probs = scale_mask_softmax(x, mask, scale, softmax_in_fp32, softmax_offset, mask_func)
+    return torch.nn.functional.dropout(probs, p=dropout_p, training=training)
+
+
+def masked_softmax_dropout_reference(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    keep: torch.Tensor,
+    dropout_p: float,
+    softmax_offset: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """The definition with a given keep mask, for the tests: keep·p/(1 - dropout_p), p the
+    :func:`masked_softmax_reference`. Differentiable: in float64 its autograd gradients are
+    the oracle for the fused backward.
+
+    Args:
+        x, mask, scale, softmax_offset: as :func:`masked_softmax_reference`.
+        keep: bool, x's shape: True where a probability is kept.
+        dropout_p: the probability the mask was drawn with (the fused kernels apply
+            p' = round(p·2^16)/2^16: pass that); kept values are scaled by 1/(1 - dropout_p),
+            by 0 for dropout_p >= 1.
+
+    Returns:
+        Tensor like ``x``.
+    """
+    p = masked_softmax_reference(x, mask, scale, softmax_offset)
+    keep_scale = 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
+    return torch.where(keep, p * keep_scale, torch.zeros_like(p))
+
+
 __all__ += [
     "causal_mask",
     "sliding_window_causal_mask",
@@ -749,6 +807,8 @@ __all__ += [
     "scale_mask_softmax",
     "masked_softmax_reference",
     "softmax_backward",
+    "scale_mask_softmax_dropout",
+    "masked_softmax_dropout_reference",
 ]
 
 

@@ -51,10 +51,12 @@ from fusedlib.fusions.fused_softmax import (
     SoftmaxOne,
     attention_mask_func,
     fused_scale_mask_softmax,
+    fused_scale_mask_softmax_dropout,
     get_default_causal_mask,
     get_sliding_window_causal_mask,
 )
 from fusedlib.kernels.bias_dropout_add import KEEP_BITS, drop_threshold, dropout_mask, philox_seed
+from fusedlib.kernels.softmax import softmax_dropout_mask
 from fusedlib.parallel import vocab_parallel_cross_entropy
 from fusedlib.parallel.demo import make_global_inputs, run_tp, shard
 from fusedlib.transformer import AttnMaskType, TransformerConfig
@@ -541,6 +543,36 @@ case("SoftmaxOne(learnable [np] offset)")(lambda dtype: _softmax_case(
 case("fused_scale_mask_softmax(causal, mask, float offset)")(lambda dtype: (lambda m: _softmax_case(
     dtype, lambda x, o: fused_scale_mask_softmax(x, m, ATT_SCALE, causal=True, softmax_offset=o),
     mask=m, causal=True, offset=-0.5))(_padding_mask()))
+
+
+
+@case("fused_scale_mask_softmax_dropout / ScaledMaskedSoftmaxDropout(causal, mask, [np] offset)")
+def _softmax_dropout(dtype):
+    x, g = _randn(B, NP, SQ, SK, dtype=dtype, scale=3.0), _randn(B, NP, SQ, SK, dtype=dtype)
+    m = _padding_mask()
+    off = torch.nn.Parameter(torch.randn(NP, device=DEVICE, dtype=torch.float32))
+
+    def run():
+        xl, ol = _leaves(x, off)
+        z = fused_scale_mask_softmax_dropout(xl, m, AttnMaskType.causal, ATT_SCALE, P_DROP, softmax_offset=ol)
+        z.backward(g)
+        return {"p": z, "dx": xl.grad, "doffset": ol.grad}
+
+    def reference():
+        torch.manual_seed(SEED)  # the Philox key the op drew after the same seed (outside the contexts)
+        keep = softmax_dropout_mask(philox_seed(DEVICE), (B, NP, SQ, SK), P_DROP)
+        x64, o64 = _leaves64(x, off)
+        full_mask = m | unfused.causal_mask(SQ, SK, device=DEVICE)
+        z = unfused.masked_softmax_dropout_reference(x64, full_mask, ATT_SCALE, keep,
+                                                     drop_threshold(P_DROP) / 2**KEEP_BITS, o64)
+        z.backward(g.double())
+        return {"p": z, "dx": x64.grad, "doffset": o64.grad}
+
+    # as the softmax cases, with every value scaled by 1/(1 - p') (absolute errors too)
+    ks = 1.0 / (1.0 - P_DROP)
+    return run, reference, {"p": _same(dtype, ks), "dx": _same(dtype, ks),
+                            "doffset": (torch.float32, torch.float32 if dtype == torch.float32 else dtype,
+                                        ks * math.sqrt(B * SQ))}
 
 
 def _fsm(dtype, fused, mask_type, window=None):

@@ -87,6 +87,7 @@ HOST_SHAPES: dict[str, tuple[int, ...]] = {
     "causal_softmax": (4, 32, 32),
     "masked_softmax": (1, 4, 32, 32),
     "softmax_one": (1, 4, 32, 32),
+    "softmax_dropout": (1, 4, 32, 32),
     "cross_entropy": (32, 512),
 }
 
