@@ -1,0 +1,228 @@
+"""Triton kernel for rotary position embeddings (RoPE), forward and backward.
+
+RoPE rotates pairs of channels of each head by an angle that grows with the token's
+position (Su et al. 2021). With ``t`` of shape [s, b, np, d] and ``freqs`` of shape
+[s, 1 or b, 1, rot] (the angles, radians, float32; ``rot <= d``, even), the first ``rot``
+channels of every head are rotated and channels ``rot .. d`` pass through unchanged.
+
+The channels form ``rot / 2`` pairs ``(i1, i2)``: ``(k, k + rot/2)`` in the half-split
+layout (GPT-NeoX, Megatron's default), ``(2k, 2k + 1)`` in the interleaved layout (GPT-J,
+``rotary_interleaved``). Megatron-core computes, per channel i, with ``f = freqs[..., i]``::
+
+    out = t * cos(f) + rotate_half(t) * sin(f)       rotate_half: (x1, x2) -> (-x2, x1)
+
+which, written per pair with ``c_j = cos(f_ij)``, ``s_j = sin(f_ij)`` (times ``mscale``)::
+
+    forward:   o1 = x1 * c1 - x2 * s1
+               o2 = x2 * c2 + x1 * s2
+
+The map is linear in t, so its backward is the transpose of that 2x2 matrix::
+
+    backward:  d1 = g1 * c1 + g2 * s2
+               d2 = g2 * c2 - g1 * s1
+
+When ``f1 == f2`` (what ``RotaryEmbedding`` produces: each angle is stored twice) this is
+the rotation by ``-theta``; the kernel uses the partner channel's sine as above, so it is
+the exact gradient for any ``freqs`` (as Transformer Engine's fused RoPE does). One
+kernel serves both passes: the ``BACKWARD`` flag only swaps which sine multiplies which
+term.
+
+Memory traffic: one read of t (or of the output's gradient) and one write of the output
+(or of t's gradient) per element; ``freqs`` ([s, rot] floats, or [s, b, rot]) is read once
+per program, a ``np·d / rot``-th of t's bytes and shared by the b programs of a position
+through the L2 cache. Nothing is saved for the backward but ``freqs``.
+
+Grid: one program per token (position s, sample b). It loads its row of ``freqs`` once,
+computes ``cos`` and ``sin`` of the pair angles in float32 (as Megatron does, from the
+same float32 ``freqs``), then loops over its heads ``BLOCK_H`` at a time, reusing those
+values for every head: each thread evaluates its channels' sines and cosines once and
+applies them to all of its heads, so the transcendental functions cost a fraction of an
+evaluation per element instead of two.
+
+Dtype policy: load, compute in float32 (float64 for float64 inputs, so
+``torch.autograd.gradcheck`` can check the kernel), store in t's dtype. Each rotated
+output is two products and a sum in float32, then one rounding to the output dtype; the
+pass-through channels are copied bit for bit.
+
+Sources: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``
+(``_rotate_half``, ``_apply_rotary_pos_emb_bshd``); Transformer Engine
+``transformer_engine/common/fused_rope/fused_rope.cu`` (the exact transposed backward);
+Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXiv:2104.09864.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime import launch
+from ..utils import acc_dtype
+
+__all__ = ["rope_fwd", "rope_bwd", "rope_launch", "rope_tile"]
+
+
+@triton.jit
+def _rope_kernel(
+    X_ptr,  # input [s, b, np, d]: t (forward) or the output's gradient (backward); any strides
+    F_ptr,  # freqs [s, b or 1, 1, rot], float32 (float64 for float64 x); broadcast dims: stride 0
+    OUT_ptr,  # output [s, b, np, d], contiguous, x's dtype
+    batch,  # b
+    n_heads,  # np
+    head_dim,  # d
+    half_rot,  # rot / 2: the number of channel pairs rotated
+    X_stride_s,
+    X_stride_b,
+    X_stride_h,
+    X_stride_d,
+    F_stride_s,  # 0 when freqs has one position for every token (never in practice)
+    F_stride_b,  # 0 when freqs is [s, 1, 1, rot]: the same positions for every sample
+    F_stride_d,
+    mscale,  # float: cos and sin are scaled by it (Megatron's mscale; 1.0 = plain RoPE)
+    INTERLEAVED: tl.constexpr,  # pairs (2k, 2k + 1) if True, else (k, k + rot/2)
+    BACKWARD: tl.constexpr,  # apply the transpose (the gradient) instead of the rotation
+    BLOCK_H: tl.constexpr,  # heads per loop step
+    BLOCK_K: tl.constexpr,  # pairs per head: next power of two >= rot / 2
+    BLOCK_P: tl.constexpr,  # pass-through channels: next power of two >= d - rot, or 0 if d == rot
+    ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
+):
+    row = tl.program_id(0)  # the token: row = s_idx * batch + b_idx
+    s_idx = row // batch
+    b_idx = row - s_idx * batch
+    # int64 offsets: t may hold more than 2^31 elements
+    x_row = X_ptr + s_idx.to(tl.int64) * X_stride_s + b_idx.to(tl.int64) * X_stride_b
+    f_row = F_ptr + s_idx.to(tl.int64) * F_stride_s + b_idx.to(tl.int64) * F_stride_b
+    out_row = OUT_ptr + row.to(tl.int64) * n_heads * head_dim
+
+    k = tl.arange(0, BLOCK_K)
+    k_mask = k < half_rot
+    if INTERLEAVED:
+        i1 = 2 * k  # channel of each pair's first element
+        i2 = i1 + 1  # ... and of its partner
+    else:
+        i1 = k
+        i2 = k + half_rot
+
+    # This token's angles, once: cos and sin for both channels of every pair, in ACC
+    f1 = tl.load(f_row + i1 * F_stride_d, mask=k_mask, other=0.0).to(ACC)
+    f2 = tl.load(f_row + i2 * F_stride_d, mask=k_mask, other=0.0).to(ACC)
+    c1 = tl.cos(f1) * mscale
+    c2 = tl.cos(f2) * mscale
+    s1 = tl.sin(f1) * mscale
+    s2 = tl.sin(f2) * mscale
+    # w12: the weight of x2 in out1; w21: the weight of x1 in out2
+    if BACKWARD:
+        w12 = s2  # d1 = g1 * c1 + g2 * s2
+        w21 = -s1  # d2 = g2 * c2 - g1 * s1
+    else:
+        w12 = -s1  # o1 = x1 * c1 - x2 * s1
+        w21 = s2  # o2 = x2 * c2 + x1 * s2
+    c1 = c1[None, :]  # [1, BLOCK_K]: broadcast over the heads
+    c2 = c2[None, :]
+    w12 = w12[None, :]
+    w21 = w21[None, :]
+
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = h < n_heads
+        mask = h_mask[:, None] & k_mask[None, :]
+        x_h = x_row + h[:, None].to(tl.int64) * X_stride_h  # [BLOCK_H, 1] pointers to each head
+        o_h = out_row + h[:, None].to(tl.int64) * head_dim
+        x1 = tl.load(x_h + i1[None, :] * X_stride_d, mask=mask, other=0.0).to(ACC)
+        x2 = tl.load(x_h + i2[None, :] * X_stride_d, mask=mask, other=0.0).to(ACC)
+        o1 = x1 * c1 + x2 * w12
+        o2 = x2 * c2 + x1 * w21
+        tl.store(o_h + i1[None, :], o1.to(OUT_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_h + i2[None, :], o2.to(OUT_ptr.dtype.element_ty), mask=mask)
+        if BLOCK_P > 0:  # channels rot .. d: copied, no arithmetic, no rounding
+            p = 2 * half_rot + tl.arange(0, BLOCK_P)
+            p_mask = h_mask[:, None] & (p < head_dim)[None, :]
+            xp = tl.load(x_h + p[None, :] * X_stride_d, mask=p_mask, other=0.0)
+            tl.store(o_h + p[None, :], xp, mask=p_mask)
+
+
+# Tile per loop step, in elements of x (both halves of the pairs, or the pass-through
+# channels if wider): BLOCK_H = TILE_ELEMENTS // width heads, at most every head. 2 Ki
+# elements (4 KB of bf16) per step over 2 warps is 32 elements per thread: 16-byte loads,
+# and each thread's cos/sin values serve several heads (see the module docstring).
+# A first choice by that reasoning, to be tuned on the GPU like the other ops' tables.
+TILE_ELEMENTS = 2048
+
+# Warps per program, as (upper bound of elements per step, num_warps): 1 Ki elements per
+# warp (32 per thread), so small heads get small programs.
+_WARPS_BY_TILE: tuple[tuple[int, int], ...] = (
+    (1024, 1),
+    (2048, 2),
+    (4096, 4),
+    (1 << 62, 8),  # a head wider than 4 Ki channels
+)
+
+
+def rope_tile(n_heads: int, head_dim: int, rot_dim: int) -> tuple[int, int, int, int]:
+    """Launch settings of :func:`_rope_kernel` for heads of ``head_dim`` channels.
+
+    Args:
+        n_heads: heads per token (>= 1).
+        head_dim: channels per head, d.
+        rot_dim: rotated channels, even, 2 <= rot_dim <= head_dim.
+
+    Returns:
+        ``(BLOCK_H, BLOCK_K, BLOCK_P, num_warps)``: heads per loop step, pairs per head
+        (a power of two >= rot_dim / 2), pass-through channels per head (a power of two
+        >= head_dim - rot_dim, or 0 when every channel is rotated), warps per program.
+    """
+    block_k = triton.next_power_of_2(rot_dim // 2)
+    block_p = triton.next_power_of_2(head_dim - rot_dim) if head_dim > rot_dim else 0
+    width = max(2 * block_k, block_p)
+    block_h = max(1, min(triton.next_power_of_2(n_heads), TILE_ELEMENTS // width))
+    elements = block_h * width
+    warps = next(w for bound, w in _WARPS_BY_TILE if elements <= bound)
+    return block_h, block_k, block_p, warps
+
+
+def rope_launch(x: torch.Tensor, freqs: torch.Tensor, interleaved: bool, backward: bool,
+                mscale: float = 1.0) -> torch.Tensor:
+    """Launch the kernel: the rotation (forward) or its transpose (backward) of ``x``.
+
+    No argument checks beyond what the kernel needs (the caller,
+    :mod:`fusedlib.fusions.fused_rope`, checks user input).
+
+    Args:
+        x: [s, b, np, d], float32/float16/bfloat16/float64, any strides.
+        freqs: [s or 1, b or 1, 1, rot], float32 (or float64 with float64 x), same device,
+            rot even and <= d; any strides.
+        interleaved: pairs (2k, 2k+1) if True, else (k, k + rot/2).
+        backward: apply the transpose (the gradient of the forward) instead.
+        mscale: scale of cos and sin.
+
+    Returns:
+        A new contiguous [s, b, np, d] tensor of x's dtype.
+    """
+    s, b, n_heads, d = x.shape
+    rot = freqs.shape[-1]
+    out = torch.empty((s, b, n_heads, d), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block_h, block_k, block_p, warps = rope_tile(n_heads, d, rot)
+    f_stride_s = freqs.stride(0) if freqs.shape[0] != 1 else 0
+    f_stride_b = freqs.stride(1) if freqs.shape[1] != 1 else 0
+    launch(
+        _rope_kernel, (s * b,), x.device,
+        x, freqs, out, b, n_heads, d, rot // 2,
+        x.stride(0), x.stride(1), x.stride(2), x.stride(3),
+        f_stride_s, f_stride_b, freqs.stride(3), float(mscale),
+        INTERLEAVED=bool(interleaved), BACKWARD=bool(backward),
+        BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_P=block_p, ACC=acc_dtype(x.dtype), num_warps=warps,
+    )
+    return out
+
+
+def rope_fwd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, mscale: float = 1.0) -> torch.Tensor:
+    """RoPE applied to ``t`` [s, b, np, d] with ``freqs`` [s, 1 or b, 1, rot]: a new
+    contiguous tensor of t's shape and dtype (see :func:`rope_launch`)."""
+    return rope_launch(t, freqs, interleaved, backward=False, mscale=mscale)
+
+
+def rope_bwd(g: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, mscale: float = 1.0) -> torch.Tensor:
+    """The gradient of :func:`rope_fwd` with respect to t, given the output's gradient
+    ``g`` [s, b, np, d] (any strides): a new contiguous tensor of g's shape and dtype."""
+    return rope_launch(g, freqs, interleaved, backward=True, mscale=mscale)
