@@ -23,6 +23,7 @@ OP_MODULES: dict[str, str] = {
     "softmax_one": "softmax_one",
     "layer_norm": "layer_norm",
     "rms_norm": "rms_norm",
+    "rope": "rope",
 }
 
 
