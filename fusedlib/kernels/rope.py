@@ -35,9 +35,10 @@ through the L2 cache. Nothing is saved for the backward but ``freqs``.
 Grid: one program per token (position s, sample b). It loads its row of ``freqs`` once,
 computes ``cos`` and ``sin`` of the pair angles in float32 (as Megatron does, from the
 same float32 ``freqs``), then loops over its heads ``BLOCK_H`` at a time, reusing those
-values for every head: each thread evaluates its channels' sines and cosines once and
-applies them to all of its heads, so the transcendental functions cost a fraction of an
-evaluation per element instead of two.
+values for every head, so the sines and cosines (accurate ones, with full range reduction:
+angles reach thousands of radians) cost a fraction of an evaluation per element instead
+of two. Interleaved pairs are loaded as [heads, pairs, 2] tiles and split, so that both
+layouts read contiguous memory.
 
 Dtype policy: load, compute in float32 (float64 for float64 inputs, so
 ``torch.autograd.gradcheck`` can check the kernel), store in t's dtype. Each rotated
@@ -93,18 +94,20 @@ def _rope_kernel(
     f_row = F_ptr + s_idx.to(tl.int64) * F_stride_s + b_idx.to(tl.int64) * F_stride_b
     out_row = OUT_ptr + row.to(tl.int64) * n_heads * head_dim
 
-    k = tl.arange(0, BLOCK_K)
+    k = tl.arange(0, BLOCK_K)  # pair index
     k_mask = k < half_rot
-    if INTERLEAVED:
-        i1 = 2 * k  # channel of each pair's first element
-        i2 = i1 + 1  # ... and of its partner
-    else:
-        i1 = k
-        i2 = k + half_rot
-
     # This token's angles, once: cos and sin for both channels of every pair, in ACC
-    f1 = tl.load(f_row + i1 * F_stride_d, mask=k_mask, other=0.0).to(ACC)
-    f2 = tl.load(f_row + i2 * F_stride_d, mask=k_mask, other=0.0).to(ACC)
+    if INTERLEAVED:
+        # a pair's channels (2k, 2k + 1) are adjacent: load them as a [BLOCK_K, 2] tile
+        # (contiguous, so vector loads) and split it into the two halves of each pair
+        ch = 2 * k[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK_K, 2]
+        ch_mask = ch < 2 * half_rot
+        f1, f2 = tl.split(tl.load(f_row + ch * F_stride_d, mask=ch_mask, other=0.0).to(ACC))
+    else:
+        i1 = k  # channel of each pair's first element
+        i2 = k + half_rot  # ... and of its partner
+        f1 = tl.load(f_row + i1 * F_stride_d, mask=k_mask, other=0.0).to(ACC)
+        f2 = tl.load(f_row + i2 * F_stride_d, mask=k_mask, other=0.0).to(ACC)
     c1 = tl.cos(f1) * mscale
     c2 = tl.cos(f2) * mscale
     s1 = tl.sin(f1) * mscale
@@ -124,15 +127,22 @@ def _rope_kernel(
     for h0 in range(0, n_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         h_mask = h < n_heads
-        mask = h_mask[:, None] & k_mask[None, :]
         x_h = x_row + h[:, None].to(tl.int64) * X_stride_h  # [BLOCK_H, 1] pointers to each head
         o_h = out_row + h[:, None].to(tl.int64) * head_dim
-        x1 = tl.load(x_h + i1[None, :] * X_stride_d, mask=mask, other=0.0).to(ACC)
-        x2 = tl.load(x_h + i2[None, :] * X_stride_d, mask=mask, other=0.0).to(ACC)
-        o1 = x1 * c1 + x2 * w12
-        o2 = x2 * c2 + x1 * w21
-        tl.store(o_h + i1[None, :], o1.to(OUT_ptr.dtype.element_ty), mask=mask)
-        tl.store(o_h + i2[None, :], o2.to(OUT_ptr.dtype.element_ty), mask=mask)
+        if INTERLEAVED:
+            # [BLOCK_H, BLOCK_K, 2] tiles: each pair's two channels side by side
+            mask3 = h_mask[:, None, None] & ch_mask[None, :, :]
+            x1, x2 = tl.split(tl.load(x_h[:, :, None] + ch[None, :, :] * X_stride_d, mask=mask3, other=0.0).to(ACC))
+            o = tl.join(x1 * c1 + x2 * w12, x2 * c2 + x1 * w21)
+            tl.store(o_h[:, :, None] + ch[None, :, :], o.to(OUT_ptr.dtype.element_ty), mask=mask3)
+        else:
+            mask = h_mask[:, None] & k_mask[None, :]
+            x1 = tl.load(x_h + i1[None, :] * X_stride_d, mask=mask, other=0.0).to(ACC)
+            x2 = tl.load(x_h + i2[None, :] * X_stride_d, mask=mask, other=0.0).to(ACC)
+            o1 = x1 * c1 + x2 * w12
+            o2 = x2 * c2 + x1 * w21
+            tl.store(o_h + i1[None, :], o1.to(OUT_ptr.dtype.element_ty), mask=mask)
+            tl.store(o_h + i2[None, :], o2.to(OUT_ptr.dtype.element_ty), mask=mask)
         if BLOCK_P > 0:  # channels rot .. d: copied, no arithmetic, no rounding
             p = 2 * half_rot + tl.arange(0, BLOCK_P)
             p_mask = h_mask[:, None] & (p < head_dim)[None, :]
@@ -140,21 +150,16 @@ def _rope_kernel(
             tl.store(o_h + p[None, :], xp, mask=p_mask)
 
 
-# Tile per loop step, in elements of x (both halves of the pairs, or the pass-through
-# channels if wider): BLOCK_H = TILE_ELEMENTS // width heads, at most every head. 2 Ki
-# elements (4 KB of bf16) per step over 2 warps is 32 elements per thread: 16-byte loads,
-# and each thread's cos/sin values serve several heads (see the module docstring).
-# A first choice by that reasoning, to be tuned on the GPU like the other ops' tables.
-TILE_ELEMENTS = 2048
-
-# Warps per program, as (upper bound of elements per step, num_warps): 1 Ki elements per
-# warp (32 per thread), so small heads get small programs.
-_WARPS_BY_TILE: tuple[tuple[int, int], ...] = (
-    (1024, 1),
-    (2048, 2),
-    (4096, 4),
-    (1 << 62, 8),  # a head wider than 4 Ki channels
-)
+# Launch settings. The compiler gives the per-pair values (the angles' loads, cos, sin) their
+# own compact layout, one pair per thread, when a program has at most BLOCK_K threads, and
+# converts them once through shared memory; with more threads than pairs it recomputes them
+# in every thread that holds a head of that pair, up to two sines and two cosines per element
+# (read off the Triton 3.9 IR for sm_90). So a program gets one warp per 32 pairs, at most 8:
+# the rotation's transcendentals then cost about 4 / (np · 2) per element.
+MAX_WARPS = 8
+# Elements of x per loop step and warp: 32 per thread, e.g. 2 Ki elements (16 heads x 64
+# pairs x 2) for 2 warps at d = rot = 128: four 16-byte loads per thread per step.
+ELEMENTS_PER_WARP = 1024
 
 
 def rope_tile(n_heads: int, head_dim: int, rot_dim: int) -> tuple[int, int, int, int]:
@@ -168,14 +173,14 @@ def rope_tile(n_heads: int, head_dim: int, rot_dim: int) -> tuple[int, int, int,
     Returns:
         ``(BLOCK_H, BLOCK_K, BLOCK_P, num_warps)``: heads per loop step, pairs per head
         (a power of two >= rot_dim / 2), pass-through channels per head (a power of two
-        >= head_dim - rot_dim, or 0 when every channel is rotated), warps per program.
+        >= head_dim - rot_dim, or 0 when every channel is rotated), warps per program
+        (BLOCK_K / 32, between 1 and :data:`MAX_WARPS`).
     """
     block_k = triton.next_power_of_2(rot_dim // 2)
     block_p = triton.next_power_of_2(head_dim - rot_dim) if head_dim > rot_dim else 0
-    width = max(2 * block_k, block_p)
-    block_h = max(1, min(triton.next_power_of_2(n_heads), TILE_ELEMENTS // width))
-    elements = block_h * width
-    warps = next(w for bound, w in _WARPS_BY_TILE if elements <= bound)
+    warps = max(1, min(MAX_WARPS, block_k // 32))
+    width = max(2 * block_k, block_p)  # elements of one head per step
+    block_h = max(1, min(triton.next_power_of_2(n_heads), warps * ELEMENTS_PER_WARP // width))
     return block_h, block_k, block_p, warps
 
 
