@@ -23,6 +23,7 @@ import ast
 import contextlib
 import math
 import pathlib
+from types import SimpleNamespace
 from typing import Callable
 
 import pytest
@@ -43,6 +44,7 @@ from fusedlib.fusions.fused_bias_dropout import (
 )
 from fusedlib.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from fusedlib.fusions.fused_layer_norm import FusedLayerNorm, FusedNorm, FusedRMSNorm, fused_layer_norm, fused_rms_norm
+from fusedlib.fusions.fused_rope import fused_apply_rotary_pos_emb
 from fusedlib.fusions.fused_softmax import (
     FusedScaleMaskSoftmax,
     ScaledMaskedSoftmax,
@@ -57,6 +59,7 @@ from fusedlib.fusions.fused_softmax import (
 )
 from fusedlib.kernels.bias_dropout_add import KEEP_BITS, drop_threshold, dropout_mask, philox_seed
 from fusedlib.kernels.softmax import softmax_dropout_mask
+from fusedlib.models.common.embeddings import RotaryEmbedding, apply_rotary_pos_emb
 from fusedlib.parallel import vocab_parallel_cross_entropy
 from fusedlib.parallel.demo import make_global_inputs, run_tp, shard
 from fusedlib.transformer import AttnMaskType, TransformerConfig
@@ -650,6 +653,38 @@ def _global_inputs(dtype):
 
     return run, reference, {"logits": _same(dtype), "target": (torch.int64, None, 1.0),
                             "grad": (torch.float64, torch.float64, 1.0)}
+
+
+# --- rotary position embeddings (chapter 7) ---------------------------------------------------
+
+
+@case("RotaryEmbedding, apply_rotary_pos_emb(apply_rope_fusion=True), fused_apply_rotary_pos_emb")
+def _rope(dtype):
+    t, g = _randn(3, 2, 2, 40, dtype=dtype, scale=2.0), _randn(3, 2, 2, 40, dtype=dtype)
+    config = SimpleNamespace(apply_rope_fusion=True, rotary_interleaved=False)
+
+    def run():
+        freqs = RotaryEmbedding(40, 0.6, device=DEVICE)(3)  # [3, 1, 1, 24] float32, made in the context
+        tl = _leaves(t)[0]
+        out = apply_rotary_pos_emb(tl, freqs, config)
+        out.backward(g)
+        return {"freqs": freqs, "out": out, "dt": tl.grad,
+                "fused(per-sample, interleaved)": fused_apply_rotary_pos_emb(t, freqs.expand(3, 2, 1, 24),
+                                                                             interleaved=True)}
+
+    def reference():
+        i = torch.arange(12, device=DEVICE, dtype=torch.float64)
+        angles = torch.arange(3, device=DEVICE, dtype=torch.float64)[:, None] / 10000.0 ** (2 * i / 24)
+        freqs = torch.cat((angles, angles), -1)[:, None, None, :]  # [3, 1, 1, 24] float64
+        t64 = _leaves64(t)[0]
+        out = unfused.apply_rotary_pos_emb_bshd(t64, freqs)
+        out.backward(g.double())
+        return {"freqs": freqs, "out": out, "dt": t64.grad,
+                "fused(per-sample, interleaved)": unfused.apply_rotary_pos_emb_bshd(t.double(), freqs, True)}
+
+    expected = {"freqs": (torch.float32, torch.float32, 1.0), "out": _same(dtype), "dt": _same(dtype),
+                "fused(per-sample, interleaved)": _same(dtype)}
+    return run, reference, expected
 
 
 # --- utils --------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ OP_MODULES: dict[str, str] = {
     "softmax_dropout": "softmax_dropout",
     "layer_norm": "layer_norm",
     "rms_norm": "rms_norm",
+    "rope": "rope",
 }
 
 
