@@ -1,0 +1,1 @@
+"""Pieces the models share (Megatron-core's ``megatron/core/models/common``)."""

@@ -1,0 +1,1 @@
+"""Embeddings (Megatron-core's ``megatron/core/models/common/embeddings``)."""
