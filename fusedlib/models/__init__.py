@@ -1,2 +1,1 @@
-"""Megatron-core's ``megatron/core/models``: :mod:`fusedlib.models.gpt` (layer specs, ``GPTModel``)
-and :mod:`fusedlib.models.common` (embeddings)."""
+"""Megatron-core's ``models`` package: the model definitions built from fusedlib's parts."""

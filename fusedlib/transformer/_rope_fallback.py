@@ -51,8 +51,12 @@ class RotaryEmbedding(torch.nn.Module):
     """
 
     def __init__(self, kv_channels: int, rotary_percent: float, rotary_interleaved: bool = False,
-                 seq_len_interpolation_factor: Optional[float] = None, rotary_base: int = 10000) -> None:
+                 seq_len_interpolation_factor: Optional[float] = None, rotary_base: int = 10000,
+                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
+                 use_cpu_initialization: bool = False) -> None:
         super().__init__()
+        if rope_scaling:
+            raise NotImplementedError("rope_scaling needs fusedlib.models.common.embeddings.RotaryEmbedding")
         dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor

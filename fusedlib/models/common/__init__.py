@@ -1,1 +1,1 @@
-"""Pieces the models share (Megatron-core's ``megatron/core/models/common``)."""
+"""Parts shared by the models (Megatron-core's ``models/common``)."""

@@ -12,8 +12,8 @@ With ``share_embeddings_and_output_weights`` the output layer has no weight of i
 uses the word embeddings'.
 
 Left out: pipeline stages, multi-token prediction, inference (KV caches, logits of the last
-token only), YaRN/multimodal RoPE, RoPE scaling, tensor and sequence parallelism, the loss
-mask (apply it to the returned per-token loss).
+token only), YaRN/multimodal RoPE, tensor and sequence parallelism, the loss mask (apply it to
+the returned per-token loss).
 
 Source: Megatron-LM ``megatron/core/models/gpt/gpt_model.py`` and
 ``megatron/core/models/common/language_module/language_module.py`` (``compute_language_model_loss``).
@@ -62,9 +62,10 @@ class GPTModel(MegatronModule):
         parallel_output: keep logits split across tensor-parallel ranks (one rank: no effect).
         share_embeddings_and_output_weights: tie the output layer to the word embeddings.
         position_embedding_type: "learned_absolute", "rope" or "none".
-        rotary_percent, rotary_base, seq_len_interpolation_factor: RoPE's (rot_dim = hn·rotary_percent).
-        rope_scaling, rope_scaling_factor, scatter_embedding_sequence_parallel, mtp_block_spec,
-            pg_collection, vp_stage: must stay at their defaults.
+        rotary_percent, rotary_base, seq_len_interpolation_factor, rope_scaling, rope_scaling_factor:
+            RoPE's (rot_dim = hn·rotary_percent; Llama 3's frequency scaling), passed to RotaryEmbedding.
+        scatter_embedding_sequence_parallel: accepted (one rank: no effect).
+        mtp_block_spec, pg_collection, vp_stage: must stay at their defaults.
 
     ``forward(input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
     inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
@@ -90,10 +91,10 @@ class GPTModel(MegatronModule):
                  seq_len_interpolation_factor: Optional[float] = None, mtp_block_spec: Optional[ModuleSpec] = None,
                  pg_collection: object = None, vp_stage: Optional[int] = None) -> None:
         super().__init__(config=config)
-        if (not pre_process or not post_process or rope_scaling or mtp_block_spec is not None
+        if (not pre_process or not post_process or mtp_block_spec is not None
                 or pg_collection is not None or vp_stage is not None):
-            raise NotImplementedError("GPTModel: pipeline stages (pre_process/post_process False), RoPE scaling, "
-                                      "multi-token prediction, pg_collection and vp_stage are left out of fusedlib")
+            raise NotImplementedError("GPTModel: pipeline stages (pre_process/post_process False), multi-token "
+                                      "prediction, pg_collection and vp_stage are left out of fusedlib")
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(f"position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
                              f"got {position_embedding_type!r}")
@@ -114,7 +115,9 @@ class GPTModel(MegatronModule):
             self.rotary_pos_emb = _rotary_embedding_class()(
                 kv_channels=config.kv_channels, rotary_percent=rotary_percent,
                 rotary_interleaved=config.rotary_interleaved,
-                seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base)
+                seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base,
+                rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
+                use_cpu_initialization=config.use_cpu_initialization)
         # [Module 3: decoder]
         self.decoder = TransformerBlock(config=config, spec=transformer_layer_spec)
         # [Module 4: output layer] h -> V, no bias; no weight of its own when tied

@@ -1,1 +1,0 @@
-"""Embeddings (Megatron-core's ``megatron/core/models/common/embeddings``)."""
