@@ -2,8 +2,6 @@
 loss, against the float64 model of ``transformer_reference``; the cross-entropy switch."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -14,8 +12,7 @@ from fusedlib.transformer import Float16Module
 
 from conftest import DEVICE  # noqa: I001
 from test_transformer import (  # noqa: I001
-    AGGREGATE_RATIO, FUSIONS_ON, TENSOR_RATIO, U, UNFUSED_IN_U, B, H, NP, S, Spy, make_config, nrmse, randomize,
-    reference_state,
+    FUSIONS_ON, B, H, NP, S, Spy, assert_as_accurate, make_config, nrmse, randomize, reference_state, tensor_errors,
 )
 
 V = 37  # vocabulary: odd
@@ -59,14 +56,11 @@ def test_gpt_loss_matches_the_float64_reference(position, tied, interleaved):
         assert loss.shape == (B, S) and loss.dtype == torch.float32
         loss.backward(g.float())
         outs = {"loss": loss, **{n: p.grad for n, p in model.named_parameters()}}
-        errors[name] = {k: nrmse(v, refs[k]) for k, v in outs.items()}
+        errors[name] = tensor_errors(outs, refs, torch.float32)
         logits = model(ids, None, None)
         assert logits.shape == (B, S, V)
     # the bounds of test_every_fusion_on_equals_every_fusion_off (same setup, one more GEMM and the loss)
-    agg = {k: math.sqrt(sum(v * v for v in e.values()) / len(e)) for k, e in errors.items()}
-    assert agg["plain"] <= UNFUSED_IN_U * U[torch.float32], agg
-    assert agg["fused"] <= AGGREGATE_RATIO * agg["plain"], agg
-    assert max(errors["fused"].values()) <= TENSOR_RATIO * agg["plain"], errors["fused"]
+    assert_as_accurate(errors, "plain", torch.float32)
     # positions matter: the reference without them is far off
     if position == "rope":
         no_rope = R.gpt_loss(ids, labels, sd, fused_cfg, position_embedding_type="none", tied=tied)

@@ -13,15 +13,15 @@ does not ship, and its other fusions are ``torch.compile``d PyTorch (the same fo
 cases give megatron-core the tanh GeLU, which fusedlib's fused bias-GeLU computes (megatron-core's
 fused bias-GeLU does too; ``F.gelu`` is the erf form).
 
-megatron-core imports on Python >= 3.12 and needs CUDA and torch.distributed: a one-rank NCCL
-group and its ``parallel_state`` with tensor-parallel size 1 are set up by the module fixture.
-Elsewhere the tests skip, saying why.
+megatron-core's layers need CUDA (parameters, RNG tracker and scratch buffers on the GPU) and
+torch.distributed: a one-rank NCCL group and its ``parallel_state`` with tensor-parallel size 1 are
+set up by the module fixture. Its wheel is built for Python 3.12 (the GPU machine's). Where either
+is missing the tests skip, saying why.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import socket
 import sys
 
@@ -35,7 +35,9 @@ from fusedlib.transformer import AttnBackend, TransformerConfig
 from fusedlib.transformer.transformer_block import TransformerBlock
 
 from conftest import DEVICE  # noqa: I001
-from test_transformer import AGGREGATE_RATIO, TENSOR_RATIO, U, UNFUSED_IN_U, nrmse  # noqa: I001
+from test_transformer import (  # noqa: I001
+    B, FFN, H, NG, NP, S, TENSOR_RATIO, U, UNFUSED_IN_U, assert_as_accurate, nrmse, tensor_errors,
+)
 
 
 def _why_not() -> str | None:
@@ -51,7 +53,7 @@ def _why_not() -> str | None:
 _REASON = _why_not()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
-S, B, H, NP, NG, FFN, V = 13, 3, 64, 8, 2, 96, 101
+V = 37  # the sizes of test_transformer, whose error bounds were measured for them
 
 
 @pytest.fixture(scope="module")
@@ -146,16 +148,12 @@ def test_block_matches_megatron_core(megatron, case):
     refs = {"y": y64.detach(), "dx": x64.grad, **{n: sd[n].grad for n in sd}}
 
     out = {"megatron": _run(m_block, x, g), "fused": _run(fused, x, g), "plain": _run(plain, x, g)}
-    errors = {k: {t: nrmse(v, refs[t]) for t, v in o.items()} for k, o in out.items()}
-    agg = {k: math.sqrt(sum(v * v for v in e.values()) / len(e)) for k, e in errors.items()}
+    errors = {k: tensor_errors(o, refs, dtype) for k, o in out.items()}
+    # megatron-core's block is the formula the reference writes down (layout, GQA, masks, norms): its
+    # error is within UNFUSED_IN_U·u, and fusedlib's fused and unfused blocks are as accurate as it
+    agg = assert_as_accurate(errors, "megatron", dtype)
     print(f"\n{case}: normalized RMS error vs float64, aggregate over output and gradients: "
           + ", ".join(f"{k} {v / U[dtype]:.1f}u" for k, v in agg.items()))
-    # megatron-core's block is the formula the reference writes down (layout, GQA, masks, norms)
-    assert agg["megatron"] <= UNFUSED_IN_U * U[dtype], agg
-    for path in ("fused", "plain"):
-        assert agg[path] <= AGGREGATE_RATIO * agg["megatron"], (path, agg)
-        worst = max(errors[path], key=errors[path].get)
-        assert errors[path][worst] <= TENSOR_RATIO * agg["megatron"], (path, worst, errors[path][worst], agg)
     if dtype is torch.float32:  # the same PyTorch ops in the same order: nearly the same bits
         diff = max((out["plain"][t].double() - out["megatron"][t].double()).abs().max().item() for t in refs)
         print(f"{case}: max |fusedlib unfused - megatron-core| over output and gradients: {diff:.3g}")
