@@ -32,6 +32,12 @@ Public API (Megatron-core's names):
 * ``fusedlib.runtime``: where kernels run (compiled on CUDA, interpreted on the CPU).
 * ``fusedlib.bench``: the benchmark harness (``python -m fusedlib.bench``).
 * ``fusedlib.book``: helpers for the chapters.
+* ``fusedlib.transformer``: Megatron-core's transformer package (``TransformerConfig``, ``ModuleSpec``,
+  ``build_module``, ``SelfAttention``, ``DotProductAttention``, ``MLP``, ``TransformerLayer``,
+  ``TransformerBlock``, ``Float16Module``); ``fusedlib.parallel.layers``: ``ColumnParallelLinear``,
+  ``RowParallelLinear``, ``VocabParallelEmbedding`` (one rank).
+* ``fusedlib.models.gpt``: ``get_gpt_layer_local_spec`` (every fusion, chosen by the config),
+  ``get_gpt_layer_unfused_spec``, ``GPTModel``.
 
 Importing fusedlib first imports :mod:`fusedlib.runtime`, which sets
 ``TRITON_INTERPRET=1`` on a machine with no CUDA GPU before any kernel is defined.
