@@ -42,18 +42,13 @@ from .utils import param_device
 __all__ = ["SelfAttentionSubmodules", "CrossAttentionSubmodules", "Attention", "SelfAttention", "CrossAttention"]
 
 Spec = Union[ModuleSpec, type]
-_ROPE_UTILS = "fusedlib.models.common.embeddings.rope_utils"
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
     """RoPE on t [s, b, heads, hn] with angles freqs [s, 1 or b, 1, rot_dim]: fusedlib's
     ``rope_utils.apply_rotary_pos_emb`` (fused or not by ``config.apply_rope_fusion``)."""
-    try:
-        from ..models.common.embeddings.rope_utils import apply_rotary_pos_emb as rope
-    except ModuleNotFoundError as e:
-        if not (e.name and _ROPE_UTILS.startswith(e.name)):
-            raise
-        from ._rope_fallback import apply_rotary_pos_emb as rope  # no RoPE package: the unfused formula
+    from ..models.common.embeddings.rope_utils import apply_rotary_pos_emb as rope  # on first use: no import cycle
+
     return rope(t, freqs, config)
 
 

@@ -36,16 +36,11 @@ from ..common.embeddings.language_model_embedding import LanguageModelEmbedding
 
 __all__ = ["GPTModel"]
 
-_ROTARY = "fusedlib.models.common.embeddings.rotary_pos_embedding"
 
 
 def _rotary_embedding_class() -> type:
-    try:
-        from ..common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    except ModuleNotFoundError as e:
-        if not (e.name and _ROTARY.startswith(e.name)):
-            raise
-        from ...transformer._rope_fallback import RotaryEmbedding  # no RoPE package: the unfused angles
+    from ..common.embeddings.rotary_pos_embedding import RotaryEmbedding  # on first use: no import cycle
+
     return RotaryEmbedding
 
 
