@@ -29,16 +29,23 @@ from ``fusedlib`` itself (Megatron-core's names); by layer:
      ``FusedRMSNormAffineFunction``.
   5. softmax: ``fused_scale_mask_softmax``, ``FusedScaleMaskSoftmax``,
      ``ScaledUpperTriangMaskedSoftmax``, ``ScaledMaskedSoftmax``, ``ScaledSoftmax``,
-     ``SoftmaxOne``.
+     ``SoftmaxOne``; with the attention dropout fused, ``fused_scale_mask_softmax_dropout``
+     and ``ScaledMaskedSoftmaxDropout``.
   6. cross entropy: ``fused_vocab_parallel_cross_entropy`` (2 all-reduces).
 
 * parallel: ``parallel`` (the package), ``vocab_parallel_cross_entropy`` (unfused, 3
   all-reduces), ``VocabUtility``, ``count_collectives``.
-* transformer: ``TransformerConfig``, ``AttnMaskType``.
+* transformer: ``TransformerConfig``, ``AttnMaskType`` (the rest of Megatron-core's
+  transformer package, ``ModuleSpec``, ``build_module``, ``SelfAttention``,
+  ``DotProductAttention``, ``MLP``, ``TransformerLayer``, ``TransformerBlock``,
+  ``Float16Module``, is in ``fusedlib.transformer``).
 
 Not imported here (import them by name): ``fusedlib.activations`` (``squared_relu``,
 ``quick_gelu``, ``fast_gelu``), ``fusedlib.transformer.utils`` (``attention_mask_func`` and
-the mask builders), ``fusedlib.kernels`` (the Triton kernels, their launchers and tile tables),
+the mask builders), ``fusedlib.parallel.layers`` (``ColumnParallelLinear``,
+``RowParallelLinear``, ``VocabParallelEmbedding``, one rank), ``fusedlib.models.gpt``
+(``get_gpt_layer_local_spec``, ``get_gpt_layer_unfused_spec``, ``GPTModel``),
+``fusedlib.fusions.fused_rope`` (rotary position embeddings), ``fusedlib.kernels`` (the Triton kernels, their launchers and tile tables),
 ``fusedlib.bench``, the benchmark harness (``python -m fusedlib.bench``), and
 ``fusedlib.book``, the chapters' helpers.
 """
@@ -79,9 +86,11 @@ from .fusions.fused_softmax import (  # 5
     FusedScaleMaskSoftmax,
     ScaledMaskedSoftmax,
     ScaledSoftmax,
+    ScaledMaskedSoftmaxDropout,
     ScaledUpperTriangMaskedSoftmax,
     SoftmaxOne,
     fused_scale_mask_softmax,
+    fused_scale_mask_softmax_dropout,
 )
 from .fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy  # 6
 
@@ -140,6 +149,8 @@ __all__ = [
     "ScaledUpperTriangMaskedSoftmax",
     "SoftmaxOne",
     "fused_scale_mask_softmax",
+    "ScaledMaskedSoftmaxDropout",
+    "fused_scale_mask_softmax_dropout",
     # 6. cross entropy
     "fused_vocab_parallel_cross_entropy",
     # parallel

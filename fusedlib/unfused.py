@@ -741,6 +741,64 @@ def softmax_backward(g: torch.Tensor, p: torch.Tensor, scale: float = 1.0) -> to
     """
     return scale * p * (g - (g * p).sum(dim=-1, keepdim=True))
 
+def scale_mask_softmax_dropout(
+    x: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    training: bool = True,
+    softmax_in_fp32: bool = True,
+    softmax_offset: torch.Tensor | None = None,
+    mask_func=attention_mask_func,
+) -> torch.Tensor:
+    """The unfused attention probabilities of Megatron-core's ``DotProductAttention``:
+    :func:`scale_mask_softmax`, then ``torch.nn.functional.dropout``.
+
+    The softmax writes p, the dropout reads it and writes the output and a one-byte-per-element
+    mask, which autograd keeps (with p) for the backward.
+
+    Args:
+        x, mask, scale, softmax_in_fp32, softmax_offset, mask_func: as :func:`scale_mask_softmax`.
+        dropout_p: dropout probability in [0, 1].
+        training: dropout on, or the identity.
+
+    Returns:
+        Tensor like ``x``.
+
+    Raises:
+        ValueError: from ``torch.nn.functional.dropout`` for dropout_p outside [0, 1].
+    """
+    probs = scale_mask_softmax(x, mask, scale, softmax_in_fp32, softmax_offset, mask_func)
+    return torch.nn.functional.dropout(probs, p=dropout_p, training=training)
+
+
+def masked_softmax_dropout_reference(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    keep: torch.Tensor,
+    dropout_p: float,
+    softmax_offset: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """The definition with a given keep mask, for the tests: keep·p/(1 - dropout_p), p the
+    :func:`masked_softmax_reference`. Differentiable: in float64 its autograd gradients are
+    the oracle for the fused backward.
+
+    Args:
+        x, mask, scale, softmax_offset: as :func:`masked_softmax_reference`.
+        keep: bool, x's shape: True where a probability is kept.
+        dropout_p: the probability the mask was drawn with (the fused kernels apply
+            p' = round(p·2^16)/2^16: pass that); kept values are scaled by 1/(1 - dropout_p),
+            by 0 for dropout_p >= 1.
+
+    Returns:
+        Tensor like ``x``.
+    """
+    p = masked_softmax_reference(x, mask, scale, softmax_offset)
+    keep_scale = 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
+    return torch.where(keep, p * keep_scale, torch.zeros_like(p))
+
+
 __all__ += [
     "causal_mask",
     "sliding_window_causal_mask",
@@ -749,6 +807,8 @@ __all__ += [
     "scale_mask_softmax",
     "masked_softmax_reference",
     "softmax_backward",
+    "scale_mask_softmax_dropout",
+    "masked_softmax_dropout_reference",
 ]
 
 
@@ -858,3 +918,75 @@ def rms_norm_back(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: 
     dx = rstd * (g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
     dweight = (dy * x_hat).reshape(-1, x.shape[-1]).sum(0)
     return dx, dweight
+
+
+# ----------------------------------------------------------------------------------------
+# Rotary position embeddings (chapter 7): Megatron-core's unfused RoPE
+# ----------------------------------------------------------------------------------------
+
+__all__ += ["rotate_half", "apply_rotary_pos_emb_bshd"]
+
+
+def rotate_half(x: torch.Tensor, rotary_interleaved: bool) -> torch.Tensor:
+    """Megatron's ``_rotate_half``: pairs ``(x1, x2) -> (-x2, x1)`` along the last dim.
+
+    Half-split (``rotary_interleaved=False``): the pairs are ``(k, k + n/2)``, so
+    ``[x1 | x2] -> [-x2 | x1]``. Interleaved: the pairs are ``(2k, 2k + 1)``, so
+    ``[a0, b0, a1, b1, ...] -> [-b0, a0, -b1, a1, ...]``.
+
+    Args:
+        x: [..., n], n even, any float dtype.
+        rotary_interleaved: which pairing.
+
+    Returns:
+        A new tensor like ``x``.
+
+    Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``
+    (``_rotate_half``, which indexes 4-D tensors; ``...`` here serves any rank alike).
+    """
+    if not rotary_interleaved:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    x_new = torch.stack((-x2, x1), dim=-1)  # [..., n/2, 2]
+    return x_new.view(*x_new.shape[:-2], -1)  # [..., n/2, 2] -> [..., n]
+
+
+def apply_rotary_pos_emb_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+                              multi_latent_attention: bool = False, mscale: float = 1.0) -> torch.Tensor:
+    """Megatron's unfused RoPE, ``_apply_rotary_pos_emb_bshd``, line for line.
+
+    ``out = t * cos(freqs) + rotate_half(t) * sin(freqs)`` on the first ``rot_dim =
+    freqs.shape[-1]`` channels, the rest concatenated unchanged. ``cos`` and ``sin`` are
+    computed in freqs's dtype, scaled by ``mscale`` and cast to t's dtype before the
+    products, which then run in t's dtype (so for bf16 t: three bf16 roundings per element,
+    and cos/sin rounded to bf16 first). Called with float64 ``t`` and ``freqs`` it is the
+    tests' float64 reference; with bf16 ``t`` and float32 ``freqs``, the eager baseline.
+
+    Args:
+        t: [s, b, np, d] (any leading dims), any float dtype.
+        freqs: angles in radians, [s, 1, 1, rot_dim] or [s, b, 1, rot_dim] (broadcast
+            against t), rot_dim even and <= d; as ``RotaryEmbedding`` makes them.
+        rotary_interleaved: pairs (2k, 2k+1) if True, else (k, k + rot_dim/2).
+        multi_latent_attention: first reorder the rotated channels as [even | odd] (MLA's
+            layout), then rotate half-split pairs.
+        mscale: scale of cos and sin (YaRN's attention scaling; 1.0 = plain RoPE).
+
+    Returns:
+        A new [s, b, np, d] tensor of t's dtype (contiguous).
+
+    Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``
+    (``_apply_rotary_pos_emb_bshd``); Su et al. 2021, arXiv:2104.09864.
+    """
+    rot_dim = freqs.shape[-1]
+    # ideally t_pass is empty so rotary pos embedding is applied to all tensor t
+    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    if multi_latent_attention:
+        x1 = t[..., 0::2]
+        x2 = t[..., 1::2]
+        t = torch.cat((x1, x2), dim=-1)
+    cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
+    sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
+    t = (t * cos_) + (rotate_half(t, rotary_interleaved) * sin_)
+    return torch.cat((t, t_pass), dim=-1)

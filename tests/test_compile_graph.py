@@ -57,7 +57,9 @@ from fusedlib import (
     weighted_bias_swiglu_impl,
     weighted_squared_relu_impl,
 )
-from fusedlib.kernels.bias_dropout_add import dropout_scale
+from fusedlib.fusions.fused_rope import fused_apply_rotary_pos_emb
+from fusedlib.fusions.fused_softmax import fused_scale_mask_softmax_dropout
+from fusedlib.kernels.bias_dropout_add import drop_threshold, dropout_scale
 from fusedlib.kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from fusedlib.kernels.layer_norm import norm_bwd, norm_fwd
 from fusedlib.transformer.enums import AttnMaskType
@@ -152,6 +154,13 @@ def _mask(dtype=None):
     return m
 
 
+def _freqs(s, b, rot):
+    """Rotary angles [s, b, 1, rot] (float32, no gradient), each angle stored twice as
+    RotaryEmbedding stores them."""
+    half = torch.rand(s, b, 1, rot // 2, device="cuda") * 6.0
+    return torch.cat([half, half], dim=-1)
+
+
 def _targets():
     t = torch.randint(0, V, (N,), device="cuda")
     t[1] = -100  # ignored
@@ -196,6 +205,13 @@ CASES: dict[str, Case] = {
     "FusedScaleMaskSoftmax_padding_sink": Case(
         lambda dt: (_r(B, NP, SQ, SK, dtype=dt), _mask(), _r(NP, dtype=torch.float32)),
         lambda x, m, o: _PADDING(x, m, o), dtypes=(torch.float32,)),
+    "softmax_dropout_causal_p0.3": Case(
+        lambda dt: (_r(B, NP, SK, SK, dtype=dt),),
+        lambda x: fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, 0.5, 0.3), random=True),
+    "rope_half_split": Case(lambda dt: (_r(SQ, B, NP, 40, dtype=dt), _freqs(SQ, 1, 24)),
+                            lambda t, f: fused_apply_rotary_pos_emb(t, f)),
+    "rope_interleaved_per_sample": Case(lambda dt: (_r(SQ, B, NP, 40, dtype=dt), _freqs(SQ, B, 40)),
+                                        lambda t, f: fused_apply_rotary_pos_emb(t, f, interleaved=True)),
     "vocab_parallel_cross_entropy": Case(lambda dt: (_r(N, V, dtype=dt, scale=3.0), _targets()),
                                          lambda x, t: vocab_parallel_cross_entropy(x, t, 0.1)),
     "fused_vocab_parallel_cross_entropy": Case(lambda dt: (_r(N, V, dtype=dt, scale=3.0), _targets()),
@@ -343,6 +359,24 @@ def test_cuda_graph_of_forward_and_backward_replays_on_new_data(name, dtype):
     torch.cuda.synchronize()
 
     ref_in = _clone(new)
+    if case.random and name.startswith("softmax_dropout"):
+        # the graph's own seed: its keep mask is where the output is nonzero (p > 0 on and below
+        # the diagonal); the output and dx must be the float64 definition's with that mask, and
+        # the kept fraction 1 - p' within 5 standard deviations over the unmasked positions
+        out, dx = result
+        x = static[0].detach().double()
+        p_applied = drop_threshold(0.3) / 65536
+        visible = torch.ones(SK, SK, device="cuda", dtype=torch.bool).tril().expand_as(x)
+        keep = (out != 0) & visible
+        xr = x.clone().requires_grad_(True)
+        want = unfused.masked_softmax_dropout_reference(xr, ~visible, 0.5, keep, p_applied)
+        (want_dx,) = torch.autograd.grad(want, xr, g_out.double())
+        atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1.6e-2)
+        torch.testing.assert_close(out.double(), want.detach(), atol=atol, rtol=rtol)
+        torch.testing.assert_close(dx.double(), want_dx, atol=atol, rtol=rtol)
+        n = int(visible.sum())
+        assert abs(keep.sum().item() / n - (1 - p_applied)) <= 5 * math.sqrt(p_applied * (1 - p_applied) / n)
+        return
     if case.random:
         # another seed than eager's: check the graph's own mask instead. out = r + keep·(x + b)·s
         # with keep in {0, 1} per element, the backward's mask is the forward's (dx = g·keep·s),

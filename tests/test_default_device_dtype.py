@@ -23,6 +23,7 @@ import ast
 import contextlib
 import math
 import pathlib
+from types import SimpleNamespace
 from typing import Callable
 
 import pytest
@@ -43,6 +44,7 @@ from fusedlib.fusions.fused_bias_dropout import (
 )
 from fusedlib.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from fusedlib.fusions.fused_layer_norm import FusedLayerNorm, FusedNorm, FusedRMSNorm, fused_layer_norm, fused_rms_norm
+from fusedlib.fusions.fused_rope import fused_apply_rotary_pos_emb
 from fusedlib.fusions.fused_softmax import (
     FusedScaleMaskSoftmax,
     ScaledMaskedSoftmax,
@@ -51,10 +53,13 @@ from fusedlib.fusions.fused_softmax import (
     SoftmaxOne,
     attention_mask_func,
     fused_scale_mask_softmax,
+    fused_scale_mask_softmax_dropout,
     get_default_causal_mask,
     get_sliding_window_causal_mask,
 )
 from fusedlib.kernels.bias_dropout_add import KEEP_BITS, drop_threshold, dropout_mask, philox_seed
+from fusedlib.kernels.softmax import softmax_dropout_mask
+from fusedlib.models.common.embeddings import RotaryEmbedding, apply_rotary_pos_emb
 from fusedlib.parallel import vocab_parallel_cross_entropy
 from fusedlib.parallel.demo import make_global_inputs, run_tp, shard
 from fusedlib.transformer import AttnMaskType, TransformerConfig
@@ -543,6 +548,36 @@ case("fused_scale_mask_softmax(causal, mask, float offset)")(lambda dtype: (lamb
     mask=m, causal=True, offset=-0.5))(_padding_mask()))
 
 
+
+@case("fused_scale_mask_softmax_dropout / ScaledMaskedSoftmaxDropout(causal, mask, [np] offset)")
+def _softmax_dropout(dtype):
+    x, g = _randn(B, NP, SQ, SK, dtype=dtype, scale=3.0), _randn(B, NP, SQ, SK, dtype=dtype)
+    m = _padding_mask()
+    off = torch.nn.Parameter(torch.randn(NP, device=DEVICE, dtype=torch.float32))
+
+    def run():
+        xl, ol = _leaves(x, off)
+        z = fused_scale_mask_softmax_dropout(xl, m, AttnMaskType.causal, ATT_SCALE, P_DROP, softmax_offset=ol)
+        z.backward(g)
+        return {"p": z, "dx": xl.grad, "doffset": ol.grad}
+
+    def reference():
+        torch.manual_seed(SEED)  # the Philox key the op drew after the same seed (outside the contexts)
+        keep = softmax_dropout_mask(philox_seed(DEVICE), (B, NP, SQ, SK), P_DROP)
+        x64, o64 = _leaves64(x, off)
+        full_mask = m | unfused.causal_mask(SQ, SK, device=DEVICE)
+        z = unfused.masked_softmax_dropout_reference(x64, full_mask, ATT_SCALE, keep,
+                                                     drop_threshold(P_DROP) / 2**KEEP_BITS, o64)
+        z.backward(g.double())
+        return {"p": z, "dx": x64.grad, "doffset": o64.grad}
+
+    # as the softmax cases, with every value scaled by 1/(1 - p') (absolute errors too)
+    ks = 1.0 / (1.0 - P_DROP)
+    return run, reference, {"p": _same(dtype, ks), "dx": _same(dtype, ks),
+                            "doffset": (torch.float32, torch.float32 if dtype == torch.float32 else dtype,
+                                        ks * math.sqrt(B * SQ))}
+
+
 def _fsm(dtype, fused, mask_type, window=None):
     return FusedScaleMaskSoftmax(dtype == torch.float16, False, mask_type, fused, attention_mask_func, True,
                                  ATT_SCALE, window)
@@ -618,6 +653,38 @@ def _global_inputs(dtype):
 
     return run, reference, {"logits": _same(dtype), "target": (torch.int64, None, 1.0),
                             "grad": (torch.float64, torch.float64, 1.0)}
+
+
+# --- rotary position embeddings (chapter 7) ---------------------------------------------------
+
+
+@case("RotaryEmbedding, apply_rotary_pos_emb(apply_rope_fusion=True), fused_apply_rotary_pos_emb")
+def _rope(dtype):
+    t, g = _randn(3, 2, 2, 40, dtype=dtype, scale=2.0), _randn(3, 2, 2, 40, dtype=dtype)
+    config = SimpleNamespace(apply_rope_fusion=True, rotary_interleaved=False)
+
+    def run():
+        freqs = RotaryEmbedding(40, 0.6, device=DEVICE)(3)  # [3, 1, 1, 24] float32, made in the context
+        tl = _leaves(t)[0]
+        out = apply_rotary_pos_emb(tl, freqs, config)
+        out.backward(g)
+        return {"freqs": freqs, "out": out, "dt": tl.grad,
+                "fused(per-sample, interleaved)": fused_apply_rotary_pos_emb(t, freqs.expand(3, 2, 1, 24),
+                                                                             interleaved=True)}
+
+    def reference():
+        i = torch.arange(12, device=DEVICE, dtype=torch.float64)
+        angles = torch.arange(3, device=DEVICE, dtype=torch.float64)[:, None] / 10000.0 ** (2 * i / 24)
+        freqs = torch.cat((angles, angles), -1)[:, None, None, :]  # [3, 1, 1, 24] float64
+        t64 = _leaves64(t)[0]
+        out = unfused.apply_rotary_pos_emb_bshd(t64, freqs)
+        out.backward(g.double())
+        return {"freqs": freqs, "out": out, "dt": t64.grad,
+                "fused(per-sample, interleaved)": unfused.apply_rotary_pos_emb_bshd(t.double(), freqs, True)}
+
+    expected = {"freqs": (torch.float32, torch.float32, 1.0), "out": _same(dtype), "dt": _same(dtype),
+                "fused(per-sample, interleaved)": _same(dtype)}
+    return run, reference, expected
 
 
 # --- utils --------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from fusedlib.fusions.fused_bias_gelu import bias_gelu_impl
 from fusedlib.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_swiglu_impl
 from fusedlib.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from fusedlib.fusions.fused_layer_norm import fused_layer_norm, fused_rms_norm
+from fusedlib.fusions.fused_rope import fused_apply_rotary_pos_emb
 from fusedlib.fusions.fused_softmax import ScaledSoftmax
 from fusedlib.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
 from fusedlib.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -41,6 +42,7 @@ OPS = {
     "weighted_squared_relu_impl": lambda: (_r(4, 16), (torch.rand(4, 1, device=DEVICE),), weighted_squared_relu_impl),
     "fused_layer_norm": lambda: (_r(4, 16), (_r(16), _r(16)), fused_layer_norm),
     "fused_rms_norm": lambda: (_r(4, 16), (_r(16),), fused_rms_norm),
+    "fused_apply_rotary_pos_emb": lambda: (_r(3, 2, 2, 8), (_r(3, 1, 1, 8),), fused_apply_rotary_pos_emb),
     "ScaledSoftmax": lambda: (_r(2, 2, 4, 8), (), lambda x: ScaledSoftmax.apply(x, 1.0)),
     "fused_vocab_parallel_cross_entropy": lambda: (_r(3, 2, 10), (_t(6, 10).view(3, 2),),
                                                    lambda x, t: fused_vocab_parallel_cross_entropy(x, t)),

@@ -74,7 +74,7 @@ __all__ = [
 logger = logging.getLogger("fusedlib.bench")
 
 #: Tiny shape per op (the op's own layout: [rows, h], GLUs [rows, 2h], causal softmax
-#: [b·np, sq, sk], the other softmaxes [b, np, sq, sk], cross entropy [rows, V]). A few
+#: [b·np, sq, sk], the other softmaxes [b, np, sq, sk], cross entropy [rows, V], RoPE [s, b, np, d]). A few
 #: thousand elements: each kernel is a few microseconds of GPU time, so the host decides.
 HOST_SHAPES: dict[str, tuple[int, ...]] = {
     "bias_gelu": (32, 256),
@@ -87,7 +87,9 @@ HOST_SHAPES: dict[str, tuple[int, ...]] = {
     "causal_softmax": (4, 32, 32),
     "masked_softmax": (1, 4, 32, 32),
     "softmax_one": (1, 4, 32, 32),
+    "softmax_dropout": (1, 4, 32, 32),
     "cross_entropy": (32, 512),
+    "rope": (16, 2, 4, 64),
 }
 
 #: The implementations timed: fusedlib and what a user writes without it.

@@ -27,10 +27,16 @@ What differs from Megatron-core, and why:
 * ``softmax_offset`` runs in the fused kernel too (Megatron-core falls back to torch), with
   its gradient; a sliding window runs in the kernel as a band.
 
+Beyond Megatron-core's file: :func:`fused_scale_mask_softmax_dropout` (autograd Function
+:class:`ScaledMaskedSoftmaxDropout`) fuses the attention dropout that Megatron-core's
+``DotProductAttention`` applies to these probabilities into the same kernel, with chapter 2's
+Philox mask, regenerated in the backward instead of stored.
+
 Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py``,
 ``megatron/core/transformer/utils.py`` (``get_default_causal_mask``,
 ``get_sliding_window_causal_mask``, ``attention_mask_func``); Apex ``csrc/megatron``
-(``get_batch_per_block``); Miller, "Attention is off by one" (2023).
+(``get_batch_per_block``); Miller, "Attention is off by one" (2023);
+``megatron/core/transformer/dot_product_attention.py`` (the attention dropout).
 """
 from __future__ import annotations
 
@@ -45,8 +51,16 @@ from torch.autograd.function import once_differentiable
 
 from .. import unfused
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ..kernels.bias_dropout_add import philox_seed
 from ..kernels.launch import acc_dtype
-from ..kernels.softmax import causal_band, softmax_bwd, softmax_fwd, window_band
+from ..kernels.softmax import (
+    causal_band,
+    softmax_bwd,
+    softmax_dropout_bwd,
+    softmax_dropout_fwd,
+    softmax_fwd,
+    window_band,
+)
 from ..runtime import default_device
 from ..transformer.enums import AttnMaskType
 
@@ -57,6 +71,8 @@ __all__ = [
     "SoftmaxOne",
     "FusedScaleMaskSoftmax",
     "fused_scale_mask_softmax",
+    "ScaledMaskedSoftmaxDropout",
+    "fused_scale_mask_softmax_dropout",
     "get_default_causal_mask",
     "get_sliding_window_causal_mask",
     "attention_mask_func",
@@ -242,6 +258,15 @@ def _check_scale(scale: object) -> float:
     return float(scale)
 
 
+def _check_dropout_p(dropout_p: object) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:  # NaN fails this too
+        raise ValueError(f"dropout_p must be in [0, 1) (1 would drop every probability), got {dropout_p}")
+    return p
+
+
 def _check_window(window_size: object) -> Optional[tuple[int, int]]:
     if window_size is None:
         return None
@@ -376,6 +401,139 @@ def fused_scale_mask_softmax(
     band = window_band(sq, sk, window) if window is not None else (causal_band(sq, sk) if causal else None)
     p4 = _ScaleMaskSoftmaxFunction.apply(x4, mask4, scale_f, band, offset)
     return p4 if input.dim() == 4 else p4.view(input.shape)  # [b, 1, sq, sk] -> [b, sq, sk]
+
+
+class ScaledMaskedSoftmaxDropout(torch.autograd.Function):
+    """Fused scale + masks + softmax + attention dropout, with autograd (the Function behind
+    :func:`fused_scale_mask_softmax_dropout`, which checks the arguments; call that).
+
+    ``apply(x4, mask, scale, band, offset, dropout_p)``: x4 [b, np, sq, sk] (any strides), mask
+    bool broadcastable to x4 (True = masked) or None, scale a float, band ``(band_lo,
+    band_hi)`` or None (:func:`~fusedlib.kernels.softmax.causal_band`,
+    :func:`~fusedlib.kernels.softmax.window_band`), offset sink logits [1] or [np] or None,
+    dropout_p in (0, 1) (``fused_scale_mask_softmax_dropout`` sends dropout_p = 0 to the plain
+    softmax's Function instead; here it would run the dropout kernels keeping everything).
+
+    Forward: draws a Philox key from torch's generator on x4's device (8 bytes; so
+    ``torch.manual_seed`` reproduces the mask), launches one kernel, and saves x4, the mask,
+    the seed and the row statistics (m and 1/D, float32 [2, b·np·sq]): no probabilities and no
+    dropout mask. Backward: one kernel recomputes p from x4, regenerates the keep mask k and
+    returns dx = scale·p·(g' - sum(g'·p)) with g' = g·k/(1 - p'), in x4's dtype, and the
+    sink-logit gradient. Differentiable once (a double backward raises).
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (the Function pattern) and
+    ``megatron/core/transformer/dot_product_attention.py`` (softmax, then attention dropout).
+    """
+
+    @staticmethod
+    def forward(ctx, x4, mask, scale, band, offset, dropout_p):
+        off = None
+        if offset is not None:  # sink logits in the compute dtype, [1] or [np] (no graph: forward runs without grad)
+            off = offset.to(acc_dtype(x4.dtype))
+            off = (off if off.dim() == 1 else off.reshape(-1)).contiguous()
+        seed = philox_seed(x4.device)
+        z, sink, stats = softmax_dropout_fwd(x4, seed, dropout_p, scale, mask, band, off)
+        ctx.save_for_backward(x4, mask, stats, seed, sink)
+        ctx.scale, ctx.band, ctx.dropout_p = scale, band, dropout_p
+        ctx.offset_meta = (offset.shape, offset.dtype, offset.numel()) if offset is not None else None
+        return z
+
+    @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    def backward(ctx, grad_output):
+        x4, mask, stats, seed, sink = ctx.saved_tensors
+        want_offset = ctx.offset_meta is not None and ctx.needs_input_grad[4]
+        dx, doff_rows = softmax_dropout_bwd(grad_output, x4, stats, seed, ctx.dropout_p, ctx.scale, mask,
+                                            ctx.band, sink if want_offset else None)
+        d_offset = None
+        if want_offset:
+            shape, dtype, numel = ctx.offset_meta
+            B, H, SQ, _ = x4.shape
+            rows = doff_rows.view(B, H, SQ)  # [b·np·sq] -> [b, np, sq]
+            d_offset = (rows.sum(dim=(0, 2)) if numel > 1 else rows.sum()).reshape(shape).to(dtype)
+        return dx, None, None, None, d_offset, None
+
+
+def fused_scale_mask_softmax_dropout(
+    input: torch.Tensor,  # noqa: A002 (Megatron's name)
+    mask: Optional[torch.Tensor],
+    attn_mask_type: AttnMaskType,
+    scale: Optional[float],
+    dropout_p: float,
+    *,
+    softmax_in_fp32: bool = True,
+    window_size: Optional[tuple[int, int]] = None,
+    softmax_offset: Optional[Union[torch.Tensor, float]] = None,
+) -> torch.Tensor:
+    """dropout(softmax(mask(scale·input)), dropout_p) in one kernel: the attention
+    probabilities of Megatron-core's ``DotProductAttention``, dropped out.
+
+    The [b, np, sq, sk] tensor is read once and written once in the forward; the dropout
+    mask is drawn inside the kernel with chapter 2's Philox and never stored: the backward
+    regenerates it from the seed and recomputes the softmax from ``input`` and 8 bytes of row
+    statistics (derivation: :mod:`fusedlib.kernels.softmax`).
+
+    Args:
+        input: scores [b, np, sq, sk], float32/float16/bfloat16 (float64 for gradcheck), any
+            strides, CUDA or CPU.
+        mask: bool, broadcastable to ``input`` ([b or 1, 1, sq, sk] in Megatron-core), True =
+            masked; or None. Applied with every mask type.
+        attn_mask_type: an :class:`~fusedlib.transformer.enums.AttnMaskType` (Megatron-core's
+            enum accepted by member name): causal, padding_causal and causal_bottom_right mask
+            keys j > q + sk - sq (bottom-right diagonal), never reading them; padding,
+            no_mask and arbitrary add nothing to ``mask``.
+        scale: multiplies the scores first (None: 1), e.g. 1/sqrt(head dim).
+        dropout_p: probability of dropping each probability, in [0, 1). Pass 0 outside
+            training (``torch.nn.Dropout`` in eval mode). 0 runs exactly
+            :func:`fused_scale_mask_softmax`'s kernels (same results bit for bit, no random
+            numbers drawn). Otherwise applied with 16-bit resolution, p' = round(p·2^16)/2^16
+            (within 2^-17 of p), and kept probabilities are scaled by 1/(1 - p'), so the
+            expectation is the softmax exactly (chapter 2).
+        softmax_in_fp32: Megatron-core's flag; the kernel computes in float32 whatever it says.
+        window_size: ``(left, right)`` sliding window (-1: unbounded side), replacing the
+            causal band; or None.
+        softmax_offset: sink logits (the off-by-one softmax), a float or a tensor [1] or [np];
+            a tensor that requires grad receives its gradient. The sink's own probability is
+            not an output, so it is never dropped.
+
+    Returns:
+        A new contiguous tensor of ``input``'s shape and dtype. Its dropout mask comes from
+        Philox seeded by torch's generator on ``input``'s device (one draw per call with
+        dropout_p > 0): ``torch.manual_seed`` reproduces it, and
+        :func:`~fusedlib.kernels.softmax.softmax_dropout_mask` of the replayed seed gives it. A
+        row with every key masked is zeros (zero gradient), never NaN; a NaN score in a kept
+        column makes its row NaN where kept.
+
+    Raises:
+        TypeError: input not a float tensor, a non-bool mask, attn_mask_type not an
+            AttnMaskType, scale or dropout_p not a real number, softmax_in_fp32 not a bool.
+        ValueError: input not 4-D, dropout_p outside [0, 1), a mask that does not broadcast,
+            a bad window or offset, tensors on different devices.
+
+    Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py``
+    (``scale_mask_softmax``, then ``attention_dropout``) and
+    ``megatron/core/fusions/fused_softmax.py``.
+    """
+    if not _is_float_tensor(input, 4):
+        check_tensor("input", input, ndim=4)
+    mask_type = _mask_type_name(attn_mask_type)
+    scale_f = _check_scale(scale)
+    p = _check_dropout_p(dropout_p)
+    if not isinstance(softmax_in_fp32, bool):
+        raise TypeError(f"softmax_in_fp32 must be a bool, got {type(softmax_in_fp32).__name__}")
+    mask = _check_mask(mask, input)
+    window = _check_window(window_size)
+    offset = _check_offset(softmax_offset, input)
+    if not on_one_kernel_device(*[t for t in (input, mask, offset) if t is not None]):
+        check_same_device(input=input, mask=mask, softmax_offset=offset)
+    sq, sk = input.shape[-2:]
+    if window is not None:
+        band = window_band(sq, sk, window)
+    else:
+        band = causal_band(sq, sk) if mask_type in _CAUSAL_TYPES else None
+    if p == 0.0:  # exactly the softmax: its Function, its kernels (DROPOUT off), no seed drawn
+        return _ScaleMaskSoftmaxFunction.apply(input, mask, scale_f, band, offset)
+    return ScaledMaskedSoftmaxDropout.apply(input, mask, scale_f, band, offset, p)
 
 
 class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):

@@ -39,13 +39,37 @@ Two kernel shapes:
   Milakov & Gimelshein, 2018: D <- D·e^{M_old - M_new} + sum e^{s - M_new}), then writing p.
   It reads x twice; the second read of a 64 KB row usually comes from L2.
 
+Attention dropout, fused (the DROPOUT switch; Megatron-core applies ``torch.nn.Dropout`` to
+the probabilities right after this softmax). The output is z_j = k_j·p_j/(1 - p') with the
+keep mask k from chapter 2's Philox (:mod:`fusedlib.kernels.bias_dropout_add`: element
+(row, column) of the [b·np·sq, sk] rows, so the mask does not depend on the tiles, and rows of
+different heads and batches draw different bits). The backward needs p at *every* position,
+also where it was dropped: with g = dL/dz, the gradient of p is g'_j = g_j·k_j/(1 - p'), and
+
+    dx_j = scale·p_j·(g'_j - c),     c = sum_j g'_j·p_j = sum_j g_j·z_j
+
+is -scale·p_j·c where k_j = 0. So the forward saves, per row, m (the max it subtracted) and
+1/D (float32, 8 bytes a row) instead of p, and the backward reads x again, recomputes
+p = e^{scale·x - m}·(1/D) (with the forward's own arithmetic), regenerates k from
+the seed and reads g: the [b, np, sq, sk] tensor moves forward 1R + 1W (x in, z out) and
+backward 2R + 1W (x and g in, dx out), the fewest possible (the forward must read x and write
+z; dx needs g and p everywhere). Unfused (softmax, then torch's dropout): forward 1R + 1W and
+1R + 1W plus a byte-per-element mask written; backward 1R + 1W plus the mask read, then
+2R + 1W. Saving p from the forward instead would cost a second write there for the same
+backward traffic. Memory kept for the backward: x (the input) and the stats, against p and
+the mask. DROPOUT = False compiles none of this: the kernels are the plain softmax's.
+
 Dtype policy: load, compute in float32 (float64 for float64 inputs, so gradcheck checks the
-kernels), store p and dx in x's dtype; p_sink and the offset-gradient partials in float32.
+kernels), store p (or z) and dx in x's dtype; p_sink, the row statistics and the
+offset-gradient partials in float32.
 
 Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` and Apex's
 ``csrc/megatron/scaled_*_softmax.h`` (the CUDA kernels it calls); Triton's fused-softmax
 tutorial (02-fused-softmax.py); Milakov & Gimelshein, "Online normalizer calculation for
-softmax", arXiv:1805.02867; Miller, "Attention is off by one" (2023).
+softmax", arXiv:1805.02867; Miller, "Attention is off by one" (2023); Megatron-LM
+``megatron/core/transformer/dot_product_attention.py`` (softmax, then attention dropout);
+Srivastava et al., "Dropout" (JMLR 2014); Dao, "FlashAttention-2" (2023), whose backward
+likewise regenerates the dropout mask from the seed.
 """
 from __future__ import annotations
 
@@ -56,6 +80,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import launch
+from .bias_dropout_add import ELEMENTS_PER_PHILOX, _keep_mask, drop_threshold, dropout_mask, dropout_scale
 from .launch import (
     MAX_FUSED_SIZE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, empty_contiguous_like,
     next_power_of_2, pick,
@@ -64,6 +89,9 @@ from .launch import (
 __all__ = [
     "softmax_fwd",
     "softmax_bwd",
+    "softmax_dropout_fwd",
+    "softmax_dropout_bwd",
+    "softmax_dropout_mask",
     "softmax_tile",
     "TILES",
     "ONLINE_TILE",
@@ -230,13 +258,15 @@ def _finite_or_zero(m):
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _softmax_fwd_kernel(
     X_ptr,  # scores x, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
-    Y_ptr,  # probabilities p, [n_rows, n_cols], contiguous, x's dtype
+    Y_ptr,  # probabilities p (with DROPOUT: z = k·p/(1 - p')), [n_rows, n_cols], contiguous, x's dtype
     MASK_ptr,  # uint8 view of the bool mask (1 = masked), element (b, h, q, j) at the M_* strides
     OFFSET_ptr,  # ACC sink logits, one per head at OFFSET_head_stride (0: one for all heads)
     SINK_ptr,  # ACC [n_rows]: p_sink of each row, written for the backward
+    STATS_ptr,  # ACC [2, n_rows]: each row's m, then its 1/D, written for the backward (with DROPOUT)
+    SEED_ptr,  # int64 [1]: the Philox key of the dropout mask (with DROPOUT)
     n_rows,
     n_cols,
     X_row_stride,
@@ -251,11 +281,14 @@ def _softmax_fwd_kernel(
     scale,
     band_lo,  # row q keeps q + band_lo <= j <= q + band_hi (with BAND)
     band_hi,
+    T,  # drop threshold round(p·2^16) (with DROPOUT)
+    keep_scale,  # 1/(1 - p'), p' = T/2^16, float32 (with DROPOUT)
     HAS_MASK: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     BAND: tl.constexpr,
+    DROPOUT: tl.constexpr,  # attention dropout on the probabilities; False: the plain softmax
     BLOCK_M: tl.constexpr,  # rows per program
-    BLOCK_N: tl.constexpr,  # columns: the whole row, padded to a power of two
+    BLOCK_N: tl.constexpr,  # columns: the whole row, padded to a power of two (>= 8 with DROPOUT)
     VEC: tl.constexpr,  # elements per 16-byte vector
     ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
 ):
@@ -289,29 +322,53 @@ def _softmax_fwd_kernel(
         denom += e_sink
     inv = _safe_reciprocal(denom)
 
-    # [4] write the whole row: p inside, zeros outside (never read there)
+    # with DROPOUT (the attention dropout): keep each p_j = e_j/D with probability 1 - p',
+    # scaled by 1/(1 - p'); the mask is Philox of (row, column), never stored: the backward
+    # recomputes p from x and (m, 1/D), saved here
+    if DROPOUT:
+        kept = _keep_mask(tl.load(SEED_ptr), rows, 0, T, BLOCK_M, BLOCK_N)
+        e = tl.where(kept, e * keep_scale, 0.0)
+        tl.store(STATS_ptr + rows, m, mask=row_ok)
+        tl.store(STATS_ptr + n_rows + rows, inv, mask=row_ok)
+
+    # [4] write the whole row: p (or z) inside, zeros outside (never read there)
     tl.store(Y_ptr + rows[:, None] * n_cols + cols, (e * inv[:, None]).to(Y_ptr.dtype.element_ty), mask=in_range)
     if HAS_OFFSET:
         tl.store(SINK_ptr + rows, e_sink * inv, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _softmax_bwd_kernel(
-    G_ptr,  # grad of p, [n_rows, n_cols], strides (G_row_stride, G_col_stride); never written
-    P_ptr,  # saved probabilities p, [n_rows, n_cols], contiguous
+    G_ptr,  # grad of the output, [n_rows, n_cols], strides (G_row_stride, G_col_stride); never written
+    P_ptr,  # saved probabilities p, [n_rows, n_cols], contiguous (unused with DROPOUT)
     DX_ptr,  # grad of x, [n_rows, n_cols], contiguous, p's dtype
     SINK_ptr,  # ACC [n_rows]: p_sink saved by the forward (with HAS_OFFSET)
     DOFF_ptr,  # ACC [n_rows]: this row's share of the sink-logit gradient, -p_sink·c
+    X_ptr,  # with DROPOUT: the forward's scores x, strides (X_row_stride, X_col_stride)
+    MASK_ptr,  # with DROPOUT: the forward's uint8 mask, as in _softmax_fwd_kernel
+    STATS_ptr,  # with DROPOUT: ACC [2, n_rows], the forward's m and 1/D of each row
+    SEED_ptr,  # with DROPOUT: int64 [1], the forward's Philox key
     n_rows,
     n_cols,
     G_row_stride,
     G_col_stride,
+    X_row_stride,
+    X_col_stride,
+    n_heads,
     sq,
+    M_b_stride,
+    M_h_stride,
+    M_q_stride,
+    M_k_stride,
     scale,
     band_lo,
     band_hi,
+    T,  # the forward's drop threshold (with DROPOUT)
+    keep_scale,  # the forward's 1/(1 - p'), float32 (with DROPOUT)
+    HAS_MASK: tl.constexpr,  # (with DROPOUT: re-apply the mask to the recomputed scores)
     HAS_OFFSET: tl.constexpr,
     BAND: tl.constexpr,
+    DROPOUT: tl.constexpr,  # recompute p from x and the stats, regenerate the keep mask
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     VEC: tl.constexpr,
@@ -321,12 +378,26 @@ def _softmax_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)[None, :]
     row_ok = rows < n_rows
     in_range = row_ok[:, None] & (cols < n_cols)
+    keep = in_range
     load_ok = in_range
-    if BAND:  # p = 0 outside the band: read neither g nor p there
-        _, load_ok = _band_masks((rows % sq)[:, None], cols, in_range, band_lo, band_hi, VEC)
+    if BAND:  # p = 0 outside the band: read neither g nor p (nor x) there
+        keep, load_ok = _band_masks((rows % sq)[:, None], cols, in_range, band_lo, band_hi, VEC)
 
     g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols * G_col_stride, mask=load_ok, other=0.0).to(ACC)
-    p = tl.load(P_ptr + rows[:, None] * n_cols + cols, mask=load_ok, other=0.0).to(ACC)
+    if DROPOUT:
+        # p = e^{s - m}·(1/D): the forward's scores, masks and arithmetic, so the same p
+        b, h, q = _row_layout(rows, n_heads, sq)
+        x_offs = rows[:, None] * X_row_stride + cols * X_col_stride
+        mask_row_offs = (b * M_b_stride + h * M_h_stride + q * M_q_stride)[:, None]
+        s = _scores(X_ptr, x_offs, MASK_ptr, mask_row_offs, M_k_stride, cols, scale, keep, load_ok, HAS_MASK, VEC, ACC)
+        m = tl.load(STATS_ptr + rows, mask=row_ok, other=0.0)
+        inv = tl.load(STATS_ptr + n_rows + rows, mask=row_ok, other=0.0)
+        p = tl.exp(s - m[:, None]) * inv[:, None]
+        # g becomes the gradient of p: g·k/(1 - p'), with the forward's mask k regenerated
+        kept = _keep_mask(tl.load(SEED_ptr), rows, 0, T, BLOCK_M, BLOCK_N)
+        g = tl.where(kept, g * keep_scale, 0.0)
+    else:
+        p = tl.load(P_ptr + rows[:, None] * n_cols + cols, mask=load_ok, other=0.0).to(ACC)
     gp = g * p
     c = tl.sum(gp, axis=1)  # c = sum_j g_j·p_j
     dx = scale * (gp - p * c[:, None])  # scale·p·(g - c); 0 where p = 0
@@ -341,13 +412,15 @@ def _softmax_bwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _softmax_fwd_online_kernel(
     X_ptr,  # scores x, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
-    Y_ptr,  # probabilities p, [n_rows, n_cols], contiguous
+    Y_ptr,  # probabilities p (with DROPOUT: z = k·p/(1 - p')), [n_rows, n_cols], contiguous
     MASK_ptr,  # uint8 mask, as in _softmax_fwd_kernel
     OFFSET_ptr,  # ACC sink logits, as in _softmax_fwd_kernel
     SINK_ptr,  # ACC [n_rows]: p_sink of each row
+    STATS_ptr,  # ACC [2, n_rows]: m and 1/D of each row (with DROPOUT)
+    SEED_ptr,  # int64 [1]: the Philox key (with DROPOUT)
     n_rows,
     n_cols,
     X_row_stride,
@@ -362,10 +435,13 @@ def _softmax_fwd_online_kernel(
     scale,
     band_lo,
     band_hi,
+    T,  # drop threshold (with DROPOUT)
+    keep_scale,  # 1/(1 - p'), float32 (with DROPOUT)
     HAS_MASK: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     BAND: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # columns per tile
+    DROPOUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # columns per tile (a multiple of 8 with DROPOUT)
     VEC: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -419,8 +495,14 @@ def _softmax_fwd_online_kernel(
     else:
         inv = 1.0 / D_safe
     inv = tl.where(D == 0, 0.0, inv)  # a row that kept nothing: zeros; a NaN D stays NaN
+    if DROPOUT:  # the row statistics the backward recomputes p from; the Philox key
+        tl.store(STATS_ptr + row, m)
+        tl.store(STATS_ptr + n_rows + row, inv)
+        seed = tl.load(SEED_ptr)
+        row_1 = tl.zeros([1], tl.int64) + row  # [1]: the row, as _keep_mask takes rows
 
-    # pass 2: p = e^{s - M}/D inside the band; plain zeros in tiles wholly outside it
+    # pass 2: p = e^{s - M}/D inside the band (with DROPOUT: z = k·p/(1 - p')); plain zeros in
+    # tiles wholly outside it
     y_row = Y_ptr + row * n_cols
     for start in range(0, n_cols, BLOCK_N):
         cols = start + lane
@@ -435,32 +517,52 @@ def _softmax_fwd_online_kernel(
                 masked = tl.load(m_row + ((cols // VEC) * VEC + cols % VEC) * M_k_stride, mask=load_ok, other=1)
                 keep = keep & (masked == 0)
             s = tl.where(keep, x.to(ACC) * scale, float("-inf"))
-            tl.store(y_row + cols, (tl.exp(s - m) * inv).to(Y_ptr.dtype.element_ty), mask=in_range)
+            p = tl.exp(s - m) * inv
+            if DROPOUT:  # the tile's mask: Philox of (row, column), as in the register kernel
+                kept = tl.reshape(_keep_mask(seed, row_1, start // BLOCK_N, T, 1, BLOCK_N), [BLOCK_N])
+                p = tl.where(kept, p * keep_scale, 0.0)
+            tl.store(y_row + cols, p.to(Y_ptr.dtype.element_ty), mask=in_range)
     if HAS_OFFSET:
         tl.store(SINK_ptr + row, tl.exp(o - m) * inv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _softmax_bwd_online_kernel(
-    G_ptr,  # grad of p, [n_rows, n_cols], strides (G_row_stride, G_col_stride); never written
-    P_ptr,  # saved p, [n_rows, n_cols], contiguous
+    G_ptr,  # grad of the output, [n_rows, n_cols], strides (G_row_stride, G_col_stride); never written
+    P_ptr,  # saved p, [n_rows, n_cols], contiguous (unused with DROPOUT)
     DX_ptr,  # grad of x, [n_rows, n_cols], contiguous
     SINK_ptr,  # ACC [n_rows]: p_sink (with HAS_OFFSET)
     DOFF_ptr,  # ACC [n_rows]: -p_sink·c per row (with HAS_OFFSET)
+    X_ptr,  # with DROPOUT: the forward's scores x, strides (X_row_stride, X_col_stride)
+    MASK_ptr,  # with DROPOUT: the forward's uint8 mask
+    STATS_ptr,  # with DROPOUT: ACC [2, n_rows], m and 1/D of each row
+    SEED_ptr,  # with DROPOUT: int64 [1], the forward's Philox key
     n_rows,
     n_cols,
     G_row_stride,
     G_col_stride,
+    X_row_stride,
+    X_col_stride,
+    n_heads,
     sq,
+    M_b_stride,
+    M_h_stride,
+    M_q_stride,
+    M_k_stride,
     scale,
     band_lo,
     band_hi,
+    T,  # the forward's drop threshold (with DROPOUT)
+    keep_scale,  # the forward's 1/(1 - p'), float32 (with DROPOUT)
+    HAS_MASK: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     BAND: tl.constexpr,
+    DROPOUT: tl.constexpr,  # recompute p from x and the stats, regenerate the keep mask
     BLOCK_N: tl.constexpr,
     VEC: tl.constexpr,
     ACC: tl.constexpr,
 ):
+    # Inline code, as in the forward online kernel: nested calls are slow in the interpreter.
     row = tl.program_id(0).to(tl.int64)
     q = row % sq
     lane = tl.arange(0, BLOCK_N)
@@ -475,14 +577,32 @@ def _softmax_bwd_online_kernel(
     g_row = G_ptr + row * G_row_stride
     p_row = P_ptr + row * n_cols
     dx_row = DX_ptr + row * n_cols
+    if DROPOUT:  # p = e^{s - m}·(1/D) from x, the masks and the forward's row statistics
+        x_row = X_ptr + row * X_row_stride
+        m_row = MASK_ptr + (row // sq) // n_heads * M_b_stride + (row // sq) % n_heads * M_h_stride + q * M_q_stride
+        m = tl.load(STATS_ptr + row)
+        inv = tl.load(STATS_ptr + n_rows + row)
+        seed = tl.load(SEED_ptr)
+        row_1 = tl.zeros([1], tl.int64) + row
 
-    # pass 1: c = sum_j g_j·p_j over the band
+    # pass 1: c = sum_j g_j·p_j over the band (with DROPOUT, g the gradient of p: g·k/(1 - p'))
     c = tl.sum(tl.zeros([BLOCK_N], ACC), axis=0)
     for start in range(first, hi, BLOCK_N):
         cols = start + lane
         load_ok = (cols < n_cols) & (cols >= lo_vec) & (cols < hi_vec)
         g = tl.load(g_row + cols * G_col_stride, mask=load_ok, other=0.0).to(ACC)
-        p = tl.load(p_row + cols, mask=load_ok, other=0.0).to(ACC)
+        if DROPOUT:
+            keep = (cols >= lo) & (cols < hi)
+            x = tl.load(x_row + cols * X_col_stride, mask=load_ok, other=0.0)
+            if HAS_MASK:
+                masked = tl.load(m_row + ((cols // VEC) * VEC + cols % VEC) * M_k_stride, mask=load_ok, other=1)
+                keep = keep & (masked == 0)
+            p = tl.exp(tl.where(keep, x.to(ACC) * scale, float("-inf")) - m) * inv
+            tile = tl.cast(start // BLOCK_N, tl.int32)  # int32: Philox's counters are 32-bit (start is int64 here)
+            kept = tl.reshape(_keep_mask(seed, row_1, tile, T, 1, BLOCK_N), [BLOCK_N])
+            g = tl.where(kept, g * keep_scale, 0.0)
+        else:
+            p = tl.load(p_row + cols, mask=load_ok, other=0.0).to(ACC)
         c += tl.sum(g * p, axis=0)
 
     # pass 2: dx = scale·p·(g - c), zeros in tiles wholly outside the band
@@ -494,7 +614,17 @@ def _softmax_bwd_online_kernel(
         else:
             load_ok = in_range & (cols >= lo_vec) & (cols < hi_vec)
             g = tl.load(g_row + cols * G_col_stride, mask=load_ok, other=0.0).to(ACC)
-            p = tl.load(p_row + cols, mask=load_ok, other=0.0).to(ACC)
+            if DROPOUT:  # as in pass 1
+                keep = (cols >= lo) & (cols < hi)
+                x = tl.load(x_row + cols * X_col_stride, mask=load_ok, other=0.0)
+                if HAS_MASK:
+                    masked = tl.load(m_row + ((cols // VEC) * VEC + cols % VEC) * M_k_stride, mask=load_ok, other=1)
+                    keep = keep & (masked == 0)
+                p = tl.exp(tl.where(keep, x.to(ACC) * scale, float("-inf")) - m) * inv
+                kept = tl.reshape(_keep_mask(seed, row_1, start // BLOCK_N, T, 1, BLOCK_N), [BLOCK_N])
+                g = tl.where(kept, g * keep_scale, 0.0)
+            else:
+                p = tl.load(p_row + cols, mask=load_ok, other=0.0).to(ACC)
             tl.store(dx_row + cols, (scale * (g * p - p * c)).to(DX_ptr.dtype.element_ty), mask=in_range)
     if HAS_OFFSET:
         tl.store(DOFF_ptr + row, -tl.load(SINK_ptr + row) * c)
@@ -515,6 +645,14 @@ def _vec(dtype: torch.dtype) -> int:
     return vec if vec is not None else VECTOR_BYTES // dtype.itemsize
 
 
+def _dims(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(b, np, sq, sk) of scores [b, np, sq, sk], or of [b, sq, sk] as one head (np = 1)."""
+    if t.dim() == 3:
+        B, SQ, SK = t.shape
+        return B, 1, SQ, SK
+    return t.shape
+
+
 def _resolve(tile: Optional[Tile], n_cols: int, max_register_block: Optional[int]) -> tuple[Tile, bool]:
     """(tile, online): the table's tile unless one is given; online (the looping kernel) when
     its BLOCK_N is below the row's next power of two."""
@@ -524,6 +662,94 @@ def _resolve(tile: Optional[Tile], n_cols: int, max_register_block: Optional[int
     if tile.BLOCK_N == 0 or tile.BLOCK_N > block_n:  # 0: the whole row; a wider tile is capped to it
         return Tile(tile.BLOCK_M, block_n, tile.num_warps, tile.num_stages, tile.programs_per_sm), False
     return tile, tile.BLOCK_N < block_n
+
+
+def _mask_strides(mask: Optional[torch.Tensor], shape: tuple[int, int, int, int],
+                  dummy: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The bool mask as bytes expanded to ``shape`` (same memory, zero strides where it is
+    broadcast) and its four strides; ``(dummy, zeros)`` without a mask."""
+    if mask is None:
+        return dummy, (0, 0, 0, 0)  # unused pointer (HAS_MASK=False)
+    m4 = mask.expand(*shape)
+    if not torch.compiler.is_compiling():
+        # bool -> bytes, same strides (Inductor cannot lower a bool -> uint8 view: traced, the
+        # kernel takes the bool tensor itself, 1 byte per element too, loaded as int1)
+        m4 = m4.view(torch.uint8)
+    return m4, m4.stride()
+
+
+def _fwd(x4, scale, mask, band, offset, max_register_block, seed, p, tile):
+    """Launch the forward (register or looping kernel); returns (y, p_sink, stats)."""
+    B, H, SQ, SK = _dims(x4)
+    device = x4.device
+    n_rows, n_cols = B * H * SQ, SK
+    y = empty_contiguous_like(x4)
+    acc = acc_dtype(x4.dtype)
+    sink = torch.empty(n_rows, dtype=acc, device=device) if offset is not None else None
+    dropout = seed is not None
+    stats = torch.empty((2, n_rows), dtype=acc, device=device) if dropout else None
+    if y.numel() == 0:
+        return y, sink, stats
+    x2d = x4.reshape(n_rows, n_cols)  # [b, np, sq, sk] -> [b·np·sq, sk]
+    m4, m_strides = _mask_strides(mask, (B, H, SQ, SK), x2d)
+    band_lo, band_hi = band if band is not None else (0, 0)
+    tile, online = _resolve(tile, n_cols, max_register_block)
+    # Philox decides 8 columns per call: with dropout a tile holds at least 8 (the mask does
+    # not depend on the tile, so this changes nothing else)
+    block_n = max(tile.BLOCK_N, ELEMENTS_PER_PHILOX) if dropout else tile.BLOCK_N
+    common = (
+        x2d, y, m4, offset if offset is not None else x2d, sink if sink is not None else x2d,
+        stats if dropout else x2d, seed if dropout else x2d,
+        n_rows, n_cols, *x2d.stride(), H, SQ, *m_strides,
+        (1 if offset is not None and offset.numel() > 1 else 0), float(scale), band_lo, band_hi,
+        drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0,
+    )
+    flags = dict(HAS_MASK=mask is not None, HAS_OFFSET=offset is not None, BAND=band is not None,
+                 DROPOUT=dropout, BLOCK_N=block_n, VEC=_vec(x4.dtype), ACC=TL_DTYPE[acc],
+                 num_warps=tile.num_warps)
+    if online:
+        launch(_softmax_fwd_online_kernel, (n_rows,), device, *common, **flags)
+    else:
+        launch(_softmax_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device, *common,
+               BLOCK_M=tile.BLOCK_M, **flags)
+    return y, sink, stats
+
+
+def _bwd(g4, p4, x4, mask, stats, seed, p, scale, band, sink, max_register_block, tile):
+    """Launch the backward; with ``seed`` (dropout) p is recomputed from x4 and stats, and
+    ``p4`` is unused. Returns (dx, d_offset_rows)."""
+    ref = x4 if seed is not None else p4  # the tensor of the forward's shape
+    B, H, SQ, SK = _dims(ref)
+    device = ref.device
+    dx = empty_contiguous_like(ref)
+    doff = torch.empty_like(sink) if sink is not None else None
+    if dx.numel() == 0:
+        return dx, doff
+    n_rows, n_cols = B * H * SQ, SK
+    g2d = g4.reshape(n_rows, n_cols)  # [b, np, sq, sk] -> [b·np·sq, sk]
+    dropout = seed is not None
+    if dropout:
+        x2d = x4.reshape(n_rows, n_cols)  # as in the forward
+        m4, m_strides = _mask_strides(mask, (B, H, SQ, SK), x2d)
+    else:
+        x2d, m4, m_strides = g2d, g2d, (0, 0, 0, 0)  # unused pointers
+    band_lo, band_hi = band if band is not None else (0, 0)
+    tile, online = _resolve(tile, n_cols, max_register_block)
+    block_n = max(tile.BLOCK_N, ELEMENTS_PER_PHILOX) if dropout else tile.BLOCK_N
+    args = (g2d, p4 if not dropout else g2d, dx, sink if sink is not None else dx, doff if doff is not None else dx,
+            x2d, m4, stats if dropout else dx, seed if dropout else dx,
+            n_rows, n_cols, *g2d.stride(), *x2d.stride(), H, SQ, *m_strides,
+            float(scale), band_lo, band_hi,
+            drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0)
+    flags = dict(HAS_MASK=dropout and mask is not None, HAS_OFFSET=sink is not None, BAND=band is not None,
+                 DROPOUT=dropout, BLOCK_N=block_n, VEC=_vec(ref.dtype), ACC=TL_DTYPE[acc_dtype(ref.dtype)],
+                 num_warps=tile.num_warps)
+    if online:
+        launch(_softmax_bwd_online_kernel, (n_rows,), device, *args, **flags)
+    else:
+        launch(_softmax_bwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device, *args,
+               BLOCK_M=tile.BLOCK_M, **flags)
+    return dx, doff
 
 
 def softmax_fwd(
@@ -557,41 +783,7 @@ def softmax_fwd(
         ``(p, p_sink)``: p a new contiguous tensor of x4's shape and dtype; p_sink [b·np·sq] in
         the compute dtype when ``offset`` is given, else None.
     """
-    if x4.dim() == 3:  # [b, sq, sk]: one head
-        (B, SQ, SK), H = x4.shape, 1
-    else:
-        B, H, SQ, SK = x4.shape
-    device = x4.device
-    n_rows, n_cols = B * H * SQ, SK
-    y = empty_contiguous_like(x4)
-    acc = acc_dtype(x4.dtype)
-    sink = torch.empty(n_rows, dtype=acc, device=device) if offset is not None else None
-    if y.numel() == 0:
-        return y, sink
-    x2d = x4.reshape(n_rows, n_cols)  # [b, np, sq, sk] -> [b·np·sq, sk]
-    if mask is not None:
-        m4 = mask.expand(B, H, SQ, SK)
-        if not torch.compiler.is_compiling():
-            # bool -> bytes, same strides (Inductor cannot lower a bool -> uint8 view: traced, the
-            # kernel takes the bool tensor itself, 1 byte per element too, loaded as int1)
-            m4 = m4.view(torch.uint8)
-        m_strides = m4.stride()
-    else:
-        m4, m_strides = x2d, (0, 0, 0, 0)  # unused pointer (HAS_MASK=False)
-    band_lo, band_hi = band if band is not None else (0, 0)
-    tile, online = _resolve(tile, n_cols, max_register_block)
-    common = (
-        x2d, y, m4, offset if offset is not None else x2d, sink if sink is not None else x2d,
-        n_rows, n_cols, *x2d.stride(), H, SQ, *m_strides,
-        (1 if offset is not None and offset.numel() > 1 else 0), float(scale), band_lo, band_hi,
-    )
-    flags = dict(HAS_MASK=mask is not None, HAS_OFFSET=offset is not None, BAND=band is not None,
-                 BLOCK_N=tile.BLOCK_N, VEC=_vec(x4.dtype), ACC=TL_DTYPE[acc], num_warps=tile.num_warps)
-    if online:
-        launch(_softmax_fwd_online_kernel, (n_rows,), device, *common, **flags)
-    else:
-        launch(_softmax_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device, *common,
-               BLOCK_M=tile.BLOCK_M, **flags)
+    y, sink, _ = _fwd(x4, scale, mask, band, offset, max_register_block, None, 0.0, tile)
     return y, sink
 
 
@@ -619,26 +811,84 @@ def softmax_bwd(
         d_offset_rows [b·np·sq] (each row's -p_sink·sum(g·p), compute dtype) when ``sink`` is
         given, else None. Summing it over the rows of a head gives that head's gradient.
     """
-    if p4.dim() == 3:  # [b, sq, sk]: one head
-        (B, SQ, SK), H = p4.shape, 1
-    else:
-        B, H, SQ, SK = p4.shape
-    device = p4.device
-    dx = empty_contiguous_like(p4)
-    doff = torch.empty_like(sink) if sink is not None else None
-    if dx.numel() == 0:
-        return dx, doff
-    n_rows, n_cols = B * H * SQ, SK
-    g2d = g4.reshape(n_rows, n_cols)  # [b, np, sq, sk] -> [b·np·sq, sk]
-    band_lo, band_hi = band if band is not None else (0, 0)
-    tile, online = _resolve(tile, n_cols, max_register_block)
-    args = (g2d, p4, dx, sink if sink is not None else p4, doff if doff is not None else p4,
-            n_rows, n_cols, *g2d.stride(), SQ, float(scale), band_lo, band_hi)
-    flags = dict(HAS_OFFSET=sink is not None, BAND=band is not None, BLOCK_N=tile.BLOCK_N,
-                 VEC=_vec(p4.dtype), ACC=TL_DTYPE[acc_dtype(p4.dtype)], num_warps=tile.num_warps)
-    if online:
-        launch(_softmax_bwd_online_kernel, (n_rows,), device, *args, **flags)
-    else:
-        launch(_softmax_bwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device, *args,
-               BLOCK_M=tile.BLOCK_M, **flags)
-    return dx, doff
+    return _bwd(g4, p4, None, None, None, None, 0.0, scale, band, sink, max_register_block, tile)
+
+
+def softmax_dropout_fwd(
+    x4: torch.Tensor,
+    seed: torch.Tensor,
+    p: float,
+    scale: float = 1.0,
+    mask: Optional[torch.Tensor] = None,
+    band: Optional[tuple[int, int]] = None,
+    offset: Optional[torch.Tensor] = None,
+    max_register_block: Optional[int] = None,
+    tile: Optional[Tile] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Launch the forward kernel with the attention dropout fused: z = k·softmax/(1 - p').
+
+    Args:
+        x4, scale, mask, band, offset, max_register_block, tile: as :func:`softmax_fwd`.
+        seed: int64 [1] Philox key on x4's device (:func:`~fusedlib.kernels.bias_dropout_add.philox_seed`).
+        p: dropout probability in [0, 1); applied as p' = round(p·2^16)/2^16, kept values
+            scaled by 1/(1 - p') (chapter 2's :func:`~fusedlib.kernels.bias_dropout_add.drop_threshold`
+            and :func:`~fusedlib.kernels.bias_dropout_add.dropout_scale`).
+
+    Returns:
+        ``(z, p_sink, stats)``: z a new contiguous tensor of x4's shape and dtype (dropped
+        probabilities are exactly 0); p_sink as :func:`softmax_fwd` (undropped: the sink's
+        probability is not an output); stats [2, b·np·sq] in the compute dtype: each row's
+        subtracted max m, then its 1/D (0 for a row that kept nothing), for
+        :func:`softmax_dropout_bwd`. The keep mask is :func:`softmax_dropout_mask` of the seed.
+    """
+    return _fwd(x4, scale, mask, band, offset, max_register_block, seed, p, tile)
+
+
+def softmax_dropout_bwd(
+    g4: torch.Tensor,
+    x4: torch.Tensor,
+    stats: torch.Tensor,
+    seed: torch.Tensor,
+    p: float,
+    scale: float = 1.0,
+    mask: Optional[torch.Tensor] = None,
+    band: Optional[tuple[int, int]] = None,
+    sink: Optional[torch.Tensor] = None,
+    max_register_block: Optional[int] = None,
+    tile: Optional[Tile] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Launch the backward of :func:`softmax_dropout_fwd`: the softmax p recomputed from x4
+    and stats, the keep mask k regenerated from the seed, then with g' = g·k/(1 - p'):
+    dx = scale·p·(g' - sum(g'·p)).
+
+    Args:
+        g4: gradient of z, [b, np, sq, sk], any strides; read, never written.
+        x4: the forward's scores (same tensor, same strides), read again.
+        stats: the forward's [2, b·np·sq] row statistics.
+        seed, p, scale, mask, band: the forward's.
+        sink: the forward's p_sink when it had an offset, else None.
+        max_register_block, tile: as :func:`softmax_fwd`.
+
+    Returns:
+        ``(dx, d_offset_rows)`` as :func:`softmax_bwd`; dx in x4's dtype.
+    """
+    return _bwd(g4, None, x4, mask, stats, seed, p, scale, band, sink, max_register_block, tile)
+
+
+def softmax_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], p: float) -> torch.Tensor:
+    """The keep mask :func:`softmax_dropout_fwd` draws for ``seed`` on scores of ``shape``: for
+    tests and the book (the fused op never writes it).
+
+    Element (b, h, q, j) is row r = (b·np + h)·sq + q, column j of chapter 2's mask
+    (:func:`~fusedlib.kernels.bias_dropout_add.dropout_mask`), a function of (seed, r, j) only.
+
+    Args:
+        seed: int64 [1] Philox key on the device to run on.
+        shape: the scores' shape [b, np, sq, sk].
+        p: dropout probability in [0, 1].
+
+    Returns:
+        bool [b, np, sq, sk] on ``seed``'s device: True where the probability is kept.
+    """
+    B, H, SQ, SK = shape
+    return dropout_mask(seed, B * H * SQ, SK, p).view(B, H, SQ, SK)  # [b·np·sq, sk] -> [b, np, sq, sk]

@@ -1,12 +1,36 @@
 """Enums of the Transformer package, with Megatron-core's names and values.
 
+Left out: ``LayerType`` and ``CudaGraphScope`` (pipeline layouts and CUDA-graph scopes,
+features fusedlib does not have).
+
 Source: Megatron-LM ``megatron/core/transformer/enums.py``.
 """
 from __future__ import annotations
 
 import enum
 
-__all__ = ["AttnMaskType"]
+__all__ = ["ModelType", "AttnType", "AttnMaskType", "AttnBackend"]
+
+
+class ModelType(enum.Enum):
+    """The model's type, as Megatron-core's pipeline schedules read it.
+
+    Member: ``encoder_or_decoder`` (1), GPT, BERT and the like: one stack of layers.
+
+    Source: Megatron-LM ``megatron/core/transformer/enums.py``.
+    """
+
+    encoder_or_decoder = 1
+
+
+class AttnType(enum.Enum):
+    """Self-attention (1) or cross-attention (2).
+
+    Source: Megatron-LM ``megatron/core/transformer/enums.py``.
+    """
+
+    self_attn = 1
+    cross_attn = 2
 
 
 class AttnMaskType(enum.Enum):
@@ -33,3 +57,27 @@ class AttnMaskType(enum.Enum):
     padding_causal = 4
     arbitrary = 5
     causal_bottom_right = 6
+
+
+class AttnBackend(enum.Enum):
+    """Which attention kernel ``TransformerConfig.attention_backend`` asks for.
+
+    Megatron-core passes the choice to Transformer Engine (flash, fused = cuDNN, unfused,
+    auto = TE decides) or, for ``local``, builds its own materialised attention. fusedlib's
+    :class:`~fusedlib.transformer.dot_product_attention.DotProductAttention` maps them onto
+    its two paths:
+
+    * ``local`` (4), ``unfused`` (3): the materialised path: scores [b·np, sq, sk] by baddbmm,
+      ``FusedScaleMaskSoftmax`` (fused or not by ``masked_softmax_fusion``), dropout, bmm.
+    * ``flash`` (1), ``fused`` (2), ``auto`` (5, Megatron's default): torch's
+      ``scaled_dot_product_attention``, which picks its flash, memory-efficient or math
+      kernel; the scores are never materialised in HBM by the first two.
+
+    Source: Megatron-LM ``megatron/core/transformer/enums.py``.
+    """
+
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5

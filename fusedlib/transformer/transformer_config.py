@@ -1,66 +1,326 @@
-"""``TransformerConfig``: the switches fusedlib's fused modules read, Megatron-core's names.
+"""``TransformerConfig``: the model's shape and the switches that choose each fused kernel.
 
-A small subset of Megatron-core's ``TransformerConfig`` (which has a few hundred fields):
-only the fields fusedlib's modules use so far, with Megatron's names, defaults and
-meanings, so a Megatron user reads the same switches. Add fields here as modules need
-them; keep Megatron's name and default for each.
+One dataclass with Megatron-core's field names, defaults and meanings (it merges the fields
+of Megatron's ``ModelParallelConfig`` that the transformer package reads), so a Megatron user
+reads the same switches. ``__post_init__`` derives what Megatron-core derives and rejects what
+it rejects, each with a ValueError that says why.
+
+Left out (Megatron-core has a few hundred fields): pipeline, context, expert and
+data parallelism, MoE routing, FP8/FP4, CUDA graphs, CPU offloading, inference, multi-latent
+attention and the other attention variants. ``tensor_model_parallel_size`` is kept, and the
+parallel linear layers refuse any value but 1 (tensor parallelism is a later chapter).
+
+Differences from Megatron-core, each deliberate:
+
+* ``TransformerConfig()`` with no arguments is valid and configures only the norms (chapter 4
+  builds norms from it): with ``num_attention_heads = 0`` the attention fields stay None and
+  with ``num_layers = 0`` so does ``output_layer_init_method``; the modules that need them
+  say so when built. (Megatron-core divides by zero.)
+* ``hidden_size`` not divisible by ``num_attention_heads`` without ``kv_channels`` is an error
+  (Megatron-core floors ``hidden_size // num_attention_heads`` silently).
+* ``bias_activation_fusion`` is checked against what fusedlib can fuse (tanh-GeLU, GeGLU,
+  SwiGLU) when the config is made; Megatron-core lets SiLU without GLU through and fails at the
+  first forward.
+* ``activation_func_clamp_value``: must be finite and > 0, needs MoE (``num_moe_experts``), a
+  gated linear unit and ``glu_linear_offset = 0``, and with ``bias_activation_fusion`` SwiGLU
+  (the only fused unit with a clamp). Megatron-LM's main branch rejects a SwiGLU clamp
+  without MoE; megatron-core 0.16 ignores the clamp where it cannot apply it.
+* ``sequence_parallel`` with ``tensor_model_parallel_size = 1`` is accepted (the norms mark
+  their weights with it; chapter 9 uses it); Megatron-core rejects it.
 
 Source: Megatron-LM ``megatron/core/transformer/transformer_config.py`` and
-``megatron/core/model_parallel_config.py`` (``sequence_parallel``).
+``megatron/core/model_parallel_config.py``.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
-__all__ = ["TransformerConfig", "NORMALIZATIONS"]
+import torch
+import torch.nn.functional as F
+
+from .enums import AttnBackend
+
+__all__ = ["TransformerConfig", "NORMALIZATIONS", "RECOMPUTE_MODULES"]
 
 #: Values ``TransformerConfig.normalization`` may take (Megatron-core's spelling).
 NORMALIZATIONS: tuple[str, ...] = ("LayerNorm", "RMSNorm")
+#: ``recompute_modules`` fusedlib implements (Megatron-core also has "layernorm", "moe", "moe_act",
+#: "mla_up_proj", "shared_experts": features left out here).
+RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "mlp")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass
 class TransformerConfig:
-    """Configuration of a Transformer, as read by fusedlib's modules.
+    """Configuration of a Transformer. Shapes: h = hidden_size, np = num_attention_heads,
+    ng = num_query_groups, hn = kv_channels.
 
-    Attributes:
-        normalization: which norm the normalization layers use, ``"LayerNorm"`` or
-            ``"RMSNorm"`` (Megatron default ``"LayerNorm"``).
-        layernorm_epsilon: epsilon added to the variance (RMSNorm: to the mean square) in
-            every norm (Megatron default 1e-5).
-        layernorm_zero_centered_gamma: store the norm's weight centered around 0 and use
-            ``gamma = weight + 1``, so weight decay pulls gamma towards 1 and a bf16 weight
-            keeps its precision near gamma = 1 (Megatron default False).
-        persist_layer_norm: use Apex's persistent fused LayerNorm kernel, which exists for
-            a fixed list of hidden sizes only (Megatron default False). fusedlib's own
-            kernel keeps the row in registers for every hidden size 1..65536, so with
-            ``backend="fusedlib"`` this switch changes nothing.
-        memory_efficient_layer_norm: the norm saves its output instead of its input for the
-            backward and recomputes ``x_hat = (y - beta) / gamma`` (Megatron default
-            False; in Megatron it is passed to Apex).
-        sequence_parallel: activations outside tensor-parallel regions (norms, dropout) are
-            split along the sequence dim across the tensor-parallel group; the norms'
-            weight and bias then get partial gradients on each rank, and are marked with
-            a ``sequence_parallel`` attribute so that their gradients are all-reduced
-            (Megatron default False; Korthikanti et al. 2022, arXiv:2205.05198).
-
-    Raises:
-        ValueError: for a ``normalization`` other than ``"LayerNorm"`` / ``"RMSNorm"``,
-            or a negative ``layernorm_epsilon``.
+    Raises (from ``__post_init__``), each a ValueError unless noted:
+        fp16 and bf16 both set; normalization not LayerNorm/RMSNorm; layernorm_epsilon < 0;
+        a dropout outside [0, 1]; hidden_size % num_attention_heads != 0 without kv_channels;
+        num_attention_heads % num_query_groups != 0; bias_activation_fusion with an
+        activation fusedlib cannot fuse; a bad activation_func_clamp_value (see the module
+        docstring); num_moe_experts <= 0; a bad window_size; a bad recompute setting;
+        TypeError for params_dtype not a float dtype or attention_backend not an AttnBackend.
 
     Source: Megatron-LM ``megatron/core/transformer/transformer_config.py``.
     """
 
-    normalization: str = "LayerNorm"
-    layernorm_epsilon: float = 1e-5
-    layernorm_zero_centered_gamma: bool = False
-    persist_layer_norm: bool = False
-    memory_efficient_layer_norm: bool = False
+    # ---------------------------------------------------------------- parallelism and precision
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks; fusedlib's layers implement 1 (a larger value raises NotImplementedError)."""
     sequence_parallel: bool = False
+    """Split activations outside tensor-parallel regions along the sequence (Korthikanti et al.
+    2022, arXiv:2205.05198). The norms mark their weights with it, for the gradient all-reduce."""
+    fp16: bool = False
+    """The model runs in fp16 (``Float16Module`` casts to it; the softmax checks its input's dtype)."""
+    bf16: bool = False
+    """The model runs in bf16 (as ``fp16``)."""
+    params_dtype: torch.dtype = torch.float32
+    """dtype in which every parameter is created."""
+    use_cpu_initialization: bool = False
+    """Create the parameters on the CPU; otherwise on fusedlib's default device (CUDA when present)."""
+    perform_initialization: bool = True
+    """Initialize the weights (init_method) and zero the biases; off when a checkpoint will be loaded."""
+
+    # ---------------------------------------------------------------- model shape
+    num_layers: int = 0
+    """Transformer layers in the block."""
+    hidden_size: int = 0
+    """h: the width of the residual stream."""
+    num_attention_heads: int = 0
+    """np: query heads."""
+    num_query_groups: Optional[int] = None
+    """ng: key/value heads (grouped-query attention); None: np (multi-head attention)."""
+    ffn_hidden_size: Optional[int] = None
+    """The MLP's inner width; None: 4·h."""
+    kv_channels: Optional[int] = None
+    """hn: the width of one head; None: h / np."""
+    hidden_dropout: float = 0.1
+    """Dropout probability of the residual branches (bias-dropout-add) and of the embeddings."""
+    attention_dropout: float = 0.1
+    """Dropout probability of the attention probabilities."""
+    fp32_residual_connection: bool = False
+    """Keep the residual stream in fp32: the embedding's output is cast to fp32, each norm casts its
+    input to its weight's dtype, and bias-dropout-add returns the residual's dtype."""
+    apply_residual_connection_post_layernorm: bool = False
+    """Take the residual after the norm (the original BERT ordering). Megatron-core keeps the field
+    but its TransformerLayer ignores it; fusedlib implements it as Megatron-LM's legacy layer did."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm/RMSNorm."""
+    layernorm_zero_centered_gamma: bool = False
+    """Store the norms' gamma as gamma - 1 (so weight decay pulls gamma towards 1)."""
+    normalization: str = "LayerNorm"
+    """"LayerNorm" or "RMSNorm"."""
+    qk_layernorm: bool = False
+    """Normalize queries and keys per head (the layer spec's q_layernorm/k_layernorm slots)."""
+    add_bias_linear: bool = True
+    """A bias in every linear layer (QKV, attention output, both MLP layers)."""
+    add_qkv_bias: bool = False
+    """A bias in the QKV projection only."""
+    gated_linear_unit: bool = False
+    """The MLP's fc1 outputs two halves, act(x1)·(x2 + glu_linear_offset) (Shazeer 2020, arXiv:2002.05202)."""
+    activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
+    """The MLP's activation (F.gelu: GeLU, with GLU GeGLU; F.silu with GLU: SwiGLU)."""
+    glu_linear_offset: float = 0.0
+    """Added to the linear half of a gated linear unit."""
+    activation_func_clamp_value: Optional[float] = None
+    """Clamp of a gated linear unit's halves: x1 <= c, |x2| <= c (used with MoE experts)."""
+    num_moe_experts: Optional[int] = None
+    """Experts of a MoE layer (MoE layers themselves are left out of fusedlib)."""
+    rotary_interleaved: bool = False
+    """RoPE rotates pairs of even and odd channels (RoFormer) instead of the two halves (LLaMA)."""
+    window_size: Optional[Tuple[int, int]] = None
+    """Sliding-window attention (left, right); -1 is an unbounded side."""
+    window_attn_skip_freq: Optional[int | List[int]] = None
+    """Which layers skip the window: every n-th (an int), or a 0/1 list per layer."""
+
+    # ---------------------------------------------------------------- attention
+    attention_backend: AttnBackend = AttnBackend.auto
+    """Materialised attention (local, unfused) or torch's scaled_dot_product_attention (flash, fused, auto)."""
+    softmax_scale: Optional[float] = None
+    """The scores' scale; None: 1 / sqrt(hn)."""
+    apply_query_key_layer_scaling: bool = False
+    """Scale Q·K^T by 1/layer_number before the softmax and by layer_number inside it (fp16
+    range); sets attention_softmax_in_fp32, as Megatron-core does."""
+    attention_softmax_in_fp32: bool = True
+    """Mask and softmax in fp32 for fp16/bf16 scores (the unfused path; the kernel always does)."""
+
+    # ---------------------------------------------------------------- initialization
+    init_method: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    """Weight init; None: N(0, init_method_std). Biases are zeroed."""
+    output_layer_init_method: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    """Init of the attention's and MLP's output layers; None: N(0, init_method_std / sqrt(2·num_layers))."""
+    init_method_std: float = 0.02
+    """Standard deviation of the default inits."""
+    embedding_init_method: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    """Init of the embeddings; None: init_method, or N(0, embedding_init_method_std) if that differs."""
+    embedding_init_method_std: Optional[float] = None
+    """None: init_method_std."""
+
+    # ---------------------------------------------------------------- fusions
+    bias_activation_fusion: bool = False
+    """Fuse the MLP's fc1 bias into its activation (bias_gelu_impl, bias_geglu_impl, bias_swiglu_impl)."""
+    masked_softmax_fusion: bool = False
+    """Fused scale + mask + softmax (and, in training with attention dropout, the fused softmax+dropout)."""
+    persist_layer_norm: bool = False
+    """Apex's persistent LayerNorm kernel (fusedlib's kernels need no such switch: see FusedLayerNorm)."""
+    memory_efficient_layer_norm: bool = False
+    """The norms save their output instead of their input for the backward."""
+    bias_dropout_fusion: bool = False
+    """Fused bias + dropout + residual add."""
+    apply_rope_fusion: bool = False
+    """Fused RoPE kernel."""
+    cross_entropy_loss_fusion: bool = False
+    """The fused vocab-parallel cross entropy (two all-reduces instead of three)."""
+    cross_entropy_fusion_impl: str = "native"
+    """Which fused cross entropy: "native" (fusedlib's; Megatron's "te" is Transformer Engine's)."""
+
+    # ---------------------------------------------------------------- activation recomputation
+    recompute_granularity: Optional[str] = None
+    """None, "full" (whole layers, by recompute_method) or "selective" (recompute_modules)."""
+    recompute_method: Optional[str] = None
+    """"uniform" (checkpoint chunks of recompute_num_layers layers) or "block" (the first
+    recompute_num_layers layers); required for "full"."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per chunk ("uniform") or layers recomputed ("block"); None for "selective"."""
+    recompute_modules: Optional[List[str]] = None
+    """With "selective": the submodules recomputed, of "core_attn" and "mlp"; None: ["core_attn"]."""
 
     def __post_init__(self) -> None:
+        """Derive Megatron-core's defaults, and reject what Megatron-core rejects (see the class)."""
+        self._check_basics()
+        if self.fp16 and self.bf16:
+            raise ValueError(f"Only one of fp16 ({self.fp16}) and bf16 ({self.bf16}) should be True.")
+        self._derive_shapes()
+        if self.apply_query_key_layer_scaling:
+            self.attention_softmax_in_fp32 = True  # Megatron-core: the 1/layer_number scale needs fp32 scores
+        self._check_activation()
+        self._check_recompute()
+        self._derive_init_methods()
+
+    # ------------------------------------------------------------ checks, one topic each
+    def _check_basics(self) -> None:
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(
                 f"normalization must be one of {', '.join(map(repr, NORMALIZATIONS))}, got {self.normalization!r}"
             )
         if not self.layernorm_epsilon >= 0:
             raise ValueError(f"layernorm_epsilon must be >= 0, got {self.layernorm_epsilon}")
+        if self.params_dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"params_dtype must be one of {_FLOAT_DTYPES}, got {self.params_dtype!r}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
+                raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if not isinstance(self.attention_backend, AttnBackend):
+            try:  # Megatron-core's enum (or any enum) with one of AttnBackend's member names
+                self.attention_backend = AttnBackend[self.attention_backend.name]
+            except (AttributeError, KeyError):
+                raise TypeError(f"attention_backend must be an AttnBackend ({', '.join(AttnBackend.__members__)}), "
+                                f"got {self.attention_backend!r}") from None
+        if self.window_size is not None:
+            w = self.window_size
+            if not (isinstance(w, (tuple, list)) and len(w) == 2
+                    and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= -1 for x in w)):
+                raise ValueError(f"window_size must be None or a pair (left, right) of ints >= -1, got {w!r}")
+            self.window_size = (int(w[0]), int(w[1]))
+        if self.num_moe_experts is not None and self.num_moe_experts <= 0:
+            raise ValueError(f"num_moe_experts must be positive (or None for no MoE), got {self.num_moe_experts}")
+        if self.cross_entropy_fusion_impl != "native":
+            raise ValueError(f"cross_entropy_fusion_impl must be 'native' (fusedlib's kernel; 'te' is Transformer "
+                             f"Engine's, not used here), got {self.cross_entropy_fusion_impl!r}")
+
+    def _derive_shapes(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_attention_heads == 0:  # a norms-only config: nothing to derive
+            return
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                                 f"({self.num_attention_heads}) when kv_channels is not given")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_query_groups ({self.num_query_groups}): each key/value head serves "
+                             "the same number of query heads")
+
+    def _check_activation(self) -> None:
+        act, glu = self.activation_func, self.gated_linear_unit
+        if self.bias_activation_fusion:
+            if act not in (F.gelu, F.silu):
+                raise ValueError("When bias_activation_fusion is True, activation_func must be F.gelu (GeLU, or GeGLU "
+                                 f"with gated_linear_unit) or F.silu with gated_linear_unit (SwiGLU), got {act!r}")
+            if act is F.silu and not glu:
+                raise ValueError("When bias_activation_fusion is True and activation_func is F.silu, "
+                                 "gated_linear_unit must be True (fusedlib fuses SwiGLU, not SiLU alone)")
+            if act is F.gelu and not glu and not self.add_bias_linear:
+                raise ValueError("When bias_activation_fusion is True, gated_linear_unit is False and activation "
+                                 "function is gelu, add_bias_linear must also be True.")
+            if self.glu_linear_offset != 0.0:
+                raise ValueError("When bias_activation_fusion is True, glu_linear_offset must be 0 (Megatron fuses "
+                                 "an offset for quick_gelu only; fusedlib's fused units have none)")
+        c = self.activation_func_clamp_value
+        if c is None:
+            return
+        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c <= 0:
+            raise ValueError(f"activation_func_clamp_value must be a finite number > 0 (or None), got {c!r}")
+        if self.num_moe_experts is None:
+            raise ValueError("activation_func_clamp_value is only supported with MoE (set num_moe_experts)")
+        if not glu:
+            raise ValueError("activation_func_clamp_value clamps the halves of a gated linear unit: "
+                             "set gated_linear_unit=True")
+        if self.glu_linear_offset != 0.0:
+            raise ValueError("activation_func_clamp_value needs glu_linear_offset == 0 (fusedlib's clamped "
+                             f"units have no offset), got {self.glu_linear_offset}")
+        if self.bias_activation_fusion and act is not F.silu:
+            raise ValueError("activation_func_clamp_value with bias_activation_fusion needs SwiGLU (F.silu): "
+                             "fusedlib's fused GeGLU has no clamp")
+
+    def _check_recompute(self) -> None:
+        g, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if g is not None:
+            if g not in ("full", "selective"):
+                raise ValueError(f'recompute_granularity must be None, "full" or "selective", got {g!r}')
+            if method is not None and method not in ("block", "uniform"):
+                raise ValueError(f'recompute_method must be "block" or "uniform", got {method!r}')
+            if g == "full":
+                if method is None:
+                    raise ValueError('With recompute_granularity "full", recompute_method must be "block" or "uniform"')
+                if n is None or not 1 <= n <= max(1, self.num_layers):
+                    raise ValueError(f'With recompute_granularity "full", recompute_num_layers must be between 1 and '
+                                     f"num_layers ({self.num_layers}), got {n!r}")
+            elif n is not None:
+                raise ValueError(f'With recompute_granularity "selective", recompute_num_layers must be None, got {n}')
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]
+        bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
+        if g == "selective" and bad:
+            raise ValueError(f"recompute_modules {bad} are not implemented in fusedlib (choices: "
+                             f"{', '.join(RECOMPUTE_MODULES)})")
+
+    def _derive_init_methods(self) -> None:
+        # imported here: transformer.utils imports the fused softmax, which imports this package
+        from .utils import init_method_normal, scaled_init_method_normal
+
+        if self.embedding_init_method_std is None:
+            self.embedding_init_method_std = self.init_method_std
+        if self.embedding_init_method is None:
+            if self.init_method is None or self.embedding_init_method_std != self.init_method_std:
+                self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
+            else:
+                self.embedding_init_method = self.init_method
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+        if self.output_layer_init_method is None and self.num_layers > 0:
+            self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)

@@ -1,16 +1,110 @@
-"""The attention-mask helpers of Megatron-core's ``megatron/core/transformer/utils.py``.
+"""Helpers of Megatron-core's ``transformer/utils.py``: attention masks, weight inits, placement.
 
-Megatron-core's softmax unit tests import ``attention_mask_func`` from this module; the
-masks are the ones :class:`fusedlib.fusions.fused_softmax.FusedScaleMaskSoftmax` builds.
+* masks: ``attention_mask_func``, ``get_default_causal_mask``, ``get_sliding_window_causal_mask``
+  (the ones :class:`fusedlib.fusions.fused_softmax.FusedScaleMaskSoftmax` builds), and
+  ``is_layer_window_attention``;
+* inits: ``init_method_normal``, ``scaled_init_method_normal`` (Megatron-core keeps these two in
+  ``megatron/core/utils.py``), ``get_linear_layer``;
+* placement: ``param_device``, where a module built from a config creates its parameters.
+
 Two deliberate differences from Megatron-core (chapter 5): ``attention_mask_func`` returns a
 new tensor instead of filling the scores in place, and ``get_default_causal_mask(sq, sk)``
 also takes sq != sk (aligned bottom-right).
 
-Source: Megatron-LM ``megatron/core/transformer/utils.py``.
+Source: Megatron-LM ``megatron/core/transformer/utils.py`` and ``megatron/core/utils.py``.
 """
 from __future__ import annotations
 
+import functools
+import math
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+
 from ..fusions.fused_softmax import get_default_causal_mask, get_sliding_window_causal_mask
+from ..runtime import default_device
 from ..unfused import attention_mask_func
 
-__all__ = ["attention_mask_func", "get_default_causal_mask", "get_sliding_window_causal_mask"]
+__all__ = [
+    "attention_mask_func",
+    "get_default_causal_mask",
+    "get_sliding_window_causal_mask",
+    "is_layer_window_attention",
+    "init_method_normal",
+    "scaled_init_method_normal",
+    "get_linear_layer",
+    "param_device",
+]
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+def init_method_normal(sigma: float) -> InitMethod:
+    """An init method that fills a tensor in place with N(0, sigma²) samples (torch's generator).
+
+    Source: Megatron-LM ``megatron/core/utils.py`` (``init_method_normal``).
+    """
+    return functools.partial(torch.nn.init.normal_, mean=0.0, std=sigma)
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float = 2.0) -> InitMethod:
+    """N(0, (sigma / sqrt(multiplier·num_layers))²): the init of the layers that write into the
+    residual stream, so its variance stays O(1) after 2·num_layers residual additions (GPT-2,
+    Radford et al. 2019).
+
+    Raises:
+        ValueError: num_layers < 1 or multiplier <= 0.
+
+    Source: Megatron-LM ``megatron/core/utils.py`` (``scaled_init_method_normal``).
+    """
+    if num_layers < 1 or multiplier <= 0:
+        raise ValueError(f"scaled_init_method_normal needs num_layers >= 1 and multiplier > 0, "
+                         f"got num_layers={num_layers}, multiplier={multiplier}")
+    return functools.partial(torch.nn.init.normal_, mean=0.0, std=sigma / math.sqrt(multiplier * num_layers))
+
+
+def is_layer_window_attention(window_size: Optional[Tuple[int, int]],
+                              window_attn_skip_freq: Union[int, List[int], None], layer_number: int) -> bool:
+    """Does layer ``layer_number`` (1-based) use the sliding window?
+
+    Yes if a window is set and ``window_attn_skip_freq`` is None; with an int n every n-th layer
+    skips it; with a list, the layer's entry (1: window, 0: full attention).
+
+    Raises:
+        ValueError: window_attn_skip_freq of another type.
+
+    Source: Megatron-LM ``megatron/core/transformer/utils.py`` (``is_layer_window_attention``).
+    """
+    if not window_size:
+        return False
+    if window_attn_skip_freq is None:
+        return True
+    if isinstance(window_attn_skip_freq, int):
+        return layer_number % window_attn_skip_freq != 0
+    if isinstance(window_attn_skip_freq, list):
+        return bool(window_attn_skip_freq[layer_number - 1])
+    raise ValueError(f"Invalid `window_attn_skip_freq`: {type(window_attn_skip_freq)}, {window_attn_skip_freq}")
+
+
+def param_device(config) -> torch.device:
+    """Where modules built from ``config`` create their parameters: the CPU with
+    ``config.use_cpu_initialization``, else fusedlib's default device (CUDA when present, as
+    Megatron-core's ``torch.cuda.current_device()``; the CPU otherwise)."""
+    return torch.device("cpu") if config.use_cpu_initialization else default_device()
+
+
+def get_linear_layer(rows: int, columns: int, init_method: InitMethod, perform_initialization: bool = True,
+                     *, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> torch.nn.Linear:
+    """A ``torch.nn.Linear(rows, columns)`` with its weight from ``init_method`` and a zero bias.
+
+    ``device``/``dtype``: torch's factory arguments (None: torch's defaults), beyond Megatron-core's.
+
+    Source: Megatron-LM ``megatron/core/transformer/utils.py`` (``get_linear_layer``).
+    """
+    layer = torch.nn.Linear(rows, columns, device=device, dtype=dtype)
+    if perform_initialization:
+        with torch.no_grad():
+            init_method(layer.weight)
+    with torch.no_grad():
+        layer.bias.zero_()
+    return layer

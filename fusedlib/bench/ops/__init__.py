@@ -21,8 +21,10 @@ OP_MODULES: dict[str, str] = {
     "causal_softmax": "causal_softmax",
     "masked_softmax": "masked_softmax",
     "softmax_one": "softmax_one",
+    "softmax_dropout": "softmax_dropout",
     "layer_norm": "layer_norm",
     "rms_norm": "rms_norm",
+    "rope": "rope",
 }
 
 

@@ -1,0 +1,1 @@
+"""Parts shared by the models (Megatron-core's ``models/common``)."""

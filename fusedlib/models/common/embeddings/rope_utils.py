@@ -1,0 +1,88 @@
+"""Applying rotary position embeddings, fused or not: Megatron-core's ``rope_utils``.
+
+:func:`apply_rotary_pos_emb` is the one entry point attention calls: with
+``config.apply_rope_fusion`` it runs fusedlib's Triton kernel
+(:func:`fusedlib.fusions.fused_rope.fused_apply_rotary_pos_emb`, one read of t and one
+write), otherwise Megatron's unfused PyTorch formula (:func:`_apply_rotary_pos_emb_bshd`,
+about ten elementwise kernels). Both take t [s, b, np, d] and freqs [s, 1, 1, rot_dim]
+or [s, b, 1, rot_dim] and give the same values (the fused one computed in float32 and
+rounded once).
+
+Not here (Megatron-core has them): packed sequences (``cu_seqlens``, the thd format) and
+context parallelism; multi-latent attention runs on the unfused path only.
+
+Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ....fusions.fused_rope import fused_apply_rotary_pos_emb
+from ....unfused import apply_rotary_pos_emb_bshd as _apply_rotary_pos_emb_bshd
+from ....unfused import rotate_half as _rotate_half
+
+__all__ = [
+    "apply_rotary_pos_emb",
+    "fused_apply_rotary_pos_emb",
+    "_apply_rotary_pos_emb_bshd",
+    "_rotate_half",
+]
+
+
+def apply_rotary_pos_emb(
+    t: Tensor,
+    freqs: Tensor,
+    config: Any,
+    cu_seqlens: Optional[Tensor] = None,
+    mscale: float = 1.0,
+    cp_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> Tensor:
+    """Apply RoPE to ``t``, fused or unfused as ``config.apply_rope_fusion`` says.
+
+    Args:
+        t: [s, b, np, d] (queries or keys), float32 / float16 / bfloat16 (float64 too).
+        freqs: angles in radians, [s, 1, 1, rot_dim] (``RotaryEmbedding.forward``) or
+            [s, b, 1, rot_dim] (per-sample positions), float32; rot_dim even, <= d.
+        config: a ``TransformerConfig`` (or any object) with ``apply_rope_fusion`` (bool:
+            the Triton kernel, else Megatron's unfused formula) and ``rotary_interleaved``
+            (bool: pairs (2k, 2k+1), else (k, k + rot_dim/2)); ``multi_latent_attention``
+            is read if present (default False).
+        cu_seqlens: packed-sequence boundaries (thd format): not supported, must be None.
+        mscale: scale of cos and sin (1.0 = plain RoPE). Megatron's fused path cannot take
+            it and falls back to the unfused one with a warning; fusedlib's kernel applies it.
+        cp_group: context-parallel group: unused in the sbhd format (as in Megatron).
+
+    Returns:
+        A new [s, b, np, d] tensor of t's dtype.
+
+    Raises:
+        TypeError: ``config`` lacks ``apply_rope_fusion`` or ``rotary_interleaved``.
+        NotImplementedError: ``cu_seqlens`` given (packed sequences), or
+            ``multi_latent_attention`` with ``apply_rope_fusion``.
+        TypeError, ValueError: from :func:`fused_apply_rotary_pos_emb` for bad tensors.
+
+    Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``
+    (``apply_rotary_pos_emb``).
+    """
+    missing = [name for name in ("apply_rope_fusion", "rotary_interleaved") if not hasattr(config, name)]
+    if missing:
+        raise TypeError(f"config must have {' and '.join(missing)} (a TransformerConfig), got {type(config).__name__}")
+    if cu_seqlens is not None:
+        raise NotImplementedError(
+            "cu_seqlens (packed sequences, the thd format) is not supported by fusedlib's RoPE: "
+            "pass t as [s, b, np, d] with cu_seqlens=None"
+        )
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    if config.apply_rope_fusion:
+        if mla:
+            raise NotImplementedError(
+                "apply_rope_fusion with multi_latent_attention is not supported by fusedlib's RoPE kernel: "
+                "set apply_rope_fusion=False"
+            )
+        return fused_apply_rotary_pos_emb(t, freqs, interleaved=config.rotary_interleaved, mscale=mscale)
+    return _apply_rotary_pos_emb_bshd(
+        t, freqs, rotary_interleaved=config.rotary_interleaved, multi_latent_attention=mla, mscale=mscale
+    )

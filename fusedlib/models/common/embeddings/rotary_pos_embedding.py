@@ -1,0 +1,232 @@
+"""Rotary position embeddings: Megatron-core's ``RotaryEmbedding``, the angles RoPE rotates by.
+
+``RotaryEmbedding(kv_channels, rotary_percent)`` holds the inverse frequencies
+``inv_freq[i] = 1 / base^(2i / dim)`` for ``i = 0 .. dim/2 - 1`` (``dim = kv_channels ·
+rotary_percent``), and ``forward(max_seq_len, offset=0)`` returns the angles
+``freqs[p, i] = (p + offset) · inv_freq[i]`` for every position, each stored twice (the
+two channels of a pair), in Megatron's layout [s, 1, 1, dim] float32. The angles are applied
+by :func:`fusedlib.models.common.embeddings.rope_utils.apply_rotary_pos_emb`.
+
+Source: Megatron-LM ``megatron/core/models/common/embeddings/rotary_pos_embedding.py``;
+Su et al., "RoFormer", arXiv:2104.09864; Chen et al., "Extending Context Window of Large
+Language Models via Positional Interpolation", arXiv:2306.15595
+(``seq_len_interpolation_factor``); Llama 3.1's frequency scaling (``rope_scaling``).
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ....runtime import default_device
+from .rope_utils import _apply_rotary_pos_emb_bshd, _rotate_half, apply_rotary_pos_emb  # noqa: F401 (Megatron re-exports them)
+
+__all__ = ["RotaryEmbedding"]
+
+#: Entries of :meth:`RotaryEmbedding.forward`'s cache (Megatron: ``lru_cache(maxsize=32)``).
+FORWARD_CACHE_SIZE = 32
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary embedding angles for a language model, Megatron-core's ``RotaryEmbedding``.
+
+    Args:
+        kv_channels: channels per attention head (``TransformerConfig.kv_channels``).
+        rotary_percent: fraction of the channels rotated, in (0, 1]; below 1 the rotary
+            dim is ``int(kv_channels * rotary_percent)``.
+        rotary_interleaved: the angles' layout: ``[f0, f0, f1, f1, ...]`` (pairs (2k, 2k+1))
+            if True, else ``[f0, f1, ..., f0, f1, ...]`` (pairs (k, k + dim/2)). Default False.
+        seq_len_interpolation_factor: positions are divided by it (linear position
+            interpolation for longer sequences; Megatron: a float > 1). Default None.
+        rotary_base: the base of the inverse frequencies (default 10000).
+        rope_scaling: apply Llama 3.x's frequency scaling (default False).
+        rope_scaling_factor: its factor (default 8.0).
+        use_cpu_initialization: create ``inv_freq`` on the CPU (default False: on ``device``).
+        cp_group: context-parallel group; groups of more than one rank are not supported.
+        device: where ``inv_freq`` (and so the angles) live when ``use_cpu_initialization``
+            is False (default: CUDA when present, else the CPU; Megatron: the current CUDA
+            device). ``module.to(device)`` moves it.
+
+    ``inv_freq`` [dim/2] float32 is a plain attribute, not a parameter or buffer, as in
+    Megatron: it is not in the state dict, and ``module.bfloat16()`` does not round it (a
+    bf16 ``inv_freq`` would make the angles of far positions wrong by whole radians); it
+    follows the module's device.
+
+    Raises:
+        ValueError: kv_channels < 1, rotary_percent not in (0, 1], a rotary dim that rounds
+            to 0, a non-positive seq_len_interpolation_factor or rotary_base.
+        NotImplementedError: a cp_group of more than one rank.
+
+    Source: Megatron-LM ``megatron/core/models/common/embeddings/rotary_pos_embedding.py``.
+    """
+
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float,
+        rotary_interleaved: bool = False,
+        seq_len_interpolation_factor: Optional[float] = None,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        use_cpu_initialization: bool = False,
+        cp_group: Optional[Any] = None,
+        *,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(kv_channels, int) or kv_channels < 1:
+            raise ValueError(f"kv_channels must be a positive int, got {kv_channels!r}")
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
+        if seq_len_interpolation_factor is not None and not seq_len_interpolation_factor > 0:
+            raise ValueError(f"seq_len_interpolation_factor must be > 0 (or None), got {seq_len_interpolation_factor!r}")
+        if not rotary_base > 0:
+            raise ValueError(f"rotary_base must be > 0, got {rotary_base!r}")
+        _check_cp_group(cp_group)
+        dim = kv_channels
+        if rotary_percent < 1.0:
+            dim = int(dim * rotary_percent)
+        if dim < 1:
+            raise ValueError(
+                f"kv_channels * rotary_percent = {kv_channels} * {rotary_percent} rounds to {dim} rotary channels"
+            )
+        self.rotary_interleaved = rotary_interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        device = torch.device("cpu") if use_cpu_initialization else torch.device(device or default_device())
+        # inv_freq[i] = 1 / base^(2i / dim): float32, computed as Megatron computes it
+        self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        if rope_scaling:
+            self.inv_freq = self._apply_scaling(self.inv_freq, factor=rope_scaling_factor)
+        self.cp_group = cp_group
+        self._cache: OrderedDict[tuple, Tensor] = OrderedDict()
+
+    def _apply_scaling(self, freqs: Tensor, factor: float = 8, low_freq_factor: float = 1,
+                       high_freq_factor: float = 4, original_max_position_embeddings: int = 8192) -> Tensor:
+        """Llama 3.x's scaling of the inverse frequencies: wavelengths longer than
+        ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``,
+        shorter than ``.../ high_freq_factor`` kept, and those between interpolated.
+
+        Source: Megatron-LM ``rotary_pos_embedding.py`` (``_apply_scaling``), adapted there from
+        Hugging Face transformers ``modeling_rope_utils.py`` (``_compute_llama3_parameters``).
+        """
+        old_context_len = original_max_position_embeddings
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / freqs
+        # wavelen < high_freq_wavelen: do nothing; wavelen > low_freq_wavelen: divide by factor
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, freqs / factor, freqs)
+        # otherwise: interpolate between the two, using a smooth factor
+        smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+    def get_freqs_non_repeated(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        """The angles ``(p + offset) · inv_freq[i]`` (positions divided by
+        ``seq_len_interpolation_factor`` if set): [max_seq_len, dim/2] float32."""
+        seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=self.inv_freq.dtype) + offset
+        if self.seq_len_interpolation_factor is not None:
+            seq *= 1 / self.seq_len_interpolation_factor
+        return torch.outer(seq, self.inv_freq)  # [seq len, dim/2]
+
+    def get_cos_sin(self, max_seq_len: int, offset: int = 0) -> tuple[Tensor, Tensor]:
+        """cos and sin of :meth:`get_freqs_non_repeated`: two [max_seq_len, dim/2] float32 tensors."""
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        return torch.cos(freqs), torch.sin(freqs)
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        """The angles of every channel, [max_seq_len, 1, 1, dim] float32: ``[f | f]``
+        (half-split) or ``[f0, f0, f1, f1, ...]`` (interleaved)."""
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            # [s, dim/2] -> [s·dim/2, 1] twice -> [s·dim/2, 1, 2] -> [s, dim]
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]  # [s, dim] -> [s, 1, 1, dim]
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group: Optional[Any] = None) -> Tensor:
+        """The rotary angles for positions ``offset .. offset + max_seq_len - 1``.
+
+        Args:
+            max_seq_len: number of positions (>= 0).
+            offset: first position (default 0).
+            packed_seq: accepted for Megatron's signature (only matters with context parallelism).
+            cp_group: context-parallel group; more than one rank is not supported.
+
+        Returns:
+            freqs [max_seq_len, 1, 1, dim], float32, on ``inv_freq``'s device. Cached per
+            (max_seq_len, offset), as Megatron's ``lru_cache``: the same tensor each call,
+            which callers must not modify.
+
+        Raises:
+            NotImplementedError: a cp_group of more than one rank.
+        """
+        _check_cp_group(cp_group)
+        key = (int(max_seq_len), int(offset), self.inv_freq.device)
+        emb = self._cache.get(key)
+        if emb is None:
+            emb = self.get_emb(max_seq_len, offset)
+            self._cache[key] = emb
+            if len(self._cache) > FORWARD_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return emb
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(device) / .cuda() / .cpu(): move inv_freq with the module; casts (.half(),
+        # .bfloat16(), .to(dtype)) leave it float32, as Megatron's plain attribute is left
+        module = super()._apply(fn, *args, **kwargs)
+        device = fn(self.inv_freq).device
+        if device != self.inv_freq.device:
+            self.inv_freq = self.inv_freq.to(device=device)
+            self._cache.clear()
+        return module
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints from versions that saved inv_freq: it is recomputed, never loaded
+        state_dict.pop(f"{prefix}inv_freq", None)
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def get_rotary_seq_len(self, inference_context: Any, transformer: Any, transformer_input: Tensor,
+                           transformer_config: Any, packed_seq_params: Any = None) -> int:
+        """The number of positions the model needs angles for.
+
+        Args:
+            inference_context: an inference context with ``max_sequence_length``, or None.
+            transformer: the TransformerBlock (its ``input_tensor``, if set, is used) or None.
+            transformer_input: the block's input [s, b, h].
+            transformer_config: read for ``sequence_parallel``, ``tensor_model_parallel_size``
+                and ``context_parallel_size`` (defaults False, 1, 1 when absent).
+            packed_seq_params: with ``max_seqlen_q`` and ``max_seqlen_kv``, or None.
+
+        Returns:
+            The rotary sequence length (an int).
+
+        Source: Megatron-LM ``rotary_pos_embedding.py`` (``RotaryEmbedding.get_rotary_seq_len``).
+        """
+        if packed_seq_params is not None:
+            return max(packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv)
+        if inference_context is not None:
+            rotary_seq_len = inference_context.max_sequence_length
+        else:
+            if transformer is not None and getattr(transformer, "input_tensor", None) is not None:
+                rotary_seq_len = transformer.input_tensor.size(0)
+            else:
+                rotary_seq_len = transformer_input.size(0)
+            if getattr(transformer_config, "sequence_parallel", False):
+                rotary_seq_len *= getattr(transformer_config, "tensor_model_parallel_size", 1)
+        rotary_seq_len *= getattr(transformer_config, "context_parallel_size", 1)
+        return rotary_seq_len
+
+
+def _check_cp_group(cp_group: Any) -> None:
+    if cp_group is not None and cp_group.size() > 1:
+        raise NotImplementedError(
+            f"context parallelism (a cp_group of {cp_group.size()} ranks) is not supported by fusedlib's "
+            "RotaryEmbedding: pass cp_group=None"
+        )

@@ -1,0 +1,160 @@
+"""``GPTModel``: embedding, transformer block, output layer, and the per-token loss.
+
+    input_ids [b, s] -> embedding [s, b, h] -> TransformerBlock [s, b, h] -> output_layer
+    logits [s, b, V] -> cross entropy against labels [b, s] -> loss [b, s] (float32)
+
+Positions: ``"learned_absolute"`` adds a learned table to the token embeddings; ``"rope"`` rotates
+queries and keys in every attention (``RotaryEmbedding`` makes the angles once per forward,
+``config.apply_rope_fusion`` picks the kernel); ``"none"`` uses neither. The loss is fusedlib's
+vocab-parallel cross entropy, fused (``config.cross_entropy_loss_fusion``) or not (on one rank
+both are one Triton kernel; they differ in the all-reduces they would issue across ranks).
+With ``share_embeddings_and_output_weights`` the output layer has no weight of its own and
+uses the word embeddings'.
+
+Left out: pipeline stages, multi-token prediction, inference (KV caches, logits of the last
+token only), YaRN/multimodal RoPE, tensor and sequence parallelism, the loss mask (apply it to
+the returned per-token loss).
+
+Source: Megatron-LM ``megatron/core/models/gpt/gpt_model.py`` and
+``megatron/core/models/common/language_module/language_module.py`` (``compute_language_model_loss``).
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import torch
+
+from ...fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+from ...parallel.cross_entropy import vocab_parallel_cross_entropy
+from ...parallel.layers import ColumnParallelLinear
+from ...transformer.enums import ModelType
+from ...transformer.module import MegatronModule
+from ...transformer.spec_utils import ModuleSpec
+from ...transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from ...transformer.transformer_config import TransformerConfig
+from ..common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+__all__ = ["GPTModel"]
+
+
+
+def _rotary_embedding_class() -> type:
+    from ..common.embeddings.rotary_pos_embedding import RotaryEmbedding  # on first use: no import cycle
+
+    return RotaryEmbedding
+
+
+class GPTModel(MegatronModule):
+    """A GPT language model: token ids [b, s] -> logits [b, s, V], or with labels the loss [b, s].
+
+    Args:
+        config: the TransformerConfig (also reads cross_entropy_loss_fusion at each forward).
+        transformer_layer_spec: a layer spec (repeated config.num_layers times) or a block spec.
+        vocab_size: V.
+        max_sequence_length: rows of the learned position table.
+        pre_process, post_process: must be True (pipeline stages left out).
+        fp16_lm_cross_entropy: accepted, no effect (the loss is float32 whatever the logits' dtype).
+        parallel_output: keep logits split across tensor-parallel ranks (one rank: no effect).
+        share_embeddings_and_output_weights: tie the output layer to the word embeddings.
+        position_embedding_type: "learned_absolute", "rope" or "none".
+        rotary_percent, rotary_base, seq_len_interpolation_factor, rope_scaling, rope_scaling_factor:
+            RoPE's (rot_dim = hn·rotary_percent; Llama 3's frequency scaling), passed to RotaryEmbedding.
+        scatter_embedding_sequence_parallel: accepted (one rank: no effect).
+        mtp_block_spec, pg_collection, vp_stage: must stay at their defaults.
+
+    ``forward(input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+    inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+    runtime_gather_output=None)``: input_ids, position_ids [b, s] int (position_ids None: 0..s-1);
+    attention_mask bool [b or 1, 1, s, s] True = masked, or None (the layer spec's attention is
+    causal anyway); decoder_input [s, b, h] replaces the embedding. Returns logits [b, s, V]
+    without labels, else the per-token loss [b, s] (float32).
+
+    Raises:
+        NotImplementedError: a left-out feature asked for.
+        ValueError: an unknown position_embedding_type; target ids outside [0, V) (the cross entropy).
+
+    Source: Megatron-LM ``megatron/core/models/gpt/gpt_model.py`` (``GPTModel``).
+    """
+
+    def __init__(self, config: TransformerConfig, transformer_layer_spec: Union[ModuleSpec, TransformerBlockSubmodules],
+                 vocab_size: int, max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
+                 fp16_lm_cross_entropy: bool = False, parallel_output: bool = True,
+                 share_embeddings_and_output_weights: bool = False,
+                 position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
+                 rotary_percent: float = 1.0, rotary_base: int = 10000, rope_scaling: bool = False,
+                 rope_scaling_factor: float = 8.0, scatter_embedding_sequence_parallel: bool = True,
+                 seq_len_interpolation_factor: Optional[float] = None, mtp_block_spec: Optional[ModuleSpec] = None,
+                 pg_collection: object = None, vp_stage: Optional[int] = None) -> None:
+        super().__init__(config=config)
+        if (not pre_process or not post_process or mtp_block_spec is not None
+                or pg_collection is not None or vp_stage is not None):
+            raise NotImplementedError("GPTModel: pipeline stages (pre_process/post_process False), multi-token "
+                                      "prediction, pg_collection and vp_stage are left out of fusedlib")
+        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ValueError(f"position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
+                             f"got {position_embedding_type!r}")
+        self.transformer_layer_spec = transformer_layer_spec
+        self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
+        self.pre_process, self.post_process = pre_process, post_process
+        self.fp16_lm_cross_entropy, self.parallel_output = fp16_lm_cross_entropy, parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.model_type = ModelType.encoder_or_decoder
+
+        # [Module 1: embedding]
+        self.embedding = LanguageModelEmbedding(config=config, vocab_size=vocab_size,
+                                                max_sequence_length=max_sequence_length,
+                                                position_embedding_type=position_embedding_type)
+        # [Module 2: rotary angles] (no parameters)
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = _rotary_embedding_class()(
+                kv_channels=config.kv_channels, rotary_percent=rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base,
+                rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
+                use_cpu_initialization=config.use_cpu_initialization)
+        # [Module 3: decoder]
+        self.decoder = TransformerBlock(config=config, spec=transformer_layer_spec)
+        # [Module 4: output layer] h -> V, no bias; no weight of its own when tied
+        self.output_layer = ColumnParallelLinear(config.hidden_size, vocab_size, config=config,
+                                                 init_method=config.init_method, bias=False, skip_bias_add=False,
+                                                 gather_output=not parallel_output,
+                                                 skip_weight_param_allocation=share_embeddings_and_output_weights)
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        """The word-embedding weight [V, h], which the tied output layer uses."""
+        return self.embedding.word_embeddings.weight
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy: labels [b, s], logits [s, b, V] -> loss [b, s], float32.
+
+        Source: Megatron-LM ``language_module.py`` (``compute_language_model_loss``).
+        """
+        labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
+        if self.config.cross_entropy_loss_fusion:
+            loss = fused_vocab_parallel_cross_entropy(logits, labels, None)
+        else:
+            loss = vocab_parallel_cross_entropy(logits, labels)
+        return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
+                attention_mask: Optional[torch.Tensor], decoder_input: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, inference_context: object = None,
+                packed_seq_params: object = None, extra_block_kwargs: Optional[dict] = None,
+                runtime_gather_output: Optional[bool] = None) -> torch.Tensor:
+        """Logits [b, s, V], or with labels the loss [b, s] (see the class docstring)."""
+        if inference_context is not None or packed_seq_params is not None:
+            raise NotImplementedError("GPTModel: inference_context and packed_seq_params are left out of fusedlib")
+        if decoder_input is None:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
+        rotary_pos_emb = None
+        if self.position_embedding_type == "rope":
+            rotary_pos_emb = self.rotary_pos_emb(decoder_input.size(0)).to(decoder_input.device)  # [s, 1, 1, rot]
+        hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                     rotary_pos_emb=rotary_pos_emb, **(extra_block_kwargs or {}))
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=output_weight,
+                                      runtime_gather_output=runtime_gather_output)  # [s, b, V]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [s, b, V] -> [b, s, V]
+        return self.compute_language_model_loss(labels, logits)

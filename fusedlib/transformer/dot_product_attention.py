@@ -1,0 +1,195 @@
+"""``DotProductAttention``: softmax(Q·Kᵀ·scale + mask)·V for every head, the "core attention".
+
+Two paths, chosen by ``config.attention_backend`` at each forward (see
+:class:`~fusedlib.transformer.enums.AttnBackend`):
+
+* materialised (``local``, ``unfused``), Megatron-core's steps:
+
+  1. scores [b·np, sq, sk] = softmax_scale · Q·Kᵀ by one ``torch.baddbmm``;
+  2. probabilities = ``FusedScaleMaskSoftmax`` (``config.masked_softmax_fusion``: fusedlib's
+     kernel, else PyTorch), then the attention dropout (``torch.nn.Dropout``). In training with
+     ``masked_softmax_fusion`` and attention_dropout > 0 the two are one kernel,
+     ``fused_scale_mask_softmax_dropout``: the dropout mask is drawn from Philox inside the
+     softmax kernel and regenerated in the backward, so the [b, np, sq, sk] tensor is read and
+     written once instead of three times;
+  3. context [sq, b, np·hn] = probabilities·V by ``torch.bmm``.
+
+* SDPA (``flash``, ``fused``, ``auto``): ``torch.nn.functional.scaled_dot_product_attention``,
+  which never writes the scores to memory with its flash or memory-efficient kernels. Causal
+  attention with sq == sk and no other mask passes ``is_causal=True``; a caller's mask, a
+  sliding window or sq != sk passes an explicit mask (and torch then picks a kernel that takes
+  one). Rows whose every key is masked give zeros, as on the materialised path.
+
+Grouped-query attention: the materialised path repeats each key/value head for the np/ng
+query heads it serves (``repeat_interleave``, as Megatron-core); SDPA gets ``enable_gqa=True``.
+Causal masks with sq != sk are aligned bottom-right (query q sees keys j <= q + sk - sq).
+
+Left out: context parallelism, packed sequences (``packed_seq_params``), ``attention_bias``,
+the off-by-one softmax types, inference KV caches; Megatron-core's global memory buffer for the
+scores (one is allocated per call). Megatron-core draws the attention dropout under its
+tensor-parallel RNG tracker; fusedlib uses torch's generator.
+
+Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import unfused
+from ..fusions import fused_softmax
+from ..fusions.fused_softmax import FusedScaleMaskSoftmax
+from .enums import AttnBackend, AttnMaskType
+from .module import MegatronModule
+from .transformer_config import TransformerConfig
+from .utils import attention_mask_func, is_layer_window_attention
+
+__all__ = ["DotProductAttention", "SDPA_BACKENDS"]
+
+#: attention_backend values that run torch's scaled_dot_product_attention; the others materialise.
+SDPA_BACKENDS = (AttnBackend.flash, AttnBackend.fused, AttnBackend.auto)
+_CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+
+
+class DotProductAttention(MegatronModule):
+    """Core attention of one layer: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np·hn].
+
+    Args:
+        config: reads kv_channels, num_attention_heads, num_query_groups, fp16/bf16,
+            masked_softmax_fusion, attention_softmax_in_fp32, apply_query_key_layer_scaling,
+            attention_dropout, window_size, window_attn_skip_freq and (at each forward)
+            attention_backend.
+        layer_number: 1-based; the query-key layer scaling divides by it.
+        attn_mask_type: an :class:`AttnMaskType` (causal types add the causal mask).
+        attention_type: "self" or "cross" (unused, as in Megatron-core).
+        attention_dropout: overrides config.attention_dropout.
+        softmax_scale: the scores' scale; None: 1/sqrt(hn).
+        cp_comm_type, pg_collection: must be None (context parallelism, process groups: left out).
+
+    ``forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+    packed_seq_params=None)``: attention_mask bool, broadcastable to [b, np, sq, sk], True =
+    masked, or None. ``attn_mask_type`` is accepted and unused, as in Megatron-core (the mask
+    type is fixed at construction). Returns the context, [sq, b, np·hn], query's dtype.
+
+    Raises:
+        NotImplementedError: cp_comm_type, pg_collection, attention_bias or packed_seq_params given.
+        ValueError: as FusedScaleMaskSoftmax (e.g. config.bf16 with float32 scores).
+
+    Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py``.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection: object = None) -> None:
+        super().__init__(config=config)
+        if cp_comm_type is not None or pg_collection is not None:
+            raise NotImplementedError("DotProductAttention: context parallelism (cp_comm_type) and process-group "
+                                      "collections (pg_collection) are left out of fusedlib")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type  # unused, as in Megatron-core
+        self.hidden_size_per_attention_head = config.kv_channels  # hn
+        self.hidden_size_per_partition = config.kv_channels * config.num_attention_heads  # np·hn
+        self.num_attention_heads_per_partition = config.num_attention_heads  # np
+        self.num_query_groups_per_partition = config.num_query_groups  # ng
+
+        coeff = None
+        self.softmax_scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head) if softmax_scale is None \
+            else softmax_scale
+        if config.apply_query_key_layer_scaling:
+            # scores are computed at scale/layer_number and multiplied back by layer_number inside
+            # the fp32 softmax: the same probabilities, a smaller fp16 range for the GEMM's output
+            coeff = self.layer_number
+            self.softmax_scale /= coeff
+        self.window_size = config.window_size if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None
+        self.scale_mask_softmax = FusedScaleMaskSoftmax(
+            input_in_fp16=config.fp16,
+            input_in_bf16=config.bf16,
+            attn_mask_type=attn_mask_type,
+            scaled_masked_softmax_fusion=config.masked_softmax_fusion,
+            mask_func=attention_mask_func,
+            softmax_in_fp32=config.attention_softmax_in_fp32,
+            scale=coeff,
+            window_size=self.window_size,
+        )
+        self.attention_dropout = torch.nn.Dropout(config.attention_dropout if attention_dropout is None
+                                                  else attention_dropout)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params: object = None) -> torch.Tensor:
+        """Context [sq, b, np·hn] (see the class docstring)."""
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("DotProductAttention: attention_bias and packed_seq_params are left out")
+        if self.config.attention_backend in SDPA_BACKENDS:
+            return self._forward_sdpa(query, key, value, attention_mask)
+        return self._forward_materialised(query, key, value, attention_mask)
+
+    # ------------------------------------------------------------------ materialised
+    def _forward_materialised(self, query, key, value, attention_mask):
+        np_, ng = self.num_attention_heads_per_partition, self.num_query_groups_per_partition
+        if np_ // ng > 1:
+            # [sk, b, ng, hn] -> [sk, b, np, hn]: each key/value head once per query head it serves
+            key = key.repeat_interleave(np_ // ng, dim=2)
+            value = value.repeat_interleave(np_ // ng, dim=2)
+        sq, b, _, hn = query.shape
+        sk = key.size(0)
+        query = query.reshape(sq, b * np_, hn)  # [sq, b, np, hn] -> [sq, b·np, hn]
+        key = key.reshape(sk, b * np_, hn)  # [sk, b, np, hn] -> [sk, b·np, hn]
+        # beta=0: the buffer's contents are ignored (never read, NaN-safe), it only receives the result
+        buffer = torch.empty((b * np_, sq, sk), device=query.device, dtype=query.dtype)
+        scores = torch.baddbmm(buffer, query.transpose(0, 1), key.transpose(0, 1).transpose(1, 2),
+                               beta=0.0, alpha=self.softmax_scale)  # [b·np, sq, hn] @ [b·np, hn, sk]
+        scores = scores.view(b, np_, sq, sk)  # [b·np, sq, sk] -> [b, np, sq, sk]
+
+        probs = self._softmax_dropout(scores, attention_mask)
+
+        value = value.reshape(sk, b * np_, hn)  # [sk, b, np, hn] -> [sk, b·np, hn]
+        context = torch.bmm(probs.view(b * np_, sq, sk), value.transpose(0, 1))  # [b·np, sq, hn]
+        context = context.view(b, np_, sq, hn).permute(2, 0, 1, 3).contiguous()  # -> [sq, b, np, hn]
+        return context.view(sq, b, self.hidden_size_per_partition)  # -> [sq, b, np·hn]
+
+    def _softmax_dropout(self, scores: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        p = self.attention_dropout.p
+        fused_dropout = getattr(fused_softmax, "fused_scale_mask_softmax_dropout", None)
+        if self.training and p > 0 and self.config.masked_softmax_fusion:
+            if fused_dropout is not None:  # one kernel: scale, mask, softmax, dropout
+                return fused_dropout(scores, attention_mask, self.attn_mask_type, self.scale_mask_softmax.scale, p,
+                                     softmax_in_fp32=self.config.attention_softmax_in_fp32,
+                                     window_size=self.window_size)
+            # without the fused softmax+dropout kernel: the fused softmax, then torch's dropout
+        return self.attention_dropout(self.scale_mask_softmax(scores, attention_mask))
+
+    # ------------------------------------------------------------------ SDPA
+    def _forward_sdpa(self, query, key, value, attention_mask):
+        sq, b, np_, hn = query.shape
+        sk = key.size(0)
+        # [s, b, heads, hn] -> [b, heads, s, hn] (views: SDPA takes strided inputs)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        causal = self.attn_mask_type in _CAUSAL
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)  # undo the layer scaling's split
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        gqa = np_ != self.num_query_groups_per_partition
+        if attention_mask is None and self.window_size is None and (not causal or sq == sk):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
+                                                 enable_gqa=gqa)
+        else:
+            masked = self._structural_mask(sq, sk, causal, query.device)
+            if attention_mask is not None:
+                masked = attention_mask if masked is None else (attention_mask | masked)
+            empty = masked.all(dim=-1, keepdim=True)  # rows with nothing to attend to: SDPA would give NaN
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~(masked & ~empty), dropout_p=dropout_p,
+                                                 scale=scale, enable_gqa=gqa)
+            out = out.masked_fill(empty, 0.0)  # ... they give zeros, as FusedScaleMaskSoftmax does
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [b, np, sq, hn] -> [sq, b, np·hn]
+
+    def _structural_mask(self, sq: int, sk: int, causal: bool, device: torch.device) -> Optional[torch.Tensor]:
+        """The causal or sliding-window mask [sq, sk] (True = masked), as FusedScaleMaskSoftmax builds it."""
+        if self.window_size is not None:
+            return unfused.sliding_window_causal_mask(sq, sk, self.window_size, device=device)
+        return unfused.causal_mask(sq, sk, device=device) if causal else None

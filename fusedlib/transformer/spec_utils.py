@@ -1,0 +1,136 @@
+"""Module specs: a model's structure as data, built into modules by :func:`build_module`.
+
+A :class:`ModuleSpec` names a module (a class, a function, or an import path) and the
+arguments only the spec knows (``params``, ``submodules``); the parent module supplies the
+rest (``config``, sizes, ``layer_number``) when it builds it. A layer spec is a tree of such
+specs: swapping one class in one slot (a fused norm for a plain one) changes the model
+without touching the layer's code.
+
+Beyond Megatron-core: an import path that does not import raises (Megatron-core logs it and
+builds ``None``), and an error raised while building names every module on the way down,
+e.g. ``... [while building ColumnParallelLinear] [while building SelfAttention]``.
+
+Source: Megatron-LM ``megatron/core/transformer/spec_utils.py``.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Tuple, Union
+
+__all__ = ["ModuleSpec", "import_module", "get_module", "build_module"]
+
+#: What build_module returns as it is, uncalled: functions (Megatron-core: ``types.FunctionType``).
+_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType)
+
+
+@dataclass
+class ModuleSpec:
+    """What to build, and with which arguments of its own.
+
+    Attributes:
+        module: a class (``FusedLayerNorm``), a function (``get_bias_dropout_add``: returned
+            uncalled), or an import path ``("fusedlib.fusions.fused_layer_norm", "FusedNorm")``.
+        params: keyword arguments passed to the class, e.g. ``{"attn_mask_type": AttnMaskType.causal}``.
+        submodules: passed as ``submodules=`` when not None: the dataclass of the module's own
+            slots (``SelfAttentionSubmodules(...)``).
+        metainfo: free-form information for tools; never passed to the module.
+
+    Calling a spec builds it: ``spec(*args, **kwargs)`` is ``build_module(spec, *args, **kwargs)``.
+
+    Source: Megatron-LM ``megatron/core/transformer/spec_utils.py``.
+    """
+
+    module: Union[Tuple[str, str], type, Callable[..., Any]]
+    params: dict = field(default_factory=dict)
+    submodules: object = None
+    metainfo: dict = field(default_factory=dict)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return build_module(self, *args, **kwargs)
+
+
+def import_module(module_path: Tuple[str, str]) -> Any:
+    """Import ``name`` from the module ``base_path``: ``import_module(("torch.nn", "LayerNorm"))``.
+
+    Raises:
+        ImportError: the module does not import, or has no such name (Megatron-core logs the
+            error and returns None, which fails later without saying why).
+        TypeError: ``module_path`` is not a pair of strings.
+    """
+    if not (isinstance(module_path, tuple) and len(module_path) == 2 and all(isinstance(p, str) for p in module_path)):
+        raise TypeError(f"an import path must be a pair (module, name) of strings, got {module_path!r}")
+    base_path, name = module_path
+    module = importlib.import_module(base_path)
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ImportError(f"module {base_path!r} has no {name!r} (import path {module_path!r})") from None
+
+
+def _resolve(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]]) -> Any:
+    """The class or function a spec names, imported if it is an import path."""
+    target = spec_or_module.module if isinstance(spec_or_module, ModuleSpec) else spec_or_module
+    if isinstance(target, (type,) + _FUNCTION_TYPES):
+        return target
+    if isinstance(target, tuple):
+        return import_module(target)
+    raise TypeError(f"a module spec must name a class, a function or an import path (module, name), "
+                    f"got {type(target).__name__}: {target!r}")
+
+
+def get_module(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]], **additional_kwargs: Any) -> Any:
+    """The class or function ``spec_or_module`` names, without building it.
+
+    Raises:
+        ImportError, TypeError: as :func:`build_module`.
+
+    Source: Megatron-LM ``megatron/core/transformer/spec_utils.py`` (``get_module``).
+    """
+    return _resolve(spec_or_module)
+
+
+def build_module(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]], *args: Any, **kwargs: Any) -> Any:
+    """Build what a spec names.
+
+    * a function (given directly, or as a spec's ``module``): returned as it is, uncalled
+      (a slot such as ``self_attn_bda`` holds a function selector, called at each forward);
+    * a class, or an import path: instantiated as ``module(*args, **spec.params, **kwargs)``
+      plus ``submodules=spec.submodules`` when the spec has submodules.
+
+    Args:
+        spec_or_module: a :class:`ModuleSpec`, a class or a function.
+        *args, **kwargs: the parent's arguments (``config=...``, sizes, ``layer_number=...``).
+
+    Returns:
+        The built module, or the function.
+
+    Raises:
+        TypeError: the spec names neither a class, a function nor an import path, or a
+            spec's ``params`` repeat one of the parent's keyword arguments.
+        ImportError: an import path that does not import.
+        Any error of the module's constructor, re-raised with the same type and
+            ``[while building <Class>]`` appended, so a failure deep in a layer spec names
+            the path down to the module that failed.
+
+    Source: Megatron-LM ``megatron/core/transformer/spec_utils.py`` (``build_module``).
+    """
+    module = _resolve(spec_or_module)
+    if isinstance(module, _FUNCTION_TYPES):
+        return module
+    params = dict(spec_or_module.params) if isinstance(spec_or_module, ModuleSpec) else {}
+    clash = sorted(set(params) & set(kwargs))
+    if clash:
+        raise TypeError(f"the spec of {module.__name__} sets {clash} in params, which its parent passes too")
+    if isinstance(spec_or_module, ModuleSpec) and spec_or_module.submodules is not None:
+        kwargs["submodules"] = spec_or_module.submodules
+    try:
+        return module(*args, **params, **kwargs)
+    except Exception as e:  # name the module in the error, keeping its type
+        message = f"{e} [while building {module.__name__}]"
+        try:
+            error = type(e)(message)
+        except Exception:  # an exception type whose constructor takes other arguments
+            raise RuntimeError(f"{type(e).__name__}: {message}") from e
+        raise error.with_traceback(e.__traceback__) from None  # the traceback keeps the original frames

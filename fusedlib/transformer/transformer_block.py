@@ -1,0 +1,181 @@
+"""``TransformerBlock``: num_layers layers from specs, then the final norm; activation recomputation.
+
+``TransformerBlock(config, spec)`` takes either a :class:`TransformerBlockSubmodules` (one spec
+per layer, and the final norm's), a ``ModuleSpec`` of a TransformerBlock, or one layer spec,
+repeated ``config.num_layers`` times.
+
+Full activation recomputation (``recompute_granularity="full"``, in training): the layers'
+activations are not kept; only each checkpointed chunk's input is, and the chunk's forward runs
+again in the backward, under ``torch.utils.checkpoint`` (non-reentrant) with the CPU and device
+RNG states of the first run restored, so its dropout masks are the same:
+
+* ``recompute_method="uniform"``: the layers in chunks of ``recompute_num_layers``, each chunk
+  checkpointed;
+* ``"block"``: only the first ``recompute_num_layers`` layers, one checkpoint each.
+
+(Selective recomputation is in the attention and the layer: it checkpoints only the core
+attention, or the MLP.)
+
+Differences from Megatron-core: given one layer spec, the final norm is the spec's own
+``input_layernorm`` class (so a torch-norm spec gets a torch final norm), where Megatron-core
+takes a process-wide choice (Transformer Engine's, Apex's or torch's norm); when that slot is
+an IdentityOp, :class:`~fusedlib.fusions.fused_layer_norm.FusedNorm`.
+
+Left out: pipeline stages (``pre_process=False``, ``set_input_tensor``), virtual pipelines,
+FP8/FP4 contexts, CPU offloading, CUDA graphs, multi-token prediction, inference.
+
+Source: Megatron-LM ``megatron/core/transformer/transformer_block.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+import torch
+import torch.utils.checkpoint
+
+from ..fusions.fused_layer_norm import FusedNorm
+from ..utils import make_viewless_tensor
+from .identity_op import IdentityOp
+from .module import MegatronModule
+from .spec_utils import ModuleSpec, build_module, get_module
+from .transformer_config import TransformerConfig
+from .transformer_layer import BaseTransformerLayer, _norm
+from .utils import param_device
+
+__all__ = ["TransformerBlockSubmodules", "TransformerBlock"]
+
+
+@dataclass
+class TransformerBlockSubmodules:
+    """The slots of a :class:`TransformerBlock`: one spec per layer, then the final norm's (None: none).
+
+    Source: Megatron-LM ``megatron/core/transformer/transformer_block.py``.
+    """
+
+    layer_specs: Optional[List[ModuleSpec]] = None
+    layer_norm: Optional[Union[ModuleSpec, type]] = None
+
+
+def _final_norm_of(layer_spec: ModuleSpec) -> Union[ModuleSpec, type]:
+    norm = getattr(layer_spec.submodules, "input_layernorm", IdentityOp)
+    return FusedNorm if norm is IdentityOp else norm
+
+
+def _get_block_submodules(config: TransformerConfig, spec: Union[TransformerBlockSubmodules, ModuleSpec]
+                          ) -> TransformerBlockSubmodules:
+    """The block's submodules from any of the three kinds of spec (see the module docstring).
+
+    Raises:
+        TypeError: a spec of neither kind, naming what it got.
+    """
+    if isinstance(spec, TransformerBlockSubmodules):
+        return spec
+    if isinstance(spec, ModuleSpec):
+        module = get_module(spec)
+        if isinstance(module, type) and issubclass(module, TransformerBlock):
+            return spec.submodules
+        if isinstance(module, type) and issubclass(module, BaseTransformerLayer):
+            return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=_final_norm_of(spec))
+        raise TypeError(f"TransformerBlock: a ModuleSpec of {getattr(module, '__name__', module)!r} is neither a "
+                        "TransformerBlock nor a transformer layer")
+    raise TypeError(f"TransformerBlock: spec must be a TransformerBlockSubmodules or a ModuleSpec, "
+                    f"got {type(spec).__name__}")
+
+
+class TransformerBlock(MegatronModule):
+    """A stack of transformer layers and the final norm: [s, b, h] -> [s, b, h].
+
+    Args:
+        config: reads num_layers (for a layer spec), hidden_size, layernorm_epsilon, params_dtype
+            and the recompute settings.
+        spec: TransformerBlockSubmodules, or a ModuleSpec of a block or of a layer.
+        post_layer_norm: build the final norm.
+        pre_process: must be True (pipeline stages left out).
+        post_process: this is the last stage (the final norm is built only there).
+        pg_collection, vp_stage: must be None.
+
+    ``forward(hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
+    attention_bias=None, inference_context=None, packed_seq_params=None)``: as
+    :meth:`TransformerLayer.forward`; returns the hidden states [s, b, h] (not a view).
+
+    Raises:
+        NotImplementedError: a left-out feature asked for.
+        TypeError: a bad spec (see :func:`_get_block_submodules`).
+        Errors of the layers, naming the module that failed.
+
+    Source: Megatron-LM ``megatron/core/transformer/transformer_block.py`` (``TransformerBlock``).
+    """
+
+    def __init__(self, config: TransformerConfig, spec: Union[TransformerBlockSubmodules, ModuleSpec],
+                 post_layer_norm: bool = True, pre_process: bool = True, post_process: bool = True,
+                 pg_collection: object = None, vp_stage: Optional[int] = None) -> None:
+        super().__init__(config=config)
+        if not pre_process or pg_collection is not None or vp_stage is not None:
+            raise NotImplementedError("TransformerBlock: pipeline stages (pre_process=False), pg_collection and "
+                                      "vp_stage are left out of fusedlib")
+        self.submodules = _get_block_submodules(config, spec)
+        self.post_layer_norm, self.pre_process, self.post_process = post_layer_norm, pre_process, post_process
+        # [Module 1: the layers], numbered from 1
+        self.layers = torch.nn.ModuleList(
+            build_module(layer_spec, config=config, layer_number=i + 1)
+            for i, layer_spec in enumerate(self.submodules.layer_specs or []))
+        # [Module 2: the final norm]
+        if self.submodules.layer_norm is not None and post_process and post_layer_norm:
+            self.final_layernorm = build_module(self.submodules.layer_norm, config=config,
+                                                hidden_size=config.hidden_size, eps=config.layernorm_epsilon,
+                                                device=param_device(config), dtype=config.params_dtype)
+        else:
+            self.final_layernorm = None
+        self.num_layers_per_pipeline_rank = len(self.layers)
+
+    def _checkpointed_forward(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
+                              attention_bias):
+        """The layers with full activation recomputation (config.recompute_method, recompute_num_layers)."""
+
+        def custom(start: int, end: int):
+            def custom_forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
+                for layer in self.layers[start:end]:
+                    hidden_states, context = layer(hidden_states, attention_mask=attention_mask, context=context,
+                                                   context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
+                                                   attention_bias=attention_bias)
+                return hidden_states, context
+            return custom_forward
+
+        def checkpointed(forward_func):
+            return torch.utils.checkpoint.checkpoint(forward_func, hidden_states, attention_mask, context,
+                                                     context_mask, rotary_pos_emb, use_reentrant=False)
+
+        n, chunk = len(self.layers), self.config.recompute_num_layers
+        if self.config.recompute_method == "uniform":
+            for start in range(0, n, chunk):  # every layer, in checkpointed chunks of `chunk` layers
+                hidden_states, context = checkpointed(custom(start, min(start + chunk, n)))
+        elif self.config.recompute_method == "block":
+            for i in range(n):  # the first `chunk` layers checkpointed, the rest stored as usual
+                run = custom(i, i + 1)
+                hidden_states, context = (checkpointed(run) if i < chunk else
+                                          run(hidden_states, attention_mask, context, context_mask, rotary_pos_emb))
+        else:
+            raise ValueError(f"Invalid activation recompute method {self.config.recompute_method!r}.")
+        return hidden_states
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
+                rotary_pos_emb: Optional[torch.Tensor] = None, attention_bias: Optional[torch.Tensor] = None,
+                inference_context: object = None, packed_seq_params: object = None) -> torch.Tensor:
+        """The layers (checkpointed with full recomputation in training), then the final norm."""
+        if inference_context is not None or packed_seq_params is not None:
+            raise NotImplementedError("TransformerBlock: inference_context and packed_seq_params are left out")
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        if self.config.recompute_granularity == "full" and self.training:
+            hidden_states = self._checkpointed_forward(hidden_states, attention_mask, context, context_mask,
+                                                       rotary_pos_emb, attention_bias)
+        else:
+            for layer in self.layers:
+                hidden_states, context = layer(hidden_states, attention_mask=attention_mask, context=context,
+                                               context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
+                                               attention_bias=attention_bias)
+        if self.final_layernorm is not None:
+            hidden_states = _norm(self.final_layernorm, hidden_states)  # (cast to its weight's dtype)
+            hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        return hidden_states

@@ -1,0 +1,97 @@
+"""GPTModel: embeddings (learned positions or RoPE), the block, the output layer and the per-token
+loss, against the float64 model of ``transformer_reference``; the cross-entropy switch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transformer_reference as R
+from fusedlib.models.gpt import GPTModel, get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
+from fusedlib.models.gpt import gpt_model as gpt_model_module
+from fusedlib.transformer import Float16Module
+
+from conftest import DEVICE  # noqa: I001
+from test_transformer import (  # noqa: I001
+    FUSIONS_ON, B, H, NP, S, Spy, assert_as_accurate, make_config, nrmse, randomize, reference_state, tensor_errors,
+)
+
+V = 37  # vocabulary: odd
+
+
+def _ids() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, V, (B, S), device=DEVICE)
+    labels = torch.randint(0, V, (B, S), device=DEVICE)
+    return ids, labels
+
+
+def _model(cfg, spec, **kw) -> GPTModel:
+    return GPTModel(cfg, spec, vocab_size=V, max_sequence_length=S + 3, **kw)
+
+
+@pytest.mark.parametrize("position, tied, interleaved", [
+    ("learned_absolute", False, False),
+    ("rope", True, False),  # rotary dim = hn = 6: not a power of two
+    ("rope", False, True),
+])
+def test_gpt_loss_matches_the_float64_reference(position, tied, interleaved):
+    kw = dict(num_layers=1, rotary_interleaved=interleaved)
+    fused_cfg = make_config(**kw, **FUSIONS_ON, cross_entropy_loss_fusion=True)
+    fused = randomize(_model(fused_cfg, get_gpt_layer_local_spec(), position_embedding_type=position,
+                             share_embeddings_and_output_weights=tied))
+    plain = _model(make_config(**kw), get_gpt_layer_unfused_spec(), position_embedding_type=position,
+                   share_embeddings_and_output_weights=tied)
+    plain.load_state_dict(fused.state_dict())
+    assert ("output_layer.weight" in fused.state_dict()) is not tied
+    ids, labels = _ids()
+
+    sd = reference_state(fused)
+    loss64 = R.gpt_loss(ids, labels, sd, fused_cfg, position_embedding_type=position, tied=tied, rot_dim=H // NP)
+    g = torch.rand(B, S, device=DEVICE, dtype=torch.float64)  # a weighted mean, as a loss mask would give
+    loss64.backward(g)
+    refs = {"loss": loss64.detach(), **{n: sd[n].grad for n in sd}}
+
+    errors = {}
+    for name, model in (("fused", fused), ("plain", plain)):
+        loss = model(ids, None, None, labels=labels)
+        assert loss.shape == (B, S) and loss.dtype == torch.float32
+        loss.backward(g.float())
+        outs = {"loss": loss, **{n: p.grad for n, p in model.named_parameters()}}
+        errors[name] = tensor_errors(outs, refs, torch.float32)
+        logits = model(ids, None, None)
+        assert logits.shape == (B, S, V)
+    # the bounds of test_every_fusion_on_equals_every_fusion_off (same setup, one more GEMM and the loss)
+    assert_as_accurate(errors, "plain", torch.float32)
+    # positions matter: the reference without them is far off
+    if position == "rope":
+        no_rope = R.gpt_loss(ids, labels, sd, fused_cfg, position_embedding_type="none", tied=tied)
+        assert nrmse(no_rope, refs["loss"]) > 1e-3
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_cross_entropy_switch_chooses_the_loss(monkeypatch, fusion):
+    fused = Spy(monkeypatch, gpt_model_module, "fused_vocab_parallel_cross_entropy")
+    plain = Spy(monkeypatch, gpt_model_module, "vocab_parallel_cross_entropy")
+    model = _model(make_config(num_layers=1, cross_entropy_loss_fusion=fusion), get_gpt_layer_unfused_spec())
+    ids, labels = _ids()
+    model(ids, None, None, labels=labels)
+    assert bool(fused) is fusion and bool(plain) is not fusion
+
+
+def test_gpt_in_bf16_through_float16_module():
+    cfg = make_config(num_layers=1, bf16=True, fp32_residual_connection=True)
+    model = Float16Module(cfg, _model(cfg, get_gpt_layer_unfused_spec()))
+    ids, labels = _ids()
+    positions = torch.arange(S, device=DEVICE).unsqueeze(0)
+    loss = model(ids, positions, None, labels=labels)  # ids and positions are ints: never cast
+    assert loss.dtype == torch.float32 and loss.shape == (B, S) and torch.isfinite(loss).all()
+    loss.mean().backward()
+    emb = model.module.embedding.word_embeddings.weight
+    assert emb.dtype == torch.bfloat16 and emb.grad is not None
+
+
+def test_gpt_refuses_left_out_features():
+    cfg = make_config(num_layers=1)
+    with pytest.raises(NotImplementedError, match="left out"):
+        _model(cfg, get_gpt_layer_unfused_spec(), pre_process=False)
+    with pytest.raises(ValueError, match="position_embedding_type"):
+        _model(cfg, get_gpt_layer_unfused_spec(), position_embedding_type="yarn")

@@ -1,0 +1,511 @@
+"""Rotary position embeddings: fusedlib's Triton kernel (forward and backward) against Megatron's
+unfused formula in float64, the apply_rope_fusion switch, and RotaryEmbedding's angles.
+
+Error bound of the kernel (the tolerance of every comparison here). Each rotated output is
+``y = x1·c + x2·w`` with x1, x2 two inputs of the pair (exact in the compute dtype), c and
+w = ±s the cosine and sine of one float32 angle, computed in the kernel's compute dtype
+(float32; float64 for float64 inputs) with unit roundoff u_acc (2^-24; 2^-53):
+
+* cos and sin are within 2 ulps (CUDA's ``cosf``/``sinf``; NumPy's, which the interpreter
+  runs, within 1.5), i.e. within 4·u_acc absolutely since |c|, |s| <= 1;
+* each product rounds once (u_acc), the mscale multiply once more when mscale != 1, the sum
+  once: |y_acc - y| <= 7·u_acc·(|x1| + |x2|), to first order;
+* the store rounds once to the output dtype: + u_out·|y|, u_out = 2^-p (half an ulp:
+  p = 24, 11, 8 for float32, float16, bfloat16; 0 when the output is the compute dtype),
+  plus half the smallest subnormal of float16 (2^-25) for outputs that small.
+
+So ``|got - ref| <= u_out·|ref| + 8·(u_acc + u64)·A + floor`` elementwise, with
+A = |x1| + |x2| the pair's inputs (the 8 covers 7·u_acc and the second-order terms; u64
+covers the float64 reference's own rounding). The backward is the same form on the
+output's gradient. Pass-through channels (rot_dim .. d) are copies: compared exactly.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusedlib import unfused
+from fusedlib.bench import ops as bench_ops
+from fusedlib.bench.ops.rope import rope_bytes
+from fusedlib.fusions.fused_rope import fused_apply_rotary_pos_emb
+from fusedlib.kernels.rope import rope_bwd, rope_fwd, rope_tile
+from fusedlib.models.common.embeddings import RotaryEmbedding, apply_rotary_pos_emb
+from fusedlib.models.common.embeddings import rope_utils
+
+from conftest import DEVICE, FLOAT_DTYPES  # noqa: I001
+
+DTYPES = FLOAT_DTYPES + (torch.float64,)
+U64 = 2.0**-53
+#: unit roundoff of the compute dtype (float32 for every input but float64)
+U_ACC = {torch.float32: 2.0**-24, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-24, torch.float64: U64}
+#: half an ulp, relative, of one rounding to the output dtype (none when it is the compute dtype)
+U_OUT = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float64: 0.0}
+#: half of float16's smallest subnormal: the absolute rounding error of outputs that small
+FLOOR = {torch.float32: 0.0, torch.float16: 2.0**-25, torch.bfloat16: 0.0, torch.float64: 0.0}
+
+#: (d, rot_dim): full, half, non-powers of two (24, 40: 12 and 20 pairs), 2, at d = 64, 80, 128
+GEOMETRIES = ((64, 64), (64, 32), (64, 24), (80, 80), (80, 40), (128, 128), (128, 2))
+
+
+def _randn(*shape, dtype=torch.float32, scale=1.0):
+    return (scale * torch.randn(*shape, device=DEVICE, dtype=torch.float32)).to(dtype)
+
+
+def _angles(s, b, rot, interleaved=False, scale=30.0):
+    """Random float32 angles [s, b, 1, rot] in about (-100, 100) radians, each stored twice
+    in the channel layout ``interleaved`` pairs (as RotaryEmbedding stores them) when
+    ``scale`` > 0; arbitrary (a different angle per channel) when ``interleaved`` is None."""
+    if interleaved is None:
+        return _randn(s, b, 1, rot, scale=scale)
+    half = _randn(s, b, 1, rot // 2, scale=scale)
+    if interleaved:
+        return torch.stack((half, half), dim=-1).reshape(s, b, 1, rot)
+    return torch.cat((half, half), dim=-1)
+
+
+def _reference(t, freqs, g, interleaved, mscale=1.0):
+    """Float64 output and gradient of t of Megatron's unfused formula (autograd)."""
+    t64 = t.detach().double().requires_grad_(True)
+    out = unfused.apply_rotary_pos_emb_bshd(t64, freqs.double(), interleaved, mscale=mscale)
+    out.backward(g.double())
+    return out.detach(), t64.grad
+
+
+def _assert_within_bound(got, ref, x, rot, interleaved, dtype, what):
+    """The module docstring's bound: rotated channels within it, pass-through channels exact."""
+    assert got.shape == ref.shape and got.dtype == dtype and not torch.isnan(got).any(), what
+    got64, ref, x64 = got.double(), ref.to(got.device), x.double()
+    a = x64[..., :rot].abs() + unfused.rotate_half(x64[..., :rot], interleaved).abs()  # |x1| + |x2| per output
+    bound = U_OUT[dtype] * ref[..., :rot].abs() + 8 * (U_ACC[dtype] + U64) * a + FLOOR[dtype]
+    err = (got64[..., :rot] - ref[..., :rot]).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"{what}: error exceeds the bound by {worst:.3g} (max error {err.max().item():.3g})"
+    assert torch.equal(got[..., rot:], x[..., rot:].to(dtype)), f"{what}: pass-through channels changed"
+
+
+def _check(t, freqs, interleaved, g=None, mscale=1.0):
+    """Fused forward and backward against the float64 reference; inputs never modified."""
+    dtype, rot = t.dtype, freqs.shape[-1]
+    g = _randn(*t.shape, dtype=dtype) if g is None else g
+    t_before, f_before, g_before = t.clone(), freqs.clone(), g.clone()
+    ref, ref_dt = _reference(t, freqs, g, interleaved, mscale)
+    leaf = t.detach().requires_grad_(True)  # keeps t's strides
+    out = fused_apply_rotary_pos_emb(leaf, freqs, interleaved=interleaved, mscale=mscale)
+    assert out.is_contiguous() and out.shape == t.shape and out.dtype == dtype
+    out.backward(g)
+    dt = leaf.grad
+    _assert_within_bound(out.detach(), ref, t, rot, interleaved, dtype, "forward")
+    _assert_within_bound(dt, ref_dt, g, rot, interleaved, dtype, "backward")
+    assert torch.equal(t, t_before) and torch.equal(freqs, f_before) and torch.equal(g, g_before)
+    return out, dt
+
+
+# ------------------------------------------------------------------------------------------
+# The kernel against float64: geometries, layouts, dtypes, shapes, strides
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+@pytest.mark.parametrize("d, rot", GEOMETRIES, ids=[f"d{d}-rot{r}" for d, r in GEOMETRIES])
+def test_forward_backward_every_rotary_dim(d, rot, interleaved):
+    t = _randn(3, 2, 3, d)
+    _check(t, _angles(3, 1, rot, interleaved), interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("d, rot", [(80, 40), (64, 64)], ids=["d80-rot40", "d64-rot64"])
+def test_every_dtype(dtype, d, rot, interleaved):
+    _check(_randn(3, 2, 2, d, dtype=dtype, scale=2.0), _angles(3, 1, rot, interleaved), interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+def test_arbitrary_angles_per_channel_and_the_exact_transpose(interleaved):
+    # Megatron's formula reads one angle per channel; the two channels of a pair need not
+    # share it. The backward must then be the transpose (the partner's sine), not -theta.
+    _check(_randn(3, 2, 2, 40), _angles(3, 2, 24, None), interleaved)
+
+
+@pytest.mark.parametrize("s, b, n_heads", [(7, 5, 1), (1, 1, 3), (1, 3, 2), (5, 1, 7)])
+def test_odd_shapes_and_a_single_token(s, b, n_heads):
+    _check(_randn(s, b, n_heads, 24), _angles(s, 1, 24), False)
+
+
+def test_more_heads_than_one_loop_step():
+    # heads are processed BLOCK_H per loop step: a head count past one step, not a multiple of it
+    d = rot = 128
+    block_h = rope_tile(1 << 10, d, rot).BLOCK_M
+    n_heads = block_h + 3
+    _check(_randn(2, 1, n_heads, d), _angles(2, 1, rot), False)
+
+
+def test_per_sample_positions():
+    # freqs [s, b, 1, rot]: each sample its own positions (here offsets 0, 5, 11)
+    s, b, d, rot = 5, 3, 40, 40
+    emb = RotaryEmbedding(rot, 1.0, device=DEVICE)
+    freqs = torch.cat([emb(s, offset=o) for o in (0, 5, 11)], dim=1)  # [s, 1, 1, rot] x 3 -> [s, 3, 1, rot]
+    out, _ = _check(_randn(s, b, 2, d), freqs, False)
+    # each sample equals the same op with its own [s, 1, 1, rot] angles
+    t = _randn(s, b, 2, d)
+    out = fused_apply_rotary_pos_emb(t, freqs)
+    for i, o in enumerate((0, 5, 11)):
+        torch.testing.assert_close(out[:, i:i + 1], fused_apply_rotary_pos_emb(t[:, i:i + 1], emb(s, offset=o)),
+                                   atol=0, rtol=0)
+
+
+def test_non_contiguous_inputs():
+    s, b, n_heads, d, rot = 5, 3, 2, 40, 24
+    # t: the query slice of a fused [s, b, np, 3d] QKV tensor (last-dim slice, larger strides)
+    qkv = _randn(s, b, n_heads, 3 * d)
+    q = qkv[..., :d]
+    assert not q.is_contiguous()
+    # freqs: a strided view too (every other position of a longer table)
+    freqs = _angles(2 * s, 1, rot)[::2]
+    # the output's gradient: a transposed [b, s] buffer
+    g = _randn(b, s, n_heads, d).transpose(0, 1)
+    _check(q, freqs, False, g=g)
+    # the backward kernel reads the strided gradient as is (autograd may hand it over contiguous)
+    assert torch.equal(rope_bwd(g, freqs), rope_bwd(g.contiguous(), freqs.contiguous()))
+    # t: a transposed [b, s] view; a gradient flowing back into the fused QKV tensor
+    x = _randn(b, s, n_heads, d).transpose(0, 1)
+    _check(x, _angles(s, 1, rot), True)
+    qkv.requires_grad_(True)
+    out = fused_apply_rotary_pos_emb(qkv[..., :d], freqs)
+    out.backward(g)
+    _, ref_dt = _reference(qkv[..., :d], freqs, g, False)
+    _assert_within_bound(qkv.grad[..., :d], ref_dt, g, rot, False, torch.float32, "QKV gradient")
+    assert torch.equal(qkv.grad[..., d:], torch.zeros_like(qkv.grad[..., d:]))
+
+
+def test_head_dim_stride_not_one():
+    # channels strided: d is the slow dim of the storage
+    t = _randn(3, 2, 24, 2).permute(0, 1, 3, 2)  # [3, 2, 2, 24] with stride(-1) = 2
+    assert t.stride(-1) != 1
+    _check(t, _angles(3, 1, 24, True), True)
+
+
+def test_empty_inputs():
+    for shape in ((0, 2, 2, 8), (3, 0, 2, 8), (3, 2, 0, 8)):
+        t = _randn(*shape).requires_grad_(True)
+        out = fused_apply_rotary_pos_emb(t, _angles(max(shape[0], 1), 1, 8)[: shape[0]])
+        assert out.shape == shape
+        out.sum().backward()
+        assert t.grad.shape == shape
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+def test_mscale(interleaved):
+    _check(_randn(3, 2, 2, 40), _angles(3, 1, 40, interleaved), interleaved, mscale=0.7)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+def test_gradcheck_float64(interleaved):
+    # one token (each finite difference is a kernel launch in the interpreter), 2 heads,
+    # 4 rotated channels with arbitrary angles and 2 passed through
+    t = _randn(1, 1, 2, 6, dtype=torch.float64).requires_grad_(True)
+    freqs = _angles(1, 1, 4, None)
+    assert torch.autograd.gradcheck(lambda x: fused_apply_rotary_pos_emb(x, freqs, interleaved=interleaved), (t,))
+
+
+def test_launchers_without_autograd_and_the_backward_is_the_inverse_rotation():
+    # rope_bwd(rope_fwd(t)) = t when both channels of a pair share the angle (a rotation's
+    # transpose is its inverse): float64 to rounding.
+    t = _randn(3, 2, 2, 40, dtype=torch.float64)
+    freqs = _angles(3, 1, 32, True)
+    back = rope_bwd(rope_fwd(t, freqs, True), freqs, True)
+    torch.testing.assert_close(back, t, atol=1e-13, rtol=0)
+
+
+def test_interleaved_is_half_split_on_permuted_channels():
+    # interleaved pairs (2k, 2k+1) are half-split pairs (k, k + rot/2) after reordering the
+    # channels [even | odd]: the two layouts of the kernel agree through that permutation
+    rot, d = 24, 40
+    t = _randn(3, 2, 2, d)
+    half = _angles(3, 1, rot // 2)[..., : rot // 2]
+    perm = torch.cat((torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, d))).to(DEVICE)
+    out_i = fused_apply_rotary_pos_emb(t, torch.stack((half, half), -1).reshape(3, 1, 1, rot), interleaved=True)
+    out_h = fused_apply_rotary_pos_emb(t[..., perm], torch.cat((half, half), -1), interleaved=False)
+    assert torch.equal(out_i[..., perm], out_h)
+
+
+# ------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------
+
+BAD = {
+    "t not 4-D": (lambda: (_randn(3, 2, 8), _angles(3, 1, 8)), ValueError, "t must have 4 dims"),
+    "t integer": (lambda: (torch.ones(3, 2, 1, 8, dtype=torch.int32, device=DEVICE), _angles(3, 1, 8)),
+                  TypeError, "t must have dtype"),
+    "freqs 3-D": (lambda: (_randn(3, 2, 1, 8), _randn(3, 1, 8)), ValueError, "freqs must have 4 dims"),
+    "freqs other s": (lambda: (_randn(3, 2, 1, 8), _angles(4, 1, 8)), ValueError, r"freqs must have shape \[s, 1, 1"),
+    "freqs other b": (lambda: (_randn(3, 2, 1, 8), _angles(3, 3, 8)), ValueError, r"freqs must have shape \[s, 1, 1"),
+    "freqs per head": (lambda: (_randn(3, 2, 2, 8), _randn(3, 1, 2, 8)), ValueError, r"freqs must have shape"),
+    "rot_dim > d": (lambda: (_randn(3, 2, 1, 8), _angles(3, 1, 10)), ValueError, "rot_dim must be even"),
+    "rot_dim odd": (lambda: (_randn(3, 2, 1, 8), _randn(3, 1, 1, 5)), ValueError, "rot_dim must be even"),
+    "rot_dim 0": (lambda: (_randn(3, 2, 1, 8), _randn(3, 1, 1, 0)), ValueError, "rot_dim must be even"),
+    "freqs bf16": (lambda: (_randn(3, 2, 1, 8), _angles(3, 1, 8).bfloat16()), TypeError, "freqs must be float32"),
+    "freqs float64, t float32": (lambda: (_randn(3, 2, 1, 8), _angles(3, 1, 8).double()), TypeError,
+                                 "freqs must be float32"),
+    "freqs a list": (lambda: (_randn(3, 2, 1, 8), [0.0] * 8), TypeError, "freqs must be a torch.Tensor"),
+    "devices differ": (lambda: (_randn(3, 2, 1, 8), torch.empty(3, 1, 1, 8, device="meta", dtype=torch.float32)),
+                       ValueError, "one device"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_inputs_raise_clear_errors(name):
+    make, exc, match = BAD[name]
+    t, freqs = make()
+    with pytest.raises(exc, match=match):
+        fused_apply_rotary_pos_emb(t, freqs)
+
+
+def test_freqs_that_require_grad_raise():
+    freqs = _angles(3, 1, 8).requires_grad_(True)
+    with pytest.raises(ValueError, match="no gradient for freqs"):
+        fused_apply_rotary_pos_emb(_randn(3, 2, 1, 8), freqs)
+    with torch.no_grad():  # no graph, no gradient asked: fine
+        fused_apply_rotary_pos_emb(_randn(3, 2, 1, 8), freqs)
+
+
+def test_double_backward_raises():
+    t = _randn(3, 2, 2, 8).requires_grad_(True)
+    out = fused_apply_rotary_pos_emb(t, _angles(3, 1, 8))
+    (gt,) = torch.autograd.grad(out.pow(2).sum(), t, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gt.pow(2).sum().backward()
+
+
+def test_transpose_output_memory_is_ignored_with_a_warning():
+    t, freqs = _randn(3, 2, 1, 8), _angles(3, 1, 8)
+    with pytest.warns(UserWarning, match="transpose_output_memory"):
+        out = fused_apply_rotary_pos_emb(t, freqs, True)
+    assert torch.equal(out, fused_apply_rotary_pos_emb(t, freqs))
+
+
+# ------------------------------------------------------------------------------------------
+# The apply_rope_fusion switch (Megatron's rope_utils.apply_rotary_pos_emb)
+# ------------------------------------------------------------------------------------------
+
+
+def _config(fusion, interleaved=False, **kw):
+    return SimpleNamespace(apply_rope_fusion=fusion, rotary_interleaved=interleaved, **kw)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+def test_switch_dispatches_and_fused_equals_unfused(interleaved, monkeypatch):
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(rope_utils, name, wrapped)
+
+    spy("fused_apply_rotary_pos_emb", rope_utils.fused_apply_rotary_pos_emb)
+    spy("_apply_rotary_pos_emb_bshd", rope_utils._apply_rotary_pos_emb_bshd)
+    s, b, d = 5, 3, 40
+    emb = RotaryEmbedding(d, 0.6, rotary_interleaved=interleaved, device=DEVICE)  # rot_dim 24
+    freqs = emb(s)
+    t, g = _randn(s, b, 2, d), _randn(s, b, 2, d)
+    results = {}
+    for fusion in (True, False):
+        leaf = t.clone().requires_grad_(True)
+        out = apply_rotary_pos_emb(leaf, freqs, config=_config(fusion, interleaved))
+        out.backward(g)
+        results[fusion] = (out.detach(), leaf.grad)
+    assert calls == ["fused_apply_rotary_pos_emb", "_apply_rotary_pos_emb_bshd"]
+    ref, ref_dt = _reference(t, freqs, g, interleaved)
+    # float32: the unfused path rounds cos and sin to float32 (they are float32 already) and
+    # each product and the sum once: the same bound holds for both paths
+    for fusion, (out, dt) in results.items():
+        _assert_within_bound(out, ref, t, 24, interleaved, torch.float32, f"fusion={fusion}")
+        _assert_within_bound(dt, ref_dt, g, 24, interleaved, torch.float32, f"fusion={fusion} grad")
+
+
+def test_switch_with_mscale_and_bf16():
+    # bf16: the unfused path rounds cos and sin to bf16, then each product and the sum in bf16:
+    # 2^-8 relative each, |err| <= 3·2^-8·(|x1| + |x2|) to first order (4·2^-8 with the
+    # second-order terms and float32's cos and sin); the fused path rounds once
+    s, b, d, rot = 5, 2, 40, 40
+    t, freqs = _randn(s, b, 2, d, dtype=torch.bfloat16), RotaryEmbedding(rot, 1.0, device=DEVICE)(s)
+    ref = unfused.apply_rotary_pos_emb_bshd(t.double(), freqs.double(), mscale=0.5)
+    fused = apply_rotary_pos_emb(t, freqs, _config(True), mscale=0.5)
+    plain = apply_rotary_pos_emb(t, freqs, _config(False), mscale=0.5)
+    _assert_within_bound(fused, ref, t, rot, False, torch.bfloat16, "fused bf16")
+    a = t.double().abs() + unfused.rotate_half(t.double(), False).abs()
+    assert ((plain.double() - ref).abs() <= 4 * 2.0**-8 * a).all()
+    assert (fused.double() - ref).abs().sum() < (plain.double() - ref).abs().sum()  # one rounding beats four
+
+
+def test_switch_errors():
+    t, freqs = _randn(3, 2, 1, 8), _angles(3, 1, 8)
+    with pytest.raises(TypeError, match="apply_rope_fusion"):
+        apply_rotary_pos_emb(t, freqs, SimpleNamespace(rotary_interleaved=False))
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        apply_rotary_pos_emb(t, freqs, _config(True), cu_seqlens=torch.tensor([0, 3], device=DEVICE))
+    with pytest.raises(NotImplementedError, match="multi_latent_attention"):
+        apply_rotary_pos_emb(t, freqs, _config(True, multi_latent_attention=True))
+
+
+def test_unfused_multi_latent_attention_reorders_then_rotates():
+    # MLA: channels [even | odd] first, then half-split rotation (Megatron's unfused path)
+    t, freqs = _randn(3, 2, 2, 12, dtype=torch.float64), _angles(3, 1, 8).double()
+    got = apply_rotary_pos_emb(t, freqs, _config(False, multi_latent_attention=True))
+    perm = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11], device=DEVICE)
+    torch.testing.assert_close(got, unfused.apply_rotary_pos_emb_bshd(t[..., perm], freqs), atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------
+# RotaryEmbedding: Megatron's angles
+# ------------------------------------------------------------------------------------------
+
+
+def _megatron_freqs(kv_channels, rotary_percent, s, offset=0, interleaved=False, factor=None, base=10000):
+    """Megatron-core's RotaryEmbedding.forward, its float32 operations written out."""
+    dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=DEVICE) / dim))
+    seq = torch.arange(s, device=DEVICE, dtype=torch.float32) + offset
+    if factor is not None:
+        seq *= 1 / factor
+    freqs = torch.outer(seq, inv_freq)
+    if interleaved:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]
+
+
+@pytest.mark.parametrize("kv, pct, offset, interleaved, factor", [
+    (128, 1.0, 0, False, None), (128, 0.5, 3, True, None), (80, 0.3, 0, False, 4.0), (64, 0.25, 7, True, 2.5)])
+def test_rotary_embedding_freqs_are_megatrons_formula(kv, pct, offset, interleaved, factor):
+    s = 9
+    emb = RotaryEmbedding(kv, pct, rotary_interleaved=interleaved, seq_len_interpolation_factor=factor, device=DEVICE)
+    freqs = emb(s, offset=offset)
+    want = _megatron_freqs(kv, pct, s, offset, interleaved, factor)
+    assert freqs.dtype == torch.float32 and freqs.shape == want.shape and torch.equal(freqs, want)
+    # and the values: angle (p + offset) / factor / base^(2i/dim) per pair, within float32 rounding
+    dim = want.shape[-1]
+    i = torch.arange(dim // 2, dtype=torch.float64, device=DEVICE)
+    p = (torch.arange(s, dtype=torch.float64, device=DEVICE) + offset) / (factor or 1.0)
+    exact = p[:, None] / 10000.0 ** (2 * i / dim)
+    pairs = freqs[:, 0, 0].double().view(s, dim // 2, 2) if interleaved else freqs[:, 0, 0].double().view(s, 2, -1)
+    for j in range(2):
+        got = pairs[..., j] if interleaved else pairs[:, j]
+        # float32: the exponent 2i/dim rounds (u), which base^e turns into ln(10000)·u = 9.2u;
+        # pow (2 ulps = 2u), the reciprocal, 1/factor, its product and the outer product (u each)
+        torch.testing.assert_close(got, exact, atol=0, rtol=16 * 2.0**-24)
+
+
+def test_rotary_embedding_module_behaviour():
+    emb = RotaryEmbedding(64, 1.0, device=DEVICE)
+    assert emb(8) is emb(8)  # cached, as Megatron's lru_cache
+    assert emb.state_dict() == {}  # inv_freq is not state, as in Megatron
+    emb.load_state_dict({"inv_freq": torch.zeros(32)})  # old checkpoints carrying it load, ignored
+    assert torch.equal(emb(8), _megatron_freqs(64, 1.0, 8))
+    emb.bfloat16()
+    assert emb.inv_freq.dtype == torch.float32 and emb(8).dtype == torch.float32  # casts leave the angles exact
+    cpu = RotaryEmbedding(64, 1.0, use_cpu_initialization=True)
+    assert cpu.inv_freq.device.type == "cpu"
+    assert RotaryEmbedding(64, 1.0, device=DEVICE).to("meta").inv_freq.device.type == "meta"  # follows .to(device)
+    seq_len = emb.get_rotary_seq_len(None, None, torch.empty(6, 2, 4, device=DEVICE), SimpleNamespace())
+    assert seq_len == 6
+    assert emb.get_rotary_seq_len(None, None, torch.empty(6, 2, 4, device=DEVICE),
+                                  SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2)) == 12
+
+
+def test_rotary_embedding_rope_scaling_is_llama3s():
+    emb = RotaryEmbedding(128, 1.0, rope_scaling=True, rope_scaling_factor=8.0, device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    wavelen = 2 * math.pi / inv
+    # Llama 3.1: wavelengths under 8192/4 kept, over 8192/1 divided by 8, between interpolated
+    smooth = (8192 / wavelen - 1) / (4 - 1)
+    want = torch.where(wavelen < 2048, inv, torch.where(wavelen > 8192, inv / 8, (1 - smooth) * inv / 8 + smooth * inv))
+    torch.testing.assert_close(emb.inv_freq.double().cpu(), want, atol=0, rtol=1e-6)
+    assert (wavelen < 2048).any() and (wavelen > 8192).any() and ((wavelen >= 2048) & (wavelen <= 8192)).any()
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"kv_channels": 0, "rotary_percent": 1.0}, ValueError, "kv_channels"),
+    ({"kv_channels": 64, "rotary_percent": 0.0}, ValueError, "rotary_percent"),
+    ({"kv_channels": 64, "rotary_percent": 1.5}, ValueError, "rotary_percent"),
+    ({"kv_channels": 4, "rotary_percent": 0.2}, ValueError, "rounds to 0"),
+    ({"kv_channels": 64, "rotary_percent": 1.0, "seq_len_interpolation_factor": 0.0}, ValueError, "interpolation"),
+    ({"kv_channels": 64, "rotary_percent": 1.0, "cp_group": SimpleNamespace(size=lambda: 2)},
+     NotImplementedError, "context parallelism"),
+])
+def test_rotary_embedding_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        RotaryEmbedding(**kwargs)
+
+
+def test_megatron_core_parity(monkeypatch):
+    """megatron-core's own RotaryEmbedding and unfused apply_rotary_pos_emb, where it imports."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (a test oracle only)")
+    if DEVICE.type == "cpu":  # its forward moves inv_freq to torch.cuda.current_device(): here, the CPU
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    from megatron.core.models.common.embeddings import rope_utils as mc_rope
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding as McRotaryEmbedding
+
+    class _OneRank:
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+
+    for interleaved in (False, True):
+        mc = McRotaryEmbedding(80, 0.3, rotary_interleaved=interleaved, seq_len_interpolation_factor=2.0,
+                               use_cpu_initialization=True, cp_group=_OneRank())
+        ours = RotaryEmbedding(80, 0.3, rotary_interleaved=interleaved, seq_len_interpolation_factor=2.0, device=DEVICE)
+        freqs = mc(7, offset=2)
+        assert torch.equal(ours(7, offset=2), freqs)
+        t = _randn(7, 2, 3, 80, dtype=torch.float64)
+        cfg = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=interleaved, multi_latent_attention=False,
+                              mrope_section=None)
+        want = mc_rope.apply_rotary_pos_emb(t, freqs.double(), cfg, cp_group=_OneRank())
+        assert torch.equal(apply_rotary_pos_emb(t, freqs.double(), _config(False, interleaved)), want)
+        got = apply_rotary_pos_emb(t.float(), freqs, _config(True, interleaved))
+        _assert_within_bound(got, want, t.float(), 24, interleaved, torch.float32, "fused vs megatron-core")
+
+
+# ------------------------------------------------------------------------------------------
+# The benchmark case
+# ------------------------------------------------------------------------------------------
+
+
+def test_bench_case_builds_and_runs_on_cpu_at_a_tiny_shape():
+    shape = (5, 2, 3, 16)
+    case = bench_ops.get_case("rope")(shape, torch.float32)
+    assert case.op == "rope" and case.shape == shape and case.dtype == torch.float32
+    names = {impl.name for impl in case.impls}
+    assert {"fusedlib", "eager", "torch.compile"} <= names
+    assert ("megatron-core" in names) != ("megatron-core" in case.skipped)
+    assert case.bytes == rope_bytes(*shape, 4)
+    t, freqs = case.make_inputs(DEVICE, True)
+    assert t.requires_grad and not freqs.requires_grad and freqs.shape == (5, 1, 1, 16)
+    g = _randn(*shape)
+    results = {}
+    for impl in case.impls:
+        if impl.name == "torch.compile":
+            continue  # compiling on CPU needs a C compiler and minutes; its function is eager's
+        t.grad = None
+        out = impl.fn(t, freqs)
+        out.backward(g)
+        results[impl.name] = (out.detach(), t.grad.clone())
+    ref, ref_dt = _reference(t, freqs, g, False)
+    for name, (out, dt) in results.items():
+        _assert_within_bound(out, ref, t.detach(), 16, False, torch.float32, name)
+        _assert_within_bound(dt, ref_dt, g, 16, False, torch.float32, name)
+    headline = bench_ops.get_cases("rope")(torch.device("cpu"))[0]
+    assert headline.shape == (4096, 2, 32, 128) and headline.dtype == torch.bfloat16
+
+
+def test_rope_bytes_are_the_floor():
+    b = rope_bytes(10, 3, 4, 8, 2)
+    n = 10 * 3 * 4 * 8
+    assert b["fwd"] == 2 * n * 2 + 10 * 8 * 4  # read t, write out; the float32 angles once
+    assert b["fwd+bwd"] == 2 * b["fwd"]  # read g, write dt; the angles once more

@@ -1,0 +1,871 @@
+"""The spec-driven transformer package: specs, config, the block fused and unfused, dispatch,
+causality, grouped-query attention, recomputation, the SDPA backend, Float16Module, checkpoints.
+
+The oracle is ``transformer_reference``: a float64 block written from the formulas, which reads
+only the state dict. Sizes are small and odd (s = 7, h = 24, 4 query heads in 2 groups of
+hn = 6, ffn = 20): on a CPU every fused kernel runs in Triton's interpreter.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import io
+import math
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformer_reference as R
+from fusedlib import unfused
+from fusedlib.fusions import fused_bias_dropout, fused_layer_norm, fused_softmax
+from fusedlib.fusions.fused_bias_dropout import get_bias_dropout_add
+from fusedlib.fusions.fused_layer_norm import FusedLayerNorm, FusedRMSNorm
+from fusedlib.models.gpt import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
+from fusedlib.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from fusedlib.transformer import (
+    AttnBackend,
+    AttnMaskType,
+    Float16Module,
+    IdentityFuncOp,
+    IdentityOp,
+    ModuleSpec,
+    TransformerConfig,
+    build_module,
+)
+from fusedlib.transformer import mlp as mlp_module
+from fusedlib.transformer.attention import (
+    CrossAttention,
+    CrossAttentionSubmodules,
+    SelfAttention,
+    SelfAttentionSubmodules,
+)
+from fusedlib.transformer.dot_product_attention import DotProductAttention
+from fusedlib.transformer.mlp import MLP, MLPSubmodules
+from fusedlib.transformer.torch_norm import WrappedTorchNorm
+from fusedlib.transformer.transformer_block import TransformerBlock
+from fusedlib.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from conftest import DEVICE  # noqa: I001
+
+S, B, H, NP, NG, FFN = 7, 2, 24, 4, 2, 20  # odd sizes; hn = H / NP = 6
+#: unit roundoff per dtype: one rounding to it is within u relative
+U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float64: 2.0 ** -53}
+FUSIONS_ON = dict(bias_activation_fusion=True, masked_softmax_fusion=True, bias_dropout_fusion=True,
+                  apply_rope_fusion=True, attention_backend=AttnBackend.local)
+
+
+def make_config(dtype=torch.float32, **kw) -> TransformerConfig:
+    base = dict(num_layers=2, hidden_size=H, num_attention_heads=NP, num_query_groups=NG, ffn_hidden_size=FFN,
+                hidden_dropout=0.0, attention_dropout=0.0, gated_linear_unit=True, activation_func=F.silu,
+                params_dtype=dtype, bf16=dtype is torch.bfloat16, attention_backend=AttnBackend.local)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def randomize(module: torch.nn.Module) -> torch.nn.Module:
+    """Random parameters, biases and norm weights included (the inits leave biases at 0, gamma at 1),
+    drawn in float32 and rounded once to the parameters' dtype."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, device=p.device, dtype=torch.float32)
+            p.copy_(1 + 0.2 * r if name.endswith("layernorm.weight") else 0.3 * r)
+    return module
+
+
+def hidden(dtype=torch.float32, s=S, requires_grad=True) -> torch.Tensor:
+    """[s, b, h], non-contiguous (a transposed [b, s, h])."""
+    x = torch.randn(B, s, H, device=DEVICE, dtype=torch.float32).to(dtype).transpose(0, 1)
+    return x.requires_grad_(requires_grad)
+
+
+def reference_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's tensors in float64, as leaves that collect the reference's gradients."""
+    return {k: v.detach().double().requires_grad_(True) for k, v in module.state_dict().items()
+            if isinstance(v, torch.Tensor)}
+
+
+def rms(t: torch.Tensor) -> float:
+    return t.double().pow(2).mean().sqrt().item()
+
+
+def nrmse(actual: torch.Tensor, ref: torch.Tensor) -> float:
+    """RMS error normalized by the reference's RMS."""
+    return rms(actual.double() - ref) / max(rms(ref), 1e-300)
+
+
+def tensor_errors(outs: dict[str, torch.Tensor], refs: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, float]:
+    """e_t = nrmse(out_t, ref_t) for each tensor.
+
+    A tensor whose reference is 0 in exact arithmetic (its RMS below 1e-12 of the largest one's:
+    float64 rounding) holds only rounding noise, so a relative error means nothing: it is checked
+    against the largest reference's RMS instead (<= UNFUSED_IN_U·u of it) and left out of e. (The
+    gradient of the key norm's bias is one: adding b to every key adds q·b to a whole score row,
+    which the softmax ignores.)
+    """
+    scale = max(rms(r) for r in refs.values())
+    errors = {}
+    for name, out in outs.items():
+        if rms(refs[name]) <= 1e-12 * scale:
+            assert rms(out) <= UNFUSED_IN_U * U[dtype] * scale, (name, rms(out), scale)
+        else:
+            errors[name] = nrmse(out, refs[name])
+    return errors
+
+
+def assert_as_accurate(errors: dict[str, dict[str, float]], baseline: str, dtype: torch.dtype) -> dict[str, float]:
+    """Every path's errors (tensor_errors) within the bounds above of the baseline path's.
+
+    Returns the aggregates sqrt(mean_t e_t²) per path."""
+    agg = {k: math.sqrt(sum(v * v for v in e.values()) / len(e)) for k, e in errors.items()}
+    assert agg[baseline] <= UNFUSED_IN_U * U[dtype], agg
+    for path, e in errors.items():
+        assert agg[path] <= AGGREGATE_RATIO * agg[baseline], (path, agg)
+        worst = max(e, key=e.get)
+        assert e[worst] <= TENSOR_RATIO * agg[baseline], (path, worst, e[worst], agg)
+    return agg
+
+
+class Spy:
+    """Replace ``owner.name`` with a wrapper that records each call, then calls the original."""
+
+    def __init__(self, monkeypatch, owner, name):
+        self.calls: list[tuple[tuple, dict]] = []
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            self.calls.append((args, kwargs))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs
+# ---------------------------------------------------------------------------------------------
+
+
+class _Probe(torch.nn.Module):
+    def __init__(self, a, b=0, *, config=None, submodules=None, extra=None):
+        super().__init__()
+        self.args = (a, b, config, submodules, extra)
+
+
+def test_build_module_builds_classes_and_returns_functions_uncalled():
+    assert build_module(get_bias_dropout_add) is get_bias_dropout_add
+    assert build_module(ModuleSpec(module=get_bias_dropout_add)) is get_bias_dropout_add
+    cfg = object()
+    m = build_module(ModuleSpec(_Probe, params={"b": 2}, submodules="subs"), 1, config=cfg, extra=3)
+    assert m.args == (1, 2, cfg, "subs", 3)
+    assert build_module(_Probe, 5).args == (5, 0, None, None, None)  # a bare class: no submodules argument
+    m = ModuleSpec(("torch.nn", "Identity"))()  # an import path; calling a spec builds it
+    assert isinstance(m, torch.nn.Identity)
+    assert isinstance(build_module(IdentityOp, 1, config=cfg, anything=2), IdentityOp)
+    f = IdentityFuncOp()(True, False)
+    x = torch.zeros(1)
+    assert f(x, "residual", 0.5) is x and IdentityOp()(x, 1, k=2) is x
+
+
+def test_bad_specs_raise_naming_the_module():
+    with pytest.raises(TypeError, match="must name a class, a function or an import path"):
+        build_module(ModuleSpec(module=42))
+    with pytest.raises(ModuleNotFoundError):
+        build_module(ModuleSpec(("fusedlib.no_such_module", "X")))
+    with pytest.raises(ImportError, match="has no 'NoSuchNorm'"):
+        build_module(ModuleSpec(("fusedlib.fusions.fused_layer_norm", "NoSuchNorm")))
+    with pytest.raises(TypeError, match="sets \\['config'\\] in params"):
+        build_module(ModuleSpec(_Probe, params={"config": 1}), 0, config=2)
+    cfg = make_config(num_layers=1)
+    # a wrong class deep in the tree: the error keeps its type and names the path down to it
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.mlp = ModuleSpec(MLP, submodules=MLPSubmodules(linear_fc1=torch.nn.Linear,
+                                                                   linear_fc2=RowParallelLinear))
+    with pytest.raises(TypeError, match=r"\[while building Linear\] \[while building MLP\] "
+                                        r"\[while building TransformerLayer\]"):
+        TransformerBlock(cfg, spec)
+    spec.submodules.mlp = ModuleSpec(MLP, submodules=MLPSubmodules())
+    with pytest.raises(ValueError, match=r"MLPSubmodules.linear_fc1 is None.*\[while building MLP\]"):
+        TransformerBlock(cfg, spec)
+    with pytest.raises(TypeError, match="missing .* required positional argument"):
+        SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear)  # the required slots have no default
+    with pytest.raises(TypeError, match="spec must be a TransformerBlockSubmodules or a ModuleSpec"):
+        TransformerBlock(cfg, get_gpt_layer_local_spec().submodules)
+    with pytest.raises(TypeError, match="neither a TransformerBlock nor a transformer layer"):
+        TransformerBlock(cfg, ModuleSpec(MLP))
+    with pytest.raises(NotImplementedError, match="num_experts=4"):
+        get_gpt_layer_local_spec(num_experts=4)
+    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=2.*while building RowParallelLinear"):
+        TransformerBlock(make_config(num_layers=1, tensor_model_parallel_size=2), get_gpt_layer_local_spec())
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_specs_build_the_documented_modules(normalization):
+    cfg = make_config(normalization=normalization, qk_layernorm=True, **FUSIONS_ON)
+    fused = TransformerBlock(cfg, get_gpt_layer_local_spec(qk_layernorm=True))
+    plain = TransformerBlock(cfg, get_gpt_layer_unfused_spec(qk_layernorm=True))
+    norm_cls = FusedLayerNorm if normalization == "LayerNorm" else FusedRMSNorm
+    torch_cls = torch.nn.LayerNorm if normalization == "LayerNorm" else torch.nn.RMSNorm
+    layer = fused.layers[1]
+    assert layer.layer_number == 2 and len(fused.layers) == 2
+    for norm in (layer.input_layernorm, layer.pre_mlp_layernorm, layer.self_attention.q_layernorm,
+                 fused.final_layernorm):
+        assert type(norm) is norm_cls
+    for norm in (plain.layers[0].input_layernorm, plain.layers[0].self_attention.k_layernorm, plain.final_layernorm):
+        assert type(norm) is torch_cls
+    assert isinstance(layer.self_attention.core_attention, DotProductAttention)
+    assert layer.self_attention.attn_mask_type is AttnMaskType.causal
+    assert isinstance(layer.cross_attention, IdentityOp) and isinstance(layer.cross_attn_bda, IdentityFuncOp)
+    assert layer.self_attn_bda is get_bias_dropout_add
+    hn = H // NP
+    shapes = {k: tuple(v.shape) for k, v in fused.state_dict().items() if isinstance(v, torch.Tensor)}
+    assert shapes["layers.0.self_attention.linear_qkv.weight"] == ((NP + 2 * NG) * hn, H)
+    assert shapes["layers.0.self_attention.linear_proj.weight"] == (H, NP * hn)
+    assert shapes["layers.0.self_attention.q_layernorm.weight"] == (hn,)
+    assert shapes["layers.0.mlp.linear_fc1.weight"] == (2 * FFN, H)  # both GLU halves in one GEMM
+    assert shapes["layers.0.mlp.linear_fc2.weight"] == (H, FFN)
+    # the unfused spec has the same parameters under the same names: one checkpoint fits both
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    plain.load_state_dict(fused.state_dict(), strict=True)
+    for p in fused.parameters():
+        assert p.device.type == DEVICE.type and p.dtype == torch.float32
+    assert not plain.layers[0].mlp.config.bias_activation_fusion and plain.layers[0].mlp.config is not cfg
+
+
+def test_module_tree_and_initialization():
+    cfg = make_config(num_layers=3, init_method_std=0.05)
+    block = TransformerBlock(cfg, get_gpt_layer_local_spec())
+    text = repr(block)
+    for name in ("input_layernorm", "self_attention", "core_attention", "linear_qkv", "linear_proj",
+                 "pre_mlp_layernorm", "linear_fc1", "linear_fc2", "final_layernorm"):
+        assert name in text
+    qkv = block.layers[0].self_attention.linear_qkv
+    proj = block.layers[0].self_attention.linear_proj
+    assert torch.all(qkv.bias == 0) and torch.all(proj.bias == 0)
+    # init_method N(0, 0.05²); the output layers N(0, 0.05² / (2·num_layers)): the sample std of
+    # n draws is within 5/sqrt(2n) of sigma with overwhelming probability (n = 576: 15 %)
+    for w, sigma in ((qkv.weight, 0.05), (proj.weight, 0.05 / math.sqrt(2 * 3))):
+        assert abs(w.float().std().item() / sigma - 1) < 5 / math.sqrt(2 * w.numel())
+
+
+# ---------------------------------------------------------------------------------------------
+# TransformerConfig
+# ---------------------------------------------------------------------------------------------
+
+
+def test_config_derives_megatrons_defaults():
+    c = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8)
+    assert (c.ffn_hidden_size, c.kv_channels, c.num_query_groups) == (256, 8, 8)
+    assert (c.hidden_dropout, c.attention_dropout, c.layernorm_epsilon, c.init_method_std) == (0.1, 0.1, 1e-5, 0.02)
+    assert c.activation_func is F.gelu and c.add_bias_linear and not c.add_qkv_bias
+    assert c.attention_backend is AttnBackend.auto and c.attention_softmax_in_fp32
+    assert c.init_method.keywords == {"mean": 0.0, "std": 0.02}
+    assert c.output_layer_init_method.keywords["std"] == pytest.approx(0.02 / math.sqrt(2 * 4))
+    assert c.embedding_init_method.keywords["std"] == 0.02 and c.embedding_init_method_std == 0.02
+    assert c.recompute_modules == ["core_attn"]
+    assert not any((c.bias_activation_fusion, c.masked_softmax_fusion, c.bias_dropout_fusion, c.apply_rope_fusion,
+                    c.persist_layer_norm, c.memory_efficient_layer_norm, c.cross_entropy_loss_fusion))
+    assert TransformerConfig(hidden_size=64, num_attention_heads=8, num_query_groups=2, kv_channels=16,
+                             ffn_hidden_size=100).kv_channels == 16
+    assert TransformerConfig(hidden_size=60, num_attention_heads=8, kv_channels=8).kv_channels == 8  # 60 % 8 != 0: ok
+    # Megatron-core: query-key layer scaling forces the fp32 softmax
+    c_scaled = TransformerConfig(apply_query_key_layer_scaling=True, attention_softmax_in_fp32=False)
+    assert c_scaled.attention_softmax_in_fp32
+    # the norms-only config of chapter 4
+    c0 = TransformerConfig()
+    assert c0.kv_channels is None and c0.num_query_groups is None and c0.output_layer_init_method is None
+    custom = lambda w: w  # noqa: E731
+    c1 = TransformerConfig(num_layers=1, init_method=custom)
+    assert c1.embedding_init_method is custom
+    c2 = TransformerConfig(num_layers=1, init_method=custom, embedding_init_method_std=1.0)
+    assert c2.embedding_init_method.keywords["std"] == 1.0
+    assert TransformerConfig(window_size=[4, 0]).window_size == (4, 0)
+
+
+class _ForeignBackend(enum.Enum):  # another library's enum with the same member names (Megatron-core's)
+    local = 4
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(fp16=True, bf16=True), ValueError, "Only one of fp16"),
+    (dict(hidden_size=30, num_attention_heads=4), ValueError, "hidden_size \\(30\\) must be divisible"),
+    (dict(hidden_size=32, num_attention_heads=6, kv_channels=8, num_query_groups=4), ValueError,
+     "must be a multiple of num_query_groups"),
+    (dict(hidden_size=32, num_attention_heads=4, num_query_groups=0), ValueError, "num_query_groups"),
+    (dict(bias_activation_fusion=True, activation_func=F.relu), ValueError, "activation_func must be F.gelu"),
+    (dict(bias_activation_fusion=True, activation_func=F.silu), ValueError, "gated_linear_unit must be True"),
+    (dict(bias_activation_fusion=True, add_bias_linear=False), ValueError, "add_bias_linear must also be True"),
+    (dict(bias_activation_fusion=True, gated_linear_unit=True, glu_linear_offset=1.0), ValueError,
+     "glu_linear_offset must be 0"),
+    (dict(activation_func_clamp_value=float("nan"), num_moe_experts=2, gated_linear_unit=True), ValueError,
+     "finite number > 0"),
+    (dict(activation_func_clamp_value=float("inf"), num_moe_experts=2, gated_linear_unit=True), ValueError,
+     "finite number > 0"),
+    (dict(activation_func_clamp_value=0.0, num_moe_experts=2, gated_linear_unit=True), ValueError, "finite number > 0"),
+    (dict(activation_func_clamp_value=True, num_moe_experts=2, gated_linear_unit=True), ValueError, "finite number"),
+    (dict(activation_func_clamp_value=7.0, gated_linear_unit=True), ValueError, "only supported with MoE"),
+    (dict(activation_func_clamp_value=7.0, num_moe_experts=2), ValueError, "set gated_linear_unit=True"),
+    (dict(activation_func_clamp_value=7.0, num_moe_experts=2, gated_linear_unit=True, glu_linear_offset=1.0),
+     ValueError, "glu_linear_offset == 0"),
+    (dict(activation_func_clamp_value=7.0, num_moe_experts=2, gated_linear_unit=True, bias_activation_fusion=True),
+     ValueError, "needs SwiGLU"),
+    (dict(num_moe_experts=0), ValueError, "num_moe_experts must be positive"),
+    (dict(window_size=(3,)), ValueError, "window_size must be None or a pair"),
+    (dict(window_size=(-2, 0)), ValueError, "window_size must be None or a pair"),
+    (dict(recompute_granularity="some"), ValueError, "recompute_granularity must be"),
+    (dict(num_layers=2, recompute_granularity="full", recompute_num_layers=1), ValueError,
+     'recompute_method must be "block" or "uniform"'),
+    (dict(num_layers=2, recompute_granularity="full", recompute_method="uniform"), ValueError,
+     "recompute_num_layers must be between 1 and num_layers"),
+    (dict(num_layers=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3),
+     ValueError, "recompute_num_layers must be between 1 and num_layers"),
+    (dict(num_layers=2, recompute_granularity="full", recompute_method="zigzag", recompute_num_layers=1),
+     ValueError, "recompute_method must be"),
+    (dict(recompute_granularity="selective", recompute_num_layers=1), ValueError, "recompute_num_layers must be None"),
+    (dict(recompute_granularity="selective", recompute_modules=["layernorm"]), ValueError,
+     "not implemented in fusedlib"),
+    (dict(normalization="BatchNorm"), ValueError, "normalization must be one of"),
+    (dict(layernorm_epsilon=-1.0), ValueError, "layernorm_epsilon must be >= 0"),
+    (dict(hidden_dropout=1.5), ValueError, "hidden_dropout must be a probability"),
+    (dict(attention_dropout=-0.1), ValueError, "attention_dropout must be a probability"),
+    (dict(params_dtype=torch.int32), TypeError, "params_dtype must be one of"),
+    (dict(attention_backend="flash"), TypeError, "attention_backend must be an AttnBackend"),
+    (dict(cross_entropy_fusion_impl="te"), ValueError, "cross_entropy_fusion_impl must be 'native'"),
+])
+def test_config_rejections(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TransformerConfig(**kwargs)
+
+
+def test_config_accepts_what_it_can_run():
+    c = TransformerConfig(activation_func_clamp_value=7.0, num_moe_experts=2, gated_linear_unit=True,
+                          activation_func=F.silu, bias_activation_fusion=True)
+    assert c.activation_func_clamp_value == 7.0
+    for act, glu, bias in ((F.gelu, False, True), (F.gelu, True, False), (F.silu, True, False)):
+        TransformerConfig(bias_activation_fusion=True, activation_func=act, gated_linear_unit=glu, add_bias_linear=bias)
+    assert TransformerConfig(attention_backend=_ForeignBackend.local).attention_backend is AttnBackend.local
+    assert TransformerConfig(num_layers=3, recompute_granularity="full", recompute_method="block",
+                             recompute_num_layers=3).recompute_num_layers == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Every fusion on equals every fusion off (dropout 0)
+# ---------------------------------------------------------------------------------------------
+
+# The fused and the unfused block compute the same function, rounding at different places. Both
+# are compared with the float64 block, tensor by tensor (the output, the input's gradient and every
+# parameter's gradient), by RMS error normalized by the reference's RMS (e_t), aggregated as
+# sqrt(mean_t e_t²). Their errors have the same size in distribution, but the block's backward
+# amplifies rounding differently from draw to draw. Measured over 80 draws of this setup (40 seeds
+# x fp32/bf16): fused/unfused aggregate ratio 0.6-2.2; a single fused tensor at most 6.2x the
+# unfused aggregate (24-element tensors fluctuate); the unfused aggregate at most 23u (u the
+# dtype's unit roundoff). Bounds: about twice those. A wrong formula is off by O(1), and a kernel
+# that stores an fp32 intermediate in bf16 by ~10^4 u in fp32: both far outside.
+AGGREGATE_RATIO, TENSOR_RATIO, UNFUSED_IN_U = 4.0, 12.0, 64.0
+
+BLOCK_CASES = {
+    "fp32-swiglu-layernorm": dict(dtype=torch.float32),
+    "bf16-swiglu-rmsnorm-qknorm": dict(dtype=torch.bfloat16, normalization="RMSNorm", qk_layernorm=True),
+    "fp32-gelu-padding-mask": dict(dtype=torch.float32, gated_linear_unit=False, activation_func="gelu", mask=True),
+}
+
+
+def _errors(block, x, g, mask, refs):
+    xi = x.detach().clone().requires_grad_(True)
+    y = block(xi, mask)
+    y.backward(g)
+    assert y.dtype == x.dtype and y.shape == x.shape and y._base is None
+    outs = {"y": y, "dx": xi.grad, **{n: p.grad for n, p in block.named_parameters()}}
+    return tensor_errors(outs, refs, x.dtype)
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_every_fusion_on_equals_every_fusion_off(case):
+    kw = dict(BLOCK_CASES[case])
+    dtype, use_mask = kw.pop("dtype"), kw.pop("mask", False)
+    qk = kw.pop("qk_layernorm", False)
+    act64 = None
+    if kw.get("activation_func") == "gelu":
+        # the fused bias-GeLU is the tanh approximation (as Megatron's): the unfused block gets the same
+        kw["activation_func"] = F.gelu
+        fused_cfg = make_config(dtype, qk_layernorm=qk, **kw, **FUSIONS_ON)
+        kw["activation_func"] = functools.partial(F.gelu, approximate="tanh")
+        act64 = kw["activation_func"]
+    else:
+        fused_cfg = make_config(dtype, qk_layernorm=qk, **kw, **FUSIONS_ON)
+    unfused_cfg = make_config(dtype, qk_layernorm=qk, **kw)
+    fused = randomize(TransformerBlock(fused_cfg, get_gpt_layer_local_spec(qk_layernorm=qk)))
+    plain = TransformerBlock(unfused_cfg, get_gpt_layer_unfused_spec(qk_layernorm=qk))
+    plain.load_state_dict(fused.state_dict())
+    x = hidden(dtype)
+    x_before = x.detach().clone()
+    g = torch.randn(S, B, H, device=DEVICE, dtype=torch.float32).to(dtype)
+    mask = None
+    if use_mask:  # padding: sample 1's last two keys are masked
+        mask = torch.zeros(B, 1, S, S, device=DEVICE, dtype=torch.bool)
+        mask[1, ..., -2:] = True
+
+    sd = reference_state(fused)
+    x64 = x.detach().double().requires_grad_(True)
+    y64 = R.block(x64, sd, fused_cfg, act=act64, mask=mask)
+    y64.backward(g.double())
+    refs = {"y": y64.detach(), "dx": x64.grad, **{n: sd[n].grad for n in sd}}
+
+    errors = {"fused": _errors(fused, x, g, mask, refs), "plain": _errors(plain, x, g, mask, refs)}
+    assert torch.equal(x.detach(), x_before)  # the input is never modified
+    assert_as_accurate(errors, "plain", dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Each switch changes which kernel runs
+# ---------------------------------------------------------------------------------------------
+
+def _run_one_layer(cfg, *, backward=False):
+    block = randomize(TransformerBlock(cfg, get_gpt_layer_local_spec()))
+    x = hidden(cfg.params_dtype, requires_grad=backward)
+    y = block(x, None)
+    if backward:
+        y.sum().backward()
+    return y
+
+
+@pytest.mark.parametrize("switch", ["masked_softmax_fusion", "bias_dropout_fusion", "swiglu", "geglu", "gelu",
+                                    "attention_backend", "memory_efficient_layer_norm"])
+@pytest.mark.parametrize("on", [True, False])
+def test_each_switch_chooses_the_kernel(monkeypatch, switch, on):
+    act = {"swiglu": dict(gated_linear_unit=True, activation_func=F.silu),
+           "geglu": dict(gated_linear_unit=True, activation_func=F.gelu),
+           "gelu": dict(gated_linear_unit=False, activation_func=F.gelu)}
+    kw = dict(act.get(switch, {}), num_layers=1)
+    if switch in act:
+        kw["bias_activation_fusion"] = on
+        fused = Spy(monkeypatch, mlp_module, f"bias_{switch}_impl")
+        others = [Spy(monkeypatch, mlp_module, f"bias_{n}_impl") for n in act if n != switch]
+        _run_one_layer(make_config(**kw))
+        assert bool(fused) is on and not any(others)
+        return
+    if switch == "attention_backend":
+        kw[switch] = AttnBackend.flash if on else AttnBackend.local
+        fused, plain = (Spy(monkeypatch, torch.nn.functional, "scaled_dot_product_attention"),
+                        Spy(monkeypatch, torch, "baddbmm"))
+    elif switch == "masked_softmax_fusion":
+        kw[switch] = on
+        fused, plain = Spy(monkeypatch, fused_softmax, "softmax_fwd"), Spy(monkeypatch, unfused, "scale_mask_softmax")
+    elif switch == "bias_dropout_fusion":
+        kw[switch] = on
+        fused, plain = (Spy(monkeypatch, fused_bias_dropout, "bias_dropout_add_fwd"),
+                        Spy(monkeypatch, unfused, "bias_dropout_add"))
+    else:  # memory_efficient_layer_norm: the norm saves y instead of x
+        kw[switch] = on
+        spy = Spy(monkeypatch, fused_layer_norm.FusedLayerNormAffineFunction, "apply")
+        _run_one_layer(make_config(**kw), backward=True)
+        assert spy.calls and all(args[4] is on for args, _ in spy.calls)
+        return
+    _run_one_layer(make_config(**kw))
+    assert bool(fused) is on and bool(plain) is not on
+
+
+def _attention_inputs(dtype=torch.float32, sq=S, sk=S, ng=NG, requires_grad=False):
+    hn = H // NP
+    mk = lambda s, n: torch.randn(s, B, n, hn, device=DEVICE, dtype=torch.float32).to(dtype)  # noqa: E731
+    q, k, v = mk(sq, NP), mk(sk, ng), mk(sk, ng)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def test_fused_softmax_dropout_runs_when_its_switches_say(monkeypatch):
+    calls = []
+
+    def fake(input, mask, attn_mask_type, scale, dropout_p, *, softmax_in_fp32=True, window_size=None):  # noqa: A002
+        calls.append(dict(mask=mask, attn_mask_type=attn_mask_type, scale=scale, p=dropout_p,
+                          softmax_in_fp32=softmax_in_fp32, window_size=window_size))
+        return torch.nn.functional.dropout(unfused.scale_mask_softmax(input, unfused.causal_mask(
+            input.shape[-2], input.shape[-1], device=input.device), scale), dropout_p)
+
+    monkeypatch.setattr(fused_softmax, "fused_scale_mask_softmax_dropout", fake, raising=False)
+    q, k, v = _attention_inputs()
+
+    def run(train=True, p=0.25, fusion=True, **kw):
+        calls.clear()
+        attn = DotProductAttention(make_config(masked_softmax_fusion=fusion, attention_dropout=p, **kw), 3,
+                                   AttnMaskType.causal, "self")
+        attn.train(train)
+        attn(q, k, v, None)
+        return list(calls)
+
+    (call,) = run(apply_query_key_layer_scaling=True, window_size=(3, 0))
+    assert call == dict(mask=None, attn_mask_type=AttnMaskType.causal, scale=3, p=0.25, softmax_in_fp32=True,
+                        window_size=(3, 0))
+    assert run(train=False) == [] and run(p=0.0) == [] and run(fusion=False) == []
+
+
+def test_without_the_fused_softmax_dropout_the_softmax_is_fused_and_dropout_follows(monkeypatch):
+    monkeypatch.delattr(fused_softmax, "fused_scale_mask_softmax_dropout", raising=False)
+    softmax = Spy(monkeypatch, fused_softmax, "softmax_fwd")
+    dropout = Spy(monkeypatch, torch.nn.functional, "dropout")
+    q, k, v = _attention_inputs()
+    attn = DotProductAttention(make_config(masked_softmax_fusion=True, attention_dropout=0.5), 1,
+                               AttnMaskType.causal, "self")
+    attn(q, k, v, None)
+    assert softmax and dropout and dropout.calls[0][0][1] == 0.5
+
+
+def test_rope_goes_through_rope_utils_with_the_config(monkeypatch):
+    calls = []
+    fake = types.ModuleType("fusedlib.models.common.embeddings.rope_utils")
+
+    def apply_rotary_pos_emb(t, freqs, config):
+        calls.append((tuple(t.shape), tuple(freqs.shape), config))
+        return t
+
+    fake.apply_rotary_pos_emb = apply_rotary_pos_emb
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    cfg = make_config(attention_backend=AttnBackend.unfused)
+    attn = SelfAttention(cfg, get_gpt_layer_local_spec().submodules.self_attention.submodules, layer_number=1,
+                         attn_mask_type=AttnMaskType.causal)
+    freqs = torch.randn(S, 1, 1, H // NP, device=DEVICE, dtype=torch.float32)
+    attn(hidden(), None, rotary_pos_emb=freqs)
+    assert calls == [((S, B, NP, H // NP), (S, 1, 1, H // NP), cfg), ((S, B, NG, H // NP), (S, 1, 1, H // NP), cfg)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: causality, the two backends, grouped queries, cross attention
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.auto])
+def test_a_later_token_never_changes_an_earlier_output(backend):
+    cfg = make_config(**dict(FUSIONS_ON, attention_backend=backend))
+    block = randomize(TransformerBlock(cfg, get_gpt_layer_local_spec()))
+    x = hidden()
+    t = 4
+    y = block(x, None)
+    y[:t].sum().backward()
+    assert torch.all(x.grad[t:] == 0) and torch.any(x.grad[:t] != 0)
+    x2 = x.detach().clone()
+    x2[t:] = torch.randn(S - t, B, H, device=DEVICE, dtype=torch.float32)
+    y2 = block(x2, None)
+    assert torch.equal(y2[:t], y[:t].detach())  # exactly: masked keys get probability 0, and 0·v = 0
+    assert not torch.allclose(y2[t:], y[t:].detach())
+
+
+ATTENTION_CASES = {
+    "causal": dict(mask_type=AttnMaskType.causal),
+    "causal-gqa-padding-empty-row": dict(mask_type=AttnMaskType.causal, padding=True),
+    "window": dict(mask_type=AttnMaskType.causal, window=(2, 0)),
+    "cross-sq-ne-sk": dict(mask_type=AttnMaskType.no_mask, sk=5, ng=NP),
+    "causal-sq-gt-sk": dict(mask_type=AttnMaskType.causal, sk=4),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fusion", [False, True])
+def test_sdpa_backend_equals_the_materialised_attention(case, dtype, fusion):
+    c = ATTENTION_CASES[case]
+    sk, ng = c.get("sk", S), c.get("ng", NG)
+    cfg = make_config(dtype, masked_softmax_fusion=fusion, num_query_groups=ng, window_size=c.get("window"))
+    q, k, v = _attention_inputs(dtype, sk=sk, ng=ng, requires_grad=True)
+    mask = None
+    if c.get("padding"):  # sample 0 masks keys 1..2; sample 1 masks every key of query row 2
+        mask = torch.zeros(B, 1, S, sk, device=DEVICE, dtype=torch.bool)
+        mask[0, ..., 1:3] = True
+        mask[1, 0, 2, :] = True
+    causal = c["mask_type"] is AttnMaskType.causal
+    keep = R.keep_mask(S, sk, causal, c.get("window"), device=DEVICE)
+    if mask is not None:
+        keep = keep & ~mask
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    per = NP // ng
+    ref = R.attention(q64, k64.repeat_interleave(per, 2), v64.repeat_interleave(per, 2), keep, 1 / math.sqrt(H // NP))
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    # the output is a convex combination of rows of v (|v| <~ 4): a few roundings of the output's
+    # dtype. The gradients (fp32 only) sum sk <= 7 products: a few float32 roundings as well.
+    atol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for backend in (AttnBackend.local, AttnBackend.fused):
+        cfg.attention_backend = backend
+        attn = DotProductAttention(cfg, 1, c["mask_type"], "self")
+        q.grad = k.grad = v.grad = None
+        out = attn(q, k, v, mask)
+        assert out.shape == (S, B, NP * (H // NP)) and out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+        if mask is not None:
+            assert torch.all(out[2, 1] == 0)  # the row with every key masked: zeros, never NaN
+        if dtype is torch.float32:
+            out.backward(g.to(dtype))
+            for t, t64 in ((q, q64), (k, k64), (v, v64)):
+                torch.testing.assert_close(t.grad.double(), t64.grad, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("backend", [AttnBackend.unfused, AttnBackend.fused])
+def test_gqa_with_repeated_kv_weights_equals_mha(backend):
+    """float64: the same arithmetic on the same numbers, to within a few roundings of 2^-53."""
+    hn, per = H // NP, NP // NG
+    spec = get_gpt_layer_local_spec().submodules.self_attention.submodules
+    cfg = dict(dtype=torch.float64, attention_backend=backend)
+    gqa = randomize(SelfAttention(make_config(**cfg), spec, 1, AttnMaskType.causal))
+    mha = SelfAttention(make_config(num_query_groups=NP, **cfg), spec, 1, AttnMaskType.causal)
+    mha_none = SelfAttention(make_config(num_query_groups=None, **cfg), spec, 1, AttnMaskType.causal)
+    # GQA rows per group: [q_1 .. q_per, k, v]; MHA rows per head: [q, k, v] with the group's k, v
+    w = gqa.linear_qkv.weight.detach().view(NG, per + 2, hn, H)
+    b = gqa.linear_qkv.bias.detach().view(NG, per + 2, hn)
+    w_mha = torch.stack([torch.stack([w[i // per, i % per], w[i // per, per], w[i // per, per + 1]])
+                         for i in range(NP)])  # [np, 3, hn, h]
+    b_mha = torch.stack([torch.stack([b[i // per, i % per], b[i // per, per], b[i // per, per + 1]])
+                         for i in range(NP)])
+    state = dict(gqa.state_dict())
+    state["linear_qkv.weight"], state["linear_qkv.bias"] = w_mha.reshape(-1, H), b_mha.reshape(-1)
+    mha.load_state_dict(state)
+    mha_none.load_state_dict(state)
+    x = hidden(torch.float64)
+    out_gqa, _ = gqa(x, None)
+    out_mha, _ = mha(x, None)
+    torch.testing.assert_close(out_gqa, out_mha, atol=1e-12, rtol=0)
+    assert torch.equal(mha_none(x, None)[0], out_mha)  # num_query_groups None is multi-head attention
+
+
+def test_cross_attention_against_the_reference():
+    cfg = make_config(torch.float64, num_query_groups=NP, attention_backend=AttnBackend.unfused)
+    subs = CrossAttentionSubmodules(linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
+                                    core_attention=DotProductAttention, linear_proj=RowParallelLinear)
+    attn = randomize(CrossAttention(cfg, subs, 1, AttnMaskType.no_mask))
+    x, ctx = hidden(torch.float64), hidden(torch.float64, s=5)
+    out, bias = attn(x, None, key_value_states=ctx)
+    sd = {k: v for k, v in attn.state_dict().items() if isinstance(v, torch.Tensor)}
+    hn = H // NP
+    q = R.linear(x, sd, "linear_q").view(S, B, NP, hn)
+    k, v = R.linear(ctx, sd, "linear_kv").view(5, B, NP, 2 * hn).split(hn, dim=-1)
+    ref = R.attention(q, k, v, R.keep_mask(S, 5, causal=False, device=DEVICE), 1 / math.sqrt(hn))
+    torch.testing.assert_close(out + bias, R.linear(ref, sd, "linear_proj"), atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="Group query attention is not currently supported"):
+        CrossAttention(make_config(), subs, 1)
+    with pytest.raises(ValueError, match="key_value_states cannot be None"):
+        attn(x, None)
+
+
+def test_decoder_layer_with_cross_attention_follows_megatrons_order():
+    """norm, self-attention, bias-dropout-add; norm, cross-attention on the context, bias-dropout-add;
+    norm, MLP, bias-dropout-add: in float64, to within a few roundings of 2^-53."""
+    cfg = make_config(torch.float64, num_query_groups=NP, attention_backend=AttnBackend.unfused)
+    local = get_gpt_layer_local_spec().submodules
+    subs = TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm, self_attention=local.self_attention, self_attn_bda=get_bias_dropout_add,
+        pre_cross_attn_layernorm=WrappedTorchNorm,
+        cross_attention=ModuleSpec(CrossAttention, params={"attn_mask_type": AttnMaskType.no_mask},
+                                   submodules=CrossAttentionSubmodules(
+                                       linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
+                                       core_attention=DotProductAttention, linear_proj=RowParallelLinear)),
+        cross_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=WrappedTorchNorm, mlp=local.mlp,
+        mlp_bda=get_bias_dropout_add)
+    layer = randomize(TransformerLayer(cfg, subs, layer_number=1))
+    x, ctx = hidden(torch.float64), hidden(torch.float64, s=5)
+    out, context = layer(x, None, context=ctx)
+    assert context is ctx
+    sd = {k: v for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
+    keep = R.keep_mask(S, S, causal=True, device=DEVICE)
+    h = x + R.self_attention(R.norm(x, sd, "input_layernorm", cfg), sd, "self_attention.", cfg, keep)
+    q_in = R.norm(h, sd, "pre_cross_attn_layernorm", cfg)
+    hn = H // NP
+    q = R.linear(q_in, sd, "cross_attention.linear_q").view(S, B, NP, hn)
+    k, v = R.linear(ctx, sd, "cross_attention.linear_kv").view(5, B, NP, 2 * hn).split(hn, dim=-1)
+    cross = R.attention(q, k, v, R.keep_mask(S, 5, causal=False, device=DEVICE), 1 / math.sqrt(hn))
+    h = h + R.linear(cross, sd, "cross_attention.linear_proj")
+    ref = h + R.mlp(R.norm(h, sd, "pre_mlp_layernorm", cfg), sd, "mlp.", cfg, F.silu)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unit, clamp", [("swiglu", None), ("swiglu", 0.4), ("geglu", None)])
+def test_mlp_fused_activation_equals_the_reference(unit, clamp):
+    act = F.silu if unit == "swiglu" else F.gelu
+    extra = dict(num_moe_experts=2, activation_func_clamp_value=clamp) if clamp else {}
+    fused_cfg = make_config(activation_func=act, bias_activation_fusion=True, **extra)
+    act64 = act if unit == "swiglu" else functools.partial(F.gelu, approximate="tanh")
+    plain_cfg = make_config(activation_func=act64, **extra)
+    subs = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    fused = randomize(MLP(fused_cfg, subs))
+    plain = MLP(plain_cfg, subs)
+    plain.load_state_dict(fused.state_dict())
+    x = hidden()
+    sd = reference_state(fused)
+    x64 = x.detach().double().requires_grad_(True)
+    ref = R.mlp(x64, sd, "", plain_cfg, act64)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    if clamp:
+        h1 = R.linear(x64.detach(), sd, "linear_fc1")
+        assert (h1[..., :FFN] > clamp).any() and (h1[..., FFN:].abs() > clamp).any()  # the clamp bites
+    for mlp in (fused, plain):
+        xi = x.detach().clone().requires_grad_(True)
+        out, bias = mlp(xi)
+        assert bias is mlp.linear_fc2.bias  # returned, not added: for the bias-dropout-add
+        (out + bias).backward(g.float())
+        # float32 throughout: a few roundings of values <~ 10 (fc1 sums 24 products, fc2 20)
+        torch.testing.assert_close((out + bias).double(), ref, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(xi.grad.double(), x64.grad, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(mlp.linear_fc1.weight.grad.double(), sd["linear_fc1.weight"].grad,
+                                   atol=2e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Residual options
+# ---------------------------------------------------------------------------------------------
+
+
+def test_residual_after_the_norm_and_fp32_residual_stream():
+    # the residual taken after each norm (BERT's order), float32: close to the float64 block
+    cfg = make_config(apply_residual_connection_post_layernorm=True)
+    block = randomize(TransformerBlock(cfg, get_gpt_layer_unfused_spec()))
+    x = hidden()
+    ref = R.block(x.detach(), reference_state(block), cfg)
+    assert nrmse(block(x, None), ref) <= UNFUSED_IN_U * U[torch.float32]
+    assert nrmse(block(x, None), R.block(x.detach(), reference_state(block), make_config())) > 0.1
+
+    # bf16 parameters, an fp32 residual stream: the layers' outputs stay fp32, the norms run in bf16
+    cfg = make_config(torch.bfloat16, fp32_residual_connection=True, **FUSIONS_ON)
+    block = randomize(TransformerBlock(cfg, get_gpt_layer_local_spec()))
+    dtypes = []
+    for layer in block.layers:
+        layer.register_forward_hook(lambda m, i, out: dtypes.append(out[0].dtype))
+    x32 = hidden(torch.float32)
+    y = block(x32, None)
+    assert dtypes == [torch.float32, torch.float32] and y.dtype == torch.bfloat16
+    ref = R.block(x32.detach(), reference_state(block), cfg)
+    assert nrmse(y, ref) <= UNFUSED_IN_U * U[torch.bfloat16]
+    y.float().sum().backward()
+    assert x32.grad.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation recomputation
+# ---------------------------------------------------------------------------------------------
+
+RECOMPUTE = {
+    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    "selective-core-attn": dict(recompute_granularity="selective"),
+    "selective-mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+}
+
+
+def _train_step(cfg, spec, state, x, seed):
+    block = TransformerBlock(cfg, spec)
+    block.load_state_dict(state)
+    counts = {"layer": 0, "core": 0, "mlp": 0}
+    for layer in block.layers:
+        layer.register_forward_pre_hook(lambda *a: counts.__setitem__("layer", counts["layer"] + 1))
+        layer.self_attention.core_attention.register_forward_pre_hook(
+            lambda *a: counts.__setitem__("core", counts["core"] + 1))
+        layer.mlp.register_forward_pre_hook(lambda *a: counts.__setitem__("mlp", counts["mlp"] + 1))
+    xi = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    y = block(xi, None)
+    y.backward(torch.ones_like(y))
+    return y.detach(), xi.grad, {n: p.grad for n, p in block.named_parameters()}, counts
+
+
+@pytest.mark.parametrize("spec_name, modes", [
+    ("unfused", list(RECOMPUTE)),
+    ("fused", ["full-uniform", "selective-core-attn"]),
+])
+def test_recomputation_gives_the_same_outputs_and_gradients_with_dropout(spec_name, modes):
+    """Same ops on the same numbers in the same order, the RNG state restored for the recompute:
+    the same bits (dropout masks included)."""
+    spec = get_gpt_layer_local_spec() if spec_name == "fused" else get_gpt_layer_unfused_spec()
+    kw = dict(FUSIONS_ON if spec_name == "fused" else {}, hidden_dropout=0.3, attention_dropout=0.2,
+              num_layers=2 if spec_name == "unfused" else 1)
+    state = randomize(TransformerBlock(make_config(**kw), spec)).state_dict()
+    x, seed = hidden(), int(torch.randint(0, 2**31, (1,)).item())
+    y0, dx0, grads0, counts0 = _train_step(make_config(**kw), spec, state, x, seed)
+    n = kw["num_layers"]
+    assert counts0 == {"layer": n, "core": n, "mlp": n}
+    # dropout is on: another seed gives another output
+    assert not torch.equal(_train_step(make_config(**kw), spec, state, x, seed + 1)[0], y0)
+    for mode in modes:
+        y, dx, grads, counts = _train_step(make_config(**kw, **RECOMPUTE[mode]), spec, state, x, seed)
+        assert torch.equal(y, y0) and torch.equal(dx, dx0), mode
+        for name, g in grads.items():
+            assert torch.equal(g, grads0[name]), (mode, name)
+        # the recomputed module runs twice (forward, and again in the backward); "block" with
+        # recompute_num_layers=1 recomputes the first layer only
+        recomputed = {"full-uniform": "layer", "full-block": "layer", "selective-core-attn": "core",
+                      "selective-mlp": "mlp"}[mode]
+        assert counts[recomputed] == (n + 1 if mode == "full-block" else 2 * n), (mode, counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Float16Module and checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def test_float16_module_casts_at_the_edges():
+    cfg = make_config(bf16=True)
+    block = TransformerBlock(cfg, get_gpt_layer_unfused_spec())
+    seen = []
+    block.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    model = Float16Module(cfg, block)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    x = hidden(torch.float32)
+    mask = torch.zeros(1, 1, S, S, device=DEVICE, dtype=torch.bool)
+    y = model(x, mask)
+    assert seen == [torch.bfloat16] and y.dtype == torch.float32
+    assert model(x, mask, fp32_output=False).dtype == torch.bfloat16
+    y.sum().backward()
+    assert x.grad.dtype == torch.float32
+    assert model.state_dict().keys() == block.state_dict().keys()
+    assert model.state_dict_for_save_checkpoint().keys() == block.state_dict().keys()
+    with pytest.raises(ValueError, match="needs config.fp16 or config.bf16"):
+        Float16Module(make_config(), block)
+    half = Float16Module(make_config(torch.float32, fp16=True), TransformerBlock(make_config(),
+                                                                                 get_gpt_layer_unfused_spec()))
+    assert all(p.dtype == torch.float16 for p in half.parameters())
+
+
+def test_state_dict_save_and_load_round_trip():
+    cfg = make_config(**FUSIONS_ON)
+    block = randomize(TransformerBlock(cfg, get_gpt_layer_local_spec()))
+    buffer = io.BytesIO()
+    torch.save(block.state_dict_for_save_checkpoint(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert any(k.endswith("_extra_state") for k in state)  # Megatron-core's (empty) entries
+    fresh = TransformerBlock(make_config(), get_gpt_layer_unfused_spec())
+    x = hidden()
+    assert not torch.allclose(fresh(x, None), block(x, None))
+    fresh.load_state_dict(state, strict=True)
+    for (n, p), (n2, p2) in zip(block.named_parameters(), fresh.named_parameters()):
+        assert n == n2 and torch.equal(p, p2)
+    # a checkpoint without the _extra_state entries (not every writer has them) loads strictly too
+    fresh.load_state_dict({k: v for k, v in state.items() if not k.endswith("_extra_state")}, strict=True)
+    with torch.no_grad():
+        y, y_fresh = block(x, None), fresh(x, None)
+    assert nrmse(y_fresh, y.double()) <= UNFUSED_IN_U * U[torch.float32]
+
+
+# ---------------------------------------------------------------------------------------------
+# No host synchronization in forward and backward (CUDA only: the CPU has nothing to sync with)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="host syncs are a CUDA notion; on the CPU every op is synchronous")
+@pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.auto])
+def test_no_host_sync_in_forward_and_backward(backend):
+    cfg = make_config(torch.bfloat16, **dict(FUSIONS_ON, attention_backend=backend), hidden_dropout=0.1,
+                      attention_dropout=0.1)
+    block = randomize(TransformerBlock(cfg, get_gpt_layer_local_spec()))
+    x = hidden(torch.bfloat16)
+    block(x, None).sum().backward()  # warm-up: compile the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        block(x, None).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
