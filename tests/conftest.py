@@ -1,5 +1,28 @@
-"""Shared test settings: the device, tolerances per dtype, and a float64 comparison."""
+"""Shared test settings: the device, tolerances per dtype, a float64 comparison, and the seeds.
+
+Seeds. Every test starts from ``torch.manual_seed(seed)`` with
+
+    seed = (zlib.crc32(node id) + offset) mod 2**31
+
+where the node id is pytest's, e.g. ``tests/test_layer_norm.py::test_empty_input[rms]``. So a
+test gets the same seed on every run and every machine (Python's ``hash()`` of a string,
+used before, is salted per process: its inputs changed from run to run), and each test a
+different one. The offset, an
+integer, shifts every test's seed at once: a seed sweep runs the suite under offsets 0, 1,
+2, ...; a failure found at offset 7 repeats with either of
+
+    pytest --seed-offset 7 tests/test_layer_norm.py
+    FUSEDLIB_TEST_SEED=7 pytest tests/test_layer_norm.py
+
+The option wins over the environment variable; without both the offset is 0. The header of
+every run prints the offset in use. A test that draws random numbers in another process (a
+subprocess, the ranks of a process group) takes its seed from the ``seed`` fixture and hands
+it over, so those inputs follow the offset too.
+"""
 from __future__ import annotations
+
+import os
+import zlib
 
 import pytest
 import torch
@@ -34,8 +57,53 @@ def assert_close(actual: torch.Tensor, expected64: torch.Tensor, dtype: torch.dt
     torch.testing.assert_close(actual.double().cpu(), expected64.double().cpu(), atol=atol * scale, rtol=rtol)
 
 
+#: Environment variable that shifts every test's seed (the option ``--seed-offset`` wins).
+SEED_ENV = "FUSEDLIB_TEST_SEED"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--seed-offset", type=int, default=None, metavar="N",
+        help=f"shift every test's seed by the integer N (default: ${SEED_ENV}, else 0); see tests/conftest.py",
+    )
+
+
+def seed_offset(config) -> int:
+    """The offset added to every test's seed: ``--seed-offset``, else ``$FUSEDLIB_TEST_SEED``, else 0.
+
+    Raises:
+        pytest.UsageError: if ``FUSEDLIB_TEST_SEED`` is set but is not an integer.
+    """
+    option = config.getoption("seed_offset", default=None)
+    if option is not None:
+        return option
+    value = os.environ.get(SEED_ENV, "").strip()
+    if not value:
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_ENV} must be an integer seed offset, got {value!r}") from None
+
+
+def seed_of(nodeid: str, offset: int) -> int:
+    """The seed of the test with pytest node id ``nodeid`` under seed offset ``offset``."""
+    return (zlib.crc32(nodeid.encode()) + offset) % 2**31
+
+
+def pytest_report_header(config):
+    return (f"fusedlib test seeds: zlib.crc32(node id) + offset, offset {seed_offset(config)} "
+            f"(--seed-offset N or {SEED_ENV}=N repeats a run)")
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """This test's seed (see the module docstring), for inputs drawn outside this process."""
+    return seed_of(request.node.nodeid, seed_offset(request.config))
+
+
 @pytest.fixture(autouse=True)
-def _fresh_seed(request):
-    """A different seed per test (from its name), so inputs are fresh random but reproducible."""
-    torch.manual_seed(hash(request.node.nodeid) % (2**31))
+def _fresh_seed(seed):
+    """Seed torch's generators (CPU and every GPU) with this test's seed before it runs."""
+    torch.manual_seed(seed)
     yield

@@ -296,7 +296,7 @@ def test_single_rank_issues_no_collectives():
         all_reduce(torch.zeros(2), "MIN", None)
 
 
-def test_offsets_are_int64_past_2_to_the_31():
+def test_offsets_are_int64_past_2_to_the_31(seed):
     # Rows 2^30 elements apart: row 2 starts at element 2^31, past int32. The stride fits in
     # int32, so only the kernels' own int64 arithmetic reaches row 2 correctly (without it
     # the offset wraps: a wrong loss or a crash, hence a subprocess). The 4 GiB bf16 storage
@@ -306,6 +306,7 @@ def test_offsets_are_int64_past_2_to_the_31():
         from fusedlib.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         V = 37
+        torch.manual_seed(SEED)  # this test's seed (conftest), handed to the subprocess
         base = torch.empty(2**31 + V, dtype=torch.bfloat16, device=dev)
         x = base.as_strided((3, V), (2**30, 1))
         x.copy_(torch.randn(3, V, device=dev))
@@ -318,7 +319,7 @@ def test_offsets_are_int64_past_2_to_the_31():
         assert torch.allclose(loss.double(), F.cross_entropy(x64.detach(), t, reduction="none"), atol=1e-5)
         assert torch.allclose(x.grad.double(), x64.grad, atol=1e-2)
         print("int64 offsets ok")
-    """)
+    """).replace("SEED", str(seed))
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and "int64 offsets ok" in res.stdout, (res.returncode, res.stdout, res.stderr[-3000:])
@@ -371,16 +372,19 @@ def test_kernels_compile_for_sm90_with_vector_loads():
 GLOBAL_VOCAB = 24  # divisible by 1, 2 and 4
 
 
-def _tp_worker(rank: int, world_size: int, device: torch.device) -> list[str]:
-    """Runs in every rank: returns a list of passed check names (raises on the first failure)."""
+def _tp_worker(rank: int, world_size: int, device: torch.device, seed: int) -> list[str]:
+    """Runs in every rank: returns a list of passed check names (raises on the first failure).
+    ``seed``: the test's seed (conftest); every rank draws the same inputs from it."""
+    torch.manual_seed(seed)  # a forked rank inherits the parent's generator, a spawned one would not
     import torch.distributed as dist
 
     from fusedlib.parallel.demo import make_global_inputs, shard
 
     done = []
-    configs = [(torch.float64, 0.0, -100, 0), (torch.float32, 0.1, -100, 1), (torch.bfloat16, 0.0, -1, 2)]
-    for dtype, eps, ignore_index, seed in configs:
-        full, target, grad = make_global_inputs(5, GLOBAL_VOCAB, dtype, seed, device, n_ignored=1,
+    configs = [(torch.float64, 0.0, -100, seed), (torch.float32, 0.1, -100, seed + 1),
+               (torch.bfloat16, 0.0, -1, seed + 2)]
+    for dtype, eps, ignore_index, input_seed in configs:
+        full, target, grad = make_global_inputs(5, GLOBAL_VOCAB, dtype, input_seed, device, n_ignored=1,
                                                 ignore_index=ignore_index)
         for path in PATHS:
             x = shard(full, rank, world_size).requires_grad_(True)
@@ -430,8 +434,8 @@ def _tp_worker(rank: int, world_size: int, device: torch.device) -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", (1, 2, 4))
-def test_tensor_parallel_gloo_matches_gathered_reference(world_size):
-    results = run_tp(_tp_worker, world_size)
+def test_tensor_parallel_gloo_matches_gathered_reference(world_size, seed):
+    results = run_tp(_tp_worker, world_size, seed)
     assert len(results) == world_size
     for rank, done in enumerate(results):
         assert len(done) == 3 * len(PATHS) + 2 * len(PATHS), (rank, done)

@@ -20,7 +20,7 @@ from fusedlib.kernels.launch import Tile, next_power_of_2, pick
 from fusedlib.kernels.layer_norm import FWD_TILES, MAX_HIDDEN_SIZE, norm_bwd, norm_fwd
 from fusedlib.transformer import TransformerConfig
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
+from conftest import DEVICE, FLOAT_DTYPES, TOL, assert_close  # noqa: I001
 
 NORMS = ("layer", "rms")
 HIDDEN = (1, 7, 768, 1000, 4096, 5120, 14336, 65536)
@@ -59,14 +59,117 @@ def _reference(norm, x64, w64, b64, dy64, zero_centered=False):
     return y, dx, dw, None
 
 
-def _check_fwd_bwd(norm, x, w, b, dy=None, *, zero_centered=False, memory_efficient=False, dx_scale=1.0,
-                   dw_scale=1.0):
+# ---------------------------------------------------------------------------------------
+# Error bounds, first order in the unit roundoff U of the kernels' float32 arithmetic
+# (chapter 4, "memory_efficient_layer_norm", states the memory-efficient one). Storing a
+# float32 value in the dtype d moves it by at most half an ulp of d (round to nearest).
+# ---------------------------------------------------------------------------------------
+
+U = 2.0**-24
+
+
+def _half_ulp(t):
+    """Half the spacing of ``t``'s dtype at |t|, elementwise, float64: the most that rounding
+    to that dtype moved a value that rounded to ``t`` (normal numbers; below the smallest
+    normal, half the subnormal spacing)."""
+    fi = torch.finfo(t.dtype)
+    _, e = torch.frexp(t.detach().double().abs())  # |t| in [2^(e-1), 2^e)
+    ulp = torch.ldexp(torch.full(t.shape, fi.eps, dtype=torch.float64, device=t.device), e - 1)
+    return 0.5 * torch.clamp(ulp, min=fi.smallest_normal * fi.eps)
+
+
+def _stats64(norm, x64, w64, dy64, zero_centered):
+    """(gamma, rstd, x_hat, g, c1, c2) of the float64 reference, shaped to broadcast with x."""
+    gamma = w64 + 1 if zero_centered else w64
+    mean = x64.mean(-1, keepdim=True) if norm == "layer" else torch.zeros_like(x64[..., :1])
+    rstd = (((x64 - mean) ** 2).mean(-1, keepdim=True) + EPS).rsqrt()
+    x_hat = (x64 - mean) * rstd
+    g = gamma * dy64
+    c1 = (x_hat * g).mean(-1, keepdim=True)
+    c2 = g.mean(-1, keepdim=True) if norm == "layer" else torch.zeros_like(c1)
+    return gamma, rstd, x_hat, g, c1, c2
+
+
+def _memory_efficient_bounds(norm, y, x64, w64, dy64, zero_centered):
+    """(B_dx, B_dgamma): how much more the memory-efficient backward may err than the one
+    that reads x, per element of dx [..., h] and of dgamma [h], float64.
+
+    The forward computes y_c = gamma * x_hat + beta in float32 (|error| <= U (|gamma x_hat| + |y|):
+    a product and a sum, each rounded once) and stores y = round_d(y_c) (|error| <= half an
+    ulp of y in d; nothing more for float32). The backward recovers x_hat~ = (y - beta) * (1 / gamma):
+    the subtraction rounds (U |gamma x_hat|, divided by |gamma|: U |x_hat|), the reciprocal errs
+    by up to 2 ulp = 4U compiled (div.full.f32), the product rounds once (U). So
+
+        e_x = (half_ulp_d(y) + U |y|) / |gamma| + 7 U |x_hat|      (the first term 0 for float32)
+
+    bounds |x_hat~ - x_hat| per element. dgamma_j = sum_i dy_ij x_hat_ij then errs by at most
+    sum_i |dy_ij| e_x(i, j). dx = rstd (g - x_hat c1 - c2) with g = gamma dy: x_hat enters
+    directly and through c1 = mean_k(x_hat_k g_k), so |error of dx_ij| <= rstd_i (|c1_i| e_x(i, j)
+    + |x_hat_ij| mean_k(|g_ik| e_x(i, k))); c2 and g do not involve x_hat. A tiny |gamma_j|
+    makes e_x large, but in c1 it is multiplied by g = gamma dy, which cancels it.
+    """
+    _, rstd, x_hat, g, c1, _ = _stats64(norm, x64, w64, dy64, zero_centered)
+    gamma = (w64 + 1 if zero_centered else w64).abs()
+    stored = _half_ulp(y) if y.dtype != torch.float32 else torch.zeros_like(x64)
+    e_x = (stored + U * y.double().abs()) / gamma + 7 * U * x_hat.abs()
+    b_dx = rstd * (c1.abs() * e_x + x_hat.abs() * (g.abs() * e_x).mean(-1, keepdim=True))
+    b_dw = (dy64.abs() * e_x).reshape(-1, x64.shape[-1]).sum(0)
+    return b_dx, b_dw
+
+
+def _assert_within(name, actual, expected64, tol64):
+    """|actual - expected| <= tol elementwise, in float64; the message names the worst element."""
+    assert actual.shape == expected64.shape, (name, actual.shape, expected64.shape)
+    assert not torch.isnan(actual).any(), f"{name}: NaN in result"
+    err = (actual.double() - expected64.double()).abs().cpu()
+    tol = torch.as_tensor(tol64, dtype=torch.float64).cpu().expand_as(err)
+    bad = err > tol
+    if bad.any():
+        i = int((err - tol).flatten().argmax())
+        raise AssertionError(f"{name}: {int(bad.sum())} of {err.numel()} elements outside the bound; worst: "
+                             f"|error| {err.flatten()[i]:.3g} > {tol.flatten()[i]:.3g} (reference "
+                             f"{expected64.flatten()[i].item():.6g})")
+
+
+def _tol(expected64, dtype, scale=1.0):
+    """conftest's tolerance for ``dtype`` as a tensor: atol * scale + rtol * |expected|."""
+    atol, rtol = TOL[dtype]
+    return atol * scale + rtol * expected64.abs()
+
+
+def _dx_tol(norm, x64, w64, dy64, dx64, dtype, zero_centered=False):
+    """The tolerance of dx (backward from x), elementwise, float64.
+
+    dx = rstd (g - (x_hat c1 + c2)) is a difference: its float32 error is a few ulps of the
+    terms, not of the result, times rstd, which is large where a row's variance is small
+    (h = 2 with two close values: rstd = 77 was seen). To first order it is k U S with
+
+        S = rstd (|g| + |x_hat| mean|x_hat g| + mean|g|)        the terms, and the sums behind c1, c2
+          + rstd^2 |mean| (|c1| + |x_hat| mean|g|)              the mean's last bit, which rstd
+                                                                carries into x_hat, then into c1
+    (RMSNorm: no mean and no c2). conftest's float32 rtol (1e-5, about 170 U) stands for k U,
+    and its atol covers S up to about 1, as before; so |error| <= max(atol, rtol_32 S), plus
+    rtol |dx| for the rounding to ``dtype``.
+    """
+    _, rstd, x_hat, g, c1, _ = _stats64(norm, x64, w64, dy64, zero_centered)
+    mean_g = g.abs().mean(-1, keepdim=True)
+    scale = rstd * (g.abs() + x_hat.abs() * (x_hat * g).abs().mean(-1, keepdim=True))
+    if norm == "layer":
+        mean = x64.mean(-1, keepdim=True)
+        scale = scale + rstd * mean_g + rstd**2 * mean.abs() * (c1.abs() + x_hat.abs() * mean_g)
+    atol, rtol = TOL[dtype]
+    return torch.clamp(TOL[torch.float32][1] * scale, min=atol) + rtol * dx64.abs()
+
+
+def _check_fwd_bwd(norm, x, w, b, dy=None, *, zero_centered=False, memory_efficient=False):
     dtype = x.dtype
     x_before = x.detach().clone()
     y = _apply(norm, x, w, b, zero_centered_gamma=zero_centered, memory_efficient=memory_efficient)
     assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
     assert y._base is None, "output must not be a view (Megatron's deallocate_output_tensor)"
     assert y.data_ptr() != x.data_ptr()
+    from_y = y.grad_fn.saved_tensors[0].data_ptr() == y.data_ptr()  # memory-efficient, and no gamma = 0
+    assert from_y == (memory_efficient and bool((w.detach() + (1 if zero_centered else 0) != 0).all()))
     dy = torch.randn_like(y) if dy is None else dy
     dy_before = dy.clone()
     y.backward(dy)
@@ -77,9 +180,13 @@ def _check_fwd_bwd(norm, x, w, b, dy=None, *, zero_centered=False, memory_effici
     y64, dx64, dw64, db64 = _reference(norm, x64, w64, b64, dy64, zero_centered)
     assert_close(y, y64, dtype)
     assert x.grad.dtype == dtype and w.grad.dtype == dtype
-    assert_close(x.grad, dx64, dtype, scale=dx_scale)
     rows = max(1, x.numel() // x.shape[-1])
-    assert_close(w.grad, dw64, dtype, scale=dw_scale * rows**0.5)
+    # x_hat from x: dx as _dx_tol derives, dgamma and dbeta at conftest's tolerances (they sum
+    # over rows: sqrt(rows) wider); x_hat recovered from y: plus the derived bound of what that adds
+    b_dx, b_dw = (_memory_efficient_bounds(norm, y.detach(), x64, w64, dy64, zero_centered) if from_y
+                  else (0.0, 0.0))
+    _assert_within("dx", x.grad, dx64, _dx_tol(norm, x64, w64, dy64, dx64, dtype, zero_centered) + b_dx)
+    _assert_within("dgamma", w.grad, dw64, _tol(dw64, dtype, rows**0.5) + b_dw)
     if b is not None:
         assert b.grad.dtype == dtype
         assert_close(b.grad, db64, dtype, scale=rows**0.5)
@@ -132,13 +239,19 @@ def test_memory_efficient_equals_normal_mode(norm, dtype):
         y = _apply(norm, xi, wi, bi, memory_efficient=me)
         saved = y.grad_fn.saved_tensors[0]
         assert saved.data_ptr() == (y.data_ptr() if me else xi.data_ptr()), "memory_efficient decides what is saved"
-        # x_hat recovered from y rounded to `dtype` errs by ulp(y) / gamma: with |y| up to ~4
-        # that is up to 4 ulps of x_hat per element, which dgamma sums over the rows
-        _check_fwd_bwd(norm, xi, wi, bi, dy, memory_efficient=me, dx_scale=2.0, dw_scale=4.0)
+        # against float64: conftest's tolerances, plus for x_hat recovered from y the derived bound
+        y = _check_fwd_bwd(norm, xi, wi, bi, dy, memory_efficient=me)
         grads[me] = [xi.grad, wi.grad] + ([bi.grad] if bi is not None else [])
-    atol, rtol = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}[dtype]
-    for normal, efficient in zip(grads[False], grads[True]):
-        torch.testing.assert_close(efficient.float(), normal.float(), atol=atol * 7**0.5, rtol=rtol)
+    # against each other: each is within the tolerance T of float64 and the efficient one also
+    # within the bound B, so they differ by at most 2 T + B (dbeta: 2 T, it needs no x_hat)
+    x64, w64, dy64 = x.detach().double(), w.double(), dy.double()
+    b64 = b.double() if b is not None else None
+    _, dx64, dw64, db64 = _reference(norm, x64, w64, b64, dy64)
+    b_dx, b_dw = _memory_efficient_bounds(norm, y.detach(), x64, w64, dy64, False)
+    _assert_within("dx", grads[True][0], grads[False][0], 2 * _dx_tol(norm, x64, w64, dy64, dx64, dtype) + b_dx)
+    _assert_within("dgamma", grads[True][1], grads[False][1], 2 * _tol(dw64, dtype, 7**0.5) + b_dw)
+    if b is not None:
+        _assert_within("dbeta", grads[True][2], grads[False][2], 2 * _tol(db64, dtype, 7**0.5))
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -205,10 +318,14 @@ def test_split_backward_against_float64(norm, memory_efficient, zero_centered):
     dx, dw, db = norm_bwd(dy, y if memory_efficient else x, w, b, mean, rstd, rms_norm=rms,
                           zero_centered_gamma=zero_centered, memory_efficient=memory_efficient, tile=tile)
     b64 = b.double() if b is not None else None
-    _, dx64, dw64, db64 = _reference(norm, x.double(), w.double(), b64, dy.double(), zero_centered)
-    scale = 4.0 if memory_efficient else 1.0  # x_hat recovered from y rounded to float32
-    assert_close(dx, dx64, torch.float32, scale=scale)
-    assert_close(dw, dw64, torch.float32, scale=scale * rows**0.5)
+    x64, w64, dy64 = x.double(), w.double(), dy.double()
+    _, dx64, dw64, db64 = _reference(norm, x64, w64, b64, dy64, zero_centered)
+    # the float32 tolerances of _check_fwd_bwd; x_hat recovered from y adds the derived bound
+    # (gamma is randn here, so some |gamma| may be tiny: the bound grows as 1 / |gamma|)
+    b_dx, b_dw = (_memory_efficient_bounds(norm, y, x64, w64, dy64, zero_centered) if memory_efficient
+                  else (0.0, 0.0))
+    _assert_within("dx", dx, dx64, _dx_tol(norm, x64, w64, dy64, dx64, torch.float32, zero_centered) + b_dx)
+    _assert_within("dgamma", dw, dw64, _tol(dw64, torch.float32, rows**0.5) + b_dw)
     if b is not None:
         assert_close(db, db64, torch.float32, scale=rows**0.5)
     # the same bits as the one-kernel backward's dgamma need not hold (other partial
@@ -217,6 +334,60 @@ def test_split_backward_against_float64(norm, memory_efficient, zero_centered):
                            zero_centered_gamma=zero_centered, memory_efficient=memory_efficient)
     torch.testing.assert_close(dx, dx1, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dw, dw1, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("zero_centered", (False, True))
+def test_zero_variance_rows(norm, dtype, zero_centered):
+    # Rows of equal values (LayerNorm; one of them 0) or of zeros (RMSNorm) have variance 0,
+    # so rstd = 1/sqrt(eps) = 316 multiplies any rounding in x_hat or in g - c2. The forward
+    # corrects its mean once, so x - mean is exactly 0 there: x_hat = 0, y = beta (RMSNorm:
+    # 0) and dgamma = 0 exactly, on every backward path (one kernel, split, memory-efficient,
+    # where x_hat = (beta - beta) / gamma = 0 too). For h = 1 LayerNorm's dx = 0 exactly
+    # (y = beta whatever x). For h > 1, dx = rstd (g - c2) (RMSNorm: rstd g) is not 0; its
+    # error bound, first order in U (x_hat = 0 and c1 = 0 are exact here):
+    #   g = gamma dy rounds once, and gamma = w + 1 once more:       2 U |g|
+    #   c2 = sum(g) / N: the sum of N rounded terms, in any order,
+    #   errs by <= N U mean|g|; the division rounds once:            N U mean|g| + U |c2|
+    #   g - c2 rounds once:                                          U |g - c2|
+    #   times rstd, which errs by <= 8 U (eps rounded to float32; sqrt and reciprocal
+    #   within 2 ulp each, compiled), and the product rounds once:  9 U |dx|
+    #   dx stored in x's dtype: conftest's tolerance for that dtype (as every test here)
+    rms = norm == "rms"
+    rows = 5
+    for h in (1, 7, 1000):
+        if rms:
+            value = torch.zeros(rows, 1, device=DEVICE)
+        else:
+            value = torch.cat([torch.zeros(1, 1, device=DEVICE), 3 * torch.randn(rows - 1, 1, device=DEVICE)])
+        x = value.expand(rows, h).to(dtype).contiguous()
+        w, b = _params(h, dtype, norm, zero_centered=zero_centered, requires_grad=False)
+        kw = dict(rms_norm=rms, zero_centered_gamma=zero_centered)
+        y, mean, rstd = norm_fwd(x, w, b, EPS, **kw)
+        assert torch.equal(y, torch.zeros_like(y) if rms else b.expand_as(y)), f"h={h}: y != beta"
+        if not rms:
+            assert torch.equal(mean, x[:, 0].float()), f"h={h}: the row mean is not the row's value"
+        dy = torch.randn(rows, h, device=DEVICE).to(dtype)
+        split = Tile(BLOCK_M=2, BLOCK_N=4 if h < 64 else 64, num_warps=4, programs_per_sm=2, num_stages=2)
+        paths = {"one kernel": norm_bwd(dy, x, w, b, mean, rstd, **kw),
+                 "split": norm_bwd(dy, x, w, b, mean, rstd, tile=split, **kw),
+                 "memory-efficient": norm_bwd(dy, y, w, b, mean, rstd, memory_efficient=True, **kw)}
+        x64, w64, dy64 = x.double(), w.double(), dy.double()
+        b64 = b.double() if b is not None else None
+        _, dx64, dw64, db64 = _reference(norm, x64, w64, b64, dy64, zero_centered)
+        _, rstd64, _, g, _, c2 = _stats64(norm, x64, w64, dy64, zero_centered)
+        bound = rstd64 * U * (2 * g.abs() + (0 if rms else h * g.abs().mean(-1, keepdim=True) + c2.abs()
+                                             + (g - c2).abs())) + 9 * U * dx64.abs() + _tol(dx64, dtype)
+        for path, (dx, dw, db) in paths.items():
+            where = f"h={h} {path}"
+            if h == 1 and not rms:
+                assert torch.equal(dx, torch.zeros_like(dx)), f"{where}: dx != 0 for h = 1"
+            _assert_within(f"{where} dx", dx, dx64, bound)
+            assert torch.equal(dw, torch.zeros_like(dw)), f"{where}: dgamma != 0 with x_hat = 0"
+            if b is not None:
+                assert_close(db, db64, dtype, scale=rows**0.5)
+        assert torch.equal(paths["memory-efficient"][0], paths["one kernel"][0]), f"h={h}: x_hat from y is not 0"
 
 
 def test_tile_block_n_must_be_a_power_of_two_and_the_forward_whole_rows():

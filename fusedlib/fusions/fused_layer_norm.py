@@ -248,8 +248,8 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         zero_centered_gamma: gamma = weight + 1 (Megatron's ``layernorm_zero_centered_gamma``).
         memory_efficient: save y instead of x for the backward (Megatron's
             ``memory_efficient_layer_norm``); x_hat = (y - beta) / gamma then carries an
-            error of about ulp(y) / |gamma|, large where a gamma is tiny next to its beta.
-            Every gamma must be nonzero: see Raises.
+            extra error of about 0.5 ulp(y) / |gamma| per element, large where a gamma is
+            tiny next to its beta (chapter 4 derives the bounds on dgamma and dx). Every gamma must be nonzero: see Raises.
 
     Returns:
         y: a new contiguous tensor of x's shape and dtype (``y._base is None``). Its

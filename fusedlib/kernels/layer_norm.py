@@ -25,12 +25,22 @@ Backward, with ``g = gamma * dy`` (derived in chapter 4)::
     dgamma = sum over rows of dy * x_hat                (= dw, also with w + 1)
     dbeta  = sum over rows of dy
 
+Rows of zero variance (a constant row, and every row for h = 1) have rstd = 1/sqrt(eps),
+which multiplies any rounding in x_hat or in ``g - c2`` by 316 (eps = 1e-5). The forward
+therefore corrects its mean once (mean += sum(x - mean) / N), which gives a constant row its
+value exactly: x_hat = 0, y = beta, and the backward's x - mean = 0 too. For h = 1 the
+LayerNorm backward stores dx = 0, the exact gradient (y = beta does not depend on x).
+For h > 1 such a row's dx = rstd * (g - c2) is not 0, and its rounding error is that of
+``g - c2`` times rstd.
+
 ``memory_efficient``: the backward reads the saved *output* y instead of x and recovers
 ``x_hat = (y - beta) / gamma``; y is usually kept alive by the next layer anyway, so x
 need not be saved (Apex's ``memory_efficient=True``). It needs every gamma != 0: where a
 gamma is exactly 0, y = beta there and x_hat is lost, so the backward gives NaN (dgamma of
 that column, and dx, whose row sums take in every column), never a wrong finite value; the
 forward kernel reports such a column (``CHECK_GAMMA``) without a host sync.
+y is rounded to its dtype, so the recovered x_hat errs by about 0.5 ulp(y) / |gamma| more than
+x_hat from x (chapter 4 derives the bound on dgamma and dx).
 
 Long rows (BLOCK_N above 8 Ki, LayerNorm; above 16 Ki, RMSNorm) take a *split* backward:
 :func:`_norm_bwd_row_stats_kernel` first reads dy and x and writes c1 and c2 per row, then
@@ -152,6 +162,13 @@ def _norm_fwd_kernel(
             x_c = x
         else:
             mean = _div_n(tl.sum(x, axis=1), n_cols, ACC)
+            # one correction step: the rounded sum leaves mean off by up to a few ulp, and
+            # rstd multiplies that error into every x_hat (by 1/sqrt(eps) for a constant
+            # row). delta = sum(x - mean) / N, summed from the small differences, brings
+            # the mean to within its own last bit; a constant row then gets its value
+            # exactly as mean, so x - mean = 0, var = 0, x_hat = 0 and y = beta exactly
+            delta = _div_n(tl.sum(tl.where(mask, x - mean[:, None], 0.0), axis=1), n_cols, ACC)
+            mean = mean + delta
             tl.store(MEAN_ptr + rows, mean, mask=row_mask)
             x_c = tl.where(mask, x - mean[:, None], 0.0)  # padding columns must add 0 to var
         var = _div_n(tl.sum(x_c * x_c, axis=1), n_cols, ACC)
@@ -320,6 +337,13 @@ def _norm_bwd_kernel(
             else:
                 c2 = _div_n(tl.sum(g, axis=1), n_cols, ACC)
             dx = (g - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if n_cols == 1:
+                # one element: x_hat = 0 and y = beta whatever x, so dx = 0 exactly. The
+                # formula gives g - c2 = 0 only if g is rounded once: compiled, gamma * dy may
+                # be contracted into the subtraction (fma(gamma, dy, -c2), the exact product
+                # minus the rounded one), and rstd = 1 / sqrt(eps) scaled that rounding error
+                # to 1e-5 on the H200
+                dx = tl.zeros_like(dx)
         tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
         # first stage of dgamma / dbeta: accumulate over this program's rows
         dw_acc += dy * x_hat
