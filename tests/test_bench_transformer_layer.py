@@ -291,3 +291,39 @@ def test_host_mode_has_a_tiny_block():
     assert len(shape) == 6 and shape[-1] == 4
     c = tl.case(shape)
     assert set(host_mod.HOST_IMPLS) <= {i.name for i in c.impls}
+
+
+# ------------------------------------------------------------------------------------------
+# count_calls, the chapter's dispatch counter
+# ------------------------------------------------------------------------------------------
+
+def test_count_calls_counts_and_restores_module_functions_and_inherited_classmethods():
+    import types
+
+    from fusedlib.book import count_calls
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    mod = types.SimpleNamespace(f=lambda x: x + 1)
+    original_f, original_apply = mod.f, Double.apply
+    x = torch.ones(3)
+    with count_calls({"f": (mod, "f"), "double": (Double, "apply")}) as counts:
+        assert torch.equal(mod.f(Double.apply(x)), torch.full((3,), 3.0))
+        mod.f(x)
+    assert counts == {"f": 2, "double": 1}
+    assert mod.f is original_f and "apply" not in vars(Double) and Double.apply == original_apply
+    with pytest.raises(RuntimeError):
+        with count_calls({"f": (mod, "f")}):
+            raise RuntimeError("inside")
+    assert mod.f is original_f, "restored after an error"
+    with pytest.raises(AttributeError):
+        with count_calls({"f": (mod, "f"), "g": (mod, "no_such_name")}):
+            pass
+    assert mod.f is original_f

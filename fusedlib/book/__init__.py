@@ -12,11 +12,12 @@ tokens/s with :func:`plot_throughput`.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -43,6 +44,7 @@ __all__ = [
     "throughput_table",
     "plot_throughput",
     "profile_table",
+    "count_calls",
 ]
 
 IMPL_ORDER = ("eager", "torch.compile", "megatron-core-unfused", "megatron-core", "liger", "apex",
@@ -522,3 +524,49 @@ def plot_throughput(records: Sequence[dict], title: str = "one training step", a
     fig.legend(handles, [label for label, _, _ in kinds], fontsize=8, loc="lower center", ncol=2, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))  # the bottom strip holds the legend
     return fig
+
+
+@contextlib.contextmanager
+def count_calls(targets: dict[str, tuple[Any, str]]) -> Iterator[dict[str, int]]:
+    """Count the calls of named functions while the ``with`` block runs: which kernels ran.
+
+    Each ``owner.name`` is replaced by a wrapper that counts, then calls the original (the
+    results are unchanged); everything is restored on exit, also after an error. Patch the name
+    where the caller looks it up at call time: ``(fusedlib.transformer.mlp, "bias_gelu_impl")``
+    counts the MLP's calls, ``(torch.nn.functional, "dropout")`` every dropout, and
+    ``(SomeFunction, "apply")`` an autograd Function.
+
+    Args:
+        targets: label -> ``(owner, attribute name)``; owner a module or a class.
+
+    Yields:
+        label -> number of calls so far (a dict, updated in place).
+
+    Raises:
+        AttributeError: an owner without that attribute (nothing is patched then).
+    """
+    originals = []
+    for label, (owner, name) in targets.items():
+        getattr(owner, name)  # raises AttributeError, naming it, before anything is patched
+    counts = {label: 0 for label in targets}
+    try:
+        for label, (owner, name) in targets.items():
+            own = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+            original = getattr(owner, name)
+
+            def counting(*args, __label=label, __original=original, **kwargs):
+                counts[__label] += 1
+                return __original(*args, **kwargs)
+
+            originals.append((owner, name, own))
+            setattr(owner, name, counting)
+        yield counts
+    finally:
+        for owner, name, own in reversed(originals):
+            if own is _MISSING:
+                delattr(owner, name)  # inherited (e.g. Function.apply): the class's own lookup again
+            else:
+                setattr(owner, name, own)
+
+
+_MISSING = object()

@@ -156,16 +156,26 @@ def param_count(shape: Sequence[int]) -> int:
     return layers * per_layer + 2 * h
 
 
-def gemm_flops(shape: Sequence[int]) -> int:
+def gemm_flops(shape: Sequence[int], causal_half: bool = False) -> int:
     """FLOPs of the GEMMs of one training step (forward and backward) at ``shape``.
 
     Per layer and token, the forward multiplies by the weights (2·(4h² + 2h·ffn) FLOPs: QKV,
     the output projection, fc1, fc2) and computes attention, Q·Kᵀ and probabilities·V
-    (2·2·s·h FLOPs, with the causal half counted: a dense GEMM computes it all); the
-    backward costs twice the forward (a gradient for the input and one for the weights).
+    (2·2·s·h FLOPs); the backward costs twice the forward (a gradient for the input and one
+    for the weights, or for both operands of the attention's products).
+
+    Args:
+        shape: [s, b, h, heads, ffn, layers].
+        causal_half: count only the causal half of the attention's products (what a flash
+            kernel computes, its recomputation in the backward not counted); False: all of
+            them, as the materialised attention's dense GEMMs compute them.
+
+    Returns:
+        FLOPs per step (an exact int).
     """
     s, b, h, _, ffn, layers = _check_shape(shape)
-    fwd = s * b * layers * (2 * (4 * h * h + 2 * h * ffn) + 2 * 2 * s * h)
+    attention = 2 * 2 * s * h // (2 if causal_half else 1)
+    fwd = s * b * layers * (2 * (4 * h * h + 2 * h * ffn) + attention)
     return 3 * fwd
 
 
