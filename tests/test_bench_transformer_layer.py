@@ -263,7 +263,9 @@ def test_profile_runs_and_its_table_and_files(tmp_path, monkeypatch):
         tl.profile("cpu", TINY, impls=("nope",))
     # extra_files writes the profile where the chapter loads it from; load_profile: None when missing
     monkeypatch.setattr(tl, "profile", lambda device: prof)
-    (path,) = tl.extra_files(torch.device("cpu"), tmp_path)
+    logged = []
+    (path,) = tl.extra_files(torch.device("cpu"), tmp_path, log=logged.append)
+    assert logged == [tl.profile_table(prof)]
     assert path == tmp_path / tl.PROFILE_FILE and tl.load_profile(path) == json.loads(json.dumps(prof))
     assert tl.load_profile(tmp_path / "missing.json") is None
 
@@ -278,7 +280,7 @@ def test_cli_prints_the_op_table_and_writes_its_extra_files(tmp_path, monkeypatc
     monkeypatch.setattr(cli, "get_cases", lambda op: lambda device, sweep=False: [fake_case])
     monkeypatch.setattr(cli, "measure_case", lambda case, device, progress=None: recs[1:])
     written = []
-    monkeypatch.setattr(tl, "extra_files", lambda device, out: written.append(out) or [tmp_path / "p.json"])
+    monkeypatch.setattr(tl, "extra_files", lambda device, out, log: written.append(out) or [tmp_path / "p.json"])
     assert cli.main(["--op", "transformer_layer", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert "fusedlib is" in out.out + out.err and written == [str(tmp_path)]
@@ -327,3 +329,27 @@ def test_count_calls_counts_and_restores_module_functions_and_inherited_classmet
         with count_calls({"f": (mod, "f"), "g": (mod, "no_such_name")}):
             pass
     assert mod.f is original_f
+
+
+def test_the_compiled_block_compiles_one_layer_graph_per_shape():
+    # the layers are identical: Dynamo traces one layer's forward and reuses it for the other three;
+    # a second shape gets its own static graph (a recording backend stands in for Inductor)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        for s in (7, 9):
+            shape = (s, 2, 24, 4, 20, 4)
+            comp = tl.case(shape, torch.float32, compile_backend=backend).impls[-1]
+            assert comp.name == "torch.compile" and comp.info["compile_scope"] == "layer"
+            (x,) = tl.case(shape, torch.float32).make_inputs(DEVICE, True)
+            for _ in range(2):
+                comp.fn(x).sum().backward()
+        assert len(graphs) == 2, f"{len(graphs)} graphs for 2 shapes of 4 layers"
+        assert all(isinstance(d, int) for ex in graphs for t in ex if isinstance(t, torch.Tensor) for d in t.shape)
+    finally:
+        torch._dynamo.reset()

@@ -11,7 +11,7 @@ Writes ``DIR/<op>.json`` (a list of records, DESIGN.md section 4) and prints a t
 ms (CUDA-graph replays), plain-launch ms, GB/s, the fraction of the copy ceiling, and
 fusedlib's speed-up over each baseline. An op module may add its own outputs: a ``table``
 function (records -> text, printed after that table) and an ``extra_files`` function
-(device, DIR -> written paths), e.g. ``transformer_layer``'s tokens/s table and its kernel
+(device, DIR, log -> written paths), e.g. ``transformer_layer``'s tokens/s table and its kernel
 profile ``DIR/transformer_layer_profile.json``. ``--host`` writes ``DIR/host.json`` instead
 (:mod:`fusedlib.bench.host`): microseconds per call at tiny shapes, fusedlib against eager
 PyTorch and torch.compile; with ``--op`` it replaces those ops' records in the file and
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             if hasattr(module, "table"):
                 tqdm.write(module.table(records))
             if hasattr(module, "extra_files"):
-                for extra in module.extra_files(device, args.out):
+                for extra in module.extra_files(device, args.out, log=tqdm.write):
                     tqdm.write(f"wrote {extra}")
     return 0
 

@@ -4,7 +4,7 @@ Each module defines ``cases(device, sweep=False) -> list[BenchCase]``: the headl
 at the default shape first, then (with ``sweep``) the same op at other shapes; and
 ``case(shape, dtype=torch.bfloat16) -> BenchCase``: the op at any shape with every
 baseline (``--host`` uses it at tiny shapes). A module may also define ``table(records) ->
-str`` and ``extra_files(device, out_dir) -> list[Path]``, which ``python -m fusedlib.bench``
+str`` and ``extra_files(device, out_dir, log) -> list[Path]``, which ``python -m fusedlib.bench``
 prints and writes after the op's records (:mod:`fusedlib.bench.__main__`).
 """
 from __future__ import annotations

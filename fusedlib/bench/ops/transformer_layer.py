@@ -37,8 +37,16 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
                            ``fusions_unavailable``, why the others are off
 ``eager``                  a plain PyTorch pre-LN GPT block (:class:`PlainGPTBlock`:
                            ``torch.nn`` layers, ``scaled_dot_product_attention``), eager
-``torch.compile``          the same block, ``torch.compile(dynamic=False)``, once per shape
+``torch.compile``          the same block with each layer's forward ``torch.compile``d
+                           (``dynamic=False``: static shapes), the final norm eager
 =========================  ===================================================================
+
+torch.compile is applied per layer, as torchtitan compiles each transformer block: the layers
+are identical, so Dynamo traces one layer's forward and reuses the compiled graph for the
+others (Inductor's graph cache serves any recompile), which keeps the compile at one layer's
+cost per shape instead of growing with the number of layers. What it gives up is fusion across
+a layer boundary (the last residual add with the next layer's LayerNorm): one [s, b, h] write and
+read per layer, a few microseconds at these shapes.
 
 megatron-core's blocks need CUDA and ``torch.distributed``: a one-rank NCCL group, its
 ``parallel_state`` (tensor- and pipeline-parallel size 1) and its RNG tracker are set up at
@@ -69,9 +77,10 @@ steps of :data:`PROFILE_IMPLS` at :data:`DEFAULT_SHAPE`, summed by kernel name a
 category (:func:`kernel_category`), per step: where the step's time goes.
 
 Time: about 25 steps per implementation and timer (triton's ``do_bench``: five to estimate,
-a warm-up, then as many as fit in 200 ms), one ``torch.compile`` per shape, Triton's kernels
-compiled once, the profile's handful of steps: the whole run is meant to stay within about
-150 s on an H200.
+a warm-up, then as many as fit in 200 ms), one layer's ``torch.compile`` per shape, Triton's
+kernels compiled once per shape, megatron-core's ``torch.compile``d fusions, the profile's
+handful of steps: the whole run is meant to stay within about 150 s on an H200 (compiling
+dominates it).
 
 Source: Megatron-LM ``megatron/core/models/gpt/gpt_layer_specs.py``,
 ``megatron/core/transformer/transformer_block.py``; the step as Megatron's training loop runs it
@@ -114,7 +123,7 @@ IMPLS: dict[str, str] = {
     "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
     "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
     "eager": "plain PyTorch pre-LN GPT block with scaled_dot_product_attention, eager",
-    "torch.compile": "the plain PyTorch block, torch.compile(dynamic=False) once per shape",
+    "torch.compile": "the plain PyTorch block, each layer torch.compile(dynamic=False)d, once per shape",
 }
 
 #: The TransformerConfig switches of "every fusion on" (apply_rope_fusion is on but idle: no RoPE here).
@@ -361,15 +370,15 @@ class _Model:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.call(self.ensure(x), x)
 
-    def run_built(self, x: torch.Tensor) -> torch.Tensor:
-        """The built module on ``x`` (what torch.compile traces: no building inside the graph)."""
-        return self.call(self.module, x)
-
-    def built_first(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``fn`` (a compiled :meth:`run_built`), after building the module if needed."""
+    def layer_by_layer(self, layer_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A :class:`PlainGPTBlock`'s forward with ``layer_fn(layer, x)`` (a compiled
+        :func:`_layer_forward`) for each layer, the final norm eager; builds the block first."""
         def run(x: torch.Tensor) -> torch.Tensor:
-            self.ensure(x)
-            return fn(x)
+            block = self.ensure(x)
+            for layer in block.layers:
+                x = layer_fn(layer, x)
+            return block.final_layernorm(x)
         return run
 
     def params(self) -> list[torch.Tensor]:
@@ -382,6 +391,11 @@ def _block_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _plain_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
+
+
+def _layer_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One layer's forward: what the ``torch.compile`` baseline compiles (once for every layer)."""
+    return layer(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +411,7 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
     Args:
         shape: see above.
         dtype: of the parameters and the hidden states (bf16 for the numbers; tests use others).
-        compile_backend: ``torch.compile``'s backend for the compiled block (tests pass "eager").
+        compile_backend: ``torch.compile``'s backend for the compiled layers (tests pass "eager").
 
     Returns:
         The case: input ``(x,)`` with x [s, b, h] random; pass "fwd+bwd" only; ``bytes`` None;
@@ -441,8 +455,9 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
 
     impls.append(impl("eager", _Model(build_plain, _plain_call), fusions=[], attention="sdpa"))
     plain = _Model(build_plain, _plain_call)
-    comp = compile_impl(plain.run_built, adapt=plain.built_first, backend=compile_backend)
-    comp.passes, comp.params, comp.info = step, plain.params, dict(fusions=[], attention="sdpa")
+    comp = compile_impl(_layer_forward, adapt=plain.layer_by_layer, backend=compile_backend)
+    comp.passes, comp.params = step, plain.params
+    comp.info = dict(fusions=[], attention="sdpa", compile_scope="layer")
     impls.append(comp)
 
     elem = torch.finfo(dtype).bits // 8
@@ -601,8 +616,9 @@ def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_
     device = torch.device(device)
     c = case(shape, dtype)
     cuda = device.type == "cuda"
-    activity, kind = ((ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA) if cuda
-                      else (ProfilerActivity.CPU, torch.autograd.DeviceType.CPU))
+    # (CPU activity too on a GPU: the kernels are then correlated with the operators that launched them)
+    activities, kind = (([ProfilerActivity.CPU, ProfilerActivity.CUDA], torch.autograd.DeviceType.CUDA) if cuda
+                        else ([ProfilerActivity.CPU], torch.autograd.DeviceType.CPU))
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     out = {"op": "transformer_layer", "shape": list(c.shape), "shape_names": list(SHAPE_NAMES),
            "dtype": str(dtype).replace("torch.", ""), "steps": steps, **environment(), "impls": {}, "skipped": {}}
@@ -621,7 +637,7 @@ def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_
             for _ in range(warmup):
                 step()
             sync()
-            with torch_profile(activities=[activity]) as prof:
+            with torch_profile(activities=activities) as prof:
                 for _ in range(steps):
                     step()
                 sync()
@@ -654,13 +670,14 @@ def profile_table(prof: dict, top: int = 8) -> str:
     return "\n".join(out)
 
 
-def extra_files(device: torch.device, out_dir: str | Path) -> list[Path]:
-    """Write :func:`profile` on ``device`` to ``out_dir/transformer_layer_profile.json``; print its table."""
+def extra_files(device: torch.device, out_dir: str | Path, log: Callable[[str], object] = print) -> list[Path]:
+    """Write :func:`profile` on ``device`` to ``out_dir/transformer_layer_profile.json`` and pass its
+    table to ``log`` (the CLI gives ``tqdm.write``). Returns the written paths."""
     prof = profile(device)
     path = Path(out_dir) / PROFILE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(prof, indent=1) + "\n")
-    print(profile_table(prof))
+    log(profile_table(prof))
     return [path]
 
 
