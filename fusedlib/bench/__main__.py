@@ -9,7 +9,10 @@ Usage::
 
 Writes ``DIR/<op>.json`` (a list of records, DESIGN.md section 4) and prints a table of
 ms (CUDA-graph replays), plain-launch ms, GB/s, the fraction of the copy ceiling, and
-fusedlib's speed-up over each baseline. ``--host`` writes ``DIR/host.json`` instead
+fusedlib's speed-up over each baseline. An op module may add its own outputs: a ``table``
+function (records -> text, printed after that table) and an ``extra_files`` function
+(device, DIR, log -> written paths), e.g. ``transformer_layer``'s tokens/s table and its kernel
+profile ``DIR/transformer_layer_profile.json``. ``--host`` writes ``DIR/host.json`` instead
 (:mod:`fusedlib.bench.host`): microseconds per call at tiny shapes, fusedlib against eager
 PyTorch and torch.compile; with ``--op`` it replaces those ops' records in the file and
 keeps the others'. Both need a CUDA GPU and exit with status 2 without one.
@@ -24,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from . import OP_MODULES, copy_record, get_cases, measure_case, write_records
+from .ops import get_op_module
 from .core import load_records, matmul_record
 
 
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bf16 matmul ceiling: {matmul['TFLOPs']:.0f} TFLOP/s")
     write_records([copy, matmul], f"{args.out}/ceilings.json")
     all_cases = [(op, get_cases(op)(device, sweep=args.sweep)) for op in ops]
-    total = sum(len(c.impls) * 2 for _, cs in all_cases for c in cs)
+    total = sum(len(i.passes) for _, cs in all_cases for c in cs for i in c.impls)
     with tqdm(total=total, desc="bench", unit="timing") as bar:
         for op, cases in all_cases:
             records = [copy]
@@ -80,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             path = write_records(records, f"{args.out}/{op}.json")
             tqdm.write(f"wrote {path}")
             tqdm.write(summary(records))
+            module = get_op_module(op)
+            if hasattr(module, "table"):
+                tqdm.write(module.table(records))
+            if hasattr(module, "extra_files"):
+                for extra in module.extra_files(device, args.out, log=tqdm.write):
+                    tqdm.write(f"wrote {extra}")
     return 0
 
 
@@ -115,11 +125,15 @@ def summary(records: list[dict]) -> str:
     ``*`` marks an implementation that could not be captured, whose ms is plain launches),
     ``plain`` the plain-launch time (``"ms_eager"``); ``fused x`` divides each by fusedlib's
     of the same kind. A torch.compile compiled once for several shapes is marked ``(dyn)``.
+    Records without a byte count (``"GBps": None``: a model-level op) show ``-`` for GB/s
+    and % copy.
     """
     copy = next(r for r in records if r["impl"] == "copy")
     rows = [r for r in records if r["impl"] != "copy"]
     fused = {(r["pass"], tuple(r["shape"])): r for r in rows if r["impl"] == "fusedlib"}
-    lines = [f"{'op':<16}{'pass':<9}{'shape':<18}{'impl':<20}{'ms':>9}{'plain':>9}{'GB/s':>9}{'%copy':>7}"
+    sw = max([18] + [len(str(r["shape"])) + 2 for r in rows])  # the shape column's width
+    iw = max([20] + [len(r["impl"]) + 8 for r in rows])  # the impl's, with room for " (dyn)"
+    lines = [f"{'op':<18}{'pass':<9}{'shape':<{sw}}{'impl':<{iw}}{'ms':>9}{'plain':>9}{'GB/s':>9}{'%copy':>7}"
              f"{'fused x':>9}{'plain x':>9}"]
     for r in rows:
         f = fused.get((r["pass"], tuple(r["shape"])))
@@ -130,8 +144,10 @@ def summary(records: list[dict]) -> str:
         impl = r["impl"] + (" (dyn)" if r.get("compile") == "dynamic" else "")
         ms = f"{r['ms']:.4f}" + ("*" if r.get("timer") == "do_bench" else "")
         plain = f"{pe:.4f}" if pe else "-"
-        lines.append(f"{r['op']:<16}{r['pass']:<9}{str(r['shape']):<18}{impl:<20}{ms:>9}{plain:>9}"
-                     f"{r['GBps']:>9.0f}{100 * r['GBps'] / copy['GBps']:>7.1f}{sp:>9}{sp_e:>9}")
+        gbps, pct = ((f"{r['GBps']:.0f}", f"{100 * r['GBps'] / copy['GBps']:.1f}") if r.get("GBps") is not None
+                     else ("-", "-"))
+        lines.append(f"{r['op']:<18}{r['pass']:<9}{str(r['shape']):<{sw}}{impl:<{iw}}{ms:>9}{plain:>9}"
+                     f"{gbps:>9}{pct:>7}{sp:>9}{sp_e:>9}")
     return "\n".join(lines)
 
 

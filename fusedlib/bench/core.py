@@ -9,6 +9,14 @@ ceiling. Results are plain dict records, written as one JSON list per op.
 Effective bandwidth = the case's byte count (each input read once, each output written
 once) / median time. Every implementation of an op is charged the same bytes.
 
+Model-level cases (a whole transformer block's training step, ``transformer_layer``) are not
+memory-bound and have no such byte count: their ``bytes`` values are None, so are their
+records' ``"bytes"`` and ``"GBps"``, and every table and plot of the harness and of
+:mod:`fusedlib.book` shows ``-`` for them (or says that it cannot plot them). They count
+tokens instead (:attr:`BenchCase.tokens`): records then carry ``"tokens"``,
+``"tokens_per_s"`` (from ``"ms"``) and, with a CUDA graph, ``"tokens_per_s_eager"`` (from
+``"ms_eager"``).
+
 Source: Triton's ``triton.testing.do_bench`` and ``perf_report``; quack's byte counts.
 """
 from __future__ import annotations
@@ -57,12 +65,21 @@ class Impl:
             compile per shape) or ``"dynamic"`` (one compile shared by several shapes);
             copied into its records. Build it with
             :func:`fusedlib.bench.ops.baselines.compile_impl`.
+        params: for an implementation that owns parameters (a module), a function returning
+            them (after ``fn``'s first call, which may build the module): their ``.grad`` is
+            set to None before every timed call and before the peak-memory step, as
+            ``zero_grad(set_to_none=True)`` does in training, so no call pays for
+            accumulating into the last one's gradients. None: no parameters.
+        info: extra fields copied into every record of this implementation (e.g. which
+            fusions a baseline could turn on).
     """
 
     name: str
     fn: Callable[..., torch.Tensor]
     passes: Sequence[str] = PASSES
     compile: str | None = None
+    params: Callable[[], Iterable[torch.Tensor]] | None = None
+    info: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -74,7 +91,9 @@ class BenchCase:
         shape: the headline shape, as recorded.
         dtype: the input dtype.
         make_inputs: ``(device, requires_grad) -> tuple of tensors``; random data, never zeros.
-        bytes: fewest bytes per pass, e.g. ``{"fwd": ..., "fwd+bwd": ...}``.
+        bytes: fewest bytes per pass, e.g. ``{"fwd": ..., "fwd+bwd": ...}``; None as a pass's
+            value for a case that is not memory-bound (see the module docstring): its records
+            get ``"bytes": None`` and ``"GBps": None``.
         impls: implementations; those whose import failed are simply absent.
         skipped: impl name -> reason, for the log and the chapter.
         peak_memory: also record ``peak_bytes`` (CUDA only): the most memory one call of the
@@ -89,6 +108,10 @@ class BenchCase:
             what plain launches measure. An implementation that cannot be captured keeps
             its plain-launch time in ``"ms"`` too, marked ``"timer": "do_bench"`` with the
             reason in ``"graph_error"``. False: plain launches only (no timer fields).
+        tokens: tokens one call processes (a model's step: sequence length x micro-batch);
+            records then get ``"tokens"``, ``"tokens_per_s"`` and ``"tokens_per_s_eager"``.
+            None (default): no token counts.
+        info: extra fields copied into every record of the case.
     """
 
     op: str
@@ -100,6 +123,8 @@ class BenchCase:
     skipped: dict[str, str] = field(default_factory=dict)
     peak_memory: bool = False
     cuda_graph: bool = True
+    tokens: int | None = None
+    info: dict = field(default_factory=dict)
 
 
 def environment() -> dict[str, str]:
@@ -159,11 +184,14 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
 
 
 def _record(op: str, pas: str, impl: str, shape: Sequence[int], dtype: torch.dtype, ms: float,
-            nbytes: int) -> dict:
+            nbytes: int | None) -> dict:
+    """One record (DESIGN.md section 4); ``nbytes`` None (a model-level case) gives
+    ``"bytes": None`` and ``"GBps": None``."""
     return {
         "op": op, "pass": pas, "impl": impl, "shape": list(shape),
-        "dtype": str(dtype).replace("torch.", ""), "ms": round(ms, 5), "bytes": int(nbytes),
-        "GBps": round(nbytes / (ms * 1e-3) / 1e9, 1), **environment(),
+        "dtype": str(dtype).replace("torch.", ""), "ms": round(ms, 5),
+        "bytes": None if nbytes is None else int(nbytes),
+        "GBps": None if nbytes is None else round(nbytes / (ms * 1e-3) / 1e9, 1), **environment(),
     }
 
 
@@ -214,7 +242,8 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
         One record per (impl, pass) that ran: DESIGN.md's fields, plus ``"compile"`` for a
         ``torch.compile`` baseline (:attr:`Impl.compile`) and, for a ``cuda_graph`` case on
         CUDA, ``"timer"``, ``"ms_eager"`` and (when the capture failed) ``"graph_error"``
-        (:class:`BenchCase`). An implementation that raises is logged with its error and
+        (:class:`BenchCase`); the token counts of a case with ``tokens``; the case's and the
+        implementation's ``info`` fields. An implementation that raises is logged with its error and
         left out, so one broken baseline does not lose the others.
     """
     records = []
@@ -249,9 +278,20 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
                         records[-1]["graph_error"] = graph_error
                 if peak is not None:
                     records[-1]["peak_bytes"] = int(peak)
+                if case.tokens is not None:
+                    records[-1].update(_token_fields(case.tokens, records[-1]))
+                records[-1].update({**case.info, **impl.info})
             if progress:
                 progress(label)
     return records
+
+
+def _token_fields(tokens: int, record: dict) -> dict:
+    """``tokens``, tokens per second from ``ms`` and (when timed) from ``ms_eager``."""
+    out = {"tokens": int(tokens), "tokens_per_s": round(tokens / (record["ms"] * 1e-3))}
+    if record.get("ms_eager"):
+        out["tokens_per_s_eager"] = round(tokens / (record["ms_eager"] * 1e-3))
+    return out
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
@@ -277,6 +317,8 @@ def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device,
     grad = torch.randn_like(out)
     del out
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if impl.params is not None:  # after the first call, which may have built the module
+        leaves += list(impl.params())
 
     def step():
         o = impl.fn(*inputs)

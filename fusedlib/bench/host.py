@@ -74,7 +74,8 @@ __all__ = [
 logger = logging.getLogger("fusedlib.bench")
 
 #: Tiny shape per op (the op's own layout: [rows, h], GLUs [rows, 2h], causal softmax
-#: [b·np, sq, sk], the other softmaxes [b, np, sq, sk], cross entropy [rows, V], RoPE [s, b, np, d]). A few
+#: [b·np, sq, sk], the other softmaxes [b, np, sq, sk], cross entropy [rows, V], RoPE [s, b, np, d], a
+#: transformer block [s, b, h, heads, ffn, layers]: a training step of its 4 layers). A few
 #: thousand elements: each kernel is a few microseconds of GPU time, so the host decides.
 HOST_SHAPES: dict[str, tuple[int, ...]] = {
     "bias_gelu": (32, 256),
@@ -90,6 +91,7 @@ HOST_SHAPES: dict[str, tuple[int, ...]] = {
     "softmax_dropout": (1, 4, 32, 32),
     "cross_entropy": (32, 512),
     "rope": (16, 2, 4, 64),
+    "transformer_layer": (32, 2, 64, 4, 256, 4),
 }
 
 #: The implementations timed: fusedlib and what a user writes without it.
@@ -150,7 +152,8 @@ def host_step(case: BenchCase, impl: Impl, pass_: str, device: torch.device
         impl: the implementation.
         pass_: ``"fwd"`` (no gradients; run it in the returned ``torch.no_grad()``) or
             ``"fwd+bwd"`` (``.grad = None`` on every input leaf, the forward, then
-            ``out.float().sum().backward()``; the first item of a tuple output is used).
+            ``out.float().sum().backward()``; the first item of a tuple output is used;
+            an implementation's own parameters (:attr:`Impl.params`) get ``.grad = None`` too).
         device: where the inputs live.
 
     Returns:
@@ -168,7 +171,7 @@ def host_step(case: BenchCase, impl: Impl, pass_: str, device: torch.device
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def step():
-        for t in leaves:
+        for t in leaves + (list(impl.params()) if impl.params is not None else []):
             t.grad = None
         out = impl.fn(*inputs)
         out = out[0] if isinstance(out, tuple) else out

@@ -3,19 +3,27 @@
 Everything the notebooks need beyond fusedlib's ops lives here, so a chapter shows
 fusedlib's real code (``show_source``) and plots the benchmark's real records
 (``load_bench``, ``plot_bandwidth``), and prints speed claims from those records
-(``speedup_table``; ``host_table`` for the host cost per call) instead of typing numbers by hand.
+(``speedup_table``; ``host_table`` for the host cost per call; ``throughput_table`` and
+``plot_throughput`` for a whole block's training step) instead of typing numbers by hand.
+
+Records of a model-level op (``transformer_layer``) have no byte count (``"GBps": None``): the
+bandwidth tables show ``-`` for them and :func:`plot_bandwidth` refuses them, saying to plot
+tokens/s with :func:`plot_throughput`.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from ..bench.host import host_table  # noqa: F401  (re-exported for chapters: host.json's table)
+from ..bench.ops.transformer_layer import profile_table  # noqa: F401  (re-exported: the block's kernel profile)
+from ..bench.ops.transformer_layer import table as throughput_table  # noqa: F401  (the block's tokens/s)
 from ..runtime import CUDA_AVAILABLE, device_banner  # noqa: F401  (re-exported for chapters)
 
 __all__ = [
@@ -33,11 +41,17 @@ __all__ = [
     "sweep_table",
     "check",
     "eager_traffic",
+    "throughput_table",
+    "plot_throughput",
+    "profile_table",
+    "count_calls",
 ]
 
-IMPL_ORDER = ("eager", "torch.compile", "megatron-core", "liger", "apex", "fusedlib")
-IMPL_COLORS = {"eager": "#9e9e9e", "torch.compile": "#5c6bc0", "megatron-core": "#76b900",
-               "liger": "#ff9800", "apex": "#8d6e63", "fusedlib": "#d62728"}
+IMPL_ORDER = ("eager", "torch.compile", "megatron-core-unfused", "megatron-core", "liger", "apex",
+              "fusedlib-unfused", "fusedlib-sdpa", "fusedlib")
+IMPL_COLORS = {"eager": "#9e9e9e", "torch.compile": "#5c6bc0", "megatron-core-unfused": "#c5e1a5",
+               "megatron-core": "#76b900", "liger": "#ff9800", "apex": "#8d6e63", "fusedlib-unfused": "#f4a6a6",
+               "fusedlib-sdpa": "#8c1c1c", "fusedlib": "#d62728"}
 
 
 def show_source(obj: Any):
@@ -139,7 +153,8 @@ def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -
     "do_bench"``) is marked ``*``: its ms is plain launches, so it gets no ratio against graph
     times. Records without ``ms_eager`` (plain launches only) show one column, so labelled.
     A torch.compile compiled once for several shapes (``"compile": "dynamic"``) is marked
-    ``(dynamic)``.
+    ``(dynamic)``. Records without a byte count (``"GBps": None``) show ``-`` for GB/s and
+    % copy.
     """
     shape = tuple(shape) if shape is not None else _headline(records)
     copy = next(r for r in records if r["impl"] == "copy")
@@ -160,7 +175,8 @@ def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -
         sp = f"{r['ms'] / f['ms']:.2f}x" if f and r["impl"] != "fusedlib" and not mixed else ""
         ms = f"{r['ms']:.4f}" + ("*" if plain and r.get("timer") == "do_bench" else "")
         impl = r["impl"] + (" (dynamic)" if r.get("compile") == "dynamic" else "")
-        line = f"{r['pass']:<9}{impl:<24}{ms:>9}{r['GBps']:>8.0f}{100 * r['GBps'] / copy['GBps']:>8.1f}{sp:>13}"
+        gbps, pct = _bandwidth_cells(r, copy)
+        line = f"{r['pass']:<9}{impl:<24}{ms:>9}{gbps:>8}{pct:>8}{sp:>13}"
         if plain:
             pe = r.get("ms_eager")
             sp_e = f"{pe / f['ms_eager']:.2f}x" if pe and f and f.get("ms_eager") and r["impl"] != "fusedlib" else ""
@@ -169,6 +185,13 @@ def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -
     if fallback:
         out.append("* no CUDA graph could be captured: ms is plain launches")
     return "\n".join(out)
+
+
+def _bandwidth_cells(r: dict, copy: dict) -> tuple[str, str]:
+    """GB/s and % of the copy ceiling of a record, as table cells ("-" without a byte count)."""
+    if r.get("GBps") is None:
+        return "-", "-"
+    return f"{r['GBps']:.0f}", f"{100 * r['GBps'] / copy['GBps']:.1f}"
 
 
 def _legend_below(ax, handles=None, labels=None):
@@ -203,8 +226,8 @@ def backward_table(records: Sequence[dict], shape: Sequence[int] | None = None) 
     for impl in sorted({r["impl"] for r in rows}, key=lambda i: order.get(i, 99)):
         f = next((r for r in rows if r["impl"] == impl and r["pass"] == "fwd"), None)
         fb = next((r for r in rows if r["impl"] == impl and r["pass"] == "fwd+bwd"), None)
-        if f is None or fb is None:
-            continue
+        if f is None or fb is None or f.get("bytes") is None or fb.get("bytes") is None:
+            continue  # (a model-level op has no fwd pass and no byte count)
         bwd_ms, bwd_bytes = fb["ms"] - f["ms"], fb["bytes"] - f["bytes"]
         gbps = bwd_bytes / (bwd_ms * 1e-3) / 1e9 if bwd_ms > 0 else float("inf")
         out.append(f"{impl:<15}{f['ms']:>9.4f}{fb['ms']:>12.4f}{bwd_ms:>9.4f}{gbps:>10.0f}"
@@ -244,7 +267,7 @@ def sweep_table(records: Sequence[dict], impls: Sequence[str] | None = None) -> 
         line = f"{str(list(shape)):<20}"
         for p, i in cols:
             r = next((r for r in rows if r["impl"] == i and r["pass"] == p and tuple(r["shape"]) == shape), None)
-            line += f"{100 * r['GBps'] / copy['GBps']:>{width}.1f}" if r else f"{'-':>{width}}"
+            line += f"{_bandwidth_cells(r, copy)[1]:>{width}}" if r else f"{'-':>{width}}"
         out.append(line)
     return "\n".join(out)
 
@@ -258,12 +281,19 @@ def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | N
 
     Returns:
         The matplotlib Axes.
+
+    Raises:
+        ValueError: when no record at ``shape`` has a byte count (a model-level op such as
+            ``transformer_layer``: plot its tokens/s with :func:`plot_throughput`).
     """
     import matplotlib.pyplot as plt
 
     shape = tuple(shape) if shape is not None else _headline(records)
     copy = next(r for r in records if r["impl"] == "copy")
-    rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
+    rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape and r.get("GBps") is not None]
+    if not rows:
+        raise ValueError(f"records: none at shape {list(shape) if shape else shape} has a byte count (GBps); "
+                         "a model-level op's records plot as tokens/s with plot_throughput")
     passes = [p for p in ("fwd", "fwd+bwd") if any(r["pass"] == p for r in rows)]
     impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
     own = ax is None
@@ -434,3 +464,109 @@ def plot_host(records: Sequence[dict], pass_: str = "fwd+bwd", field: str = "us"
     if own:
         ax.figure.tight_layout()
     return ax
+
+
+def plot_throughput(records: Sequence[dict], title: str = "one training step", axes=None):
+    """Horizontal bars of tokens per second for each implementation of a model-level op
+    (``transformer_layer`` records, which carry ``tokens_per_s``), one panel per shape: a bar
+    for plain launches (``tokens_per_s_eager``) and one for the CUDA-graph replay
+    (``tokens_per_s`` where ``"timer": "cuda_graph"``; absent where the step could not be
+    captured).
+
+    Args:
+        records: bench records (those without ``tokens_per_s``, like the copy ceiling, are ignored).
+        title: the panels' title, followed by the shape.
+        axes: a sequence of Axes, one per shape (default: a new figure).
+
+    Returns:
+        The matplotlib Figure. Each x axis starts at 0; the legend sits under the panels.
+
+    Raises:
+        ValueError: when no record has ``tokens_per_s``.
+    """
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r.get("tokens_per_s") is not None]
+    if not rows:
+        raise ValueError("records: none has tokens_per_s (a model-level op's records do)")
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows))
+    if axes is None:
+        n_impls = max(len({r["impl"] for r in rows if tuple(r["shape"]) == s}) for s in shapes)
+        fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 0.55 * n_impls + 1.8), squeeze=False)
+        axes = axes[0]
+    fig = axes[0].figure
+    order = {n: i for i, n in enumerate(IMPL_ORDER)}
+    kinds = (("plain launches", "tokens_per_s_eager", 1.0), ("CUDA graph", "tokens_per_s", 0.45))
+    for ax, shape in zip(axes, shapes):
+        at = sorted((r for r in rows if tuple(r["shape"]) == shape), key=lambda r: order.get(r["impl"], 99))
+        height = 0.38
+        for k, (label, key, alpha) in enumerate(kinds):
+            ys, xs, colors = [], [], []
+            for j, r in enumerate(at):
+                if key == "tokens_per_s" and r.get("timer") != "cuda_graph":
+                    continue  # no graph replay: the record's tokens_per_s is its plain launches
+                v = r.get(key) if key == "tokens_per_s" else r.get(key, r.get("tokens_per_s"))
+                if v:
+                    ys.append(j + (k - 0.5) * height)
+                    xs.append(v / 1e3)
+                    colors.append(IMPL_COLORS.get(r["impl"], "#607d8b"))
+            ax.barh(ys, xs, height, color=colors, alpha=alpha, label=label, edgecolor="k", linewidth=0.4)
+        ax.set_yticks(range(len(at)), [r["impl"] for r in at])
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1.1 * max([1e-9] + [max(r.get("tokens_per_s") or 0, r.get("tokens_per_s_eager") or 0) / 1e3
+                                             for r in at]))
+        ax.set_xlabel("thousand tokens per second (higher is better)")
+        names = at[0].get("shape_names", ["s", "b", "h", "heads", "ffn", "layers"])
+        ax.set_title(f"{title}\n{', '.join(f'{n} {v}' for n, v in zip(names, shape))}, {at[0]['device']}",
+                     fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor="#9e9e9e", alpha=a, edgecolor="k", linewidth=0.4)
+               for _, _, a in kinds]
+    fig.legend(handles, [label for label, _, _ in kinds], fontsize=8, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))  # the bottom strip holds the legend
+    return fig
+
+
+@contextlib.contextmanager
+def count_calls(targets: dict[str, tuple[Any, str]]) -> Iterator[dict[str, int]]:
+    """Count the calls of named functions while the ``with`` block runs: which kernels ran.
+
+    Each ``owner.name`` is replaced by a wrapper that counts, then calls the original (the
+    results are unchanged); everything is restored on exit, also after an error. Patch the name
+    where the caller looks it up at call time: ``(fusedlib.transformer.mlp, "bias_gelu_impl")``
+    counts the MLP's calls, ``(torch.nn.functional, "dropout")`` every dropout, and
+    ``(SomeFunction, "apply")`` an autograd Function.
+
+    Args:
+        targets: label -> ``(owner, attribute name)``; owner a module or a class.
+
+    Yields:
+        label -> number of calls so far (a dict, updated in place).
+
+    Raises:
+        AttributeError: an owner without that attribute (nothing is patched then).
+    """
+    originals = []
+    for label, (owner, name) in targets.items():
+        getattr(owner, name)  # raises AttributeError, naming it, before anything is patched
+    counts = {label: 0 for label in targets}
+    try:
+        for label, (owner, name) in targets.items():
+            own = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+            original = getattr(owner, name)
+
+            def counting(*args, __label=label, __original=original, **kwargs):
+                counts[__label] += 1
+                return __original(*args, **kwargs)
+
+            originals.append((owner, name, own))
+            setattr(owner, name, counting)
+        yield counts
+    finally:
+        for owner, name, own in reversed(originals):
+            if own is _MISSING:
+                delattr(owner, name)  # inherited (e.g. Function.apply): the class's own lookup again
+            else:
+                setattr(owner, name, own)
+
+
+_MISSING = object()

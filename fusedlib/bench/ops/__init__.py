@@ -3,7 +3,9 @@
 Each module defines ``cases(device, sweep=False) -> list[BenchCase]``: the headline case
 at the default shape first, then (with ``sweep``) the same op at other shapes; and
 ``case(shape, dtype=torch.bfloat16) -> BenchCase``: the op at any shape with every
-baseline (``--host`` uses it at tiny shapes).
+baseline (``--host`` uses it at tiny shapes). A module may also define ``table(records) ->
+str`` and ``extra_files(device, out_dir, log) -> list[Path]``, which ``python -m fusedlib.bench``
+prints and writes after the op's records (:mod:`fusedlib.bench.__main__`).
 """
 from __future__ import annotations
 
@@ -25,7 +27,19 @@ OP_MODULES: dict[str, str] = {
     "layer_norm": "layer_norm",
     "rms_norm": "rms_norm",
     "rope": "rope",
+    "transformer_layer": "transformer_layer",
 }
+
+
+def get_op_module(op: str):
+    """The module of op ``op`` (under ``fusedlib.bench.ops``).
+
+    Raises:
+        KeyError: naming the known ops, for an unknown one.
+    """
+    if op not in OP_MODULES:
+        raise KeyError(f"unknown op {op!r}; known ops: {', '.join(OP_MODULES)}")
+    return importlib.import_module(f"{__name__}.{OP_MODULES[op]}")
 
 
 def get_cases(op: str) -> Callable[..., list[BenchCase]]:
@@ -34,9 +48,7 @@ def get_cases(op: str) -> Callable[..., list[BenchCase]]:
     Raises:
         KeyError: naming the known ops, for an unknown one.
     """
-    if op not in OP_MODULES:
-        raise KeyError(f"unknown op {op!r}; known ops: {', '.join(OP_MODULES)}")
-    return importlib.import_module(f"{__name__}.{OP_MODULES[op]}").cases
+    return get_op_module(op).cases
 
 
 def get_case(op: str) -> Callable[..., BenchCase]:
@@ -45,6 +57,4 @@ def get_case(op: str) -> Callable[..., BenchCase]:
     Raises:
         KeyError: naming the known ops, for an unknown one.
     """
-    if op not in OP_MODULES:
-        raise KeyError(f"unknown op {op!r}; known ops: {', '.join(OP_MODULES)}")
-    return importlib.import_module(f"{__name__}.{OP_MODULES[op]}").case
+    return get_op_module(op).case

@@ -1,0 +1,696 @@
+"""Benchmark cases for a whole transformer block: one training step of fusedlib's block, fused
+and unfused, against megatron-core's local spec and a plain PyTorch block.
+
+What is timed: one training step of a GPT block of ``layers`` pre-norm layers (LayerNorm,
+causal self-attention, LayerNorm, GeLU MLP; a bias in every linear layer; the final
+LayerNorm), on random bf16 hidden states [s, b, h]: the forward, then the backward of the
+output against a fixed random gradient, in training mode with Megatron-core's default dropout
+(``hidden_dropout`` 0.1 in both bias-dropout-adds, ``attention_dropout`` 0.1 on the attention
+probabilities). Before every step the parameters' gradients are set to None, as
+``zero_grad(set_to_none=True)`` does, so each step writes fresh gradients
+(:attr:`fusedlib.bench.core.Impl.params`). No rotary embeddings (GPT-2's positions are added
+at the embedding, outside the block: :mod:`fusedlib.bench.ops.rope` times RoPE), no
+optimizer step, no embedding or loss.
+
+Shapes ``[s, b, h, heads, ffn, layers]``, both measured by ``python -m fusedlib.bench --op
+transformer_layer``: :data:`DEFAULT_SHAPE` (seq 2048, micro-batch 4, hidden 2048, 16 heads,
+ffn 8192, 4 layers) and :data:`GPT2_SMALL_SHAPE` (seq 1024, batch 8, hidden 768, 12 heads,
+ffn 3072, 6 layers), where the GEMMs are small and the host's launches weigh more.
+
+Implementations (record ``impl``; :data:`IMPLS` says the same):
+
+=========================  ===================================================================
+``fusedlib-unfused``       fusedlib's ``TransformerBlock`` from ``get_gpt_layer_unfused_spec``:
+                           torch's LayerNorm, softmax and dropout, bias add then GeLU, unfused
+                           bias-dropout-add; the materialised attention
+``fusedlib``               ``get_gpt_layer_local_spec`` with every fusion on: fused LayerNorm,
+                           bias-GeLU, bias-dropout-add, and the materialised attention's
+                           softmax with its dropout in one kernel (``attention_backend`` local)
+``fusedlib-sdpa``          the same, ``attention_backend`` flash: torch's
+                           ``scaled_dot_product_attention`` (no scores in memory)
+``megatron-core-unfused``  megatron-core's ``TransformerBlock`` from its
+                           ``get_gpt_layer_local_spec``, fusions off
+``megatron-core``          the same with ``bias_activation_fusion`` and ``bias_dropout_fusion``
+                           (``torch.compile``d in megatron-core), and ``masked_softmax_fusion``
+                           / ``persist_layer_norm`` only where their CUDA extensions (Apex's)
+                           import: each record lists its ``fusions`` and, in
+                           ``fusions_unavailable``, why the others are off
+``eager``                  a plain PyTorch pre-LN GPT block (:class:`PlainGPTBlock`:
+                           ``torch.nn`` layers, ``scaled_dot_product_attention``), eager
+``torch.compile``          the same block with each layer's forward ``torch.compile``d
+                           (``dynamic=False``: static shapes), the final norm eager
+=========================  ===================================================================
+
+torch.compile is applied per layer, as torchtitan compiles each transformer block: the layers
+are identical, so Dynamo traces one layer's forward and reuses the compiled graph for the
+others (Inductor's graph cache serves any recompile), which keeps the compile at one layer's
+cost per shape instead of growing with the number of layers. What it gives up is fusion across
+a layer boundary (the last residual add with the next layer's LayerNorm): about one [s, b, h]
+write and read per layer and pass, tens of microseconds per step at these shapes against steps of
+milliseconds. Its records say ``"compile_scope": "layer"``.
+
+megatron-core's blocks need CUDA and ``torch.distributed``: a one-rank NCCL group, its
+``parallel_state`` (tensor- and pipeline-parallel size 1) and its RNG tracker are set up at
+their first call (:func:`init_megatron`). Where megatron-core does not import they are absent
+and ``skipped`` says why.
+
+Records (one per implementation and shape, pass ``"fwd+bwd"``; the case is timed as every case
+of the harness, :func:`fusedlib.bench.core.measure_case`): a transformer block is not
+memory-bound, so ``"bytes"`` and ``"GBps"`` are None. Its fields beyond DESIGN.md's:
+
+* ``"ms"``: the step as a CUDA-graph replay (``"timer": "cuda_graph"``), or plain launches
+  where it could not be captured (``"timer": "do_bench"`` and the reason in
+  ``"graph_error"``; megatron-core's RNG tracker, which saves and restores the CUDA generator's
+  state around its attention dropout, is a likely one); ``"ms_eager"``: the step as plain launches, what an eager training step pays;
+* ``"tokens"`` (s·b), ``"tokens_per_s"`` (from ``ms``), ``"tokens_per_s_eager"`` (from
+  ``ms_eager``);
+* ``"peak_bytes"``: the most memory the step allocates beyond what was allocated before it
+  (activations, gradients, workspaces; not the weights, not the input, and not a buffer a
+  module keeps between steps, such as megatron-core's global scores buffer);
+  ``"weight_bytes"``: the parameters (the same for every implementation);
+* ``"shape_names"``, ``"hidden_dropout"``, ``"attention_dropout"``, ``"params"``, and per
+  implementation ``"fusions"`` (the TransformerConfig switches on) and ``"attention"``
+  (``"materialised"`` or ``"sdpa"``); ``"compile": "static"`` on torch.compile's.
+
+The profile (:func:`profile`, written by :func:`extra_files` as
+``transformer_layer_profile.json``): ``torch.profiler``'s CUDA kernels of a few plain-launch
+steps of :data:`PROFILE_IMPLS` at :data:`DEFAULT_SHAPE`, summed by kernel name and by
+category (:func:`kernel_category`), per step: where the step's time goes.
+
+Time: about 25 steps per implementation and timer (triton's ``do_bench``: five to estimate,
+a warm-up, then as many as fit in 200 ms), one layer's ``torch.compile`` per shape, Triton's
+kernels compiled once per shape, megatron-core's ``torch.compile``d fusions, the profile's
+handful of steps: the whole run is meant to stay within about 150 s on an H200 (compiling
+dominates it).
+
+Source: Megatron-LM ``megatron/core/models/gpt/gpt_layer_specs.py``,
+``megatron/core/transformer/transformer_block.py``; the step as Megatron's training loop runs it
+(``zero_grad``, forward, backward).
+"""
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import socket
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ...transformer.enums import AttnBackend
+from ..core import BenchCase, Impl, environment
+from .baselines import compile_impl, try_import
+
+__all__ = [
+    "DEFAULT_SHAPE", "GPT2_SMALL_SHAPE", "SHAPE_NAMES", "HIDDEN_DROPOUT", "ATTENTION_DROPOUT", "IMPLS",
+    "PROFILE_IMPLS", "PROFILE_FILE", "FUSIONS_ON", "param_count", "gemm_flops", "fusedlib_block",
+    "megatron_block", "init_megatron", "PlainGPTLayer", "PlainGPTBlock", "case", "cases", "table",
+    "kernel_category", "kernel_summary", "profile", "profile_table", "extra_files", "load_profile",
+]
+
+#: [s, b, h, heads, ffn, layers]: the headline (2048 tokens x 4 sequences, hidden 2048, 16 heads of 128)
+DEFAULT_SHAPE = (2048, 4, 2048, 16, 8192, 4)
+#: GPT-2 small's layer (Radford et al. 2019): hidden 768, 12 heads of 64, ffn 3072; seq 1024, batch 8, 6 layers
+GPT2_SMALL_SHAPE = (1024, 8, 768, 12, 3072, 6)
+SHAPE_NAMES = ("s", "b", "h", "heads", "ffn", "layers")
+HIDDEN_DROPOUT = 0.1  # Megatron-core's TransformerConfig default
+ATTENTION_DROPOUT = 0.1  # Megatron-core's TransformerConfig default
+
+IMPLS: dict[str, str] = {
+    "fusedlib-unfused": "fusedlib's block from get_gpt_layer_unfused_spec: every fusion off, materialised attention",
+    "fusedlib": "fusedlib's local spec, every fusion on, materialised attention with the softmax+dropout kernel",
+    "fusedlib-sdpa": "fusedlib's local spec, every fusion on, attention_backend flash (scaled_dot_product_attention)",
+    "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
+    "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
+    "eager": "plain PyTorch pre-LN GPT block with scaled_dot_product_attention, eager",
+    "torch.compile": "the plain PyTorch block, each layer torch.compile(dynamic=False)d, once per shape",
+}
+
+#: The TransformerConfig switches of "every fusion on" (apply_rope_fusion is on but idle: no RoPE here).
+FUSIONS_ON = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion", "persist_layer_norm",
+              "apply_rope_fusion")
+
+#: Profiled at DEFAULT_SHAPE, as plain launches.
+PROFILE_IMPLS = ("fusedlib-unfused", "fusedlib", "fusedlib-sdpa")
+PROFILE_FILE = "transformer_layer_profile.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, sizes
+# ---------------------------------------------------------------------------------------------
+
+def _check_shape(shape: Sequence[int]) -> tuple[int, int, int, int, int, int]:
+    """``shape`` as a tuple [s, b, h, heads, ffn, layers] of positive ints, h divisible by heads.
+
+    Raises:
+        ValueError: naming ``shape`` and what is wrong with it.
+    """
+    try:
+        shape = tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"shape must be [s, b, h, heads, ffn, layers] of ints, got {shape!r}") from None
+    if len(shape) != 6 or min(shape) < 1:
+        raise ValueError(f"shape must be [s, b, h, heads, ffn, layers], six ints >= 1, got {list(shape)}")
+    if shape[2] % shape[3]:
+        raise ValueError(f"shape: hidden size h = {shape[2]} must be divisible by heads = {shape[3]}")
+    return shape
+
+
+def param_count(shape: Sequence[int]) -> int:
+    """Parameters of the block at ``shape`` = [s, b, h, heads, ffn, layers] (every implementation has
+    these): per layer two LayerNorms (2·2h), QKV (3h² + 3h), the attention's output (h² + h),
+    fc1 (h·ffn + ffn) and fc2 (ffn·h + h); then the final LayerNorm (2h)."""
+    _, _, h, _, ffn, layers = _check_shape(shape)
+    per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * ffn + ffn) + (ffn * h + h)
+    return layers * per_layer + 2 * h
+
+
+def gemm_flops(shape: Sequence[int], causal_half: bool = False) -> int:
+    """FLOPs of the GEMMs of one training step (forward and backward) at ``shape``.
+
+    Per layer and token, the forward multiplies by the weights (2·(4h² + 2h·ffn) FLOPs: QKV,
+    the output projection, fc1, fc2) and computes attention, Q·Kᵀ and probabilities·V
+    (2·2·s·h FLOPs); the backward costs twice the forward (a gradient for the input and one
+    for the weights, or for both operands of the attention's products).
+
+    Args:
+        shape: [s, b, h, heads, ffn, layers].
+        causal_half: count only the causal half of the attention's products (what a flash
+            kernel computes, its recomputation in the backward not counted); False: all of
+            them, as the materialised attention's dense GEMMs compute them.
+
+    Returns:
+        FLOPs per step (an exact int).
+    """
+    s, b, h, _, ffn, layers = _check_shape(shape)
+    attention = 2 * 2 * s * h // (2 if causal_half else 1)
+    fwd = s * b * layers * (2 * (4 * h * h + 2 * h * ffn) + attention)
+    return 3 * fwd
+
+
+# ---------------------------------------------------------------------------------------------
+# The blocks
+# ---------------------------------------------------------------------------------------------
+
+def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = AttnBackend.local,
+                   dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """fusedlib's ``TransformerBlock`` at ``shape`` (its parameters random from the config's inits).
+
+    Args:
+        shape: [s, b, h, heads, ffn, layers] (s and b are not used to build).
+        fused: every fusion on (:data:`FUSIONS_ON`) with ``get_gpt_layer_local_spec``; False:
+            ``get_gpt_layer_unfused_spec`` with every switch off (``without_fusions``).
+        backend: the attention backend with ``fused`` (local: materialised; flash: SDPA).
+        dtype: the parameters' dtype (bf16: ``config.bf16`` too).
+        device: where the parameters live.
+
+    Returns:
+        The block in training mode; call it as ``block(hidden_states, None)``.
+    """
+    from ...models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec, without_fusions
+    from ...transformer.transformer_block import TransformerBlock
+    from ...transformer.transformer_config import TransformerConfig
+
+    _, _, h, heads, ffn, layers = _check_shape(shape)
+    device = torch.device(device)
+    cfg = TransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn,
+                            hidden_dropout=HIDDEN_DROPOUT, attention_dropout=ATTENTION_DROPOUT, params_dtype=dtype,
+                            bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16, activation_func=F.gelu,
+                            add_bias_linear=True, use_cpu_initialization=device.type == "cpu",
+                            attention_backend=backend, **{k: True for k in FUSIONS_ON})
+    if fused:
+        block = TransformerBlock(cfg, get_gpt_layer_local_spec())
+    else:
+        block = TransformerBlock(without_fusions(cfg), get_gpt_layer_unfused_spec())
+    return block.to(device).train()
+
+
+def init_megatron(seed: int = 1234) -> None:
+    """Set up what megatron-core's layers need, once per process: a one-rank NCCL process group
+    (on a free local port, destroyed at the process's exit), ``parallel_state`` with tensor- and
+    pipeline-parallel size 1, and its CUDA RNG tracker (``model_parallel_cuda_manual_seed``: this
+    seeds torch's CUDA generator).
+
+    Raises:
+        ImportError: megatron-core does not import. RuntimeError: from torch.distributed (no CUDA).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        model_parallel_cuda_manual_seed(seed)
+
+
+def _megatron_fusions(fused: bool) -> tuple[dict, dict[str, str]]:
+    """megatron-core's fusion switches (on where they can run here) and why the others are off."""
+    if not fused:
+        return {}, {}
+    on = {"bias_activation_fusion": True, "bias_dropout_fusion": True}  # torch.compile'd PyTorch
+    off = {}
+    if importlib.util.find_spec("scaled_upper_triang_masked_softmax_cuda") is None:
+        off["masked_softmax_fusion"] = "its CUDA extension scaled_upper_triang_masked_softmax_cuda is not installed"
+    else:
+        on["masked_softmax_fusion"] = True
+    if importlib.util.find_spec("apex") is None:  # the local spec then builds torch's norms (WrappedTorchNorm)
+        off["persist_layer_norm"] = "Apex is not installed: the local spec builds torch's LayerNorm"
+    else:
+        on["persist_layer_norm"] = True
+    return on, off
+
+
+def megatron_block(shape: Sequence[int], fused: bool, dtype: torch.dtype = torch.bfloat16,
+                   device: torch.device | str = "cuda") -> torch.nn.Module:
+    """megatron-core's ``TransformerBlock`` from its ``get_gpt_layer_local_spec`` at ``shape``, with
+    the fusions :func:`_megatron_fusions` finds runnable (``fused``) or none, in training mode;
+    call it as ``block(hidden_states, None)``. Calls :func:`init_megatron` first.
+
+    Raises:
+        ImportError: megatron-core does not import.
+    """
+    init_megatron()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _, _, h, heads, ffn, layers = _check_shape(shape)
+    on, _ = _megatron_fusions(fused)
+    cfg = TransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn,
+                            hidden_dropout=HIDDEN_DROPOUT, attention_dropout=ATTENTION_DROPOUT, params_dtype=dtype,
+                            bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16, activation_func=F.gelu,
+                            add_bias_linear=True, **on)
+    # (torch's norms, built on the CPU by WrappedTorchNorm where Apex is absent: move everything)
+    return TransformerBlock(cfg, get_gpt_layer_local_spec()).to(device=device, dtype=dtype).train()
+
+
+class PlainGPTLayer(torch.nn.Module):
+    """A pre-LN GPT layer in plain PyTorch: x + dropout(proj(attn(ln1(x)))), then
+    x + dropout(fc2(gelu(fc1(ln2(x))))), causal ``scaled_dot_product_attention`` with its own
+    dropout, tanh GeLU (GPT-2's), a bias in every linear layer.
+
+    Args:
+        h, heads, ffn: hidden size, attention heads (h divisible by heads), MLP width.
+        hidden_dropout, attention_dropout: the probabilities (applied in training only).
+        device, dtype: the parameters' (torch's factory arguments).
+
+    ``forward(x)``: x [s, b, h] -> [s, b, h], x's dtype.
+
+    Source: Radford et al., "Language Models are Unsupervised Multitask Learners" (2019), the
+    pre-LN GPT-2 layer; PyTorch's ``scaled_dot_product_attention``.
+    """
+
+    def __init__(self, h: int, heads: int, ffn: int, hidden_dropout: float = HIDDEN_DROPOUT,
+                 attention_dropout: float = ATTENTION_DROPOUT, device=None, dtype=None) -> None:
+        super().__init__()
+        if h % heads:
+            raise ValueError(f"h = {h} must be divisible by heads = {heads}")
+        f = dict(device=device, dtype=dtype)
+        self.heads, self.hidden_dropout, self.attention_dropout = heads, hidden_dropout, attention_dropout
+        self.ln1 = torch.nn.LayerNorm(h, **f)
+        self.qkv = torch.nn.Linear(h, 3 * h, **f)
+        self.proj = torch.nn.Linear(h, h, **f)
+        self.ln2 = torch.nn.LayerNorm(h, **f)
+        self.fc1 = torch.nn.Linear(h, ffn, **f)
+        self.fc2 = torch.nn.Linear(ffn, h, **f)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        hn = h // self.heads
+        qkv = self.qkv(self.ln1(x))  # [s, b, 3h]
+        # [s, b, 3h] -> [s, b, 3, np, hn] -> 3 x [b, np, s, hn] (views: SDPA takes strided inputs)
+        q, k, v = qkv.view(s, b, 3, self.heads, hn).permute(2, 1, 3, 0, 4).unbind(0)
+        p = self.attention_dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # [b, np, s, hn]
+        a = a.permute(2, 0, 1, 3).reshape(s, b, h)  # [b, np, s, hn] -> [s, b, np·hn]
+        x = x + F.dropout(self.proj(a), self.hidden_dropout, self.training)
+        y = F.gelu(self.fc1(self.ln2(x)), approximate="tanh")  # [s, b, ffn]
+        return x + F.dropout(self.fc2(y), self.hidden_dropout, self.training)
+
+
+class PlainGPTBlock(torch.nn.Module):
+    """``layers`` :class:`PlainGPTLayer` and a final LayerNorm: [s, b, h] -> [s, b, h].
+
+    Args: as :class:`PlainGPTLayer`, plus ``layers``.
+    """
+
+    def __init__(self, h: int, heads: int, ffn: int, layers: int, hidden_dropout: float = HIDDEN_DROPOUT,
+                 attention_dropout: float = ATTENTION_DROPOUT, device=None, dtype=None) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(PlainGPTLayer(h, heads, ffn, hidden_dropout, attention_dropout,
+                                                        device=device, dtype=dtype) for _ in range(layers))
+        self.final_layernorm = torch.nn.LayerNorm(h, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.final_layernorm(x)
+
+
+class _Model:
+    """A block built at its first call, on the input's device and in its dtype, then run.
+
+    ``build(device, dtype) -> module``; ``call(module, x) -> output``. :meth:`params` gives the
+    parameters once built (none before), for the harness to reset their gradients; building
+    lazily keeps ``cases()`` free of allocations (the test suite builds every case on a CPU)."""
+
+    def __init__(self, build: Callable[[torch.device, torch.dtype], torch.nn.Module],
+                 call: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> None:
+        self.build, self.call, self.module = build, call, None
+
+    def ensure(self, x: torch.Tensor) -> torch.nn.Module:
+        if self.module is None:
+            self.module = self.build(x.device, x.dtype)
+        return self.module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(self.ensure(x), x)
+
+    def layer_by_layer(self, layer_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A :class:`PlainGPTBlock`'s forward with ``layer_fn(layer, x)`` (a compiled
+        :func:`_layer_forward`) for each layer, the final norm eager; builds the block first."""
+        def run(x: torch.Tensor) -> torch.Tensor:
+            block = self.ensure(x)
+            for layer in block.layers:
+                x = layer_fn(layer, x)
+            return block.final_layernorm(x)
+        return run
+
+    def params(self) -> list[torch.Tensor]:
+        return [] if self.module is None else list(self.module.parameters())
+
+
+def _block_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x, None)  # TransformerBlock.forward(hidden_states, attention_mask): causal, no mask
+
+
+def _plain_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def _layer_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One layer's forward: what the ``torch.compile`` baseline compiles (once for every layer)."""
+    return layer(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------------
+
+def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
+         compile_backend: str | Callable = "inductor") -> BenchCase:
+    """One training step at ``shape`` = [s, b, h, heads, ffn, layers] with every implementation
+    of :data:`IMPLS` (megatron-core's where it imports). Nothing is built until an
+    implementation's first call.
+
+    Args:
+        shape: see above.
+        dtype: of the parameters and the hidden states (bf16 for the numbers; tests use others).
+        compile_backend: ``torch.compile``'s backend for the compiled layers (tests pass "eager").
+
+    Returns:
+        The case: input ``(x,)`` with x [s, b, h] random; pass "fwd+bwd" only; ``bytes`` None;
+        ``tokens`` s·b; ``peak_memory`` on.
+
+    Raises:
+        ValueError: a bad ``shape``.
+    """
+    shape = _check_shape(shape)
+    s, b, h, heads, ffn, layers = shape
+
+    def make_inputs(device, requires_grad):
+        return (torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=requires_grad),)
+
+    step = ("fwd+bwd",)
+    fused_on = list(FUSIONS_ON)
+
+    def impl(name: str, model: _Model, **info) -> Impl:
+        return Impl(name, model, passes=step, params=model.params, info=info)
+
+    impls = [
+        impl("fusedlib-unfused", _Model(lambda d, t: fusedlib_block(shape, False, dtype=t, device=d), _block_call),
+             fusions=[], attention="materialised"),
+        impl("fusedlib", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.local, t, d), _block_call),
+             fusions=fused_on, attention="materialised"),
+        impl("fusedlib-sdpa", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.flash, t, d), _block_call),
+             fusions=fused_on, attention="sdpa"),
+    ]
+    skipped = {}
+    spec, why = try_import("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec")
+    if spec is not None:
+        for name, fused in (("megatron-core-unfused", False), ("megatron-core", True)):
+            on, off = _megatron_fusions(fused)
+            model = _Model(lambda d, t, fused=fused: megatron_block(shape, fused, t, d), _block_call)
+            impls.append(impl(name, model, fusions=sorted(on), fusions_unavailable=off, attention="materialised"))
+    else:
+        skipped["megatron-core-unfused"] = skipped["megatron-core"] = why
+
+    def build_plain(d, t):
+        return PlainGPTBlock(h, heads, ffn, layers, device=d, dtype=t).train()
+
+    impls.append(impl("eager", _Model(build_plain, _plain_call), fusions=[], attention="sdpa"))
+    plain = _Model(build_plain, _plain_call)
+    comp = compile_impl(_layer_forward, adapt=plain.layer_by_layer, backend=compile_backend)
+    comp.passes, comp.params = step, plain.params
+    comp.info = dict(fusions=[], attention="sdpa", compile_scope="layer")
+    impls.append(comp)
+
+    elem = torch.finfo(dtype).bits // 8
+    info = {"shape_names": list(SHAPE_NAMES), "hidden_dropout": HIDDEN_DROPOUT,
+            "attention_dropout": ATTENTION_DROPOUT, "params": param_count(shape),
+            "weight_bytes": param_count(shape) * elem}
+    return BenchCase("transformer_layer", shape, dtype, make_inputs, {"fwd+bwd": None}, impls, skipped,
+                     peak_memory=True, tokens=s * b, info=info)
+
+
+def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
+    """The two shapes, :data:`DEFAULT_SHAPE` then :data:`GPT2_SMALL_SHAPE`, each with every
+    implementation and its own static compile; ``sweep`` adds nothing (both are headlines)."""
+    return [case(DEFAULT_SHAPE, dtype), case(GPT2_SMALL_SHAPE, dtype)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------
+
+def _order(impl: str) -> int:
+    names = list(IMPLS)
+    return names.index(impl) if impl in names else len(names)
+
+
+def table(records: Sequence[dict]) -> str:
+    """Text table of ``transformer_layer`` records, one block per shape: ms per step with plain
+    launches and as a CUDA-graph replay, tokens/s of each, the step's peak memory beyond the
+    weights and the input (GB), and how many times faster ``fusedlib`` is than each
+    implementation with plain launches (the time an eager training step pays).
+
+    A graph time that could not be measured (the capture failed) shows ``-``, its reason below
+    the table. Records of other ops (the copy ceiling) are ignored.
+    """
+    rows = [r for r in records if r.get("op") == "transformer_layer"]
+    if not rows:
+        return "no transformer_layer records"
+    out = []
+    for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
+        at = sorted((r for r in rows if tuple(r["shape"]) == shape), key=lambda r: _order(r["impl"]))
+        first = at[0]
+        names = first.get("shape_names", SHAPE_NAMES)
+        fused = next((r for r in at if r["impl"] == "fusedlib"), None)
+        out.append(f"{', '.join(f'{n} {v}' for n, v in zip(names, shape))}: {first.get('tokens', '?')} tokens "
+                   f"per step, {first['dtype']}, one training step (fwd+bwd), {first['device']}")
+        out.append(f"{'impl':<23}{'plain ms':>10}{'graph ms':>10}{'tok/s plain':>13}{'tok/s graph':>13}"
+                   f"{'peak GB':>9}{'fusedlib is':>13}")
+        notes = []
+        for r in at:
+            graph = r.get("timer") == "cuda_graph"
+            plain_ms = r.get("ms_eager", r["ms"])
+            plain_tps = r.get("tokens_per_s_eager", r.get("tokens_per_s"))
+            g_ms = f"{r['ms']:.2f}" if graph else "-"
+            g_tps = f"{r['tokens_per_s'] / 1e3:.0f}k" if graph and r.get("tokens_per_s") else "-"
+            p_tps = f"{plain_tps / 1e3:.0f}k" if plain_tps else "-"
+            peak = f"{r['peak_bytes'] / 1e9:.2f}" if r.get("peak_bytes") is not None else "-"
+            ratio = ""
+            if fused is not None and r["impl"] != "fusedlib":
+                ratio = f"{plain_ms / fused.get('ms_eager', fused['ms']):.2f}x"
+            out.append(f"{r['impl']:<23}{plain_ms:>10.2f}{g_ms:>10}{p_tps:>13}{g_tps:>13}{peak:>9}{ratio:>13}")
+            if r.get("graph_error"):
+                notes.append(f"  {r['impl']}: no CUDA graph ({r['graph_error'][:120]})")
+        out += notes
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+# ---------------------------------------------------------------------------------------------
+# The profile
+# ---------------------------------------------------------------------------------------------
+
+#: kernel-name fragments (lower case) -> category, first match wins: cuBLAS/CUTLASS GEMMs, SDPA's
+#: attention kernels, softmax, the norms, then everything else (bias, activation, dropout, adds,
+#: casts, copies) as elementwise.
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("GEMM", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "sm90_", "sm80_")),
+    ("attention (SDPA)", ("flash", "fmha", "attention", "attn")),
+    ("softmax (+dropout)", ("softmax",)),
+    ("norm", ("layer_norm", "layernorm", "_norm_", "rms_norm")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """The category of a CUDA kernel, from its name (:data:`CATEGORIES`; else "elementwise & other")."""
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "elementwise & other"
+
+
+def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, top: int = 12) -> dict:
+    """Per-step totals of ``(kernel name, microseconds)`` pairs collected over ``steps`` steps.
+
+    Returns:
+        ``{"kernel_ms": total kernel time per step, "launches": kernels per step, "categories":
+        {category: ms per step}, "top": [{"name", "category", "calls", "ms", "share"}]}``: the
+        ``top`` kernels by total time (calls and ms per step, share of the step's kernel time),
+        names cut to 200 characters.
+
+    Raises:
+        ValueError: ``steps`` < 1.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    by_name: dict[str, list[float]] = {}
+    for name, us in kernels:
+        by_name.setdefault(name, []).append(us)
+    total = sum(sum(v) for v in by_name.values()) / steps / 1e3
+    cats: dict[str, float] = {}
+    for name, v in by_name.items():
+        cat = kernel_category(name)
+        cats[cat] = cats.get(cat, 0.0) + sum(v) / steps / 1e3
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "kernel_ms": round(total, 4),
+        "launches": round(sum(len(v) for v in by_name.values()) / steps, 1),
+        "categories": {c: round(ms, 4) for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "top": [{"name": name[:200], "category": kernel_category(name), "calls": round(len(v) / steps, 1),
+                 "ms": round(sum(v) / steps / 1e3, 4), "share": round(sum(v) / steps / 1e3 / total, 4) if total else 0.0}
+                for name, v in ranked],
+    }
+
+
+def _device_events(prof, device_type) -> list[tuple[str, float]]:
+    """(name, microseconds) of every event of ``device_type`` (CUDA: the kernels) a profiler recorded."""
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == device_type]
+
+
+def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_SHAPE,
+            impls: Sequence[str] = PROFILE_IMPLS, steps: int = 3, warmup: int = 2, top: int = 12,
+            dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Where a training step's time goes: the kernels ``torch.profiler`` records in ``steps``
+    plain-launch steps of each implementation in ``impls`` (after ``warmup`` steps), per step.
+
+    Args:
+        device: a CUDA device (on the CPU the CPU operators are recorded instead: for tests).
+        shape, dtype: the case's.
+        impls: names of :data:`IMPLS`.
+        steps, warmup, top: steps profiled, untimed steps first (compiles), kernels listed.
+
+    Returns:
+        ``{"op": "transformer_layer", "shape", "shape_names", "dtype", "steps", device and
+        versions, "impls": {name: kernel_summary(...)}}``; an implementation that fails is left
+        out and named in ``"skipped"`` with its error.
+
+    Raises:
+        ValueError: an unknown implementation name.
+    """
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    unknown = [n for n in impls if n not in IMPLS]
+    if unknown:
+        raise ValueError(f"impls: unknown {unknown}; known: {', '.join(IMPLS)}")
+    device = torch.device(device)
+    c = case(shape, dtype)
+    cuda = device.type == "cuda"
+    # (CPU activity too on a GPU: the kernels are then correlated with the operators that launched them)
+    activities, kind = (([ProfilerActivity.CPU, ProfilerActivity.CUDA], torch.autograd.DeviceType.CUDA) if cuda
+                        else ([ProfilerActivity.CPU], torch.autograd.DeviceType.CPU))
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    out = {"op": "transformer_layer", "shape": list(c.shape), "shape_names": list(SHAPE_NAMES),
+           "dtype": str(dtype).replace("torch.", ""), "steps": steps, **environment(), "impls": {}, "skipped": {}}
+    for im in c.impls:
+        if im.name not in impls:
+            continue
+        try:
+            (x,) = c.make_inputs(device, True)
+            g = torch.randn_like(im.fn(x))
+
+            def step():
+                for t in [x] + list(im.params()):
+                    t.grad = None
+                im.fn(x).backward(g)
+
+            for _ in range(warmup):
+                step()
+            sync()
+            with torch_profile(activities=activities) as prof:
+                for _ in range(steps):
+                    step()
+                sync()
+            out["impls"][im.name] = kernel_summary(_device_events(prof, kind), steps, top)
+        except Exception as exc:  # one failing implementation must not lose the others
+            out["skipped"][im.name] = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            if isinstance(im.fn, _Model):
+                im.fn.module = None  # free its weights before the next one
+    return out
+
+
+def profile_table(prof: dict, top: int = 8) -> str:
+    """Text table of a :func:`profile` result: per implementation, the kernel time per step and
+    its split by category (ms and share), then its ``top`` kernels (names cut to 70 characters)."""
+    shape = ", ".join(f"{n} {v}" for n, v in zip(prof.get("shape_names", SHAPE_NAMES), prof["shape"]))
+    out = [f"kernels of one training step (plain launches, {prof['steps']} steps profiled), {shape}, "
+           f"{prof['dtype']}, {prof['device']}"]
+    for name in sorted(prof["impls"], key=_order):
+        p = prof["impls"][name]
+        out.append(f"\n{name}: {p['kernel_ms']:.2f} ms of kernels per step, {p['launches']:.0f} launches")
+        for cat, ms in p["categories"].items():
+            out.append(f"  {cat:<22}{ms:>9.2f} ms {100 * ms / p['kernel_ms'] if p['kernel_ms'] else 0:>6.1f}%")
+        out.append(f"  top {min(top, len(p['top']))} kernels:{'calls':>56}{'ms':>9}{'share':>8}")
+        for k in p["top"][:top]:
+            label = k["name"] if len(k["name"]) <= 70 else k["name"][:67] + "..."
+            out.append(f"    {label:<70}{k['calls']:>5.0f}{k['ms']:>9.3f}{100 * k['share']:>7.1f}%")
+    for name, why in prof.get("skipped", {}).items():
+        out.append(f"{name}: not profiled ({why})")
+    return "\n".join(out)
+
+
+def extra_files(device: torch.device, out_dir: str | Path, log: Callable[[str], object] = print) -> list[Path]:
+    """Write :func:`profile` on ``device`` to ``out_dir/transformer_layer_profile.json`` and pass its
+    table to ``log`` (the CLI gives ``tqdm.write``). Returns the written paths."""
+    prof = profile(device)
+    path = Path(out_dir) / PROFILE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prof, indent=1) + "\n")
+    log(profile_table(prof))
+    return [path]
+
+
+def load_profile(path: Optional[str | Path] = None) -> Optional[dict]:
+    """The stored profile (default: ``transformer_layer_profile.json`` in
+    :func:`fusedlib.book.bench_dir`), or None when it has not been written yet."""
+    if path is None:
+        from ...book import bench_dir
+
+        path = bench_dir() / PROFILE_FILE
+    path = Path(path)
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,355 @@
+"""The transformer block's training-step benchmark (``fusedlib.bench.ops.transformer_layer``) on a
+CPU: the case builds lazily at tiny odd sizes and every implementation that runs here returns
+finite outputs and gradients; its records (no byte count, token counts), its tables, its profile
+summary, the CLI's hooks, and the harness and book helpers that must tolerate records without bytes.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from fusedlib.bench import __main__ as cli
+from fusedlib.bench import core
+from fusedlib.bench import host as host_mod
+from fusedlib.bench.ops import get_op_module
+from fusedlib.bench.ops import transformer_layer as tl
+from fusedlib.book import backward_table, plot_bandwidth, plot_throughput, speedup_table, sweep_table, throughput_table
+
+from conftest import DEVICE  # noqa: I001
+
+#: [s, b, h, heads, ffn, layers]: odd sequence and ffn, heads of 6 channels, 2 layers
+TINY = (7, 2, 24, 4, 20, 2)
+#: what runs without megatron-core (it needs CUDA and Python >= 3.12)
+LOCAL_IMPLS = ["fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "eager", "torch.compile"]
+
+
+def _cpu_case(dtype=torch.float32):
+    # the compiled block is traced by Dynamo but run by its "eager" backend: Inductor's CPU
+    # compile would take a minute; the GPU run uses Inductor
+    return tl.case(TINY, dtype, compile_backend="eager")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_implementation_builds_lazily_and_gives_finite_outputs_and_gradients(dtype):
+    c = _cpu_case(dtype)
+    names = [i.name for i in c.impls]
+    assert names[:3] == LOCAL_IMPLS[:3] and names[-2:] == LOCAL_IMPLS[3:]
+    assert set(names) | set(c.skipped) == set(tl.IMPLS)
+    assert all(i.passes == ("fwd+bwd",) and i.params() == [] for i in c.impls), "nothing built before a call"
+    assert c.bytes == {"fwd+bwd": None} and c.tokens == TINY[0] * TINY[1] and c.peak_memory and c.cuda_graph
+    (x,) = c.make_inputs(DEVICE, True)
+    x_before = x.detach().clone()
+    g = torch.randn(x.shape, device=DEVICE, dtype=torch.float32).to(dtype)
+    for impl in c.impls:
+        x.grad = None
+        y = impl.fn(x)
+        assert y.shape == x.shape and y.dtype == dtype and torch.isfinite(y).all(), impl.name
+        y.backward(g)
+        params = impl.params()
+        assert sum(p.numel() for p in params) == tl.param_count(TINY), impl.name
+        assert all(p.dtype == dtype and p.device.type == DEVICE.type for p in params), impl.name
+        assert torch.isfinite(x.grad).all() and all(p.grad is not None and torch.isfinite(p.grad).all()
+                                                    for p in params), impl.name
+        assert torch.equal(x.detach(), x_before), f"{impl.name} modified its input"
+
+
+def test_the_step_trains_with_dropout():
+    # dropout as configured (0.1 and 0.1, training mode): two steps on the same input differ
+    c = _cpu_case()
+    (x,) = c.make_inputs(DEVICE, False)
+    for impl in c.impls:
+        with torch.no_grad():
+            a, b = impl.fn(x), impl.fn(x)
+        assert not torch.equal(a, b), f"{impl.name}: no dropout in the step"
+    assert tl.fusedlib_block(TINY, True).config.hidden_dropout == tl.HIDDEN_DROPOUT == 0.1
+    assert tl.fusedlib_block(TINY, True).config.attention_dropout == tl.ATTENTION_DROPOUT == 0.1
+
+
+def test_the_three_fusedlib_blocks_have_the_documented_switches():
+    unfused = tl.fusedlib_block(TINY, False)
+    fused = tl.fusedlib_block(TINY, True)
+    sdpa = tl.fusedlib_block(TINY, True, tl.AttnBackend.flash)
+    for name in tl.FUSIONS_ON:
+        assert getattr(fused.config, name) and getattr(sdpa.config, name) and not getattr(unfused.config, name), name
+    assert fused.config.attention_backend is tl.AttnBackend.local
+    assert sdpa.config.attention_backend is tl.AttnBackend.flash
+    assert unfused.config.attention_backend is tl.AttnBackend.unfused
+    assert type(unfused.layers[0].input_layernorm).__name__ == "LayerNorm"  # torch's
+    assert type(fused.layers[0].input_layernorm).__name__ == "FusedLayerNorm"
+    assert fused.training and len(fused.layers) == TINY[-1]
+
+
+def test_param_count_and_gemm_flops_against_the_built_blocks():
+    # FLOPs of one fwd+bwd of the materialised block, counted by PyTorch's FlopCounterMode (every
+    # matmul, baddbmm and bmm, forward and backward), equal the formula; the block is float32 on the CPU
+    block = tl.fusedlib_block(TINY, False, dtype=torch.float32)
+    assert sum(p.numel() for p in block.parameters()) == tl.param_count(TINY)
+    x = torch.randn(TINY[0], TINY[1], TINY[2], requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        block(x, None).sum().backward()
+    assert counter.get_total_flops() == tl.gemm_flops(TINY)
+
+
+@pytest.mark.parametrize("shape, match", [((7, 2, 24, 5, 20, 2), "divisible by heads"),
+                                          ((7, 2, 24, 4, 20), "six ints"), ((7, 0, 24, 4, 20, 2), "six ints"),
+                                          ("abc", "of ints")])
+def test_bad_shapes_are_named(shape, match):
+    with pytest.raises(ValueError, match=f"shape.*{match}"):
+        tl.case(shape)
+
+
+def test_cases_are_the_two_headline_shapes():
+    cs = tl.cases(torch.device("cpu"))
+    assert [c.shape for c in cs] == [tl.DEFAULT_SHAPE, tl.GPT2_SMALL_SHAPE]
+    assert tl.DEFAULT_SHAPE == (2048, 4, 2048, 16, 8192, 4) and tl.GPT2_SMALL_SHAPE == (1024, 8, 768, 12, 3072, 6)
+    assert all(c.dtype is torch.bfloat16 for c in cs)
+    assert [i.name for i in cs[0].impls if i.name == "torch.compile"] == ["torch.compile"]
+    assert cs[0].impls[-1].compile == "static"
+
+
+# ------------------------------------------------------------------------------------------
+# Records
+# ------------------------------------------------------------------------------------------
+
+def test_records_have_tokens_and_no_bytes(monkeypatch):
+    monkeypatch.setattr(core, "time_ms", lambda fn, grad_to_none=None, **kw: (fn(), 2.0)[1])
+    c = _cpu_case()
+    recs = core.measure_case(c, DEVICE)
+    assert [r["impl"] for r in recs] == [i.name for i in c.impls]
+    tokens = TINY[0] * TINY[1]
+    for r in recs:
+        assert r["op"] == "transformer_layer" and r["pass"] == "fwd+bwd" and r["shape"] == list(TINY)
+        assert r["bytes"] is None and r["GBps"] is None
+        assert r["tokens"] == tokens and r["tokens_per_s"] == round(tokens / 2e-3)
+        assert r["shape_names"] == list(tl.SHAPE_NAMES) and r["params"] == tl.param_count(TINY)
+        assert r["weight_bytes"] == 4 * tl.param_count(TINY)
+        assert r["hidden_dropout"] == r["attention_dropout"] == 0.1
+        assert r["attention"] in ("materialised", "sdpa") and isinstance(r["fusions"], list)
+    by = {r["impl"]: r for r in recs}
+    assert by["fusedlib"]["fusions"] == list(tl.FUSIONS_ON) and by["fusedlib-unfused"]["fusions"] == []
+    assert by["fusedlib-sdpa"]["attention"] == "sdpa" and by["torch.compile"]["compile"] == "static"
+    json.dumps(recs)  # plain JSON
+
+
+def test_graph_records_get_plain_launch_tokens_and_the_tables_read_them(monkeypatch):
+    def fake_time_pass(case, impl, pas, device, peak=False, cuda_graph=False):
+        if cuda_graph and impl.name == "eager":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        ms = {"fusedlib": 20.0, "fusedlib-unfused": 40.0}.get(impl.name, 30.0)
+        return (ms / 2 if cuda_graph else ms), (None if cuda_graph else 5 * 10**9)
+
+    monkeypatch.setattr(core, "_time_pass", fake_time_pass)
+    c = _cpu_case()
+    recs = core.measure_case(c, torch.device("cuda"))
+    by = {r["impl"]: r for r in recs}
+    tokens = TINY[0] * TINY[1]
+    f = by["fusedlib"]
+    assert (f["ms"], f["ms_eager"], f["timer"], f["peak_bytes"]) == (10.0, 20.0, "cuda_graph", 5 * 10**9)
+    assert f["tokens_per_s"] == round(tokens / 10e-3) and f["tokens_per_s_eager"] == round(tokens / 20e-3)
+    e = by["eager"]
+    assert e["timer"] == "do_bench" and e["tokens_per_s"] == e["tokens_per_s_eager"] and "capturing" in e["graph_error"]
+
+    copy = core._record("copy", "copy", "copy", (1 << 30,), torch.bfloat16, 1.0, 1 << 32)
+    text = throughput_table([copy] + recs)
+    lines = {line.split()[0]: line for line in text.splitlines() if line.split() and line.split()[0] in tl.IMPLS}
+    assert lines["fusedlib-unfused"].split()[-1] == "2.00x"  # 40 / 20 ms, plain launches
+    assert lines["fusedlib"].split()[1:3] == ["20.00", "10.00"] and lines["fusedlib"].split()[-1] == "5.00"
+    assert lines["eager"].split()[2] == "-" and "eager: no CUDA graph" in text
+    # the harness's and the book's bandwidth tables show "-" for records without bytes
+    summ = cli.summary([copy] + recs)
+    row = next(line for line in summ.splitlines() if " fusedlib-unfused " in line)
+    assert row.split()[-4:-2] == ["-", "-"]
+    table = speedup_table([copy] + recs)
+    assert "fusedlib-unfused" in table and "2.00x" in table  # 40 / 20 with plain launches
+    assert len(backward_table([copy] + recs).splitlines()) == 2, "no fwd pass: only the header"
+    assert sweep_table([copy] + recs, impls=("fusedlib",)).splitlines()[-1].split()[-1] == "-"
+    with pytest.raises(ValueError, match="plot_throughput"):
+        plot_bandwidth([copy] + recs, "block")
+
+
+def test_params_gradients_are_reset_before_every_timed_step(monkeypatch):
+    # the harness clears an implementation's parameter gradients like its inputs': two timed steps
+    # give the one-step gradient, not twice it
+    calls = []
+
+    def fake_time_ms(fn, grad_to_none=None, **kw):
+        for _ in range(2):
+            for t in grad_to_none or []:
+                t.grad = None
+            fn()
+        calls.append(list(grad_to_none or []))
+        return 1.0
+
+    monkeypatch.setattr(core, "time_ms", fake_time_ms)
+    c = _cpu_case()
+    impl = next(i for i in c.impls if i.name == "eager")
+    core._time_pass(c, impl, "fwd+bwd", DEVICE)
+    params = impl.params()
+    assert len(calls[0]) == 1 + len(params), "the input and every parameter"
+    assert all(any(t is p for t in calls[0]) for p in params)
+
+
+# ------------------------------------------------------------------------------------------
+# Plots
+# ------------------------------------------------------------------------------------------
+
+def _fake_records():
+    out = [core._record("copy", "copy", "copy", (1 << 30,), torch.bfloat16, 1.0, 1 << 32)]
+    for shape, tokens in ((tl.DEFAULT_SHAPE, 8192), (tl.GPT2_SMALL_SHAPE, 8192)):
+        for impl, ms in (("fusedlib", 25.0), ("eager", 22.0), ("megatron-core", 50.0)):
+            r = core._record("transformer_layer", "fwd+bwd", impl, shape, torch.bfloat16, ms / 2, None)
+            r.update(timer="cuda_graph", ms_eager=ms, **core._token_fields(tokens, {"ms": ms / 2, "ms_eager": ms}))
+            out.append(r)
+    out[-1].update(timer="do_bench", ms=50.0, tokens_per_s=out[-1]["tokens_per_s_eager"])
+    return out
+
+
+def test_plot_throughput_draws_each_shape_from_zero_with_its_legend_below():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = plot_throughput(_fake_records())
+    fig.canvas.draw()
+    axes = fig.axes
+    assert len(axes) == 2
+    for ax in axes:
+        assert ax.get_xlim()[0] == 0
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["eager", "megatron-core", "fusedlib"]
+    # 3 plain bars + 3 graph bars in the first panel; the second has no graph bar for megatron-core
+    assert len(axes[0].patches) == 6 and len(axes[1].patches) == 5
+    widths = sorted(round(p.get_width(), 3) for p in axes[0].patches)
+    assert widths[-1] == round(8192 / 11e-3 / 1e3, 3)  # eager's graph replay: 11 ms
+    box = fig.legends[0].get_window_extent()
+    assert box.y0 >= 0 and not any(a.get_window_extent().overlaps(box) for a in axes)
+    with pytest.raises(ValueError, match="tokens_per_s"):
+        plot_throughput(_fake_records()[:1])
+
+
+# ------------------------------------------------------------------------------------------
+# The profile
+# ------------------------------------------------------------------------------------------
+
+def test_kernel_categories_and_summary():
+    assert tl.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") == "GEMM"
+    assert tl.kernel_category("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "GEMM"
+    assert tl.kernel_category("pytorch_flash::flash_fwd_kernel<...>") == "attention (SDPA)"
+    assert tl.kernel_category("_softmax_fwd_kernel") == "softmax (+dropout)"
+    assert tl.kernel_category("_norm_bwd_kernel") == "norm"
+    assert tl.kernel_category("void at::native::vectorized_layer_norm_kernel<...>") == "norm"
+    assert tl.kernel_category("_bias_dropout_add_fwd_kernel") == "elementwise & other"
+    events = [("gemm_a", 300.0), ("gemm_a", 500.0), ("_softmax_fwd_kernel", 200.0), ("_bias_gelu_fwd_kernel", 100.0),
+              ("_bias_gelu_fwd_kernel", 100.0), ("_norm_fwd_kernel", 400.0)]
+    s = tl.kernel_summary(events, steps=2, top=2)
+    assert s["kernel_ms"] == 0.8 and s["launches"] == 3.0
+    assert s["categories"] == {"GEMM": 0.4, "norm": 0.2, "elementwise & other": 0.1, "softmax (+dropout)": 0.1}
+    assert s["top"] == [{"name": "gemm_a", "category": "GEMM", "calls": 1.0, "ms": 0.4, "share": 0.5},
+                        {"name": "_norm_fwd_kernel", "category": "norm", "calls": 0.5, "ms": 0.2, "share": 0.25}]
+    with pytest.raises(ValueError, match="steps"):
+        tl.kernel_summary(events, steps=0)
+
+
+def test_profile_runs_and_its_table_and_files(tmp_path, monkeypatch):
+    # on the CPU the profiler records CPU operators instead of kernels: the plumbing, not the numbers
+    prof = tl.profile("cpu", TINY, impls=("fusedlib-unfused",), steps=1, warmup=1, dtype=torch.float32)
+    assert list(prof["impls"]) == ["fusedlib-unfused"] and prof["skipped"] == {}
+    p = prof["impls"]["fusedlib-unfused"]
+    assert p["kernel_ms"] > 0 and p["top"] and abs(sum(p["categories"].values()) - p["kernel_ms"]) < 1e-2
+    text = tl.profile_table(prof)
+    assert "fusedlib-unfused:" in text and "top" in text
+    with pytest.raises(ValueError, match="unknown"):
+        tl.profile("cpu", TINY, impls=("nope",))
+    # extra_files writes the profile where the chapter loads it from; load_profile: None when missing
+    monkeypatch.setattr(tl, "profile", lambda device: prof)
+    logged = []
+    (path,) = tl.extra_files(torch.device("cpu"), tmp_path, log=logged.append)
+    assert logged == [tl.profile_table(prof)]
+    assert path == tmp_path / tl.PROFILE_FILE and tl.load_profile(path) == json.loads(json.dumps(prof))
+    assert tl.load_profile(tmp_path / "missing.json") is None
+
+
+def test_cli_prints_the_op_table_and_writes_its_extra_files(tmp_path, monkeypatch, capsys):
+    recs = _fake_records()
+    fake_case = core.BenchCase("transformer_layer", tl.DEFAULT_SHAPE, torch.bfloat16, lambda d, rg: (),
+                               {"fwd+bwd": None}, [core.Impl("fusedlib", None, passes=("fwd+bwd",))])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "copy_record", lambda device: recs[0])
+    monkeypatch.setattr(cli, "matmul_record", lambda device: {**recs[0], "TFLOPs": 700.0})
+    monkeypatch.setattr(cli, "get_cases", lambda op: lambda device, sweep=False: [fake_case])
+    monkeypatch.setattr(cli, "measure_case", lambda case, device, progress=None: recs[1:])
+    written = []
+    monkeypatch.setattr(tl, "extra_files", lambda device, out, log: written.append(out) or [tmp_path / "p.json"])
+    assert cli.main(["--op", "transformer_layer", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "fusedlib is" in out.out + out.err and written == [str(tmp_path)]
+    assert json.loads((tmp_path / "transformer_layer.json").read_text())[1]["tokens"] == 8192
+    assert hasattr(get_op_module("transformer_layer"), "table")
+
+
+def test_host_mode_has_a_tiny_block():
+    shape = host_mod.HOST_SHAPES["transformer_layer"]
+    assert len(shape) == 6 and shape[-1] == 4
+    c = tl.case(shape)
+    assert set(host_mod.HOST_IMPLS) <= {i.name for i in c.impls}
+
+
+# ------------------------------------------------------------------------------------------
+# count_calls, the chapter's dispatch counter
+# ------------------------------------------------------------------------------------------
+
+def test_count_calls_counts_and_restores_module_functions_and_inherited_classmethods():
+    import types
+
+    from fusedlib.book import count_calls
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    mod = types.SimpleNamespace(f=lambda x: x + 1)
+    original_f, original_apply = mod.f, Double.apply
+    x = torch.ones(3)
+    with count_calls({"f": (mod, "f"), "double": (Double, "apply")}) as counts:
+        assert torch.equal(mod.f(Double.apply(x)), torch.full((3,), 3.0))
+        mod.f(x)
+    assert counts == {"f": 2, "double": 1}
+    assert mod.f is original_f and "apply" not in vars(Double) and Double.apply == original_apply
+    with pytest.raises(RuntimeError):
+        with count_calls({"f": (mod, "f")}):
+            raise RuntimeError("inside")
+    assert mod.f is original_f, "restored after an error"
+    with pytest.raises(AttributeError):
+        with count_calls({"f": (mod, "f"), "g": (mod, "no_such_name")}):
+            pass
+    assert mod.f is original_f
+
+
+def test_the_compiled_block_compiles_one_layer_graph_per_shape():
+    # the layers are identical: Dynamo traces one layer's forward and reuses it for the other three;
+    # a second shape gets its own static graph (a recording backend stands in for Inductor)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        for s in (7, 9):
+            shape = (s, 2, 24, 4, 20, 4)
+            comp = tl.case(shape, torch.float32, compile_backend=backend).impls[-1]
+            assert comp.name == "torch.compile" and comp.info["compile_scope"] == "layer"
+            (x,) = tl.case(shape, torch.float32).make_inputs(DEVICE, True)
+            for _ in range(2):
+                comp.fn(x).sum().backward()
+        assert len(graphs) == 2, f"{len(graphs)} graphs for 2 shapes of 4 layers"
+        assert all(isinstance(d, int) for ex in graphs for t in ex if isinstance(t, torch.Tensor) for d in t.shape)
+    finally:
+        torch._dynamo.reset()
