@@ -341,8 +341,8 @@ def _norm_bwd_kernel(
                 # one element: x_hat = 0 and y = beta whatever x, so dx = 0 exactly. The
                 # formula gives g - c2 = 0 only if g is rounded once: compiled, gamma * dy may
                 # be contracted into the subtraction (fma(gamma, dy, -c2), the exact product
-                # minus the rounded one), and rstd = 1 / sqrt(eps) scaled that rounding error
-                # to 1e-5 on the H200
+                # minus the rounded one), and rstd = 1 / sqrt(eps) magnified that rounding
+                # error (seen on the H200)
                 dx = tl.zeros_like(dx)
         tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
         # first stage of dgamma / dbeta: accumulate over this program's rows
