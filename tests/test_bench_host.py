@@ -17,6 +17,8 @@ from fusedlib.bench.ops import OP_MODULES, baselines, get_case, get_cases
 from fusedlib.book import host_table as book_host_table
 from fusedlib.book import speedup_table
 
+from conftest import DEVICE  # noqa: I001
+
 HOST_SCHEMA = {"op", "measured_op", "pass", "impl", "shape", "dtype", "us", "enqueue_us", "cpu_us",
                "us_repeats", "calls", "repeats", "warmup", "device", "torch", "triton"}
 
@@ -189,7 +191,7 @@ def test_host_step_resets_gradients_and_forward_keeps_no_graph():
 
 def test_measure_host_records_round_trip(tmp_path, monkeypatch):
     monkeypatch.setattr(baselines, "compiled", lambda fn, dynamic=False, backend="inductor": fn)  # no Inductor on CI
-    recs, skipped = host_mod.measure_host("bias_gelu", "cpu", calls=2, repeats=2, warmup=1, shape=(4, 16),
+    recs, skipped = host_mod.measure_host("bias_gelu", DEVICE, calls=2, repeats=2, warmup=1, shape=(4, 16),
                                           dtype=torch.float32)
     assert skipped == {}
     assert [(r["pass"], r["impl"]) for r in recs] == [(p, i) for p in ("fwd", "fwd+bwd") for i in host_mod.HOST_IMPLS]
@@ -197,7 +199,7 @@ def test_measure_host_records_round_trip(tmp_path, monkeypatch):
         assert set(r) == HOST_SCHEMA | ({"compile"} if r["impl"] == "torch.compile" else set())
         assert (r["op"], r["measured_op"], r["shape"], r["dtype"], r["calls"], r["repeats"]) == \
             ("host", "bias_gelu", [4, 16], "float32", 2, 2)
-        assert r["us"] > 0 and len(r["us_repeats"]) == 2 and r["device"] == "cpu"
+        assert r["us"] > 0 and len(r["us_repeats"]) == 2 and r["device"] == core.environment()["device"]
     assert next(r for r in recs if r["impl"] == "torch.compile")["compile"] == "static"
     path = core.write_records(recs, tmp_path / "host.json")
     assert core.load_records(path) == json.loads(json.dumps(recs))
@@ -385,7 +387,7 @@ def test_tune_launches_each_kernel_with_the_candidate_tile(op, monkeypatch):
         monkeypatch.setattr(mod, "launch", recording)
 
     lines = []
-    recs = tune_mod.tune(op, [shape], dtype=torch.float32, device="cpu", repeat=2, limit=1,
+    recs = tune_mod.tune(op, [shape], dtype=torch.float32, device=DEVICE, repeat=2, limit=1,
                          copy_gbps=1000.0, timer=fake_timer, emit=lines.append)
     assert [r["pass"] for r in recs] == ["fwd", "bwd"]
     for r, pass_ in zip(recs, ("fwd", "bwd")):

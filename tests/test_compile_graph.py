@@ -339,7 +339,8 @@ def test_cuda_graph_of_forward_and_backward_replays_on_new_data(name, dtype):
     case = CASES[name]
     static = case.make(dtype)
     diff = _diff(case, static)
-    probe = case.fn(*_clone(static))
+    with torch.no_grad():  # a probe graph kept alive would pin the leaves' gradient
+        probe = case.fn(*_clone(static))  # accumulators to this stream (not the capture's)
     g_out = torch.randn(probe.shape, device="cuda", dtype=probe.dtype)
     fresh = case.make(dtype)  # the same inputs' own values: not aliased by the graph
 

@@ -547,8 +547,13 @@ def test_glu_plain_functions_match_reference(glu):
     # Megatron's argument orders: bias_swiglu(y, bias) but bias_geglu(bias, y)
     biased = bias_fwd(y, b) if glu == "swiglu" else bias_fwd(b, y)
     assert_close(biased, ref(y64 + b64), torch.float32)
-    assert_close(fwd_back(g, y), back(g64, y64), torch.float32)
-    assert_close(bias_back(g, y, b), back(g64, y64 + b64), torch.float32)
+    # dy1 = g·y2·act'(y1). Compiled, exp is ex2.approx (relative error ~2^-22), so t = tanh or
+    # sigma errs by <= 5e-7 absolute, and act' (which cancels: (1 - t²)·... against (1 + t)/2
+    # for |y1| of a few units) by <= 3e-6 absolute for |y1| <= 4.5; times |g·y2| that can pass
+    # conftest's float32 atol of 1e-5: scale it by 0.3·max|g·y2| (3e-6 / 1e-5) where larger than 1.
+    amp = max(1.0, 0.3 * float((g64.abs() * (y64[..., 65:] + b64[65:]).abs().maximum(y64[..., 65:].abs())).max()))
+    assert_close(fwd_back(g, y), back(g64, y64), torch.float32, scale=amp)
+    assert_close(bias_back(g, y, b), back(g64, y64 + b64), torch.float32, scale=amp)
 
 
 def test_weighted_swiglu_plain_functions_match_reference():

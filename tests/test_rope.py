@@ -228,7 +228,16 @@ def test_interleaved_is_half_split_on_permuted_channels():
     perm = torch.cat((torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, d))).to(DEVICE)
     out_i = fused_apply_rotary_pos_emb(t, torch.stack((half, half), -1).reshape(3, 1, 1, rot), interleaved=True)
     out_h = fused_apply_rotary_pos_emb(t[..., perm], torch.cat((half, half), -1), interleaved=False)
-    assert torch.equal(out_i[..., perm], out_h)
+    # In the interpreter (NumPy, no fused multiply-add) the two layouts give the same bits.
+    # Compiled, each may contract x1·cos - x2·sin into an FMA differently: each output then
+    # differs by at most one rounding of either product, 2u (|x1| + |x2|) with u = 2^-24;
+    # pass-through channels are copies either way.
+    th = t[..., perm]
+    partner = torch.cat((th[..., rot // 2:rot], th[..., :rot // 2], torch.zeros_like(th[..., rot:])), -1)
+    bound = 2 * 2.0**-24 * (th.abs() + partner.abs()) * (torch.arange(d, device=DEVICE) < rot)
+    assert ((out_i[..., perm] - out_h).abs() <= bound).all()
+    if not torch.cuda.is_available():
+        assert torch.equal(out_i[..., perm], out_h)
 
 
 # ------------------------------------------------------------------------------------------
@@ -460,7 +469,9 @@ def test_megatron_core_parity(monkeypatch):
     for interleaved in (False, True):
         mc = McRotaryEmbedding(80, 0.3, rotary_interleaved=interleaved, seq_len_interpolation_factor=2.0,
                                use_cpu_initialization=True, cp_group=_OneRank())
-        ours = RotaryEmbedding(80, 0.3, rotary_interleaved=interleaved, seq_len_interpolation_factor=2.0, device=DEVICE)
+        # the same device for inv_freq as megatron-core's (pow rounds differently on CPU and GPU)
+        ours = RotaryEmbedding(80, 0.3, rotary_interleaved=interleaved, seq_len_interpolation_factor=2.0,
+                               use_cpu_initialization=True)
         freqs = mc(7, offset=2)
         assert torch.equal(ours(7, offset=2), freqs)
         t = _randn(7, 2, 3, 80, dtype=torch.float64)

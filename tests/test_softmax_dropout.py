@@ -401,7 +401,7 @@ def test_bench_case_builds_and_its_implementations_agree_in_distribution():
     assert [i.compile for i in case.impls if i.name == "torch.compile"] == ["static"]
     kept = 8 * 9 // 2  # causal band of [8, 8]
     assert case.bytes == {"fwd": (kept + 64) * 2 * 2, "fwd+bwd": (kept + 64) * 2 * 2 + (2 * kept + 64) * 2 * 2}
-    x, mask = case.make_inputs(torch.device("cpu"), True)
+    x, mask = case.make_inputs(DEVICE, True)
     for impl in case.impls:
         if impl.name in ("fusedlib", "eager"):  # torch.compile: not on this CPU-only machine
             z = impl.fn(x, mask)

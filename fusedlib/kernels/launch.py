@@ -136,13 +136,16 @@ def pick(table: TileTable, n_cols: int) -> Tile:
     Raises:
         ValueError: for n_cols < 1, or past the table's last bound.
     """
+    if torch.compiler.is_compiling():
+        # Dynamo traces neither id() nor a write to a global here; a compiled graph calls
+        # this once, at trace time, so the table's walk costs nothing there
+        return _lookup(table, n_cols)
     key = (id(table), n_cols)
     tile = _PICKS.get(key)
     if tile is None:
         tile = _lookup(table, n_cols)
-        if not torch.compiler.is_compiling():
-            _PINNED[id(table)] = table
-            _PICKS[key] = tile
+        _PINNED[id(table)] = table
+        _PICKS[key] = tile
     return tile
 
 
