@@ -473,7 +473,7 @@ def test_megatron_core_parity(monkeypatch):
         ours = RotaryEmbedding(80, 0.3, rotary_interleaved=interleaved, seq_len_interpolation_factor=2.0,
                                use_cpu_initialization=True)
         freqs = mc(7, offset=2)
-        assert torch.equal(ours(7, offset=2), freqs)
+        assert torch.equal(ours(7, offset=2).to(freqs.device), freqs)  # megatron-core moves it to the GPU
         t = _randn(7, 2, 3, 80, dtype=torch.float64)
         cfg = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=interleaved, multi_latent_attention=False,
                               mrope_section=None)

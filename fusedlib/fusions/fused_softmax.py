@@ -229,11 +229,16 @@ def megatron_kernel_availability(
 # ---------------------------------------------------------------------------------------------
 
 
+#: AttnMaskType's member names: a plain frozenset, which torch.compile traces (Dynamo cannot
+#: look into ``Enum.__members__``, a property of the enum's class).
+_MASK_TYPE_NAMES: frozenset[str] = frozenset(m.name for m in AttnMaskType)
+
+
 def _mask_type_name(attn_mask_type: object) -> str:
     """The member name of an AttnMaskType (fusedlib's, or Megatron-core's enum by name)."""
     name = getattr(attn_mask_type, "name", None)
-    if not isinstance(attn_mask_type, enum.Enum) or name not in AttnMaskType.__members__:
-        allowed = ", ".join(AttnMaskType.__members__)
+    if not isinstance(attn_mask_type, enum.Enum) or name not in _MASK_TYPE_NAMES:
+        allowed = ", ".join(m.name for m in AttnMaskType)
         raise TypeError(f"attn_mask_type must be an AttnMaskType ({allowed}), got {attn_mask_type!r}")
     return name
 

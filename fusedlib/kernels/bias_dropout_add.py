@@ -255,7 +255,7 @@ def _bias_dropout_add_bwd_kernel(
         dx = g.to(ACC)
         if DROPOUT:
             keep = _keep_mask(seed, rows, pid_n, T, BLOCK_M, BLOCK_N)  # the forward's mask, regenerated
-            dx = tl.where(keep, dx * scale, 0.0)
+            dx = tl.where(keep, dx * scale, 0.0).to(ACC)  # ACC even where scale comes as a float64 constant (Inductor)
         if STORE_DX:
             tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
         if HAS_DBIAS:
