@@ -5,7 +5,7 @@ Seeds. Every test starts from ``torch.manual_seed(seed)`` with
     seed = (zlib.crc32(node id) + offset) mod 2**31
 
 where the node id is pytest's, e.g. ``tests/test_layer_norm.py::test_empty_input[rms]``. So a
-test gets the same seed on every run and every machine (Python's ``hash()`` of a string,
+test gets the same seed on every run and every machine (Python's string hash,
 used before, is salted per process: its inputs changed from run to run), and each test a
 different one. The offset, an
 integer, shifts every test's seed at once: a seed sweep runs the suite under offsets 0, 1,

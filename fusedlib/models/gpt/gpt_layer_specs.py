@@ -84,29 +84,7 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
     _refuse(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, multi_latent_attention=multi_latent_attention,
             fp8=fp8, moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm, qk_l2_norm=qk_l2_norm,
             use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention)
-    qk_norm = FusedNorm if qk_layernorm else IdentityOp
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=FusedNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=FusedNorm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
+    return _layer_spec(FusedNorm, SelfAttention, MLP, get_bias_dropout_add, qk_layernorm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,13 +151,20 @@ def get_gpt_layer_unfused_spec(qk_layernorm: bool = False) -> ModuleSpec:
     Returns:
         ``ModuleSpec(TransformerLayer, ...)``, causal self-attention.
     """
-    qk_norm = UnfusedNorm if qk_layernorm else IdentityOp
+    return _layer_spec(UnfusedNorm, UnfusedSelfAttention, UnfusedMLP, get_bias_dropout_add_unfused, qk_layernorm)
+
+
+def _layer_spec(norm: type, attention: type, mlp: type, bda: Callable, qk_layernorm: bool) -> ModuleSpec:
+    """A causal GPT layer's spec from its parts (the local and the unfused specs differ only in
+    these): ``norm`` for the two pre-norms (and the q/k norms with ``qk_layernorm``), the
+    self-attention and MLP classes, and the bias-dropout-add factory."""
+    qk_norm = norm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=UnfusedNorm,
+            input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=UnfusedSelfAttention,
+                module=attention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
@@ -189,10 +174,10 @@ def get_gpt_layer_unfused_spec(qk_layernorm: bool = False) -> ModuleSpec:
                     k_layernorm=qk_norm,
                 ),
             ),
-            self_attn_bda=get_bias_dropout_add_unfused,
-            pre_mlp_layernorm=UnfusedNorm,
-            mlp=ModuleSpec(module=UnfusedMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                       linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add_unfused,
+            self_attn_bda=bda,
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(module=mlp, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                linear_fc2=RowParallelLinear)),
+            mlp_bda=bda,
         ),
     )
