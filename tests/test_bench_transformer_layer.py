@@ -101,9 +101,12 @@ def test_bad_shapes_are_named(shape, match):
         tl.case(shape)
 
 
-def test_cases_are_the_two_headline_shapes():
+def test_cases_are_the_two_headline_shapes_and_the_sweep_adds_the_small_stack():
     cs = tl.cases(torch.device("cpu"))
     assert [c.shape for c in cs] == [tl.DEFAULT_SHAPE, tl.GPT2_SMALL_SHAPE]
+    assert [c.shape for c in tl.cases(torch.device("cpu"), sweep=True)] == [
+        tl.DEFAULT_SHAPE, tl.GPT2_SMALL_SHAPE, tl.SMALL_SHAPE]
+    assert tl.SMALL_SHAPE == (512, 8, 512, 8, 2048, 4)
     assert tl.DEFAULT_SHAPE == (2048, 4, 2048, 16, 8192, 4) and tl.GPT2_SMALL_SHAPE == (1024, 8, 768, 12, 3072, 6)
     assert all(c.dtype is torch.bfloat16 for c in cs)
     assert [i.name for i in cs[0].impls if i.name == "torch.compile"] == ["torch.compile"]

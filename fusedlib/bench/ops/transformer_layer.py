@@ -15,7 +15,8 @@ optimizer step, no embedding or loss.
 Shapes ``[s, b, h, heads, ffn, layers]``, both measured by ``python -m fusedlib.bench --op
 transformer_layer``: :data:`DEFAULT_SHAPE` (seq 2048, micro-batch 4, hidden 2048, 16 heads,
 ffn 8192, 4 layers) and :data:`GPT2_SMALL_SHAPE` (seq 1024, batch 8, hidden 768, 12 heads,
-ffn 3072, 6 layers), where the GEMMs are small and the host's launches weigh more.
+ffn 3072, 6 layers), where the GEMMs are small and the host's launches weigh more; ``--sweep``
+adds :data:`SMALL_SHAPE` (seq 512, batch 8, hidden 512, 8 heads, ffn 2048, 4 layers).
 
 Implementations (record ``impl``; :data:`IMPLS` says the same):
 
@@ -104,7 +105,7 @@ from ..core import BenchCase, Impl, environment
 from .baselines import compile_impl, try_import
 
 __all__ = [
-    "DEFAULT_SHAPE", "GPT2_SMALL_SHAPE", "SHAPE_NAMES", "HIDDEN_DROPOUT", "ATTENTION_DROPOUT", "IMPLS",
+    "DEFAULT_SHAPE", "GPT2_SMALL_SHAPE", "SMALL_SHAPE", "SHAPE_NAMES", "HIDDEN_DROPOUT", "ATTENTION_DROPOUT", "IMPLS",
     "PROFILE_IMPLS", "PROFILE_FILE", "FUSIONS_ON", "param_count", "gemm_flops", "fusedlib_block",
     "megatron_block", "init_megatron", "PlainGPTLayer", "PlainGPTBlock", "case", "cases", "table",
     "kernel_category", "kernel_summary", "profile", "profile_table", "extra_files", "load_profile",
@@ -114,6 +115,9 @@ __all__ = [
 DEFAULT_SHAPE = (2048, 4, 2048, 16, 8192, 4)
 #: GPT-2 small's layer (Radford et al. 2019): hidden 768, 12 heads of 64, ffn 3072; seq 1024, batch 8, 6 layers
 GPT2_SMALL_SHAPE = (1024, 8, 768, 12, 3072, 6)
+#: A small stack (seq 512, batch 8, hidden 512, 8 heads of 64, ffn 2048, 4 layers): kernels so short that the
+#: host's launches decide the step time; timed with ``--sweep``.
+SMALL_SHAPE = (512, 8, 512, 8, 2048, 4)
 SHAPE_NAMES = ("s", "b", "h", "heads", "ffn", "layers")
 HIDDEN_DROPOUT = 0.1  # Megatron-core's TransformerConfig default
 ATTENTION_DROPOUT = 0.1  # Megatron-core's TransformerConfig default
@@ -473,9 +477,10 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
 
 
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
-    """The two shapes, :data:`DEFAULT_SHAPE` then :data:`GPT2_SMALL_SHAPE`, each with every
-    implementation and its own static compile; ``sweep`` adds nothing (both are headlines)."""
-    return [case(DEFAULT_SHAPE, dtype), case(GPT2_SMALL_SHAPE, dtype)]
+    """:data:`DEFAULT_SHAPE` then :data:`GPT2_SMALL_SHAPE`, each with every implementation and its
+    own static compile; ``sweep`` adds :data:`SMALL_SHAPE`."""
+    shapes = (DEFAULT_SHAPE, GPT2_SMALL_SHAPE) + ((SMALL_SHAPE,) if sweep else ())
+    return [case(shape, dtype) for shape in shapes]
 
 
 # ---------------------------------------------------------------------------------------------
