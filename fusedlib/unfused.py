@@ -813,6 +813,90 @@ __all__ += [
 
 
 # ----------------------------------------------------------------------------------------
+# The whole attention (chapter 8): the materialised reference of flash_attention
+# ----------------------------------------------------------------------------------------
+
+
+def attention_mask_bshd(sq: int, sk: int, *, causal: bool = False, attention_mask: torch.Tensor | None = None,
+                        window_size: tuple[int, int] | None = None,
+                        device: torch.device | str | None = None) -> torch.Tensor | None:
+    """Everything :func:`attention_reference` masks, as one bool mask (True = masked),
+    broadcastable to [b, hq, sq, sk], or None when nothing is masked.
+
+    The union of :func:`causal_mask` (with ``causal``), :func:`sliding_window_causal_mask`
+    (with a window: so causal and window intersect what stays visible) and the caller's mask
+    ([b, sk] key padding, read as [b, 1, 1, sk], or 4-D). Built with triu/tril, independently
+    of the kernels' band arithmetic.
+    """
+    masked = None
+    if causal:
+        masked = causal_mask(sq, sk, device=device)
+    if window_size is not None:
+        w = sliding_window_causal_mask(sq, sk, window_size, device=device)
+        masked = w if masked is None else (masked | w)
+    if attention_mask is not None:
+        m = attention_mask[:, None, None, :] if attention_mask.dim() == 2 else attention_mask
+        masked = m if masked is None else (m | masked)
+    return masked
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    attention_mask: torch.Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    deterministic: bool = False,
+    dropout_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention :func:`fusedlib.fusions.fused_attention.flash_attention` computes,
+    materialised: scores [b, hq, sq, sk] in q's dtype (pass float64 tensors for the tests'
+    oracle), -inf where masked, the softmax (with a sink per head), dropout, times v.
+
+    Differentiable with torch ops (the row max is detached), so in float64 its autograd
+    gradients are the oracle for the kernels' backward, d sinks included.
+
+    Args:
+        q: [b, sq, hq, d]; k, v: [b, sk, hkv, d] with hq % hkv == 0 (each key/value head is
+            repeated for its hq/hkv query heads, here only).
+        causal, softmax_scale, attention_mask, window_size, sinks: as ``flash_attention``
+            (masks: :func:`attention_mask_bshd`; a row with nothing visible and no sink is 0).
+        dropout_p: the dropout probability; kept probabilities are scaled by 1/(1 - dropout_p)
+            (pass the applied p' = round(p·2^16)/2^16 to match the kernels).
+        deterministic: ignored (the reference has no atomics).
+        dropout_mask: bool [b, hq, sq, sk], True = kept: the mask to apply (e.g.
+            :func:`~fusedlib.kernels.flash_attention.flash_attn_dropout_mask` of the kernels'
+            key); None with dropout_p > 0 draws one from torch's generator (then the result
+            is a sample, not the kernels' one).
+
+    Returns:
+        [b, sq, hq, d] in q's dtype.
+    """
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    group = hq // hkv
+    k = k.repeat_interleave(group, dim=2)  # [b, sk, hkv, d] -> [b, sk, hq, d]
+    v = v.repeat_interleave(group, dim=2)
+    x = torch.einsum("bqhd,bkhd->bhqk", q, k)  # [b, hq, sq, sk]
+    masked = attention_mask_bshd(sq, sk, causal=causal, attention_mask=attention_mask, window_size=window_size,
+                                 device=q.device)
+    p = masked_softmax_reference(x, masked, scale, sinks)
+    if dropout_p > 0.0:
+        keep = dropout_mask if dropout_mask is not None else torch.rand(p.shape, device=p.device) >= dropout_p
+        p = torch.where(keep, p / (1.0 - dropout_p), torch.zeros_like(p))
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+__all__ += ["attention_mask_bshd", "attention_reference"]
+
+
+# ----------------------------------------------------------------------------------------
 # LayerNorm and RMSNorm (chapter 4). Sources: Ba et al., "Layer Normalization" (2016),
 # arXiv:1607.06450; Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019),
 # arXiv:1910.07467; Megatron-LM megatron/core/fusions/fused_layer_norm.py (zero-centered gamma).

@@ -1,0 +1,801 @@
+"""FlashAttention-2 in Triton: the whole attention, forward and backward, without the scores.
+
+Layout: q [b, sq, hq, d], k and v [b, sk, hkv, d] ("bshd"), any strides with a unit last
+stride; hq a multiple of hkv (grouped-query attention: query head h reads key/value head
+h // (hq/hkv); K and V are never repeated in memory). The output o has q's shape.
+
+Forward (Dao, "FlashAttention-2", 2023, Algorithm 1), for one tile of BLOCK_M query rows of
+one head: keep a running row max m, a running denominator l and an unnormalised output
+acc in float32 (registers), and walk the key/value tiles of BLOCK_N keys:
+
+    s     = (q·kᵀ)·scale·log2(e)           the scores in base 2: exp2 is one instruction
+    m_new = max(m, rowmax(s))
+    alpha = 2^(m - m_new)                  rescales what was summed under the old max
+    p     = 2^(s - m_new)
+    l     = alpha·l + rowsum(p)
+    acc   = alpha·acc + p·v
+    m     = m_new
+
+and at the end o = acc/l and LSE = (m + log2(l))·ln(2), the natural log-sum-exp of the
+row's scores, saved (float32, [b, hq, sq]: O(s) memory) for the backward. The
+[b, hq, sq, sk] scores and probabilities never leave the registers.
+
+Masks. Key j is visible to query i iff i + band_lo <= j <= i + band_hi
+(:func:`attention_band`): causal is band_hi = sk - sq (the diagonal aligned bottom-right, as
+chapter 5), a sliding window (left, right) adds band_lo = sk - sq - left and band_hi =
+sk - sq + right (-1: unbounded), and both together intersect (FlashAttention's rule). A tile
+loop never visits key tiles outside the band, and splits the rest into tiles that need no
+mask (every key visible to every row of the tile: no compare, no select) and the tiles at
+the band's two edges and at the end of the sequence, which do. A bool mask (True = masked)
+is read as bytes per tile: per key ([b, sk] key padding, or any mask constant along the
+queries: one row of bytes per tile) or per (query, key) through its strides.
+
+Off-by-one softmax with a sink (chapter 5): a per-head logit o_h joins every row's
+denominator, D = sum_j e^{s_j} + e^{o_h}; the loop starts from m = o_h·log2(e), l = 1
+instead of m = -inf, l = 0, and the sink's probability is no output.
+
+A row that sees no key (and has no sink) keeps m = -inf and l = 0: its output is 0 and its
+LSE -inf, never NaN (the max subtracted is taken as 0 while it is -inf, so nothing computes
+-inf - (-inf)).
+
+Attention dropout (chapter 2's Philox, :func:`~fusedlib.kernels.bias_dropout_add._keep_mask`):
+the probability of key j for query i of head h in batch b is kept iff the 16 bits of row
+(b·hq + h)·sq + i, column j are >= T: the mask of
+:func:`~fusedlib.kernels.softmax.softmax_dropout_mask` on scores [b, hq, sq, sk], whatever
+the tiles. The denominator l sums the probabilities before dropout; acc only the kept ones,
+scaled by 1/(1 - p') once at the end. The backward regenerates the mask from the seed.
+
+Backward (FlashAttention-2, Algorithm 2), with dO the output's gradient, in three kernels
+and without atomics (so bitwise reproducible):
+
+1. preprocess: Delta_i = rowsum(dO_i·O_i) (= sum_j P_ij·dP_ij), float32 [b, hq, sq]; with a
+   sink also each row's -P_sink,i·Delta_i, whose sum over b and i is d o_h;
+2. dK, dV: one program per tile of BLOCK_N keys of one key/value head, walking the query
+   tiles of every query head of its group; P = 2^(s - LSE·log2(e)) recomputed from the saved
+   LSE, dV += Pᵀ·dO (P dropped and rescaled with dropout), dP = dO·vᵀ, dS = P∘(dP - Delta),
+   dK += dSᵀ·q·scale. The GQA sum over the group's heads happens in registers;
+3. dQ: one program per tile of BLOCK_M queries, walking the key tiles as the forward does:
+   dQ += dS·k·scale.
+
+Kernels 2 and 3 both recompute s and dP (7 matrix products where an atomic dQ would do 5);
+the price of a deterministic backward with no [b, sq, hq, d] float32 accumulator.
+
+Dtype policy: q, k, v in float16 or bfloat16 (float32 for tests, with IEEE float32
+products: no TF32), products accumulated in float32 on the tensor cores, softmax statistics
+in float32, P and dS rounded to the inputs' dtype before their products (as FlashAttention),
+outputs stored in the inputs' dtype, LSE and Delta float32. Head dims up to 256; a head dim
+that is not a power of two is padded to the next one (at least 16) with masked loads.
+
+Source: Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+Partitioning" (2023), Algorithms 1 and 2; Dao et al., "FlashAttention" (2022), for the
+dropout regenerated in the backward; Triton's fused-attention tutorial
+(``python/tutorials/06-fused-attention.py``) for the exp2 form and the split key loop;
+Megatron-LM ``megatron/core/transformer/dot_product_attention.py`` and
+``megatron/core/extensions/transformer_engine.py`` (core-attention semantics: the mask types,
+the sliding window, softmax_scale); Miller, "Attention is off by one" (2023) for the sink.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime import INTERPRET_ON_CPU, launch
+from .bias_dropout_add import _keep_mask, drop_threshold, dropout_scale
+from .launch import Tile, TileTable, cdiv, next_power_of_2
+from .softmax import softmax_dropout_mask
+
+__all__ = [
+    "LOG2E",
+    "MAX_HEAD_DIM",
+    "FWD_TILES",
+    "BWD_DKDV_TILES",
+    "BWD_DQ_TILES",
+    "INTERPRETER_TILE",
+    "attention_tile",
+    "attention_band",
+    "flash_attn_fwd",
+    "flash_attn_bwd",
+    "flash_attn_dropout_mask",
+]
+
+#: log2(e): scores are scaled by softmax_scale·log2(e) once, so every exponential is an exp2.
+LOG2E: float = 1.4426950408889634
+#: ln(2): the LSE is stored in natural-log units, (m + log2 l)·ln 2.
+LN2: float = 0.6931471805599453
+
+#: Largest head dim the kernels take (the padded head dim, a power of two, is a tile's width).
+MAX_HEAD_DIM: int = 256
+
+# ---------------------------------------------------------------------------------------------
+# Launch settings: tables keyed by the head dim (upper bound of d, Tile). Not measured yet on
+# the H200: starting points from FlashAttention-2 (Sec. 3.3: BLOCK_M 128, BLOCK_N 64 for
+# d <= 128, 4 or 8 warps) and from Triton's fused-attention tutorial (its Hopper configs:
+# forward [128, 64] tiles, 3-4 stages; backward dK/dV programs of 128 keys walking 32 queries
+# at a time, dQ programs of 128 queries walking 32 keys). ``python -m fusedlib.bench.tune
+# --op attention`` times candidates around them; winners go here.
+#
+# Registers bound the tiles. Forward: acc [BLOCK_M, d] float32 plus the [BLOCK_M, BLOCK_N]
+# scores, per thread acc is BLOCK_M·d/(32·warps) floats: 64 at [128, 128] and 8 warps. Shared
+# memory: K and V tiles, BLOCK_N·d·2 bytes each per stage: 3 stages of [64, 128] bf16 = 96 KB
+# of the H200's 227 KB. dK/dV: two [BLOCK_N, d] float32 accumulators plus K and V in
+# registers: 128 keys at d = 128 needs 8 warps; d = 256 halves the keys.
+# ---------------------------------------------------------------------------------------------
+
+#: Forward: one program per BLOCK_M queries of one head, walking BLOCK_N keys at a time.
+FWD_TILES: TileTable = (
+    (64, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)),
+    (128, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
+    (256, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)),
+)
+#: Backward dK/dV: one program per BLOCK_N keys of one key/value head, walking BLOCK_M queries.
+BWD_DKDV_TILES: TileTable = (
+    (64, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3)),
+    (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)),
+    (256, Tile(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)),
+)
+#: Backward dQ: one program per BLOCK_M queries of one head, walking BLOCK_N keys.
+BWD_DQ_TILES: TileTable = (
+    (64, Tile(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)),
+    (128, Tile(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)),
+    (256, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)),
+)
+
+#: Every kernel's tile in Triton's CPU interpreter, which runs programs one at a time at a
+#: fixed cost per operation (large tiles: few programs, few loop steps; numpy does the
+#: products). Tests lower it to 16 to run many tiles, the band's edges and partial tiles.
+INTERPRETER_TILE: Tile = Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+
+# (id(table), d) -> Tile: attention_tile's memory (tables are module constants, pinned here)
+_TILE_PICKS: dict[tuple[int, int], Tile] = {}
+_PINNED: dict[int, TileTable] = {}
+
+
+def attention_tile(table: TileTable, head_dim: int) -> Tile:
+    """The tile of ``table`` for head dim ``head_dim``: the first row whose bound is >= it
+    (the interpreter's :data:`INTERPRETER_TILE` when kernels run on the CPU).
+
+    Unlike :func:`~fusedlib.kernels.launch.pick`, BLOCK_N is a number of keys, not a part
+    of the head dim, so it is never capped by it.
+
+    Raises:
+        ValueError: head_dim < 1 or > the table's last bound.
+    """
+    if INTERPRET_ON_CPU:
+        return INTERPRETER_TILE
+    key = (id(table), head_dim)
+    tile = _TILE_PICKS.get(key)
+    if tile is None:
+        for bound, t in table:
+            if 1 <= head_dim <= bound:
+                tile = t
+                break
+        else:
+            raise ValueError(f"head dim {head_dim} is outside the tile table (1 .. {table[-1][0]})")
+        if not torch.compiler.is_compiling():
+            _PINNED[id(table)] = table
+            _TILE_PICKS[key] = tile
+    return tile
+
+
+def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[int, int]]) -> tuple[int, int]:
+    """(band_lo, band_hi): query i sees key j iff i + band_lo <= j <= i + band_hi.
+
+    causal: j <= i + sk - sq (bottom-right aligned, as chapter 5's
+    :func:`~fusedlib.kernels.softmax.causal_band`). window ``(left, right)``: as Megatron-core's
+    ``get_sliding_window_causal_mask`` and chapter 5's
+    :func:`~fusedlib.kernels.softmax.window_band`, sk - sq - left <= j - i <= sk - sq + right,
+    -1 meaning unbounded on that side. With both, their intersection (FlashAttention's
+    ``causal`` with ``window_size``: the window's right side capped at the diagonal). An
+    unbounded side is returned as ±(sq + sk), past every key of every row.
+    """
+    big = sq + sk
+    lo, hi = -big, big
+    if window_size is not None:
+        left, right = window_size
+        if left >= 0:
+            lo = sk - sq - left
+        if right >= 0:
+            hi = sk - sq + right
+    if causal:
+        hi = min(hi, sk - sq)
+    return max(lo, -big), min(hi, big)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
+               seed, rows, offs_m, offs_d, m_ok, lo, hi, sk, band_lo, band_hi, qk_scale, T,
+               EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Key tiles [lo, hi) of the online softmax (lo, hi multiples of BLOCK_N). EDGE: the tiles
+    may hold keys outside the band or past sk, so the band and the end are masked; else every
+    key of every tile is visible (only the caller's mask, if any, applies)."""
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if EDGE:
+            n_ok = offs_n < sk
+            kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :],
+                         other=0.0)
+        else:
+            kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+        s = tl.dot(q, kT.to(DOT), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], base-2 scores
+        if EDGE:
+            rel = offs_n[None, :] - offs_m[:, None]  # j - i
+            s = tl.where((rel >= band_lo) & (rel <= band_hi) & n_ok[None, :], s, float("-inf"))
+        if MASK_KIND == 1:  # one row of mask bytes for every query (key padding)
+            masked = tl.load(mask_base + offs_n * stride_mk, mask=offs_n < sk, other=1)
+            s = tl.where(masked[None, :] == 0, s, float("-inf"))
+        if MASK_KIND == 2:  # a mask per (query, key)
+            masked = tl.load(mask_base + offs_m[:, None] * stride_mq + offs_n[None, :] * stride_mk,
+                             mask=m_ok[:, None] & (offs_n < sk)[None, :], other=1)
+            s = tl.where(masked == 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:  # l keeps every probability; acc only the kept ones (rescaled at the end)
+            keep = _keep_mask(seed, rows, start_n // BLOCK_N, T, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
+        if EDGE:
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+        else:
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        acc = tl.dot(p.to(v.dtype).to(DOT), v.to(DOT), acc, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _tile_ranges(m0, m_last, band_lo, band_hi, n_total, BLOCK_N: tl.constexpr):
+    """Key tiles of query rows [m0, m_last]: [lo, a) and [b, hi) need masks, [a, b) do not.
+    All multiples of BLOCK_N, lo <= a <= b <= hi (every bound clamped at 0 first: Triton's
+    integer division truncates toward zero)."""
+    lo = (tl.maximum(m0 + band_lo, 0) // BLOCK_N) * BLOCK_N  # first visible key, rounded down
+    end = tl.minimum(tl.maximum(m_last + band_hi + 1, 0), n_total)  # one past the last visible key
+    hi = tl.maximum(((end + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)
+    # a tile [n, n + BLOCK_N) needs no mask iff n >= m_last + band_lo (the last row's lower
+    # edge), n + BLOCK_N <= m0 + band_hi + 1 (the first row's upper edge) and n + BLOCK_N <= n_total
+    full_lo = ((tl.maximum(m_last + band_lo, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_hi = (tl.maximum(tl.minimum(m0 + band_hi + 1, n_total), 0) // BLOCK_N) * BLOCK_N
+    a = tl.minimum(tl.maximum(full_lo, lo), hi)
+    b = tl.minimum(tl.maximum(full_hi, a), hi)
+    return lo, a, b, hi
+
+
+@triton.jit(do_not_specialize=["T"])
+def _flash_fwd_kernel(
+    Q_ptr, K_ptr, V_ptr,  # q [b, sq, hq, d], k and v [b, sk, hkv, d], unit last stride
+    O_ptr,  # o, q's shape and dtype
+    LSE_ptr,  # float32 [b, hq, sq], contiguous: the log-sum-exp of each row (natural log)
+    MASK_ptr,  # uint8 (or bool) mask, True = masked, element (b, h, i, j) at the stride_m* strides
+    SINK_ptr,  # float32 [hq]: sink logits (with HAS_SINK)
+    SEED_ptr,  # int64 [1]: the Philox key (with DROPOUT)
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    n_heads,  # hq
+    group,  # hq // hkv
+    sq, sk,
+    qk_scale,  # softmax_scale·log2(e)
+    band_lo, band_hi,  # query i sees keys i + band_lo <= j <= i + band_hi
+    T,  # drop threshold round(p·2^16) (with DROPOUT)
+    keep_scale,  # 1/(1 - p') (1.0 without DROPOUT)
+    HEAD_DIM: tl.constexpr,  # d
+    BLOCK_D: tl.constexpr,  # d padded to a power of two (>= 16)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr,  # 0: no mask; 1: one row of bytes per (b, h) (keys only); 2: per (i, j)
+    HAS_SINK: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    DOT: tl.constexpr,  # dtype of the products' operands (float32 for bfloat16 in the interpreter)
+    PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else "tf32" (unused by 16-bit types)
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // group  # the key/value head of this query head
+    b64 = b.to(tl.int64)
+    q_base = Q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K_ptr + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V_ptr + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    o_base = O_ptr + b64 * stride_ob + h.to(tl.int64) * stride_oh
+    mask_base = MASK_ptr + b64 * stride_mb + h.to(tl.int64) * stride_mh
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < sq
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0).to(DOT)
+
+    if HAS_SINK:  # the sink logit starts the row: m = o·log2(e), l = 2^(m - m) = 1
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINK_ptr + h).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    seed = 0
+    rows = (b64 * n_heads + h) * sq + offs_m  # the dropout mask's rows: (b·hq + h)·sq + i
+    if DROPOUT:
+        seed = tl.load(SEED_ptr)
+
+    m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
+    lo, a, bb, hi = _tile_ranges(m0, m_last, band_lo, band_hi, sk, BLOCK_N)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq,
+                               stride_mk, seed, rows, offs_m, offs_d, m_ok, lo, a, sk, band_lo, band_hi, qk_scale, T,
+                               True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq,
+                               stride_mk, seed, rows, offs_m, offs_d, m_ok, a, bb, sk, band_lo, band_hi, qk_scale, T,
+                               False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq,
+                               stride_mk, seed, rows, offs_m, offs_d, m_ok, bb, hi, sk, band_lo, band_hi, qk_scale, T,
+                               True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+
+    empty = l_i == 0.0  # nothing visible and no sink: output 0, LSE -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc * (keep_scale / l_safe)[:, None]
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], o.to(O_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE_ptr + (b64 * n_heads + h) * sq + offs_m, lse, mask=m_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _flash_bwd_preprocess_kernel(
+    O_ptr, DO_ptr,  # o and its gradient [b, sq, hq, d]
+    LSE_ptr,  # float32 [b, hq, sq]
+    SINK_ptr,  # float32 [hq] (with HAS_SINK)
+    DELTA_ptr,  # float32 [b, hq, sq], written: rowsum(dO·O)
+    DSINK_ptr,  # float32 [b, hq, sq], written with HAS_SINK: -P_sink·Delta per row
+    stride_ob, stride_os, stride_oh,
+    stride_db, stride_ds, stride_dh,
+    n_heads, sq,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m < sq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    do = tl.load(DO_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :], mask=ok,
+                 other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    row = (b * n_heads + h) * sq + offs_m
+    tl.store(DELTA_ptr + row, delta, mask=offs_m < sq)
+    if HAS_SINK:
+        lse = tl.load(LSE_ptr + row, mask=offs_m < sq, other=0.0)
+        p_sink = tl.exp(tl.load(SINK_ptr + h).to(tl.float32) - lse)
+        tl.store(DSINK_ptr + row, -p_sink * delta, mask=offs_m < sq)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
+                mask_base, stride_mq, stride_mk, seed, row0, n_tile, offs_n, offs_d, lo, hi, sq, band_lo, band_hi,
+                qk_scale, T, keep_scale,
+                EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Query tiles [lo, hi) of one head for the key tile offs_n: accumulate dK (unscaled) and
+    dV. Computed transposed ([keys, queries]) so that no product needs a transposed result.
+    Rows past sq contribute nothing: their q and dO load as 0, their LSE as +inf (P = 0)."""
+    d_ok = offs_d < HEAD_DIM
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < sq
+        qT = tl.load(q_base + offs_m[None, :] * stride_qs + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :],
+                     other=0.0).to(DOT)
+        lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # an empty row: P = 0
+        sT = tl.dot(k, qT, input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        pT = tl.exp2(sT - lse[None, :])
+        if EDGE:
+            rel = offs_n[:, None] - offs_m[None, :]  # j - i
+            pT = tl.where((rel >= band_lo) & (rel <= band_hi), pT, 0.0)
+        if MASK_KIND == 1:
+            pT = tl.where(kmask[:, None] == 0, pT, 0.0)
+        if MASK_KIND == 2:
+            masked = tl.load(mask_base + offs_m[None, :] * stride_mq + offs_n[:, None] * stride_mk,
+                             mask=m_ok[None, :] & (kmask == 0)[:, None], other=1)  # kmask: 1 past sk
+            pT = tl.where(masked == 0, pT, 0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                     other=0.0)
+        dpT = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]: (dO·vᵀ)ᵀ
+        if DROPOUT:  # dV takes the dropped P, dP the gradient through the dropout
+            keepT = tl.trans(_keep_mask(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
+            pdT = tl.where(keepT, pT * keep_scale, 0.0)
+            dpT = tl.where(keepT, dpT * keep_scale, 0.0)
+            dv = tl.dot(pdT.to(do.dtype).to(DOT), do.to(DOT), dv, input_precision=PRECISION)
+        else:
+            dv = tl.dot(pT.to(do.dtype).to(DOT), do.to(DOT), dv, input_precision=PRECISION)
+        delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(do.dtype).to(DOT), tl.trans(qT), dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["T"])
+def _flash_bwd_dkdv_kernel(
+    Q_ptr, K_ptr, V_ptr, DO_ptr,
+    LSE_ptr, DELTA_ptr,  # float32 [b, hq, sq]
+    DK_ptr, DV_ptr,  # k's and v's shape and dtype, written
+    MASK_ptr, SEED_ptr,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    n_heads, group, sq, sk,
+    sm_scale,  # softmax_scale (dK = scale·dSᵀ·q)
+    qk_scale, band_lo, band_hi, T, keep_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < sk
+    d_ok = offs_d < HEAD_DIM
+    kv_ok = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(K_ptr + b64 * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+                mask=kv_ok, other=0.0).to(DOT)
+    v = tl.load(V_ptr + b64 * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
+                mask=kv_ok, other=0.0).to(DOT)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED_ptr)
+
+    # query tiles of rows that see a key of this tile: i in [n0 - band_hi, n_last - band_lo]; with
+    # the roles of rows and keys swapped, _tile_ranges gives them (a tile [i, i + BLOCK_M) needs
+    # no mask iff i >= n_last - band_hi and i + BLOCK_M <= n0 - band_lo + 1 and <= sq)
+    n_last = tl.minimum(n0 + BLOCK_N, sk) - 1
+    lo, a, bb, hi = _tile_ranges(n0, n_last, -band_hi, -band_lo, sq, BLOCK_M)
+    for g in range(0, group):  # every query head of this key/value head: the GQA sum in registers
+        h = hk * group + g
+        q_base = Q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = DO_ptr + b64 * stride_dob + h.to(tl.int64) * stride_doh
+        lse_base = LSE_ptr + (b64 * n_heads + h) * sq
+        delta_base = DELTA_ptr + (b64 * n_heads + h) * sq
+        mask_base = MASK_ptr + b64 * stride_mb + h.to(tl.int64) * stride_mh
+        row0 = (b64 * n_heads + h) * sq
+        kmask = tl.where(n_ok, 0, 1).to(tl.int8)  # 1 = masked: the keys past sk
+        if MASK_KIND == 1:  # the same for every query: read once per head
+            kmask = tl.load(mask_base + offs_n * stride_mk, mask=n_ok, other=1).to(tl.int8)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
+                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, lo, a, sq, band_lo, band_hi,
+                             qk_scale, T, keep_scale, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
+                             PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
+                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, a, bb, sq, band_lo, band_hi,
+                             qk_scale, T, keep_scale, False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
+                             PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
+                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, bb, hi, sq, band_lo, band_hi,
+                             qk_scale, T, keep_scale, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
+                             PRECISION)
+    dk = dk * sm_scale
+    tl.store(DK_ptr + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dks
+             + offs_d[None, :], dk.to(DK_ptr.dtype.element_ty), mask=kv_ok)
+    tl.store(DV_ptr + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvs
+             + offs_d[None, :], dv.to(DV_ptr.dtype.element_ty), mask=kv_ok)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
+              seed, rows, offs_m, offs_d, m_ok, lo, hi, sk, band_lo, band_hi, qk_scale, T, keep_scale,
+              EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Key tiles [lo, hi) for the query tile offs_m: accumulate dQ (unscaled)."""
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < sk
+        if EDGE:
+            ld = d_ok[:, None] & n_ok[None, :]
+        else:
+            ld = d_ok[:, None]
+        kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=ld, other=0.0)
+        vT = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=ld, other=0.0)
+        s = tl.dot(q, kT.to(DOT), input_precision=PRECISION) * qk_scale
+        p = tl.exp2(s - lse[:, None])
+        if EDGE:
+            rel = offs_n[None, :] - offs_m[:, None]
+            p = tl.where((rel >= band_lo) & (rel <= band_hi) & n_ok[None, :], p, 0.0)
+        if MASK_KIND == 1:
+            masked = tl.load(mask_base + offs_n * stride_mk, mask=n_ok, other=1)
+            p = tl.where(masked[None, :] == 0, p, 0.0)
+        if MASK_KIND == 2:
+            masked = tl.load(mask_base + offs_m[:, None] * stride_mq + offs_n[None, :] * stride_mk,
+                             mask=m_ok[:, None] & n_ok[None, :], other=1)
+            p = tl.where(masked == 0, p, 0.0)
+        dp = tl.dot(do, vT.to(DOT), input_precision=PRECISION)
+        if DROPOUT:
+            keep = _keep_mask(seed, rows, start_n // BLOCK_N, T, BLOCK_M, BLOCK_N)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kT.dtype).to(DOT), tl.trans(kT.to(DOT)), dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["T"])
+def _flash_bwd_dq_kernel(
+    Q_ptr, K_ptr, V_ptr, DO_ptr,
+    LSE_ptr, DELTA_ptr,
+    DQ_ptr,  # q's shape and dtype, written
+    MASK_ptr, SEED_ptr,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    n_heads, group, sq, sk,
+    sm_scale, qk_scale, band_lo, band_hi, T, keep_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // group
+    b64 = b.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < sq
+    ld = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=ld, other=0.0).to(DOT)
+    do = tl.load(DO_ptr + b64 * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dos
+                 + offs_d[None, :], mask=ld, other=0.0).to(DOT)
+    rows = (b64 * n_heads + h) * sq + offs_m
+    lse = tl.load(LSE_ptr + rows, mask=m_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # an empty row: P = 0
+    delta = tl.load(DELTA_ptr + rows, mask=m_ok, other=0.0)
+    k_base = K_ptr + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V_ptr + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    mask_base = MASK_ptr + b64 * stride_mb + h.to(tl.int64) * stride_mh
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED_ptr)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
+    lo, a, bb, hi = _tile_ranges(m0, m_last, band_lo, band_hi, sk, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
+                   seed, rows, offs_m, offs_d, m_ok, lo, a, sk, band_lo, band_hi, qk_scale, T, keep_scale,
+                   True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
+                   seed, rows, offs_m, offs_d, m_ok, a, bb, sk, band_lo, band_hi, qk_scale, T, keep_scale,
+                   False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
+                   seed, rows, offs_m, offs_d, m_ok, bb, hi, sk, band_lo, band_hi, qk_scale, T, keep_scale,
+                   True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ_ptr + b64 * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
+             dq.to(DQ_ptr.dtype.element_ty), mask=ld)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launchers (no autograd, no user-input checks: fusedlib.fusions.fused_attention does those)
+# ---------------------------------------------------------------------------------------------
+
+_TL: dict[torch.dtype, tl.dtype] = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _dot_settings(dtype: torch.dtype) -> tuple[tl.dtype, str]:
+    """(DOT, PRECISION): the products' operand dtype and precision for inputs of ``dtype``.
+
+    bfloat16 products run in float32 in Triton's interpreter, which cannot multiply bfloat16
+    (the operands are rounded to bfloat16 first, so the values are the GPU's); float32
+    inputs multiply in IEEE float32, not TF32 (10-bit mantissas), so that float32 is a
+    reference dtype."""
+    if dtype == torch.bfloat16 and INTERPRET_ON_CPU:
+        return tl.float32, "ieee"
+    return _TL[dtype], ("ieee" if dtype == torch.float32 else "tf32")
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, next_power_of_2(head_dim))
+
+
+def _mask_args(mask: Optional[torch.Tensor], shape: tuple[int, int, int, int],
+               dummy: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int], int]:
+    """(mask tensor, its four [b, hq, sq, sk] strides, MASK_KIND).
+
+    ``mask``: bool [b, sk] (key padding) or 4-D, broadcastable to ``shape``. Expanded (zero
+    strides, no copy) and read as bytes; kind 1 when it does not vary along the queries."""
+    if mask is None:
+        return dummy, (0, 0, 0, 0), 0
+    B, H, SQ, SK = shape
+    m4 = mask[:, None, None, :] if mask.dim() == 2 else mask  # [b, sk] -> [b, 1, 1, sk] (a view)
+    m4 = m4.expand(B, H, SQ, SK)
+    if not torch.compiler.is_compiling():
+        m4 = m4.view(torch.uint8)  # bool -> bytes, same strides (traced: the bool tensor itself)
+    strides = m4.stride()
+    kind = 1 if (strides[2] == 0 or SQ == 1) else 2
+    return m4, strides, kind
+
+
+def _dropout_args(seed: Optional[torch.Tensor], dropout_p: float) -> tuple[int, float]:
+    if seed is None:
+        return 0, 1.0
+    return drop_threshold(dropout_p), dropout_scale(dropout_p)
+
+
+def flash_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    band: tuple[int, int],
+    mask: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    seed: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    tile: Optional[Tile] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel.
+
+    Args:
+        q: [b, sq, hq, d], float16/bfloat16/float32, unit last stride (any other strides).
+        k, v: [b, sk, hkv, d], q's dtype and device, unit last stride; hq % hkv == 0.
+        softmax_scale: multiplies q·kᵀ.
+        band: ``(band_lo, band_hi)`` from :func:`attention_band`.
+        mask: bool, True = masked: [b, sk] (key padding) or 4-D broadcastable to
+            [b, hq, sq, sk]; read through its strides, never copied. None: no mask.
+        sinks: float32 [hq] contiguous sink logits, or None.
+        seed: int64 [1] Philox key (dropout on), or None.
+        dropout_p: the dropout probability (with ``seed``).
+        tile: launch settings (None: :data:`FWD_TILES` by head dim).
+
+    Returns:
+        ``(o, lse)``: o like ``q`` (``torch.empty_like``: q's strides where q is dense), lse
+        float32 [b, hq, sq] contiguous (natural log; -inf for a row that saw nothing).
+    """
+    B, SQ, HQ, D = q.shape
+    SK, HKV = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty((B, HQ, SQ), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    if tile is None:
+        tile = attention_tile(FWD_TILES, D)
+    m4, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
+    T, keep_scale = _dropout_args(seed, dropout_p)
+    dot, precision = _dot_settings(q.dtype)
+    grid = (cdiv(SQ, tile.BLOCK_M), HQ, B)
+    launch(_flash_fwd_kernel, grid, q.device,
+           q, k, v, o, lse, m4, sinks if sinks is not None else lse, seed if seed is not None else lse,
+           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+           v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), *ms,
+           HQ, HQ // HKV, SQ, SK, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
+           HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, MASK_KIND=kind,
+           HAS_SINK=sinks is not None, DROPOUT=seed is not None, DOT=dot, PRECISION=precision,
+           num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return o, lse
+
+
+def flash_attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    band: tuple[int, int],
+    mask: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    seed: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    tile: Optional[Tile] = None,
+    dq_tile: Optional[Tile] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Launch the backward: preprocess, dK/dV, dQ (three kernels, no atomics).
+
+    Args:
+        do: the gradient of o, o's shape and dtype, unit last stride; read, never written.
+        q, k, v, mask, sinks, seed, dropout_p, softmax_scale, band: the forward's.
+        o, lse: the forward's outputs.
+        tile: the dK/dV kernel's tile (None: :data:`BWD_DKDV_TILES`): BLOCK_N keys per
+            program, BLOCK_M queries per step.
+        dq_tile: the dQ kernel's (None: :data:`BWD_DQ_TILES`): BLOCK_M queries per program,
+            BLOCK_N keys per step.
+
+    Returns:
+        ``(dq, dk, dv, dsink)``: like q, k, v (``torch.empty_like``); dsink float32 [hq]
+        when ``sinks`` is given, else None. Bitwise reproducible: every sum runs in a fixed
+        order.
+    """
+    B, SQ, HQ, D = q.shape
+    SK, HKV = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsink = None
+    if q.numel() == 0 or k.numel() == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+        if sinks is not None:
+            dsink = torch.zeros((HQ,), dtype=torch.float32, device=q.device)
+        return dq, dk, dv, dsink
+    block_d = _block_d(D)
+    delta = torch.empty((B, HQ, SQ), dtype=torch.float32, device=q.device)
+    dsink_rows = torch.empty((B, HQ, SQ), dtype=torch.float32, device=q.device) if sinks is not None else None
+    pre_m = 64 if block_d <= 128 else 32  # rows per program: [64, 128] float32 products, 32 per thread at 8 warps
+    if INTERPRET_ON_CPU:
+        pre_m = max(pre_m, min(256, next_power_of_2(SQ)))
+    launch(_flash_bwd_preprocess_kernel, (cdiv(SQ, pre_m), HQ, B), q.device,
+           o, do, lse, sinks if sinks is not None else lse, delta, dsink_rows if dsink_rows is not None else delta,
+           o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2), HQ, SQ,
+           HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_SINK=sinks is not None, num_warps=8 if block_d > 64 else 4)
+    if dsink_rows is not None:
+        dsink = dsink_rows.sum(dim=(0, 2))
+    m4, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
+    T, keep_scale = _dropout_args(seed, dropout_p)
+    dot, precision = _dot_settings(q.dtype)
+    seed_arg = seed if seed is not None else lse
+    common = dict(HEAD_DIM=D, BLOCK_D=block_d, MASK_KIND=kind, DROPOUT=seed is not None, DOT=dot,
+                  PRECISION=precision)
+    if tile is None:
+        tile = attention_tile(BWD_DKDV_TILES, D)
+    launch(_flash_bwd_dkdv_kernel, (cdiv(SK, tile.BLOCK_N), HKV, B), q.device,
+           q, k, v, do, lse, delta, dk, dv, m4, seed_arg,
+           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+           v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+           dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *ms,
+           HQ, HQ // HKV, SQ, SK, softmax_scale, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
+           BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, num_warps=tile.num_warps, num_stages=tile.num_stages,
+           **common)
+    if dq_tile is None:
+        dq_tile = attention_tile(BWD_DQ_TILES, D)
+    launch(_flash_bwd_dq_kernel, (cdiv(SQ, dq_tile.BLOCK_M), HQ, B), q.device,
+           q, k, v, do, lse, delta, dq, m4, seed_arg,
+           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+           v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+           dq.stride(0), dq.stride(1), dq.stride(2), *ms,
+           HQ, HQ // HKV, SQ, SK, softmax_scale, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
+           BLOCK_M=dq_tile.BLOCK_M, BLOCK_N=dq_tile.BLOCK_N, num_warps=dq_tile.num_warps,
+           num_stages=dq_tile.num_stages, **common)
+    return dq, dk, dv, dsink
+
+
+def flash_attn_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], p: float) -> torch.Tensor:
+    """The keep mask the kernels draw for ``seed``, as bool [b, hq, sq, sk] (True = kept):
+    for tests and the book (the kernels never write it). Element (b, h, i, j) is row
+    (b·hq + h)·sq + i, column j of chapter 2's mask: the same as
+    :func:`~fusedlib.kernels.softmax.softmax_dropout_mask` on scores of that shape.
+
+    Args:
+        seed: int64 [1] Philox key on the device to run on.
+        shape: (b, hq, sq, sk).
+        p: the dropout probability.
+    """
+    return softmax_dropout_mask(seed, tuple(shape), p)

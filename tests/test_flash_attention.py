@@ -1,0 +1,380 @@
+"""FlashAttention-2 (fusedlib.fusions.fused_attention.flash_attention) against float64 references.
+
+The oracle is ``unfused.attention_reference`` in float64 on the *same* inputs (rounded to the
+dtype under test first): scores materialised with torch ops, masks built with triu/tril
+(independently of the kernels' band arithmetic), autograd for dq, dk, dv and d sinks. Dropout
+is compared exactly: the op's Philox key is replayed (``torch.manual_seed(SEED)`` before the op
+and before ``philox_seed``) and ``flash_attn_dropout_mask`` gives the keep mask the kernels drew;
+the statistics test reads the dropped probabilities from the op's own output instead.
+
+Tolerances, elementwise, derived from where the kernels round (module docstring of
+fusedlib.kernels.flash_attention). Every output is a sum of products accumulated in float32:
+
+* o = sum_j P_ij·v_j: P is rounded to the dtype before the product (relative u), o once
+  when stored (u·|o| <= u·sum_j P_ij·|v_j|): |error| <= 2u·(|P|·|v|)_ij;
+* dv = Pᵀ·dO: the same, 2u·(|P|ᵀ·|dO|);
+* dq = scale·dS·k and dk = scale·dSᵀ·q, dS = P∘(dP - D): dS rounded (u·|dS|), D = rowsum(dO∘O)
+  from the stored o (error <= u·sum_d |dO∘O|, times P_ij in dS), the result rounded:
+  2u·scale·(|dS| + u_D)·|k| with u_D = u·P∘rowsum(|dO∘O|);
+* d sinks = -sum_i P_sink,i·D_i: u·sum_i P_sink,i·rowsum(|dO∘O|) plus the float32 sum.
+
+u is the unit roundoff of the dtype (2^-11 float16, 2^-8 bfloat16). float32 (u = 2^-24) adds
+the float32 arithmetic itself: each value passes through at most d + sk + 8 roundings
+(the score's sum over d, the output's over sk, exp2 and the rescalings), each <= 2^-24
+relative to the same magnitudes, so u_32 = (d + sk + 8)·2^-24. The test asserts |got - ref|
+<= 4·(u + u_32)·R: a 2x margin on the sum of the two rounding bounds, with R the magnitudes
+above computed in float64 from the reference's own P and dS.
+
+Sizes are tiny (Triton's interpreter runs the kernels on the CPU); tiles are lowered to 16 and
+32 (``INTERPRETER_TILE``) so that every case crosses several tiles, partial ones and the band's
+edges. GPU-only cases (``needs_cuda``) run realistic head dims and lengths.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fusedlib.kernels.flash_attention as kfa
+from fusedlib import unfused
+from fusedlib.fusions.fused_attention import flash_attention
+from fusedlib.kernels.bias_dropout_add import KEEP_BITS, drop_threshold, philox_seed
+from fusedlib.kernels.flash_attention import Tile, attention_band, flash_attn_dropout_mask, flash_attn_fwd
+
+from conftest import DEVICE  # noqa: I001
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+SEED = 4321  # replayed seed of the op under test (inputs are drawn before it, fresh per test)
+U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 0.0}
+
+
+@pytest.fixture
+def tiles(monkeypatch):
+    """Set every kernel's tile in the interpreter (on a GPU the tables' tiles run)."""
+    def set_tile(block_m: int, block_n: int) -> None:
+        monkeypatch.setattr(kfa, "INTERPRETER_TILE", Tile(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
+    return set_tile
+
+
+def _p_used(p: float) -> float:
+    """The probability the kernels apply: 16-bit resolution (chapter 2)."""
+    return drop_threshold(p) / 2**KEEP_BITS
+
+
+def _inputs(b, sq, sk, hq, hkv, d, dtype, scale=1.0):
+    mk = lambda *s: (scale * torch.randn(*s, device=DEVICE)).to(dtype).requires_grad_(True)  # noqa: E731
+    return mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
+
+
+def _reference_parts(q64, k64, v64, o64, do64, kw, keep, p_used):
+    """Float64 P (dropped, as the output uses it), dS and the magnitudes R of the tolerance."""
+    b, sq, hq, d = q64.shape
+    sk, hkv = k64.shape[1], k64.shape[2]
+    scale = kw.get("softmax_scale") or 1.0 / math.sqrt(d)
+    group = hq // hkv
+    k_r, v_r = k64.repeat_interleave(group, 2), v64.repeat_interleave(group, 2)
+    masked = unfused.attention_mask_bshd(sq, sk, causal=kw.get("causal", False), attention_mask=kw.get("attention_mask"),
+                                         window_size=kw.get("window_size"), device=q64.device)
+    sinks = kw.get("sinks")
+    x = torch.einsum("bqhd,bkhd->bhqk", q64, k_r)
+    p = unfused.masked_softmax_reference(x, masked, scale, None if sinks is None else sinks.double())
+    z = torch.ones_like(p) if keep is None else keep.double() / (1 - p_used)  # dropout factor
+    dp = torch.einsum("bqhd,bkhd->bhqk", do64, v_r) * z
+    delta = (do64 * o64).sum(-1).transpose(1, 2)[..., None]  # [b, hq, sq, 1]
+    ds = p * (dp - delta)
+    od = (do64 * o64).abs().sum(-1).transpose(1, 2)[..., None]  # rowsum |dO∘O|
+    pz = (p * z).abs()
+    r_o = torch.einsum("bhqk,bkhd->bqhd", pz, v_r.abs())
+    r_dv = torch.einsum("bhqk,bqhd->bkhd", pz, do64.abs()).unflatten(2, (hkv, group)).sum(3)
+    ds_mag = ds.abs() + p * od  # |dS| plus the D term (times u below, with the same u)
+    r_dq = scale * torch.einsum("bhqk,bkhd->bqhd", ds_mag, k_r.abs())
+    r_dk = (scale * torch.einsum("bhqk,bqhd->bkhd", ds_mag, q64.abs())).unflatten(2, (hkv, group)).sum(3)
+    r_ds = None
+    if sinks is not None:
+        lse = torch.logsumexp(torch.cat([(x * scale).masked_fill(masked, float("-inf")) if masked is not None
+                                         else x * scale, sinks.double().view(1, -1, 1, 1).expand(b, hq, sq, 1)], -1),
+                              -1, keepdim=True)
+        p_sink = torch.exp(sinks.double().view(1, -1, 1, 1) - lse)
+        r_ds = (p_sink * (od + delta.abs())).sum(dim=(0, 2, 3))
+    return {"o": r_o, "dq": r_dq, "dk": r_dk, "dv": r_dv, "dsinks": r_ds}
+
+
+def _assert_within(name, got, want, r, dtype, n_terms):
+    u = U[dtype] + n_terms * 2.0 ** -24
+    tol = 4 * u * r + 1e-12
+    err = (got.double() - want).abs()
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    bad = err > tol
+    assert not bad.any(), (f"{name}: {int(bad.sum())} elements out of tolerance, worst err {err.max().item():.3e}, "
+                           f"tol there {tol.flatten()[err.argmax()].item():.3e}")
+
+
+def _check(dtype, b, sq, sk, hq, hkv, d, dropout_p=0.0, grad_layout=None, inputs=None, **kw):
+    """flash_attention forward and backward against the float64 reference; returns (o, grads)."""
+    q, k, v = inputs if inputs is not None else _inputs(b, sq, sk, hq, hkv, d, dtype)
+    sinks = kw.get("sinks")
+    before = [t.detach().clone() for t in (q, k, v)]
+    torch.manual_seed(SEED)
+    o = flash_attention(q, k, v, dropout_p=dropout_p, **kw)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    keep = None
+    p_used = _p_used(dropout_p)
+    if dropout_p > 0:
+        torch.manual_seed(SEED)
+        keep = flash_attn_dropout_mask(philox_seed(DEVICE), (b, hq, sq, sk), dropout_p)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    kw64 = dict(kw)
+    if sinks is not None:
+        kw64["sinks"] = sinks.detach().double().requires_grad_(True)
+    o64 = unfused.attention_reference(q64, k64, v64, dropout_p=p_used, dropout_mask=keep, **kw64)
+    g = torch.randn(o.shape, device=DEVICE).to(dtype)
+    if grad_layout == "transposed":  # a non-contiguous gradient: [sq, b, hq, d] memory, seen as bshd
+        g = g.transpose(0, 1).contiguous().transpose(0, 1)
+    g_before = g.clone()
+    o.backward(g)
+    o64.backward(g.double())
+    assert torch.equal(g, g_before), "grad_output was modified"
+    assert all(torch.equal(t.detach(), t0) for t, t0 in zip((q, k, v), before)), "an input was modified"
+    r = _reference_parts(q64.detach(), k64.detach(), v64.detach(), o.detach().double(), g.double(), kw, keep, p_used)
+    n = d + sk + 8
+    _assert_within("o", o, o64.detach(), r["o"], dtype, n)
+    for name, t, t64 in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
+        assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
+        _assert_within(name, t.grad, t64.grad, r[name], dtype, n)
+    if sinks is not None and sinks.requires_grad:
+        _assert_within("dsinks", sinks.grad, kw64["sinks"].grad, r["dsinks"], dtype, n + b * sq)
+    return o.detach(), [t.grad for t in (q, k, v)]
+
+
+# (b, sq, sk, hq, hkv, d) and the masks; tiles (BLOCK_M, BLOCK_N) in the interpreter
+CASES = {
+    "causal-square-gqa-d40": dict(shape=(2, 37, 37, 4, 2, 40), causal=True, tile=(16, 32)),
+    "causal-sq<sk-mqa-d64": dict(shape=(1, 20, 45, 2, 1, 64), causal=True, tile=(16, 16)),
+    "causal-sq>sk-empty-rows": dict(shape=(2, 33, 17, 2, 2, 16), causal=True, tile=(16, 16)),
+    "decode-sq1": dict(shape=(2, 1, 50, 4, 1, 64), causal=True, tile=(16, 16)),
+    "key-padding-all-masked-sample": dict(shape=(2, 29, 41, 2, 2, 32), padding="keys", tile=(32, 16)),
+    "window-noncausal": dict(shape=(1, 40, 40, 2, 1, 24), window_size=(5, 3), tile=(16, 16)),
+    "window-and-causal-sq<sk": dict(shape=(1, 30, 50, 2, 2, 16), causal=True, window_size=(7, -1), tile=(16, 16)),
+    "4d-mask-empty-row": dict(shape=(2, 21, 35, 2, 1, 32), padding="4d", tile=(16, 16)),
+    "sinks-gqa-causal": dict(shape=(1, 27, 27, 4, 1, 40), causal=True, sinks=True, tile=(16, 16)),
+    "sinks-key-padding-empty": dict(shape=(2, 9, 20, 2, 2, 16), padding="keys", sinks=True, tile=(64, 64)),
+    "scale-no-mask-one-tile": dict(shape=(1, 13, 11, 2, 2, 64), softmax_scale=0.3, tile=(64, 64)),
+}
+
+
+def _masks(case, b, sq, sk, hq):
+    kw = {k: case[k] for k in ("causal", "window_size", "softmax_scale") if k in case}
+    if case.get("padding") == "keys":
+        m = torch.rand(b, sk, device=DEVICE) < 0.3
+        m[-1] = True  # the last sample: every key masked, every row empty
+        kw["attention_mask"] = m
+    elif case.get("padding") == "4d":
+        m = torch.rand(b, 1, sq, sk, device=DEVICE) < 0.3
+        m[0, 0, 3] = True  # one query row with every key masked
+        kw["attention_mask"] = m
+    if case.get("sinks"):
+        kw["sinks"] = torch.randn(hq, device=DEVICE, requires_grad=True)
+    return kw
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_backward_against_float64(name, tiles):
+    case = CASES[name]
+    b, sq, sk, hq, hkv, d = case["shape"]
+    tiles(*case["tile"])
+    kw = _masks(case, b, sq, sk, hq)
+    o, grads = _check(torch.float32, b, sq, sk, hq, hkv, d, **kw)
+    if case.get("padding") == "keys":  # the sample with every key masked: zeros, zero gradients
+        if not case.get("sinks"):
+            assert torch.all(o[-1] == 0) and all(torch.all(g[-1] == 0) for g in grads)
+        else:
+            assert torch.all(o[-1] == 0)
+    if name == "causal-sq>sk-empty-rows":  # rows i < sq - sk see no key
+        assert torch.all(o[:, : sq - sk] == 0) and torch.all(grads[0][:, : sq - sk] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["causal-square-gqa-d40", "sinks-key-padding-empty", "window-and-causal-sq<sk"])
+def test_half_precision_forward_backward(name, dtype, tiles):
+    case = CASES[name]
+    b, sq, sk, hq, hkv, d = case["shape"]
+    tiles(*case["tile"])
+    _check(dtype, b, sq, sk, hq, hkv, d, **_masks(case, b, sq, sk, hq))
+
+
+def test_lse_is_the_rows_logsumexp_and_minus_inf_for_empty_rows(tiles):
+    tiles(16, 16)
+    b, sq, sk, hq, hkv, d = 2, 20, 12, 2, 1, 16
+    q, k, v = (t.detach() for t in _inputs(b, sq, sk, hq, hkv, d, torch.float32))
+    scale = 0.25
+    band = attention_band(sq, sk, True, None)
+    _, lse = flash_attn_fwd(q, k, v, scale, band)
+    x = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(hq // hkv, 2)) * scale
+    want = torch.logsumexp(x.masked_fill(unfused.causal_mask(sq, sk, device=DEVICE), float("-inf")), -1)
+    assert lse.dtype == torch.float32 and lse.shape == (b, hq, sq) and lse.is_contiguous()
+    assert torch.all(lse[:, :, : sq - sk] == float("-inf"))  # rows that see nothing
+    torch.testing.assert_close(lse[:, :, sq - sk:].double(), want[:, :, sq - sk:], atol=1e-5, rtol=1e-6)
+
+
+def test_non_contiguous_inputs_megatron_layout(tiles):
+    # q, k, v as Megatron's [s, b, heads, d] tensors seen through transpose(0, 1); k with a
+    # strided last dim (copied once by the op); the gradient non-contiguous too
+    tiles(16, 16)
+    b, sq, sk, hq, hkv, d = 2, 19, 23, 4, 2, 24
+    q = torch.randn(sq, b, hq, d, device=DEVICE).transpose(0, 1).requires_grad_(True)
+    k = torch.randn(b, sk, hkv, 2 * d, device=DEVICE)[..., ::2].requires_grad_(True)
+    v = torch.randn(sk, b, hkv, d, device=DEVICE).transpose(0, 1).requires_grad_(True)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    o, grads = _check(torch.float32, b, sq, sk, hq, hkv, d, inputs=(q, k, v), grad_layout="transposed", causal=True)
+    assert o.transpose(0, 1).is_contiguous()  # o follows q's memory order: [s, b, h, d] for Megatron
+    assert grads[0].transpose(0, 1).is_contiguous()
+
+
+def test_dropout_against_float64_with_the_replayed_mask(tiles):
+    tiles(16, 16)
+    b, sq, sk, hq, hkv, d = 2, 21, 26, 4, 2, 16
+    mask = torch.rand(b, sk, device=DEVICE) < 0.2
+    sinks = torch.randn(hq, device=DEVICE, requires_grad=True)
+    _check(torch.float32, b, sq, sk, hq, hkv, d, dropout_p=0.3, causal=True, attention_mask=mask, sinks=sinks)
+
+
+def test_dropout_statistics_from_the_output(tiles):
+    # v = one-hot rows (d >= sk): o[b, i, h, :sk] is the dropped probability row itself. Where a
+    # probability is dropped o is exactly 0, where kept it is P/(1 - p'); the dropped fraction
+    # of the n visible probabilities is p' within 5 standard deviations.
+    tiles(32, 32)
+    b, sq, sk, hq, d, p = 2, 40, 30, 2, 32, 0.25
+    q = torch.randn(b, sq, hq, d, device=DEVICE)
+    k = torch.randn(b, sk, 1, d, device=DEVICE)
+    v = torch.eye(sk, d, device=DEVICE).expand(b, sk, d).unsqueeze(2).contiguous()  # [b, sk, 1, d]
+    o = flash_attention(q, k, v, causal=True, dropout_p=p)
+    probs = o[..., :sk].transpose(1, 2)  # [b, hq, sq, sk]
+    ref = unfused.attention_reference(q.double(), k.double(), v.double(), causal=True)[..., :sk].transpose(1, 2)
+    visible = ~unfused.causal_mask(sq, sk, device=DEVICE).expand_as(probs)
+    dropped = (probs == 0) & visible
+    kept = (probs != 0) & visible
+    p_used = _p_used(p)
+    torch.testing.assert_close(probs[kept].double(), ref[kept] / (1 - p_used), atol=1e-6, rtol=1e-5)
+    n = int(visible.sum())
+    assert abs(int(dropped.sum()) / n - p_used) <= 5 * math.sqrt(p_used * (1 - p_used) / n)
+    # the same seed, the same mask; the next call another one
+    torch.manual_seed(7)
+    a = flash_attention(q, k, v, causal=True, dropout_p=p)
+    torch.manual_seed(7)
+    assert torch.equal(a, flash_attention(q, k, v, causal=True, dropout_p=p))
+    assert not torch.equal(a, flash_attention(q, k, v, causal=True, dropout_p=p))
+
+
+def test_dropout_p0_draws_no_random_numbers():
+    q, k, v = (t.detach() for t in _inputs(1, 5, 7, 2, 2, 16, torch.float32))
+    state = torch.get_rng_state()
+    flash_attention(q, k, v, dropout_p=0.0)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backward_is_bitwise_reproducible(deterministic, tiles):
+    tiles(32, 16)
+    q, k, v = _inputs(2, 30, 30, 4, 1, 16, torch.bfloat16)
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    g = torch.randn(q.shape, device=DEVICE).to(q.dtype)
+    runs = []
+    for _ in range(2):
+        for t in (q, k, v, sinks):
+            t.grad = None
+        torch.manual_seed(SEED)
+        flash_attention(q, k, v, causal=True, sinks=sinks, dropout_p=0.1, deterministic=deterministic).backward(g)
+        runs.append([t.grad.clone() for t in (q, k, v, sinks)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_double_backward_raises():
+    q, k, v = _inputs(1, 4, 4, 1, 1, 16, torch.float32)
+    o = flash_attention(q, k, v)
+    (gq,) = torch.autograd.grad(o.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gq.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the argument
+# ---------------------------------------------------------------------------------------------
+
+
+def _good():
+    return dict(q=torch.randn(2, 5, 4, 16, device=DEVICE), k=torch.randn(2, 7, 2, 16, device=DEVICE),
+                v=torch.randn(2, 7, 2, 16, device=DEVICE))
+
+
+BAD = {
+    "q not a tensor": (dict(q=[1.0]), TypeError, "q must be a torch.Tensor"),
+    "int dtype": (dict(q=torch.ones(2, 5, 4, 16, dtype=torch.int32)), TypeError, "q must have dtype"),
+    "float64": (dict(q=torch.randn(2, 5, 4, 16, dtype=torch.float64)), TypeError, "q must have dtype"),
+    "mixed dtypes": (dict(k=torch.randn(2, 7, 2, 16).half()), TypeError, "one dtype"),
+    "3-D q": (dict(q=torch.randn(5, 4, 16)), ValueError, "q must have 4 dims"),
+    "k v shapes differ": (dict(v=torch.randn(2, 8, 2, 16)), ValueError, "k and v must have one shape"),
+    "batch differs": (dict(k=torch.randn(3, 7, 2, 16), v=torch.randn(3, 7, 2, 16)), ValueError, "batch size"),
+    "head dim differs": (dict(k=torch.randn(2, 7, 2, 8), v=torch.randn(2, 7, 2, 8)), ValueError, "head dim"),
+    "heads not a multiple": (dict(k=torch.randn(2, 7, 3, 16), v=torch.randn(2, 7, 3, 16)), ValueError,
+                             "multiple of k's and v's heads"),
+    "head dim too large": (dict(q=torch.randn(1, 2, 1, 300), k=torch.randn(1, 2, 1, 300), v=torch.randn(1, 2, 1, 300)),
+                           ValueError, "head dim"),
+    "causal not bool": (dict(causal=1), TypeError, "causal must be a bool"),
+    "scale inf": (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
+    "scale str": (dict(softmax_scale="0.1"), TypeError, "softmax_scale"),
+    "mask not bool": (dict(attention_mask=torch.zeros(2, 7)), TypeError, "attention_mask must have dtype"),
+    "mask 2-D wrong": (dict(attention_mask=torch.zeros(2, 5, dtype=torch.bool)), ValueError, "key-padding mask [b, sk]"),
+    "mask 4-D wrong": (dict(attention_mask=torch.zeros(2, 3, 5, 7, dtype=torch.bool)), ValueError, "broadcast"),
+    "mask 3-D": (dict(attention_mask=torch.zeros(2, 5, 7, dtype=torch.bool)), ValueError, "attention_mask must be"),
+    "window bad": (dict(window_size=(3,)), ValueError, "window_size"),
+    "window -2": (dict(window_size=(-2, 0)), ValueError, "window_size"),
+    "sinks shape": (dict(sinks=torch.zeros(2)), ValueError, "sinks must have shape [hq]"),
+    "sinks int": (dict(sinks=torch.zeros(4, dtype=torch.int64)), TypeError, "sinks must have dtype"),
+    "dropout 1": (dict(dropout_p=1.0), ValueError, "dropout_p must be in [0, 1)"),
+    "dropout str": (dict(dropout_p="0.1"), TypeError, "dropout_p"),
+    "deterministic not bool": (dict(deterministic=None), TypeError, "deterministic must be a bool"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_names_the_argument(name):
+    change, err, msg = BAD[name]
+    args = _good()
+    for key in ("q", "k", "v"):
+        if key in change:
+            args[key] = change.pop(key)
+    with pytest.raises(err, match=msg.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")):
+        flash_attention(args["q"], args["k"], args["v"], **change)
+
+
+def test_tensors_on_different_devices():
+    args = _good()
+    other = "cpu" if DEVICE.type == "cuda" else "meta"
+    with pytest.raises(ValueError, match="one device"):
+        flash_attention(args["q"], args["k"].to(other), args["v"])
+    with pytest.raises(ValueError, match="attention_mask must be on q's device"):
+        flash_attention(**args, attention_mask=torch.zeros(2, 7, dtype=torch.bool, device=other))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU only: realistic head dims and lengths
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_head_dims_causal_gqa(d, dtype):
+    _check(dtype, 2, 300, 300, 8, 2, d, causal=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_long_rows_every_feature(dtype):
+    b, sq, sk, hq, hkv, d = 2, 257, 1000, 4, 2, 128
+    mask = torch.rand(b, sk, device=DEVICE) < 0.1
+    sinks = torch.randn(hq, device=DEVICE, requires_grad=True)
+    _check(dtype, b, sq, sk, hq, hkv, d, dropout_p=0.1, causal=True, window_size=(300, -1), attention_mask=mask,
+           sinks=sinks)
