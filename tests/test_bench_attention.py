@@ -22,8 +22,8 @@ from fusedlib.bench.ops import get_op_module
 #: [b, h, s, d]: an odd sequence, a head dim that is not a power of two
 TINY = (2, 3, 13, 12)
 #: the implementations that run on a CPU (SDPA's CPU flash and math kernels; the materialised
-#: paths, fusedlib's softmax in Triton's interpreter); fusedlib's own kernel has its tests
-CPU_IMPLS = ("sdpa-flash", "sdpa-math", "fusedlib-materialised", "eager", "torch.compile")
+#: paths; fusedlib's kernels in Triton's interpreter)
+CPU_IMPLS = ("fusedlib", "sdpa-flash", "sdpa-math", "fusedlib-materialised", "eager", "torch.compile")
 
 
 def _reference(q, k, v, causal, scale):
