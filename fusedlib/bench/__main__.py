@@ -126,17 +126,20 @@ def summary(records: list[dict]) -> str:
     ``plain`` the plain-launch time (``"ms_eager"``); ``fused x`` divides each by fusedlib's
     of the same kind. A torch.compile compiled once for several shapes is marked ``(dyn)``.
     Records without a byte count (``"GBps": None``: a model-level op) show ``-`` for GB/s
-    and % copy.
+    and % copy. Records of one shape that differ in a ``"variant"`` field (attention: causal
+    or not) are compared within their variant only, which the shape column names.
     """
     copy = next(r for r in records if r["impl"] == "copy")
     rows = [r for r in records if r["impl"] != "copy"]
-    fused = {(r["pass"], tuple(r["shape"])): r for r in rows if r["impl"] == "fusedlib"}
-    sw = max([18] + [len(str(r["shape"])) + 2 for r in rows])  # the shape column's width
+    key = lambda r: (r["pass"], tuple(r["shape"]), r.get("variant"))
+    label = lambda r: str(r["shape"]) + (f" {r['variant']}" if r.get("variant") else "")
+    fused = {key(r): r for r in rows if r["impl"] == "fusedlib"}
+    sw = max([18] + [len(label(r)) + 2 for r in rows])  # the shape column's width
     iw = max([20] + [len(r["impl"]) + 8 for r in rows])  # the impl's, with room for " (dyn)"
     lines = [f"{'op':<18}{'pass':<9}{'shape':<{sw}}{'impl':<{iw}}{'ms':>9}{'plain':>9}{'GB/s':>9}{'%copy':>7}"
              f"{'fused x':>9}{'plain x':>9}"]
     for r in rows:
-        f = fused.get((r["pass"], tuple(r["shape"])))
+        f = fused.get(key(r))
         graph_r, graph_f = r.get("timer") == "cuda_graph", f is not None and f.get("timer") == "cuda_graph"
         sp = f"{r['ms'] / f['ms']:.2f}" if f and graph_r == graph_f else "-"
         pe, fe = r.get("ms_eager"), f.get("ms_eager") if f else None
@@ -146,7 +149,7 @@ def summary(records: list[dict]) -> str:
         plain = f"{pe:.4f}" if pe else "-"
         gbps, pct = ((f"{r['GBps']:.0f}", f"{100 * r['GBps'] / copy['GBps']:.1f}") if r.get("GBps") is not None
                      else ("-", "-"))
-        lines.append(f"{r['op']:<18}{r['pass']:<9}{str(r['shape']):<{sw}}{impl:<{iw}}{ms:>9}{plain:>9}"
+        lines.append(f"{r['op']:<18}{r['pass']:<9}{label(r):<{sw}}{impl:<{iw}}{ms:>9}{plain:>9}"
                      f"{gbps:>9}{pct:>7}{sp:>9}{sp_e:>9}")
     return "\n".join(lines)
 

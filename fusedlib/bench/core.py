@@ -17,6 +17,11 @@ tokens instead (:attr:`BenchCase.tokens`): records then carry ``"tokens"``,
 ``"tokens_per_s"`` (from ``"ms"``) and, with a CUDA graph, ``"tokens_per_s_eager"`` (from
 ``"ms_eager"``).
 
+Compute-bound cases (attention, whose arithmetic grows as s² while its fewest bytes grow as s)
+have no byte count either; they count floating-point operations (:attr:`BenchCase.flops`):
+records then carry ``"flops"`` (the pass's count, the same for every implementation),
+``"TFLOPs"`` (from ``"ms"``) and, with a CUDA graph, ``"TFLOPs_eager"`` (from ``"ms_eager"``).
+
 Source: Triton's ``triton.testing.do_bench`` and ``perf_report``; quack's byte counts.
 """
 from __future__ import annotations
@@ -111,6 +116,9 @@ class BenchCase:
         tokens: tokens one call processes (a model's step: sequence length x micro-batch);
             records then get ``"tokens"``, ``"tokens_per_s"`` and ``"tokens_per_s_eager"``.
             None (default): no token counts.
+        flops: floating-point operations per pass, e.g. ``{"fwd": ..., "fwd+bwd": ...}``
+            (the same count for every implementation); records then get ``"flops"``,
+            ``"TFLOPs"`` and ``"TFLOPs_eager"``. None (default): no FLOP counts.
         info: extra fields copied into every record of the case.
     """
 
@@ -124,6 +132,7 @@ class BenchCase:
     peak_memory: bool = False
     cuda_graph: bool = True
     tokens: int | None = None
+    flops: dict[str, int] | None = None
     info: dict = field(default_factory=dict)
 
 
@@ -242,7 +251,8 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
         One record per (impl, pass) that ran: DESIGN.md's fields, plus ``"compile"`` for a
         ``torch.compile`` baseline (:attr:`Impl.compile`) and, for a ``cuda_graph`` case on
         CUDA, ``"timer"``, ``"ms_eager"`` and (when the capture failed) ``"graph_error"``
-        (:class:`BenchCase`); the token counts of a case with ``tokens``; the case's and the
+        (:class:`BenchCase`); the token counts of a case with ``tokens``, the FLOP counts of
+        a case with ``flops``; the case's and the
         implementation's ``info`` fields. An implementation that raises is logged with its error and
         left out, so one broken baseline does not lose the others.
     """
@@ -280,6 +290,8 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
                     records[-1]["peak_bytes"] = int(peak)
                 if case.tokens is not None:
                     records[-1].update(_token_fields(case.tokens, records[-1]))
+                if case.flops is not None and case.flops.get(pas) is not None:
+                    records[-1].update(_flop_fields(case.flops[pas], records[-1]))
                 records[-1].update({**case.info, **impl.info})
             if progress:
                 progress(label)
@@ -291,6 +303,14 @@ def _token_fields(tokens: int, record: dict) -> dict:
     out = {"tokens": int(tokens), "tokens_per_s": round(tokens / (record["ms"] * 1e-3))}
     if record.get("ms_eager"):
         out["tokens_per_s_eager"] = round(tokens / (record["ms_eager"] * 1e-3))
+    return out
+
+
+def _flop_fields(flops: int, record: dict) -> dict:
+    """``flops``, TFLOP/s from ``ms`` and (when timed) from ``ms_eager``."""
+    out = {"flops": int(flops), "TFLOPs": round(flops / (record["ms"] * 1e-3) / 1e12, 1)}
+    if record.get("ms_eager"):
+        out["TFLOPs_eager"] = round(flops / (record["ms_eager"] * 1e-3) / 1e12, 1)
     return out
 
 

@@ -74,9 +74,10 @@ __all__ = [
 logger = logging.getLogger("fusedlib.bench")
 
 #: Tiny shape per op (the op's own layout: [rows, h], GLUs [rows, 2h], causal softmax
-#: [b·np, sq, sk], the other softmaxes [b, np, sq, sk], cross entropy [rows, V], RoPE [s, b, np, d], a
-#: transformer block [s, b, h, heads, ffn, layers]: a training step of its 4 layers). A few
-#: thousand elements: each kernel is a few microseconds of GPU time, so the host decides.
+#: [b·np, sq, sk], the other softmaxes [b, np, sq, sk], cross entropy [rows, V], RoPE [s, b, np, d],
+#: attention [b, h, s, d] (causal), a transformer block [s, b, h, heads, ffn, layers]: a training
+#: step of its 4 layers). A few thousand elements: each kernel is a few microseconds of GPU time,
+#: so the host decides.
 HOST_SHAPES: dict[str, tuple[int, ...]] = {
     "bias_gelu": (32, 256),
     "bias_dropout_add": (32, 256),
@@ -91,6 +92,7 @@ HOST_SHAPES: dict[str, tuple[int, ...]] = {
     "softmax_dropout": (1, 4, 32, 32),
     "cross_entropy": (32, 512),
     "rope": (16, 2, 4, 64),
+    "attention": (1, 2, 32, 64),
     "transformer_layer": (32, 2, 64, 4, 256, 4),
 }
 

@@ -27,6 +27,7 @@ OP_MODULES: dict[str, str] = {
     "layer_norm": "layer_norm",
     "rms_norm": "rms_norm",
     "rope": "rope",
+    "attention": "attention",
     "transformer_layer": "transformer_layer",
 }
 
