@@ -432,3 +432,54 @@ def test_cuda_graph_capture_through_the_direct_path():
     g.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every launch fusedlib makes is one the direct path takes (checked here on any machine)
+# ---------------------------------------------------------------------------------------------
+
+#: the ops of ``python -m fusedlib.bench --host`` but the whole transformer block (slow on the CPU)
+HOST_OPS = ["bias_gelu", "bias_dropout_add", "geglu", "swiglu", "weighted_swiglu", "layer_norm", "rms_norm",
+            "causal_softmax", "masked_softmax", "softmax_one", "softmax_dropout", "cross_entropy", "rope"]
+
+
+@pytest.mark.parametrize("op", HOST_OPS)
+def test_every_fusedlib_launch_can_go_direct(op, monkeypatch):
+    """Each kernel launch of the op's fused forward and backward passes the direct path's
+    conditions (no constexpr positionally, no runtime argument by keyword, supported argument
+    types, hashable keywords), judged on a JITFunction of the same kernel source; the launch
+    itself runs as usual (on the CPU, in Triton's interpreter)."""
+    import importlib
+    import pkgutil
+
+    import fusedlib.kernels
+    from fusedlib.bench.host import HOST_SHAPES, host_step
+    from fusedlib.bench.ops import get_case
+
+    seen = []
+    jit_of = {}
+
+    def checking_launch(orig):
+        def launch(kernel, grid, device, *args, **kwargs):
+            fn = getattr(kernel, "fn", kernel)
+            jit = jit_of.setdefault(fn, triton.runtime.jit.JITFunction(fn))
+            why = kl._why_not_direct(jit, len(args), kwargs)
+            key = kl.launch_key(jit, 0, False, "", args, kwargs)
+            assert why is None, f"{fn.__name__}: {why}"
+            assert not isinstance(key, str), f"{fn.__name__}: {key}"
+            hash(key)
+            seen.append(fn.__name__)
+            return orig(kernel, grid, device, *args, **kwargs)
+        return launch
+
+    for info in pkgutil.iter_modules(fusedlib.kernels.__path__):
+        mod = importlib.import_module(f"fusedlib.kernels.{info.name}")
+        if callable(getattr(mod, "launch", None)) and not isinstance(mod.launch, types.ModuleType):
+            monkeypatch.setattr(mod, "launch", checking_launch(mod.launch))
+    case = get_case(op)(HOST_SHAPES[op], torch.float32)
+    impl = next(i for i in case.impls if i.name == "fusedlib")
+    for pass_ in ("fwd", "fwd+bwd"):
+        step, ctx = host_step(case, impl, pass_, DEVICE)
+        with ctx:
+            step()
+    assert seen, "no kernel was launched"
