@@ -483,3 +483,114 @@ def test_every_fusedlib_launch_can_go_direct(op, monkeypatch):
         with ctx:
             step()
     assert seen, "no kernel was launched"
+
+
+# ---------------------------------------------------------------------------------------------
+# Small inputs: one row program, no second-stage reduction, the same bits
+# ---------------------------------------------------------------------------------------------
+
+
+def _bwd_call(op, rows, h, dtype):
+    """(kernels module name, call() -> (dx, dparam[, dparam2]), the terms each parameter
+    gradient sums over rows, float64 [rows, n])."""
+    r = lambda *s: torch.randn(*s, device=DEVICE).to(dtype)  # noqa: E731
+    if op == "bias_gelu":
+        from fusedlib.kernels.bias_gelu import bias_gelu_bwd
+
+        g, y, b = r(rows, h), r(rows, h), r(h)
+        return "bias_gelu", lambda: bias_gelu_bwd(g, y, b), lambda out: [out[0].double()]
+    if op == "swiglu":
+        from fusedlib.kernels.glu import glu_bwd
+
+        g, y, b = r(rows, h), r(rows, 2 * h), r(2 * h)
+        return "glu", lambda: glu_bwd(g, y, b, None, "silu")[:2], lambda out: [out[0].double()]
+    if op == "bias_dropout_add":
+        from fusedlib.kernels.bias_dropout_add import bias_dropout_add_bwd, philox_seed
+
+        g, seed = r(rows, h), philox_seed(DEVICE)
+        tile = kl.Tile(BLOCK_M=16, BLOCK_N=64, num_warps=4, programs_per_sm=4)  # the interpreter's tile is 1 row tile
+        return ("bias_dropout_add",
+                lambda: bias_dropout_add_bwd(g, dtype, seed, 0.25, need_dbias=True, db_dtype=dtype, tile=tile),
+                lambda out: [out[0].double()])
+    from fusedlib.kernels.layer_norm import norm_bwd, norm_fwd
+
+    rms = op == "rms_norm"
+    x, w, b, dy = r(rows, h), r(h), (None if rms else r(h)), r(rows, h)
+    _, mean, rstd = norm_fwd(x, w, b, 1e-5, rms_norm=rms)
+    x_hat = (x.double() - (0 if rms else mean.double()[:, None])) * rstd.double()[:, None]
+    return ("layer_norm", lambda: norm_bwd(dy, x, w, b, mean, rstd, rms_norm=rms),
+            lambda out: [dy.double() * x_hat] + ([] if rms else [dy.double()]))
+
+
+def _count_second_stages(monkeypatch, module_name):
+    """A list that gets one item per second-stage launch (sum_partials, the norms' reduce kernel)."""
+    import importlib
+
+    from fusedlib.kernels import reduce as reduce_mod
+
+    seen = []
+    real_sum = reduce_mod.sum_partials
+    monkeypatch.setattr(reduce_mod, "sum_partials", lambda *a: seen.append("sum_partials") or real_sum(*a))
+    module = importlib.import_module(f"fusedlib.kernels.{module_name}")
+    real_launch = module.launch
+
+    def launch(kernel, *a, **k):
+        if getattr(kernel, "fn", kernel).__name__ == "_norm_bwd_reduce_kernel":
+            seen.append("reduce")
+        return real_launch(kernel, *a, **k)
+
+    monkeypatch.setattr(module, "launch", launch)
+    return module, seen
+
+
+SECOND_STAGE_OPS = ["bias_gelu", "swiglu", "bias_dropout_add", "layer_norm", "rms_norm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("op", SECOND_STAGE_OPS)
+def test_small_inputs_skip_the_second_stage(op, dtype, monkeypatch):
+    """At a shape of at most FOLD_TILES row tiles, one program takes every row and the bias /
+    gamma / beta gradient comes out of the backward kernel itself, in the parameter's dtype:
+    no second-stage launch. Its value is the two-stage one's up to the order of the float32
+    additions: both add the same n = rows terms t (the other path in several partial sums),
+    so they differ by at most 2·n·2^-24·sum|t| (Higham, recursive summation, twice), plus one
+    rounding to the output dtype (2^-24 or 2^-8 relative) that may fall either way."""
+    rows, h = 100, 48  # a few row tiles (up to 32 rows each at h = 48), at most FOLD_TILES
+    name, call, terms = _bwd_call(op, rows, h, dtype)
+    module, seen = _count_second_stages(monkeypatch, name)
+    folded = call()
+    assert seen == [], "one program: no second stage"
+    monkeypatch.setattr(module, "FOLD_TILES", 0)
+    two_stage = call()
+    assert seen, "several programs: a second stage"
+    ulp = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8
+    assert torch.equal(folded[0], two_stage[0])  # dx does not depend on the grid
+    for a, b, t in zip(folded[1:], two_stage[1:], terms(two_stage)):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape == (t.shape[1],)
+        bound = 2 * rows * 2.0 ** -24 * t.abs().sum(0) * 1.01 + ulp * b.double().abs()
+        assert ((a.double() - b.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("op", ["bias_gelu", "swiglu", "bias_dropout_add"])
+def test_one_program_result_equals_the_second_stage_bitwise(op, dtype, monkeypatch):
+    """One row tile (one program on either path): the kernel's own store of the column sum
+    (rounded once to the parameter's dtype) equals what the second stage makes of the same
+    float32 row (adds zeros, rounds once), bitwise."""
+    import importlib
+
+    from fusedlib.kernels import reduce as reduce_mod
+
+    name, call, _ = _bwd_call(op, 5, 48, dtype)
+    folded = call()
+    module = importlib.import_module(f"fusedlib.kernels.{name}")
+    acc_only = lambda programs, n, acc, out_dtype, device: torch.empty((programs, n), dtype=acc, device=device)  # noqa: E731
+    monkeypatch.setattr(module, "partials_buffer", acc_only)  # the float32 partial row, then sum_partials
+    launched = []
+    real_sum = reduce_mod.sum_partials
+    monkeypatch.setattr(reduce_mod, "sum_partials", lambda *a: launched.append(1) or real_sum(*a))
+    two_stage = call()
+    if dtype != torch.float32:
+        assert launched, "the second stage ran"
+    for a, b in zip(folded, two_stage):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -131,9 +131,9 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         seed = ctx.saved_tensors[0] if ctx.dropout else None
         need_dx, need_db, need_dr = ctx.needs_input_grad[:3]
         # dx: [..., h] of x's dtype, or grad_output itself when nothing was dropped and x has
-        # out's dtype (as for a plain add); db: [h] float32
-        dx, db = bias_dropout_add_bwd(grad_output, ctx.x_dtype, seed, ctx.prob, need_dx=need_dx, need_dbias=need_db)
-        db = db.to(ctx.bias_dtype) if db is not None else None
+        # out's dtype (as for a plain add); db: [h] of bias's dtype, summed in float32
+        dx, db = bias_dropout_add_bwd(grad_output, ctx.x_dtype, seed, ctx.prob, need_dx=need_dx, need_dbias=need_db,
+                                      db_dtype=ctx.bias_dtype)
         return dx, db, (grad_output if need_dr else None), None, None
 
 
