@@ -82,7 +82,8 @@ def test_key_is_at_least_as_fine_as_tritons_specialization():
 def test_key_parts():
     x = torch.zeros(32, dtype=torch.float32)
     k = kl.launch_key("k", 0, False, "", (x, 16, 1, 3), {"BLOCK": 64, "num_warps": 4})
-    assert k == (id("k"), 0, False, "", torch.float32, True, "i32/16", "one", "i32", (("BLOCK", 64), ("num_warps", 4)))
+    assert k == (id("k"), 0, False, "", torch.float32, True, "i32/16", "one", "i32", "BLOCK", 64, "num_warps", 4)
+    assert kl.launch_key("k", 0, False, "", (), {"ACC": tl.float32})[-1] == ("tl.dtype", "fp32")
     assert kl.launch_key("k", 0, False, "", (x[1:],), {})[-1] is False  # 4 bytes off: not divisible by 16
     assert kl.launch_key("k", 0, False, "", ((1, 2),), {}) == "an argument of type tuple"
 

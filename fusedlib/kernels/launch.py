@@ -421,6 +421,9 @@ _NO_DIRECT = object()
 _KERNELS: dict[int, Any] = {}
 _get_stream = None  # triton's driver.active.get_current_stream, bound at the first fill
 _KNOBS = getattr(triton, "knobs", None)
+_TL_DTYPE = tl.dtype
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
 
 
 def clear_launch_cache() -> None:
@@ -535,23 +538,25 @@ def launch_key(kernel: Any, device_index: int, debug: Any, instrumentation_mode:
     positional argument (a tensor: its dtype and whether ``data_ptr() % 16 == 0``; an int:
     ``"one"`` for 1, else ``"i32"`` or ``"i32/16"`` in int32 range, else ``("int",
     divisible by 16, >= 2**63)``; a float ``"fp32"``; a bool ``"u1"``; None), and the keyword
-    arguments as a tuple of ``(name, value)`` pairs. Every item type is told apart from the
-    others (dtypes, bools, strs, None, tuples), so the key names the argument types too.
+    arguments as their names and values (a ``tl.dtype`` value as ``("tl.dtype", name)``).
+    Every item type is told apart from the others (dtypes, bools, strs, None, tuples), so the
+    key names the argument types too.
     """
     key = [id(kernel), device_index, debug, instrumentation_mode]
     append = key.append
+    tensor, parameter, tl_dtype = _TENSOR, _PARAMETER, _TL_DTYPE  # locals: the loop is the hot path
     for a in args:
-        t = type(a)
-        if t is int:
+        t = a.__class__
+        if t is tensor or t is parameter:
+            append(a.dtype)
+            append(a.data_ptr() & 15 == 0)
+        elif t is int:
             if a == 1:
                 append("one")
             elif -0x80000000 <= a <= 0x7FFFFFFF:
-                append("i32/16" if a & 15 == 0 else "i32")
+                append("i32" if a & 15 else "i32/16")
             else:
                 append(_int_spec(a))
-        elif t is torch.Tensor or t is torch.nn.Parameter:
-            append(a.dtype)
-            append(a.data_ptr() & 15 == 0)
         elif t is float:
             append("fp32")
         elif a is None:
@@ -563,8 +568,10 @@ def launch_key(kernel: Any, device_index: int, debug: Any, instrumentation_mode:
             if s is None:
                 return f"an argument of type {t.__name__}"
             append(s)
-    if kwargs:
-        append(tuple(kwargs.items()))
+    for name, v in kwargs.items():
+        append(name)
+        # a tl.dtype (the kernels' ACC) hashes in Python, slowly: key it by its name
+        append(v if v.__class__ is not tl_dtype else ("tl.dtype", v.name))
     return tuple(key)
 
 
