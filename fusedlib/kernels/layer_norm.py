@@ -508,8 +508,10 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     n_rows = x2d.shape[0]
     acc = acc_dtype(x.dtype)
     y = empty_contiguous_like(x)  # written as [rows, h]
-    rstd = torch.empty(n_rows, dtype=acc, device=device)
-    mean = None if rms_norm else torch.empty(n_rows, dtype=acc, device=device)
+    if rms_norm:
+        mean, rstd = None, torch.empty(n_rows, dtype=acc, device=device)
+    else:  # one allocation for both (each costs microseconds of host time)
+        mean, rstd = torch.empty((2, n_rows), dtype=acc, device=device).unbind(0)
     if n_rows == 0:
         return y, mean, rstd
     if tile is None:
