@@ -164,7 +164,8 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
     runs one kernel that writes y and the row statistics (mean, rstd: float32, 8 bytes
     per row) and saves ``(input, weight, bias, mean, rstd)``, or with ``memory_efficient``
     ``(y, weight, bias, rstd)``. ``backward`` runs one kernel for dx and the per-program
-    partial sums of dgamma/dbeta, and one small kernel that sums the partials.
+    partial sums of dgamma/dbeta, and one small kernel that sums the partials (for small
+    inputs none: one program takes every row and its sums are the gradients).
 
     Shapes: input [..., h] (e.g. [s, b, h]), weight and bias [h] (bias may be None).
     Returns y of input's shape and dtype, a new tensor that is not a view.
