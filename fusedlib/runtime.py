@@ -109,6 +109,8 @@ SYNC_CHECKS: bool = _env_flag("FUSEDLIB_SYNC_CHECKS")
 
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
 
+from .kernels import launch as _launch_layer  # noqa: E402  (direct launches; imports no fusedlib module)
+
 
 def _fix_interpreter_index() -> None:
     """Make Triton 3.6's interpreter accept a runtime int as a loop bound under NumPy 2.x.
@@ -373,9 +375,13 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
         RuntimeError: on a machine without CUDA where Triton was imported before fusedlib
             (see :data:`LATE_INTERPRET`).
 
-    On CUDA the kernel is compiled (once per signature, then cached by Triton); in a
-    process with ``TRITON_INTERPRET=1`` it runs in Triton's interpreter. Tensors on a
-    GPU are copied to the host and back by the interpreter.
+    On CUDA the kernel is compiled (once per signature, then cached by Triton) and, outside
+    a ``torch.compile`` trace, launched through
+    :func:`fusedlib.kernels.launch.direct_launch` (the cached compiled kernel, without
+    Triton's per-call Python) where :data:`fusedlib.kernels.launch.DIRECT_LAUNCH` allows,
+    else through ``kernel[grid]``; inside a trace always ``kernel[grid]``, so that Dynamo
+    sees the Triton kernel. In a process with ``TRITON_INTERPRET=1`` it runs in Triton's
+    interpreter. Tensors on a GPU are copied to the host and back by the interpreter.
 
     Once a device-side check has been launched lazily (:class:`DeviceCheck`), every launch
     first reads the check words and raises the ValueError of any that is set.
@@ -400,11 +406,24 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
             "for CUDA: move the tensors to a CUDA device, or set TRITON_INTERPRET=1 before importing "
             "fusedlib to run every kernel in Triton's (slow) CPU interpreter"
         )
-    if tensors_device.index is not None and tensors_device.index != torch.cuda.current_device():
-        with torch.cuda.device(tensors_device):  # Triton launches on the current device
-            kernel[tuple(grid)](*args, **kwargs)
-    else:
+    index = tensors_device.index
+    if not torch.compiler.is_compiling():
+        current = _cuda_get_device()  # torch.cuda.current_device() without its lazy-init call
+        if index is None or index == current:
+            if _launch_layer.DIRECT_LAUNCH:
+                # the cached compiled kernel, without Triton's per-call Python (kernels/launch.py)
+                _launch_layer.direct_launch(kernel, grid, current, args, kwargs)
+            else:
+                kernel[tuple(grid)](*args, **kwargs)
+            return
+    elif index is None or index == torch.cuda.current_device():
+        kernel[tuple(grid)](*args, **kwargs)  # inside a compile: Dynamo must see the Triton kernel
+        return
+    with torch.cuda.device(tensors_device):  # Triton launches on the current device
         kernel[tuple(grid)](*args, **kwargs)
+
+
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """fusedlib's own Python per call, on the CPU, with every Triton launch stubbed out.
 
 Usage: python tools/host_overhead_cpu.py [--op NAME ...] [--calls N] [--repeats N]
-                                         [--profile OP] [--compile] [--json PATH]
+                                         [--profile OP] [--compile] [--json PATH] [--launch-key]
 
 On a machine without a GPU the kernels run in Triton's interpreter, which swamps everything
 else; but the host code around them (argument checks, launch-setting lookups, allocations,
@@ -18,6 +18,11 @@ It prints microseconds of this thread's CPU time per call: the fastest of ``--re
 repeats of ``--calls`` calls (the cores may be shared, and other processes only ever add
 time). The eager
 column runs the real (tiny) CPU kernels, as a GPU's eager op enqueues real kernels.
+
+``--launch-key``: each stubbed launch does the Python of a direct launch instead of nothing
+(:func:`fusedlib.kernels.launch.launch_key` over the launch's arguments, a dict lookup, a call
+of a no-op launcher with every argument), so the table includes what fusedlib's launch layer
+costs on the GPU minus the C launch itself.
 
 ``--profile OP`` prints cProfile's table (by own time) of fusedlib's fwd and fwd+bwd calls.
 ``--compile`` checks that each op's fusedlib forward traces in
@@ -54,13 +59,34 @@ def _no_launch(*args, **kwargs) -> None:
     return None
 
 
-def stub_launches() -> list[str]:
-    """Set ``launch`` to a no-op in every ``fusedlib.kernels`` module that has one; returns their names."""
+_KEYED: dict = {}
+
+
+def _noop(*args) -> None:
+    return None
+
+
+def _key_launch(kernel, grid, device, *args, **kwargs) -> None:
+    """The Python of a direct launch (fusedlib/kernels/launch.py) with a no-op launcher."""
+    from fusedlib.kernels.launch import launch_key
+
+    key = launch_key(kernel, 0, False, "", args, kwargs)
+    entry = _KEYED.get(key)
+    if entry is None:
+        entry = _KEYED[key] = (_noop, 0, (False, False, None, None, (4, 1, 0), None, None, None), ())
+    fn, function, head, tail = entry
+    n = len(grid)
+    fn(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, 0, function, *head, *args, *tail)
+
+
+def stub_launches(keyed: bool = False) -> list[str]:
+    """Set ``launch`` to a no-op (``keyed``: :func:`_key_launch`) in every ``fusedlib.kernels``
+    module that has one; returns their names."""
     stubbed = []
     for info in pkgutil.iter_modules(fusedlib.kernels.__path__):
         mod = importlib.import_module(f"fusedlib.kernels.{info.name}")
         if callable(getattr(mod, "launch", None)) and not isinstance(getattr(mod, "launch"), type(sys)):
-            mod.launch = _no_launch
+            mod.launch = _key_launch if keyed else _no_launch
             stubbed.append(mod.__name__)
     return stubbed
 
@@ -159,10 +185,12 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="append", default=[], choices=sorted(HOST_SHAPES))
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--json", default=None, help="also write the table as JSON")
+    parser.add_argument("--launch-key", action="store_true",
+                        help="stubbed launches do a direct launch's Python (key, lookup, no-op launcher call)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     ops = args.op or list(HOST_SHAPES)
-    stub_launches()
+    stub_launches(keyed=args.launch_key)
     if args.profile:
         for op in args.profile:
             profile(op)

@@ -1,12 +1,16 @@
 """Where the host time of a fused op goes (GPU machine): per-call costs and cProfile tables.
 
-Usage: python tools/profile_host.py [--profile OP ...] [--compile]
+Usage: python tools/profile_host.py [--profile OP ...] [--compile] [--paths]
 
 Prints, at tiny shapes (the GPU work is negligible, so the numbers are host time):
 * the host cost per call (us, median of 5 x 300 calls, one synchronize at the end) of
-  fusedlib's ops, forward and forward+backward, beside the eager unfused op;
-* the cost of the pieces a call is made of (a bare Triton launch, torch.empty, an
-  autograd.Function.apply, the input checks);
+  fusedlib's ops, forward and forward+backward, beside the eager unfused op, and per op the
+  kernel launches one call makes and how they went (direct: the cached compiled kernel of
+  fusedlib/kernels/launch.py; miss or fallback: through Triton's ``kernel[grid]``);
+* with --paths: fusedlib's cost per call again with direct launches off (every launch
+  through ``kernel[grid]``), so the two launch paths are compared in one run;
+* the cost of the pieces a call is made of (a bare Triton launch, fusedlib's direct
+  launch, torch.empty, an autograd.Function.apply, the input checks);
 * cProfile tables (by own time) of the ops named with --profile;
 * with --compile: whether each op runs in torch.compile(fullgraph=True) and under CUDA-graph
   capture of fwd+bwd, with the first lines of any error.
@@ -26,6 +30,7 @@ import fusedlib  # noqa: F401  (first)
 import triton
 import triton.language as tl
 from fusedlib import unfused
+from fusedlib.kernels import launch as launch_layer
 from fusedlib.fusions.fused_bias_dropout import bias_dropout_add_fused_train
 from fusedlib.fusions.fused_bias_gelu import bias_gelu_impl
 from fusedlib.fusions.fused_bias_swiglu import bias_swiglu_impl
@@ -112,17 +117,48 @@ def fwd_bwd(f, inputs):
     return step
 
 
-def table():
-    print("op | fusedlib fwd | eager fwd | fusedlib fwd+bwd | eager fwd+bwd   (us per call)")
+def launches(step):
+    """Launches of one call of ``step`` (after warm-up): "direct hits / misses / fallbacks"."""
+    if not launch_layer.DIRECT_LAUNCH:
+        return "-"
+    stats = launch_layer.launch_stats()
+    stats.reset()
+    step()
+    torch.cuda.synchronize()
+    s = stats.snapshot()
+    why = f" ({'; '.join(f'{k}: {v}' for k, v in stats.reasons.items())})" if stats.reasons else ""
+    return f"{s['hits']}/{s['misses']}/{s['fallbacks']}{why}"
+
+
+def table(paths=False):
+    direct = launch_layer.DIRECT_LAUNCH
+    print(f"direct launches: {'on' if direct else 'off'} (triton {triton.__version__}; "
+          f"verified for {', '.join(launch_layer.DIRECT_LAUNCH_VERSIONS)})")
+    head = "op | fusedlib fwd | eager fwd | fusedlib fwd+bwd | eager fwd+bwd   (us per call)"
+    if paths:
+        head += " | fusedlib fwd, fwd+bwd via kernel[grid]"
+    print(head + " | launches per call fwd, fwd+bwd (direct/miss/fallback)")
     for name, (mk, fused, eager) in ops().items():
         try:
             inp = mk()
             with torch.no_grad():
                 ff = per_call_us(lambda: fused(*inp))
                 ef = per_call_us(lambda: eager(*inp))
+                lf = launches(lambda: fused(*inp))
             fb = per_call_us(fwd_bwd(fused, inp))
             eb = per_call_us(fwd_bwd(eager, inp))
-            print(f"{name} | {ff:.1f} | {ef:.1f} | {fb:.1f} | {eb:.1f}", flush=True)
+            lb = launches(fwd_bwd(fused, inp))
+            line = f"{name} | {ff:.1f} | {ef:.1f} | {fb:.1f} | {eb:.1f}"
+            if paths:
+                launch_layer.DIRECT_LAUNCH = False
+                try:
+                    with torch.no_grad():
+                        gf = per_call_us(lambda: fused(*inp))
+                    gb = per_call_us(fwd_bwd(fused, inp))
+                finally:
+                    launch_layer.DIRECT_LAUNCH = direct
+                line += f" | {gf:.1f}, {gb:.1f}"
+            print(f"{line} | {lf}, {lb}", flush=True)
         except Exception as exc:  # report and go on
             print(f"{name} | FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
@@ -146,9 +182,13 @@ class _Ident(torch.autograd.Function):
 def pieces():
     x = torch.zeros(16, device=DEV)
     ck = _noop[(1,)](x, 16, BLOCK=16)
+    index = torch.cuda.current_device()
     args = {
         "bare triton launch (JIT)": lambda: _noop[(1,)](x, 16, BLOCK=16),
         "compiled kernel runner": lambda: ck[(1, 1, 1)](x, 16),
+        "fusedlib direct_launch": lambda: launch_layer.direct_launch(_noop, (1,), index, (x, 16), {"BLOCK": 16}),
+        "fusedlib launch_key": lambda: launch_layer.launch_key(_noop, index, False, "", (x, 16), {"BLOCK": 16}),
+        "fusedlib runtime.launch": lambda: fusedlib.runtime.launch(_noop, (1,), x.device, x, 16, BLOCK=16),
         "torch.empty 16x64": lambda: torch.empty((16, 64), device=DEV, dtype=DT),
         "x.add_(1)": lambda: x.add_(1),
         "torch.cuda.current_device()": lambda: torch.cuda.current_device(),
@@ -227,10 +267,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", nargs="*", default=[])
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--paths", action="store_true", help="also time fusedlib with direct launches off")
     a = ap.parse_args()
     print(fusedlib.runtime.device_banner())
     pieces()
-    table()
+    table(a.paths)
     profile(a.profile)
     if a.compile:
         compile_check()

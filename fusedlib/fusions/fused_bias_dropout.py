@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 from .. import unfused
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd, bias_dropout_add_fwd, philox_seed
+from ._apply import apply
 
 __all__ = [
     "BiasDropoutAddFunction",
@@ -130,9 +131,9 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         seed = ctx.saved_tensors[0] if ctx.dropout else None
         need_dx, need_db, need_dr = ctx.needs_input_grad[:3]
         # dx: [..., h] of x's dtype, or grad_output itself when nothing was dropped and x has
-        # out's dtype (as for a plain add); db: [h] float32
-        dx, db = bias_dropout_add_bwd(grad_output, ctx.x_dtype, seed, ctx.prob, need_dx=need_dx, need_dbias=need_db)
-        db = db.to(ctx.bias_dtype) if db is not None else None
+        # out's dtype (as for a plain add); db: [h] of bias's dtype, summed in float32
+        dx, db = bias_dropout_add_bwd(grad_output, ctx.x_dtype, seed, ctx.prob, need_dx=need_dx, need_dbias=need_db,
+                                      db_dtype=ctx.bias_dtype)
         return dx, db, (grad_output if need_dr else None), None, None
 
 
@@ -141,7 +142,7 @@ def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training
     inplace = (not training and not x.requires_grad and not residual.requires_grad
                and (bias is None or not bias.requires_grad) and x.dtype == residual.dtype)
     if not inplace:
-        return BiasDropoutAddFunction.apply(x, bias, residual, p, training)
+        return apply(BiasDropoutAddFunction, x, bias, residual, p, training)
     # Inference, nothing needs grad: write the result into x and return x itself, as
     # Megatron's x.add_(bias); out.add_(residual). No seed, no random numbers.
     if x.numel() > 1 and 0 in x.stride():

@@ -28,6 +28,7 @@ from ._glu import (
     glu_backward_apply,
     glu_forward,
 )
+from ._apply import apply
 
 __all__ = [
     "geglu",
@@ -178,5 +179,5 @@ def bias_geglu_impl(input: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
     """
     check_glu_input(input, ndim=(2, 3))
     if bias is not None:
-        return BiasGeGLUFunction.apply(input, bias)
-    return GeGLUFunction.apply(input)
+        return apply(BiasGeGLUFunction, input, bias)
+    return apply(GeGLUFunction, input)

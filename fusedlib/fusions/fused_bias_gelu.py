@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.bias_gelu import bias_gelu_bwd, bias_gelu_fwd
+from ._apply import apply
 
 __all__ = ["bias_gelu", "bias_gelu_back", "GeLUFunction", "bias_gelu_impl"]
 
@@ -137,4 +138,4 @@ def bias_gelu_impl(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # 
 
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_gelu.py`` (``bias_gelu_impl``).
     """
-    return GeLUFunction.apply(input, bias)
+    return apply(GeLUFunction, input, bias)

@@ -50,6 +50,7 @@ from ._glu import (
     glu_backward_apply,
     glu_forward,
 )
+from ._apply import apply
 
 __all__ = [
     "swiglu",
@@ -445,8 +446,8 @@ def bias_swiglu_impl(input: torch.Tensor, bias: torch.Tensor | None, fp8_input_s
     check_glu_input(input, ndim=(2, 3))
     clamp_value = check_clamp_value(clamp_value)
     if bias is not None:
-        return BiasSwiGLUFunction.apply(input, bias, fp8_input_store, cpu_offload_input, clamp_value)
-    return SwiGLUFunction.apply(input, fp8_input_store, cpu_offload_input, clamp_value)
+        return apply(BiasSwiGLUFunction, input, bias, fp8_input_store, cpu_offload_input, clamp_value)
+    return apply(SwiGLUFunction, input, fp8_input_store, cpu_offload_input, clamp_value)
 
 
 def weighted_bias_swiglu_impl(input: torch.Tensor, bias: None, weights: torch.Tensor,  # noqa: A002
@@ -475,4 +476,4 @@ def weighted_bias_swiglu_impl(input: torch.Tensor, bias: None, weights: torch.Te
     check_glu_input(input, ndim=(2, 3))
     if bias is not None:
         raise NotImplementedError("Bias is not supported for weighted swiglu fusion")
-    return WeightedSwiGLUFunction.apply(input, weights, fp8_input_store, check_clamp_value(clamp_value))
+    return apply(WeightedSwiGLUFunction, input, weights, fp8_input_store, check_clamp_value(clamp_value))

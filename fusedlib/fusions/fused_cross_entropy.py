@@ -30,6 +30,7 @@ from ..parallel.cross_entropy import (
 )
 from ..runtime import DeviceCheck
 from ..parallel.utils import all_reduce, check_tp_group, tp_rank_and_size
+from ._apply import apply
 
 __all__ = [
     "calculate_logits_max",
@@ -152,4 +153,4 @@ def fused_vocab_parallel_cross_entropy(
     (``fused_vocab_parallel_cross_entropy``).
     """
     check_tp_group(tp_group)
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, label_smoothing, ignore_index)
+    return apply(_VocabParallelCrossEntropy, vocab_parallel_logits, target, tp_group, label_smoothing, ignore_index)

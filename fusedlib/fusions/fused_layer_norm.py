@@ -65,6 +65,7 @@ from ..backends import apex as apex_backend
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.layer_norm import MAX_HIDDEN_SIZE, norm_bwd, norm_fwd
 from ..runtime import DeviceCheck
+from ._apply import apply
 
 __all__ = [
     "FusedLayerNormAffineFunction",
@@ -163,7 +164,8 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
     runs one kernel that writes y and the row statistics (mean, rstd: float32, 8 bytes
     per row) and saves ``(input, weight, bias, mean, rstd)``, or with ``memory_efficient``
     ``(y, weight, bias, rstd)``. ``backward`` runs one kernel for dx and the per-program
-    partial sums of dgamma/dbeta, and one small kernel that sums the partials.
+    partial sums of dgamma/dbeta, and one small kernel that sums the partials (for small
+    inputs none: one program takes every row and its sums are the gradients).
 
     Shapes: input [..., h] (e.g. [s, b, h]), weight and bias [h] (bias may be None).
     Returns y of input's shape and dtype, a new tensor that is not a view.
@@ -265,7 +267,7 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
     Source: Megatron-LM ``megatron/core/fusions/fused_layer_norm.py``.
     """
-    return FusedLayerNormAffineFunction.apply(x, weight, bias, eps, memory_efficient, zero_centered_gamma)
+    return apply(FusedLayerNormAffineFunction, x, weight, bias, eps, memory_efficient, zero_centered_gamma)
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
@@ -286,7 +288,7 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
 
     Source: Zhang & Sennrich 2019, arXiv:1910.07467; Apex ``FusedRMSNormAffineFunction``.
     """
-    return FusedRMSNormAffineFunction.apply(x, weight, eps, memory_efficient, zero_centered_gamma)
+    return apply(FusedRMSNormAffineFunction, x, weight, eps, memory_efficient, zero_centered_gamma)
 
 
 # ----------------------------------------------------------------------------------------
@@ -417,7 +419,7 @@ class FusedLayerNorm(_FusedNormBase):
             weight = self.weight + 1 if self.zero_centered_gamma else self.weight
             return apex_backend.apex_layer_norm(input, weight, self.bias, self.eps,
                                                 persist=self.persist_layer_norm, memory_efficient=memory_efficient)
-        return FusedLayerNormAffineFunction.apply(input, self.weight, self.bias, self.eps, memory_efficient,
+        return apply(FusedLayerNormAffineFunction, input, self.weight, self.bias, self.eps, memory_efficient,
                                                   self.zero_centered_gamma)
 
 
@@ -462,7 +464,7 @@ class FusedRMSNorm(_FusedNormBase):
         if self.backend == "apex":
             weight = self.weight + 1 if self.zero_centered_gamma else self.weight
             return apex_backend.apex_rms_norm(input, weight, self.eps, memory_efficient=memory_efficient)
-        return FusedRMSNormAffineFunction.apply(input, self.weight, self.eps, memory_efficient,
+        return apply(FusedRMSNormAffineFunction, input, self.weight, self.eps, memory_efficient,
                                                 self.zero_centered_gamma)
 
 

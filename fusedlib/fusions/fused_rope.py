@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from ..kernels.rope import rope_bwd, rope_fwd
 from ..checks import FLOAT_DTYPES, SUPPORTED_FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ._apply import apply
 
 __all__ = ["FusedRoPEFunc", "fused_apply_rotary_pos_emb", "check_rope_inputs"]
 
@@ -147,4 +148,4 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
     if transpose_output_memory:
         warnings.warn("transpose_output_memory is not supported by the fused RoPE and will be ignored.",
                       stacklevel=2)
-    return FusedRoPEFunc.apply(t, freqs, interleaved, mscale)
+    return apply(FusedRoPEFunc, t, freqs, interleaved, mscale)

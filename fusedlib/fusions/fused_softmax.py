@@ -63,6 +63,7 @@ from ..kernels.softmax import (
 )
 from ..runtime import default_device
 from ..transformer.enums import AttnMaskType
+from ._apply import apply
 
 __all__ = [
     "ScaledUpperTriangMaskedSoftmax",
@@ -404,7 +405,7 @@ def fused_scale_mask_softmax(
         check_same_device(input=input, mask=mask, softmax_offset=offset)
     sq, sk = x4.shape[-2:]
     band = window_band(sq, sk, window) if window is not None else (causal_band(sq, sk) if causal else None)
-    p4 = _ScaleMaskSoftmaxFunction.apply(x4, mask4, scale_f, band, offset)
+    p4 = apply(_ScaleMaskSoftmaxFunction, x4, mask4, scale_f, band, offset)
     return p4 if input.dim() == 4 else p4.view(input.shape)  # [b, 1, sq, sk] -> [b, sq, sk]
 
 
@@ -537,8 +538,8 @@ def fused_scale_mask_softmax_dropout(
     else:
         band = causal_band(sq, sk) if mask_type in _CAUSAL_TYPES else None
     if p == 0.0:  # exactly the softmax: its Function, its kernels (DROPOUT off), no seed drawn
-        return _ScaleMaskSoftmaxFunction.apply(input, mask, scale_f, band, offset)
-    return ScaledMaskedSoftmaxDropout.apply(input, mask, scale_f, band, offset, p)
+        return apply(_ScaleMaskSoftmaxFunction, input, mask, scale_f, band, offset)
+    return apply(ScaledMaskedSoftmaxDropout, input, mask, scale_f, band, offset, p)
 
 
 class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
@@ -554,6 +555,12 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``ScaledUpperTriangMaskedSoftmax``).
     """
+
+    @classmethod
+    def apply(cls, inputs, scale):
+        """``Function.apply``, or the forward alone when autograd has nothing to record
+        (no grad mode, or no input requiring grad): see ``fusedlib/fusions/_apply.py``."""
+        return apply(cls, inputs, scale)
 
     @staticmethod
     def forward(ctx, inputs, scale):
@@ -589,6 +596,12 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``ScaledMaskedSoftmax``).
     """
 
+    @classmethod
+    def apply(cls, inputs, mask, scale):
+        """``Function.apply``, or the forward alone when autograd has nothing to record
+        (no grad mode, or no input requiring grad): see ``fusedlib/fusions/_apply.py``."""
+        return apply(cls, inputs, mask, scale)
+
     @staticmethod
     def forward(ctx, inputs, mask, scale):
         if not _is_float_tensor(inputs, 4):
@@ -620,6 +633,12 @@ class ScaledSoftmax(torch.autograd.Function):
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``ScaledSoftmax``).
     """
+
+    @classmethod
+    def apply(cls, inputs, scale):
+        """``Function.apply``, or the forward alone when autograd has nothing to record
+        (no grad mode, or no input requiring grad): see ``fusedlib/fusions/_apply.py``."""
+        return apply(cls, inputs, scale)
 
     @staticmethod
     def forward(ctx, inputs, scale):

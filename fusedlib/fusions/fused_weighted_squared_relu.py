@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.squared_relu import weighted_squared_relu_bwd, weighted_squared_relu_fwd
 from ._glu import check_row_weights
+from ._apply import apply
 
 __all__ = [
     "weighted_squared_relu",
@@ -185,4 +186,4 @@ def weighted_squared_relu_impl(input: torch.Tensor, weights: torch.Tensor,  # no
     (``weighted_squared_relu_impl``).
     """
     check_tensor("input", input, ndim=(2, 3))
-    return WeightedSquaredReLUFunction.apply(input, weights, clamp_scale)
+    return apply(WeightedSquaredReLUFunction, input, weights, clamp_scale)

@@ -48,10 +48,10 @@ import triton.language as tl
 
 from ..runtime import INTERPRET_ON_CPU, launch
 from .launch import (
-    HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
+    FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
     next_power_of_2, persistent_grid, pick,
 )
-from .reduce import sum_partials
+from .reduce import finish_partials, partials_buffer
 
 __all__ = [
     "KEEP_BITS",
@@ -224,7 +224,7 @@ def _bias_dropout_add_fwd_kernel(
 def _bias_dropout_add_bwd_kernel(
     G_ptr,  # grad of out g, [n_rows, n_cols], strides (G_row_stride, G_col_stride)
     DX_ptr,  # grad of x, [n_rows, n_cols], contiguous, x's dtype (unused without STORE_DX)
-    DB_PARTIAL_ptr,  # ACC [n_row_programs, n_cols]: this program's sum of dx over its rows
+    DB_PARTIAL_ptr,  # ACC [n_row_programs, n_cols]: this program's sum of dx over its rows (one program: db itself)
     SEED_ptr,  # int64 [1]: the forward's Philox key (unused without DROPOUT)
     n_rows,
     n_cols,
@@ -327,8 +327,8 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: torch.Tensor | None, residual: t
 
 
 def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tensor | None, p: float,
-                         need_dx: bool = True, need_dbias: bool = False, tile: Tile | None = None
-                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                         need_dx: bool = True, need_dbias: bool = False, tile: Tile | None = None,
+                         db_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel: ``dx = g·mask/(1 - p')`` (p' = T/2^16) and, if asked, its float32 sum over rows.
 
     Args:
@@ -340,11 +340,13 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
         need_dx, need_dbias: which gradients to compute.
         tile: launch settings (None: ``pick(BWD_TILES, n_cols)``, as in the forward); its
             ``programs_per_sm`` sizes the persistent grid.
+        db_dtype: the dtype of db (the bias's: rounded once from the float32 sum, with no
+            separate cast); None: the accumulation dtype (float32, float64 for float64).
 
     Returns:
         ``(dx, db)``: dx of g's shape and ``x_dtype`` (``g`` itself when nothing was dropped
-        and dtypes match), or None; db [n_cols] float32 (float64 for float64 inputs), summed
-        in two deterministic stages, or None.
+        and dtypes match), or None; db [n_cols] of ``db_dtype``, summed in float32 (float64
+        for float64 inputs) in two deterministic stages (one for small inputs), or None.
     """
     dropout = seed is not None
     dx = db = None
@@ -352,11 +354,12 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
     if need_dx and not store_dx:
         dx = g  # nothing dropped, same dtype: dx is g, no kernel needed for it
     acc = acc_dtype(x_dtype, g.dtype)
+    db_dtype = acc if db_dtype is None else db_dtype
     device = g.device
     if store_dx:
         dx = empty_contiguous_like(g, x_dtype)  # written as [n_rows, n_cols]
     if g.numel() == 0:
-        return dx, (torch.zeros(g.shape[-1], dtype=acc, device=device) if need_dbias else None)
+        return dx, (torch.zeros(g.shape[-1], dtype=db_dtype, device=device) if need_dbias else None)
     if not (store_dx or need_dbias):
         return dx, None
     g2d = as_rows(g)  # [..., n_cols] -> [n_rows, n_cols]
@@ -365,8 +368,10 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
     col_programs = cdiv(n_cols, tile.BLOCK_N)
     # Enough row programs to fill the device; each loops over its rows and keeps one float32
     # partial of the bias gradient per column: [row_programs, n_cols] floats.
-    row_programs, rows_per_program = persistent_grid(n_rows, block_m, tile.programs_per_sm, device, col_programs)
-    db_partial = torch.empty((row_programs, n_cols), dtype=acc, device=device) if need_dbias else g2d
+    row_programs, rows_per_program = persistent_grid(n_rows, block_m, tile.programs_per_sm, device, col_programs,
+                                                     fold_tiles=FOLD_TILES if need_dbias else 0)
+    # one row program: the kernel stores db itself (db_dtype)
+    db_partial = partials_buffer(row_programs, n_cols, acc, db_dtype, device) if need_dbias else g2d
     launch(
         _bias_dropout_add_bwd_kernel, (row_programs, col_programs), device,
         g2d, dx if store_dx else g2d, db_partial, seed if dropout else g2d,
@@ -376,7 +381,7 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
         ACC=TL_DTYPE[acc], num_warps=tile.num_warps,
     )
     if need_dbias:
-        db = sum_partials(db_partial, acc)  # stage 2: [row_programs, n_cols] -> [n_cols], fixed order
+        db = finish_partials(db_partial, db_dtype)  # stage 2: [row_programs, n_cols] -> [n_cols], fixed order
     return dx, db
 
 

@@ -28,11 +28,11 @@ import triton.language as tl
 
 from ..runtime import launch
 from .launch import (
-    HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
+    FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
     persistent_grid, pick,
 )
 from .math import tanh
-from .reduce import sum_partials
+from .reduce import finish_partials, partials_buffer
 
 __all__ = ["bias_gelu_fwd", "bias_gelu_bwd", "FWD_TILES", "BWD_TILES"]
 
@@ -78,7 +78,7 @@ def _bias_gelu_bwd_kernel(
     Y_ptr,  # saved input y, [n_rows, n_cols], strides (Y_row_stride, Y_col_stride)
     B_ptr,  # bias, [n_cols], contiguous
     DY_ptr,  # grad of y, [n_rows, n_cols], contiguous, y's dtype
-    DB_PARTIAL_ptr,  # ACC [n_row_programs, n_cols]: this program's sum of dy over its rows
+    DB_PARTIAL_ptr,  # ACC [n_row_programs, n_cols]: this program's sum of dy over its rows (one program: db, bias's dtype)
     n_rows,
     n_cols,
     rows_per_program,  # a multiple of BLOCK_M
@@ -194,13 +194,13 @@ def bias_gelu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
     # Enough row programs to fill the device; each loops over its rows and keeps one
     # float32 partial of the bias gradient per column: [row_programs, n_cols] floats.
     row_programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device,
-                                                     col_programs)
+                                                     col_programs, fold_tiles=FOLD_TILES)
     acc = acc_dtype(y.dtype)
-    db_partial = torch.empty((row_programs, n_cols), dtype=acc, device=device)
+    db_partial = partials_buffer(row_programs, n_cols, acc, bias.dtype, device)  # one program: db itself
     g_strides, y_strides = g2d.stride(), y2d.stride()
     launch(
         _bias_gelu_bwd_kernel, (row_programs, col_programs), device,
         g2d, y2d, bias, dy, db_partial, n_rows, n_cols, rows_per_program, *g_strides, *y_strides,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc], num_warps=tile.num_warps,
     )
-    return dy, sum_partials(db_partial, bias.dtype)
+    return dy, finish_partials(db_partial, bias.dtype)

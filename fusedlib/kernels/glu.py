@@ -50,11 +50,11 @@ import triton.language as tl
 
 from ..runtime import launch
 from .launch import (
-    HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
+    FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
     persistent_grid, pick,
 )
 from .math import tanh
-from .reduce import sum_partials
+from .reduce import finish_partials, partials_buffer
 
 __all__ = ["glu_fwd", "glu_bwd", "TILES", "BIAS_BWD_TILES"]
 
@@ -230,7 +230,7 @@ def _bias_glu_bwd_kernel(
     Y_ptr,  # the forward input y = [y1 | y2], [n_rows, 2·n_cols], strides (Y_row_stride, Y_col_stride)
     B_ptr,  # bias = [b1 | b2], [2·n_cols], contiguous
     DY_ptr,  # grad of y = [dy1 | dy2], [n_rows, 2·n_cols], contiguous, y's dtype
-    DB_PARTIAL_ptr,  # ACC [n_row_programs, 2·n_cols]: this program's sum of dy over its rows
+    DB_PARTIAL_ptr,  # ACC [n_row_programs, 2·n_cols]: this program's sum of dy over its rows (one program: db, bias's dtype)
     n_rows,
     n_cols,
     rows_per_program,  # a multiple of BLOCK_M
@@ -404,8 +404,8 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
     # rows and keeps one partial of the bias gradient per column: [row_programs, 2h] floats,
     # summed by a second small kernel (kernels/reduce.py).
     row_programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device,
-                                                     col_programs)
-    db_partial = torch.empty((row_programs, 2 * h), dtype=acc, device=device)
+                                                     col_programs, fold_tiles=FOLD_TILES)
+    db_partial = partials_buffer(row_programs, 2 * h, acc, bias.dtype, device)  # one program: db itself
     launch(
         _bias_glu_bwd_kernel, (row_programs, col_programs), device,
         g2d, y2d, bias, dy, db_partial,
@@ -414,4 +414,4 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
         ACTIVATION=activation, HAS_CLAMP=clamp_value is not None, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc],
         num_warps=tile.num_warps,
     )
-    return dy, sum_partials(db_partial, bias.dtype), None
+    return dy, finish_partials(db_partial, bias.dtype), None

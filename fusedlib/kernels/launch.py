@@ -17,7 +17,11 @@ This module holds each of those once:
 * :func:`acc_dtype` and :data:`TL_DTYPE`: the dtype policy (load, compute in float32, store
   in the output dtype; float64 stays float64, so ``gradcheck`` can check the kernels);
 * :func:`as_rows`: [..., n] -> [rows, n] without a copy where strides allow;
-  :func:`empty_contiguous_like`: an output of the input's shape, contiguous.
+  :func:`empty_contiguous_like`: an output of the input's shape, contiguous;
+* :func:`direct_launch`: the launch itself on the compiled path, without Triton's per-call
+  Python (``JITFunction.run``: about 19 us per launch on the H200), through a cache of the
+  compiled kernels that Triton's own path returned (see its docstring and
+  :data:`DIRECT_LAUNCH`); :func:`fusedlib.runtime.launch` calls it.
 
 The host side is part of the op (DESIGN.md): an eager training step pays for every line
 here on every call, so everything that depends only on the row length or the dtype is a
@@ -29,9 +33,12 @@ fused-softmax tutorials for the persistent grid.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 import torch
+import triton
 import triton.language as tl
 
 __all__ = [
@@ -39,6 +46,7 @@ __all__ = [
     "TileTable",
     "pick",
     "persistent_grid",
+    "FOLD_TILES",
     "sm_count",
     "INTERPRETER_SMS",
     "cdiv",
@@ -49,6 +57,14 @@ __all__ = [
     "empty_contiguous_like",
     "MAX_FUSED_SIZE",
     "HUGE",
+    "DIRECT_LAUNCH",
+    "DIRECT_LAUNCH_VERSIONS",
+    "CHECK_LAUNCH",
+    "LaunchStats",
+    "launch_stats",
+    "direct_launch",
+    "launch_key",
+    "clear_launch_cache",
 ]
 
 #: Longest row one program may hold in registers, in elements (64 Ki). Kernels that hold a
@@ -172,8 +188,16 @@ def sm_count(device: torch.device) -> int:
     return n
 
 
+#: :func:`persistent_grid`'s ``fold_tiles`` for kernels that reduce over rows: with at most
+#: this many tiles of rows, one program per column block loops over all of them, so that its
+#: partial sums are the result and the second stage (a launch and a buffer, ~10 us of host
+#: time per call) is skipped. 8 tiles are a few thousand elements per program at the tiny
+#: shapes where the host, not the GPU, decides the time: 8 steps of one program's loop.
+FOLD_TILES: int = 8
+
+
 def persistent_grid(n_rows: int, block_m: int, programs_per_sm: int, device: torch.device,
-                    column_blocks: int = 1) -> tuple[int, int]:
+                    column_blocks: int = 1, fold_tiles: int = 0) -> tuple[int, int]:
     """``(row_programs, rows_per_program)`` covering ``n_rows`` >= 1 rows in tiles of ``block_m``.
 
     With ``programs_per_sm`` = k > 0, a persistent grid: enough programs to fill the device
@@ -188,11 +212,15 @@ def persistent_grid(n_rows: int, block_m: int, programs_per_sm: int, device: tor
         programs_per_sm: k (see above).
         device: where the kernel runs (:func:`sm_count`).
         column_blocks: programs along the row, sharing the device's programs.
+        fold_tiles: with at most this many tiles, one row program (a kernel that reduces
+            over rows then needs no second stage; :data:`FOLD_TILES`). 0: no folding.
 
     Returns:
         The number of row programs and the rows each one handles.
     """
     tiles = cdiv(n_rows, block_m)
+    if tiles <= fold_tiles:
+        return 1, tiles * block_m
     if programs_per_sm == 0:
         return tiles, block_m
     programs = max(1, min(tiles, programs_per_sm * sm_count(device) // column_blocks))
@@ -260,3 +288,341 @@ def empty_contiguous_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> 
             return torch.empty_like(t)
         return torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return torch.empty(t.shape, dtype=dtype, device=t.device)
+
+
+# ----------------------------------------------------------------------------------------
+# Direct launches: the compiled kernel, without Triton's per-call Python
+# ----------------------------------------------------------------------------------------
+#
+# ``kernel[grid](*args, **kwargs)`` runs ``JITFunction.run`` on every call: it binds the
+# arguments, computes Triton's specialization key (each argument's type and whether a
+# pointer or int is divisible by 16, or an int is 1), turns the options into a string,
+# looks the compiled kernel up, checks the kernel's globals, builds launch metadata, and
+# only then calls the compiled kernel's launcher. On the H200 that is about 19 us per
+# launch, several times the GPU time of a small kernel. A fused op's arguments change
+# little from call to call: the same dtypes, the same constexprs, the same alignments.
+# So direct_launch keys a dict on exactly what selects the compiled binary, fills it
+# with the CompiledKernel that Triton's own path returns on the first call, and launches
+# that kernel's launcher directly afterwards.
+#
+# What Triton 3.6 does, read in its source (``triton/runtime/jit.py`` ``JITFunction.run``,
+# ``create_function_from_signature``, ``compute_cache_key``; ``python/src/specialize.cc``;
+# ``triton/compiler/compiler.py`` ``CompiledKernel``; ``triton/backends/nvidia/driver.py``
+# ``make_launcher``, ``CudaLauncher``):
+#
+# * the cache is per device (``device_caches[current device]``); its key is the list of
+#   (type, specialization) pairs of every parameter plus ``str(options)``, where options are
+#   the keyword arguments that are not parameters (``num_warps``, ``num_stages``...) plus
+#   ``debug`` (``kernel.debug or knobs.runtime.debug``) and ``instrumentation_mode``
+#   (``knobs.compilation.instrumentation_mode``);
+# * a tensor: its dtype, and "D" when ``data_ptr() % 16 == 0``; an int: "constexpr" when it
+#   equals 1, else i32 / i64 / u64 by range, and "D" when divisible by 16; a float: fp32,
+#   never specialized; a bool: u1; None: constexpr; a constexpr parameter: its value;
+# * the launch is ``kernel.run(grid0, grid1, grid2, stream, kernel.function,
+#   kernel.packed_metadata, launch_metadata, launch_enter_hook, launch_exit_hook,
+#   *bound_args.values())``: every parameter in signature order, constexprs and ints
+#   specialized to 1 included (the generated C launcher parses them as objects and drops
+#   them); ``launch_metadata`` is None when no enter hook is set; the stream is
+#   ``driver.active.get_current_stream(device)``;
+# * ``kernel.run`` is a ``CudaLauncher``: its ``__call__`` allocates the global and profile
+#   scratch (None when their sizes are 0) and calls the C ``launch(gridX, gridY, gridZ,
+#   stream, function, launch_cooperative_grid, launch_pdl, global_scratch,
+#   profile_scratch, kernel_metadata, launch_metadata, enter_hook, exit_hook, *args)``.
+#
+# fusedlib's key holds, per positional argument, the same facts as Triton's (tensor: dtype
+# and 16-byte alignment; int: equal to 1, i32 range or not, divisible by 16; float; bool;
+# None), every keyword argument with its value, the device, and the two knobs: it is at
+# least as fine as Triton's key, so every call that finds an entry would have found the same
+# CompiledKernel through ``kernel[grid]``. ``FUSEDLIB_CHECK_LAUNCH=1`` (or setting
+# :data:`CHECK_LAUNCH`) asks Triton for its kernel on every direct launch and raises if it
+# is not the cached one. Anything else goes through ``kernel[grid]``: another Triton version,
+# the interpreter, a launch hook (profilers), a pre-run hook, a constexpr passed
+# positionally, a runtime argument passed by keyword, an argument of another type.
+# Skipped on the direct path, as ``CompiledKernel[grid]`` (Triton's own cached-kernel
+# runner) skips it: the check that the kernel's globals did not change since it was
+# compiled (fusedlib's kernels read only ``tl.constexpr`` module constants).
+
+#: Triton versions (major.minor) whose launch protocol the direct launcher follows, read in
+#: their source; with any other version every launch goes through ``kernel[grid]``.
+DIRECT_LAUNCH_VERSIONS: tuple[str, ...] = ("3.6",)
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in ("0", "false", "no", "off")
+
+
+def _direct_launch_possible(version: str, interpret: bool) -> bool:
+    """Whether direct launches can be used: compiled kernels and a verified Triton version."""
+    return not interpret and ".".join(version.split(".")[:2]) in DIRECT_LAUNCH_VERSIONS
+
+
+#: True when :func:`fusedlib.runtime.launch` launches compiled kernels through
+#: :func:`direct_launch`: kernels are compiled (``TRITON_INTERPRET`` is not ``1``), the
+#: Triton version is in :data:`DIRECT_LAUNCH_VERSIONS`, and ``FUSEDLIB_DIRECT_LAUNCH`` is not
+#: ``0``. Read on every launch, so tests may set it to compare both paths.
+DIRECT_LAUNCH: bool = (_direct_launch_possible(triton.__version__, os.environ.get("TRITON_INTERPRET") == "1")
+                       and _env_flag("FUSEDLIB_DIRECT_LAUNCH", True))
+
+#: ``FUSEDLIB_CHECK_LAUNCH=1`` (a debug mode; tests may set the attribute): every direct
+#: launch also asks Triton (``kernel.run(..., warmup=True)``: binding, key, lookup, no
+#: launch) for the compiled kernel it would launch, and raises RuntimeError if it is not the
+#: one fusedlib's cache holds.
+CHECK_LAUNCH: bool = _env_flag("FUSEDLIB_CHECK_LAUNCH", False)
+
+
+class LaunchStats:
+    """Counters of :func:`direct_launch` (process-wide; :func:`launch_stats` returns them).
+
+    Attributes:
+        hits: launches of a cached compiled kernel (the direct path).
+        misses: launches through ``kernel[grid]`` that filled the cache (first call per key).
+        fallbacks: launches through ``kernel[grid]`` for a call the direct path does not
+            take; :attr:`reasons` says why, per kernel name.
+        checks: launches compared with Triton's own choice (:data:`CHECK_LAUNCH`).
+    """
+
+    __slots__ = ("hits", "misses", "fallbacks", "checks", "reasons")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Set every counter to 0 and forget the reasons."""
+        self.hits = 0
+        self.misses = 0
+        self.fallbacks = 0
+        self.checks = 0
+        self.reasons: dict[str, str] = {}
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters as a dict: ``{"hits", "misses", "fallbacks", "checks"}``."""
+        return {"hits": self.hits, "misses": self.misses, "fallbacks": self.fallbacks, "checks": self.checks}
+
+    def __repr__(self) -> str:
+        return f"LaunchStats({self.snapshot()})"
+
+
+_STATS = LaunchStats()
+
+
+def launch_stats() -> LaunchStats:
+    """The process-wide :class:`LaunchStats` of direct launches (``.reset()`` to start over)."""
+    return _STATS
+
+
+# key -> (launch function, CUfunction handle, head args, tail args, CompiledKernel), or
+# _NO_DIRECT for a call pattern that always goes through kernel[grid].
+_CACHE: dict[tuple, Any] = {}
+_NO_DIRECT = object()
+# Kernels seen, kept alive so that their id() in the keys is never reused.
+_KERNELS: dict[int, Any] = {}
+_get_stream = None  # triton's driver.active.get_current_stream, bound at the first fill
+_KNOBS = getattr(triton, "knobs", None)
+_TL_DTYPE = tl.dtype
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
+
+
+def clear_launch_cache() -> None:
+    """Forget every cached compiled kernel (the next launch of each goes through ``kernel[grid]``)."""
+    _CACHE.clear()
+
+
+def _other_spec(a: Any) -> Any:
+    """The key item of an argument that is not an int, float, bool, None or plain tensor,
+    or None when the direct path does not take it."""
+    if isinstance(a, torch.Tensor):
+        return ("tensor", a.dtype, a.data_ptr() & 15 == 0)
+    return None
+
+
+def _int_spec(a: int) -> Any:
+    # ints outside int32: Triton's i64 or u64 (u64 from 2**63), "D" when divisible by 16
+    return ("int", a & 15 == 0, a >= 0x8000000000000000)
+
+
+def _why_not_direct(kernel: Any, n_args: int, kwargs: dict) -> str | None:
+    """None when a call with ``n_args`` positional arguments and ``kwargs`` can be launched
+    directly, else why not."""
+    params = getattr(kernel, "params", None)
+    if params is None or not hasattr(kernel, "run"):
+        return f"not a triton.jit JITFunction ({type(kernel).__name__})"
+    if getattr(kernel, "pre_run_hooks", None):
+        return "the kernel has pre-run hooks"
+    if n_args > len(params):
+        return f"{n_args} positional arguments for {len(params)} parameters"
+    for p in params[:n_args]:
+        if p.is_constexpr:
+            return f"constexpr {p.name} passed positionally"
+    by_name = {p.name: p for p in params}
+    for name in kwargs:
+        p = by_name.get(name)
+        if p is not None and not p.is_constexpr:
+            return f"runtime argument {name} passed by keyword"
+    for p in params[n_args:]:
+        if p.name not in kwargs and not p.has_default:
+            return f"argument {p.name} missing"  # kernel[grid] raises Triton's error
+    return None
+
+
+def _entry(kernel: Any, compiled: Any, n_args: int, kwargs: dict) -> Any:
+    """The cache entry for ``compiled``, the CompiledKernel ``kernel[grid]`` returned."""
+    if compiled is not None and hasattr(compiled, "result"):
+        compiled = compiled.result()  # an async compile's future
+    run = getattr(compiled, "run", None)  # the CudaLauncher (after the first launch, loaded)
+    function = getattr(compiled, "function", None)
+    packed = getattr(compiled, "packed_metadata", None)
+    if run is None or function is None or packed is None:
+        return None
+    # every parameter after the positional ones, in signature order: keyword constexprs and defaults
+    tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[n_args:])
+    c_launch = getattr(run, "launch", None)
+    if (c_launch is not None and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+        # CudaLauncher.__call__ only allocates scratch (none here) and calls its C launch
+        head = (run.launch_cooperative_grid, run.launch_pdl, None, None, packed, None, None, None)
+        return (c_launch, function, head, tail, compiled)
+    return (run, function, (packed, None, None, None), tail, compiled)
+
+
+def _fallback(kernel: Any, grid: Sequence[int], args: tuple, kwargs: dict, why: str) -> None:
+    _STATS.fallbacks += 1
+    _STATS.reasons[getattr(kernel, "__name__", repr(kernel))] = why
+    kernel[tuple(grid)](*args, **kwargs)
+
+
+def _fill(kernel: Any, grid: Sequence[int], key: tuple, args: tuple, kwargs: dict) -> None:
+    global _get_stream
+    why = _why_not_direct(kernel, len(args), kwargs)
+    compiled = kernel[tuple(grid)](*args, **kwargs)  # Triton's own path: compiles, launches
+    _STATS.misses += 1
+    entry = None
+    if why is None:
+        entry = _entry(kernel, compiled, len(args), kwargs)
+        if entry is None:
+            why = f"kernel[grid] returned {type(compiled).__name__}, not a loaded CompiledKernel"
+    if entry is None:
+        _STATS.reasons[getattr(kernel, "__name__", repr(kernel))] = why
+        _CACHE[key] = _NO_DIRECT
+        return
+    if _get_stream is None:
+        from triton.runtime import driver
+
+        _get_stream = driver.active.get_current_stream
+    _KERNELS[id(kernel)] = kernel
+    _CACHE[key] = entry
+
+
+def _check(kernel: Any, grid: Sequence[int], args: tuple, kwargs: dict, compiled: Any) -> None:
+    ref = kernel.run(*args, grid=tuple(grid), warmup=True, **kwargs)  # Triton's choice, no launch
+    if ref is not None and hasattr(ref, "result"):
+        ref = ref.result()
+    _STATS.checks += 1
+    if ref is not compiled:
+        raise RuntimeError(
+            f"fusedlib direct launch of {getattr(kernel, '__name__', kernel)}: the cached compiled kernel is not "
+            f"the one Triton selects for these arguments (fusedlib's cache key misses something Triton "
+            f"specializes on); set FUSEDLIB_DIRECT_LAUNCH=0 to launch through kernel[grid]"
+        )
+
+
+def launch_key(kernel: Any, device_index: int, debug: Any, instrumentation_mode: Any, args: tuple,
+               kwargs: dict) -> tuple | str:
+    """:func:`direct_launch`'s cache key for a call, or (a str) why the call is not taken.
+
+    The key: ``id(kernel)``, the device, the two Triton knobs, one or two items per
+    positional argument (a tensor: its dtype and whether ``data_ptr() % 16 == 0``; an int:
+    ``"one"`` for 1, else ``"i32"`` or ``"i32/16"`` in int32 range, else ``("int",
+    divisible by 16, >= 2**63)``; a float ``"fp32"``; a bool ``"u1"``; None), and the keyword
+    arguments as their names and values (a ``tl.dtype`` value as ``("tl.dtype", name)``).
+    Every item type is told apart from the others (dtypes, bools, strs, None, tuples), so the
+    key names the argument types too.
+    """
+    key = [id(kernel), device_index, debug, instrumentation_mode]
+    append = key.append
+    tensor, parameter, tl_dtype = _TENSOR, _PARAMETER, _TL_DTYPE  # locals: the loop is the hot path
+    for a in args:
+        t = a.__class__
+        if t is tensor or t is parameter:
+            append(a.dtype)
+            append(a.data_ptr() & 15 == 0)
+        elif t is int:
+            if a == 1:
+                append("one")
+            elif -0x80000000 <= a <= 0x7FFFFFFF:
+                append("i32" if a & 15 else "i32/16")
+            else:
+                append(_int_spec(a))
+        elif t is float:
+            append("fp32")
+        elif a is None:
+            append(None)
+        elif t is bool:
+            append("u1")
+        else:
+            s = _other_spec(a)
+            if s is None:
+                return f"an argument of type {t.__name__}"
+            append(s)
+    for name, v in kwargs.items():
+        append(name)
+        # a tl.dtype (the kernels' ACC) hashes in Python, slowly: key it by its name
+        append(v if v.__class__ is not tl_dtype else ("tl.dtype", v.name))
+    return tuple(key)
+
+
+def direct_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tuple, kwargs: dict) -> None:
+    """Launch the ``@triton.jit`` ``kernel`` on CUDA device ``device_index`` (the current
+    device) on the current stream, through the cached compiled kernel when there is one.
+
+    The first call for a key (below) goes through ``kernel[grid](*args, **kwargs)``, which
+    compiles when needed and launches, and caches the CompiledKernel it returns; later calls
+    with the same key call that kernel's launcher directly (see the comment above this
+    function in the source for the protocol, read in Triton 3.6). The key: the kernel, the
+    device, ``knobs.runtime.debug`` and ``knobs.compilation.instrumentation_mode``, for each
+    positional argument its type and what Triton specializes on (a tensor's dtype and
+    whether ``data_ptr()`` is a multiple of 16; an int's equality to 1, int32 range and
+    divisibility by 16), and every keyword argument with its value (constexprs, ``num_warps``,
+    ``num_stages``). Calls the direct path does not take (launch hooks set, arguments of
+    other types, constexprs passed positionally...) go through ``kernel[grid]`` and are
+    counted as fallbacks (:func:`launch_stats`).
+
+    Args:
+        kernel: a ``@triton.jit`` function (``JITFunction``).
+        grid: 1 to 3 program counts (a tuple or list of ints).
+        device_index: the CUDA device the tensors are on; must be the current device.
+        args: the kernel's runtime arguments, positional, in signature order.
+        kwargs: constexprs by keyword, and launch options (``num_warps``, ``num_stages``).
+
+    Raises:
+        RuntimeError: with :data:`CHECK_LAUNCH`, when Triton would launch another compiled
+            kernel than the cached one (a defect of the key: report it).
+        Whatever ``kernel[grid]`` raises on a first call (compile errors, bad arguments).
+    """
+    rt = _KNOBS.runtime
+    if rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+        return _fallback(kernel, grid, args, kwargs, "a Triton launch hook is set")
+    key = launch_key(kernel, device_index, rt.debug, _KNOBS.compilation.instrumentation_mode, args, kwargs)
+    if key.__class__ is str:
+        return _fallback(kernel, grid, args, kwargs, key)
+    try:
+        entry = _CACHE.get(key)
+    except TypeError:  # an unhashable keyword value
+        return _fallback(kernel, grid, args, kwargs, "an unhashable keyword argument")
+    if entry is None:
+        return _fill(kernel, grid, key, args, kwargs)
+    if entry is _NO_DIRECT:
+        _STATS.fallbacks += 1
+        kernel[tuple(grid)](*args, **kwargs)
+        return
+    fn, function, head, tail, compiled = entry
+    if CHECK_LAUNCH:
+        _check(kernel, grid, args, kwargs, compiled)
+    n = len(grid)
+    fn(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device_index), function,
+       *head, *args, *tail)
+    _STATS.hits += 1

@@ -77,6 +77,7 @@ import triton.language as tl
 
 from ..runtime import DeviceCheck, launch
 from .launch import (
+    FOLD_TILES,
     MAX_FUSED_SIZE,
     TL_DTYPE,
     Tile,
@@ -282,7 +283,7 @@ def _norm_bwd_kernel(
     RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
     C_ptr,  # ACC [2, n_rows]: c1 and c2 per row from _norm_bwd_row_stats_kernel (read only if SPLIT)
     DX_ptr,  # grad of x, [n_rows, n_cols], contiguous, x's dtype
-    PARTIAL_ptr,  # ACC [2, n_programs, n_cols]: per program, its rows' sums of dy * x_hat ([0]) and dy ([1])
+    PARTIAL_ptr,  # ACC [2, n_programs, n_cols]: per program, its rows' sums of dy * x_hat ([0]) and dy ([1]) (one program: the sums, in w's dtype)
     n_rows,
     n_cols,
     DY_row_stride,
@@ -507,8 +508,10 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     n_rows = x2d.shape[0]
     acc = acc_dtype(x.dtype)
     y = empty_contiguous_like(x)  # written as [rows, h]
-    rstd = torch.empty(n_rows, dtype=acc, device=device)
-    mean = None if rms_norm else torch.empty(n_rows, dtype=acc, device=device)
+    if rms_norm:
+        mean, rstd = None, torch.empty(n_rows, dtype=acc, device=device)
+    else:  # one allocation for both (each costs microseconds of host time)
+        mean, rstd = torch.empty((2, n_rows), dtype=acc, device=device).unbind(0)
     if n_rows == 0:
         return y, mean, rstd
     if tile is None:
@@ -537,7 +540,8 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
              mean: Optional[torch.Tensor], rstd: torch.Tensor, *, rms_norm: bool,
              zero_centered_gamma: bool = False, memory_efficient: bool = False,
              tile: Optional[Tile] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Launch the backward kernel, then the second-stage reduction of dgamma and dbeta.
+    """Launch the backward kernel, then the second-stage reduction of dgamma and dbeta (none
+    when one program takes every row: small inputs, ``launch.FOLD_TILES``).
 
     With a tile narrower than the row (long rows: BLOCK_N < the next power of two >= h), the
     row-sums kernel runs first and the backward kernel runs on a 2-D grid of (row programs,
@@ -579,8 +583,6 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
     block_n = min(tile.BLOCK_N or row_block, row_block)
     split = block_n < row_block  # long rows: programs of block_n columns read the row sums c1, c2
     acc = acc_dtype(x_or_y.dtype)
-    dweight = torch.empty_like(weight)
-    dbias = torch.empty_like(bias) if bias is not None else None
     common = dict(IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None, ZERO_CENTERED_GAMMA=zero_centered_gamma,
                   MEMORY_EFFICIENT=memory_efficient, ACC=TL_DTYPE[acc])
     w_b = (weight, bias if bias is not None else weight)
@@ -598,15 +600,22 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
             BLOCK_M=s_tile.BLOCK_M, BLOCK_N=min(s_tile.BLOCK_N, row_block), **common, num_warps=s_tile.num_warps,
         )
     programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, max(1, tile.programs_per_sm), device,
-                                                 column_blocks)
-    # [1 or 2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1], only with a bias)
-    partial = torch.empty((2 if bias is not None else 1, programs, h), dtype=acc, device=device)
+                                                 column_blocks, fold_tiles=FOLD_TILES)
+    # [1 or 2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1], only with a bias);
+    # with one program they are the sums themselves: stored in the parameters' dtype, no second stage
+    final = programs == 1 and (bias is None or bias.dtype == weight.dtype)
+    partial = torch.empty((2 if bias is not None else 1, programs, h), dtype=weight.dtype if final else acc,
+                          device=device)
     launch(
         _norm_bwd_kernel, (programs, column_blocks), device,
         dy2d, x2d, *w_b, *stats, row_sums, dx, partial, n_rows, h, *strides, rows_per_program,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=tile.num_stages,
         **common, num_warps=tile.num_warps,
     )
+    if final:
+        return dx, partial[0, 0], (partial[1, 0] if bias is not None else None)
+    dweight = torch.empty_like(weight)
+    dbias = torch.empty_like(bias) if bias is not None else None
     r_tile = _REDUCE_TILES[device.type]
     reduce_block_n = min(r_tile.BLOCK_N, block_n)
     launch(

@@ -1,0 +1,597 @@
+"""Direct launches (fusedlib/kernels/launch.py): the cached compiled kernel gives what ``kernel[grid]`` gives.
+
+On every machine (no GPU needed):
+
+* the cache key is at least as fine as Triton's own specialization: for a pool of arguments
+  (tensors of every dtype at aligned and unaligned addresses, ints around 1, 16, 2^31, 2^63,
+  floats, bools, None), two arguments with one fusedlib key item always get one Triton
+  specialization, as Triton's own C++ specializer (``native_specialize_impl``) computes it;
+* the cache logic, on a ``JITFunction`` whose compile and launch are replaced by a fake that
+  keeps Triton's cache (keyed by Triton's real specialization): the first call fills, later calls
+  hit and pass every parameter in signature order; a new alignment, int class, constexpr or
+  option misses; unsupported calls fall back to ``kernel[grid]``; the check mode
+  (``FUSEDLIB_CHECK_LAUNCH``) raises when the cached kernel is not Triton's;
+* the version gate: the direct path only for the Triton versions whose source was read.
+
+GPU (skipped without CUDA, "needs a CUDA GPU"; the direct-path tests also need a Triton
+version of :data:`~fusedlib.kernels.launch.DIRECT_LAUNCH_VERSIONS`): every public op, forward
+and backward, several shapes and dtypes, inputs at 16-byte aligned and unaligned addresses
+(one element off, which flips Triton's divisibility specialization), gives bitwise the same
+outputs and gradients through the direct path (with the check mode on) as through
+``kernel[grid]``, with no fallback, and a second call launches only cached kernels (hits, no
+misses).
+"""
+from __future__ import annotations
+
+import itertools
+import types
+
+import pytest
+import torch
+
+import fusedlib  # noqa: F401  (first)
+import triton
+import triton.language as tl
+from fusedlib.kernels import launch as kl
+
+from conftest import DEVICE  # noqa: I001
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+needs_direct = pytest.mark.skipif(
+    not (CUDA and kl._direct_launch_possible(triton.__version__, False)),
+    reason=f"needs a CUDA GPU and Triton {' or '.join(kl.DIRECT_LAUNCH_VERSIONS)} (direct launches)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The key against Triton's own specializer
+# ---------------------------------------------------------------------------------------------
+
+
+def _triton_spec(a):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    # a runtime parameter: not const, specialized, alignment specialized (Triton's defaults)
+    return native_specialize_impl(BaseBackend, a, False, True, True)
+
+
+def _arg_pool():
+    pool = []
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool):
+        buf = torch.zeros(64, dtype=dt)
+        pool += [buf, buf[1:], buf[2:], buf[8:], buf[16:]]
+    pool += [0, 1, 2, 3, 15, 16, 17, 32, -1, -16, -17, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1,
+             2**40, 2**40 + 3, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1]
+    pool += [0.0, 1.0, 1.5, -2.0, True, False, None]
+    return pool
+
+
+def test_key_is_at_least_as_fine_as_tritons_specialization():
+    pool = _arg_pool()
+    keys = [kl.launch_key(None, 0, False, "", (a,), {}) for a in pool]
+    specs = [_triton_spec(a) for a in pool]
+    assert not any(isinstance(k, str) for k in keys), "every pool argument is a supported type"
+    for (ka, sa, a), (kb, sb, b) in itertools.combinations(zip(keys, specs, pool), 2):
+        if ka == kb:
+            assert sa == sb, f"one fusedlib key, two Triton specializations: {a!r} {sa} / {b!r} {sb}"
+    # and the key does tell apart what Triton does (so the test above has pairs to check)
+    assert len(set(keys)) >= len(set(map(str, specs)))
+
+
+def test_key_parts():
+    x = torch.zeros(32, dtype=torch.float32)
+    k = kl.launch_key("k", 0, False, "", (x, 16, 1, 3), {"BLOCK": 64, "num_warps": 4})
+    assert k == (id("k"), 0, False, "", torch.float32, True, "i32/16", "one", "i32", "BLOCK", 64, "num_warps", 4)
+    assert kl.launch_key("k", 0, False, "", (), {"ACC": tl.float32})[-1] == ("tl.dtype", "fp32")
+    assert kl.launch_key("k", 0, False, "", (x[1:],), {})[-1] is False  # 4 bytes off: not divisible by 16
+    assert kl.launch_key("k", 0, False, "", ((1, 2),), {}) == "an argument of type tuple"
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache logic on a fake compile and launch
+# ---------------------------------------------------------------------------------------------
+
+
+def _toy(X_ptr, Y_ptr, n, stride, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    pass
+
+
+class _FakeLauncher:
+    global_scratch_size = 0
+    profile_scratch_size = 0
+    launch_cooperative_grid = False
+    launch_pdl = False
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, *args):
+        self.calls.append(args)
+
+
+class _FakeCompiled:
+    def __init__(self, key):
+        self.key = key
+        self.run = _FakeLauncher()
+        self.function = 1000 + len(key)
+        self.packed_metadata = (4, 1, 0)
+
+
+class _FakeKernel(triton.runtime.jit.JITFunction):
+    """A real JITFunction (its params, its signature) whose compile and launch are fakes: a
+    cache of fake compiled kernels keyed by Triton's real specialization of the arguments."""
+
+    def __init__(self, fn):
+        super().__init__(fn)
+        self.triton_cache = {}
+        self.grid_launches = []
+
+    def _compiled(self, args, kwargs):
+        bound = dict(zip(self.arg_names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        spec = []
+        for p in self.params:
+            v = bound.get(p.name, p.default)
+            spec.append(("constexpr", v) if p.is_constexpr else _triton_spec(v))
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.arg_names))
+        key = (tuple(spec), options)
+        if key not in self.triton_cache:
+            self.triton_cache[key] = _FakeCompiled(key)
+        return self.triton_cache[key]
+
+    def __getitem__(self, grid):
+        def go(*args, **kwargs):
+            self.grid_launches.append((tuple(grid), args, kwargs))
+            return self._compiled(args, kwargs)
+        return go
+
+    def run(self, *args, grid, warmup, **kwargs):
+        assert warmup
+        return self._compiled(args, kwargs)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A fresh fake kernel, Triton's knobs with no hooks, a fake stream, empty stats."""
+    knobs = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False),
+        compilation=types.SimpleNamespace(instrumentation_mode=""))
+    monkeypatch.setattr(kl, "_KNOBS", knobs)
+    monkeypatch.setattr(kl, "_get_stream", lambda index: 77 + index)
+    monkeypatch.setattr(kl, "CHECK_LAUNCH", False)
+    kl.clear_launch_cache()
+    kl.launch_stats().reset()
+    yield _FakeKernel(_toy), knobs
+    kl.clear_launch_cache()
+    kl.launch_stats().reset()
+
+
+def _args(x, y, n=64, stride=16, scale=0.5):
+    return (x, y, n, stride, scale)
+
+
+def test_first_call_fills_later_calls_launch_directly(fake):
+    kernel, _ = fake
+    x, y = torch.zeros(64), torch.zeros(64)
+    kl.direct_launch(kernel, (3,), 0, _args(x, y), {"BLOCK": 32, "num_warps": 4})
+    assert len(kernel.grid_launches) == 1 and kl.launch_stats().misses == 1
+    compiled = next(iter(kernel.triton_cache.values()))
+    for _ in range(3):
+        kl.direct_launch(kernel, (3, 2), 0, _args(x, y, n=80), {"BLOCK": 32, "num_warps": 4})
+    assert len(kernel.grid_launches) == 1, "hits do not go through kernel[grid]"
+    assert kl.launch_stats().snapshot() == {"hits": 3, "misses": 1, "fallbacks": 0, "checks": 0}
+    call = compiled.run.calls[-1]
+    # grid (padded with 1), stream, function, CudaLauncher's head, then every parameter in order
+    assert call[:5] == (3, 2, 1, 77, compiled.function)
+    assert call[5:13] == (False, False, None, None, (4, 1, 0), None, None, None)
+    assert call[13:] == (x, y, 80, 16, 0.5, 32, False)  # BLOCK by keyword, FLAG's default
+
+
+def test_what_triton_specializes_on_misses(fake):
+    kernel, _ = fake
+    buf = torch.zeros(80)
+    x, y = buf[:64], torch.zeros(64)
+    kw = {"BLOCK": 32, "num_warps": 4}
+    kl.direct_launch(kernel, (1,), 0, _args(x, y), kw)
+    stats = kl.launch_stats()
+    # each of these selects another compiled kernel in Triton: a miss each
+    for args, kwargs in [
+        (_args(buf[1:65], y), kw),  # x one element off: not 16-byte aligned
+        (_args(x, y.to(torch.float16)), kw),  # another dtype
+        (_args(x, y, n=1), kw),  # an int equal to 1 is a constexpr in Triton
+        (_args(x, y, n=65), kw),  # not divisible by 16
+        (_args(x, y, stride=2**31 + 16), kw),  # i64
+        (_args(x, y), {"BLOCK": 64, "num_warps": 4}),  # another constexpr
+        (_args(x, y), {"BLOCK": 32, "num_warps": 8}),  # another option
+        (_args(x, y), {"BLOCK": 32, "FLAG": True, "num_warps": 4}),  # a defaulted constexpr set
+    ]:
+        before = stats.misses
+        kl.direct_launch(kernel, (1,), 0, args, kwargs)
+        assert stats.misses == before + 1, args
+    # these do not: the same Triton kernel (and the fusedlib entry is reused)
+    before = stats.misses
+    kl.direct_launch(kernel, (1,), 0, _args(buf[4:68], y, n=128, stride=32, scale=-3.0), kw)  # 16 bytes off
+    assert stats.misses == before and stats.hits == 1
+    # another device: its own entry
+    kl.direct_launch(kernel, (1,), 1, _args(x, y), kw)
+    assert stats.misses == before + 1
+
+
+def test_the_check_mode_agrees_with_triton_on_many_calls(fake, monkeypatch):
+    kernel, _ = fake
+    monkeypatch.setattr(kl, "CHECK_LAUNCH", True)
+    pool = torch.zeros(200)
+    ints = [1, 2, 16, 17, 48, 2**31 + 16]
+    for off, n, stride, block in itertools.product([0, 1, 4, 8], ints, ints, [16, 32]):
+        kl.direct_launch(kernel, (2,), 0, _args(pool[off:off + 64], pool[:64], n, stride), {"BLOCK": block})
+    stats = kl.launch_stats()
+    assert stats.checks == stats.hits > 0 and stats.fallbacks == 0
+
+
+def test_the_check_mode_catches_a_key_that_misses_something(fake, monkeypatch):
+    kernel, _ = fake
+    monkeypatch.setattr(kl, "CHECK_LAUNCH", True)
+    real_key = kl.launch_key
+
+    def key_without_alignment(*a):  # a defective key: drops the tensors' alignment
+        return tuple(item for item in real_key(*a) if not isinstance(item, bool))
+
+    monkeypatch.setattr(kl, "launch_key", key_without_alignment)
+    buf = torch.zeros(80)
+    kl.direct_launch(kernel, (1,), 0, _args(buf[:64], buf[:64]), {"BLOCK": 32})
+    with pytest.raises(RuntimeError, match="not the one Triton selects"):
+        kl.direct_launch(kernel, (1,), 0, _args(buf[1:65], buf[:64]), {"BLOCK": 32})
+
+
+@pytest.mark.parametrize("how", ["constexpr positional", "runtime by keyword", "tuple argument", "hook"])
+def test_calls_the_direct_path_does_not_take_go_through_kernel_grid(fake, how):
+    kernel, knobs = fake
+    x = torch.zeros(64)
+    args, kwargs = _args(x, x), {"BLOCK": 32}
+    if how == "constexpr positional":
+        args, kwargs = args + (32,), {}
+    elif how == "runtime by keyword":
+        args, kwargs = args[:4], {"scale": 0.5, "BLOCK": 32}
+    elif how == "tuple argument":
+        args = (x, x, (1, 2), 16, 0.5)
+    else:
+        knobs.runtime.launch_enter_hook = lambda metadata: None
+    for _ in range(3):
+        kl.direct_launch(kernel, (1,), 0, args, kwargs)
+    stats = kl.launch_stats()
+    assert len(kernel.grid_launches) == 3 and stats.hits == 0
+    assert stats.fallbacks + stats.misses == 3 and stats.reasons
+
+
+def test_version_gate():
+    assert kl._direct_launch_possible("3.6.0", interpret=False)
+    assert not kl._direct_launch_possible("3.6.0", interpret=True)
+    assert not kl._direct_launch_possible("3.9.0", interpret=False)
+    assert not kl._direct_launch_possible("3.5.1", interpret=False)
+
+
+def test_interpreted_or_unverified_triton_launches_through_kernel_grid():
+    """Where the direct path is off (here: the interpreter, or another Triton version),
+    fusedlib launches through kernel[grid] and counts nothing."""
+    if kl._direct_launch_possible(triton.__version__, fusedlib.runtime.INTERPRET_ON_CPU):
+        pytest.skip("the direct path is on here (see the GPU tests)")
+    assert kl.DIRECT_LAUNCH is False
+    from fusedlib import bias_gelu_impl
+
+    kl.launch_stats().reset()
+    y = torch.randn(4, 16, device=DEVICE)
+    b = torch.randn(16, device=DEVICE)
+    torch.testing.assert_close(bias_gelu_impl(y, b).double(),
+                               torch.nn.functional.gelu(y.double() + b.double(), approximate="tanh"),
+                               atol=1e-5, rtol=1e-5)  # float32, one rounding: see conftest.TOL
+    assert kl.launch_stats().snapshot() == {"hits": 0, "misses": 0, "fallbacks": 0, "checks": 0}
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: every op, direct path == kernel[grid] path, bitwise
+# ---------------------------------------------------------------------------------------------
+
+
+def _offset_copy(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of ``t`` (contiguous, same requires_grad) stored ``offset`` elements into a
+    larger buffer: offset 1 puts it 2 or 4 bytes off a 16-byte boundary."""
+    if not t.is_floating_point() or offset == 0:
+        return t.detach().clone().requires_grad_(t.requires_grad) if t.is_floating_point() else t.clone()
+    buf = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)
+    view = buf[offset:].view(t.shape)
+    view.copy_(t.detach())
+    return view.detach().requires_grad_(t.requires_grad)
+
+
+def _run(fn, inputs, params, direct: bool, check: bool, seed: int = 1234):
+    """fn's output and every gradient, through the direct path or kernel[grid]."""
+    old = kl.DIRECT_LAUNCH, kl.CHECK_LAUNCH
+    kl.DIRECT_LAUNCH, kl.CHECK_LAUNCH = direct, check
+    try:
+        for p in params:
+            p.grad = None
+        torch.manual_seed(seed)
+        out = fn(*inputs)
+        diff = [t for t in inputs if t.is_floating_point() and t.requires_grad] + list(params)
+        if diff:
+            g = torch.randn(out.shape, device=out.device, generator=torch.Generator(out.device).manual_seed(7))
+            (out.float() * g).sum().backward()
+        torch.cuda.synchronize()
+        return [out.detach().clone()] + [t.grad.clone() for t in diff]
+    finally:
+        kl.DIRECT_LAUNCH, kl.CHECK_LAUNCH = old
+
+
+def _same(a_list, b_list):
+    assert len(a_list) == len(b_list)
+    for a, b in zip(a_list, b_list):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b), "direct != kernel[grid]"
+
+
+def _main_ops():
+    """(name, make(rows, h, dtype) -> inputs, fn): the seven ops of the host table, at any shape."""
+    from fusedlib import (ScaledUpperTriangMaskedSoftmax, bias_dropout_add_fused_train, bias_gelu_impl,
+                          bias_swiglu_impl, fused_layer_norm, fused_rms_norm, fused_vocab_parallel_cross_entropy)
+
+    def r(*shape, dtype, grad=True):
+        return torch.randn(*shape, device="cuda").to(dtype).requires_grad_(grad)
+
+    return {
+        "bias_gelu": (lambda n, h, dt: (r(n, h, dtype=dt), r(h, dtype=dt)), bias_gelu_impl),
+        "layer_norm": (lambda n, h, dt: (r(n, h, dtype=dt), r(h, dtype=dt), r(h, dtype=dt)),
+                       lambda x, w, b: fused_layer_norm(x, w, b, 1e-5)),
+        "rms_norm": (lambda n, h, dt: (r(n, h, dtype=dt), r(h, dtype=dt)), lambda x, w: fused_rms_norm(x, w, 1e-5)),
+        "swiglu": (lambda n, h, dt: (r(n, 2 * h, dtype=dt), r(2 * h, dtype=dt)), bias_swiglu_impl),
+        "bias_dropout_add": (lambda n, h, dt: (r(n, h, dtype=dt), r(h, dtype=dt), r(n, h, dtype=dt)),
+                             lambda x, b, res: bias_dropout_add_fused_train((x, b), res, 0.1)),
+        "causal_softmax": (lambda n, h, dt: (r(2, h, h, dtype=dt),),
+                           lambda s: ScaledUpperTriangMaskedSoftmax.apply(s, 0.125)),
+        "cross_entropy": (lambda n, h, dt: (r(n, h, dtype=dt), torch.randint(0, h, (n,), device="cuda")),
+                          lambda x, t: fused_vocab_parallel_cross_entropy(x, t)),
+    }
+
+
+MAIN_OPS = ["bias_gelu", "layer_norm", "rms_norm", "swiglu", "bias_dropout_add", "causal_softmax", "cross_entropy"]
+SHAPES = [(32, 256), (7, 40), (1000, 2000)]  # the host shape, odd and tiny, several programs per row block
+
+
+@needs_direct
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "one-element-off"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", MAIN_OPS)
+def test_direct_path_equals_kernel_grid_bitwise(name, shape, dtype, offset):
+    make, fn = _main_ops()[name]
+    inputs = tuple(_offset_copy(t, offset) for t in make(*shape, dtype))
+    if offset:
+        assert any(t.data_ptr() % 16 for t in inputs if t.is_floating_point())
+    stats = kl.launch_stats()
+    want = _run(fn, tuple(_offset_copy(t, offset) for t in inputs), [], direct=False, check=False)
+    stats.reset()
+    got = _run(fn, tuple(_offset_copy(t, offset) for t in inputs), [], direct=True, check=True)
+    _same(got, want)
+    assert stats.fallbacks == 0, stats.reasons
+    assert stats.checks == stats.hits  # every direct launch was compared with Triton's choice
+    # a second call: every launch is a hit of the cache
+    stats.reset()
+    again = _run(fn, tuple(_offset_copy(t, offset) for t in inputs), [], direct=True, check=False)
+    _same(again, want)
+    assert stats.misses == 0 and stats.fallbacks == 0 and stats.hits > 0, stats
+
+
+@needs_direct
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "one-element-off"])
+def test_every_public_op_direct_equals_kernel_grid_bitwise(offset):
+    """Every case of tests/test_compile_graph.py (every public op and variant), float32 and
+    bfloat16: direct (check mode on) == kernel[grid], bitwise, and no fallback."""
+    from test_compile_graph import CASES
+
+    stats = kl.launch_stats()
+    for name, case in sorted(CASES.items()):
+        for dtype in case.dtypes:
+            params = case.params()
+            base = case.make(dtype)
+            want = _run(case.fn, tuple(_offset_copy(t, offset) for t in base), params, direct=False, check=False)
+            stats.reset()
+            got = _run(case.fn, tuple(_offset_copy(t, offset) for t in base), params, direct=True, check=True)
+            assert stats.fallbacks == 0, (name, stats.reasons)
+            assert stats.checks == stats.hits, name
+            if case.grad:
+                _same(got, want)
+            else:  # in-place inference: compare the outputs
+                _same(got[:1], want[:1])
+
+
+@needs_direct
+def test_cuda_graph_capture_through_the_direct_path():
+    """A CUDA graph captured while fusedlib launches directly replays the same kernels."""
+    from fusedlib import bias_gelu_impl
+
+    y = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    want = _run(bias_gelu_impl, (y, b), [], direct=False, check=False)
+
+    def step():
+        y.grad = b.grad = None
+        out = bias_gelu_impl(y, b)
+        (out.float() * 0.5).sum().backward()
+        return out
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    kl.launch_stats().reset()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    assert kl.launch_stats().hits > 0 and kl.launch_stats().misses == 0
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every launch fusedlib makes is one the direct path takes (checked here on any machine)
+# ---------------------------------------------------------------------------------------------
+
+#: the ops of ``python -m fusedlib.bench --host`` but the whole transformer block (slow on the CPU)
+HOST_OPS = ["bias_gelu", "bias_dropout_add", "geglu", "swiglu", "weighted_swiglu", "layer_norm", "rms_norm",
+            "causal_softmax", "masked_softmax", "softmax_one", "softmax_dropout", "cross_entropy", "rope"]
+
+
+@pytest.mark.parametrize("op", HOST_OPS)
+def test_every_fusedlib_launch_can_go_direct(op, monkeypatch):
+    """Each kernel launch of the op's fused forward and backward passes the direct path's
+    conditions (no constexpr positionally, no runtime argument by keyword, supported argument
+    types, hashable keywords), judged on a JITFunction of the same kernel source; the launch
+    itself runs as usual (on the CPU, in Triton's interpreter)."""
+    import importlib
+    import pkgutil
+
+    import fusedlib.kernels
+    from fusedlib.bench.host import HOST_SHAPES, host_step
+    from fusedlib.bench.ops import get_case
+
+    seen = []
+    jit_of = {}
+
+    def checking_launch(orig):
+        def launch(kernel, grid, device, *args, **kwargs):
+            fn = getattr(kernel, "fn", kernel)
+            jit = jit_of.setdefault(fn, triton.runtime.jit.JITFunction(fn))
+            why = kl._why_not_direct(jit, len(args), kwargs)
+            key = kl.launch_key(jit, 0, False, "", args, kwargs)
+            assert why is None, f"{fn.__name__}: {why}"
+            assert not isinstance(key, str), f"{fn.__name__}: {key}"
+            hash(key)
+            seen.append(fn.__name__)
+            return orig(kernel, grid, device, *args, **kwargs)
+        return launch
+
+    for info in pkgutil.iter_modules(fusedlib.kernels.__path__):
+        mod = importlib.import_module(f"fusedlib.kernels.{info.name}")
+        if callable(getattr(mod, "launch", None)) and not isinstance(mod.launch, types.ModuleType):
+            monkeypatch.setattr(mod, "launch", checking_launch(mod.launch))
+    case = get_case(op)(HOST_SHAPES[op], torch.float32)
+    impl = next(i for i in case.impls if i.name == "fusedlib")
+    for pass_ in ("fwd", "fwd+bwd"):
+        step, ctx = host_step(case, impl, pass_, DEVICE)
+        with ctx:
+            step()
+    assert seen, "no kernel was launched"
+
+
+# ---------------------------------------------------------------------------------------------
+# Small inputs: one row program, no second-stage reduction, the same bits
+# ---------------------------------------------------------------------------------------------
+
+
+def _bwd_call(op, rows, h, dtype):
+    """(kernels module name, call() -> (dx, dparam[, dparam2]), the terms each parameter
+    gradient sums over rows, float64 [rows, n])."""
+    r = lambda *s: torch.randn(*s, device=DEVICE).to(dtype)  # noqa: E731
+    if op == "bias_gelu":
+        from fusedlib.kernels.bias_gelu import bias_gelu_bwd
+
+        g, y, b = r(rows, h), r(rows, h), r(h)
+        return "bias_gelu", lambda: bias_gelu_bwd(g, y, b), lambda out: [out[0].double()]
+    if op == "swiglu":
+        from fusedlib.kernels.glu import glu_bwd
+
+        g, y, b = r(rows, h), r(rows, 2 * h), r(2 * h)
+        return "glu", lambda: glu_bwd(g, y, b, None, "silu")[:2], lambda out: [out[0].double()]
+    if op == "bias_dropout_add":
+        from fusedlib.kernels.bias_dropout_add import bias_dropout_add_bwd, philox_seed
+
+        g, seed = r(rows, h), philox_seed(DEVICE)
+        tile = kl.Tile(BLOCK_M=16, BLOCK_N=64, num_warps=4, programs_per_sm=4)  # the interpreter's tile is 1 row tile
+        return ("bias_dropout_add",
+                lambda: bias_dropout_add_bwd(g, dtype, seed, 0.25, need_dbias=True, db_dtype=dtype, tile=tile),
+                lambda out: [out[0].double()])
+    from fusedlib.kernels.layer_norm import norm_bwd, norm_fwd
+
+    rms = op == "rms_norm"
+    x, w, b, dy = r(rows, h), r(h), (None if rms else r(h)), r(rows, h)
+    _, mean, rstd = norm_fwd(x, w, b, 1e-5, rms_norm=rms)
+    x_hat = (x.double() - (0 if rms else mean.double()[:, None])) * rstd.double()[:, None]
+    return ("layer_norm", lambda: norm_bwd(dy, x, w, b, mean, rstd, rms_norm=rms),
+            lambda out: [dy.double() * x_hat] + ([] if rms else [dy.double()]))
+
+
+def _count_second_stages(monkeypatch, module_name):
+    """A list that gets one item per second-stage launch (sum_partials, the norms' reduce kernel)."""
+    import importlib
+
+    from fusedlib.kernels import reduce as reduce_mod
+
+    seen = []
+    real_sum = reduce_mod.sum_partials
+    monkeypatch.setattr(reduce_mod, "sum_partials", lambda *a: seen.append("sum_partials") or real_sum(*a))
+    module = importlib.import_module(f"fusedlib.kernels.{module_name}")
+    real_launch = module.launch
+
+    def launch(kernel, *a, **k):
+        if getattr(kernel, "fn", kernel).__name__ == "_norm_bwd_reduce_kernel":
+            seen.append("reduce")
+        return real_launch(kernel, *a, **k)
+
+    monkeypatch.setattr(module, "launch", launch)
+    return module, seen
+
+
+SECOND_STAGE_OPS = ["bias_gelu", "swiglu", "bias_dropout_add", "layer_norm", "rms_norm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("op", SECOND_STAGE_OPS)
+def test_small_inputs_skip_the_second_stage(op, dtype, monkeypatch):
+    """At a shape of at most FOLD_TILES row tiles, one program takes every row and the bias /
+    gamma / beta gradient comes out of the backward kernel itself, in the parameter's dtype:
+    no second-stage launch. Its value is the two-stage one's up to the order of the float32
+    additions: both add the same n = rows terms t (the other path in several partial sums),
+    so they differ by at most 2·n·2^-24·sum|t| (Higham, recursive summation, twice), plus one
+    rounding to the output dtype (2^-24 or 2^-8 relative) that may fall either way."""
+    rows, h = 100, 48  # a few row tiles (up to 32 rows each at h = 48), at most FOLD_TILES
+    name, call, terms = _bwd_call(op, rows, h, dtype)
+    module, seen = _count_second_stages(monkeypatch, name)
+    folded = call()
+    assert seen == [], "one program: no second stage"
+    monkeypatch.setattr(module, "FOLD_TILES", 0)
+    two_stage = call()
+    assert seen, "several programs: a second stage"
+    ulp = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8
+    assert torch.equal(folded[0], two_stage[0])  # dx does not depend on the grid
+    for a, b, t in zip(folded[1:], two_stage[1:], terms(two_stage)):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape == (t.shape[1],)
+        bound = 2 * rows * 2.0 ** -24 * t.abs().sum(0) * 1.01 + ulp * b.double().abs()
+        assert ((a.double() - b.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("op", ["bias_gelu", "swiglu", "bias_dropout_add"])
+def test_one_program_result_equals_the_second_stage_bitwise(op, dtype, monkeypatch):
+    """One row tile (one program on either path): the kernel's own store of the column sum
+    (rounded once to the parameter's dtype) equals what the second stage makes of the same
+    float32 row (adds zeros, rounds once), bitwise."""
+    import importlib
+
+    from fusedlib.kernels import reduce as reduce_mod
+
+    name, call, _ = _bwd_call(op, 5, 48, dtype)
+    folded = call()
+    module = importlib.import_module(f"fusedlib.kernels.{name}")
+    acc_only = lambda programs, n, acc, out_dtype, device: torch.empty((programs, n), dtype=acc, device=device)  # noqa: E731
+    monkeypatch.setattr(module, "partials_buffer", acc_only)  # the float32 partial row, then sum_partials
+    launched = []
+    real_sum = reduce_mod.sum_partials
+    monkeypatch.setattr(reduce_mod, "sum_partials", lambda *a: launched.append(1) or real_sum(*a))
+    two_stage = call()
+    if dtype != torch.float32:
+        assert launched, "the second stage ran"
+    for a, b in zip(folded, two_stage):
+        assert a.dtype == b.dtype and torch.equal(a, b)
