@@ -32,6 +32,8 @@ from ``fusedlib`` itself (Megatron-core's names); by layer:
      ``SoftmaxOne``; with the attention dropout fused, ``fused_scale_mask_softmax_dropout``
      and ``ScaledMaskedSoftmaxDropout``.
   6. cross entropy: ``fused_vocab_parallel_cross_entropy`` (2 all-reduces).
+  8. attention: ``flash_attention`` (FlashAttention-2 in Triton, forward and backward) and its
+     autograd Function ``FlashAttentionFunction``.
 
 * parallel: ``parallel`` (the package), ``vocab_parallel_cross_entropy`` (unfused, 3
   all-reduces), ``VocabUtility``, ``count_collectives``.
@@ -93,6 +95,7 @@ from .fusions.fused_softmax import (  # 5
     fused_scale_mask_softmax_dropout,
 )
 from .fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy  # 6
+from .fusions.fused_attention import FlashAttentionFunction, flash_attention  # 8
 
 # parallel
 from . import parallel
@@ -153,6 +156,9 @@ __all__ = [
     "fused_scale_mask_softmax_dropout",
     # 6. cross entropy
     "fused_vocab_parallel_cross_entropy",
+    # 8. attention
+    "FlashAttentionFunction",
+    "flash_attention",
     # parallel
     "parallel",
     "vocab_parallel_cross_entropy",

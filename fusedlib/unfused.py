@@ -888,7 +888,8 @@ def attention_reference(
                                  device=q.device)
     p = masked_softmax_reference(x, masked, scale, sinks)
     if dropout_p > 0.0:
-        keep = dropout_mask if dropout_mask is not None else torch.rand(p.shape, device=p.device) >= dropout_p
+        keep = dropout_mask if dropout_mask is not None else \
+            torch.rand(p.shape, device=p.device, dtype=torch.float32) >= dropout_p
         p = torch.where(keep, p / (1.0 - dropout_p), torch.zeros_like(p))
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
 

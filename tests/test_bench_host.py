@@ -348,7 +348,7 @@ def test_candidates_are_tiles_and_the_current_tile_is_the_tables_pick():
 
 TINY = {"bias_gelu": (4, 64), "bias_dropout_add": (4, 64), "geglu": (4, 128), "swiglu": (4, 128),
         "layer_norm": (4, 64), "rms_norm": (4, 64), "causal_softmax": (2, 16, 16),
-        "masked_softmax": (1, 2, 16, 16), "cross_entropy": (4, 64)}
+        "masked_softmax": (1, 2, 16, 16), "cross_entropy": (4, 64), "attention": (1, 2, 16, 16)}
 
 
 def _kernel_modules():

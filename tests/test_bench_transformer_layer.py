@@ -23,7 +23,7 @@ from conftest import DEVICE  # noqa: I001
 #: [s, b, h, heads, ffn, layers]: odd sequence and ffn, heads of 6 channels, 2 layers
 TINY = (7, 2, 24, 4, 20, 2)
 #: what runs without megatron-core (it needs CUDA and Python >= 3.12)
-LOCAL_IMPLS = ["fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "eager", "torch.compile"]
+LOCAL_IMPLS = ["fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash", "eager", "torch.compile"]
 
 
 def _cpu_case(dtype=torch.float32):
@@ -36,7 +36,7 @@ def _cpu_case(dtype=torch.float32):
 def test_every_implementation_builds_lazily_and_gives_finite_outputs_and_gradients(dtype):
     c = _cpu_case(dtype)
     names = [i.name for i in c.impls]
-    assert names[:3] == LOCAL_IMPLS[:3] and names[-2:] == LOCAL_IMPLS[3:]
+    assert names[:4] == LOCAL_IMPLS[:4] and names[-2:] == LOCAL_IMPLS[4:]
     assert set(names) | set(c.skipped) == set(tl.IMPLS)
     assert all(i.passes == ("fwd+bwd",) and i.params() == [] for i in c.impls), "nothing built before a call"
     assert c.bytes == {"fwd+bwd": None} and c.tokens == TINY[0] * TINY[1] and c.peak_memory and c.cuda_graph
@@ -71,11 +71,14 @@ def test_the_step_trains_with_dropout():
 def test_the_three_fusedlib_blocks_have_the_documented_switches():
     unfused = tl.fusedlib_block(TINY, False)
     fused = tl.fusedlib_block(TINY, True)
-    sdpa = tl.fusedlib_block(TINY, True, tl.AttnBackend.flash)
+    sdpa = tl.fusedlib_block(TINY, True, tl.AttnBackend.auto)
+    flash = tl.fusedlib_block(TINY, True, tl.AttnBackend.flash)
     for name in tl.FUSIONS_ON:
-        assert getattr(fused.config, name) and getattr(sdpa.config, name) and not getattr(unfused.config, name), name
+        assert getattr(fused.config, name) and getattr(sdpa.config, name) and getattr(flash.config, name), name
+        assert not getattr(unfused.config, name), name
     assert fused.config.attention_backend is tl.AttnBackend.local
-    assert sdpa.config.attention_backend is tl.AttnBackend.flash
+    assert sdpa.config.attention_backend is tl.AttnBackend.auto
+    assert flash.config.attention_backend is tl.AttnBackend.flash
     assert unfused.config.attention_backend is tl.AttnBackend.unfused
     assert type(unfused.layers[0].input_layernorm).__name__ == "LayerNorm"  # torch's
     assert type(fused.layers[0].input_layernorm).__name__ == "FusedLayerNorm"
@@ -127,10 +130,11 @@ def test_records_have_tokens_and_no_bytes(monkeypatch):
         assert r["shape_names"] == list(tl.SHAPE_NAMES) and r["params"] == tl.param_count(TINY)
         assert r["weight_bytes"] == 4 * tl.param_count(TINY)
         assert r["hidden_dropout"] == r["attention_dropout"] == 0.1
-        assert r["attention"] in ("materialised", "sdpa") and isinstance(r["fusions"], list)
+        assert r["attention"] in ("materialised", "sdpa", "flash") and isinstance(r["fusions"], list)
     by = {r["impl"]: r for r in recs}
     assert by["fusedlib"]["fusions"] == list(tl.FUSIONS_ON) and by["fusedlib-unfused"]["fusions"] == []
     assert by["fusedlib-sdpa"]["attention"] == "sdpa" and by["torch.compile"]["compile"] == "static"
+    assert by["fusedlib-flash"]["attention"] == "flash"
     json.dumps(recs)  # plain JSON
 
 
@@ -236,6 +240,8 @@ def test_kernel_categories_and_summary():
     assert tl.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") == "GEMM"
     assert tl.kernel_category("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "GEMM"
     assert tl.kernel_category("pytorch_flash::flash_fwd_kernel<...>") == "attention (SDPA)"
+    assert tl.kernel_category("pytorch_flash::flash_bwd_dq_dk_dv_loop_kernel<...>") == "attention (SDPA)"
+    assert tl.kernel_category("_flash_fwd_kernel") == tl.kernel_category("_flash_bwd_dq_kernel") == "attention (fusedlib flash)"
     assert tl.kernel_category("_softmax_fwd_kernel") == "softmax (+dropout)"
     assert tl.kernel_category("_norm_bwd_kernel") == "norm"
     assert tl.kernel_category("void at::native::vectorized_layer_norm_kernel<...>") == "norm"

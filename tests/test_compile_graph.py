@@ -50,6 +50,7 @@ from fusedlib import (
     fused_layer_norm,
     fused_rms_norm,
     fused_scale_mask_softmax,
+    flash_attention,
     fused_vocab_parallel_cross_entropy,
     runtime,
     unfused,
@@ -212,6 +213,10 @@ CASES: dict[str, Case] = {
                             lambda t, f: fused_apply_rotary_pos_emb(t, f)),
     "rope_interleaved_per_sample": Case(lambda dt: (_r(SQ, B, NP, 40, dtype=dt), _freqs(SQ, B, 40)),
                                         lambda t, f: fused_apply_rotary_pos_emb(t, f, interleaved=True)),
+    "flash_attention_causal_gqa_padding_sink": Case(
+        lambda dt: (_r(B, SK, NP, 40, dtype=dt), _r(B, SK, 1, 40, dtype=dt), _r(B, SK, 1, 40, dtype=dt),
+                    _r(NP, dtype=torch.float32), _mask()[:, 0, 0].contiguous()),  # key padding [b, sk]
+        lambda q, k, v, s, m: flash_attention(q, k, v, causal=True, attention_mask=m, sinks=s)),
     "vocab_parallel_cross_entropy": Case(lambda dt: (_r(N, V, dtype=dt, scale=3.0), _targets()),
                                          lambda x, t: vocab_parallel_cross_entropy(x, t, 0.1)),
     "fused_vocab_parallel_cross_entropy": Case(lambda dt: (_r(N, V, dtype=dt, scale=3.0), _targets()),

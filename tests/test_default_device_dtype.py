@@ -809,6 +809,41 @@ def _unfused_softmax(dtype):
     return lambda: compute(x, g), lambda: compute(x.double(), g.double()), expected
 
 
+@case("flash_attention(causal, key padding, GQA, sinks, dropout)")
+def _flash_attention(dtype):
+    from fusedlib.kernels.flash_attention import flash_attn_dropout_mask
+
+    hq, hkv, d = NP, 1, 16
+    q, k, v = (_randn(B, s, h, d, dtype=dtype, scale=0.5) for s, h in ((SQ, hq), (SK, hkv), (SK, hkv)))
+    g = _randn(B, SQ, hq, d, dtype=dtype)
+    pad = torch.rand(B, SK, device=DEVICE) < 0.3
+    sinks = torch.nn.Parameter(torch.randn(hq, device=DEVICE, dtype=torch.float32))
+
+    def run():
+        ql, kl, vl, sl = _leaves(q, k, v, sinks)
+        o = fusedlib.flash_attention(ql, kl, vl, causal=True, attention_mask=pad, sinks=sl, dropout_p=P_DROP)
+        o.backward(g)
+        return {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "dsinks": sl.grad}
+
+    def reference():
+        torch.manual_seed(SEED)  # the Philox key the op drew after the same seed (outside the contexts)
+        keep = flash_attn_dropout_mask(philox_seed(DEVICE), (B, hq, SQ, SK), P_DROP)
+        q64, k64, v64, s64 = _leaves64(q, k, v, sinks)
+        o = unfused.attention_reference(q64, k64, v64, causal=True, attention_mask=pad, sinks=s64,
+                                        dropout_p=drop_threshold(P_DROP) / 2**KEEP_BITS, dropout_mask=keep)
+        o.backward(g.double())
+        return {"o": o, "dq": q64.grad, "dk": k64.grad, "dv": v64.grad, "dsinks": s64.grad}
+
+    # values scaled by 1/(1 - p'); P and dS are rounded to the dtype before their products (one
+    # more rounding than the softmax's, of terms summing to a few times the output): 4x; dk and dv
+    # sum over the hq/hkv = NP query heads too, dsinks over the b·sq rows (sqrt of the terms)
+    ks = 4.0 / (1.0 - P_DROP)
+    return run, reference, {"o": _same(dtype, ks), "dq": _same(dtype, ks), "dk": _same(dtype, ks * NP),
+                            "dv": _same(dtype, ks * NP),
+                            "dsinks": (torch.float32, torch.float32 if dtype == torch.float32 else dtype,
+                                       ks * math.sqrt(B * SQ))}
+
+
 # ---------------------------------------------------------------------------------------------
 # The test of every case under every context
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import transformer_reference as R
 from fusedlib import unfused
-from fusedlib.fusions import fused_bias_dropout, fused_layer_norm, fused_softmax
+from fusedlib.fusions import fused_attention, fused_bias_dropout, fused_layer_norm, fused_softmax
 from fusedlib.fusions.fused_bias_dropout import get_bias_dropout_add
 from fusedlib.fusions.fused_layer_norm import FusedLayerNorm, FusedRMSNorm
 from fusedlib.models.gpt import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
@@ -434,7 +434,7 @@ def _run_one_layer(cfg, *, backward=False):
 
 
 @pytest.mark.parametrize("switch", ["masked_softmax_fusion", "bias_dropout_fusion", "swiglu", "geglu", "gelu",
-                                    "attention_backend", "memory_efficient_layer_norm"])
+                                    "attention_backend", "attention_backend_flash", "memory_efficient_layer_norm"])
 @pytest.mark.parametrize("on", [True, False])
 def test_each_switch_chooses_the_kernel(monkeypatch, switch, on):
     act = {"swiglu": dict(gated_linear_unit=True, activation_func=F.silu),
@@ -449,9 +449,12 @@ def test_each_switch_chooses_the_kernel(monkeypatch, switch, on):
         assert bool(fused) is on and not any(others)
         return
     if switch == "attention_backend":
-        kw[switch] = AttnBackend.flash if on else AttnBackend.local
+        kw[switch] = AttnBackend.fused if on else AttnBackend.local
         fused, plain = (Spy(monkeypatch, torch.nn.functional, "scaled_dot_product_attention"),
                         Spy(monkeypatch, torch, "baddbmm"))
+    elif switch == "attention_backend_flash":
+        kw["attention_backend"] = AttnBackend.flash if on else AttnBackend.local
+        fused, plain = Spy(monkeypatch, fused_attention, "flash_attention"), Spy(monkeypatch, torch, "baddbmm")
     elif switch == "masked_softmax_fusion":
         kw[switch] = on
         fused, plain = Spy(monkeypatch, fused_softmax, "softmax_fwd"), Spy(monkeypatch, unfused, "scale_mask_softmax")
@@ -536,7 +539,7 @@ def test_rope_goes_through_rope_utils_with_the_config(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.auto])
+@pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.auto, AttnBackend.flash])
 def test_a_later_token_never_changes_an_earlier_output(backend):
     cfg = make_config(**dict(FUSIONS_ON, attention_backend=backend))
     block = randomize(TransformerBlock(cfg, get_gpt_layer_local_spec()))
@@ -586,7 +589,7 @@ def test_sdpa_backend_equals_the_materialised_attention(case, dtype, fusion):
     # the output is a convex combination of rows of v (|v| <~ 4): a few roundings of the output's
     # dtype. The gradients (fp32 only) sum sk <= 7 products: a few float32 roundings as well.
     atol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
-    for backend in (AttnBackend.local, AttnBackend.fused):
+    for backend in (AttnBackend.local, AttnBackend.fused, AttnBackend.flash):
         cfg.attention_backend = backend
         attn = DotProductAttention(cfg, 1, c["mask_type"], "self")
         q.grad = k.grad = v.grad = None

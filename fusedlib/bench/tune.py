@@ -18,7 +18,8 @@ Usage::
 
 Shapes are in the op's benchmark layout (:mod:`fusedlib.bench.ops`): [rows, h] (GLUs
 [rows, 2h]), causal softmax [b·np, sq, sk], masked softmax [b, np, sq, sk], cross entropy
-[rows, V]. Candidate lists come from the tuning runs behind the current tables (NOTES.md).
+[rows, V], attention [b, heads, s, head dim] (causal, bf16: q, k, v of one shape).
+Candidate lists come from the tuning runs behind the current tables (NOTES.md).
 
 How a tile reaches a kernel: every launcher takes ``tile=`` (a
 :class:`fusedlib.kernels.launch.Tile`), which replaces its table's pick; a candidate is a
@@ -89,6 +90,10 @@ TUNE_OPS: dict[str, TuneOp] = {t.op: t for t in (
     TuneOp("masked_softmax", ((4, 32, 2048, 2048), (4, 32, 128, 32768), (4, 32, 256, 16384)),
            "fusedlib/kernels/softmax.py (as causal_softmax)"),
     TuneOp("cross_entropy", ((8192, 128256),), "fusedlib/kernels/cross_entropy.py FWD_TILES / BWD_TILES"),
+    # [b, heads, s, head dim], bf16, causal: the issue's shapes for chapter 8
+    TuneOp("attention", ((4, 16, 2048, 128), (2, 16, 8192, 128), (8, 32, 1024, 64)),
+           "fusedlib/kernels/flash_attention.py FWD_TILES (fwd), BWD_DKDV_TILES (bwd; BWD_DQ_TILES gets "
+           "its transpose)"),
 )}
 
 
@@ -168,6 +173,32 @@ def _softmax_candidates(sk: int) -> list[dict]:
             + [reg(1, 16), reg(1, 32)])
 
 
+def _attention_candidates(pass_: str, d: int) -> list[dict]:
+    """FlashAttention tiles around FlashAttention-2's and Triton's tutorial settings. fwd:
+    [BLOCK_M queries, BLOCK_N keys]; bwd: the dK/dV kernel's [BLOCK_M queries per step,
+    BLOCK_N keys per program] (the dQ kernel runs the transposed tile)."""
+    out = []
+    if pass_ == "fwd":
+        for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            if bm * d <= 128 * 128 and bn * d <= 128 * 128:  # acc and K/V tiles of at most 32 Ki elements
+                out.append(_tile(bn, bm, w, num_stages=st))
+    else:
+        for (bm, bn), w, st in itertools.product(((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128)),
+                                                 (4, 8), (1, 2, 3)):
+            if bn * d <= 128 * 128:  # two [BLOCK_N, d] float32 accumulators
+                out.append(_tile(bn, bm, w, num_stages=st))
+    from ..kernels import flash_attention as k
+
+    cur = _attention_table_tile(k.FWD_TILES if pass_ == "fwd" else k.BWD_DKDV_TILES, d)
+    cur = dataclasses.asdict(cur)
+    return _dedupe(out + [cur])
+
+
+def _attention_table_tile(table, d: int) -> Tile:
+    """The GPU table's tile for head dim d (also where kernels are interpreted here)."""
+    return next(t for bound, t in table if d <= bound)
+
+
 def candidates(op: str, pass_: str, shape: Sequence[int]) -> list[dict]:
     """The tiles tried for ``op``'s ``pass_`` kernel at ``shape`` (no GPU needed).
 
@@ -176,6 +207,8 @@ def candidates(op: str, pass_: str, shape: Sequence[int]) -> list[dict]:
     """
     _check(op, pass_)
     shape = tuple(shape)
+    if op == "attention":
+        return _attention_candidates(pass_, shape[-1])
     if op == "bias_gelu":
         cap = _p2(shape[-1])
         if pass_ == "fwd":
@@ -260,6 +293,10 @@ def current_tile(op: str, pass_: str, shape: Sequence[int]) -> dict:
         from ..kernels import softmax as k
 
         tile = k.softmax_tile(h)
+    elif op == "attention":
+        from ..kernels import flash_attention as k
+
+        tile = _attention_table_tile(k.FWD_TILES if pass_ == "fwd" else k.BWD_DKDV_TILES, h)
     else:
         from ..kernels import cross_entropy as k
 
@@ -314,6 +351,14 @@ def _setup(op: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
             x4, mask, band = rnd(b, np_, sq, sk), padding_mask(b, sq, sk, device), None
         p4, _ = k.softmax_fwd(x4, SCALE, mask, band)
         return {"x4": x4, "mask": mask, "band": band, "g4": torch.randn_like(x4), "p4": p4, "scale": SCALE}
+    if op == "attention":
+        from ..kernels.flash_attention import attention_band, flash_attn_fwd
+
+        b, heads, s, d = shape
+        q, k, v = rnd(b, s, heads, d), rnd(b, s, heads, d), rnd(b, s, heads, d)
+        scale, band = d ** -0.5, attention_band(s, s, True, None)
+        o, lse = flash_attn_fwd(q, k, v, scale, band)
+        return {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": torch.randn_like(o), "scale": scale, "band": band}
     from ..kernels.cross_entropy import cross_entropy_fwd
 
     n, v = shape
@@ -360,6 +405,14 @@ def _launcher(op: str, pass_: str, tile: dict, inp: dict) -> Callable[[], object
         if pass_ == "fwd":
             return lambda: k.softmax_fwd(inp["x4"], inp["scale"], inp["mask"], inp["band"], tile=t)
         return lambda: k.softmax_bwd(inp["g4"], inp["p4"], inp["scale"], inp["band"], tile=t)
+    if op == "attention":
+        from ..kernels.flash_attention import flash_attn_bwd, flash_attn_fwd
+
+        if pass_ == "fwd":
+            return lambda: flash_attn_fwd(inp["q"], inp["k"], inp["v"], inp["scale"], inp["band"], tile=t)
+        t_dq = Tile(BLOCK_M=t.BLOCK_N, BLOCK_N=t.BLOCK_M, num_warps=t.num_warps, num_stages=t.num_stages)
+        return lambda: flash_attn_bwd(inp["do"], inp["q"], inp["k"], inp["v"], inp["o"], inp["lse"], inp["scale"],
+                                      inp["band"], tile=t, dq_tile=t_dq)
     from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 
     if pass_ == "fwd":
@@ -391,6 +444,12 @@ def kernel_bytes(op: str, pass_: str, shape: Sequence[int], dtype: torch.dtype) 
         from .ops._softmax_common import masked_bytes
         b, np_, sq, sk = shape
         nb = masked_bytes(b, np_, sq, sk, b, e)
+    elif op == "attention":
+        # q, k, v read and o written (+ the float32 LSE); backward: q, k, v, o, dO read, dq, dk,
+        # dv written, LSE read and Delta written and read (float32 per row)
+        b, heads, s, d = shape
+        t, rows = b * heads * s * d * e, b * heads * s * 4
+        nb = {"fwd": 4 * t + rows, "fwd+bwd": 4 * t + rows + 8 * t + 3 * rows}
     else:
         from .ops.cross_entropy import cross_entropy_bytes
         nb = cross_entropy_bytes(*shape, e)

@@ -1,6 +1,6 @@
 """``DotProductAttention``: softmax(Q·Kᵀ·scale + mask)·V for every head, the "core attention".
 
-Two paths, chosen by ``config.attention_backend`` at each forward (see
+Three paths, chosen by ``config.attention_backend`` at each forward (see
 :class:`~fusedlib.transformer.enums.AttnBackend`):
 
 * materialised (``local``, ``unfused``), Megatron-core's steps:
@@ -14,14 +14,24 @@ Two paths, chosen by ``config.attention_backend`` at each forward (see
      written once instead of three times;
   3. context [sq, b, np·hn] = probabilities·V by ``torch.bmm``.
 
-* SDPA (``flash``, ``fused``, ``auto``): ``torch.nn.functional.scaled_dot_product_attention``,
+* FlashAttention (``flash``): fusedlib's Triton kernel,
+  :func:`~fusedlib.fusions.fused_attention.flash_attention` (chapter 8), on the [s, b, heads,
+  hn] tensors seen as [b, s, heads, hn] through ``transpose(0, 1)`` (views: no copy; the
+  output comes back in [s, b, np, hn] memory order, so the final reshape is a view too). The
+  causal mask, the sliding window, the caller's bool mask, grouped queries (never repeated)
+  and the attention dropout all run inside the kernel; the scores never exist in memory. As on
+  the other paths, a window replaces the causal mask, and a row with every key masked gives
+  zeros.
+
+* SDPA (``fused``, ``auto``): ``torch.nn.functional.scaled_dot_product_attention``,
   which never writes the scores to memory with its flash or memory-efficient kernels. Causal
   attention with sq == sk and no other mask passes ``is_causal=True``; a caller's mask, a
   sliding window or sq != sk passes an explicit mask (and torch then picks a kernel that takes
   one). Rows whose every key is masked give zeros, as on the materialised path.
 
 Grouped-query attention: the materialised path repeats each key/value head for the np/ng
-query heads it serves (``repeat_interleave``, as Megatron-core); SDPA gets ``enable_gqa=True``.
+query heads it serves (``repeat_interleave``, as Megatron-core); SDPA gets ``enable_gqa=True``;
+the flash kernel reads key/value head h // (np/ng) for query head h.
 Causal masks with sq != sk are aligned bottom-right (query q sees keys j <= q + sk - sq).
 
 Left out: context parallelism, packed sequences (``packed_seq_params``), ``attention_bias``,
@@ -40,17 +50,19 @@ import torch
 import torch.nn.functional as F
 
 from .. import unfused
-from ..fusions import fused_softmax
+from ..fusions import fused_attention, fused_softmax
 from ..fusions.fused_softmax import FusedScaleMaskSoftmax
 from .enums import AttnBackend, AttnMaskType
 from .module import MegatronModule
 from .transformer_config import TransformerConfig
 from .utils import attention_mask_func, is_layer_window_attention
 
-__all__ = ["DotProductAttention", "SDPA_BACKENDS"]
+__all__ = ["DotProductAttention", "SDPA_BACKENDS", "FLASH_BACKENDS"]
 
-#: attention_backend values that run torch's scaled_dot_product_attention; the others materialise.
-SDPA_BACKENDS = (AttnBackend.flash, AttnBackend.fused, AttnBackend.auto)
+#: attention_backend values that run torch's scaled_dot_product_attention.
+SDPA_BACKENDS = (AttnBackend.fused, AttnBackend.auto)
+#: attention_backend values that run fusedlib's FlashAttention kernel (chapter 8); the rest materialise.
+FLASH_BACKENDS = (AttnBackend.flash,)
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
 
@@ -77,6 +89,9 @@ class DotProductAttention(MegatronModule):
     Raises:
         NotImplementedError: cp_comm_type, pg_collection, attention_bias or packed_seq_params given.
         ValueError: as FusedScaleMaskSoftmax (e.g. config.bf16 with float32 scores).
+        TypeError / ValueError: with ``attention_backend`` flash, as
+            :func:`~fusedlib.fusions.fused_attention.flash_attention` (e.g. float64 tensors, or a
+            head dim above 256).
 
     Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py``.
     """
@@ -126,7 +141,10 @@ class DotProductAttention(MegatronModule):
         """Context [sq, b, np·hn] (see the class docstring)."""
         if attention_bias is not None or packed_seq_params is not None:
             raise NotImplementedError("DotProductAttention: attention_bias and packed_seq_params are left out")
-        if self.config.attention_backend in SDPA_BACKENDS:
+        backend = self.config.attention_backend
+        if backend in FLASH_BACKENDS:
+            return self._forward_flash(query, key, value, attention_mask)
+        if backend in SDPA_BACKENDS:
             return self._forward_sdpa(query, key, value, attention_mask)
         return self._forward_materialised(query, key, value, attention_mask)
 
@@ -164,6 +182,22 @@ class DotProductAttention(MegatronModule):
                                      window_size=self.window_size)
             # without the fused softmax+dropout kernel: the fused softmax, then torch's dropout
         return self.attention_dropout(self.scale_mask_softmax(scores, attention_mask))
+
+    # ------------------------------------------------------------------ FlashAttention
+    def _forward_flash(self, query, key, value, attention_mask):
+        sq, b, np_, hn = query.shape
+        # [s, b, heads, hn] -> [b, s, heads, hn]: views, which the kernel reads through their strides
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        causal = self.attn_mask_type in _CAUSAL and self.window_size is None  # a window replaces causal
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)  # undo the layer scaling's split
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        mask = attention_mask
+        if mask is not None and mask.dim() < 4:  # broadcastable to [b, np, sq, sk]: as 4-D (a view)
+            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        out = fused_attention.flash_attention(q, k, v, causal=causal, softmax_scale=scale, attention_mask=mask,
+                                              window_size=self.window_size, dropout_p=dropout_p)
+        # [b, sq, np, hn] in [sq, b, np, hn] memory order (the output follows q's): both steps are views
+        return out.transpose(0, 1).reshape(sq, b, np_ * hn)
 
     # ------------------------------------------------------------------ SDPA
     def _forward_sdpa(self, query, key, value, attention_mask):

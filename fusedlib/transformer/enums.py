@@ -62,16 +62,22 @@ class AttnMaskType(enum.Enum):
 class AttnBackend(enum.Enum):
     """Which attention kernel ``TransformerConfig.attention_backend`` asks for.
 
-    Megatron-core passes the choice to Transformer Engine (flash, fused = cuDNN, unfused,
-    auto = TE decides) or, for ``local``, builds its own materialised attention. fusedlib's
-    :class:`~fusedlib.transformer.dot_product_attention.DotProductAttention` maps them onto
-    its two paths:
+    Megatron-core hands the choice to Transformer Engine: ``flash`` = the FlashAttention
+    kernels (Dao's), ``fused`` = cuDNN's fused attention, ``unfused`` = TE's materialised
+    attention, ``auto`` = TE picks (Megatron's default); ``local`` builds Megatron's own
+    materialised ``DotProductAttention``. fusedlib's
+    :class:`~fusedlib.transformer.dot_product_attention.DotProductAttention` maps them, in the
+    same spirit, onto three paths:
 
+    * ``flash`` (1): fusedlib's own FlashAttention-2 kernel in Triton (chapter 8,
+      :func:`~fusedlib.fusions.fused_attention.flash_attention`): one kernel forward, three
+      backward, the scores never in memory; masks, windows, grouped queries and the
+      attention dropout inside the kernel.
+    * ``fused`` (2), ``auto`` (5): torch's ``scaled_dot_product_attention``, which picks its
+      flash, cuDNN, memory-efficient or math kernel (``fused`` stands for cuDNN's fused
+      attention in Megatron-core; SDPA is the library path that reaches it).
     * ``local`` (4), ``unfused`` (3): the materialised path: scores [b·np, sq, sk] by baddbmm,
       ``FusedScaleMaskSoftmax`` (fused or not by ``masked_softmax_fusion``), dropout, bmm.
-    * ``flash`` (1), ``fused`` (2), ``auto`` (5, Megatron's default): torch's
-      ``scaled_dot_product_attention``, which picks its flash, memory-efficient or math
-      kernel; the scores are never materialised in HBM by the first two.
 
     Source: Megatron-LM ``megatron/core/transformer/enums.py``.
     """

@@ -26,8 +26,10 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
 ``fusedlib``               ``get_gpt_layer_local_spec`` with every fusion on: fused LayerNorm,
                            bias-GeLU, bias-dropout-add, and the materialised attention's
                            softmax with its dropout in one kernel (``attention_backend`` local)
-``fusedlib-sdpa``          the same, ``attention_backend`` flash: torch's
+``fusedlib-sdpa``          the same, ``attention_backend`` auto: torch's
                            ``scaled_dot_product_attention`` (no scores in memory)
+``fusedlib-flash``         the same, ``attention_backend`` flash: fusedlib's FlashAttention-2
+                           kernel in Triton (chapter 8)
 ``megatron-core-unfused``  megatron-core's ``TransformerBlock`` from its
                            ``get_gpt_layer_local_spec``, fusions off
 ``megatron-core``          the same with ``bias_activation_fusion`` and ``bias_dropout_fusion``
@@ -121,7 +123,8 @@ ATTENTION_DROPOUT = 0.1  # Megatron-core's TransformerConfig default
 IMPLS: dict[str, str] = {
     "fusedlib-unfused": "fusedlib's block from get_gpt_layer_unfused_spec: every fusion off, materialised attention",
     "fusedlib": "fusedlib's local spec, every fusion on, materialised attention with the softmax+dropout kernel",
-    "fusedlib-sdpa": "fusedlib's local spec, every fusion on, attention_backend flash (scaled_dot_product_attention)",
+    "fusedlib-sdpa": "fusedlib's local spec, every fusion on, attention_backend auto (scaled_dot_product_attention)",
+    "fusedlib-flash": "fusedlib's local spec, every fusion on, attention_backend flash (fusedlib's Triton FlashAttention)",
     "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
     "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
     "eager": "plain PyTorch pre-LN GPT block with scaled_dot_product_attention, eager",
@@ -133,7 +136,7 @@ FUSIONS_ON = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_f
               "apply_rope_fusion")
 
 #: Profiled at DEFAULT_SHAPE, as plain launches.
-PROFILE_IMPLS = ("fusedlib-unfused", "fusedlib", "fusedlib-sdpa")
+PROFILE_IMPLS = ("fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash")
 PROFILE_FILE = "transformer_layer_profile.json"
 
 
@@ -202,7 +205,8 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
         shape: [s, b, h, heads, ffn, layers] (s and b are not used to build).
         fused: every fusion on (:data:`FUSIONS_ON`) with ``get_gpt_layer_local_spec``; False:
             ``get_gpt_layer_unfused_spec`` with every switch off (``without_fusions``).
-        backend: the attention backend with ``fused`` (local: materialised; flash: SDPA).
+        backend: the attention backend with ``fused`` (local: materialised; auto or fused:
+            SDPA; flash: fusedlib's FlashAttention kernel).
         dtype: the parameters' dtype (bf16: ``config.bf16`` too).
         device: where the parameters live.
 
@@ -441,8 +445,10 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
              fusions=[], attention="materialised"),
         impl("fusedlib", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.local, t, d), _block_call),
              fusions=fused_on, attention="materialised"),
-        impl("fusedlib-sdpa", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.flash, t, d), _block_call),
+        impl("fusedlib-sdpa", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.auto, t, d), _block_call),
              fusions=fused_on, attention="sdpa"),
+        impl("fusedlib-flash", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.flash, t, d), _block_call),
+             fusions=fused_on, attention="flash"),
     ]
     skipped = {}
     spec, why = try_import("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec")
@@ -533,11 +539,12 @@ def table(records: Sequence[dict]) -> str:
 # The profile
 # ---------------------------------------------------------------------------------------------
 
-#: kernel-name fragments (lower case) -> category, first match wins: cuBLAS/CUTLASS GEMMs, SDPA's
-#: attention kernels, softmax, the norms, then everything else (bias, activation, dropout, adds,
-#: casts, copies) as elementwise.
+#: kernel-name fragments (lower case) -> category, first match wins: cuBLAS/CUTLASS GEMMs, fusedlib's
+#: FlashAttention kernels (chapter 8), SDPA's attention kernels, softmax, the norms, then everything
+#: else (bias, activation, dropout, adds, casts, copies) as elementwise.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("GEMM", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "sm90_", "sm80_")),
+    ("attention (fusedlib flash)", ("_flash_fwd_kernel", "_flash_bwd_")),
     ("attention (SDPA)", ("flash", "fmha", "attention", "attn")),
     ("softmax (+dropout)", ("softmax",)),
     ("norm", ("layer_norm", "layernorm", "_norm_", "rms_norm")),
