@@ -24,6 +24,7 @@ misses).
 from __future__ import annotations
 
 import itertools
+import os
 import types
 
 import pytest
@@ -595,3 +596,11 @@ def test_one_program_result_equals_the_second_stage_bitwise(op, dtype, monkeypat
         assert launched, "the second stage ran"
     for a, b in zip(folded, two_stage):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_direct_launches_are_opt_in():
+    """Direct launches stay off unless FUSEDLIB_DIRECT_LAUNCH=1 asks for them (on a GPU too)."""
+    if os.environ.get("FUSEDLIB_DIRECT_LAUNCH", "").strip():
+        pytest.skip("FUSEDLIB_DIRECT_LAUNCH is set in this environment")
+    assert kl._env_flag("FUSEDLIB_DIRECT_LAUNCH", False) is False
+    assert kl.DIRECT_LAUNCH is False

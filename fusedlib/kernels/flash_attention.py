@@ -111,12 +111,8 @@ LN2: float = 0.6931471805599453
 MAX_HEAD_DIM: int = 256
 
 # ---------------------------------------------------------------------------------------------
-# Launch settings: tables keyed by the head dim (upper bound of d, Tile). The d <= 128 rows were
-# chosen by ``python -m fusedlib.bench.tune --op attention --shape 4,16,2048,128`` on the H200
-# (causal bf16; fwd: [64, 64], 4 warps, 3 stages 0.191 ms against 0.213 for [128, 64], 8 warps;
-# bwd: dK/dV [64 queries, 64 keys], 4 warps, 2 stages, dQ its transpose, 0.667 ms against 0.962
-# for the [32, 128] starting point; NOTES.md has the table). The other rows are starting points
-# from FlashAttention-2 (Sec. 3.3: BLOCK_M 128, BLOCK_N 64 for
+# Launch settings: tables keyed by the head dim (upper bound of d, Tile). Not measured yet on
+# the H200: starting points from FlashAttention-2 (Sec. 3.3: BLOCK_M 128, BLOCK_N 64 for
 # d <= 128, 4 or 8 warps) and from Triton's fused-attention tutorial (its Hopper configs:
 # forward [128, 64] tiles, 3-4 stages; backward dK/dV programs of 128 keys walking 32 queries
 # at a time, dQ programs of 128 queries walking 32 keys). ``python -m fusedlib.bench.tune
@@ -132,19 +128,19 @@ MAX_HEAD_DIM: int = 256
 #: Forward: one program per BLOCK_M queries of one head, walking BLOCK_N keys at a time.
 FWD_TILES: TileTable = (
     (64, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)),
-    (128, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
+    (128, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
     (256, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)),
 )
 #: Backward dK/dV: one program per BLOCK_N keys of one key/value head, walking BLOCK_M queries.
 BWD_DKDV_TILES: TileTable = (
     (64, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3)),
-    (128, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
+    (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)),
     (256, Tile(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)),
 )
 #: Backward dQ: one program per BLOCK_M queries of one head, walking BLOCK_N keys.
 BWD_DQ_TILES: TileTable = (
     (64, Tile(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)),
-    (128, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
+    (128, Tile(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)),
     (256, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)),
 )
 
