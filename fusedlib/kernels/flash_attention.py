@@ -111,12 +111,13 @@ LN2: float = 0.6931471805599453
 MAX_HEAD_DIM: int = 256
 
 # ---------------------------------------------------------------------------------------------
-# Launch settings: tables keyed by the head dim (upper bound of d, Tile). Not measured yet on
-# the H200: starting points from FlashAttention-2 (Sec. 3.3: BLOCK_M 128, BLOCK_N 64 for
+# Launch settings: tables keyed by the head dim (upper bound of d, Tile). The benchmarks stored
+# with the book ran these tiles: starting points from FlashAttention-2 (Sec. 3.3: BLOCK_M 128, BLOCK_N 64 for
 # d <= 128, 4 or 8 warps) and from Triton's fused-attention tutorial (its Hopper configs:
 # forward [128, 64] tiles, 3-4 stages; backward dK/dV programs of 128 keys walking 32 queries
 # at a time, dQ programs of 128 queries walking 32 keys). ``python -m fusedlib.bench.tune
-# --op attention`` times candidates around them; winners go here.
+# --op attention`` times candidates around them; winners go here once the benchmark is re-run
+# with them (NOTES.md: a first tune at d = 128 found [64, 64], 4 warps faster, fwd and bwd).
 #
 # Registers bound the tiles. Forward: acc [BLOCK_M, d] float32 plus the [BLOCK_M, BLOCK_N]
 # scores, per thread acc is BLOCK_M·d/(32·warps) floats: 64 at [128, 128] and 8 warps. Shared
