@@ -424,7 +424,8 @@ def _dropout_worker(rank, world_size, device, seed):
         b = torch.rand(4, device=device)
     c = torch.rand(4, device=device)
     torch.manual_seed(seed)
-    assert torch.equal(torch.rand(8, device=device), torch.cat([a, c])), "the fork moved the default stream"
+    a2, c2 = torch.rand(4, device=device), torch.rand(4, device=device)  # the same draws without the fork
+    assert torch.equal(a, a2) and torch.equal(c, c2), "the fork moved the default stream"
     parts = gather(b)
     torch.distributed.all_gather(parts, b)
     assert not torch.equal(parts[0], parts[1]), "forked streams agree across ranks"
@@ -470,7 +471,10 @@ def _dropout_worker(rank, world_size, device, seed):
             finalize_model_grads(model)
             runs.append({n: q.grad for n, q in model.named_parameters()})
         for n in runs[0]:
-            assert torch.equal(runs[0][n], runs[1][n]), f"{name}: recomputation changed the gradient of {n}"
+            # the same masks give the same gradients up to the order of float64 sums (CUDA's
+            # atomics); a different mask changes them at O(1)
+            torch.testing.assert_close(runs[1][n], runs[0][n], rtol=1e-12, atol=1e-12,
+                                       msg=f"{name}: recomputation changed the gradient of {n}")
         out[name] = len(runs[0])
     return out
 
