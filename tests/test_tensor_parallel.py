@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import fusedlib.parallel as fp
 from fusedlib.parallel import parallel_state
-from fusedlib.parallel.check_tp import CASES, TOLERANCES, close, gpt_tp_check, grad_scale_floor
+from fusedlib.parallel.check_tp import CASES, close, gpt_tp_check, grad_scale_floor
 from fusedlib.parallel.checkpointing import (
     PartitionSpec, get_tensor_parallel_layout, shard_state_dict, shard_tensor, unshard_state_dict,
 )
@@ -315,6 +315,9 @@ def _layers_worker(rank, world_size, device, seed):
                                          input_is_parallel=input_is_parallel, skip_bias_add=False)
             assert torch.equal(layer.weight, shard_tensor(full.weight.detach(), PartitionSpec(1), r, p))
             assert layer.bias.sequence_parallel is sp
+            # a replicated parameter counts once over the ranks (e.g. in a gradient norm), a split one on each
+            assert fp.layers.param_is_not_tensor_parallel_duplicate(layer.weight)
+            assert fp.layers.param_is_not_tensor_parallel_duplicate(layer.bias) is (r == 0)
             bias = rand(5)
             with torch.no_grad():
                 layer.bias.copy_(bias)
@@ -327,8 +330,8 @@ def _layers_worker(rank, world_size, device, seed):
             grad_x = g.matmul(full.weight.detach())
             torch.testing.assert_close(x_local.grad, grad_x[..., r * 3:(r + 1) * 3] if input_is_parallel else grad_x,
                                        **tol)
-            torch.testing.assert_close(layer.weight.grad, (g.reshape(-1, 5).t() @ x.reshape(-1, 6))[:, r * 3:(r + 1) * 3],
-                                       **tol)
+            grad_w = g.reshape(-1, 5).t() @ x.reshape(-1, 6)  # [5, 6]: this rank holds columns r·3 .. r·3 + 2
+            torch.testing.assert_close(layer.weight.grad, grad_w[:, r * 3:(r + 1) * 3], **tol)
             # the bias saw this rank's tokens only under sequence parallelism: a partial sum
             torch.testing.assert_close(layer.bias.grad, (seq(g) if sp else g).sum(dim=(0, 1)), **tol)
             done.append(f"row sp={sp} input_is_parallel={input_is_parallel}")
@@ -485,6 +488,43 @@ def test_dropout_masks_agree_where_replicated_and_differ_where_split(backend, se
     assert all(len(r) == 2 for r in results), results
 
 
+# ----------------------------------------------------------------------------------- data parallelism
+def _data_parallel_worker(rank, world_size, device, seed):
+    # tensor-parallel size 1 on 2 ranks: two data-parallel replicas
+    assert (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()) == (rank, 2)
+    cfg = fp_config(sequence_parallel=True, params_dtype=torch.float64, use_cpu_initialization=device.type == "cpu")
+    model = torch.nn.Module()
+    model.config = cfg
+    model.linear = fp.ColumnParallelLinear(4, 6, config=cfg, init_method=_normal)
+    model.norm = fp_norm(cfg)
+    grads = {}
+    for name, param in model.named_parameters():
+        gen = torch.Generator(device="cpu").manual_seed(seed + rank)
+        param.grad = torch.randn(param.shape, generator=gen, dtype=torch.float64).to(device)
+        grads[name] = param.grad.clone()
+    with fp.count_collectives() as log:
+        fp.finalize_model_grads(model)
+    # tensor-parallel size 1: no sum over tensor-parallel ranks (sequence_parallel marks or not);
+    # one all-reduce of all gradients (one dtype) over the data-parallel group, then / 2
+    assert len(log) == 1, log.summary()
+    return grads, {n: q.grad for n, q in model.named_parameters()}
+
+
+def fp_norm(cfg):
+    from fusedlib.fusions.fused_layer_norm import FusedLayerNorm
+
+    return FusedLayerNorm(cfg, 4, device="cpu" if cfg.use_cpu_initialization else None, dtype=cfg.params_dtype)
+
+
+def test_finalize_model_grads_averages_over_data_parallel_ranks(seed):
+    results = fp.spawn(_data_parallel_worker, 2, seed, tensor_model_parallel_size=1, backend="gloo")
+    (before0, after0), (before1, after1) = results
+    for name in before0:
+        mean = (before0[name] + before1[name]) / 2
+        torch.testing.assert_close(after0[name], mean, rtol=1e-15, atol=0)  # (a + b) / 2: exact but one rounding
+        assert torch.equal(after0[name], after1[name]), name
+
+
 # ----------------------------------------------------------------------------------- one process
 def test_process_groups_in_one_process():
     assert not parallel_state.model_parallel_is_initialized()
@@ -556,13 +596,15 @@ def test_state_dict_helpers_raise_clear_errors():
     layout = {"w": PartitionSpec(0, 1)}
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, world_size=2\), got 2"):
         shard_state_dict(full, layout, 2, 2)
-    with pytest.raises(ValueError, match=r"w: dim 0 of shape \[6, 2\] \(6\) must be divisible by world_size·stride = 4·1"):
+    with pytest.raises(ValueError, match=r"w: dim 0 of shape \[6, 2\] \(6\) must be divisible by "
+                                         r"world_size·stride = 4·1"):
         shard_state_dict(full, layout, 0, 4)
     with pytest.raises(ValueError, match=r"the layout's entries \['missing'\] are not in the state dict"):
         shard_state_dict(full, {"missing": PartitionSpec(0)}, 0, 2)
     shards = [shard_state_dict(full, layout, r, 2) for r in range(2)]
     shards[1] = {**shards[1], "n": torch.tensor([1.0, 1.5])}
-    with pytest.raises(ValueError, match=r"replicated entry 'n' differs between rank 0 and rank 1 \(max \|difference\| 0.5\)"):
+    with pytest.raises(ValueError, match=r"replicated entry 'n' differs between rank 0 and rank 1 "
+                                         r"\(max \|difference\| 0.5\)"):
         unshard_state_dict(shards, layout)
     assert torch.equal(unshard_state_dict(shards, layout, check_replicas=False)["n"], full["n"])
     with pytest.raises(ValueError, match=r"rank 1's keys differ from rank 0's: \['n'\]"):

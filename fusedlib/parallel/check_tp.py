@@ -20,15 +20,15 @@ Without ``torchrun`` it starts ``--tp`` processes with :func:`fusedlib.parallel.
 there are that many GPUs, else gloo on CPU tensors in Triton's interpreter: slow, small sizes).
 
 Tolerances, relative to the largest magnitude of the one-rank tensor compared: float64, 1e-9;
-float32, 1e-4; bfloat16, 5e-2. For gradients that scale is at least 0.1 times the model's
-largest gradient entry: an entry is a sum of products of activations and upstream gradients,
-and where those cancel (a key norm's bias has gradient exactly 0, the softmax being invariant
-to a shift of all scores) its rounding error stays that of the terms, not of the result. The p-rank model computes the same sums in another order (each rank's partial
-GEMM sums, then the all-reduce), so results differ by rounding only: in float64 ~ n·eps with
-n <= 4·h summed terms, eps = 1.1e-16, amplified by two layers and the softmax (< 1e-12 at the
-test sizes); in float32 the same with eps = 6e-8 (< 1e-5); in bfloat16 the GEMMs round their
-outputs to 8 bits (eps = 3.9e-3) at every layer, a few roundings deep. Each bound has >= 10x
-margin over those estimates.
+float32, 1e-4; bfloat16, 5e-2. The p-rank model computes the same sums in another order (each
+rank's partial GEMM sums, then the all-reduce), so results differ by rounding only: in float64
+~ n·eps with n <= 4·h summed terms, eps = 1.1e-16, amplified by two layers and the softmax
+(< 1e-12 at the test sizes); in float32 the same with eps = 6e-8 (< 1e-5); in bfloat16 the
+GEMMs round their outputs to 8 bits (eps = 3.9e-3) at every layer, a few roundings deep. Each
+bound has >= 10x margin over those estimates. For gradients the scale is at least 0.1 times the
+model's largest gradient entry: an entry is a sum of products of activations and upstream
+gradients, and where those cancel (a key norm's bias has gradient exactly 0, the softmax being
+invariant to a shift of all scores) its rounding error stays that of the terms, not of the result.
 
 Source: the equivalence Megatron-core's tensor-parallel tests check layer by layer
 (``tests/unit_tests/tensor_parallel/``), here end to end on fusedlib's GPT.
@@ -43,8 +43,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CASES", "TOLERANCES", "tiny_gpt_config", "build_gpt", "gpt_tp_check", "compare", "close", "grad_scale_floor",
-           "main"]
+__all__ = ["CASES", "TOLERANCES", "tiny_gpt_config", "build_gpt", "gpt_tp_check", "compare", "close",
+           "grad_scale_floor", "main"]
 
 #: Relative tolerances per dtype (the module docstring derives them).
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -161,11 +161,7 @@ def gpt_tp_check(rank: int, world_size: int, device: torch.device, case_name: st
     out["loss"], out["grads"] = loss.cpu(), {k: v.cpu() for k, v in grads.items()}
     if check_logits:
         with torch.no_grad():
-            logits = model(ids, None, None)  # [b, s, V/p]
-            if world_size > 1:
-                parts = [torch.empty_like(logits) for _ in range(world_size)]
-                torch.distributed.all_gather(parts, logits.contiguous(), group=model.output_layer.tp_group)
-                logits = torch.cat(parts, dim=-1)  # -> [b, s, V]
+            logits = model(ids, None, None, runtime_gather_output=True)  # [b, s, V], gathered from the ranks
     out["logits_ok"] = None
     if rank == 0 or not reference_on_rank0_only:
         ref_loss, ref_grads = _run(single, ids, labels, grad)

@@ -263,11 +263,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             work = reduce_scatter(sub_grad_input, grad_input, group, async_op=True)
             grad_input = sub_grad_input
         grad_weight = grad_bias = None
-        if need_dw or ctx.use_bias:
+        need_db = ctx.use_bias and ctx.needs_input_grad[2]
+        if need_dw or need_db:
             g2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s, b, out/p] -> [s·b, out/p]
             if need_dw:
                 grad_weight = g2d.t().matmul(total_input.reshape(-1, total_input.shape[-1]))  # [out/p, in]
-            if ctx.use_bias:
+            if need_db:
                 grad_bias = g2d.sum(dim=0)
         if work is not None:
             work.wait()

@@ -24,8 +24,8 @@ an IdentityOp, :class:`~fusedlib.fusions.fused_layer_norm.FusedNorm`.
 Sequence parallelism (p > 1): the block's input and output are this rank's s/p tokens
 [s/p, b, h], and in training with dropout the layers run under the tensor-parallel RNG
 tracker's model-parallel state (``get_cuda_rng_tracker().fork()``), so each rank's dropout
-masks are its own, as in Megatron-core (which forks whether or not anything draws). Recomputation replays the tracker's states too
-(:func:`fusedlib.parallel.random.checkpoint`).
+masks are its own, as in Megatron-core (which forks whether or not anything draws).
+Recomputation replays the tracker's states too (:func:`fusedlib.parallel.random.checkpoint`).
 
 Left out: pipeline stages (``pre_process=False``, ``set_input_tensor``), virtual pipelines,
 FP8/FP4 contexts, CPU offloading, CUDA graphs, multi-token prediction, inference.

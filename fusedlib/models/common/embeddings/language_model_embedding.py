@@ -67,17 +67,16 @@ class LanguageModelEmbedding(MegatronModule):
         self.num_tokentypes = 0
         self.scatter_to_sequence_parallel = scatter_to_sequence_parallel
         # under sequence parallelism without a position table the word embeddings reduce-scatter
-        self.reduce_scatter_embeddings = (not self.add_position_embedding and config.sequence_parallel
-                                          and scatter_to_sequence_parallel)
+        reduce_scatter = not self.add_position_embedding and config.sequence_parallel and scatter_to_sequence_parallel
         # [Module 1: word embeddings] [V, h] ([V/p, h] on each of p ranks)
         self.word_embeddings = VocabParallelEmbedding(vocab_size, config.hidden_size,
                                                       init_method=config.embedding_init_method,
-                                                      reduce_scatter_embeddings=self.reduce_scatter_embeddings,
-                                                      config=config, tp_group=tp_group)
+                                                      reduce_scatter_embeddings=reduce_scatter, config=config,
+                                                      tp_group=tp_group)
         self.tp_group = self.word_embeddings.tp_group
+        self.reduce_scatter_embeddings = self.word_embeddings.reduce_scatter_embeddings  # (False on one rank)
         # p > 1 and sequence parallelism: split the sequence, dropout on the tracker's state
         self._sequence_parallel = config.sequence_parallel and self.word_embeddings.tp_world_size > 1
-        self.reduce_scatter_embeddings = self.word_embeddings.reduce_scatter_embeddings
         # [Module 2: position embeddings] [max_sequence_length, h]
         if self.add_position_embedding:
             self.position_embeddings = torch.nn.Embedding(max_sequence_length, config.hidden_size,
