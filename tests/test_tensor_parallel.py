@@ -71,6 +71,9 @@ def _check_gpt(results: list, world_size: int) -> list[str]:
             failures.append(f"{tag}: the ranks' losses differ")
         if not close(rank0["loss"], rank0["ref_loss"], dtype):
             failures.append(f"{tag}: loss differs from the one-rank loss")
+        if not all(torch.equal(r["grad_norm"], rank0["grad_norm"]) for r in ranks) or \
+                not close(rank0["grad_norm"], rank0["ref_grad_norm"], dtype):
+            failures.append(f"{tag}: the gradient norm differs from the one-rank norm (or between ranks)")
         # the gradients gathered from the ranks; replicated ones must agree bitwise across ranks
         grads = unshard_state_dict([r["grads"] for r in ranks], rank0["layout"])
         floor = grad_scale_floor(rank0["ref_grads"])
@@ -174,6 +177,27 @@ def test_one_rank_issues_no_collectives_and_no_extra_nodes(seed):
     assert layout["decoder.layers.0.mlp.linear_fc1.weight"] == PartitionSpec(0, 2)  # SwiGLU: stride 2
     assert layout["decoder.layers.0.self_attention.linear_proj.weight"] == PartitionSpec(1, 1)
     assert "decoder.layers.0.self_attention.linear_proj.bias" not in layout
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_matches_torch_on_one_rank(norm_type, seed):
+    from fusedlib.parallel.check_tp import _inputs, build_gpt
+
+    model = build_gpt(CASES["unfused/gelu/learned/qk-norm/fused-ce"], 1, torch.float64, seed)
+    ids, labels, grad = _inputs(seed, next(model.parameters()).device)
+    model(ids, None, None, labels=labels).backward(grad)
+    params = [p for p in model.parameters()]
+    ref = [p.grad.clone() for p in params]
+    ref_params = [torch.nn.Parameter(torch.empty_like(g)) for g in ref]
+    for rp, g in zip(ref_params, ref):
+        rp.grad = g
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.5, norm_type=norm_type)
+    norm = fp.clip_grad_norm(model, 0.5, norm_type=norm_type)
+    # float64 norms of ~1e4 entries: ~1e4·eps relative at most; the clipped gradients one more rounding
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=0)
+    assert norm > 0.5  # so the gradients were clipped
+    for p, rp in zip(params, ref_params):
+        torch.testing.assert_close(p.grad, rp.grad, rtol=1e-12, atol=1e-15)
 
 
 # ----------------------------------------------------------------------------------- mappings
