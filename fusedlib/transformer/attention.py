@@ -151,8 +151,9 @@ class Attention(MegatronModule):
 
     def _checkpointed_attention_forward(self, query, key, value, attention_mask) -> torch.Tensor:
         """The core attention under activation checkpointing: its [b, np, sq, sk] probabilities are
-        recomputed in the backward instead of stored; the RNG state is restored for the recompute,
-        so the attention dropout draws the same mask."""
+        recomputed in the backward instead of stored; the RNG state (and with tensor parallelism
+        the tracker's, :func:`fusedlib.parallel.random.checkpoint`) is restored for the
+        recompute, so the attention dropout draws the same mask."""
         return tensor_parallel_checkpoint(self.core_attention, query, key, value, attention_mask)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
