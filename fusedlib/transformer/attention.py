@@ -20,7 +20,19 @@ Cross-attention takes its query from the hidden states (``linear_q``) and key an
 attention, as in Megatron-core.
 
 Left out: inference (KV caches, flash decoding), packed sequences, context parallelism, the
-output gate, QK clipping, fused QKV+RoPE, activation offloading, tensor parallelism.
+output gate, QK clipping, fused QKV+RoPE, activation offloading; with tensor parallelism, fewer
+key/value groups than ranks.
+
+Tensor parallelism (``config.tensor_model_parallel_size = p``): the QKV projection is
+column-parallel and the output projection row-parallel, so each rank computes whole heads,
+np/p query heads and ng/p key/value groups (the QKV weight's rows are grouped per key/value
+group, ``[ng, (np/ng + 2)·hn]``, so a contiguous split hands each rank whole groups), and the
+only communication is the projection's all-reduce (or reduce-scatter). np and ng must be
+divisible by p (a ValueError otherwise). In training with attention dropout and without
+sequence parallelism, the core attention runs under the tensor-parallel RNG tracker's
+model-parallel state (``get_cuda_rng_tracker().fork()``), so each rank's heads draw their own
+masks, whichever backend computes them (Megatron-core forks around the dropout inside its
+``DotProductAttention``).
 
 Source: Megatron-LM ``megatron/core/transformer/attention.py``.
 """
@@ -30,14 +42,15 @@ from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
-import torch.utils.checkpoint
 
+from ..parallel.random import checkpoint as tensor_parallel_checkpoint
+from ..parallel.random import get_cuda_rng_tracker
 from .enums import AttnMaskType
 from .identity_op import IdentityOp
 from .module import MegatronModule
 from .spec_utils import ModuleSpec, build_module
 from .transformer_config import TransformerConfig
-from .utils import param_device
+from .utils import heads_per_partition, param_device
 
 __all__ = ["SelfAttentionSubmodules", "CrossAttentionSubmodules", "Attention", "SelfAttention", "CrossAttention"]
 
@@ -102,6 +115,8 @@ class Attention(MegatronModule):
 
     Raises:
         NotImplementedError: a left-out argument given.
+        ValueError: num_attention_heads or num_query_groups not divisible by
+            config.tensor_model_parallel_size.
 
     Source: Megatron-LM ``megatron/core/transformer/attention.py`` (``Attention``).
     """
@@ -118,8 +133,9 @@ class Attention(MegatronModule):
         self.query_projection_size = config.kv_channels * config.num_attention_heads  # np·hn
         self.kv_projection_size = config.kv_channels * config.num_query_groups  # ng·hn
         self.hidden_size_per_attention_head = config.kv_channels  # hn
-        self.num_attention_heads_per_partition = config.num_attention_heads  # np
-        self.num_query_groups_per_partition = config.num_query_groups  # ng
+        # tensor parallelism: each of the p ranks holds np/p query heads and ng/p key/value groups
+        self.num_attention_heads_per_partition, self.num_query_groups_per_partition = heads_per_partition(config)
+        self.world_size = config.tensor_model_parallel_size
 
         # [Module 1: core attention] (the subclass then builds its input projections and norms)
         self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number,
@@ -127,6 +143,11 @@ class Attention(MegatronModule):
                                            softmax_scale=config.softmax_scale)
         self.checkpoint_core_attention = (config.recompute_granularity == "selective"
                                           and "core_attn" in config.recompute_modules)
+        # tensor parallelism without sequence parallelism: this rank's heads draw their own
+        # attention-dropout masks, from the tracker's model-parallel state (any core attention)
+        dropout = getattr(getattr(self.core_attention, "attention_dropout", None), "p", config.attention_dropout)
+        self._fork_core_attention_rng = (config.tensor_model_parallel_size > 1 and not config.sequence_parallel
+                                         and dropout > 0)
         # [Module 2: output projection]
         self.linear_proj = build_module(submodules.linear_proj, self.query_projection_size, config.hidden_size,
                                         config=config, init_method=config.output_layer_init_method,
@@ -140,10 +161,16 @@ class Attention(MegatronModule):
 
     def _checkpointed_attention_forward(self, query, key, value, attention_mask) -> torch.Tensor:
         """The core attention under activation checkpointing: its [b, np, sq, sk] probabilities are
-        recomputed in the backward instead of stored; the RNG state is restored for the recompute,
-        so the attention dropout draws the same mask."""
-        return torch.utils.checkpoint.checkpoint(self.core_attention, query, key, value, attention_mask,
-                                                 use_reentrant=False)
+        recomputed in the backward instead of stored; the RNG state (and with tensor parallelism
+        the tracker's, :func:`fusedlib.parallel.random.checkpoint`) is restored for the
+        recompute, so the attention dropout draws the same mask."""
+        return tensor_parallel_checkpoint(self.core_attention, query, key, value, attention_mask)
+
+    def _core_attention_forward(self, query, key, value, attention_mask) -> torch.Tensor:
+        """The core attention, checkpointed in training with selective recomputation of "core_attn"."""
+        if self.checkpoint_core_attention and self.training:
+            return self._checkpointed_attention_forward(query, key, value, attention_mask)
+        return self.core_attention(query, key, value, attention_mask)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 key_value_states: Optional[torch.Tensor] = None, inference_context: object = None,
@@ -166,10 +193,11 @@ class Attention(MegatronModule):
             if k_pos_emb is not None:
                 key = apply_rotary_pos_emb(key, k_pos_emb, self.config)
 
-        if self.checkpoint_core_attention and self.training:
-            core_attn_out = self._checkpointed_attention_forward(query, key, value, attention_mask)
+        if self._fork_core_attention_rng and self.training:
+            with get_cuda_rng_tracker().fork():  # this rank's heads: this rank's dropout masks
+                core_attn_out = self._core_attention_forward(query, key, value, attention_mask)
         else:
-            core_attn_out = self.core_attention(query, key, value, attention_mask)  # [sq, b, np·hn]
+            core_attn_out = self._core_attention_forward(query, key, value, attention_mask)  # [sq, b, np/p·hn]
 
         output, bias = self.linear_proj(core_attn_out)  # [sq, b, h], [h] or None
         return output, bias

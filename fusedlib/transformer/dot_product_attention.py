@@ -36,8 +36,15 @@ Causal masks with sq != sk are aligned bottom-right (query q sees keys j <= q + 
 
 Left out: context parallelism, packed sequences (``packed_seq_params``), ``attention_bias``,
 the off-by-one softmax types, inference KV caches; Megatron-core's global memory buffer for the
-scores (one is allocated per call). Megatron-core draws the attention dropout under its
-tensor-parallel RNG tracker; fusedlib uses torch's generator.
+scores (one is allocated per call).
+
+Tensor parallelism: each rank holds np/p query heads and ng/p key/value groups
+(:func:`~fusedlib.transformer.utils.heads_per_partition`). Its heads are its own, so their
+dropout masks must be too: with p > 1 the attention dropout draws from the tracker's
+model-parallel state (:mod:`fusedlib.parallel.random`). :class:`~fusedlib.transformer.attention.Attention`
+enters it around its core attention, whatever the backend (Megatron-core forks inside this
+module, around the dropout of the materialised path); under sequence parallelism the whole
+block runs on that state. On one rank: torch's generator, no fork.
 
 Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py``.
 """
@@ -55,7 +62,7 @@ from ..fusions.fused_softmax import FusedScaleMaskSoftmax
 from .enums import AttnBackend, AttnMaskType
 from .module import MegatronModule
 from .transformer_config import TransformerConfig
-from .utils import attention_mask_func, is_layer_window_attention
+from .utils import attention_mask_func, heads_per_partition, is_layer_window_attention
 
 __all__ = ["DotProductAttention", "SDPA_BACKENDS", "FLASH_BACKENDS"]
 
@@ -108,9 +115,9 @@ class DotProductAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type  # unused, as in Megatron-core
         self.hidden_size_per_attention_head = config.kv_channels  # hn
-        self.hidden_size_per_partition = config.kv_channels * config.num_attention_heads  # np·hn
-        self.num_attention_heads_per_partition = config.num_attention_heads  # np
-        self.num_query_groups_per_partition = config.num_query_groups  # ng
+        # tensor parallelism: this rank's np/p query heads and ng/p key/value groups
+        self.num_attention_heads_per_partition, self.num_query_groups_per_partition = heads_per_partition(config)
+        self.hidden_size_per_partition = config.kv_channels * self.num_attention_heads_per_partition  # np/p·hn
 
         coeff = None
         self.softmax_scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head) if softmax_scale is None \
