@@ -1,0 +1,148 @@
+"""``python -m fusedlib.train --bench``: train the same model several ways in one process and
+record the throughput, the memory and the loss of every step: ``<out>/train.json``.
+
+The runs (:data:`BENCH_RUNS`, record ``impl``), each from the same initial weights, on the same
+batches in the same order, with the same optimizer and schedule (the command line's flags):
+
+====================  =======================================================================
+``fusedlib``          fusedlib's GPTModel, every fusion on, the attention backend of the flags
+                      (SDPA by default), eager
+``fusedlib-unfused``  fusedlib's GPTModel from the unfused spec: torch's norms, softmax,
+                      dropout, the materialised attention, the unfused cross entropy; eager
+``torch.compile``     the nanoGPT-style plain PyTorch GPT (SDPA), ``torch.compile``d as a whole
+====================  =======================================================================
+
+Timing: wall time of logging windows (the device synchronised at their ends, evaluations
+outside them); the first ``bench_warmup`` steps (compilation, Triton's autotuning, the
+allocator's growth) are left out. ``tokens_per_s`` = timed steps x b x s / timed seconds.
+
+A record (DESIGN.md's fields where they apply): ``op`` "train", ``impl``, ``label``,
+``device``, ``torch``, ``triton``, ``python``, ``corpus`` (:meth:`Corpus.info`), ``config``
+(the run's :class:`TrainConfig`), ``params``, ``tokens_per_step``, ``warmup_steps``,
+``timed_steps``, ``timed_s``, ``tokens_per_s``, ``ms_per_step``, ``window_tokens_per_s`` (each
+timed window's), ``peak_bytes`` (``torch.cuda.max_memory_allocated`` over the run: weights,
+master weights, optimizer state, activations; None on a CPU), ``losses`` (every step's training
+loss), ``val`` ([step, loss] pairs), ``wall_s`` (the whole run, compilation and evaluation
+included), and ``sample`` (text the trained model wrote after :data:`SAMPLE_PROMPT`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..bench.core import environment
+from .data import Corpus, load_corpus
+from .loop import TrainConfig, Trainer
+from .model import count_parameters
+
+__all__ = ["BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table"]
+
+#: impl -> the TrainConfig fields that make it.
+BENCH_RUNS: dict[str, dict] = {
+    "fusedlib": dict(model="gpt", spec="fused", compile=False),
+    "fusedlib-unfused": dict(model="gpt", spec="unfused", compile=False),
+    "torch.compile": dict(model="plain", compile=True),
+}
+BENCH_FILE = "train.json"
+#: The sample's prompt: the start of a function definition.
+SAMPLE_PROMPT = "def "
+
+
+def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_tokens: int,
+             log: Callable[[str], object]) -> dict:
+    if cfg.resolved_device().type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer = Trainer(cfg, corpus=corpus, log=log)
+    trainer.run()
+    wall = time.perf_counter() - start
+    timed = [(a, b, s) for a, b, s in trainer.windows if a > warmup]
+    steps = sum(b - a + 1 for a, b, _ in timed)
+    seconds = sum(s for _, _, s in timed)
+    tokens = cfg.batch * cfg.seq
+    peak = trainer._peak_bytes()
+    text = trainer.sample(SAMPLE_PROMPT, sample_tokens) if sample_tokens else None
+    return {"op": "train", "impl": name, "label": cfg.label(), **environment(), "python": platform.python_version(),
+            "corpus": corpus.info(), "config": dataclasses.asdict(cfg), "params": count_parameters(trainer.model),
+            "tokens_per_step": tokens, "warmup_steps": warmup, "timed_steps": steps, "timed_s": seconds,
+            "tokens_per_s": steps * tokens / seconds if seconds else None,
+            "ms_per_step": 1e3 * seconds / steps if steps else None,
+            "window_tokens_per_s": [(b - a + 1) * tokens / s for a, b, s in timed],
+            "peak_bytes": peak, "losses": trainer.losses(),
+            "val": [[r["step"], r["val_loss"]] for r in trainer.history if "val_loss" in r],
+            "wall_s": wall, "sample": text}
+
+
+def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[str] = tuple(BENCH_RUNS),
+              warmup: int = 20, sample_tokens: int = 300, log: Callable[[str], object] = print) -> list[dict]:
+    """Train ``base`` once per run of ``runs`` (:data:`BENCH_RUNS`) and write the records to
+    ``out_dir/train.json`` (when ``out_dir`` is given).
+
+    Args:
+        base: the shared configuration; each run overrides the fields of its :data:`BENCH_RUNS`
+            entry, and writes no metrics or checkpoint.
+        out_dir: where train.json goes, or None.
+        runs: names of :data:`BENCH_RUNS`.
+        warmup: steps left out of the timing (>= 0, < steps - log_interval so some are timed).
+        sample_tokens: length of each run's sample (0: none).
+        log: where progress lines go.
+
+    Returns:
+        The records, in the order of ``runs``.
+
+    Raises:
+        ValueError: an unknown run name, or a warmup that leaves no timed window.
+    """
+    unknown = [r for r in runs if r not in BENCH_RUNS]
+    if unknown or not runs:
+        raise ValueError(f"runs must name some of {list(BENCH_RUNS)}, got {list(runs)}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= base.steps - base.log_interval:
+        raise ValueError(f"warmup must be an int in [0, steps - log_interval = {base.steps - base.log_interval}] "
+                         f"so that some steps are timed, got {warmup!r}")
+    corpus = load_corpus(base.cache_dir)
+    records = []
+    for name in runs:
+        cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None)
+        record = _one_run(name, cfg, corpus, warmup, sample_tokens, log)
+        log(f"{name}: {record['tokens_per_s']:,.0f} tokens/s, {record['ms_per_step']:.2f} ms/step, final loss "
+            f"{record['losses'][-1]:.4f}, val {record['val'][-1][1] if record['val'] else float('nan'):.4f}, "
+            f"{record['wall_s']:.0f} s in all")
+        records.append(record)
+        if out_dir is not None:  # after every run, so a run cut short keeps the finished ones
+            path = Path(out_dir) / BENCH_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(records, indent=1) + "\n")
+    return records
+
+
+def bench_table(records: Sequence[dict]) -> str:
+    """Text table of train.json's records: tokens/s, ms per step, peak memory (GB), the final
+    training loss (mean of the last 5% of steps) and validation loss, and how many times
+    fusedlib's throughput each run's is."""
+    rows = [r for r in records if r.get("op") == "train"]
+    if not rows:
+        return "no train records"
+    first = rows[0]
+    c = first["config"]
+    fused = next((r for r in rows if r["impl"] == "fusedlib"), None)
+    out = [f"{first['params'] / 1e6:.2f} M parameters ({c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads), "
+           f"batch {c['batch']} x seq {c['seq']} = {first['tokens_per_step']} tokens per step, {c['steps']} steps, "
+           f"{'bf16' if c['bf16'] or (c['bf16'] is None and first['device'] != 'cpu') else 'float32'}, {first['device']}",
+           f"{'impl':<18}{'tokens/s':>12}{'ms/step':>9}{'peak GB':>9}{'train loss':>12}{'val loss':>10}{'fusedlib is':>13}"]
+    for r in rows:
+        tail = r["losses"][-max(1, len(r["losses"]) // 20):]
+        peak = f"{r['peak_bytes'] / 1e9:.2f}" if r.get("peak_bytes") is not None else "-"
+        val = f"{r['val'][-1][1]:.4f}" if r["val"] else "-"
+        ratio = f"{fused['tokens_per_s'] / r['tokens_per_s']:.2f}x" if fused is not None and r is not fused else ""
+        out.append(f"{r['impl']:<18}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>9.2f}{peak:>9}"
+                   f"{sum(tail) / len(tail):>12.4f}{val:>10}{ratio:>13}")
+    return "\n".join(out)
