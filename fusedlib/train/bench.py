@@ -23,7 +23,8 @@ A record (DESIGN.md's fields where they apply): ``op`` "train", ``impl``, ``labe
 timed window's), ``peak_bytes`` (``torch.cuda.max_memory_allocated`` over the run: weights,
 master weights, optimizer state, activations; None on a CPU), ``losses`` (every step's training
 loss), ``val`` ([step, loss] pairs), ``wall_s`` (the whole run, compilation and evaluation
-included), and ``sample`` (text the trained model wrote after :data:`SAMPLE_PROMPT`).
+included), ``sample`` (text the trained model wrote after :data:`SAMPLE_PROMPT`) and
+``sample_settings`` (prompt, tokens, temperature, top_k, seed).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ from .data import Corpus, load_corpus
 from .loop import TrainConfig, Trainer
 from .model import count_parameters
 
-__all__ = ["BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table"]
+__all__ = ["BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table", "load_train_bench", "smooth",
+           "plot_losses"]
 
 #: impl -> the TrainConfig fields that make it.
 BENCH_RUNS: dict[str, dict] = {
@@ -53,6 +55,8 @@ BENCH_RUNS: dict[str, dict] = {
 BENCH_FILE = "train.json"
 #: The sample's prompt: the start of a function definition.
 SAMPLE_PROMPT = "def "
+#: The sample's temperature and top-k (a CPU generator seeded with 0 draws it).
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40
 
 
 def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_tokens: int,
@@ -70,7 +74,9 @@ def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_to
     seconds = sum(s for _, _, s in timed)
     tokens = cfg.batch * cfg.seq
     peak = trainer._peak_bytes()
-    text = trainer.sample(SAMPLE_PROMPT, sample_tokens) if sample_tokens else None
+    settings = {"prompt": SAMPLE_PROMPT, "tokens": sample_tokens, "temperature": SAMPLE_TEMPERATURE,
+                "top_k": SAMPLE_TOP_K, "seed": 0}
+    text = trainer.sample(SAMPLE_PROMPT, sample_tokens, SAMPLE_TEMPERATURE, SAMPLE_TOP_K, seed=0) if sample_tokens else None
     return {"op": "train", "impl": name, "label": cfg.label(), **environment(), "python": platform.python_version(),
             "corpus": corpus.info(), "config": dataclasses.asdict(cfg), "params": count_parameters(trainer.model),
             "tokens_per_step": tokens, "warmup_steps": warmup, "timed_steps": steps, "timed_s": seconds,
@@ -79,7 +85,7 @@ def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_to
             "window_tokens_per_s": [(b - a + 1) * tokens / s for a, b, s in timed],
             "peak_bytes": peak, "losses": trainer.losses(),
             "val": [[r["step"], r["val_loss"]] for r in trainer.history if "val_loss" in r],
-            "wall_s": wall, "sample": text}
+            "wall_s": wall, "sample": text, "sample_settings": settings}
 
 
 def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[str] = tuple(BENCH_RUNS),
@@ -146,3 +152,76 @@ def bench_table(records: Sequence[dict]) -> str:
         out.append(f"{r['impl']:<18}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>9.2f}{peak:>9}"
                    f"{sum(tail) / len(tail):>12.4f}{val:>10}{ratio:>13}")
     return "\n".join(out)
+
+
+def load_train_bench(name: str = BENCH_FILE, directory: Optional[str | Path] = None) -> list[dict]:
+    """The stored records of ``python -m fusedlib.train --bench`` (``chapters/data/bench/<name>``,
+    or ``directory/<name>``).
+
+    Raises:
+        FileNotFoundError: naming the file and the command that writes it.
+    """
+    if directory is None:
+        from ..book import bench_dir
+
+        directory = bench_dir()
+    path = Path(directory) / name
+    if not path.exists():
+        how = (f": `python -m fusedlib.train --bench --out {Path(directory)}` writes it on a GPU"
+               if name == BENCH_FILE else "")
+        raise FileNotFoundError(f"{path} not found{how}")
+    return json.loads(path.read_text())
+
+
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` values (fewer at the start): the same length as ``values``.
+
+    Raises:
+        ValueError: window < 1.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+#: Line colours of the runs (fusedlib's chapters' colours).
+RUN_COLORS = {"fusedlib": "#d62728", "fusedlib-unfused": "#f4a6a6", "torch.compile": "#5c6bc0"}
+#: Line styles, so that curves lying on each other stay visible.
+RUN_STYLES = {"fusedlib": "-", "fusedlib-unfused": "--", "torch.compile": ":"}
+
+
+def plot_losses(records: Sequence[dict], window: int = 25, ax=None, skip: int = 0):
+    """Training loss against step for each record (a trailing mean over ``window`` steps, the
+    raw losses faint behind it) and the validation losses as markers.
+
+    Args:
+        records: train.json's records. window: the smoothing. ax: an Axes (default: a new figure).
+        skip: leave out the first ``skip`` steps (the fast initial drop hides the rest).
+
+    Returns:
+        The Axes.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    for r in records:
+        color = RUN_COLORS.get(r["impl"])
+        steps = list(range(1, len(r["losses"]) + 1))[skip:]
+        ax.plot(steps, r["losses"][skip:], color=color, alpha=0.15, linewidth=0.6)
+        ax.plot(steps, smooth(r["losses"], window)[skip:], RUN_STYLES.get(r["impl"], "-"), color=color,
+                linewidth=1.6, label=f"{r['impl']} ({r['label']})")
+        val = [(s, v) for s, v in r["val"] if s > skip]
+        if val:
+            ax.plot(*zip(*val), "o", color=color, markersize=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats per byte)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax
