@@ -272,7 +272,7 @@ class Trainer:
         loss.backward()
         if self.bf16:
             for m, p in zip(self.master, self.params):
-                m.grad = p.grad.float()
+                m.grad = None if p.grad is None else p.grad.float()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.master, cfg.grad_clip)
         self.optimizer.step()
