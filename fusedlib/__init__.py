@@ -42,8 +42,9 @@ from ``fusedlib`` itself (Megatron-core's names); by layer:
 
 Not imported here (import them by name): ``fusedlib.activations`` (``squared_relu``,
 ``quick_gelu``, ``fast_gelu``), ``fusedlib.transformer.utils`` (``attention_mask_func`` and
-the mask builders), ``fusedlib.parallel.layers`` (``ColumnParallelLinear``,
-``RowParallelLinear``, ``VocabParallelEmbedding``, one rank), ``fusedlib.models.gpt``
+the mask builders), the rest of ``fusedlib.parallel`` (process groups,
+the tensor-parallel mappings, ``ColumnParallelLinear``, ``RowParallelLinear``,
+``VocabParallelEmbedding``, ``finalize_model_grads``, state-dict sharding), ``fusedlib.models.gpt``
 (``get_gpt_layer_local_spec``, ``get_gpt_layer_unfused_spec``, ``GPTModel``),
 ``fusedlib.fusions.fused_rope`` (rotary position embeddings), ``fusedlib.kernels`` (the Triton kernels, their launchers and tile tables),
 ``fusedlib.bench``, the benchmark harness (``python -m fusedlib.bench``), and

@@ -16,7 +16,8 @@ single-GPU op (the whole [8192, 128256] problem), so ``GBps`` is the aggregate o
 ``peak_bytes`` is rank 0's. Writes ``DIR/cross_entropy_tp<p>.json``; merge it into
 ``cross_entropy.json`` if the chapter should plot it with the single-GPU records.
 
-Needs ``--tp`` CUDA GPUs.
+Needs ``--tp`` CUDA GPUs. (The whole GPT at tp = p against tp = 1, loss and gradients:
+``torchrun --nproc-per-node 2 -m fusedlib.parallel.check_tp``.)
 """
 from __future__ import annotations
 

@@ -3,10 +3,11 @@
 ``VocabUtility`` is Megatron-core's (``megatron/core/tensor_parallel/utils.py``): rank r of
 p holds the vocabulary ids ``[r·V/p, (r+1)·V/p)``.
 
-Every collective fusedlib issues goes through :func:`all_reduce`, which records it in the
-logs opened by :func:`count_collectives`; that is how the tests and chapter 6 show the
-unfused cross entropy's three all-reduces against the fused one's two. A group of one
-rank needs no communication: :func:`all_reduce` returns at once and records nothing.
+Every collective fusedlib issues goes through :func:`all_reduce`, :func:`all_gather` or
+:func:`reduce_scatter`, which record it in the logs opened by :func:`count_collectives`; that
+is how the tests and chapter 6 show the unfused cross entropy's three all-reduces against the
+fused one's two, and chapter 9 the collectives of a tensor-parallel layer. A group of one rank
+needs no communication: :func:`all_reduce` returns at once and records nothing.
 """
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ __all__ = [
     "CollectiveLog",
     "count_collectives",
     "all_reduce",
+    "all_gather",
+    "reduce_scatter",
     "tp_rank_and_size",
+    "SINGLE_RANK",
 ]
 
 
@@ -65,8 +69,9 @@ class VocabUtility:
 
 @dataclass(frozen=True)
 class CollectiveCall:
-    """One collective issued by fusedlib: its name ("all_reduce"), reduce op ("MAX",
-    "SUM"), the tensor's shape and dtype, and its payload in bytes."""
+    """One collective issued by fusedlib: its name ("all_reduce", "all_gather",
+    "reduce_scatter"), reduce op ("MAX", "SUM"; "-" for all_gather), the shape and dtype of
+    the tensor this rank sends, and its payload in bytes."""
 
     name: str
     op: str
@@ -75,7 +80,8 @@ class CollectiveCall:
     nbytes: int
 
     def __str__(self) -> str:
-        return f"{self.name}({self.op}) {list(self.shape)} {self.dtype}"
+        op = f"({self.op})" if self.op != "-" else ""  # all_gather has no reduce op
+        return f"{self.name}{op} {list(self.shape)} {self.dtype}"
 
 
 class CollectiveLog(list):
@@ -174,9 +180,78 @@ def all_reduce(tensor: torch.Tensor, op: str, tp_group: dist.ProcessGroup | None
     _, size = tp_rank_and_size(tp_group)
     if size == 1:
         return tensor
-    call = CollectiveCall("all_reduce", op, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                          tensor.numel() * tensor.element_size())
-    for log in _OPEN_LOGS:
-        log.append(call)
+    _record("all_reduce", op, tensor)
     dist.all_reduce(tensor, op=_OPS[op], group=tp_group)
     return tensor
+
+
+def _record(name: str, op: str, tensor: torch.Tensor) -> None:
+    """Append a :class:`CollectiveCall` for ``tensor`` (the payload one rank sends) to every open log."""
+    if _OPEN_LOGS:
+        call = CollectiveCall(name, op, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                              tensor.numel() * tensor.element_size())
+        for log in _OPEN_LOGS:
+            log.append(call)
+
+
+# torch >= 2.12 names them *_single (and deprecates the old names); torch 2.11 has only the old ones
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+
+
+def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """All-gather along the first dim: ``output`` [p·n, ...] receives every rank's ``tensor``
+    [n, ...], rank order; recorded for :func:`count_collectives` (payload: ``tensor``).
+
+    Args:
+        output: a new contiguous tensor of p times ``tensor``'s first dim, same dtype and device.
+        tensor: contiguous, this rank's part. Not modified.
+        group: a process group of p > 1 ranks.
+        async_op: return at once with torch.distributed's work handle (``.wait()`` before
+            reading ``output``).
+
+    Returns:
+        ``output``, or the work handle with ``async_op``.
+    """
+    _record("all_gather", "-", tensor)
+    work = _ALL_GATHER(output, tensor, group=group, async_op=async_op)
+    return work if async_op else output
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """Reduce-scatter (SUM) along the first dim: ``output`` [n, ...] receives rank r's block
+    ``[r·n, (r+1)·n)`` of the sum over ranks of ``tensor`` [p·n, ...]; recorded for
+    :func:`count_collectives` (payload: ``tensor``).
+
+    Args:
+        output: a new contiguous tensor, ``tensor``'s first dim divided by p.
+        tensor: contiguous. Not modified.
+        group: a process group of p > 1 ranks.
+        async_op: as :func:`all_gather`.
+
+    Returns:
+        ``output``, or the work handle with ``async_op``.
+    """
+    _record("reduce_scatter", "SUM", tensor)
+    work = _REDUCE_SCATTER(output, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return work if async_op else output
+
+
+class _OneRank:
+    """A stand-in for a process group of one rank (``rank()`` 0, ``size()`` 1): what a
+    tensor-parallel size of 1 passes to the cross entropy, so that an initialized
+    ``torch.distributed`` (data parallelism, the ranks of a test) is never taken for the
+    tensor-parallel group."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return "SINGLE_RANK"
+
+
+#: The one-rank group stand-in (see :class:`_OneRank`).
+SINGLE_RANK = _OneRank()

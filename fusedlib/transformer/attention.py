@@ -20,7 +20,15 @@ Cross-attention takes its query from the hidden states (``linear_q``) and key an
 attention, as in Megatron-core.
 
 Left out: inference (KV caches, flash decoding), packed sequences, context parallelism, the
-output gate, QK clipping, fused QKV+RoPE, activation offloading, tensor parallelism.
+output gate, QK clipping, fused QKV+RoPE, activation offloading; with tensor parallelism, fewer
+key/value groups than ranks.
+
+Tensor parallelism (``config.tensor_model_parallel_size = p``): the QKV projection is
+column-parallel and the output projection row-parallel, so each rank computes whole heads,
+np/p query heads and ng/p key/value groups (the QKV weight's rows are grouped per key/value
+group, ``[ng, (np/ng + 2)·hn]``, so a contiguous split hands each rank whole groups), and the
+only communication is the projection's all-reduce (or reduce-scatter). np and ng must be
+divisible by p (a ValueError otherwise).
 
 Source: Megatron-LM ``megatron/core/transformer/attention.py``.
 """
@@ -30,14 +38,14 @@ from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
-import torch.utils.checkpoint
 
+from ..parallel.random import checkpoint as tensor_parallel_checkpoint
 from .enums import AttnMaskType
 from .identity_op import IdentityOp
 from .module import MegatronModule
 from .spec_utils import ModuleSpec, build_module
 from .transformer_config import TransformerConfig
-from .utils import param_device
+from .utils import heads_per_partition, param_device
 
 __all__ = ["SelfAttentionSubmodules", "CrossAttentionSubmodules", "Attention", "SelfAttention", "CrossAttention"]
 
@@ -102,6 +110,8 @@ class Attention(MegatronModule):
 
     Raises:
         NotImplementedError: a left-out argument given.
+        ValueError: num_attention_heads or num_query_groups not divisible by
+            config.tensor_model_parallel_size.
 
     Source: Megatron-LM ``megatron/core/transformer/attention.py`` (``Attention``).
     """
@@ -118,8 +128,9 @@ class Attention(MegatronModule):
         self.query_projection_size = config.kv_channels * config.num_attention_heads  # np·hn
         self.kv_projection_size = config.kv_channels * config.num_query_groups  # ng·hn
         self.hidden_size_per_attention_head = config.kv_channels  # hn
-        self.num_attention_heads_per_partition = config.num_attention_heads  # np
-        self.num_query_groups_per_partition = config.num_query_groups  # ng
+        # tensor parallelism: each of the p ranks holds np/p query heads and ng/p key/value groups
+        self.num_attention_heads_per_partition, self.num_query_groups_per_partition = heads_per_partition(config)
+        self.world_size = config.tensor_model_parallel_size
 
         # [Module 1: core attention] (the subclass then builds its input projections and norms)
         self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number,
@@ -142,8 +153,7 @@ class Attention(MegatronModule):
         """The core attention under activation checkpointing: its [b, np, sq, sk] probabilities are
         recomputed in the backward instead of stored; the RNG state is restored for the recompute,
         so the attention dropout draws the same mask."""
-        return torch.utils.checkpoint.checkpoint(self.core_attention, query, key, value, attention_mask,
-                                                 use_reentrant=False)
+        return tensor_parallel_checkpoint(self.core_attention, query, key, value, attention_mask)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 key_value_states: Optional[torch.Tensor] = None, inference_context: object = None,

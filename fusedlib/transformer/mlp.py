@@ -21,8 +21,13 @@ for the layer's bias-dropout-add.
 
 The switch is read at each forward, as in Megatron-core.
 
+Tensor parallelism: fc1 is column-parallel and fc2 row-parallel, so each rank computes ffn/p of
+the inner features, activation included, and fc2's all-reduce (or reduce-scatter) is the only
+communication. A gated unit's fc1 is split with stride 2 (Megatron-core's layout): rank r holds
+rows ``[x1_r; x2_r]`` of the two halves, so ``chunk(2)`` pairs them correctly on every rank.
+
 Left out: MoE experts (``is_expert``, ``per_token_scale``), Transformer Engine activations (the
-``activation_func`` slot), FP8 input storage, CPU offloading, tensor parallelism.
+``activation_func`` slot), FP8 input storage, CPU offloading.
 
 Source: Megatron-LM ``megatron/core/transformer/mlp.py``.
 """
@@ -94,11 +99,14 @@ class MLP(MegatronModule):
         self.input_size = input_size if input_size is not None else config.hidden_size
         ffn = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
         # [Module 1: fc1] h -> ffn (2·ffn with a gated linear unit: both halves in one GEMM)
+        # (a gated unit's two halves are split over tensor-parallel ranks separately, stride 2: each
+        # rank holds [x1_r; x2_r], so the activation pairs the right halves on every rank)
+        stride = {"stride": 2} if config.gated_linear_unit else {}
         self.linear_fc1 = build_module(submodules.linear_fc1, self.input_size,
                                        2 * ffn if config.gated_linear_unit else ffn, config=config,
                                        init_method=config.init_method, gather_output=False,
                                        bias=config.add_bias_linear, skip_bias_add=True, is_expert=False,
-                                       tp_comm_buffer_name="fc1", tp_group=tp_group)
+                                       tp_comm_buffer_name="fc1", tp_group=tp_group, **stride)
         self.activation_func = config.activation_func
         # [Module 2: fc2] ffn -> h, bias returned for the bias-dropout-add
         self.linear_fc2 = build_module(submodules.linear_fc2, ffn, config.hidden_size, config=config,

@@ -24,9 +24,14 @@ class WrappedTorchNorm:
     are ignored, as in Megatron-core (the config decides). ``device``/``dtype``: torch's factory
     arguments (None: torch's defaults), beyond Megatron-core's signature.
 
+    The parameters carry ``sequence_parallel`` (config.sequence_parallel), as fusedlib's fused
+    norms' do, so that :func:`fusedlib.parallel.finalize_model_grads` sums their gradients under
+    sequence parallelism: a norm is per token, so it runs on a sequence shard unchanged.
+    Megatron-core rejects sequence_parallel here.
+
     Raises:
         ValueError: a config switch torch's norms do not have (layernorm_zero_centered_gamma,
-            persist_layer_norm, memory_efficient_layer_norm, sequence_parallel); Megatron-core asserts.
+            persist_layer_norm, memory_efficient_layer_norm); Megatron-core asserts.
 
     Source: Megatron-LM ``megatron/core/transformer/torch_norm.py`` (``WrappedTorchNorm``).
     """
@@ -35,9 +40,11 @@ class WrappedTorchNorm:
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm", *,
                 device: Optional[Union[torch.device, str]] = None, dtype: Optional[torch.dtype] = None
                 ) -> torch.nn.Module:
-        for switch in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm",
-                       "sequence_parallel"):
+        for switch in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
             if getattr(config, switch):
                 raise ValueError(f"{switch} is not supported by torch's LayerNorm/RMSNorm (WrappedTorchNorm)")
         norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
-        return norm_cls(normalized_shape=hidden_size, eps=eps, device=device, dtype=dtype)
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps, device=device, dtype=dtype)
+        for param in norm.parameters():  # as FusedNorm: the gradient all-reduce of sequence parallelism
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm

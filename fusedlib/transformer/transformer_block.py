@@ -21,6 +21,12 @@ Differences from Megatron-core: given one layer spec, the final norm is the spec
 takes a process-wide choice (Transformer Engine's, Apex's or torch's norm); when that slot is
 an IdentityOp, :class:`~fusedlib.fusions.fused_layer_norm.FusedNorm`.
 
+Sequence parallelism (p > 1): the block's input and output are this rank's s/p tokens
+[s/p, b, h], and in training with dropout the layers run under the tensor-parallel RNG
+tracker's model-parallel state (``get_cuda_rng_tracker().fork()``), so each rank's dropout
+masks are its own, as in Megatron-core (which forks whether or not anything draws).
+Recomputation replays the tracker's states too (:func:`fusedlib.parallel.random.checkpoint`).
+
 Left out: pipeline stages (``pre_process=False``, ``set_input_tensor``), virtual pipelines,
 FP8/FP4 contexts, CPU offloading, CUDA graphs, multi-token prediction, inference.
 
@@ -32,9 +38,10 @@ from dataclasses import dataclass
 from typing import List, Optional, Union
 
 import torch
-import torch.utils.checkpoint
 
 from ..fusions.fused_layer_norm import FusedNorm
+from ..parallel.random import checkpoint as tensor_parallel_checkpoint
+from ..parallel.random import get_cuda_rng_tracker
 from ..utils import make_viewless_tensor
 from .identity_op import IdentityOp
 from .module import MegatronModule
@@ -128,6 +135,10 @@ class TransformerBlock(MegatronModule):
         else:
             self.final_layernorm = None
         self.num_layers_per_pipeline_rank = len(self.layers)
+        self._fork_rng = config.sequence_parallel and config.tensor_model_parallel_size > 1
+        # (without dropout nothing draws random numbers: no fork, and no tracker needed)
+        self._draws_random_numbers = config.attention_dropout > 0 or any(
+            getattr(layer, "hidden_dropout", config.hidden_dropout) > 0 for layer in self.layers)
 
     def _checkpointed_forward(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
                               attention_bias):
@@ -143,8 +154,8 @@ class TransformerBlock(MegatronModule):
             return custom_forward
 
         def checkpointed(forward_func):
-            return torch.utils.checkpoint.checkpoint(forward_func, hidden_states, attention_mask, context,
-                                                     context_mask, rotary_pos_emb, use_reentrant=False)
+            return tensor_parallel_checkpoint(forward_func, hidden_states, attention_mask, context, context_mask,
+                                              rotary_pos_emb)
 
         n, chunk = len(self.layers), self.config.recompute_num_layers
         if self.config.recompute_method == "uniform":
@@ -159,6 +170,17 @@ class TransformerBlock(MegatronModule):
             raise ValueError(f"Invalid activation recompute method {self.config.recompute_method!r}.")
         return hidden_states
 
+    def _layers_forward(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb, attention_bias):
+        """The layers, checkpointed with full recomputation in training."""
+        if self.config.recompute_granularity == "full" and self.training:
+            return self._checkpointed_forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
+                                              attention_bias)
+        for layer in self.layers:
+            hidden_states, context = layer(hidden_states, attention_mask=attention_mask, context=context,
+                                           context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
+                                           attention_bias=attention_bias)
+        return hidden_states
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None, attention_bias: Optional[torch.Tensor] = None,
@@ -167,14 +189,14 @@ class TransformerBlock(MegatronModule):
         if inference_context is not None or packed_seq_params is not None:
             raise NotImplementedError("TransformerBlock: inference_context and packed_seq_params are left out")
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-        if self.config.recompute_granularity == "full" and self.training:
-            hidden_states = self._checkpointed_forward(hidden_states, attention_mask, context, context_mask,
-                                                       rotary_pos_emb, attention_bias)
+        if self._fork_rng and self.training and self._draws_random_numbers:
+            # sequence parallelism: each rank holds its own tokens, so every dropout mask is its own
+            with get_cuda_rng_tracker().fork():
+                hidden_states = self._layers_forward(hidden_states, attention_mask, context, context_mask,
+                                                     rotary_pos_emb, attention_bias)
         else:
-            for layer in self.layers:
-                hidden_states, context = layer(hidden_states, attention_mask=attention_mask, context=context,
-                                               context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
-                                               attention_bias=attention_bias)
+            hidden_states = self._layers_forward(hidden_states, attention_mask, context, context_mask,
+                                                 rotary_pos_emb, attention_bias)
         if self.final_layernorm is not None:
             hidden_states = _norm(self.final_layernorm, hidden_states)  # (cast to its weight's dtype)
             hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)

@@ -7,8 +7,8 @@ it rejects, each with a ValueError that says why.
 
 Left out (Megatron-core has a few hundred fields): pipeline, context, expert and
 data parallelism, MoE routing, FP8/FP4, CUDA graphs, CPU offloading, inference, multi-latent
-attention and the other attention variants. ``tensor_model_parallel_size`` is kept, and the
-parallel linear layers refuse any value but 1 (tensor parallelism is a later chapter).
+attention and the other attention variants. Of the parallelisms, tensor parallelism
+(``tensor_model_parallel_size``, ``sequence_parallel``) is implemented: :mod:`fusedlib.parallel`.
 
 Differences from Megatron-core, each deliberate:
 
@@ -25,8 +25,8 @@ Differences from Megatron-core, each deliberate:
   gated linear unit and ``glu_linear_offset = 0``, and with ``bias_activation_fusion`` SwiGLU
   (the only fused unit with a clamp). Megatron-LM's main branch rejects a SwiGLU clamp
   without MoE; megatron-core 0.16 ignores the clamp where it cannot apply it.
-* ``sequence_parallel`` with ``tensor_model_parallel_size = 1`` is accepted (the norms mark
-  their weights with it; chapter 9 uses it); Megatron-core rejects it.
+* ``sequence_parallel`` with ``tensor_model_parallel_size = 1`` is accepted and changes nothing
+  but the norms' marks on their weights (chapter 9 uses it); Megatron-core rejects it.
 
 Source: Megatron-LM ``megatron/core/transformer/transformer_config.py`` and
 ``megatron/core/model_parallel_config.py``.
@@ -61,7 +61,8 @@ class TransformerConfig:
     Raises (from ``__post_init__``), each a ValueError unless noted:
         fp16 and bf16 both set; normalization not LayerNorm/RMSNorm; layernorm_epsilon < 0;
         a dropout outside [0, 1]; hidden_size % num_attention_heads != 0 without kv_channels;
-        num_attention_heads % num_query_groups != 0; bias_activation_fusion with an
+        num_attention_heads % num_query_groups != 0; tensor_model_parallel_size < 1, or not
+        dividing num_attention_heads and num_query_groups; bias_activation_fusion with an
         activation fusedlib cannot fuse; a bad activation_func_clamp_value (see the module
         docstring); num_moe_experts <= 0; a bad window_size; a bad recompute setting;
         TypeError for params_dtype not a float dtype or attention_backend not an AttnBackend.
@@ -71,10 +72,12 @@ class TransformerConfig:
 
     # ---------------------------------------------------------------- parallelism and precision
     tensor_model_parallel_size: int = 1
-    """Tensor-parallel ranks; fusedlib's layers implement 1 (a larger value raises NotImplementedError)."""
+    """p, the ranks each layer is split over (:mod:`fusedlib.parallel`; p > 1 needs
+    ``fusedlib.parallel.initialize_model_parallel(p)`` before the model is built)."""
     sequence_parallel: bool = False
     """Split activations outside tensor-parallel regions along the sequence (Korthikanti et al.
-    2022, arXiv:2205.05198). The norms mark their weights with it, for the gradient all-reduce."""
+    2022, arXiv:2205.05198); with p > 1 the sequence length must be divisible by p. The norms
+    mark their weights with it, for the gradient all-reduce (``fusedlib.parallel.finalize_model_grads``)."""
     fp16: bool = False
     """The model runs in fp16 (``Float16Module`` casts to it; the softmax checks its input's dtype)."""
     bf16: bool = False
@@ -220,6 +223,8 @@ class TransformerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError(f"tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}")
         if not isinstance(self.attention_backend, AttnBackend):
             try:  # Megatron-core's enum (or any enum) with one of AttnBackend's member names
                 self.attention_backend = AttnBackend[self.attention_backend.name]
@@ -254,6 +259,11 @@ class TransformerConfig:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_query_groups ({self.num_query_groups}): each key/value head serves "
                              "the same number of query heads")
+        p = self.tensor_model_parallel_size
+        if self.num_attention_heads % p or self.num_query_groups % p:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) and num_query_groups "
+                             f"({self.num_query_groups}) must both be divisible by tensor_model_parallel_size ({p}): "
+                             "each rank holds whole heads and whole key/value groups")
 
     def _check_activation(self) -> None:
         act, glu = self.activation_func, self.gated_linear_unit

@@ -21,8 +21,13 @@ Megatron-LM's legacy behaviour). With ``fp32_residual_connection`` the residual 
 bias-dropout-add returns the residual's dtype.
 
 Selective recomputation of the MLP (``"mlp"`` in ``recompute_modules``) checkpoints it with
-``torch.utils.checkpoint`` (non-reentrant, RNG state restored); the core attention's is in
+``torch.utils.checkpoint`` (non-reentrant, RNG state restored, the tensor-parallel tracker's
+too: :func:`fusedlib.parallel.random.checkpoint`); the core attention's is in
 :mod:`fusedlib.transformer.attention`.
+
+Under sequence parallelism (p > 1) the norms, bias-dropout-adds and residuals run on this
+rank's s/p tokens, [s/p, b, h]; the attention and MLP gather and scatter the sequence in
+their linear layers.
 
 Left out: pipeline layer offsets, MoE layers, inference (KV caches, fused TP communication),
 CUDA graphs, activation offloading, layernorm recomputation.
@@ -35,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple, Union
 
 import torch
-import torch.utils.checkpoint
 
+from ..parallel.random import checkpoint as tensor_parallel_checkpoint
 from ..utils import make_viewless_tensor
 from .identity_op import IdentityFuncOp, IdentityOp
 from .module import MegatronModule
@@ -194,8 +199,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         if self.config.apply_residual_connection_post_layernorm:
             residual = pre_mlp_layernorm_output
         if self.recompute_mlp and self.training:
-            mlp_output_with_bias = torch.utils.checkpoint.checkpoint(self.mlp, pre_mlp_layernorm_output,
-                                                                     use_reentrant=False)
+            mlp_output_with_bias = tensor_parallel_checkpoint(self.mlp, pre_mlp_layernorm_output)
         else:
             mlp_output_with_bias = self.mlp(pre_mlp_layernorm_output)
         hidden_states = self.mlp_bda(self.training, self.config.bias_dropout_fusion)(

@@ -5,7 +5,8 @@
   ``is_layer_window_attention``;
 * inits: ``init_method_normal``, ``scaled_init_method_normal`` (Megatron-core keeps these two in
   ``megatron/core/utils.py``), ``get_linear_layer``;
-* placement: ``param_device``, where a module built from a config creates its parameters.
+* placement: ``param_device``, where a module built from a config creates its parameters;
+* tensor parallelism: ``heads_per_partition``, the attention heads of each rank.
 
 Two deliberate differences from Megatron-core (chapter 5): ``attention_mask_func`` returns a
 new tensor instead of filling the scores in place, and ``get_default_causal_mask(sq, sk)``
@@ -34,6 +35,7 @@ __all__ = [
     "scaled_init_method_normal",
     "get_linear_layer",
     "param_device",
+    "heads_per_partition",
 ]
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
@@ -108,3 +110,20 @@ def get_linear_layer(rows: int, columns: int, init_method: InitMethod, perform_i
     with torch.no_grad():
         layer.bias.zero_()
     return layer
+
+
+def heads_per_partition(config: TransformerConfig) -> Tuple[int, int]:
+    """``(np / p, ng / p)``: query heads and key/value groups on each of the p =
+    ``config.tensor_model_parallel_size`` ranks.
+
+    Raises:
+        ValueError: np or ng not divisible by p (Megatron-core also replicates key/value groups
+            when ng < p; fusedlib does not).
+
+    Source: Megatron-LM ``megatron/core/transformer/attention.py`` (``Attention.__init__``).
+    """
+    p, np_, ng = config.tensor_model_parallel_size, config.num_attention_heads, config.num_query_groups
+    if np_ % p or ng % p:
+        raise ValueError(f"num_attention_heads ({np_}) and num_query_groups ({ng}) must both be divisible by "
+                         f"tensor_model_parallel_size ({p}): each rank holds whole heads and whole key/value groups")
+    return np_ // p, ng // p

@@ -110,7 +110,7 @@ class UnfusedNorm:
     config, so the norms' performance switches (persist, memory-efficient) do not apply.
 
     Raises:
-        ValueError: layernorm_zero_centered_gamma or sequence_parallel set (torch's norms have neither).
+        ValueError: layernorm_zero_centered_gamma set (torch's norms have none).
     """
 
     def __new__(cls, config: TransformerConfig, *args: object, **kwargs: object):

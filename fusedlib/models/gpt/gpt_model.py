@@ -11,9 +11,20 @@ both are one Triton kernel; they differ in the all-reduces they would issue acro
 With ``share_embeddings_and_output_weights`` the output layer has no weight of its own and
 uses the word embeddings'.
 
+Tensor parallelism (``config.tensor_model_parallel_size = p > 1``, after
+:func:`fusedlib.parallel.initialize_model_parallel`): the word embeddings are vocab-parallel,
+every layer splits its heads and MLP features over the ranks, and the output layer is
+column-parallel *without* a gather: each rank computes the logits of its V/p vocabulary ids,
+[s, b, V/p], and the vocab-parallel cross entropy (fused: 2 all-reduces of [s·b] statistics;
+unfused: 3) turns them into the loss without ever assembling the [s, b, V] logits. Every rank
+returns the same loss. Under sequence parallelism the block runs on s/p tokens per rank and
+the output layer gathers the sequence. After ``loss.backward()`` call
+:func:`fusedlib.parallel.finalize_model_grads` (it sums the gradients of the parameters that
+saw only this rank's tokens or heads) before the optimizer step. With the same seed on every
+rank, a model of any p holds the shards of the one-rank model (``fusedlib.parallel.layers``).
+
 Left out: pipeline stages, multi-token prediction, inference (KV caches, logits of the last
-token only), YaRN/multimodal RoPE, tensor and sequence parallelism, the loss mask (apply it to
-the returned per-token loss).
+token only), YaRN/multimodal RoPE, the loss mask (apply it to the returned per-token loss).
 
 Source: Megatron-LM ``megatron/core/models/gpt/gpt_model.py`` and
 ``megatron/core/models/common/language_module/language_module.py`` (``compute_language_model_loss``).
@@ -27,6 +38,7 @@ import torch
 from ...fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from ...parallel.cross_entropy import vocab_parallel_cross_entropy
 from ...parallel.layers import ColumnParallelLinear
+from ...parallel.utils import SINGLE_RANK
 from ...transformer.enums import ModelType
 from ...transformer.module import MegatronModule
 from ...transformer.spec_utils import ModuleSpec
@@ -54,24 +66,31 @@ class GPTModel(MegatronModule):
         max_sequence_length: rows of the learned position table.
         pre_process, post_process: must be True (pipeline stages left out).
         fp16_lm_cross_entropy: accepted, no effect (the loss is float32 whatever the logits' dtype).
-        parallel_output: keep logits split across tensor-parallel ranks (one rank: no effect).
+        parallel_output: keep logits split across tensor-parallel ranks, [b, s, V/p] (False:
+            gather them, [b, s, V]; one rank: no effect). The loss always uses the split logits.
         share_embeddings_and_output_weights: tie the output layer to the word embeddings.
         position_embedding_type: "learned_absolute", "rope" or "none".
         rotary_percent, rotary_base, seq_len_interpolation_factor, rope_scaling, rope_scaling_factor:
             RoPE's (rot_dim = hn·rotary_percent; Llama 3's frequency scaling), passed to RotaryEmbedding.
-        scatter_embedding_sequence_parallel: accepted (one rank: no effect).
+        scatter_embedding_sequence_parallel: under sequence parallelism, the embedding hands the
+            block this rank's s/p tokens (Megatron-core's default True; False is not supported
+            here: the block expects the split sequence).
         mtp_block_spec, pg_collection, vp_stage: must stay at their defaults.
 
     ``forward(input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
     inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
     runtime_gather_output=None)``: input_ids, position_ids [b, s] int (position_ids None: 0..s-1);
     attention_mask bool [b or 1, 1, s, s] True = masked, or None (the layer spec's attention is
-    causal anyway); decoder_input [s, b, h] replaces the embedding. Returns logits [b, s, V]
-    without labels, else the per-token loss [b, s] (float32).
+    causal anyway); decoder_input [s, b, h] ([s/p, b, h] under sequence parallelism) replaces the
+    embedding. Returns logits [b, s, V] ([b, s, V/p] with p > 1 and parallel_output) without
+    labels, else the per-token loss [b, s] (float32), the same on every tensor-parallel rank.
 
     Raises:
-        NotImplementedError: a left-out feature asked for.
-        ValueError: an unknown position_embedding_type; target ids outside [0, V) (the cross entropy).
+        NotImplementedError: a left-out feature asked for, or scatter_embedding_sequence_parallel
+            False under sequence parallelism.
+        ValueError: an unknown position_embedding_type; target ids outside [0, V) (the cross
+            entropy); V, heads or widths not divisible by p (the layers).
+        RuntimeError: p > 1 before :func:`fusedlib.parallel.initialize_model_parallel`.
 
     Source: Megatron-LM ``megatron/core/models/gpt/gpt_model.py`` (``GPTModel``).
     """
@@ -102,9 +121,14 @@ class GPTModel(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder
 
         # [Module 1: embedding]
+        if config.sequence_parallel and config.tensor_model_parallel_size > 1 \
+                and not scatter_embedding_sequence_parallel:
+            raise NotImplementedError("GPTModel: scatter_embedding_sequence_parallel=False with sequence parallelism "
+                                      "is left out of fusedlib (the block expects this rank's s/p tokens)")
         self.embedding = LanguageModelEmbedding(config=config, vocab_size=vocab_size,
                                                 max_sequence_length=max_sequence_length,
-                                                position_embedding_type=position_embedding_type)
+                                                position_embedding_type=position_embedding_type,
+                                                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel)
         # [Module 2: rotary angles] (no parameters)
         if position_embedding_type == "rope":
             self.rotary_pos_emb = _rotary_embedding_class()(
@@ -120,21 +144,28 @@ class GPTModel(MegatronModule):
                                                  init_method=config.init_method, bias=False, skip_bias_add=False,
                                                  gather_output=not parallel_output,
                                                  skip_weight_param_allocation=share_embeddings_and_output_weights)
+        # the cross entropy's group: the tensor-parallel one when the logits are split, else a
+        # one-rank stand-in (never the default group, which may hold data-parallel ranks)
+        split_logits = self.output_layer.tp_world_size > 1
+        self._loss_group = self.output_layer.tp_group if split_logits else SINGLE_RANK
+        # under sequence parallelism the block sees s/p positions; RoPE needs angles for all s
+        self._rotary_seq_len_factor = self.output_layer.tp_world_size if config.sequence_parallel else 1
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The word-embedding weight [V, h], which the tied output layer uses."""
         return self.embedding.word_embeddings.weight
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy: labels [b, s], logits [s, b, V] -> loss [b, s], float32.
+        """Per-token cross entropy: labels [b, s], logits [s, b, V] ([s, b, V/p], split over the
+        tensor-parallel ranks) -> loss [b, s], float32.
 
         Source: Megatron-LM ``language_module.py`` (``compute_language_model_loss``).
         """
         labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
         if self.config.cross_entropy_loss_fusion:
-            loss = fused_vocab_parallel_cross_entropy(logits, labels, None)
+            loss = fused_vocab_parallel_cross_entropy(logits, labels, self._loss_group)
         else:
-            loss = vocab_parallel_cross_entropy(logits, labels)
+            loss = vocab_parallel_cross_entropy(logits, labels, 0.0, self._loss_group)
         return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
@@ -149,12 +180,15 @@ class GPTModel(MegatronModule):
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
-            rotary_pos_emb = self.rotary_pos_emb(decoder_input.size(0)).to(decoder_input.device)  # [s, 1, 1, rot]
+            rotary_seq_len = decoder_input.size(0) * self._rotary_seq_len_factor  # s (s/p·p under SP)
+            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len).to(decoder_input.device)  # [s, 1, 1, rot]
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                                      rotary_pos_emb=rotary_pos_emb, **(extra_block_kwargs or {}))
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden_states, weight=output_weight,
-                                      runtime_gather_output=runtime_gather_output)  # [s, b, V]
         if labels is None:
+            logits, _ = self.output_layer(hidden_states, weight=output_weight,
+                                          runtime_gather_output=runtime_gather_output)  # [s, b, V or V/p]
             return logits.transpose(0, 1).contiguous()  # [s, b, V] -> [b, s, V]
+        logits, _ = self.output_layer(hidden_states, weight=output_weight,
+                                      runtime_gather_output=False)  # [s, b, V/p]: the loss takes split logits
         return self.compute_language_model_loss(labels, logits)

@@ -1,7 +1,13 @@
 """``LanguageModelEmbedding``: token embedding (+ learned positions), [b, s] ids -> [s, b, h].
 
-Left out: token-type embeddings (``num_tokentypes`` must be 0), sequence parallelism's scatter,
-tensor parallelism.
+Tensor parallelism (p > 1): the word embeddings are vocab-parallel (an all-reduce sums the
+ranks' rows); the position table is replicated. Under sequence parallelism the output is this
+rank's s/p tokens, [s/p, b, h]: without a position table the word embeddings reduce-scatter it
+directly (one collective, Megatron's ``reduce_scatter_embeddings``); with one, the summed
+embeddings are split along the sequence (``scatter_to_sequence_parallel_region``). The dropout
+then draws from the tracker's model-parallel state (each rank's own tokens, its own mask).
+
+Left out: token-type embeddings (``num_tokentypes`` must be 0).
 
 Source: Megatron-LM ``megatron/core/models/common/embeddings/language_model_embedding.py``.
 """
@@ -12,6 +18,8 @@ from typing import Literal, Optional
 import torch
 
 from ....parallel.layers import VocabParallelEmbedding
+from ....parallel.mappings import scatter_to_sequence_parallel_region
+from ....parallel.random import get_cuda_rng_tracker
 from ....transformer.module import MegatronModule
 from ....transformer.transformer_config import TransformerConfig
 from ....transformer.utils import param_device
@@ -29,11 +37,13 @@ class LanguageModelEmbedding(MegatronModule):
         vocab_size: V; max_sequence_length: rows of the position table.
         position_embedding_type: "learned_absolute" (a position table), "rope" or "none" (no table).
         num_tokentypes: must be 0.
-        scatter_to_sequence_parallel, tp_group: accepted for Megatron-core's signature (one rank).
+        scatter_to_sequence_parallel: under sequence parallelism (p > 1), return this rank's s/p
+            tokens (False: the whole sequence).
+        tp_group: the tensor-parallel group (None: parallel_state's when p > 1).
 
     ``forward(input_ids, position_ids, tokentype_ids=None)``: input_ids [b, s] int; position_ids
-    [b, s] or [1, s] int (None: 0..s-1). Returns [s, b, h] in params dtype (fp32 with
-    fp32_residual_connection).
+    [b, s] or [1, s] int (None: 0..s-1). Returns [s, b, h] ([s/p, b, h] under sequence
+    parallelism) in params dtype (fp32 with fp32_residual_connection).
 
     Raises:
         NotImplementedError: num_tokentypes > 0 or tokentype_ids given.
@@ -55,10 +65,18 @@ class LanguageModelEmbedding(MegatronModule):
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.add_position_embedding = position_embedding_type == "learned_absolute"
         self.num_tokentypes = 0
-        # [Module 1: word embeddings] [V, h]
+        self.scatter_to_sequence_parallel = scatter_to_sequence_parallel
+        # under sequence parallelism without a position table the word embeddings reduce-scatter
+        reduce_scatter = not self.add_position_embedding and config.sequence_parallel and scatter_to_sequence_parallel
+        # [Module 1: word embeddings] [V, h] ([V/p, h] on each of p ranks)
         self.word_embeddings = VocabParallelEmbedding(vocab_size, config.hidden_size,
-                                                      init_method=config.embedding_init_method, config=config,
+                                                      init_method=config.embedding_init_method,
+                                                      reduce_scatter_embeddings=reduce_scatter, config=config,
                                                       tp_group=tp_group)
+        self.tp_group = self.word_embeddings.tp_group
+        self.reduce_scatter_embeddings = self.word_embeddings.reduce_scatter_embeddings  # (False on one rank)
+        # p > 1 and sequence parallelism: split the sequence, dropout on the tracker's state
+        self._sequence_parallel = config.sequence_parallel and self.word_embeddings.tp_world_size > 1
         # [Module 2: position embeddings] [max_sequence_length, h]
         if self.add_position_embedding:
             self.position_embeddings = torch.nn.Embedding(max_sequence_length, config.hidden_size,
@@ -74,12 +92,21 @@ class LanguageModelEmbedding(MegatronModule):
         """Embeddings [s, b, h] (see the class docstring)."""
         if tokentype_ids is not None:
             raise NotImplementedError("LanguageModelEmbedding: tokentype_ids are left out of fusedlib")
-        embeddings = self.word_embeddings(input_ids)  # [b, s] -> [b, s, h]
+        embeddings = self.word_embeddings(input_ids)  # [b, s] -> [b, s, h] (reduce-scattered: [s/p, b, h])
         if self.add_position_embedding:
             if position_ids is None:
                 position_ids = torch.arange(input_ids.size(1), device=input_ids.device, dtype=torch.long)
             embeddings = embeddings + self.position_embeddings(position_ids)
-        embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        if not self.reduce_scatter_embeddings:
+            embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
         if self.config.fp32_residual_connection:
             embeddings = embeddings.float()
-        return self.embedding_dropout(embeddings)
+        if not self._sequence_parallel:
+            return self.embedding_dropout(embeddings)
+        if not self.reduce_scatter_embeddings and self.scatter_to_sequence_parallel:
+            # [s, b, h] -> [s/p, b, h] (a copy: the full tensor can be freed)
+            embeddings = scatter_to_sequence_parallel_region(embeddings, group=self.tp_group)
+        if not (self.training and self.embedding_dropout.p > 0):
+            return embeddings  # no random numbers drawn: no tracker needed
+        with get_cuda_rng_tracker().fork():  # this rank's tokens: this rank's mask
+            return self.embedding_dropout(embeddings)

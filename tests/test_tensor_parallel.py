@@ -1,0 +1,611 @@
+"""Tensor parallelism (``fusedlib.parallel``) in several processes: gloo on CPU tensors, NCCL on GPUs.
+
+* the GPT at tp = 2 and tp = 4 against the same GPT at tp = 1 (the p-rank weights are the
+  shards of the one-rank weights): loss, gathered logits and gathered gradients, with and without
+  sequence parallelism, fused and unfused cross entropy, fused and unfused layer specs, float64
+  (and float32, bfloat16 at tp = 2);
+* the seven mappings, forward and backward, against what the ranks' inputs say they must give;
+* the parallel layers against ``F.linear`` / ``F.embedding`` on the full weights, in float64;
+* dropout: which masks agree across ranks and which differ, and recomputation replaying them;
+* the collectives a GPT step issues, and none on one rank;
+* sharding and gathering state dicts; the errors for bad sizes.
+
+Every rank draws its inputs from the test's seed (conftest), handed to the ranks. The gloo runs
+use tiny models (h = 32, 2 layers, vocabulary 64, 8 tokens): the kernels run in Triton's
+interpreter. The NCCL variants need 2 (4) CUDA GPUs and are skipped otherwise.
+
+Tolerances: see :mod:`fusedlib.parallel.check_tp` (derived there) for the GPT; the layer and
+mapping checks are float64 sums of <= 6 terms, so the one-rank and p-rank results agree to a
+few ulps: 1e-12 relative to the largest entry (1e3 margin over 6·eps·|terms|); mappings that
+only move data are checked for exact equality, sums of p float64 values to 1e-15 relative.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedlib.parallel as fp
+from fusedlib.parallel import parallel_state
+from fusedlib.parallel.check_tp import CASES, close, gpt_tp_check, grad_scale_floor
+from fusedlib.parallel.checkpointing import (
+    PartitionSpec, get_tensor_parallel_layout, shard_state_dict, shard_tensor, unshard_state_dict,
+)
+
+UNFUSED_CASES = [name for name in CASES if name.startswith("unfused")]
+
+
+def _backends(world_size: int) -> list:
+    return [pytest.param("gloo", id="gloo"),
+            pytest.param("nccl", id="nccl", marks=pytest.mark.skipif(
+                torch.cuda.device_count() < world_size, reason=f"NCCL needs {world_size} CUDA GPUs"))]
+
+
+def _spawn(fn, world_size: int, backend: str, *args):
+    return fp.spawn(fn, world_size, *args, backend=backend)
+
+
+# ----------------------------------------------------------------------------------- the GPT
+def _gpt_worker(rank, world_size, device, runs, seed):
+    # (the logits of the fused spec are left out on CPU: its kernels are interpreted, and the loss
+    # and every gradient already check its forward)
+    return [(name, str(dtype), gpt_tp_check(rank, world_size, device, name, dtype, seed, reference_on_rank0_only=True,
+                                            check_logits=device.type == "cuda" or name.startswith("unfused")))
+            for name, dtype in runs]
+
+
+def _check_gpt(results: list, world_size: int) -> list[str]:
+    """Compare the ranks' results with rank 0's one-rank reference, gathering the gradients."""
+    failures = []
+    for i, (name, dtype_name, rank0) in enumerate(results[0]):
+        dtype = getattr(torch, dtype_name.replace("torch.", ""))
+        tag = f"tp={world_size} {dtype_name} {name}"
+        ranks = [r[i][2] for r in results]
+        if not all(r["init_matches"] for r in ranks):
+            failures.append(f"{tag}: the p-rank weights are not the shards of the one-rank weights")
+        if rank0["logits_ok"] is False:
+            failures.append(f"{tag}: gathered logits differ from the one-rank logits")
+        if not all(torch.equal(r["loss"], rank0["loss"]) for r in ranks):
+            failures.append(f"{tag}: the ranks' losses differ")
+        if not close(rank0["loss"], rank0["ref_loss"], dtype):
+            failures.append(f"{tag}: loss differs from the one-rank loss")
+        # the gradients gathered from the ranks; replicated ones must agree bitwise across ranks
+        grads = unshard_state_dict([r["grads"] for r in ranks], rank0["layout"])
+        floor = grad_scale_floor(rank0["ref_grads"])
+        assert set(grads) == set(rank0["ref_grads"]), tag
+        for k, ref in rank0["ref_grads"].items():
+            if grads[k].shape != ref.shape or not close(grads[k], ref, dtype, floor):
+                failures.append(f"{tag}: gradient of {k} differs")
+    return failures
+
+
+@pytest.mark.parametrize("backend", _backends(2))
+def test_gpt_tp2_matches_one_rank(backend, seed):
+    runs = [(name, torch.float64) for name in CASES]
+    runs += [("unfused/swiglu/rope/tied/rmsnorm/sp/fused-ce", torch.float32),
+             ("unfused/gelu/learned/qk-norm/fused-ce", torch.bfloat16)]
+    results = _spawn(_gpt_worker, 2, backend, runs, seed)
+    failures = _check_gpt(results, 2)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("backend", _backends(4))
+def test_gpt_tp4_matches_one_rank(backend, seed):
+    # the unfused layers (plain PyTorch, the loss on fusedlib's kernels): every combination of
+    # sequence parallelism and fused/unfused cross entropy; the fused layers run at tp = 2 above
+    runs = [(name, torch.float64) for name in (CASES if backend == "nccl" else UNFUSED_CASES)]
+    results = _spawn(_gpt_worker, 4, backend, runs, seed)
+    failures = _check_gpt(results, 4)
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------- collectives
+def _collectives_worker(rank, world_size, device, seed):
+    from fusedlib.parallel.check_tp import _inputs, build_gpt
+    from fusedlib.parallel.finalize_model_grads import finalize_model_grads
+
+    out = {}
+    for name in ("unfused/gelu/learned/qk-norm/fused-ce", "unfused/swiglu/rope/tied/rmsnorm/sp/fused-ce"):
+        model = build_gpt(CASES[name], world_size, torch.float64, seed,
+                          use_cpu_initialization=device.type == "cpu").to(device)
+        ids, labels, grad = _inputs(seed, device)
+        with fp.count_collectives() as fwd:
+            loss = model(ids, None, None, labels=labels)
+        with fp.count_collectives() as bwd:
+            loss.backward(grad)
+        with fp.count_collectives() as fin:
+            finalize_model_grads(model)
+        out[name] = [[(c.name, c.op) for c in log] for log in (fwd, bwd, fin)]
+    # what the gradients look like without finalize_model_grads: replicas of the norms disagree
+    res = gpt_tp_check(rank, world_size, device, "unfused/gelu/learned/qk-norm/sp/unfused-ce", torch.float64, seed,
+                       finalize=False)
+    out["unfinalized"] = (res["grads"], res["layout"])
+    return out
+
+
+def test_collectives_of_a_gpt_step(seed):
+    results = _spawn(_collectives_worker, 2, "gloo", seed)
+    L = 2  # layers
+    count = lambda log, name, op=None: sum(1 for n, o in log if n == name and (op is None or o == op))  # noqa: E731
+
+    # without sequence parallelism: each layer's two row-parallel linears all-reduce their output
+    # (forward) and its two column-parallel ones their input gradient (backward); the embedding
+    # all-reduces its rows, the output layer its input gradient, the fused loss 2 statistics.
+    fwd, bwd, fin = results[0]["unfused/gelu/learned/qk-norm/fused-ce"]
+    assert [o for _, o in fwd] == ["SUM"] * (1 + 2 * L) + ["MAX", "SUM"], fwd
+    assert count(fwd, "all_reduce") == len(fwd) == 1 + 2 * L + 2
+    assert count(bwd, "all_reduce", "SUM") == len(bwd) == 2 * L + 1, bwd
+    assert fin == [("all_reduce", "SUM")], fin  # the q/k norms saw this rank's heads only
+
+    # with sequence parallelism (RoPE: the embedding reduce-scatters): each all-reduce becomes a
+    # reduce-scatter (forward) or a gather + reduce-scatter pair (backward of a column-parallel layer,
+    # which gathers its saved s/p input again for the weight gradient)
+    fwd, bwd, fin = results[0]["unfused/swiglu/rope/tied/rmsnorm/sp/fused-ce"]
+    columns, rows = 2 * L + 1, 2 * L  # QKV, fc1 per layer + the output layer; proj, fc2 per layer
+    assert count(fwd, "reduce_scatter") == 1 + rows and count(fwd, "all_gather") == columns, fwd
+    assert count(fwd, "all_reduce") == 2, fwd  # the fused loss
+    assert count(bwd, "all_gather") == columns + rows + 1, bwd  # + the embedding's reduce-scatter's adjoint
+    assert count(bwd, "reduce_scatter") == columns and count(bwd, "all_reduce") == 0, bwd
+    assert fin == [("all_reduce", "SUM")], fin  # one flat buffer: norms and row-parallel biases
+
+    # the test above can fail: without finalize_model_grads the norms' gradients disagree across ranks
+    with pytest.raises(ValueError, match=r"replicated entry 'decoder\.layers\.0\.input_layernorm\.weight' differs"):
+        unshard_state_dict([r["unfinalized"][0] for r in results], results[0]["unfinalized"][1])
+
+
+def test_one_rank_issues_no_collectives_and_no_extra_nodes(seed):
+    from fusedlib.parallel.check_tp import _inputs, build_gpt
+
+    model = build_gpt(CASES["unfused/swiglu/rope/tied/rmsnorm/sp/fused-ce"], 1, torch.float32, seed)
+    ids, labels, grad = _inputs(seed, next(model.parameters()).device)
+    with fp.count_collectives() as log:
+        model(ids, None, None, labels=labels).backward(grad.float())
+        fp.finalize_model_grads(model)
+    assert len(log) == 0, log.summary()
+    # the linear layers are F.linear itself on one rank (no autograd function of fusedlib's)
+    x = torch.randn(3, 2, 32, device=ids.device, requires_grad=True)
+    out, _ = model.decoder.layers[0].self_attention.linear_qkv(x)
+    assert type(out.grad_fn).__name__ in ("ViewBackward0", "UnsafeViewBackward0", "AddBackward0",
+                                          "AddmmBackward0"), type(out.grad_fn).__name__
+    # the layout is marked on one rank too
+    layout = get_tensor_parallel_layout(model)
+    assert layout["decoder.layers.0.mlp.linear_fc1.weight"] == PartitionSpec(0, 2)  # SwiGLU: stride 2
+    assert layout["decoder.layers.0.self_attention.linear_proj.weight"] == PartitionSpec(1, 1)
+    assert "decoder.layers.0.self_attention.linear_proj.bias" not in layout
+
+
+# ----------------------------------------------------------------------------------- mappings
+def _rank_input(q: int, shape, seed: int, device) -> torch.Tensor:
+    """Rank q's input: the same on every process that asks, non-contiguous ([b, s, n] transposed)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed * 31 + q)
+    t = torch.randn(shape[1], shape[0], *shape[2:], generator=gen, dtype=torch.float64)
+    return t.to(device).transpose(0, 1)  # [s, b, n], non-contiguous
+
+
+def _mappings_worker(rank, world_size, device, seed):
+    p = world_size
+    group = parallel_state.get_tensor_model_parallel_group()
+    shape = (2 * p, 3, 2 * p)  # [s, b, n]: both split dims divisible by p
+    xs = [_rank_input(q, shape, seed, device) for q in range(p)]  # every rank's input
+    gs = [_rank_input(100 + q, shape, seed, device) for q in range(p)]  # every rank's upstream gradient
+    n, s = shape[2] // p, shape[0] // p
+    last = lambda t, q: t[..., q * n:(q + 1) * n]  # noqa: E731  rank q's slice of the last dim
+    first = lambda t, q: t[q * s:(q + 1) * s]  # noqa: E731  ... and of dim 0
+    sum_ = lambda ts: sum(ts[1:], ts[0].clone())  # noqa: E731
+    r = rank
+    # (function, this rank's input, this rank's upstream gradient (shaped as the output),
+    #  expected output, expected input gradient)
+    cases = {
+        "copy_to": (fp.copy_to_tensor_model_parallel_region, xs[r], gs[r], xs[r], sum_(gs)),
+        "reduce_from": (fp.reduce_from_tensor_model_parallel_region, xs[r], gs[r], sum_(xs), gs[r]),
+        "scatter_to": (fp.scatter_to_tensor_model_parallel_region, xs[0], last(gs[r], r), last(xs[0], r),
+                       torch.cat([last(gs[q], q) for q in range(p)], dim=-1)),
+        "gather_from": (fp.gather_from_tensor_model_parallel_region, last(xs[r], r), gs[r],
+                        torch.cat([last(xs[q], q) for q in range(p)], dim=-1), last(gs[r], r)),
+        "scatter_to_sequence": (fp.scatter_to_sequence_parallel_region, xs[0], first(gs[r], r), first(xs[0], r),
+                                torch.cat([first(gs[q], q) for q in range(p)], dim=0)),
+        "gather_from_sequence": (fp.gather_from_sequence_parallel_region, first(xs[r], r), gs[r],
+                                 torch.cat([first(xs[q], q) for q in range(p)], dim=0),
+                                 first(sum_(gs), r)),
+        "gather_from_sequence(tensor_parallel_output_grad=False)": (
+            lambda t, group=None: fp.gather_from_sequence_parallel_region(t, False, group), first(xs[r], r), gs[r],
+            torch.cat([first(xs[q], q) for q in range(p)], dim=0), first(gs[r], r)),
+        "reduce_scatter_to_sequence": (fp.reduce_scatter_to_sequence_parallel_region, xs[r], first(gs[r], r),
+                                       first(sum_(xs), r), torch.cat([first(gs[q], q) for q in range(p)], dim=0)),
+    }
+    done = []
+    for name, (fn, x, g, want, want_grad) in cases.items():
+        for explicit_group in (False, True):  # the group passed, or parallel_state's
+            x_in = x.detach().clone().requires_grad_(True)  # (clone keeps a transposed input's strides)
+            x_before, g_before = x_in.detach().clone(), g.clone()
+            y = fn(x_in, group=group) if explicit_group else fn(x_in)
+            y.backward(g)
+            # moving data is exact; a sum of p float64 values is within p·eps of its exact value
+            tol = dict(rtol=1e-15 * p, atol=1e-15 * p)
+            torch.testing.assert_close(y, want, **tol, msg=f"{name} forward")
+            torch.testing.assert_close(x_in.grad, want_grad, **tol, msg=f"{name} backward")
+            assert y.shape == want.shape and x_in.grad.shape == x.shape, name
+            assert torch.equal(x_in.detach(), x_before) and torch.equal(g, g_before), f"{name} modified an input"
+        done.append(name)
+    # a dim not divisible by p
+    with pytest.raises(ValueError, match=rf"first \(sequence\) dim .* divisible by the tensor-parallel size {p}"):
+        fp.scatter_to_sequence_parallel_region(torch.zeros(2 * p + 1, 2, device=device))
+    with pytest.raises(ValueError, match=rf"last dim .* divisible by the tensor-parallel size {p}"):
+        fp.scatter_to_tensor_model_parallel_region(torch.zeros(2, 2 * p + 1, device=device))
+    return done
+
+
+@pytest.mark.parametrize("backend", _backends(2))
+def test_mappings_forward_and_backward(backend, seed):
+    results = _spawn(_mappings_worker, 2, backend, seed)
+    assert all(len(done) == 8 for done in results), results
+
+
+def test_mappings_without_model_parallelism_name_the_fix():
+    with pytest.raises(RuntimeError, match=r"call fusedlib.parallel.initialize_model_parallel"):
+        fp.copy_to_tensor_model_parallel_region(torch.zeros(2))
+
+
+# ----------------------------------------------------------------------------------- layers
+def _layer_config(p: int, sp: bool, device):
+    return fp_config(tensor_model_parallel_size=p, sequence_parallel=sp, params_dtype=torch.float64,
+                     use_cpu_initialization=device.type == "cpu")
+
+
+def fp_config(**kw):
+    from fusedlib.transformer import TransformerConfig
+
+    return TransformerConfig(**kw)
+
+
+def _normal(w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.init.normal_(w, 0.0, 1.0)
+
+
+def _layers_worker(rank, world_size, device, seed):
+    p, r = world_size, rank
+    s, b = 2 * p, 3
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)  # noqa: E731
+    tol = dict(rtol=1e-12, atol=1e-12)  # float64 sums of <= 6 products (module docstring)
+    seq = lambda t: t[r * s // p:(r + 1) * s // p]  # noqa: E731  this rank's tokens
+    done = []
+    for sp in (False, True):
+        cfg = _layer_config(p, sp, device)
+        one = dataclasses.replace(cfg, tensor_model_parallel_size=1, sequence_parallel=False)
+
+        # ColumnParallelLinear 5 -> 6: weight [3, 5] on each of 2 ranks
+        for gather_output, skip_bias_add in ((False, False), (True, True)):
+            if sp and gather_output:
+                continue
+            torch.manual_seed(seed)
+            full = fp.ColumnParallelLinear(5, 6, config=one, init_method=_normal)
+            torch.manual_seed(seed)
+            layer = fp.ColumnParallelLinear(5, 6, config=cfg, init_method=_normal, gather_output=gather_output,
+                                            skip_bias_add=skip_bias_add)
+            bias = rand(6)
+            with torch.no_grad():
+                layer.bias.copy_(shard_tensor(bias, PartitionSpec(0), r, p))
+            assert torch.equal(layer.weight, shard_tensor(full.weight.detach(), PartitionSpec(0), r, p))
+            x, g = rand(s, b, 5), rand(s, b, 6)
+            x_local = (seq(x) if sp else x).clone().requires_grad_(True)
+            out, out_bias = layer(x_local)
+            want = F.linear(x, full.weight.detach(), None if skip_bias_add else bias)
+            mine = want if gather_output else want[..., r * 3:(r + 1) * 3]
+            torch.testing.assert_close(out, mine, **tol)
+            assert (out_bias is layer.bias) is skip_bias_add
+            out.backward(g if gather_output else g[..., r * 3:(r + 1) * 3])
+            grad_x = g.matmul(full.weight.detach())  # the sum over ranks of their partial input gradients
+            torch.testing.assert_close(x_local.grad, seq(grad_x) if sp else grad_x, **tol)
+            g_mine = g[..., r * 3:(r + 1) * 3]
+            torch.testing.assert_close(layer.weight.grad, g_mine.reshape(-1, 3).t() @ x.reshape(-1, 5), **tol)
+            if not skip_bias_add:
+                torch.testing.assert_close(layer.bias.grad, g_mine.sum(dim=(0, 1)), **tol)
+            done.append(f"column sp={sp} gather={gather_output}")
+
+        # RowParallelLinear 6 -> 5: weight [5, 3] on each of 2 ranks
+        for input_is_parallel in ((True,) if sp else (True, False)):
+            torch.manual_seed(seed)
+            full = fp.RowParallelLinear(6, 5, config=one, init_method=_normal, bias=True, input_is_parallel=True,
+                                        skip_bias_add=False)
+            torch.manual_seed(seed)
+            layer = fp.RowParallelLinear(6, 5, config=cfg, init_method=_normal, bias=True,
+                                         input_is_parallel=input_is_parallel, skip_bias_add=False)
+            assert torch.equal(layer.weight, shard_tensor(full.weight.detach(), PartitionSpec(1), r, p))
+            assert layer.bias.sequence_parallel is sp
+            # a replicated parameter counts once over the ranks (e.g. in a gradient norm), a split one on each
+            assert fp.layers.param_is_not_tensor_parallel_duplicate(layer.weight)
+            assert fp.layers.param_is_not_tensor_parallel_duplicate(layer.bias) is (r == 0)
+            bias = rand(5)
+            with torch.no_grad():
+                layer.bias.copy_(bias)
+            x, g = rand(s, b, 6), rand(s, b, 5)
+            x_local = (x[..., r * 3:(r + 1) * 3] if input_is_parallel else x).clone().requires_grad_(True)
+            out, _ = layer(x_local)
+            want = F.linear(x, full.weight.detach(), bias)
+            torch.testing.assert_close(out, seq(want) if sp else want, **tol)
+            out.backward(seq(g) if sp else g)
+            grad_x = g.matmul(full.weight.detach())
+            torch.testing.assert_close(x_local.grad, grad_x[..., r * 3:(r + 1) * 3] if input_is_parallel else grad_x,
+                                       **tol)
+            grad_w = g.reshape(-1, 5).t() @ x.reshape(-1, 6)  # [5, 6]: this rank holds columns r·3 .. r·3 + 2
+            torch.testing.assert_close(layer.weight.grad, grad_w[:, r * 3:(r + 1) * 3], **tol)
+            # the bias saw this rank's tokens only under sequence parallelism: a partial sum
+            torch.testing.assert_close(layer.bias.grad, (seq(g) if sp else g).sum(dim=(0, 1)), **tol)
+            done.append(f"row sp={sp} input_is_parallel={input_is_parallel}")
+
+        # VocabParallelEmbedding V = 10, h = 4: every id, some twice
+        ids = torch.tensor([[0, 9, 4, 5], [5, 1, 8, 2], [3, 7, 6, 0]], device=device)[:, :s]  # [b, s]
+        torch.manual_seed(seed)
+        full = fp.VocabParallelEmbedding(10, 4, init_method=_normal, config=one)
+        torch.manual_seed(seed)
+        emb = fp.VocabParallelEmbedding(10, 4, init_method=_normal, config=cfg, reduce_scatter_embeddings=sp)
+        out = emb(ids)
+        want = F.embedding(ids, full.weight.detach())  # [b, s, h]
+        want = seq(want.transpose(0, 1)) if sp else want
+        torch.testing.assert_close(out, want, rtol=0, atol=0)  # one nonzero term per entry: exact
+        g = rand(*want.shape)
+        out.backward(g)
+        # every rank drew the same g: under sequence parallelism the backward gathers the p ranks'
+        # [s/p, b, h] gradients into [s, b, h]
+        g_full = torch.cat([g] * p, dim=0).transpose(0, 1) if sp else g  # [b, s, h]
+        expected_rows = torch.zeros(10, 4, dtype=torch.float64, device=device).index_add_(
+            0, ids.reshape(-1), g_full.reshape(-1, 4))
+        torch.testing.assert_close(emb.weight.grad, expected_rows[r * 5:(r + 1) * 5], **tol)
+        done.append(f"embedding sp={sp}")
+
+    # bad sizes name the argument and p
+    cfg = _layer_config(p, False, device)
+    with pytest.raises(ValueError, match=rf"ColumnParallelLinear: output_size \(5\) must be divisible by "
+                                         rf"tensor_model_parallel_size \({p}\)"):
+        fp.ColumnParallelLinear(4, 5, config=cfg, init_method=_normal)
+    with pytest.raises(ValueError, match=r"RowParallelLinear: input_size \(7\) must be divisible"):
+        fp.RowParallelLinear(7, 4, config=cfg, init_method=_normal, bias=False, input_is_parallel=True,
+                             skip_bias_add=False)
+    with pytest.raises(ValueError, match=r"VocabParallelEmbedding: num_embeddings \(the vocabulary\) \(11\)"):
+        fp.VocabParallelEmbedding(11, 4, init_method=_normal, config=cfg)
+    with pytest.raises(RuntimeError, match="`input_is_parallel` must be `True`"):
+        fp.RowParallelLinear(8, 4, config=_layer_config(p, True, device), init_method=_normal, bias=False,
+                             input_is_parallel=False, skip_bias_add=False)
+    wrong = dataclasses.replace(cfg, tensor_model_parallel_size=2 * p)
+    with pytest.raises(ValueError, match=rf"tensor_model_parallel_size={2 * p}, but the tensor-parallel group "
+                                         rf"has {p} rank"):
+        fp.ColumnParallelLinear(4, 4 * p, config=wrong, init_method=_normal)
+    # the process groups: a size that does not divide the world, and a second initialization
+    parallel_state.destroy_model_parallel()
+    with pytest.raises(ValueError, match=rf"tensor_model_parallel_size=3 must divide the world size {p}"):
+        parallel_state.initialize_model_parallel(3)
+    parallel_state.initialize_model_parallel(p)
+    with pytest.raises(RuntimeError, match="already initialized"):
+        parallel_state.initialize_model_parallel(p)
+    assert (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size()) == (r, p, 1)
+    # sequence parallelism with a sequence not divisible by p
+    from fusedlib.parallel.check_tp import build_gpt
+
+    gpt = build_gpt(CASES["unfused/gelu/learned/qk-norm/sp/unfused-ce"], p, torch.float64, seed,
+                    use_cpu_initialization=device.type == "cpu").to(device)
+    ids = torch.zeros(2, 2 * p + 1, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match=rf"first \(sequence\) dim .* divisible by the tensor-parallel size {p}"):
+        gpt(ids, None, None)
+    done.append("errors")
+    return done
+
+
+@pytest.mark.parametrize("backend", _backends(2))
+def test_parallel_layers_match_the_full_layer(backend, seed):
+    results = _spawn(_layers_worker, 2, backend, seed)
+    for done in results:
+        assert len(done) == 9 and done[-1] == "errors", done  # 5 layers without, 3 with SP
+
+
+# ----------------------------------------------------------------------------------- random numbers
+def _dropout_worker(rank, world_size, device, seed):
+    from fusedlib.parallel.check_tp import _inputs, build_gpt
+    from fusedlib.parallel.finalize_model_grads import finalize_model_grads
+    from fusedlib.transformer.dot_product_attention import DotProductAttention
+    from fusedlib.transformer.enums import AttnMaskType
+
+    p = world_size
+    cpu = {"use_cpu_initialization": device.type == "cpu"}
+    gather = lambda t: [torch.empty_like(t) for _ in range(p)]  # noqa: E731
+    out = {}
+
+    # the tracker: outside a fork every rank draws the same numbers, inside each its own, and the
+    # default stream continues after the fork as if it had not happened
+    tracker = fp.get_cuda_rng_tracker()
+    with pytest.raises(KeyError, match="call fusedlib.parallel.model_parallel_cuda_manual_seed"):
+        with tracker.fork():
+            pass
+    fp.model_parallel_cuda_manual_seed(seed)
+    with pytest.raises(ValueError, match="already exists"):
+        tracker.add("another", seed)
+    a = torch.rand(4, device=device)
+    with tracker.fork():
+        b = torch.rand(4, device=device)
+    c = torch.rand(4, device=device)
+    torch.manual_seed(seed)
+    a2, c2 = torch.rand(4, device=device), torch.rand(4, device=device)  # the same draws without the fork
+    assert torch.equal(a, a2) and torch.equal(c, c2), "the fork moved the default stream"
+    parts = gather(b)
+    torch.distributed.all_gather(parts, b)
+    assert not torch.equal(parts[0], parts[1]), "forked streams agree across ranks"
+    parts = gather(a)
+    torch.distributed.all_gather(parts, a)
+    assert torch.equal(parts[0], parts[1]), "default streams differ across ranks"
+
+    # the attention dropout of this rank's heads is this rank's own: the same inputs on both ranks
+    # give different outputs
+    cfg = fp_config(num_layers=1, hidden_size=8, num_attention_heads=2 * p, kv_channels=4, attention_dropout=0.5,
+                    tensor_model_parallel_size=p, params_dtype=torch.float64)
+    attn = DotProductAttention(cfg, 1, AttnMaskType.causal, "self").train()
+    q = torch.randn(5, 1, 2, 4, dtype=torch.float64, device=device)  # [s, b, np/p, hn], same on every rank
+    ctx = attn(q, q, q, None)
+    parts = gather(ctx)
+    torch.distributed.all_gather(parts, ctx)
+    assert not torch.equal(parts[0], parts[1]), "the ranks' heads drew the same attention-dropout mask"
+
+    # the hidden dropout of the replicated residual stream (no sequence parallelism) is the same on
+    # every rank, and the same as on one rank: the loss equals the one-rank loss in training
+    case = CASES["unfused/gelu/learned/qk-norm/fused-ce"]
+    ids, labels, grad = _inputs(seed, device)
+    losses = []
+    for tp in (1, p):
+        model = build_gpt(case, tp, torch.float64, seed, hidden_dropout=0.25, **cpu).to(device).train()
+        fp.model_parallel_cuda_manual_seed(seed + 1)
+        losses.append(model(ids, None, None, labels=labels).detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=1e-12)
+    dropped = build_gpt(case, 1, torch.float64, seed, **cpu).to(device)
+    assert not torch.allclose(dropped(ids, None, None, labels=labels), losses[0]), "the dropout did nothing"
+
+    # recomputation replays the dropout masks, the tracker's included: selective (core attention,
+    # forked per head) and full (sequence parallelism: the whole block forked)
+    for name, recompute in (("unfused/gelu/learned/qk-norm/fused-ce", dict(recompute_granularity="selective")),
+                            ("unfused/swiglu/rope/tied/rmsnorm/sp/fused-ce",
+                             dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))):
+        runs = []
+        for kw in ({}, recompute):
+            model = build_gpt(CASES[name], p, torch.float64, seed, hidden_dropout=0.25, attention_dropout=0.25,
+                              **kw, **cpu).to(device).train()
+            fp.model_parallel_cuda_manual_seed(seed + 2)
+            model(ids, None, None, labels=labels).backward(grad)
+            finalize_model_grads(model)
+            runs.append({n: q.grad for n, q in model.named_parameters()})
+        for n in runs[0]:
+            # the same masks give the same gradients up to the order of float64 sums (CUDA's
+            # atomics); a different mask changes them at O(1)
+            torch.testing.assert_close(runs[1][n], runs[0][n], rtol=1e-12, atol=1e-12,
+                                       msg=f"{name}: recomputation changed the gradient of {n}")
+        out[name] = len(runs[0])
+    return out
+
+
+@pytest.mark.parametrize("backend", _backends(2))
+def test_dropout_masks_agree_where_replicated_and_differ_where_split(backend, seed):
+    results = _spawn(_dropout_worker, 2, backend, seed)
+    assert all(len(r) == 2 for r in results), results
+
+
+# ----------------------------------------------------------------------------------- data parallelism
+def _data_parallel_worker(rank, world_size, device, seed):
+    # tensor-parallel size 1 on 2 ranks: two data-parallel replicas
+    assert (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()) == (rank, 2)
+    cfg = fp_config(sequence_parallel=True, params_dtype=torch.float64, use_cpu_initialization=device.type == "cpu")
+    model = torch.nn.Module()
+    model.config = cfg
+    model.linear = fp.ColumnParallelLinear(4, 6, config=cfg, init_method=_normal)
+    model.norm = fp_norm(cfg)
+    grads = {}
+    for name, param in model.named_parameters():
+        gen = torch.Generator(device="cpu").manual_seed(seed + rank)
+        param.grad = torch.randn(param.shape, generator=gen, dtype=torch.float64).to(device)
+        grads[name] = param.grad.clone()
+    with fp.count_collectives() as log:
+        fp.finalize_model_grads(model)
+    # tensor-parallel size 1: no sum over tensor-parallel ranks (sequence_parallel marks or not);
+    # one all-reduce of all gradients (one dtype) over the data-parallel group, then / 2
+    assert len(log) == 1, log.summary()
+    return grads, {n: q.grad for n, q in model.named_parameters()}
+
+
+def fp_norm(cfg):
+    from fusedlib.fusions.fused_layer_norm import FusedLayerNorm
+
+    return FusedLayerNorm(cfg, 4, device="cpu" if cfg.use_cpu_initialization else None, dtype=cfg.params_dtype)
+
+
+def test_finalize_model_grads_averages_over_data_parallel_ranks(seed):
+    results = fp.spawn(_data_parallel_worker, 2, seed, tensor_model_parallel_size=1, backend="gloo")
+    (before0, after0), (before1, after1) = results
+    for name in before0:
+        mean = (before0[name] + before1[name]) / 2
+        torch.testing.assert_close(after0[name], mean, rtol=1e-15, atol=0)  # (a + b) / 2: exact but one rounding
+        assert torch.equal(after0[name], after1[name]), name
+
+
+# ----------------------------------------------------------------------------------- one process
+def test_process_groups_in_one_process():
+    assert not parallel_state.model_parallel_is_initialized()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        parallel_state.get_tensor_model_parallel_rank()
+    with pytest.raises(RuntimeError, match="needs 2 processes.*torchrun --nproc-per-node 2"):
+        parallel_state.initialize_model_parallel(2)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size must be an int >= 1, got 0"):
+        parallel_state.initialize_model_parallel(0)
+    assert not parallel_state.model_parallel_is_initialized()
+    parallel_state.initialize_model_parallel(1)  # one process: no torch.distributed needed
+    try:
+        assert parallel_state.get_tensor_model_parallel_group() is None
+        assert (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()) == (0, 1, 0, 1)
+        x = torch.randn(3, requires_grad=True)
+        assert fp.copy_to_tensor_model_parallel_region(x) is x  # one rank: the identity, no autograd node
+        assert fp.reduce_scatter_to_sequence_parallel_region(x) is x
+    finally:
+        parallel_state.destroy_model_parallel()
+    assert not parallel_state.model_parallel_is_initialized()
+
+
+def test_bad_tensor_parallel_sizes_raise_clear_errors():
+    from fusedlib.models.gpt import GPTModel, get_gpt_layer_local_spec
+
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) and num_query_groups \(3\) must both be "
+                                         r"divisible by tensor_model_parallel_size \(2\)"):
+        fp_config(num_layers=1, hidden_size=12, num_attention_heads=6, num_query_groups=3, tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size must be >= 1, got 0"):
+        fp_config(tensor_model_parallel_size=0)
+    cfg = fp_config(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2)
+    with pytest.raises(RuntimeError, match=r"tensor_model_parallel_size=2, but model parallelism is not initialized: "
+                                           r"call fusedlib.parallel.initialize_model_parallel\(2\)"):
+        GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=8, max_sequence_length=4)
+
+
+# ----------------------------------------------------------------------------------- state dicts
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_shard_and_unshard_state_dict_round_trip(world_size, seed):
+    from fusedlib.parallel.check_tp import build_gpt
+
+    model = build_gpt(CASES["fused/swiglu/learned/tied/sp/fused-ce"], 1, torch.float32, seed)
+    full = model.state_dict()
+    layout = get_tensor_parallel_layout(model)
+    shards = [shard_state_dict(full, layout, r, world_size) for r in range(world_size)]
+    back = unshard_state_dict(shards, layout)
+    assert list(back) == list(full)
+    for k, v in full.items():
+        assert (v is None and back[k] is None) or torch.equal(back[k], v), k
+        if k not in layout and isinstance(v, torch.Tensor):
+            assert shards[1][k] is v  # replicated: passed through, not copied
+    # the shapes a p-rank model holds
+    p, fc1 = world_size, "decoder.layers.0.mlp.linear_fc1.weight"
+    assert shards[0]["decoder.layers.0.self_attention.linear_proj.weight"].shape == (32, 32 // p)
+    assert shards[0]["embedding.word_embeddings.weight"].shape == (64 // p, 32)
+    # SwiGLU's fc1 [2·ffn, h] = [x1; x2]: rank r holds [x1_r; x2_r]
+    x1, x2 = full[fc1].chunk(2, dim=0)
+    r = p - 1
+    assert torch.equal(shards[r][fc1], torch.cat([x1.chunk(p)[r], x2.chunk(p)[r]]))
+    assert shards[r][fc1].is_contiguous() and not any(t.data_ptr() == full[fc1].data_ptr() for t in shards[r].values()
+                                                      if isinstance(t, torch.Tensor) and t.numel())
+    # nothing was modified
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in full.items() if isinstance(v, torch.Tensor))
+
+
+def test_state_dict_helpers_raise_clear_errors():
+    full = {"w": torch.arange(12.0).reshape(6, 2), "n": torch.ones(2)}
+    layout = {"w": PartitionSpec(0, 1)}
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, world_size=2\), got 2"):
+        shard_state_dict(full, layout, 2, 2)
+    with pytest.raises(ValueError, match=r"w: dim 0 of shape \[6, 2\] \(6\) must be divisible by "
+                                         r"world_size·stride = 4·1"):
+        shard_state_dict(full, layout, 0, 4)
+    with pytest.raises(ValueError, match=r"the layout's entries \['missing'\] are not in the state dict"):
+        shard_state_dict(full, {"missing": PartitionSpec(0)}, 0, 2)
+    shards = [shard_state_dict(full, layout, r, 2) for r in range(2)]
+    shards[1] = {**shards[1], "n": torch.tensor([1.0, 1.5])}
+    with pytest.raises(ValueError, match=r"replicated entry 'n' differs between rank 0 and rank 1 "
+                                         r"\(max \|difference\| 0.5\)"):
+        unshard_state_dict(shards, layout)
+    assert torch.equal(unshard_state_dict(shards, layout, check_replicas=False)["n"], full["n"])
+    with pytest.raises(ValueError, match=r"rank 1's keys differ from rank 0's: \['n'\]"):
+        unshard_state_dict([shards[0], {"w": shards[1]["w"]}], layout)
