@@ -335,3 +335,53 @@ def test_cli_bench_writes_records(tmp_path, stdlib_root, monkeypatch):
     # same weights, same batches, float32: the two models' first losses agree to rounding
     assert abs(records[0]["losses"][0] - records[1]["losses"][0]) < 1e-5
     assert "fusedlib-unfused" in bench.bench_table(records)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism (gloo on CPU processes)
+# ---------------------------------------------------------------------------------------------
+
+def _tp_train_worker(rank: int, world_size: int, device: torch.device, kw: dict, root: str, cache: str, out: str):
+    """One rank: the whole run, then the same run stopped half way and resumed; this rank's losses."""
+    corpus = load_corpus(cache, root=root)
+    half = kw["steps"] // 2
+    whole = Trainer(TrainConfig(tp=world_size, out=f"{out}/whole", **kw), corpus=corpus)
+    whole.run()
+    Trainer(TrainConfig(tp=world_size, out=f"{out}/cut", stop_at=half, **kw), corpus=corpus).run()
+    resumed = Trainer(TrainConfig(tp=world_size, out=f"{out}/cut", resume=True, **kw), corpus=corpus)
+    resumed.run()
+    torch.distributed.barrier()  # every rank's checkpoint written
+    return whole.losses(), resumed.losses(), sorted(p.name for p in Path(f"{out}/cut").iterdir())
+
+
+def test_tensor_parallel_training_matches_one_rank_and_resumes(stdlib_root, corpus, tmp_path):
+    # tp = 2 (two gloo processes) against tp = 1, from the same weights on the same batches, in
+    # float32 without dropout: the ranks sum partial GEMMs and all-reduce, so each loss differs by
+    # rounding (float32, u = 6e-8, sums of ~100 terms per entry: ~1e-6 relative per step), and a
+    # few AdamW steps keep it far below 1e-4 (a wrong shard or a missing all-reduce changes the
+    # loss at the first step by O(0.1)). Resume with dropout: the tensor-parallel RNG tracker's
+    # state must come back too, bit for bit.
+    from fusedlib.parallel import spawn
+
+    cache = str(tmp_path / "cache")
+    load_corpus(cache, root=stdlib_root)  # built once, before the ranks read it
+    kw = dict(TINY, steps=4, spec="unfused", device="cpu", bf16=False, heads=2, eval_interval=2)
+    ranks = spawn(_tp_train_worker, 2, dict(kw, dropout=0.1), str(stdlib_root), cache, str(tmp_path / "tp"))
+    for whole, resumed, files in ranks:
+        assert resumed == whole
+        assert files == ["checkpoint-tp0.pt", "checkpoint-tp1.pt", "metrics.jsonl"]
+    assert ranks[0][0] == ranks[1][0]  # every rank computes the same (all-reduced) loss
+    no_dropout = spawn(_tp_train_worker, 2, kw, str(stdlib_root), cache, str(tmp_path / "tp0"))[0][0]
+    one = Trainer(TrainConfig(**kw), corpus=corpus)
+    one.run()
+    assert len(one.losses()) == 4
+    assert max(abs(a - b) for a, b in zip(no_dropout, one.losses())) < 1e-4
+
+
+def test_tensor_parallel_flags():
+    with pytest.raises(ValueError, match="tp"):
+        TrainConfig(tp=2, model="plain")
+    with pytest.raises(ValueError, match="divide"):
+        TrainConfig(tp=4, heads=6)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        Trainer(TrainConfig(**dict(TINY, tp=2, steps=2, device="cpu")))

@@ -8,11 +8,17 @@ Usage::
     python -m fusedlib.train --out runs/fused --resume                # continue from the checkpoint
     python -m fusedlib.train --sample 300 --prompt "class "           # print a sample at the end
     python -m fusedlib.train --bench --out chapters/data/bench        # three runs -> train.json
+    torchrun --nproc-per-node 2 -m fusedlib.train --tp 2 --out runs/tp2   # tensor parallel, 2 GPUs
+    torchrun --nproc-per-node 2 -m fusedlib.train --bench-tp --steps 300 --out chapters/data/bench
+                                                         # tp = 2 and tp = 1 -> train_tp2.json
 
 Every flag is a field of :class:`fusedlib.train.TrainConfig` (``--help`` lists them with their
 defaults). Metrics go to ``<out>/metrics.jsonl`` (one JSON object per line), the checkpoint to
-``<out>/checkpoint.pt``. ``--bench`` runs :data:`fusedlib.train.bench.BENCH_RUNS` with the other
-flags and writes ``<out>/train.json`` (default out: chapters/data/bench).
+``<out>/checkpoint.pt`` (with ``--tp``, one ``checkpoint-tp<rank>.pt`` per rank). ``--bench`` runs
+:data:`fusedlib.train.bench.BENCH_RUNS` with the other flags and writes ``<out>/train.json``
+(default out: chapters/data/bench); ``--bench-tp``, under ``torchrun`` with p processes, trains the
+fused GPTModel with tp = p and, on rank 0, with tp = 1, and writes ``<out>/train_tp<p>.json``
+(:func:`fusedlib.train.bench.run_tp_bench`).
 
 Exit status: 0, or 2 for a bad flag (argparse's, with a message naming the flag).
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Optional
 
@@ -60,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=d.bf16,
                    help="bf16 weights with float32 master weights (default: on CUDA)")
     e.add_argument("--compile", action="store_true", help="torch.compile the model")
+    e.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (start with torchrun --nproc-per-node TP)")
+    e.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (with --tp > 1)")
     e.add_argument("--seed", type=int, default=d.seed)
     e.add_argument("--cache-dir", default=d.cache_dir, help="corpus cache (default $FUSEDLIB_CACHE or ~/.cache/fusedlib)")
     w = p.add_argument_group("output")
@@ -80,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--bench", action="store_true", help="train each of --bench-runs, write <out>/train.json")
     b.add_argument("--bench-runs", nargs="+", default=None, help="default: fusedlib fusedlib-unfused torch.compile")
     b.add_argument("--bench-warmup", type=int, default=20, help="steps left out of the timing")
+    b.add_argument("--bench-tp", action="store_true",
+                   help="under torchrun with p processes: tp = p and tp = 1, write <out>/train_tp<p>.json")
     return p
 
 
@@ -104,6 +115,17 @@ def parse_args(argv: Optional[list[str]] = None):
         parser.error(f"--temperature must be > 0, got {args.temperature}")
     if not 1 <= args.top_k <= 256:
         parser.error(f"--top-k must be in [1, 256], got {args.top_k}")
+    if args.bench and args.bench_tp:
+        parser.error("--bench and --bench-tp are two different runs: choose one")
+    if args.bench_tp:
+        if args.resume or args.stop_at is not None:
+            parser.error("--bench-tp trains from scratch: --resume and --stop-at do not apply")
+        if config.tp != 1 or config.model != "gpt":
+            parser.error("--bench-tp sets the tensor-parallel size itself (the number of processes) and trains "
+                         "--model gpt: leave --tp and --model out")
+        if not 0 <= args.bench_warmup <= config.steps - config.log_interval:
+            parser.error(f"--bench-warmup must be in [0, steps - log_interval = {config.steps - config.log_interval}], "
+                         f"got {args.bench_warmup}")
     if args.bench:
         if args.resume or args.stop_at is not None:
             parser.error("--bench trains from scratch: --resume and --stop-at do not apply")
@@ -122,6 +144,25 @@ def parse_args(argv: Optional[list[str]] = None):
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the command line; returns the exit status."""
     config, args = parse_args(argv)
+    if args.bench_tp or config.tp > 1:
+        from ..parallel import parallel_state
+
+        # torchrun's processes join one group; tp = the number of processes for --bench-tp
+        parallel_state.initialize_model_parallel(int(os.environ.get("WORLD_SIZE", "1")) if args.bench_tp else config.tp)
+        try:
+            return _main(config, args)
+        finally:
+            parallel_state.destroy_model_parallel()
+    return _main(config, args)
+
+
+def _main(config, args) -> int:
+    if args.bench_tp:
+        from .bench import run_tp_bench
+
+        out = args.out if args.out is not None else "chapters/data/bench"
+        run_tp_bench(dataclasses.replace(config, out=None), out, args.bench_warmup)
+        return 0
     if args.bench:
         from .bench import BENCH_RUNS, bench_table, run_bench
 
@@ -134,11 +175,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .loop import Trainer
 
     trainer = Trainer(config)
-    print(f"{config.label()}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f} M parameters, "
-          f"corpus {json.dumps(trainer.corpus.info())}")
+    trainer.log(f"{config.label()}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f} M parameters"
+                f"{' on this rank' if config.tp > 1 else ''}, corpus {json.dumps(trainer.corpus.info())}")
     trainer.run()
     if args.sample:
-        print(trainer.sample(args.prompt, args.sample, args.temperature, args.top_k))
+        text = trainer.sample(args.prompt, args.sample, args.temperature, args.top_k)  # (every rank draws)
+        trainer.log(text)
     return 0
 
 

@@ -43,8 +43,8 @@ from .data import Corpus, load_corpus
 from .loop import TrainConfig, Trainer
 from .model import count_parameters
 
-__all__ = ["BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table", "load_train_bench", "smooth",
-           "plot_losses"]
+__all__ = ["BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table", "run_tp_bench", "tp_bench_file",
+           "load_train_bench", "smooth", "plot_losses"]
 
 #: impl -> the TrainConfig fields that make it.
 BENCH_RUNS: dict[str, dict] = {
@@ -128,6 +128,59 @@ def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[s
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(records, indent=1) + "\n")
     return records
+
+
+def tp_bench_file(world_size: int) -> str:
+    """``train_tp<p>.json``: the file of :func:`run_tp_bench` with ``p`` ranks."""
+    return f"train_tp{world_size}.json"
+
+
+def run_tp_bench(base: TrainConfig, out_dir: Optional[str | Path], warmup: int = 20,
+                 log: Callable[[str], object] = print) -> list[dict]:
+    """Train ``base`` with tensor parallelism over every rank of the world (tp = p) and, on rank 0
+    alone, without (tp = 1), from the same weights on the same batches; rank 0 writes both records to
+    ``out_dir/train_tp<p>.json`` (:func:`tp_bench_file`). Every rank must call it, in a world of p
+    ranks with ``fusedlib.parallel.initialize_model_parallel(p)`` done (``torchrun --nproc-per-node p
+    -m fusedlib.train --bench-tp``); the other ranks wait at a barrier while rank 0 trains tp = 1.
+
+    Records: as :func:`run_bench`'s (``op`` "train_tp", no sample), plus ``tp``, ``sequence_parallel``
+    and ``backend`` (NCCL or gloo). Returns them on rank 0, an empty list on the others.
+
+    Raises:
+        ValueError: p < 2, or a warmup that leaves no timed window.
+    """
+    import torch.distributed as dist
+
+    from ..parallel import parallel_state
+
+    p = parallel_state.get_tensor_model_parallel_world_size()
+    if p < 2 or dist.get_world_size() != p:
+        raise ValueError(f"run_tp_bench needs a world of p >= 2 ranks in one tensor-parallel group, got tp {p} of "
+                         f"{dist.get_world_size() if dist.is_initialized() else 1} ranks")
+    if not 0 <= warmup <= base.steps - base.log_interval:
+        raise ValueError(f"warmup must be in [0, steps - log_interval = {base.steps - base.log_interval}], got {warmup!r}")
+    rank = dist.get_rank()
+    if rank != 0:
+        log = lambda line: None  # noqa: E731  (rank 0 speaks for all)
+    corpus = load_corpus(base.cache_dir)
+    records = []
+    for tp in (p, 1):
+        cfg = dataclasses.replace(base, model="gpt", tp=tp, out=None, resume=False, stop_at=None,
+                                  sequence_parallel=base.sequence_parallel and tp > 1)
+        if tp == 1 and rank != 0:
+            dist.barrier()
+            continue
+        record = _one_run("fusedlib" if cfg.spec == "fused" else "fusedlib-unfused", cfg, corpus, warmup, 0, log)
+        record.update(op="train_tp", tp=tp, sequence_parallel=cfg.sequence_parallel, backend=dist.get_backend())
+        log(f"tp = {tp}: {record['tokens_per_s']:,.0f} tokens/s, final loss {record['losses'][-1]:.4f}")
+        records.append(record)
+        if tp == 1:
+            dist.barrier()
+    if rank == 0 and out_dir is not None:
+        path = Path(out_dir) / tp_bench_file(p)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(records, indent=1) + "\n")
+    return records if rank == 0 else []
 
 
 def bench_table(records: Sequence[dict]) -> str:

@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..parallel.finalize_model_grads import finalize_model_grads
 from ..transformer.enums import AttnBackend
 from .data import Corpus, decode, encode, get_batch, load_corpus
 from .model import MODELS, SPECS, ModelShape, build_model, count_parameters
@@ -75,8 +76,10 @@ class TrainConfig:
     Optimisation: ``batch`` (sequences per step), ``steps``, ``lr`` (peak), ``min_lr`` (None:
     lr/10), ``warmup`` (steps), ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip`` (max global
     norm; 0: none).
-    Execution: ``device`` (None: CUDA when present), ``bf16`` (None: on CUDA), ``compile``
-    (``torch.compile`` the model), ``seed`` (weights, data order, dropout).
+    Execution: ``device`` (None: CUDA when present; with ``tp`` > 1 this rank's GPU), ``bf16``
+    (None: on CUDA), ``compile`` (``torch.compile`` the model), ``tp`` (tensor-parallel ranks:
+    the process must be one of ``tp`` ranks started by ``torchrun`` or
+    ``fusedlib.parallel.spawn``), ``sequence_parallel``, ``seed`` (weights, data order, dropout).
     Output: ``out`` (directory for metrics and checkpoints; None: none written),
     ``log_interval``, ``eval_interval`` (0: only at the end), ``eval_batches``,
     ``save_interval`` (0: only at the end), ``stop_at`` (stop after this step and save, as an
@@ -112,6 +115,8 @@ class TrainConfig:
     device: Optional[str] = None
     bf16: Optional[bool] = None
     compile: bool = False
+    tp: int = 1
+    sequence_parallel: bool = False
     seed: int = 1234
     out: Optional[str] = None
     log_interval: int = 10
@@ -131,7 +136,7 @@ class TrainConfig:
         if self.attention_backend not in AttnBackend.__members__:
             raise ValueError(f"attention_backend must be one of {list(AttnBackend.__members__)}, "
                              f"got {self.attention_backend!r}")
-        for name in ("layers", "hidden", "heads", "seq", "batch", "steps", "log_interval", "eval_batches"):
+        for name in ("layers", "hidden", "heads", "seq", "batch", "steps", "log_interval", "eval_batches", "tp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -152,6 +157,12 @@ class TrainConfig:
             raise ValueError(f"weight_decay must be in [0, 1), got {self.weight_decay!r}")
         if not self.grad_clip >= 0:
             raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip!r}")
+        if self.tp > 1 and self.model != "gpt":
+            raise ValueError(f"tp > 1 needs model 'gpt' (fusedlib's GPTModel), got {self.model!r}")
+        if self.tp > 1 and (self.heads % self.tp or self.hidden % self.tp):
+            raise ValueError(f"tp ({self.tp}) must divide heads ({self.heads}) and hidden ({self.hidden})")
+        if self.sequence_parallel and self.seq % self.tp:
+            raise ValueError(f"sequence_parallel: tp ({self.tp}) must divide seq ({self.seq})")
         if (self.resume or self.stop_at is not None) and self.out is None:
             raise ValueError("resume and stop_at need out: the directory of the checkpoint")
         if self.device is not None:
@@ -167,9 +178,15 @@ class TrainConfig:
                           dropout=self.dropout)
 
     def resolved_device(self) -> torch.device:
-        """``device``, or CUDA when present, else the CPU."""
+        """``device``, or CUDA when present (with ``tp`` > 1 under NCCL: this process's GPU), else the CPU."""
         if self.device is not None:
             return torch.device(self.device)
+        if self.tp > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_backend() == "nccl":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cpu")
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def use_bf16(self) -> bool:
@@ -181,6 +198,8 @@ class TrainConfig:
         name = "plain" if self.model == "plain" else self.spec
         if self.model == "gpt" and self.spec == "fused" and self.attention_backend != "flash":
             name += f" ({self.attention_backend})"
+        if self.tp > 1:
+            name += f", tp = {self.tp}" + (" + SP" if self.sequence_parallel else "")
         return name + (" + compile" if self.compile else "")
 
 
@@ -217,22 +236,38 @@ class Trainer:
     Attributes:
         model: the (uncompiled) model; ``step_count``: steps done; ``history``: the metric
         records written so far (also to ``<out>/metrics.jsonl``); ``windows``: per logging
-        window ``(first step, last step, seconds)``.
+        window ``(first step, last step, seconds)``; ``rank``: the tensor-parallel rank (0
+        with ``tp`` = 1; only rank 0 writes metrics, logs and shows the progress bar, every rank
+        writes its own checkpoint ``checkpoint-tp<rank>.pt``).
 
     Raises:
         FileNotFoundError: ``resume`` without a checkpoint in ``out``.
-        ValueError: ``resume`` with a checkpoint of another configuration or corpus.
+        ValueError: ``resume`` with a checkpoint of another configuration or corpus; ``tp``
+            different from the tensor-parallel size of the process groups.
+        RuntimeError: ``tp`` > 1 in a process started alone (from ``initialize_model_parallel``).
     """
 
     def __init__(self, config: TrainConfig, corpus: Optional[Corpus] = None,
                  log: Optional[Callable[[str], Any]] = None) -> None:
         self.config = cfg = config
+        self.rank = 0
+        if cfg.tp > 1:
+            from ..parallel import parallel_state
+
+            if not parallel_state.model_parallel_is_initialized():
+                parallel_state.initialize_model_parallel(cfg.tp)
+            if parallel_state.get_tensor_model_parallel_world_size() != cfg.tp:
+                raise ValueError(f"tp ({cfg.tp}) differs from the tensor-parallel size of the process groups "
+                                 f"({parallel_state.get_tensor_model_parallel_world_size()})")
+            self.rank = parallel_state.get_tensor_model_parallel_rank()
+        self.is_main = self.rank == 0
         self.device = cfg.resolved_device()
         self.bf16 = cfg.use_bf16()
-        self.log = log or print
+        self.log = (log or print) if self.is_main else (lambda line: None)
         self.corpus = corpus if corpus is not None else load_corpus(cfg.cache_dir)
         dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.model = build_model(cfg.model, cfg.shape(), cfg.seed, cfg.spec, cfg.attention_backend, dtype, self.device)
+        self.model = build_model(cfg.model, cfg.shape(), cfg.seed, cfg.spec, cfg.attention_backend, dtype, self.device,
+                                 cfg.tp, cfg.sequence_parallel)
         self.forward = torch.compile(self.model) if cfg.compile else self.model
         self.params = list(self.model.parameters())
         if self.bf16:  # float32 master weights, updated by the optimizer, rounded into the bf16 parameters
@@ -249,17 +284,23 @@ class Trainer:
         min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            CosineSchedule(cfg.warmup, cfg.steps, min_lr / cfg.lr))
-        self.data_generator = torch.Generator().manual_seed(cfg.seed)
+        self.data_generator = torch.Generator().manual_seed(cfg.seed)  # the same batches on every rank
         torch.manual_seed(cfg.seed)  # dropout's stream (CPU and every CUDA device)
+        if cfg.tp > 1:  # and the tensor-parallel stream of split tensors, seed + 2718 + rank
+            from ..parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(cfg.seed)
         self.step_count = 0
         self.history: list[dict] = []
         self.windows: list[tuple[int, int, float]] = []
         self.out = Path(cfg.out) if cfg.out is not None else None
+        self.checkpoint_path = None
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
+            self.checkpoint_path = self.out / (CHECKPOINT if cfg.tp == 1 else f"checkpoint-tp{self.rank}.pt")
         if cfg.resume:
-            self.load(self.out / CHECKPOINT)
-        elif self.out is not None:
+            self.load(self.checkpoint_path)
+        elif self.out is not None and self.is_main:
             (self.out / METRICS).write_text("")
 
     # ------------------------------------------------------------------ one step
@@ -270,10 +311,14 @@ class Trainer:
         x, y = get_batch(self.corpus.train, cfg.batch, cfg.seq, self.data_generator, self.device)
         loss = _model_forward(self.forward, x, y).mean()
         loss.backward()
+        if cfg.tp > 1:  # sum the gradients that each rank holds only part of (sequence-parallel norms)
+            finalize_model_grads(self.model)
         if self.bf16:
             for m, p in zip(self.master, self.params):
                 m.grad = None if p.grad is None else p.grad.float()
-        if cfg.grad_clip > 0:
+        if cfg.grad_clip > 0 and cfg.tp > 1:
+            self._clip_tensor_parallel(cfg.grad_clip)
+        elif cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.master, cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -285,6 +330,21 @@ class Trainer:
                 torch._foreach_copy_(self.params, self.master)
         self.step_count += 1
         return loss.detach()
+
+    def _clip_tensor_parallel(self, max_norm: float) -> None:
+        """Clip the master gradients to a global norm over the whole (split) model: each split
+        parameter's squares on every rank, each replicated one's once (on rank 0), summed over the
+        tensor-parallel group (Megatron-core's ``get_grad_norm_fp32``); no host synchronisation."""
+        from ..parallel import get_tensor_model_parallel_group
+        from ..parallel.layers import param_is_not_tensor_parallel_duplicate
+
+        grads = [m.grad for m, p in zip(self.master, self.params)
+                 if m.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else \
+            torch.zeros((), device=self.device)
+        torch.distributed.all_reduce(squares, group=get_tensor_model_parallel_group())
+        scale = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+        torch._foreach_mul_([m.grad for m in self.master if m.grad is not None], scale)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -313,11 +373,19 @@ class Trainer:
                 "model": self.model.state_dict(), "master": self.master if self.bf16 else None,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "data_rng": self.data_generator.get_state(), "torch_rng": torch.get_rng_state(),
-                "cuda_rng": cuda_rng}
+                "cuda_rng": cuda_rng, "tp_rank": self.rank, "rng_tracker": self._tracker_states()}
+
+    def _tracker_states(self) -> Optional[dict]:
+        if self.config.tp == 1:
+            return None
+        from ..parallel import get_cuda_rng_tracker
+
+        return get_cuda_rng_tracker().get_states()
 
     def save(self, path: Optional[Path] = None) -> Path:
-        """Write :meth:`state_dict` to ``path`` (default ``<out>/checkpoint.pt``) atomically."""
-        path = Path(path) if path is not None else self.out / CHECKPOINT
+        """Write :meth:`state_dict` to ``path`` (default ``<out>/checkpoint.pt``, with ``tp`` > 1
+        ``<out>/checkpoint-tp<rank>.pt``) atomically."""
+        path = Path(path) if path is not None else self.checkpoint_path
         tmp = path.with_name(path.name + ".tmp")
         torch.save(self.state_dict(), tmp)
         os.replace(tmp, path)
@@ -356,17 +424,24 @@ class Trainer:
         torch.set_rng_state(ckpt["torch_rng"])
         if ckpt["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
+        if ckpt.get("rng_tracker"):
+            from ..parallel import get_cuda_rng_tracker
+
+            get_cuda_rng_tracker().set_states(ckpt["rng_tracker"])
         self.step_count = ckpt["step"]
         metrics = self.out / METRICS
-        if metrics.exists():
+        if metrics.exists():  # every rank reads the history; rank 0 cuts the file, atomically
             kept = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             self.history = [r for r in kept if r["step"] <= self.step_count]
-            metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            if self.is_main:
+                tmp = metrics.with_name(metrics.name + ".tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+                os.replace(tmp, metrics)
 
     # ------------------------------------------------------------------ the loop
     def _write(self, records: list[dict]) -> None:
         self.history += records
-        if self.out is not None:
+        if self.out is not None and self.is_main:
             with open(self.out / METRICS, "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
 
@@ -385,7 +460,7 @@ class Trainer:
         cfg = self.config
         last = cfg.stop_at if cfg.stop_at is not None else cfg.steps
         bar = None
-        if cfg.progress:
+        if cfg.progress and self.is_main:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step_count, desc=self.config.label(), unit="step",
@@ -454,7 +529,9 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
 
     Args:
         model: a ``GPTModel`` or :class:`~fusedlib.train.plain_gpt.PlainGPT` (anything with
-            ``max_sequence_length`` whose ``model(ids, None, None)`` gives logits [b, t, V]).
+            ``max_sequence_length`` whose ``model(ids, None, None)`` gives logits [b, t, V]); a
+            tensor-parallel ``GPTModel`` gathers its logits, and every rank draws the same tokens
+            (the same generator state on every rank).
         prompt: a str (UTF-8 bytes), or int token ids [t] or [b, t] (t >= 1).
         n_tokens: tokens to generate, >= 0.
         temperature: > 0; lower is greedier.
@@ -482,11 +559,14 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
     device = next(model.parameters()).device
     ids = (prompt if prompt.dim() == 2 else prompt[None]).to(device=device, dtype=torch.int64)  # [b, t]
     max_seq = model.max_sequence_length
+    # a tensor-parallel GPTModel returns its rank's slice of the vocabulary unless asked to gather
+    tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1)
+    gather = {"runtime_gather_output": True} if tp > 1 else {}
     was_training = model.training
     model.eval()
     try:
         for _ in range(n_tokens):
-            logits = model(ids[:, -max_seq:], None, None)[:, -1, :].float()  # [b, V]
+            logits = model(ids[:, -max_seq:], None, None, **gather)[:, -1, :].float()  # [b, V]
             vocab = logits.shape[-1]
             if top_k is not None:
                 if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab:

@@ -86,7 +86,8 @@ _tanh_gelu = functools.partial(F.gelu, approximate="tanh")
 
 
 def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = "flash",
-               dtype: torch.dtype = torch.float32, cpu_init: bool = False) -> TransformerConfig:
+               dtype: torch.dtype = torch.float32, cpu_init: bool = False, tp: int = 1,
+               sequence_parallel: bool = False) -> TransformerConfig:
     """The ``TransformerConfig`` of a fused or unfused ``GPTModel`` of ``shape``.
 
     Args:
@@ -97,6 +98,8 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
             materialised, fusedlib's softmax).
         dtype: the parameters' (bf16 also sets ``config.bf16``).
         cpu_init: create the parameters on the CPU.
+        tp, sequence_parallel: ``tensor_model_parallel_size`` and ``sequence_parallel``
+            (:mod:`fusedlib.parallel`).
 
     Raises:
         ValueError: an unknown spec or backend.
@@ -110,6 +113,7 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
                             attention_dropout=shape.dropout, activation_func=F.gelu, add_bias_linear=True,
                             params_dtype=dtype, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
                             use_cpu_initialization=cpu_init, attention_backend=AttnBackend[attention_backend],
+                            tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
                             **{k: True for k in FUSED_SWITCHES})
     if spec == "unfused":
         cfg = dataclasses.replace(without_fusions(cfg), activation_func=_tanh_gelu)
@@ -117,15 +121,18 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
 
 
 def build_gpt(shape: ModelShape, spec: str = "fused", attention_backend: str = "flash",
-              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> GPTModel:
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: int = 1,
+              sequence_parallel: bool = False) -> GPTModel:
     """fusedlib's ``GPTModel`` of ``shape`` (learned positions, tied output layer), its weights
-    from Megatron-core's init with torch's current RNG, on ``device`` in ``dtype``.
+    from Megatron-core's init with torch's current RNG, on ``device`` in ``dtype``; with ``tp`` > 1
+    this rank's part of the tensor-parallel model (``fusedlib.parallel``'s groups must exist).
 
     Raises:
         ValueError: as :func:`gpt_config`.
     """
     device = torch.device(device)
-    cfg = gpt_config(shape, spec, attention_backend, dtype, cpu_init=device.type == "cpu")
+    cfg = gpt_config(shape, spec, attention_backend, dtype, cpu_init=device.type == "cpu", tp=tp,
+                     sequence_parallel=sequence_parallel)
     layer_spec = get_gpt_layer_local_spec() if spec == "fused" else get_gpt_layer_unfused_spec()
     model = GPTModel(cfg, layer_spec, vocab_size=shape.vocab, max_sequence_length=shape.seq,
                      share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
@@ -142,19 +149,29 @@ def initial_state(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build_model(kind: str, shape: ModelShape, seed: int, spec: str = "fused", attention_backend: str = "flash",
-                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.nn.Module:
+                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: int = 1,
+                sequence_parallel: bool = False) -> torch.nn.Module:
     """A model of ``kind`` ("gpt" or "plain") and ``shape`` holding :func:`initial_state` (``seed``),
-    on ``device`` in ``dtype``, in training mode. ``spec`` and ``attention_backend`` apply to "gpt".
+    on ``device`` in ``dtype``, in training mode. ``spec``, ``attention_backend``, ``tp`` and
+    ``sequence_parallel`` apply to "gpt"; with ``tp`` > 1 the model is this tensor-parallel rank's
+    part and holds its shard of the same initial state (``fusedlib.parallel.shard_state_dict``),
+    so every ``tp`` starts from the same weights.
 
     Raises:
-        ValueError: an unknown kind, spec or backend, or a bad shape.
+        ValueError: an unknown kind, spec or backend, a bad shape, or ``tp`` > 1 with "plain".
     """
     if kind not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
+    if kind == "plain" and tp != 1:
+        raise ValueError(f"tp must be 1 for the plain model (tensor parallelism is fusedlib's GPTModel's), got {tp}")
     state = initial_state(shape, seed)
     device = torch.device(device)
     if kind == "gpt":
-        model = build_gpt(shape, spec, attention_backend, dtype, device)
+        model = build_gpt(shape, spec, attention_backend, dtype, device, tp, sequence_parallel)
+        if tp > 1:
+            from ..parallel import get_tensor_model_parallel_rank, get_tensor_parallel_layout, shard_state_dict
+
+            state = shard_state_dict(state, get_tensor_parallel_layout(model), get_tensor_model_parallel_rank(), tp)
         model.load_state_dict(state)
     else:
         model = PlainGPT(shape.vocab, shape.seq, shape.layers, shape.hidden, shape.heads, shape.ffn, shape.dropout,
