@@ -67,10 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=d.bf16,
                    help="bf16 weights with float32 master weights (default: on CUDA)")
     e.add_argument("--compile", action="store_true", help="torch.compile the model")
-    e.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (start with torchrun --nproc-per-node TP)")
+    e.add_argument("--tp", type=int, default=d.tp,
+                   help="tensor-parallel ranks (start with torchrun --nproc-per-node TP)")
     e.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (with --tp > 1)")
     e.add_argument("--seed", type=int, default=d.seed)
-    e.add_argument("--cache-dir", default=d.cache_dir, help="corpus cache (default $FUSEDLIB_CACHE or ~/.cache/fusedlib)")
+    e.add_argument("--cache-dir", default=d.cache_dir,
+                   help="corpus cache (default $FUSEDLIB_CACHE or ~/.cache/fusedlib)")
     w = p.add_argument_group("output")
     w.add_argument("--out", default=None, help="directory for metrics.jsonl and checkpoint.pt (--bench: train.json)")
     w.add_argument("--log-interval", type=int, default=d.log_interval)

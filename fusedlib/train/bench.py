@@ -76,7 +76,9 @@ def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_to
     peak = trainer._peak_bytes()
     settings = {"prompt": SAMPLE_PROMPT, "tokens": sample_tokens, "temperature": SAMPLE_TEMPERATURE,
                 "top_k": SAMPLE_TOP_K, "seed": 0}
-    text = trainer.sample(SAMPLE_PROMPT, sample_tokens, SAMPLE_TEMPERATURE, SAMPLE_TOP_K, seed=0) if sample_tokens else None
+    text = None
+    if sample_tokens:
+        text = trainer.sample(SAMPLE_PROMPT, sample_tokens, SAMPLE_TEMPERATURE, SAMPLE_TOP_K, seed=0)
     return {"op": "train", "impl": name, "label": cfg.label(), **environment(), "python": platform.python_version(),
             "corpus": corpus.info(), "config": dataclasses.asdict(cfg), "params": count_parameters(trainer.model),
             "tokens_per_step": tokens, "warmup_steps": warmup, "timed_steps": steps, "timed_s": seconds,
@@ -158,7 +160,8 @@ def run_tp_bench(base: TrainConfig, out_dir: Optional[str | Path], warmup: int =
         raise ValueError(f"run_tp_bench needs a world of p >= 2 ranks in one tensor-parallel group, got tp {p} of "
                          f"{dist.get_world_size() if dist.is_initialized() else 1} ranks")
     if not 0 <= warmup <= base.steps - base.log_interval:
-        raise ValueError(f"warmup must be in [0, steps - log_interval = {base.steps - base.log_interval}], got {warmup!r}")
+        raise ValueError(f"warmup must be in [0, steps - log_interval = {base.steps - base.log_interval}], "
+                         f"got {warmup!r}")
     rank = dist.get_rank()
     if rank != 0:
         log = lambda line: None  # noqa: E731  (rank 0 speaks for all)
@@ -193,10 +196,12 @@ def bench_table(records: Sequence[dict]) -> str:
     first = rows[0]
     c = first["config"]
     fused = next((r for r in rows if r["impl"] == "fusedlib"), None)
-    out = [f"{first['params'] / 1e6:.2f} M parameters ({c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads), "
-           f"batch {c['batch']} x seq {c['seq']} = {first['tokens_per_step']} tokens per step, {c['steps']} steps, "
-           f"{'bf16' if c['bf16'] or (c['bf16'] is None and first['device'] != 'cpu') else 'float32'}, {first['device']}",
-           f"{'impl':<18}{'tokens/s':>12}{'ms/step':>9}{'peak GB':>9}{'train loss':>12}{'val loss':>10}{'fusedlib is':>13}"]
+    bf16 = c["bf16"] or (c["bf16"] is None and first["device"] != "cpu")
+    out = [f"{first['params'] / 1e6:.2f} M parameters ({c['layers']} layers, hidden {c['hidden']}, "
+           f"{c['heads']} heads), batch {c['batch']} x seq {c['seq']} = {first['tokens_per_step']} tokens per step, "
+           f"{c['steps']} steps, {'bf16' if bf16 else 'float32'}, {first['device']}",
+           f"{'impl':<18}{'tokens/s':>12}{'ms/step':>9}{'peak GB':>9}{'train loss':>12}{'val loss':>10}"
+           f"{'fusedlib is':>13}"]
     for r in rows:
         tail = r["losses"][-max(1, len(r["losses"]) // 20):]
         peak = f"{r['peak_bytes'] / 1e9:.2f}" if r.get("peak_bytes") is not None else "-"

@@ -34,13 +34,19 @@ that the uninterrupted run computes, on the same device and software: the losses
 bit for bit (``tests/test_train.py`` checks it with ``==``). The metrics file is cut back to
 step k on resume, so it then holds the same records as the uninterrupted run's (timings aside).
 
+Tensor parallelism (``tp`` > 1, ``fusedlib.parallel``): every rank builds its part of the
+``GPTModel`` and loads its shard of the same initial weights, reads the same batches, and after
+the backward completes its gradients with ``finalize_model_grads``; the clipping norm is the
+whole model's (split parameters summed over the ranks, replicated ones counted once); each rank
+saves its own checkpoint with the tensor-parallel RNG tracker's states. Rank 0 writes the metrics.
+
 Source: Loshchilov and Hutter, "Decoupled Weight Decay Regularization" (AdamW, ICLR 2019);
-Megatron-LM ``megatron/core/optimizer/optimizer.py`` (``Float16OptimizerWithFloat16Params``);
+Megatron-LM ``megatron/core/optimizer/optimizer.py`` (``Float16OptimizerWithFloat16Params``,
+``clip_grads.py``);
 Karpathy, nanoGPT ``train.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -54,7 +60,7 @@ import torch
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..transformer.enums import AttnBackend
 from .data import Corpus, decode, encode, get_batch, load_corpus
-from .model import MODELS, SPECS, ModelShape, build_model, count_parameters
+from .model import MODELS, SPECS, ModelShape, build_model
 
 __all__ = ["TrainConfig", "CosineSchedule", "Trainer", "sample", "CHECKPOINT", "METRICS", "RESUMABLE_CHANGES"]
 

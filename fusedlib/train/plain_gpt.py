@@ -130,7 +130,8 @@ def plain_state_dict_from_gpt(state: dict, heads: int) -> dict:
     """
     out = {}
     layer_names = {"input_layernorm.weight": "ln_1.weight", "input_layernorm.bias": "ln_1.bias",
-                   "self_attention.linear_proj.weight": "c_proj.weight", "self_attention.linear_proj.bias": "c_proj.bias",
+                   "self_attention.linear_proj.weight": "c_proj.weight",
+                   "self_attention.linear_proj.bias": "c_proj.bias",
                    "pre_mlp_layernorm.weight": "ln_2.weight", "pre_mlp_layernorm.bias": "ln_2.bias",
                    "mlp.linear_fc1.weight": "c_fc.weight", "mlp.linear_fc1.bias": "c_fc.bias",
                    "mlp.linear_fc2.weight": "mlp_proj.weight", "mlp.linear_fc2.bias": "mlp_proj.bias"}
