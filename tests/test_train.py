@@ -40,6 +40,7 @@ def stdlib_root(tmp_path_factory) -> Path:
     for junk in ("site-packages/pkg/mod.py", "test/test_x.py", "json/tests/test_y.py", "README.txt"):
         (root / junk).parent.mkdir(parents=True, exist_ok=True)
         (root / junk).write_text("JUNK = 1\n")
+    (root / "sep.py").write_bytes(b"A = '\x1c'\n")  # holds the separator byte: left out
     return root
 
 
@@ -55,7 +56,9 @@ def corpus(stdlib_root, tmp_path_factory):
 def test_corpus_files_and_split(stdlib_root, corpus):
     files = data_mod.stdlib_files(stdlib_root)
     names = [f.as_posix() for f in files]
-    assert names == sorted(names) and len(names) == 21
+    assert names == sorted(names) and len(names) == 22
+    assert corpus.skipped == ("sep.py",) and corpus.info()["skipped"] == ["sep.py"]
+    names.remove("sep.py")
     assert not any("site-packages" in n or n.startswith("test/") or "/tests/" in n for n in names)
     val = [n for n in names if data_mod.is_validation_file(n)]
     assert corpus.n_files_val == len(val) and corpus.n_files_train == len(names) - len(val)
@@ -81,6 +84,7 @@ def test_corpus_cache_is_deterministic(stdlib_root, corpus, tmp_path):
     cached = load_corpus(tmp_path, root=stdlib_root)  # read from the cache
     for c in (again, cached):
         assert c.sha256 == corpus.sha256 and torch.equal(c.train, corpus.train) and torch.equal(c.val, corpus.val)
+        assert c.skipped == corpus.skipped
     # a corrupted cache is rebuilt, not trusted
     bin_file = next(tmp_path.glob("*.train.bin"))
     bin_file.write_bytes(b"x" * 10)

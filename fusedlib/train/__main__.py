@@ -15,7 +15,7 @@ Usage::
 Every flag is a field of :class:`fusedlib.train.TrainConfig` (``--help`` lists them with their
 defaults). Metrics go to ``<out>/metrics.jsonl`` (one JSON object per line), the checkpoint to
 ``<out>/checkpoint.pt`` (with ``--tp``, one ``checkpoint-tp<rank>.pt`` per rank). ``--bench`` runs
-:data:`fusedlib.train.bench.BENCH_RUNS` with the other flags and writes ``<out>/train.json``
+:data:`fusedlib.train.bench.DEFAULT_BENCH_RUNS` with the other flags and writes ``<out>/train.json``
 (default out: chapters/data/bench); ``--bench-tp``, under ``torchrun`` with p processes, trains the
 fused GPTModel with tp = p and, on rank 0, with tp = 1, and writes ``<out>/train_tp<p>.json``
 (:func:`fusedlib.train.bench.run_tp_bench`).
@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=40)
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="train each of --bench-runs, write <out>/train.json")
-    b.add_argument("--bench-runs", nargs="+", default=None, help="default: fusedlib fusedlib-unfused torch.compile")
+    b.add_argument("--bench-runs", nargs="+", default=None,
+                   help="default: fusedlib fusedlib-unfused torch.compile (also: fusedlib-local)")
     b.add_argument("--bench-warmup", type=int, default=20, help="steps left out of the timing")
     b.add_argument("--bench-tp", action="store_true",
                    help="under torchrun with p processes: tp = p and tp = 1, write <out>/train_tp<p>.json")
@@ -99,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[list[str]] = None):
     """The command line -> ``(TrainConfig, argparse.Namespace)``; a bad value exits with status 2
     and a message naming the flag."""
-    from .bench import BENCH_RUNS
+    from .bench import BENCH_RUNS, DEFAULT_BENCH_RUNS
     from .loop import TrainConfig
 
     parser = _parser()
@@ -131,7 +132,7 @@ def parse_args(argv: Optional[list[str]] = None):
     if args.bench:
         if args.resume or args.stop_at is not None:
             parser.error("--bench trains from scratch: --resume and --stop-at do not apply")
-        runs = args.bench_runs or list(BENCH_RUNS)
+        runs = args.bench_runs or list(DEFAULT_BENCH_RUNS)
         bad = [r for r in runs if r not in BENCH_RUNS]
         if bad:
             parser.error(f"--bench-runs: unknown {bad}; choices: {', '.join(BENCH_RUNS)}")
@@ -166,11 +167,11 @@ def _main(config, args) -> int:
         run_tp_bench(dataclasses.replace(config, out=None), out, args.bench_warmup)
         return 0
     if args.bench:
-        from .bench import BENCH_RUNS, bench_table, run_bench
+        from .bench import DEFAULT_BENCH_RUNS, bench_table, run_bench
 
         out = args.out if args.out is not None else "chapters/data/bench"
         base = dataclasses.replace(config, out=None)
-        records = run_bench(base, out, args.bench_runs or tuple(BENCH_RUNS), args.bench_warmup, args.sample or 300)
+        records = run_bench(base, out, args.bench_runs or DEFAULT_BENCH_RUNS, args.bench_warmup, args.sample or 300)
         print(bench_table(records))
         print(f"wrote {out}/train.json")
         return 0

@@ -10,6 +10,9 @@ batches in the same order, with the same optimizer and schedule (the command lin
 ``fusedlib-unfused``  fusedlib's GPTModel from the unfused spec: torch's norms, softmax,
                       dropout, the materialised attention, the unfused cross entropy; eager
 ``torch.compile``     the nanoGPT-style plain PyTorch GPT (SDPA), ``torch.compile``d as a whole
+``fusedlib-local``    (only when asked for) fusedlib's fused GPTModel with the materialised
+                      attention and its softmax kernels: the same attention algorithm as
+                      ``fusedlib-unfused``, so the two differ by the fusions alone
 ====================  =======================================================================
 
 Timing: wall time of logging windows (the device synchronised at their ends, evaluations
@@ -43,7 +46,7 @@ from .data import Corpus, load_corpus
 from .loop import TrainConfig, Trainer
 from .model import count_parameters
 
-__all__ = ["BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table", "run_tp_bench", "tp_bench_file",
+__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table", "run_tp_bench", "tp_bench_file",
            "load_train_bench", "smooth", "plot_losses"]
 
 #: impl -> the TrainConfig fields that make it.
@@ -51,7 +54,10 @@ BENCH_RUNS: dict[str, dict] = {
     "fusedlib": dict(model="gpt", spec="fused", compile=False),
     "fusedlib-unfused": dict(model="gpt", spec="unfused", compile=False),
     "torch.compile": dict(model="plain", compile=True),
+    "fusedlib-local": dict(model="gpt", spec="fused", compile=False, attention_backend="local"),
 }
+#: The runs of ``--bench`` without ``--bench-runs``.
+DEFAULT_BENCH_RUNS = ("fusedlib", "fusedlib-unfused", "torch.compile")
 BENCH_FILE = "train.json"
 #: The sample's prompt: the start of a function definition.
 SAMPLE_PROMPT = "def "
@@ -90,7 +96,7 @@ def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_to
             "wall_s": wall, "sample": text, "sample_settings": settings}
 
 
-def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[str] = tuple(BENCH_RUNS),
+def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[str] = DEFAULT_BENCH_RUNS,
               warmup: int = 20, sample_tokens: int = 300, log: Callable[[str], object] = print) -> list[dict]:
     """Train ``base`` once per run of ``runs`` (:data:`BENCH_RUNS`) and write the records to
     ``out_dir/train.json`` (when ``out_dir`` is given).
@@ -249,9 +255,10 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
 
 
 #: Line colours of the runs (fusedlib's chapters' colours).
-RUN_COLORS = {"fusedlib": "#d62728", "fusedlib-unfused": "#f4a6a6", "torch.compile": "#5c6bc0"}
+RUN_COLORS = {"fusedlib": "#d62728", "fusedlib-unfused": "#f4a6a6", "torch.compile": "#5c6bc0",
+              "fusedlib-local": "#8c1c1c"}
 #: Line styles, so that curves lying on each other stay visible.
-RUN_STYLES = {"fusedlib": "-", "fusedlib-unfused": "--", "torch.compile": ":"}
+RUN_STYLES = {"fusedlib": "-", "fusedlib-unfused": "--", "torch.compile": ":", "fusedlib-local": "-."}
 
 
 def plot_losses(records: Sequence[dict], window: int = 25, ax=None, skip: int = 0):

@@ -20,7 +20,8 @@ aligned shapes), encoding is ``str.encode("utf-8")`` and decoding ``bytes.decode
 that cuts a multi-byte character shows U+FFFD there). No merges to learn or store: the model
 learns spelling as well as code, which a byte-level model of a few million parameters does well
 on a corpus this size. Files are joined with the ASCII *file separator* byte 0x1C
-(:data:`FILE_SEPARATOR`), which no stdlib source file contains (checked when the corpus is built).
+(:data:`FILE_SEPARATOR`), which no stdlib source file of Python 3.11 contains; a file that does
+is left out and named in :meth:`Corpus.info` (``skipped``), so the separator stays unambiguous.
 
 Split: by file, not by position, so no validation file was seen in training. A file goes to
 validation when the first 4 bytes of the SHA-256 of its relative path, as an integer, are below
@@ -138,6 +139,7 @@ class Corpus:
         python: the interpreter's version ("3.11.7"), whose stdlib this is.
         root: the stdlib directory read.
         sha256: hex SHA-256 of the train tokens followed by the val tokens.
+        skipped: files left out because they contain :data:`FILE_SEPARATOR` (relative paths).
     """
 
     train: torch.Tensor
@@ -147,13 +149,15 @@ class Corpus:
     python: str
     root: str
     sha256: str
+    skipped: tuple[str, ...] = ()
 
     def info(self) -> dict:
         """What a result must record about its data (JSON-serialisable)."""
         return {"corpus": "python-stdlib", "python": self.python, "root": self.root,
                 "files_train": self.n_files_train, "files_val": self.n_files_val,
                 "tokens_train": int(self.train.numel()), "tokens_val": int(self.val.numel()),
-                "vocab_size": VOCAB_SIZE, "tokenizer": "utf-8 bytes", "sha256": self.sha256}
+                "vocab_size": VOCAB_SIZE, "tokenizer": "utf-8 bytes", "sha256": self.sha256,
+                "skipped": list(self.skipped)}
 
 
 def _digest(train: np.ndarray, val: np.ndarray) -> str:
@@ -163,18 +167,20 @@ def _digest(train: np.ndarray, val: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def _build(root: Path, files: list[Path]) -> tuple[np.ndarray, np.ndarray, int, int]:
+def _build(root: Path, files: list[Path]) -> tuple[np.ndarray, np.ndarray, int, int, tuple[str, ...]]:
     parts: dict[bool, list[bytes]] = {False: [], True: []}
+    skipped = []
     for rel in files:
         raw = (root / rel).read_bytes()
         if FILE_SEPARATOR in raw:
-            raise ValueError(f"{root / rel} contains the separator byte 0x{FILE_SEPARATOR:02X}")
+            skipped.append(rel.as_posix())
+            continue
         parts[is_validation_file(rel)].append(raw)
     sep = bytes([FILE_SEPARATOR])
     arrays = [np.frombuffer(sep.join(parts[v]), dtype=np.uint8).copy() for v in (False, True)]
     if not parts[True] or not parts[False]:
         raise ValueError(f"the split of {len(files)} files left one side empty")
-    return arrays[0], arrays[1], len(parts[False]), len(parts[True])
+    return arrays[0], arrays[1], len(parts[False]), len(parts[True]), tuple(skipped)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -197,8 +203,7 @@ def load_corpus(cache_dir: Optional[Union[str, Path]] = None, root: Optional[Uni
         A :class:`Corpus`; the same tokens on every call for the same files.
 
     Raises:
-        FileNotFoundError: no such directory or no file in it; ValueError: a file contains the
-        separator byte, or a split is empty.
+        FileNotFoundError: no such directory or no file in it; ValueError: a split is empty.
     """
     root = Path(root) if root is not None else stdlib_dir()
     files = stdlib_files(root)
@@ -207,17 +212,17 @@ def load_corpus(cache_dir: Optional[Union[str, Path]] = None, root: Optional[Uni
     key = hashlib.sha256(f"{root}\n{listing}".encode()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     stem = cache / f"stdlib-{python}-{key}"
-    meta_path = stem.with_suffix(".json")
+    meta_path = Path(f"{stem}.json")
     train_path, val_path = Path(f"{stem}.train.bin"), Path(f"{stem}.val.bin")
     if meta_path.exists() and train_path.exists() and val_path.exists():
         meta = json.loads(meta_path.read_text())
         train, val = np.fromfile(train_path, dtype=np.uint8), np.fromfile(val_path, dtype=np.uint8)
         if _digest(train, val) == meta.get("sha256"):
             return Corpus(torch.from_numpy(train), torch.from_numpy(val), meta["files_train"], meta["files_val"],
-                          python, str(root), meta["sha256"])
-    train, val, n_train, n_val = _build(root, files)
+                          python, str(root), meta["sha256"], tuple(meta.get("skipped", ())))
+    train, val, n_train, n_val, skipped = _build(root, files)
     corpus = Corpus(torch.from_numpy(train), torch.from_numpy(val), n_train, n_val, python, str(root),
-                    _digest(train, val))
+                    _digest(train, val), skipped)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         _write_atomic(train_path, train.tobytes())
