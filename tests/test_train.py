@@ -151,7 +151,7 @@ def test_three_models_compute_the_same_function():
     # agree within 1e-5 absolute (about 30 u of each loss of ~6), a wrong head order or tie
     # changes them by O(1).
     shape = ModelShape(layers=2, hidden=32, heads=4, seq=16, ffn=48)
-    unfused = build_gpt(shape, "unfused")
+    unfused = build_gpt(shape, "unfused", device=DEVICE)  # (its cross entropy is a fusedlib kernel too)
     with torch.no_grad():
         for p in unfused.parameters():
             p.copy_(0.3 * torch.randn(p.shape))
@@ -163,12 +163,12 @@ def test_three_models_compute_the_same_function():
     assert plain.lm_head.weight is plain.wte.weight
     ids = torch.randint(0, 256, (3, 13))
     labels = torch.randint(0, 256, (3, 13))
-    ref = unfused(ids, None, None, labels=labels)
+    ref = unfused(ids.to(DEVICE), None, None, labels=labels.to(DEVICE))
     assert ref.shape == (3, 13) and ref.dtype == torch.float32
     for m in (fused, plain):
         got = m(ids.to(DEVICE), None, None, labels=labels.to(DEVICE))
         assert got.shape == (3, 13) and got.dtype == torch.float32
-        torch.testing.assert_close(got.cpu(), ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
         logits = m(ids.to(DEVICE), None, None)
         assert logits.shape == (3, 13, 256)
     # the conversion copies, and refuses what it does not know
@@ -329,7 +329,8 @@ def test_cli_bench_writes_records(tmp_path, stdlib_root, monkeypatch):
     argv = ["--bench", "--bench-runs", "fusedlib-unfused", "torch.compile", "--layers", "1", "--hidden", "32",
             "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "4", "--warmup", "1", "--log-interval", "2",
             "--eval-interval", "0", "--eval-batches", "1", "--bench-warmup", "2", "--sample", "5",
-            "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--device", "cpu"]
+            "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--no-progress",
+            "--device", str(DEVICE), "--no-bf16"]
     from fusedlib.train import bench
 
     # (torch.compile's Inductor on a CPU compiles C++ for minutes: its "eager" backend traces the same graph)
@@ -375,13 +376,15 @@ def test_tensor_parallel_training_matches_one_rank_and_resumes(stdlib_root, corp
     cache = str(tmp_path / "cache")
     load_corpus(cache, root=stdlib_root)  # built once, before the ranks read it
     kw = dict(TINY, steps=4, spec="unfused", device="cpu", bf16=False, heads=2, eval_interval=2)
-    ranks = spawn(_tp_train_worker, 2, dict(kw, dropout=0.1), str(stdlib_root), cache, str(tmp_path / "tp"))
+    # (gloo: CPU processes, kernels interpreted, on any machine)
+    ranks = spawn(_tp_train_worker, 2, dict(kw, dropout=0.1), str(stdlib_root), cache, str(tmp_path / "tp"),
+                  backend="gloo")
     for whole, resumed, files in ranks:
         assert resumed == whole
         assert files == ["checkpoint-tp0.pt", "checkpoint-tp1.pt", "metrics.jsonl"]
     assert ranks[0][0] == ranks[1][0]  # every rank computes the same (all-reduced) loss
-    no_dropout = spawn(_tp_train_worker, 2, kw, str(stdlib_root), cache, str(tmp_path / "tp0"))[0][0]
-    one = Trainer(TrainConfig(**kw), corpus=corpus)
+    no_dropout = spawn(_tp_train_worker, 2, kw, str(stdlib_root), cache, str(tmp_path / "tp0"), backend="gloo")[0][0]
+    one = Trainer(TrainConfig(**dict(kw, device=str(DEVICE))), corpus=corpus)  # (CUDA's float32 where there is one)
     one.run()
     assert len(one.losses()) == 4
     assert max(abs(a - b) for a, b in zip(no_dropout, one.losses())) < 1e-4
