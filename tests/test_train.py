@@ -397,3 +397,29 @@ def test_tensor_parallel_flags():
         TrainConfig(tp=4, heads=6)
     with pytest.raises(RuntimeError, match="torchrun"):
         Trainer(TrainConfig(**dict(TINY, tp=2, steps=2, device="cpu")))
+
+
+def test_bench_keeps_the_runs_that_finish(tmp_path, stdlib_root, monkeypatch):
+    # a failing run is logged and left out; the others are measured and written; exit status 1
+    from fusedlib.train import bench
+
+    monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
+
+    def fake_run(name, cfg, corpus, warmup, sample_tokens, log):
+        if name == "fusedlib-compile":
+            raise RuntimeError("no graph today")
+        return {"op": "train", "impl": name, "tokens_per_s": 1.0, "ms_per_step": 1.0, "losses": [1.0], "val": [],
+                "wall_s": 0.0}
+
+    monkeypatch.setattr(bench, "_one_run", fake_run)
+    lines = []
+    base = TrainConfig(**dict(TINY, steps=4, cache_dir=str(tmp_path / "cache")))
+    records = bench.run_bench(base, tmp_path, ["fusedlib", "fusedlib-compile", "torch.compile"], warmup=2,
+                              log=lines.append)
+    assert [r["impl"] for r in records] == ["fusedlib", "torch.compile"]
+    assert [r["impl"] for r in json.loads((tmp_path / bench.BENCH_FILE).read_text())] == ["fusedlib", "torch.compile"]
+    assert any("fusedlib-compile: FAILED" in line and "no graph today" in line for line in lines)
+    argv = ["--bench", "--bench-runs", "fusedlib", "fusedlib-compile", "--steps", "4", "--log-interval", "2",
+            "--bench-warmup", "2", "--out", str(tmp_path / "cli"), "--cache-dir", str(tmp_path / "cache")]
+    monkeypatch.setattr(bench, "bench_table", lambda records: "")
+    assert cli.main(argv) == 1

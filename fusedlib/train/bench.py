@@ -13,6 +13,9 @@ batches in the same order, with the same optimizer and schedule (the command lin
 ``fusedlib-local``    (only when asked for) fusedlib's fused GPTModel with the materialised
                       attention and its softmax kernels: the same attention algorithm as
                       ``fusedlib-unfused``, so the two differ by the fusions alone
+``fusedlib-compile``  (only when asked for) ``fusedlib``'s model, ``torch.compile``d as a whole
+                      (Inductor fuses what fusedlib leaves unfused and traces fusedlib's
+                      kernels into its graph)
 ====================  =======================================================================
 
 Timing: wall time of logging windows (the device synchronised at their ends, evaluations
@@ -46,7 +49,8 @@ from .data import Corpus, load_corpus
 from .loop import TrainConfig, Trainer
 from .model import count_parameters
 
-__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table", "run_tp_bench", "tp_bench_file",
+__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table",
+           "run_tp_bench", "tp_bench_file",
            "load_train_bench", "smooth", "plot_losses"]
 
 #: impl -> the TrainConfig fields that make it.
@@ -55,6 +59,7 @@ BENCH_RUNS: dict[str, dict] = {
     "fusedlib-unfused": dict(model="gpt", spec="unfused", compile=False),
     "torch.compile": dict(model="plain", compile=True),
     "fusedlib-local": dict(model="gpt", spec="fused", compile=False, attention_backend="local"),
+    "fusedlib-compile": dict(model="gpt", spec="fused", compile=True),
 }
 #: The runs of ``--bench`` without ``--bench-runs``.
 DEFAULT_BENCH_RUNS = ("fusedlib", "fusedlib-unfused", "torch.compile")
@@ -85,7 +90,8 @@ def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_to
     text = None
     if sample_tokens:
         text = trainer.sample(SAMPLE_PROMPT, sample_tokens, SAMPLE_TEMPERATURE, SAMPLE_TOP_K, seed=0)
-    return {"op": "train", "impl": name, "label": cfg.label(), **environment(), "python": platform.python_version(),
+    return {"op": "train", "impl": name, "label": cfg.label(), "dtype": "bfloat16" if trainer.bf16 else "float32",
+            **environment(), "python": platform.python_version(),
             "corpus": corpus.info(), "config": dataclasses.asdict(cfg), "params": count_parameters(trainer.model),
             "tokens_per_step": tokens, "warmup_steps": warmup, "timed_steps": steps, "timed_s": seconds,
             "tokens_per_s": steps * tokens / seconds if seconds else None,
@@ -111,7 +117,9 @@ def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[s
         log: where progress lines go.
 
     Returns:
-        The records, in the order of ``runs``.
+        The records, in the order of ``runs``, of the runs that finished. A run that raises is
+        logged (its error's first line) and left out, and the others still run: one optional
+        configuration that fails must not cost the measurements of the rest.
 
     Raises:
         ValueError: an unknown run name, or a warmup that leaves no timed window.
@@ -126,7 +134,11 @@ def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[s
     records = []
     for name in runs:
         cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None)
-        record = _one_run(name, cfg, corpus, warmup, sample_tokens, log)
+        try:
+            record = _one_run(name, cfg, corpus, warmup, sample_tokens, log)
+        except Exception as exc:  # noqa: BLE001  (reported, and the other runs go on)
+            log(f"{name}: FAILED, left out: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
         log(f"{name}: {record['tokens_per_s']:,.0f} tokens/s, {record['ms_per_step']:.2f} ms/step, final loss "
             f"{record['losses'][-1]:.4f}, val {record['val'][-1][1] if record['val'] else float('nan'):.4f}, "
             f"{record['wall_s']:.0f} s in all")
@@ -256,9 +268,10 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
 
 #: Line colours of the runs (fusedlib's chapters' colours).
 RUN_COLORS = {"fusedlib": "#d62728", "fusedlib-unfused": "#f4a6a6", "torch.compile": "#5c6bc0",
-              "fusedlib-local": "#8c1c1c"}
+              "fusedlib-local": "#8c1c1c", "fusedlib-compile": "#ff7f0e"}
 #: Line styles, so that curves lying on each other stay visible.
-RUN_STYLES = {"fusedlib": "-", "fusedlib-unfused": "--", "torch.compile": ":", "fusedlib-local": "-."}
+RUN_STYLES = {"fusedlib": "-", "fusedlib-unfused": "--", "torch.compile": ":", "fusedlib-local": "-.",
+              "fusedlib-compile": "-"}
 
 
 def plot_losses(records: Sequence[dict], window: int = 25, ax=None, skip: int = 0):

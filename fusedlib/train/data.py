@@ -58,7 +58,8 @@ import torch
 
 __all__ = [
     "VOCAB_SIZE", "FILE_SEPARATOR", "EXCLUDED_DIRS", "VAL_PERCENT", "GENERATED_MARKER", "Corpus", "stdlib_dir",
-    "stdlib_files", "is_validation_file", "is_generated", "load_corpus", "encode", "decode", "get_batch", "default_cache_dir",
+    "stdlib_files", "is_validation_file", "is_generated", "load_corpus", "encode", "decode", "get_batch",
+    "default_cache_dir",
 ]
 
 #: Byte-level vocabulary: the 256 values of a byte (a multiple of 128 already).
