@@ -71,6 +71,9 @@ def _check_gpt(results: list, world_size: int) -> list[str]:
             failures.append(f"{tag}: the ranks' losses differ")
         if not close(rank0["loss"], rank0["ref_loss"], dtype):
             failures.append(f"{tag}: loss differs from the one-rank loss")
+        if not all(torch.equal(r["grad_norm"], rank0["grad_norm"]) for r in ranks) or \
+                not close(rank0["grad_norm"], rank0["ref_grad_norm"], dtype):
+            failures.append(f"{tag}: the gradient norm differs from the one-rank norm (or between ranks)")
         # the gradients gathered from the ranks; replicated ones must agree bitwise across ranks
         grads = unshard_state_dict([r["grads"] for r in ranks], rank0["layout"])
         floor = grad_scale_floor(rank0["ref_grads"])
@@ -174,6 +177,27 @@ def test_one_rank_issues_no_collectives_and_no_extra_nodes(seed):
     assert layout["decoder.layers.0.mlp.linear_fc1.weight"] == PartitionSpec(0, 2)  # SwiGLU: stride 2
     assert layout["decoder.layers.0.self_attention.linear_proj.weight"] == PartitionSpec(1, 1)
     assert "decoder.layers.0.self_attention.linear_proj.bias" not in layout
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_matches_torch_on_one_rank(norm_type, seed):
+    from fusedlib.parallel.check_tp import _inputs, build_gpt
+
+    model = build_gpt(CASES["unfused/gelu/learned/qk-norm/fused-ce"], 1, torch.float64, seed)
+    ids, labels, grad = _inputs(seed, next(model.parameters()).device)
+    model(ids, None, None, labels=labels).backward(grad)
+    params = [p for p in model.parameters()]
+    ref = [p.grad.clone() for p in params]
+    ref_params = [torch.nn.Parameter(torch.empty_like(g)) for g in ref]
+    for rp, g in zip(ref_params, ref):
+        rp.grad = g
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.5, norm_type=norm_type)
+    norm = fp.clip_grad_norm(model, 0.5, norm_type=norm_type)
+    # float64 norms of ~1e4 entries: ~1e4·eps relative at most; the clipped gradients one more rounding
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=0)
+    assert norm > 0.5  # so the gradients were clipped
+    for p, rp in zip(params, ref_params):
+        torch.testing.assert_close(p.grad, rp.grad, rtol=1e-12, atol=1e-15)
 
 
 # ----------------------------------------------------------------------------------- mappings
@@ -405,8 +429,9 @@ def test_parallel_layers_match_the_full_layer(backend, seed):
 def _dropout_worker(rank, world_size, device, seed):
     from fusedlib.parallel.check_tp import _inputs, build_gpt
     from fusedlib.parallel.finalize_model_grads import finalize_model_grads
+    from fusedlib.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from fusedlib.transformer.dot_product_attention import DotProductAttention
-    from fusedlib.transformer.enums import AttnMaskType
+    from fusedlib.transformer.enums import AttnBackend, AttnMaskType
 
     p = world_size
     cpu = {"use_cpu_initialization": device.type == "cpu"}
@@ -436,16 +461,27 @@ def _dropout_worker(rank, world_size, device, seed):
     torch.distributed.all_gather(parts, a)
     assert torch.equal(parts[0], parts[1]), "default streams differ across ranks"
 
-    # the attention dropout of this rank's heads is this rank's own: the same inputs on both ranks
-    # give different outputs
-    cfg = fp_config(num_layers=1, hidden_size=8, num_attention_heads=2 * p, kv_channels=4, attention_dropout=0.5,
-                    tensor_model_parallel_size=p, params_dtype=torch.float64)
-    attn = DotProductAttention(cfg, 1, AttnMaskType.causal, "self").train()
-    q = torch.randn(5, 1, 2, 4, dtype=torch.float64, device=device)  # [s, b, np/p, hn], same on every rank
-    ctx = attn(q, q, q, None)
-    parts = gather(ctx)
-    torch.distributed.all_gather(parts, ctx)
-    assert not torch.equal(parts[0], parts[1]), "the ranks' heads drew the same attention-dropout mask"
+    # the attention dropout of this rank's heads is this rank's own, on every backend: give every
+    # rank the same heads (rank 0's QKV shard) and the same input; without dropout their core
+    # attentions agree, with it they differ
+    for backend in (AttnBackend.local, AttnBackend.auto, AttnBackend.flash):
+        cfg = fp_config(num_layers=1, hidden_size=16, num_attention_heads=2 * p, kv_channels=4, attention_dropout=0.5,
+                        tensor_model_parallel_size=p, attention_backend=backend, add_bias_linear=False, **cpu)
+        attn = SelfAttention(cfg, SelfAttentionSubmodules(linear_qkv=fp.ColumnParallelLinear,
+                                                          core_attention=DotProductAttention,
+                                                          linear_proj=fp.RowParallelLinear),
+                             layer_number=1, attn_mask_type=AttnMaskType.causal).to(device)
+        torch.distributed.broadcast(attn.linear_qkv.weight.data, src=0)
+        seen = []
+        attn.core_attention.register_forward_hook(lambda module, args, output: seen.append(output.detach()))
+        x = torch.randn(5, 1, 16, device=device)  # [s, b, h], the same on every rank
+        for train in (False, True):
+            seen.clear()
+            attn.train(train)(x, None)
+            parts = gather(seen[0])
+            torch.distributed.all_gather(parts, seen[0])
+            assert torch.equal(parts[0], parts[1]) is not train, \
+                f"{backend.name}: the ranks' identical heads drew {'the same' if train else 'different'} outputs"
 
     # the hidden dropout of the replicated residual stream (no sequence parallelism) is the same on
     # every rank, and the same as on one rank: the loss equals the one-rank loss in training

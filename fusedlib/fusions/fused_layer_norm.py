@@ -36,8 +36,9 @@ What the ``TransformerConfig`` switches do here:
   NaN is the signal. The recovered x_hat carries y's rounding divided by |gamma|: where a
   gamma is tiny next to beta (LayerNorm), its dgamma and dx lose accuracy (chapter 4
   measures it).
-* ``sequence_parallel``: set as an attribute on weight and bias, for Megatron's
-  gradient all-reduce across the tensor-parallel group.
+* ``sequence_parallel``: set as an attribute on weight and bias, for the gradient
+  all-reduce across the tensor-parallel group (:func:`fusedlib.parallel.finalize_model_grads`,
+  Megatron's ``finalize_model_grads``).
 
 The output is never a view (its ``_base`` is None), so Megatron's pipeline schedule can
 free it with ``deallocate_output_tensor``; Apex's persistent kernel returns a view and

@@ -12,7 +12,8 @@
   :class:`VocabParallelEmbedding`;
 * random numbers (:mod:`.random`): :func:`model_parallel_cuda_manual_seed`,
   :func:`get_cuda_rng_tracker`, :func:`checkpoint`;
-* gradients (:mod:`.finalize_model_grads`): :func:`finalize_model_grads`;
+* gradients (:mod:`.finalize_model_grads`, :mod:`.clip_grads`): :func:`finalize_model_grads`,
+  :func:`clip_grad_norm` (the norm of the whole model, over the ranks);
 * checkpoints (:mod:`.checkpointing`): :func:`get_tensor_parallel_layout`,
   :func:`shard_state_dict`, :func:`unshard_state_dict`;
 * the loss (:mod:`.cross_entropy`): :func:`vocab_parallel_cross_entropy` (Megatron-core's unfused
@@ -21,9 +22,11 @@
 * bookkeeping (:mod:`.utils`): :func:`count_collectives` logs every collective fusedlib issues.
 
 Source: Megatron-LM ``megatron/core/tensor_parallel/``, ``megatron/core/parallel_state.py``,
-``megatron/core/distributed/finalize_model_grads.py`` and ``megatron/core/fusions/fused_cross_entropy.py``.
+``megatron/core/distributed/finalize_model_grads.py``, ``megatron/core/optimizer/clip_grads.py`` and
+``megatron/core/fusions/fused_cross_entropy.py``.
 """
 from .checkpointing import PartitionSpec, get_tensor_parallel_layout, shard_state_dict, unshard_state_dict
+from .clip_grads import clip_grad_norm
 from .cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from .finalize_model_grads import finalize_model_grads
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -81,6 +84,7 @@ __all__ = [
     "checkpoint",
     # gradients and checkpoints
     "finalize_model_grads",
+    "clip_grad_norm",
     "PartitionSpec",
     "get_tensor_parallel_layout",
     "shard_state_dict",

@@ -36,6 +36,7 @@ Source: the equivalence Megatron-core's tensor-parallel tests check layer by lay
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any, Optional
@@ -114,14 +115,17 @@ def _inputs(seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return ids.to(device), labels.to(device), grad.to(device)
 
 
-def _run(model, ids, labels, grad, finalize: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _run(model, ids, labels, grad, finalize: bool = True
+         ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    from .clip_grads import clip_grad_norm
     from .finalize_model_grads import finalize_model_grads
 
     loss = model(ids, None, None, labels=labels)  # [b, s] float32 (float64 for float64 weights)
     loss.backward(grad.to(loss.dtype))
     if finalize:
         finalize_model_grads(model)
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grad_norm = clip_grad_norm(model, math.inf)  # (max_norm inf: measures, clips nothing)
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}, grad_norm
 
 
 def gpt_tp_check(rank: int, world_size: int, device: torch.device, case_name: str, dtype: torch.dtype, seed: int,
@@ -130,14 +134,16 @@ def gpt_tp_check(rank: int, world_size: int, device: torch.device, case_name: st
     """Run one case on this rank (model parallelism initialized with p = world size).
 
     Returns:
-        A dict: ``loss`` (this rank's p-rank loss [b, s]), ``grads`` (name -> this rank's
-        gradient shard), ``layout`` (the split entries), ``init_matches`` (the p-rank weights
-        are exactly the shards of the one-rank weights), ``logits_ok`` (the gathered logits
-        equal the one-rank logits, at the dtype's tolerance), and on rank 0 (every rank unless
-        ``reference_on_rank0_only``) ``ref_loss`` and ``ref_grads`` of the one-rank model; all
-        on the CPU. ``finalize=False`` leaves out :func:`fusedlib.parallel.finalize_model_grads`
-        on the p-rank model (to show what it fixes); ``check_logits=False`` skips the logits
-        (one forward pass of each model less; ``logits_ok`` is then None).
+        A dict, on the CPU: ``loss`` (this rank's p-rank loss [b, s]), ``grads`` (name -> this
+        rank's gradient shard), ``grad_norm`` (the model's total gradient norm,
+        :func:`~fusedlib.parallel.clip_grad_norm`), ``layout`` (the split entries),
+        ``init_matches`` (the p-rank weights are exactly the shards of the one-rank weights),
+        ``logits_ok`` (the gathered logits equal the one-rank logits, at the dtype's tolerance),
+        and on rank 0 (every rank unless ``reference_on_rank0_only``) ``ref_loss``,
+        ``ref_grads`` and ``ref_grad_norm`` of the one-rank model. ``finalize=False`` leaves out
+        :func:`fusedlib.parallel.finalize_model_grads` on the p-rank model (to show what it
+        fixes); ``check_logits=False`` skips the logits (one forward pass of each model less;
+        ``logits_ok`` is then None).
     """
     from .checkpointing import get_tensor_parallel_layout, shard_state_dict
 
@@ -157,15 +163,16 @@ def gpt_tp_check(rank: int, world_size: int, device: torch.device, case_name: st
 
     ids, labels, grad = _inputs(seed, device)
     out: dict[str, Any] = {"layout": dict(layout), "init_matches": init_matches}
-    loss, grads = _run(model, ids, labels, grad, finalize)
-    out["loss"], out["grads"] = loss.cpu(), {k: v.cpu() for k, v in grads.items()}
+    loss, grads, grad_norm = _run(model, ids, labels, grad, finalize)
+    out["loss"], out["grads"], out["grad_norm"] = loss.cpu(), {k: v.cpu() for k, v in grads.items()}, grad_norm.cpu()
     if check_logits:
         with torch.no_grad():
             logits = model(ids, None, None, runtime_gather_output=True)  # [b, s, V], gathered from the ranks
     out["logits_ok"] = None
     if rank == 0 or not reference_on_rank0_only:
-        ref_loss, ref_grads = _run(single, ids, labels, grad)
+        ref_loss, ref_grads, ref_norm = _run(single, ids, labels, grad)
         out["ref_loss"], out["ref_grads"] = ref_loss.cpu(), {k: v.cpu() for k, v in ref_grads.items()}
+        out["ref_grad_norm"] = ref_norm.cpu()
         if check_logits:
             with torch.no_grad():
                 ref_logits = single(ids, None, None)
@@ -197,6 +204,8 @@ def compare(result: dict[str, Any], rank: int, world_size: int, dtype: torch.dty
         bad.append("logits differ")
     if not close(result["loss"], result["ref_loss"], dtype):
         bad.append("loss differs")
+    if not close(result["grad_norm"], result["ref_grad_norm"], dtype):
+        bad.append("gradient norm differs")
     floor = grad_scale_floor(result["ref_grads"])
     for name, ref in result["ref_grads"].items():
         spec = result["layout"].get(name)

@@ -18,9 +18,10 @@ tracker also tracks the CPU generator, since fusedlib's dropout runs on CPU tens
 Triton's interpreter). fusedlib's modules fork only when the tensor-parallel size is > 1, so
 one rank needs no tracker and runs exactly as before.
 
-Where fusedlib forks (as Megatron-core): the attention dropout without sequence parallelism
-(:class:`~fusedlib.transformer.dot_product_attention.DotProductAttention`); with sequence
-parallelism the whole transformer block and the embedding dropout.
+Where fusedlib forks: without sequence parallelism, around the core attention
+(:class:`~fusedlib.transformer.attention.Attention`: every backend's attention dropout;
+Megatron-core forks around the dropout inside ``DotProductAttention``); with sequence
+parallelism, the whole transformer block and the embedding dropout (as Megatron-core).
 
 Activation recomputation reruns a forward in the backward; the rerun must draw the masks of
 the first run. ``torch.utils.checkpoint`` restores the default generators for that, not the

@@ -28,7 +28,11 @@ column-parallel and the output projection row-parallel, so each rank computes wh
 np/p query heads and ng/p key/value groups (the QKV weight's rows are grouped per key/value
 group, ``[ng, (np/ng + 2)·hn]``, so a contiguous split hands each rank whole groups), and the
 only communication is the projection's all-reduce (or reduce-scatter). np and ng must be
-divisible by p (a ValueError otherwise).
+divisible by p (a ValueError otherwise). In training with attention dropout and without
+sequence parallelism, the core attention runs under the tensor-parallel RNG tracker's
+model-parallel state (``get_cuda_rng_tracker().fork()``), so each rank's heads draw their own
+masks, whichever backend computes them (Megatron-core forks around the dropout inside its
+``DotProductAttention``).
 
 Source: Megatron-LM ``megatron/core/transformer/attention.py``.
 """
@@ -40,6 +44,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..parallel.random import checkpoint as tensor_parallel_checkpoint
+from ..parallel.random import get_cuda_rng_tracker
 from .enums import AttnMaskType
 from .identity_op import IdentityOp
 from .module import MegatronModule
@@ -138,6 +143,11 @@ class Attention(MegatronModule):
                                            softmax_scale=config.softmax_scale)
         self.checkpoint_core_attention = (config.recompute_granularity == "selective"
                                           and "core_attn" in config.recompute_modules)
+        # tensor parallelism without sequence parallelism: this rank's heads draw their own
+        # attention-dropout masks, from the tracker's model-parallel state (any core attention)
+        dropout = getattr(getattr(self.core_attention, "attention_dropout", None), "p", config.attention_dropout)
+        self._fork_core_attention_rng = (config.tensor_model_parallel_size > 1 and not config.sequence_parallel
+                                         and dropout > 0)
         # [Module 2: output projection]
         self.linear_proj = build_module(submodules.linear_proj, self.query_projection_size, config.hidden_size,
                                         config=config, init_method=config.output_layer_init_method,
@@ -151,9 +161,16 @@ class Attention(MegatronModule):
 
     def _checkpointed_attention_forward(self, query, key, value, attention_mask) -> torch.Tensor:
         """The core attention under activation checkpointing: its [b, np, sq, sk] probabilities are
-        recomputed in the backward instead of stored; the RNG state is restored for the recompute,
-        so the attention dropout draws the same mask."""
+        recomputed in the backward instead of stored; the RNG state (and with tensor parallelism
+        the tracker's, :func:`fusedlib.parallel.random.checkpoint`) is restored for the
+        recompute, so the attention dropout draws the same mask."""
         return tensor_parallel_checkpoint(self.core_attention, query, key, value, attention_mask)
+
+    def _core_attention_forward(self, query, key, value, attention_mask) -> torch.Tensor:
+        """The core attention, checkpointed in training with selective recomputation of "core_attn"."""
+        if self.checkpoint_core_attention and self.training:
+            return self._checkpointed_attention_forward(query, key, value, attention_mask)
+        return self.core_attention(query, key, value, attention_mask)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 key_value_states: Optional[torch.Tensor] = None, inference_context: object = None,
@@ -176,10 +193,11 @@ class Attention(MegatronModule):
             if k_pos_emb is not None:
                 key = apply_rotary_pos_emb(key, k_pos_emb, self.config)
 
-        if self.checkpoint_core_attention and self.training:
-            core_attn_out = self._checkpointed_attention_forward(query, key, value, attention_mask)
+        if self._fork_core_attention_rng and self.training:
+            with get_cuda_rng_tracker().fork():  # this rank's heads: this rank's dropout masks
+                core_attn_out = self._core_attention_forward(query, key, value, attention_mask)
         else:
-            core_attn_out = self.core_attention(query, key, value, attention_mask)  # [sq, b, np·hn]
+            core_attn_out = self._core_attention_forward(query, key, value, attention_mask)  # [sq, b, np/p·hn]
 
         output, bias = self.linear_proj(core_attn_out)  # [sq, b, h], [h] or None
         return output, bias

@@ -30,10 +30,11 @@ scores (one is allocated per call).
 
 Tensor parallelism: each rank holds np/p query heads and ng/p key/value groups
 (:func:`~fusedlib.transformer.utils.heads_per_partition`). Its heads are its own, so their
-dropout masks must be too: with p > 1 and no sequence parallelism the attention dropout draws
-from the tracker's model-parallel state (``get_cuda_rng_tracker().fork()``,
-:mod:`fusedlib.parallel.random`), as in Megatron-core; under sequence parallelism the whole
-block already runs on that state. On one rank: torch's generator, no fork.
+dropout masks must be too: with p > 1 the attention dropout draws from the tracker's
+model-parallel state (:mod:`fusedlib.parallel.random`). :class:`~fusedlib.transformer.attention.Attention`
+enters it around its core attention, whatever the backend (Megatron-core forks inside this
+module, around the dropout of the materialised path); under sequence parallelism the whole
+block runs on that state. On one rank: torch's generator, no fork.
 
 Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py``.
 """
@@ -48,7 +49,6 @@ import torch.nn.functional as F
 from .. import unfused
 from ..fusions import fused_softmax
 from ..fusions.fused_softmax import FusedScaleMaskSoftmax
-from ..parallel.random import get_cuda_rng_tracker
 from .enums import AttnBackend, AttnMaskType
 from .module import MegatronModule
 from .transformer_config import TransformerConfig
@@ -103,9 +103,6 @@ class DotProductAttention(MegatronModule):
         # tensor parallelism: this rank's np/p query heads and ng/p key/value groups
         self.num_attention_heads_per_partition, self.num_query_groups_per_partition = heads_per_partition(config)
         self.hidden_size_per_partition = config.kv_channels * self.num_attention_heads_per_partition  # np/p·hn
-        # each rank's heads draw their own dropout mask (the tracker's model-parallel state); under
-        # sequence parallelism the whole block already runs on that state
-        self._fork_dropout_rng = config.tensor_model_parallel_size > 1 and not config.sequence_parallel
 
         coeff = None
         self.softmax_scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head) if softmax_scale is None \
@@ -165,12 +162,6 @@ class DotProductAttention(MegatronModule):
         return context.view(sq, b, self.hidden_size_per_partition)  # -> [sq, b, np·hn]
 
     def _softmax_dropout(self, scores: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        if self._fork_dropout_rng and self.training and self.attention_dropout.p > 0:
-            with get_cuda_rng_tracker().fork():
-                return self._softmax_dropout_impl(scores, attention_mask)
-        return self._softmax_dropout_impl(scores, attention_mask)
-
-    def _softmax_dropout_impl(self, scores: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         p = self.attention_dropout.p
         fused_dropout = getattr(fused_softmax, "fused_scale_mask_softmax_dropout", None)
         if self.training and p > 0 and self.config.masked_softmax_fusion:
@@ -191,18 +182,11 @@ class DotProductAttention(MegatronModule):
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)  # undo the layer scaling's split
         dropout_p = self.attention_dropout.p if self.training else 0.0
         gqa = np_ != self.num_query_groups_per_partition
-        if dropout_p > 0 and self._fork_dropout_rng:
-            with get_cuda_rng_tracker().fork():  # this rank's heads: this rank's mask
-                return self._sdpa(q, k, v, attention_mask, sq, sk, causal, scale, dropout_p, gqa, query.device)
-        return self._sdpa(q, k, v, attention_mask, sq, sk, causal, scale, dropout_p, gqa, query.device)
-
-    def _sdpa(self, q, k, v, attention_mask, sq, sk, causal, scale, dropout_p, gqa, device):
-        b, np_, _, hn = q.shape
         if attention_mask is None and self.window_size is None and (not causal or sq == sk):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
                                                  enable_gqa=gqa)
         else:
-            masked = self._structural_mask(sq, sk, causal, device)
+            masked = self._structural_mask(sq, sk, causal, query.device)
             if attention_mask is not None:
                 masked = attention_mask if masked is None else (attention_mask | masked)
             empty = masked.all(dim=-1, keepdim=True)  # rows with nothing to attend to: SDPA would give NaN
