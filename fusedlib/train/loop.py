@@ -339,18 +339,17 @@ class Trainer:
 
     def _clip_tensor_parallel(self, max_norm: float) -> None:
         """Clip the master gradients to a global norm over the whole (split) model: each split
-        parameter's squares on every rank, each replicated one's once (on rank 0), summed over the
-        tensor-parallel group (Megatron-core's ``get_grad_norm_fp32``); no host synchronisation."""
+        parameter's on every rank, each replicated one's once (on rank 0), reduced over the
+        tensor-parallel group (``fusedlib.parallel.clip_grads``, Megatron-core's
+        ``get_grad_norm_fp32``); no host synchronisation."""
         from ..parallel import get_tensor_model_parallel_group
+        from ..parallel.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
         from ..parallel.layers import param_is_not_tensor_parallel_duplicate
 
-        grads = [m.grad for m, p in zip(self.master, self.params)
-                 if m.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
-        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else \
-            torch.zeros((), device=self.device)
-        torch.distributed.all_reduce(squares, group=get_tensor_model_parallel_group())
-        scale = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
-        torch._foreach_mul_([m.grad for m in self.master if m.grad is not None], scale)
+        group = get_tensor_model_parallel_group()
+        grads = [m.grad for m, p in zip(self.master, self.params)  # (the split attributes are the model's)
+                 if m.grad is not None and param_is_not_tensor_parallel_duplicate(p, group)]
+        clip_grad_by_total_norm_fp32(self.master, max_norm, get_grad_norm_fp32(grads, 2.0, group))
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
