@@ -1,0 +1,193 @@
+"""``python -m fusedlib.train``: train a small GPT on the Python standard library's source.
+
+Usage::
+
+    python -m fusedlib.train --steps 2000 --out runs/fused            # fusedlib's fused GPT
+    python -m fusedlib.train --spec unfused --out runs/unfused        # the unfused spec
+    python -m fusedlib.train --model plain --compile --out runs/plain # nanoGPT-style, compiled
+    python -m fusedlib.train --out runs/fused --resume                # continue from the checkpoint
+    python -m fusedlib.train --sample 300 --prompt "class "           # print a sample at the end
+    python -m fusedlib.train --bench --out chapters/data/bench        # three runs -> train.json
+    torchrun --nproc-per-node 2 -m fusedlib.train --tp 2 --out runs/tp2   # tensor parallel, 2 GPUs
+    torchrun --nproc-per-node 2 -m fusedlib.train --bench-tp --steps 300 --out chapters/data/bench
+                                                         # tp = 2 and tp = 1 -> train_tp2.json
+
+Every flag is a field of :class:`fusedlib.train.TrainConfig` (``--help`` lists them with their
+defaults). Metrics go to ``<out>/metrics.jsonl`` (one JSON object per line), the checkpoint to
+``<out>/checkpoint.pt`` (with ``--tp``, one ``checkpoint-tp<rank>.pt`` per rank). ``--bench`` runs
+:data:`fusedlib.train.bench.DEFAULT_BENCH_RUNS` with the other flags and writes ``<out>/train.json``
+(default out: chapters/data/bench); ``--bench-tp``, under ``torchrun`` with p processes, trains the
+fused GPTModel with tp = p and, on rank 0, with tp = 1, and writes ``<out>/train_tp<p>.json``
+(:func:`fusedlib.train.bench.run_tp_bench`).
+
+Exit status: 0; 1 when a ``--bench`` run failed (the others are still measured and written);
+2 for a bad flag (argparse's, with a message naming the flag).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Optional
+
+from ..transformer.enums import AttnBackend
+from .model import MODELS, SPECS
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .loop import TrainConfig
+
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m fusedlib.train", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", choices=MODELS, default=d.model, help="gpt: fusedlib's GPTModel; plain: nanoGPT-style")
+    m.add_argument("--spec", choices=SPECS, default=d.spec, help="fusedlib's layer spec (--model gpt)")
+    m.add_argument("--attention-backend", choices=list(AttnBackend.__members__), default=d.attention_backend,
+                   help="the fused spec's attention: flash = scaled_dot_product_attention, local = materialised")
+    m.add_argument("--layers", type=int, default=d.layers)
+    m.add_argument("--hidden", type=int, default=d.hidden)
+    m.add_argument("--heads", type=int, default=d.heads)
+    m.add_argument("--ffn", type=int, default=d.ffn, help="MLP width (default 4 x hidden)")
+    m.add_argument("--seq", type=int, default=d.seq, help="tokens (bytes) per sequence")
+    m.add_argument("--dropout", type=float, default=d.dropout)
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
+    o.add_argument("--steps", type=int, default=d.steps)
+    o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    o.add_argument("--min-lr", type=float, default=d.min_lr, help="final learning rate (default lr/10)")
+    o.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
+    o.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    o.add_argument("--beta1", type=float, default=d.beta1)
+    o.add_argument("--beta2", type=float, default=d.beta2)
+    o.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global gradient norm (0: none)")
+    e = p.add_argument_group("execution")
+    e.add_argument("--device", default=d.device, help="default: cuda when present, else cpu")
+    e.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=d.bf16,
+                   help="bf16 weights with float32 master weights (default: on CUDA)")
+    e.add_argument("--compile", action="store_true", help="torch.compile the model")
+    e.add_argument("--tp", type=int, default=d.tp,
+                   help="tensor-parallel ranks (start with torchrun --nproc-per-node TP)")
+    e.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (with --tp > 1)")
+    e.add_argument("--seed", type=int, default=d.seed)
+    e.add_argument("--cache-dir", default=d.cache_dir,
+                   help="corpus cache (default $FUSEDLIB_CACHE or ~/.cache/fusedlib)")
+    w = p.add_argument_group("output")
+    w.add_argument("--out", default=None, help="directory for metrics.jsonl and checkpoint.pt (--bench: train.json)")
+    w.add_argument("--log-interval", type=int, default=d.log_interval)
+    w.add_argument("--eval-interval", type=int, default=d.eval_interval, help="0: only at the end")
+    w.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    w.add_argument("--save-interval", type=int, default=d.save_interval, help="0: only at the end")
+    w.add_argument("--stop-at", type=int, default=d.stop_at, help="stop (and save) after this step")
+    w.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--sample", type=int, default=0, metavar="N", help="print N sampled tokens after training")
+    s.add_argument("--prompt", default="def ")
+    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--top-k", type=int, default=40)
+    b = p.add_argument_group("benchmark")
+    b.add_argument("--bench", action="store_true", help="train each of --bench-runs, write <out>/train.json")
+    b.add_argument("--bench-runs", nargs="+", default=None,
+                   help="default: fusedlib fusedlib-unfused torch.compile (also: fusedlib-local, fusedlib-compile)")
+    b.add_argument("--bench-warmup", type=int, default=20, help="steps left out of the timing")
+    b.add_argument("--bench-tp", action="store_true",
+                   help="under torchrun with p processes: tp = p and tp = 1, write <out>/train_tp<p>.json")
+    return p
+
+
+def parse_args(argv: Optional[list[str]] = None):
+    """The command line -> ``(TrainConfig, argparse.Namespace)``; a bad value exits with status 2
+    and a message naming the flag."""
+    from .bench import BENCH_RUNS, DEFAULT_BENCH_RUNS
+    from .loop import TrainConfig
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values["progress"] = not args.no_progress
+    try:
+        config = TrainConfig(**values)
+    except ValueError as err:
+        parser.error(f"--{str(err).split(' ', 1)[0].replace('_', '-')}: {err}")
+    if args.sample < 0:
+        parser.error(f"--sample must be >= 0, got {args.sample}")
+    if not args.temperature > 0:
+        parser.error(f"--temperature must be > 0, got {args.temperature}")
+    if not 1 <= args.top_k <= 256:
+        parser.error(f"--top-k must be in [1, 256], got {args.top_k}")
+    if args.bench and args.bench_tp:
+        parser.error("--bench and --bench-tp are two different runs: choose one")
+    if args.bench_tp:
+        if args.resume or args.stop_at is not None:
+            parser.error("--bench-tp trains from scratch: --resume and --stop-at do not apply")
+        if config.tp != 1 or config.model != "gpt":
+            parser.error("--bench-tp sets the tensor-parallel size itself (the number of processes) and trains "
+                         "--model gpt: leave --tp and --model out")
+        if not 0 <= args.bench_warmup <= config.steps - config.log_interval:
+            parser.error(f"--bench-warmup must be in [0, steps - log_interval = {config.steps - config.log_interval}], "
+                         f"got {args.bench_warmup}")
+    if args.bench:
+        if args.resume or args.stop_at is not None:
+            parser.error("--bench trains from scratch: --resume and --stop-at do not apply")
+        runs = args.bench_runs or list(DEFAULT_BENCH_RUNS)
+        bad = [r for r in runs if r not in BENCH_RUNS]
+        if bad:
+            parser.error(f"--bench-runs: unknown {bad}; choices: {', '.join(BENCH_RUNS)}")
+        if not 0 <= args.bench_warmup <= config.steps - config.log_interval:
+            parser.error(f"--bench-warmup must be in [0, steps - log_interval = {config.steps - config.log_interval}], "
+                         f"got {args.bench_warmup}")
+    elif args.bench_runs is not None:
+        parser.error("--bench-runs needs --bench")
+    return config, args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the command line; returns the exit status."""
+    config, args = parse_args(argv)
+    if args.bench_tp or config.tp > 1:
+        from ..parallel import parallel_state
+
+        # torchrun's processes join one group; tp = the number of processes for --bench-tp
+        parallel_state.initialize_model_parallel(int(os.environ.get("WORLD_SIZE", "1")) if args.bench_tp else config.tp)
+        try:
+            return _main(config, args)
+        finally:
+            parallel_state.destroy_model_parallel()
+    return _main(config, args)
+
+
+def _main(config, args) -> int:
+    if args.bench_tp:
+        from .bench import run_tp_bench
+
+        out = args.out if args.out is not None else "chapters/data/bench"
+        run_tp_bench(dataclasses.replace(config, out=None), out, args.bench_warmup)
+        return 0
+    if args.bench:
+        from .bench import DEFAULT_BENCH_RUNS, bench_table, run_bench
+
+        out = args.out if args.out is not None else "chapters/data/bench"
+        base = dataclasses.replace(config, out=None)
+        records = run_bench(base, out, args.bench_runs or DEFAULT_BENCH_RUNS, args.bench_warmup, args.sample or 300)
+        print(bench_table(records))
+        print(f"wrote {out}/train.json")
+        asked = args.bench_runs or DEFAULT_BENCH_RUNS
+        return 0 if len(records) == len(asked) else 1
+    from .loop import Trainer
+
+    trainer = Trainer(config)
+    trainer.log(f"{config.label()}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f} M parameters"
+                f"{' on this rank' if config.tp > 1 else ''}, corpus {json.dumps(trainer.corpus.info())}")
+    trainer.run()
+    if args.sample:
+        text = trainer.sample(args.prompt, args.sample, args.temperature, args.top_k)  # (every rank draws)
+        trainer.log(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

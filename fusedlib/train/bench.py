@@ -1,0 +1,305 @@
+"""``python -m fusedlib.train --bench``: train the same model several ways in one process and
+record the throughput, the memory and the loss of every step: ``<out>/train.json``.
+
+The runs (:data:`BENCH_RUNS`, record ``impl``), each from the same initial weights, on the same
+batches in the same order, with the same optimizer and schedule (the command line's flags):
+
+====================  =======================================================================
+``fusedlib``          fusedlib's GPTModel, every fusion on, the attention backend of the flags
+                      (SDPA by default), eager
+``fusedlib-unfused``  fusedlib's GPTModel from the unfused spec: torch's norms, softmax,
+                      dropout, the materialised attention, the unfused cross entropy; eager
+``torch.compile``     the nanoGPT-style plain PyTorch GPT (SDPA), ``torch.compile``d as a whole
+``fusedlib-local``    (only when asked for) fusedlib's fused GPTModel with the materialised
+                      attention and its softmax kernels: the same attention algorithm as
+                      ``fusedlib-unfused``, so the two differ by the fusions alone
+``fusedlib-compile``  (only when asked for) ``fusedlib``'s model, ``torch.compile``d as a whole
+                      (Inductor fuses what fusedlib leaves unfused and traces fusedlib's
+                      kernels into its graph)
+====================  =======================================================================
+
+Timing: wall time of logging windows (the device synchronised at their ends, evaluations
+outside them); the first ``bench_warmup`` steps (compilation, Triton's autotuning, the
+allocator's growth) are left out. ``tokens_per_s`` = timed steps x b x s / timed seconds.
+
+A record (DESIGN.md's fields where they apply): ``op`` "train", ``impl``, ``label``,
+``device``, ``torch``, ``triton``, ``python``, ``corpus`` (:meth:`Corpus.info`), ``config``
+(the run's :class:`TrainConfig`), ``params``, ``tokens_per_step``, ``warmup_steps``,
+``timed_steps``, ``timed_s``, ``tokens_per_s``, ``ms_per_step``, ``window_tokens_per_s`` (each
+timed window's), ``peak_bytes`` (``torch.cuda.max_memory_allocated`` over the run: weights,
+master weights, optimizer state, activations; None on a CPU), ``losses`` (every step's training
+loss), ``val`` ([step, loss] pairs), ``wall_s`` (the whole run, compilation and evaluation
+included), ``sample`` (text the trained model wrote after :data:`SAMPLE_PROMPT`) and
+``sample_settings`` (prompt, tokens, temperature, top_k, seed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..bench.core import environment
+from .data import Corpus, load_corpus
+from .loop import TrainConfig, Trainer
+from .model import count_parameters
+
+__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table",
+           "run_tp_bench", "tp_bench_file",
+           "load_train_bench", "smooth", "plot_losses"]
+
+#: impl -> the TrainConfig fields that make it.
+BENCH_RUNS: dict[str, dict] = {
+    "fusedlib": dict(model="gpt", spec="fused", compile=False),
+    "fusedlib-unfused": dict(model="gpt", spec="unfused", compile=False),
+    "torch.compile": dict(model="plain", compile=True),
+    "fusedlib-local": dict(model="gpt", spec="fused", compile=False, attention_backend="local"),
+    "fusedlib-compile": dict(model="gpt", spec="fused", compile=True),
+}
+#: The runs of ``--bench`` without ``--bench-runs``.
+DEFAULT_BENCH_RUNS = ("fusedlib", "fusedlib-unfused", "torch.compile")
+BENCH_FILE = "train.json"
+#: The sample's prompt: the start of a function definition.
+SAMPLE_PROMPT = "def "
+#: The sample's temperature and top-k (a CPU generator seeded with 0 draws it).
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40
+
+
+def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_tokens: int,
+             log: Callable[[str], object]) -> dict:
+    if cfg.resolved_device().type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer = Trainer(cfg, corpus=corpus, log=log)
+    trainer.run()
+    wall = time.perf_counter() - start
+    timed = [(a, b, s) for a, b, s in trainer.windows if a > warmup]
+    steps = sum(b - a + 1 for a, b, _ in timed)
+    seconds = sum(s for _, _, s in timed)
+    tokens = cfg.batch * cfg.seq
+    peak = trainer._peak_bytes()
+    settings = {"prompt": SAMPLE_PROMPT, "tokens": sample_tokens, "temperature": SAMPLE_TEMPERATURE,
+                "top_k": SAMPLE_TOP_K, "seed": 0}
+    text = None
+    if sample_tokens:
+        text = trainer.sample(SAMPLE_PROMPT, sample_tokens, SAMPLE_TEMPERATURE, SAMPLE_TOP_K, seed=0)
+    return {"op": "train", "impl": name, "label": cfg.label(), "dtype": "bfloat16" if trainer.bf16 else "float32",
+            **environment(), "python": platform.python_version(),
+            "corpus": corpus.info(), "config": dataclasses.asdict(cfg), "params": count_parameters(trainer.model),
+            "tokens_per_step": tokens, "warmup_steps": warmup, "timed_steps": steps, "timed_s": seconds,
+            "tokens_per_s": steps * tokens / seconds if seconds else None,
+            "ms_per_step": 1e3 * seconds / steps if steps else None,
+            "window_tokens_per_s": [(b - a + 1) * tokens / s for a, b, s in timed],
+            "peak_bytes": peak, "losses": trainer.losses(),
+            "val": [[r["step"], r["val_loss"]] for r in trainer.history if "val_loss" in r],
+            "wall_s": wall, "sample": text, "sample_settings": settings}
+
+
+def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[str] = DEFAULT_BENCH_RUNS,
+              warmup: int = 20, sample_tokens: int = 300, log: Callable[[str], object] = print) -> list[dict]:
+    """Train ``base`` once per run of ``runs`` (:data:`BENCH_RUNS`) and write the records to
+    ``out_dir/train.json`` (when ``out_dir`` is given).
+
+    Args:
+        base: the shared configuration; each run overrides the fields of its :data:`BENCH_RUNS`
+            entry, and writes no metrics or checkpoint.
+        out_dir: where train.json goes, or None.
+        runs: names of :data:`BENCH_RUNS`.
+        warmup: steps left out of the timing (>= 0, < steps - log_interval so some are timed).
+        sample_tokens: length of each run's sample (0: none).
+        log: where progress lines go.
+
+    Returns:
+        The records, in the order of ``runs``, of the runs that finished. A run that raises is
+        logged (its error's first line) and left out, and the others still run: one optional
+        configuration that fails must not cost the measurements of the rest.
+
+    Raises:
+        ValueError: an unknown run name, or a warmup that leaves no timed window.
+    """
+    unknown = [r for r in runs if r not in BENCH_RUNS]
+    if unknown or not runs:
+        raise ValueError(f"runs must name some of {list(BENCH_RUNS)}, got {list(runs)}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= base.steps - base.log_interval:
+        raise ValueError(f"warmup must be an int in [0, steps - log_interval = {base.steps - base.log_interval}] "
+                         f"so that some steps are timed, got {warmup!r}")
+    corpus = load_corpus(base.cache_dir)
+    records = []
+    for name in runs:
+        cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None)
+        try:
+            record = _one_run(name, cfg, corpus, warmup, sample_tokens, log)
+        except Exception as exc:  # noqa: BLE001  (reported, and the other runs go on)
+            log(f"{name}: FAILED, left out: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        log(f"{name}: {record['tokens_per_s']:,.0f} tokens/s, {record['ms_per_step']:.2f} ms/step, final loss "
+            f"{record['losses'][-1]:.4f}, val {record['val'][-1][1] if record['val'] else float('nan'):.4f}, "
+            f"{record['wall_s']:.0f} s in all")
+        records.append(record)
+        if out_dir is not None:  # after every run, so a run cut short keeps the finished ones
+            path = Path(out_dir) / BENCH_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(records, indent=1) + "\n")
+    return records
+
+
+def tp_bench_file(world_size: int) -> str:
+    """``train_tp<p>.json``: the file of :func:`run_tp_bench` with ``p`` ranks."""
+    return f"train_tp{world_size}.json"
+
+
+def run_tp_bench(base: TrainConfig, out_dir: Optional[str | Path], warmup: int = 20,
+                 log: Callable[[str], object] = print) -> list[dict]:
+    """Train ``base`` with tensor parallelism over every rank of the world (tp = p) and, on rank 0
+    alone, without (tp = 1), from the same weights on the same batches; rank 0 writes both records to
+    ``out_dir/train_tp<p>.json`` (:func:`tp_bench_file`). Every rank must call it, in a world of p
+    ranks with ``fusedlib.parallel.initialize_model_parallel(p)`` done (``torchrun --nproc-per-node p
+    -m fusedlib.train --bench-tp``); the other ranks wait at a barrier while rank 0 trains tp = 1.
+
+    Records: as :func:`run_bench`'s (``op`` "train_tp", no sample), plus ``tp``, ``sequence_parallel``
+    and ``backend`` (NCCL or gloo). Returns them on rank 0, an empty list on the others.
+
+    Raises:
+        ValueError: p < 2, or a warmup that leaves no timed window.
+    """
+    import torch.distributed as dist
+
+    from ..parallel import parallel_state
+
+    p = parallel_state.get_tensor_model_parallel_world_size()
+    if p < 2 or dist.get_world_size() != p:
+        raise ValueError(f"run_tp_bench needs a world of p >= 2 ranks in one tensor-parallel group, got tp {p} of "
+                         f"{dist.get_world_size() if dist.is_initialized() else 1} ranks")
+    if not 0 <= warmup <= base.steps - base.log_interval:
+        raise ValueError(f"warmup must be in [0, steps - log_interval = {base.steps - base.log_interval}], "
+                         f"got {warmup!r}")
+    rank = dist.get_rank()
+    if rank != 0:
+        log = lambda line: None  # noqa: E731  (rank 0 speaks for all)
+    corpus = load_corpus(base.cache_dir)
+    records = []
+    for tp in (p, 1):
+        cfg = dataclasses.replace(base, model="gpt", tp=tp, out=None, resume=False, stop_at=None,
+                                  sequence_parallel=base.sequence_parallel and tp > 1)
+        if tp == 1 and rank != 0:
+            dist.barrier()
+            continue
+        record = _one_run("fusedlib" if cfg.spec == "fused" else "fusedlib-unfused", cfg, corpus, warmup, 0, log)
+        record.update(op="train_tp", tp=tp, sequence_parallel=cfg.sequence_parallel, backend=dist.get_backend())
+        log(f"tp = {tp}: {record['tokens_per_s']:,.0f} tokens/s, final loss {record['losses'][-1]:.4f}")
+        records.append(record)
+        if tp == 1:
+            dist.barrier()
+    if rank == 0 and out_dir is not None:
+        path = Path(out_dir) / tp_bench_file(p)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(records, indent=1) + "\n")
+    return records if rank == 0 else []
+
+
+def bench_table(records: Sequence[dict]) -> str:
+    """Text table of train.json's records: tokens/s, ms per step, peak memory (GB), the final
+    training loss (mean of the last 5% of steps) and validation loss, and how many times
+    fusedlib's throughput each run's is."""
+    rows = [r for r in records if r.get("op") == "train"]
+    if not rows:
+        return "no train records"
+    first = rows[0]
+    c = first["config"]
+    fused = next((r for r in rows if r["impl"] == "fusedlib"), None)
+    bf16 = c["bf16"] or (c["bf16"] is None and first["device"] != "cpu")
+    out = [f"{first['params'] / 1e6:.2f} M parameters ({c['layers']} layers, hidden {c['hidden']}, "
+           f"{c['heads']} heads), batch {c['batch']} x seq {c['seq']} = {first['tokens_per_step']} tokens per step, "
+           f"{c['steps']} steps, {'bf16' if bf16 else 'float32'}, {first['device']}",
+           f"{'impl':<18}{'tokens/s':>12}{'ms/step':>9}{'peak GB':>9}{'train loss':>12}{'val loss':>10}"
+           f"{'fusedlib is':>13}"]
+    for r in rows:
+        tail = r["losses"][-max(1, len(r["losses"]) // 20):]
+        peak = f"{r['peak_bytes'] / 1e9:.2f}" if r.get("peak_bytes") is not None else "-"
+        val = f"{r['val'][-1][1]:.4f}" if r["val"] else "-"
+        ratio = f"{fused['tokens_per_s'] / r['tokens_per_s']:.2f}x" if fused is not None and r is not fused else ""
+        out.append(f"{r['impl']:<18}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>9.2f}{peak:>9}"
+                   f"{sum(tail) / len(tail):>12.4f}{val:>10}{ratio:>13}")
+    return "\n".join(out)
+
+
+def load_train_bench(name: str = BENCH_FILE, directory: Optional[str | Path] = None) -> list[dict]:
+    """The stored records of ``python -m fusedlib.train --bench`` (``chapters/data/bench/<name>``,
+    or ``directory/<name>``).
+
+    Raises:
+        FileNotFoundError: naming the file and the command that writes it.
+    """
+    if directory is None:
+        from ..book import bench_dir
+
+        directory = bench_dir()
+    path = Path(directory) / name
+    if not path.exists():
+        how = (f": `python -m fusedlib.train --bench --out {Path(directory)}` writes it on a GPU"
+               if name == BENCH_FILE else "")
+        raise FileNotFoundError(f"{path} not found{how}")
+    return json.loads(path.read_text())
+
+
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` values (fewer at the start): the same length as ``values``.
+
+    Raises:
+        ValueError: window < 1.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+#: Line colours of the runs (fusedlib's chapters' colours).
+RUN_COLORS = {"fusedlib": "#d62728", "fusedlib-unfused": "#f4a6a6", "torch.compile": "#5c6bc0",
+              "fusedlib-local": "#8c1c1c", "fusedlib-compile": "#ff7f0e"}
+#: Line styles, so that curves lying on each other stay visible.
+RUN_STYLES = {"fusedlib": "-", "fusedlib-unfused": "--", "torch.compile": ":", "fusedlib-local": "-.",
+              "fusedlib-compile": "-"}
+
+
+def plot_losses(records: Sequence[dict], window: int = 25, ax=None, skip: int = 0):
+    """Training loss against step for each record (a trailing mean over ``window`` steps, the
+    raw losses faint behind it) and the validation losses as markers.
+
+    Args:
+        records: train.json's records. window: the smoothing. ax: an Axes (default: a new figure).
+        skip: leave out the first ``skip`` steps (the fast initial drop hides the rest).
+
+    Returns:
+        The Axes.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    for r in records:
+        color = RUN_COLORS.get(r["impl"])
+        steps = list(range(1, len(r["losses"]) + 1))[skip:]
+        ax.plot(steps, r["losses"][skip:], color=color, alpha=0.15, linewidth=0.6)
+        ax.plot(steps, smooth(r["losses"], window)[skip:], RUN_STYLES.get(r["impl"], "-"), color=color,
+                linewidth=1.6, label=f"{r['impl']} ({r['label']})")
+        val = [(s, v) for s, v in r["val"] if s > skip]
+        if val:
+            ax.plot(*zip(*val), "o", color=color, markersize=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats per byte)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax

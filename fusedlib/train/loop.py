@@ -1,0 +1,587 @@
+"""The training loop: AdamW with a cosine schedule, bf16 weights with float32 master weights,
+JSON-lines metrics, and checkpoints that resume bit for bit.
+
+One step (:meth:`Trainer.step`)::
+
+    x, y = get_batch(train tokens, b, s, data generator)          # int64 [b, s] each
+    loss = model(x, None, None, labels=y).mean()                   # per-token loss [b, s] -> scalar
+    loss.backward()                                                # bf16 gradients
+    master.grad = param.grad.float()                               # (bf16 only) to the fp32 copies
+    clip_grad_norm_(master, grad_clip); AdamW.step(); schedule.step()
+    param.copy_(master)                                            # (bf16 only) round the new weights
+
+Precision: with ``bf16`` the model's parameters, activations and gradients are bf16, and the
+optimizer updates a float32 copy of every parameter (its "master weights"), as Megatron-core's
+``Float16OptimizerWithFloat16Params`` does: an update of 1e-3 relative would mostly vanish if
+added to a bf16 weight (8 bits of mantissa) directly. Every model of a comparison runs the same
+scheme.
+
+Schedule: the learning rate rises linearly over ``warmup`` steps to ``lr``, then falls along a
+half cosine to ``min_lr`` (default lr/10) at ``steps`` (Loshchilov and Hutter, SGDR, 2017; the
+schedule of GPT-3 and nanoGPT). Weight decay applies to the matrices (2-D parameters) only.
+
+Nothing in a step synchronises the host with the GPU: the losses stay on the device until the
+end of a logging window (``log_interval`` steps, and before every evaluation and checkpoint),
+when they are read back together, the window is timed and the metrics written. Tokens/s are
+the window's tokens over its wall time; evaluation time is never inside a window.
+
+Resume. A checkpoint (``<out>/checkpoint.pt``) holds the step, the model's state dict, the
+master weights, the optimizer's and the schedule's state, the data generator's state and
+torch's CPU and CUDA generator states (dropout draws from them). Evaluation and sampling run
+inside ``torch.random.fork_rng``, so they never move the training's random streams. So a run
+stopped at step k (``stop_at``) and resumed (``resume``) computes exactly the steps k+1, ...
+that the uninterrupted run computes, on the same device and software: the losses are equal
+bit for bit (``tests/test_train.py`` checks it with ``==``). The metrics file is cut back to
+step k on resume, so it then holds the same records as the uninterrupted run's (timings aside).
+
+Tensor parallelism (``tp`` > 1, ``fusedlib.parallel``): every rank builds its part of the
+``GPTModel`` and loads its shard of the same initial weights, reads the same batches, and after
+the backward completes its gradients with ``finalize_model_grads``; the clipping norm is the
+whole model's (split parameters summed over the ranks, replicated ones counted once); each rank
+saves its own checkpoint with the tensor-parallel RNG tracker's states. Rank 0 writes the metrics.
+
+Source: Loshchilov and Hutter, "Decoupled Weight Decay Regularization" (AdamW, ICLR 2019);
+Megatron-LM ``megatron/core/optimizer/optimizer.py`` (``Float16OptimizerWithFloat16Params``,
+``clip_grads.py``);
+Karpathy, nanoGPT ``train.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..parallel.finalize_model_grads import finalize_model_grads
+from ..transformer.enums import AttnBackend
+from .data import Corpus, decode, encode, get_batch, load_corpus
+from .model import MODELS, SPECS, ModelShape, build_model
+
+__all__ = ["TrainConfig", "CosineSchedule", "Trainer", "sample", "CHECKPOINT", "METRICS", "RESUMABLE_CHANGES"]
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+#: Config fields a resumed run may change: they do not touch the training's arithmetic.
+RESUMABLE_CHANGES = frozenset({"out", "resume", "stop_at", "save_interval", "log_interval", "eval_interval",
+                               "eval_batches", "progress", "cache_dir", "compile"})
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a training run depends on (the command line's flags, one to one).
+
+    Model: ``model`` ("gpt": fusedlib's GPTModel; "plain": the nanoGPT-style baseline),
+    ``spec`` ("fused" or "unfused", for "gpt"), ``attention_backend`` (an ``AttnBackend`` name,
+    for the fused spec), ``layers``, ``hidden``, ``heads``, ``ffn`` (None: 4·hidden), ``seq``
+    (tokens per sequence), ``dropout``.
+    Optimisation: ``batch`` (sequences per step), ``steps``, ``lr`` (peak), ``min_lr`` (None:
+    lr/10), ``warmup`` (steps), ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip`` (max global
+    norm; 0: none).
+    Execution: ``device`` (None: CUDA when present; with ``tp`` > 1 this rank's GPU), ``bf16``
+    (None: on CUDA), ``compile`` (``torch.compile`` the model), ``tp`` (tensor-parallel ranks:
+    the process must be one of ``tp`` ranks started by ``torchrun`` or
+    ``fusedlib.parallel.spawn``), ``sequence_parallel``, ``seed`` (weights, data order, dropout).
+    Output: ``out`` (directory for metrics and checkpoints; None: none written),
+    ``log_interval``, ``eval_interval`` (0: only at the end), ``eval_batches``,
+    ``save_interval`` (0: only at the end), ``stop_at`` (stop after this step and save, as an
+    interruption would; the schedule still runs to ``steps``), ``resume`` (continue from
+    ``out``'s checkpoint), ``progress`` (a tqdm bar), ``cache_dir`` (the corpus cache).
+
+    The defaults are the book's GPU run: 6 layers of hidden size 384 in 6 heads (10.9 M
+    parameters), 64 sequences of 512 bytes per step (32,768 tokens), 1500 steps (49 M tokens,
+    about five passes over the training split of Python 3.11's stdlib).
+
+    Raises:
+        ValueError: a field out of range, naming it.
+    """
+
+    model: str = "gpt"
+    spec: str = "fused"
+    attention_backend: str = "flash"
+    layers: int = 6
+    hidden: int = 384
+    heads: int = 6
+    ffn: Optional[int] = None
+    seq: int = 512
+    dropout: float = 0.0
+    batch: int = 64
+    steps: int = 1500
+    lr: float = 1e-3
+    min_lr: Optional[float] = None
+    warmup: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    device: Optional[str] = None
+    bf16: Optional[bool] = None
+    compile: bool = False
+    tp: int = 1
+    sequence_parallel: bool = False
+    seed: int = 1234
+    out: Optional[str] = None
+    log_interval: int = 10
+    eval_interval: int = 250
+    eval_batches: int = 8
+    save_interval: int = 0
+    stop_at: Optional[int] = None
+    resume: bool = False
+    progress: bool = True
+    cache_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.spec not in SPECS:
+            raise ValueError(f"spec must be one of {SPECS}, got {self.spec!r}")
+        if self.attention_backend not in AttnBackend.__members__:
+            raise ValueError(f"attention_backend must be one of {list(AttnBackend.__members__)}, "
+                             f"got {self.attention_backend!r}")
+        for name in ("layers", "hidden", "heads", "seq", "batch", "steps", "log_interval", "eval_batches", "tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        for name in ("warmup", "eval_interval", "save_interval", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise ValueError(f"stop_at must be between 1 and steps ({self.steps}), got {self.stop_at!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr = {self.lr}], got {self.min_lr!r}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if not 0 <= self.weight_decay < 1:
+            raise ValueError(f"weight_decay must be in [0, 1), got {self.weight_decay!r}")
+        if not self.grad_clip >= 0:
+            raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip!r}")
+        if self.tp > 1 and self.model != "gpt":
+            raise ValueError(f"tp > 1 needs model 'gpt' (fusedlib's GPTModel), got {self.model!r}")
+        if self.tp > 1 and (self.heads % self.tp or self.hidden % self.tp):
+            raise ValueError(f"tp ({self.tp}) must divide heads ({self.heads}) and hidden ({self.hidden})")
+        if self.sequence_parallel and self.seq % self.tp:
+            raise ValueError(f"sequence_parallel: tp ({self.tp}) must divide seq ({self.seq})")
+        if (self.resume or self.stop_at is not None) and self.out is None:
+            raise ValueError("resume and stop_at need out: the directory of the checkpoint")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"device must be a torch device name, got {self.device!r}") from None
+        self.shape()  # checks the model's shape
+
+    def shape(self) -> ModelShape:
+        """The model's :class:`ModelShape`."""
+        return ModelShape(layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq, ffn=self.ffn,
+                          dropout=self.dropout)
+
+    def resolved_device(self) -> torch.device:
+        """``device``, or CUDA when present (with ``tp`` > 1 under NCCL: this process's GPU), else the CPU."""
+        if self.device is not None:
+            return torch.device(self.device)
+        if self.tp > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_backend() == "nccl":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def use_bf16(self) -> bool:
+        """``bf16``, or whether the device is CUDA."""
+        return self.bf16 if self.bf16 is not None else self.resolved_device().type == "cuda"
+
+    def label(self) -> str:
+        """A short name: "fused", "unfused", "fused (local)", "plain", each "+ compile" when compiled."""
+        name = "plain" if self.model == "plain" else self.spec
+        if self.model == "gpt" and self.spec == "fused" and self.attention_backend != "flash":
+            name += f" ({self.attention_backend})"
+        if self.tp > 1:
+            name += f", tp = {self.tp}" + (" + SP" if self.sequence_parallel else "")
+        return name + (" + compile" if self.compile else "")
+
+
+class CosineSchedule:
+    """Multiplier of the peak learning rate at step ``i`` (0-based, as ``LambdaLR`` counts):
+    ``(i + 1)/warmup`` while ``i < warmup``, then ``r + (1 - r)·(1 + cos(π·t))/2`` with
+    ``t = (i - warmup)/(steps - warmup)`` (clamped to 1) and ``r = min_lr/lr``.
+
+    A callable object, not a function, so ``LambdaLR.state_dict()`` saves its fields.
+    """
+
+    def __init__(self, warmup: int, steps: int, min_ratio: float) -> None:
+        self.warmup, self.steps, self.min_ratio = warmup, steps, min_ratio
+
+    def __call__(self, i: int) -> float:
+        if i < self.warmup:
+            return (i + 1) / self.warmup
+        t = min(1.0, (i - self.warmup) / max(1, self.steps - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def _model_forward(model: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, None, None, labels=y)  # GPTModel's (input_ids, position_ids, attention_mask), per-token loss [b, s]
+
+
+class Trainer:
+    """A training run of :class:`TrainConfig` (see the module docstring).
+
+    Args:
+        config: the run.
+        corpus: the tokens (default :func:`~fusedlib.train.data.load_corpus` with ``config.cache_dir``).
+        log: where text lines go (default ``print``; the progress bar's ``write`` while it shows).
+
+    Attributes:
+        model: the (uncompiled) model; ``step_count``: steps done; ``history``: the metric
+        records written so far (also to ``<out>/metrics.jsonl``); ``windows``: per logging
+        window ``(first step, last step, seconds)``; ``rank``: the tensor-parallel rank (0
+        with ``tp`` = 1; only rank 0 writes metrics, logs and shows the progress bar, every rank
+        writes its own checkpoint ``checkpoint-tp<rank>.pt``).
+
+    Raises:
+        FileNotFoundError: ``resume`` without a checkpoint in ``out``.
+        ValueError: ``resume`` with a checkpoint of another configuration or corpus; ``tp``
+            different from the tensor-parallel size of the process groups.
+        RuntimeError: ``tp`` > 1 in a process started alone (from ``initialize_model_parallel``).
+    """
+
+    def __init__(self, config: TrainConfig, corpus: Optional[Corpus] = None,
+                 log: Optional[Callable[[str], Any]] = None) -> None:
+        self.config = cfg = config
+        self.rank = 0
+        if cfg.tp > 1:
+            from ..parallel import parallel_state
+
+            if not parallel_state.model_parallel_is_initialized():
+                parallel_state.initialize_model_parallel(cfg.tp)
+            if parallel_state.get_tensor_model_parallel_world_size() != cfg.tp:
+                raise ValueError(f"tp ({cfg.tp}) differs from the tensor-parallel size of the process groups "
+                                 f"({parallel_state.get_tensor_model_parallel_world_size()})")
+            self.rank = parallel_state.get_tensor_model_parallel_rank()
+        self.is_main = self.rank == 0
+        self.device = cfg.resolved_device()
+        self.bf16 = cfg.use_bf16()
+        self.log = (log or print) if self.is_main else (lambda line: None)
+        self.corpus = corpus if corpus is not None else load_corpus(cfg.cache_dir)
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.model = build_model(cfg.model, cfg.shape(), cfg.seed, cfg.spec, cfg.attention_backend, dtype, self.device,
+                                 cfg.tp, cfg.sequence_parallel)
+        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        self.params = list(self.model.parameters())
+        if self.bf16:  # float32 master weights, updated by the optimizer, rounded into the bf16 parameters
+            self.master = [p.detach().float().clone() for p in self.params]
+        else:
+            self.master = self.params
+        decay = [m for m in self.master if m.dim() >= 2]
+        no_decay = [m for m in self.master if m.dim() < 2]
+        cuda = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                                           fused=cuda, foreach=None if cuda else True)
+        min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           CosineSchedule(cfg.warmup, cfg.steps, min_lr / cfg.lr))
+        self.data_generator = torch.Generator().manual_seed(cfg.seed)  # the same batches on every rank
+        torch.manual_seed(cfg.seed)  # dropout's stream (CPU and every CUDA device)
+        if cfg.tp > 1:  # and the tensor-parallel stream of split tensors, seed + 2718 + rank
+            from ..parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(cfg.seed)
+        self.step_count = 0
+        self.history: list[dict] = []
+        self.windows: list[tuple[int, int, float]] = []
+        self.out = Path(cfg.out) if cfg.out is not None else None
+        self.checkpoint_path = None
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.checkpoint_path = self.out / (CHECKPOINT if cfg.tp == 1 else f"checkpoint-tp{self.rank}.pt")
+        if cfg.resume:
+            self.load(self.checkpoint_path)
+        elif self.out is not None and self.is_main:
+            (self.out / METRICS).write_text("")
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> torch.Tensor:
+        """One optimizer step on a fresh batch. Returns the batch's mean loss (a 0-d float32
+        tensor on the device; reading it is the caller's synchronisation)."""
+        cfg = self.config
+        x, y = get_batch(self.corpus.train, cfg.batch, cfg.seq, self.data_generator, self.device)
+        loss = _model_forward(self.forward, x, y).mean()
+        loss.backward()
+        if cfg.tp > 1:  # sum the gradients that each rank holds only part of (sequence-parallel norms)
+            finalize_model_grads(self.model)
+        if self.bf16:
+            for m, p in zip(self.master, self.params):
+                m.grad = None if p.grad is None else p.grad.float()
+        if cfg.grad_clip > 0 and cfg.tp > 1:
+            self._clip_tensor_parallel(cfg.grad_clip)
+        elif cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.master, cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.bf16:
+            for p in self.params:
+                p.grad = None
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.master)
+        self.step_count += 1
+        return loss.detach()
+
+    def _clip_tensor_parallel(self, max_norm: float) -> None:
+        """Clip the master gradients to a global norm over the whole (split) model: each split
+        parameter's on every rank, each replicated one's once (on rank 0), reduced over the
+        tensor-parallel group (``fusedlib.parallel.clip_grads``, Megatron-core's
+        ``get_grad_norm_fp32``); no host synchronisation."""
+        from ..parallel import get_tensor_model_parallel_group
+        from ..parallel.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+        from ..parallel.layers import param_is_not_tensor_parallel_duplicate
+
+        group = get_tensor_model_parallel_group()
+        grads = [m.grad for m, p in zip(self.master, self.params)  # (the split attributes are the model's)
+                 if m.grad is not None and param_is_not_tensor_parallel_duplicate(p, group)]
+        clip_grad_by_total_norm_fp32(self.master, max_norm, get_grad_norm_fp32(grads, 2.0, group))
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over ``eval_batches`` validation batches, the same batches at every call
+        (their own generator, seeded from ``seed``), in evaluation mode; torch's random state
+        is left as it was."""
+        cfg = self.config
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            self.model.eval()
+            try:
+                # (the uncompiled model: a compiled one would compile again for evaluation mode)
+                losses = [_model_forward(self.model, *get_batch(self.corpus.val, cfg.batch, cfg.seq, gen, self.device))
+                          .mean() for _ in range(cfg.eval_batches)]
+            finally:
+                self.model.train()
+        return float(torch.stack(losses).mean())
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs (see the module docstring)."""
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return {"config": dataclasses.asdict(self.config), "step": self.step_count, "corpus": self.corpus.info(),
+                "model": self.model.state_dict(), "master": self.master if self.bf16 else None,
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "data_rng": self.data_generator.get_state(), "torch_rng": torch.get_rng_state(),
+                "cuda_rng": cuda_rng, "tp_rank": self.rank, "rng_tracker": self._tracker_states()}
+
+    def _tracker_states(self) -> Optional[dict]:
+        if self.config.tp == 1:
+            return None
+        from ..parallel import get_cuda_rng_tracker
+
+        return get_cuda_rng_tracker().get_states()
+
+    def save(self, path: Optional[Path] = None) -> Path:
+        """Write :meth:`state_dict` to ``path`` (default ``<out>/checkpoint.pt``, with ``tp`` > 1
+        ``<out>/checkpoint-tp<rank>.pt``) atomically."""
+        path = Path(path) if path is not None else self.checkpoint_path
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+        return path
+
+    def load(self, path: Path) -> None:
+        """Restore a checkpoint written by :meth:`save`, and cut the metrics file back to its step.
+
+        Raises:
+            FileNotFoundError: no checkpoint at ``path``.
+            ValueError: its configuration differs in a field outside :data:`RESUMABLE_CHANGES`,
+                or its corpus differs (another Python's stdlib).
+        """
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"resume: no checkpoint at {path}")
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        mine = dataclasses.asdict(self.config)
+        diff = {k: (ckpt["config"].get(k), v) for k, v in mine.items()
+                if k not in RESUMABLE_CHANGES and ckpt["config"].get(k) != v}
+        if diff:
+            raise ValueError("resume: the checkpoint's configuration differs in "
+                             + ", ".join(f"{k} (checkpoint {a!r}, now {b!r})" for k, (a, b) in diff.items()))
+        if ckpt["corpus"]["sha256"] != self.corpus.sha256:
+            raise ValueError(f"resume: the checkpoint was trained on another corpus (Python "
+                             f"{ckpt['corpus']['python']}, sha256 {ckpt['corpus']['sha256'][:12]}), this is Python "
+                             f"{self.corpus.python}'s ({self.corpus.sha256[:12]})")
+        self.model.load_state_dict(ckpt["model"])
+        if self.bf16:
+            with torch.no_grad():
+                for m, saved in zip(self.master, ckpt["master"]):
+                    m.copy_(saved)
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.data_generator.set_state(ckpt["data_rng"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        if ckpt["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
+        if ckpt.get("rng_tracker"):
+            from ..parallel import get_cuda_rng_tracker
+
+            get_cuda_rng_tracker().set_states(ckpt["rng_tracker"])
+        self.step_count = ckpt["step"]
+        metrics = self.out / METRICS
+        if metrics.exists():  # every rank reads the history; rank 0 cuts the file, atomically
+            kept = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            self.history = [r for r in kept if r["step"] <= self.step_count]
+            if self.is_main:
+                tmp = metrics.with_name(metrics.name + ".tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+                os.replace(tmp, metrics)
+
+    # ------------------------------------------------------------------ the loop
+    def _write(self, records: list[dict]) -> None:
+        self.history += records
+        if self.out is not None and self.is_main:
+            with open(self.out / METRICS, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+
+    def _peak_bytes(self) -> Optional[int]:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def run(self) -> list[dict]:
+        """Train from :attr:`step_count` to ``steps`` (or ``stop_at``), logging, evaluating and
+        saving as configured; evaluates after the last step (not at ``stop_at``, which stands for
+        an interruption) and saves at both. Returns :attr:`history`.
+
+        Records: ``{"step", "loss", "lr", "tokens_per_s", "peak_bytes"}`` per step (tokens/s of
+        the step's logging window; peak_bytes: CUDA's peak allocation so far, None on a CPU) and
+        ``{"step", "val_loss"}`` per evaluation.
+        """
+        cfg = self.config
+        last = cfg.stop_at if cfg.stop_at is not None else cfg.steps
+        bar = None
+        if cfg.progress and self.is_main:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.step_count, desc=self.config.label(), unit="step",
+                       dynamic_ncols=True)
+        log = bar.write if bar is not None else self.log
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        pending: list[tuple[int, torch.Tensor, float]] = []
+        tokens_per_step = cfg.batch * cfg.seq
+        try:
+            sync()
+            t0 = time.perf_counter()
+            while self.step_count < last:
+                lr = self.scheduler.get_last_lr()[0]
+                loss = self.step()
+                pending.append((self.step_count, loss, lr))
+                s = self.step_count
+                evaluate = s == cfg.steps or (cfg.eval_interval and s % cfg.eval_interval == 0)  # (not at stop_at)
+                save = self.out is not None and (s == last or (cfg.save_interval and s % cfg.save_interval == 0))
+                if s % cfg.log_interval == 0 or evaluate or save:
+                    losses = torch.stack([p[1] for p in pending]).tolist()  # the window's one synchronisation
+                    sync()
+                    seconds = time.perf_counter() - t0
+                    tps = tokens_per_step * len(pending) / seconds
+                    self.windows.append((pending[0][0], s, seconds))
+                    peak = self._peak_bytes()
+                    self._write([{"step": st, "loss": l, "lr": r, "tokens_per_s": tps, "peak_bytes": peak}
+                                 for (st, _, r), l in zip(pending, losses)])
+                    if bar is not None:
+                        bar.update(len(pending))
+                        bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tps:,.0f}")
+                    pending = []
+                    if evaluate:
+                        val = self.evaluate()
+                        self._write([{"step": s, "val_loss": val}])
+                        log(f"step {s}: train loss {losses[-1]:.4f}, val loss {val:.4f}")
+                    if save:
+                        self.save()
+                    sync()
+                    t0 = time.perf_counter()
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.history
+
+    def losses(self) -> list[float]:
+        """The training loss of every step so far, in step order."""
+        return [r["loss"] for r in self.history if "loss" in r]
+
+    def sample(self, prompt: str = "def ", n_tokens: int = 200, temperature: float = 0.8, top_k: Optional[int] = 40,
+               seed: int = 0) -> str:
+        """Text generated by the model after ``prompt`` (:func:`sample`, a CPU generator seeded
+        with ``seed``; torch's random state is left as it was)."""
+        ids = sample(self.model, prompt, n_tokens, temperature, top_k, torch.Generator().manual_seed(seed))
+        return decode(ids)
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+           generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Generate ``n_tokens`` tokens after ``prompt``, one at a time, from the model's distribution
+    of the next token: logits / temperature, cut to the ``top_k`` largest, softmax, one draw.
+
+    Without a KV cache: each token is one forward pass over the last ``max_sequence_length``
+    tokens (the model's longest sequence). The model runs in evaluation mode and is put back
+    in the mode it was in.
+
+    Args:
+        model: a ``GPTModel`` or :class:`~fusedlib.train.plain_gpt.PlainGPT` (anything with
+            ``max_sequence_length`` whose ``model(ids, None, None)`` gives logits [b, t, V]); a
+            tensor-parallel ``GPTModel`` gathers its logits, and every rank draws the same tokens
+            (the same generator state on every rank).
+        prompt: a str (UTF-8 bytes), or int token ids [t] or [b, t] (t >= 1).
+        n_tokens: tokens to generate, >= 0.
+        temperature: > 0; lower is greedier.
+        top_k: keep the k most likely tokens (1 <= k <= V), or None for all.
+        generator: the draws' ``torch.Generator`` (its device is where the draw happens: a CPU
+            generator gives the same draws on every device for the same logits).
+
+    Returns:
+        int64 token ids, the prompt followed by the new tokens: [t + n_tokens] for a str or a 1-D
+        prompt, [b, t + n_tokens] for a 2-D one, on the model's device.
+
+    Raises:
+        ValueError: an empty or ill-shaped prompt, n_tokens < 0, temperature <= 0, a bad top_k.
+    """
+    if isinstance(prompt, str):
+        prompt = encode(prompt)
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() not in (1, 2) or prompt.shape[-1] < 1:
+        raise ValueError("prompt must be a non-empty str or an int tensor [t] or [b, t] with t >= 1")
+    if prompt.is_floating_point() or prompt.is_complex():
+        raise ValueError(f"prompt must hold integer token ids, got {prompt.dtype}")
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+        raise ValueError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
+    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    device = next(model.parameters()).device
+    ids = (prompt if prompt.dim() == 2 else prompt[None]).to(device=device, dtype=torch.int64)  # [b, t]
+    max_seq = model.max_sequence_length
+    # a tensor-parallel GPTModel returns its rank's slice of the vocabulary unless asked to gather
+    tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1)
+    gather = {"runtime_gather_output": True} if tp > 1 else {}
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(n_tokens):
+            logits = model(ids[:, -max_seq:], None, None, **gather)[:, -1, :].float()  # [b, V]
+            vocab = logits.shape[-1]
+            if top_k is not None:
+                if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab:
+                    raise ValueError(f"top_k must be None or an int in [1, {vocab}], got {top_k!r}")
+                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [b, 1]
+                logits = logits.masked_fill(logits < kth, -math.inf)
+            probs = torch.softmax(logits / temperature, dim=-1)
+            where = generator.device if generator is not None else device
+            nxt = torch.multinomial(probs.to(where), 1, generator=generator).to(device)  # [b, 1]
+            ids = torch.cat([ids, nxt], dim=1)
+    finally:
+        model.train(was_training)
+    return ids if prompt.dim() == 2 else ids[0]
