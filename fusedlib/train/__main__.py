@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--model", choices=MODELS, default=d.model, help="gpt: fusedlib's GPTModel; plain: nanoGPT-style")
     m.add_argument("--spec", choices=SPECS, default=d.spec, help="fusedlib's layer spec (--model gpt)")
     m.add_argument("--attention-backend", choices=list(AttnBackend.__members__), default=d.attention_backend,
-                   help="the fused spec's attention: flash = scaled_dot_product_attention, local = materialised")
+                   help="the fused spec's attention: flash = fusedlib's FlashAttention, auto = scaled_dot_product_attention, local = materialised")
     m.add_argument("--layers", type=int, default=d.layers)
     m.add_argument("--hidden", type=int, default=d.hidden)
     m.add_argument("--heads", type=int, default=d.heads)

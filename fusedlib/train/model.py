@@ -9,8 +9,9 @@ All three compute the same function from the same weights (up to rounding):
 * ``gpt`` with ``spec="fused"``: ``GPTModel`` from ``get_gpt_layer_local_spec`` with every fusion
   switch on (:data:`FUSED_SWITCHES`: fused LayerNorm, bias-GeLU, bias-dropout-add, the softmax
   with its dropout when the attention is materialised, the fused cross entropy) and the
-  attention backend asked for (``flash``, torch's ``scaled_dot_product_attention``, by default;
-  ``local``: the materialised attention with fusedlib's softmax kernels).
+  attention backend asked for (``flash``, fusedlib's FlashAttention kernel, by default;
+  ``auto``: torch's ``scaled_dot_product_attention``; ``local``: the materialised attention
+  with fusedlib's softmax kernels).
 * ``gpt`` with ``spec="unfused"``: ``GPTModel`` from ``get_gpt_layer_unfused_spec`` with every
   switch off (``without_fusions``): torch's norms, softmax and dropout, the materialised
   attention, the unfused cross entropy. The activation is torch's tanh GeLU, the function the
@@ -94,8 +95,8 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
         shape: the model's shape.
         spec: "fused" (:data:`FUSED_SWITCHES` on, ``attention_backend``) or "unfused" (every
             switch off, the materialised attention, torch's tanh GeLU).
-        attention_backend: an ``AttnBackend`` name, for the fused spec ("flash": SDPA; "local":
-            materialised, fusedlib's softmax).
+        attention_backend: an ``AttnBackend`` name, for the fused spec ("flash": fusedlib's
+            FlashAttention; "auto": SDPA; "local": materialised, fusedlib's softmax).
         dtype: the parameters' (bf16 also sets ``config.bf16``).
         cpu_init: create the parameters on the CPU.
         tp, sequence_parallel: ``tensor_model_parallel_size`` and ``sequence_parallel``
