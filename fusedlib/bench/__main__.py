@@ -15,7 +15,9 @@ function (records -> text, printed after that table) and an ``extra_files`` func
 profile ``DIR/transformer_layer_profile.json``. ``--host`` writes ``DIR/host.json`` instead
 (:mod:`fusedlib.bench.host`): microseconds per call at tiny shapes, fusedlib against eager
 PyTorch and torch.compile; with ``--op`` it replaces those ops' records in the file and
-keeps the others'. Both need a CUDA GPU and exit with status 2 without one.
+keeps the others'. Files are rewritten after every case (``--host``: every op), so a run cut
+short by a time limit keeps what it measured. Both need a CUDA GPU and exit with status 2
+without one.
 """
 from __future__ import annotations
 
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                               bar.update(1)))
                 for name, why in case.skipped.items():
                     tqdm.write(f"  {op}: {name} not timed: {why}")
-            path = write_records(records, f"{args.out}/{op}.json")
+                # after every case, so that a run cut short (a time limit) keeps what it measured
+                path = write_records(records, f"{args.out}/{op}.json")
             tqdm.write(f"wrote {path}")
             tqdm.write(summary(records))
             module = get_op_module(op)
@@ -99,6 +102,8 @@ def main_host(ops: list[str], out: str, calls: int | None, repeats: int | None) 
 
     calls, repeats = calls or CALLS, repeats or REPEATS
     records = []
+    path = Path(out) / "host.json"
+    old = load_records(path) if path.exists() else []
     with tqdm(total=len(ops) * 6, desc="host", unit="timing") as bar:
         for op in ops:
             recs, skipped = measure_host(op, "cuda", calls=calls, repeats=repeats,
@@ -106,8 +111,7 @@ def main_host(ops: list[str], out: str, calls: int | None, repeats: int | None) 
             records += recs
             for name, why in skipped.items():
                 tqdm.write(f"  {op}: {name} not timed: {why}")
-    path = Path(out) / "host.json"
-    old = load_records(path) if path.exists() else []
+            write_records(merge_host_records(records, old), path)  # after every op: a cut run keeps its part
     merged = merge_host_records(records, old)
     if len(merged) > len(records):
         print(f"kept {len(merged) - len(records)} records of other ops from {path}")
