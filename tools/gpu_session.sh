@@ -27,7 +27,8 @@ for step in $STEPS; do
             # the first seed offset runs everything; later ones skip $LATER_SKIP (tests whose inputs
             # do not depend on the seed, e.g. the Inductor compiles and the book build)
             skip=""; [ $first = 1 ] || skip=${LATER_SKIP:-}; first=0
-            timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rs -n "$JOBS" -p no:cacheprovider --seed-offset "$s" \
+            LIVE_FAILURES="$OUT/live-seed$s.txt" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rs -n "$JOBS" \
+              -p no:cacheprovider -p tools.pytest_live_failures --seed-offset "$s" \
               ${TEST_FILES:-tests} $skip > "$OUT/test-seed$s.txt" 2>&1
             echo "seed offset $s: $(tail -1 "$OUT/test-seed$s.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/test-seed$s.txt" | head -20
           done ;;
