@@ -466,9 +466,11 @@ def test_each_switch_chooses_the_kernel(monkeypatch, switch, on):
                         Spy(monkeypatch, unfused, "bias_dropout_add"))
     else:  # memory_efficient_layer_norm: the norm saves y instead of x
         kw[switch] = on
-        spy = Spy(monkeypatch, fused_layer_norm.FusedLayerNormAffineFunction, "apply")
+        # the Function's forward (ctx, x, weight, bias, eps, memory_efficient, ...): the fused ops call
+        # Function.apply through fusions/_apply.py, not through the class attribute
+        spy = Spy(monkeypatch, fused_layer_norm.FusedLayerNormAffineFunction, "forward")
         _run_one_layer(make_config(**kw), backward=True)
-        assert spy.calls and all(args[4] is on for args, _ in spy.calls)
+        assert spy.calls and all(args[5] is on for args, _ in spy.calls)
         return
     _run_one_layer(make_config(**kw))
     assert bool(fused) is on and bool(plain) is not on

@@ -120,7 +120,7 @@ def encode(text: str) -> torch.Tensor:
     """Text -> token ids: its UTF-8 bytes as an int64 tensor [n] (values 0..255)."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64, device="cpu")
 
 
 def decode(ids: Union[torch.Tensor, Sequence[int]]) -> str:
@@ -282,8 +282,9 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
         raise ValueError(f"data must be a 1-D uint8 tensor, got {data.dtype} of shape {list(data.shape)}")
     if data.numel() < seq_len + 1:
         raise ValueError(f"data has {data.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
-    offsets = torch.randint(data.numel() - seq_len, (batch_size,), generator=generator)  # [b]
-    index = offsets[:, None] + torch.arange(seq_len + 1)  # [b, s + 1]
+    offsets = torch.randint(data.numel() - seq_len, (batch_size,), generator=generator, device=generator.device,
+                            dtype=torch.int64)  # [b]
+    index = offsets[:, None] + torch.arange(seq_len + 1, device=offsets.device, dtype=torch.int64)  # [b, s + 1]
     window = data[index].to(torch.int64)  # [b, s + 1]
     device = torch.device(device)
     if device.type == "cuda":

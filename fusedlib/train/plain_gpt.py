@@ -108,7 +108,7 @@ class PlainGPT(torch.nn.Module):
         if s > self.max_sequence_length:
             raise ValueError(f"input_ids has {s} positions, more than max_sequence_length {self.max_sequence_length}")
         if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device)
+            position_ids = torch.arange(s, device=input_ids.device, dtype=torch.int64)
         x = F.dropout(self.wte(input_ids) + self.wpe(position_ids), self.dropout, self.training)  # [b, s, h]
         for layer in self.h:
             x = layer(x)
