@@ -378,3 +378,13 @@ def test_gpu_long_rows_every_feature(dtype):
     sinks = torch.randn(hq, device=DEVICE, requires_grad=True)
     _check(dtype, b, sq, sk, hq, hkv, d, dropout_p=0.1, causal=True, window_size=(300, -1), attention_mask=mask,
            sinks=sinks)
+
+
+def test_float32_runs_one_pipeline_stage_fewer():
+    """float32 tiles hold twice the bytes per stage: the launchers drop one stage for them
+    (the float32 d = 128 forward at 3 stages sits 3 KB under the H200's shared memory)."""
+    t = Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    assert kfa._stages_for(t, torch.float32) == Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    assert kfa._stages_for(t, torch.bfloat16) is t and kfa._stages_for(t, torch.float16) is t
+    one = Tile(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    assert kfa._stages_for(one, torch.float32) is one
