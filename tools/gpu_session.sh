@@ -9,6 +9,9 @@
 #   bench      python -m fusedlib.bench --sweep (ops: $BENCH_OPS, default all)
 #   host       python -m fusedlib.bench --host (host cost per call)
 #   tp2        the tensor-parallel cross-entropy benchmark on two GPUs
+#   train      python -m fusedlib.train --bench (chapter 9's runs; $TRAIN_ARGS adds flags)
+#   checktp    the tp = 2 GPT against tp = 1 with NCCL (two GPUs)
+#   traintp    chapter 9's tp = 2 training run against tp = 1 (two GPUs; $TP_STEPS steps)
 #   notebooks  execute $NOTEBOOKS (default: every chapter) in place with nbclient
 set -uo pipefail
 OUT=${OUT:-RESULTS}
@@ -40,6 +43,12 @@ for step in $STEPS; do
     host) timeout ${HOST_TIMEOUT:-300} python3 -m fusedlib.bench --host ${HOST_OPS:+--op $HOST_OPS} --out chapters/data/bench 2>&1 \
              | grep -v "UserWarning\|warnings.warn" | tee "$OUT/host.txt" ;;
     tp2) timeout ${TP2_TIMEOUT:-120} python3 -m fusedlib.parallel.bench_tp --tp 2 --out chapters/data/bench 2>&1 | tail -15 | tee "$OUT/tp2.txt" ;;
+    train) timeout ${TRAIN_TIMEOUT:-420} python3 -m fusedlib.train --bench --out chapters/data/bench ${TRAIN_ARGS:-} 2>&1 \
+             | grep -v "UserWarning\|warnings.warn" | tail -40 | tee "$OUT/train.txt" ;;
+    checktp) timeout ${CHECKTP_TIMEOUT:-180} torchrun --nproc-per-node 2 -m fusedlib.parallel.check_tp 2>&1 | tail -30 \
+               | tee "$OUT/checktp.txt" ;;
+    traintp) timeout ${TRAINTP_TIMEOUT:-240} torchrun --nproc-per-node 2 -m fusedlib.train --bench-tp --steps ${TP_STEPS:-500} \
+               --out chapters/data/bench 2>&1 | grep -v "UserWarning\|warnings.warn" | tail -30 | tee "$OUT/traintp.txt" ;;
     notebooks) timeout ${NB_TIMEOUT:-420} python3 tools/execute_notebooks.py ${NOTEBOOKS:-} 2>&1 | tee "$OUT/notebooks.txt" ;;
     *) echo "unknown step $step" ;;
   esac
