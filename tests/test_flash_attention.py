@@ -324,6 +324,9 @@ BAD = {
     "causal not bool": (dict(causal=1), TypeError, "causal must be a bool"),
     "scale inf": (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
     "scale str": (dict(softmax_scale="0.1"), TypeError, "softmax_scale"),
+    # finite in float64 but not in the kernels' float32 scale·log2(e): the output was all NaN
+    "scale beyond float32": (dict(softmax_scale=1e300), ValueError, "softmax_scale must be finite"),
+    "scale*log2(e) beyond float32": (dict(softmax_scale=-3e38), ValueError, "softmax_scale must be finite"),
     "mask not bool": (dict(attention_mask=torch.zeros(2, 7)), TypeError, "attention_mask must have dtype"),
     "mask 2-D wrong": (dict(attention_mask=torch.zeros(2, 5, dtype=torch.bool)), ValueError, "key-padding mask [b, sk]"),
     "mask 4-D wrong": (dict(attention_mask=torch.zeros(2, 3, 5, 7, dtype=torch.bool)), ValueError, "broadcast"),

@@ -95,3 +95,11 @@ def test_gpt_refuses_left_out_features():
         _model(cfg, get_gpt_layer_unfused_spec(), pre_process=False)
     with pytest.raises(ValueError, match="position_embedding_type"):
         _model(cfg, get_gpt_layer_unfused_spec(), position_embedding_type="yarn")
+
+
+def test_gpt_refuses_more_positions_than_its_table():
+    cfg = make_config(num_layers=1)
+    model = _model(cfg, get_gpt_layer_unfused_spec())  # learned positions: S + 3 rows
+    ids = torch.randint(0, V, (B, S + 4), device=DEVICE)
+    with pytest.raises(ValueError, match=f"input_ids has {S + 4} positions, more than max_sequence_length {S + 3}"):
+        model(ids, None, None)

@@ -309,6 +309,20 @@ def test_bad_flags(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("world, argv", [("2", []), ("4", ["--tp", "2"]), ("1", ["--tp", "2", "--heads", "2"])])
+def test_tp_must_equal_the_torchrun_world(world, argv, capsys, monkeypatch):
+    # no data parallelism: under torchrun every process must be one tensor-parallel rank (else the
+    # other groups repeat the run and write the same metrics and checkpoint files concurrently)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2
+    assert f"must equal the number of processes torchrun started (WORLD_SIZE={world})" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.parse_args(["--tp", "2", "--heads", "2"])[0].tp == 2  # one process per rank: accepted
+    assert cli.parse_args(["--bench-tp"])[1].bench_tp  # --bench-tp sets tp from the world itself
+
+
 def test_cli_trains_writes_metrics_and_samples(tmp_path, stdlib_root, capsys, monkeypatch):
     monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
     argv = ["--model", "plain", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",

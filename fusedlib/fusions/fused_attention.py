@@ -47,7 +47,7 @@ from torch.autograd.function import once_differentiable
 
 from ..checks import check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.bias_dropout_add import philox_seed
-from ..kernels.flash_attention import MAX_HEAD_DIM, attention_band, flash_attn_bwd, flash_attn_fwd
+from ..kernels.flash_attention import LOG2E, MAX_HEAD_DIM, attention_band, flash_attn_bwd, flash_attn_fwd
 
 __all__ = ["FlashAttentionFunction", "flash_attention", "ATTENTION_DTYPES"]
 
@@ -57,6 +57,7 @@ Tensor = torch.Tensor
 ATTENTION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPES = frozenset(ATTENTION_DTYPES)
 _SINK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -136,9 +137,13 @@ def _check_scale(softmax_scale: object, d: int) -> float:
         return 1.0 / math.sqrt(d)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(float(softmax_scale)):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    return float(softmax_scale)
+    scale = float(softmax_scale)
+    # the kernels multiply the scores by softmax_scale·log2(e) in float32: a scale whose product
+    # overflows float32 (|scale| > ~2.4e38) would make every score ±inf and the output NaN
+    if not (math.isfinite(scale) and abs(scale) * LOG2E <= _FLOAT32_MAX):
+        raise ValueError(f"softmax_scale must be finite, with |softmax_scale|·log2(e) <= float32's max "
+                         f"({_FLOAT32_MAX:.4g}), got {softmax_scale}")
+    return scale
 
 
 def _check_window(window_size: object) -> Optional[tuple[int, int]]:
@@ -246,7 +251,7 @@ def flash_attention(
         ValueError: q, k, v not 4-D or of mismatched shapes (batch, head dim, hq % hkv), a
             head dim above 256, tensors on different devices, a mask that is not [b, sk] or
             does not broadcast, sinks not [hq], a bad window, dropout_p outside [0, 1),
-            softmax_scale not finite.
+            softmax_scale not finite or with |softmax_scale|·log2(e) beyond float32's range.
 
     Source: Dao, "FlashAttention-2" (2023); Megatron-LM
     ``megatron/core/transformer/dot_product_attention.py`` (core attention) and

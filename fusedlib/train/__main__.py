@@ -130,6 +130,12 @@ def parse_args(argv: Optional[list[str]] = None):
         if not 0 <= args.bench_warmup <= config.steps - config.log_interval:
             parser.error(f"--bench-warmup must be in [0, steps - log_interval = {config.steps - config.log_interval}], "
                          f"got {args.bench_warmup}")
+    world = os.environ.get("WORLD_SIZE")  # set by torchrun
+    if world is not None and not args.bench_tp and world.isdigit() and int(world) != config.tp:
+        # no data parallelism: the other tensor-parallel groups would repeat the same run and
+        # write the same metrics and checkpoint files at once
+        parser.error(f"--tp: tp ({config.tp}) must equal the number of processes torchrun started "
+                     f"(WORLD_SIZE={world}): fusedlib.train has tensor parallelism only, no data parallelism")
     if args.bench:
         if args.resume or args.stop_at is not None:
             parser.error("--bench trains from scratch: --resume and --stop-at do not apply")

@@ -88,7 +88,8 @@ class GPTModel(MegatronModule):
     Raises:
         NotImplementedError: a left-out feature asked for, or scatter_embedding_sequence_parallel
             False under sequence parallelism.
-        ValueError: an unknown position_embedding_type; target ids outside [0, V) (the cross
+        ValueError: an unknown position_embedding_type; input_ids longer than max_sequence_length
+            (learned positions); target ids outside [0, V) (the cross
             entropy); V, heads or widths not divisible by p (the layers).
         RuntimeError: p > 1 before :func:`fusedlib.parallel.initialize_model_parallel`.
 

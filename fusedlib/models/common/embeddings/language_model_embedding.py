@@ -47,7 +47,8 @@ class LanguageModelEmbedding(MegatronModule):
 
     Raises:
         NotImplementedError: num_tokentypes > 0 or tokentype_ids given.
-        ValueError: an unknown position_embedding_type.
+        ValueError: an unknown position_embedding_type; input_ids longer than
+            max_sequence_length (learned positions, position_ids None).
 
     Source: Megatron-LM ``megatron/core/models/common/embeddings/language_model_embedding.py``.
     """
@@ -95,6 +96,9 @@ class LanguageModelEmbedding(MegatronModule):
         embeddings = self.word_embeddings(input_ids)  # [b, s] -> [b, s, h] (reduce-scattered: [s/p, b, h])
         if self.add_position_embedding:
             if position_ids is None:
+                if input_ids.size(1) > self.max_sequence_length:  # (else an IndexError from the table)
+                    raise ValueError(f"input_ids has {input_ids.size(1)} positions, more than max_sequence_length "
+                                     f"{self.max_sequence_length} (the position table's rows)")
                 position_ids = torch.arange(input_ids.size(1), device=input_ids.device, dtype=torch.long)
             embeddings = embeddings + self.position_embeddings(position_ids)
         if not self.reduce_scatter_embeddings:
