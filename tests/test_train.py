@@ -411,6 +411,20 @@ def test_tensor_parallel_flags():
         TrainConfig(tp=4, heads=6)
     with pytest.raises(RuntimeError, match="torchrun"):
         Trainer(TrainConfig(**dict(TINY, tp=2, steps=2, device="cpu")))
+    with pytest.raises(ValueError, match="sequence_parallel needs tp > 1"):  # as Megatron-core's config
+        TrainConfig(sequence_parallel=True)
+
+
+def test_trainer_refuses_data_parallel_copies(monkeypatch):
+    # 4 processes in tensor-parallel groups of 2: two copies of one run would write the same
+    # metrics and checkpoint files; the trainer has no data parallelism, so it refuses
+    from fusedlib.parallel import parallel_state
+
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"tp \(2\) must equal the number of processes \(4\)"):
+        Trainer(TrainConfig(**dict(TINY, tp=2, steps=2, device="cpu")))
 
 
 def test_bench_keeps_the_runs_that_finish(tmp_path, stdlib_root, monkeypatch):

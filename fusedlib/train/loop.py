@@ -167,6 +167,8 @@ class TrainConfig:
             raise ValueError(f"tp > 1 needs model 'gpt' (fusedlib's GPTModel), got {self.model!r}")
         if self.tp > 1 and (self.heads % self.tp or self.hidden % self.tp):
             raise ValueError(f"tp ({self.tp}) must divide heads ({self.heads}) and hidden ({self.hidden})")
+        if self.sequence_parallel and self.tp == 1:  # Megatron-core's ModelParallelConfig refuses it too
+            raise ValueError("sequence_parallel needs tp > 1: cannot use sequence parallelism without tensor parallelism")
         if self.sequence_parallel and self.seq % self.tp:
             raise ValueError(f"sequence_parallel: tp ({self.tp}) must divide seq ({self.seq})")
         if (self.resume or self.stop_at is not None) and self.out is None:
@@ -249,7 +251,8 @@ class Trainer:
     Raises:
         FileNotFoundError: ``resume`` without a checkpoint in ``out``.
         ValueError: ``resume`` with a checkpoint of another configuration or corpus; ``tp``
-            different from the tensor-parallel size of the process groups.
+            different from the tensor-parallel size of the process groups, or from the number
+            of processes (no data parallelism).
         RuntimeError: ``tp`` > 1 in a process started alone (from ``initialize_model_parallel``).
     """
 
@@ -265,6 +268,10 @@ class Trainer:
             if parallel_state.get_tensor_model_parallel_world_size() != cfg.tp:
                 raise ValueError(f"tp ({cfg.tp}) differs from the tensor-parallel size of the process groups "
                                  f"({parallel_state.get_tensor_model_parallel_world_size()})")
+            if parallel_state.get_data_parallel_world_size() != 1:  # two copies would write one run's files
+                raise ValueError(f"tp ({cfg.tp}) must equal the number of processes "
+                                 f"({cfg.tp * parallel_state.get_data_parallel_world_size()}): the trainer has no "
+                                 f"data parallelism")
             self.rank = parallel_state.get_tensor_model_parallel_rank()
         self.is_main = self.rank == 0
         self.device = cfg.resolved_device()
