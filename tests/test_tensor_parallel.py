@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedlib.parallel as fp
+import fusedlib.runtime
 from fusedlib.parallel import parallel_state
 from fusedlib.parallel.check_tp import CASES, close, gpt_tp_check, grad_scale_floor
 from fusedlib.parallel.checkpointing import (
@@ -397,6 +398,17 @@ def _layers_worker(rank, world_size, device, seed):
     with pytest.raises(ValueError, match=rf"tensor_model_parallel_size={2 * p}, but the tensor-parallel group "
                                          rf"has {p} rank"):
         fp.ColumnParallelLinear(4, 4 * p, config=wrong, init_method=_normal)
+    # an id outside [0, V) would be a zero row on every rank: the device-side check reports it on
+    # every rank (at once on the CPU; on CUDA at check_errors, after the collective completed)
+    emb = fp.VocabParallelEmbedding(10, 4, init_method=_normal, config=cfg)
+    for bad in (10, -1):
+        ids_bad = torch.tensor([[0, 3], [bad, 9]], device=device)
+        match = rf"VocabParallelEmbedding: input_ids must hold vocabulary ids in \[0, 10\), got {bad}"
+        with pytest.raises(ValueError, match=match):
+            emb(ids_bad)
+            fusedlib.runtime.check_errors()
+    emb(torch.tensor([[0, 9]], device=device))  # in range: nothing reported
+    fusedlib.runtime.check_errors()
     # the process groups: a size that does not divide the world, and a second initialization
     parallel_state.destroy_model_parallel()
     with pytest.raises(ValueError, match=rf"tensor_model_parallel_size=3 must divide the world size {p}"):

@@ -67,6 +67,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
+from ..kernels.embedding import check_ids_in_range
 from . import parallel_state
 from .mappings import (
     _ReduceFromModelParallelRegion,
@@ -506,11 +507,15 @@ class VocabParallelEmbedding(torch.nn.Module):
         config, tp_group: as :class:`ColumnParallelLinear`.
 
     ``forward(input_)``: int ids [b, s] -> [b, s, h] in the weight's dtype (or [s/p, b, h]).
-    An id outside [0, V): on one rank ``F.embedding`` raises; with p > 1 its row is zero (every
-    rank masks it; checking would cost a host synchronisation), as in Megatron-core.
+    An id outside [0, V): on one rank ``F.embedding`` raises; with p > 1 every rank would mask it
+    into a zero row (Megatron-core accepts it), so a small kernel checks the ids on the device
+    (:func:`fusedlib.kernels.embedding.check_ids_in_range`, no host sync) and fusedlib reports a
+    ValueError: at once on the CPU, on CUDA at a later fusedlib call or at
+    :func:`fusedlib.runtime.check_errors`, on every rank.
 
     Raises:
-        RuntimeError, ValueError: as :class:`ColumnParallelLinear` (V not divisible by p).
+        RuntimeError, ValueError: as :class:`ColumnParallelLinear` (V not divisible by p); ValueError
+            for an id outside [0, V) at p > 1 (above).
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``VocabParallelEmbedding``).
     """
@@ -536,6 +541,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         """Rows of the weight: [b, s] ids -> [b, s, h] (see the class docstring)."""
         if self.tp_world_size == 1:
             return F.embedding(input_, self.weight)
+        check_ids_in_range(input_, self.num_embeddings)  # else a bad id is a zero row on every rank
         input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)  # ids of other ranks
         masked_input = (input_ - self.vocab_start_index).masked_fill_(input_mask, 0)  # local ids, 0 for others
         output_parallel = F.embedding(masked_input, self.weight)  # [b, s] -> [b, s, h]
