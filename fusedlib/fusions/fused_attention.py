@@ -48,6 +48,7 @@ from torch.autograd.function import once_differentiable
 from ..checks import check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.bias_dropout_add import philox_seed
 from ..kernels.flash_attention import LOG2E, MAX_HEAD_DIM, attention_band, flash_attn_bwd, flash_attn_fwd
+from .fused_softmax import _check_dropout_p, _check_window  # the softmax's argument rules, shared
 
 __all__ = ["FlashAttentionFunction", "flash_attention", "ATTENTION_DTYPES"]
 
@@ -146,16 +147,6 @@ def _check_scale(softmax_scale: object, d: int) -> float:
     return scale
 
 
-def _check_window(window_size: object) -> Optional[tuple[int, int]]:
-    if window_size is None:
-        return None
-    ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-          and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window_size))
-    if not ok:
-        raise ValueError(f"window_size must be None or a pair (left, right) of ints >= -1, got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
-
-
 def _check_mask(mask: object, q: Tensor, sk: int) -> None:
     if not (isinstance(mask, Tensor) and mask.dtype == torch.bool):
         check_tensor("attention_mask", mask, dtypes=(torch.bool,))
@@ -182,15 +173,6 @@ def _check_sinks(sinks: object, q: Tensor) -> None:
         raise ValueError(f"sinks must have shape [hq] = [{hq}] (one logit per query head), got {list(sinks.shape)}")
     if sinks.device != q.device:
         raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
-
-
-def _check_dropout_p(dropout_p: object) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__}")
-    p = float(dropout_p)
-    if not 0.0 <= p < 1.0:  # NaN fails this too
-        raise ValueError(f"dropout_p must be in [0, 1) (1 would drop every probability), got {dropout_p}")
-    return p
 
 
 def _unit_last_stride(t: Tensor) -> Tensor:
