@@ -16,7 +16,8 @@
 set -uo pipefail
 OUT=${OUT:-RESULTS}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+# NO_INSTALL=1: the wheels are installed already (two sessions side by side, one per GPU)
+[ -n "${NO_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"test bench host notebooks"}

@@ -112,13 +112,15 @@ LN2: float = 0.6931471805599453
 MAX_HEAD_DIM: int = 256
 
 # ---------------------------------------------------------------------------------------------
-# Launch settings: tables keyed by the head dim (upper bound of d, Tile). The benchmarks stored
-# with the book ran these tiles: starting points from FlashAttention-2 (Sec. 3.3: BLOCK_M 128, BLOCK_N 64 for
-# d <= 128, 4 or 8 warps) and from Triton's fused-attention tutorial (its Hopper configs:
-# forward [128, 64] tiles, 3-4 stages; backward dK/dV programs of 128 keys walking 32 queries
-# at a time, dQ programs of 128 queries walking 32 keys). ``python -m fusedlib.bench.tune
-# --op attention`` times candidates around them; winners go here once the benchmark is re-run
-# with them (NOTES.md: a first tune at d = 128 found [64, 64], 4 warps faster, fwd and bwd).
+# Launch settings: tables keyed by the head dim (upper bound of d, Tile). Starting points from
+# FlashAttention-2 (Sec. 3.3: BLOCK_M 128, BLOCK_N 64 for d <= 128, 4 or 8 warps) and from
+# Triton's fused-attention tutorial (its Hopper configs: forward [128, 64] tiles, 3-4 stages;
+# backward dK/dV programs of 128 keys walking 32 queries at a time, dQ programs of 128 queries
+# walking 32 keys); the d <= 64 and d <= 256 rows are still those. The d <= 128 row is
+# ``python -m fusedlib.bench.tune --op attention``'s winner on the H200 (causal [4, 16, 2048,
+# 128], bf16, kernel only; NOTES.md): forward [64, 64] at 4 warps, 3 stages, 0.191 ms against
+# 0.213 for [128, 64] at 8 warps; backward [64, 64] at 4 warps, 2 stages (dQ the same square
+# tile), 0.667 ms against 0.962 for [32, 128] at 8 warps.
 #
 # Registers bound the tiles. Forward: acc [BLOCK_M, d] float32 plus the [BLOCK_M, BLOCK_N]
 # scores, per thread acc is BLOCK_M·d/(32·warps) floats: 64 at [128, 128] and 8 warps. Shared
@@ -130,19 +132,19 @@ MAX_HEAD_DIM: int = 256
 #: Forward: one program per BLOCK_M queries of one head, walking BLOCK_N keys at a time.
 FWD_TILES: TileTable = (
     (64, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)),
-    (128, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
+    (128, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
     (256, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)),
 )
 #: Backward dK/dV: one program per BLOCK_N keys of one key/value head, walking BLOCK_M queries.
 BWD_DKDV_TILES: TileTable = (
     (64, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3)),
-    (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)),
+    (128, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
     (256, Tile(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)),
 )
 #: Backward dQ: one program per BLOCK_M queries of one head, walking BLOCK_N keys.
 BWD_DQ_TILES: TileTable = (
     (64, Tile(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)),
-    (128, Tile(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)),
+    (128, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
     (256, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)),
 )
 
