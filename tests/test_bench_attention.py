@@ -23,6 +23,7 @@ from fusedlib.bench.ops import get_op_module
 TINY = (2, 3, 13, 12)
 #: the implementations that run on a CPU (SDPA's CPU flash and math kernels; the materialised
 #: paths; fusedlib's kernels in Triton's interpreter)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CPU_IMPLS = ("fusedlib", "sdpa-flash", "sdpa-math", "fusedlib-materialised", "eager", "torch.compile")
 
 
@@ -31,7 +32,7 @@ def _reference(q, k, v, causal, scale):
     qh, kh, vh = (t.double().transpose(1, 2) for t in (q, k, v))
     s = scale * qh @ kh.transpose(-1, -2)
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
     return (torch.softmax(s, -1) @ vh).transpose(1, 2)
 
 
@@ -104,15 +105,16 @@ def test_the_implementations_that_run_here_compute_attention_forward_and_backwar
     # gradient a few sums of 13 products of order-1 numbers, all in float32 (u = 6e-8);
     # 1e-5 is ~170 u, and a wrong mask or scale moves entries by a fraction of their size
     c = at.case(TINY, torch.float32, causal=causal, compile_backend="eager")
-    q, k, v = c.make_inputs(torch.device("cpu"), True)
+    q, k, v = c.make_inputs(DEVICE, True)
     assert q.shape == (TINY[0], TINY[2], TINY[1], TINY[3]) and q.dtype == torch.float32
     before = [t.detach().clone() for t in (q, k, v)]
-    g = torch.randn(q.shape)
+    g = torch.randn(q.shape, device=DEVICE)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     want = _reference(*leaves, causal, c.info["scale"])
     want.backward(g.double())
     impls = {i.name: i for i in c.impls}
-    for name in CPU_IMPLS:
+    # on a GPU, SDPA's flash kernel takes 16-bit inputs only (the float32 case is the CPU's)
+    for name in CPU_IMPLS if DEVICE.type == "cpu" else [n for n in CPU_IMPLS if n != "sdpa-flash"]:
         for t in (q, k, v):
             t.grad = None
         o = impls[name].fn(q, k, v)

@@ -13,7 +13,7 @@ from fusedlib.bench.ops.bias_gelu import bias_gelu_bytes
 from fusedlib.book import backward_table, check, sweep_table, eager_traffic, plot_bandwidth, plot_sweep, speedup_table
 from fusedlib import unfused
 
-SCHEMA = {"op", "pass", "impl", "shape", "dtype", "ms", "bytes", "GBps", "device", "torch", "triton"}
+SCHEMA = {"op", "pass", "impl", "shape", "dtype", "ms", "bytes", "GBps", "device", "torch", "triton", "direct_launch"}
 
 
 def _records():

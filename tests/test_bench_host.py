@@ -20,7 +20,7 @@ from fusedlib.book import speedup_table
 from conftest import DEVICE  # noqa: I001
 
 HOST_SCHEMA = {"op", "measured_op", "pass", "impl", "shape", "dtype", "us", "enqueue_us", "cpu_us",
-               "us_repeats", "calls", "repeats", "warmup", "device", "torch", "triton"}
+               "us_repeats", "calls", "repeats", "warmup", "device", "torch", "triton", "direct_launch"}
 
 
 # ------------------------------------------------------------------------------------------

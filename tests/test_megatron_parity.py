@@ -70,12 +70,17 @@ def megatron():
             port = s.getsockname()[1]
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
         created = True
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    model_parallel_cuda_manual_seed(1234)
-    yield
+    # an xdist worker may come back to this module after other modules' tests: start from a
+    # clean megatron state whatever the last visit left (megatron asserts its groups are unset)
     parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        model_parallel_cuda_manual_seed(1234)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
 
 
 CASES = {

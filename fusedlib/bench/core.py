@@ -136,10 +136,15 @@ class BenchCase:
     info: dict = field(default_factory=dict)
 
 
-def environment() -> dict[str, str]:
-    """Device name, torch and triton versions, recorded with every measurement."""
+def environment() -> dict[str, str | bool]:
+    """Device name, torch and triton versions, and whether fusedlib launched its compiled
+    kernels directly (:data:`fusedlib.kernels.launch.DIRECT_LAUNCH`), recorded with every
+    measurement."""
+    from ..kernels import launch as _launch
+
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"device": dev, "torch": torch.__version__, "triton": triton.__version__}
+    return {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
+            "direct_launch": bool(_launch.DIRECT_LAUNCH)}
 
 
 def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | None = None,

@@ -188,19 +188,23 @@ def attention_tile(table: TileTable, head_dim: int) -> Tile:
     """
     if INTERPRET_ON_CPU:
         return INTERPRETER_TILE
+    if torch.compiler.is_compiling():
+        # Dynamo traces no id(): walk the table (once, at trace time)
+        return _walk_tiles(table, head_dim)
     key = (id(table), head_dim)
     tile = _TILE_PICKS.get(key)
     if tile is None:
-        for bound, t in table:
-            if 1 <= head_dim <= bound:
-                tile = t
-                break
-        else:
-            raise ValueError(f"head dim {head_dim} is outside the tile table (1 .. {table[-1][0]})")
-        if not torch.compiler.is_compiling():
-            _PINNED[id(table)] = table
-            _TILE_PICKS[key] = tile
+        tile = _walk_tiles(table, head_dim)
+        _PINNED[id(table)] = table
+        _TILE_PICKS[key] = tile
     return tile
+
+
+def _walk_tiles(table: TileTable, head_dim: int) -> Tile:
+    for bound, t in table:
+        if 1 <= head_dim <= bound:
+            return t
+    raise ValueError(f"head dim {head_dim} is outside the tile table (1 .. {table[-1][0]})")
 
 
 def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[int, int]]) -> tuple[int, int]:

@@ -534,6 +534,17 @@ def _check(kernel: Any, grid: Sequence[int], args: tuple, kwargs: dict, compiled
         )
 
 
+def _hook_set(hook: Any) -> bool:
+    """Whether a Triton launch hook would run: Triton 3.6's knobs hold a ``HookChain`` (a list
+    of callables in ``.calls``, empty unless a profiler adds one) where older versions hold
+    None or one callable. An empty chain calls nothing, so the direct path, which passes no
+    hook and no launch metadata, launches exactly what Triton's would."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or len(calls) > 0
+
+
 def launch_key(kernel: Any, device_index: int, debug: Any, instrumentation_mode: Any, args: tuple,
                kwargs: dict) -> tuple | str:
     """:func:`direct_launch`'s cache key for a call, or (a str) why the call is not taken.
@@ -608,7 +619,7 @@ def direct_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tup
         Whatever ``kernel[grid]`` raises on a first call (compile errors, bad arguments).
     """
     rt = _KNOBS.runtime
-    if rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+    if _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook):
         return _fallback(kernel, grid, args, kwargs, "a Triton launch hook is set")
     key = launch_key(kernel, device_index, rt.debug, _KNOBS.compilation.instrumentation_mode, args, kwargs)
     if key.__class__ is str:
