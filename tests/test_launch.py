@@ -434,9 +434,11 @@ def test_every_public_op_direct_equals_kernel_grid_bitwise(offset):
 
 
 @needs_direct
-def test_cuda_graph_capture_through_the_direct_path():
+def test_cuda_graph_capture_through_the_direct_path(monkeypatch):
     """A CUDA graph captured while fusedlib launches directly replays the same kernels."""
     from fusedlib import bias_gelu_impl
+
+    monkeypatch.setattr(kl, "DIRECT_LAUNCH", True)  # whatever the process default
 
     y = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -628,9 +630,17 @@ def test_one_program_result_equals_the_second_stage_bitwise(op, dtype, monkeypat
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_direct_launches_are_opt_in():
-    """Direct launches stay off unless FUSEDLIB_DIRECT_LAUNCH=1 asks for them (on a GPU too)."""
+def test_direct_launches_are_on_by_default_where_possible():
+    """Direct launches are on wherever they are possible (compiled kernels, a verified Triton)
+    unless FUSEDLIB_DIRECT_LAUNCH=0 turns them off; any other value leaves them on."""
     if os.environ.get("FUSEDLIB_DIRECT_LAUNCH", "").strip():
         pytest.skip("FUSEDLIB_DIRECT_LAUNCH is set in this environment")
-    assert kl._env_flag("FUSEDLIB_DIRECT_LAUNCH", False) is False
-    assert kl.DIRECT_LAUNCH is False
+    assert kl._env_flag("FUSEDLIB_DIRECT_LAUNCH", True) is True
+    possible = kl._direct_launch_possible(triton.__version__, fusedlib.runtime.INTERPRET_ON_CPU)
+    assert kl.DIRECT_LAUNCH is possible
+    for value, on in (("0", False), ("off", False), ("1", True), ("yes", True)):
+        os.environ["FUSEDLIB_DIRECT_LAUNCH"] = value
+        try:
+            assert kl._env_flag("FUSEDLIB_DIRECT_LAUNCH", True) is on
+        finally:
+            del os.environ["FUSEDLIB_DIRECT_LAUNCH"]

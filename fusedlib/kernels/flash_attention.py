@@ -170,6 +170,10 @@ def _stages_for(tile: Tile, dtype: torch.dtype) -> Tile:
     with 2 stages, 163 840."""
     if dtype != torch.float32 or tile.num_stages <= 1:
         return tile
+    if torch.compiler.is_compiling():
+        # Dynamo traces no write to a global dict (an autograd.Function's backward is a
+        # higher-order op there): build the tile, once, at trace time
+        return dataclasses.replace(tile, num_stages=tile.num_stages - 1)
     out = _FP32_TILES.get(tile)
     if out is None:
         out = _FP32_TILES[tile] = dataclasses.replace(tile, num_stages=tile.num_stages - 1)

@@ -21,8 +21,8 @@ This module holds each of those once:
 * :func:`direct_launch`: the launch itself on the compiled path, without Triton's per-call
   Python (``JITFunction.run``: about 19 us per launch on the H200), through a cache of the
   compiled kernels that Triton's own path returned (see its docstring and
-  :data:`DIRECT_LAUNCH`, opt-in with ``FUSEDLIB_DIRECT_LAUNCH=1``); :func:`fusedlib.runtime.launch`
-  calls it.
+  :data:`DIRECT_LAUNCH`, on by default, off with ``FUSEDLIB_DIRECT_LAUNCH=0``);
+  :func:`fusedlib.runtime.launch` calls it.
 
 The host side is part of the op (DESIGN.md): an eager training step pays for every line
 here on every call, so everything that depends only on the row length or the dtype is a
@@ -362,13 +362,13 @@ def _direct_launch_possible(version: str, interpret: bool) -> bool:
 
 #: True when :func:`fusedlib.runtime.launch` launches compiled kernels through
 #: :func:`direct_launch`: kernels are compiled (``TRITON_INTERPRET`` is not ``1``), the
-#: Triton version is in :data:`DIRECT_LAUNCH_VERSIONS`, and ``FUSEDLIB_DIRECT_LAUNCH=1`` asks
-#: for it. Off by default: the direct path's own GPU tests (``tests/test_launch.py``) have not
-#: yet passed on the H200, and a specialization key that missed something would be a silent
-#: wrong answer, so it stays opt-in until they do. Read on every launch, so tests may set it
-#: to compare both paths.
+#: Triton version is in :data:`DIRECT_LAUNCH_VERSIONS`, and ``FUSEDLIB_DIRECT_LAUNCH`` is not
+#: ``0`` (the switch back to ``kernel[grid]`` for every launch). On the H200 the direct
+#: path's own tests (``tests/test_launch.py``: every public op's outputs and gradients
+#: bitwise equal to ``kernel[grid]``'s, checked against Triton's own kernel choice) pass.
+#: Read on every launch, so tests may set it to compare both paths.
 DIRECT_LAUNCH: bool = (_direct_launch_possible(triton.__version__, os.environ.get("TRITON_INTERPRET") == "1")
-                       and _env_flag("FUSEDLIB_DIRECT_LAUNCH", False))
+                       and _env_flag("FUSEDLIB_DIRECT_LAUNCH", True))
 
 #: ``FUSEDLIB_CHECK_LAUNCH=1`` (a debug mode; tests may set the attribute): every direct
 #: launch also asks Triton (``kernel.run(..., warmup=True)``: binding, key, lookup, no
@@ -530,7 +530,7 @@ def _check(kernel: Any, grid: Sequence[int], args: tuple, kwargs: dict, compiled
         raise RuntimeError(
             f"fusedlib direct launch of {getattr(kernel, '__name__', kernel)}: the cached compiled kernel is not "
             f"the one Triton selects for these arguments (fusedlib's cache key misses something Triton "
-            f"specializes on); unset FUSEDLIB_DIRECT_LAUNCH to launch through kernel[grid]"
+            f"specializes on); set FUSEDLIB_DIRECT_LAUNCH=0 to launch through kernel[grid]"
         )
 
 
