@@ -334,6 +334,9 @@ def _flash_fwd_kernel(
     DOT: tl.constexpr,  # dtype of the products' operands (float32 for bfloat16 in the interpreter)
     PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else "tf32" (unused by 16-bit types)
 ):
+    # float arguments are float32 (Triton's launcher) or float64 (Inductor types a Python float so):
+    # compute in float32 either way, or float64 would spread to the scores and the accumulators
+    qk_scale, keep_scale = tl.cast(qk_scale, tl.float32), tl.cast(keep_scale, tl.float32)
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -485,6 +488,8 @@ def _flash_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    sm_scale, qk_scale = tl.cast(sm_scale, tl.float32), tl.cast(qk_scale, tl.float32)
+    keep_scale = tl.cast(keep_scale, tl.float32)
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -594,6 +599,8 @@ def _flash_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    sm_scale, qk_scale = tl.cast(sm_scale, tl.float32), tl.cast(qk_scale, tl.float32)
+    keep_scale = tl.cast(keep_scale, tl.float32)
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
