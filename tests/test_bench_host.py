@@ -437,3 +437,21 @@ def test_plot_host_rejects_bad_arguments(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         plot_host(_host_records(), **kwargs)
+
+
+def test_plot_host_leaves_out_the_excluded_ops():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fusedlib.book import plot_host
+
+    recs = _host_records()
+    ax = plot_host(recs, "fwd+bwd", exclude=("layer_norm",))
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["bias_gelu"]
+    assert len(ax.patches) == 3
+    # the default leaves out the whole transformer block only
+    block = [dict(r, measured_op="transformer_layer", us=r["us"] * 100) for r in recs if r["measured_op"] == "bias_gelu"]
+    ax = plot_host(recs + block, "fwd+bwd")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["bias_gelu", "layer_norm"]
+    with pytest.raises(ValueError, match="no host record"):
+        plot_host(recs, "fwd+bwd", exclude=("bias_gelu", "layer_norm"))

@@ -415,7 +415,8 @@ def eager_traffic(fn: Any, *example_inputs: torch.Tensor) -> list[dict]:
     return rows
 
 
-def plot_host(records: Sequence[dict], pass_: str = "fwd+bwd", field: str = "us", ax=None):
+def plot_host(records: Sequence[dict], pass_: str = "fwd+bwd", field: str = "us", ax=None,
+              exclude: Sequence[str] = ("transformer_layer",)):
     """Bar chart of ``host.json``: host microseconds per call of each op for fusedlib, eager
     PyTorch and ``torch.compile``, in one pass (horizontal bars, one group per op).
 
@@ -425,6 +426,9 @@ def plot_host(records: Sequence[dict], pass_: str = "fwd+bwd", field: str = "us"
         field: ``"us"`` (wall time per call with one sync at the end), ``"enqueue_us"`` or
             ``"cpu_us"``.
         ax: an Axes to draw into (default: a new figure).
+        exclude: measured ops left out of the chart (default: the whole transformer block,
+            whose step costs tens of single ops and would flatten their bars; the table
+            lists it).
 
     Returns:
         The matplotlib Axes. The x axis starts at 0; the legend sits under the axes.
@@ -438,14 +442,15 @@ def plot_host(records: Sequence[dict], pass_: str = "fwd+bwd", field: str = "us"
         raise ValueError(f"pass_ must be 'fwd' or 'fwd+bwd', got {pass_!r}")
     if field not in ("us", "enqueue_us", "cpu_us"):
         raise ValueError(f"field must be 'us', 'enqueue_us' or 'cpu_us', got {field!r}")
-    rows = [r for r in records if r.get("op") == "host" and r["pass"] == pass_]
+    rows = [r for r in records if r.get("op") == "host" and r["pass"] == pass_
+            and r["measured_op"] not in exclude]
     if not rows:
         raise ValueError(f"records: no host record of pass {pass_!r}")
     ops = list(dict.fromkeys(r["measured_op"] for r in rows))
     impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
     own = ax is None
     if own:
-        _, ax = plt.subplots(figsize=(7, 0.45 * len(ops) * len(impls) + 1.5))
+        _, ax = plt.subplots(figsize=(7, 0.3 * len(ops) * len(impls) + 1.5))
     height = 0.8 / max(1, len(impls))
     for k, impl in enumerate(impls):
         ys, xs = [], []
