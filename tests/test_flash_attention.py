@@ -394,3 +394,19 @@ def test_float32_runs_one_pipeline_stage_fewer():
     assert kfa._stages_for(t, torch.bfloat16) is t and kfa._stages_for(t, torch.float16) is t
     one = Tile(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     assert kfa._stages_for(one, torch.float32) is one
+
+
+def test_attention_tables_keep_their_key_blocks():
+    """FlashAttention's tables are keyed by head dim and their BLOCK_N counts keys: the shared
+    pick() returns it as the table gives it, where a row table's BLOCK_N is capped at the row."""
+    from fusedlib.kernels.launch import pick
+
+    for table in (kfa.FWD_TILES, kfa.BWD_DKDV_TILES, kfa.BWD_DQ_TILES):
+        for d in (1, 40, 64, 65, 128, 200, 256):
+            want = next(t for bound, t in table if d <= bound)
+            assert pick(table, d, resolve_block_n=False) == want
+    row_table = ((64, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4)),)
+    assert pick(row_table, 40).BLOCK_N == 64  # a row of 40 fits a block of 64
+    assert pick(row_table, 40, resolve_block_n=False).BLOCK_N == 128
+    with pytest.raises(ValueError, match="past the tile table's last bound"):
+        pick(kfa.FWD_TILES, kfa.MAX_HEAD_DIM + 1, resolve_block_n=False)

@@ -86,7 +86,7 @@ import triton.language as tl
 
 from ..runtime import INTERPRET_ON_CPU, launch
 from .bias_dropout_add import _keep_mask, drop_threshold, dropout_scale
-from .launch import Tile, TileTable, cdiv, next_power_of_2
+from .launch import Tile, TileTable, cdiv, next_power_of_2, pick
 from .softmax import softmax_dropout_mask
 
 __all__ = [
@@ -153,14 +153,6 @@ BWD_DQ_TILES: TileTable = (
 #: products). Tests lower it to 16 to run many tiles, the band's edges and partial tiles.
 INTERPRETER_TILE: Tile = Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
 
-# (id(table), d) -> Tile: attention_tile's memory (tables are module constants, pinned here)
-_TILE_PICKS: dict[tuple[int, int], Tile] = {}
-_PINNED: dict[int, TileTable] = {}
-
-
-#: float32 tiles with one pipeline stage fewer (:func:`_stages_for`), by tile.
-_FP32_TILES: dict[Tile, Tile] = {}
-
 
 def _stages_for(tile: Tile, dtype: torch.dtype) -> Tile:
     """``tile`` for inputs of ``dtype``: float32 (a reference dtype, not a speed one) holds twice
@@ -170,45 +162,22 @@ def _stages_for(tile: Tile, dtype: torch.dtype) -> Tile:
     with 2 stages, 163 840."""
     if dtype != torch.float32 or tile.num_stages <= 1:
         return tile
-    if torch.compiler.is_compiling():
-        # Dynamo traces no write to a global dict (an autograd.Function's backward is a
-        # higher-order op there): build the tile, once, at trace time
-        return dataclasses.replace(tile, num_stages=tile.num_stages - 1)
-    out = _FP32_TILES.get(tile)
-    if out is None:
-        out = _FP32_TILES[tile] = dataclasses.replace(tile, num_stages=tile.num_stages - 1)
-    return out
+    return dataclasses.replace(tile, num_stages=tile.num_stages - 1)
 
 
 def attention_tile(table: TileTable, head_dim: int) -> Tile:
     """The tile of ``table`` for head dim ``head_dim``: the first row whose bound is >= it
     (the interpreter's :data:`INTERPRETER_TILE` when kernels run on the CPU).
 
-    Unlike :func:`~fusedlib.kernels.launch.pick`, BLOCK_N is a number of keys, not a part
-    of the head dim, so it is never capped by it.
+    BLOCK_N is a number of keys, not a part of the head dim: :func:`~fusedlib.kernels.launch.pick`
+    returns it as the table gives it (``resolve_block_n=False``).
 
     Raises:
         ValueError: head_dim < 1 or > the table's last bound.
     """
     if INTERPRET_ON_CPU:
         return INTERPRETER_TILE
-    if torch.compiler.is_compiling():
-        # Dynamo traces no id(): walk the table (once, at trace time)
-        return _walk_tiles(table, head_dim)
-    key = (id(table), head_dim)
-    tile = _TILE_PICKS.get(key)
-    if tile is None:
-        tile = _walk_tiles(table, head_dim)
-        _PINNED[id(table)] = table
-        _TILE_PICKS[key] = tile
-    return tile
-
-
-def _walk_tiles(table: TileTable, head_dim: int) -> Tile:
-    for bound, t in table:
-        if 1 <= head_dim <= bound:
-            return t
-    raise ValueError(f"head dim {head_dim} is outside the tile table (1 .. {table[-1][0]})")
+    return pick(table, head_dim, resolve_block_n=False)
 
 
 def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[int, int]]) -> tuple[int, int]:

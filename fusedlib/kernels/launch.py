@@ -117,34 +117,38 @@ class Tile:
 #: length takes the first row whose bound it does not pass.
 TileTable = tuple[tuple[int, Tile], ...]
 
-# pick()'s memory: (id(table), n_cols) -> Tile. Tables are module constants; each table
+# pick()'s memory: (id(table), n_cols, resolve_block_n) -> Tile. Tables are module constants; each table
 # seen is also kept in _PINNED, so that its id cannot be reused by another object while
 # its picks are remembered. Plain dicts keyed by ints, which torch.compile (Dynamo) traces;
 # they are filled only outside a compile: Dynamo refuses a write to a global inside an
 # autograd.Function it traces ("unsafe side effect"), and a compiled graph needs no cache.
-_PICKS: dict[tuple[int, int], Tile] = {}
+_PICKS: dict[tuple[int, int, bool], Tile] = {}
 _PINNED: dict[int, TileTable] = {}
 
 
-def _lookup(table: TileTable, n_cols: int) -> Tile:
+def _lookup(table: TileTable, n_cols: int, resolve_block_n: bool) -> Tile:
     if n_cols < 1:
         raise ValueError(f"n_cols must be >= 1, got {n_cols}")
     whole = next_power_of_2(n_cols)
     for bound, tile in table:
         if n_cols <= bound:
-            if 0 < tile.BLOCK_N <= whole:
+            if not resolve_block_n or 0 < tile.BLOCK_N <= whole:
                 return tile
             return replace(tile, BLOCK_N=whole)
     raise ValueError(f"a row of {n_cols} elements is past the tile table's last bound, {table[-1][0]}")
 
 
-def pick(table: TileTable, n_cols: int) -> Tile:
+def pick(table: TileTable, n_cols: int, *, resolve_block_n: bool = True) -> Tile:
     """The tile of ``table`` for rows of ``n_cols`` elements (remembered: a dict lookup after
     the first call for each row length).
 
     Args:
         table: ``(upper bound of n_cols, Tile)`` rows, bounds increasing.
-        n_cols: the row length (>= 1).
+        n_cols: the row length (>= 1); for tables keyed by something else (FlashAttention's,
+            by head dim), that key.
+        resolve_block_n: BLOCK_N is a block of the row (True): resolve it as below. False:
+            BLOCK_N counts something else (FlashAttention's keys) and is returned as the
+            table gives it.
 
     Returns:
         The first row's Tile whose bound is >= n_cols, with BLOCK_N resolved: the next power
@@ -156,11 +160,11 @@ def pick(table: TileTable, n_cols: int) -> Tile:
     if torch.compiler.is_compiling():
         # Dynamo traces neither id() nor a write to a global here; a compiled graph calls
         # this once, at trace time, so the table's walk costs nothing there
-        return _lookup(table, n_cols)
-    key = (id(table), n_cols)
+        return _lookup(table, n_cols, resolve_block_n)
+    key = (id(table), n_cols, resolve_block_n)
     tile = _PICKS.get(key)
     if tile is None:
-        tile = _lookup(table, n_cols)
+        tile = _lookup(table, n_cols, resolve_block_n)
         _PINNED[id(table)] = table
         _PICKS[key] = tile
     return tile
