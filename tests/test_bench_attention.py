@@ -19,11 +19,12 @@ from fusedlib.bench import host as host_mod
 from fusedlib.bench.ops import attention as at
 from fusedlib.bench.ops import get_op_module
 
+from conftest import DEVICE  # noqa: I001
+
 #: [b, h, s, d]: an odd sequence, a head dim that is not a power of two
 TINY = (2, 3, 13, 12)
 #: the implementations that run on a CPU (SDPA's CPU flash and math kernels; the materialised
 #: paths; fusedlib's kernels in Triton's interpreter)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CPU_IMPLS = ("fusedlib", "sdpa-flash", "sdpa-math", "fusedlib-materialised", "eager", "torch.compile")
 
 

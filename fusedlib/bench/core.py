@@ -36,6 +36,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 import triton
 
+from ..kernels import launch as _launch
+
 __all__ = [
     "Impl",
     "BenchCase",
@@ -140,8 +142,6 @@ def environment() -> dict[str, str | bool]:
     """Device name, torch and triton versions, and whether fusedlib launched its compiled
     kernels directly (:data:`fusedlib.kernels.launch.DIRECT_LAUNCH`), recorded with every
     measurement."""
-    from ..kernels import launch as _launch
-
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
             "direct_launch": bool(_launch.DIRECT_LAUNCH)}
