@@ -224,6 +224,33 @@ def test_measure_host_keeps_going_when_an_impl_fails(monkeypatch):
     assert recs == [] and "baseline broke" in skipped["eager"]
 
 
+def test_measure_host_warms_every_impl_then_takes_repeats_in_turns(monkeypatch):
+    # every warm-up before the first timed repeat, then one repeat per implementation per round:
+    # the implementations are timed in the same process state (after Inductor's compile)
+    events = []
+    real = get_case("bias_gelu")
+
+    def traced_case(shape, dtype=torch.bfloat16):
+        case = real(shape, dtype)
+        case.impls = [core.Impl(i.name, (lambda name: lambda *a: events.append(name))(i.name), passes=i.passes)
+                      for i in case.impls]
+        return case
+
+    def fake_timing(step, calls, repeats, sync):
+        events.append("timed")
+        step()
+        return {"us": 1.0, "enqueue_us": 1.0, "cpu_us": 1.0, "us_repeats": [1.0]}
+
+    monkeypatch.setattr(host_mod, "get_case", lambda op: traced_case)
+    monkeypatch.setattr(host_mod, "host_timing", fake_timing)
+    recs, skipped = host_mod.measure_host("bias_gelu", "cpu", calls=1, repeats=2, warmup=1, shape=(2, 8),
+                                          dtype=torch.float32, passes=("fwd",))
+    impls = list(host_mod.HOST_IMPLS)
+    assert skipped == {} and [r["impl"] for r in recs] == impls
+    assert events == impls + [e for _ in range(2) for i in impls for e in ("timed", i)]
+    assert all(r["us_repeats"] == [1.0, 1.0] for r in recs)
+
+
 def _host_rec(op, pas, impl, us, device="NVIDIA H200"):
     return {"op": "host", "measured_op": op, "pass": pas, "impl": impl, "us": us, "enqueue_us": us - 1,
             "cpu_us": us - 2, "device": device, "torch": "2.11", "triton": "3.6"}

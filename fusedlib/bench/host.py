@@ -17,9 +17,11 @@ shape, :func:`fusedlib.bench.ops.baselines.compile_impl`), in two passes:
   inputs' ``.grad`` to None (as ``zero_grad(set_to_none=True)``), so no call pays for
   accumulating into the last one's gradients.
 
-After :data:`WARMUP` calls (Triton compiles its kernels, Inductor its graph), each
-implementation makes :data:`REPEATS` repeats of :data:`CALLS` back-to-back calls with one
-``torch.cuda.synchronize()`` at the end; per repeat, microseconds per call:
+After :data:`WARMUP` calls of every implementation (Triton compiles its kernels, Inductor its
+graph), the implementations take turns: :data:`REPEATS` rounds, in each one repeat of
+:data:`CALLS` back-to-back calls per implementation with one ``torch.cuda.synchronize()`` at the
+end, so all three are timed in the same state of the process (Inductor's worker threads, once
+it has compiled, slow every Python-side call). Per repeat, microseconds per call:
 
 * ``us``: wall time of the calls and the final synchronize (the enqueue rate the GPU sees);
 * ``enqueue_us``: wall time of the calls alone (``time.perf_counter`` before the synchronize);
@@ -229,25 +231,45 @@ def measure_host(op: str, device: torch.device | str = "cuda", calls: int = CALL
     wanted = set(impls)
     records, skipped = [], {}
     for pas in passes:
+        # every implementation warmed up first, then the repeats taken in turns (fusedlib, eager,
+        # torch.compile, fusedlib, ...): all are timed in the same process state. Once Inductor has
+        # compiled, its worker threads stay, and every call that runs Python (a backward node's
+        # most of all) costs more than before: timing one implementation before the compile and
+        # another after would compare two states, not two implementations.
+        steps = {}
         for impl in case.impls:
             if impl.name not in wanted or pas not in impl.passes:
                 continue
-            label = f"host {op} {pas} {impl.name}"
             try:
                 step, ctx = host_step(case, impl, pas, device)
                 with ctx:
                     for _ in range(warmup):
                         step()
                     sync()
-                    timing = host_timing(step, calls, repeats, sync)
             except Exception as exc:  # one failing implementation must not lose the others
-                logger.warning("%s failed: %s: %s", label, type(exc).__name__, exc)
-                skipped[impl.name] = f"{pas}: {type(exc).__name__}: {exc}"
-            else:
-                records.append(host_record(op, pas, impl, case.shape, dtype, timing, calls, repeats, warmup))
+                _skip(skipped, f"host {op} {pas} {impl.name}", impl.name, pas, exc)
+                continue
+            steps[impl.name] = (impl, step, ctx, [])
+        for _ in range(repeats):
+            for name, (impl, step, ctx, timings) in list(steps.items()):
+                try:
+                    with ctx:
+                        timings.append(host_timing(step, calls, 1, sync))
+                except Exception as exc:
+                    _skip(skipped, f"host {op} {pas} {name}", name, pas, exc)
+                    del steps[name]
+        for name, (impl, step, ctx, timings) in steps.items():
+            timing = {key: statistics.median(t[key] for t in timings) for key in ("us", "enqueue_us", "cpu_us")}
+            timing["us_repeats"] = [t["us"] for t in timings]
+            records.append(host_record(op, pas, impl, case.shape, dtype, timing, calls, repeats, warmup))
             if progress:
-                progress(label)
+                progress(f"host {op} {pas} {name}")
     return records, skipped
+
+
+def _skip(skipped: dict, label: str, name: str, pas: str, exc: Exception) -> None:
+    logger.warning("%s failed: %s: %s", label, type(exc).__name__, exc)
+    skipped[name] = f"{pas}: {type(exc).__name__}: {exc}"
 
 
 def merge_host_records(new: list[dict], old: list[dict]) -> list[dict]:
