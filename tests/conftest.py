@@ -107,3 +107,24 @@ def _fresh_seed(seed):
     """Seed torch's generators (CPU and every GPU) with this test's seed before it runs."""
     torch.manual_seed(seed)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    """A test that leaves a torch.distributed group (and megatron-core's parallel state on it)
+    behind, e.g. a benchmark case that creates a one-rank group for a vocab-parallel baseline,
+    has it destroyed after it: later tests in the same pytest-xdist worker see the process state
+    they would see alone (test_process_groups_in_one_process needs no group). Groups that a
+    module fixture holds across its tests were there before each test and are left alone."""
+    import sys
+
+    import torch.distributed as dist
+
+    had = dist.is_available() and dist.is_initialized()
+    yield
+    if had or not (dist.is_available() and dist.is_initialized()):
+        return
+    megatron_state = sys.modules.get("megatron.core.parallel_state")
+    if megatron_state is not None:
+        megatron_state.destroy_model_parallel()
+    dist.destroy_process_group()

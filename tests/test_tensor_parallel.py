@@ -657,3 +657,20 @@ def test_state_dict_helpers_raise_clear_errors():
     assert torch.equal(unshard_state_dict(shards, layout, check_replicas=False)["n"], full["n"])
     with pytest.raises(ValueError, match=r"rank 1's keys differ from rank 0's: \['n'\]"):
         unshard_state_dict([shards[0], {"w": shards[1]["w"]}], layout)
+
+
+def test_a_leaked_process_group_is_destroyed_after_its_test(request):
+    # the conftest fixture's contract: this test creates a one-rank group and leaves it; the next
+    # test (below, in the same process) must start without one
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.fail("a process group leaked into this test from an earlier one")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.is_initialized()
+
+
+def test_the_group_left_by_the_test_above_is_gone():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
