@@ -214,3 +214,18 @@ def test_measure_case_records_graph_and_plain_launch_times(monkeypatch):
     plain = core.measure_case(case, torch.device("cpu"))
     assert all("timer" not in r and "ms_eager" not in r and r["ms"] == 0.5 for r in plain)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA device")
+def test_a_failed_capture_leaves_random_numbers_working():
+    # a baseline that syncs the host cannot be captured; the harness must leave the process's CUDA
+    # generators usable for every later case (they stayed in capture mode, and every later
+    # random draw failed, before the reset)
+    from fusedlib.bench import core as bench_core
+
+    x = torch.ones(64, device="cuda")
+    with pytest.raises(RuntimeError):
+        bench_core.time_ms(lambda: x.sum().item(), warmup=1, rep=1, cuda_graph=True)
+    y = torch.nn.functional.dropout(torch.randn(64, device="cuda"), 0.5)
+    assert y.shape == (64,) and bool((y == 0).any())
+    assert bench_core.time_ms(lambda: torch.rand(64, device="cuda"), warmup=1, rep=2, cuda_graph=True) > 0
