@@ -22,10 +22,12 @@ it over, so those inputs follow the offset too.
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fusedlib  # noqa: F401  (sets TRITON_INTERPRET on a CPU-only machine before kernels load)
 
@@ -116,10 +118,6 @@ def _no_leaked_process_group():
     has it destroyed after it: later tests in the same pytest-xdist worker see the process state
     they would see alone (test_process_groups_in_one_process needs no group). Groups that a
     module fixture holds across its tests were there before each test and are left alone."""
-    import sys
-
-    import torch.distributed as dist
-
     had = dist.is_available() and dist.is_initialized()
     yield
     if had or not (dist.is_available() and dist.is_initialized()):

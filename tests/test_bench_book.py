@@ -215,7 +215,6 @@ def test_measure_case_records_graph_and_plain_launch_times(monkeypatch):
     assert all("timer" not in r and "ms_eager" not in r and r["ms"] == 0.5 for r in plain)
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA device")
 def test_a_failed_capture_leaves_random_numbers_working():
     # a baseline that syncs the host cannot be captured; the harness must leave the process's CUDA

@@ -659,7 +659,7 @@ def test_state_dict_helpers_raise_clear_errors():
         unshard_state_dict([shards[0], {"w": shards[1]["w"]}], layout)
 
 
-def test_a_leaked_process_group_is_destroyed_after_its_test(request):
+def test_a_leaked_process_group_is_destroyed_after_its_test():
     # the conftest fixture's contract: this test creates a one-rank group and leaves it; the next
     # test (below, in the same process) must start without one
     import torch.distributed as dist

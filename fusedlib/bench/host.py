@@ -247,7 +247,7 @@ def measure_host(op: str, device: torch.device | str = "cuda", calls: int = CALL
                         step()
                     sync()
             except Exception as exc:  # one failing implementation must not lose the others
-                _skip(skipped, f"host {op} {pas} {impl.name}", impl.name, pas, exc)
+                _skip(skipped, op, pas, impl.name, exc)
                 continue
             steps[impl.name] = (impl, step, ctx, [])
         for _ in range(repeats):
@@ -256,7 +256,7 @@ def measure_host(op: str, device: torch.device | str = "cuda", calls: int = CALL
                     with ctx:
                         timings.append(host_timing(step, calls, 1, sync))
                 except Exception as exc:
-                    _skip(skipped, f"host {op} {pas} {name}", name, pas, exc)
+                    _skip(skipped, op, pas, name, exc)
                     del steps[name]
         for name, (impl, step, ctx, timings) in steps.items():
             timing = {key: statistics.median(t[key] for t in timings) for key in ("us", "enqueue_us", "cpu_us")}
@@ -267,8 +267,9 @@ def measure_host(op: str, device: torch.device | str = "cuda", calls: int = CALL
     return records, skipped
 
 
-def _skip(skipped: dict, label: str, name: str, pas: str, exc: Exception) -> None:
-    logger.warning("%s failed: %s: %s", label, type(exc).__name__, exc)
+def _skip(skipped: dict, op: str, pas: str, name: str, exc: Exception) -> None:
+    """Log an implementation that failed and name it in ``skipped`` (the others still run)."""
+    logger.warning("host %s %s %s failed: %s: %s", op, pas, name, type(exc).__name__, exc)
     skipped[name] = f"{pas}: {type(exc).__name__}: {exc}"
 
 
