@@ -27,8 +27,10 @@ Backward, with ``g = gamma * dy`` (derived in chapter 4)::
 
 Rows of zero variance (a constant row, and every row for h = 1) have rstd = 1/sqrt(eps),
 which multiplies any rounding in x_hat or in ``g - c2`` by 316 (eps = 1e-5). The forward
-therefore corrects its mean once (mean += sum(x - mean) / N), which gives a constant row its
-value exactly: x_hat = 0, y = beta, and the backward's x - mean = 0 too. For h = 1 the
+therefore sums the row shifted by its first element, mean = k + sum(x - k) / N with k = x[0]
+(the shifted-data mean), which gives a constant row its value exactly (x - k = 0): x_hat = 0,
+y = beta, and the backward's x - mean = 0 too. The variance is then summed about that mean
+(two passes over the registers, two reductions, no cancellation). For h = 1 the
 LayerNorm backward stores dx = 0, the exact gradient (y = beta does not depend on x).
 For h > 1 such a row's dx = rstd * (g - c2) is not 0, and its rounding error is that of
 ``g - c2`` times rstd.
@@ -162,14 +164,15 @@ def _norm_fwd_kernel(
         if IS_RMS_NORM:
             x_c = x
         else:
-            mean = _div_n(tl.sum(x, axis=1), n_cols, ACC)
-            # one correction step: the rounded sum leaves mean off by up to a few ulp, and
-            # rstd multiplies that error into every x_hat (by 1/sqrt(eps) for a constant
-            # row). delta = sum(x - mean) / N, summed from the small differences, brings
-            # the mean to within its own last bit; a constant row then gets its value
-            # exactly as mean, so x - mean = 0, var = 0, x_hat = 0 and y = beta exactly
-            delta = _div_n(tl.sum(tl.where(mask, x - mean[:, None], 0.0), axis=1), n_cols, ACC)
-            mean = mean + delta
+            # the mean of the shifted row x - k, k = x[row, 0]: a rounded sum(x) / N may be off
+            # by an ulp, and rstd multiplies that error into every x_hat (by 1/sqrt(eps) for a
+            # constant row). A constant row has x - k = 0 exactly, so mean = k, x - mean = 0,
+            # var = 0, x_hat = 0 and y = beta exactly. Any other row gets the float32 mean to
+            # within the rounding of sum(x - k), as sum(x) would. The variance stays two-pass,
+            # about this mean (no cancellation): two row reductions, as with sum(x) / N.
+            # k is a second load of the row's first element (cached)
+            k = tl.load(X_ptr + rows * X_row_stride, mask=row_mask, other=0.0).to(ACC)
+            mean = k + _div_n(tl.sum(tl.where(mask, x - k[:, None], 0.0), axis=1), n_cols, ACC)
             tl.store(MEAN_ptr + rows, mean, mask=row_mask)
             x_c = tl.where(mask, x - mean[:, None], 0.0)  # padding columns must add 0 to var
         var = _div_n(tl.sum(x_c * x_c, axis=1), n_cols, ACC)
