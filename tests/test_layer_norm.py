@@ -343,9 +343,9 @@ def test_zero_variance_rows(norm, dtype, zero_centered):
     # Rows of equal values (LayerNorm; one of them 0) or of zeros (RMSNorm) have variance 0,
     # so rstd = 1/sqrt(eps) = 316 multiplies any rounding in x_hat or in g - c2. The forward
     # sums the row shifted by its first element (mean = k + sum(x - k) / N), so x - mean is
-    # exactly 0 there: x_hat = 0, y = beta (RMSNorm:
-    # 0) and dgamma = 0 exactly, on every backward path (one kernel, split, memory-efficient,
-    # where x_hat = (beta - beta) / gamma = 0 too). For h = 1 LayerNorm's dx = 0 exactly
+    # exactly 0 there: x_hat = 0, y = beta (RMSNorm: 0) and dgamma = 0 exactly, on every
+    # backward path (one kernel, split, memory-efficient, where x_hat = (beta - beta) / gamma
+    # = 0 too). For h = 1 LayerNorm's dx = 0 exactly
     # (y = beta whatever x). For h > 1, dx = rstd (g - c2) (RMSNorm: rstd g) is not 0; its
     # error bound, first order in U (x_hat = 0 and c1 = 0 are exact here):
     #   g = gamma dy rounds once, and gamma = w + 1 once more:       2 U |g|

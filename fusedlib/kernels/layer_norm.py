@@ -164,13 +164,8 @@ def _norm_fwd_kernel(
         if IS_RMS_NORM:
             x_c = x
         else:
-            # the mean of the shifted row x - k, k = x[row, 0]: a rounded sum(x) / N may be off
-            # by an ulp, and rstd multiplies that error into every x_hat (by 1/sqrt(eps) for a
-            # constant row). A constant row has x - k = 0 exactly, so mean = k, x - mean = 0,
-            # var = 0, x_hat = 0 and y = beta exactly. Any other row gets the float32 mean to
-            # within the rounding of sum(x - k), as sum(x) would. The variance stays two-pass,
-            # about this mean (no cancellation): two row reductions, as with sum(x) / N.
-            # k is a second load of the row's first element (cached)
+            # the shifted-data mean (module docstring): k = x[row, 0], a second load of one
+            # cached element; a constant row gets mean = k exactly, so x - mean = 0 below
             k = tl.load(X_ptr + rows * X_row_stride, mask=row_mask, other=0.0).to(ACC)
             mean = k + _div_n(tl.sum(tl.where(mask, x - k[:, None], 0.0), axis=1), n_cols, ACC)
             tl.store(MEAN_ptr + rows, mean, mask=row_mask)
