@@ -451,3 +451,50 @@ def test_bench_keeps_the_runs_that_finish(tmp_path, stdlib_root, monkeypatch):
             "--bench-warmup", "2", "--out", str(tmp_path / "cli"), "--cache-dir", str(tmp_path / "cache")]
     monkeypatch.setattr(bench, "bench_table", lambda records: "")
     assert cli.main(argv) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs (the fused model's layers, cuda_graph_impl="local")
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(cuda_graph=True, model="plain"), "cuda_graph needs model 'gpt'"),
+    (dict(cuda_graph=True, compile=True), "cuda_graph and compile exclude each other"),
+    (dict(compile_mode="reduce-overhead"), "compile_mode .* needs compile"),
+    (dict(cuda_graph=True, device="cpu"), "cuda_graph needs a CUDA device, got cpu"),
+])
+def test_cuda_graph_and_compile_mode_flags(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**dict(TINY, **kw))
+
+
+@pytest.mark.parametrize("argv, flag", [(["--cuda-graph", "--model", "plain"], "--cuda-graph"),
+                                        (["--compile-mode", "max-autotune"], "--compile-mode")])
+def test_cuda_graph_and_compile_mode_bad_flags(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_training_equals_eager_training_and_resumes(corpus, tmp_path):
+    """The fused model with its layers as CUDA graphs trains exactly as the eager one (losses and
+    weights bit for bit, dropout on), and a resumed graphed run equals the uninterrupted one."""
+    kw = dict(TINY, layers=2, steps=6, dropout=0.1, device="cuda", bf16=True, eval_interval=3, model="gpt",
+              spec="fused", attention_backend="auto")
+    eager = Trainer(TrainConfig(**kw), corpus=corpus, log=lambda s: None)
+    eager.run()
+    graphed = Trainer(TrainConfig(cuda_graph=True, **kw), corpus=corpus, log=lambda s: None)
+    graphed.run()
+    assert graphed.model.decoder.cudagraph_manager.captures == 1
+    assert graphed.losses() == eager.losses()
+    for name, t in eager.model.state_dict().items():
+        if not name.endswith("_extra_state"):
+            assert torch.equal(t, graphed.model.state_dict()[name]), name
+    first = Trainer(TrainConfig(cuda_graph=True, out=str(tmp_path), stop_at=3, **kw), corpus=corpus,
+                    log=lambda s: None)
+    first.run()
+    resumed = Trainer(TrainConfig(cuda_graph=True, out=str(tmp_path), resume=True, **kw), corpus=corpus,
+                      log=lambda s: None)
+    resumed.run()
+    assert resumed.losses() == graphed.losses()

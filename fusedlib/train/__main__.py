@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=d.bf16,
                    help="bf16 weights with float32 master weights (default: on CUDA)")
     e.add_argument("--compile", action="store_true", help="torch.compile the model")
+    e.add_argument("--compile-mode", default=d.compile_mode,
+                   help="torch.compile's mode, e.g. reduce-overhead (with --compile)")
+    e.add_argument("--cuda-graph", action="store_true",
+                   help="fusedlib's GPTModel with its layers as CUDA graphs (cuda_graph_impl='local'; CUDA only)")
     e.add_argument("--tp", type=int, default=d.tp,
                    help="tensor-parallel ranks (start with torchrun --nproc-per-node TP)")
     e.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (with --tp > 1)")
@@ -91,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="train each of --bench-runs, write <out>/train.json")
     b.add_argument("--bench-runs", nargs="+", default=None,
-                   help="default: fusedlib fusedlib-unfused torch.compile (also: fusedlib-local, fusedlib-compile)")
+                   help="default: fusedlib fusedlib-unfused torch.compile (also: fusedlib-local, fusedlib-compile, "
+                        "fusedlib-graphs, torch.compile-graphs)")
     b.add_argument("--bench-warmup", type=int, default=20, help="steps left out of the timing")
     b.add_argument("--bench-tp", action="store_true",
                    help="under torchrun with p processes: tp = p and tp = 1, write <out>/train_tp<p>.json")

@@ -16,6 +16,11 @@ batches in the same order, with the same optimizer and schedule (the command lin
 ``fusedlib-compile``  (only when asked for) ``fusedlib``'s model, ``torch.compile``d as a whole
                       (Inductor fuses what fusedlib leaves unfused and traces fusedlib's
                       kernels into its graph)
+``fusedlib-graphs``   (only when asked for) ``fusedlib``'s model with ``cuda_graph_impl="local"``:
+                      each layer's forward and backward replayed as CUDA graphs (CUDA only)
+``torch.compile-graphs``  (only when asked for) the plain GPT, ``torch.compile(mode=
+                      "reduce-overhead")``: Inductor's code replayed as CUDA graphs, the same
+                      help with the host that ``fusedlib-graphs`` gets (CUDA only)
 ====================  =======================================================================
 
 Timing: wall time of logging windows (the device synchronised at their ends, evaluations
@@ -54,12 +59,15 @@ __all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "r
            "load_train_bench", "smooth", "plot_losses"]
 
 #: impl -> the TrainConfig fields that make it.
+_PLAIN_RUN = dict(compile_mode=None, cuda_graph=False)
 BENCH_RUNS: dict[str, dict] = {
-    "fusedlib": dict(model="gpt", spec="fused", compile=False),
-    "fusedlib-unfused": dict(model="gpt", spec="unfused", compile=False),
-    "torch.compile": dict(model="plain", compile=True),
-    "fusedlib-local": dict(model="gpt", spec="fused", compile=False, attention_backend="local"),
-    "fusedlib-compile": dict(model="gpt", spec="fused", compile=True),
+    "fusedlib": dict(model="gpt", spec="fused", compile=False, **_PLAIN_RUN),
+    "fusedlib-unfused": dict(model="gpt", spec="unfused", compile=False, **_PLAIN_RUN),
+    "torch.compile": dict(model="plain", compile=True, **_PLAIN_RUN),
+    "fusedlib-local": dict(model="gpt", spec="fused", compile=False, attention_backend="local", **_PLAIN_RUN),
+    "fusedlib-compile": dict(model="gpt", spec="fused", compile=True, **_PLAIN_RUN),
+    "fusedlib-graphs": dict(model="gpt", spec="fused", compile=False, compile_mode=None, cuda_graph=True),
+    "torch.compile-graphs": dict(model="plain", compile=True, compile_mode="reduce-overhead", cuda_graph=False),
 }
 #: The runs of ``--bench`` without ``--bench-runs``.
 DEFAULT_BENCH_RUNS = ("fusedlib", "fusedlib-unfused", "torch.compile")
@@ -218,14 +226,14 @@ def bench_table(records: Sequence[dict]) -> str:
     out = [f"{first['params'] / 1e6:.2f} M parameters ({c['layers']} layers, hidden {c['hidden']}, "
            f"{c['heads']} heads), batch {c['batch']} x seq {c['seq']} = {first['tokens_per_step']} tokens per step, "
            f"{c['steps']} steps, {'bf16' if bf16 else 'float32'}, {first['device']}",
-           f"{'impl':<18}{'tokens/s':>12}{'ms/step':>9}{'peak GB':>9}{'train loss':>12}{'val loss':>10}"
+           f"{'impl':<22}{'tokens/s':>12}{'ms/step':>9}{'peak GB':>9}{'train loss':>12}{'val loss':>10}"
            f"{'fusedlib is':>13}"]
     for r in rows:
         tail = r["losses"][-max(1, len(r["losses"]) // 20):]
         peak = f"{r['peak_bytes'] / 1e9:.2f}" if r.get("peak_bytes") is not None else "-"
         val = f"{r['val'][-1][1]:.4f}" if r["val"] else "-"
         ratio = f"{fused['tokens_per_s'] / r['tokens_per_s']:.2f}x" if fused is not None and r is not fused else ""
-        out.append(f"{r['impl']:<18}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>9.2f}{peak:>9}"
+        out.append(f"{r['impl']:<22}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>9.2f}{peak:>9}"
                    f"{sum(tail) / len(tail):>12.4f}{val:>10}{ratio:>13}")
     return "\n".join(out)
 
@@ -268,10 +276,11 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
 
 #: Line colours of the runs (fusedlib's chapters' colours).
 RUN_COLORS = {"fusedlib": "#d62728", "fusedlib-unfused": "#f4a6a6", "torch.compile": "#5c6bc0",
-              "fusedlib-local": "#8c1c1c", "fusedlib-compile": "#ff7f0e"}
+              "fusedlib-local": "#8c1c1c", "fusedlib-compile": "#ff7f0e", "fusedlib-graphs": "#2ca02c",
+              "torch.compile-graphs": "#17becf"}
 #: Line styles, so that curves lying on each other stay visible.
 RUN_STYLES = {"fusedlib": "-", "fusedlib-unfused": "--", "torch.compile": ":", "fusedlib-local": "-.",
-              "fusedlib-compile": "-"}
+              "fusedlib-compile": "-", "fusedlib-graphs": "-", "torch.compile-graphs": ":"}
 
 
 def plot_losses(records: Sequence[dict], window: int = 25, ax=None, skip: int = 0):

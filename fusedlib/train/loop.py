@@ -68,7 +68,8 @@ CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 #: Config fields a resumed run may change: they do not touch the training's arithmetic.
 RESUMABLE_CHANGES = frozenset({"out", "resume", "stop_at", "save_interval", "log_interval", "eval_interval",
-                               "eval_batches", "progress", "cache_dir", "compile"})
+                               "eval_batches", "progress", "cache_dir", "compile", "compile_mode",
+                               "cuda_graph"})
 
 
 @dataclasses.dataclass
@@ -83,7 +84,10 @@ class TrainConfig:
     lr/10), ``warmup`` (steps), ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip`` (max global
     norm; 0: none).
     Execution: ``device`` (None: CUDA when present; with ``tp`` > 1 this rank's GPU), ``bf16``
-    (None: on CUDA), ``compile`` (``torch.compile`` the model), ``tp`` (tensor-parallel ranks:
+    (None: on CUDA), ``compile`` (``torch.compile`` the model), ``compile_mode`` (its ``mode``,
+    e.g. "reduce-overhead": CUDA graphs of the compiled code; None: the default),
+    ``cuda_graph`` (fusedlib's GPTModel with ``cuda_graph_impl="local"``: in training its
+    layers run as CUDA graphs; CUDA only), ``tp`` (tensor-parallel ranks:
     the process must be one of ``tp`` ranks started by ``torchrun`` or
     ``fusedlib.parallel.spawn``), ``sequence_parallel``, ``seed`` (weights, data order, dropout).
     Output: ``out`` (directory for metrics and checkpoints; None: none written),
@@ -121,6 +125,8 @@ class TrainConfig:
     device: Optional[str] = None
     bf16: Optional[bool] = None
     compile: bool = False
+    compile_mode: Optional[str] = None
+    cuda_graph: bool = False
     tp: int = 1
     sequence_parallel: bool = False
     seed: int = 1234
@@ -163,6 +169,16 @@ class TrainConfig:
             raise ValueError(f"weight_decay must be in [0, 1), got {self.weight_decay!r}")
         if not self.grad_clip >= 0:
             raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip!r}")
+        if self.compile_mode is not None and not self.compile:
+            raise ValueError(f"compile_mode ({self.compile_mode!r}) needs compile")
+        if self.cuda_graph and self.model != "gpt":
+            raise ValueError(f"cuda_graph needs model 'gpt' (fusedlib's GPTModel), got {self.model!r}")
+        if self.cuda_graph and self.compile:
+            raise ValueError("cuda_graph and compile exclude each other: under torch.compile the layers run as traced "
+                             "code, not as fusedlib's CUDA graphs (use compile_mode='reduce-overhead' for "
+                             "torch.compile's own)")
+        if self.cuda_graph and self.tp > 1:
+            raise ValueError(f"cuda_graph needs tp = 1, got {self.tp}")
         if self.tp > 1 and self.model != "gpt":
             raise ValueError(f"tp > 1 needs model 'gpt' (fusedlib's GPTModel), got {self.model!r}")
         if self.tp > 1 and (self.heads % self.tp or self.hidden % self.tp):
@@ -179,6 +195,8 @@ class TrainConfig:
             except RuntimeError:
                 raise ValueError(f"device must be a torch device name, got {self.device!r}") from None
         self.shape()  # checks the model's shape
+        if self.cuda_graph and self.resolved_device().type != "cuda":
+            raise ValueError(f"cuda_graph needs a CUDA device, got {self.resolved_device()}")
 
     def shape(self) -> ModelShape:
         """The model's :class:`ModelShape`."""
@@ -202,13 +220,18 @@ class TrainConfig:
         return self.bf16 if self.bf16 is not None else self.resolved_device().type == "cuda"
 
     def label(self) -> str:
-        """A short name: "fused", "unfused", "fused (local)", "plain", each "+ compile" when compiled."""
+        """A short name: "fused", "unfused", "fused (local)", "plain", with "+ CUDA graphs" and
+        "+ compile" (and its mode) where they apply."""
         name = "plain" if self.model == "plain" else self.spec
         if self.model == "gpt" and self.spec == "fused" and self.attention_backend != "flash":
             name += f" ({self.attention_backend})"
         if self.tp > 1:
             name += f", tp = {self.tp}" + (" + SP" if self.sequence_parallel else "")
-        return name + (" + compile" if self.compile else "")
+        if self.cuda_graph:
+            name += " + CUDA graphs"
+        if self.compile:
+            name += " + compile" + (f" ({self.compile_mode})" if self.compile_mode else "")
+        return name
 
 
 class CosineSchedule:
@@ -280,8 +303,8 @@ class Trainer:
         self.corpus = corpus if corpus is not None else load_corpus(cfg.cache_dir)
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.model = build_model(cfg.model, cfg.shape(), cfg.seed, cfg.spec, cfg.attention_backend, dtype, self.device,
-                                 cfg.tp, cfg.sequence_parallel)
-        self.forward = torch.compile(self.model) if cfg.compile else self.model
+                                 cfg.tp, cfg.sequence_parallel, cfg.cuda_graph)
+        self.forward = torch.compile(self.model, mode=cfg.compile_mode) if cfg.compile else self.model
         self.params = list(self.model.parameters())
         if self.bf16:  # float32 master weights, updated by the optimizer, rounded into the bf16 parameters
             self.master = [p.detach().float().clone() for p in self.params]

@@ -88,7 +88,7 @@ _tanh_gelu = functools.partial(F.gelu, approximate="tanh")
 
 def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = "flash",
                dtype: torch.dtype = torch.float32, cpu_init: bool = False, tp: int = 1,
-               sequence_parallel: bool = False) -> TransformerConfig:
+               sequence_parallel: bool = False, cuda_graph: bool = False) -> TransformerConfig:
     """The ``TransformerConfig`` of a fused or unfused ``GPTModel`` of ``shape``.
 
     Args:
@@ -101,9 +101,11 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
         cpu_init: create the parameters on the CPU.
         tp, sequence_parallel: ``tensor_model_parallel_size`` and ``sequence_parallel``
             (:mod:`fusedlib.parallel`).
+        cuda_graph: ``cuda_graph_impl="local"``: in training the layers run as CUDA graphs
+            (:mod:`fusedlib.transformer.cuda_graphs`).
 
     Raises:
-        ValueError: an unknown spec or backend.
+        ValueError: an unknown spec or backend; ``cuda_graph`` with ``tp`` > 1.
     """
     if spec not in SPECS:
         raise ValueError(f"spec must be one of {SPECS}, got {spec!r}")
@@ -115,6 +117,7 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
                             params_dtype=dtype, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
                             use_cpu_initialization=cpu_init, attention_backend=AttnBackend[attention_backend],
                             tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+                            cuda_graph_impl="local" if cuda_graph else "none",
                             **{k: True for k in FUSED_SWITCHES})
     if spec == "unfused":
         cfg = dataclasses.replace(without_fusions(cfg), activation_func=_tanh_gelu)
@@ -123,7 +126,7 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
 
 def build_gpt(shape: ModelShape, spec: str = "fused", attention_backend: str = "flash",
               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: int = 1,
-              sequence_parallel: bool = False) -> GPTModel:
+              sequence_parallel: bool = False, cuda_graph: bool = False) -> GPTModel:
     """fusedlib's ``GPTModel`` of ``shape`` (learned positions, tied output layer), its weights
     from Megatron-core's init with torch's current RNG, on ``device`` in ``dtype``; with ``tp`` > 1
     this rank's part of the tensor-parallel model (``fusedlib.parallel``'s groups must exist).
@@ -133,7 +136,7 @@ def build_gpt(shape: ModelShape, spec: str = "fused", attention_backend: str = "
     """
     device = torch.device(device)
     cfg = gpt_config(shape, spec, attention_backend, dtype, cpu_init=device.type == "cpu", tp=tp,
-                     sequence_parallel=sequence_parallel)
+                     sequence_parallel=sequence_parallel, cuda_graph=cuda_graph)
     layer_spec = get_gpt_layer_local_spec() if spec == "fused" else get_gpt_layer_unfused_spec()
     model = GPTModel(cfg, layer_spec, vocab_size=shape.vocab, max_sequence_length=shape.seq,
                      share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
@@ -151,24 +154,27 @@ def initial_state(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
 
 def build_model(kind: str, shape: ModelShape, seed: int, spec: str = "fused", attention_backend: str = "flash",
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: int = 1,
-                sequence_parallel: bool = False) -> torch.nn.Module:
+                sequence_parallel: bool = False, cuda_graph: bool = False) -> torch.nn.Module:
     """A model of ``kind`` ("gpt" or "plain") and ``shape`` holding :func:`initial_state` (``seed``),
-    on ``device`` in ``dtype``, in training mode. ``spec``, ``attention_backend``, ``tp`` and
-    ``sequence_parallel`` apply to "gpt"; with ``tp`` > 1 the model is this tensor-parallel rank's
+    on ``device`` in ``dtype``, in training mode. ``spec``, ``attention_backend``, ``tp``,
+    ``sequence_parallel`` and ``cuda_graph`` (the layers as CUDA graphs) apply to "gpt"; with ``tp`` > 1 the model is this tensor-parallel rank's
     part and holds its shard of the same initial state (``fusedlib.parallel.shard_state_dict``),
     so every ``tp`` starts from the same weights.
 
     Raises:
-        ValueError: an unknown kind, spec or backend, a bad shape, or ``tp`` > 1 with "plain".
+        ValueError: an unknown kind, spec or backend, a bad shape, or ``tp`` > 1 or ``cuda_graph``
+            with "plain".
     """
     if kind not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
+    if kind == "plain" and cuda_graph:
+        raise ValueError("cuda_graph is fusedlib's GPTModel's (config.cuda_graph_impl); the plain model has none")
     if kind == "plain" and tp != 1:
         raise ValueError(f"tp must be 1 for the plain model (tensor parallelism is fusedlib's GPTModel's), got {tp}")
     state = initial_state(shape, seed)
     device = torch.device(device)
     if kind == "gpt":
-        model = build_gpt(shape, spec, attention_backend, dtype, device, tp, sequence_parallel)
+        model = build_gpt(shape, spec, attention_backend, dtype, device, tp, sequence_parallel, cuda_graph)
         if tp > 1:
             from ..parallel import get_tensor_model_parallel_rank, get_tensor_parallel_layout, shard_state_dict
 

@@ -27,8 +27,15 @@ tracker's model-parallel state (``get_cuda_rng_tracker().fork()``), so each rank
 masks are its own, as in Megatron-core (which forks whether or not anything draws).
 Recomputation replays the tracker's states too (:func:`fusedlib.parallel.random.checkpoint`).
 
+CUDA graphs (``config.cuda_graph_impl = "local"``): in training, the layers run as captured
+CUDA graphs, one forward and one backward graph per layer, through
+:class:`~fusedlib.transformer.cuda_graphs.CudaGraphManager` (see that module for what a graph
+fixes and what the manager checks); the final norm runs eagerly. :meth:`TransformerBlock.reset_cuda_graphs`
+drops the captured graphs.
+
 Left out: pipeline stages (``pre_process=False``, ``set_input_tensor``), virtual pipelines,
-FP8/FP4 contexts, CPU offloading, CUDA graphs, multi-token prediction, inference.
+FP8/FP4 contexts, CPU offloading, CUDA graphs of parts of a layer or of a whole step,
+multi-token prediction, inference.
 
 Source: Megatron-LM ``megatron/core/transformer/transformer_block.py``.
 """
@@ -43,6 +50,7 @@ from ..fusions.fused_layer_norm import FusedNorm
 from ..parallel.random import checkpoint as tensor_parallel_checkpoint
 from ..parallel.random import get_cuda_rng_tracker
 from ..utils import make_viewless_tensor
+from .cuda_graphs import GRAPHABLE_KWARGS, CudaGraphManager
 from .identity_op import IdentityOp
 from .module import MegatronModule
 from .spec_utils import ModuleSpec, build_module, get_module
@@ -107,8 +115,12 @@ class TransformerBlock(MegatronModule):
     :meth:`TransformerLayer.forward`; returns the hidden states [s, b, h] (not a view).
 
     Raises:
-        NotImplementedError: a left-out feature asked for.
+        NotImplementedError: a left-out feature asked for (with CUDA graphs: a cross-attention
+            context, or a mask, rotary embedding or attention bias that is not a tensor).
         TypeError: a bad spec (see :func:`_get_block_submodules`).
+        ValueError: ``cuda_graph_impl="local"`` with hidden states not on a CUDA device.
+        RuntimeError: with CUDA graphs, a second training forward before the first one's
+            backward, or a failed capture (see :mod:`fusedlib.transformer.cuda_graphs`).
         Errors of the layers, naming the module that failed.
 
     Source: Megatron-LM ``megatron/core/transformer/transformer_block.py`` (``TransformerBlock``).
@@ -139,6 +151,14 @@ class TransformerBlock(MegatronModule):
         # (without dropout nothing draws random numbers: no fork, and no tracker needed)
         self._draws_random_numbers = config.attention_dropout > 0 or any(
             getattr(layer, "hidden_dropout", config.hidden_dropout) > 0 for layer in self.layers)
+        self.cudagraph_manager = (CudaGraphManager(config.cuda_graph_warmup_steps)
+                                  if config.cuda_graph_impl == "local" else None)
+
+    def reset_cuda_graphs(self) -> None:
+        """Drop the layers' captured CUDA graphs (``cuda_graph_impl="local"``); the next training
+        call captures them again. Nothing to do without CUDA graphs."""
+        if self.cudagraph_manager is not None:
+            self.cudagraph_manager.reset()
 
     def _checkpointed_forward(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
                               attention_bias):
@@ -175,6 +195,20 @@ class TransformerBlock(MegatronModule):
         if self.config.recompute_granularity == "full" and self.training:
             return self._checkpointed_forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
                                               attention_bias)
+        manager = self.cudagraph_manager
+        if manager is not None and manager.applies(self, hidden_states):
+            if context is not None or context_mask is not None:
+                raise NotImplementedError("TransformerBlock: cuda_graph_impl='local' captures self-attention layers; "
+                                          "a cross-attention context is left out")
+            kwargs = dict(zip(GRAPHABLE_KWARGS, (attention_mask, rotary_pos_emb, attention_bias)))
+            for name, value in kwargs.items():
+                if value is not None and not isinstance(value, torch.Tensor):
+                    raise NotImplementedError(f"TransformerBlock: cuda_graph_impl='local' takes {name} as a tensor "
+                                              f"or None, got {type(value).__name__}")
+            out = manager.run(self.layers, hidden_states, kwargs)
+            # the last graph's output buffer is overwritten by the next replay: return a copy
+            # unless the final norm reads it now
+            return out if self.final_layernorm is not None else out.clone()
         for layer in self.layers:
             hidden_states, context = layer(hidden_states, attention_mask=attention_mask, context=context,
                                            context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,

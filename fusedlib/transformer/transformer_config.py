@@ -6,7 +6,7 @@ reads the same switches. ``__post_init__`` derives what Megatron-core derives an
 it rejects, each with a ValueError that says why.
 
 Left out (Megatron-core has a few hundred fields): pipeline, context, expert and
-data parallelism, MoE routing, FP8/FP4, CUDA graphs, CPU offloading, inference, multi-latent
+data parallelism, MoE routing, FP8/FP4, CUDA graphs other than whole layers, CPU offloading, inference, multi-latent
 attention and the other attention variants. Of the parallelisms, tensor parallelism
 (``tensor_model_parallel_size``, ``sequence_parallel``) is implemented: :mod:`fusedlib.parallel`.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -64,7 +65,9 @@ class TransformerConfig:
         num_attention_heads % num_query_groups != 0; tensor_model_parallel_size < 1, or not
         dividing num_attention_heads and num_query_groups; bias_activation_fusion with an
         activation fusedlib cannot fuse; a bad activation_func_clamp_value (see the module
-        docstring); num_moe_experts <= 0; a bad window_size; a bad recompute setting;
+        docstring); num_moe_experts <= 0; a bad window_size; a bad recompute setting; a bad
+        CUDA-graph setting (an unknown ``cuda_graph_impl``, negative ``cuda_graph_warmup_steps``,
+        "local" with recomputation or with tensor_model_parallel_size > 1);
         TypeError for params_dtype not a float dtype or attention_backend not an AttnBackend.
 
     Source: Megatron-LM ``megatron/core/transformer/transformer_config.py``.
@@ -193,6 +196,18 @@ class TransformerConfig:
     recompute_modules: Optional[List[str]] = None
     """With "selective": the submodules recomputed, of "core_attn" and "mlp"; None: ["core_attn"]."""
 
+    # ---------------------------------------------------------------- CUDA graphs
+    cuda_graph_impl: str = "none"
+    """"none", or "local": in training, each layer of a :class:`~fusedlib.transformer.transformer_block.TransformerBlock`
+    runs as two CUDA graphs (its forward and its backward, captured with
+    ``torch.cuda.make_graphed_callables`` at the first call for each input shape), so a step pays
+    one graph launch per layer and pass instead of every kernel's host-side launch. Megatron-core's
+    "transformer_engine" needs Transformer Engine and is not available."""
+    enable_cuda_graph: bool = False
+    """Deprecated spelling of ``cuda_graph_impl="local"`` (as in Megatron-core)."""
+    cuda_graph_warmup_steps: int = 3
+    """Eager iterations run (on a side stream, with copies of the inputs) before each capture."""
+
     def __post_init__(self) -> None:
         """Derive Megatron-core's defaults, and reject what Megatron-core rejects (see the class)."""
         self._check_basics()
@@ -203,6 +218,7 @@ class TransformerConfig:
             self.attention_softmax_in_fp32 = True  # Megatron-core: the 1/layer_number scale needs fp32 scores
         self._check_activation()
         self._check_recompute()
+        self._check_cuda_graph()
         self._derive_init_methods()
 
     # ------------------------------------------------------------ checks, one topic each
@@ -318,6 +334,30 @@ class TransformerConfig:
         if g == "selective" and bad:
             raise ValueError(f"recompute_modules {bad} are not implemented in fusedlib (choices: "
                              f"{', '.join(RECOMPUTE_MODULES)})")
+
+    def _check_cuda_graph(self) -> None:
+        if self.enable_cuda_graph:
+            if self.cuda_graph_impl != "none":
+                raise ValueError("Do not use enable_cuda_graph with cuda_graph_impl: enable_cuda_graph is the deprecated "
+                                 f"spelling of cuda_graph_impl='local' (got cuda_graph_impl={self.cuda_graph_impl!r})")
+            warnings.warn("enable_cuda_graph is deprecated, use cuda_graph_impl='local' instead.", DeprecationWarning,
+                          stacklevel=3)
+            self.cuda_graph_impl = "local"
+        if self.cuda_graph_impl not in ("none", "local"):
+            raise ValueError(f"cuda_graph_impl must be 'none' or 'local' (fusedlib has no Transformer Engine), "
+                             f"got {self.cuda_graph_impl!r}")
+        w = self.cuda_graph_warmup_steps
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0:
+            raise ValueError(f"cuda_graph_warmup_steps must be an int >= 0, got {w!r}")
+        if self.cuda_graph_impl == "none":
+            return
+        if self.recompute_granularity is not None:
+            raise ValueError(f"cuda_graph_impl='local' captures whole layers: activation recomputation "
+                             f"(recompute_granularity={self.recompute_granularity!r}) cannot run inside them; "
+                             "turn one of the two off")
+        if self.tensor_model_parallel_size > 1:
+            raise ValueError("cuda_graph_impl='local' is implemented for tensor_model_parallel_size = 1 only, got "
+                             f"{self.tensor_model_parallel_size}")
 
     def _derive_init_methods(self) -> None:
         # imported here: transformer.utils imports the fused softmax, which imports this package

@@ -31,6 +31,9 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
                            ``scaled_dot_product_attention`` (no scores in memory)
 ``fusedlib-flash``         the same, ``attention_backend`` flash: fusedlib's FlashAttention-2
                            kernel in Triton (chapter 8)
+``fusedlib-sdpa-graphs``   ``fusedlib-sdpa`` with ``cuda_graph_impl="local"``: each layer's
+                           forward and backward replayed as CUDA graphs
+                           (:mod:`fusedlib.transformer.cuda_graphs`), the final norm eager
 ``megatron-core-unfused``  megatron-core's ``TransformerBlock`` from its
                            ``get_gpt_layer_local_spec``, fusions off
 ``megatron-core``          the same with ``bias_activation_fusion`` and ``bias_dropout_fusion``
@@ -40,6 +43,9 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
                            ``fusions_unavailable``, why the others are off
 ``eager``                  a plain PyTorch pre-LN GPT block (:class:`PlainGPTBlock`:
                            ``torch.nn`` layers, ``scaled_dot_product_attention``), eager
+``eager-graphs``           the plain PyTorch block with each layer through
+                           ``torch.cuda.make_graphed_callables`` (:class:`GraphedPlainGPTBlock`):
+                           the same layerwise graphs, for the plain block
 ``torch.compile``          the same block with each layer's forward ``torch.compile``d
                            (``dynamic=False``: static shapes), the final norm eager
 =========================  ===================================================================
@@ -60,6 +66,13 @@ and ``skipped`` says why.
 Records (one per implementation and shape, pass ``"fwd+bwd"``; the case is timed as every case
 of the harness, :func:`fusedlib.bench.core.measure_case`): a transformer block is not
 memory-bound, so ``"bytes"`` and ``"GBps"`` are None. Its fields beyond DESIGN.md's:
+
+The two ``-graphs`` implementations capture their layers at their first call; under the
+harness's own capture of a whole step (the ``"ms"`` timer) they run their layers eagerly (a
+graph of the step records the same kernels), so their ``"ms"`` repeats the un-graphed block's
+and their ``"ms_eager"`` is what the layer graphs buy with plain launches. Their graphs'
+memory pools are allocated at the capture, before the measured step, so ``"peak_bytes"``
+leaves them out.
 
 * ``"ms"``: the step as a CUDA-graph replay (``"timer": "cuda_graph"``), or plain launches
   where it could not be captured (``"timer": "do_bench"`` and the reason in
@@ -102,6 +115,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ...transformer.cuda_graphs import copy_gradients
 from ...transformer.enums import AttnBackend
 from ..core import BenchCase, Impl, environment
 from .baselines import compile_impl, try_import
@@ -131,9 +145,14 @@ IMPLS: dict[str, str] = {
     "fusedlib-flash": "fusedlib's local spec, every fusion on, attention_backend flash (fusedlib's Triton FlashAttention)",
     "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
     "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
+    "fusedlib-sdpa-graphs": "fusedlib-sdpa with cuda_graph_impl='local': each layer's forward and backward as CUDA graphs",
     "eager": "plain PyTorch pre-LN GPT block with scaled_dot_product_attention, eager",
+    "eager-graphs": "the plain PyTorch block, each layer through torch.cuda.make_graphed_callables",
     "torch.compile": "the plain PyTorch block, each layer torch.compile(dynamic=False)d, once per shape",
 }
+
+#: The implementations that run their layers as CUDA graphs (CUDA only).
+GRAPH_IMPLS = ("fusedlib-sdpa-graphs", "eager-graphs")
 
 #: The TransformerConfig switches of "every fusion on" (apply_rope_fusion is on but idle: no RoPE here).
 FUSIONS_ON = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion", "persist_layer_norm",
@@ -202,7 +221,8 @@ def gemm_flops(shape: Sequence[int], causal_half: bool = False) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = AttnBackend.local,
-                   dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> torch.nn.Module:
+                   dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                   cuda_graph: bool = False) -> torch.nn.Module:
     """fusedlib's ``TransformerBlock`` at ``shape`` (its parameters random from the config's inits).
 
     Args:
@@ -213,6 +233,7 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
             SDPA; flash: fusedlib's FlashAttention kernel).
         dtype: the parameters' dtype (bf16: ``config.bf16`` too).
         device: where the parameters live.
+        cuda_graph: ``cuda_graph_impl="local"`` (the layers as CUDA graphs; needs CUDA).
 
     Returns:
         The block in training mode; call it as ``block(hidden_states, None)``.
@@ -227,7 +248,8 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
                             hidden_dropout=HIDDEN_DROPOUT, attention_dropout=ATTENTION_DROPOUT, params_dtype=dtype,
                             bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16, activation_func=F.gelu,
                             add_bias_linear=True, use_cpu_initialization=device.type == "cpu",
-                            attention_backend=backend, **{k: True for k in FUSIONS_ON})
+                            attention_backend=backend, cuda_graph_impl="local" if cuda_graph else "none",
+                            **{k: True for k in FUSIONS_ON})
     if fused:
         block = TransformerBlock(cfg, get_gpt_layer_local_spec())
     else:
@@ -363,6 +385,60 @@ class PlainGPTBlock(torch.nn.Module):
         return self.final_layernorm(x)
 
 
+class _Holder(torch.nn.Module):
+    """A layer behind a module of its own, whose ``forward`` ``make_graphed_callables`` replaces
+    (the layer keeps its eager forward)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+class GraphedPlainGPTBlock(PlainGPTBlock):
+    """:class:`PlainGPTBlock` whose layers run, in training with grad, as CUDA graphs from
+    ``torch.cuda.make_graphed_callables`` (forward and backward per layer, one memory pool,
+    captured at the first call of each input shape); the final norm eager. Under another
+    capture (the harness's graph timer), in eval mode or without grad: the eager layers.
+
+    One forward, then its backward, per step (each replay overwrites the previous one's
+    activations). CUDA only in training. As fusedlib's graphed layers, a hook on each layer's
+    autograd node hands autograd copies of the gradients the backward graph returns (else a
+    parameter's ``.grad`` would be the graph's buffer, overwritten by the next replay): the two
+    implementations do the same work around their graphs.
+
+    Args and ``forward``: as :class:`PlainGPTBlock`.
+
+    Source: PyTorch ``torch.cuda.make_graphed_callables`` and its CUDA-graphs notes.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._graphs: dict[tuple, list] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and torch.is_grad_enabled() and x.is_cuda
+                and not torch.cuda.is_current_stream_capturing()):
+            return super().forward(x)
+        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad)
+        calls = self._graphs.get(key)
+        if calls is None:
+            samples = tuple((x.detach().clone().requires_grad_(x.requires_grad if i == 0 else True),)
+                            for i in range(len(self.layers)))
+            calls = self._graphs[key] = list(torch.cuda.make_graphed_callables(
+                tuple(_Holder(layer) for layer in self.layers), samples))
+        for call in calls:
+            x = call.forward(x)
+            x.grad_fn.register_hook(_own_gradients)
+        return self.final_layernorm(x)
+
+
+def _own_gradients(grad_inputs, grad_outputs):
+    return copy_gradients(grad_inputs)
+
+
 class _Model:
     """A block built at its first call, on the input's device and in its dtype, then run.
 
@@ -415,7 +491,7 @@ def _layer_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
-         compile_backend: str | Callable = "inductor") -> BenchCase:
+         compile_backend: str | Callable = "inductor", cuda_graphs: Optional[bool] = None) -> BenchCase:
     """One training step at ``shape`` = [s, b, h, heads, ffn, layers] with every implementation
     of :data:`IMPLS` (megatron-core's where it imports). Nothing is built until an
     implementation's first call.
@@ -424,6 +500,8 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
         shape: see above.
         dtype: of the parameters and the hidden states (bf16 for the numbers; tests use others).
         compile_backend: ``torch.compile``'s backend for the compiled layers (tests pass "eager").
+        cuda_graphs: include the two ``-graphs`` implementations, which need CUDA (None: where
+            ``torch.cuda.is_available()``); left out, ``skipped`` says why.
 
     Returns:
         The case: input ``(x,)`` with x [s, b, h] random; pass "fwd+bwd" only; ``bytes`` None;
@@ -440,6 +518,8 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
 
     step = ("fwd+bwd",)
     fused_on = list(FUSIONS_ON)
+    if cuda_graphs is None:
+        cuda_graphs = torch.cuda.is_available()
 
     def impl(name: str, model: _Model, **info) -> Impl:
         return Impl(name, model, passes=step, params=model.params, info=info)
@@ -454,7 +534,11 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
         impl("fusedlib-flash", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.flash, t, d), _block_call),
              fusions=fused_on, attention="flash"),
     ]
-    skipped = {}
+    if cuda_graphs:
+        impls.append(impl("fusedlib-sdpa-graphs",
+                          _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.auto, t, d, cuda_graph=True),
+                                 _block_call), fusions=fused_on, attention="sdpa", cuda_graph_impl="local"))
+    skipped = {} if cuda_graphs else {name: "CUDA graphs need a CUDA device" for name in GRAPH_IMPLS}
     spec, why = try_import("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec")
     if spec is not None:
         for name, fused in (("megatron-core-unfused", False), ("megatron-core", True)):
@@ -468,6 +552,12 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
         return PlainGPTBlock(h, heads, ffn, layers, device=d, dtype=t).train()
 
     impls.append(impl("eager", _Model(build_plain, _plain_call), fusions=[], attention="sdpa"))
+    if cuda_graphs:
+        def build_graphed(d, t):
+            return GraphedPlainGPTBlock(h, heads, ffn, layers, device=d, dtype=t).train()
+
+        impls.append(impl("eager-graphs", _Model(build_graphed, _plain_call), fusions=[], attention="sdpa",
+                          cuda_graph_impl="make_graphed_callables"))
     plain = _Model(build_plain, _plain_call)
     comp = compile_impl(_layer_forward, adapt=plain.layer_by_layer, backend=compile_backend)
     comp.passes, comp.params = step, plain.params
@@ -486,7 +576,7 @@ def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.
     """:data:`DEFAULT_SHAPE` then :data:`GPT2_SMALL_SHAPE`, each with every implementation and its
     own static compile; ``sweep`` adds :data:`SMALL_SHAPE`."""
     shapes = (DEFAULT_SHAPE, GPT2_SMALL_SHAPE) + ((SMALL_SHAPE,) if sweep else ())
-    return [case(shape, dtype) for shape in shapes]
+    return [case(shape, dtype, cuda_graphs=device.type == "cuda") for shape in shapes]
 
 
 # ---------------------------------------------------------------------------------------------

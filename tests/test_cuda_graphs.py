@@ -1,0 +1,289 @@
+"""Layerwise CUDA graphs (``TransformerConfig.cuda_graph_impl = "local"``).
+
+The config checks and the CPU refusal run everywhere; the graphs themselves need CUDA. On a GPU
+the graphed block replays the kernels the eager block launches, on the same inputs and (after
+``torch.manual_seed``) the same Philox offsets, so its outputs and gradients are compared with
+the eager block's for exact equality, dropout included.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusedlib.models.gpt import get_gpt_layer_local_spec
+from fusedlib.transformer import TransformerConfig
+from fusedlib.transformer.enums import AttnBackend
+from fusedlib.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+from conftest import DEVICE  # noqa: I001
+
+S, B, H, NP, FFN = 9, 3, 24, 4, 40  # odd sizes
+FUSIONS_ON = dict(bias_activation_fusion=True, masked_softmax_fusion=True, bias_dropout_fusion=True,
+                  apply_rope_fusion=True)
+cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+
+
+def config(dtype=torch.float32, **kw) -> TransformerConfig:
+    base = dict(num_layers=3, hidden_size=H, num_attention_heads=NP, ffn_hidden_size=FFN, hidden_dropout=0.0,
+                attention_dropout=0.0, activation_func=F.gelu, add_bias_linear=True, params_dtype=dtype,
+                bf16=dtype is torch.bfloat16, attention_backend=AttnBackend.local, **FUSIONS_ON)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def pair(dtype=torch.float32, final_norm=True, **kw) -> tuple[TransformerBlock, TransformerBlock]:
+    """(eager block, graphed block) with the same random parameters, in training mode."""
+    spec = get_gpt_layer_local_spec()
+    if not final_norm:
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * 3, layer_norm=None)
+    eager = TransformerBlock(config(dtype, **kw), spec).to(DEVICE)
+    graphed = TransformerBlock(config(dtype, cuda_graph_impl="local", **kw), spec).to(DEVICE)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, device=DEVICE, dtype=torch.float32))
+    graphed.load_state_dict(eager.state_dict())
+    return eager.train(), graphed.train()
+
+
+def step(block: TransformerBlock, x: torch.Tensor, g: torch.Tensor, seed, **kw):
+    """Output and gradients (input, then parameters by name) of one training step from ``seed``
+    (None: the generator as it is)."""
+    for p in block.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    if seed is not None:
+        torch.manual_seed(seed)
+    y = block(x, None, **kw)
+    y.backward(g)
+    return y.detach().clone(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
+def assert_same(a, b) -> None:
+    ya, dxa, pa = a
+    yb, dxb, pb = b
+    torch.testing.assert_close(yb, ya, rtol=0, atol=0)
+    torch.testing.assert_close(dxb, dxa, rtol=0, atol=0)
+    assert pa.keys() == pb.keys()
+    for n in pa:
+        torch.testing.assert_close(pb[n], pa[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+# ------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(cuda_graph_impl="transformer_engine"), "cuda_graph_impl must be 'none' or 'local'"),
+    (dict(cuda_graph_impl="full"), "cuda_graph_impl must be 'none' or 'local'"),
+    (dict(cuda_graph_warmup_steps=-1), "cuda_graph_warmup_steps must be an int >= 0"),
+    (dict(cuda_graph_warmup_steps=1.5), "cuda_graph_warmup_steps must be an int >= 0"),
+    (dict(cuda_graph_warmup_steps=True), "cuda_graph_warmup_steps must be an int >= 0"),
+    (dict(cuda_graph_impl="local", recompute_granularity="selective"), "activation recomputation"),
+    (dict(cuda_graph_impl="local", recompute_granularity="full", recompute_method="uniform",
+          recompute_num_layers=1), "activation recomputation"),
+    (dict(cuda_graph_impl="local", enable_cuda_graph=True), "Do not use enable_cuda_graph with cuda_graph_impl"),
+])
+def test_config_rejects(kw, match):
+    with pytest.raises(ValueError, match=match):
+        config(**kw)
+
+
+def test_config_rejects_tensor_parallel_graphs():
+    with pytest.raises(ValueError, match="tensor_model_parallel_size = 1 only, got 2"):
+        config(cuda_graph_impl="local", tensor_model_parallel_size=2)
+
+
+def test_enable_cuda_graph_is_the_deprecated_spelling():
+    with pytest.warns(DeprecationWarning, match="cuda_graph_impl='local'"):
+        cfg = config(enable_cuda_graph=True)
+    assert cfg.cuda_graph_impl == "local"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert config().cuda_graph_impl == "none" and config().cuda_graph_warmup_steps == 3
+
+
+def test_graphs_on_the_cpu_are_refused_in_training():
+    block = TransformerBlock(config(cuda_graph_impl="local"), get_gpt_layer_local_spec()).cpu().train()
+    x = torch.randn(S, B, H, requires_grad=True)
+    with pytest.raises(ValueError, match="hidden_states must be on a CUDA device, got cpu"):
+        block(x, None)
+
+
+def test_eval_and_no_grad_run_the_eager_layers():
+    """In eval mode and without grad (on any device) the block runs its layers eagerly: the same
+    output as the block without graphs, and nothing captured."""
+    eager, graphed = pair()
+    x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
+    torch.testing.assert_close(graphed.eval()(x, None), eager.eval()(x, None), rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed.train()(x, None), eager.train()(x, None), rtol=0, atol=0)
+    assert graphed.cudagraph_manager.captures == 0
+
+
+# ------------------------------------------------------------------------------------- on a GPU
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_graphed_block_equals_eager_block(dtype, dropout, seed):
+    """Three steps (the first captures, the next two replay) on fresh inputs, the generator seeded
+    once before the three: outputs and every gradient equal the eager block's exactly, dropout
+    included (the capture leaves the generator as it found it; the replays draw what the eager
+    steps draw)."""
+    eager, graphed = pair(dtype, hidden_dropout=dropout, attention_dropout=dropout)
+    xs = torch.randn(3, S, B, H, device=DEVICE, dtype=torch.float32).to(dtype)
+    gs = torch.randn(3, S, B, H, device=DEVICE, dtype=torch.float32).to(dtype)
+    results = {}
+    for name, block in (("eager", eager), ("graphed", graphed)):
+        torch.manual_seed(seed)
+        results[name] = [step(block, xs[i], gs[i], seed=None) for i in range(3)]
+    for a, b in zip(results["eager"], results["graphed"]):
+        assert_same(a, b)
+    assert graphed.cudagraph_manager.captures == 1
+
+
+@cuda_only
+def test_no_cross_stream_gradient_accumulation(seed):
+    """The parameters' gradient accumulators are made on the caller's stream before the capture,
+    so autograd has no stream mismatch to warn of (or to synchronise) in the steps after it."""
+    _, graphed = pair()
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            step(graphed, x, g, seed + i)
+    assert not [w for w in caught if "AccumulateGrad" in str(w.message)], [str(w.message)[:120] for w in caught]
+
+
+@cuda_only
+def test_dropout_draws_new_masks_on_every_replay(seed):
+    _, graphed = pair(hidden_dropout=0.3, attention_dropout=0.3)
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.ones(S, B, H, device=DEVICE)
+    step(graphed, x, g, seed)  # captures
+    outs = []
+    for _ in range(2):  # two replays on the same input, the generator not reseeded
+        y = graphed(x.clone().requires_grad_(True), None)
+        y.backward(g)
+        outs.append(y.detach())
+    assert not torch.equal(outs[0], outs[1])
+
+
+@cuda_only
+def test_new_shape_recaptures_and_inputs_are_not_modified(seed):
+    eager, graphed = pair()
+    for s in (S, 2 * S + 1, S):
+        x = torch.randn(s, B, H, device=DEVICE)
+        g = torch.randn(s, B, H, device=DEVICE)
+        x_before = x.clone()
+        assert_same(step(eager, x, g, seed), step(graphed, x, g, seed))
+        torch.testing.assert_close(x, x_before, rtol=0, atol=0)
+    assert graphed.cudagraph_manager.captures == 2
+
+
+@cuda_only
+def test_attention_mask_is_a_graph_input(seed):
+    """A padding mask changes between replays: the graph reads each call's mask (copied into its
+    static input), and the caller's mask is left as it was."""
+    eager, graphed = pair()
+    for i in range(2):
+        mask = torch.zeros(B, 1, S, S, device=DEVICE, dtype=torch.bool)
+        mask[i, ..., -(i + 2):] = True
+        mask_before = mask.clone()
+        x = torch.randn(S, B, H, device=DEVICE)
+        g = torch.randn(S, B, H, device=DEVICE)
+        assert_same(_masked(eager, x, g, seed, mask), _masked(graphed, x, g, seed, mask))
+        assert torch.equal(mask, mask_before)
+    assert graphed.cudagraph_manager.captures == 1
+
+
+def _masked(block, x, g, seed, mask):
+    for p in block.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    y = block(x, mask)
+    y.backward(g)
+    return y.detach().clone(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
+@cuda_only
+def test_second_forward_before_backward_is_refused():
+    _, graphed = pair()
+    x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
+    graphed(x, None)  # captures; its output dropped at once: no backward can come
+    y = graphed(x, None)  # so a new forward is allowed
+    with pytest.raises(RuntimeError, match="before the backward of the previous one"):
+        graphed(x, None)  # y's graph is alive, its backward not started
+    del y
+    with torch.no_grad():
+        graphed(x, None)  # no autograd: the eager path is allowed
+    graphed.eval()(x, None)
+    y = graphed.train()(x, None)
+    graphed.reset_cuda_graphs()  # forgets y's pending backward too
+    graphed(x, None).sum().backward()
+    assert graphed.cudagraph_manager.captures == 2
+
+
+@cuda_only
+def test_without_final_norm_the_output_is_not_overwritten_by_the_next_replay(seed):
+    eager, graphed = pair(final_norm=False)
+    x1, x2 = torch.randn(2, S, B, H, device=DEVICE).unbind(0)
+    g = torch.randn(S, B, H, device=DEVICE)
+    y1 = step(graphed, x1, g, seed)[0]
+    kept = graphed(x1.clone().requires_grad_(True), None)  # the block's own output tensor
+    kept_value = kept.detach().clone()
+    kept.backward(g)
+    step(graphed, x2, g, seed)
+    torch.testing.assert_close(kept.detach(), kept_value, rtol=0, atol=0)
+    torch.testing.assert_close(y1, step(eager, x1, g, seed)[0], rtol=0, atol=0)
+
+
+@cuda_only
+def test_gradients_are_not_the_graphs_buffers_and_accumulate(seed):
+    """Gradients kept from one step survive the next replay, and two backwards without zeroing
+    accumulate (a gradient taken as the graph's own buffer would be overwritten instead)."""
+    eager, graphed = pair()
+    x1, x2 = torch.randn(2, S, B, H, device=DEVICE).unbind(0)
+    g = torch.randn(S, B, H, device=DEVICE)
+    r1 = step(graphed, x1, g, seed)
+    kept = {n: t.clone() for n, t in r1[2].items()}
+    step(graphed, x2, g, seed)
+    for n, t in r1[2].items():
+        torch.testing.assert_close(t, kept[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    for block in (eager, graphed):
+        for p in block.parameters():
+            p.grad = None
+        for x in (x1, x2):
+            block(x.clone().requires_grad_(True), None).backward(g)
+    for (n, pe), pg in zip(eager.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(pg.grad, pe.grad, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@cuda_only
+def test_moving_the_parameters_recaptures(seed):
+    eager, graphed = pair()
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    step(graphed, x, g, seed)
+    for block in (eager, graphed):  # new storage for every parameter (and back to float32)
+        block.to(torch.float64).to(torch.float32)
+    assert_same(step(eager, x, g, seed), step(graphed, x, g, seed))
+    assert graphed.cudagraph_manager.captures == 2
+
+
+@cuda_only
+def test_optimizer_updates_reach_the_graphs(seed):
+    """The graphs read the parameters in place: after an SGD step of both blocks they still agree."""
+    eager, graphed = pair()
+    opts = [torch.optim.SGD(b.parameters(), lr=0.1) for b in (eager, graphed)]
+    for i in range(3):
+        x = torch.randn(S, B, H, device=DEVICE)
+        g = torch.randn(S, B, H, device=DEVICE)
+        assert_same(step(eager, x, g, seed + i), step(graphed, x, g, seed + i))
+        for o in opts:
+            o.step()
