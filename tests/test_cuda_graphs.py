@@ -146,20 +146,6 @@ def test_graphed_block_equals_eager_block(dtype, dropout, seed):
 
 
 @cuda_only
-def test_no_cross_stream_gradient_accumulation(seed):
-    """The parameters' gradient accumulators are made on the caller's stream before the capture,
-    so autograd has no stream mismatch to warn of (or to synchronise) in the steps after it."""
-    _, graphed = pair()
-    x = torch.randn(S, B, H, device=DEVICE)
-    g = torch.randn(S, B, H, device=DEVICE)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i in range(3):
-            step(graphed, x, g, seed + i)
-    assert not [w for w in caught if "AccumulateGrad" in str(w.message)], [str(w.message)[:120] for w in caught]
-
-
-@cuda_only
 def test_dropout_draws_new_masks_on_every_replay(seed):
     _, graphed = pair(hidden_dropout=0.3, attention_dropout=0.3)
     x = torch.randn(S, B, H, device=DEVICE)

@@ -41,6 +41,14 @@ What a graph fixes at capture, and what the manager does about it:
   layer's autograd node hands autograd copies instead (one multi-tensor kernel per layer),
   as an eager backward's gradients are new tensors.
 
+On torch 2.11 autograd warns, at the first backward after a capture, that "the
+AccumulateGrad node's stream does not match the stream of the node that produced the incoming
+gradient": the parameters' gradient accumulators were made during the capture, on its side
+stream, and the captured graphs keep them alive, so each later backward synchronises the two
+streams for them. The results are unaffected (the tests compare them bit for bit with the eager
+block's); making the accumulators on the caller's stream before the capture instead makes the
+capture itself fail, since the capture's backward would then wait on the caller's stream.
+
 The eager layers run instead of the graphs in evaluation mode, without grad, while
 ``torch.compile`` traces, and while the current stream is already being captured (a graph of
 the whole step captures the same kernels directly).
@@ -126,7 +134,6 @@ class CudaGraphManager:
         # that only that forward's autograd graph holds (dead once the graph is freed)
         self._pending: Optional[weakref.ref] = None
         self.captures = 0  # how many signatures were captured (tests and the book read it)
-        self._accumulators: list = []  # the parameters' AccumulateGrad nodes (see _capture)
 
     def reset(self) -> None:
         """Drop every captured graph (and their memory pools, once nothing else holds them)."""
@@ -220,13 +227,6 @@ class CudaGraphManager:
         samples = [(first, *extra)]
         for _ in calls[1:]:  # a later layer's input is the previous output, which requires grad
             samples.append((hidden_states.detach().clone().requires_grad_(True), *extra))
-        # Each parameter's gradient accumulator (autograd's AccumulateGrad node, cached on the
-        # parameter while something holds it) records the stream it was made on. Made now, on
-        # the caller's stream, and kept: otherwise the capture's side stream makes them, the
-        # captured graphs keep them alive, and every later backward on the caller's stream
-        # pays a cross-stream synchronisation per parameter (autograd warns of it).
-        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0]
-                              for layer in layers for p in layer.parameters() if p.requires_grad]
         try:
             # the warm-up iterations draw dropout seeds: restore the generator afterwards, so a
             # graphed run draws the same random numbers as an eager one (and a resumed run as
