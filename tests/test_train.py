@@ -481,7 +481,7 @@ def test_cuda_graph_training_equals_eager_training_and_resumes(corpus, tmp_path)
     """The fused model with its layers as CUDA graphs trains exactly as the eager one (losses and
     weights bit for bit, dropout on), and a resumed graphed run equals the uninterrupted one."""
     kw = dict(TINY, layers=2, steps=6, dropout=0.1, device="cuda", bf16=True, eval_interval=3, model="gpt",
-              spec="fused", attention_backend="auto")
+              spec="fused", attention_backend="local")  # (SDPA's cuDNN backward is not deterministic)
     eager = Trainer(TrainConfig(**kw), corpus=corpus, log=lambda s: None)
     eager.run()
     graphed = Trainer(TrainConfig(cuda_graph=True, **kw), corpus=corpus, log=lambda s: None)
