@@ -70,6 +70,7 @@ __all__ = [
     "SYNC_CHECKS",
     "DeviceCheck",
     "check_errors",
+    "reset_generators_after_failed_capture",
 ]
 
 logger = logging.getLogger("fusedlib")
@@ -613,3 +614,21 @@ def device_banner() -> str:
         name = "CPU (no CUDA GPU)"
         mode = "interpreted by Triton's interpreter"
     return f"{name} | torch {torch.__version__} | triton {triton.__version__} | kernels {mode}"
+
+
+def reset_generators_after_failed_capture() -> None:
+    """Take every CUDA generator out of graph-capture mode after a capture that failed.
+
+    ``torch.cuda.graph`` puts the default CUDA generators into capture mode when a capture
+    begins and takes them out in ``capture_end``; when the capture fails (a host sync inside
+    it, say), ``capture_end`` raises first and the generators stay in capture mode, so every
+    later random draw in the process fails with "Offset increment outside graph capture
+    encountered unexpectedly" (seen on the H200: one baseline that could not be captured
+    stopped every later case of the run). Each generator gets a fresh state with the same
+    seed and offset (``clone_state``), which is not in capture mode.
+
+    Source: PyTorch ``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp`` (``capture_prologue``,
+    ``capture_epilogue``, ``CUDAGeneratorState::clone``).
+    """
+    for gen in torch.cuda.default_generators:
+        gen.graphsafe_set_state(gen.clone_state())

@@ -7,13 +7,16 @@ the eager block's for exact equality, dropout included.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fusedlib.models.gpt import get_gpt_layer_local_spec
+from fusedlib.models.gpt import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
+from fusedlib.transformer.cuda_graphs import _check_no_hooks
+from fusedlib.transformer.identity_op import IdentityOp
 from fusedlib.transformer import TransformerConfig
 from fusedlib.transformer.enums import AttnBackend
 from fusedlib.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -77,9 +80,10 @@ def assert_same(a, b) -> None:
 @pytest.mark.parametrize("kw, match", [
     (dict(cuda_graph_impl="transformer_engine"), "cuda_graph_impl must be 'none' or 'local'"),
     (dict(cuda_graph_impl="full"), "cuda_graph_impl must be 'none' or 'local'"),
-    (dict(cuda_graph_warmup_steps=-1), "cuda_graph_warmup_steps must be an int >= 0"),
-    (dict(cuda_graph_warmup_steps=1.5), "cuda_graph_warmup_steps must be an int >= 0"),
-    (dict(cuda_graph_warmup_steps=True), "cuda_graph_warmup_steps must be an int >= 0"),
+    (dict(cuda_graph_warmup_steps=0), "cuda_graph_warmup_steps must be an int >= 1"),
+    (dict(cuda_graph_warmup_steps=-1), "cuda_graph_warmup_steps must be an int >= 1"),
+    (dict(cuda_graph_warmup_steps=1.5), "cuda_graph_warmup_steps must be an int >= 1"),
+    (dict(cuda_graph_warmup_steps=True), "cuda_graph_warmup_steps must be an int >= 1"),
     (dict(cuda_graph_impl="local", recompute_granularity="selective"), "activation recomputation"),
     (dict(cuda_graph_impl="local", recompute_granularity="full", recompute_method="uniform",
           recompute_num_layers=1), "activation recomputation"),
@@ -96,11 +100,13 @@ def test_config_rejects_tensor_parallel_graphs():
 
 
 def test_enable_cuda_graph_is_the_deprecated_spelling():
-    with pytest.warns(DeprecationWarning, match="cuda_graph_impl='local'"):
+    with pytest.warns(UserWarning, match="cuda_graph_impl='local'") as record:
         cfg = config(enable_cuda_graph=True)
-    assert cfg.cuda_graph_impl == "local"
+    assert record[0].filename == __file__, "the warning names the caller's line"
+    assert cfg.cuda_graph_impl == "local" and not cfg.enable_cuda_graph
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        assert dataclasses.replace(cfg, hidden_dropout=0.2).cuda_graph_impl == "local"  # a copy maps nothing again
         assert config().cuda_graph_impl == "none" and config().cuda_graph_warmup_steps == 3
 
 
@@ -109,6 +115,29 @@ def test_graphs_on_the_cpu_are_refused_in_training():
     x = torch.randn(S, B, H, requires_grad=True)
     with pytest.raises(ValueError, match="hidden_states must be on a CUDA device, got cpu"):
         block(x, None)
+
+
+def test_module_hooks_are_refused_and_the_specs_have_none():
+    for spec in (get_gpt_layer_local_spec(), get_gpt_layer_unfused_spec()):
+        _check_no_hooks(TransformerBlock(config(), spec).layers)  # the library's own layers: no hooks
+    block = TransformerBlock(config(cuda_graph_impl="local"), get_gpt_layer_local_spec()).cpu().train()
+    handle = block.layers[1].mlp.linear_fc1.register_forward_hook(lambda m, i, o: None)
+    x = torch.randn(S, B, H, requires_grad=True)
+    with pytest.raises(NotImplementedError, match=r"layers\.1\.mlp\.linear_fc1 .* has a module hook"):
+        block(x, None)
+    handle.remove()
+    with pytest.raises(ValueError, match="must be on a CUDA device"):  # without it: the device's turn
+        block(x, None)
+
+
+def test_under_torch_compile_the_layers_run_eagerly():
+    """torch.compile traces the eager layers (no capture inside a trace): on any device, with the
+    unfused spec (the fused kernels cannot be traced in Triton's CPU interpreter)."""
+    block = TransformerBlock(config(cuda_graph_impl="local"), get_gpt_layer_unfused_spec()).to(DEVICE).train()
+    compiled = torch.compile(block, backend="eager")
+    x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
+    compiled(x, None).sum().backward()
+    assert x.grad is not None and block.cudagraph_manager.captures == 0
 
 
 def test_eval_and_no_grad_run_the_eager_layers():
@@ -273,3 +302,104 @@ def test_optimizer_updates_reach_the_graphs(seed):
         assert_same(step(eager, x, g, seed + i), step(graphed, x, g, seed + i))
         for o in opts:
             o.step()
+
+
+@cuda_only
+def test_freezing_and_unfreezing_recaptures(seed):
+    """requires_grad is part of what a capture fixed: freezing a parameter after the capture
+    leaves its gradient None and the others equal to the eager block's; unfreezing it again
+    gives it a gradient again."""
+    eager, graphed = pair()
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    step(graphed, x, g, seed)
+    for block in (eager, graphed):
+        block.layers[0].mlp.linear_fc1.weight.requires_grad_(False)
+    a, b = step(eager, x, g, seed), step(graphed, x, g, seed)
+    assert b[2]["layers.0.mlp.linear_fc1.weight"] is None
+    assert_same(a, b)
+    for block in (eager, graphed):
+        block.layers[0].mlp.linear_fc1.weight.requires_grad_(True)
+    assert_same(step(eager, x, g, seed), step(graphed, x, g, seed))
+    assert graphed.cudagraph_manager.captures == 3
+
+
+@cuda_only
+def test_frozen_first_layer_and_an_input_without_grad(seed):
+    """Nothing before the second layer requires grad: the first layer's graph has no input
+    gradient to give, and the block still trains the rest as the eager block does."""
+    eager, graphed = pair()
+    for block in (eager, graphed):
+        for p in block.layers[0].parameters():
+            p.requires_grad_(False)
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    for _ in range(2):
+        results = []
+        for block in (eager, graphed):
+            for p in block.parameters():
+                p.grad = None
+            torch.manual_seed(seed)
+            y = block(x, None)  # x does not require grad
+            y.backward(g)
+            results.append((y.detach().clone(), {n: p.grad for n, p in block.named_parameters()}))
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+        for n, t in results[0][1].items():
+            assert (t is None) == (results[1][1][n] is None), n
+            if t is not None:
+                torch.testing.assert_close(results[1][1][n], t, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@cuda_only
+def test_a_backward_of_an_earlier_forward_is_refused():
+    _, graphed = pair()
+    x1, x2 = (torch.randn(S, B, H, device=DEVICE, requires_grad=True) for _ in range(2))
+    y1 = graphed(x1, None)
+    y1.sum().backward(retain_graph=True)
+    y2 = graphed(x2, None)  # replays over y1's activations
+    with pytest.raises(RuntimeError, match="earlier forward than the latest one"):
+        y1.sum().backward()
+    y2.sum().backward()
+
+
+@cuda_only
+def test_replaced_parameters_recapture(seed):
+    """load_state_dict(assign=True) puts new Parameter objects in place: the graphs of the old
+    ones are not used."""
+    eager, graphed = pair()
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    step(graphed, x, g, seed)
+    state = {k: 0.5 * v for k, v in eager.state_dict().items()}
+    eager.load_state_dict(state)
+    graphed.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+    assert_same(step(eager, x, g, seed), step(graphed, x, g, seed))
+    assert graphed.cudagraph_manager.captures == 2
+
+
+@cuda_only
+def test_an_identity_final_norm_returns_a_copy(seed):
+    eager, graphed = pair(final_norm=False)
+    spec = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec()] * 3, layer_norm=IdentityOp)
+    graphed = TransformerBlock(config(cuda_graph_impl="local"), spec).to(DEVICE).train()
+    graphed.load_state_dict(eager.state_dict(), strict=False)
+    x1, x2 = torch.randn(2, S, B, H, device=DEVICE).unbind(0)
+    g = torch.randn(S, B, H, device=DEVICE)
+    kept = graphed(x1.clone().requires_grad_(True), None)
+    kept_value = kept.detach().clone()
+    kept.backward(g)
+    step(graphed, x2, g, seed)
+    torch.testing.assert_close(kept.detach(), kept_value, rtol=0, atol=0)
+
+
+@cuda_only
+def test_a_mask_that_comes_and_goes(seed):
+    """With and without a mask are two signatures, each with its own graphs."""
+    eager, graphed = pair()
+    mask = torch.zeros(B, 1, S, S, device=DEVICE, dtype=torch.bool)
+    mask[0, ..., -2:] = True
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    for m in (None, mask, None, mask):
+        assert_same(_masked(eager, x, g, seed, m), _masked(graphed, x, g, seed, m))
+    assert graphed.cudagraph_manager.captures == 2

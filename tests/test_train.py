@@ -461,6 +461,7 @@ def test_bench_keeps_the_runs_that_finish(tmp_path, stdlib_root, monkeypatch):
     (dict(cuda_graph=True, model="plain"), "cuda_graph needs model 'gpt'"),
     (dict(cuda_graph=True, compile=True), "cuda_graph and compile exclude each other"),
     (dict(compile_mode="reduce-overhead"), "compile_mode .* needs compile"),
+    (dict(compile=True, compile_mode="fastest"), "compile_mode must be None or one of torch.compile's modes"),
     (dict(cuda_graph=True, device="cpu"), "cuda_graph needs a CUDA device, got cpu"),
 ])
 def test_cuda_graph_and_compile_mode_flags(kw, match):
@@ -469,7 +470,8 @@ def test_cuda_graph_and_compile_mode_flags(kw, match):
 
 
 @pytest.mark.parametrize("argv, flag", [(["--cuda-graph", "--model", "plain"], "--cuda-graph"),
-                                        (["--compile-mode", "max-autotune"], "--compile-mode")])
+                                        (["--compile-mode", "max-autotune"], "--compile-mode"),
+                                        (["--bench-tp", "--cuda-graph"], "--cuda-graph")])
 def test_cuda_graph_and_compile_mode_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.parse_args(argv)

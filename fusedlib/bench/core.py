@@ -37,6 +37,7 @@ import torch
 import triton
 
 from ..kernels import launch as _launch
+from ..runtime import reset_generators_after_failed_capture
 
 __all__ = [
     "Impl",
@@ -200,24 +201,6 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
         for t in leaves:
             t.grad = None
         del graph
-
-
-def reset_generators_after_failed_capture() -> None:
-    """Take every CUDA generator out of graph-capture mode after a capture that failed.
-
-    ``torch.cuda.graph`` puts the default CUDA generators into capture mode when a capture
-    begins and takes them out in ``capture_end``; when the capture fails (a host sync inside
-    it, say), ``capture_end`` raises first and the generators stay in capture mode, so every
-    later random draw in the process fails with "Offset increment outside graph capture
-    encountered unexpectedly" (seen on the H200: one baseline that could not be captured
-    stopped every later case of the run). Each generator gets a fresh state with the same
-    seed and offset (``clone_state``), which is not in capture mode.
-
-    Source: PyTorch ``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp`` (``capture_prologue``,
-    ``capture_epilogue``, ``CUDAGeneratorState::clone``).
-    """
-    for gen in torch.cuda.default_generators:
-        gen.graphsafe_set_state(gen.clone_state())
 
 
 def _record(op: str, pas: str, impl: str, shape: Sequence[int], dtype: torch.dtype, ms: float,

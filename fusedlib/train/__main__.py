@@ -129,6 +129,8 @@ def parse_args(argv: Optional[list[str]] = None):
     if args.bench_tp:
         if args.resume or args.stop_at is not None:
             parser.error("--bench-tp trains from scratch: --resume and --stop-at do not apply")
+        if config.cuda_graph:
+            parser.error("--bench-tp trains with tp > 1, which --cuda-graph does not support: leave --cuda-graph out")
         if config.tp != 1 or config.model != "gpt":
             parser.error("--bench-tp sets the tensor-parallel size itself (the number of processes) and trains "
                          "--model gpt: leave --tp and --model out")

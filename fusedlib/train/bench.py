@@ -19,8 +19,9 @@ batches in the same order, with the same optimizer and schedule (the command lin
 ``fusedlib-graphs``   (only when asked for) ``fusedlib``'s model with ``cuda_graph_impl="local"``:
                       each layer's forward and backward replayed as CUDA graphs (CUDA only)
 ``torch.compile-graphs``  (only when asked for) the plain GPT, ``torch.compile(mode=
-                      "reduce-overhead")``: Inductor's code replayed as CUDA graphs, the same
-                      help with the host that ``fusedlib-graphs`` gets (CUDA only)
+                      "reduce-overhead")``: Inductor's code replayed as CUDA graphs (CUDA only);
+                      it captures the whole forward and backward, embeddings and loss
+                      included, where ``fusedlib-graphs`` captures the layers only
 ====================  =======================================================================
 
 Timing: wall time of logging windows (the device synchronised at their ends, evaluations

@@ -62,8 +62,11 @@ from ..transformer.enums import AttnBackend
 from .data import Corpus, decode, encode, get_batch, load_corpus
 from .model import MODELS, SPECS, ModelShape, build_model
 
-__all__ = ["TrainConfig", "CosineSchedule", "Trainer", "sample", "CHECKPOINT", "METRICS", "RESUMABLE_CHANGES"]
+__all__ = ["TrainConfig", "CosineSchedule", "Trainer", "sample", "CHECKPOINT", "METRICS", "RESUMABLE_CHANGES",
+           "COMPILE_MODES"]
 
+#: ``TrainConfig.compile_mode``'s values: None (torch.compile's default) and torch.compile's modes.
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 #: Config fields a resumed run may change: they do not touch the training's arithmetic.
@@ -171,6 +174,9 @@ class TrainConfig:
             raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip!r}")
         if self.compile_mode is not None and not self.compile:
             raise ValueError(f"compile_mode ({self.compile_mode!r}) needs compile")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be None or one of torch.compile's modes {COMPILE_MODES[1:]}, "
+                             f"got {self.compile_mode!r}")
         if self.cuda_graph and self.model != "gpt":
             raise ValueError(f"cuda_graph needs model 'gpt' (fusedlib's GPTModel), got {self.model!r}")
         if self.cuda_graph and self.compile:

@@ -10,20 +10,29 @@ graph launch, whatever the layer does.
 :class:`CudaGraphManager` does this for the layers of a
 :class:`~fusedlib.transformer.transformer_block.TransformerBlock` with PyTorch's
 ``torch.cuda.make_graphed_callables``: at the block's first training call for an input
-signature (shapes, dtypes, which optional tensors are given), every layer's forward and
-backward are captured, in the order they run (forward 1..N, backward N..1) into one memory
+signature, every layer's forward and backward are captured, in the order they run (forward 1..N, backward N..1) into one memory
 pool; later calls with that signature replay them. Each captured layer is an
 ``autograd.Function`` whose backward replays the layer's backward graph, so the block's
 gradients reach its parameters and its input as in eager mode.
 
 What a graph fixes at capture, and what the manager does about it:
 
-* shapes and dtypes: the signature is the cache key; a new one is captured once (each keeps
-  its own memory pool: activations of one step, and the static buffers);
-* the parameters' storage: each call checks their ``data_ptr`` against the capture's (moving
-  the block with ``.to()`` recaptures; optimizers and ``load_state_dict`` write in place, which
-  the graphs see). A parameter replaced by a new ``Parameter`` object is not seen: call
+* the input signature: the shape, dtype, device and ``requires_grad`` of the hidden states and
+  of each given mask, rotary-angle and attention-bias tensor, autocast's state and each layer's
+  training flag form the cache key; a new one is captured once, and at most
+  :data:`MAX_SIGNATURES` are kept (each keeps its own memory pool: one step's activations and
+  the static buffers), the least recently used dropped first;
+* the parameters: each call checks that every captured parameter is still the same
+  ``Parameter`` object under its name, at the same storage, with the same ``requires_grad``;
+  moved (``.to()``), replaced (``load_state_dict(..., assign=True)``), frozen or unfrozen, the
+  layers are captured again. Optimizers and ``load_state_dict`` write in place, which the graphs
+  see. A parameter or submodule *added* to a layer after the capture is not seen: call
   :meth:`~fusedlib.transformer.transformer_block.TransformerBlock.reset_cuda_graphs` after it;
+* Python: a graph replays kernels only, so module hooks on a layer or its submodules (or global
+  module hooks) would run only during the capture; the manager refuses them
+  (NotImplementedError). Settings a layer reads from Python at each call are fixed at the
+  capture as well (a config field changed afterwards, an SDPA backend choice): reset the
+  graphs after changing one;
 * random numbers: dropout draws its Philox seeds with ``torch.randint`` on the device, which a
   graph replays with a fresh offset of the CUDA generator each time, so every replay draws new
   masks (the forward's seeds are saved for its backward, as in eager mode); the capture's
@@ -34,12 +43,18 @@ What a graph fixes at capture, and what the manager does about it:
   The manager refuses it (RuntimeError) instead of returning wrong gradients, unless the first
   forward's autograd graph is gone (its output dropped: no backward can come). Call
   ``backward()`` first, or run the forward without autograd (``torch.no_grad()``, ``eval()``),
-  which takes the eager path;
+  which takes the eager path. A backward of an earlier forward after a later one (a graph kept
+  with ``retain_graph``) is refused in the backward (a pre-hook on each layer's node);
 * the gradients a backward graph returns live in its static buffers too, and autograd would
   keep them as the parameters' ``.grad`` as they are, so the next replay would overwrite them
   (or, with gradient accumulation, add a step's gradient to itself). A hook on each captured
   layer's autograd node hands autograd copies instead (one multi-tensor kernel per layer),
-  as an eager backward's gradients are new tensors.
+  as an eager backward's gradients are new tensors;
+* the device: a capture belongs to the current CUDA device, so the manager captures and
+  replays with the hidden states' device current;
+* a failed capture leaves PyTorch's CUDA generators in capture mode, after which every random
+  draw of the process fails: the manager takes them out of it
+  (:func:`fusedlib.runtime.reset_generators_after_failed_capture`) before raising.
 
 On torch 2.11 autograd warns, at the first backward after a capture, that "the
 AccumulateGrad node's stream does not match the stream of the node that produced the incoming
@@ -50,8 +65,9 @@ block's); making the accumulators on the caller's stream before the capture inst
 capture itself fail, since the capture's backward would then wait on the caller's stream.
 
 The eager layers run instead of the graphs in evaluation mode, without grad, while
-``torch.compile`` traces, and while the current stream is already being captured (a graph of
-the whole step captures the same kernels directly).
+``torch.compile`` traces (a compiled block has no layer graphs: use ``torch.compile``'s own,
+``mode="reduce-overhead"``), and while the device's current stream is already being captured
+(a graph of the whole step captures the same kernels directly).
 
 Differences from Megatron-core: its "local" implementation (``CudaGraphManager`` in
 ``megatron/core/transformer/cuda_graphs.py``) records graphs per layer with its own runner
@@ -65,15 +81,21 @@ Sources: Megatron-LM ``megatron/core/transformer/cuda_graphs.py``; PyTorch
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["CudaGraphManager", "GRAPHABLE_KWARGS", "copy_gradients"]
+from ..runtime import reset_generators_after_failed_capture
+
+__all__ = ["CudaGraphManager", "GRAPHABLE_KWARGS", "MAX_SIGNATURES", "copy_gradients"]
 
 #: The layer-forward keyword arguments a captured layer takes (tensors or None).
 GRAPHABLE_KWARGS: tuple[str, ...] = ("attention_mask", "rotary_pos_emb", "attention_bias")
+#: Input signatures whose graphs a manager keeps; a new one beyond this drops the least recently
+#: used (each signature's graphs hold a memory pool of one step's activations).
+MAX_SIGNATURES: int = 8
 
 
 class _LayerCall(torch.nn.Module):
@@ -97,20 +119,85 @@ class _Token:
     """An object only a graphed forward's autograd graph holds (see ``CudaGraphManager._pending``)."""
 
 
-def copy_gradients(grads: tuple) -> tuple:
-    """``grads`` with each tensor replaced by a copy, None kept: what an autograd-node hook on a
-    graphed layer returns, so that autograd keeps new tensors rather than the backward graph's
-    static buffers. One ``torch._foreach_mul`` by 1 (exact in every float dtype) for all of them.
+def copy_gradients(grads: tuple, skip: int = 0) -> tuple:
+    """``grads`` with each tensor from index ``skip`` on replaced by a copy, None kept: what an
+    autograd-node hook on a graphed layer returns, so that autograd keeps new tensors rather
+    than the backward graph's static buffers. One ``torch._foreach_mul`` by 1 (exact in every
+    float dtype) for all of them.
 
     Args:
         grads: a node's gradients (tensors of any shape and float dtype, or None).
+        skip: leading entries passed through as they are (a later layer's input gradient, which
+            the previous layer's graph copies into its own buffer anyway).
 
     Returns:
         A tuple of the same length: copies, and None where ``grads`` has None.
     """
-    present = [g for g in grads if g is not None]
+    present = [g for g in grads[skip:] if g is not None]
     copies = iter(torch._foreach_mul(present, 1.0)) if present else iter(())
-    return tuple(None if g is None else next(copies) for g in grads)
+    return tuple(grads[:skip]) + tuple(None if g is None else next(copies) for g in grads[skip:])
+
+
+class _Slot(NamedTuple):
+    """Where a captured graph's parameter lives: ``params[name] is param`` as at the capture,
+    with its storage and ``requires_grad`` then."""
+    params: dict
+    name: str
+    param: torch.nn.Parameter
+    data_ptr: int
+    requires_grad: bool
+
+
+def _slots(layers: Sequence[torch.nn.Module]) -> list[_Slot]:
+    return [_Slot(m._parameters, n, p, p.data_ptr(), p.requires_grad)
+            for layer in layers for m in layer.modules() for n, p in m._parameters.items() if p is not None]
+
+
+def _same_parameters(slots: Sequence[_Slot]) -> bool:
+    """Whether every captured parameter is still in its place, at the same storage, with the same
+    ``requires_grad``."""
+    for s in slots:
+        p = s.params.get(s.name)
+        if p is not s.param or p.data_ptr() != s.data_ptr or p.requires_grad != s.requires_grad:
+            return False
+    return True
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def _check_no_hooks(layers: Sequence[torch.nn.Module]) -> None:
+    """Module hooks are Python, which a graph does not replay: they would run only during the
+    capture. Raises NotImplementedError naming the module that has one."""
+    from torch.nn.modules import module as module_mod
+
+    for name in _GLOBAL_HOOKS:
+        if getattr(module_mod, name, None):
+            raise NotImplementedError(f"cuda_graph_impl='local': a global module hook is registered "
+                                      f"(torch.nn.modules.module.{name}); the graphed layers would run it only "
+                                      "during the capture: remove it, or use cuda_graph_impl='none'")
+    for i, layer in enumerate(layers):
+        for path, m in layer.named_modules():
+            if any(getattr(m, h, None) for h in _MODULE_HOOKS):
+                where = f"layers.{i}" + (f".{path}" if path else "")
+                raise NotImplementedError(f"cuda_graph_impl='local': {where} ({type(m).__name__}) has a module hook; "
+                                          "a CUDA graph replays kernels, not Python, so the hook would run only "
+                                          "during the capture: remove it, or use cuda_graph_impl='none'")
+
+
+def _on(device: torch.device):
+    """``torch.cuda.device(device)`` where it is not the current device already (a capture and
+    its streams belong to the current device)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+class _Entry(NamedTuple):
+    calls: list
+    slots: list[_Slot]
 
 
 class CudaGraphManager:
@@ -118,9 +205,10 @@ class CudaGraphManager:
 
     Args:
         warmup_steps: eager iterations ``make_graphed_callables`` runs on a side stream before
-            each capture (``config.cuda_graph_warmup_steps``; >= 0).
+            each capture (``config.cuda_graph_warmup_steps``; >= 1).
 
     Call :meth:`run` from the block's forward; :meth:`reset` drops every captured graph.
+    ``captures`` counts the signatures captured so far.
 
     Source: Megatron-LM ``megatron/core/transformer/cuda_graphs.py`` (the role); PyTorch
     ``torch.cuda.make_graphed_callables`` (the capture).
@@ -128,12 +216,15 @@ class CudaGraphManager:
 
     def __init__(self, warmup_steps: int = 3) -> None:
         self.warmup_steps = int(warmup_steps)
-        # input signature -> (the graphed layers, the parameters they read, their data_ptrs then)
-        self._graphs: dict[tuple, tuple[list[_LayerCall], list[torch.nn.Parameter], list[int]]] = {}
+        # input signature -> the graphed layers and where their parameters were at the capture,
+        # least recently used first
+        self._graphs: dict[tuple, _Entry] = {}
         # the last graphed forward whose backward has not started: a weak reference to a token
         # that only that forward's autograd graph holds (dead once the graph is freed)
         self._pending: Optional[weakref.ref] = None
-        self.captures = 0  # how many signatures were captured (tests and the book read it)
+        # forwards so far: a backward replays the graphs only for the latest one
+        self._generation = 0
+        self.captures = 0
 
     def reset(self) -> None:
         """Drop every captured graph (and their memory pools, once nothing else holds them)."""
@@ -143,14 +234,24 @@ class CudaGraphManager:
     @staticmethod
     def applies(module: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
         """Whether a call takes the graphed path: training mode, grad enabled, not tracing with
-        ``torch.compile``, the current stream not already capturing."""
-        return (module.training and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()))
+        ``torch.compile``, the stream of ``hidden_states``' device not already capturing."""
+        if not (module.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return False
+        if hidden_states.is_cuda:
+            with _on(hidden_states.device):
+                return not torch.cuda.is_current_stream_capturing()
+        return True
 
     def run(self, layers: Sequence[torch.nn.Module], hidden_states: torch.Tensor,
             kwargs: dict[str, Optional[torch.Tensor]]) -> torch.Tensor:
         """The layers' output [s, b, h] for ``hidden_states`` [s, b, h], through the graphs of
         this signature (captured first if new).
+
+        The signature: the shape, dtype, device and ``requires_grad`` of ``hidden_states`` and
+        of each given tensor of ``kwargs``, autocast's state, and each layer's training flag.
+        The graphs of a signature are used only while every parameter they captured is still
+        in its place (the same ``Parameter`` object under the same name), at the same storage,
+        with the same ``requires_grad``; otherwise every signature is captured again.
 
         Args:
             layers: the block's layers, in order (each ``layer(hidden_states, **kwargs)``
@@ -166,13 +267,13 @@ class CudaGraphManager:
 
         Raises:
             ValueError: ``hidden_states`` not on a CUDA device.
+            NotImplementedError: a module hook on a layer or one of its submodules, or a global
+                module hook (the graphs would not run it).
             RuntimeError: a second graphed forward while the first one's autograd graph is
-                alive and its backward has not started, or the capture failed (with PyTorch's
-                reason).
+                alive and its backward has not started; (in the backward) a backward of an
+                earlier forward than the latest one (``retain_graph``); the capture failed
+                (with PyTorch's reason; the CUDA generators are taken out of capture mode).
         """
-        if not hidden_states.is_cuda:
-            raise ValueError("cuda_graph_impl='local' captures CUDA graphs: hidden_states must be on a CUDA device, "
-                             f"got {hidden_states.device}")
         if self._pending is not None and self._pending() is not None:
             raise RuntimeError("cuda_graph_impl='local': the block ran a training forward again before the backward of "
                                "the previous one; its graphs keep one step's activations, so call backward() on the "
@@ -180,31 +281,57 @@ class CudaGraphManager:
                                "in eval(); after an interrupted step, call block.reset_cuda_graphs()")
         names = tuple(n for n in GRAPHABLE_KWARGS if kwargs.get(n) is not None)
         tensors = tuple(kwargs[n] for n in names)
-        key = (tuple(hidden_states.shape), hidden_states.dtype, hidden_states.device, hidden_states.requires_grad,
-               tuple((n, tuple(t.shape), t.dtype, t.device, t.requires_grad) for n, t in zip(names, tensors)))
-        entry = self._graphs.get(key)
-        # the graphs read the parameters where they were at the capture: moved (``.to()``), the
-        # parameters need new graphs (all of them: every signature's graphs read the old place)
-        if entry is not None and [p.data_ptr() for p in entry[1]] != entry[2]:
+        dev = hidden_states.device
+        key = (tuple(hidden_states.shape), hidden_states.dtype, dev, hidden_states.requires_grad,
+               tuple((n, tuple(t.shape), t.dtype, t.device, t.requires_grad) for n, t in zip(names, tensors)),
+               torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type),
+               tuple(layer.training for layer in layers))
+        entry = self._graphs.pop(key, None)
+        # the graphs read the parameters where they were at the capture: moved (``.to()``),
+        # replaced or (un)frozen, they need new graphs (all of them: each signature's read the
+        # old ones)
+        if entry is not None and not _same_parameters(entry.slots):
             self._graphs.clear()
             entry = None
         if entry is None:
-            params = [p for layer in layers for p in layer.parameters()]
-            if not (hidden_states.requires_grad or any(p.requires_grad for p in params)):
+            slots = _slots(layers)
+            if not (hidden_states.requires_grad or any(s.requires_grad for s in slots)):
                 return self._eager(layers, hidden_states, names, tensors)  # no backward graph to capture
-            calls = self._capture(layers, hidden_states, names, tensors)
-            entry = self._graphs[key] = (calls, params, [p.data_ptr() for p in params])
-        calls = entry[0]
-        token = _Token()
+            _check_no_hooks(layers)
+            if not hidden_states.is_cuda:
+                raise ValueError("cuda_graph_impl='local' captures CUDA graphs: hidden_states must be on a CUDA "
+                                 f"device, got {dev}")
+            with _on(dev):
+                calls = self._capture(layers, hidden_states, names, tensors)
+            while len(self._graphs) >= MAX_SIGNATURES:
+                self._graphs.pop(next(iter(self._graphs)))  # the least recently used
+            entry = _Entry(calls, slots)
+        self._graphs[key] = entry  # (re)inserted last: the most recently used
+        self._generation += 1
+        generation, token = self._generation, _Token()
 
-        def own_gradients(grad_inputs, grad_outputs, token=token):  # the graph holds the token
+        def latest_only(grad_outputs, generation=generation):
+            if generation != self._generation:
+                raise RuntimeError("cuda_graph_impl='local': a backward through the block's graphs for an earlier "
+                                   "forward than the latest one (retain_graph?): the later forward's replay has "
+                                   "overwritten the activations it needs")
+
+        def own_all(grad_inputs, grad_outputs, token=token):  # the autograd graph holds the token
             return copy_gradients(grad_inputs)
 
-        for call in calls:
-            hidden_states = call.forward(hidden_states, *tensors)  # make_graphed_callables' replaying forward
-            hidden_states.grad_fn.register_hook(own_gradients)
-        self._pending = weakref.ref(token)
-        hidden_states.register_hook(self._backward_started)
+        def own_rest(grad_inputs, grad_outputs, token=token):
+            return copy_gradients(grad_inputs, skip=1)
+
+        with _on(dev):
+            for i, call in enumerate(entry.calls):
+                hidden_states = call.forward(hidden_states, *tensors)  # make_graphed_callables' replaying forward
+                node = hidden_states.grad_fn
+                if node is not None:  # (None: nothing before and in this layer requires grad)
+                    node.register_prehook(latest_only)
+                    node.register_hook(own_all if i == 0 else own_rest)
+        if hidden_states.requires_grad:
+            self._pending = weakref.ref(token)
+            hidden_states.register_hook(self._backward_started)
         return hidden_states
 
     def _backward_started(self, grad: torch.Tensor) -> None:
@@ -221,21 +348,24 @@ class CudaGraphManager:
         """Every layer's forward and backward graph, sharing one memory pool."""
         calls = tuple(_LayerCall(layer, names) for layer in layers)
         # inputs of the samples are copies: make_graphed_callables later copies each call's
-        # inputs into its samples, which must not be the caller's tensors
+        # inputs into its samples, which must not be the caller's tensors; a layer's input
+        # requires grad when the block's input or a parameter of an earlier layer does
         extra = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
-        first = hidden_states.detach().clone().requires_grad_(hidden_states.requires_grad)
-        samples = [(first, *extra)]
-        for _ in calls[1:]:  # a later layer's input is the previous output, which requires grad
-            samples.append((hidden_states.detach().clone().requires_grad_(True), *extra))
-        try:
-            # the warm-up iterations draw dropout seeds: restore the generator afterwards, so a
-            # graphed run draws the same random numbers as an eager one (and a resumed run as
-            # an uninterrupted one)
-            with torch.random.fork_rng(devices=[hidden_states.device]):
+        needs = hidden_states.requires_grad
+        samples = []
+        for layer in layers:
+            samples.append((hidden_states.detach().clone().requires_grad_(needs), *extra))
+            needs = needs or any(p.requires_grad for p in layer.parameters())
+        # the warm-up iterations draw dropout seeds: restore the generator afterwards, so a
+        # graphed run draws the same random numbers as an eager one (and a resumed run as an
+        # uninterrupted one)
+        with torch.random.fork_rng(devices=[hidden_states.device]):
+            try:
                 graphed = torch.cuda.make_graphed_callables(calls, tuple(samples),
                                                             num_warmup_iters=self.warmup_steps)
-        except Exception as exc:  # a kernel that cannot be captured, out of memory...
-            raise RuntimeError(f"cuda_graph_impl='local': capturing the layers as CUDA graphs failed: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            except Exception as exc:  # a kernel that cannot be captured, out of memory...
+                reset_generators_after_failed_capture()  # else every later random draw fails
+                raise RuntimeError(f"cuda_graph_impl='local': capturing the layers as CUDA graphs failed: "
+                                   f"{type(exc).__name__}: {exc}") from exc
         self.captures += 1
         return list(graphed)

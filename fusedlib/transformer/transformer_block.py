@@ -153,6 +153,7 @@ class TransformerBlock(MegatronModule):
             getattr(layer, "hidden_dropout", config.hidden_dropout) > 0 for layer in self.layers)
         self.cudagraph_manager = (CudaGraphManager(config.cuda_graph_warmup_steps)
                                   if config.cuda_graph_impl == "local" else None)
+        self._graph_output_ptr: Optional[int] = None
 
     def reset_cuda_graphs(self) -> None:
         """Drop the layers' captured CUDA graphs (``cuda_graph_impl="local"``); the next training
@@ -206,9 +207,8 @@ class TransformerBlock(MegatronModule):
                     raise NotImplementedError(f"TransformerBlock: cuda_graph_impl='local' takes {name} as a tensor "
                                               f"or None, got {type(value).__name__}")
             out = manager.run(self.layers, hidden_states, kwargs)
-            # the last graph's output buffer is overwritten by the next replay: return a copy
-            # unless the final norm reads it now
-            return out if self.final_layernorm is not None else out.clone()
+            self._graph_output_ptr = out.data_ptr()  # (forward returns a copy if it would return this buffer)
+            return out
         for layer in self.layers:
             hidden_states, context = layer(hidden_states, attention_mask=attention_mask, context=context,
                                            context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
@@ -234,4 +234,10 @@ class TransformerBlock(MegatronModule):
         if self.final_layernorm is not None:
             hidden_states = _norm(self.final_layernorm, hidden_states)  # (cast to its weight's dtype)
             hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        if self._graph_output_ptr is not None:
+            # the last graph's output buffer, which the next replay overwrites, is not returned
+            # (no final norm, or one that returns its input, such as an IdentityOp)
+            if hidden_states.data_ptr() == self._graph_output_ptr:
+                hidden_states = hidden_states.clone()
+            self._graph_output_ptr = None
         return hidden_states

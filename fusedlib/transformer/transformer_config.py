@@ -66,7 +66,7 @@ class TransformerConfig:
         dividing num_attention_heads and num_query_groups; bias_activation_fusion with an
         activation fusedlib cannot fuse; a bad activation_func_clamp_value (see the module
         docstring); num_moe_experts <= 0; a bad window_size; a bad recompute setting; a bad
-        CUDA-graph setting (an unknown ``cuda_graph_impl``, negative ``cuda_graph_warmup_steps``,
+        CUDA-graph setting (an unknown ``cuda_graph_impl``, ``cuda_graph_warmup_steps`` < 1,
         "local" with recomputation or with tensor_model_parallel_size > 1);
         TypeError for params_dtype not a float dtype or attention_backend not an AttnBackend.
 
@@ -206,7 +206,8 @@ class TransformerConfig:
     enable_cuda_graph: bool = False
     """Deprecated spelling of ``cuda_graph_impl="local"`` (as in Megatron-core)."""
     cuda_graph_warmup_steps: int = 3
-    """Eager iterations run (on a side stream, with copies of the inputs) before each capture."""
+    """Eager iterations run (on a side stream, with copies of the inputs) before each capture;
+    >= 1. (Megatron-core counts training steps before its capture with the same name.)"""
 
     def __post_init__(self) -> None:
         """Derive Megatron-core's defaults, and reject what Megatron-core rejects (see the class)."""
@@ -340,21 +341,22 @@ class TransformerConfig:
             if self.cuda_graph_impl != "none":
                 raise ValueError("Do not use enable_cuda_graph with cuda_graph_impl: enable_cuda_graph is the deprecated "
                                  f"spelling of cuda_graph_impl='local' (got cuda_graph_impl={self.cuda_graph_impl!r})")
-            warnings.warn("enable_cuda_graph is deprecated, use cuda_graph_impl='local' instead.", DeprecationWarning,
-                          stacklevel=3)
+            # (a UserWarning, as Megatron-core's: a DeprecationWarning from here would be hidden)
+            warnings.warn("enable_cuda_graph is deprecated, use cuda_graph_impl='local' instead.", stacklevel=4)
             self.cuda_graph_impl = "local"
+            self.enable_cuda_graph = False  # mapped: a copy (dataclasses.replace) must not map it again
         if self.cuda_graph_impl not in ("none", "local"):
             raise ValueError(f"cuda_graph_impl must be 'none' or 'local' (fusedlib has no Transformer Engine), "
                              f"got {self.cuda_graph_impl!r}")
         w = self.cuda_graph_warmup_steps
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0:
-            raise ValueError(f"cuda_graph_warmup_steps must be an int >= 0, got {w!r}")
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 1:
+            raise ValueError(f"cuda_graph_warmup_steps must be an int >= 1 (the kernels are compiled and the libraries "
+                             f"initialised in an eager iteration before the capture), got {w!r}")
         if self.cuda_graph_impl == "none":
             return
         if self.recompute_granularity is not None:
-            raise ValueError(f"cuda_graph_impl='local' captures whole layers: activation recomputation "
-                             f"(recompute_granularity={self.recompute_granularity!r}) cannot run inside them; "
-                             "turn one of the two off")
+            raise ValueError(f"cuda_graph_impl='local' is implemented without activation recomputation "
+                             f"(got recompute_granularity={self.recompute_granularity!r}): turn one of the two off")
         if self.tensor_model_parallel_size > 1:
             raise ValueError("cuda_graph_impl='local' is implemented for tensor_model_parallel_size = 1 only, got "
                              f"{self.tensor_model_parallel_size}")

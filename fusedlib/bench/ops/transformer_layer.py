@@ -404,10 +404,13 @@ class GraphedPlainGPTBlock(PlainGPTBlock):
     capture (the harness's graph timer), in eval mode or without grad: the eager layers.
 
     One forward, then its backward, per step (each replay overwrites the previous one's
-    activations). CUDA only in training. As fusedlib's graphed layers, a hook on each layer's
-    autograd node hands autograd copies of the gradients the backward graph returns (else a
-    parameter's ``.grad`` would be the graph's buffer, overwritten by the next replay): the two
-    implementations do the same work around their graphs.
+    activations). In training with grad on a CPU it runs its layers eagerly (the benchmark builds
+    it on CUDA only). As fusedlib's graphed layers, a hook on each layer's autograd node hands
+    autograd copies of the gradients the backward graph returns (else a parameter's ``.grad``
+    would be the graph's buffer, overwritten by the next replay): the two implementations do the
+    same GPU work around their graphs; fusedlib's manager does more on the host (its checks of the
+    input signature and of the parameters, the guards of one step at a time), which counts
+    against fusedlib in the plain-launch times.
 
     Args and ``forward``: as :class:`PlainGPTBlock`.
 
@@ -429,14 +432,18 @@ class GraphedPlainGPTBlock(PlainGPTBlock):
                             for i in range(len(self.layers)))
             calls = self._graphs[key] = list(torch.cuda.make_graphed_callables(
                 tuple(_Holder(layer) for layer in self.layers), samples))
-        for call in calls:
+        for i, call in enumerate(calls):
             x = call.forward(x)
-            x.grad_fn.register_hook(_own_gradients)
+            x.grad_fn.register_hook(_own_gradients if i == 0 else _own_parameter_gradients)
         return self.final_layernorm(x)
 
 
 def _own_gradients(grad_inputs, grad_outputs):
     return copy_gradients(grad_inputs)
+
+
+def _own_parameter_gradients(grad_inputs, grad_outputs):
+    return copy_gradients(grad_inputs, skip=1)  # (a later layer's input gradient: copied by the previous graph)
 
 
 class _Model:
