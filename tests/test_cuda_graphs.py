@@ -1,6 +1,8 @@
 """Layerwise CUDA graphs (``TransformerConfig.cuda_graph_impl = "local"``).
 
-The config checks and the CPU refusal run everywhere; the graphs themselves need CUDA. On a GPU
+The config checks, the CPU refusal, the hook refusal and the manager's bookkeeping (with an
+eager stand-in for ``make_graphed_callables``: signatures, recaptures, guards, gradient copies)
+run everywhere; the graphs themselves need CUDA. On a GPU
 the graphed block replays the kernels the eager block launches, on the same inputs and (after
 ``torch.manual_seed``) the same Philox offsets, so its outputs and gradients are compared with
 the eager block's for exact equality, dropout included.
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedlib.models.gpt import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
-from fusedlib.transformer.cuda_graphs import _check_no_hooks
+from fusedlib.transformer.cuda_graphs import MAX_SIGNATURES, CudaGraphManager, _check_no_hooks
 from fusedlib.transformer.identity_op import IdentityOp
 from fusedlib.transformer import TransformerConfig
 from fusedlib.transformer.enums import AttnBackend
@@ -403,3 +405,123 @@ def test_a_mask_that_comes_and_goes(seed):
     for m in (None, mask, None, mask):
         assert_same(_masked(eager, x, g, seed, m), _masked(graphed, x, g, seed, m))
     assert graphed.cudagraph_manager.captures == 2
+
+
+# ------------------------------------------------------------------------ the bookkeeping, anywhere
+# The manager with a stand-in for torch.cuda.make_graphed_callables that "replays" by running the
+# layer eagerly inside an autograd.Function, as make_graphed_callables' own Function does: its
+# checks, guards and hooks run on any device (the unfused spec: torch's kernels, quick on a CPU).
+
+
+def _eager_stand_in(calls, samples, num_warmup_iters=3):
+    return tuple(_replaying(call) for call in calls)
+
+
+def _replaying(call):
+    params = tuple(call.parameters())
+    forward = call.forward
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            args = [t.detach().requires_grad_(t.requires_grad) for t in inputs[:len(inputs) - len(params)]]
+            with torch.enable_grad():
+                out = forward(*args)
+            ctx.args, ctx.out = args, out
+            return out.detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            wrt = [a for a in ctx.args if a.requires_grad] + [p for p in params if p.requires_grad]
+            grads = iter(torch.autograd.grad(ctx.out, wrt, grad, allow_unused=True))
+            return tuple(next(grads) if t.requires_grad else None for t in (*ctx.args, *params))
+
+    call.forward = lambda *inputs: Replay.apply(*inputs, *params)
+    return call
+
+
+def stand_in_pair(spec=None):
+    """(eager block, block whose manager uses the eager stand-in), unfused spec, same parameters."""
+    spec = spec or get_gpt_layer_unfused_spec()
+    eager = TransformerBlock(config(), spec).to(DEVICE).train()
+    managed = TransformerBlock(config(cuda_graph_impl="local"), spec).to(DEVICE).train()
+    managed.load_state_dict(eager.state_dict())
+    managed.cudagraph_manager = CudaGraphManager(3, capture=_eager_stand_in)
+    return eager, managed
+
+
+def close(a, b) -> None:
+    """Output and gradients equal bit for bit: the stand-in runs the same kernels, layer by layer."""
+    torch.testing.assert_close(b[0], a[0], rtol=0, atol=0)
+    torch.testing.assert_close(b[1], a[1], rtol=0, atol=0)
+    for n in a[2]:
+        assert (a[2][n] is None) == (b[2][n] is None), n
+        if a[2][n] is not None:
+            torch.testing.assert_close(b[2][n], a[2][n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_bookkeeping_captures_once_and_recaptures_on_freeze_and_replacement(seed):
+    eager, managed = stand_in_pair()
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    for _ in range(2):
+        close(step(eager, x, g, seed), step(managed, x, g, seed))
+    assert managed.cudagraph_manager.captures == 1
+    for block in (eager, managed):  # frozen: a new capture, no gradient for it
+        block.layers[1].mlp.linear_fc2.weight.requires_grad_(False)
+    r = step(managed, x, g, seed)
+    close(step(eager, x, g, seed), r)
+    assert r[2]["layers.1.mlp.linear_fc2.weight"] is None and managed.cudagraph_manager.captures == 2
+    state = {k: 0.5 * v if isinstance(v, torch.Tensor) else v for k, v in eager.state_dict().items()}
+    eager.load_state_dict(state)
+    managed.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()},
+                            assign=True)  # new Parameter objects
+    close(step(eager, x, g, seed), step(managed, x, g, seed))
+    assert managed.cudagraph_manager.captures == 3
+
+
+def test_bookkeeping_frozen_first_layer_and_input_without_grad(seed):
+    eager, managed = stand_in_pair()
+    for block in (eager, managed):
+        for p in block.layers[0].parameters():
+            p.requires_grad_(False)
+    x = torch.randn(S, B, H, device=DEVICE)  # no grad
+    g = torch.randn(S, B, H, device=DEVICE)
+    outs = []
+    for block in (eager, managed):
+        y = block(x, None)
+        y.backward(g)
+        outs.append((y.detach(), {n: p.grad for n, p in block.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    for n, t in outs[0][1].items():
+        assert (t is None) == (outs[1][1][n] is None), n
+        if t is not None:
+            torch.testing.assert_close(outs[1][1][n], t, rtol=0, atol=0)
+
+
+def test_bookkeeping_guards():
+    _, managed = stand_in_pair()
+    x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
+    managed(x, None)  # dropped at once: allowed to go on
+    y = managed(x, None)
+    with pytest.raises(RuntimeError, match="before the backward of the previous one"):
+        managed(x, None)
+    y.sum().backward(retain_graph=True)
+    y2 = managed(x, None)
+    with pytest.raises(RuntimeError, match="earlier forward than the latest one"):
+        y.sum().backward()
+    y2.sum().backward()
+
+
+def test_bookkeeping_gradients_accumulate_and_signatures_are_bounded(seed):
+    eager, managed = stand_in_pair()
+    g = torch.randn(S, B, H, device=DEVICE)
+    xs = torch.randn(2, S, B, H, device=DEVICE)
+    for block in (eager, managed):
+        for x in xs:
+            block(x.clone().requires_grad_(True), None).backward(g)
+    for (n, pe), pm in zip(eager.named_parameters(), managed.parameters()):
+        torch.testing.assert_close(pm.grad, pe.grad, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    for s in range(1, MAX_SIGNATURES + 4):  # more sequence lengths than signatures kept
+        managed(torch.randn(s, B, H, device=DEVICE, requires_grad=True), None).sum().backward()
+    assert len(managed.cudagraph_manager._graphs) == MAX_SIGNATURES

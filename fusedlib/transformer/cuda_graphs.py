@@ -206,6 +206,9 @@ class CudaGraphManager:
     Args:
         warmup_steps: eager iterations ``make_graphed_callables`` runs on a side stream before
             each capture (``config.cuda_graph_warmup_steps``; >= 1).
+        capture: a stand-in for ``torch.cuda.make_graphed_callables`` (same arguments, same
+            kind of result), None for the real one. With a stand-in the manager runs on any
+            device: the tests check its bookkeeping on a CPU with one that replays eagerly.
 
     Call :meth:`run` from the block's forward; :meth:`reset` drops every captured graph.
     ``captures`` counts the signatures captured so far.
@@ -214,8 +217,9 @@ class CudaGraphManager:
     ``torch.cuda.make_graphed_callables`` (the capture).
     """
 
-    def __init__(self, warmup_steps: int = 3) -> None:
+    def __init__(self, warmup_steps: int = 3, capture=None) -> None:
         self.warmup_steps = int(warmup_steps)
+        self._capture_fn = capture
         # input signature -> the graphed layers and where their parameters were at the capture,
         # least recently used first
         self._graphs: dict[tuple, _Entry] = {}
@@ -298,7 +302,7 @@ class CudaGraphManager:
             if not (hidden_states.requires_grad or any(s.requires_grad for s in slots)):
                 return self._eager(layers, hidden_states, names, tensors)  # no backward graph to capture
             _check_no_hooks(layers)
-            if not hidden_states.is_cuda:
+            if self._capture_fn is None and not hidden_states.is_cuda:
                 raise ValueError("cuda_graph_impl='local' captures CUDA graphs: hidden_states must be on a CUDA "
                                  f"device, got {dev}")
             with _on(dev):
@@ -359,12 +363,13 @@ class CudaGraphManager:
         # the warm-up iterations draw dropout seeds: restore the generator afterwards, so a
         # graphed run draws the same random numbers as an eager one (and a resumed run as an
         # uninterrupted one)
-        with torch.random.fork_rng(devices=[hidden_states.device]):
+        capture = self._capture_fn or torch.cuda.make_graphed_callables
+        with torch.random.fork_rng(devices=[hidden_states.device] if hidden_states.is_cuda else []):
             try:
-                graphed = torch.cuda.make_graphed_callables(calls, tuple(samples),
-                                                            num_warmup_iters=self.warmup_steps)
+                graphed = capture(calls, tuple(samples), num_warmup_iters=self.warmup_steps)
             except Exception as exc:  # a kernel that cannot be captured, out of memory...
-                reset_generators_after_failed_capture()  # else every later random draw fails
+                if hidden_states.is_cuda:
+                    reset_generators_after_failed_capture()  # else every later random draw fails
                 raise RuntimeError(f"cuda_graph_impl='local': capturing the layers as CUDA graphs failed: "
                                    f"{type(exc).__name__}: {exc}") from exc
         self.captures += 1
