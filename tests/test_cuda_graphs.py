@@ -82,14 +82,16 @@ def assert_same(a, b) -> None:
 @pytest.mark.parametrize("kw, match", [
     (dict(cuda_graph_impl="transformer_engine"), "cuda_graph_impl must be 'none' or 'local'"),
     (dict(cuda_graph_impl="full"), "cuda_graph_impl must be 'none' or 'local'"),
-    (dict(cuda_graph_warmup_steps=0), "cuda_graph_warmup_steps must be an int >= 1"),
-    (dict(cuda_graph_warmup_steps=-1), "cuda_graph_warmup_steps must be an int >= 1"),
-    (dict(cuda_graph_warmup_steps=1.5), "cuda_graph_warmup_steps must be an int >= 1"),
-    (dict(cuda_graph_warmup_steps=True), "cuda_graph_warmup_steps must be an int >= 1"),
+    (dict(cuda_graph_impl="local", cuda_graph_warmup_steps=0), "cuda_graph_warmup_steps must be an int >= 1"),
+    (dict(cuda_graph_impl="local", cuda_graph_warmup_steps=-1), "cuda_graph_warmup_steps must be an int >= 1"),
+    (dict(cuda_graph_impl="local", cuda_graph_warmup_steps=1.5), "cuda_graph_warmup_steps must be an int >= 1"),
+    (dict(cuda_graph_impl="local", cuda_graph_warmup_steps=True), "cuda_graph_warmup_steps must be an int >= 1"),
     (dict(cuda_graph_impl="local", recompute_granularity="selective"), "activation recomputation"),
     (dict(cuda_graph_impl="local", recompute_granularity="full", recompute_method="uniform",
           recompute_num_layers=1), "activation recomputation"),
     (dict(cuda_graph_impl="local", enable_cuda_graph=True), "Do not use enable_cuda_graph with cuda_graph_impl"),
+    (dict(enable_cuda_graph="False"), "enable_cuda_graph must be a bool"),
+    (dict(enable_cuda_graph=None), "enable_cuda_graph must be a bool"),
 ])
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -117,19 +119,46 @@ def test_graphs_on_the_cpu_are_refused_in_training():
     x = torch.randn(S, B, H, requires_grad=True)
     with pytest.raises(ValueError, match="hidden_states must be on a CUDA device, got cpu"):
         block(x, None)
+    for p in block.parameters():  # nothing to differentiate: refused all the same (not silently eager)
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="hidden_states must be on a CUDA device, got cpu"):
+        block(x.detach(), None)
 
 
-def test_module_hooks_are_refused_and_the_specs_have_none():
+def test_the_specs_have_no_module_hooks():
     for spec in (get_gpt_layer_local_spec(), get_gpt_layer_unfused_spec()):
         _check_no_hooks(TransformerBlock(config(), spec).layers)  # the library's own layers: no hooks
-    block = TransformerBlock(config(cuda_graph_impl="local"), get_gpt_layer_local_spec()).cpu().train()
-    handle = block.layers[1].mlp.linear_fc1.register_forward_hook(lambda m, i, o: None)
-    x = torch.randn(S, B, H, requires_grad=True)
-    with pytest.raises(NotImplementedError, match=r"layers\.1\.mlp\.linear_fc1 .* has a module hook"):
-        block(x, None)
+
+
+def test_module_and_parameter_hooks_are_refused_before_and_after_the_capture():
+    """Hooks on the layers' modules (at the capture, or added after it) and tensor hooks on their
+    parameters are refused, naming where; hooks on the block itself are fine (the eager stand-in
+    for make_graphed_callables: see the bookkeeping tests below)."""
+    _, managed = stand_in_pair()
+    x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
+    handle = managed.layers[1].mlp.linear_fc1.register_forward_hook(lambda m, i, o: None)
+    with pytest.raises(NotImplementedError, match=r"layers\.1\.mlp\.linear_fc1 \(.*\) has a module hook"):
+        managed(x, None)
     handle.remove()
-    with pytest.raises(ValueError, match="must be on a CUDA device"):  # without it: the device's turn
-        block(x, None)
+    block_hook = managed.register_forward_hook(lambda m, i, o: None)
+    managed(x, None).sum().backward()  # captured
+    handle = managed.layers[0].register_forward_pre_hook(lambda m, i: None)
+    with pytest.raises(NotImplementedError, match=r"layers\.0 \(.*\) has a module hook"):
+        managed(x, None)
+    handle.remove()
+    handle = managed.layers[2].mlp.linear_fc2.weight.register_hook(lambda g: 2 * g)
+    with pytest.raises(NotImplementedError, match="'weight' of a layer has a tensor hook"):
+        managed(x, None)
+    handle.remove()
+    managed(x, None).sum().backward()
+    block_hook.remove()
+    assert managed.cudagraph_manager.captures == 1
+
+
+def test_the_manager_checks_its_warmup():
+    for bad in (0, -1, 2.5, "3", True):
+        with pytest.raises(ValueError, match="warmup_steps must be an int >= 1"):
+            CudaGraphManager(bad)
 
 
 def test_under_torch_compile_the_layers_run_eagerly():

@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[list[str]] = None):
     """The command line -> ``(TrainConfig, argparse.Namespace)``; a bad value exits with status 2
     and a message naming the flag."""
-    from .bench import BENCH_RUNS, DEFAULT_BENCH_RUNS
+    from .bench import BENCH_RUNS, DEFAULT_BENCH_RUNS, GRAPH_RUNS
     from .loop import TrainConfig
 
     parser = _parser()
@@ -146,10 +146,17 @@ def parse_args(argv: Optional[list[str]] = None):
     if args.bench:
         if args.resume or args.stop_at is not None:
             parser.error("--bench trains from scratch: --resume and --stop-at do not apply")
+        if args.cuda_graph or args.compile_mode is not None:
+            parser.error("--cuda-graph, --compile-mode: --bench sets them per run (choose the runs with --bench-runs, "
+                         "e.g. fusedlib-graphs, torch.compile-graphs): leave them out")
         runs = args.bench_runs or list(DEFAULT_BENCH_RUNS)
         bad = [r for r in runs if r not in BENCH_RUNS]
         if bad:
             parser.error(f"--bench-runs: unknown {bad}; choices: {', '.join(BENCH_RUNS)}")
+        graphs = [r for r in runs if r in GRAPH_RUNS]
+        if graphs and config.resolved_device().type != "cuda":
+            parser.error(f"--bench-runs: {graphs} replay CUDA graphs and need a CUDA device, got "
+                         f"{config.resolved_device()}")
         if not 0 <= args.bench_warmup <= config.steps - config.log_interval:
             parser.error(f"--bench-warmup must be in [0, steps - log_interval = {config.steps - config.log_interval}], "
                          f"got {args.bench_warmup}")

@@ -55,7 +55,7 @@ from .data import Corpus, load_corpus
 from .loop import TrainConfig, Trainer
 from .model import count_parameters
 
-__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table",
+__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "GRAPH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table",
            "run_tp_bench", "tp_bench_file",
            "load_train_bench", "smooth", "plot_losses"]
 
@@ -70,6 +70,8 @@ BENCH_RUNS: dict[str, dict] = {
     "fusedlib-graphs": dict(model="gpt", spec="fused", compile=False, compile_mode=None, cuda_graph=True),
     "torch.compile-graphs": dict(model="plain", compile=True, compile_mode="reduce-overhead", cuda_graph=False),
 }
+#: The runs that replay CUDA graphs (CUDA only).
+GRAPH_RUNS = ("fusedlib-graphs", "torch.compile-graphs")
 #: The runs of ``--bench`` without ``--bench-runs``.
 DEFAULT_BENCH_RUNS = ("fusedlib", "fusedlib-unfused", "torch.compile")
 BENCH_FILE = "train.json"
@@ -142,8 +144,8 @@ def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[s
     corpus = load_corpus(base.cache_dir)
     records = []
     for name in runs:
-        cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None)
         try:
+            cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None)
             record = _one_run(name, cfg, corpus, warmup, sample_tokens, log)
         except Exception as exc:  # noqa: BLE001  (reported, and the other runs go on)
             log(f"{name}: FAILED, left out: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

@@ -29,8 +29,10 @@ What a graph fixes at capture, and what the manager does about it:
   see. A parameter or submodule *added* to a layer after the capture is not seen: call
   :meth:`~fusedlib.transformer.transformer_block.TransformerBlock.reset_cuda_graphs` after it;
 * Python: a graph replays kernels only, so module hooks on a layer or its submodules (or global
-  module hooks) would run only during the capture; the manager refuses them
-  (NotImplementedError). Settings a layer reads from Python at each call are fixed at the
+  module hooks) would run only during the capture, and a tensor hook on a parameter
+  (``register_hook``) would be held in the backward graph and applied by autograd once more;
+  the manager refuses both at every call (NotImplementedError; hooks on the block itself and on
+  its final norm are fine, as are ``register_post_accumulate_grad_hook`` hooks). Settings a layer reads from Python at each call are fixed at the
   capture as well (a config field changed afterwards, an SDPA backend choice): reset the
   graphs after changing one;
 * random numbers: dropout draws its Philox seeds with ``torch.randint`` on the device, which a
@@ -64,7 +66,8 @@ streams for them. The results are unaffected (the tests compare them bit for bit
 block's); making the accumulators on the caller's stream before the capture instead makes the
 capture itself fail, since the capture's backward would then wait on the caller's stream.
 
-The eager layers run instead of the graphs in evaluation mode, without grad, while
+The eager layers run instead of the graphs in evaluation mode, without grad, when nothing in the
+layers or their input requires grad (there is no backward to capture), while
 ``torch.compile`` traces (a compiled block has no layer graphs: use ``torch.compile``'s own,
 ``mode="reduce-overhead"``), and while the device's current stream is already being captured
 (a graph of the whole step captures the same kernels directly).
@@ -155,11 +158,21 @@ def _slots(layers: Sequence[torch.nn.Module]) -> list[_Slot]:
 
 def _same_parameters(slots: Sequence[_Slot]) -> bool:
     """Whether every captured parameter is still in its place, at the same storage, with the same
-    ``requires_grad``."""
+    ``requires_grad``.
+
+    Raises:
+        NotImplementedError: a parameter has a tensor hook (``register_hook``): the backward
+            graph would hold its effect and autograd would apply it once more.
+    """
     for s in slots:
         p = s.params.get(s.name)
         if p is not s.param or p.data_ptr() != s.data_ptr or p.requires_grad != s.requires_grad:
             return False
+        if p._backward_hooks:
+            raise NotImplementedError(f"cuda_graph_impl='local': the parameter {s.name!r} of a layer has a tensor hook "
+                                      "(register_hook); a captured backward would apply it and autograd again: "
+                                      "remove it (register_post_accumulate_grad_hook is fine), or use "
+                                      "cuda_graph_impl='none'")
     return True
 
 
@@ -168,9 +181,25 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
                  "_global_backward_pre_hooks")
 
 
-def _check_no_hooks(layers: Sequence[torch.nn.Module]) -> None:
+def _hook_dicts(layers: Sequence[torch.nn.Module]) -> list[tuple[str, str, tuple]]:
+    """(path, class name, the module's four hook dicts) of every module of ``layers``: the dicts
+    stay the same objects while hooks come and go, so a later check reads them directly."""
+    return [(f"layers.{i}" + (f".{path}" if path else ""), type(m).__name__,
+             tuple(getattr(m, h) for h in _MODULE_HOOKS if hasattr(m, h)))
+            for i, layer in enumerate(layers) for path, m in layer.named_modules()]
+
+
+def _check_no_hooks(layers_or_dicts) -> None:
     """Module hooks are Python, which a graph does not replay: they would run only during the
-    capture. Raises NotImplementedError naming the module that has one."""
+    capture. Checked at every call (a hook added after the capture would be skipped silently).
+
+    Args:
+        layers_or_dicts: the layers, or :func:`_hook_dicts` of them.
+
+    Raises:
+        NotImplementedError: a global module hook, or a hook on a module of the layers (named
+            by its path, e.g. ``layers.1.mlp.linear_fc1``).
+    """
     from torch.nn.modules import module as module_mod
 
     for name in _GLOBAL_HOOKS:
@@ -178,13 +207,14 @@ def _check_no_hooks(layers: Sequence[torch.nn.Module]) -> None:
             raise NotImplementedError(f"cuda_graph_impl='local': a global module hook is registered "
                                       f"(torch.nn.modules.module.{name}); the graphed layers would run it only "
                                       "during the capture: remove it, or use cuda_graph_impl='none'")
-    for i, layer in enumerate(layers):
-        for path, m in layer.named_modules():
-            if any(getattr(m, h, None) for h in _MODULE_HOOKS):
-                where = f"layers.{i}" + (f".{path}" if path else "")
-                raise NotImplementedError(f"cuda_graph_impl='local': {where} ({type(m).__name__}) has a module hook; "
-                                          "a CUDA graph replays kernels, not Python, so the hook would run only "
-                                          "during the capture: remove it, or use cuda_graph_impl='none'")
+    dicts = layers_or_dicts
+    if dicts and isinstance(dicts[0], torch.nn.Module):
+        dicts = _hook_dicts(dicts)
+    for where, cls, hooks in dicts:
+        if any(hooks):
+            raise NotImplementedError(f"cuda_graph_impl='local': {where} ({cls}) has a module hook; a CUDA graph "
+                                      "replays kernels, not Python, so the hook would run only during the capture: "
+                                      "remove it, or use cuda_graph_impl='none'")
 
 
 def _on(device: torch.device):
@@ -198,6 +228,7 @@ def _on(device: torch.device):
 class _Entry(NamedTuple):
     calls: list
     slots: list[_Slot]
+    hooks: list
 
 
 class CudaGraphManager:
@@ -218,7 +249,9 @@ class CudaGraphManager:
     """
 
     def __init__(self, warmup_steps: int = 3, capture=None) -> None:
-        self.warmup_steps = int(warmup_steps)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an int >= 1, got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
         self._capture_fn = capture
         # input signature -> the graphed layers and where their parameters were at the capture,
         # least recently used first
@@ -278,11 +311,16 @@ class CudaGraphManager:
                 earlier forward than the latest one (``retain_graph``); the capture failed
                 (with PyTorch's reason; the CUDA generators are taken out of capture mode).
         """
+        if self._capture_fn is None and not hidden_states.is_cuda:
+            raise ValueError("cuda_graph_impl='local' captures CUDA graphs: hidden_states must be on a CUDA device, "
+                             f"got {hidden_states.device}")
         if self._pending is not None and self._pending() is not None:
             raise RuntimeError("cuda_graph_impl='local': the block ran a training forward again before the backward of "
                                "the previous one; its graphs keep one step's activations, so call backward() on the "
                                "previous output first, or run forwards without a backward under torch.no_grad() or "
-                               "in eval(); after an interrupted step, call block.reset_cuda_graphs()")
+                               "in eval(); after an interrupted step, call block.reset_cuda_graphs(). (A graphed "
+                               "block cannot run inside torch.utils.checkpoint, which runs its forward again during "
+                               "the backward.)")
         names = tuple(n for n in GRAPHABLE_KWARGS if kwargs.get(n) is not None)
         tensors = tuple(kwargs[n] for n in names)
         dev = hidden_states.device
@@ -290,26 +328,28 @@ class CudaGraphManager:
                tuple((n, tuple(t.shape), t.dtype, t.device, t.requires_grad) for n, t in zip(names, tensors)),
                torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type),
                tuple(layer.training for layer in layers))
-        entry = self._graphs.pop(key, None)
+        entry = self._graphs.get(key)
         # the graphs read the parameters where they were at the capture: moved (``.to()``),
         # replaced or (un)frozen, they need new graphs (all of them: each signature's read the
         # old ones)
-        if entry is not None and not _same_parameters(entry.slots):
-            self._graphs.clear()
-            entry = None
+        if entry is not None:
+            _check_no_hooks(entry.hooks)
+            if not _same_parameters(entry.slots):
+                self._graphs.clear()
+                entry = None
         if entry is None:
             slots = _slots(layers)
             if not (hidden_states.requires_grad or any(s.requires_grad for s in slots)):
                 return self._eager(layers, hidden_states, names, tensors)  # no backward graph to capture
-            _check_no_hooks(layers)
-            if self._capture_fn is None and not hidden_states.is_cuda:
-                raise ValueError("cuda_graph_impl='local' captures CUDA graphs: hidden_states must be on a CUDA "
-                                 f"device, got {dev}")
+            hooks = _hook_dicts(layers)
+            _check_no_hooks(hooks)
+            _same_parameters(slots)  # (refuses tensor hooks on the parameters)
             with _on(dev):
                 calls = self._capture(layers, hidden_states, names, tensors)
             while len(self._graphs) >= MAX_SIGNATURES:
                 self._graphs.pop(next(iter(self._graphs)))  # the least recently used
-            entry = _Entry(calls, slots)
+            entry = _Entry(calls, slots, hooks)
+        self._graphs.pop(key, None)
         self._graphs[key] = entry  # (re)inserted last: the most recently used
         self._generation += 1
         generation, token = self._generation, _Token()

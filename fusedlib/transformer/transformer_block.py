@@ -102,8 +102,9 @@ class TransformerBlock(MegatronModule):
     """A stack of transformer layers and the final norm: [s, b, h] -> [s, b, h].
 
     Args:
-        config: reads num_layers (for a layer spec), hidden_size, layernorm_epsilon, params_dtype
-            and the recompute settings.
+        config: reads num_layers (for a layer spec), hidden_size, layernorm_epsilon, params_dtype,
+            the recompute settings and the CUDA-graph settings (``cuda_graph_impl``,
+            ``cuda_graph_warmup_steps``).
         spec: TransformerBlockSubmodules, or a ModuleSpec of a block or of a layer.
         post_layer_norm: build the final norm.
         pre_process: must be True (pipeline stages left out).
@@ -118,9 +119,13 @@ class TransformerBlock(MegatronModule):
         NotImplementedError: a left-out feature asked for (with CUDA graphs: a cross-attention
             context, or a mask, rotary embedding or attention bias that is not a tensor).
         TypeError: a bad spec (see :func:`_get_block_submodules`).
-        ValueError: ``cuda_graph_impl="local"`` with hidden states not on a CUDA device.
+        ValueError: ``cuda_graph_impl="local"`` in training with hidden states not on a CUDA
+            device.
+        NotImplementedError: with CUDA graphs, also a module hook on a layer or a tensor hook on
+            one of its parameters.
         RuntimeError: with CUDA graphs, a second training forward before the first one's
-            backward, or a failed capture (see :mod:`fusedlib.transformer.cuda_graphs`).
+            backward, a backward of an earlier forward, or a failed capture (see
+            :mod:`fusedlib.transformer.cuda_graphs`).
         Errors of the layers, naming the module that failed.
 
     Source: Megatron-LM ``megatron/core/transformer/transformer_block.py`` (``TransformerBlock``).

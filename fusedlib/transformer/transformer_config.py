@@ -66,7 +66,8 @@ class TransformerConfig:
         dividing num_attention_heads and num_query_groups; bias_activation_fusion with an
         activation fusedlib cannot fuse; a bad activation_func_clamp_value (see the module
         docstring); num_moe_experts <= 0; a bad window_size; a bad recompute setting; a bad
-        CUDA-graph setting (an unknown ``cuda_graph_impl``, ``cuda_graph_warmup_steps`` < 1,
+        CUDA-graph setting (an unknown ``cuda_graph_impl``, ``enable_cuda_graph`` not a bool,
+        ``cuda_graph_warmup_steps`` < 1 with "local",
         "local" with recomputation or with tensor_model_parallel_size > 1);
         TypeError for params_dtype not a float dtype or attention_backend not an AttnBackend.
 
@@ -200,14 +201,16 @@ class TransformerConfig:
     cuda_graph_impl: str = "none"
     """"none", or "local": in training, each layer of a :class:`~fusedlib.transformer.transformer_block.TransformerBlock`
     runs as two CUDA graphs (its forward and its backward, captured with
-    ``torch.cuda.make_graphed_callables`` at the first call for each input shape), so a step pays
+    ``torch.cuda.make_graphed_callables`` at the first training call for each input signature:
+    :mod:`fusedlib.transformer.cuda_graphs`), so a step pays
     one graph launch per layer and pass instead of every kernel's host-side launch. Megatron-core's
     "transformer_engine" needs Transformer Engine and is not available."""
     enable_cuda_graph: bool = False
     """Deprecated spelling of ``cuda_graph_impl="local"`` (as in Megatron-core)."""
     cuda_graph_warmup_steps: int = 3
     """Eager iterations run (on a side stream, with copies of the inputs) before each capture;
-    >= 1. (Megatron-core counts training steps before its capture with the same name.)"""
+    >= 1, checked with ``cuda_graph_impl="local"``. (Megatron-core counts training steps before
+    its capture with the same name.)"""
 
     def __post_init__(self) -> None:
         """Derive Megatron-core's defaults, and reject what Megatron-core rejects (see the class)."""
@@ -337,6 +340,8 @@ class TransformerConfig:
                              f"{', '.join(RECOMPUTE_MODULES)})")
 
     def _check_cuda_graph(self) -> None:
+        if not isinstance(self.enable_cuda_graph, bool):
+            raise ValueError(f"enable_cuda_graph must be a bool, got {self.enable_cuda_graph!r}")
         if self.enable_cuda_graph:
             if self.cuda_graph_impl != "none":
                 raise ValueError("Do not use enable_cuda_graph with cuda_graph_impl: enable_cuda_graph is the deprecated "
@@ -348,12 +353,12 @@ class TransformerConfig:
         if self.cuda_graph_impl not in ("none", "local"):
             raise ValueError(f"cuda_graph_impl must be 'none' or 'local' (fusedlib has no Transformer Engine), "
                              f"got {self.cuda_graph_impl!r}")
+        if self.cuda_graph_impl == "none":
+            return
         w = self.cuda_graph_warmup_steps
         if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 1:
             raise ValueError(f"cuda_graph_warmup_steps must be an int >= 1 (the kernels are compiled and the libraries "
                              f"initialised in an eager iteration before the capture), got {w!r}")
-        if self.cuda_graph_impl == "none":
-            return
         if self.recompute_granularity is not None:
             raise ValueError(f"cuda_graph_impl='local' is implemented without activation recomputation "
                              f"(got recompute_granularity={self.recompute_granularity!r}): turn one of the two off")
