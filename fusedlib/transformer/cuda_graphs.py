@@ -10,8 +10,8 @@ graph launch, whatever the layer does.
 :class:`CudaGraphManager` does this for the layers of a
 :class:`~fusedlib.transformer.transformer_block.TransformerBlock` with PyTorch's
 ``torch.cuda.make_graphed_callables``: at the block's first training call for an input
-signature, every layer's forward and backward are captured, in the order they run (forward 1..N, backward N..1) into one memory
-pool; later calls with that signature replay them. Each captured layer is an
+signature, every layer's forward and backward are captured, in the order they run (forward
+1..N, backward N..1), into one memory pool; later calls with that signature replay them. Each captured layer is an
 ``autograd.Function`` whose backward replays the layer's backward graph, so the block's
 gradients reach its parameters and its input as in eager mode.
 
@@ -32,9 +32,9 @@ What a graph fixes at capture, and what the manager does about it:
   module hooks) would run only during the capture, and a tensor hook on a parameter
   (``register_hook``) would be held in the backward graph and applied by autograd once more;
   the manager refuses both at every call (NotImplementedError; hooks on the block itself and on
-  its final norm are fine, as are ``register_post_accumulate_grad_hook`` hooks). Settings a layer reads from Python at each call are fixed at the
-  capture as well (a config field changed afterwards, an SDPA backend choice): reset the
-  graphs after changing one;
+  its final norm are fine, as are ``register_post_accumulate_grad_hook`` hooks). Settings a
+  layer reads from Python at each call are fixed at the capture as well (a config field
+  changed afterwards, an SDPA backend choice): reset the graphs after changing one;
 * random numbers: dropout draws its Philox seeds with ``torch.randint`` on the device, which a
   graph replays with a fresh offset of the CUDA generator each time, so every replay draws new
   masks (the forward's seeds are saved for its backward, as in eager mode); the capture's
@@ -61,14 +61,15 @@ What a graph fixes at capture, and what the manager does about it:
 On torch 2.11 autograd warns, at the first backward after a capture, that "the
 AccumulateGrad node's stream does not match the stream of the node that produced the incoming
 gradient": the parameters' gradient accumulators were made during the capture, on its side
-stream, and the captured graphs keep them alive, so each later backward synchronises the two
-streams for them. The results are unaffected (the tests compare them bit for bit with the eager
-block's); making the accumulators on the caller's stream before the capture instead makes the
-capture itself fail, since the capture's backward would then wait on the caller's stream.
+stream, and the captured graphs keep them alive, so a later backward "may incur unnecessary
+synchronization" between the two streams (autograd's words). The results are unaffected (the
+tests compare them bit for bit with the eager block's); making the accumulators on the caller's
+stream before the capture instead makes the capture itself fail, since the capture's backward
+would then wait on the caller's stream.
 
-The eager layers run instead of the graphs in evaluation mode, without grad, when nothing in the
-layers or their input requires grad (there is no backward to capture), while
-``torch.compile`` traces (a compiled block has no layer graphs: use ``torch.compile``'s own,
+The eager layers run instead of the graphs in evaluation mode, without grad, on a CUDA device
+when nothing in the layers or their input requires grad (there is no backward to capture),
+while ``torch.compile`` traces (a compiled block has no layer graphs: use ``torch.compile``'s own,
 ``mode="reduce-overhead"``), and while the device's current stream is already being captured
 (a graph of the whole step captures the same kernels directly).
 

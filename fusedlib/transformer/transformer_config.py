@@ -199,12 +199,12 @@ class TransformerConfig:
 
     # ---------------------------------------------------------------- CUDA graphs
     cuda_graph_impl: str = "none"
-    """"none", or "local": in training, each layer of a :class:`~fusedlib.transformer.transformer_block.TransformerBlock`
-    runs as two CUDA graphs (its forward and its backward, captured with
-    ``torch.cuda.make_graphed_callables`` at the first training call for each input signature:
-    :mod:`fusedlib.transformer.cuda_graphs`), so a step pays
-    one graph launch per layer and pass instead of every kernel's host-side launch. Megatron-core's
-    "transformer_engine" needs Transformer Engine and is not available."""
+    """"none", or "local": in training, each layer of a
+    :class:`~fusedlib.transformer.transformer_block.TransformerBlock` runs as two CUDA graphs (its
+    forward and its backward, captured with ``torch.cuda.make_graphed_callables`` at the first
+    training call for each input signature: :mod:`fusedlib.transformer.cuda_graphs`), so a step
+    pays one graph launch per layer and pass instead of every kernel's host-side launch.
+    Megatron-core's "transformer_engine" needs Transformer Engine and is not available."""
     enable_cuda_graph: bool = False
     """Deprecated spelling of ``cuda_graph_impl="local"`` (as in Megatron-core)."""
     cuda_graph_warmup_steps: int = 3
@@ -344,8 +344,9 @@ class TransformerConfig:
             raise ValueError(f"enable_cuda_graph must be a bool, got {self.enable_cuda_graph!r}")
         if self.enable_cuda_graph:
             if self.cuda_graph_impl != "none":
-                raise ValueError("Do not use enable_cuda_graph with cuda_graph_impl: enable_cuda_graph is the deprecated "
-                                 f"spelling of cuda_graph_impl='local' (got cuda_graph_impl={self.cuda_graph_impl!r})")
+                raise ValueError("Do not use enable_cuda_graph with cuda_graph_impl: enable_cuda_graph is the "
+                                 "deprecated spelling of cuda_graph_impl='local' "
+                                 f"(got cuda_graph_impl={self.cuda_graph_impl!r})")
             # (a UserWarning, as Megatron-core's: a DeprecationWarning from here would be hidden)
             warnings.warn("enable_cuda_graph is deprecated, use cuda_graph_impl='local' instead.", stacklevel=4)
             self.cuda_graph_impl = "local"
