@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedlib.models.gpt import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
-from fusedlib.transformer.cuda_graphs import MAX_SIGNATURES, CudaGraphManager, _check_no_hooks
+from fusedlib.transformer.cuda_graphs import MAX_SIGNATURES, CudaGraphManager, _check_no_hooks, _hook_dicts
 from fusedlib.transformer.identity_op import IdentityOp
 from fusedlib.transformer import TransformerConfig
 from fusedlib.transformer.enums import AttnBackend
@@ -127,7 +127,7 @@ def test_graphs_on_the_cpu_are_refused_in_training():
 
 def test_the_specs_have_no_module_hooks():
     for spec in (get_gpt_layer_local_spec(), get_gpt_layer_unfused_spec()):
-        _check_no_hooks(TransformerBlock(config(), spec).layers)  # the library's own layers: no hooks
+        _check_no_hooks(_hook_dicts(TransformerBlock(config(), spec).layers))  # the library's own layers: no hooks
 
 
 def test_module_and_parameter_hooks_are_refused_before_and_after_the_capture():
@@ -554,3 +554,27 @@ def test_bookkeeping_gradients_accumulate_and_signatures_are_bounded(seed):
     for s in range(1, MAX_SIGNATURES + 4):  # more sequence lengths than signatures kept
         managed(torch.randn(s, B, H, device=DEVICE, requires_grad=True), None).sum().backward()
     assert len(managed.cudagraph_manager._graphs) == MAX_SIGNATURES
+
+
+def test_bookkeeping_of_the_benchmarks_plain_graphed_block(seed):
+    """The benchmark's plain PyTorch block through the same manager: outputs and gradients equal
+    the plain block's bit for bit (dropout off), one capture for two steps."""
+    from fusedlib.bench.ops.transformer_layer import GraphedPlainGPTBlock, PlainGPTBlock
+
+    plain = PlainGPTBlock(H, 4, FFN, 3, hidden_dropout=0.0, attention_dropout=0.0, device=DEVICE).train()
+    graphed = GraphedPlainGPTBlock(H, 4, FFN, 3, hidden_dropout=0.0, attention_dropout=0.0, device=DEVICE).train()
+    graphed.load_state_dict(plain.state_dict())
+    graphed.cudagraph_manager = CudaGraphManager(3, capture=_eager_stand_in)
+    g = torch.randn(S, B, H, device=DEVICE)
+    for x in torch.randn(2, S, B, H, device=DEVICE):
+        results = []
+        for block in (plain, graphed):
+            for p in block.parameters():
+                p.grad = None
+            xi = x.clone().requires_grad_(True)
+            y = block(xi)
+            y.backward(g)
+            results.append((y.detach(), xi.grad, {n: p.grad for n, p in block.named_parameters()}))
+        close(*results)
+    assert graphed.cudagraph_manager.captures == 1
+

@@ -157,9 +157,10 @@ def build_model(kind: str, shape: ModelShape, seed: int, spec: str = "fused", at
                 sequence_parallel: bool = False, cuda_graph: bool = False) -> torch.nn.Module:
     """A model of ``kind`` ("gpt" or "plain") and ``shape`` holding :func:`initial_state` (``seed``),
     on ``device`` in ``dtype``, in training mode. ``spec``, ``attention_backend``, ``tp``,
-    ``sequence_parallel`` and ``cuda_graph`` (the layers as CUDA graphs) apply to "gpt"; with ``tp`` > 1 the model is this tensor-parallel rank's
-    part and holds its shard of the same initial state (``fusedlib.parallel.shard_state_dict``),
-    so every ``tp`` starts from the same weights.
+    ``sequence_parallel`` and ``cuda_graph`` (the layers as CUDA graphs) apply to "gpt"; with
+    ``tp`` > 1 the model is this tensor-parallel rank's part and holds its shard of the same
+    initial state (``fusedlib.parallel.shard_state_dict``), so every ``tp`` starts from the same
+    weights.
 
     Raises:
         ValueError: an unknown kind, spec or backend, a bad shape, or ``tp`` > 1 or ``cuda_graph``

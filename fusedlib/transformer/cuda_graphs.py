@@ -93,7 +93,7 @@ import torch
 
 from ..runtime import reset_generators_after_failed_capture
 
-__all__ = ["CudaGraphManager", "GRAPHABLE_KWARGS", "MAX_SIGNATURES", "copy_gradients"]
+__all__ = ["CudaGraphManager", "GRAPHABLE_KWARGS", "MAX_SIGNATURES"]
 
 #: The layer-forward keyword arguments a captured layer takes (tensors or None).
 GRAPHABLE_KWARGS: tuple[str, ...] = ("attention_mask", "rotary_pos_emb", "attention_bias")
@@ -105,9 +105,11 @@ MAX_SIGNATURES: int = 8
 class _LayerCall(torch.nn.Module):
     """A layer as a function of tensors only, for ``make_graphed_callables``:
     ``forward(hidden_states, *tensors) -> hidden_states``, the tensors being the keyword
-    arguments ``names`` in order. Holds the layer as a submodule, so its parameters are the
-    graph's parameters; ``make_graphed_callables`` replaces this module's ``forward``, not the
-    layer's (the layer keeps its eager forward)."""
+    arguments ``names`` in order, the layer's output its hidden states (the first item where it
+    returns a tuple, as a TransformerLayer returns ``(hidden_states, context)``). Holds the
+    layer as a submodule, so its parameters are the graph's parameters;
+    ``make_graphed_callables`` replaces this module's ``forward``, not the layer's (the layer
+    keeps its eager forward)."""
 
     def __init__(self, layer: torch.nn.Module, names: Sequence[str]) -> None:
         super().__init__()
@@ -115,15 +117,15 @@ class _LayerCall(torch.nn.Module):
         self.names = tuple(names)
 
     def forward(self, hidden_states: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-        out, _ = self.layer(hidden_states, **dict(zip(self.names, tensors)))
-        return out
+        out = self.layer(hidden_states, **dict(zip(self.names, tensors)))
+        return out[0] if isinstance(out, tuple) else out
 
 
 class _Token:
     """An object only a graphed forward's autograd graph holds (see ``CudaGraphManager._pending``)."""
 
 
-def copy_gradients(grads: tuple, skip: int = 0) -> tuple:
+def _copy_gradients(grads: tuple, skip: int = 0) -> tuple:
     """``grads`` with each tensor from index ``skip`` on replaced by a copy, None kept: what an
     autograd-node hook on a graphed layer returns, so that autograd keeps new tensors rather
     than the backward graph's static buffers. One ``torch._foreach_mul`` by 1 (exact in every
@@ -190,12 +192,12 @@ def _hook_dicts(layers: Sequence[torch.nn.Module]) -> list[tuple[str, str, tuple
             for i, layer in enumerate(layers) for path, m in layer.named_modules()]
 
 
-def _check_no_hooks(layers_or_dicts) -> None:
+def _check_no_hooks(hook_dicts: Sequence[tuple[str, str, tuple]]) -> None:
     """Module hooks are Python, which a graph does not replay: they would run only during the
     capture. Checked at every call (a hook added after the capture would be skipped silently).
 
     Args:
-        layers_or_dicts: the layers, or :func:`_hook_dicts` of them.
+        hook_dicts: :func:`_hook_dicts` of the layers.
 
     Raises:
         NotImplementedError: a global module hook, or a hook on a module of the layers (named
@@ -208,10 +210,7 @@ def _check_no_hooks(layers_or_dicts) -> None:
             raise NotImplementedError(f"cuda_graph_impl='local': a global module hook is registered "
                                       f"(torch.nn.modules.module.{name}); the graphed layers would run it only "
                                       "during the capture: remove it, or use cuda_graph_impl='none'")
-    dicts = layers_or_dicts
-    if dicts and isinstance(dicts[0], torch.nn.Module):
-        dicts = _hook_dicts(dicts)
-    for where, cls, hooks in dicts:
+    for where, cls, hooks in hook_dicts:
         if any(hooks):
             raise NotImplementedError(f"cuda_graph_impl='local': {where} ({cls}) has a module hook; a CUDA graph "
                                       "replays kernels, not Python, so the hook would run only during the capture: "
@@ -293,7 +292,7 @@ class CudaGraphManager:
 
         Args:
             layers: the block's layers, in order (each ``layer(hidden_states, **kwargs)``
-                returns ``(hidden_states, context)``).
+                returns ``(hidden_states, context)``, or the hidden states alone).
             hidden_states: the first layer's input, on a CUDA device.
             kwargs: :data:`GRAPHABLE_KWARGS` -> a tensor or None; other layer arguments must be
                 None (the caller checks).
@@ -362,10 +361,10 @@ class CudaGraphManager:
                                    "overwritten the activations it needs")
 
         def own_all(grad_inputs, grad_outputs, token=token):  # the autograd graph holds the token
-            return copy_gradients(grad_inputs)
+            return _copy_gradients(grad_inputs)
 
         def own_rest(grad_inputs, grad_outputs, token=token):
-            return copy_gradients(grad_inputs, skip=1)
+            return _copy_gradients(grad_inputs, skip=1)
 
         with _on(dev):
             for i, call in enumerate(entry.calls):

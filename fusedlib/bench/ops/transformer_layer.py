@@ -43,9 +43,9 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
                            ``fusions_unavailable``, why the others are off
 ``eager``                  a plain PyTorch pre-LN GPT block (:class:`PlainGPTBlock`:
                            ``torch.nn`` layers, ``scaled_dot_product_attention``), eager
-``eager-graphs``           the plain PyTorch block with each layer through
-                           ``torch.cuda.make_graphed_callables`` (:class:`GraphedPlainGPTBlock`):
-                           the same layerwise graphs, for the plain block
+``eager-graphs``           the plain PyTorch block with each layer through the same
+                           graph manager (:class:`GraphedPlainGPTBlock`): the same layerwise
+                           graphs, for the plain block
 ``torch.compile``          the same block with each layer's forward ``torch.compile``d
                            (``dynamic=False``: static shapes), the final norm eager
 =========================  ===================================================================
@@ -115,7 +115,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ...transformer.cuda_graphs import copy_gradients
+from ...transformer.cuda_graphs import CudaGraphManager
 from ...transformer.enums import AttnBackend
 from ..core import BenchCase, Impl, environment
 from .baselines import compile_impl, try_import
@@ -147,7 +147,7 @@ IMPLS: dict[str, str] = {
     "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
     "fusedlib-sdpa-graphs": "fusedlib-sdpa with cuda_graph_impl='local': each layer's forward and backward as CUDA graphs",
     "eager": "plain PyTorch pre-LN GPT block with scaled_dot_product_attention, eager",
-    "eager-graphs": "the plain PyTorch block, each layer through torch.cuda.make_graphed_callables",
+    "eager-graphs": "the plain PyTorch block, each layer's forward and backward as CUDA graphs (the same manager)",
     "torch.compile": "the plain PyTorch block, each layer torch.compile(dynamic=False)d, once per shape",
 }
 
@@ -385,32 +385,14 @@ class PlainGPTBlock(torch.nn.Module):
         return self.final_layernorm(x)
 
 
-class _Holder(torch.nn.Module):
-    """A layer behind a module of its own, whose ``forward`` ``make_graphed_callables`` replaces
-    (the layer keeps its eager forward)."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)
-
-
 class GraphedPlainGPTBlock(PlainGPTBlock):
-    """:class:`PlainGPTBlock` whose layers run, in training with grad, as CUDA graphs from
-    ``torch.cuda.make_graphed_callables`` (forward and backward per layer, one memory pool,
-    captured at the first call of each input shape); the final norm eager. Under another
-    capture (the harness's graph timer), in eval mode or without grad: the eager layers.
-
-    One forward, then its backward, per step (each replay overwrites the previous one's
-    activations). In training with grad on a CPU it runs its layers eagerly (the benchmark builds
-    it on CUDA only). As fusedlib's graphed layers, a hook on each layer's autograd node hands
-    autograd copies of the gradients the backward graph returns (else a parameter's ``.grad``
-    would be the graph's buffer, overwritten by the next replay): the two implementations do the
-    same GPU work around their graphs; fusedlib's manager does more on the host (its checks of the
-    input signature and of the parameters, the guards of one step at a time), which counts
-    against fusedlib in the plain-launch times.
+    """:class:`PlainGPTBlock` whose layers run, in training with grad on a CUDA device, as CUDA
+    graphs through fusedlib's :class:`~fusedlib.transformer.cuda_graphs.CudaGraphManager` (the
+    one behind ``cuda_graph_impl="local"``: ``torch.cuda.make_graphed_callables``, forward and
+    backward per layer, the same checks, guards and gradient copies), the final norm eager; so
+    the two graphed implementations of this benchmark do the same work around their graphs.
+    In eval mode, without grad or under another capture: the eager layers. As the manager
+    raises, a training call on a CPU raises ValueError (the benchmark builds it on CUDA only).
 
     Args and ``forward``: as :class:`PlainGPTBlock`.
 
@@ -419,31 +401,12 @@ class GraphedPlainGPTBlock(PlainGPTBlock):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._graphs: dict[tuple, list] = {}
+        self.cudagraph_manager = CudaGraphManager()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and torch.is_grad_enabled() and x.is_cuda
-                and not torch.cuda.is_current_stream_capturing()):
+        if not self.cudagraph_manager.applies(self, x):
             return super().forward(x)
-        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad)
-        calls = self._graphs.get(key)
-        if calls is None:
-            samples = tuple((x.detach().clone().requires_grad_(x.requires_grad if i == 0 else True),)
-                            for i in range(len(self.layers)))
-            calls = self._graphs[key] = list(torch.cuda.make_graphed_callables(
-                tuple(_Holder(layer) for layer in self.layers), samples))
-        for i, call in enumerate(calls):
-            x = call.forward(x)
-            x.grad_fn.register_hook(_own_gradients if i == 0 else _own_parameter_gradients)
-        return self.final_layernorm(x)
-
-
-def _own_gradients(grad_inputs, grad_outputs):
-    return copy_gradients(grad_inputs)
-
-
-def _own_parameter_gradients(grad_inputs, grad_outputs):
-    return copy_gradients(grad_inputs, skip=1)  # (a later layer's input gradient: copied by the previous graph)
+        return self.final_layernorm(self.cudagraph_manager.run(self.layers, x, {}))
 
 
 class _Model:
@@ -564,7 +527,7 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
             return GraphedPlainGPTBlock(h, heads, ffn, layers, device=d, dtype=t).train()
 
         impls.append(impl("eager-graphs", _Model(build_graphed, _plain_call), fusions=[], attention="sdpa",
-                          cuda_graph_impl="make_graphed_callables"))
+                          cuda_graph_impl="local"))
     plain = _Model(build_plain, _plain_call)
     comp = compile_impl(_layer_forward, adapt=plain.layer_by_layer, backend=compile_backend)
     comp.passes, comp.params = step, plain.params
