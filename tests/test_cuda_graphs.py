@@ -53,7 +53,7 @@ def pair(dtype=torch.float32, final_norm=True, **kw) -> tuple[TransformerBlock, 
     return eager.train(), graphed.train()
 
 
-def step(block: TransformerBlock, x: torch.Tensor, g: torch.Tensor, seed, **kw):
+def step(block: TransformerBlock, x: torch.Tensor, g: torch.Tensor, seed, attention_mask=None, **kw):
     """Output and gradients (input, then parameters by name) of one training step from ``seed``
     (None: the generator as it is)."""
     for p in block.parameters():
@@ -61,7 +61,7 @@ def step(block: TransformerBlock, x: torch.Tensor, g: torch.Tensor, seed, **kw):
     x = x.detach().clone().requires_grad_(True)
     if seed is not None:
         torch.manual_seed(seed)
-    y = block(x, None, **kw)
+    y = block(x, attention_mask, **kw)
     y.backward(g)
     return y.detach().clone(), x.grad, {n: p.grad for n, p in block.named_parameters()}
 
@@ -242,19 +242,9 @@ def test_attention_mask_is_a_graph_input(seed):
         mask_before = mask.clone()
         x = torch.randn(S, B, H, device=DEVICE)
         g = torch.randn(S, B, H, device=DEVICE)
-        assert_same(_masked(eager, x, g, seed, mask), _masked(graphed, x, g, seed, mask))
+        assert_same(step(eager, x, g, seed, mask), step(graphed, x, g, seed, mask))
         assert torch.equal(mask, mask_before)
     assert graphed.cudagraph_manager.captures == 1
-
-
-def _masked(block, x, g, seed, mask):
-    for p in block.parameters():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    torch.manual_seed(seed)
-    y = block(x, mask)
-    y.backward(g)
-    return y.detach().clone(), x.grad, {n: p.grad for n, p in block.named_parameters()}
 
 
 @cuda_only
@@ -432,7 +422,7 @@ def test_a_mask_that_comes_and_goes(seed):
     x = torch.randn(S, B, H, device=DEVICE)
     g = torch.randn(S, B, H, device=DEVICE)
     for m in (None, mask, None, mask):
-        assert_same(_masked(eager, x, g, seed, m), _masked(graphed, x, g, seed, m))
+        assert_same(step(eager, x, g, seed, m), step(graphed, x, g, seed, m))
     assert graphed.cudagraph_manager.captures == 2
 
 
