@@ -131,9 +131,9 @@ def test_the_specs_have_no_module_hooks():
 
 
 def test_module_and_parameter_hooks_are_refused_before_and_after_the_capture():
-    """Hooks on the layers' modules (at the capture, or added after it) and tensor hooks on their
-    parameters are refused, naming where; hooks on the block itself are fine (the eager stand-in
-    for make_graphed_callables: see the bookkeeping tests below)."""
+    """Hooks on the modules of the layers and the final norm (at the capture, or added after it)
+    and tensor hooks on their parameters are refused, naming where; hooks on the block itself
+    are fine (the eager stand-in for make_graphed_callables: see the bookkeeping tests below)."""
     _, managed = stand_in_pair()
     x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
     handle = managed.layers[1].mlp.linear_fc1.register_forward_hook(lambda m, i, o: None)
@@ -147,7 +147,15 @@ def test_module_and_parameter_hooks_are_refused_before_and_after_the_capture():
         managed(x, None)
     handle.remove()
     handle = managed.layers[2].mlp.linear_fc2.weight.register_hook(lambda g: 2 * g)
-    with pytest.raises(NotImplementedError, match="'weight' of a layer has a tensor hook"):
+    with pytest.raises(NotImplementedError, match=r"captured parameter \('weight'\) has a tensor hook"):
+        managed(x, None)
+    handle.remove()
+    handle = managed.final_layernorm.register_forward_hook(lambda m, i, o: None)  # in the graphs too
+    with pytest.raises(NotImplementedError, match=r"final_layernorm \(.*\) has a module hook"):
+        managed(x, None)
+    handle.remove()
+    handle = managed.final_layernorm.weight.register_hook(lambda g: 2 * g)
+    with pytest.raises(NotImplementedError, match=r"captured parameter \('weight'\) has a tensor hook"):
         managed(x, None)
     handle.remove()
     managed(x, None).sum().backward()
@@ -266,8 +274,9 @@ def test_second_forward_before_backward_is_refused():
 
 
 @cuda_only
-def test_without_final_norm_the_output_is_not_overwritten_by_the_next_replay(seed):
-    eager, graphed = pair(final_norm=False)
+@pytest.mark.parametrize("final_norm", [True, False])
+def test_the_output_is_not_overwritten_by_the_next_replay(final_norm, seed):
+    eager, graphed = pair(final_norm=final_norm)
     x1, x2 = torch.randn(2, S, B, H, device=DEVICE).unbind(0)
     g = torch.randn(S, B, H, device=DEVICE)
     y1 = step(graphed, x1, g, seed)[0]
@@ -516,6 +525,27 @@ def test_bookkeeping_frozen_first_layer_and_input_without_grad(seed):
         assert (t is None) == (outs[1][1][n] is None), n
         if t is not None:
             torch.testing.assert_close(outs[1][1][n], t, rtol=0, atol=0)
+
+
+def test_bookkeeping_one_graph_pair_holds_the_layers_and_the_final_norm(seed):
+    """The stack is captured as one callable (one forward and one backward graph) whose
+    parameters are every parameter of the block, the final norm's included; the block returns
+    a new tensor each step, not the replayed buffer."""
+    seen = []
+
+    def recording(calls, samples, num_warmup_iters=3):
+        seen.append((len(calls), len(samples), {id(p) for p in calls[0].parameters()}))
+        return _eager_stand_in(calls, samples, num_warmup_iters)
+
+    eager, managed = stand_in_pair()
+    managed.cudagraph_manager = CudaGraphManager(3, capture=recording)
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    close(step(eager, x, g, seed), step(managed, x, g, seed))
+    assert seen == [(1, 1, {id(p) for p in managed.parameters()})]
+    y = managed(x.clone().requires_grad_(True), None)
+    assert y.grad_fn.name() == "CloneBackward0"
+    y.backward(g)
 
 
 def test_bookkeeping_guards():

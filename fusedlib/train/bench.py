@@ -17,11 +17,13 @@ batches in the same order, with the same optimizer and schedule (the command lin
                       (Inductor fuses what fusedlib leaves unfused and traces fusedlib's
                       kernels into its graph)
 ``fusedlib-graphs``   (only when asked for) ``fusedlib``'s model with ``cuda_graph_impl="local"``:
-                      each layer's forward and backward replayed as CUDA graphs (CUDA only)
+                      the layers' and the final norm's forward and backward replayed as two
+                      CUDA graphs (CUDA only)
 ``torch.compile-graphs``  (only when asked for) the plain GPT, ``torch.compile(mode=
                       "reduce-overhead")``: Inductor's code replayed as CUDA graphs (CUDA only);
                       it captures the whole forward and backward, embeddings and loss
-                      included, where ``fusedlib-graphs`` captures the layers only
+                      included, where ``fusedlib-graphs`` captures the block (layers and
+                      final norm) only
 ====================  =======================================================================
 
 Timing: wall time of logging windows (the device synchronised at their ends, evaluations

@@ -1,26 +1,34 @@
-"""Layerwise CUDA graphs: a block's layers replayed as captured graphs (``cuda_graph_impl="local"``).
+"""CUDA graphs of a block's layers: the layers and the final norm replayed as two captured graphs
+(``cuda_graph_impl="local"``).
 
 A fused layer launches a few dozen kernels per training step, and in eager PyTorch each launch
 costs host time: the Python of the op, the autograd node, the launch itself. When the GPU work
 per step is small (GPT-2-small-sized layers, short sequences) the host is slower than the GPU
 and sets the step time. A CUDA graph records the kernels of one call once and replays them all
-with a single launch, so the host cost of a layer's forward (and of its backward) becomes one
-graph launch, whatever the layer does.
+with a single launch, so the host cost of the layers' forward (and of their backward) becomes
+one graph launch, whatever the layers do.
 
 :class:`CudaGraphManager` does this for the layers of a
 :class:`~fusedlib.transformer.transformer_block.TransformerBlock` with PyTorch's
 ``torch.cuda.make_graphed_callables``: at the block's first training call for an input
-signature, every layer's forward and backward are captured, in the order they run (forward
-1..N, backward N..1), into one memory pool; later calls with that signature replay them. Each captured layer is an
-``autograd.Function`` whose backward replays the layer's backward graph, so the block's
-gradients reach its parameters and its input as in eager mode.
+signature, the forward of every layer and of the final norm is captured as one graph and their
+backward as another, in one memory pool; later calls with that signature replay them. The
+captured stack is one ``autograd.Function`` whose backward replays the backward graph, so the
+block's gradients reach its parameters and its input as in eager mode.
+
+Why one graph pair for the whole stack rather than one per layer: each graphed call is a Python
+``autograd.Function`` with every parameter of what it holds as an input, a copy of its input
+into the graph's buffer and a graph launch, and on the machine the book measures on that cost
+the host about 0.25 ms per layer per forward, more than a small layer's GPU work. One pair pays
+it once per step; nothing in a training step of one forward and one backward needs the layer
+boundaries.
 
 What a graph fixes at capture, and what the manager does about it:
 
 * the input signature: the shape, dtype, device and ``requires_grad`` of the hidden states and
-  of each given mask, rotary-angle and attention-bias tensor, autocast's state and each layer's
-  training flag form the cache key; a new one is captured once, and at most
-  :data:`MAX_SIGNATURES` are kept (each keeps its own memory pool: one step's activations and
+  of each given mask, rotary-angle and attention-bias tensor, autocast's state and the training
+  flag of each layer and of the final norm form the cache key; a new one is captured once, and
+  at most :data:`MAX_SIGNATURES` are kept (each keeps its own memory pool: one step's activations and
   the static buffers), the least recently used dropped first;
 * the parameters: each call checks that every captured parameter is still the same
   ``Parameter`` object under its name, at the same storage, with the same ``requires_grad``;
@@ -28,11 +36,11 @@ What a graph fixes at capture, and what the manager does about it:
   layers are captured again. Optimizers and ``load_state_dict`` write in place, which the graphs
   see. A parameter or submodule *added* to a layer after the capture is not seen: call
   :meth:`~fusedlib.transformer.transformer_block.TransformerBlock.reset_cuda_graphs` after it;
-* Python: a graph replays kernels only, so module hooks on a layer or its submodules (or global
-  module hooks) would run only during the capture, and a tensor hook on a parameter
-  (``register_hook``) would be held in the backward graph and applied by autograd once more;
-  the manager refuses both at every call (NotImplementedError; hooks on the block itself and on
-  its final norm are fine, as are ``register_post_accumulate_grad_hook`` hooks). Settings a
+* Python: a graph replays kernels only, so module hooks on a layer, the final norm or their
+  submodules (or global module hooks) would run only during the capture, and a tensor hook on
+  a parameter (``register_hook``) would be held in the backward graph and applied by autograd
+  once more; the manager refuses both at every call (NotImplementedError; hooks on the block
+  itself are fine, as are ``register_post_accumulate_grad_hook`` hooks). Settings a
   layer reads from Python at each call are fixed at the capture as well (a config field
   changed afterwards, an SDPA backend choice): reset the graphs after changing one;
 * random numbers: dropout draws its Philox seeds with ``torch.randint`` on the device, which a
@@ -40,18 +48,19 @@ What a graph fixes at capture, and what the manager does about it:
   masks (the forward's seeds are saved for its backward, as in eager mode); the capture's
   warm-up iterations run under ``torch.random.fork_rng``, so a graphed block consumes the
   generator exactly as the eager block does and draws the same masks;
-* static buffers: a replay overwrites the previous call's activations, so a second training
+* static buffers: a replay overwrites the previous call's activations and output (the block
+  returns a copy of the output), so a second training
   forward before the first one's backward would leave that backward reading the wrong step.
   The manager refuses it (RuntimeError) instead of returning wrong gradients, unless the first
   forward's autograd graph is gone (its output dropped: no backward can come). Call
   ``backward()`` first, or run the forward without autograd (``torch.no_grad()``, ``eval()``),
   which takes the eager path. A backward of an earlier forward after a later one (a graph kept
-  with ``retain_graph``) is refused in the backward (a pre-hook on each layer's node);
+  with ``retain_graph``) is refused in the backward (a pre-hook on the stack's node);
 * the gradients a backward graph returns live in its static buffers too, and autograd would
   keep them as the parameters' ``.grad`` as they are, so the next replay would overwrite them
-  (or, with gradient accumulation, add a step's gradient to itself). A hook on each captured
-  layer's autograd node hands autograd copies instead (one multi-tensor kernel per layer),
-  as an eager backward's gradients are new tensors;
+  (or, with gradient accumulation, add a step's gradient to itself). A hook on the captured
+  stack's autograd node hands autograd copies instead (one multi-tensor kernel), as an eager
+  backward's gradients are new tensors;
 * the device: a capture belongs to the current CUDA device, so the manager captures and
   replays with the hidden states' device current;
 * a failed capture leaves PyTorch's CUDA generators in capture mode, after which every random
@@ -75,10 +84,12 @@ while ``torch.compile`` traces (a compiled block has no layer graphs: use ``torc
 
 Differences from Megatron-core: its "local" implementation (``CudaGraphManager`` in
 ``megatron/core/transformer/cuda_graphs.py``) records graphs per layer with its own runner
-classes, warms up for ``cuda_graph_warmup_steps`` training steps and supports pipeline
-micro-batches; fusedlib uses PyTorch's ``make_graphed_callables`` (its warm-up iterations
-are ``cuda_graph_warmup_steps``), one forward-backward pair at a time, tensor parallel size 1,
-no recomputation, no cross-attention context.
+classes (pipeline schedules interleave the layers of several micro-batches, so a layer is its
+unit there), warms up for ``cuda_graph_warmup_steps`` training steps and supports pipeline
+micro-batches; fusedlib captures the layers and the final norm as one graph pair with PyTorch's
+``make_graphed_callables`` (its warm-up iterations are ``cuda_graph_warmup_steps``), one
+forward-backward pair at a time, tensor parallel size 1, no recomputation, no cross-attention
+context.
 
 Sources: Megatron-LM ``megatron/core/transformer/cuda_graphs.py``; PyTorch
 ``torch/cuda/graphs.py`` (``make_graphed_callables``) and its CUDA-graphs notes.
@@ -95,53 +106,62 @@ from ..runtime import reset_generators_after_failed_capture
 
 __all__ = ["CudaGraphManager", "GRAPHABLE_KWARGS", "MAX_SIGNATURES"]
 
-#: The layer-forward keyword arguments a captured layer takes (tensors or None).
+#: The layer-forward keyword arguments the captured layers take (tensors or None).
 GRAPHABLE_KWARGS: tuple[str, ...] = ("attention_mask", "rotary_pos_emb", "attention_bias")
 #: Input signatures whose graphs a manager keeps; a new one beyond this drops the least recently
 #: used (each signature's graphs hold a memory pool of one step's activations).
 MAX_SIGNATURES: int = 8
 
 
-class _LayerCall(torch.nn.Module):
-    """A layer as a function of tensors only, for ``make_graphed_callables``:
+class _StackCall(torch.nn.Module):
+    """The layers and the final norm as one function of tensors, for ``make_graphed_callables``:
     ``forward(hidden_states, *tensors) -> hidden_states``, the tensors being the keyword
-    arguments ``names`` in order, the layer's output its hidden states (the first item where it
-    returns a tuple, as a TransformerLayer returns ``(hidden_states, context)``). Holds the
-    layer as a submodule, so its parameters are the graph's parameters;
-    ``make_graphed_callables`` replaces this module's ``forward``, not the layer's (the layer
-    keeps its eager forward)."""
+    arguments ``names`` in order. Each layer's output is its hidden states (the first item where
+    it returns a tuple, as a TransformerLayer returns ``(hidden_states, context)``); the final
+    norm (if any) gets them cast to its weight's dtype, as the block's eager forward does. Holds
+    the modules as submodules, so their parameters are the graph's parameters;
+    ``make_graphed_callables`` replaces this module's ``forward``, not the layers' (they keep
+    their eager forwards)."""
 
-    def __init__(self, layer: torch.nn.Module, names: Sequence[str]) -> None:
+    def __init__(self, layers: Sequence[torch.nn.Module], final_norm: Optional[torch.nn.Module],
+                 names: Sequence[str]) -> None:
         super().__init__()
-        self.layer = layer
+        self.layers = torch.nn.ModuleList(layers)
+        self.final_norm = final_norm
         self.names = tuple(names)
 
     def forward(self, hidden_states: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-        out = self.layer(hidden_states, **dict(zip(self.names, tensors)))
-        return out[0] if isinstance(out, tuple) else out
+        kw = dict(zip(self.names, tensors))
+        for layer in self.layers:
+            out = layer(hidden_states, **kw)
+            hidden_states = out[0] if isinstance(out, tuple) else out
+        if self.final_norm is not None:
+            weight = getattr(self.final_norm, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dtype != hidden_states.dtype:
+                hidden_states = hidden_states.to(weight.dtype)
+            hidden_states = self.final_norm(hidden_states)
+        return hidden_states
 
 
 class _Token:
     """An object only a graphed forward's autograd graph holds (see ``CudaGraphManager._pending``)."""
 
 
-def _copy_gradients(grads: tuple, skip: int = 0) -> tuple:
-    """``grads`` with each tensor from index ``skip`` on replaced by a copy, None kept: what an
-    autograd-node hook on a graphed layer returns, so that autograd keeps new tensors rather
-    than the backward graph's static buffers. One ``torch._foreach_mul`` by 1 (exact in every
-    float dtype) for all of them.
+def _copy_gradients(grads: tuple) -> tuple:
+    """``grads`` with each tensor replaced by a copy, None kept: what the autograd-node hook on
+    the graphed stack returns, so that autograd keeps new tensors rather than the backward
+    graph's static buffers. One ``torch._foreach_mul`` by 1 (exact in every float dtype) for all
+    of them.
 
     Args:
         grads: a node's gradients (tensors of any shape and float dtype, or None).
-        skip: leading entries passed through as they are (a later layer's input gradient, which
-            the previous layer's graph copies into its own buffer anyway).
 
     Returns:
         A tuple of the same length: copies, and None where ``grads`` has None.
     """
-    present = [g for g in grads[skip:] if g is not None]
+    present = [g for g in grads if g is not None]
     copies = iter(torch._foreach_mul(present, 1.0)) if present else iter(())
-    return tuple(grads[:skip]) + tuple(None if g is None else next(copies) for g in grads[skip:])
+    return tuple(None if g is None else next(copies) for g in grads)
 
 
 class _Slot(NamedTuple):
@@ -154,9 +174,9 @@ class _Slot(NamedTuple):
     requires_grad: bool
 
 
-def _slots(layers: Sequence[torch.nn.Module]) -> list[_Slot]:
+def _slots(modules: Sequence[torch.nn.Module]) -> list[_Slot]:
     return [_Slot(m._parameters, n, p, p.data_ptr(), p.requires_grad)
-            for layer in layers for m in layer.modules() for n, p in m._parameters.items() if p is not None]
+            for module in modules for m in module.modules() for n, p in m._parameters.items() if p is not None]
 
 
 def _same_parameters(slots: Sequence[_Slot]) -> bool:
@@ -172,7 +192,7 @@ def _same_parameters(slots: Sequence[_Slot]) -> bool:
         if p is not s.param or p.data_ptr() != s.data_ptr or p.requires_grad != s.requires_grad:
             return False
         if p._backward_hooks:
-            raise NotImplementedError(f"cuda_graph_impl='local': the parameter {s.name!r} of a layer has a tensor hook "
+            raise NotImplementedError(f"cuda_graph_impl='local': a captured parameter ({s.name!r}) has a tensor hook "
                                       "(register_hook); a captured backward would apply it and autograd again: "
                                       "remove it (register_post_accumulate_grad_hook is fine), or use "
                                       "cuda_graph_impl='none'")
@@ -184,12 +204,17 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
                  "_global_backward_pre_hooks")
 
 
-def _hook_dicts(layers: Sequence[torch.nn.Module]) -> list[tuple[str, str, tuple]]:
-    """(path, class name, the module's four hook dicts) of every module of ``layers``: the dicts
-    stay the same objects while hooks come and go, so a later check reads them directly."""
-    return [(f"layers.{i}" + (f".{path}" if path else ""), type(m).__name__,
+def _hook_dicts(layers: Sequence[torch.nn.Module], final_norm: Optional[torch.nn.Module] = None
+                ) -> list[tuple[str, str, tuple]]:
+    """(path, class name, the module's four hook dicts) of every module of ``layers`` and of
+    ``final_norm``: the dicts stay the same objects while hooks come and go, so a later check
+    reads them directly."""
+    named = [(f"layers.{i}", layer) for i, layer in enumerate(layers)]
+    if final_norm is not None:
+        named.append(("final_layernorm", final_norm))
+    return [(prefix + (f".{path}" if path else ""), type(m).__name__,
              tuple(getattr(m, h) for h in _MODULE_HOOKS if hasattr(m, h)))
-            for i, layer in enumerate(layers) for path, m in layer.named_modules()]
+            for prefix, module in named for path, m in module.named_modules()]
 
 
 def _check_no_hooks(hook_dicts: Sequence[tuple[str, str, tuple]]) -> None:
@@ -197,11 +222,11 @@ def _check_no_hooks(hook_dicts: Sequence[tuple[str, str, tuple]]) -> None:
     capture. Checked at every call (a hook added after the capture would be skipped silently).
 
     Args:
-        hook_dicts: :func:`_hook_dicts` of the layers.
+        hook_dicts: :func:`_hook_dicts` of the layers and the final norm.
 
     Raises:
-        NotImplementedError: a global module hook, or a hook on a module of the layers (named
-            by its path, e.g. ``layers.1.mlp.linear_fc1``).
+        NotImplementedError: a global module hook, or a hook on a module of the layers or the
+            final norm (named by its path, e.g. ``layers.1.mlp.linear_fc1``).
     """
     from torch.nn.modules import module as module_mod
 
@@ -226,7 +251,7 @@ def _on(device: torch.device):
 
 
 class _Entry(NamedTuple):
-    calls: list
+    call: _StackCall
     slots: list[_Slot]
     hooks: list
 
@@ -280,15 +305,17 @@ class CudaGraphManager:
         return True
 
     def run(self, layers: Sequence[torch.nn.Module], hidden_states: torch.Tensor,
-            kwargs: dict[str, Optional[torch.Tensor]]) -> torch.Tensor:
-        """The layers' output [s, b, h] for ``hidden_states`` [s, b, h], through the graphs of
-        this signature (captured first if new).
+            kwargs: dict[str, Optional[torch.Tensor]], final_norm: Optional[torch.nn.Module] = None
+            ) -> torch.Tensor:
+        """``final_norm(layers(hidden_states))`` [s, b, h] for ``hidden_states`` [s, b, h],
+        through the graphs of this signature (captured first if new).
 
         The signature: the shape, dtype, device and ``requires_grad`` of ``hidden_states`` and
-        of each given tensor of ``kwargs``, autocast's state, and each layer's training flag.
-        The graphs of a signature are used only while every parameter they captured is still
-        in its place (the same ``Parameter`` object under the same name), at the same storage,
-        with the same ``requires_grad``; otherwise every signature is captured again.
+        of each given tensor of ``kwargs``, autocast's state, and the training flag of each
+        layer and of the final norm. The graphs of a signature are used only while every
+        parameter they captured is still in its place (the same ``Parameter`` object under the
+        same name), at the same storage, with the same ``requires_grad``; otherwise every
+        signature is captured again.
 
         Args:
             layers: the block's layers, in order (each ``layer(hidden_states, **kwargs)``
@@ -296,16 +323,19 @@ class CudaGraphManager:
             hidden_states: the first layer's input, on a CUDA device.
             kwargs: :data:`GRAPHABLE_KWARGS` -> a tensor or None; other layer arguments must be
                 None (the caller checks).
+            final_norm: applied to the last layer's output (cast to its weight's dtype first)
+                inside the same graphs; None for none.
 
         Returns:
-            The last layer's output [s, b, h], hidden_states' dtype: the last graph's static
-            output buffer, which the next replay overwrites (the block's final norm reads it
-            within the step, or the block returns a copy).
+            A new tensor [s, b, h] (a copy of the forward graph's static output buffer, which
+            the next replay overwrites), in the final norm's dtype (without one,
+            hidden_states').
 
         Raises:
             ValueError: ``hidden_states`` not on a CUDA device.
-            NotImplementedError: a module hook on a layer or one of its submodules, or a global
-                module hook (the graphs would not run it).
+            NotImplementedError: a module hook on a layer, on the final norm or on one of their
+                submodules, a global module hook, or a tensor hook on one of their parameters
+                (the graphs would not run them as eager mode does).
             RuntimeError: a second graphed forward while the first one's autograd graph is
                 alive and its backward has not started; (in the backward) a backward of an
                 earlier forward than the latest one (``retain_graph``); the capture failed
@@ -323,11 +353,12 @@ class CudaGraphManager:
                                "the backward.)")
         names = tuple(n for n in GRAPHABLE_KWARGS if kwargs.get(n) is not None)
         tensors = tuple(kwargs[n] for n in names)
+        modules = list(layers) if final_norm is None else [*layers, final_norm]
         dev = hidden_states.device
         key = (tuple(hidden_states.shape), hidden_states.dtype, dev, hidden_states.requires_grad,
                tuple((n, tuple(t.shape), t.dtype, t.device, t.requires_grad) for n, t in zip(names, tensors)),
                torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type),
-               tuple(layer.training for layer in layers))
+               tuple(m.training for m in modules), final_norm is not None)
         entry = self._graphs.get(key)
         # the graphs read the parameters where they were at the capture: moved (``.to()``),
         # replaced or (un)frozen, they need new graphs (all of them: each signature's read the
@@ -338,17 +369,18 @@ class CudaGraphManager:
                 self._graphs.clear()
                 entry = None
         if entry is None:
-            slots = _slots(layers)
+            slots = _slots(modules)
             if not (hidden_states.requires_grad or any(s.requires_grad for s in slots)):
-                return self._eager(layers, hidden_states, names, tensors)  # no backward graph to capture
-            hooks = _hook_dicts(layers)
+                # no backward graph to capture
+                return _StackCall(layers, final_norm, names)(hidden_states, *tensors)
+            hooks = _hook_dicts(layers, final_norm)
             _check_no_hooks(hooks)
             _same_parameters(slots)  # (refuses tensor hooks on the parameters)
             with _on(dev):
-                calls = self._capture(layers, hidden_states, names, tensors)
+                call = self._capture(_StackCall(layers, final_norm, names), hidden_states, tensors)
             while len(self._graphs) >= MAX_SIGNATURES:
                 self._graphs.pop(next(iter(self._graphs)))  # the least recently used
-            entry = _Entry(calls, slots, hooks)
+            entry = _Entry(call, slots, hooks)
         self._graphs.pop(key, None)
         self._graphs[key] = entry  # (re)inserted last: the most recently used
         self._generation += 1
@@ -360,57 +392,41 @@ class CudaGraphManager:
                                    "forward than the latest one (retain_graph?): the later forward's replay has "
                                    "overwritten the activations it needs")
 
-        def own_all(grad_inputs, grad_outputs, token=token):  # the autograd graph holds the token
+        def copies(grad_inputs, grad_outputs, token=token):  # the autograd graph holds the token
             return _copy_gradients(grad_inputs)
 
-        def own_rest(grad_inputs, grad_outputs, token=token):
-            return _copy_gradients(grad_inputs, skip=1)
-
         with _on(dev):
-            for i, call in enumerate(entry.calls):
-                hidden_states = call.forward(hidden_states, *tensors)  # make_graphed_callables' replaying forward
-                node = hidden_states.grad_fn
-                if node is not None:  # (None: nothing before and in this layer requires grad)
-                    node.register_prehook(latest_only)
-                    node.register_hook(own_all if i == 0 else own_rest)
-        if hidden_states.requires_grad:
-            self._pending = weakref.ref(token)
-            hidden_states.register_hook(self._backward_started)
-        return hidden_states
+            out = entry.call.forward(hidden_states, *tensors)  # make_graphed_callables' replaying forward
+        node = out.grad_fn
+        if node is None:  # (nothing in the stack or its input requires grad: no backward to guard)
+            return out.clone()
+        node.register_prehook(latest_only)
+        node.register_hook(copies)
+        self._pending = weakref.ref(token)
+        out.register_hook(self._backward_started)
+        return out.clone()  # (the buffer is the graph's: the next replay overwrites it)
 
     def _backward_started(self, grad: torch.Tensor) -> None:
         self._pending = None
 
-    @staticmethod
-    def _eager(layers, hidden_states, names, tensors):
-        kw = dict(zip(names, tensors))
-        for layer in layers:
-            hidden_states, _ = layer(hidden_states, **kw)
-        return hidden_states
-
-    def _capture(self, layers, hidden_states, names, tensors) -> list[_LayerCall]:
-        """Every layer's forward and backward graph, sharing one memory pool."""
-        calls = tuple(_LayerCall(layer, names) for layer in layers)
-        # inputs of the samples are copies: make_graphed_callables later copies each call's
-        # inputs into its samples, which must not be the caller's tensors; a layer's input
-        # requires grad when the block's input or a parameter of an earlier layer does
-        extra = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
-        needs = hidden_states.requires_grad
-        samples = []
-        for layer in layers:
-            samples.append((hidden_states.detach().clone().requires_grad_(needs), *extra))
-            needs = needs or any(p.requires_grad for p in layer.parameters())
+    def _capture(self, call: _StackCall, hidden_states: torch.Tensor, tensors: tuple) -> _StackCall:
+        """The stack's forward and backward graphs (one memory pool), ``call`` with its forward
+        replaced by the replaying one."""
+        # the sample inputs are copies: make_graphed_callables later copies each call's inputs
+        # into its samples, which must not be the caller's tensors
+        sample = (hidden_states.detach().clone().requires_grad_(hidden_states.requires_grad),
+                  *(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors))
         # the warm-up iterations draw dropout seeds: restore the generator afterwards, so a
         # graphed run draws the same random numbers as an eager one (and a resumed run as an
         # uninterrupted one)
         capture = self._capture_fn or torch.cuda.make_graphed_callables
         with torch.random.fork_rng(devices=[hidden_states.device] if hidden_states.is_cuda else []):
             try:
-                graphed = capture(calls, tuple(samples), num_warmup_iters=self.warmup_steps)
+                graphed = capture((call,), (sample,), num_warmup_iters=self.warmup_steps)
             except Exception as exc:  # a kernel that cannot be captured, out of memory...
                 if hidden_states.is_cuda:
                     reset_generators_after_failed_capture()  # else every later random draw fails
                 raise RuntimeError(f"cuda_graph_impl='local': capturing the layers as CUDA graphs failed: "
                                    f"{type(exc).__name__}: {exc}") from exc
         self.captures += 1
-        return list(graphed)
+        return graphed[0]

@@ -27,11 +27,11 @@ tracker's model-parallel state (``get_cuda_rng_tracker().fork()``), so each rank
 masks are its own, as in Megatron-core (which forks whether or not anything draws).
 Recomputation replays the tracker's states too (:func:`fusedlib.parallel.random.checkpoint`).
 
-CUDA graphs (``config.cuda_graph_impl = "local"``): in training, the layers run as captured
-CUDA graphs, one forward and one backward graph per layer, through
+CUDA graphs (``config.cuda_graph_impl = "local"``): in training, the layers and the final norm
+run as two captured CUDA graphs (one forward, one backward) through
 :class:`~fusedlib.transformer.cuda_graphs.CudaGraphManager` (see that module for what a graph
-fixes and what the manager checks); the final norm runs eagerly. :meth:`TransformerBlock.reset_cuda_graphs`
-drops the captured graphs.
+fixes and what the manager checks); the block returns a copy of the forward graph's output.
+:meth:`TransformerBlock.reset_cuda_graphs` drops the captured graphs.
 
 Left out: pipeline stages (``pre_process=False``, ``set_input_tensor``), virtual pipelines,
 FP8/FP4 contexts, CPU offloading, CUDA graphs of parts of a layer or of a whole step,
@@ -158,7 +158,6 @@ class TransformerBlock(MegatronModule):
             getattr(layer, "hidden_dropout", config.hidden_dropout) > 0 for layer in self.layers)
         self.cudagraph_manager = (CudaGraphManager(config.cuda_graph_warmup_steps)
                                   if config.cuda_graph_impl == "local" else None)
-        self._graph_output_ptr: Optional[int] = None
 
     def reset_cuda_graphs(self) -> None:
         """Drop the layers' captured CUDA graphs (``cuda_graph_impl="local"``); the next training
@@ -201,24 +200,24 @@ class TransformerBlock(MegatronModule):
         if self.config.recompute_granularity == "full" and self.training:
             return self._checkpointed_forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
                                               attention_bias)
-        manager = self.cudagraph_manager
-        if manager is not None and manager.applies(self, hidden_states):
-            if context is not None or context_mask is not None:
-                raise NotImplementedError("TransformerBlock: cuda_graph_impl='local' captures self-attention layers; "
-                                          "a cross-attention context is left out")
-            kwargs = dict(zip(GRAPHABLE_KWARGS, (attention_mask, rotary_pos_emb, attention_bias)))
-            for name, value in kwargs.items():
-                if value is not None and not isinstance(value, torch.Tensor):
-                    raise NotImplementedError(f"TransformerBlock: cuda_graph_impl='local' takes {name} as a tensor "
-                                              f"or None, got {type(value).__name__}")
-            out = manager.run(self.layers, hidden_states, kwargs)
-            self._graph_output_ptr = out.data_ptr()  # (forward returns a copy if it would return this buffer)
-            return out
         for layer in self.layers:
             hidden_states, context = layer(hidden_states, attention_mask=attention_mask, context=context,
                                            context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
                                            attention_bias=attention_bias)
         return hidden_states
+
+    def _graphed_forward(self, manager, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
+                         attention_bias):
+        """The layers and the final norm through the manager's CUDA graphs (training, CUDA)."""
+        if context is not None or context_mask is not None:
+            raise NotImplementedError("TransformerBlock: cuda_graph_impl='local' captures self-attention layers; "
+                                      "a cross-attention context is left out")
+        kwargs = dict(zip(GRAPHABLE_KWARGS, (attention_mask, rotary_pos_emb, attention_bias)))
+        for name, value in kwargs.items():
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise NotImplementedError(f"TransformerBlock: cuda_graph_impl='local' takes {name} as a tensor "
+                                          f"or None, got {type(value).__name__}")
+        return manager.run(self.layers, hidden_states, kwargs, final_norm=self.final_layernorm)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
@@ -228,6 +227,10 @@ class TransformerBlock(MegatronModule):
         if inference_context is not None or packed_seq_params is not None:
             raise NotImplementedError("TransformerBlock: inference_context and packed_seq_params are left out")
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        manager = self.cudagraph_manager
+        if manager is not None and manager.applies(self, hidden_states):
+            return self._graphed_forward(manager, hidden_states, attention_mask, context, context_mask,
+                                         rotary_pos_emb, attention_bias)
         if self._fork_rng and self.training and self._draws_random_numbers:
             # sequence parallelism: each rank holds its own tokens, so every dropout mask is its own
             with get_cuda_rng_tracker().fork():
@@ -239,10 +242,4 @@ class TransformerBlock(MegatronModule):
         if self.final_layernorm is not None:
             hidden_states = _norm(self.final_layernorm, hidden_states)  # (cast to its weight's dtype)
             hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-        if self._graph_output_ptr is not None:
-            # the last graph's output buffer, which the next replay overwrites, is not returned
-            # (no final norm, or one that returns its input, such as an IdentityOp)
-            if hidden_states.data_ptr() == self._graph_output_ptr:
-                hidden_states = hidden_states.clone()
-            self._graph_output_ptr = None
         return hidden_states

@@ -199,11 +199,11 @@ class TransformerConfig:
 
     # ---------------------------------------------------------------- CUDA graphs
     cuda_graph_impl: str = "none"
-    """"none", or "local": in training, each layer of a
-    :class:`~fusedlib.transformer.transformer_block.TransformerBlock` runs as two CUDA graphs (its
-    forward and its backward, captured with ``torch.cuda.make_graphed_callables`` at the first
+    """"none", or "local": in training, the layers and the final norm of a
+    :class:`~fusedlib.transformer.transformer_block.TransformerBlock` run as two CUDA graphs (their
+    forward and their backward, captured with ``torch.cuda.make_graphed_callables`` at the first
     training call for each input signature: :mod:`fusedlib.transformer.cuda_graphs`), so a step
-    pays one graph launch per layer and pass instead of every kernel's host-side launch.
+    pays one graph launch per pass instead of every kernel's host-side launch.
     Megatron-core's "transformer_engine" needs Transformer Engine and is not available."""
     enable_cuda_graph: bool = False
     """Deprecated spelling of ``cuda_graph_impl="local"`` (as in Megatron-core)."""

@@ -31,9 +31,9 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
                            ``scaled_dot_product_attention`` (no scores in memory)
 ``fusedlib-flash``         the same, ``attention_backend`` flash: fusedlib's FlashAttention-2
                            kernel in Triton (chapter 8)
-``fusedlib-sdpa-graphs``   ``fusedlib-sdpa`` with ``cuda_graph_impl="local"``: each layer's
-                           forward and backward replayed as CUDA graphs
-                           (:mod:`fusedlib.transformer.cuda_graphs`), the final norm eager
+``fusedlib-sdpa-graphs``   ``fusedlib-sdpa`` with ``cuda_graph_impl="local"``: the layers'
+                           and the final norm's forward and backward replayed as two CUDA
+                           graphs (:mod:`fusedlib.transformer.cuda_graphs`)
 ``megatron-core-unfused``  megatron-core's ``TransformerBlock`` from its
                            ``get_gpt_layer_local_spec``, fusions off
 ``megatron-core``          the same with ``bias_activation_fusion`` and ``bias_dropout_fusion``
@@ -145,9 +145,9 @@ IMPLS: dict[str, str] = {
     "fusedlib-flash": "fusedlib's local spec, every fusion on, attention_backend flash (fusedlib's Triton FlashAttention)",
     "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
     "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
-    "fusedlib-sdpa-graphs": "fusedlib-sdpa with cuda_graph_impl='local': each layer's forward and backward as CUDA graphs",
+    "fusedlib-sdpa-graphs": "fusedlib-sdpa with cuda_graph_impl='local': the layers' forward and backward as CUDA graphs",
     "eager": "plain PyTorch pre-LN GPT block with scaled_dot_product_attention, eager",
-    "eager-graphs": "the plain PyTorch block, each layer's forward and backward as CUDA graphs (the same manager)",
+    "eager-graphs": "the plain PyTorch block, its layers' forward and backward as CUDA graphs (the same manager)",
     "torch.compile": "the plain PyTorch block, each layer torch.compile(dynamic=False)d, once per shape",
 }
 
@@ -386,10 +386,11 @@ class PlainGPTBlock(torch.nn.Module):
 
 
 class GraphedPlainGPTBlock(PlainGPTBlock):
-    """:class:`PlainGPTBlock` whose layers run, in training with grad on a CUDA device, as CUDA
-    graphs through fusedlib's :class:`~fusedlib.transformer.cuda_graphs.CudaGraphManager` (the
-    one behind ``cuda_graph_impl="local"``: ``torch.cuda.make_graphed_callables``, forward and
-    backward per layer, the same checks, guards and gradient copies), the final norm eager; so
+    """:class:`PlainGPTBlock` whose layers and final norm run, in training with grad on a CUDA
+    device, as CUDA graphs through fusedlib's
+    :class:`~fusedlib.transformer.cuda_graphs.CudaGraphManager` (the one behind
+    ``cuda_graph_impl="local"``: ``torch.cuda.make_graphed_callables``, one forward and one
+    backward graph for the stack, the same checks, guards, gradient copies and output copy); so
     the two graphed implementations of this benchmark do the same work around their graphs.
     In eval mode, without grad or under another capture: the eager layers. As the manager
     raises, a training call on a CPU raises ValueError (the benchmark builds it on CUDA only).
@@ -406,7 +407,7 @@ class GraphedPlainGPTBlock(PlainGPTBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.cudagraph_manager.applies(self, x):
             return super().forward(x)
-        return self.final_layernorm(self.cudagraph_manager.run(self.layers, x, {}))
+        return self.cudagraph_manager.run(self.layers, x, {}, final_norm=self.final_layernorm)
 
 
 class _Model:
