@@ -42,27 +42,37 @@ def _sum_partials_kernel(
     tl.store(OUT_ptr + cols, tl.sum(acc, axis=0).to(OUT_ptr.dtype.element_ty), mask=col_mask)
 
 
-# One tile for every width, as (upper bound of n_cols, Tile): 16 partial rows per step
-# (BLOCK_M) by up to 256 columns per program (BLOCK_N, capped at the row's next power of two).
+# Tiles by width, as (upper bound of n_cols, Tile): BLOCK_M partial rows per step by BLOCK_N
+# columns per program. A program's loop over the partial rows is serial, so a narrow row needs
+# narrow column blocks (more programs) and tall row blocks (fewer steps): at n_cols = 384 and
+# 528 partial rows (a bias gradient of a persistent backward grid on 132 SMs) the former single
+# tile, 16 x 256, ran 2 programs of 33 steps each.
 SUM_PARTIALS_TILES: TileTable = (
+    (512, Tile(BLOCK_M=128, BLOCK_N=16, num_warps=4)),
+    (2048, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=4)),
+    (8192, Tile(BLOCK_M=32, BLOCK_N=64, num_warps=4)),
     (HUGE, Tile(BLOCK_M=16, BLOCK_N=256, num_warps=4)),
 )
 
 
-def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype, tile: Tile | None = None) -> torch.Tensor:
     """Sum ``partials`` [n_partials, n_cols] over dim 0 and cast to ``out_dtype``.
 
     Args:
         partials: contiguous float32 (or float64) tensor [n_partials, n_cols], n_partials >= 1.
         out_dtype: dtype of the result.
+        tile: launch settings (None: ``pick(SUM_PARTIALS_TILES, n_cols)``): BLOCK_M partial
+            rows per step, BLOCK_N columns per program.
 
     Returns:
-        A new [n_cols] tensor.
+        A new [n_cols] tensor: the sum in ``partials``' dtype, added in a fixed order (the same
+        bits on every run for a given tile), rounded once to ``out_dtype``.
     """
     n_partials, n_cols = partials.shape
     device = partials.device
     out = torch.empty(n_cols, dtype=out_dtype, device=device)
-    tile = pick(SUM_PARTIALS_TILES, n_cols)
+    if tile is None:
+        tile = pick(SUM_PARTIALS_TILES, n_cols)
     launch(_sum_partials_kernel, (cdiv(n_cols, tile.BLOCK_N),), device,
            partials, out, n_partials, n_cols, BLOCK_R=tile.BLOCK_M, BLOCK_C=tile.BLOCK_N,
            ACC=TL_DTYPE[acc_dtype(partials.dtype)], num_warps=tile.num_warps)
