@@ -18,10 +18,13 @@ block's gradients reach its parameters and its input as in eager mode.
 
 Why one graph pair for the whole stack rather than one per layer: each graphed call is a Python
 ``autograd.Function`` with every parameter of what it holds as an input, a copy of its input
-into the graph's buffer and a graph launch, and on the machine the book measures on that cost
-the host about 0.25 ms per layer per forward, more than a small layer's GPU work. One pair pays
-it once per step; nothing in a training step of one forward and one backward needs the layer
-boundaries.
+into the graph's buffer, a graph launch and (here) a hook that copies its gradients, once in
+the forward and once in the backward. On the H200 machine of the book, for the 4-layer stack
+[s, b, h] = [512, 8, 512] (bf16, SDPA), the host time of a training step's forward and backward
+calls was 1.35 and 2.17 ms with a graph pair per layer (and the final norm eager), 0.51 and
+1.23 ms with one pair, and the plain-launch step took 3.34 and 1.84 ms (two processes of one
+session on one machine, the rest of the code the same).
+Nothing in a training step of one forward and one backward needs the layer boundaries.
 
 What a graph fixes at capture, and what the manager does about it:
 
