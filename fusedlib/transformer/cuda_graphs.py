@@ -22,8 +22,8 @@ into the graph's buffer, a graph launch and (here) a hook that copies its gradie
 the forward and once in the backward. On the H200 machine of the book, for the 4-layer stack
 [s, b, h] = [512, 8, 512] (bf16, SDPA), the host time of a training step's forward and backward
 calls was 1.35 and 2.17 ms with a graph pair per layer (and the final norm eager), 0.51 and
-1.23 ms with one pair, and the plain-launch step took 3.34 and 1.84 ms (two processes of one
-session on one machine, the rest of the code the same).
+1.23 ms with one pair, and the plain-launch step took 3.34 and 1.84 ms (two processes on one
+machine, the rest of the code the same).
 Nothing in a training step of one forward and one backward needs the layer boundaries.
 
 What a graph fixes at capture, and what the manager does about it:

@@ -43,9 +43,9 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
                            ``fusions_unavailable``, why the others are off
 ``eager``                  a plain PyTorch pre-LN GPT block (:class:`PlainGPTBlock`:
                            ``torch.nn`` layers, ``scaled_dot_product_attention``), eager
-``eager-graphs``           the plain PyTorch block with each layer through the same
-                           graph manager (:class:`GraphedPlainGPTBlock`): the same layerwise
-                           graphs, for the plain block
+``eager-graphs``           the plain PyTorch block with its layers and final norm through the
+                           same graph manager (:class:`GraphedPlainGPTBlock`): one forward
+                           and one backward graph, as ``fusedlib-sdpa-graphs``
 ``torch.compile``          the same block with each layer's forward ``torch.compile``d
                            (``dynamic=False``: static shapes), the final norm eager
 =========================  ===================================================================
