@@ -1,4 +1,4 @@
-"""Layerwise CUDA graphs (``TransformerConfig.cuda_graph_impl = "local"``).
+"""CUDA graphs of a block's layers and final norm (``TransformerConfig.cuda_graph_impl = "local"``).
 
 The config checks, the CPU refusal, the hook refusal and the manager's bookkeeping (with an
 eager stand-in for ``make_graphed_callables``: signatures, recaptures, guards, gradient copies)
@@ -147,7 +147,7 @@ def test_module_and_parameter_hooks_are_refused_before_and_after_the_capture():
         managed(x, None)
     handle.remove()
     handle = managed.layers[2].mlp.linear_fc2.weight.register_hook(lambda g: 2 * g)
-    with pytest.raises(NotImplementedError, match=r"captured parameter \('weight'\) has a tensor hook"):
+    with pytest.raises(NotImplementedError, match=r"parameter layers\.2\.mlp\.linear_fc2\.weight has a tensor hook"):
         managed(x, None)
     handle.remove()
     handle = managed.final_layernorm.register_forward_hook(lambda m, i, o: None)  # in the graphs too
@@ -155,7 +155,7 @@ def test_module_and_parameter_hooks_are_refused_before_and_after_the_capture():
         managed(x, None)
     handle.remove()
     handle = managed.final_layernorm.weight.register_hook(lambda g: 2 * g)
-    with pytest.raises(NotImplementedError, match=r"captured parameter \('weight'\) has a tensor hook"):
+    with pytest.raises(NotImplementedError, match=r"parameter final_layernorm\.weight has a tensor hook"):
         managed(x, None)
     handle.remove()
     managed(x, None).sum().backward()
@@ -356,8 +356,8 @@ def test_freezing_and_unfreezing_recaptures(seed):
 
 @cuda_only
 def test_frozen_first_layer_and_an_input_without_grad(seed):
-    """Nothing before the second layer requires grad: the first layer's graph has no input
-    gradient to give, and the block still trains the rest as the eager block does."""
+    """Nothing before the second layer requires grad: the graphs give no input gradient and none
+    for the first layer, and the block still trains the rest as the eager block does."""
     eager, graphed = pair()
     for block in (eager, graphed):
         for p in block.layers[0].parameters():
@@ -437,7 +437,7 @@ def test_a_mask_that_comes_and_goes(seed):
 
 # ------------------------------------------------------------------------ the bookkeeping, anywhere
 # The manager with a stand-in for torch.cuda.make_graphed_callables that "replays" by running the
-# layer eagerly inside an autograd.Function, as make_graphed_callables' own Function does: its
+# captured stack eagerly inside an autograd.Function, as make_graphed_callables' own Function does: its
 # checks, guards and hooks run on any device (the unfused spec: torch's kernels, quick on a CPU).
 
 
@@ -546,6 +546,55 @@ def test_bookkeeping_one_graph_pair_holds_the_layers_and_the_final_norm(seed):
     y = managed(x.clone().requires_grad_(True), None)
     assert y.grad_fn.name() == "CloneBackward0"
     y.backward(g)
+
+
+def test_bookkeeping_replaced_modules_recapture(seed):
+    """A final norm or a layer replaced after the capture (new module objects, same slots): the
+    stack is captured again and runs the new modules, as the eager block does."""
+    eager, managed = stand_in_pair()
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    close(step(eager, x, g, seed), step(managed, x, g, seed))
+    for block in (eager, managed):
+        block.final_layernorm = torch.nn.LayerNorm(H, device=DEVICE)
+        with torch.no_grad():
+            block.final_layernorm.weight.fill_(2.0)
+            block.final_layernorm.bias.fill_(0.5)
+    r = step(managed, x, g, seed)
+    close(step(eager, x, g, seed), r)
+    assert r[2]["final_layernorm.weight"] is not None and managed.cudagraph_manager.captures == 2
+    fresh = TransformerBlock(config(), get_gpt_layer_unfused_spec()).to(DEVICE).train().layers[1]
+    eager.layers[1] = managed.layers[1] = fresh  # the same new layer in both blocks
+    y, dx, _ = step(eager, x, g, seed)
+    y, dx = y.clone(), dx.clone()
+    r = step(managed, x, g, seed)
+    torch.testing.assert_close(r[0], y, rtol=0, atol=0)
+    torch.testing.assert_close(r[1], dx, rtol=0, atol=0)
+    assert managed.cudagraph_manager.captures == 3
+
+
+def test_bookkeeping_final_norm_dtype_and_the_eager_path(seed):
+    """bf16 parameters and a float32 input: the final norm gets the last layer's output cast to
+    its weight's dtype inside the graphs, as the eager block casts it. With nothing to
+    differentiate (parameters frozen, input without grad) the stack runs eagerly, final norm
+    included, and nothing is captured."""
+    spec = get_gpt_layer_unfused_spec()
+    eager = TransformerBlock(config(torch.bfloat16), spec).to(DEVICE).train()
+    managed = TransformerBlock(config(torch.bfloat16, cuda_graph_impl="local"), spec).to(DEVICE).train()
+    managed.load_state_dict(eager.state_dict())
+    managed.cudagraph_manager = CudaGraphManager(3, capture=_eager_stand_in)
+    x = torch.randn(S, B, H, device=DEVICE)  # float32 into bf16 layers
+    g = torch.randn(S, B, H, device=DEVICE, dtype=torch.bfloat16)
+    a, b = step(eager, x, g, seed), step(managed, x, g, seed)
+    assert b[0].dtype == torch.bfloat16
+    close(a, b)
+    for block in (eager, managed):
+        for p in block.parameters():
+            p.requires_grad_(False)
+    before = managed.cudagraph_manager.captures
+    y_eager, y_managed = eager(x, None), managed(x, None)
+    assert not y_managed.requires_grad and managed.cudagraph_manager.captures == before
+    torch.testing.assert_close(y_managed, y_eager, rtol=0, atol=0)
 
 
 def test_bookkeeping_guards():

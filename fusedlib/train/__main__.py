@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--compile-mode", default=d.compile_mode,
                    help="torch.compile's mode, e.g. reduce-overhead (with --compile)")
     e.add_argument("--cuda-graph", action="store_true",
-                   help="fusedlib's GPTModel with its layers as CUDA graphs (cuda_graph_impl='local'; CUDA only)")
+                   help="fusedlib's GPTModel with its layers and final norm as CUDA graphs "
+                        "(cuda_graph_impl='local'; CUDA only)")
     e.add_argument("--tp", type=int, default=d.tp,
                    help="tensor-parallel ranks (start with torchrun --nproc-per-node TP)")
     e.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (with --tp > 1)")

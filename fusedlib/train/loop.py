@@ -90,7 +90,7 @@ class TrainConfig:
     (None: on CUDA), ``compile`` (``torch.compile`` the model), ``compile_mode`` (its ``mode``,
     e.g. "reduce-overhead": CUDA graphs of the compiled code; None: the default),
     ``cuda_graph`` (fusedlib's GPTModel with ``cuda_graph_impl="local"``: in training its
-    layers run as CUDA graphs; CUDA only), ``tp`` (tensor-parallel ranks:
+    layers and final norm run as CUDA graphs; CUDA only), ``tp`` (tensor-parallel ranks:
     the process must be one of ``tp`` ranks started by ``torchrun`` or
     ``fusedlib.parallel.spawn``), ``sequence_parallel``, ``seed`` (weights, data order, dropout).
     Output: ``out`` (directory for metrics and checkpoints; None: none written),

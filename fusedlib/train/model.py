@@ -101,7 +101,7 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
         cpu_init: create the parameters on the CPU.
         tp, sequence_parallel: ``tensor_model_parallel_size`` and ``sequence_parallel``
             (:mod:`fusedlib.parallel`).
-        cuda_graph: ``cuda_graph_impl="local"``: in training the layers run as CUDA graphs
+        cuda_graph: ``cuda_graph_impl="local"``: in training the layers and the final norm run as CUDA graphs
             (:mod:`fusedlib.transformer.cuda_graphs`).
 
     Raises:
@@ -157,7 +157,7 @@ def build_model(kind: str, shape: ModelShape, seed: int, spec: str = "fused", at
                 sequence_parallel: bool = False, cuda_graph: bool = False) -> torch.nn.Module:
     """A model of ``kind`` ("gpt" or "plain") and ``shape`` holding :func:`initial_state` (``seed``),
     on ``device`` in ``dtype``, in training mode. ``spec``, ``attention_backend``, ``tp``,
-    ``sequence_parallel`` and ``cuda_graph`` (the layers as CUDA graphs) apply to "gpt"; with
+    ``sequence_parallel`` and ``cuda_graph`` (the block as CUDA graphs) apply to "gpt"; with
     ``tp`` > 1 the model is this tensor-parallel rank's part and holds its shard of the same
     initial state (``fusedlib.parallel.shard_state_dict``), so every ``tp`` starts from the same
     weights.

@@ -31,13 +31,15 @@ What a graph fixes at capture, and what the manager does about it:
 * the input signature: the shape, dtype, device and ``requires_grad`` of the hidden states and
   of each given mask, rotary-angle and attention-bias tensor, autocast's state and the training
   flag of each layer and of the final norm form the cache key; a new one is captured once, and
-  at most :data:`MAX_SIGNATURES` are kept (each keeps its own memory pool: one step's activations and
-  the static buffers), the least recently used dropped first;
-* the parameters: each call checks that every captured parameter is still the same
-  ``Parameter`` object under its name, at the same storage, with the same ``requires_grad``;
-  moved (``.to()``), replaced (``load_state_dict(..., assign=True)``), frozen or unfrozen, the
-  layers are captured again. Optimizers and ``load_state_dict`` write in place, which the graphs
-  see. A parameter or submodule *added* to a layer after the capture is not seen: call
+  at most :data:`MAX_SIGNATURES` are kept (each keeps its own memory pool: one step's
+  activations and the static buffers), the least recently used dropped first;
+* the modules and their parameters: each call checks that the layers and the final norm are
+  the module objects captured, and that every captured parameter is still the same
+  ``Parameter`` object under its name, at the same storage, with the same ``requires_grad``; a
+  layer or the final norm replaced, parameters moved (``.to()``), replaced
+  (``load_state_dict(..., assign=True)``), frozen or unfrozen, the stack is captured again.
+  Optimizers and ``load_state_dict`` write in place, which the graphs see. A parameter or
+  submodule *added* inside a layer or the final norm after the capture is not seen: call
   :meth:`~fusedlib.transformer.transformer_block.TransformerBlock.reset_cuda_graphs` after it;
 * Python: a graph replays kernels only, so module hooks on a layer, the final norm or their
   submodules (or global module hooks) would run only during the capture, and a tensor hook on
@@ -80,10 +82,10 @@ stream before the capture instead makes the capture itself fail, since the captu
 would then wait on the caller's stream.
 
 The eager layers run instead of the graphs in evaluation mode, without grad, on a CUDA device
-when nothing in the layers or their input requires grad (there is no backward to capture),
-while ``torch.compile`` traces (a compiled block has no layer graphs: use ``torch.compile``'s own,
-``mode="reduce-overhead"``), and while the device's current stream is already being captured
-(a graph of the whole step captures the same kernels directly).
+when nothing in the layers, the final norm or their input requires grad (there is no backward
+to capture), while ``torch.compile`` traces (a compiled block has no layer graphs: use
+``torch.compile``'s own, ``mode="reduce-overhead"``), and while the device's current stream is
+already being captured (a graph of the whole step captures the same kernels directly).
 
 Differences from Megatron-core: its "local" implementation (``CudaGraphManager`` in
 ``megatron/core/transformer/cuda_graphs.py``) records graphs per layer with its own runner
@@ -169,17 +171,28 @@ def _copy_gradients(grads: tuple) -> tuple:
 
 class _Slot(NamedTuple):
     """Where a captured graph's parameter lives: ``params[name] is param`` as at the capture,
-    with its storage and ``requires_grad`` then."""
+    with its storage and ``requires_grad`` then; ``path`` names it in errors."""
     params: dict
     name: str
     param: torch.nn.Parameter
     data_ptr: int
     requires_grad: bool
+    path: str
 
 
-def _slots(modules: Sequence[torch.nn.Module]) -> list[_Slot]:
-    return [_Slot(m._parameters, n, p, p.data_ptr(), p.requires_grad)
-            for module in modules for m in module.modules() for n, p in m._parameters.items() if p is not None]
+def _named(layers: Sequence[torch.nn.Module], final_norm: Optional[torch.nn.Module]
+           ) -> list[tuple[str, torch.nn.Module]]:
+    """The captured modules with the block's attribute paths (``layers.0``, ..., ``final_layernorm``)."""
+    named = [(f"layers.{i}", layer) for i, layer in enumerate(layers)]
+    if final_norm is not None:
+        named.append(("final_layernorm", final_norm))
+    return named
+
+
+def _slots(named: Sequence[tuple[str, torch.nn.Module]]) -> list[_Slot]:
+    return [_Slot(m._parameters, n, p, p.data_ptr(), p.requires_grad, ".".join(filter(None, (prefix, path, n))))
+            for prefix, module in named for path, m in module.named_modules() for n, p in m._parameters.items()
+            if p is not None]
 
 
 def _same_parameters(slots: Sequence[_Slot]) -> bool:
@@ -195,7 +208,7 @@ def _same_parameters(slots: Sequence[_Slot]) -> bool:
         if p is not s.param or p.data_ptr() != s.data_ptr or p.requires_grad != s.requires_grad:
             return False
         if p._backward_hooks:
-            raise NotImplementedError(f"cuda_graph_impl='local': a captured parameter ({s.name!r}) has a tensor hook "
+            raise NotImplementedError(f"cuda_graph_impl='local': the captured parameter {s.path} has a tensor hook "
                                       "(register_hook); a captured backward would apply it and autograd again: "
                                       "remove it (register_post_accumulate_grad_hook is fine), or use "
                                       "cuda_graph_impl='none'")
@@ -212,12 +225,9 @@ def _hook_dicts(layers: Sequence[torch.nn.Module], final_norm: Optional[torch.nn
     """(path, class name, the module's four hook dicts) of every module of ``layers`` and of
     ``final_norm``: the dicts stay the same objects while hooks come and go, so a later check
     reads them directly."""
-    named = [(f"layers.{i}", layer) for i, layer in enumerate(layers)]
-    if final_norm is not None:
-        named.append(("final_layernorm", final_norm))
     return [(prefix + (f".{path}" if path else ""), type(m).__name__,
              tuple(getattr(m, h) for h in _MODULE_HOOKS if hasattr(m, h)))
-            for prefix, module in named for path, m in module.named_modules()]
+            for prefix, module in _named(layers, final_norm) for path, m in module.named_modules()]
 
 
 def _check_no_hooks(hook_dicts: Sequence[tuple[str, str, tuple]]) -> None:
@@ -255,6 +265,7 @@ def _on(device: torch.device):
 
 class _Entry(NamedTuple):
     call: _StackCall
+    modules: tuple  # the layers and the final norm captured, in order
     slots: list[_Slot]
     hooks: list
 
@@ -356,23 +367,24 @@ class CudaGraphManager:
                                "the backward.)")
         names = tuple(n for n in GRAPHABLE_KWARGS if kwargs.get(n) is not None)
         tensors = tuple(kwargs[n] for n in names)
-        modules = list(layers) if final_norm is None else [*layers, final_norm]
+        modules = tuple(layers) if final_norm is None else (*layers, final_norm)
         dev = hidden_states.device
         key = (tuple(hidden_states.shape), hidden_states.dtype, dev, hidden_states.requires_grad,
                tuple((n, tuple(t.shape), t.dtype, t.device, t.requires_grad) for n, t in zip(names, tensors)),
                torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type),
                tuple(m.training for m in modules), final_norm is not None)
         entry = self._graphs.get(key)
-        # the graphs read the parameters where they were at the capture: moved (``.to()``),
-        # replaced or (un)frozen, they need new graphs (all of them: each signature's read the
-        # old ones)
+        # the graphs run the modules and read the parameters they captured: a layer or the final
+        # norm replaced, or parameters moved (``.to()``), replaced or (un)frozen, need new graphs
+        # (all of them: each signature's hold the old ones)
         if entry is not None:
             _check_no_hooks(entry.hooks)
-            if not _same_parameters(entry.slots):
+            if (len(entry.modules) != len(modules) or any(a is not b for a, b in zip(entry.modules, modules))
+                    or not _same_parameters(entry.slots)):
                 self._graphs.clear()
                 entry = None
         if entry is None:
-            slots = _slots(modules)
+            slots = _slots(_named(layers, final_norm))
             if not (hidden_states.requires_grad or any(s.requires_grad for s in slots)):
                 # no backward graph to capture
                 return _StackCall(layers, final_norm, names)(hidden_states, *tensors)
@@ -383,7 +395,7 @@ class CudaGraphManager:
                 call = self._capture(_StackCall(layers, final_norm, names), hidden_states, tensors)
             while len(self._graphs) >= MAX_SIGNATURES:
                 self._graphs.pop(next(iter(self._graphs)))  # the least recently used
-            entry = _Entry(call, slots, hooks)
+            entry = _Entry(call, modules, slots, hooks)
         self._graphs.pop(key, None)
         self._graphs[key] = entry  # (re)inserted last: the most recently used
         self._generation += 1

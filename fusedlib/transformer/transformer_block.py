@@ -121,8 +121,9 @@ class TransformerBlock(MegatronModule):
         TypeError: a bad spec (see :func:`_get_block_submodules`).
         ValueError: ``cuda_graph_impl="local"`` in training with hidden states not on a CUDA
             device.
-        NotImplementedError: with CUDA graphs, also a module hook on a layer or a tensor hook on
-            one of its parameters.
+        NotImplementedError: with CUDA graphs, also a module hook on a layer, on the final norm
+            or on one of their submodules, a global module hook, a tensor hook on one of their
+            parameters, or (set after construction) recomputation or sequence parallelism.
         RuntimeError: with CUDA graphs, a second training forward before the first one's
             backward, a backward of an earlier forward, or a failed capture (see
             :mod:`fusedlib.transformer.cuda_graphs`).
@@ -160,8 +161,9 @@ class TransformerBlock(MegatronModule):
                                   if config.cuda_graph_impl == "local" else None)
 
     def reset_cuda_graphs(self) -> None:
-        """Drop the layers' captured CUDA graphs (``cuda_graph_impl="local"``); the next training
-        call captures them again. Nothing to do without CUDA graphs."""
+        """Drop the captured CUDA graphs of the layers and the final norm
+        (``cuda_graph_impl="local"``); the next training call captures them again. Nothing to do
+        without CUDA graphs."""
         if self.cudagraph_manager is not None:
             self.cudagraph_manager.reset()
 
@@ -209,6 +211,12 @@ class TransformerBlock(MegatronModule):
     def _graphed_forward(self, manager, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
                          attention_bias):
         """The layers and the final norm through the manager's CUDA graphs (training, CUDA)."""
+        if self.config.recompute_granularity is not None or self._fork_rng:
+            # (TransformerConfig refuses both with "local"; a config changed afterwards reaches here)
+            raise NotImplementedError("TransformerBlock: cuda_graph_impl='local' captures the layers without "
+                                      "activation recomputation and without sequence parallelism; got "
+                                      f"recompute_granularity={self.config.recompute_granularity!r}, "
+                                      f"sequence_parallel={self.config.sequence_parallel}")
         if context is not None or context_mask is not None:
             raise NotImplementedError("TransformerBlock: cuda_graph_impl='local' captures self-attention layers; "
                                       "a cross-attention context is left out")

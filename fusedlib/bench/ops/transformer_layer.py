@@ -67,10 +67,10 @@ Records (one per implementation and shape, pass ``"fwd+bwd"``; the case is timed
 of the harness, :func:`fusedlib.bench.core.measure_case`): a transformer block is not
 memory-bound, so ``"bytes"`` and ``"GBps"`` are None. Its fields beyond DESIGN.md's:
 
-The two ``-graphs`` implementations capture their layers at their first call; under the
-harness's own capture of a whole step (the ``"ms"`` timer) they run their layers eagerly (a
+The two ``-graphs`` implementations capture their layers and final norm at their first call;
+under the harness's own capture of a whole step (the ``"ms"`` timer) they run them eagerly (a
 graph of the step records the same kernels), so their ``"ms"`` repeats the un-graphed block's
-and their ``"ms_eager"`` is what the layer graphs buy with plain launches. Their graphs'
+and their ``"ms_eager"`` is what the block's graphs buy with plain launches. Their graphs'
 memory pools are allocated at the capture, before the measured step, so ``"peak_bytes"``
 leaves them out.
 
