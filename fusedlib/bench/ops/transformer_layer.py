@@ -145,7 +145,7 @@ IMPLS: dict[str, str] = {
     "fusedlib-flash": "fusedlib's local spec, every fusion on, attention_backend flash (fusedlib's Triton FlashAttention)",
     "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
     "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
-    "fusedlib-sdpa-graphs": "fusedlib-sdpa with cuda_graph_impl='local': the layers' forward and backward as CUDA graphs",
+    "fusedlib-sdpa-graphs": "fusedlib-sdpa, cuda_graph_impl='local': the block's forward and backward as CUDA graphs",
     "eager": "plain PyTorch pre-LN GPT block with scaled_dot_product_attention, eager",
     "eager-graphs": "the plain PyTorch block, its layers' forward and backward as CUDA graphs (the same manager)",
     "torch.compile": "the plain PyTorch block, each layer torch.compile(dynamic=False)d, once per shape",
