@@ -108,6 +108,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..runtime import reset_generators_after_failed_capture
+from .transformer_layer import _norm
 
 __all__ = ["CudaGraphManager", "GRAPHABLE_KWARGS", "MAX_SIGNATURES"]
 
@@ -123,7 +124,7 @@ class _StackCall(torch.nn.Module):
     ``forward(hidden_states, *tensors) -> hidden_states``, the tensors being the keyword
     arguments ``names`` in order. Each layer's output is its hidden states (the first item where
     it returns a tuple, as a TransformerLayer returns ``(hidden_states, context)``); the final
-    norm (if any) gets them cast to its weight's dtype, as the block's eager forward does. Holds
+    norm (if any) gets them through the block's eager ``_norm`` (cast to its weight's dtype). Holds
     the modules as submodules, so their parameters are the graph's parameters;
     ``make_graphed_callables`` replaces this module's ``forward``, not the layers' (they keep
     their eager forwards)."""
@@ -141,10 +142,7 @@ class _StackCall(torch.nn.Module):
             out = layer(hidden_states, **kw)
             hidden_states = out[0] if isinstance(out, tuple) else out
         if self.final_norm is not None:
-            weight = getattr(self.final_norm, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dtype != hidden_states.dtype:
-                hidden_states = hidden_states.to(weight.dtype)
-            hidden_states = self.final_norm(hidden_states)
+            hidden_states = _norm(self.final_norm, hidden_states)  # (cast to its weight's dtype)
         return hidden_states
 
 

@@ -6,9 +6,9 @@ reads the same switches. ``__post_init__`` derives what Megatron-core derives an
 it rejects, each with a ValueError that says why.
 
 Left out (Megatron-core has a few hundred fields): pipeline, context, expert and
-data parallelism, MoE routing, FP8/FP4, CUDA graphs other than whole layers, CPU offloading,
-inference, multi-latent attention and the other attention variants. Of the parallelisms, tensor parallelism
-(``tensor_model_parallel_size``, ``sequence_parallel``) is implemented: :mod:`fusedlib.parallel`.
+data parallelism, MoE routing, FP8/FP4, CUDA graphs other than the block's layers and final
+norm, CPU offloading, inference, multi-latent attention and the other attention variants. Of
+the parallelisms, tensor parallelism (``tensor_model_parallel_size``, ``sequence_parallel``) is implemented: :mod:`fusedlib.parallel`.
 
 Differences from Megatron-core, each deliberate:
 
