@@ -38,7 +38,7 @@ A row that sees no key (and has no sink) keeps m = -inf and l = 0: its output is
 LSE -inf, never NaN (the max subtracted is taken as 0 while it is -inf, so nothing computes
 -inf - (-inf)).
 
-Attention dropout (chapter 2's Philox, :func:`~fusedlib.kernels.bias_dropout_add._keep_mask`):
+Attention dropout (chapter 2's Philox, :func:`~fusedlib.kernels.bias_dropout_add._keep_mask_joined`):
 the probability of key j for query i of head h in batch b is kept iff the 16 bits of row
 (b·hq + h)·sq + i, column j are >= T: the mask of
 :func:`~fusedlib.kernels.softmax.softmax_dropout_mask` on scores [b, hq, sq, sk], whatever
@@ -85,7 +85,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import INTERPRET_ON_CPU, launch
-from .bias_dropout_add import _keep_mask, drop_threshold, dropout_scale
+from .bias_dropout_add import _keep_mask_joined, drop_threshold, dropout_scale
 from .launch import Tile, TileTable, cdiv, next_power_of_2, pick
 from .softmax import softmax_dropout_mask
 
@@ -116,11 +116,16 @@ MAX_HEAD_DIM: int = 256
 # FlashAttention-2 (Sec. 3.3: BLOCK_M 128, BLOCK_N 64 for d <= 128, 4 or 8 warps) and from
 # Triton's fused-attention tutorial (its Hopper configs: forward [128, 64] tiles, 3-4 stages;
 # backward dK/dV programs of 128 keys walking 32 queries at a time, dQ programs of 128 queries
-# walking 32 keys); the d <= 64 and d <= 256 rows are still those. The d <= 128 row is
+# walking 32 keys); the d <= 256 row is still those. The d <= 128 row is
 # ``python -m fusedlib.bench.tune --op attention``'s winner on the H200 (causal [4, 16, 2048,
 # 128], bf16, kernel only; NOTES.md): forward [64, 64] at 4 warps, 3 stages, 0.191 ms against
 # 0.213 for [128, 64] at 8 warps; backward [64, 64] at 4 warps, 2 stages (dQ the same square
-# tile), 0.667 ms against 0.962 for [32, 128] at 8 warps.
+# tile), 0.667 ms against 0.962 for [32, 128] at 8 warps. The d <= 64 row: the same sweep at
+# causal [64, 6, 512, 64] (chapter 9's model) and [8, 32, 1024, 64], bf16, kernel only, each
+# kernel's tile swept with the others at the table's (ms; tools: NOTES.md): forward [64, 64]
+# 0.0671 / 0.1267 against 0.0793 / 0.1452 for the earlier [128, 64]; dK/dV 32 queries per step
+# over 64 keys 0.2277 / 0.4322 against 0.2544 / 0.4843 for [32, 128] (the whole backward); dQ
+# [64, 32] 0.2349 against 0.2559 for [128, 32] (the whole backward, first shape).
 #
 # Registers bound the tiles. Forward: acc [BLOCK_M, d] float32 plus the [BLOCK_M, BLOCK_N]
 # scores, per thread acc is BLOCK_M·d/(32·warps) floats: 64 at [128, 128] and 8 warps. Shared
@@ -131,19 +136,19 @@ MAX_HEAD_DIM: int = 256
 
 #: Forward: one program per BLOCK_M queries of one head, walking BLOCK_N keys at a time.
 FWD_TILES: TileTable = (
-    (64, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)),
+    (64, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
     (128, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
     (256, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)),
 )
 #: Backward dK/dV: one program per BLOCK_N keys of one key/value head, walking BLOCK_M queries.
 BWD_DKDV_TILES: TileTable = (
-    (64, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3)),
+    (64, Tile(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)),
     (128, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
     (256, Tile(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)),
 )
 #: Backward dQ: one program per BLOCK_M queries of one head, walking BLOCK_N keys.
 BWD_DQ_TILES: TileTable = (
-    (64, Tile(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)),
+    (64, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)),
     (128, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
     (256, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)),
 )
@@ -244,7 +249,7 @@ def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:  # l keeps every probability; acc only the kept ones (rescaled at the end)
-            keep = _keep_mask(seed, rows, start_n // BLOCK_N, T, BLOCK_M, BLOCK_N)
+            keep = _keep_mask_joined(seed, rows, start_n // BLOCK_N, T, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         if EDGE:
             v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
@@ -426,7 +431,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
                      other=0.0)
         dpT = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]: (dO·vᵀ)ᵀ
         if DROPOUT:  # dV takes the dropped P, dP the gradient through the dropout
-            keepT = tl.trans(_keep_mask(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
+            keepT = tl.trans(_keep_mask_joined(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
             pdT = tl.where(keepT, pT * keep_scale, 0.0)
             dpT = tl.where(keepT, dpT * keep_scale, 0.0)
             dv = tl.dot(pdT.to(do.dtype).to(DOT), do.to(DOT), dv, input_precision=PRECISION)
@@ -544,7 +549,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_
             p = tl.where(masked == 0, p, 0.0)
         dp = tl.dot(do, vT.to(DOT), input_precision=PRECISION)
         if DROPOUT:
-            keep = _keep_mask(seed, rows, start_n // BLOCK_N, T, BLOCK_M, BLOCK_N)
+            keep = _keep_mask_joined(seed, rows, start_n // BLOCK_N, T, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kT.dtype).to(DOT), tl.trans(kT.to(DOT)), dq, input_precision=PRECISION)
