@@ -240,10 +240,11 @@ def flash_attention(
     ``megatron/core/extensions/transformer_engine.py`` (its flash backend's arguments).
     """
     ok = (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and q.dtype in _DTYPES
-          and k.dtype == q.dtype and v.dtype == q.dtype and q.dim() == 4 and k.dim() == 4
-          and k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3]
-          and 1 <= q.shape[3] <= MAX_HEAD_DIM and k.shape[2] >= 1 and q.shape[2] % k.shape[2] == 0
-          and on_one_kernel_device(q, k, v))
+          and k.dtype == q.dtype and v.dtype == q.dtype and q.dim() == 4 and k.dim() == 4)
+    if ok:  # the shapes read once: each .shape is a new torch.Size
+        qs, ks = q.shape, k.shape
+        ok = (ks == v.shape and ks[0] == qs[0] and ks[3] == qs[3] and 1 <= qs[3] <= MAX_HEAD_DIM and ks[2] >= 1
+              and qs[2] % ks[2] == 0 and on_one_kernel_device(q, k, v))
     if not ok:
         _check_qkv(q, k, v)
     if not isinstance(causal, bool):

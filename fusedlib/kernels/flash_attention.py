@@ -707,8 +707,7 @@ def flash_attn_fwd(
     grid = (cdiv(SQ, tile.BLOCK_M), HQ, B)
     launch(_flash_fwd_kernel, grid, q.device,
            q, k, v, o, lse, m4, sinks if sinks is not None else lse, seed if seed is not None else lse,
-           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-           v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), *ms,
+           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms,
            HQ, HQ // HKV, SQ, SK, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
            HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, MASK_KIND=kind,
            HAS_SINK=sinks is not None, DROPOUT=seed is not None, DOT=dot, PRECISION=precision,
@@ -758,6 +757,8 @@ def flash_attn_bwd(
             dsink = torch.zeros((HQ,), dtype=torch.float32, device=q.device)
         return dq, dk, dv, dsink
     block_d = _block_d(D)
+    # each kernel's strides, read once (a .stride(i) call per argument costs the host more)
+    q_s, k_s, v_s, do_s = q.stride()[:3], k.stride()[:3], v.stride()[:3], do.stride()[:3]
     delta = torch.empty((B, HQ, SQ), dtype=torch.float32, device=q.device)
     dsink_rows = torch.empty((B, HQ, SQ), dtype=torch.float32, device=q.device) if sinks is not None else None
     pre_m = 64 if block_d <= 128 else 32  # rows per program: [64, 128] float32 products, 32 per thread at 8 warps
@@ -765,7 +766,7 @@ def flash_attn_bwd(
         pre_m = max(pre_m, min(256, next_power_of_2(SQ)))
     launch(_flash_bwd_preprocess_kernel, (cdiv(SQ, pre_m), HQ, B), q.device,
            o, do, lse, sinks if sinks is not None else lse, delta, dsink_rows if dsink_rows is not None else delta,
-           o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2), HQ, SQ,
+           *o.stride()[:3], *do_s, HQ, SQ,
            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_SINK=sinks is not None, num_warps=8 if block_d > 64 else 4)
     if dsink_rows is not None:
         dsink = dsink_rows.sum(dim=(0, 2))
@@ -779,9 +780,7 @@ def flash_attn_bwd(
         tile = _stages_for(attention_tile(BWD_DKDV_TILES, D), q.dtype)
     launch(_flash_bwd_dkdv_kernel, (cdiv(SK, tile.BLOCK_N), HKV, B), q.device,
            q, k, v, do, lse, delta, dk, dv, m4, seed_arg,
-           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-           v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-           dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *ms,
+           *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], *ms,
            HQ, HQ // HKV, SQ, SK, softmax_scale, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
            BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, num_warps=tile.num_warps, num_stages=tile.num_stages,
            **common)
@@ -789,9 +788,7 @@ def flash_attn_bwd(
         dq_tile = _stages_for(attention_tile(BWD_DQ_TILES, D), q.dtype)
     launch(_flash_bwd_dq_kernel, (cdiv(SQ, dq_tile.BLOCK_M), HQ, B), q.device,
            q, k, v, do, lse, delta, dq, m4, seed_arg,
-           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-           v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-           dq.stride(0), dq.stride(1), dq.stride(2), *ms,
+           *q_s, *k_s, *v_s, *do_s, *dq.stride()[:3], *ms,
            HQ, HQ // HKV, SQ, SK, softmax_scale, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
            BLOCK_M=dq_tile.BLOCK_M, BLOCK_N=dq_tile.BLOCK_N, num_warps=dq_tile.num_warps,
            num_stages=dq_tile.num_stages, **common)
