@@ -18,9 +18,14 @@ __all__ = [
     "SUPPORTED_FLOAT_DTYPES",
     "FLOAT_DTYPES",
     "KERNEL_DEVICE_TYPES",
+    "FLOAT32_MAX",
+    "ArgumentTypeError",
     "check_tensor",
     "check_same_device",
+    "check_bool",
+    "is_numpy_bool",
     "on_one_kernel_device",
+    "type_name",
 ]
 
 #: The dtypes fusedlib's kernels take: loaded, computed in float32, stored back. float64
@@ -32,6 +37,59 @@ FLOAT_DTYPES: frozenset[torch.dtype] = frozenset(SUPPORTED_FLOAT_DTYPES)
 
 #: Device types fusedlib's kernels run on (compiled on CUDA, interpreted on the CPU).
 KERNEL_DEVICE_TYPES: frozenset[str] = frozenset(("cuda", "cpu"))
+
+#: The largest finite float32 (3.4028e38). The kernels take Python floats (scales, eps, clamps)
+#: as float32 arguments: a larger value becomes inf there, so checks reject it.
+FLOAT32_MAX: float = torch.finfo(torch.float32).max
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type, where fusedlib raised a ValueError before.
+
+    fusedlib's rule is a TypeError for a wrong type; a few checks (``TransformerConfig``'s fields,
+    bias-dropout-add's ``prob``) said ValueError for every bad value, types included, and callers
+    may catch that. This is both: ``except TypeError`` and ``except ValueError`` catch it.
+    """
+
+
+def type_name(value: object) -> str:
+    """The name of ``value``'s type for an error message: bare for builtins (``str``), else
+    qualified by its module (``numpy.bool``, ``torch.Tensor``), so that numpy's ``bool`` is
+    never reported as Python's."""
+    t = type(value)
+    module = t.__module__
+    return t.__qualname__ if module == "builtins" else f"{module}.{t.__qualname__}"
+
+
+def is_numpy_bool(value: object) -> bool:
+    """True for numpy's bool scalar (``numpy.bool_``, named ``numpy.bool`` since numpy 2), without importing numpy."""
+    t = type(value)
+    return t.__module__ == "numpy" and t.__name__ in ("bool", "bool_")
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Check a boolean switch and return it as a Python bool.
+
+    Callers test the happy case first (``value is True or value is False``) and call this only
+    otherwise. numpy's bool is accepted (converted); anything else, truthy or not (a str
+    ``"False"``, 1, None), is refused rather than read as its truth value.
+
+    Raises:
+        TypeError: ``value`` is neither a bool nor a numpy bool; the message names its type.
+    """
+    if value is True or value is False:
+        return value
+    if is_numpy_bool(value):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type_name(value)} {_short_repr(value)}")
+
+
+def _short_repr(value: object) -> str:
+    """``repr(value)`` for a message, cut at 40 characters (a tensor's repr has no end)."""
+    if isinstance(value, torch.Tensor):
+        return f"of shape {list(value.shape)}"
+    r = repr(value)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def on_one_kernel_device(*tensors: torch.Tensor) -> bool:

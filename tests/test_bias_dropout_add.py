@@ -570,6 +570,22 @@ def test_bad_prob_raises(fn, prob):
         fn((x, b), r, prob)
 
 
+@pytest.mark.parametrize("prob, got", [(torch.tensor(0.1), "torch.Tensor"), ("0.1", "str"), (None, "NoneType"),
+                                       (True, "bool")])
+@pytest.mark.parametrize("fn", (bias_dropout_add_fused_train, bias_dropout_add_fused_inference,
+                                lambda xb, r, p: _bias_dropout_add_func(xb, r, p, True)))
+def test_prob_of_the_wrong_type_says_a_python_float_is_expected(fn, prob, got):
+    # a 0-d tensor was reported as a bad value ("got tensor(0.1000)"); it is a wrong type, and
+    # reading its value would synchronise with the device. A TypeError, still a ValueError.
+    x, b, r = _inputs((4, 8), torch.float32, requires_grad=False)
+    with pytest.raises(TypeError, match=rf"prob must be a dropout probability in \[0, 1\] given as a Python float, "
+                                        rf"got {got}") as info:
+        fn((x, b), r, prob)
+    assert isinstance(info.value, ValueError)
+    if got == "torch.Tensor":
+        assert "synchronise" in str(info.value)
+
+
 @pytest.mark.parametrize(
     "make, error, match",
     [

@@ -550,12 +550,12 @@ def test_bad_target_in_a_cuda_graph_replay_is_reported(path):
 NORMS = {"layer": (fused_layer_norm, "fused_layer_norm"), "rms": (fused_rms_norm, "fused_rms_norm")}
 
 
-def _norm_inputs(norm, device, zero_centered):
+def _norm_inputs(norm, device, zero_centered, gamma5=0.0):
     x = (2 * torch.randn(4, 33, device=device) + 0.5).requires_grad_(True)
-    # |gamma| in [0.5, 1.5] but in column 5, where it is 0: x_hat = (y - beta) / gamma is then
-    # recovered to ~ulp(y) / 0.5 elsewhere
+    # |gamma| in [0.5, 1.5] but in column 5, where it is gamma5 (0): x_hat = (y - beta) / gamma is
+    # then recovered to ~ulp(y) / 0.5 elsewhere
     gamma = torch.where(torch.rand(33, device=device) < 0.5, -1.0, 1.0) * (0.5 + torch.rand(33, device=device))
-    gamma[5] = 0.0
+    gamma[5] = gamma5
     w = gamma - 1 if zero_centered else gamma  # stored zero-centered: gamma = w + 1
     b = torch.randn(33, device=device).requires_grad_(True) if norm == "layer" else None
     return x, w.requires_grad_(True), b
@@ -568,7 +568,7 @@ def _apply_norm(norm, x, w, b, **kw):
 
 def _gamma_message(norm, zero_centered):
     gamma = r"weight\[5\] \+ 1" if zero_centered else r"weight\[5\]"
-    return rf"^{NORMS[norm][1]}: memory_efficient=True needs every gamma != 0 .* got gamma = {gamma} = 0"
+    return rf"^{NORMS[norm][1]}: memory_efficient=True needs every gamma != 0 .* got gamma = {gamma} = 0 or subnormal"
 
 
 def _check_norm_nan(norm, x, w, b, y):
@@ -627,6 +627,25 @@ def test_zero_gamma_memory_efficient_raises_inside_the_call_on_cpu(norm, zero_ce
     runtime.check_errors()
     _apply_norm(norm, x, w, b, memory_efficient=False, zero_centered_gamma=zero_centered).sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("gamma5", (1e-39, -1e-41, 1e-45))
+def test_subnormal_gamma_memory_efficient_raises_inside_the_call_on_cpu(norm, gamma5):
+    # 1 / gamma overflows float32 for a subnormal gamma: the backward's dgamma and dx were NaN
+    # without a word; the forward's check treats it as 0
+    x, w, b = _norm_inputs(norm, "cpu", False, gamma5)
+    assert w[5] != 0
+    with pytest.raises(ValueError, match=_gamma_message(norm, False)):
+        _apply_norm(norm, x, w, b, memory_efficient=True)
+    runtime.check_errors()
+    w2 = w.detach().clone()
+    w2[5] = torch.finfo(torch.float32).tiny  # the smallest accepted: a finite backward
+    w2.requires_grad_(True)
+    y = _apply_norm(norm, x, w2, b, memory_efficient=True)
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w2.grad).all()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's NumPy warns at 0 * inf: the point

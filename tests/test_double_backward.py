@@ -5,9 +5,12 @@ raise, not return a gradient that silently does not depend on the inputs.
 """
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
+from fusedlib.fusions.fused_attention import flash_attention
 from fusedlib.fusions.fused_bias_dropout import get_bias_dropout_add
 from fusedlib.fusions.fused_bias_geglu import bias_geglu_impl
 from fusedlib.fusions.fused_bias_gelu import bias_gelu_impl
@@ -15,7 +18,7 @@ from fusedlib.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_s
 from fusedlib.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from fusedlib.fusions.fused_layer_norm import fused_layer_norm, fused_rms_norm
 from fusedlib.fusions.fused_rope import fused_apply_rotary_pos_emb
-from fusedlib.fusions.fused_softmax import ScaledSoftmax
+from fusedlib.fusions.fused_softmax import ScaledSoftmax, fused_scale_mask_softmax
 from fusedlib.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
 from fusedlib.parallel.cross_entropy import vocab_parallel_cross_entropy
 
@@ -44,6 +47,10 @@ OPS = {
     "fused_rms_norm": lambda: (_r(4, 16), (_r(16),), fused_rms_norm),
     "fused_apply_rotary_pos_emb": lambda: (_r(3, 2, 2, 8), (_r(3, 1, 1, 8),), fused_apply_rotary_pos_emb),
     "ScaledSoftmax": lambda: (_r(2, 2, 4, 8), (), lambda x: ScaledSoftmax.apply(x, 1.0)),
+    "fused_scale_mask_softmax": lambda: (_r(2, 2, 4, 8), (),
+                                         lambda x: fused_scale_mask_softmax(x, None, 1.0, causal=True)),
+    "flash_attention": lambda: (_r(1, 8, 2, 16), (_r(1, 8, 2, 16), _r(1, 8, 2, 16)),
+                                lambda q, k, v: flash_attention(q, k, v, causal=True)),
     "fused_vocab_parallel_cross_entropy": lambda: (_r(3, 2, 10), (_t(6, 10).view(3, 2),),
                                                    lambda x, t: fused_vocab_parallel_cross_entropy(x, t)),
     "vocab_parallel_cross_entropy": lambda: (_r(3, 2, 10), (_t(6, 10).view(3, 2),),
@@ -62,3 +69,43 @@ def test_second_derivative_raises(name):
     # ... but differentiating it again (as a gradient penalty's backward does) must fail loudly
     with pytest.raises(RuntimeError, match="differentiate twice"):
         gx.pow(2).sum().backward()
+
+
+# ops linear in the differentiated input: their second derivative is zero, so a gradient that
+# does not depend on x is the right one (torch's once_differentiable is kept for them)
+LINEAR = {"bias_dropout_add", "fused_apply_rotary_pos_emb"}
+
+
+@pytest.mark.parametrize("name", sorted(set(OPS) - LINEAR))
+def test_second_derivative_raises_with_a_constant_incoming_gradient(name):
+    # torch's once_differentiable only guards a backward whose incoming gradient requires grad:
+    # with (out * w).sum() for a constant w the gradient came back without a graph, and a
+    # penalty on it silently added nothing to the second backward
+    torch.manual_seed(zlib.crc32(name.encode()))
+    x, others, fn = OPS[name]()
+    x.requires_grad_(True)
+    out = fn(x, *others)
+    w = torch.randn(out.shape, device=DEVICE)  # constant: requires no grad
+    (gx,) = torch.autograd.grad((out.float() * w).sum(), x, create_graph=True)
+    assert gx.shape == x.shape and torch.isfinite(gx).all()
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        ((out.float() * w).sum() + gx.pow(2).sum()).backward()
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR))
+def test_linear_op_constant_incoming_gradient_second_backward_is_the_first(name):
+    # for an op linear in x the gradient penalty's second derivative through the op is zero:
+    # the combined backward equals the first term's alone
+    torch.manual_seed(zlib.crc32(name.encode()))
+    x, others, fn = OPS[name]()
+    x.requires_grad_(True)
+    w = torch.randn(fn(x, *others).shape, device=DEVICE)
+    seed = torch.seed()
+    torch.manual_seed(seed)
+    out = fn(x, *others)
+    (gx,) = torch.autograd.grad((out.float() * w).sum(), x, create_graph=True)
+    ((out.float() * w).sum() + gx.pow(2).sum()).backward()
+    combined, x.grad = x.grad.clone(), None
+    torch.manual_seed(seed)
+    (fn(x, *others).float() * w).sum().backward()
+    assert torch.equal(combined, x.grad)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -338,6 +339,12 @@ BAD = {
     "dropout 1": (dict(dropout_p=1.0), ValueError, "dropout_p must be in [0, 1)"),
     "dropout str": (dict(dropout_p="0.1"), TypeError, "dropout_p"),
     "deterministic not bool": (dict(deterministic=None), TypeError, "deterministic must be a bool"),
+    "causal str": (dict(causal="no"), TypeError, "causal must be a bool, got str"),
+    # numpy's bool is not a subclass of bool; the message said "got bool" for an int-like type
+    "causal numpy int": (dict(causal=np.int64(1)), TypeError, "causal must be a bool, got numpy.int64"),
+    # below 1, but round(p·2^16) = 2^16 at the kernels' resolution: everything dropped, all zeros
+    "dropout rounds to 1": (dict(dropout_p=1 - 2 ** -(KEEP_BITS + 1)), ValueError, "rounds to 1"),
+    "dropout 0.9999999": (dict(dropout_p=0.9999999), ValueError, "dropout_p must be in [0, 1) and below"),
 }
 
 
@@ -353,6 +360,12 @@ def test_bad_input_names_the_argument(name):
             args[key] = change.pop(key)
     with pytest.raises(err, match=msg.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")):
         flash_attention(args["q"], args["k"], args["v"], **change)
+
+
+def test_numpy_bool_flags_are_accepted():
+    args = _good()
+    ref = flash_attention(**args, causal=True)
+    assert torch.equal(flash_attention(**args, causal=np.bool_(True), deterministic=np.bool_(False)), ref)
 
 
 def test_tensors_on_different_devices():

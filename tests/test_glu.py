@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -378,6 +379,9 @@ def _bad_clamp_cases():
         (-1.0, ValueError, "clamp_value must be a finite number > 0"),
         (math.inf, ValueError, "clamp_value must be a finite number > 0"),
         (math.nan, ValueError, "clamp_value must be a finite number > 0"),
+        # finite in float64, inf in the kernels' float32: the clamp was silently no clamp
+        (1e39, ValueError, "clamp_value must be a finite number > 0, at most float32's max"),
+        (-1e39, ValueError, "clamp_value must be a finite number > 0"),
         ("7", TypeError, "clamp_value must be a float > 0"),
         (True, TypeError, "clamp_value must be a float > 0"),
         (torch.tensor(7.0), TypeError, "clamp_value must be a float > 0"),
@@ -398,8 +402,6 @@ def test_clamp_value_accepts_an_int_and_numpy_float():
     y = _straddling((5, 2 * 9), torch.float32)
     ref = bias_swiglu_impl(y, None, clamp_value=2.0)
     assert torch.equal(bias_swiglu_impl(y, None, clamp_value=2), ref)
-    import numpy as np
-
     assert torch.equal(bias_swiglu_impl(y, None, clamp_value=np.float32(2.0)), ref)
 
 
@@ -499,6 +501,23 @@ def test_weighted_squared_relu(dtype, h, clamp_scale):
     x = _randn((rows, h), dtype).requires_grad_(True)
     w = torch.rand(rows, 1, device=DEVICE).requires_grad_(True)  # float32, as MoE router probs
     _check_squared_relu(x, w, clamp_scale)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("clamp_scale", [1e2, 1e4, 1e8, 1e30])
+def test_weighted_squared_relu_clamp_scale_large_against_the_input(dtype, clamp_scale):
+    # relu(x)/s near 0: tanh's 1 - e^{-2z} form cancelled there (3 % off at s = 1e4, 0 for
+    # s = 1e8); the clamp must tend to the unclamped square, at the dtype's accuracy
+    x = _randn((5, 33), dtype).requires_grad_(True)
+    w = torch.rand(5, 1, device=DEVICE).requires_grad_(True)
+    _check_squared_relu(x, w, clamp_scale)
+
+
+def test_weighted_squared_relu_clamp_keeps_inf_inputs_at_the_clamp():
+    x = torch.tensor([[-1.0, 0.0, 0.5, float("inf")]], device=DEVICE)
+    out = weighted_squared_relu_impl(x, torch.ones(1, 1, device=DEVICE), 3.0)
+    expected = (3.0 * torch.tanh(torch.relu(x.double()) / 3.0)) ** 2  # inf -> s·tanh(inf) = s
+    assert torch.allclose(out.double(), expected, rtol=1e-6, atol=0.0)
 
 
 def test_weighted_squared_relu_3d_non_contiguous_and_empty():
@@ -672,11 +691,19 @@ def _bad_cases():
          "weights must have dtype"),
         ("flag", lambda: bias_swiglu_impl(t(4, 8), None, fp8_input_store="yes"), TypeError,
          "fp8_input_store must be a bool"),
+        ("flag numpy int", lambda: bias_swiglu_impl(t(4, 8), None, fp8_input_store=np.int64(1)), TypeError,
+         "fp8_input_store must be a bool, got numpy.int64"),
         ("sqrelu weights", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 2)), ValueError,
          r"weights must have shape \[n, 1\]"),
         ("sqrelu 1-D", lambda: weighted_squared_relu_impl(t(8), t(1, 1)), ValueError, "input must have 2 or 3 dims"),
         ("clamp <= 0", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 1), 0.0), ValueError,
-         "clamp_scale must be a finite number > 0"),
+         "clamp_scale must be a number in float32's normal range"),
+        ("clamp inf in float32", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 1), 1e39), ValueError,
+         "clamp_scale must be a number in float32's normal range"),
+        ("clamp 0 in float32", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 1), 1e-46), ValueError,
+         "clamp_scale must be a number in float32's normal range"),
+        ("clamp nan", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 1), float("nan")), ValueError,
+         "clamp_scale must be a number in float32's normal range"),
         ("clamp type", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 1), "2"), TypeError,
          "clamp_scale must be a float or None"),
         ("grad shape", lambda: swiglu_mod.swiglu_back(t(4, 8), t(4, 8)), ValueError,

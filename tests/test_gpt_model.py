@@ -97,6 +97,23 @@ def test_gpt_refuses_left_out_features():
         _model(cfg, get_gpt_layer_unfused_spec(), position_embedding_type="yarn")
 
 
+@pytest.mark.parametrize("labels, error, match", [
+    # the cross entropy named its own transposed target: "target must have shape [9, 2] ..., got [8, 2]"
+    (lambda: torch.zeros(B, S + 1, dtype=torch.int64), ValueError,
+     rf"labels must have shape \[b, s\] = \[{B}, {S}\] \(input_ids' shape\), got \[{B}, {S + 1}\]$"),
+    (lambda: torch.zeros(S, B, dtype=torch.int64), ValueError, r"got \[7, 2\] \(transposed\? labels are \[b, s\]"),
+    (lambda: torch.zeros(B * S, dtype=torch.int64), ValueError, "labels must have shape"),
+    (lambda: torch.zeros(B, S), TypeError, r"labels must have dtype in \(int64, int32\), got float32"),
+    (lambda: [[0] * S] * B, TypeError, "labels must be a torch.Tensor, got list"),
+])
+def test_gpt_names_bad_labels(labels, error, match):
+    model = _model(make_config(num_layers=1), get_gpt_layer_unfused_spec())
+    ids, _ = _ids()
+    bad = labels()
+    with pytest.raises(error, match=match):
+        model(ids, None, None, labels=bad.to(DEVICE) if isinstance(bad, torch.Tensor) else bad)
+
+
 def test_gpt_refuses_more_positions_than_its_table():
     cfg = make_config(num_layers=1)
     model = _model(cfg, get_gpt_layer_unfused_spec())  # learned positions: S + 3 rows

@@ -267,7 +267,7 @@ def test_memory_efficient_with_a_zero_gamma_raises(norm, zero_centered):
     op = "fused_layer_norm" if norm == "layer" else "fused_rms_norm"
     gamma = r"weight\[5\] \+ 1" if zero_centered else r"weight\[5\]"
     with pytest.raises(ValueError, match=rf"^{op}: memory_efficient=True needs every gamma != 0 \(x_hat = \(y - beta\) "
-                                         rf"/ gamma\), got gamma = {gamma} = 0: its dgamma and dx are NaN"):
+                                         rf"/ gamma\), got gamma = {gamma} = 0 or subnormal .*: its dgamma and dx are NaN"):
         _apply(norm, x, w, b, memory_efficient=True, zero_centered_gamma=zero_centered)
         fusedlib.runtime.check_errors()
     fusedlib.runtime.check_errors()  # reported once
@@ -477,7 +477,7 @@ def test_transformer_config_defaults_are_megatrons():
             cfg.memory_efficient_layer_norm, cfg.sequence_parallel) == ("LayerNorm", 1e-5, False, False, False, False)
     with pytest.raises(ValueError, match="normalization must be one of 'LayerNorm', 'RMSNorm', got 'BatchNorm'"):
         TransformerConfig(normalization="BatchNorm")
-    with pytest.raises(ValueError, match="layernorm_epsilon must be >= 0"):
+    with pytest.raises(ValueError, match="layernorm_epsilon must be a finite number > 0"):
         TransformerConfig(layernorm_epsilon=-1.0)
 
 
@@ -582,6 +582,8 @@ def test_module_parameters_follow_the_input_dtype():
         (lambda: FusedLayerNorm(TransformerConfig(), (4, 8)), ValueError, "hidden_size must be an int"),
         (lambda: FusedLayerNorm(TransformerConfig(), 64, backend="cuda"), ValueError, "backend must be one of"),
         (lambda: FusedLayerNorm(TransformerConfig(), 64, eps=-1.0), ValueError, "eps must be a finite number >= 0"),
+        (lambda: FusedRMSNorm(TransformerConfig(normalization="RMSNorm"), 64, eps=1e39), ValueError,
+         "eps must be a finite number >= 0, at most float32's max"),
     ],
 )
 def test_module_bad_arguments_raise_clear_errors(make, error, match):
@@ -673,14 +675,38 @@ def test_bad_input_raises_clear_error(make, error, match):
 
 def test_bad_eps_and_mixed_devices_raise():
     x, w = torch.randn(4, 8, device=DEVICE), torch.randn(8, device=DEVICE)
-    for eps in (-1e-5, float("nan"), float("inf")):
+    # 1e39: finite in float64, inf in the kernels' float32 (the output was silently 0)
+    for eps in (-1e-5, float("nan"), float("inf"), 1e39):
         with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
             fused_rms_norm(x, w, eps)
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            fused_layer_norm(x, w, None, eps)
     other = "cpu" if DEVICE.type == "cuda" else "meta"
     with pytest.raises(ValueError, match="one device, got input on"):
         fused_layer_norm(x, torch.randn(8, device=other), None)
     with pytest.raises(ValueError, match="past the tile table's last bound, 65536"):
         pick(FWD_TILES, 70000)
+
+
+@pytest.mark.parametrize("norm", ("layer", "rms"))
+@pytest.mark.parametrize("flag", ("zero_centered_gamma", "memory_efficient"))
+@pytest.mark.parametrize("value, got", [("no", "str"), (1, "int"), (None, "NoneType"), (0.0, "float")])
+def test_non_bool_flags_raise_naming_them(norm, flag, value, got):
+    # each was read as its truth value: "no" turned the switch on
+    x, w = torch.randn(4, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got {got}"):
+        if norm == "layer":
+            fused_layer_norm(x, w, None, **{flag: value})
+        else:
+            fused_rms_norm(x, w, **{flag: value})
+
+
+def test_numpy_bool_flags_are_accepted():
+    import numpy as np
+
+    x, w = torch.randn(4, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+    ref = fused_rms_norm(x, w, zero_centered_gamma=True)
+    assert torch.equal(fused_rms_norm(x, w, zero_centered_gamma=np.bool_(True), memory_efficient=np.bool_(False)), ref)
 
 
 def test_autograd_functions_are_the_entry_points():

@@ -272,6 +272,41 @@ def test_bad_inputs_raise_clear_errors(name):
         fused_apply_rotary_pos_emb(t, freqs)
 
 
+BAD_ARGS = {
+    # interleaved: a truthy non-bool was silently taken as True (the string "False" too)
+    "interleaved str": (dict(interleaved="False"), TypeError, "interleaved must be a bool, got str"),
+    "interleaved int": (dict(interleaved=1), TypeError, "interleaved must be a bool, got int"),
+    "interleaved None": (dict(interleaved=None), TypeError, "interleaved must be a bool, got NoneType"),
+    "transpose_output_memory str": (dict(transpose_output_memory="no"), TypeError,
+                                    "transpose_output_memory must be a bool"),
+    # mscale: None gave float()'s unnamed TypeError; bool and str were converted; nan, inf and
+    # values beyond float32 gave non-finite outputs
+    "mscale None": (dict(mscale=None), TypeError, "mscale must be a real number"),
+    "mscale bool": (dict(mscale=True), TypeError, "mscale must be a real number"),
+    "mscale str": (dict(mscale="1"), TypeError, "mscale must be a real number"),
+    "mscale tensor": (dict(mscale=torch.tensor(1.0)), TypeError, "mscale must be a real number"),
+    "mscale nan": (dict(mscale=math.nan), ValueError, "mscale must be finite"),
+    "mscale inf": (dict(mscale=-math.inf), ValueError, "mscale must be finite"),
+    "mscale beyond float32": (dict(mscale=1e39), ValueError, "mscale must be finite"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ARGS))
+def test_bad_flags_and_mscale_raise_naming_them(name):
+    kwargs, exc, match = BAD_ARGS[name]
+    with pytest.raises(exc, match=match):
+        fused_apply_rotary_pos_emb(_randn(3, 2, 1, 8), _angles(3, 1, 8), **kwargs)
+
+
+def test_numpy_bool_and_real_scalars_are_accepted():
+    import numpy as np
+
+    t, freqs = _randn(3, 2, 1, 8), _angles(3, 1, 8, interleaved=True)
+    ref = fused_apply_rotary_pos_emb(t, freqs, interleaved=True, mscale=2.0)
+    assert torch.equal(fused_apply_rotary_pos_emb(t, freqs, interleaved=np.bool_(True), mscale=np.float32(2.0)), ref)
+    assert torch.equal(fused_apply_rotary_pos_emb(t, freqs, interleaved=True, mscale=2), ref)
+
+
 def test_freqs_that_require_grad_raise():
     freqs = _angles(3, 1, 8).requires_grad_(True)
     with pytest.raises(ValueError, match="no gradient for freqs"):

@@ -616,11 +616,36 @@ def _fsm(**kw):
         (lambda: SoftmaxOne(1, 0.0)(torch.randn(2, 3, 4, device=DEVICE)), ValueError, "works over the last dim"),
         (lambda: SoftmaxOne(-1, torch.zeros(3, device=DEVICE))(torch.randn(3, 4, device=DEVICE)), ValueError,
          "per-head denominator_offset needs x of shape"),
+        # causal: a non-bool was read as its truth value ("no" as True, None as False)
+        (lambda: fused_scale_mask_softmax(torch.randn(1, 2, 3, 3, device=DEVICE), causal="no"), TypeError,
+         "causal must be a bool, got str"),
+        (lambda: fused_scale_mask_softmax(torch.randn(1, 2, 3, 3, device=DEVICE), causal=None), TypeError,
+         "causal must be a bool, got NoneType"),
+        (lambda: fused_scale_mask_softmax(torch.randn(1, 2, 3, 3, device=DEVICE), causal=1), TypeError,
+         "causal must be a bool, got int"),
+        # a scale finite in float64 but inf in the kernels' float32: the output was all NaN
+        (lambda: fused_scale_mask_softmax(torch.randn(1, 2, 3, 3, device=DEVICE), scale=1e39), ValueError,
+         "scale must be finite, with |scale| <= float32's max"),
+        (lambda: fused_scale_mask_softmax(torch.randn(1, 2, 3, 3, device=DEVICE), scale=-1e39), ValueError,
+         "scale must be finite"),
+        (lambda: ScaledSoftmax.apply(torch.randn(2, 3, device=DEVICE), 1e39), ValueError, "scale must be finite"),
+        (lambda: _fsm(scale=1e39), ValueError, "scale must be finite"),
+        (lambda: _fsm(scaled_masked_softmax_fusion="yes"), TypeError, "scaled_masked_softmax_fusion must be a bool"),
+        (lambda: _fsm(input_in_fp16=None), TypeError, "input_in_fp16 must be a bool"),
+        (lambda: _fsm(softmax_in_fp32="False"), TypeError, "softmax_in_fp32 must be a bool"),
     ],
 )
 def test_bad_input_raises_clear_error(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_numpy_bool_causal_is_accepted():
+    import numpy as np
+
+    x = torch.randn(1, 2, 3, 4, device=DEVICE)
+    assert torch.equal(fused_scale_mask_softmax(x, causal=np.bool_(True)), fused_scale_mask_softmax(x, causal=True))
+    assert torch.equal(fused_scale_mask_softmax(x, causal=np.bool_(False)), fused_scale_mask_softmax(x))
 
 
 def test_double_backward_raises_instead_of_a_wrong_answer():

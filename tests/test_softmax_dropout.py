@@ -347,6 +347,14 @@ def test_function_apply_matches_the_entry_point():
     assert torch.equal(a, b)
 
 
+def test_largest_dropout_p_below_the_rounding_limit_is_accepted():
+    # the last p whose threshold is below 2^16: accepted, and it keeps some probabilities' scale finite
+    p = math.nextafter(1 - 2 ** -(KEEP_BITS + 1), 0.0)
+    assert drop_threshold(p) == 2 ** KEEP_BITS - 1 and drop_threshold(math.nextafter(p, 1.0)) == 2 ** KEEP_BITS
+    out = fused_scale_mask_softmax_dropout(torch.randn(1, 1, 3, 4, device=DEVICE), None, AttnMaskType.causal, 1.0, p)
+    assert torch.isfinite(out).all()
+
+
 def test_double_backward_raises_instead_of_a_wrong_answer():
     x = torch.randn(1, 1, 3, 4, device=DEVICE, dtype=torch.float64, requires_grad=True)
     z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, 1.0, 0.2)
@@ -365,6 +373,10 @@ def test_double_backward_raises_instead_of_a_wrong_answer():
     (None, TypeError, "dropout_p must be a real number"),
     (True, TypeError, "dropout_p must be a real number"),
     (torch.tensor(0.1), TypeError, "dropout_p must be a real number"),
+    # below 1, but round(p·2^16) = 2^16: every probability was dropped, the output all zeros
+    (1 - 2 ** -(KEEP_BITS + 1), ValueError, r"dropout_p must be in \[0, 1\) and below 1 - 2\^-17 .* rounds to 1"),
+    (1 - 2 ** -(KEEP_BITS + 3), ValueError, "rounds to 1"),
+    (0.9999999, ValueError, "rounds to 1"),
 ])
 def test_bad_dropout_p_raises_naming_it(p, error, match):
     x = torch.randn(1, 1, 3, 4, device=DEVICE)
@@ -378,6 +390,7 @@ def test_bad_dropout_p_raises_naming_it(p, error, match):
     (dict(mask=torch.zeros(1, 1, 3, 4, dtype=torch.uint8, device=DEVICE)), TypeError, "mask must have dtype"),
     (dict(scale="2"), TypeError, "scale must be a real number"),
     (dict(softmax_in_fp32=1), TypeError, "softmax_in_fp32 must be a bool"),
+    (dict(scale=1e39), ValueError, "scale must be finite"),
     (dict(window_size=(2,)), ValueError, "window_size must be None or a pair"),
 ])
 def test_bad_arguments_raise_naming_them(kwargs, error, match):

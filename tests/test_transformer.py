@@ -7,6 +7,7 @@ hn = 6, ffn = 20): on a CPU every fused kernel runs in Triton's interpreter.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import io
@@ -14,6 +15,7 @@ import math
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -331,7 +333,7 @@ class _ForeignBackend(enum.Enum):  # another library's enum with the same member
     (dict(recompute_granularity="selective", recompute_modules=["layernorm"]), ValueError,
      "not implemented in fusedlib"),
     (dict(normalization="BatchNorm"), ValueError, "normalization must be one of"),
-    (dict(layernorm_epsilon=-1.0), ValueError, "layernorm_epsilon must be >= 0"),
+    (dict(layernorm_epsilon=-1.0), ValueError, "layernorm_epsilon must be a finite number > 0"),
     (dict(hidden_dropout=1.5), ValueError, "hidden_dropout must be a probability"),
     (dict(attention_dropout=-0.1), ValueError, "attention_dropout must be a probability"),
     (dict(params_dtype=torch.int32), TypeError, "params_dtype must be one of"),
@@ -341,6 +343,93 @@ class _ForeignBackend(enum.Enum):  # another library's enum with the same member
 def test_config_rejections(kwargs, error, match):
     with pytest.raises(error, match=match):
         TransformerConfig(**kwargs)
+
+
+_BOOL_FIELDS = sorted(f.name for f in dataclasses.fields(TransformerConfig) if f.type in ("bool", bool))
+
+
+@pytest.mark.parametrize("value", ["False", "no", "yes", 0, 1, None])
+@pytest.mark.parametrize("name", _BOOL_FIELDS)
+def test_config_bool_fields_refuse_non_bools(name, value):
+    # each was accepted and read as its truth value ("False" as True); a TypeError, and a
+    # ValueError too (the config's errors always were)
+    with pytest.raises(TypeError, match=rf"^{name} must be a bool, got {type(value).__name__} ") as info:
+        TransformerConfig(**{name: value})
+    assert isinstance(info.value, ValueError)
+
+
+def test_config_bool_fields_are_many_and_accept_numpy_bools():
+    assert len(_BOOL_FIELDS) >= 20 and {"add_bias_linear", "fp16", "enable_cuda_graph"} <= set(_BOOL_FIELDS)
+    c = TransformerConfig(add_bias_linear=np.bool_(False), qk_layernorm=np.bool_(True))
+    assert c.add_bias_linear is False and c.qk_layernorm is True
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    # sizes: ints >= 1 where set (a float, a bool or a str was accepted, or failed later unnamed)
+    (dict(kv_channels=2.5), TypeError, r"kv_channels must be an int >= 1 \(None: hidden_size / num_attention_heads\), "
+                                       r"got float 2.5"),
+    (dict(kv_channels=True), TypeError, "kv_channels must be an int >= 1"),
+    (dict(kv_channels="8"), TypeError, "kv_channels must be an int >= 1"),
+    (dict(kv_channels=0), ValueError, "kv_channels must be an int >= 1"),
+    (dict(ffn_hidden_size=0), ValueError, "ffn_hidden_size must be an int >= 1"),
+    (dict(ffn_hidden_size=8.0), TypeError, "ffn_hidden_size must be an int >= 1"),
+    (dict(hidden_size=8, num_attention_heads=2, num_query_groups=2.0), TypeError,
+     "num_query_groups must be an int >= 1"),
+    (dict(num_moe_experts=2.0), TypeError, r"num_moe_experts must be an int \(or None for no MoE\), got float"),
+    (dict(num_moe_experts="2"), TypeError, "num_moe_experts must be an int"),
+    (dict(window_attn_skip_freq=0), ValueError, "window_attn_skip_freq must be an int >= 1"),
+    (dict(window_attn_skip_freq=1.5), TypeError, "window_attn_skip_freq must be None, an int >= 1"),
+    (dict(window_attn_skip_freq=True), TypeError, "window_attn_skip_freq must be None, an int >= 1"),
+    (dict(num_layers=2, window_attn_skip_freq=[1, 2]), ValueError,
+     "window_attn_skip_freq as a list must hold one 0 or 1"),
+    (dict(num_layers=2, window_attn_skip_freq=[1, 0, 1]), ValueError, "one entry per layer, num_layers = 2, got 3"),
+    (dict(recompute_num_layers=0), ValueError, "recompute_num_layers must be an int >= 1"),
+    (dict(num_layers=2, recompute_granularity="full", recompute_method="block", recompute_num_layers=1.0), TypeError,
+     "recompute_num_layers must be an int >= 1"),
+    (dict(num_layers="2"), TypeError, "num_layers must be an int >= 0, got str"),
+    # floats: finite, in range, real
+    (dict(layernorm_epsilon=0.0), ValueError, "layernorm_epsilon must be a finite number > 0"),
+    (dict(layernorm_epsilon=math.inf), ValueError, "layernorm_epsilon must be a finite number > 0"),
+    (dict(layernorm_epsilon=math.nan), ValueError, "layernorm_epsilon must be a finite number > 0"),
+    (dict(layernorm_epsilon=1e39), ValueError, "layernorm_epsilon must be a finite number > 0, at most float32's max"),
+    (dict(layernorm_epsilon="1e-5"), TypeError, "layernorm_epsilon must be a finite number > 0, got str"),
+    (dict(init_method_std=-1.0), ValueError, "init_method_std must be a finite number >= 0"),
+    (dict(init_method_std=math.nan), ValueError, "init_method_std must be a finite number >= 0"),
+    (dict(init_method_std=math.inf), ValueError, "init_method_std must be a finite number >= 0"),
+    (dict(init_method_std="0.02"), TypeError, "init_method_std must be a finite number >= 0"),
+    (dict(embedding_init_method_std=-1.0), ValueError, "embedding_init_method_std must be a finite number >= 0"),
+    (dict(softmax_scale=math.nan), ValueError, "softmax_scale must be None or a finite number"),
+    (dict(softmax_scale=-math.inf), ValueError, "softmax_scale must be None or a finite number"),
+    (dict(softmax_scale=1e39), ValueError, "softmax_scale must be None or a finite number"),
+    (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be None or a finite number, got str"),
+    (dict(activation_func_clamp_value=1e39, num_moe_experts=2, gated_linear_unit=True), ValueError,
+     "at most float32's max"),
+    # attention_dropout 1 was accepted, then refused by some backends at the first forward
+    (dict(attention_dropout=1.0), ValueError, r"attention_dropout must be a probability in \[0, 1\)"),
+    (dict(attention_dropout="0.1"), TypeError, "attention_dropout must be a probability"),
+    # recompute_method is checked without a granularity too
+    (dict(recompute_method="zigzag"), ValueError, 'recompute_method must be "block" or "uniform"'),
+    # recompute_modules: a bare string was iterated ("['l', 'm', 'p'] are not implemented")
+    (dict(recompute_modules="mlp"), TypeError, r"recompute_modules must be a list of module names.* \(a list is "
+                                               r"expected: \['mlp'\]"),
+    (dict(recompute_granularity="selective", recompute_modules="mlp"), TypeError,
+     "recompute_modules must be a list of module names"),
+    (dict(recompute_modules=["mlp", 1]), TypeError, "recompute_modules must be a list of module names"),
+])
+def test_config_rejects_bad_field_types_and_values(kwargs, error, match):
+    with pytest.raises(error, match=match) as info:
+        TransformerConfig(**kwargs)
+    assert isinstance(info.value, ValueError)  # the config's contract: every rejection is a ValueError
+
+
+def test_config_accepts_the_boundaries():
+    assert TransformerConfig(hidden_dropout=1.0).hidden_dropout == 1.0  # residual dropout: [0, 1]
+    assert TransformerConfig(attention_dropout=0.999).attention_dropout == 0.999
+    assert TransformerConfig(init_method_std=0.0).init_method_std == 0.0  # all-zero init: torch's normal_ takes std 0
+    assert TransformerConfig(softmax_scale=0).softmax_scale == 0
+    assert TransformerConfig(recompute_modules=("mlp",)).recompute_modules == ("mlp",)
+    assert TransformerConfig(num_layers=2, window_attn_skip_freq=[1, 0]).window_attn_skip_freq == [1, 0]
+    assert TransformerConfig(kv_channels=np.int64(8), hidden_size=16, num_attention_heads=2).kv_channels == 8
 
 
 def test_config_accepts_what_it_can_run():
@@ -557,6 +646,34 @@ def test_a_later_token_never_changes_an_earlier_output(backend):
     y2 = block(x2, None)
     assert torch.equal(y2[:t], y[:t].detach())  # exactly: masked keys get probability 0, and 0·v = 0
     assert not torch.allclose(y2[t:], y[t:].detach())
+
+
+BAD_MASKS = {
+    # [b, sk] (a key-padding mask) is read as [sq, sk]: the flash path reported its 4-D view,
+    # "got [1, 1, 2, 7]", and SDPA a raw broadcast RuntimeError
+    "[b, sk]": (lambda: torch.zeros(B, S, dtype=torch.bool), ValueError,
+                r"attention_mask must broadcast to the scores' shape \[b, np, sq, sk\] = \[2, 4, 7, 7\] .*"
+                r"mask\[:, None, None, :\]\), got shape \[2, 7\]$"),
+    "[b, sk - 1]": (lambda: torch.zeros(B, S - 1, dtype=torch.bool), ValueError, r"got shape \[2, 6\]$"),
+    "4-D, other b": (lambda: torch.zeros(3, 1, S, S, dtype=torch.bool), ValueError, r"got shape \[3, 1, 7, 7\]$"),
+    "5-D": (lambda: torch.zeros(1, 1, 1, S, S, dtype=torch.bool), ValueError, r"got shape \[1, 1, 1, 7, 7\]$"),
+    # SDPA: NotImplementedError "bitwise_or_cpu" not implemented for 'Float'
+    "float": (lambda: torch.zeros(B, 1, S, S), TypeError, r"attention_mask must have dtype in \(bool\), got float32"),
+    "list": (lambda: [[True]], TypeError, "attention_mask must be a torch.Tensor, got list"),
+    "meta device": (lambda: torch.zeros(B, 1, S, S, dtype=torch.bool, device="meta"), ValueError,
+                    "attention_mask must be on query's device"),
+}
+
+
+@pytest.mark.parametrize("backend", list(AttnBackend))
+@pytest.mark.parametrize("mask", list(BAD_MASKS))
+def test_bad_attention_mask_is_named_with_the_shape_passed(backend, mask):
+    make, error, match = BAD_MASKS[mask]
+    block = TransformerBlock(make_config(num_layers=1, attention_backend=backend), get_gpt_layer_local_spec())
+    bad = make()
+    bad = bad.to(DEVICE) if isinstance(bad, torch.Tensor) and bad.device.type != "meta" else bad
+    with pytest.raises(error, match=match):
+        block(hidden(requires_grad=False), bad)
 
 
 ATTENTION_CASES = {

@@ -20,12 +20,14 @@ Source: PyTorch ``torch/autograd/function.py`` (``Function.apply``, ``FunctionCt
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
+from torch.autograd.function import once_differentiable as _torch_once_differentiable
 
-__all__ = ["apply", "needs_autograd", "InferenceCtx"]
+__all__ = ["apply", "needs_autograd", "InferenceCtx", "once_differentiable"]
 
 Tensor = torch.Tensor
 
@@ -95,3 +97,53 @@ def apply(fn_cls: type, *args: Any) -> Any:
             return fn_cls.apply(*args)  # Dynamo's own handling of Function.apply
         return _FUNCTION_APPLY(fn_cls, *args)
     return fn_cls.forward(InferenceCtx(len(args)), *args)
+
+
+_TWICE = (b"trying to differentiate twice a function that was marked with @once_differentiable: a fusedlib "
+          b"op, whose backward runs Triton kernels that autograd cannot differentiate (a second derivative "
+          b"through it is not implemented)")
+
+
+def once_differentiable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.autograd.function.once_differentiable``, strict: a second derivative through the
+    op raises, whatever the incoming gradient.
+
+    Torch's decorator attaches the raising node to the returned gradients only when an incoming
+    gradient requires grad. With ``create_graph=True`` and an incoming gradient that does not
+    (``torch.autograd.grad((out * w).sum(), x, create_graph=True)`` for a constant ``w``), the
+    gradient it returns has no graph at all, and a penalty on it then silently contributes
+    nothing to the second backward, although the op's second derivative is not zero. This
+    version attaches the node whenever grad mode is on during the backward (that is,
+    ``create_graph=True``), so any use of the gradient in a later backward raises
+    ``RuntimeError: trying to differentiate twice a function that was marked with
+    @once_differentiable: a fusedlib op ...``; a gradient that is only read
+    keeps working. Under ``torch.compile`` tracing it is torch's decorator, unchanged.
+
+    For the nonlinear ops (activations, norms, softmaxes, attention, cross entropy); the
+    linear ones (bias-dropout-add, RoPE), whose second derivative is zero, keep torch's.
+
+    Source: PyTorch ``torch/autograd/function.py`` (``once_differentiable``).
+    """
+    torch_wrapped = _torch_once_differentiable(fn)
+
+    @functools.wraps(fn)
+    def wrapper(ctx: Any, *args: Any) -> Any:
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return torch_wrapped(ctx, *args)
+        with torch.no_grad():
+            outputs = fn(ctx, *args)
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if not any(isinstance(o, Tensor) for o in outs):
+            return outputs
+        err_fn = torch._C._functions.DelayedError(_TWICE, len(outs))
+
+        def fake_requires_grad(var: Any) -> Any:
+            if isinstance(var, Tensor):
+                var = var.detach()
+                var.requires_grad = True
+            return var
+
+        res = err_fn(*[fake_requires_grad(v) for v in outs])
+        return res if isinstance(outputs, tuple) else res[0] if isinstance(res, tuple) else res
+
+    return wrapper

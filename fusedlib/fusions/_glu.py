@@ -11,7 +11,15 @@ import numbers
 
 import torch
 
-from ..checks import FLOAT_DTYPES, SUPPORTED_FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import (
+    FLOAT32_MAX,
+    FLOAT_DTYPES,
+    SUPPORTED_FLOAT_DTYPES,
+    check_bool,
+    check_same_device,
+    check_tensor,
+    on_one_kernel_device,
+)
 from ..kernels.glu import glu_bwd, glu_fwd
 
 __all__ = ["check_glu_input", "check_glu_bias", "check_row_weights", "check_glu_grad", "check_flag",
@@ -99,30 +107,31 @@ def check_glu_grad(g: object, y: torch.Tensor, out_cols: int) -> torch.Tensor:
 
 
 def check_flag(name: str, value: object) -> bool:
-    """Check a boolean switch such as ``fp8_input_store``.
+    """Check a boolean switch such as ``fp8_input_store``; numpy's bool is accepted (as a bool).
 
     Raises:
-        TypeError: ``value`` is not a bool.
+        TypeError: ``value`` is not a bool; the message names its type (``numpy.int64``, not ``int``).
     """
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
+    if value is True or value is False:
+        return value
+    return check_bool(name, value)
 
 
 def check_clamp_value(value: object, allow_none: bool = True) -> float | None:
-    """Check Megatron's ``clamp_value``: None (no clamp) or a finite number c > 0.
+    """Check Megatron's ``clamp_value``: None (no clamp) or a finite number c > 0, finite in
+    float32 (the kernels clamp in float32: a c above float32's max would be inf there).
 
     Returns:
         ``float(value)``, or None.
 
     Raises:
         TypeError: not a real number (a bool, a str, a tensor), or None where a clamp is required.
-        ValueError: not finite, or <= 0. (Megatron-core treats ``clamp_value <= 0`` silently as
-            no clamp; here it is an error, since no clamp is ``None``.)
+        ValueError: not finite, <= 0, or above float32's max (3.4e38). (Megatron-core treats
+            ``clamp_value <= 0`` silently as no clamp; here it is an error, since no clamp is ``None``.)
     """
     if value is None and allow_none:
         return None
-    if type(value) is float and 0.0 < value < math.inf:  # the happy case in one test
+    if type(value) is float and 0.0 < value <= FLOAT32_MAX:  # the happy case in one test
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         kind = "a float > 0 or None" if allow_none else "a float > 0"
@@ -130,6 +139,9 @@ def check_clamp_value(value: object, allow_none: bool = True) -> float | None:
     value = float(value)
     if not (math.isfinite(value) and value > 0.0):
         raise ValueError(f"clamp_value must be a finite number > 0 (None for no clamp), got {value!r}")
+    if value > FLOAT32_MAX:
+        raise ValueError(f"clamp_value must be a finite number > 0, at most float32's max ({FLOAT32_MAX:.4g}: the "
+                         f"kernels clamp in float32, where {value!r} is inf), got {value!r}")
     return value
 
 

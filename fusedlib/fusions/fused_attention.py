@@ -43,12 +43,12 @@ import numbers
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from ..checks import check_same_device, check_tensor, on_one_kernel_device
+from ..checks import check_bool, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.bias_dropout_add import philox_seed
 from ..kernels.flash_attention import LOG2E, MAX_HEAD_DIM, attention_band, flash_attn_bwd, flash_attn_fwd
 from .fused_softmax import _check_dropout_p, _check_window  # the softmax's argument rules, shared
+from ._apply import once_differentiable
 
 __all__ = ["FlashAttentionFunction", "flash_attention", "ATTENTION_DTYPES"]
 
@@ -203,7 +203,12 @@ def flash_attention(
             (grouped-query attention, never repeated in memory). d in [1, 256]; a d that is
             not a power of two is padded inside the kernel (masked loads), never in memory.
         causal: key j visible to query i only if j <= i + sk - sq (bottom-right aligned).
-        softmax_scale: multiplies q·kᵀ (None: 1/sqrt(d)).
+        softmax_scale: multiplies q·kᵀ (None: 1/sqrt(d)). The backward recomputes the
+            probabilities from the forward's float32 log-sum-exp, so their relative error is
+            about |score|·2^-24 (FlashAttention's, any float32-LSE kernel's): scores
+            softmax_scale·q·k beyond ~1e3 in magnitude cost the gradients accuracy (1e4: ~3e-3
+            relative in dv), while the forward stays exact; scores that overflow float32 give
+            NaN. Checked only for a finite scale·log2(e) in float32 (the scores are not read).
         attention_mask: bool, True = masked: [b, sk] (key padding) or 4-D broadcastable to
             [b, hq, sq, sk]; or None. Applied on top of causal and window.
         window_size: ``(left, right)`` sliding window, -1 = unbounded side, or None; with
@@ -213,8 +218,9 @@ def flash_attention(
             tensor that requires grad receives d sinks.
         dropout_p: attention dropout in [0, 1) on the probabilities (0 outside training),
             applied with 16-bit resolution p' = round(p·2^16)/2^16 and kept values scaled by
-            1/(1 - p') (chapter 2). The mask comes from Philox keyed by one draw of torch's
-            generator on q's device per call (``torch.manual_seed`` reproduces it;
+            1/(1 - p') (chapter 2); a p >= 1 - 2^-17 rounds to p' = 1 and is refused, as 1
+            is. The mask comes from Philox keyed by one draw of torch's generator on q's
+            device per call (``torch.manual_seed`` reproduces it;
             :func:`~fusedlib.kernels.flash_attention.flash_attn_dropout_mask` of the replayed
             key gives it as a tensor).
         deterministic: accepted for FlashAttention's and Megatron-core's API: fusedlib's
@@ -229,10 +235,11 @@ def flash_attention(
     Raises:
         TypeError: q, k, v not tensors of one dtype in float16/bfloat16/float32; a non-bool
             mask; sinks not a float tensor; softmax_scale or dropout_p not real; causal or
-            deterministic not bool.
+            deterministic not a bool (numpy's bool is accepted).
         ValueError: q, k, v not 4-D or of mismatched shapes (batch, head dim, hq % hkv), a
             head dim above 256, tensors on different devices, a mask that is not [b, sk] or
-            does not broadcast, sinks not [hq], a bad window, dropout_p outside [0, 1),
+            does not broadcast, sinks not [hq], a bad window, dropout_p outside [0, 1) or
+            >= 1 - 2^-17 (it would round to 1 at the kernels' 16-bit resolution),
             softmax_scale not finite or with |softmax_scale|·log2(e) beyond float32's range.
 
     Source: Dao, "FlashAttention-2" (2023); Megatron-LM
@@ -247,10 +254,10 @@ def flash_attention(
               and qs[2] % ks[2] == 0 and on_one_kernel_device(q, k, v))
     if not ok:
         _check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if causal is not True and causal is not False:  # numpy's bool is accepted; a str or 1 is not
+        causal = check_bool("causal", causal)
+    if deterministic is not True and deterministic is not False:
+        check_bool("deterministic", deterministic)
     sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
     scale = _check_scale(softmax_scale, d)
     window = _check_window(window_size)

@@ -37,7 +37,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import unfused
-from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import FLOAT_DTYPES, ArgumentTypeError, check_same_device, check_tensor, on_one_kernel_device, type_name
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd, bias_dropout_add_fwd, philox_seed
 from ._apply import apply
 
@@ -54,7 +54,13 @@ Tensor = torch.Tensor
 
 
 def _check_prob(prob: object) -> float:
-    if isinstance(prob, bool) or not isinstance(prob, numbers.Real) or not (0.0 <= float(prob) <= 1.0):
+    if isinstance(prob, bool) or not isinstance(prob, numbers.Real):
+        # a TypeError that is also the ValueError this check has always raised
+        why = (" (reading a tensor's value would synchronise with its device: pass float(prob) once, outside "
+               "the step)" if isinstance(prob, torch.Tensor) else "")
+        raise ArgumentTypeError(f"prob must be a dropout probability in [0, 1] given as a Python float, got "
+                                f"{type_name(prob)}{why}")
+    if not 0.0 <= float(prob) <= 1.0:  # NaN fails this too
         raise ValueError(f"prob must be a dropout probability in [0, 1], got {prob!r}")
     return float(prob)
 
@@ -182,7 +188,9 @@ def bias_dropout_add_fused_train(x_with_bias: XWithBias, residual: torch.Tensor,
     that E[out] = residual + x + bias exactly (torch's dropout: p and 1/(1 - p)).
 
     Raises:
-        TypeError: non-tensor, unsupported dtype, or x_with_bias not a pair.
+        TypeError: non-tensor, unsupported dtype, or x_with_bias not a pair; prob not a real
+            number (a str, a bool, a tensor: a Python float is expected), raised as
+            :class:`~fusedlib.checks.ArgumentTypeError`, which is a ValueError too.
         ValueError: prob outside [0, 1]; residual shape != x shape; bias not [h];
             tensors on different devices.
 
@@ -237,7 +245,8 @@ def _bias_dropout_add_func(x_with_bias: XWithBias, residual: torch.Tensor, prob:
         dtype, the sum is computed in place: the result *is* x, overwritten.
 
     Raises:
-        TypeError: x_with_bias not a pair, x or residual not a tensor, training not a bool.
+        TypeError: x_with_bias not a pair, x or residual not a tensor, training not a bool;
+            prob not a real number (as :func:`bias_dropout_add_fused_train`).
         ValueError: prob outside [0, 1].
 
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``_bias_dropout_add_func``).

@@ -17,7 +17,6 @@ arXiv:1606.08415.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ._glu import (
     check_glu_bias,
@@ -28,7 +27,7 @@ from ._glu import (
     glu_backward_apply,
     glu_forward,
 )
-from ._apply import apply
+from ._apply import apply, once_differentiable
 
 __all__ = [
     "geglu",

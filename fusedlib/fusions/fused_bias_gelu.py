@@ -13,11 +13,10 @@ Hendrycks & Gimpel, "Gaussian Error Linear Units (GELUs)", arXiv:1606.08415.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.bias_gelu import bias_gelu_bwd, bias_gelu_fwd
-from ._apply import apply
+from ._apply import apply, once_differentiable
 
 __all__ = ["bias_gelu", "bias_gelu_back", "GeLUFunction", "bias_gelu_impl"]
 

@@ -23,8 +23,8 @@ Same names, argument order and semantics as Megatron-core, with these difference
 * ``fp8_input_store`` is implemented as Megatron does it: the input is saved for backward
   as ``float8_e4m3fn`` (lossy; the backward then sees the rounded input) and cast back;
 * bad input raises a clear error (Megatron asserts on the number of dims and fails inside
-  broadcasting on a wrong shape); ``clamp_value`` must be None or a finite number > 0
-  (Megatron silently skips the clamp for ``clamp_value <= 0``);
+  broadcasting on a wrong shape); ``clamp_value`` must be None or a finite number > 0,
+  finite in float32 (<= 3.4e38) (Megatron silently skips the clamp for ``clamp_value <= 0``);
 * the clamped units compute in float32 and round once: Megatron's clamped weighted unit
   rounds ``clamped_swiglu(y)`` to y's dtype before multiplying by the weights, and casts
   float64 inputs to float32 (here float64 stays float64, with c a float32 number).
@@ -36,7 +36,6 @@ Functions" (swish/SiLU), arXiv:1710.05941.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ._glu import (
     check_flag,
@@ -50,7 +49,7 @@ from ._glu import (
     glu_backward_apply,
     glu_forward,
 )
-from ._apply import apply
+from ._apply import apply, once_differentiable
 
 __all__ = [
     "swiglu",
@@ -210,7 +209,8 @@ def clamped_swiglu(y: torch.Tensor, clamp_value: float) -> torch.Tensor:
         float64) and rounded once.
 
     Raises:
-        TypeError, ValueError: as :func:`swiglu`, and for a clamp_value that is not a finite number > 0.
+        TypeError, ValueError: as :func:`swiglu`, and for a clamp_value that is not a finite number > 0
+            (at most float32's max).
 
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``clamped_swiglu``).
     """
@@ -439,7 +439,8 @@ def bias_swiglu_impl(input: torch.Tensor, bias: torch.Tensor | None, fp8_input_s
         TypeError: non-tensor argument, unsupported dtype, mismatched dtypes, non-bool flag,
             clamp_value not a number.
         ValueError: input not 2-D or 3-D, odd last dim, bias not [2h], tensors on different
-            devices, clamp_value not finite or <= 0.
+            devices, clamp_value not finite, <= 0 or above float32's max (inf in the kernels'
+            float32).
 
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``bias_swiglu_impl``).
     """

@@ -29,7 +29,8 @@ What the ``TransformerConfig`` switches do here:
 * ``memory_efficient_layer_norm``: save the output y instead of the input x and recover
   ``x_hat = (y - beta) / gamma`` in the backward. Needs every gamma != 0: where a gamma is
   exactly 0, x_hat is lost (y = beta there), and the backward gives NaN (that column's
-  dgamma, and dx), never a wrong finite value. The forward kernel checks gamma on the
+  dgamma, and dx), never a wrong finite value; a subnormal gamma (|gamma| < 1.18e-38) is
+  treated as 0 (1 / gamma overflows float32). The forward kernel checks gamma on the
   device (:data:`LAYER_NORM_GAMMA_CHECK`, :data:`RMS_NORM_GAMMA_CHECK`) without a host
   sync: a ValueError at once on the CPU (and with ``FUSEDLIB_SYNC_CHECKS=1``); on CUDA at a
   later fusedlib call or :func:`fusedlib.runtime.check_errors`; under ``torch.compile`` the
@@ -58,15 +59,14 @@ import numbers
 from typing import Optional, Sequence, Union
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.nn import init
 from torch.nn.parameter import Parameter
 
 from ..backends import apex as apex_backend
-from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import FLOAT32_MAX, FLOAT_DTYPES, check_bool, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.layer_norm import MAX_HIDDEN_SIZE, norm_bwd, norm_fwd
 from ..runtime import DeviceCheck
-from ._apply import apply
+from ._apply import apply, once_differentiable
 
 __all__ = [
     "FusedLayerNormAffineFunction",
@@ -114,7 +114,7 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                   x_name: str = "input") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     # the happy case in one test; the checks below name what is wrong otherwise
     if (isinstance(x, Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1 and 1 <= x.shape[-1] <= MAX_HIDDEN_SIZE
-            and _param_ok(weight, x) and type(eps) is float and 0.0 <= eps < math.inf):
+            and _param_ok(weight, x) and type(eps) is float and 0.0 <= eps <= FLOAT32_MAX):
         if bias is None:
             if on_one_kernel_device(x, weight):
                 return weight.contiguous(), None
@@ -130,10 +130,26 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         raise TypeError("weight must be a torch.Tensor, got NoneType")
     weight = _check_param("weight", weight, x, x_name)
     bias = _check_param("bias", bias, x, x_name)
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    _check_eps(eps)
     check_same_device(**{x_name: x, "weight": weight, "bias": bias})
     return weight, bias
+
+
+def _check_eps(eps: object) -> None:
+    """eps: a real number >= 0 whose float32 is finite (the kernels add it in float32: 1e39
+    would be inf there, and every output 0 or NaN)."""
+    if (isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0
+            or eps > FLOAT32_MAX):
+        raise ValueError(f"eps must be a finite number >= 0, at most float32's max ({FLOAT32_MAX:.4g}: the "
+                         f"kernels add it in float32), got {eps!r}")
+
+
+def _check_flags(memory_efficient: object, zero_centered_gamma: object) -> tuple[bool, bool]:
+    """The two switches, as bools: a str ("no") or an int was read as its truth value."""
+    if ((memory_efficient is True or memory_efficient is False)
+            and (zero_centered_gamma is True or zero_centered_gamma is False)):
+        return memory_efficient, zero_centered_gamma
+    return check_bool("memory_efficient", memory_efficient), check_bool("zero_centered_gamma", zero_centered_gamma)
 
 
 def _gamma_check_message(op: str):
@@ -141,7 +157,8 @@ def _gamma_check_message(op: str):
         col = code - 1
         gamma = f"weight[{col}] + 1" if zero_centered_gamma else f"weight[{col}]"
         return (f"{op}: memory_efficient=True needs every gamma != 0 (x_hat = (y - beta) / gamma), got gamma = "
-                f"{gamma} = 0: its dgamma and dx are NaN; use memory_efficient=False (the config's "
+                f"{gamma} = 0 or subnormal (|gamma| < 1.18e-38, float32's smallest normal: 1 / gamma is not "
+                "finite): its dgamma and dx are NaN; use memory_efficient=False (the config's "
                 "memory_efficient_layer_norm=False) with this weight")
 
     return message
@@ -179,7 +196,7 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: A002
                 eps: float, memory_efficient: bool = False, zero_centered_gamma: bool = False) -> torch.Tensor:
         weight_c, bias_c = _check_inputs(input, weight, bias, eps)
-        memory_efficient = bool(memory_efficient)
+        memory_efficient, zero_centered_gamma = _check_flags(memory_efficient, zero_centered_gamma)
         y, mean, rstd = norm_fwd(input, weight_c, bias_c, eps, rms_norm=False, zero_centered_gamma=zero_centered_gamma,
                                  gamma_check=LAYER_NORM_GAMMA_CHECK if memory_efficient else None)
         ctx.memory_efficient = memory_efficient
@@ -218,7 +235,7 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, eps: float,  # noqa: A002
                 memory_efficient: bool = False, zero_centered_gamma: bool = False) -> torch.Tensor:
         weight_c, _ = _check_inputs(input, weight, None, eps)
-        memory_efficient = bool(memory_efficient)
+        memory_efficient, zero_centered_gamma = _check_flags(memory_efficient, zero_centered_gamma)
         y, _, rstd = norm_fwd(input, weight_c, None, eps, rms_norm=True, zero_centered_gamma=zero_centered_gamma,
                               gamma_check=RMS_NORM_GAMMA_CHECK if memory_efficient else None)
         ctx.memory_efficient = memory_efficient
@@ -247,7 +264,7 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
             any strides; 1 <= h <= 65536.
         weight: [h], x's dtype and device.
         bias: [h], x's dtype and device, or None.
-        eps: added to the variance, >= 0.
+        eps: added to the variance, >= 0 and finite in float32 (<= 3.4e38).
         zero_centered_gamma: gamma = weight + 1 (Megatron's ``layernorm_zero_centered_gamma``).
         memory_efficient: save y instead of x for the backward (Megatron's
             ``memory_efficient_layer_norm``); x_hat = (y - beta) / gamma then carries an
@@ -259,9 +276,10 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         backward is not differentiable again: a second derivative raises.
 
     Raises:
-        TypeError: a non-tensor, an unsupported dtype, or weight/bias dtype != x dtype.
-        ValueError: weight/bias not of shape [h], h outside 1..65536, eps < 0 or not
-            finite, tensors on different devices. With ``memory_efficient``, a gamma of
+        TypeError: a non-tensor, an unsupported dtype, or weight/bias dtype != x dtype;
+            zero_centered_gamma or memory_efficient not a bool (numpy's bool is accepted).
+        ValueError: weight/bias not of shape [h], h outside 1..65536, eps < 0, not finite or
+            above float32's max, tensors on different devices. With ``memory_efficient``, a gamma of
             exactly 0 (its dgamma and dx would be NaN): checked by the forward kernel, so
             raised at once on the CPU (and with ``FUSEDLIB_SYNC_CHECKS=1``), on CUDA at a
             later fusedlib call or :func:`fusedlib.runtime.check_errors` (no host sync).
@@ -278,7 +296,7 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
     Args:
         x: [..., h], as :func:`fused_layer_norm`.
         weight: [h], x's dtype and device.
-        eps: added to the mean square, >= 0.
+        eps: added to the mean square, >= 0 and finite in float32.
         zero_centered_gamma, memory_efficient: as :func:`fused_layer_norm`.
 
     Returns:
@@ -328,8 +346,7 @@ class _FusedNormBase(torch.nn.Module):
             )
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+        _check_eps(eps)
         self.config = config
         self.backend = backend
         self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
@@ -393,7 +410,7 @@ class FusedLayerNorm(_FusedNormBase):
 
     Raises:
         ValueError: config.normalization != "LayerNorm", hidden_size outside 1..65536,
-            eps < 0, an unknown backend.
+            eps < 0, not finite or above float32's max, an unknown backend.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_layer_norm.py`` (``FusedLayerNorm``).
     """

@@ -20,16 +20,40 @@ Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``
 """
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..kernels.rope import rope_bwd, rope_fwd
-from ..checks import FLOAT_DTYPES, SUPPORTED_FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import (
+    FLOAT32_MAX,
+    FLOAT_DTYPES,
+    SUPPORTED_FLOAT_DTYPES,
+    check_bool,
+    check_same_device,
+    check_tensor,
+    on_one_kernel_device,
+    type_name,
+)
 from ._apply import apply
 
 __all__ = ["FusedRoPEFunc", "fused_apply_rotary_pos_emb", "check_rope_inputs"]
+
+
+def _check_mscale(mscale: object) -> float:
+    """The slow path of the mscale check: a real number (not a bool) whose float32 is finite
+    (the kernel multiplies cos and sin by it in float32)."""
+    if isinstance(mscale, bool) or not isinstance(mscale, numbers.Real):
+        raise TypeError(f"mscale must be a real number (the scale of cos and sin, 1.0 for plain RoPE), "
+                        f"got {type_name(mscale)}")
+    m = float(mscale)
+    if not (math.isfinite(m) and abs(m) <= FLOAT32_MAX):
+        raise ValueError(f"mscale must be finite, with |mscale| <= float32's max ({FLOAT32_MAX:.4g}: the kernel "
+                         f"scales cos and sin in float32), got {mscale!r}")
+    return m
 
 
 def check_rope_inputs(t: torch.Tensor, freqs: torch.Tensor) -> None:
@@ -79,7 +103,8 @@ def check_rope_inputs(t: torch.Tensor, freqs: torch.Tensor) -> None:
 class FusedRoPEFunc(torch.autograd.Function):
     """Autograd wiring of the fused RoPE kernel.
 
-    ``forward(ctx, t, freqs, interleaved=False, mscale=1.0)`` checks the inputs, saves
+    ``forward(ctx, t, freqs, interleaved=False, mscale=1.0)`` checks the inputs (interleaved a
+    bool, mscale a finite real number: see :func:`fused_apply_rotary_pos_emb`), saves
     ``freqs`` only, and returns RoPE(t) as a new contiguous [s, b, np, d] tensor of t's
     dtype. ``backward`` returns ``(d t, None, None, None)``: the transposed rotation of the
     output's gradient, in t's dtype. freqs gets no gradient (rotary angles are not trained;
@@ -94,9 +119,13 @@ class FusedRoPEFunc(torch.autograd.Function):
     def forward(ctx, t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False,
                 mscale: float = 1.0) -> torch.Tensor:
         check_rope_inputs(t, freqs)
+        if interleaved is not True and interleaved is not False:  # a str "False" is truthy: refuse it
+            interleaved = check_bool("interleaved", interleaved)
+        if not (type(mscale) is float and -FLOAT32_MAX <= mscale <= FLOAT32_MAX):  # NaN fails too
+            mscale = _check_mscale(mscale)
         ctx.save_for_backward(freqs)
-        ctx.interleaved = bool(interleaved)
-        ctx.mscale = float(mscale)
+        ctx.interleaved = interleaved
+        ctx.mscale = mscale
         return rope_fwd(t, freqs, ctx.interleaved, ctx.mscale)
 
     @staticmethod
@@ -125,9 +154,10 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
         transpose_output_memory: accepted for Megatron's signature; like Megatron's
             Transformer Engine path, it is ignored with a warning (the output is contiguous).
         interleaved: pairs (2k, 2k+1) (``rotary_interleaved``, GPT-J) if True, else
-            (k, k + rot_dim/2) (GPT-NeoX, Megatron's default).
-        mscale: scale of cos and sin (default 1.0). Megatron's fused path takes none and falls
-            back to its unfused path when mscale != 1; this kernel applies it directly.
+            (k, k + rot_dim/2) (GPT-NeoX, Megatron's default). A bool (numpy's too).
+        mscale: scale of cos and sin (default 1.0), a real number, finite in float32. Megatron's
+            fused path takes none and falls back to its unfused path when mscale != 1; this
+            kernel applies it directly.
 
     Returns:
         A new contiguous [s, b, np, d] tensor of t's dtype; differentiable in t.
@@ -135,6 +165,10 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
     Raises:
         TypeError, ValueError: see :func:`check_rope_inputs`; ValueError also for a freqs that
             requires grad (no gradient is computed for freqs).
+        TypeError: interleaved or transpose_output_memory not a bool (a str ``"False"`` would
+            be read as True), mscale not a real number (a bool, a str, None).
+        ValueError: mscale not finite, or beyond float32's range (the kernel's cos and sin
+            would be inf or NaN).
 
     Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py`` and
     ``megatron/core/extensions/transformer_engine.py`` (``fused_apply_rotary_pos_emb``).
@@ -145,7 +179,7 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
             "(rotary angles are not trained): pass freqs.detach(), or use the unfused path "
             "(apply_rope_fusion=False) to differentiate through them"
         )
-    if transpose_output_memory:
+    if transpose_output_memory is not False and check_bool("transpose_output_memory", transpose_output_memory):
         warnings.warn("transpose_output_memory is not supported by the fused RoPE and will be ignored.",
                       stacklevel=2)
     return apply(FusedRoPEFunc, t, freqs, interleaved, mscale)

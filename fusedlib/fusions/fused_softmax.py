@@ -47,11 +47,18 @@ from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
-from torch.autograd.function import once_differentiable
 
 from .. import unfused
-from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
-from ..kernels.bias_dropout_add import philox_seed
+from ..checks import (
+    FLOAT32_MAX,
+    FLOAT_DTYPES,
+    check_bool,
+    check_same_device,
+    check_tensor,
+    on_one_kernel_device,
+    type_name,
+)
+from ..kernels.bias_dropout_add import KEEP_BITS, philox_seed
 from ..kernels.launch import acc_dtype
 from ..kernels.softmax import (
     causal_band,
@@ -63,7 +70,7 @@ from ..kernels.softmax import (
 )
 from ..runtime import default_device
 from ..transformer.enums import AttnMaskType
-from ._apply import apply
+from ._apply import apply, once_differentiable
 
 __all__ = [
     "ScaledUpperTriangMaskedSoftmax",
@@ -253,23 +260,39 @@ def _is_float_tensor(t: object, ndim: int) -> bool:
 
 
 def _check_scale(scale: object) -> float:
-    if type(scale) is float and math.isfinite(scale):
+    # the kernels multiply the scores by scale in float32: a scale beyond float32's range is inf
+    # there, and every score ±inf, the output NaN. (NaN fails the comparisons too.)
+    if type(scale) is float and -FLOAT32_MAX <= scale <= FLOAT32_MAX:
         return scale
     if scale is None:
         return 1.0
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
+        raise TypeError(f"scale must be a real number or None, got {type_name(scale)}")
+    s = float(scale)
+    if not (math.isfinite(s) and abs(s) <= FLOAT32_MAX):
+        raise ValueError(f"scale must be finite, with |scale| <= float32's max ({FLOAT32_MAX:.4g}: the kernels "
+                         f"multiply the scores by it in float32), got {scale}")
+    return s
+
+
+#: The kernels drop with 16-bit resolution, p' = round(p·2^16)/2^16: from this p on, p' = 1
+#: (:func:`~fusedlib.kernels.bias_dropout_add.drop_threshold` = 2^16), every probability is
+#: dropped and the output is all zeros. Exact: p·2^16 is computed without rounding.
+_DROPOUT_P_LIMIT: float = 1.0 - 2.0 ** -(KEEP_BITS + 1)
 
 
 def _check_dropout_p(dropout_p: object) -> float:
+    if type(dropout_p) is float and 0.0 <= dropout_p < _DROPOUT_P_LIMIT:  # the happy case in one test
+        return dropout_p
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__}")
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {type_name(dropout_p)}")
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:  # NaN fails this too
         raise ValueError(f"dropout_p must be in [0, 1) (1 would drop every probability), got {dropout_p}")
+    if p >= _DROPOUT_P_LIMIT:
+        raise ValueError(f"dropout_p must be in [0, 1) and below 1 - 2^-{KEEP_BITS + 1} = {_DROPOUT_P_LIMIT!r}: the "
+                         f"kernels apply it with 16-bit resolution, round(p·2^{KEEP_BITS})/2^{KEEP_BITS}, and "
+                         f"{dropout_p!r} rounds to 1 (every probability dropped, an all-zero output)")
     return p
 
 
@@ -385,14 +408,18 @@ def fused_scale_mask_softmax(
         or a NaN sink logit, makes its whole row NaN (and its gradients), as torch.softmax.
 
     Raises:
-        TypeError: non-tensor input, unsupported dtype, non-bool mask, non-real scale.
-        ValueError: input not 3-D/4-D, a mask that does not broadcast, an offset of the wrong
-            size, a bad window, or tensors on different devices.
+        TypeError: non-tensor input, unsupported dtype, non-bool mask, non-real scale, causal
+            not a bool (numpy's bool is accepted).
+        ValueError: input not 3-D/4-D, a scale that is not finite or beyond float32's range,
+            a mask that does not broadcast, an offset of the wrong size, a bad window, or
+            tensors on different devices.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py``.
     """
     if not (_is_float_tensor(input, 4) or _is_float_tensor(input, 3)):
         check_tensor("input", input, ndim=(3, 4))
+    if causal is not True and causal is not False:  # a str "no" or None was read as its truth value
+        causal = check_bool("causal", causal)
     scale_f = _check_scale(scale)
     mask = _check_mask(mask, input)
     window = _check_window(window_size)
@@ -494,7 +521,8 @@ def fused_scale_mask_softmax_dropout(
             :func:`fused_scale_mask_softmax`'s kernels (same results bit for bit, no random
             numbers drawn). Otherwise applied with 16-bit resolution, p' = round(p·2^16)/2^16
             (within 2^-17 of p), and kept probabilities are scaled by 1/(1 - p'), so the
-            expectation is the softmax exactly (chapter 2).
+            expectation is the softmax exactly (chapter 2). A p >= 1 - 2^-17 rounds to p' = 1
+            and is refused, as 1 is.
         softmax_in_fp32: Megatron-core's flag; the kernel computes in float32 whatever it says.
         window_size: ``(left, right)`` sliding window (-1: unbounded side), replacing the
             causal band; or None.
@@ -513,8 +541,10 @@ def fused_scale_mask_softmax_dropout(
     Raises:
         TypeError: input not a float tensor, a non-bool mask, attn_mask_type not an
             AttnMaskType, scale or dropout_p not a real number, softmax_in_fp32 not a bool.
-        ValueError: input not 4-D, dropout_p outside [0, 1), a mask that does not broadcast,
-            a bad window or offset, tensors on different devices.
+        ValueError: input not 4-D, dropout_p outside [0, 1) or >= 1 - 2^-17 (it would round
+            to 1 at the kernels' 16-bit resolution), a scale that is not finite or beyond
+            float32's range, a mask that does not broadcast, a bad window or offset, tensors
+            on different devices.
 
     Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py``
     (``scale_mask_softmax``, then ``attention_dropout``) and
@@ -525,8 +555,8 @@ def fused_scale_mask_softmax_dropout(
     mask_type = _mask_type_name(attn_mask_type)
     scale_f = _check_scale(scale)
     p = _check_dropout_p(dropout_p)
-    if not isinstance(softmax_in_fp32, bool):
-        raise TypeError(f"softmax_in_fp32 must be a bool, got {type(softmax_in_fp32).__name__}")
+    if softmax_in_fp32 is not True and softmax_in_fp32 is not False:
+        check_bool("softmax_in_fp32", softmax_in_fp32)
     mask = _check_mask(mask, input)
     window = _check_window(window_size)
     offset = _check_offset(softmax_offset, input)
@@ -551,7 +581,8 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
     ``(d inputs, None)``: scale·p·(g - sum(g·p)), zeros above the diagonal.
 
     Raises:
-        TypeError / ValueError: not a 3-D floating tensor, or a non-real scale.
+        TypeError / ValueError: not a 3-D floating tensor, or a scale that is not a real
+        number, not finite, or beyond float32's range.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``ScaledUpperTriangMaskedSoftmax``).
     """
@@ -591,7 +622,8 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
 
     Raises:
         TypeError / ValueError: not a 4-D floating tensor, a non-bool or non-broadcasting mask,
-        a non-real scale, or tensors on different devices.
+        a scale that is not a real number, not finite or beyond float32's range, or tensors on
+        different devices.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``ScaledMaskedSoftmax``).
     """
@@ -629,7 +661,8 @@ class ScaledSoftmax(torch.autograd.Function):
     Returns probabilities of inputs' shape and dtype; backward returns ``(d inputs, None)``.
 
     Raises:
-        TypeError / ValueError: not a floating tensor with at least 1 dim, or a non-real scale.
+        TypeError / ValueError: not a floating tensor with at least 1 dim, or a scale that is
+        not a real number, not finite, or beyond float32's range.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``ScaledSoftmax``).
     """
@@ -733,9 +766,12 @@ class FusedScaleMaskSoftmax(nn.Module):
 
     Raises:
         ValueError: both fp16 and bf16 flags; a scale without softmax_in_fp32 (Megatron-core's
-            rule); a bad window; input not 4-D; dtype flags that contradict the input's dtype;
-            a mask or softmax_offset on another device than input (both paths).
-        TypeError: attn_mask_type not an AttnMaskType, mask_func not callable.
+            rule); a scale not finite or beyond float32's range; a bad window; input not 4-D;
+            dtype flags that contradict the input's dtype; a mask or softmax_offset on another
+            device than input (both paths).
+        TypeError: attn_mask_type not an AttnMaskType, mask_func not callable, a flag
+            (input_in_fp16, input_in_bf16, scaled_masked_softmax_fusion, softmax_in_fp32) not
+            a bool (numpy's bool is accepted), a non-real scale.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``FusedScaleMaskSoftmax``).
     """
@@ -752,18 +788,22 @@ class FusedScaleMaskSoftmax(nn.Module):
         window_size: Optional[tuple[int, int]] = None,
     ) -> None:
         super().__init__()
+        input_in_fp16 = check_bool("input_in_fp16", input_in_fp16)
+        input_in_bf16 = check_bool("input_in_bf16", input_in_bf16)
+        scaled_masked_softmax_fusion = check_bool("scaled_masked_softmax_fusion", scaled_masked_softmax_fusion)
+        softmax_in_fp32 = check_bool("softmax_in_fp32", softmax_in_fp32)
         if input_in_fp16 and input_in_bf16:
             raise ValueError("both fp16 and bf16 flags cannot be active at the same time")
-        self.input_in_fp16 = bool(input_in_fp16)
-        self.input_in_bf16 = bool(input_in_bf16)
+        self.input_in_fp16 = input_in_fp16
+        self.input_in_bf16 = input_in_bf16
         self.input_in_float16 = self.input_in_fp16 or self.input_in_bf16
         self.attn_mask_type = attn_mask_type
         self._mask_type = _mask_type_name(attn_mask_type)
-        self.scaled_masked_softmax_fusion = bool(scaled_masked_softmax_fusion)
+        self.scaled_masked_softmax_fusion = scaled_masked_softmax_fusion
         if not callable(mask_func):
             raise TypeError(f"mask_func must be callable, got {type(mask_func).__name__}")
         self.mask_func = mask_func
-        self.softmax_in_fp32 = bool(softmax_in_fp32)
+        self.softmax_in_fp32 = softmax_in_fp32
         if scale is not None and not softmax_in_fp32:
             raise ValueError("softmax should be in fp32 when scaled (scale given, softmax_in_fp32=False)")
         _check_scale(scale)

@@ -15,15 +15,13 @@ Sources: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``; S
 """
 from __future__ import annotations
 
-import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.squared_relu import weighted_squared_relu_bwd, weighted_squared_relu_fwd
 from ._glu import check_row_weights
-from ._apply import apply
+from ._apply import apply, once_differentiable
 
 __all__ = [
     "weighted_squared_relu",
@@ -37,6 +35,9 @@ __all__ = [
 
 Tensor = torch.Tensor
 
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input") -> torch.Tensor:
     if not (isinstance(x, Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1):
@@ -45,8 +46,10 @@ def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input
     if clamp_scale is not None:
         if isinstance(clamp_scale, bool) or not isinstance(clamp_scale, (int, float)):
             raise TypeError(f"clamp_scale must be a float or None, got {type(clamp_scale).__name__}")
-        if not (math.isfinite(clamp_scale) and clamp_scale > 0):
-            raise ValueError(f"clamp_scale must be a finite number > 0, got {clamp_scale}")
+        if not (_FLOAT32_TINY <= clamp_scale <= _FLOAT32_MAX):  # also False for nan
+            raise ValueError(f"clamp_scale must be a number in float32's normal range "
+                             f"[{_FLOAT32_TINY:.4g}, {_FLOAT32_MAX:.4g}] (the kernels divide by it in float32), "
+                             f"got {clamp_scale}")
     return weights
 
 
@@ -179,8 +182,9 @@ def weighted_squared_relu_impl(input: torch.Tensor, weights: torch.Tensor,  # no
 
     Raises:
         TypeError: non-tensor argument, unsupported dtype, non-numeric clamp_scale.
-        ValueError: input not 2-D or 3-D, weights not [n, 1], clamp_scale <= 0, tensors on
-            different devices.
+        ValueError: input not 2-D or 3-D, weights not [n, 1], clamp_scale not in float32's
+            normal range [1.18e-38, 3.40e38] (nan, <= 0, or 0 / inf once in float32), tensors
+            on different devices.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``
     (``weighted_squared_relu_impl``).

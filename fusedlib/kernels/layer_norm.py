@@ -106,6 +106,10 @@ __all__ = [
 MAX_HIDDEN_SIZE: int = MAX_FUSED_SIZE
 
 
+#: The smallest |gamma| the memory-efficient backward takes: float32's smallest normal number
+#: (1 / gamma is then finite in float32; below it the forward's check reports the column).
+GAMMA_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
+
 @triton.jit
 def _div_n(total, n, ACC: tl.constexpr):
     """``total / n`` rounded as IEEE division does. A GPU's default float32 division is an
@@ -126,7 +130,7 @@ def _norm_fwd_kernel(
     B_ptr,  # bias beta, [n_cols], contiguous (read only if HAS_BIAS)
     MEAN_ptr,  # ACC [n_rows]: row means (written only for LayerNorm)
     RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
-    ERR_ptr,  # int64 [1], only with CHECK_GAMMA: 1 + the index of a column whose gamma is 0
+    ERR_ptr,  # int64 [1], only with CHECK_GAMMA: 1 + the index of a column whose |gamma| < GAMMA_MIN
     n_rows,
     n_cols,
     X_row_stride,
@@ -140,19 +144,20 @@ def _norm_fwd_kernel(
     ZERO_CENTERED_GAMMA: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the row loop (1: none)
     ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
-    CHECK_GAMMA: tl.constexpr,  # memory-efficient backward ahead: report a gamma of exactly 0
+    CHECK_GAMMA: tl.constexpr,  # memory-efficient backward ahead: report a gamma that is 0 or subnormal
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     if CHECK_GAMMA:
         # The memory-efficient backward divides by gamma (x_hat = (y - beta) / gamma): a gamma
-        # of 0 gives NaN there. Program 0 reports such a column (as 1 + its index, never 0).
+        # of 0 gives NaN there, and so does a subnormal one (1 / gamma overflows float32; a GPU
+        # flushes it to 0). Program 0 reports such a column (as 1 + its index, never 0).
         g0 = tl.load(W_ptr + cols, mask=col_mask, other=1.0).to(ACC)
         if ZERO_CENTERED_GAMMA:
             g0 = g0 + 1.0
         first = (tl.zeros_like(cols) + pid) == 0  # program 0, as a [BLOCK_N] mask
-        tl.store(ERR_ptr + tl.zeros_like(cols), cols.to(tl.int64) + 1, mask=(g0 == 0.0) & col_mask & first)
+        tl.store(ERR_ptr + tl.zeros_like(cols), cols.to(tl.int64) + 1, mask=(tl.abs(g0) < GAMMA_MIN) & col_mask & first)
     row_start = pid.to(tl.int64) * rows_per_program  # int64: n_rows * n_cols may pass 2^31
     for m in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
         rows = row_start + m + tl.arange(0, BLOCK_M)

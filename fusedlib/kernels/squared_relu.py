@@ -31,7 +31,7 @@ import triton.language as tl
 from ..runtime import launch
 from .glu import TILES as GLU_TILES
 from .launch import TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like, pick
-from .math import tanh
+from .math import soft_clamp
 
 __all__ = ["weighted_squared_relu_fwd", "weighted_squared_relu_bwd", "TILES"]
 
@@ -67,7 +67,7 @@ def _weighted_squared_relu_fwd_kernel(
     w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
     c = tl.maximum(x, 0.0)  # relu
     if CLAMP:
-        c = clamp_scale * tanh(c / clamp_scale)
+        c, _ = soft_clamp(c, clamp_scale)  # s·tanh(c/s), accurate for c/s near 0 too
     out = c * c * w[:, None]
     tl.store(OUT_ptr + rows[:, None] * n_cols + cols[None, :], out.to(OUT_ptr.dtype.element_ty), mask=mask)
 
@@ -104,8 +104,7 @@ def _weighted_squared_relu_bwd_kernel(
     w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
     c = tl.maximum(x, 0.0)
     if CLAMP:
-        t = tanh(c / clamp_scale)
-        c = clamp_scale * t
+        c, t = soft_clamp(c, clamp_scale)
         dc = 2.0 * c * (1.0 - t * t)  # d(c²)/dx for x > 0; c = 0 (so dc = 0) for x <= 0
     else:
         dc = 2.0 * c

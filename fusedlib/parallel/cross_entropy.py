@@ -49,9 +49,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
+from ..fusions._apply import once_differentiable
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from ..kernels.launch import as_rows

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import unfused
+from ..checks import check_tensor
 from ..fusions import fused_attention, fused_softmax
 from ..fusions.fused_softmax import FusedScaleMaskSoftmax
 from .enums import AttnBackend, AttnMaskType
@@ -71,6 +72,44 @@ SDPA_BACKENDS = (AttnBackend.fused, AttnBackend.auto)
 #: attention_backend values that run fusedlib's FlashAttention kernel (chapter 8); the rest materialise.
 FLASH_BACKENDS = (AttnBackend.flash,)
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+
+
+def _broadcasts(shape: torch.Size, target: tuple[int, int, int, int]) -> bool:
+    """Does a tensor of ``shape`` broadcast to ``target`` (numpy's rule, at most 4 dims)?"""
+    offset = 4 - len(shape)
+    if offset < 0:
+        return False
+    for i, m in enumerate(shape):
+        if m != 1 and m != target[offset + i]:
+            return False
+    return True
+
+
+def _check_attention_mask(mask: object, query: torch.Tensor, key: torch.Tensor, np_: int) -> None:
+    """The caller's mask, checked once for every backend, as the caller passed it: a bool tensor
+    broadcastable to the scores [b, np, sq, sk], on query's device. (Otherwise the SDPA path
+    failed inside ``mask | causal`` or a broadcast, and the flash path reported the 4-D view it
+    had made of a 2-D mask.)"""
+    q_shape = query.shape
+    sq, b, sk = q_shape[0], q_shape[1], key.shape[0]
+    # the happy case in one test: a 4-D mask (Megatron's [b or 1, 1, sq, sk]) dim by dim, inline
+    # (a generator over the dims costs ~1.5 us a call), other broadcastable shapes by _broadcasts
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.device == query.device:
+        m_shape = mask.shape
+        if len(m_shape) == 4:
+            m0, m1, m2, m3 = m_shape
+            if ((m0 == b or m0 == 1) and (m1 == 1 or m1 == np_) and (m2 == sq or m2 == 1)
+                    and (m3 == sk or m3 == 1)):
+                return
+        elif _broadcasts(m_shape, (b, np_, sq, sk)):
+            return
+    check_tensor("attention_mask", mask, dtypes=(torch.bool,))
+    if not _broadcasts(mask.shape, (b, np_, sq, sk)):
+        raise ValueError(f"attention_mask must broadcast to the scores' shape [b, np, sq, sk] = {[b, np_, sq, sk]} "
+                         f"(Megatron-core's layout [b or 1, 1, sq, sk], True = masked; a 2-D mask is read as [sq, sk], "
+                         f"so a key-padding mask [b, sk] is passed as mask[:, None, None, :]), got shape "
+                         f"{list(mask.shape)}")
+    raise ValueError(f"attention_mask must be on query's device ({query.device}), got {mask.device}")
 
 
 class DotProductAttention(MegatronModule):
@@ -95,7 +134,10 @@ class DotProductAttention(MegatronModule):
 
     Raises:
         NotImplementedError: cp_comm_type, pg_collection, attention_bias or packed_seq_params given.
-        ValueError: as FusedScaleMaskSoftmax (e.g. config.bf16 with float32 scores).
+        TypeError: attention_mask not a bool tensor (e.g. an additive float mask), whatever the backend.
+        ValueError: attention_mask not broadcastable to [b, np, sq, sk] (the message gives the
+            shape passed) or not on query's device, whatever the backend; as
+            FusedScaleMaskSoftmax (e.g. config.bf16 with float32 scores).
         TypeError / ValueError: with ``attention_backend`` flash, as
             :func:`~fusedlib.fusions.fused_attention.flash_attention` (e.g. float64 tensors, or a
             head dim above 256).
@@ -148,6 +190,8 @@ class DotProductAttention(MegatronModule):
         """Context [sq, b, np·hn] (see the class docstring)."""
         if attention_bias is not None or packed_seq_params is not None:
             raise NotImplementedError("DotProductAttention: attention_bias and packed_seq_params are left out")
+        if attention_mask is not None:
+            _check_attention_mask(attention_mask, query, key, self.num_attention_heads_per_partition)
         backend = self.config.attention_backend
         if backend in FLASH_BACKENDS:
             return self._forward_flash(query, key, value, attention_mask)

@@ -27,12 +27,20 @@ Differences from Megatron-core, each deliberate:
   without MoE; megatron-core 0.16 ignores the clamp where it cannot apply it.
 * ``sequence_parallel`` with ``tensor_model_parallel_size = 1`` is accepted and changes nothing
   but the norms' marks on their weights (chapter 9 uses it); Megatron-core rejects it.
+* Field types and ranges are checked, where Megatron-core takes what it is given: every
+  ``bool`` field must be a bool (a str ``"False"`` would be read as True; numpy's bool is
+  converted), sizes must be ints >= 1 where set, ``layernorm_epsilon`` a finite number > 0,
+  the float knobs finite (within float32's range where the kernels take them as float32),
+  ``recompute_modules`` a list of str, ``recompute_method`` valid even without a granularity,
+  and ``attention_dropout`` < 1 (dropping every attention probability: the flash and fused
+  softmax+dropout kernels refuse it; ``hidden_dropout`` may be 1).
 
 Source: Megatron-LM ``megatron/core/transformer/transformer_config.py`` and
 ``megatron/core/model_parallel_config.py``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import warnings
@@ -42,6 +50,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..checks import FLOAT32_MAX, ArgumentTypeError, is_numpy_bool, type_name
 from .enums import AttnBackend
 
 __all__ = ["TransformerConfig", "NORMALIZATIONS", "RECOMPUTE_MODULES"]
@@ -52,6 +61,21 @@ NORMALIZATIONS: tuple[str, ...] = ("LayerNorm", "RMSNorm")
 #: "mla_up_proj", "shared_experts": features left out here).
 RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "mlp")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: Optional size fields: an int >= 1 when set; what None means, for the messages.
+_OPTIONAL_SIZES: dict[str, str] = {
+    "kv_channels": "None: hidden_size / num_attention_heads",
+    "ffn_hidden_size": "None: 4·hidden_size",
+    "num_query_groups": "None: num_attention_heads",
+    "recompute_num_layers": 'None unless recompute_granularity is "full"',
+}
+#: The largest |softmax_scale| the attention kernels take: they scale the scores by
+#: softmax_scale·log2(e) in float32 (fusedlib.fusions.fused_attention's rule).
+_MAX_SOFTMAX_SCALE = FLOAT32_MAX / math.log2(math.e)
+
+
+def _is_real(v: object) -> bool:
+    """A real number, not a bool (True is an int to Python, but never a size or a scale here)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 @dataclass
@@ -60,12 +84,25 @@ class TransformerConfig:
     ng = num_query_groups, hn = kv_channels.
 
     Raises (from ``__post_init__``), each a ValueError unless noted:
-        fp16 and bf16 both set; normalization not LayerNorm/RMSNorm; layernorm_epsilon < 0;
-        a dropout outside [0, 1]; hidden_size % num_attention_heads != 0 without kv_channels;
+        a field of the wrong type: a bool field given anything but a bool (numpy's bool is
+        accepted and converted; a str ``"False"`` is refused, not read as True), a size
+        (num_layers, hidden_size, num_attention_heads, tensor_model_parallel_size, kv_channels,
+        ffn_hidden_size, num_query_groups, num_moe_experts, window_attn_skip_freq,
+        recompute_num_layers) not an int (a bool, a float, a str), a float field not a real
+        number, recompute_modules not a list of str: each an
+        :class:`~fusedlib.checks.ArgumentTypeError`, a TypeError that is also a ValueError;
+        fp16 and bf16 both set; normalization not LayerNorm/RMSNorm; layernorm_epsilon not a
+        finite number > 0 within float32's range; init_method_std or embedding_init_method_std
+        not finite or < 0; softmax_scale not None or finite (with |softmax_scale|·log2(e)
+        within float32's range); hidden_dropout outside [0, 1], attention_dropout outside
+        [0, 1); kv_channels, ffn_hidden_size, num_query_groups, recompute_num_layers < 1 when
+        set; window_attn_skip_freq not an int >= 1 or a 0/1 list of num_layers entries;
+        hidden_size % num_attention_heads != 0 without kv_channels;
         num_attention_heads % num_query_groups != 0; tensor_model_parallel_size < 1, or not
         dividing num_attention_heads and num_query_groups; bias_activation_fusion with an
         activation fusedlib cannot fuse; a bad activation_func_clamp_value (see the module
-        docstring); num_moe_experts <= 0; a bad window_size; a bad recompute setting; a bad
+        docstring); num_moe_experts <= 0; a bad window_size; a bad recompute setting
+        (recompute_method not "uniform"/"block"/None, with or without recompute_granularity); a bad
         CUDA-graph setting (an unknown ``cuda_graph_impl``, ``enable_cuda_graph`` not a bool,
         ``cuda_graph_warmup_steps`` < 1 with "local",
         "local" with recomputation or with tensor_model_parallel_size > 1);
@@ -107,9 +144,9 @@ class TransformerConfig:
     kv_channels: Optional[int] = None
     """hn: the width of one head; None: h / np."""
     hidden_dropout: float = 0.1
-    """Dropout probability of the residual branches (bias-dropout-add) and of the embeddings."""
+    """Dropout probability of the residual branches (bias-dropout-add) and of the embeddings, in [0, 1]."""
     attention_dropout: float = 0.1
-    """Dropout probability of the attention probabilities."""
+    """Dropout probability of the attention probabilities, in [0, 1)."""
     fp32_residual_connection: bool = False
     """Keep the residual stream in fp32: the embedding's output is cast to fp32, each norm casts its
     input to its weight's dtype, and bias-dropout-add returns the residual's dtype."""
@@ -117,7 +154,7 @@ class TransformerConfig:
     """Take the residual after the norm (the original BERT ordering). Megatron-core keeps the field
     but its TransformerLayer ignores it; fusedlib implements it as Megatron-LM's legacy layer did."""
     layernorm_epsilon: float = 1e-5
-    """Epsilon of every LayerNorm/RMSNorm."""
+    """Epsilon of every LayerNorm/RMSNorm: a finite number > 0 (<= float32's max)."""
     layernorm_zero_centered_gamma: bool = False
     """Store the norms' gamma as gamma - 1 (so weight decay pulls gamma towards 1)."""
     normalization: str = "LayerNorm"
@@ -143,13 +180,14 @@ class TransformerConfig:
     window_size: Optional[Tuple[int, int]] = None
     """Sliding-window attention (left, right); -1 is an unbounded side."""
     window_attn_skip_freq: Optional[int | List[int]] = None
-    """Which layers skip the window: every n-th (an int), or a 0/1 list per layer."""
+    """Which layers skip the window: every n-th (an int >= 1), or a 0/1 list of num_layers entries
+    (1: window, 0: full attention)."""
 
     # ---------------------------------------------------------------- attention
     attention_backend: AttnBackend = AttnBackend.auto
     """Materialised attention (local, unfused) or torch's scaled_dot_product_attention (flash, fused, auto)."""
     softmax_scale: Optional[float] = None
-    """The scores' scale; None: 1 / sqrt(hn)."""
+    """The scores' scale, a finite number (|softmax_scale|·log2(e) within float32's range); None: 1 / sqrt(hn)."""
     apply_query_key_layer_scaling: bool = False
     """Scale Q·K^T by 1/layer_number before the softmax and by layer_number inside it (fp16
     range); sets attention_softmax_in_fp32, as Megatron-core does."""
@@ -162,7 +200,7 @@ class TransformerConfig:
     output_layer_init_method: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     """Init of the attention's and MLP's output layers; None: N(0, init_method_std / sqrt(2·num_layers))."""
     init_method_std: float = 0.02
-    """Standard deviation of the default inits."""
+    """Standard deviation of the default inits, finite, >= 0 (0: all-zero weights, as torch's normal_ gives)."""
     embedding_init_method: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     """Init of the embeddings; None: init_method, or N(0, embedding_init_method_std) if that differs."""
     embedding_init_method_std: Optional[float] = None
@@ -195,7 +233,8 @@ class TransformerConfig:
     recompute_num_layers: Optional[int] = None
     """Layers per chunk ("uniform") or layers recomputed ("block"); None for "selective"."""
     recompute_modules: Optional[List[str]] = None
-    """With "selective": the submodules recomputed, of "core_attn" and "mlp"; None: ["core_attn"]."""
+    """With "selective": the submodules recomputed, a list of "core_attn" and "mlp" (a bare string is
+    refused); None: ["core_attn"]."""
 
     # ---------------------------------------------------------------- CUDA graphs
     cuda_graph_impl: str = "none"
@@ -214,6 +253,7 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         """Derive Megatron-core's defaults, and reject what Megatron-core rejects (see the class)."""
+        self._check_field_types()
         self._check_basics()
         if self.fp16 and self.bf16:
             raise ValueError(f"Only one of fp16 ({self.fp16}) and bf16 ({self.bf16}) should be True.")
@@ -226,22 +266,96 @@ class TransformerConfig:
         self._derive_init_methods()
 
     # ------------------------------------------------------------ checks, one topic each
+    def _check_field_types(self) -> None:
+        """Every bool field a bool, every optional size an int >= 1: a non-bool switch would be
+        read as its truth value (``"False"`` is True), a float size floored or broken later."""
+        for f in dataclasses.fields(self):
+            if f.type not in ("bool", bool):
+                continue
+            v = getattr(self, f.name)
+            if v is True or v is False:
+                continue
+            if is_numpy_bool(v):
+                setattr(self, f.name, bool(v))
+                continue
+            raise ArgumentTypeError(f"{f.name} must be a bool, got {type_name(v)} {v!r}")
+        for name, none_means in _OPTIONAL_SIZES.items():
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ArgumentTypeError(f"{name} must be an int >= 1 ({none_means}), got {type_name(v)} {v!r}")
+            if v < 1:
+                raise ValueError(f"{name} must be an int >= 1 ({none_means}), got {v}")
+        n = self.num_moe_experts
+        if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
+            raise ArgumentTypeError(f"num_moe_experts must be an int (or None for no MoE), got {type_name(n)} {n!r}")
+        freq = self.window_attn_skip_freq
+        if freq is not None:
+            if isinstance(freq, list):
+                if not all(isinstance(e, numbers.Integral) and e in (0, 1) for e in freq):
+                    raise ValueError(f"window_attn_skip_freq as a list must hold one 0 or 1 per layer (1: sliding "
+                                     f"window, 0: full attention), got {freq!r}")
+                if self.num_layers > 0 and len(freq) != self.num_layers:
+                    raise ValueError(f"window_attn_skip_freq as a list must have one entry per layer, "
+                                     f"num_layers = {self.num_layers}, got {len(freq)}")
+            elif isinstance(freq, bool) or not isinstance(freq, numbers.Integral):
+                raise ArgumentTypeError(f"window_attn_skip_freq must be None, an int >= 1 (every n-th layer skips the "
+                                        f"window) or a list of 0/1 per layer, got {type_name(freq)} {freq!r}")
+            elif freq < 1:
+                raise ValueError(f"window_attn_skip_freq must be an int >= 1 (every n-th layer skips the window), "
+                                 f"got {freq}")
+        mods = self.recompute_modules
+        if mods is not None and not (isinstance(mods, (list, tuple)) and all(isinstance(m, str) for m in mods)):
+            hint = f" (a list is expected: [{mods!r}])" if isinstance(mods, str) else ""
+            raise ArgumentTypeError(f"recompute_modules must be a list of module names, of "
+                                    f"{', '.join(map(repr, RECOMPUTE_MODULES))}, got {type_name(mods)} {mods!r}{hint}")
+
     def _check_basics(self) -> None:
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(
                 f"normalization must be one of {', '.join(map(repr, NORMALIZATIONS))}, got {self.normalization!r}"
             )
-        if not self.layernorm_epsilon >= 0:
-            raise ValueError(f"layernorm_epsilon must be >= 0, got {self.layernorm_epsilon}")
+        eps = self.layernorm_epsilon
+        if not _is_real(eps):
+            raise ArgumentTypeError(f"layernorm_epsilon must be a finite number > 0, got {type_name(eps)} {eps!r}")
+        if not 0.0 < eps <= FLOAT32_MAX:  # NaN fails this too
+            raise ValueError(f"layernorm_epsilon must be a finite number > 0, at most float32's max "
+                             f"({FLOAT32_MAX:.4g}: the norms add it in float32), got {eps!r}")
+        for name in ("init_method_std", "embedding_init_method_std"):
+            std = getattr(self, name)
+            if std is None and name == "embedding_init_method_std":
+                continue
+            if not _is_real(std):
+                raise ArgumentTypeError(f"{name} must be a finite number >= 0, got {type_name(std)} {std!r}")
+            if not 0.0 <= std < math.inf:  # 0 is meaningful: torch.nn.init.normal_(std=0) fills zeros
+                raise ValueError(f"{name} must be a finite number >= 0 (a standard deviation), got {std!r}")
+        scale = self.softmax_scale
+        if scale is not None:
+            if not _is_real(scale):
+                raise ArgumentTypeError(f"softmax_scale must be None or a finite number, got {type_name(scale)} "
+                                        f"{scale!r}")
+            if not -_MAX_SOFTMAX_SCALE <= scale <= _MAX_SOFTMAX_SCALE:
+                raise ValueError(f"softmax_scale must be None or a finite number, with |softmax_scale|·log2(e) <= "
+                                 f"float32's max ({FLOAT32_MAX:.4g}: the attention kernels scale the scores by it in "
+                                 f"float32), got {scale!r}")
         if self.params_dtype not in _FLOAT_DTYPES:
             raise TypeError(f"params_dtype must be one of {_FLOAT_DTYPES}, got {self.params_dtype!r}")
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
-            if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
+            if not _is_real(p):
+                raise ArgumentTypeError(f"{name} must be a probability in [0, 1], got {type_name(p)} {p!r}")
+            if not 0.0 <= p <= 1.0:
                 raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
+        if not self.attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be a probability in [0, 1) (1 would drop every attention "
+                             f"probability: the attention output would be zeros; the flash and fused softmax+dropout "
+                             f"kernels refuse it), got {self.attention_dropout!r}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ArgumentTypeError(f"{name} must be an int >= 0, got {type_name(v)} {v!r}")
+            if v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}")
@@ -305,6 +419,9 @@ class TransformerConfig:
             return
         if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c <= 0:
             raise ValueError(f"activation_func_clamp_value must be a finite number > 0 (or None), got {c!r}")
+        if c > FLOAT32_MAX:
+            raise ValueError(f"activation_func_clamp_value must be a finite number > 0, at most float32's max "
+                             f"({FLOAT32_MAX:.4g}: the kernels clamp in float32), got {c!r}")
         if self.num_moe_experts is None:
             raise ValueError("activation_func_clamp_value is only supported with MoE (set num_moe_experts)")
         if not glu:
@@ -319,11 +436,12 @@ class TransformerConfig:
 
     def _check_recompute(self) -> None:
         g, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        # checked with or without a granularity: a typo must not wait for the day "full" is set
+        if method is not None and method not in ("block", "uniform"):
+            raise ValueError(f'recompute_method must be "block" or "uniform" (or None), got {method!r}')
         if g is not None:
             if g not in ("full", "selective"):
                 raise ValueError(f'recompute_granularity must be None, "full" or "selective", got {g!r}')
-            if method is not None and method not in ("block", "uniform"):
-                raise ValueError(f'recompute_method must be "block" or "uniform", got {method!r}')
             if g == "full":
                 if method is None:
                     raise ValueError('With recompute_granularity "full", recompute_method must be "block" or "uniform"')

@@ -35,8 +35,9 @@ from typing import Literal, Optional, Union
 
 import torch
 
+from ...checks import check_tensor
 from ...fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-from ...parallel.cross_entropy import vocab_parallel_cross_entropy
+from ...parallel.cross_entropy import TARGET_DTYPES, vocab_parallel_cross_entropy
 from ...parallel.layers import ColumnParallelLinear
 from ...parallel.utils import SINGLE_RANK
 from ...transformer.enums import ModelType
@@ -48,6 +49,17 @@ from ..common.embeddings.language_model_embedding import LanguageModelEmbedding
 
 __all__ = ["GPTModel"]
 
+
+
+def _check_labels(labels: object, logits: torch.Tensor) -> None:
+    """labels [b, s] against the logits [s, b, V]: named as the user passed them (the cross
+    entropy would report its own transposed ``target [s, b]``)."""
+    check_tensor("labels", labels, dtypes=TARGET_DTYPES)
+    s, b = logits.shape[0], logits.shape[1]
+    if tuple(labels.shape) != (b, s):
+        hint = " (transposed? labels are [b, s], as input_ids)" if tuple(labels.shape) == (s, b) else ""
+        raise ValueError(f"labels must have shape [b, s] = [{b}, {s}] (input_ids' shape), got "
+                         f"{list(labels.shape)}{hint}")
 
 
 def _rotary_embedding_class() -> type:
@@ -89,8 +101,9 @@ class GPTModel(MegatronModule):
         NotImplementedError: a left-out feature asked for, or scatter_embedding_sequence_parallel
             False under sequence parallelism.
         ValueError: an unknown position_embedding_type; input_ids longer than max_sequence_length
-            (learned positions); target ids outside [0, V) (the cross
-            entropy); V, heads or widths not divisible by p (the layers).
+            (learned positions); labels not of input_ids' shape [b, s]; label ids outside
+            [0, V) (the cross entropy); V, heads or widths not divisible by p (the layers).
+        TypeError: labels not an int64/int32 tensor.
         RuntimeError: p > 1 before :func:`fusedlib.parallel.initialize_model_parallel`.
 
     Source: Megatron-LM ``megatron/core/models/gpt/gpt_model.py`` (``GPTModel``).
@@ -160,8 +173,15 @@ class GPTModel(MegatronModule):
         """Per-token cross entropy: labels [b, s], logits [s, b, V] ([s, b, V/p], split over the
         tensor-parallel ranks) -> loss [b, s], float32.
 
+        Raises:
+            TypeError: labels not an int64/int32 tensor.
+            ValueError: labels not of shape [b, s] (input_ids' shape: the logits' [s, b] transposed).
+
         Source: Megatron-LM ``language_module.py`` (``compute_language_model_loss``).
         """
+        if not (isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.shape[0] == logits.shape[1]
+                and labels.shape[1] == logits.shape[0] and labels.dtype in TARGET_DTYPES):
+            _check_labels(labels, logits)
         labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
         if self.config.cross_entropy_loss_fusion:
             loss = fused_vocab_parallel_cross_entropy(logits, labels, self._loss_group)
