@@ -370,8 +370,8 @@ def test_config_bool_fields_are_many_and_accept_numpy_bools():
                                        r"got float 2.5"),
     (dict(kv_channels=True), TypeError, "kv_channels must be an int >= 1"),
     (dict(kv_channels="8"), TypeError, "kv_channels must be an int >= 1"),
-    (dict(kv_channels=0), ValueError, "kv_channels must be an int >= 1"),
-    (dict(ffn_hidden_size=0), ValueError, "ffn_hidden_size must be an int >= 1"),
+    (dict(kv_channels=0, hidden_size=64, num_attention_heads=4), ValueError, "kv_channels must be an int >= 1"),
+    (dict(ffn_hidden_size=0, hidden_size=64, num_attention_heads=4), ValueError, "ffn_hidden_size must be an int >= 1"),
     (dict(ffn_hidden_size=8.0), TypeError, "ffn_hidden_size must be an int >= 1"),
     (dict(hidden_size=8, num_attention_heads=2, num_query_groups=2.0), TypeError,
      "num_query_groups must be an int >= 1"),
@@ -430,6 +430,18 @@ def test_config_accepts_the_boundaries():
     assert TransformerConfig(recompute_modules=("mlp",)).recompute_modules == ("mlp",)
     assert TransformerConfig(num_layers=2, window_attn_skip_freq=[1, 0]).window_attn_skip_freq == [1, 0]
     assert TransformerConfig(kv_channels=np.int64(8), hidden_size=16, num_attention_heads=2).kv_channels == 8
+
+
+def test_config_with_derived_sizes_round_trips_through_replace():
+    # hidden_size 0 (a config for parallel state): __post_init__ derives ffn_hidden_size and
+    # kv_channels 0, and dataclasses.replace passes them back
+    for base in (TransformerConfig(tensor_model_parallel_size=2),
+                 TransformerConfig(hidden_size=0, num_attention_heads=4),
+                 TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)):
+        again = dataclasses.replace(base, tensor_model_parallel_size=1)
+        assert (again.ffn_hidden_size, again.kv_channels) == (base.ffn_hidden_size, base.kv_channels)
+    with pytest.raises(ValueError, match="ffn_hidden_size must be an int >= 1"):
+        TransformerConfig(hidden_size=64, num_attention_heads=4, ffn_hidden_size=0)
 
 
 def test_config_accepts_what_it_can_run():

@@ -285,7 +285,9 @@ class TransformerConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise ArgumentTypeError(f"{name} must be an int >= 1 ({none_means}), got {type_name(v)} {v!r}")
-            if v < 1:
+            # 0 is what __post_init__ derives from hidden_size = 0 (a config for parallel state or
+            # the norms alone): dataclasses.replace passes it back, and it must round-trip
+            if v < 1 and not (v == 0 and self.hidden_size == 0 and name in ("ffn_hidden_size", "kv_channels")):
                 raise ValueError(f"{name} must be an int >= 1 ({none_means}), got {v}")
         n = self.num_moe_experts
         if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
