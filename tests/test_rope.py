@@ -298,6 +298,16 @@ def test_bad_flags_and_mscale_raise_naming_them(name):
         fused_apply_rotary_pos_emb(_randn(3, 2, 1, 8), _angles(3, 1, 8), **kwargs)
 
 
+@pytest.mark.parametrize("fusion", (False, True))
+@pytest.mark.parametrize("name", sorted(k for k in BAD_ARGS if k.startswith("mscale")))
+def test_bad_mscale_raises_on_the_unfused_path_too(name, fusion):
+    # rope_utils.apply_rotary_pos_emb with apply_rope_fusion=False took None, a str or nan into
+    # Megatron's unfused formula
+    kwargs, exc, match = BAD_ARGS[name]
+    with pytest.raises(exc, match=match):
+        apply_rotary_pos_emb(_randn(3, 2, 1, 8), _angles(3, 1, 8), _config(fusion), **kwargs)
+
+
 def test_numpy_bool_and_real_scalars_are_accepted():
     import numpy as np
 

@@ -20,7 +20,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ....fusions.fused_rope import fused_apply_rotary_pos_emb
+from ....checks import FLOAT32_MAX
+from ....fusions.fused_rope import _check_mscale, fused_apply_rotary_pos_emb
 from ....unfused import apply_rotary_pos_emb_bshd as _apply_rotary_pos_emb_bshd
 from ....unfused import rotate_half as _rotate_half
 
@@ -62,7 +63,8 @@ def apply_rotary_pos_emb(
         TypeError: ``config`` lacks ``apply_rope_fusion`` or ``rotary_interleaved``.
         NotImplementedError: ``cu_seqlens`` given (packed sequences), or
             ``multi_latent_attention`` with ``apply_rope_fusion``.
-        TypeError, ValueError: from :func:`fused_apply_rotary_pos_emb` for bad tensors.
+        TypeError, ValueError: from :func:`fused_apply_rotary_pos_emb` for bad tensors; mscale
+            not a real number (TypeError) or not finite in float32 (ValueError), on either path.
 
     Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``
     (``apply_rotary_pos_emb``).
@@ -75,6 +77,8 @@ def apply_rotary_pos_emb(
             "cu_seqlens (packed sequences, the thd format) is not supported by fusedlib's RoPE: "
             "pass t as [s, b, np, d] with cu_seqlens=None"
         )
+    if not (type(mscale) is float and -FLOAT32_MAX <= mscale <= FLOAT32_MAX):  # the happy case; NaN fails too
+        mscale = _check_mscale(mscale)  # both paths: the unfused formula took None, nan or a str as well
     mla = bool(getattr(config, "multi_latent_attention", False))
     if config.apply_rope_fusion:
         if mla:
