@@ -133,17 +133,14 @@ def once_differentiable(fn: Callable[..., Any]) -> Callable[..., Any]:
         with torch.no_grad():
             outputs = fn(ctx, *args)
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
-        if not any(isinstance(o, Tensor) for o in outs):
-            return outputs
         err_fn = torch._C._functions.DelayedError(_TWICE, len(outs))
 
-        def fake_requires_grad(var: Any) -> Any:
-            if isinstance(var, Tensor):
+        def fake_requires_grad(var: Any) -> Any:  # as torch's: an alias that requires grad
+            if var is not None:
                 var = var.detach()
                 var.requires_grad = True
             return var
 
-        res = err_fn(*[fake_requires_grad(v) for v in outs])
-        return res if isinstance(outputs, tuple) else res[0] if isinstance(res, tuple) else res
+        return err_fn(*[fake_requires_grad(v) for v in outs])
 
     return wrapper

@@ -112,8 +112,6 @@ def check_flag(name: str, value: object) -> bool:
     Raises:
         TypeError: ``value`` is not a bool; the message names its type (``numpy.int64``, not ``int``).
     """
-    if value is True or value is False:
-        return value
     return check_bool(name, value)
 
 

@@ -110,6 +110,7 @@ MAX_HIDDEN_SIZE: int = MAX_FUSED_SIZE
 #: (1 / gamma is then finite in float32; below it the forward's check reports the column).
 GAMMA_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
 
+
 @triton.jit
 def _div_n(total, n, ACC: tl.constexpr):
     """``total / n`` rounded as IEEE division does. A GPU's default float32 division is an

@@ -21,7 +21,7 @@ def tanh(z):
 
 #: Below this z, :func:`soft_clamp` takes tanh(z)/z from its Taylor series (next term
 #: 1382·z^10/155925 < 1e-11 there); above, 1 - e^{-2z} loses at most 2 of float32's 24 bits.
-SOFT_CLAMP_SERIES_BELOW = 0.125
+SOFT_CLAMP_SERIES_BELOW: tl.constexpr = tl.constexpr(0.125)
 
 
 @triton.jit
@@ -36,6 +36,6 @@ def soft_clamp(r, s):
     z = r / s
     z2 = z * z
     ratio = 1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0 + z2 * (62.0 / 2835.0))))
-    small = z < 0.125
+    small = z < SOFT_CLAMP_SERIES_BELOW
     t = tl.where(small, z * ratio, tanh(z))
     return tl.where(small, r * ratio, s * t), t
