@@ -25,7 +25,7 @@ from conftest import DEVICE  # noqa: I001
 TINY = (2, 3, 13, 12)
 #: the implementations that run on a CPU (SDPA's CPU flash and math kernels; the materialised
 #: paths; fusedlib's kernels in Triton's interpreter)
-CPU_IMPLS = ("fusedlib", "sdpa-flash", "sdpa-math", "fusedlib-materialised", "eager", "torch.compile")
+CPU_IMPLS = ("fusedlib", "fusedlib-deterministic", "sdpa-flash", "sdpa-math", "fusedlib-materialised", "eager", "torch.compile")
 
 
 def _reference(q, k, v, causal, scale):
@@ -87,8 +87,9 @@ def test_cases_are_the_four_documented_shapes_with_every_implementation():
     assert [c.shape for c in cs[2:]] == [(2, 16, 8192, 128), (8, 32, 1024, 64)]
     for c in cs:
         assert c.op == "attention" and c.dtype == torch.bfloat16
-        assert [i.name for i in c.impls] == ["fusedlib", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math",
-                                             "fusedlib-materialised", "eager", "torch.compile"]
+        assert [i.name for i in c.impls] == ["fusedlib", "fusedlib-deterministic", "sdpa-flash", "sdpa-cudnn",
+                                             "sdpa-efficient", "sdpa-math", "fusedlib-materialised", "eager",
+                                             "torch.compile"]
         assert set(i.name for i in c.impls) == set(at.IMPLS)
         assert c.bytes == {"fwd": None, "fwd+bwd": None} and c.peak_memory and c.cuda_graph
         b, h, s, d = c.shape

@@ -660,6 +660,20 @@ def test_a_later_token_never_changes_an_earlier_output(backend):
     assert not torch.allclose(y2[t:], y[t:].detach())
 
 
+@pytest.mark.parametrize("deterministic_mode", [True, False])
+def test_deterministic_mode_reaches_flash_attention(deterministic_mode, monkeypatch):
+    from fusedlib.fusions import fused_attention
+
+    seen = []
+    real = fused_attention.flash_attention
+    monkeypatch.setattr(fused_attention, "flash_attention",
+                        lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+    cfg = make_config(**dict(FUSIONS_ON, attention_backend=AttnBackend.flash, deterministic_mode=deterministic_mode))
+    block = randomize(TransformerBlock(cfg, get_gpt_layer_local_spec()))
+    block(hidden(), None).sum().backward()
+    assert seen == [deterministic_mode] * cfg.num_layers
+
+
 BAD_MASKS = {
     # [b, sk] (a key-padding mask) is read as [sq, sk]: the flash path reported its 4-D view,
     # "got [1, 1, 2, 7]", and SDPA a raw broadcast RuntimeError

@@ -64,29 +64,31 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 class FlashAttentionFunction(torch.autograd.Function):
     """Autograd Function of :func:`flash_attention` (which checks the arguments: call that).
 
-    ``apply(q, k, v, sinks, mask, softmax_scale, band, dropout_p)``: q [b, sq, hq, d], k and v
+    ``apply(q, k, v, sinks, mask, softmax_scale, band, dropout_p, deterministic)``: q [b, sq, hq, d], k and v
     [b, sk, hkv, d] with unit last strides; sinks float32 [hq] or None; mask bool ([b, sk] or
     4-D broadcastable to [b, hq, sq, sk]) or None; softmax_scale a float; band
     ``(band_lo, band_hi)`` (:func:`~fusedlib.kernels.flash_attention.attention_band`);
-    dropout_p in [0, 1).
+    dropout_p in [0, 1); deterministic a bool.
 
     Forward: draws a Philox key from torch's generator on q's device when dropout_p > 0,
     launches one kernel, saves q, k, v, o, the LSE (float32 [b, hq, sq]), the mask, the sinks
-    and the key. Backward: three kernels, no atomics, returning (dq, dk, dv, dsinks) in the
-    inputs' dtypes. Differentiable once (a double backward raises).
+    and the key. Backward: three kernels, returning (dq, dk, dv, dsinks) in the inputs' dtypes:
+    without atomics when ``deterministic``, else dQ by atomic adds where that is faster
+    (:func:`~fusedlib.kernels.flash_attention.use_atomic_dq`). Differentiable once (a double
+    backward raises).
 
     Source: Dao, "FlashAttention-2" (2023), Algorithms 1 and 2.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, mask, softmax_scale, band, dropout_p):
+    def forward(ctx, q, k, v, sinks, mask, softmax_scale, band, dropout_p, deterministic=True):
         sink32 = None
         if sinks is not None:  # (no graph here: forward runs without grad)
             sink32 = sinks.to(torch.float32).contiguous()
         seed = philox_seed(q.device) if dropout_p > 0.0 else None
         o, lse = flash_attn_fwd(q, k, v, softmax_scale, band, mask, sink32, seed, dropout_p)
         ctx.save_for_backward(q, k, v, o, lse, mask, sink32, seed)
-        ctx.softmax_scale, ctx.band, ctx.dropout_p = softmax_scale, band, dropout_p
+        ctx.softmax_scale, ctx.band, ctx.dropout_p, ctx.deterministic = softmax_scale, band, dropout_p, deterministic
         ctx.sink_dtype = sinks.dtype if sinks is not None else None
         return o
 
@@ -97,10 +99,11 @@ class FlashAttentionFunction(torch.autograd.Function):
         do = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()
         want_sink = sink32 is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dsink = flash_attn_bwd(do, q, k, v, o, lse, ctx.softmax_scale, ctx.band, mask,
-                                           sink32 if want_sink else None, seed, ctx.dropout_p)
+                                           sink32 if want_sink else None, seed, ctx.dropout_p,
+                                           deterministic=ctx.deterministic)
         if dsink is not None:
             dsink = dsink.to(ctx.sink_dtype)
-        return dq, dk, dv, dsink, None, None, None, None
+        return dq, dk, dv, dsink, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,9 +226,13 @@ def flash_attention(
             device per call (``torch.manual_seed`` reproduces it;
             :func:`~fusedlib.kernels.flash_attention.flash_attn_dropout_mask` of the replayed
             key gives it as a tensor).
-        deterministic: accepted for FlashAttention's and Megatron-core's API: fusedlib's
-            backward never uses atomics (dK/dV and dQ in separate kernels, the GQA sum in
-            registers), so it is bitwise reproducible with either value.
+        deterministic: True: a bitwise reproducible backward (dK/dV and dQ in separate
+            kernels, the GQA sum in registers, no atomics). False (FlashAttention's default):
+            where it is faster (head dims 65-128, or any head dim up to 64 with dropout:
+            :func:`~fusedlib.kernels.flash_attention.use_atomic_dq`) dQ is summed by float32
+            atomic adds, whose order varies from run to run, so dq may differ between runs in
+            its last bits (dk, dv and d sinks stay reproducible); elsewhere the deterministic
+            kernels run.
 
     Returns:
         The attention output [b, sq, hq, d] in q's dtype (``torch.empty_like(q)``: q's
@@ -257,7 +264,7 @@ def flash_attention(
     if causal is not True and causal is not False:  # numpy's bool is accepted; a str or 1 is not
         causal = check_bool("causal", causal)
     if deterministic is not True and deterministic is not False:
-        check_bool("deterministic", deterministic)
+        deterministic = check_bool("deterministic", deterministic)
     sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
     scale = _check_scale(softmax_scale, d)
     window = _check_window(window_size)
@@ -268,4 +275,4 @@ def flash_attention(
         _check_sinks(sinks, q)
     band = attention_band(sq, sk, causal, window)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    return FlashAttentionFunction.apply(q, k, v, sinks, attention_mask, scale, band, p)
+    return FlashAttentionFunction.apply(q, k, v, sinks, attention_mask, scale, band, p, deterministic)

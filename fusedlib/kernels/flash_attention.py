@@ -45,8 +45,8 @@ the probability of key j for query i of head h in batch b is kept iff the 16 bit
 the tiles. The denominator l sums the probabilities before dropout; acc only the kept ones,
 scaled by 1/(1 - p') once at the end. The backward regenerates the mask from the seed.
 
-Backward (FlashAttention-2, Algorithm 2), with dO the output's gradient, in three kernels
-and without atomics (so bitwise reproducible):
+Backward (FlashAttention-2, Algorithm 2), with dO the output's gradient, deterministic form
+in three kernels and without atomics (so bitwise reproducible):
 
 1. preprocess: Delta_i = rowsum(dO_i·O_i) (= sum_j P_ij·dP_ij), float32 [b, hq, sq]; with a
    sink also each row's -P_sink,i·Delta_i, whose sum over b and i is d o_h;
@@ -57,8 +57,12 @@ and without atomics (so bitwise reproducible):
 3. dQ: one program per tile of BLOCK_M queries, walking the key tiles as the forward does:
    dQ += dS·k·scale.
 
-Kernels 2 and 3 both recompute s and dP (7 matrix products where an atomic dQ would do 5);
-the price of a deterministic backward with no [b, sq, hq, d] float32 accumulator.
+Kernels 2 and 3 both recompute s and dP (7 matrix products where an atomic dQ does 5);
+the price of a deterministic backward with no [b, sq, hq, d] float32 accumulator. The
+nondeterministic form (``deterministic=False``, FlashAttention-2's own): kernel 2 also adds
+dS·k of each tile into a float32 dQ accumulator with atomic adds (which the preprocess
+zeroes), and a last kernel scales and casts it; the order of those float32 additions varies
+from run to run. Taken where it measured faster (:func:`use_atomic_dq`).
 
 Dtype policy: q, k, v in float16 or bfloat16 (float32 for tests, with IEEE float32
 products: no TF32), products accumulated in float32 on the tensor cores, softmax statistics
@@ -95,8 +99,10 @@ __all__ = [
     "FWD_TILES",
     "BWD_DKDV_TILES",
     "BWD_DQ_TILES",
+    "BWD_ATOMIC_TILES",
     "INTERPRETER_TILE",
     "attention_tile",
+    "use_atomic_dq",
     "attention_band",
     "flash_attn_fwd",
     "flash_attn_bwd",
@@ -146,6 +152,17 @@ BWD_DKDV_TILES: TileTable = (
     (128, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
     (256, Tile(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)),
 )
+#: Backward with atomic dQ (:func:`use_atomic_dq`): one program per BLOCK_N keys computes dK, dV
+#: and adds each step's dS·k into a float32 dQ accumulator. Swept on the H200 (bf16, kernel
+#: only, NOTES.md), whole backward ms: d = 128 [64 queries, 128 keys] at 8 warps 0.649 at causal
+#: [4, 16, 2048, 128] (the deterministic pair 0.664), 1.085 non-causal (1.138), 3.857 at causal
+#: [2, 16, 8192, 128] (4.147); every 64-key tile was slower than the deterministic pair (0.87-1.08
+#: at the first shape): fewer, wider key tiles mean fewer atomic adds. d = 64 with dropout 0.1,
+#: [64, 64] at 4 warps: 0.611 at causal [8, 32, 1024, 64] (0.767), 0.312 at [64, 6, 512, 64] (0.361).
+BWD_ATOMIC_TILES: TileTable = (
+    (64, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
+    (128, Tile(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)),
+)
 #: Backward dQ: one program per BLOCK_M queries of one head, walking BLOCK_N keys.
 BWD_DQ_TILES: TileTable = (
     (64, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)),
@@ -183,6 +200,19 @@ def attention_tile(table: TileTable, head_dim: int) -> Tile:
     if INTERPRET_ON_CPU:
         return INTERPRETER_TILE
     return pick(table, head_dim, resolve_block_n=False)
+
+
+def use_atomic_dq(head_dim: int, dropout: bool) -> bool:
+    """Whether a backward that may be nondeterministic (``deterministic=False``) takes dQ by
+    atomic adds from the dK/dV kernel (5 products and one Philox draw per tile, two kernels
+    fewer) instead of the dQ kernel (7 products, the mask drawn again). Where it measured
+    faster on the H200 (:data:`BWD_ATOMIC_TILES`): head dims 65-128 (2-7 % less backward time
+    without dropout), and every head dim up to 64 with dropout (14-20 %); without dropout at
+    d <= 64 the atomics cost more than the two products they save (0.230 against 0.207 ms at
+    causal [64, 6, 512, 64]), and above 128 the kernel is unmeasured: those keep the
+    deterministic pair."""
+    block_d = _block_d(head_dim)
+    return 64 < block_d <= 128 or (dropout and block_d <= 64)
 
 
 def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[int, int]]) -> tuple[int, int]:
@@ -375,10 +405,12 @@ def _flash_bwd_preprocess_kernel(
     SINK_ptr,  # float32 [hq] (with HAS_SINK)
     DELTA_ptr,  # float32 [b, hq, sq], written: rowsum(dO·O)
     DSINK_ptr,  # float32 [b, hq, sq], written with HAS_SINK: -P_sink·Delta per row
+    DQACC_ptr,  # float32 [b, hq, sq, d], zeroed with ZERO_DQACC (the atomic dQ's accumulator)
     stride_ob, stride_os, stride_oh,
     stride_db, stride_ds, stride_dh,
     n_heads, sq,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINK: tl.constexpr,
+    ZERO_DQACC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -393,6 +425,9 @@ def _flash_bwd_preprocess_kernel(
     delta = tl.sum(o * do, 1)
     row = (b * n_heads + h) * sq + offs_m
     tl.store(DELTA_ptr + row, delta, mask=offs_m < sq)
+    if ZERO_DQACC:
+        tl.store(DQACC_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=ok)
     if HAS_SINK:
         lse = tl.load(LSE_ptr + row, mask=offs_m < sq, other=0.0)
         p_sink = tl.exp(tl.load(SINK_ptr + h).to(tl.float32) - lse)
@@ -402,8 +437,8 @@ def _flash_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                 mask_base, stride_mq, stride_mk, seed, row0, n_tile, offs_n, offs_d, lo, hi, sq, band_lo, band_hi,
-                qk_scale, T, keep_scale,
-                EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                qk_scale, T, keep_scale, dqacc_base,
+                EDGE: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Query tiles [lo, hi) of one head for the key tile offs_n: accumulate dK (unscaled) and
     dV. Computed transposed ([keys, queries]) so that no product needs a transposed result.
@@ -438,8 +473,12 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
         else:
             dv = tl.dot(pT.to(do.dtype).to(DOT), do.to(DOT), dv, input_precision=PRECISION)
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(do.dtype).to(DOT), tl.trans(qT), dk, input_precision=PRECISION)
+        dsT = (pT * (dpT - delta[None, :])).to(do.dtype).to(DOT)
+        dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=PRECISION)
+        if ATOMIC_DQ:  # this tile's share of dQ (unscaled), added into the float32 accumulator
+            dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
+            tl.atomic_add(dqacc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], dq,
+                          mask=m_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -448,6 +487,7 @@ def _flash_bwd_dkdv_kernel(
     Q_ptr, K_ptr, V_ptr, DO_ptr,
     LSE_ptr, DELTA_ptr,  # float32 [b, hq, sq]
     DK_ptr, DV_ptr,  # k's and v's shape and dtype, written
+    DQACC_ptr,  # float32 [b, hq, sq, d], zeroed, accumulated with ATOMIC_DQ (dQ before its scale)
     MASK_ptr, SEED_ptr,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -461,6 +501,7 @@ def _flash_bwd_dkdv_kernel(
     qk_scale, band_lo, band_hi, T, keep_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,  # also dQ, by atomic adds (not bitwise reproducible)
 ):
     sm_scale, qk_scale = tl.cast(sm_scale, tl.float32), tl.cast(qk_scale, tl.float32)
     keep_scale = tl.cast(keep_scale, tl.float32)
@@ -497,20 +538,21 @@ def _flash_bwd_dkdv_kernel(
         delta_base = DELTA_ptr + (b64 * n_heads + h) * sq
         mask_base = MASK_ptr + b64 * stride_mb + h.to(tl.int64) * stride_mh
         row0 = (b64 * n_heads + h) * sq
+        dqacc_base = DQACC_ptr + row0 * HEAD_DIM  # float32 [b, hq, sq, d] (with ATOMIC_DQ)
         kmask = tl.where(n_ok, 0, 1).to(tl.int8)  # 1 = masked: the keys past sk
         if MASK_KIND == 1:  # the same for every query: read once per head
             kmask = tl.load(mask_base + offs_n * stride_mk, mask=n_ok, other=1).to(tl.int8)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, lo, a, sq, band_lo, band_hi,
-                             qk_scale, T, keep_scale, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
+                             qk_scale, T, keep_scale, dqacc_base, True, ATOMIC_DQ, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
                              PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, a, bb, sq, band_lo, band_hi,
-                             qk_scale, T, keep_scale, False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
+                             qk_scale, T, keep_scale, dqacc_base, False, ATOMIC_DQ, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
                              PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, bb, hi, sq, band_lo, band_hi,
-                             qk_scale, T, keep_scale, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
+                             qk_scale, T, keep_scale, dqacc_base, True, ATOMIC_DQ, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
                              PRECISION)
     dk = dk * sm_scale
     tl.store(DK_ptr + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dks
@@ -614,6 +656,27 @@ def _flash_bwd_dq_kernel(
     dq = dq * sm_scale
     tl.store(DQ_ptr + b64 * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
              dq.to(DQ_ptr.dtype.element_ty), mask=ld)
+
+
+@triton.jit
+def _flash_bwd_dq_convert_kernel(
+    DQACC_ptr,  # float32 [b, hq, sq, d] contiguous: dQ before its scale
+    DQ_ptr,  # q's shape and dtype, written: dQ = softmax_scale·acc
+    stride_dqb, stride_dqs, stride_dqh,
+    n_heads, sq, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m < sq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    row = (b * n_heads + h) * sq + offs_m
+    acc = tl.load(DQACC_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
+    tl.store(DQ_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
+             (acc * sm_scale).to(DQ_ptr.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -730,8 +793,12 @@ def flash_attn_bwd(
     dropout_p: float = 0.0,
     tile: Optional[Tile] = None,
     dq_tile: Optional[Tile] = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Launch the backward: preprocess, dK/dV, dQ (three kernels, no atomics).
+    """Launch the backward: preprocess, dK/dV, dQ (three kernels, no atomics); or, with
+    ``deterministic=False`` where :func:`use_atomic_dq` says so, preprocess (which also zeroes
+    a float32 [b, hq, sq, d] dQ accumulator), dK/dV adding dQ by atomics, and a kernel that
+    scales and casts the accumulator into dq.
 
     Args:
         do: the gradient of o, o's shape and dtype, unit last stride; read, never written.
@@ -741,11 +808,14 @@ def flash_attn_bwd(
             program, BLOCK_M queries per step.
         dq_tile: the dQ kernel's (None: :data:`BWD_DQ_TILES`): BLOCK_M queries per program,
             BLOCK_N keys per step.
+        deterministic: True: bitwise reproducible, every sum in a fixed order. False: dQ may
+            be summed by float32 atomic adds in an order that varies from run to run (dK, dV
+            and dsink stay reproducible); ``tile`` is then the atomic kernel's (None:
+            :data:`BWD_ATOMIC_TILES`) where the atomic path is taken.
 
     Returns:
         ``(dq, dk, dv, dsink)``: like q, k, v (``torch.empty_like``); dsink float32 [hq]
-        when ``sinks`` is given, else None. Bitwise reproducible: every sum runs in a fixed
-        order.
+        when ``sinks`` is given, else None.
     """
     B, SQ, HQ, D = q.shape
     SK, HKV = k.shape[1], k.shape[2]
@@ -764,10 +834,14 @@ def flash_attn_bwd(
     pre_m = 64 if block_d <= 128 else 32  # rows per program: [64, 128] float32 products, 32 per thread at 8 warps
     if INTERPRET_ON_CPU:
         pre_m = max(pre_m, min(256, next_power_of_2(SQ)))
+    atomic = not deterministic and use_atomic_dq(D, seed is not None)
+    dq_acc = torch.empty((B, HQ, SQ, D), dtype=torch.float32, device=q.device) if atomic else delta
+    pre_warps = 8 if block_d > 64 else 4
     launch(_flash_bwd_preprocess_kernel, (cdiv(SQ, pre_m), HQ, B), q.device,
            o, do, lse, sinks if sinks is not None else lse, delta, dsink_rows if dsink_rows is not None else delta,
-           *o.stride()[:3], *do_s, HQ, SQ,
-           HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_SINK=sinks is not None, num_warps=8 if block_d > 64 else 4)
+           dq_acc, *o.stride()[:3], *do_s, HQ, SQ,
+           HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_SINK=sinks is not None, ZERO_DQACC=atomic,
+           num_warps=pre_warps)
     if dsink_rows is not None:
         dsink = dsink_rows.sum(dim=(0, 2))
     m4, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
@@ -777,13 +851,18 @@ def flash_attn_bwd(
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, MASK_KIND=kind, DROPOUT=seed is not None, DOT=dot,
                   PRECISION=precision)
     if tile is None:
-        tile = _stages_for(attention_tile(BWD_DKDV_TILES, D), q.dtype)
+        tile = _stages_for(attention_tile(BWD_ATOMIC_TILES if atomic else BWD_DKDV_TILES, D), q.dtype)
     launch(_flash_bwd_dkdv_kernel, (cdiv(SK, tile.BLOCK_N), HKV, B), q.device,
-           q, k, v, do, lse, delta, dk, dv, m4, seed_arg,
+           q, k, v, do, lse, delta, dk, dv, dq_acc, m4, seed_arg,
            *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], *ms,
            HQ, HQ // HKV, SQ, SK, softmax_scale, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
            BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, num_warps=tile.num_warps, num_stages=tile.num_stages,
-           **common)
+           ATOMIC_DQ=atomic, **common)
+    if atomic:
+        launch(_flash_bwd_dq_convert_kernel, (cdiv(SQ, pre_m), HQ, B), q.device,
+               dq_acc, dq, *dq.stride()[:3], HQ, SQ, softmax_scale,
+               HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, num_warps=pre_warps)
+        return dq, dk, dv, dsink
     if dq_tile is None:
         dq_tile = _stages_for(attention_tile(BWD_DQ_TILES, D), q.dtype)
     launch(_flash_bwd_dq_kernel, (cdiv(SQ, dq_tile.BLOCK_M), HQ, B), q.device,

@@ -104,6 +104,9 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
         cuda_graph: ``cuda_graph_impl="local"``: in training the layers and the final norm run as CUDA graphs
             (:mod:`fusedlib.transformer.cuda_graphs`).
 
+    Every configuration sets ``deterministic_mode`` (FlashAttention's backward without atomics), so
+    that a resumed run repeats the uninterrupted one bit for bit.
+
     Raises:
         ValueError: an unknown spec or backend; ``cuda_graph`` with ``tp`` > 1.
     """
@@ -118,6 +121,7 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
                             use_cpu_initialization=cpu_init, attention_backend=AttnBackend[attention_backend],
                             tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
                             cuda_graph_impl="local" if cuda_graph else "none",
+                            deterministic_mode=True,  # a resumed run repeats the uninterrupted one bit for bit
                             **{k: True for k in FUSED_SWITCHES})
     if spec == "unfused":
         cfg = dataclasses.replace(without_fusions(cfg), activation_func=_tanh_gelu)

@@ -246,7 +246,8 @@ class DotProductAttention(MegatronModule):
         if mask is not None and mask.dim() < 4:  # broadcastable to [b, np, sq, sk]: as 4-D (a view)
             mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         out = fused_attention.flash_attention(q, k, v, causal=causal, softmax_scale=scale, attention_mask=mask,
-                                              window_size=self.window_size, dropout_p=dropout_p)
+                                              window_size=self.window_size, dropout_p=dropout_p,
+                                              deterministic=self.config.deterministic_mode)
         # [b, sq, np, hn] in [sq, b, np, hn] memory order (the output follows q's): both steps are views
         return out.transpose(0, 1).reshape(sq, b, np_ * hn)
 

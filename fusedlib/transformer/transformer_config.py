@@ -193,6 +193,10 @@ class TransformerConfig:
     range); sets attention_softmax_in_fp32, as Megatron-core does."""
     attention_softmax_in_fp32: bool = True
     """Mask and softmax in fp32 for fp16/bf16 scores (the unfused path; the kernel always does)."""
+    deterministic_mode: bool = False
+    """Choose code with deterministic execution (Megatron-core's switch): here, fusedlib's
+    FlashAttention backward without atomics (``flash_attention(deterministic=True)``), bitwise
+    reproducible; False lets it sum dQ by atomic adds where that is faster."""
 
     # ---------------------------------------------------------------- initialization
     init_method: Optional[Callable[[torch.Tensor], torch.Tensor]] = None

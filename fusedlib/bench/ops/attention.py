@@ -15,7 +15,10 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
 
 ==========================  ==================================================================
 ``fusedlib``                ``fusedlib.fusions.fused_attention.flash_attention``: the Triton
-                            FlashAttention-2 kernels, the scores never in memory
+                            FlashAttention-2 kernels, the scores never in memory (its default
+                            backward: dQ by atomic adds where that is faster)
+``fusedlib-deterministic``  the same with ``deterministic=True``, fwd+bwd only (the forward is
+                            the same kernel): the backward without atomics
 ``sdpa-flash``              ``F.scaled_dot_product_attention`` under ``sdpa_kernel`` with one
 ``sdpa-cudnn``              backend allowed: FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION
 ``sdpa-efficient``          (cuDNN's fused attention), EFFICIENT_ATTENTION (xFormers'
@@ -93,6 +96,7 @@ CASES: tuple[tuple[tuple[int, int, int, int], bool], ...] = (
 
 IMPLS: dict[str, str] = {
     "fusedlib": "fusedlib's flash_attention: Triton FlashAttention-2 forward and backward",
+    "fusedlib-deterministic": "the same, deterministic=True (backward without atomics; fwd+bwd only)",
     "sdpa-cudnn": "scaled_dot_product_attention, CUDNN_ATTENTION only",
     "sdpa-flash": "scaled_dot_product_attention, FLASH_ATTENTION only",
     "sdpa-efficient": "scaled_dot_product_attention, EFFICIENT_ATTENTION only",
@@ -180,11 +184,11 @@ def _heads_first(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.transpose(1, 2) for t in ts)
 
 
-def _fusedlib(causal: bool, scale: float) -> Callable:
+def _fusedlib(causal: bool, scale: float, deterministic: bool = False) -> Callable:
     def fn(q, k, v):
         from ...fusions.fused_attention import flash_attention  # at the first call: see case()
 
-        return flash_attention(q, k, v, causal=causal, softmax_scale=scale)
+        return flash_attention(q, k, v, causal=causal, softmax_scale=scale, deterministic=deterministic)
 
     return fn
 
@@ -334,7 +338,8 @@ def case(shape: Sequence[int] = DEFAULT_SHAPE, dtype: torch.dtype = torch.bfloat
     def make_inputs(dev, requires_grad):
         return tuple(torch.randn(b, s, h, d, device=dev, dtype=dtype, requires_grad=requires_grad) for _ in range(3))
 
-    impls = [Impl("fusedlib", _fusedlib(causal, scale))]
+    impls = [Impl("fusedlib", _fusedlib(causal, scale)),
+             Impl("fusedlib-deterministic", _fusedlib(causal, scale, deterministic=True), passes=("fwd+bwd",))]
     for name, backend in SDPA_BACKENDS.items():
         impls.append(Impl(name, _sdpa(backend, causal, scale), info={"backend": backend}))
     impls.append(Impl("fusedlib-materialised", _materialised(causal, scale)))
