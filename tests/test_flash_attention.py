@@ -102,8 +102,8 @@ def _reference_parts(q64, k64, v64, o64, do64, kw, keep, p_used):
     return {"o": r_o, "dq": r_dq, "dk": r_dk, "dv": r_dv, "dsinks": r_ds}
 
 
-def _assert_within(name, got, want, r, dtype, n_terms):
-    u = U[dtype] + n_terms * 2.0 ** -24
+def _assert_within(name, got, want, r, dtype, n_terms, extra_u=0.0):
+    u = U[dtype] + n_terms * 2.0 ** -24 + extra_u
     tol = 4 * u * r + 1e-12
     err = (got.double() - want).abs()
     assert not torch.isnan(got).any(), f"{name}: NaN"
@@ -112,8 +112,9 @@ def _assert_within(name, got, want, r, dtype, n_terms):
                            f"tol there {tol.flatten()[err.argmax()].item():.3e}")
 
 
-def _check(dtype, b, sq, sk, hq, hkv, d, dropout_p=0.0, grad_layout=None, inputs=None, **kw):
-    """flash_attention forward and backward against the float64 reference; returns (o, grads)."""
+def _check(dtype, b, sq, sk, hq, hkv, d, dropout_p=0.0, grad_layout=None, inputs=None, extra_u=0.0, **kw):
+    """flash_attention forward and backward against the float64 reference; returns (o, grads).
+    ``extra_u``: a relative error to add to every bound (a test's own derived term)."""
     q, k, v = inputs if inputs is not None else _inputs(b, sq, sk, hq, hkv, d, dtype)
     sinks = kw.get("sinks")
     before = [t.detach().clone() for t in (q, k, v)]
@@ -140,12 +141,12 @@ def _check(dtype, b, sq, sk, hq, hkv, d, dropout_p=0.0, grad_layout=None, inputs
     assert all(torch.equal(t.detach(), t0) for t, t0 in zip((q, k, v), before)), "an input was modified"
     r = _reference_parts(q64.detach(), k64.detach(), v64.detach(), o.detach().double(), g.double(), kw, keep, p_used)
     n = d + sk + 8
-    _assert_within("o", o, o64.detach(), r["o"], dtype, n)
+    _assert_within("o", o, o64.detach(), r["o"], dtype, n, extra_u)
     for name, t, t64 in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
         assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
-        _assert_within(name, t.grad, t64.grad, r[name], dtype, n)
+        _assert_within(name, t.grad, t64.grad, r[name], dtype, n, extra_u)
     if sinks is not None and sinks.requires_grad:
-        _assert_within("dsinks", sinks.grad, kw64["sinks"].grad, r["dsinks"], dtype, n + b * sq)
+        _assert_within("dsinks", sinks.grad, kw64["sinks"].grad, r["dsinks"], dtype, n + b * sq, extra_u)
     return o.detach(), [t.grad for t in (q, k, v)]
 
 
@@ -330,6 +331,32 @@ def test_both_backwards_against_float64_and_their_kernels(name, deterministic, t
         assert backward == ["_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel"]
     else:
         assert backward == ["_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_convert_kernel"]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype, scale", [(torch.float16, None), (torch.float32, 100 / 80)])
+def test_partial_key_tile_with_very_negative_scores(dtype, scale, deterministic, tiles):
+    # sk = 40 leaves the last key tile partial and nothing masks its padded keys (no causal band,
+    # no mask), and every score is very negative: about -20 (float16) or -100 (float32), spread
+    # by a few units so that the softmax is not one-hot. A padded key's 2^(0 - LSE) overflows
+    # there (float16's dS, float32's exp2): the atomic dQ summed it as inf·0 = NaN into every
+    # row, and the deterministic kernels computed it before masking it (an overflow)
+    tiles(16, 16)
+    torch.manual_seed(0)
+    b, sq, sk, h, d = 1, 4, 40, 1, 80
+    shift, noise = (1.5, 1.0) if dtype == torch.float16 else (1.0, 0.1)
+    q = (noise * torch.randn(b, sq, h, d, device=DEVICE) - shift).to(dtype).requires_grad_()
+    k = (noise * torch.randn(b, sk, h, d, device=DEVICE) + shift).to(dtype).requires_grad_()
+    v = torch.randn(b, sk, h, d, device=DEVICE).to(dtype).requires_grad_()
+    kw = {} if scale is None else {"softmax_scale": scale}
+    # the backward recomputes P = 2^(s·log2 e - LSE·log2 e) from float32 operands of magnitude up
+    # to max|s| and |LSE| <= max|s| + ln(sk): each rounded (2^-24 relative), their difference is
+    # off by up to (max|s| + |LSE|)·log2(e)·2^-24 in the exponent, P by ln 2 times that relative
+    s_max = float(torch.einsum("bqhd,bkhd->bhqk", q.detach().double(), k.detach().double()).abs().max()) * (scale or d ** -0.5)
+    extra_u = (2 * s_max + math.log(sk)) * 2.0 ** -24
+    _, grads = _check(dtype, b, sq, sk, h, h, d, inputs=(q, k, v), deterministic=deterministic, extra_u=extra_u,
+                      **kw)
+    assert all(torch.isfinite(t).all() for t in grads)
 
 
 def test_atomic_dq_only_where_it_measured_faster():

@@ -438,7 +438,8 @@ def _flash_bwd_preprocess_kernel(
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                 mask_base, stride_mq, stride_mk, seed, row0, n_tile, offs_n, offs_d, lo, hi, sq, band_lo, band_hi,
                 qk_scale, T, keep_scale, dqacc_base,
-                EDGE: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                EDGE: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Query tiles [lo, hi) of one head for the key tile offs_n: accumulate dK (unscaled) and
     dV. Computed transposed ([keys, queries]) so that no product needs a transposed result.
@@ -452,16 +453,19 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # an empty row: P = 0
         sT = tl.dot(k, qT, input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
-        pT = tl.exp2(sT - lse[None, :])
+        # every mask goes on the scores, before the exponential (as in the forward): P = 0
+        # exactly, never 2^(s - LSE) of a key the row did not see, which overflows where that
+        # score is far above the row's LSE (a padded key's s = 0 in a row of very negative
+        # scores): its dK and dV rows are never stored, but the atomic dQ would sum inf·0 = NaN
+        sT = tl.where(kmask[:, None] == 0, sT, float("-inf"))  # keys past sk; kind 1's masked keys
         if EDGE:
             rel = offs_n[:, None] - offs_m[None, :]  # j - i
-            pT = tl.where((rel >= band_lo) & (rel <= band_hi), pT, 0.0)
-        if MASK_KIND == 1:
-            pT = tl.where(kmask[:, None] == 0, pT, 0.0)
+            sT = tl.where((rel >= band_lo) & (rel <= band_hi), sT, float("-inf"))
         if MASK_KIND == 2:
             masked = tl.load(mask_base + offs_m[None, :] * stride_mq + offs_n[:, None] * stride_mk,
                              mask=m_ok[None, :] & (kmask == 0)[:, None], other=1)  # kmask: 1 past sk
-            pT = tl.where(masked == 0, pT, 0.0)
+            sT = tl.where(masked == 0, sT, float("-inf"))
+        pT = tl.exp2(sT - lse[None, :])  # an empty row: -inf - inf = -inf, P = 0
         do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
                      other=0.0)
         dpT = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]: (dO·vᵀ)ᵀ
@@ -543,17 +547,17 @@ def _flash_bwd_dkdv_kernel(
         if MASK_KIND == 1:  # the same for every query: read once per head
             kmask = tl.load(mask_base + offs_n * stride_mk, mask=n_ok, other=1).to(tl.int8)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
-                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, lo, a, sq, band_lo, band_hi,
-                             qk_scale, T, keep_scale, dqacc_base, True, ATOMIC_DQ, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
-                             PRECISION)
+                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, lo, a, sq, band_lo,
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, True, ATOMIC_DQ, MASK_KIND, DROPOUT,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
-                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, a, bb, sq, band_lo, band_hi,
-                             qk_scale, T, keep_scale, dqacc_base, False, ATOMIC_DQ, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
-                             PRECISION)
+                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, a, bb, sq, band_lo,
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, False, ATOMIC_DQ, MASK_KIND, DROPOUT,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
-                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, bb, hi, sq, band_lo, band_hi,
-                             qk_scale, T, keep_scale, dqacc_base, True, ATOMIC_DQ, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
-                             PRECISION)
+                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, bb, hi, sq, band_lo,
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, True, ATOMIC_DQ, MASK_KIND, DROPOUT,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dk = dk * sm_scale
     tl.store(DK_ptr + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dks
              + offs_d[None, :], dk.to(DK_ptr.dtype.element_ty), mask=kv_ok)
@@ -578,17 +582,17 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_
         kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=ld, other=0.0)
         vT = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=ld, other=0.0)
         s = tl.dot(q, kT.to(DOT), input_precision=PRECISION) * qk_scale
-        p = tl.exp2(s - lse[:, None])
-        if EDGE:
+        if EDGE:  # the masks on the scores, before the exponential (see _dkdv_tiles)
             rel = offs_n[None, :] - offs_m[:, None]
-            p = tl.where((rel >= band_lo) & (rel <= band_hi) & n_ok[None, :], p, 0.0)
+            s = tl.where((rel >= band_lo) & (rel <= band_hi) & n_ok[None, :], s, float("-inf"))
         if MASK_KIND == 1:
             masked = tl.load(mask_base + offs_n * stride_mk, mask=n_ok, other=1)
-            p = tl.where(masked[None, :] == 0, p, 0.0)
+            s = tl.where(masked[None, :] == 0, s, float("-inf"))
         if MASK_KIND == 2:
             masked = tl.load(mask_base + offs_m[:, None] * stride_mq + offs_n[None, :] * stride_mk,
                              mask=m_ok[:, None] & n_ok[None, :], other=1)
-            p = tl.where(masked == 0, p, 0.0)
+            s = tl.where(masked == 0, s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, vT.to(DOT), input_precision=PRECISION)
         if DROPOUT:
             keep = _keep_mask_joined(seed, rows, start_n // BLOCK_N, T, BLOCK_M, BLOCK_N)
