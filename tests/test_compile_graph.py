@@ -773,3 +773,52 @@ def test_kernels_compile_for_sm90_with_int_arguments_as_constants():
                TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0 and res.stdout.count("compiled") == 6, (res.stdout, res.stderr[-4000:])
+
+
+def test_flash_attention_kernels_compile_for_sm90():
+    # FlashAttention's backward kernels compiled for sm_90 without a GPU, at the H200 tables'
+    # d = 128 tiles in bf16: the atomic dQ form with dropout (the dK/dV kernel's largest
+    # variant), the deterministic dQ kernel with a per-(query, key) mask, and the small kernels
+    # around them; their shared memory within the H200's 227 KB per block
+    code = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "0"
+        import triton, triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import fusedlib.kernels.flash_attention as fa
+        from fusedlib.kernels.launch import pick  # the table's tile (attention_tile gives the interpreter's here)
+
+        PTR = {n: "*bf16" for n in ("Q_ptr", "K_ptr", "V_ptr", "DO_ptr", "DK_ptr", "DV_ptr", "DQ_ptr", "O_ptr")}
+        PTR.update({"SEED_ptr": "*i64", "MASK_ptr": "*u8"})
+
+        def compile_(name, fn, consts, tile):
+            sig, cx = {}, {}
+            for a in fn.arg_names:
+                if fn.params[fn.arg_names.index(a)].is_constexpr:
+                    sig[a], cx[a] = "constexpr", consts[a]
+                elif a.endswith("_ptr"):
+                    sig[a] = PTR.get(a, "*fp32")
+                else:
+                    sig[a] = "fp32" if a in ("qk_scale", "keep_scale", "sm_scale") else "i32"
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
+            assert k.metadata.shared <= 232448, (name, k.metadata.shared)
+            print(name, "compiled", tile)
+
+        head = dict(HEAD_DIM=128, BLOCK_D=128, DOT=tl.bfloat16, PRECISION="tf32")
+        t = pick(fa.BWD_ATOMIC_TILES, 128, resolve_block_n=False)
+        compile_("dkdv atomic dropout", fa._flash_bwd_dkdv_kernel,
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=True, ATOMIC_DQ=True), t)
+        t = pick(fa.BWD_DQ_TILES, 128, resolve_block_n=False)
+        compile_("dq 4d mask", fa._flash_bwd_dq_kernel,
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=2, DROPOUT=False), t)
+        small = fa.Tile(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1)
+        compile_("preprocess", fa._flash_bwd_preprocess_kernel,
+                 dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_M=64, HAS_SINK=True, ZERO_DQACC=True), small)
+        compile_("dq convert", fa._flash_bwd_dq_convert_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_M=64), small)
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TRITON_DEFAULT_FP_FUSION="1")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0 and res.stdout.count("compiled") == 4, (res.stdout, res.stderr[-4000:])

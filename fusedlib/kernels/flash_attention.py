@@ -399,6 +399,19 @@ def _flash_fwd_kernel(
 
 
 @triton.jit
+def _row_tile(sq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The tile of a program of the grid (row tiles, heads, batch) over [b, s, h, d] rows:
+    (head, batch as int64, row offsets, column offsets, the in-bounds mask)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m < sq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    return h, b, offs_m, offs_d, ok
+
+
+@triton.jit
 def _flash_bwd_preprocess_kernel(
     O_ptr, DO_ptr,  # o and its gradient [b, sq, hq, d]
     LSE_ptr,  # float32 [b, hq, sq]
@@ -412,12 +425,7 @@ def _flash_bwd_preprocess_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINK: tl.constexpr,
     ZERO_DQACC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = (offs_m < sq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    h, b, offs_m, offs_d, ok = _row_tile(sq, HEAD_DIM, BLOCK_D, BLOCK_M)
     o = tl.load(O_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=ok,
                 other=0.0).to(tl.float32)
     do = tl.load(DO_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :], mask=ok,
@@ -671,12 +679,7 @@ def _flash_bwd_dq_convert_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     sm_scale = tl.cast(sm_scale, tl.float32)
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = (offs_m < sq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    h, b, offs_m, offs_d, ok = _row_tile(sq, HEAD_DIM, BLOCK_D, BLOCK_M)
     row = (b * n_heads + h) * sq + offs_m
     acc = tl.load(DQACC_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
     tl.store(DQ_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
