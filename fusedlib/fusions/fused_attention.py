@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from ..checks import check_bool, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import FLOAT32_MAX, check_bool, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.bias_dropout_add import philox_seed
 from ..kernels.flash_attention import LOG2E, MAX_HEAD_DIM, attention_band, flash_attn_bwd, flash_attn_fwd
 from .fused_softmax import _check_dropout_p, _check_window  # the softmax's argument rules, shared
@@ -58,7 +58,6 @@ Tensor = torch.Tensor
 ATTENTION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPES = frozenset(ATTENTION_DTYPES)
 _SINK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -144,9 +143,9 @@ def _check_scale(softmax_scale: object, d: int) -> float:
     scale = float(softmax_scale)
     # the kernels multiply the scores by softmax_scale·log2(e) in float32: a scale whose product
     # overflows float32 (|scale| > ~2.4e38) would make every score ±inf and the output NaN
-    if not (math.isfinite(scale) and abs(scale) * LOG2E <= _FLOAT32_MAX):
+    if not (math.isfinite(scale) and abs(scale) * LOG2E <= FLOAT32_MAX):
         raise ValueError(f"softmax_scale must be finite, with |softmax_scale|·log2(e) <= float32's max "
-                         f"({_FLOAT32_MAX:.4g}), got {softmax_scale}")
+                         f"({FLOAT32_MAX:.4g}), got {softmax_scale}")
     return scale
 
 

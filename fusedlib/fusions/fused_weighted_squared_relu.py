@@ -15,10 +15,9 @@ Sources: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``; S
 """
 from __future__ import annotations
 
-
 import torch
 
-from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import FLOAT32_MAX, FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
 from ..kernels.squared_relu import weighted_squared_relu_bwd, weighted_squared_relu_fwd
 from ._glu import check_row_weights
 from ._apply import apply, once_differentiable
@@ -36,7 +35,6 @@ __all__ = [
 Tensor = torch.Tensor
 
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input") -> torch.Tensor:
@@ -46,9 +44,9 @@ def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input
     if clamp_scale is not None:
         if isinstance(clamp_scale, bool) or not isinstance(clamp_scale, (int, float)):
             raise TypeError(f"clamp_scale must be a float or None, got {type(clamp_scale).__name__}")
-        if not (_FLOAT32_TINY <= clamp_scale <= _FLOAT32_MAX):  # also False for nan
+        if not (_FLOAT32_TINY <= clamp_scale <= FLOAT32_MAX):  # also False for nan
             raise ValueError(f"clamp_scale must be a number in float32's normal range "
-                             f"[{_FLOAT32_TINY:.4g}, {_FLOAT32_MAX:.4g}] (the kernels divide by it in float32), "
+                             f"[{_FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the kernels divide by it in float32), "
                              f"got {clamp_scale}")
     return weights
 

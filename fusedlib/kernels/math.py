@@ -18,7 +18,6 @@ def tanh(z):
     return tl.where(z >= 0, t, -t)
 
 
-
 #: Below this z, :func:`soft_clamp` takes tanh(z)/z from its Taylor series (next term
 #: 1382·z^10/155925 < 1e-11 there); above, 1 - e^{-2z} loses at most 2 of float32's 24 bits.
 SOFT_CLAMP_SERIES_BELOW: tl.constexpr = tl.constexpr(0.125)
