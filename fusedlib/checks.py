@@ -10,6 +10,7 @@ when that condition fails: the error is the same, the common case pays a fractio
 """
 from __future__ import annotations
 
+import numbers
 from typing import Iterable
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "check_bool",
     "is_numpy_bool",
     "on_one_kernel_device",
+    "real_to_float",
     "type_name",
 ]
 
@@ -82,6 +84,27 @@ def check_bool(name: str, value: object) -> bool:
     if is_numpy_bool(value):
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {type_name(value)} {_short_repr(value)}")
+
+
+def real_to_float(name: str, value: numbers.Real, expected: str) -> float:
+    """``float(value)`` for a real number that passed its type check.
+
+    A Python int beyond a float's range (``10**400``) makes ``float()`` and ``math.isfinite``
+    raise an OverflowError that names nothing; here it is a ValueError naming the argument.
+
+    Args:
+        name: the argument's name, for the message.
+        value: an int, a float or another ``numbers.Real`` (not a bool: callers refuse those first).
+        expected: what the argument must be ("a finite number >= 0"), for the message.
+
+    Raises:
+        ValueError: ``value`` is too large for a Python float.
+    """
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be {expected}, got an int too large for a float: "
+                         f"{_short_repr(value)}") from None
 
 
 def _short_repr(value: object) -> str:

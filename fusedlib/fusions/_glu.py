@@ -19,6 +19,7 @@ from ..checks import (
     check_same_device,
     check_tensor,
     on_one_kernel_device,
+    real_to_float,
 )
 from ..kernels.glu import glu_bwd, glu_fwd
 
@@ -134,7 +135,7 @@ def check_clamp_value(value: object, allow_none: bool = True) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         kind = "a float > 0 or None" if allow_none else "a float > 0"
         raise TypeError(f"clamp_value must be {kind}, got {type(value).__name__} {value!r}")
-    value = float(value)
+    value = real_to_float("clamp_value", value, "a finite number > 0")
     if not (math.isfinite(value) and value > 0.0):
         raise ValueError(f"clamp_value must be a finite number > 0 (None for no clamp), got {value!r}")
     if value > FLOAT32_MAX:

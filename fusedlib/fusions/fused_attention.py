@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from ..checks import FLOAT32_MAX, check_bool, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import FLOAT32_MAX, check_bool, check_same_device, check_tensor, on_one_kernel_device, real_to_float
 from ..kernels.bias_dropout_add import philox_seed
 from ..kernels.flash_attention import LOG2E, MAX_HEAD_DIM, attention_band, flash_attn_bwd, flash_attn_fwd
 from .fused_softmax import _check_dropout_p, _check_window  # the softmax's argument rules, shared
@@ -140,7 +140,7 @@ def _check_scale(softmax_scale: object, d: int) -> float:
         return 1.0 / math.sqrt(d)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
+    scale = real_to_float("softmax_scale", softmax_scale, "a finite real number or None")
     # the kernels multiply the scores by softmax_scale·log2(e) in float32: a scale whose product
     # overflows float32 (|scale| > ~2.4e38) would make every score ±inf and the output NaN
     if not (math.isfinite(scale) and abs(scale) * LOG2E <= FLOAT32_MAX):
@@ -209,15 +209,19 @@ def flash_attention(
             probabilities from the forward's float32 log-sum-exp, so their relative error is
             about |score|·2^-24 (FlashAttention's, any float32-LSE kernel's): scores
             softmax_scale·q·k beyond ~1e3 in magnitude cost the gradients accuracy (1e4: ~3e-3
-            relative in dv), while the forward stays exact; scores that overflow float32 give
-            NaN. Checked only for a finite scale·log2(e) in float32 (the scores are not read).
+            relative in dv), around 1e7 the gradients are wrong by O(1), and from ~1e9 on the
+            error of the recomputed exponent (|score|·2^-24) overflows: gradients far off, inf
+            or NaN. The forward stays exact. Checked only for a finite scale·log2(e) in float32
+            (the scores are not read: that would synchronise with the device).
         attention_mask: bool, True = masked: [b, sk] (key padding) or 4-D broadcastable to
             [b, hq, sq, sk]; or None. Applied on top of causal and window.
         window_size: ``(left, right)`` sliding window, -1 = unbounded side, or None; with
             ``causal`` the two intersect.
         sinks: sink logits [hq] (any float dtype; computed in float32), or None: every row's
             softmax denominator gains e^{sinks[h]} (chapter 5's off-by-one softmax). A
-            tensor that requires grad receives d sinks.
+            tensor that requires grad receives d sinks. -inf is no sink; a logit above
+            ~2.35e38 (float32's max / log2(e): the kernel works in base 2) or +inf gives NaN,
+            unchecked (reading the values would synchronise with the device).
         dropout_p: attention dropout in [0, 1) on the probabilities (0 outside training),
             applied with 16-bit resolution p' = round(p·2^16)/2^16 and kept values scaled by
             1/(1 - p') (chapter 2); a p >= 1 - 2^-17 rounds to p' = 1 and is refused, as 1
@@ -237,6 +241,11 @@ def flash_attention(
         The attention output [b, sq, hq, d] in q's dtype (``torch.empty_like(q)``: q's
         memory order where q is dense, so an [s, b, h, d] tensor passed transposed gets its
         output in [s, b, h, d] memory order). Rows that see no key are zeros (zero gradients).
+        A NaN or inf in k or v reaches every output row of each query tile that reads its key
+        tile, masked or outside the causal band or not (0·NaN is NaN inside a product), as in
+        FlashAttention's kernels (torch's SDPA on the CPU gives NaN for a NaN under a padding
+        mask too); a NaN in a row of q stays in that row's output and dq, and reaches the dk
+        and dv of every key tile that row reads.
 
     Raises:
         TypeError: q, k, v not tensors of one dtype in float16/bfloat16/float32; a non-bool

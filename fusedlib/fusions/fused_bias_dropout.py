@@ -37,7 +37,15 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import unfused
-from ..checks import FLOAT_DTYPES, ArgumentTypeError, check_same_device, check_tensor, on_one_kernel_device, type_name
+from ..checks import (
+    FLOAT_DTYPES,
+    ArgumentTypeError,
+    check_same_device,
+    check_tensor,
+    on_one_kernel_device,
+    real_to_float,
+    type_name,
+)
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd, bias_dropout_add_fwd, philox_seed
 from ._apply import apply
 
@@ -60,9 +68,10 @@ def _check_prob(prob: object) -> float:
                "the step)" if isinstance(prob, torch.Tensor) else "")
         raise ArgumentTypeError(f"prob must be a dropout probability in [0, 1] given as a Python float, got "
                                 f"{type_name(prob)}{why}")
-    if not 0.0 <= float(prob) <= 1.0:  # NaN fails this too
+    p = real_to_float("prob", prob, "a dropout probability in [0, 1]")
+    if not 0.0 <= p <= 1.0:  # NaN fails this too
         raise ValueError(f"prob must be a dropout probability in [0, 1], got {prob!r}")
-    return float(prob)
+    return p
 
 
 def _happy(x_with_bias: object, residual: object, prob: object) -> bool:

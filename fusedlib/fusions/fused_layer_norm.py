@@ -63,7 +63,15 @@ from torch.nn import init
 from torch.nn.parameter import Parameter
 
 from ..backends import apex as apex_backend
-from ..checks import FLOAT32_MAX, FLOAT_DTYPES, check_bool, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import (
+    FLOAT32_MAX,
+    FLOAT_DTYPES,
+    check_bool,
+    check_same_device,
+    check_tensor,
+    on_one_kernel_device,
+    real_to_float,
+)
 from ..kernels.layer_norm import MAX_HIDDEN_SIZE, norm_bwd, norm_fwd
 from ..runtime import DeviceCheck
 from ._apply import apply, once_differentiable
@@ -138,8 +146,8 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 def _check_eps(eps: object) -> None:
     """eps: a real number >= 0 whose float32 is finite (the kernels add it in float32: 1e39
     would be inf there, and every output 0 or NaN)."""
-    if (isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0
-            or eps > FLOAT32_MAX):
+    if (isinstance(eps, bool) or not isinstance(eps, numbers.Real)
+            or not math.isfinite(real_to_float("eps", eps, "a finite number >= 0")) or eps < 0 or eps > FLOAT32_MAX):
         raise ValueError(f"eps must be a finite number >= 0, at most float32's max ({FLOAT32_MAX:.4g}: the "
                          f"kernels add it in float32), got {eps!r}")
 

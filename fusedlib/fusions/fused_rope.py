@@ -36,6 +36,7 @@ from ..checks import (
     check_same_device,
     check_tensor,
     on_one_kernel_device,
+    real_to_float,
     type_name,
 )
 from ._apply import apply
@@ -49,7 +50,7 @@ def _check_mscale(mscale: object) -> float:
     if isinstance(mscale, bool) or not isinstance(mscale, numbers.Real):
         raise TypeError(f"mscale must be a real number (the scale of cos and sin, 1.0 for plain RoPE), "
                         f"got {type_name(mscale)}")
-    m = float(mscale)
+    m = real_to_float("mscale", mscale, "a finite real number")
     if not (math.isfinite(m) and abs(m) <= FLOAT32_MAX):
         raise ValueError(f"mscale must be finite, with |mscale| <= float32's max ({FLOAT32_MAX:.4g}: the kernel "
                          f"scales cos and sin in float32), got {mscale!r}")

@@ -56,6 +56,7 @@ from ..checks import (
     check_same_device,
     check_tensor,
     on_one_kernel_device,
+    real_to_float,
     type_name,
 )
 from ..kernels.bias_dropout_add import KEEP_BITS, philox_seed
@@ -268,7 +269,7 @@ def _check_scale(scale: object) -> float:
         return 1.0
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {type_name(scale)}")
-    s = float(scale)
+    s = real_to_float("scale", scale, "a finite real number or None")
     if not (math.isfinite(s) and abs(s) <= FLOAT32_MAX):
         raise ValueError(f"scale must be finite, with |scale| <= float32's max ({FLOAT32_MAX:.4g}: the kernels "
                          f"multiply the scores by it in float32), got {scale}")
@@ -286,7 +287,7 @@ def _check_dropout_p(dropout_p: object) -> float:
         return dropout_p
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number in [0, 1), got {type_name(dropout_p)}")
-    p = float(dropout_p)
+    p = real_to_float("dropout_p", dropout_p, "a real number in [0, 1)")
     if not 0.0 <= p < 1.0:  # NaN fails this too
         raise ValueError(f"dropout_p must be in [0, 1) (1 would drop every probability), got {dropout_p}")
     if p >= _DROPOUT_P_LIMIT:

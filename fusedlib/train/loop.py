@@ -57,6 +57,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..checks import real_to_float
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..transformer.enums import AttnBackend
 from .data import Corpus, decode, encode, get_batch, load_corpus
@@ -161,7 +162,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"stop_at must be between 1 and steps ({self.steps}), got {self.stop_at!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
+        if not (self.lr > 0 and math.isfinite(real_to_float("lr", self.lr, "a finite number > 0"))):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr must be in [0, lr = {self.lr}], got {self.min_lr!r}")
@@ -595,7 +596,8 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
         raise ValueError(f"prompt must hold integer token ids, got {prompt.dtype}")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
         raise ValueError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
+            and math.isfinite(real_to_float("temperature", temperature, "a finite number > 0"))):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     device = next(model.parameters()).device
     ids = (prompt if prompt.dim() == 2 else prompt[None]).to(device=device, dtype=torch.int64)  # [b, t]

@@ -50,7 +50,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..checks import FLOAT32_MAX, ArgumentTypeError, is_numpy_bool, type_name
+from ..checks import FLOAT32_MAX, ArgumentTypeError, is_numpy_bool, real_to_float, type_name
 from .enums import AttnBackend
 
 __all__ = ["TransformerConfig", "NORMALIZATIONS", "RECOMPUTE_MODULES"]
@@ -334,7 +334,7 @@ class TransformerConfig:
                 continue
             if not _is_real(std):
                 raise ArgumentTypeError(f"{name} must be a finite number >= 0, got {type_name(std)} {std!r}")
-            if not 0.0 <= std < math.inf:  # 0 is meaningful: torch.nn.init.normal_(std=0) fills zeros
+            if not 0.0 <= real_to_float(name, std, "a finite number >= 0") < math.inf:  # 0 is meaningful: torch.nn.init.normal_(std=0) fills zeros
                 raise ValueError(f"{name} must be a finite number >= 0 (a standard deviation), got {std!r}")
         scale = self.softmax_scale
         if scale is not None:
@@ -423,7 +423,8 @@ class TransformerConfig:
         c = self.activation_func_clamp_value
         if c is None:
             return
-        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c) or c <= 0:
+        if (isinstance(c, bool) or not isinstance(c, numbers.Real)
+                or not math.isfinite(real_to_float("activation_func_clamp_value", c, "a finite number > 0")) or c <= 0):
             raise ValueError(f"activation_func_clamp_value must be a finite number > 0 (or None), got {c!r}")
         if c > FLOAT32_MAX:
             raise ValueError(f"activation_func_clamp_value must be a finite number > 0, at most float32's max "

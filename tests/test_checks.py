@@ -1,0 +1,76 @@
+"""fusedlib.checks and the argument checks built on it: a Python int too large for a float
+(``10**400``) is a ValueError naming the argument, in every API that takes a real number,
+never float()'s or math.isfinite's bare OverflowError."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedlib  # noqa: F401  (first)
+from fusedlib import bias_dropout_add_fused_train, flash_attention, fused_layer_norm
+from fusedlib.checks import real_to_float
+from fusedlib.fusions import _glu, fused_rope, fused_softmax
+from fusedlib.train.loop import TrainConfig, sample
+from fusedlib.transformer import TransformerConfig
+
+from conftest import DEVICE  # noqa: I001
+
+HUGE = 10 ** 400  # an int, and a real number, beyond a Python float's range
+
+
+def test_real_to_float_converts_and_names_the_argument():
+    assert real_to_float("x", 3, "a number") == 3.0 and type(real_to_float("x", 3, "a number")) is float
+    assert real_to_float("x", 2.5, "a number") == 2.5
+    with pytest.raises(ValueError, match=r"^width must be a number > 0, got an int too large for a float: 1000"):
+        real_to_float("width", HUGE, "a number > 0")
+
+
+def _tiny(*shape):
+    return torch.randn(*shape, device=DEVICE)
+
+
+def _config(**kw):
+    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, **kw)
+
+
+CALLS = {
+    "flash_attention softmax_scale": ("softmax_scale", lambda v: flash_attention(
+        _tiny(1, 4, 1, 8), _tiny(1, 4, 1, 8), _tiny(1, 4, 1, 8), softmax_scale=v)),
+    "flash_attention dropout_p": ("dropout_p", lambda v: flash_attention(
+        _tiny(1, 4, 1, 8), _tiny(1, 4, 1, 8), _tiny(1, 4, 1, 8), dropout_p=v)),
+    "fused_layer_norm eps": ("eps", lambda v: fused_layer_norm(_tiny(2, 16), torch.ones(16, device=DEVICE),
+                                                              torch.zeros(16, device=DEVICE), v)),
+    "bias_dropout_add prob": ("prob", lambda v: bias_dropout_add_fused_train(
+        (_tiny(2, 16), torch.zeros(16, device=DEVICE)), _tiny(2, 16), v)),
+    "softmax scale": ("scale", lambda v: fused_softmax._check_scale(v)),
+    "softmax dropout_p": ("dropout_p", lambda v: fused_softmax._check_dropout_p(v)),
+    "rope mscale": ("mscale", lambda v: fused_rope._check_mscale(v)),
+    "glu clamp_value": ("clamp_value", lambda v: _glu.check_clamp_value(v)),
+    "TransformerConfig init_method_std": ("init_method_std", lambda v: _config(init_method_std=v)),
+    "TransformerConfig embedding_init_method_std": ("embedding_init_method_std",
+                                                    lambda v: _config(embedding_init_method_std=v)),
+    "TransformerConfig activation_func_clamp_value": ("activation_func_clamp_value",
+                                                      lambda v: _config(activation_func_clamp_value=v)),
+    "TransformerConfig layernorm_epsilon": ("layernorm_epsilon", lambda v: _config(layernorm_epsilon=v)),
+    "TransformerConfig softmax_scale": ("softmax_scale", lambda v: _config(softmax_scale=v)),
+    "TrainConfig lr": ("lr", lambda v: TrainConfig(lr=v)),
+    "sample temperature": ("temperature", lambda v: sample(torch.nn.Linear(1, 1), torch.tensor([1]), 1,
+                                                               temperature=v)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CALLS))
+def test_an_int_beyond_a_float_is_a_value_error_naming_the_argument(case):
+    name, call = CALLS[case]
+    with pytest.raises(ValueError, match=rf"^{name} must be ") as err:
+        call(HUGE)
+    assert not isinstance(err.value, OverflowError)
+
+
+def test_small_ints_are_still_accepted_where_a_real_number_is():
+    q = _tiny(1, 3, 1, 4)
+    torch.testing.assert_close(flash_attention(q, q, q, softmax_scale=1), flash_attention(q, q, q, softmax_scale=1.0))
+    x, w, b = _tiny(2, 16), torch.ones(16, device=DEVICE), torch.zeros(16, device=DEVICE)
+    torch.testing.assert_close(fused_layer_norm(x, w, b, 1), fused_layer_norm(x, w, b, 1.0))
+    assert _glu.check_clamp_value(7) == 7.0 and fused_rope._check_mscale(2) == 2.0
+    assert _config(init_method_std=0).init_method_std == 0 and TrainConfig(lr=1).lr == 1
