@@ -120,3 +120,14 @@ def test_gpt_refuses_more_positions_than_its_table():
     ids = torch.randint(0, V, (B, S + 4), device=DEVICE)
     with pytest.raises(ValueError, match=f"input_ids has {S + 4} positions, more than max_sequence_length {S + 3}"):
         model(ids, None, None)
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("vocab_size", "11", TypeError), ("vocab_size", 11.0, TypeError), ("vocab_size", True, TypeError),
+    ("vocab_size", 0, ValueError), ("max_sequence_length", -1, ValueError), ("max_sequence_length", 0, ValueError),
+])
+def test_gpt_model_checks_its_sizes(name, value, error):
+    kw = dict(vocab_size=V, max_sequence_length=S)
+    kw[name] = value
+    with pytest.raises(error, match=f"GPTModel: {name} must be an int >= 1"):
+        GPTModel(make_config(num_layers=1), get_gpt_layer_local_spec(), **kw)

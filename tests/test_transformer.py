@@ -182,6 +182,9 @@ def test_bad_specs_raise_naming_the_module():
         build_module(ModuleSpec(("fusedlib.fusions.fused_layer_norm", "NoSuchNorm")))
     with pytest.raises(TypeError, match="sets \\['config'\\] in params"):
         build_module(ModuleSpec(_Probe, params={"config": 1}), 0, config=2)
+    with pytest.raises(TypeError, match="the spec of _Probe must have params as a dict of keyword arguments, got "
+                                        "NoneType"):
+        build_module(ModuleSpec(_Probe, params=None), 0)
     cfg = make_config(num_layers=1)
     # a wrong class deep in the tree: the error keeps its type and names the path down to it
     spec = get_gpt_layer_local_spec()
@@ -415,6 +418,16 @@ def test_config_bool_fields_are_many_and_accept_numpy_bools():
     (dict(recompute_granularity="selective", recompute_modules="mlp"), TypeError,
      "recompute_modules must be a list of module names"),
     (dict(recompute_modules=["mlp", 1]), TypeError, "recompute_modules must be a list of module names"),
+    # fields that were not checked: a NaN offset gave a NaN model, the others failed at build or forward
+    (dict(gated_linear_unit=True, glu_linear_offset=math.nan), ValueError, "glu_linear_offset must be a finite number"),
+    (dict(glu_linear_offset=math.inf), ValueError, "glu_linear_offset must be a finite number"),
+    (dict(glu_linear_offset="1"), TypeError, "glu_linear_offset must be a finite number, got str"),
+    (dict(glu_linear_offset=None), TypeError, "glu_linear_offset must be a finite number, got NoneType"),
+    (dict(activation_func=None), TypeError, "activation_func must be a callable"),
+    (dict(activation_func="gelu"), TypeError, "activation_func must be a callable"),
+    (dict(init_method=3), TypeError, "init_method must be None or a callable"),
+    (dict(output_layer_init_method="x"), TypeError, "output_layer_init_method must be None or a callable"),
+    (dict(embedding_init_method=3), TypeError, "embedding_init_method must be None or a callable"),
 ])
 def test_config_rejects_bad_field_types_and_values(kwargs, error, match):
     with pytest.raises(error, match=match) as info:
@@ -430,6 +443,14 @@ def test_config_accepts_the_boundaries():
     assert TransformerConfig(recompute_modules=("mlp",)).recompute_modules == ("mlp",)
     assert TransformerConfig(num_layers=2, window_attn_skip_freq=[1, 0]).window_attn_skip_freq == [1, 0]
     assert TransformerConfig(kv_channels=np.int64(8), hidden_size=16, num_attention_heads=2).kv_channels == 8
+
+
+def test_numpy_int_sizes_become_ints_and_build():
+    # window_attn_skip_freq = np.int64(2) was accepted, then refused while building the attention
+    cfg = make_config(window_size=(2, 0), window_attn_skip_freq=np.int64(2), kv_channels=np.int64(H // NP))
+    assert type(cfg.window_attn_skip_freq) is int and type(cfg.kv_channels) is int
+    assert make_config(window_size=(2, 0), window_attn_skip_freq=[np.int64(1), 0]).window_attn_skip_freq == [1, 0]
+    TransformerBlock(cfg, get_gpt_layer_local_spec())
 
 
 def test_config_with_derived_sizes_round_trips_through_replace():
@@ -1019,3 +1040,66 @@ def test_no_host_sync_in_forward_and_backward(backend):
         block(x, None).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes and arguments the modules check themselves, alike on every backend
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.25])
+def test_a_non_positive_softmax_scale_gives_one_answer_on_every_backend(scale):
+    # torch's SDPA with is_causal and a scale <= 0 returned NaN: the auto and fused backends did too
+    q, k, v = _attention_inputs(ng=NP)
+    outs = {}
+    for backend in (AttnBackend.unfused, AttnBackend.local, AttnBackend.auto, AttnBackend.fused, AttnBackend.flash):
+        attn = DotProductAttention(make_config(num_query_groups=NP, attention_backend=backend), 1,
+                                   AttnMaskType.causal, "self", softmax_scale=scale)
+        outs[backend] = attn(q, k, v, None)
+    ref = outs.pop(AttnBackend.unfused)
+    assert torch.isfinite(ref).all()
+    for backend, out in outs.items():
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{backend}: {m}")
+
+
+BAD_QKV = {
+    # query [sq, b, np, hn], key/value [sk, b, ng, hn] with np = 4, ng = 2, hn = 6
+    "k, v with np heads": ((S, B, NP, 6), (S, B, NP, 6), (S, B, NP, 6), r"key and value must be \[sk, b, ng, hn\] with "
+                           r"ng = 2 key/value groups \(this rank's\) and hn = kv_channels = 6, got shape \[7, 2, 4, 6\]"),
+    "hn off kv_channels": ((S, B, NP, 5), (S, B, NG, 5), (S, B, NG, 5), r"query must be \[sq, b, np, hn\] with np = 4 "
+                           r"query heads \(this rank's\) and hn = kv_channels = 6, got shape \[7, 2, 4, 5\]"),
+    "k, v lengths differ": ((S, B, NP, 6), (S, B, NG, 6), (S - 1, B, NG, 6), r"key and value must have one shape"),
+    "other batch": ((S, B, NP, 6), (S, B + 1, NG, 6), (S, B + 1, NG, 6), r"query, key and value must have one batch size b \(dim 1\), got 2 and 3"),
+    "3-D query": ((S, B, NP * 6), (S, B, NG, 6), (S, B, NG, 6), r"query must be 4-D \(\[s, b, heads, hn\]\), got shape"),
+}
+
+
+@pytest.mark.parametrize("backend", list(AttnBackend))
+@pytest.mark.parametrize("case", list(BAD_QKV))
+def test_dot_product_attention_checks_its_shapes_alike_on_every_backend(backend, case):
+    # the materialised path failed in a reshape; SDPA and flash returned a context of another width
+    *shapes, match = BAD_QKV[case]
+    q, k, v = (torch.randn(s, device=DEVICE) for s in shapes)
+    attn = DotProductAttention(make_config(attention_backend=backend), 1, AttnMaskType.causal, "self")
+    with pytest.raises(ValueError, match="DotProductAttention: " + match):
+        attn(q, k, v, None)
+
+
+@pytest.mark.parametrize("shape", [(S, H), (S, B, 1, H), (S, 0, H), (0, B, H), (S, B, H + 1)])
+def test_transformer_layer_names_a_bad_hidden_states_shape(shape):
+    layer = TransformerLayer(make_config(num_layers=1), get_gpt_layer_local_spec().submodules)
+    with pytest.raises(ValueError, match=rf"TransformerLayer: hidden_states must be a tensor \[s, b, h\] with s, b >= 1 "
+                                         rf"and h = hidden_size = {H}, got shape \[{', '.join(map(str, shape))}\]"):
+        layer(torch.randn(shape, device=DEVICE))
+
+
+def test_mask_helpers_check_their_arguments():
+    from fusedlib.transformer.utils import get_default_causal_mask, get_sliding_window_causal_mask
+    for bad, error in ((3.0, TypeError), ("3", TypeError), (True, TypeError), (-1, ValueError)):
+        with pytest.raises(error, match="sq must be an int >= 0"):
+            get_default_causal_mask(bad, device=DEVICE)
+    with pytest.raises(ValueError, match="skv must be an int >= 0"):
+        get_sliding_window_causal_mask(4, -2, (1, 0), device=DEVICE)
+    with pytest.raises(ValueError, match="window_size must be a pair .* got None"):
+        get_sliding_window_causal_mask(4, 4, None, device=DEVICE)
+    assert torch.equal(get_default_causal_mask(np.int64(3), device=DEVICE), get_default_causal_mask(3, device=DEVICE))

@@ -100,6 +100,15 @@ _CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right")
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_length(name: str, value: object) -> int:
+    """A sequence length of a mask helper: an int >= 0 (numpy's ints too, as an int)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 0 (a sequence length), got {type_name(value)} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be an int >= 0 (a sequence length), got {value}")
+    return int(value)
+
+
 def get_default_causal_mask(sq: int, sk: Optional[int] = None,
                             device: Optional[Union[torch.device, str]] = None) -> torch.Tensor:
     """The causal mask, bool [sq, sk], True = masked (above the diagonal).
@@ -114,8 +123,14 @@ def get_default_causal_mask(sq: int, sk: Optional[int] = None,
     Returns:
         A new bool tensor [sq, sk].
 
+    Raises:
+        TypeError: sq or sk not an int (a float, a bool, a str).
+        ValueError: sq or sk < 0.
+
     Source: Megatron-LM ``megatron/core/transformer/utils.py`` (``get_default_causal_mask``).
     """
+    sq = _check_length("sq", sq)
+    sk = None if sk is None else _check_length("sk", sk)
     return unfused.causal_mask(sq, sk, device=default_device() if device is None else device)
 
 
@@ -133,9 +148,18 @@ def get_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, in
     Returns:
         A new bool tensor [sq, skv].
 
+    Raises:
+        TypeError: sq or skv not an int.
+        ValueError: sq or skv < 0; window_size not a pair of ints >= -1 (None included: this
+            mask is a window's).
+
     Source: Megatron-LM ``megatron/core/transformer/utils.py`` (``get_sliding_window_causal_mask``).
     """
-    _check_window(window_size)
+    sq, skv = _check_length("sq", sq), _check_length("skv", skv)
+    if window_size is None:
+        raise ValueError("window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got None "
+                         "(for no window, use get_default_causal_mask)")
+    window_size = _check_window(window_size)
     return unfused.sliding_window_causal_mask(sq, skv, window_size,
                                               device=default_device() if device is None else device)
 

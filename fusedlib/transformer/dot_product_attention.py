@@ -112,6 +112,34 @@ def _check_attention_mask(mask: object, query: torch.Tensor, key: torch.Tensor, 
     raise ValueError(f"attention_mask must be on query's device ({query.device}), got {mask.device}")
 
 
+def _check_qkv(query: object, key: object, value: object, np_: int, ng: int, hn: int) -> None:
+    """query [sq, b, np, hn], key and value [sk, b, ng, hn], for every backend alike (the
+    materialised path failed in a reshape, the SDPA and flash paths returned a context of
+    another width). Called only when the one-test happy case in ``forward`` fails.
+
+    Raises:
+        TypeError: one of them not a tensor.
+        ValueError: a rank other than 4, or a shape off the module's np, ng, hn (their
+            values given), or key and value of different shapes, or another b."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"DotProductAttention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"DotProductAttention: {name} must be 4-D ([s, b, heads, hn]), got shape {list(t.shape)}")
+    if query.shape[2] != np_ or query.shape[3] != hn:
+        raise ValueError(f"DotProductAttention: query must be [sq, b, np, hn] with np = {np_} query heads (this "
+                         f"rank's) and hn = kv_channels = {hn}, got shape {list(query.shape)}")
+    if key.shape != value.shape:
+        raise ValueError(f"DotProductAttention: key and value must have one shape [sk, b, ng, hn], got "
+                         f"{list(key.shape)} and {list(value.shape)}")
+    if key.shape[2] != ng or key.shape[3] != hn:
+        raise ValueError(f"DotProductAttention: key and value must be [sk, b, ng, hn] with ng = {ng} key/value "
+                         f"groups (this rank's) and hn = kv_channels = {hn}, got shape {list(key.shape)}")
+    if key.shape[1] != query.shape[1]:
+        raise ValueError(f"DotProductAttention: query, key and value must have one batch size b (dim 1), got "
+                         f"{query.shape[1]} and {key.shape[1]}")
+
+
 class DotProductAttention(MegatronModule):
     """Core attention of one layer: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np·hn].
 
@@ -135,7 +163,9 @@ class DotProductAttention(MegatronModule):
     Raises:
         NotImplementedError: cp_comm_type, pg_collection, attention_bias or packed_seq_params given.
         TypeError: attention_mask not a bool tensor (e.g. an additive float mask), whatever the backend.
-        ValueError: attention_mask not broadcastable to [b, np, sq, sk] (the message gives the
+        ValueError: query, key or value not 4-D or off [sq, b, np, hn] / [sk, b, ng, hn] with
+            this module's np, ng and hn = kv_channels (the message gives them), whatever the
+            backend; attention_mask not broadcastable to [b, np, sq, sk] (the message gives the
             shape passed) or not on query's device, whatever the backend; as
             FusedScaleMaskSoftmax (e.g. config.bf16 with float32 scores).
         TypeError / ValueError: with ``attention_backend`` flash, as
@@ -190,6 +220,16 @@ class DotProductAttention(MegatronModule):
         """Context [sq, b, np·hn] (see the class docstring)."""
         if attention_bias is not None or packed_seq_params is not None:
             raise NotImplementedError("DotProductAttention: attention_bias and packed_seq_params are left out")
+        np_, ng, hn = self.num_attention_heads_per_partition, self.num_query_groups_per_partition, \
+            self.hidden_size_per_attention_head
+        try:  # the happy case in one test (a shape is a tuple: comparisons, no loop)
+            ok = (query.dim() == 4 and key.shape == value.shape and key.dim() == 4 and query.shape[2] == np_
+                  and key.shape[2] == ng and query.shape[3] == hn and key.shape[3] == hn
+                  and key.shape[1] == query.shape[1])
+        except AttributeError:  # not tensors
+            ok = False
+        if not ok:
+            _check_qkv(query, key, value, np_, ng, hn)
         if attention_mask is not None:
             _check_attention_mask(attention_mask, query, key, self.num_attention_heads_per_partition)
         backend = self.config.attention_backend
@@ -261,7 +301,9 @@ class DotProductAttention(MegatronModule):
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)  # undo the layer scaling's split
         dropout_p = self.attention_dropout.p if self.training else 0.0
         gqa = np_ != self.num_query_groups_per_partition
-        if attention_mask is None and self.window_size is None and (not causal or sq == sk):
+        # is_causal with a scale <= 0 gives NaN in torch's SDPA (seen on the CPU, torch 2.13): the
+        # explicit mask below gives the same probabilities without it
+        if attention_mask is None and self.window_size is None and (not causal or (sq == sk and scale > 0)):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
                                                  enable_gqa=gqa)
         else:

@@ -107,8 +107,8 @@ def build_module(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]], *a
         The built module, or the function.
 
     Raises:
-        TypeError: the spec names neither a class, a function nor an import path, or a
-            spec's ``params`` repeat one of the parent's keyword arguments.
+        TypeError: the spec names neither a class, a function nor an import path, a spec's
+            ``params`` is not a dict, or repeats one of the parent's keyword arguments.
         ImportError: an import path that does not import.
         Any error of the module's constructor, re-raised with the same type and
             ``[while building <Class>]`` appended, so a failure deep in a layer spec names
@@ -119,7 +119,12 @@ def build_module(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]], *a
     module = _resolve(spec_or_module)
     if isinstance(module, _FUNCTION_TYPES):
         return module
-    params = dict(spec_or_module.params) if isinstance(spec_or_module, ModuleSpec) else {}
+    params = {}
+    if isinstance(spec_or_module, ModuleSpec):
+        if not isinstance(spec_or_module.params, dict):
+            raise TypeError(f"the spec of {module.__name__} must have params as a dict of keyword "
+                            f"arguments, got {type(spec_or_module.params).__name__} {spec_or_module.params!r}")
+        params = dict(spec_or_module.params)
     clash = sorted(set(params) & set(kwargs))
     if clash:
         raise TypeError(f"the spec of {module.__name__} sets {clash} in params, which its parent passes too")

@@ -99,7 +99,10 @@ class TransformerConfig:
         set; window_attn_skip_freq not an int >= 1 or a 0/1 list of num_layers entries;
         hidden_size % num_attention_heads != 0 without kv_channels;
         num_attention_heads % num_query_groups != 0; tensor_model_parallel_size < 1, or not
-        dividing num_attention_heads and num_query_groups; bias_activation_fusion with an
+        dividing num_attention_heads and num_query_groups; activation_func not callable,
+        glu_linear_offset not a finite number, init_method, output_layer_init_method or
+        embedding_init_method neither None nor callable (each an ArgumentTypeError but the
+        non-finite offset); bias_activation_fusion with an
         activation fusedlib cannot fuse; a bad activation_func_clamp_value (see the module
         docstring); num_moe_experts <= 0; a bad window_size; a bad recompute setting
         (recompute_method not "uniform"/"block"/None, with or without recompute_granularity); a bad
@@ -267,6 +270,7 @@ class TransformerConfig:
         self._check_activation()
         self._check_recompute()
         self._check_cuda_graph()
+        self._check_init_methods()
         self._derive_init_methods()
 
     # ------------------------------------------------------------ checks, one topic each
@@ -293,6 +297,7 @@ class TransformerConfig:
             # the norms alone): dataclasses.replace passes it back, and it must round-trip
             if v < 1 and not (v == 0 and self.hidden_size == 0 and name in ("ffn_hidden_size", "kv_channels")):
                 raise ValueError(f"{name} must be an int >= 1 ({none_means}), got {v}")
+            setattr(self, name, int(v))  # numpy's int64 as a Python int (modules test isinstance(v, int))
         n = self.num_moe_experts
         if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
             raise ArgumentTypeError(f"num_moe_experts must be an int (or None for no MoE), got {type_name(n)} {n!r}")
@@ -305,12 +310,15 @@ class TransformerConfig:
                 if self.num_layers > 0 and len(freq) != self.num_layers:
                     raise ValueError(f"window_attn_skip_freq as a list must have one entry per layer, "
                                      f"num_layers = {self.num_layers}, got {len(freq)}")
+                self.window_attn_skip_freq = [int(e) for e in freq]
             elif isinstance(freq, bool) or not isinstance(freq, numbers.Integral):
                 raise ArgumentTypeError(f"window_attn_skip_freq must be None, an int >= 1 (every n-th layer skips the "
                                         f"window) or a list of 0/1 per layer, got {type_name(freq)} {freq!r}")
             elif freq < 1:
                 raise ValueError(f"window_attn_skip_freq must be an int >= 1 (every n-th layer skips the window), "
                                  f"got {freq}")
+            else:
+                self.window_attn_skip_freq = int(freq)  # numpy's int64 as a Python int
         mods = self.recompute_modules
         if mods is not None and not (isinstance(mods, (list, tuple)) and all(isinstance(m, str) for m in mods)):
             hint = f" (a list is expected: [{mods!r}])" if isinstance(mods, str) else ""
@@ -407,6 +415,15 @@ class TransformerConfig:
 
     def _check_activation(self) -> None:
         act, glu = self.activation_func, self.gated_linear_unit
+        if not callable(act):
+            raise ArgumentTypeError(f"activation_func must be a callable (e.g. torch.nn.functional.gelu), got "
+                                    f"{type_name(act)} {act!r}")
+        offset = self.glu_linear_offset
+        if not _is_real(offset):
+            raise ArgumentTypeError(f"glu_linear_offset must be a finite number, got {type_name(offset)} {offset!r}")
+        if not math.isfinite(real_to_float("glu_linear_offset", offset, "a finite number")):
+            raise ValueError(f"glu_linear_offset must be a finite number (the GLU adds it to the linear half), "
+                             f"got {offset!r}")
         if self.bias_activation_fusion:
             if act not in (F.gelu, F.silu):
                 raise ValueError("When bias_activation_fusion is True, activation_func must be F.gelu (GeLU, or GeGLU "
@@ -440,6 +457,15 @@ class TransformerConfig:
         if self.bias_activation_fusion and act is not F.silu:
             raise ValueError("activation_func_clamp_value with bias_activation_fusion needs SwiGLU (F.silu): "
                              "fusedlib's fused GeGLU has no clamp")
+
+    def _check_init_methods(self) -> None:
+        """The init fields: None (derived from the stds) or callables that fill a weight."""
+        for name in ("init_method", "output_layer_init_method", "embedding_init_method"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise ArgumentTypeError(f"{name} must be None or a callable that fills a weight in place (e.g. "
+                                        f"fusedlib.transformer.utils.init_method_normal(0.02)), got {type_name(fn)} "
+                                        f"{fn!r}")
 
     def _check_recompute(self) -> None:
         g, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

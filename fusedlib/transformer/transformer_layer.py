@@ -118,6 +118,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
 
     Raises:
         NotImplementedError: pg_collection, vp_stage, inference_context or packed_seq_params given.
+        ValueError: hidden_states not a tensor [s, b, h] with s, b >= 1 and h = hidden_size.
         Errors of the submodules, naming the module that failed.
 
     Source: Megatron-LM ``megatron/core/transformer/transformer_layer.py`` (``TransformerLayer``).
@@ -165,6 +166,13 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         """``(output [s, b, h], context)``: the attention part, then the MLP part."""
         if inference_context is not None or packed_seq_params is not None:
             raise NotImplementedError("TransformerLayer: inference_context and packed_seq_params are left out")
+        h = self.config.hidden_size
+        if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
+                and hidden_states.shape[2] == h and hidden_states.shape[0] > 0 and hidden_states.shape[1] > 0):
+            got = (f"shape {list(hidden_states.shape)}" if isinstance(hidden_states, torch.Tensor)
+                   else type(hidden_states).__name__)
+            raise ValueError(f"TransformerLayer: hidden_states must be a tensor [s, b, h] with s, b >= 1 and h = "
+                             f"hidden_size = {h}, got {got}")
         hidden_states, context = self._forward_attention(hidden_states, attention_mask, context, context_mask,
                                                          rotary_pos_emb, attention_bias)
         return self._forward_mlp(hidden_states), context

@@ -31,6 +31,7 @@ Source: Megatron-LM ``megatron/core/models/gpt/gpt_model.py`` and
 """
 from __future__ import annotations
 
+import numbers
 from typing import Literal, Optional, Union
 
 import torch
@@ -100,7 +101,9 @@ class GPTModel(MegatronModule):
     Raises:
         NotImplementedError: a left-out feature asked for, or scatter_embedding_sequence_parallel
             False under sequence parallelism.
-        ValueError: an unknown position_embedding_type; input_ids longer than max_sequence_length
+        TypeError: vocab_size or max_sequence_length not an int.
+        ValueError: vocab_size or max_sequence_length < 1; an unknown position_embedding_type;
+            input_ids longer than max_sequence_length
             (learned positions); labels not of input_ids' shape [b, s]; label ids outside
             [0, V) (the cross entropy); V, heads or widths not divisible by p (the layers).
         TypeError: labels not an int64/int32 tensor.
@@ -126,6 +129,12 @@ class GPTModel(MegatronModule):
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(f"position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
                              f"got {position_embedding_type!r}")
+        for name, v in (("vocab_size", vocab_size), ("max_sequence_length", max_sequence_length)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"GPTModel: {name} must be an int >= 1, got {type(v).__name__} {v!r}")
+            if v < 1:
+                raise ValueError(f"GPTModel: {name} must be an int >= 1, got {v}")
+        vocab_size, max_sequence_length = int(vocab_size), int(max_sequence_length)
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.pre_process, self.post_process = pre_process, post_process
