@@ -308,6 +308,16 @@ def test_bad_mscale_raises_on_the_unfused_path_too(name, fusion):
         apply_rotary_pos_emb(_randn(3, 2, 1, 8), _angles(3, 1, 8), _config(fusion), **kwargs)
 
 
+@pytest.mark.parametrize("fusion", (False, True))
+@pytest.mark.parametrize("name", ["rot_dim > d", "rot_dim odd", "rot_dim 0"])
+def test_bad_rot_dim_raises_on_the_unfused_path_too(name, fusion):
+    # the unfused formula took an odd rot_dim and returned a tensor of the input's shape
+    make, exc, match = BAD[name]
+    t, freqs = make()
+    with pytest.raises(exc, match=match):
+        apply_rotary_pos_emb(t, freqs, _config(fusion))
+
+
 def test_numpy_bool_and_real_scalars_are_accepted():
     import numpy as np
 

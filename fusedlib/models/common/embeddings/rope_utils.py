@@ -64,7 +64,8 @@ def apply_rotary_pos_emb(
         NotImplementedError: ``cu_seqlens`` given (packed sequences), or
             ``multi_latent_attention`` with ``apply_rope_fusion``.
         TypeError, ValueError: from :func:`fused_apply_rotary_pos_emb` for bad tensors; mscale
-            not a real number (TypeError) or not finite in float32 (ValueError), on either path.
+            not a real number (TypeError) or not finite in float32 (ValueError), on either path;
+            an odd rot_dim, or one outside [2, d], on either path (ValueError).
 
     Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``
     (``apply_rotary_pos_emb``).
@@ -87,6 +88,11 @@ def apply_rotary_pos_emb(
                 "set apply_rope_fusion=False"
             )
         return fused_apply_rotary_pos_emb(t, freqs, interleaved=config.rotary_interleaved, mscale=mscale)
+    if isinstance(t, torch.Tensor) and isinstance(freqs, torch.Tensor) and t.dim() >= 1 and freqs.dim() >= 1:
+        rot_dim = freqs.shape[-1]
+        if rot_dim % 2 or not 2 <= rot_dim <= t.shape[-1]:  # the fused path's rule, on the unfused path too
+            raise ValueError(f"freqs.shape[-1] = rot_dim must be even and 2 <= rot_dim <= d = t.shape[-1] = "
+                             f"{t.shape[-1]}, got {rot_dim} (apply_rope_fusion=False)")
     return _apply_rotary_pos_emb_bshd(
         t, freqs, rotary_interleaved=config.rotary_interleaved, multi_latent_attention=mla, mscale=mscale
     )
