@@ -7,8 +7,10 @@ fused model's kernels, interpreted by Triton on a CPU, take seconds. Resume is c
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,10 @@ def test_corpus_cache_is_deterministic(stdlib_root, corpus, tmp_path):
     bin_file = next(tmp_path.glob("*.train.bin"))
     bin_file.write_bytes(b"x" * 10)
     assert torch.equal(load_corpus(tmp_path, root=stdlib_root).train, corpus.train)
+    meta_file = next(tmp_path.glob("stdlib-*.json"))  # unreadable metadata: JSONDecodeError, AttributeError before
+    for damaged in ("{garbage", "[1, 2]", '{"sha256": 3}'):
+        meta_file.write_text(damaged)
+        assert load_corpus(tmp_path, root=stdlib_root).sha256 == corpus.sha256
     info = corpus.info()
     assert info["vocab_size"] == 256 and info["tokens_train"] == corpus.train.numel()
 
@@ -246,6 +252,45 @@ def test_resume_refuses_another_configuration(corpus, tmp_path):
         Trainer(TrainConfig(resume=True, **(kw | dict(out=str(tmp_path / "empty")))), corpus=corpus)
 
 
+def test_a_fresh_run_into_a_checkpointed_directory_starts_it_over(corpus, tmp_path):
+    # the metrics were emptied and the checkpoint kept: a later resume continued the earlier
+    # run with its first steps' records gone
+    kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path))
+    Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus).run()
+    assert (tmp_path / "checkpoint.pt").exists()
+    Trainer(TrainConfig(**kw), corpus=corpus)
+    assert not (tmp_path / "checkpoint.pt").exists() and (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_resume_names_a_damaged_checkpoint_and_compares_resolved_settings(corpus, tmp_path):
+    kw = dict(TINY, steps=4, model="plain", out=str(tmp_path))
+    first = Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus)  # device and bf16 left to their defaults
+    first.run()
+    # the same settings spelled out resume it (the raw fields, None against "cpu", were refused)
+    same = TrainConfig(resume=True, device=first.device.type, bf16=first.bf16, **kw)
+    assert Trainer(same, corpus=corpus).step_count == 2
+    good = (tmp_path / "checkpoint.pt").read_bytes()
+    for damaged in (b"", b"hello", good[: len(good) // 2]):
+        (tmp_path / "checkpoint.pt").write_bytes(damaged)
+        with pytest.raises(ValueError, match="is not a checkpoint of this trainer"):
+            Trainer(TrainConfig(resume=True, **kw), corpus=corpus)
+
+
+def test_a_cuda_device_needs_cuda():
+    if torch.cuda.is_available():
+        assert TrainConfig(**TINY, device="cuda").resolved_device().type == "cuda"
+    else:  # it failed at the first tensor, after the corpus was read, with torch's AssertionError
+        with pytest.raises(ValueError, match="device 'cuda': no CUDA device here"):
+            TrainConfig(**TINY, device="cuda")
+
+
+def test_seq_longer_than_a_split_is_refused_before_training(corpus):
+    short = dataclasses.replace(corpus, val=corpus.val[:10])
+    with pytest.raises(ValueError, match=r"seq \(16\) needs at least seq \+ 1 tokens in the corpus' val split, "
+                                         r"which has 10"):
+        Trainer(TrainConfig(**dict(TINY, steps=2, model="plain", device="cpu")), corpus=short)
+
+
 def test_schedule():
     from fusedlib.train import CosineSchedule
 
@@ -290,6 +335,23 @@ def test_sample_bad_arguments(kw, match):
         sample(model, **args)
 
 
+def test_sample_at_extreme_temperatures_and_its_checks_before_the_first_token():
+    model = build_model("plain", ModelShape(layers=1, hidden=32, heads=2, seq=8), seed=0)
+    greedy = sample(model, "ab", 3, top_k=1)
+    # 1e-40: logits / T overflowed to inf and the softmax gave NaN (torch.multinomial refused it)
+    assert torch.equal(sample(model, "ab", 3, temperature=1e-40, generator=torch.Generator().manual_seed(0)), greedy)
+    wide = sample(model, "ab", 3, temperature=1e300, generator=torch.Generator().manual_seed(0))
+    assert ((wide >= 0) & (wide < 256)).all()
+    for prompt, match in ((torch.tensor([300]), r"prompt ids must lie in \[0, 256\), got 300..300"),
+                          (torch.tensor([-1, 5]), r"got -1..5"), (torch.tensor([True]), "integer token ids")):
+        with pytest.raises(ValueError, match=match):
+            sample(model, prompt, 1)
+    with pytest.raises(ValueError, match="top_k"):  # checked in the loop only: 0 tokens passed it
+        sample(model, "a", 0, top_k=0)
+    with pytest.raises(ValueError, match="UTF-8"):
+        encode("\ud800")
+
+
 # ---------------------------------------------------------------------------------------------
 # The command line
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +363,11 @@ def test_sample_bad_arguments(kw, match):
     (["--bench-runs", "fusedlib"], "--bench-runs"), (["--bench", "--bench-runs", "nope"], "--bench-runs"),
     (["--top-k", "0"], "--top-k"), (["--attention-backend", "magic"], "--attention-backend"),
     (["--bench", "--bench-warmup", "5000"], "--bench-warmup"), (["--min-lr", "1"], "--min-lr"),
+    # accepted, then failing after the training: at the sample, or writing into the current directory
+    (["--temperature", "inf"], "--temperature"), (["--sample", "3", "--prompt", ""], "--prompt"),
+    (["--sample", "3", "--prompt", "\udcff"], "--prompt"), (["--out", ""], "--out"),
+    (["--cache-dir", ""], "--cache-dir"), (["--stop-at", "1"], "--stop-at"),
+    (["--tp", "2", "--sequence-parallel", "--seq", "15"], "--sequence-parallel: "),
 ])
 def test_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -336,6 +403,16 @@ def test_cli_trains_writes_metrics_and_samples(tmp_path, stdlib_root, capsys, mo
     assert all(set(r) == {"step", "loss", "lr", "tokens_per_s", "peak_bytes"} for r in lines if "loss" in r)
     assert (tmp_path / "run" / "checkpoint.pt").exists()
     assert "M parameters" in capsys.readouterr().out
+
+
+def test_cli_resume_problems_are_one_error_line(tmp_path, stdlib_root, capsys, monkeypatch):
+    monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
+    argv = ["--model", "plain", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",
+            "--steps", "2", "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--device", "cpu", "--resume",
+            "--out", str(tmp_path / "none")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: resume: no checkpoint at" in err and "Traceback" not in err
 
 
 def test_cli_bench_writes_records(tmp_path, stdlib_root, monkeypatch):
@@ -375,7 +452,19 @@ def _tp_train_worker(rank: int, world_size: int, device: torch.device, kw: dict,
     resumed = Trainer(TrainConfig(tp=world_size, out=f"{out}/cut", resume=True, **kw), corpus=corpus)
     resumed.run()
     torch.distributed.barrier()  # every rank's checkpoint written
-    return whole.losses(), resumed.losses(), sorted(p.name for p in Path(f"{out}/cut").iterdir())
+    files = sorted(p.name for p in Path(f"{out}/cut").iterdir())
+    # the ranks' checkpoints of two runs mixed in one directory (step 1 and step `steps`): refused
+    Trainer(TrainConfig(tp=world_size, out=f"{out}/mixed", stop_at=1, **kw), corpus=corpus).run()
+    torch.distributed.barrier()
+    if rank == 1:
+        shutil.copy(f"{out}/cut/checkpoint-tp1.pt", f"{out}/mixed/checkpoint-tp1.pt")
+    torch.distributed.barrier()
+    try:
+        Trainer(TrainConfig(tp=world_size, out=f"{out}/mixed", resume=True, **kw), corpus=corpus)
+        mixed = "resumed"
+    except ValueError as err:
+        mixed = str(err)
+    return whole.losses(), resumed.losses(), files, mixed
 
 
 def test_tensor_parallel_training_matches_one_rank_and_resumes(stdlib_root, corpus, tmp_path):
@@ -393,9 +482,10 @@ def test_tensor_parallel_training_matches_one_rank_and_resumes(stdlib_root, corp
     # (gloo: CPU processes, kernels interpreted, on any machine)
     ranks = spawn(_tp_train_worker, 2, dict(kw, dropout=0.1), str(stdlib_root), cache, str(tmp_path / "tp"),
                   backend="gloo")
-    for whole, resumed, files in ranks:
+    for whole, resumed, files, mixed in ranks:
         assert resumed == whole
         assert files == ["checkpoint-tp0.pt", "checkpoint-tp1.pt", "metrics.jsonl"]
+        assert "the ranks' checkpoints in" in mixed and "are of different steps (1 to 4)" in mixed
     assert ranks[0][0] == ranks[1][0]  # every rank computes the same (all-reduced) loss
     no_dropout = spawn(_tp_train_worker, 2, kw, str(stdlib_root), cache, str(tmp_path / "tp0"), backend="gloo")[0][0]
     one = Trainer(TrainConfig(**dict(kw, device=str(DEVICE))), corpus=corpus)  # (CUDA's float32 where there is one)

@@ -21,13 +21,18 @@ fused GPTModel with tp = p and, on rank 0, with tp = 1, and writes ``<out>/train
 (:func:`fusedlib.train.bench.run_tp_bench`).
 
 Exit status: 0; 1 when a ``--bench`` run failed (the others are still measured and written);
-2 for a bad flag (argparse's, with a message naming the flag).
+2 for a bad flag (argparse's, with a message naming the flag), and for a run that cannot start: a
+``--resume`` without a checkpoint, or with one of another configuration, another corpus or not a
+checkpoint at all; a corpus split shorter than ``--seq`` + 1 (one ``error:`` line, no traceback).
+A run without ``--resume`` into a directory that holds a checkpoint starts it over: the
+earlier checkpoint is removed with the metrics.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Optional
@@ -118,11 +123,19 @@ def parse_args(argv: Optional[list[str]] = None):
     try:
         config = TrainConfig(**values)
     except ValueError as err:
-        parser.error(f"--{str(err).split(' ', 1)[0].replace('_', '-')}: {err}")
+        parser.error(f"--{str(err).split(' ', 1)[0].rstrip(':').replace('_', '-')}: {err}")
     if args.sample < 0:
         parser.error(f"--sample must be >= 0, got {args.sample}")
-    if not args.temperature > 0:
-        parser.error(f"--temperature must be > 0, got {args.temperature}")
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):
+        parser.error(f"--temperature must be a finite number > 0, got {args.temperature}")
+    if args.sample:
+        from .data import encode
+
+        try:
+            if encode(args.prompt).numel() == 0:
+                parser.error("--prompt must be non-empty (the text the samples continue)")
+        except ValueError as err:  # bytes of the command line that are not UTF-8
+            parser.error(f"--prompt: {err}")
     if not 1 <= args.top_k <= 256:
         parser.error(f"--top-k must be in [1, 256], got {args.top_k}")
     if args.bench and args.bench_tp:
@@ -200,7 +213,11 @@ def _main(config, args) -> int:
         return 0 if len(records) == len(asked) else 1
     from .loop import Trainer
 
-    trainer = Trainer(config)
+    try:
+        trainer = Trainer(config)
+    except (FileNotFoundError, ValueError) as err:  # a resume that cannot go on, a corpus too short for seq
+        print(f"{_parser().prog}: error: {err}", file=sys.stderr)
+        return 2
     trainer.log(f"{config.label()}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f} M parameters"
                 f"{' on this rank' if config.tp > 1 else ''}, corpus {json.dumps(trainer.corpus.info())}")
     trainer.run()

@@ -117,10 +117,18 @@ def is_generated(relpath: Union[str, Path], raw: bytes) -> bool:
 
 
 def encode(text: str) -> torch.Tensor:
-    """Text -> token ids: its UTF-8 bytes as an int64 tensor [n] (values 0..255)."""
+    """Text -> token ids: its UTF-8 bytes as an int64 tensor [n] (values 0..255).
+
+    Raises:
+        TypeError: text not a str.
+        ValueError: text not encodable as UTF-8 (a lone surrogate)."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64, device="cpu")
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate ("\ud800"), e.g. from undecodable command-line bytes
+        raise ValueError(f"text must be encodable as UTF-8: {err}") from None
+    return torch.tensor(list(data), dtype=torch.int64, device="cpu")
 
 
 def decode(ids: Union[torch.Tensor, Sequence[int]]) -> str:
@@ -240,12 +248,15 @@ def load_corpus(cache_dir: Optional[Union[str, Path]] = None, root: Optional[Uni
     meta_path = Path(f"{stem}.json")
     train_path, val_path = Path(f"{stem}.train.bin"), Path(f"{stem}.val.bin")
     if meta_path.exists() and train_path.exists() and val_path.exists():
-        meta = json.loads(meta_path.read_text())
-        train, val = np.fromfile(train_path, dtype=np.uint8), np.fromfile(val_path, dtype=np.uint8)
-        if _digest(train, val) == meta.get("sha256"):
-            return Corpus(torch.from_numpy(train), torch.from_numpy(val), meta["files_train"], meta["files_val"],
-                          python, str(root), meta["sha256"], tuple(meta.get("skipped", ())),
-                          tuple(meta.get("generated", ())))
+        try:  # a damaged cache (unreadable metadata, a truncated split) is built again, not trusted
+            meta = json.loads(meta_path.read_text())
+            train, val = np.fromfile(train_path, dtype=np.uint8), np.fromfile(val_path, dtype=np.uint8)
+            if _digest(train, val) == meta.get("sha256"):
+                return Corpus(torch.from_numpy(train), torch.from_numpy(val), meta["files_train"], meta["files_val"],
+                              python, str(root), meta["sha256"], tuple(meta.get("skipped", ())),
+                              tuple(meta.get("generated", ())))
+        except (ValueError, AttributeError, KeyError, TypeError, OSError):  # JSON errors are ValueErrors
+            pass
     train, val, n_train, n_val, skipped, generated = _build(root, files)
     corpus = Corpus(torch.from_numpy(train), torch.from_numpy(val), n_train, n_val, python, str(root),
                     _digest(train, val), skipped, generated)

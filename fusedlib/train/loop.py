@@ -60,7 +60,7 @@ import torch
 from ..checks import real_to_float
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..transformer.enums import AttnBackend
-from .data import Corpus, decode, encode, get_batch, load_corpus
+from .data import VOCAB_SIZE, Corpus, decode, encode, get_batch, load_corpus
 from .model import MODELS, SPECS, ModelShape, build_model
 
 __all__ = ["TrainConfig", "CosineSchedule", "Trainer", "sample", "CHECKPOINT", "METRICS", "RESUMABLE_CHANGES",
@@ -195,12 +195,18 @@ class TrainConfig:
         if self.sequence_parallel and self.seq % self.tp:
             raise ValueError(f"sequence_parallel: tp ({self.tp}) must divide seq ({self.seq})")
         if (self.resume or self.stop_at is not None) and self.out is None:
-            raise ValueError("resume and stop_at need out: the directory of the checkpoint")
+            raise ValueError(f"{'resume' if self.resume else 'stop_at'} needs out: the directory of the checkpoint")
+        for name in ("out", "cache_dir"):
+            if getattr(self, name) is not None and str(getattr(self, name)) == "":
+                raise ValueError(f"{name} must be a directory path or None, got '' (which would mean the current "
+                                 f"directory)")
         if self.device is not None:
             try:
                 torch.device(self.device)
             except RuntimeError:
                 raise ValueError(f"device must be a torch device name, got {self.device!r}") from None
+            if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r}: no CUDA device here (torch.cuda.is_available() is False)")
         self.shape()  # checks the model's shape
         if self.cuda_graph and self.resolved_device().type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device, got {self.resolved_device()}")
@@ -341,10 +347,17 @@ class Trainer:
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             self.checkpoint_path = self.out / (CHECKPOINT if cfg.tp == 1 else f"checkpoint-tp{self.rank}.pt")
+        for name, split in (("train", self.corpus.train), ("val", self.corpus.val)):
+            if split.numel() < cfg.seq + 1:
+                raise ValueError(f"seq ({cfg.seq}) needs at least seq + 1 tokens in the corpus' {name} split, which "
+                                 f"has {split.numel()}")
         if cfg.resume:
             self.load(self.checkpoint_path)
-        elif self.out is not None and self.is_main:
-            (self.out / METRICS).write_text("")
+        elif self.out is not None:  # a fresh run starts the directory over: metrics and checkpoint
+            if self.checkpoint_path.exists():  # (else a later resume would continue the earlier run
+                self.checkpoint_path.unlink()  # with this run's metrics gone)
+            if self.is_main:
+                (self.out / METRICS).write_text("")
 
     # ------------------------------------------------------------------ one step
     def step(self) -> torch.Tensor:
@@ -415,7 +428,8 @@ class Trainer:
                 "model": self.model.state_dict(), "master": self.master if self.bf16 else None,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "data_rng": self.data_generator.get_state(), "torch_rng": torch.get_rng_state(),
-                "cuda_rng": cuda_rng, "tp_rank": self.rank, "rng_tracker": self._tracker_states()}
+                "cuda_rng": cuda_rng, "tp_rank": self.rank, "rng_tracker": self._tracker_states(),
+                "resolved": {"device": self.device.type, "bf16": self.bf16}}
 
     def _tracker_states(self) -> Optional[dict]:
         if self.config.tp == 1:
@@ -438,16 +452,31 @@ class Trainer:
 
         Raises:
             FileNotFoundError: no checkpoint at ``path``.
-            ValueError: its configuration differs in a field outside :data:`RESUMABLE_CHANGES`,
-                or its corpus differs (another Python's stdlib).
+            ValueError: not a checkpoint this trainer wrote (truncated, empty, another file);
+                its configuration differs in a field outside :data:`RESUMABLE_CHANGES` (the
+                device type and bf16 compared as resolved), or its corpus differs (another
+                Python's stdlib); with ``tp`` > 1, the ranks' checkpoints are of different steps.
         """
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"resume: no checkpoint at {path}")
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            if not (isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict) and isinstance(ckpt.get("step"), int)
+                    and isinstance(ckpt.get("corpus"), dict)):
+                raise ValueError("not the dict that Trainer.save writes")
+        except Exception as err:  # truncated, empty, another file, a directory
+            raise ValueError(f"resume: {path} is not a checkpoint of this trainer ({type(err).__name__}: {err})") from None
         mine = dataclasses.asdict(self.config)
-        diff = {k: (ckpt["config"].get(k), v) for k, v in mine.items()
-                if k not in RESUMABLE_CHANGES and ckpt["config"].get(k) != v}
+        resolved = ckpt.get("resolved")  # the device type and bf16 as the run resolved them (None: the default)
+        compared = dict(mine)
+        if isinstance(resolved, dict):
+            compared.update(device=self.device.type, bf16=self.bf16)
+            theirs = dict(ckpt["config"], **resolved)
+        else:  # a checkpoint written before the resolved values were stored: the raw fields
+            theirs = ckpt["config"]
+        diff = {k: (theirs.get(k), v) for k, v in compared.items()
+                if k not in RESUMABLE_CHANGES and theirs.get(k) != v}
         if diff:
             raise ValueError("resume: the checkpoint's configuration differs in "
                              + ", ".join(f"{k} (checkpoint {a!r}, now {b!r})" for k, (a, b) in diff.items()))
@@ -455,6 +484,19 @@ class Trainer:
             raise ValueError(f"resume: the checkpoint was trained on another corpus (Python "
                              f"{ckpt['corpus']['python']}, sha256 {ckpt['corpus']['sha256'][:12]}), this is Python "
                              f"{self.corpus.python}'s ({self.corpus.sha256[:12]})")
+        if self.config.tp > 1:  # every rank's checkpoint must be of one step (files of two runs mixed: refused)
+            import torch.distributed as dist
+
+            from ..parallel import get_tensor_model_parallel_group
+
+            steps = torch.tensor([ckpt["step"], -ckpt["step"]], dtype=torch.int64,
+                                 device=self.device if dist.get_backend(get_tensor_model_parallel_group()) == "nccl"
+                                 else "cpu")
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=get_tensor_model_parallel_group())
+            high, low = int(steps[0]), -int(steps[1])
+            if high != low:
+                raise ValueError(f"resume: the ranks' checkpoints in {path.parent} are of different steps ({low} to "
+                                 f"{high}): files of two runs; this rank's is of step {ckpt['step']}")
         self.model.load_state_dict(ckpt["model"])
         if self.bf16:
             with torch.no_grad():
@@ -586,19 +628,25 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
         prompt, [b, t + n_tokens] for a 2-D one, on the model's device.
 
     Raises:
-        ValueError: an empty or ill-shaped prompt, n_tokens < 0, temperature <= 0, a bad top_k.
+        ValueError: an empty or ill-shaped prompt, ids outside [0, V), n_tokens < 0, temperature
+            not a finite number > 0, a bad top_k (each checked before the first token).
     """
     if isinstance(prompt, str):
         prompt = encode(prompt)
     if not isinstance(prompt, torch.Tensor) or prompt.dim() not in (1, 2) or prompt.shape[-1] < 1:
         raise ValueError("prompt must be a non-empty str or an int tensor [t] or [b, t] with t >= 1")
-    if prompt.is_floating_point() or prompt.is_complex():
+    if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
         raise ValueError(f"prompt must hold integer token ids, got {prompt.dtype}")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
         raise ValueError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
     if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
             and math.isfinite(real_to_float("temperature", temperature, "a finite number > 0"))):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    vocab_size = getattr(model, "vocab_size", VOCAB_SIZE)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab_size):
+        raise ValueError(f"top_k must be None or an int in [1, {vocab_size}], got {top_k!r}")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab_size:  # (the prompt: a few ids, read once)
+        raise ValueError(f"prompt ids must lie in [0, {vocab_size}), got {int(prompt.min())}..{int(prompt.max())}")
     device = next(model.parameters()).device
     ids = (prompt if prompt.dim() == 2 else prompt[None]).to(device=device, dtype=torch.int64)  # [b, t]
     max_seq = model.max_sequence_length
@@ -610,13 +658,12 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
     try:
         for _ in range(n_tokens):
             logits = model(ids[:, -max_seq:], None, None, **gather)[:, -1, :].float()  # [b, V]
-            vocab = logits.shape[-1]
             if top_k is not None:
-                if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab:
-                    raise ValueError(f"top_k must be None or an int in [1, {vocab}], got {top_k!r}")
                 kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [b, 1]
                 logits = logits.masked_fill(logits < kth, -math.inf)
-            probs = torch.softmax(logits / temperature, dim=-1)
+            # the largest logit subtracted first: logit / temperature overflows for a temperature
+            # near 0 (inf - inf = NaN), the differences are <= 0 and give 0 or -inf, never NaN
+            probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
             where = generator.device if generator is not None else device
             nxt = torch.multinomial(probs.to(where), 1, generator=generator).to(device)  # [b, 1]
             ids = torch.cat([ids, nxt], dim=1)

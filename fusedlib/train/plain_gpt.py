@@ -81,7 +81,7 @@ class PlainGPT(torch.nn.Module):
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
         ffn = 4 * hidden if ffn is None else ffn
         f = dict(device=device, dtype=dtype)
-        self.max_sequence_length, self.dropout = max_sequence_length, dropout
+        self.vocab_size, self.max_sequence_length, self.dropout = vocab_size, max_sequence_length, dropout
         self.wte = torch.nn.Embedding(vocab_size, hidden, **f)
         self.wpe = torch.nn.Embedding(max_sequence_length, hidden, **f)
         self.h = torch.nn.ModuleList(_Layer(hidden, heads, ffn, dropout, **f) for _ in range(layers))
