@@ -276,6 +276,30 @@ def test_resume_names_a_damaged_checkpoint_and_compares_resolved_settings(corpus
             Trainer(TrainConfig(resume=True, **kw), corpus=corpus)
 
 
+@pytest.mark.parametrize("field", ["ffn", "lr", "dropout", "weight_decay"])
+def test_train_config_refuses_bools_and_strs_for_numbers(field):
+    for value in (True, "0.1"):
+        with pytest.raises(ValueError, match=f"{field} must be "):
+            TrainConfig(**dict(TINY, **{field: value}))
+
+
+def test_resume_names_a_damaged_metrics_file(corpus, tmp_path):
+    kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path))
+    Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus).run()
+    good = (tmp_path / "metrics.jsonl").read_text()
+    for damaged in ("{not json\n", '{"foo": 1}\n', "[1]\n"):
+        (tmp_path / "metrics.jsonl").write_text(good + damaged)
+        with pytest.raises(ValueError, match="is not a metrics file of this trainer"):
+            Trainer(TrainConfig(resume=True, **kw), corpus=corpus)
+
+
+def test_cli_tp_without_torchrun_is_one_error_line(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["--tp", "2", "--heads", "2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --tp: tensor_model_parallel_size=2 needs 2 processes" in err and "Traceback" not in err
+
+
 def test_a_cuda_device_needs_cuda():
     if torch.cuda.is_available():
         assert TrainConfig(**TINY, device="cuda").resolved_device().type == "cuda"
@@ -368,6 +392,9 @@ def test_sample_at_extreme_temperatures_and_its_checks_before_the_first_token():
     (["--sample", "3", "--prompt", "\udcff"], "--prompt"), (["--out", ""], "--out"),
     (["--cache-dir", ""], "--cache-dir"), (["--stop-at", "1"], "--stop-at"),
     (["--tp", "2", "--sequence-parallel", "--seq", "15"], "--sequence-parallel: "),
+    # sizes torch cannot index, a seed beyond torch.manual_seed's range: OverflowError tracebacks before
+    (["--layers", str(10 ** 28)], "--layers"), (["--ffn", str(2 ** 31)], "--ffn"),
+    (["--seed", str(2 ** 64 - 1)], "--seed"), (["--bench-tp", "--bench-warmup", "0", "--steps", "4"], "--bench-tp"),
 ])
 def test_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:

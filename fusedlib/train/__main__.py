@@ -151,6 +151,10 @@ def parse_args(argv: Optional[list[str]] = None):
         if not 0 <= args.bench_warmup <= config.steps - config.log_interval:
             parser.error(f"--bench-warmup must be in [0, steps - log_interval = {config.steps - config.log_interval}], "
                          f"got {args.bench_warmup}")
+        world_size = os.environ.get("WORLD_SIZE", "1")
+        if not (world_size.isdigit() and int(world_size) >= 2):
+            parser.error(f"--bench-tp runs under torchrun with p >= 2 processes (torchrun --nproc-per-node 2 -m "
+                         f"fusedlib.train --bench-tp ...), got WORLD_SIZE={world_size}")
     world = os.environ.get("WORLD_SIZE")  # set by torchrun
     if world is not None and not args.bench_tp and world.isdigit() and int(world) != config.tp:
         # no data parallelism: the other tensor-parallel groups would repeat the same run and
@@ -186,7 +190,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         from ..parallel import parallel_state
 
         # torchrun's processes join one group; tp = the number of processes for --bench-tp
-        parallel_state.initialize_model_parallel(int(os.environ.get("WORLD_SIZE", "1")) if args.bench_tp else config.tp)
+        try:
+            parallel_state.initialize_model_parallel(int(os.environ.get("WORLD_SIZE", "1")) if args.bench_tp
+                                                     else config.tp)
+        except (RuntimeError, ValueError) as err:  # started without torchrun: one process, no group
+            print(f"{_parser().prog}: error: {'--bench-tp' if args.bench_tp else '--tp'}: {err}", file=sys.stderr)
+            return 2
         try:
             return _main(config, args)
         finally:

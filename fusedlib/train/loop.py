@@ -71,6 +71,9 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 #: Config fields a resumed run may change: they do not touch the training's arithmetic.
+#: The largest size or count a flag takes (an index-sized int; larger ones overflow in torch).
+_MAX_INT = 2 ** 31 - 1
+
 RESUMABLE_CHANGES = frozenset({"out", "resume", "stop_at", "save_interval", "log_interval", "eval_interval",
                                "eval_batches", "progress", "cache_dir", "compile", "compile_mode",
                                "cuda_graph"})
@@ -154,12 +157,21 @@ class TrainConfig:
                              f"got {self.attention_backend!r}")
         for name in ("layers", "hidden", "heads", "seq", "batch", "steps", "log_interval", "eval_batches", "tp"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        for name in ("warmup", "eval_interval", "save_interval", "seed"):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _MAX_INT:
+                raise ValueError(f"{name} must be an int in [1, 2^31 - 1], got {v!r}")
+        if self.ffn is not None and (isinstance(self.ffn, bool) or not isinstance(self.ffn, int)
+                                     or not 1 <= self.ffn <= _MAX_INT):
+            raise ValueError(f"ffn must be None (4·hidden) or an int in [1, 2^31 - 1], got {self.ffn!r}")
+        for name in ("warmup", "eval_interval", "save_interval"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_INT:
+                raise ValueError(f"{name} must be an int in [0, 2^31 - 1], got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be an int in [0, 2^63) (torch.manual_seed's range), got {self.seed!r}")
+        for name in ("lr", "min_lr", "beta1", "beta2", "weight_decay", "grad_clip", "dropout"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"{name} must be a real number, got {type(v).__name__} {v!r}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"stop_at must be between 1 and steps ({self.steps}), got {self.stop_at!r}")
         if not (self.lr > 0 and math.isfinite(real_to_float("lr", self.lr, "a finite number > 0"))):
@@ -515,7 +527,12 @@ class Trainer:
         self.step_count = ckpt["step"]
         metrics = self.out / METRICS
         if metrics.exists():  # every rank reads the history; rank 0 cuts the file, atomically
-            kept = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            try:
+                kept = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                if not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in kept):
+                    raise ValueError("a line without its step")
+            except ValueError as err:  # (JSON errors are ValueErrors)
+                raise ValueError(f"resume: {metrics} is not a metrics file of this trainer ({err})") from None
             self.history = [r for r in kept if r["step"] <= self.step_count]
             if self.is_main:
                 tmp = metrics.with_name(metrics.name + ".tmp")
