@@ -618,3 +618,14 @@ def test_mixed_devices_raise():
         bias_dropout_add_fused_train((x, torch.randn(8, device=other)), torch.randn(4, 8, device=DEVICE), 0.1)
     with pytest.raises(ValueError, match="one device, got x on"):
         bias_dropout_add_fused_train((x, None), torch.randn(4, 8, device=other), 0.1)
+
+
+def test_get_bias_dropout_add_refuses_non_bool_switches():
+    # "False" was read as its truth value, True: the training function for inference
+    with pytest.raises(TypeError, match="training must be a bool, got str 'False'"):
+        get_bias_dropout_add("False", True)
+    with pytest.raises(TypeError, match="fused must be a bool, got int 1"):
+        get_bias_dropout_add(True, 1)
+    import numpy as np
+
+    assert get_bias_dropout_add(np.bool_(False), np.bool_(True)) is bias_dropout_add_fused_inference

@@ -479,3 +479,13 @@ def test_tp_group_of_the_wrong_type_raises_naming_it(fn, group):
     x, t = _inputs((3,), 5, torch.float32)
     with pytest.raises(TypeError, match=r"tp_group must be None or a torch.distributed.ProcessGroup"):
         fn(x, t, tp_group=group)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_bool_label_smoothing_and_an_ignore_index_beyond_int64_are_named(path):
+    fn = fused_vocab_parallel_cross_entropy if path == "fused" else vocab_parallel_cross_entropy
+    logits, target = torch.randn(2, 5, device=DEVICE), torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match=r"label_smoothing must be a float in \[0, 1\), got False"):
+        fn(logits, target, label_smoothing=False)  # read as 0 before (True was refused as >= 1)
+    with pytest.raises(ValueError, match=r"ignore_index must be an int in \[-2\^63, 2\^63\)"):
+        fn(logits, target, ignore_index=2 ** 70)  # Triton's OverflowError before

@@ -711,3 +711,17 @@ def test_fallback_offset_on_another_device_raises_naming_it():
         _fsm(scaled_masked_softmax_fusion=False)(x, None, off)
     with pytest.raises(ValueError, match="softmax_offset on meta"):
         _fsm(scaled_masked_softmax_fusion=True)(x, None, off)
+
+
+@pytest.mark.parametrize("offset, match", [
+    (1e39, "softmax_offset must be a finite number within torch.float32's range"),  # torch.full's RuntimeError before
+    (math.nan, "softmax_offset must be a finite number within"), (math.inf, "softmax_offset must be a finite number"),
+    (10 ** 400, r"softmax_offset must be a finite number, -inf \(no sink\) or a tensor, got an int too large"),
+], ids=["1e39", "nan", "inf", "10**400"])
+def test_a_float_offset_out_of_range_is_named(offset, match):
+    x = torch.randn(1, 1, 2, 3, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        fused_scale_mask_softmax(x, None, softmax_offset=offset)
+    # -inf is no sink: the plain softmax
+    assert_close(fused_scale_mask_softmax(x, None, softmax_offset=-math.inf), torch.softmax(x.double(), -1),
+                 torch.float32)

@@ -40,6 +40,7 @@ from .. import unfused
 from ..checks import (
     FLOAT_DTYPES,
     ArgumentTypeError,
+    check_bool,
     check_same_device,
     check_tensor,
     on_one_kernel_device,
@@ -308,8 +309,16 @@ def get_bias_dropout_add(training: bool, fused: bool) -> Callable[[XWithBias, to
     multiple of 1/65536, exact for 0, 0.5, 1) and scale kept values by 1/(1 - p_rounded),
     so the expectation is exact: see :func:`bias_dropout_add_fused_train`.
 
+    Raises:
+        TypeError: training or fused not a bool (numpy's bool is accepted); a str ``"False"``
+            was read as True.
+
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``get_bias_dropout_add``).
     """
+    if training is not True and training is not False:
+        training = check_bool("training", training)
+    if fused is not True and fused is not False:
+        fused = check_bool("fused", fused)
     if fused:
         # Two functions, not one with a flag: Megatron's torch.jit.script fuser did not fuse
         # an nn.Module's dropout, and the mode must be a compile-time constant for the fused

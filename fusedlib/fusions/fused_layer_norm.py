@@ -281,7 +281,9 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
     Returns:
         y: a new contiguous tensor of x's shape and dtype (``y._base is None``). Its
-        backward is not differentiable again: a second derivative raises.
+        backward is not differentiable again: a second derivative raises. The statistics are
+        float32 sums of x² (float64 for float64 inputs): rows with |x| of ~1e19 or more overflow
+        them and come out as zeros or wrong values, as with torch's float32 layer_norm.
 
     Raises:
         TypeError: a non-tensor, an unsupported dtype, or weight/bias dtype != x dtype;

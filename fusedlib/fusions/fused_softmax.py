@@ -348,9 +348,15 @@ def _check_offset(offset: object, x4: torch.Tensor) -> Optional[torch.Tensor]:
     if offset is None:
         return None
     if isinstance(offset, numbers.Real) and not isinstance(offset, bool):
+        value = real_to_float("softmax_offset", offset, "a finite number, -inf (no sink) or a tensor")
+        dtype = torch.promote_types(x4.dtype, torch.float32)
+        limit = FLOAT32_MAX if dtype == torch.float32 else math.inf
+        if not (value == -math.inf or -limit <= value <= limit):  # NaN fails too
+            raise ValueError(f"softmax_offset must be a finite number within {dtype}'s range (the sink logit is "
+                             f"held in it), or -inf for no sink, got {offset!r}")
         # torch.full, not torch.tensor([offset], device=...): a host-to-device copy of a Python
         # list synchronises the host, which a CUDA graph capture cannot contain
-        return torch.full((1,), float(offset), device=x4.device, dtype=torch.promote_types(x4.dtype, torch.float32))
+        return torch.full((1,), value, device=x4.device, dtype=dtype)
     if not _is_float_tensor(offset, 0):
         check_tensor("softmax_offset", offset, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
     if offset.numel() not in (1, x4.shape[1]):

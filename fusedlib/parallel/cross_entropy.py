@@ -70,6 +70,10 @@ __all__ = [
 TARGET_DTYPES = (torch.int64, torch.int32)
 
 
+#: 2^63: ignore_index is an int64 in the kernels (a larger Python int cannot be passed to them).
+_INT64_LIMIT = 2 ** 63
+
+
 def prepare_inputs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
                    ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the arguments of a vocab-parallel cross entropy and flatten them to rows.
@@ -88,14 +92,16 @@ def prepare_inputs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, la
         TypeError: non-tensors, a logits dtype not in fusedlib's float dtypes, a target dtype
             other than int64/int32, or a non-int ignore_index.
         ValueError: target's shape is not the logits' shape without the last dim, an empty
-            vocabulary shard, label_smoothing outside [0, 1), or tensors on two devices.
+            vocabulary shard, label_smoothing outside [0, 1) (or a bool), ignore_index outside
+            the int64 range, or tensors on two devices.
     """
     logits = vocab_parallel_logits
     # the happy case in one test; the checks below name what is wrong otherwise
     if (isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor) and logits.dtype in FLOAT_DTYPES
             and target.dtype in TARGET_DTYPES and logits.dim() >= 1 and logits.shape[-1] >= 1
             and target.shape == logits.shape[:-1] and type(label_smoothing) is float and 0.0 <= label_smoothing < 1.0
-            and type(ignore_index) is int and on_one_kernel_device(logits, target)):
+            and type(ignore_index) is int and -_INT64_LIMIT <= ignore_index < _INT64_LIMIT
+            and on_one_kernel_device(logits, target)):
         # [s, b, V/p] -> [s*b, V/p] and [s, b] -> [s*b]
         return as_rows(logits), (target if target.dim() == 1 else target.reshape(-1))
     check_tensor("vocab_parallel_logits", vocab_parallel_logits, min_ndim=1)
@@ -106,10 +112,13 @@ def prepare_inputs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, la
     if vocab_parallel_logits.shape[-1] < 1:
         raise ValueError("vocab_parallel_logits must have a vocabulary shard of at least 1 column, "
                          f"got shape {list(vocab_parallel_logits.shape)}")
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
+    if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
+            or not 0.0 <= label_smoothing < 1.0):  # (False was read as 0, True refused as >= 1)
         raise ValueError(f"label_smoothing must be a float in [0, 1), got {label_smoothing!r}")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not -_INT64_LIMIT <= ignore_index < _INT64_LIMIT:  # the kernels take it as an int64
+        raise ValueError(f"ignore_index must be an int in [-2^63, 2^63) (an int64), got {ignore_index}")
     check_same_device(vocab_parallel_logits=vocab_parallel_logits, target=target)
     # [s, b, V/p] -> [s*b, V/p] and [s, b] -> [s*b]
     return as_rows(vocab_parallel_logits), target.reshape(-1)
