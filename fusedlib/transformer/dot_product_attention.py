@@ -222,12 +222,11 @@ class DotProductAttention(MegatronModule):
             raise NotImplementedError("DotProductAttention: attention_bias and packed_seq_params are left out")
         np_, ng, hn = self.num_attention_heads_per_partition, self.num_query_groups_per_partition, \
             self.hidden_size_per_attention_head
-        try:  # the happy case in one test (a shape is a tuple: comparisons, no loop)
-            ok = (query.dim() == 4 and key.shape == value.shape and key.dim() == 4 and query.shape[2] == np_
-                  and key.shape[2] == ng and query.shape[3] == hn and key.shape[3] == hn
-                  and key.shape[1] == query.shape[1])
-        except AttributeError:  # not tensors
-            ok = False
+        # the happy case in one test (comparisons, no loop, no try: traced by torch.compile as is)
+        ok = (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+              and query.dim() == 4 and key.dim() == 4 and key.shape == value.shape and query.shape[2] == np_
+              and key.shape[2] == ng and query.shape[3] == hn and key.shape[3] == hn
+              and key.shape[1] == query.shape[1])
         if not ok:
             _check_qkv(query, key, value, np_, ng, hn)
         if attention_mask is not None:
