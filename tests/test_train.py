@@ -491,7 +491,17 @@ def _tp_train_worker(rank: int, world_size: int, device: torch.device, kw: dict,
         mixed = "resumed"
     except ValueError as err:
         mixed = str(err)
-    return whole.losses(), resumed.losses(), files, mixed
+    # one rank's file damaged: every rank refuses (the others used to wait in a collective)
+    torch.distributed.barrier()
+    if rank == 1:
+        Path(f"{out}/mixed/checkpoint-tp1.pt").write_bytes(b"damaged")
+    torch.distributed.barrier()
+    try:
+        Trainer(TrainConfig(tp=world_size, out=f"{out}/mixed", resume=True, **kw), corpus=corpus)
+        damaged = "resumed"
+    except ValueError as err:
+        damaged = str(err)
+    return whole.losses(), resumed.losses(), files, mixed, damaged
 
 
 def test_tensor_parallel_training_matches_one_rank_and_resumes(stdlib_root, corpus, tmp_path):
@@ -509,10 +519,11 @@ def test_tensor_parallel_training_matches_one_rank_and_resumes(stdlib_root, corp
     # (gloo: CPU processes, kernels interpreted, on any machine)
     ranks = spawn(_tp_train_worker, 2, dict(kw, dropout=0.1), str(stdlib_root), cache, str(tmp_path / "tp"),
                   backend="gloo")
-    for whole, resumed, files, mixed in ranks:
+    for whole, resumed, files, mixed, _ in ranks:
         assert resumed == whole
         assert files == ["checkpoint-tp0.pt", "checkpoint-tp1.pt", "metrics.jsonl"]
         assert "the ranks' checkpoints in" in mixed and "are of different steps (1 to 4)" in mixed
+    assert "another rank's checkpoint" in ranks[0][4] and "is not a checkpoint of this trainer" in ranks[1][4]
     assert ranks[0][0] == ranks[1][0]  # every rank computes the same (all-reduced) loss
     no_dropout = spawn(_tp_train_worker, 2, kw, str(stdlib_root), cache, str(tmp_path / "tp0"), backend="gloo")[0][0]
     one = Trainer(TrainConfig(**dict(kw, device=str(DEVICE))), corpus=corpus)  # (CUDA's float32 where there is one)

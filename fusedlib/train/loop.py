@@ -59,6 +59,7 @@ import torch
 
 from ..checks import real_to_float
 from ..parallel.finalize_model_grads import finalize_model_grads
+from ..parallel.utils import all_reduce
 from ..transformer.enums import AttnBackend
 from .data import VOCAB_SIZE, Corpus, decode, encode, get_batch, load_corpus
 from .model import MODELS, SPECS, ModelShape, build_model
@@ -459,17 +460,8 @@ class Trainer:
         os.replace(tmp, path)
         return path
 
-    def load(self, path: Path) -> None:
-        """Restore a checkpoint written by :meth:`save`, and cut the metrics file back to its step.
-
-        Raises:
-            FileNotFoundError: no checkpoint at ``path``.
-            ValueError: not a checkpoint this trainer wrote (truncated, empty, another file);
-                its configuration differs in a field outside :data:`RESUMABLE_CHANGES` (the
-                device type and bf16 compared as resolved), or its corpus differs (another
-                Python's stdlib); with ``tp`` > 1, the ranks' checkpoints are of different steps.
-        """
-        path = Path(path)
+    def _read_checkpoint(self, path: Path) -> dict:
+        """This rank's checkpoint, checked against this run (see :meth:`load`'s Raises)."""
         if not path.exists():
             raise FileNotFoundError(f"resume: no checkpoint at {path}")
         try:
@@ -496,19 +488,42 @@ class Trainer:
             raise ValueError(f"resume: the checkpoint was trained on another corpus (Python "
                              f"{ckpt['corpus']['python']}, sha256 {ckpt['corpus']['sha256'][:12]}), this is Python "
                              f"{self.corpus.python}'s ({self.corpus.sha256[:12]})")
-        if self.config.tp > 1:  # every rank's checkpoint must be of one step (files of two runs mixed: refused)
-            import torch.distributed as dist
+        return ckpt
 
+    def load(self, path: Path) -> None:
+        """Restore a checkpoint written by :meth:`save`, and cut the metrics file back to its step.
+
+        Raises:
+            FileNotFoundError: no checkpoint at ``path``.
+            ValueError: not a checkpoint this trainer wrote (truncated, empty, another file);
+                its configuration differs in a field outside :data:`RESUMABLE_CHANGES` (the
+                device type and bf16 compared as resolved), or its corpus differs (another
+                Python's stdlib); with ``tp`` > 1, the ranks' checkpoints are of different steps.
+        """
+        path = Path(path)
+        try:
+            ckpt = self._read_checkpoint(path)
+            problem = None
+        except (FileNotFoundError, ValueError) as err:
+            ckpt, problem = None, err
+        if self.config.tp > 1:
+            # the ranks decide together, in one all-reduce: a rank that raised alone would leave
+            # the others waiting in their next collective; and their files must be of one step
+            # (files of two runs mixed are refused)
             from ..parallel import get_tensor_model_parallel_group
 
-            steps = torch.tensor([ckpt["step"], -ckpt["step"]], dtype=torch.int64,
-                                 device=self.device if dist.get_backend(get_tensor_model_parallel_group()) == "nccl"
-                                 else "cpu")
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=get_tensor_model_parallel_group())
-            high, low = int(steps[0]), -int(steps[1])
-            if high != low:
-                raise ValueError(f"resume: the ranks' checkpoints in {path.parent} are of different steps ({low} to "
-                                 f"{high}): files of two runs; this rank's is of step {ckpt['step']}")
+            step = ckpt["step"] if ckpt is not None else 0
+            status = all_reduce(torch.tensor([int(problem is not None), step, -step], dtype=torch.int64,
+                                             device=self.device), "MAX", get_tensor_model_parallel_group())
+            if problem is None and int(status[0]):
+                problem = ValueError(f"resume: another rank's checkpoint in {path.parent} cannot be resumed (that "
+                                     f"rank says why)")
+            elif problem is None and int(status[1]) != -int(status[2]):
+                problem = ValueError(f"resume: the ranks' checkpoints in {path.parent} are of different steps "
+                                     f"({-int(status[2])} to {int(status[1])}): files of two runs; this rank's is of "
+                                     f"step {step}")
+        if problem is not None:
+            raise problem
         self.model.load_state_dict(ckpt["model"])
         if self.bf16:
             with torch.no_grad():
