@@ -722,6 +722,9 @@ def test_a_float_offset_out_of_range_is_named(offset, match):
     x = torch.randn(1, 1, 2, 3, device=DEVICE)
     with pytest.raises(ValueError, match=match):
         fused_scale_mask_softmax(x, None, softmax_offset=offset)
+    if offset != 1e39:  # float64 scores hold the sink in float64: only 1e39 fits there
+        with pytest.raises(ValueError, match=match.replace("torch.float32", "torch.float64")):
+            fused_scale_mask_softmax(x.double(), None, softmax_offset=offset)
     # -inf is no sink: the plain softmax
     assert_close(fused_scale_mask_softmax(x, None, softmax_offset=-math.inf), torch.softmax(x.double(), -1),
                  torch.float32)

@@ -351,7 +351,7 @@ def _check_offset(offset: object, x4: torch.Tensor) -> Optional[torch.Tensor]:
         value = real_to_float("softmax_offset", offset, "a finite number, -inf (no sink) or a tensor")
         dtype = torch.promote_types(x4.dtype, torch.float32)
         limit = FLOAT32_MAX if dtype == torch.float32 else math.inf
-        if not (value == -math.inf or -limit <= value <= limit):  # NaN fails too
+        if not (value == -math.inf or (math.isfinite(value) and abs(value) <= limit)):
             raise ValueError(f"softmax_offset must be a finite number within {dtype}'s range (the sink logit is "
                              f"held in it), or -inf for no sink, got {offset!r}")
         # torch.full, not torch.tensor([offset], device=...): a host-to-device copy of a Python

@@ -41,11 +41,15 @@ from ..transformer.enums import AttnBackend
 from .model import MODELS, SPECS
 
 
+#: The program name in usage and error lines.
+PROG = "python -m fusedlib.train"
+
+
 def _parser() -> argparse.ArgumentParser:
     from .loop import TrainConfig
 
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m fusedlib.train", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=MODELS, default=d.model, help="gpt: fusedlib's GPTModel; plain: nanoGPT-style")
@@ -194,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             parallel_state.initialize_model_parallel(int(os.environ.get("WORLD_SIZE", "1")) if args.bench_tp
                                                      else config.tp)
         except (RuntimeError, ValueError) as err:  # started without torchrun: one process, no group
-            print(f"{_parser().prog}: error: {'--bench-tp' if args.bench_tp else '--tp'}: {err}", file=sys.stderr)
+            print(f"{PROG}: error: {'--bench-tp' if args.bench_tp else '--tp'}: {err}", file=sys.stderr)
             return 2
         try:
             return _main(config, args)
@@ -225,7 +229,7 @@ def _main(config, args) -> int:
     try:
         trainer = Trainer(config)
     except (FileNotFoundError, ValueError) as err:  # a resume that cannot go on, a corpus too short for seq
-        print(f"{_parser().prog}: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     trainer.log(f"{config.label()}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f} M parameters"
                 f"{' on this rank' if config.tp > 1 else ''}, corpus {json.dumps(trainer.corpus.info())}")

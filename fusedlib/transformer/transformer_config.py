@@ -342,7 +342,8 @@ class TransformerConfig:
                 continue
             if not _is_real(std):
                 raise ArgumentTypeError(f"{name} must be a finite number >= 0, got {type_name(std)} {std!r}")
-            if not 0.0 <= real_to_float(name, std, "a finite number >= 0") < math.inf:  # 0 is meaningful: torch.nn.init.normal_(std=0) fills zeros
+            # 0 is meaningful: torch.nn.init.normal_(std=0) fills zeros
+            if not 0.0 <= real_to_float(name, std, "a finite number >= 0") < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0 (a standard deviation), got {std!r}")
         scale = self.softmax_scale
         if scale is not None:
