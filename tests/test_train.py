@@ -634,3 +634,92 @@ def test_cuda_graph_training_equals_eager_training_and_resumes(corpus, tmp_path)
                       log=lambda s: None)
     resumed.run()
     assert resumed.losses() == graphed.losses()
+
+
+# ---------------------------------------------------------------------------------------------
+# The full-iteration CUDA graph (the whole step as one graph)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(full_iteration_graph=True, cuda_graph=True), "full_iteration_graph and cuda_graph exclude each other"),
+    (dict(full_iteration_graph=True, compile=True, compile_mode="reduce-overhead"),
+     "full_iteration_graph with compile_mode 'reduce-overhead'"),
+    (dict(full_iteration_graph=True, compile=True, compile_mode="max-autotune"),
+     "full_iteration_graph with compile_mode 'max-autotune'"),
+    (dict(full_iteration_graph=True, device="cpu"), "full_iteration_graph needs a CUDA device, got cpu"),
+    (dict(full_iteration_graph=1), "full_iteration_graph must be a bool"),
+])
+def test_full_iteration_graph_flags(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**dict(TINY, **kw))
+
+
+def test_full_iteration_graph_needs_tp_1():
+    with pytest.raises(ValueError, match="full_iteration_graph needs tp = 1, got 2"):
+        TrainConfig(**dict(TINY, full_iteration_graph=True, tp=2, heads=2, device="cpu"))
+
+
+@pytest.mark.parametrize("argv, flag", [(["--full-iteration-graph", "--cuda-graph"], "--full-iteration-graph"),
+                                        (["--full-iteration-graph", "--device", "cpu"], "--full-iteration-graph"),
+                                        (["--bench", "--full-iteration-graph"], "--full-iteration-graph"),
+                                        (["--bench", "--bench-runs", "fusedlib-full-iteration", "--device", "cpu"],
+                                         "fusedlib-full-iteration")])
+def test_full_iteration_graph_bad_flags(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_checkpoint_rates_are_floats():
+    """A full-iteration run keeps its learning rates in device tensors; its checkpoint stores
+    floats, as every other run's (so that runs of either kind resume from each other's files)."""
+    from fusedlib.train.loop import _float_rates
+
+    rate = torch.tensor(0.25)
+    opt = _float_rates({"state": {}, "param_groups": [{"lr": rate, "params": [0]}, {"lr": 0.5, "params": [1]}]})
+    assert opt["param_groups"] == [{"lr": 0.25, "params": [0]}, {"lr": 0.5, "params": [1]}]
+    assert all(type(g["lr"]) is float for g in opt["param_groups"])
+    sched = _float_rates({"base_lrs": [1.0], "_last_lr": [rate, 0.125]})
+    assert sched == {"base_lrs": [1.0], "_last_lr": [0.25, 0.125]} and type(sched["_last_lr"][0]) is float
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("model", ["gpt", "plain-compiled"])
+def test_full_iteration_graph_equals_eager_training_and_resumes(corpus, tmp_path, model):
+    """The whole step as one CUDA graph trains exactly as the eager step: losses, logged rates
+    and weights bit for bit (dropout on, the schedule's warm-up and decay crossing the capture,
+    evaluations between replays), the graph captured once; a resumed run (its own warm-up and
+    capture) equals the uninterrupted one. The plain model runs compiled, with SDPA's math
+    backend (the others' backward is not deterministic)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kw = dict(TINY, layers=2, steps=9, warmup=5, dropout=0.1, device="cuda", bf16=True, eval_interval=4)
+    if model == "gpt":
+        kw.update(model="gpt", spec="fused", attention_backend="local")  # (cuDNN's backward: not deterministic)
+    else:
+        kw.update(model="plain", compile=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        eager = Trainer(TrainConfig(**kw), corpus=corpus, log=lambda s: None)
+        eager.run()
+        graphed = Trainer(TrainConfig(full_iteration_graph=True, **kw), corpus=corpus, log=lambda s: None)
+        graphed.run()
+        assert graphed._graph.graph is not None and graphed._graph.calls == 9
+        assert graphed.losses() == eager.losses()
+        assert [r["lr"] for r in graphed.history if "lr" in r] == [r["lr"] for r in eager.history if "lr" in r]
+        for name, t in eager.model.state_dict().items():
+            if not name.endswith("_extra_state"):
+                assert torch.equal(t, graphed.model.state_dict()[name]), name
+        first = Trainer(TrainConfig(full_iteration_graph=True, out=str(tmp_path), stop_at=6, **kw), corpus=corpus,
+                        log=lambda s: None)
+        first.run()
+        resumed = Trainer(TrainConfig(full_iteration_graph=True, out=str(tmp_path), resume=True, **kw),
+                          corpus=corpus, log=lambda s: None)
+        resumed.run()
+        assert resumed.losses() == graphed.losses()
+        # an eager run resumes a full-iteration run's checkpoint (the rates stored as floats)
+        first = Trainer(TrainConfig(full_iteration_graph=True, out=str(tmp_path / "b"), stop_at=6, **kw),
+                        corpus=corpus, log=lambda s: None)
+        first.run()
+        resumed = Trainer(TrainConfig(out=str(tmp_path / "b"), resume=True, **kw), corpus=corpus, log=lambda s: None)
+        resumed.run()
+        assert resumed.losses() == eager.losses()

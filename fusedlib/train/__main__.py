@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--cuda-graph", action="store_true",
                    help="fusedlib's GPTModel with its layers and final norm as CUDA graphs "
                         "(cuda_graph_impl='local'; CUDA only)")
+    e.add_argument("--full-iteration-graph", action="store_true",
+                   help="the whole training step (forward, backward, clipping, AdamW) as one CUDA graph, "
+                        "captured after a few eager steps (CUDA only)")
     e.add_argument("--tp", type=int, default=d.tp,
                    help="tensor-parallel ranks (start with torchrun --nproc-per-node TP)")
     e.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (with --tp > 1)")
@@ -106,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--bench", action="store_true", help="train each of --bench-runs, write <out>/train.json")
     b.add_argument("--bench-runs", nargs="+", default=None,
                    help="default: fusedlib fusedlib-unfused torch.compile (also: fusedlib-local, fusedlib-compile, "
-                        "fusedlib-graphs, torch.compile-graphs)")
+                        "fusedlib-graphs, torch.compile-graphs, fusedlib-full-iteration, "
+                        "torch.compile-full-iteration)")
     b.add_argument("--bench-warmup", type=int, default=20, help="steps left out of the timing")
     b.add_argument("--bench-tp", action="store_true",
                    help="under torchrun with p processes: tp = p and tp = 1, write <out>/train_tp<p>.json")
@@ -168,9 +172,9 @@ def parse_args(argv: Optional[list[str]] = None):
     if args.bench:
         if args.resume or args.stop_at is not None:
             parser.error("--bench trains from scratch: --resume and --stop-at do not apply")
-        if args.cuda_graph or args.compile_mode is not None:
-            parser.error("--cuda-graph, --compile-mode: --bench sets them per run (choose the runs with --bench-runs, "
-                         "e.g. fusedlib-graphs, torch.compile-graphs): leave them out")
+        if args.cuda_graph or args.full_iteration_graph or args.compile_mode is not None:
+            parser.error("--cuda-graph, --full-iteration-graph, --compile-mode: --bench sets them per run (choose the "
+                         "runs with --bench-runs, e.g. fusedlib-graphs, torch.compile-graphs): leave them out")
         runs = args.bench_runs or list(DEFAULT_BENCH_RUNS)
         bad = [r for r in runs if r not in BENCH_RUNS]
         if bad:

@@ -24,6 +24,12 @@ batches in the same order, with the same optimizer and schedule (the command lin
                       it captures the whole forward and backward, embeddings and loss
                       included, where ``fusedlib-graphs`` captures the block (layers and
                       final norm) only
+``fusedlib-full-iteration``  (only when asked for) ``fusedlib``'s model, the whole training step
+                      (forward, backward, clipping, AdamW) captured as one CUDA graph
+                      (``full_iteration_graph``; CUDA only)
+``torch.compile-full-iteration``  (only when asked for) the plain GPT, ``torch.compile``d
+                      (default mode) inside the same full-iteration graph: the baseline
+                      with the same capture (CUDA only)
 ====================  =======================================================================
 
 Timing: wall time of logging windows (the device synchronised at their ends, evaluations
@@ -62,18 +68,23 @@ __all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "GRAPH_RUNS", "BENCH_FILE", "SAMP
            "load_train_bench", "smooth", "plot_losses"]
 
 #: impl -> the TrainConfig fields that make it.
-_PLAIN_RUN = dict(compile_mode=None, cuda_graph=False)
+_PLAIN_RUN = dict(compile_mode=None, cuda_graph=False, full_iteration_graph=False)
 BENCH_RUNS: dict[str, dict] = {
     "fusedlib": dict(model="gpt", spec="fused", compile=False, **_PLAIN_RUN),
     "fusedlib-unfused": dict(model="gpt", spec="unfused", compile=False, **_PLAIN_RUN),
     "torch.compile": dict(model="plain", compile=True, **_PLAIN_RUN),
     "fusedlib-local": dict(model="gpt", spec="fused", compile=False, attention_backend="local", **_PLAIN_RUN),
     "fusedlib-compile": dict(model="gpt", spec="fused", compile=True, **_PLAIN_RUN),
-    "fusedlib-graphs": dict(model="gpt", spec="fused", compile=False, compile_mode=None, cuda_graph=True),
-    "torch.compile-graphs": dict(model="plain", compile=True, compile_mode="reduce-overhead", cuda_graph=False),
+    "fusedlib-graphs": dict(model="gpt", spec="fused", compile=False, compile_mode=None, cuda_graph=True,
+                            full_iteration_graph=False),
+    "torch.compile-graphs": dict(model="plain", compile=True, compile_mode="reduce-overhead", cuda_graph=False,
+                                 full_iteration_graph=False),
+    "fusedlib-full-iteration": dict(model="gpt", spec="fused", compile=False, **dict(_PLAIN_RUN,
+                                                                                    full_iteration_graph=True)),
+    "torch.compile-full-iteration": dict(model="plain", compile=True, **dict(_PLAIN_RUN, full_iteration_graph=True)),
 }
 #: The runs that replay CUDA graphs (CUDA only).
-GRAPH_RUNS = ("fusedlib-graphs", "torch.compile-graphs")
+GRAPH_RUNS = ("fusedlib-graphs", "torch.compile-graphs", "fusedlib-full-iteration", "torch.compile-full-iteration")
 #: The runs of ``--bench`` without ``--bench-runs``.
 DEFAULT_BENCH_RUNS = ("fusedlib", "fusedlib-unfused", "torch.compile")
 BENCH_FILE = "train.json"
@@ -282,10 +293,12 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
 #: Line colours of the runs (fusedlib's chapters' colours).
 RUN_COLORS = {"fusedlib": "#d62728", "fusedlib-unfused": "#f4a6a6", "torch.compile": "#5c6bc0",
               "fusedlib-local": "#8c1c1c", "fusedlib-compile": "#ff7f0e", "fusedlib-graphs": "#2ca02c",
-              "torch.compile-graphs": "#17becf"}
+              "torch.compile-graphs": "#17becf", "fusedlib-full-iteration": "#9467bd",
+              "torch.compile-full-iteration": "#1f3a93"}
 #: Line styles, so that curves lying on each other stay visible.
 RUN_STYLES = {"fusedlib": "-", "fusedlib-unfused": "--", "torch.compile": ":", "fusedlib-local": "-.",
-              "fusedlib-compile": "-", "fusedlib-graphs": "-", "torch.compile-graphs": ":"}
+              "fusedlib-compile": "-", "fusedlib-graphs": "-", "torch.compile-graphs": ":",
+              "fusedlib-full-iteration": "-", "torch.compile-full-iteration": ":"}
 
 
 def plot_losses(records: Sequence[dict], window: int = 25, ax=None, skip: int = 0):

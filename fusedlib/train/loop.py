@@ -25,6 +25,17 @@ end of a logging window (``log_interval`` steps, and before every evaluation and
 when they are read back together, the window is timed and the metrics written. Tokens/s are
 the window's tokens over its wall time; evaluation time is never inside a window.
 
+Full-iteration CUDA graph (``full_iteration_graph``, CUDA only): the whole step above but
+the batch and the schedule (forward, backward, the master gradients, clipping, AdamW, the bf16
+copy) is captured once as one CUDA graph and replayed, so a step costs the host one replay
+instead of a launch per kernel. The first ``FULL_ITERATION_WARMUP`` steps run eagerly on a side
+stream (they compile the kernels and create AdamW's state), the next step captures the graph
+and replays it; the batch goes into static input buffers, the learning rate into a device
+tensor that the scheduler fills. The graph runs the same kernels on the same data as the eager
+step: the losses are the eager run's, bit for bit. Megatron-core's ``cuda_graph_impl=
+"full_iteration"`` (``megatron/core/full_cuda_graph.py``) captures forward and backward and
+the optimizer in a second graph; here they are one.
+
 Resume. A checkpoint (``<out>/checkpoint.pt``) holds the step, the model's state dict, the
 master weights, the optimizer's and the schedule's state, the data generator's state and
 torch's CPU and CUDA generator states (dropout draws from them). Evaluation and sampling run
@@ -65,7 +76,7 @@ from .data import VOCAB_SIZE, Corpus, decode, encode, get_batch, load_corpus
 from .model import MODELS, SPECS, ModelShape, build_model
 
 __all__ = ["TrainConfig", "CosineSchedule", "Trainer", "sample", "CHECKPOINT", "METRICS", "RESUMABLE_CHANGES",
-           "COMPILE_MODES"]
+           "COMPILE_MODES", "FULL_ITERATION_WARMUP"]
 
 #: ``TrainConfig.compile_mode``'s values: None (torch.compile's default) and torch.compile's modes.
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -77,7 +88,12 @@ _MAX_INT = 2 ** 31 - 1
 
 RESUMABLE_CHANGES = frozenset({"out", "resume", "stop_at", "save_interval", "log_interval", "eval_interval",
                                "eval_batches", "progress", "cache_dir", "compile", "compile_mode",
-                               "cuda_graph"})
+                               "cuda_graph", "full_iteration_graph"})
+#: Eager steps before the full-iteration graph is captured (Megatron-core's
+#: ``cuda_graph_warmup_steps`` default): they compile the kernels and create AdamW's state.
+FULL_ITERATION_WARMUP = 3
+#: Compile modes that replay CUDA graphs of their own (a full-iteration capture cannot hold them).
+_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclasses.dataclass
@@ -95,7 +111,9 @@ class TrainConfig:
     (None: on CUDA), ``compile`` (``torch.compile`` the model), ``compile_mode`` (its ``mode``,
     e.g. "reduce-overhead": CUDA graphs of the compiled code; None: the default),
     ``cuda_graph`` (fusedlib's GPTModel with ``cuda_graph_impl="local"``: in training its
-    layers and final norm run as CUDA graphs; CUDA only), ``tp`` (tensor-parallel ranks:
+    layers and final norm run as CUDA graphs; CUDA only), ``full_iteration_graph`` (the
+    whole step as one CUDA graph, see the module docstring; CUDA only, tp = 1, not with
+    ``cuda_graph`` or a compile mode that makes its own graphs), ``tp`` (tensor-parallel ranks:
     the process must be one of ``tp`` ranks started by ``torchrun`` or
     ``fusedlib.parallel.spawn``), ``sequence_parallel``, ``seed`` (weights, data order, dropout).
     Output: ``out`` (directory for metrics and checkpoints; None: none written),
@@ -135,6 +153,7 @@ class TrainConfig:
     compile: bool = False
     compile_mode: Optional[str] = None
     cuda_graph: bool = False
+    full_iteration_graph: bool = False
     tp: int = 1
     sequence_parallel: bool = False
     seed: int = 1234
@@ -199,6 +218,17 @@ class TrainConfig:
                              "torch.compile's own)")
         if self.cuda_graph and self.tp > 1:
             raise ValueError(f"cuda_graph needs tp = 1, got {self.tp}")
+        if not isinstance(self.full_iteration_graph, bool):
+            raise ValueError(f"full_iteration_graph must be a bool, got {self.full_iteration_graph!r}")
+        if self.full_iteration_graph and self.cuda_graph:
+            raise ValueError("full_iteration_graph and cuda_graph exclude each other: the step's graph holds the "
+                             "layers already (a graph cannot be captured inside another)")
+        if self.full_iteration_graph and self.compile_mode in _GRAPH_COMPILE_MODES:
+            raise ValueError(f"full_iteration_graph with compile_mode {self.compile_mode!r}: that mode replays CUDA "
+                             f"graphs of its own, which the step's graph cannot hold (use the default mode or "
+                             f"'max-autotune-no-cudagraphs')")
+        if self.full_iteration_graph and self.tp > 1:
+            raise ValueError(f"full_iteration_graph needs tp = 1, got {self.tp}")
         if self.tp > 1 and self.model != "gpt":
             raise ValueError(f"tp > 1 needs model 'gpt' (fusedlib's GPTModel), got {self.model!r}")
         if self.tp > 1 and (self.heads % self.tp or self.hidden % self.tp):
@@ -221,8 +251,9 @@ class TrainConfig:
             if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r}: no CUDA device here (torch.cuda.is_available() is False)")
         self.shape()  # checks the model's shape
-        if self.cuda_graph and self.resolved_device().type != "cuda":
-            raise ValueError(f"cuda_graph needs a CUDA device, got {self.resolved_device()}")
+        for name in ("cuda_graph", "full_iteration_graph"):
+            if getattr(self, name) and self.resolved_device().type != "cuda":
+                raise ValueError(f"{name} needs a CUDA device, got {self.resolved_device()}")
 
     def shape(self) -> ModelShape:
         """The model's :class:`ModelShape`."""
@@ -246,8 +277,8 @@ class TrainConfig:
         return self.bf16 if self.bf16 is not None else self.resolved_device().type == "cuda"
 
     def label(self) -> str:
-        """A short name: "fused", "unfused", "fused (local)", "plain", with "+ CUDA graphs" and
-        "+ compile" (and its mode) where they apply."""
+        """A short name: "fused", "unfused", "fused (local)", "plain", with "+ CUDA graphs",
+        "+ compile" (and its mode) and "+ full-iteration graph" where they apply."""
         name = "plain" if self.model == "plain" else self.spec
         if self.model == "gpt" and self.spec == "fused" and self.attention_backend != "flash":
             name += f" ({self.attention_backend})"
@@ -257,6 +288,8 @@ class TrainConfig:
             name += " + CUDA graphs"
         if self.compile:
             name += " + compile" + (f" ({self.compile_mode})" if self.compile_mode else "")
+        if self.full_iteration_graph:
+            name += " + full-iteration graph"
         return name
 
 
@@ -280,6 +313,67 @@ class CosineSchedule:
 
 def _model_forward(model: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return model(x, None, None, labels=y)  # GPTModel's (input_ids, position_ids, attention_mask), per-token loss [b, s]
+
+
+def _float_rates(state: dict) -> dict:
+    """An optimizer's or scheduler's state dict with the learning rates that live in device
+    tensors (``full_iteration_graph``) as floats, so that every run's checkpoint reads alike."""
+    if "param_groups" in state:
+        state["param_groups"] = [dict(g, lr=float(g["lr"])) if isinstance(g["lr"], torch.Tensor) else g
+                                 for g in state["param_groups"]]
+    if "_last_lr" in state:
+        state["_last_lr"] = [float(v) for v in state["_last_lr"]]
+    return state
+
+
+class _FullIterationGraph:
+    """A training step's body (``body(x, y) -> loss``) as one CUDA graph.
+
+    The first ``warmup`` calls run ``body`` eagerly on a side stream (as torch.cuda.graphs'
+    whole-network capture asks); the next call copies its batch into static buffers, captures
+    ``body`` on them into a ``torch.cuda.CUDAGraph`` and replays it; later calls copy the batch
+    and replay. Each call returns a fresh copy of the loss (the graph's own is overwritten by
+    the next replay). Torch's CUDA generator is registered with the graph by
+    ``torch.cuda.graph``, so dropout draws new numbers at every replay.
+
+    Source: PyTorch's CUDA semantics notes, "Whole-network capture"; Megatron-core
+    ``megatron/core/full_cuda_graph.py`` (``FullCudaGraphWrapper``).
+    """
+
+    def __init__(self, body: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], warmup: int) -> None:
+        self.body, self.warmup, self.calls = body, warmup, 0
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.static: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # window, x, y
+        self.loss: Optional[torch.Tensor] = None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        current = torch.cuda.current_stream(x.device)
+        if self.calls <= self.warmup:
+            side = torch.cuda.Stream(x.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                loss = self.body(x, y)
+            current.wait_stream(side)
+            loss.record_stream(current)
+            return loss
+        if self.graph is None:
+            b, s = x.shape
+            window = torch.empty(b, s + 1, dtype=x.dtype, device=x.device)  # x and y as get_batch makes them:
+            self.static = (window, window[:, :-1], window[:, 1:])           # two views of one window
+            self._load(x, y)
+            torch.cuda.synchronize(x.device)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.loss = self.body(self.static[1], self.static[2])
+        else:
+            self._load(x, y)
+        self.graph.replay()
+        return self.loss.clone()
+
+    def _load(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.static[1].copy_(x)
+        self.static[2].copy_(y)
 
 
 class Trainer:
@@ -342,10 +436,14 @@ class Trainer:
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}],
                                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
-                                           fused=cuda, foreach=None if cuda else True)
+                                           fused=cuda, foreach=None if cuda else True,
+                                           capturable=cfg.full_iteration_graph)
         min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
-                                                           CosineSchedule(cfg.warmup, cfg.steps, min_lr / cfg.lr))
+        self.schedule = CosineSchedule(cfg.warmup, cfg.steps, min_lr / cfg.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
+        # full_iteration_graph: the learning rates live in device tensors the graph reads
+        self._lr_tensors: Optional[list[torch.Tensor]] = None
+        self._graph: Optional[_FullIterationGraph] = None
         self.data_generator = torch.Generator(device="cpu").manual_seed(cfg.seed)  # the same batches on every rank
         torch.manual_seed(cfg.seed)  # dropout's stream (CPU and every CUDA device)
         if cfg.tp > 1:  # and the tensor-parallel stream of split tensors, seed + 2718 + rank
@@ -371,6 +469,12 @@ class Trainer:
                 self.checkpoint_path.unlink()  # with this run's metrics gone)
             if self.is_main:
                 (self.out / METRICS).write_text("")
+        if cfg.full_iteration_graph:
+            self._lr_tensors = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=self.device)
+                                for g in self.optimizer.param_groups]
+            for g, t in zip(self.optimizer.param_groups, self._lr_tensors):
+                g["lr"], g["capturable"] = t, True  # (a loaded checkpoint's groups may say otherwise)
+            self._graph = _FullIterationGraph(self._step_body, FULL_ITERATION_WARMUP)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> torch.Tensor:
@@ -378,6 +482,20 @@ class Trainer:
         tensor on the device; reading it is the caller's synchronisation)."""
         cfg = self.config
         x, y = get_batch(self.corpus.train, cfg.batch, cfg.seq, self.data_generator, self.device)
+        loss = self._graph(x, y) if self._graph is not None else self._step_body(x, y)
+        self.scheduler.step()
+        if self._lr_tensors is not None:  # the graph reads the rates from these tensors
+            for g, t in zip(self.optimizer.param_groups, self._lr_tensors):
+                if g["lr"] is not t:  # (a scheduler that assigns floats instead of filling tensors)
+                    t.fill_(float(g["lr"]))
+                    g["lr"] = t
+        self.step_count += 1
+        return loss
+
+    def _step_body(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward, backward, master gradients, clipping, AdamW and the bf16 copy: the part of
+        a step that the full-iteration graph captures. Returns the detached mean loss."""
+        cfg = self.config
         loss = _model_forward(self.forward, x, y).mean()
         loss.backward()
         if cfg.tp > 1:  # sum the gradients that each rank holds only part of (sequence-parallel norms)
@@ -390,14 +508,12 @@ class Trainer:
         elif cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.master, cfg.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.bf16:
             for p in self.params:
                 p.grad = None
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
-        self.step_count += 1
         return loss.detach()
 
     def _clip_tensor_parallel(self, max_norm: float) -> None:
@@ -439,7 +555,8 @@ class Trainer:
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         return {"config": dataclasses.asdict(self.config), "step": self.step_count, "corpus": self.corpus.info(),
                 "model": self.model.state_dict(), "master": self.master if self.bf16 else None,
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "optimizer": _float_rates(self.optimizer.state_dict()),
+                "scheduler": _float_rates(self.scheduler.state_dict()),
                 "data_rng": self.data_generator.get_state(), "torch_rng": torch.get_rng_state(),
                 "cuda_rng": cuda_rng, "tp_rank": self.rank, "rng_tracker": self._tracker_states(),
                 "resolved": {"device": self.device.type, "bf16": self.bf16}}
@@ -589,7 +706,7 @@ class Trainer:
             sync()
             t0 = time.perf_counter()
             while self.step_count < last:
-                lr = self.scheduler.get_last_lr()[0]
+                lr = cfg.lr * self.schedule(self.scheduler.last_epoch)  # (LambdaLR's rate, on the host)
                 loss = self.step()
                 pending.append((self.step_count, loss, lr))
                 s = self.step_count
