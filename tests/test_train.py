@@ -723,3 +723,42 @@ def test_full_iteration_graph_equals_eager_training_and_resumes(corpus, tmp_path
         resumed = Trainer(TrainConfig(out=str(tmp_path / "b"), resume=True, **kw), corpus=corpus, log=lambda s: None)
         resumed.run()
         assert resumed.losses() == eager.losses()
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel profile of a training step (--bench-profile)
+# ---------------------------------------------------------------------------------------------
+
+def test_profile_steps_writes_each_runs_summary(corpus, tmp_path, monkeypatch):
+    from fusedlib.train import bench
+
+    monkeypatch.setattr(bench, "load_corpus", lambda cache_dir=None: corpus)
+    lines = []
+    prof = bench.profile_steps(TrainConfig(**dict(TINY, steps=4, device="cpu")), ("fusedlib", "fusedlib-unfused"),
+                               steps=2, warmup=1, out_dir=tmp_path, log=lines.append)
+    assert prof["op"] == "train_profile" and prof["steps"] == 2 and prof["skipped"] == {}
+    assert list(prof["impls"]) == ["fusedlib", "fusedlib-unfused"]
+    for p in prof["impls"].values():
+        assert p["kernel_ms"] > 0 and p["launches"] > 0 and p["top"]
+        assert abs(sum(p["categories"].values()) - p["kernel_ms"]) < 1e-3
+    assert json.loads((tmp_path / bench.PROFILE_FILE).read_text()) == prof
+    assert "fusedlib-unfused:" in lines[0] and "ms of kernels per step" in lines[0]
+    # a graph run is refused (it replays the same kernels), so are sizes out of range
+    base = TrainConfig(**dict(TINY, steps=4, device="cpu"))
+    for kw, match in ((dict(runs=("fusedlib-full-iteration",)), "graph runs replay the same kernels"),
+                      (dict(runs=("nope",)), "runs must name some of"),
+                      (dict(steps=0), "steps must be an int >= 1"), (dict(warmup=-1), "warmup must be an int >= 0"),
+                      (dict(steps=3, warmup=2), r"warmup \+ steps \(5\) must be at most")):
+        with pytest.raises(ValueError, match=match):
+            bench.profile_steps(base, **kw)
+
+
+@pytest.mark.parametrize("argv, flag", [(["--bench-profile", "--bench"], "--bench-profile"),
+                                        (["--bench-profile", "--bench-runs", "fusedlib-graphs"], "fusedlib-graphs"),
+                                        (["--bench-profile", "--steps", "10"], "--steps"),
+                                        (["--bench-profile", "--cuda-graph"], "--cuda-graph"),
+                                        (["--bench-runs", "fusedlib"], "--bench-runs")])
+def test_bench_profile_bad_flags(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2 and flag in capsys.readouterr().err

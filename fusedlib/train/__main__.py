@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
                         "fusedlib-graphs, torch.compile-graphs, fusedlib-full-iteration, "
                         "torch.compile-full-iteration)")
     b.add_argument("--bench-warmup", type=int, default=20, help="steps left out of the timing")
+    b.add_argument("--bench-profile", action="store_true",
+                   help="profile the kernels of 5 steps of each of --bench-runs (default: fusedlib torch.compile), "
+                        "write <out>/train_profile.json")
     b.add_argument("--bench-tp", action="store_true",
                    help="under torchrun with p processes: tp = p and tp = 1, write <out>/train_tp<p>.json")
     return p
@@ -146,8 +149,24 @@ def parse_args(argv: Optional[list[str]] = None):
             parser.error(f"--prompt: {err}")
     if not 1 <= args.top_k <= 256:
         parser.error(f"--top-k must be in [1, 256], got {args.top_k}")
-    if args.bench and args.bench_tp:
-        parser.error("--bench and --bench-tp are two different runs: choose one")
+    if sum((args.bench, args.bench_tp, args.bench_profile)) > 1:
+        parser.error("--bench, --bench-tp and --bench-profile are different runs: choose one")
+    if args.bench_profile:
+        from .bench import DEFAULT_PROFILE_RUNS
+
+        if args.resume or args.stop_at is not None:
+            parser.error("--bench-profile trains from scratch: --resume and --stop-at do not apply")
+        if args.cuda_graph or args.full_iteration_graph or args.compile_mode is not None:
+            parser.error("--cuda-graph, --full-iteration-graph, --compile-mode: --bench-profile takes the runs' own "
+                         "settings (--bench-runs): leave them out")
+        runs = args.bench_runs or list(DEFAULT_PROFILE_RUNS)
+        bad = [r for r in runs if r not in BENCH_RUNS or r in GRAPH_RUNS]
+        if bad:
+            parser.error(f"--bench-runs: {bad} cannot be profiled; choices: "
+                         f"{', '.join(r for r in BENCH_RUNS if r not in GRAPH_RUNS)} (a graph run replays the "
+                         f"same kernels)")
+        if config.steps < 20:
+            parser.error(f"--steps: --bench-profile takes 20 steps (15 untimed, 5 profiled), got {config.steps}")
     if args.bench_tp:
         if args.resume or args.stop_at is not None:
             parser.error("--bench-tp trains from scratch: --resume and --stop-at do not apply")
@@ -186,8 +205,8 @@ def parse_args(argv: Optional[list[str]] = None):
         if not 0 <= args.bench_warmup <= config.steps - config.log_interval:
             parser.error(f"--bench-warmup must be in [0, steps - log_interval = {config.steps - config.log_interval}], "
                          f"got {args.bench_warmup}")
-    elif args.bench_runs is not None:
-        parser.error("--bench-runs needs --bench")
+    elif args.bench_runs is not None and not args.bench_profile:
+        parser.error("--bench-runs needs --bench or --bench-profile")
     return config, args
 
 
@@ -218,6 +237,14 @@ def _main(config, args) -> int:
         out = args.out if args.out is not None else "chapters/data/bench"
         run_tp_bench(dataclasses.replace(config, out=None), out, args.bench_warmup)
         return 0
+    if args.bench_profile:
+        from .bench import DEFAULT_PROFILE_RUNS, PROFILE_FILE, profile_steps
+
+        out = args.out if args.out is not None else "chapters/data/bench"
+        prof = profile_steps(dataclasses.replace(config, out=None), args.bench_runs or DEFAULT_PROFILE_RUNS,
+                             out_dir=out)
+        print(f"wrote {out}/{PROFILE_FILE}")
+        return 1 if prof["skipped"] else 0
     if args.bench:
         from .bench import DEFAULT_BENCH_RUNS, bench_table, run_bench
 

@@ -32,6 +32,10 @@ batches in the same order, with the same optimizer and schedule (the command lin
                       with the same capture (CUDA only)
 ====================  =======================================================================
 
+``--bench-profile`` (:func:`profile_steps`) records instead where a step's time goes: the
+kernels of a few steps of each run under ``torch.profiler``, per step and by category, in
+``<out>/train_profile.json``.
+
 Timing: wall time of logging windows (the device synchronised at their ends, evaluations
 outside them); the first ``bench_warmup`` steps (compilation, Triton's autotuning, the
 allocator's growth) are left out. ``tokens_per_s`` = timed steps x b x s / timed seconds.
@@ -64,6 +68,7 @@ from .loop import TrainConfig, Trainer
 from .model import count_parameters
 
 __all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "GRAPH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table",
+           "PROFILE_FILE", "DEFAULT_PROFILE_RUNS", "profile_steps", "profile_steps_table",
            "run_tp_bench", "tp_bench_file",
            "load_train_bench", "smooth", "plot_losses"]
 
@@ -172,6 +177,112 @@ def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[s
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(records, indent=1) + "\n")
     return records
+
+
+#: The file of :func:`profile_steps` (``--bench-profile``).
+PROFILE_FILE = "train_profile.json"
+#: The runs :func:`profile_steps` takes by default: the fused model and the compiled plain one.
+DEFAULT_PROFILE_RUNS = ("fusedlib", "torch.compile")
+
+
+def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS, steps: int = 5, warmup: int = 15,
+                  top: int = 30, out_dir: Optional[str | Path] = None,
+                  log: Callable[[str], object] = print) -> dict:
+    """Where a training step's time goes: the kernels ``torch.profiler`` records in ``steps``
+    steps of each run (after ``warmup`` untimed steps: compilation, autotuning, AdamW's state),
+    per step, as chapter 7's block profile (``kernel_summary``: total, launches, categories,
+    the ``top`` kernels). The steps are launched kernel by kernel: a run with CUDA graphs
+    replays the same kernels, so the graph runs of :data:`BENCH_RUNS` are not offered.
+    Profiler ranges (``Optimizer.step#AdamW.step``) are left out: they span kernels that are
+    counted already.
+
+    Args:
+        base: the configuration (each run overrides its :data:`BENCH_RUNS` fields); the trainer
+            takes ``warmup + steps`` steps of it, so ``base.steps`` must allow them.
+        runs: names of :data:`BENCH_RUNS` outside :data:`GRAPH_RUNS`.
+        steps, warmup, top: steps profiled (>= 1), steps before them (>= 0), kernels listed.
+        out_dir: where :data:`PROFILE_FILE` goes (None: not written).
+        log: where the table goes.
+
+    Returns:
+        ``{"op": "train_profile", device and versions, "config", "tokens_per_step", "steps",
+        "warmup", "impls": {run: kernel_summary}, "skipped": {run: error}}``. On a CPU the CPU
+        operators are recorded instead (for tests).
+
+    Raises:
+        ValueError: an unknown or graph run, ``steps`` < 1, ``warmup`` < 0, or
+            ``warmup + steps`` > ``base.steps``.
+    """
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from ..bench.ops.transformer_layer import kernel_summary
+
+    bad = [r for r in runs if r not in BENCH_RUNS or r in GRAPH_RUNS]
+    if bad or not runs:
+        raise ValueError(f"runs must name some of {[r for r in BENCH_RUNS if r not in GRAPH_RUNS]} (the graph runs "
+                         f"replay the same kernels), got {list(runs)}")
+    for name, v, low in (("steps", steps, 1), ("warmup", warmup, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    if warmup + steps > base.steps:
+        raise ValueError(f"warmup + steps ({warmup + steps}) must be at most the configuration's steps ({base.steps})")
+    device = base.resolved_device()
+    cuda = device.type == "cuda"
+    activities, kind = (([ProfilerActivity.CPU, ProfilerActivity.CUDA], torch.autograd.DeviceType.CUDA) if cuda
+                        else ([ProfilerActivity.CPU], torch.autograd.DeviceType.CPU))
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    corpus = load_corpus(base.cache_dir)
+    out = {"op": "train_profile", **environment(), "python": platform.python_version(),
+           "config": dataclasses.asdict(base), "tokens_per_step": base.batch * base.seq, "steps": steps,
+           "warmup": warmup, "impls": {}, "skipped": {}}
+    for name in runs:
+        trainer = None
+        try:
+            cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None, progress=False)
+            trainer = Trainer(cfg, corpus=corpus, log=lambda line: None)
+            for _ in range(warmup):
+                trainer.step()
+            sync()
+            with torch_profile(activities=activities) as prof:
+                for _ in range(steps):
+                    trainer.step()
+                sync()
+            events = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                      if e.device_type == kind and not e.is_user_annotation]
+            out["impls"][name] = kernel_summary(events, steps, top)
+        except Exception as exc:  # noqa: BLE001  (one failing run must not lose the others)
+            out["skipped"][name] = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            del trainer
+            if cuda:
+                gc.collect()
+                torch.cuda.empty_cache()
+    if out_dir is not None:
+        path = Path(out_dir) / PROFILE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
+    log(profile_steps_table(out))
+    return out
+
+
+def profile_steps_table(prof: dict, top: int = 12) -> str:
+    """Text table of a :func:`profile_steps` result: per run, the kernel time per step, its
+    categories, then its ``top`` kernels (names cut to 64 characters)."""
+    c = prof["config"]
+    lines = [f"kernels of one training step ({prof['steps']} steps profiled, launched one by one), {c['layers']} "
+             f"layers, hidden {c['hidden']}, batch {c['batch']} x seq {c['seq']}, {prof['device']}"]
+    for name, p in prof["impls"].items():
+        lines.append(f"\n{name}: {p['kernel_ms']:.2f} ms of kernels per step, {p['launches']:.0f} launches")
+        for cat, ms in p["categories"].items():
+            lines.append(f"  {cat:<28}{ms:>7.2f} ms {100 * ms / p['kernel_ms'] if p['kernel_ms'] else 0:>6.1f}%")
+        lines.append(f"  top {min(top, len(p['top']))} kernels:{'calls':>50}{'ms':>8}")
+        for k in p["top"][:top]:
+            label = k["name"] if len(k["name"]) <= 64 else k["name"][:61] + "..."
+            lines.append(f"    {label:<64}{k['calls']:>5.0f}{k['ms']:>8.3f}")
+    for name, why in prof.get("skipped", {}).items():
+        lines.append(f"{name}: not profiled ({why})")
+    return "\n".join(lines)
 
 
 def tp_bench_file(world_size: int) -> str:
