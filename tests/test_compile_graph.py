@@ -63,6 +63,7 @@ from fusedlib.fusions.fused_softmax import fused_scale_mask_softmax_dropout
 from fusedlib.kernels.bias_dropout_add import drop_threshold, dropout_scale
 from fusedlib.kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from fusedlib.kernels.layer_norm import norm_bwd, norm_fwd
+from fusedlib.parallel.layers import _EmbeddingDeterministicGrad
 from fusedlib.transformer.enums import AttnMaskType
 
 from conftest import DEVICE  # noqa: I001
@@ -222,6 +223,9 @@ CASES: dict[str, Case] = {
     "flash_attention_d80_atomic_dq": Case(
         lambda dt: (_r(B, SQ, NP, 80, dtype=dt), _r(B, SK, 1, 80, dtype=dt), _r(B, SK, 1, 80, dtype=dt)),
         lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=False)),
+    # the deterministic embedding gradient (ids repeat, so runs of equal ids are summed)
+    "embedding_deterministic_grad": Case(lambda dt: (_r(V, H, dtype=dt), torch.randint(0, 7, (3, N), device="cuda")),
+                                         lambda w, ids: _EmbeddingDeterministicGrad.apply(ids, w)),
     "vocab_parallel_cross_entropy": Case(lambda dt: (_r(N, V, dtype=dt, scale=3.0), _targets()),
                                          lambda x, t: vocab_parallel_cross_entropy(x, t, 0.1)),
     "fused_vocab_parallel_cross_entropy": Case(lambda dt: (_r(N, V, dtype=dt, scale=3.0), _targets()),

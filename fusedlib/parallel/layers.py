@@ -67,7 +67,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
-from ..kernels.embedding import check_ids_in_range
+from ..kernels.embedding import check_ids_in_range, embedding_backward
 from . import parallel_state
 from .mappings import (
     _ReduceFromModelParallelRegion,
@@ -492,6 +492,23 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
                 f"TP={self.tp_world_size}")
 
 
+class _EmbeddingDeterministicGrad(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose weight gradient is fusedlib's deterministic kernel
+    (:func:`fusedlib.kernels.embedding.embedding_backward`) instead of PyTorch's, which adds
+    with atomics on CUDA."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.num_embeddings, ctx.weight_dtype = weight.shape[0], weight.dtype
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (ids,) = ctx.saved_tensors
+        return None, embedding_backward(ids, grad_output, ctx.num_embeddings, ctx.weight_dtype)
+
+
 class VocabParallelEmbedding(torch.nn.Module):
     """Token embedding, weight [num_embeddings, embedding_dim], split along the vocabulary over p ranks.
 
@@ -507,6 +524,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         config, tp_group: as :class:`ColumnParallelLinear`.
 
     ``forward(input_)``: int ids [b, s] -> [b, s, h] in the weight's dtype (or [s/p, b, h]).
+    With ``config.deterministic_mode`` (p = 1) the weight's gradient comes from fusedlib's
+    deterministic kernel (:func:`fusedlib.kernels.embedding.embedding_backward`): PyTorch's CUDA
+    kernel adds it with atomics, in an order that changes from run to run.
     An id outside [0, V): on one rank ``F.embedding`` raises; with p > 1 every rank would mask it
     into a zero row (Megatron-core accepts it), so a small kernel checks the ids on the device
     (:func:`fusedlib.kernels.embedding.check_ids_in_range`, no host sync) and fusedlib reports a
@@ -534,12 +554,15 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.reduce_scatter_embeddings = bool(reduce_scatter_embeddings) and p > 1
         self.weight = _new_param(config, self.num_embeddings_per_partition, embedding_dim)
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self.deterministic = bool(getattr(config, "deterministic_mode", False))
         self.bias = None
         _init_weight_and_bias(self, config, init_method, (num_embeddings, embedding_dim), 0, 1)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Rows of the weight: [b, s] ids -> [b, s, h] (see the class docstring)."""
         if self.tp_world_size == 1:
+            if self.deterministic and torch.is_grad_enabled() and self.weight.requires_grad:
+                return _EmbeddingDeterministicGrad.apply(input_, self.weight)
             return F.embedding(input_, self.weight)
         check_ids_in_range(input_, self.num_embeddings)  # else a bad id is a zero row on every rank
         input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)  # ids of other ranks

@@ -104,8 +104,9 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
         cuda_graph: ``cuda_graph_impl="local"``: in training the layers and the final norm run as CUDA graphs
             (:mod:`fusedlib.transformer.cuda_graphs`).
 
-    Every configuration sets ``deterministic_mode`` (FlashAttention's backward without atomics), so
-    that a resumed run repeats the uninterrupted one bit for bit.
+    Every configuration sets ``deterministic_mode`` (FlashAttention's backward without atomics, the
+    token embedding's gradient from fusedlib's deterministic kernel), so that a resumed run repeats
+    the uninterrupted one bit for bit.
 
     Raises:
         ValueError: an unknown spec or backend; ``cuda_graph`` with ``tp`` > 1.

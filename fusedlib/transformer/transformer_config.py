@@ -198,8 +198,11 @@ class TransformerConfig:
     """Mask and softmax in fp32 for fp16/bf16 scores (the unfused path; the kernel always does)."""
     deterministic_mode: bool = False
     """Choose code with deterministic execution (Megatron-core's switch): here, fusedlib's
-    FlashAttention backward without atomics (``flash_attention(deterministic=True)``), bitwise
-    reproducible; False lets it sum dQ by atomic adds where that is faster."""
+    FlashAttention backward without atomics (``flash_attention(deterministic=True)``), and the
+    token embedding's weight gradient from fusedlib's kernel
+    (:func:`fusedlib.kernels.embedding.embedding_backward`) instead of PyTorch's, which adds with
+    atomics on CUDA: bitwise reproducible. False lets FlashAttention sum dQ by atomic adds where
+    that is faster, and leaves the embedding to PyTorch."""
 
     # ---------------------------------------------------------------- initialization
     init_method: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
