@@ -28,8 +28,11 @@ def _reference(ids, grad, v):
         0, ids.reshape(-1).long(), grad.reshape(-1, h).double())
 
 
-def _check(ids, grad, v, out_dtype=None):
-    out = embedding_backward(ids, grad, v, out_dtype)
+def _check(ids, grad, v, out_dtype=None, host_runs=None):
+    if host_runs is None:
+        out = embedding_backward(ids, grad, v, out_dtype)
+    else:  # the other path too: the runs found by the host (the CPU's), or a program per position (a GPU's)
+        out = emb._embedding_backward(ids, grad, v, out_dtype, host_runs=host_runs)
     assert out.shape == (v, grad.shape[-1]) and out.dtype == (out_dtype or grad.dtype)
     ref = _reference(ids, grad, v)
     h = grad.shape[-1]
@@ -44,31 +47,35 @@ def _check(ids, grad, v, out_dtype=None):
     return out
 
 
+@pytest.mark.parametrize("host_runs", [None, not DEVICE.type == "cpu"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("v, shape, h", [(7, (3, 5), 33), (256, (4, 37), 130), (1, (9,), 5), (50, (1,), 1),
                                           (3, (2, 50), 1025), (1000, (6, 7), 64)])
-def test_matches_float64_reference(dtype, v, shape, h):
-    gen = torch.Generator().manual_seed(hash((v, shape, h)) % 2 ** 31)
+def test_matches_float64_reference(dtype, v, shape, h, host_runs):
+    gen = torch.Generator().manual_seed(v * 1000 + h)
     ids = torch.randint(0, v, shape, generator=gen).to(DEVICE)
     grad = torch.randn(*shape, h, generator=gen).to(DEVICE, dtype)
-    out = _check(ids, grad, v)
+    out = _check(ids, grad, v, None, host_runs)
     absent = torch.ones(v, dtype=torch.bool, device=DEVICE)
     absent[ids.reshape(-1)] = False
     assert (out[absent] == 0).all()  # ids that do not occur: zero rows
 
 
-def test_one_long_run_and_int32_ids_and_strided_grad():
-    """Every token the same id (one run of 300 rows, many BLOCK_R steps), int32 ids, a grad that
-    is a transposed view, float32 sums rounded to bf16 on request."""
+@pytest.mark.parametrize("host_runs", [True, False])
+def test_long_runs_int32_ids_and_strided_grad(host_runs):
+    """A run of 2,100 rows (66 pieces of BLOCK_R, three steps of BLOCK_K pieces in the second
+    stage) beside short ones, int32 ids, a grad that is a transposed view, float32 sums rounded
+    to bf16 on request; on both paths (the host finding the runs, or a program per position)."""
     gen = torch.Generator().manual_seed(3)
-    ids = torch.full((300,), 4, dtype=torch.int32).to(DEVICE)
-    base = torch.randn(24, 300, generator=gen).to(DEVICE)
-    grad = base.t()  # [300, 24], stride (1, 300): not unit column stride
-    out = _check(ids, grad, 6, torch.bfloat16)
-    assert (out[:4] == 0).all() and (out[5:] == 0).all()
+    ids = torch.full((2200,), 4, dtype=torch.int32)
+    ids[torch.randperm(2200, generator=gen)[:100]] = torch.randint(0, 6, (100,), generator=gen, dtype=torch.int32)
+    ids = ids.to(DEVICE)
+    base = torch.randn(24, 2200, generator=gen).to(DEVICE)
+    grad = base.t()  # [2200, 24], stride (1, 2200): not unit column stride
+    _check(ids, grad, 6, torch.bfloat16, host_runs)
     ids2 = torch.randint(0, 5, (2, 40), generator=gen).to(DEVICE)
     grad2 = torch.randn(2, 40, 80, generator=gen).to(DEVICE)[..., ::2]  # a column stride of 2
-    _check(ids2, grad2, 5)
+    _check(ids2, grad2, 5, None, host_runs)
 
 
 def test_same_bits_every_call():
@@ -79,11 +86,13 @@ def test_same_bits_every_call():
     assert all(torch.equal(first, embedding_backward(ids, grad, 9)) for _ in range(3))
 
 
-def test_ids_outside_the_vocabulary_write_nothing():
-    """The forward's lookup rejects them; here the kernel must not write outside the weight."""
-    ids = torch.tensor([0, 2, -1, 3, 2, 99], device=DEVICE)
-    grad = torch.ones(6, 4, device=DEVICE)
-    out = embedding_backward(ids, grad, 3)
+@pytest.mark.parametrize("host_runs", [True, False])
+def test_ids_outside_the_vocabulary_write_nothing(host_runs):
+    """The forward's lookup rejects them; here the kernels must not write outside the weight
+    (nor outside their buffer of pieces: many distinct bad ids)."""
+    ids = torch.tensor([0, 2, -1, 3, 2, 99, -7, 5, 6, 7, 8, 9], device=DEVICE)
+    grad = torch.ones(12, 4, device=DEVICE)
+    out = emb._embedding_backward(ids, grad, 3, None, host_runs=host_runs)
     assert out.tolist() == [[1.0] * 4, [0.0] * 4, [2.0] * 4]
 
 
@@ -131,15 +140,16 @@ def test_vocab_parallel_embedding_uses_it_in_deterministic_mode(deterministic, m
     assert len(calls) == (1 if deterministic else 0)
 
 
-def test_interpreter_takes_one_program_per_run():
-    """On the CPU the host finds the runs first (one program each); on CUDA a program per token."""
-    if DEVICE.type != "cpu":
-        pytest.skip("the CPU path")
+@pytest.mark.parametrize("host_runs, grids", [(True, [(4, 1), (3, 1)]), (False, [(37, 1), (37, 1)])])
+def test_programs_per_piece_and_run_or_per_position(host_runs, grids, monkeypatch):
+    """With the runs found by the host (the CPU's path) a program per piece, then one per run;
+    else (a GPU's: finding them would wait for the device) a program per position, twice.
+    Here: id 3 33 times (two pieces of 32 rows), ids 1 and 0 once each, 2 absent."""
     seen = []
     real = emb.launch
-    emb.launch = lambda kernel, grid, *a, **k: seen.append(tuple(grid)) or real(kernel, grid, *a, **k)
-    try:
-        embedding_backward(torch.tensor([3, 1, 3, 3, 0]), torch.ones(5, 2), 4)
-    finally:
-        emb.launch = real
-    assert seen == [(3, 1)]
+    monkeypatch.setattr(emb, "launch", lambda kernel, grid, *a, **k: seen.append(tuple(grid)) or real(kernel, grid,
+                                                                                                       *a, **k))
+    ids = torch.tensor([3] * 20 + [1] + [3] * 13 + [0 ] * 0 + [0] + [3] * 2, device=DEVICE)[:37]
+    out = emb._embedding_backward(ids, torch.ones(37, 2, device=DEVICE), 4, None, host_runs=host_runs)
+    assert seen == grids
+    assert out[:, 0].tolist() == [1.0, 1.0, 0.0, 35.0]

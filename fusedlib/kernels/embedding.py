@@ -16,10 +16,15 @@ into the row with atomic additions (``compute_grad_weight_atomic_accumulate``), 
 order the thread blocks finish: the float32 sums, and now and then their bf16 rounding, differ
 from run to run. With a byte vocabulary of 256 and 32,768 tokens a step, every id recurs about
 128 times, and two trainings that agree bit for bit for hundreds of steps part at one such
-rounding. This kernel sorts the ids stably (``torch.argsort(stable=True)``, deterministic) and
-gives each run of equal ids to one program, which adds its rows in sorted order, ``BLOCK_R``
-rows at a time in a fixed reduction tree: the same bits on every run, with no host
-synchronisation (a program per token; those that do not start a run return at once).
+rounding. :func:`embedding_backward` sorts the ids stably (``torch.argsort(stable=True)``,
+deterministic) and adds in two stages, each in a fixed order: the first cuts every run of equal
+ids into pieces of ``BLOCK_R`` rows and sums each piece (one program per piece, one reduction
+tree); the second adds each run's pieces in order (one program per run). Two stages, because
+ids are far from uniform: in Python source the space byte alone is about a fifth of the tokens,
+a run of thousands of rows that one program could only add one piece after another. The runs
+and pieces are found on the device (a running maximum and a running sum of integers, exact), so
+nothing waits for the host; on a GPU a program per position starts, and those that do not begin
+a piece (a run) return at once. The same bits on every call.
 
 Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``VocabParallelEmbedding``);
 PyTorch ``aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu``.
@@ -88,50 +93,88 @@ def check_ids_in_range(ids: torch.Tensor, vocab_size: int) -> None:
     IDS_CHECK.launched(ids, vocab_size)
 
 
+
+
 @triton.jit
-def _embedding_bwd_kernel(
+def _embedding_bwd_pieces_kernel(
     SORTED_ptr,  # the ids, sorted (stably), [n], int64
     ORDER_ptr,  # the rows of G in that order, [n], int64
-    STARTS_ptr,  # (GIVEN_STARTS) the first position of every run of equal ids, [programs], int64
+    RUN_START_ptr,  # the first position of each position's run, [n], int64
+    PIECE_ptr,  # the index of the piece each position would begin, [n], int64
+    STARTS_ptr,  # (GIVEN_STARTS) the positions that begin a piece, [programs], int64
     G_ptr,  # output gradient, [n, n_cols], unit column stride
-    OUT_ptr,  # weight gradient, [vocab_size, n_cols], contiguous, zeros where no token is
+    PIECES_ptr,  # the pieces' sums, [pieces, n_cols], ACC
     n,
     n_cols,
     stride_g,
-    vocab_size,
-    BLOCK_R: tl.constexpr,  # rows added per step
+    BLOCK_R: tl.constexpr,  # rows per piece
     BLOCK_H: tl.constexpr,  # columns per program
     ACC: tl.constexpr,
-    GIVEN_STARTS: tl.constexpr,  # the host found the runs (CPU); else one program per position
+    GIVEN_STARTS: tl.constexpr,  # the host found the pieces (CPU); else one program per position
 ):
     if GIVEN_STARTS:
-        i = tl.load(STARTS_ptr + tl.program_id(0))
+        p = tl.load(STARTS_ptr + tl.program_id(0))
     else:
-        i = tl.program_id(0)
+        p = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = cols < n_cols
-    tok = tl.load(SORTED_ptr + i)
-    prev = tl.load(SORTED_ptr + i - 1, mask=i > 0, other=-1)
-    # one program per run of equal ids: the one at its first position (ids out of range are the
-    # forward's error; they are never written)
-    if (tok != prev) & (tok >= 0) & (tok < vocab_size):
+    if (p - tl.load(RUN_START_ptr + p)) % BLOCK_R == 0:  # p begins a piece of its run
+        tok = tl.load(SORTED_ptr + p)
+        rows = p + tl.arange(0, BLOCK_R)
+        same = (rows < n) & (tl.load(SORTED_ptr + rows, mask=rows < n, other=-1) == tok)  # (runs are contiguous)
+        src = tl.load(ORDER_ptr + rows, mask=same, other=0)
+        g = tl.load(G_ptr + src[:, None] * stride_g + cols[None, :], mask=same[:, None] & col_mask[None, :],
+                    other=0.0)
+        piece = tl.load(PIECE_ptr + p)
+        tl.store(PIECES_ptr + piece * n_cols + cols, tl.sum(g.to(ACC), axis=0), mask=col_mask)
+
+
+@triton.jit
+def _embedding_bwd_runs_kernel(
+    SORTED_ptr,  # the ids, sorted, [n], int64
+    RUN_START_ptr,  # [n], int64
+    PIECE_ptr,  # [n], int64
+    STARTS_ptr,  # (GIVEN_STARTS) the positions that begin a run, [programs], int64
+    PIECES_ptr,  # [pieces, n_cols], ACC
+    OUT_ptr,  # weight gradient, [vocab_size, n_cols], contiguous, zeros where no token is
+    n,
+    n_cols,
+    vocab_size,
+    BLOCK_R: tl.constexpr,  # rows per piece
+    BLOCK_K: tl.constexpr,  # pieces added per step
+    BLOCK_H: tl.constexpr,
+    ACC: tl.constexpr,
+    GIVEN_STARTS: tl.constexpr,
+):
+    if GIVEN_STARTS:
+        p = tl.load(STARTS_ptr + tl.program_id(0))
+    else:
+        p = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < n_cols
+    tok = tl.load(SORTED_ptr + p)
+    # one program per run, at its first position; ids out of range (the forward's error) are
+    # never written
+    if (tl.load(RUN_START_ptr + p) == p) & (tok >= 0) & (tok < vocab_size):
+        first = tl.load(PIECE_ptr + p)  # the run's pieces are first, first + 1, ...
         acc = tl.zeros((BLOCK_H,), dtype=ACC)
-        j = i
+        k = 0
         more = tok == tok
         while more:
-            rows = j + tl.arange(0, BLOCK_R)
-            same = tl.load(SORTED_ptr + rows, mask=rows < n, other=-1) == tok
-            src = tl.load(ORDER_ptr + rows, mask=same, other=0)
-            g = tl.load(G_ptr + src[:, None] * stride_g + cols[None, :], mask=same[:, None] & col_mask[None, :],
-                        other=0.0)
-            acc += tl.sum(g.to(ACC), axis=0)
-            j += BLOCK_R
-            more = tl.load(SORTED_ptr + j, mask=j < n, other=-1) == tok
+            j = k + tl.arange(0, BLOCK_K)
+            at = p + j * BLOCK_R  # where piece j of the run begins
+            inside = (at < n) & (tl.load(SORTED_ptr + at, mask=at < n, other=-1) == tok)
+            part = tl.load(PIECES_ptr + (first + j)[:, None] * n_cols + cols[None, :],
+                           mask=inside[:, None] & col_mask[None, :], other=0.0)
+            acc += tl.sum(part, axis=0)
+            k += BLOCK_K
+            nxt = p + k * BLOCK_R
+            more = (nxt < n) & (tl.load(SORTED_ptr + nxt, mask=nxt < n, other=-1) == tok)
         tl.store(OUT_ptr + tok * n_cols + cols, acc.to(OUT_ptr.dtype.element_ty), mask=col_mask)
 
 
-#: Rows a program adds per step, and the widest column block.
-EMBEDDING_BWD_BLOCK_R, EMBEDDING_BWD_MAX_BLOCK_H = 32, 128
+#: Rows per piece, pieces a run's program adds per step, the widest column block.
+EMBEDDING_BWD_BLOCK_R, EMBEDDING_BWD_BLOCK_K, EMBEDDING_BWD_MAX_BLOCK_H = 32, 32, 128
 
 
 def embedding_backward(ids: torch.Tensor, grad: torch.Tensor, num_embeddings: int,
@@ -156,6 +199,10 @@ def embedding_backward(ids: torch.Tensor, grad: torch.Tensor, num_embeddings: in
 
     Source: the module docstring; PyTorch's ``embedding_dense_backward`` (the same sum, with atomics).
     """
+    return _embedding_backward(ids, grad, num_embeddings, dtype, host_runs=grad.device.type == "cpu")
+
+
+def _embedding_backward(ids, grad, num_embeddings, dtype, host_runs: bool) -> torch.Tensor:
     if ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be an int32 or int64 tensor, got {ids.dtype}")
     if grad.dim() != ids.dim() + 1 or grad.shape[:-1] != ids.shape:
@@ -164,27 +211,40 @@ def embedding_backward(ids: torch.Tensor, grad: torch.Tensor, num_embeddings: in
     if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings < 1:
         raise ValueError(f"num_embeddings must be an int >= 1, got {num_embeddings!r}")
     n, h = ids.numel(), grad.shape[-1]
-    out = torch.zeros(num_embeddings, h, dtype=dtype or grad.dtype, device=grad.device)
+    device = grad.device
+    out = torch.zeros(num_embeddings, h, dtype=dtype or grad.dtype, device=device)
     if n == 0 or h == 0:
         return out
+    # ids out of range all become V (never written): then at most V + 1 runs
     flat = ids.reshape(n).to(torch.int64)
-    order = torch.argsort(flat, stable=True)  # deterministic, and equal ids keep the tokens' order
+    flat = torch.where((flat < 0) | (flat >= num_embeddings), num_embeddings, flat)
+    order = torch.argsort(flat, stable=True)  # deterministic; equal ids keep the tokens' order
+    sorted_ids = flat[order]
     g2d = grad.reshape(n, h)
     if g2d.stride(1) != 1:
         g2d = g2d.contiguous()
-    given = grad.device.type == "cpu"
-    # (the interpreter runs programs one by one: there, a column block as wide as the row)
-    block_h = min(next_power_of_2(h), 1024 if given else EMBEDDING_BWD_MAX_BLOCK_H)
-    sorted_ids = flat[order]
-    # On a GPU the number of runs is not known without waiting for the device: one program per
-    # position, and those inside a run return. On the CPU (Triton's interpreter, where every
-    # program costs) the host finds the runs' starts first, for free.
-    if given:
-        starts = torch.nonzero(torch.cat([sorted_ids[:1] != sorted_ids[:1] - 1, sorted_ids[1:] != sorted_ids[:-1]]))
-        starts = starts.reshape(-1)
-    else:
-        starts = sorted_ids  # (unread)
-    launch(_embedding_bwd_kernel, (starts.numel() if given else n, cdiv(h, block_h)), grad.device, sorted_ids,
-           order, starts, g2d, out, n, h, g2d.stride(0), num_embeddings, BLOCK_R=EMBEDDING_BWD_BLOCK_R,
-           BLOCK_H=block_h, ACC=TL_DTYPE[acc_dtype(grad.dtype)], GIVEN_STARTS=given, num_warps=4)
+    positions = torch.arange(n, device=device)
+    begins = torch.ones(n, dtype=torch.bool, device=device)
+    begins[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    run_start = torch.cummax(torch.where(begins, positions, 0), dim=0).values  # exact, on the device
+    piece_begins = (positions - run_start) % EMBEDDING_BWD_BLOCK_R == 0
+    piece = torch.cumsum(piece_begins.to(torch.int64), dim=0) - 1  # exact
+    n_pieces = min(n, n // EMBEDDING_BWD_BLOCK_R + min(n, num_embeddings + 1))  # a bound: no sync
+    acc = acc_dtype(grad.dtype)
+    pieces = torch.empty(n_pieces, h, dtype=acc, device=device)
+    # (the interpreter runs programs one by one: there, column blocks as wide as the row)
+    block_h = min(next_power_of_2(h), 1024 if host_runs else EMBEDDING_BWD_MAX_BLOCK_H)
+    col_blocks = cdiv(h, block_h)
+    if host_runs:  # on the CPU the host finds the pieces and the runs first, for free
+        piece_starts = torch.nonzero(piece_begins).reshape(-1)
+        run_starts = torch.nonzero(begins).reshape(-1)
+    else:  # on a GPU that would wait for the device: a program per position
+        piece_starts = run_starts = positions  # (unread)
+    launch(_embedding_bwd_pieces_kernel, (piece_starts.numel() if host_runs else n, col_blocks), device,
+           sorted_ids, order, run_start, piece, piece_starts, g2d, pieces, n, h, g2d.stride(0),
+           BLOCK_R=EMBEDDING_BWD_BLOCK_R, BLOCK_H=block_h, ACC=TL_DTYPE[acc], GIVEN_STARTS=host_runs, num_warps=4)
+    launch(_embedding_bwd_runs_kernel, (run_starts.numel() if host_runs else n, col_blocks), device,
+           sorted_ids, run_start, piece, run_starts, pieces, out, n, h, num_embeddings,
+           BLOCK_R=EMBEDDING_BWD_BLOCK_R, BLOCK_K=EMBEDDING_BWD_BLOCK_K, BLOCK_H=block_h, ACC=TL_DTYPE[acc],
+           GIVEN_STARTS=host_runs, num_warps=4)
     return out
