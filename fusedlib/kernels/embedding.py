@@ -96,6 +96,18 @@ def check_ids_in_range(ids: torch.Tensor, vocab_size: int) -> None:
 
 
 @triton.jit
+def _position_and_columns(STARTS_ptr, n_cols, BLOCK_H: tl.constexpr, GIVEN_STARTS: tl.constexpr):
+    """The sorted position this program looks at (one of the host's starts, or its own index)
+    and its block of columns with their mask."""
+    if GIVEN_STARTS:
+        p = tl.load(STARTS_ptr + tl.program_id(0))
+    else:
+        p = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return p, cols, cols < n_cols
+
+
+@triton.jit
 def _embedding_bwd_pieces_kernel(
     SORTED_ptr,  # the ids, sorted (stably), [n], int64
     ORDER_ptr,  # the rows of G in that order, [n], int64
@@ -112,12 +124,7 @@ def _embedding_bwd_pieces_kernel(
     ACC: tl.constexpr,
     GIVEN_STARTS: tl.constexpr,  # the host found the pieces (CPU); else one program per position
 ):
-    if GIVEN_STARTS:
-        p = tl.load(STARTS_ptr + tl.program_id(0))
-    else:
-        p = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_mask = cols < n_cols
+    p, cols, col_mask = _position_and_columns(STARTS_ptr, n_cols, BLOCK_H, GIVEN_STARTS)
     if (p - tl.load(RUN_START_ptr + p)) % BLOCK_R == 0:  # p begins a piece of its run
         tok = tl.load(SORTED_ptr + p)
         rows = p + tl.arange(0, BLOCK_R)
@@ -146,12 +153,7 @@ def _embedding_bwd_runs_kernel(
     ACC: tl.constexpr,
     GIVEN_STARTS: tl.constexpr,
 ):
-    if GIVEN_STARTS:
-        p = tl.load(STARTS_ptr + tl.program_id(0))
-    else:
-        p = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_mask = cols < n_cols
+    p, cols, col_mask = _position_and_columns(STARTS_ptr, n_cols, BLOCK_H, GIVEN_STARTS)
     tok = tl.load(SORTED_ptr + p)
     # one program per run, at its first position; ids out of range (the forward's error) are
     # never written

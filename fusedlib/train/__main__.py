@@ -151,14 +151,16 @@ def parse_args(argv: Optional[list[str]] = None):
         parser.error(f"--top-k must be in [1, 256], got {args.top_k}")
     if sum((args.bench, args.bench_tp, args.bench_profile)) > 1:
         parser.error("--bench, --bench-tp and --bench-profile are different runs: choose one")
+    if args.bench or args.bench_profile:
+        what = "--bench" if args.bench else "--bench-profile"
+        if args.resume or args.stop_at is not None:
+            parser.error(f"{what} trains from scratch: --resume and --stop-at do not apply")
+        if args.cuda_graph or args.full_iteration_graph or args.compile_mode is not None:
+            parser.error(f"--cuda-graph, --full-iteration-graph, --compile-mode: {what} sets them per run (choose the "
+                         f"runs with --bench-runs, e.g. fusedlib-graphs, torch.compile-graphs): leave them out")
     if args.bench_profile:
         from .bench import DEFAULT_PROFILE_RUNS
 
-        if args.resume or args.stop_at is not None:
-            parser.error("--bench-profile trains from scratch: --resume and --stop-at do not apply")
-        if args.cuda_graph or args.full_iteration_graph or args.compile_mode is not None:
-            parser.error("--cuda-graph, --full-iteration-graph, --compile-mode: --bench-profile takes the runs' own "
-                         "settings (--bench-runs): leave them out")
         runs = args.bench_runs or list(DEFAULT_PROFILE_RUNS)
         bad = [r for r in runs if r not in BENCH_RUNS or r in GRAPH_RUNS]
         if bad:
@@ -189,11 +191,6 @@ def parse_args(argv: Optional[list[str]] = None):
         parser.error(f"--tp: tp ({config.tp}) must equal the number of processes torchrun started "
                      f"(WORLD_SIZE={world}): fusedlib.train has tensor parallelism only, no data parallelism")
     if args.bench:
-        if args.resume or args.stop_at is not None:
-            parser.error("--bench trains from scratch: --resume and --stop-at do not apply")
-        if args.cuda_graph or args.full_iteration_graph or args.compile_mode is not None:
-            parser.error("--cuda-graph, --full-iteration-graph, --compile-mode: --bench sets them per run (choose the "
-                         "runs with --bench-runs, e.g. fusedlib-graphs, torch.compile-graphs): leave them out")
         runs = args.bench_runs or list(DEFAULT_BENCH_RUNS)
         bad = [r for r in runs if r not in BENCH_RUNS]
         if bad:

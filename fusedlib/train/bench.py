@@ -268,18 +268,14 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
 
 def profile_steps_table(prof: dict, top: int = 12) -> str:
     """Text table of a :func:`profile_steps` result: per run, the kernel time per step, its
-    categories, then its ``top`` kernels (names cut to 64 characters)."""
+    categories, then its ``top`` kernels (chapter 7's ``kernel_summary_lines``)."""
+    from ..bench.ops.transformer_layer import kernel_summary_lines
+
     c = prof["config"]
     lines = [f"kernels of one training step ({prof['steps']} steps profiled, launched one by one), {c['layers']} "
              f"layers, hidden {c['hidden']}, batch {c['batch']} x seq {c['seq']}, {prof['device']}"]
     for name, p in prof["impls"].items():
-        lines.append(f"\n{name}: {p['kernel_ms']:.2f} ms of kernels per step, {p['launches']:.0f} launches")
-        for cat, ms in p["categories"].items():
-            lines.append(f"  {cat:<28}{ms:>7.2f} ms {100 * ms / p['kernel_ms'] if p['kernel_ms'] else 0:>6.1f}%")
-        lines.append(f"  top {min(top, len(p['top']))} kernels:{'calls':>50}{'ms':>8}")
-        for k in p["top"][:top]:
-            label = k["name"] if len(k["name"]) <= 64 else k["name"][:61] + "..."
-            lines.append(f"    {label:<64}{k['calls']:>5.0f}{k['ms']:>8.3f}")
+        lines += kernel_summary_lines(name, p, top)
     for name, why in prof.get("skipped", {}).items():
         lines.append(f"{name}: not profiled ({why})")
     return "\n".join(lines)

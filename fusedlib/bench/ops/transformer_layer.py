@@ -734,17 +734,24 @@ def profile_table(prof: dict, top: int = 8) -> str:
     out = [f"kernels of one training step (plain launches, {prof['steps']} steps profiled), {shape}, "
            f"{prof['dtype']}, {prof['device']}"]
     for name in sorted(prof["impls"], key=_order):
-        p = prof["impls"][name]
-        out.append(f"\n{name}: {p['kernel_ms']:.2f} ms of kernels per step, {p['launches']:.0f} launches")
-        for cat, ms in p["categories"].items():
-            out.append(f"  {cat:<22}{ms:>9.2f} ms {100 * ms / p['kernel_ms'] if p['kernel_ms'] else 0:>6.1f}%")
-        out.append(f"  top {min(top, len(p['top']))} kernels:{'calls':>56}{'ms':>9}{'share':>8}")
-        for k in p["top"][:top]:
-            label = k["name"] if len(k["name"]) <= 70 else k["name"][:67] + "..."
-            out.append(f"    {label:<70}{k['calls']:>5.0f}{k['ms']:>9.3f}{100 * k['share']:>7.1f}%")
+        out += kernel_summary_lines(name, prof["impls"][name], top)
     for name, why in prof.get("skipped", {}).items():
         out.append(f"{name}: not profiled ({why})")
     return "\n".join(out)
+
+
+def kernel_summary_lines(name: str, summary: dict, top: int = 8) -> list[str]:
+    """Text lines of one :func:`kernel_summary`: the kernel time per step, its categories (ms and
+    share), then its ``top`` kernels (names cut to 70 characters; calls and ms per step, share)."""
+    p = summary
+    out = [f"\n{name}: {p['kernel_ms']:.2f} ms of kernels per step, {p['launches']:.0f} launches"]
+    for cat, ms in p["categories"].items():
+        out.append(f"  {cat:<28}{ms:>9.2f} ms {100 * ms / p['kernel_ms'] if p['kernel_ms'] else 0:>6.1f}%")
+    out.append(f"  top {min(top, len(p['top']))} kernels:{'calls':>56}{'ms':>9}{'share':>8}")
+    for k in p["top"][:top]:
+        label = k["name"] if len(k["name"]) <= 70 else k["name"][:67] + "..."
+        out.append(f"    {label:<70}{k['calls']:>5.0f}{k['ms']:>9.3f}{100 * k['share']:>7.1f}%")
+    return out
 
 
 def extra_files(device: torch.device, out_dir: str | Path, log: Callable[[str], object] = print) -> list[Path]:
