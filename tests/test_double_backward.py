@@ -21,6 +21,7 @@ from fusedlib.fusions.fused_rope import fused_apply_rotary_pos_emb
 from fusedlib.fusions.fused_softmax import ScaledSoftmax, fused_scale_mask_softmax
 from fusedlib.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
 from fusedlib.parallel.cross_entropy import vocab_parallel_cross_entropy
+from fusedlib.parallel.layers import _EmbeddingDeterministicGrad
 
 from conftest import DEVICE  # noqa: I001
 
@@ -55,6 +56,9 @@ OPS = {
                                                    lambda x, t: fused_vocab_parallel_cross_entropy(x, t)),
     "vocab_parallel_cross_entropy": lambda: (_r(3, 2, 10), (_t(6, 10).view(3, 2),),
                                              lambda x, t: vocab_parallel_cross_entropy(x, t)),
+    # the deterministic embedding gradient: x is the weight, the ids repeat
+    "embedding_deterministic_grad": lambda: (_r(5, 8), (torch.tensor([[1, 2, 1], [4, 1, 0]], device=DEVICE),),
+                                             lambda w, ids: _EmbeddingDeterministicGrad.apply(ids, w)),
 }
 
 
@@ -73,7 +77,7 @@ def test_second_derivative_raises(name):
 
 # ops linear in the differentiated input: their second derivative is zero, so a gradient that
 # does not depend on x is the right one (torch's once_differentiable is kept for them)
-LINEAR = {"bias_dropout_add", "fused_apply_rotary_pos_emb"}
+LINEAR = {"bias_dropout_add", "fused_apply_rotary_pos_emb", "embedding_deterministic_grad"}
 
 
 @pytest.mark.parametrize("name", sorted(set(OPS) - LINEAR))

@@ -103,16 +103,35 @@ def test_empty_inputs():
                               4).shape == (4, 0)
 
 
-@pytest.mark.parametrize("ids, grad, v, match", [
-    (torch.zeros(3), torch.zeros(3, 2), 4, "ids must be an int32 or int64 tensor"),
-    (torch.zeros(3, dtype=torch.long), torch.zeros(4, 2), 4, r"grad must have ids' shape \[3\]"),
-    (torch.zeros(3, dtype=torch.long), torch.zeros(3), 4, r"grad must have ids' shape \[3\]"),
-    (torch.zeros(3, dtype=torch.long), torch.zeros(3, 2), 0, "num_embeddings must be an int >= 1"),
-    (torch.zeros(3, dtype=torch.long), torch.zeros(3, 2), True, "num_embeddings must be an int >= 1"),
+_IDS = torch.zeros(3, dtype=torch.long)
+
+
+@pytest.mark.parametrize("ids, grad, v, dtype, error, match", [
+    (torch.zeros(3), torch.zeros(3, 2), 4, None, TypeError, r"ids must have dtype in \(int32, int64\)"),
+    ([0, 1, 2], torch.zeros(3, 2), 4, None, TypeError, "ids must be a torch.Tensor, got list"),
+    (_IDS, torch.zeros(3, 2, dtype=torch.int64), 4, None, TypeError, "grad must have dtype in"),
+    (_IDS, torch.zeros(3, 2, dtype=torch.int8), 4, None, TypeError, "grad must have dtype in"),
+    (_IDS, torch.zeros(3, 2, dtype=torch.bool), 4, None, TypeError, "grad must have dtype in"),
+    (_IDS, torch.zeros(3, 2, dtype=torch.complex64), 4, None, TypeError, "grad must have dtype in"),
+    (_IDS, torch.zeros(4, 2), 4, None, ValueError, r"grad must have ids' shape \[3\]"),
+    (_IDS, torch.zeros(3), 4, None, ValueError, r"grad must have ids' shape \[3\]"),
+    (_IDS, torch.zeros(3, 2), 0, None, ValueError, r"num_embeddings must be an int in \[1, 2\^31\)"),
+    (_IDS, torch.zeros(3, 2), True, None, ValueError, r"num_embeddings must be an int in \[1, 2\^31\)"),
+    (_IDS, torch.zeros(3, 2), 2 ** 62, None, ValueError, r"num_embeddings must be an int in \[1, 2\^31\)"),
+    (_IDS, torch.zeros(3, 2), 4, torch.int64, ValueError, "dtype must be None or one of"),
+    (_IDS, torch.zeros(3, 2), 4, "float32", ValueError, "dtype must be None or one of"),
 ])
-def test_bad_input(ids, grad, v, match):
-    with pytest.raises(ValueError, match=match):
-        embedding_backward(ids.to(DEVICE), grad.to(DEVICE), v)
+def test_bad_input(ids, grad, v, dtype, error, match):
+    ids = ids.to(DEVICE) if isinstance(ids, torch.Tensor) else ids
+    with pytest.raises(error, match=match):
+        embedding_backward(ids, grad.to(DEVICE), v, dtype)
+
+
+def test_ids_and_grad_on_two_devices_or_meta():
+    with pytest.raises(ValueError, match="one device"):
+        embedding_backward(_IDS.to("meta"), torch.zeros(3, 2, device=DEVICE), 4)
+    with pytest.raises(ValueError):
+        embedding_backward(_IDS.to("meta"), torch.zeros(3, 2, device="meta"), 4)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

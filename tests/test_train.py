@@ -679,8 +679,20 @@ def test_checkpoint_rates_are_floats():
     opt = _float_rates({"state": {}, "param_groups": [{"lr": rate, "params": [0]}, {"lr": 0.5, "params": [1]}]})
     assert opt["param_groups"] == [{"lr": 0.25, "params": [0]}, {"lr": 0.5, "params": [1]}]
     assert all(type(g["lr"]) is float for g in opt["param_groups"])
-    sched = _float_rates({"base_lrs": [1.0], "_last_lr": [rate, 0.125]})
-    assert sched == {"base_lrs": [1.0], "_last_lr": [0.25, 0.125]} and type(sched["_last_lr"][0]) is float
+    sched = _float_rates({"base_lrs": [rate], "_last_lr": [rate, 0.125]})
+    assert sched == {"base_lrs": [0.25], "_last_lr": [0.25, 0.125]} and type(sched["_last_lr"][0]) is float
+    assert type(sched["base_lrs"][0]) is float
+    opt = _float_rates({"param_groups": [{"lr": rate, "initial_lr": rate, "params": [0]}]})
+    assert opt["param_groups"] == [{"lr": 0.25, "initial_lr": 0.25, "params": [0]}]
+
+
+def test_bench_profile_warmup_flag():
+    _, args = cli.parse_args(["--bench-profile"])
+    assert args.bench_warmup == 15
+    _, args = cli.parse_args(["--bench-profile", "--bench-warmup", "7"])
+    assert args.bench_warmup == 7
+    _, args = cli.parse_args(["--bench"])
+    assert args.bench_warmup == 20
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
@@ -748,16 +760,24 @@ def test_profile_steps_writes_each_runs_summary(corpus, tmp_path, monkeypatch):
     for kw, match in ((dict(runs=("fusedlib-full-iteration",)), "graph runs replay the same kernels"),
                       (dict(runs=("nope",)), "runs must name some of"),
                       (dict(steps=0), "steps must be an int >= 1"), (dict(warmup=-1), "warmup must be an int >= 0"),
-                      (dict(steps=3, warmup=2), r"warmup \+ steps \(5\) must be at most")):
+                      (dict(steps=3, warmup=2), r"warmup \+ steps \(5\) must be at most"),
+                      (dict(top=0), "top must be an int >= 1"), (dict(top=True), "top must be an int >= 1"),
+                      (dict(top="x"), "top must be an int >= 1"), (dict(runs=None), "runs must name some of"),
+                      (dict(runs=(r for r in ["fusedlib"])), "runs must name some of"),
+                      (dict(out_dir=""), "out_dir must be a directory"),
+                      (dict(out_dir=tmp_path / bench.PROFILE_FILE), r"out_dir must be a directory .*\(a file\)")):
         with pytest.raises(ValueError, match=match):
-            bench.profile_steps(base, **kw)
+            bench.profile_steps(base, **dict(dict(steps=1, warmup=1), **kw))
 
 
 @pytest.mark.parametrize("argv, flag", [(["--bench-profile", "--bench"], "--bench-profile"),
                                         (["--bench-profile", "--bench-runs", "fusedlib-graphs"], "fusedlib-graphs"),
                                         (["--bench-profile", "--steps", "10"], "--steps"),
                                         (["--bench-profile", "--cuda-graph"], "--cuda-graph"),
-                                        (["--bench-runs", "fusedlib"], "--bench-runs")])
+                                        (["--bench-runs", "fusedlib"], "--bench-runs"),
+                                        (["--bench-profile", "--bench-warmup", "-5"], "--bench-warmup"),
+                                        (["--bench-profile", "--bench-warmup", "1496"], "--bench-warmup"),
+                                        (["--bench-tp", "--full-iteration-graph"], "--full-iteration-graph")])
 def test_bench_profile_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.parse_args(argv)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checks import SUPPORTED_FLOAT_DTYPES, check_same_device, check_tensor
 from ..runtime import DeviceCheck, launch
 from .launch import TL_DTYPE, acc_dtype, cdiv, next_power_of_2
 
@@ -196,8 +197,10 @@ def embedding_backward(ids: torch.Tensor, grad: torch.Tensor, num_embeddings: in
         [V, h] of ``dtype``, summed in float32 (float64 for float64 ``grad``) and rounded once.
 
     Raises:
-        ValueError: ``grad``'s shape is not ``ids``' plus one dimension, ``ids`` not an integer
-            tensor, or V < 1.
+        TypeError: ``ids`` or ``grad`` not a tensor, or of another dtype than above.
+        ValueError: ``grad``'s shape is not ``ids``' plus one dimension, the two on different
+            devices or on one without fusedlib's kernels, V not an int in [1, 2^31), or
+            ``dtype`` not None or one of the float dtypes above.
 
     Source: the module docstring; PyTorch's ``embedding_dense_backward`` (the same sum, with atomics).
     """
@@ -205,13 +208,17 @@ def embedding_backward(ids: torch.Tensor, grad: torch.Tensor, num_embeddings: in
 
 
 def _embedding_backward(ids, grad, num_embeddings, dtype, host_runs: bool) -> torch.Tensor:
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ids must be an int32 or int64 tensor, got {ids.dtype}")
+    check_tensor("ids", ids, dtypes=(torch.int32, torch.int64))
+    check_tensor("grad", grad, dtypes=SUPPORTED_FLOAT_DTYPES)
+    check_same_device(ids=ids, grad=grad)
     if grad.dim() != ids.dim() + 1 or grad.shape[:-1] != ids.shape:
         raise ValueError(f"grad must have ids' shape {list(ids.shape)} plus the embedding width, got "
                          f"{list(grad.shape)}")
-    if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings < 1:
-        raise ValueError(f"num_embeddings must be an int >= 1, got {num_embeddings!r}")
+    if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or not 1 <= num_embeddings < 2 ** 31:
+        raise ValueError(f"num_embeddings must be an int in [1, 2^31), got {num_embeddings!r}")
+    if dtype is not None and dtype not in SUPPORTED_FLOAT_DTYPES:
+        raise ValueError(f"dtype must be None or one of "
+                         f"{[str(d).replace('torch.', '') for d in SUPPORTED_FLOAT_DTYPES]}, got {dtype!r}")
     n, h = ids.numel(), grad.shape[-1]
     device = grad.device
     out = torch.zeros(num_embeddings, h, dtype=dtype or grad.dtype, device=device)

@@ -65,6 +65,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.nn.parameter import Parameter
 
 from ..kernels.embedding import check_ids_in_range, embedding_backward
@@ -504,7 +505,8 @@ class _EmbeddingDeterministicGrad(torch.autograd.Function):
         return F.embedding(ids, weight)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    @once_differentiable  # torch's: the gradient is linear in the weight (a second derivative through
+    def backward(ctx, grad_output):  # the incoming gradient raises, as for bias-dropout-add and RoPE)
         (ids,) = ctx.saved_tensors
         return None, embedding_backward(ids, grad_output, ctx.num_embeddings, ctx.weight_dtype)
 

@@ -20,7 +20,8 @@ defaults). Metrics go to ``<out>/metrics.jsonl`` (one JSON object per line), the
 fused GPTModel with tp = p and, on rank 0, with tp = 1, and writes ``<out>/train_tp<p>.json``
 (:func:`fusedlib.train.bench.run_tp_bench`).
 
-Exit status: 0; 1 when a ``--bench`` run failed (the others are still measured and written);
+Exit status: 0; 1 when a ``--bench`` or ``--bench-profile`` run failed (the others are still
+measured and written);
 2 for a bad flag (argparse's, with a message naming the flag), and for a run that cannot start: a
 ``--resume`` without a checkpoint, or with one of another configuration, another corpus or not a
 checkpoint at all; a corpus split shorter than ``--seq`` + 1 (one ``error:`` line, no traceback).
@@ -111,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="default: fusedlib fusedlib-unfused torch.compile (also: fusedlib-local, fusedlib-compile, "
                         "fusedlib-graphs, torch.compile-graphs, fusedlib-full-iteration, "
                         "torch.compile-full-iteration)")
-    b.add_argument("--bench-warmup", type=int, default=20, help="steps left out of the timing")
+    b.add_argument("--bench-warmup", type=int, default=None,
+                   help="steps left out of the timing (default 20; --bench-profile: 15, before its 5 profiled)")
     b.add_argument("--bench-profile", action="store_true",
                    help="profile the kernels of 5 steps of each of --bench-runs (default: fusedlib torch.compile), "
                         "write <out>/train_profile.json")
@@ -159,7 +161,7 @@ def parse_args(argv: Optional[list[str]] = None):
             parser.error(f"--cuda-graph, --full-iteration-graph, --compile-mode: {what} sets them per run (choose the "
                          f"runs with --bench-runs, e.g. fusedlib-graphs, torch.compile-graphs): leave them out")
     if args.bench_profile:
-        from .bench import DEFAULT_PROFILE_RUNS
+        from .bench import DEFAULT_PROFILE_RUNS, PROFILE_STEPS, PROFILE_WARMUP
 
         runs = args.bench_runs or list(DEFAULT_PROFILE_RUNS)
         bad = [r for r in runs if r not in BENCH_RUNS or r in GRAPH_RUNS]
@@ -167,13 +169,19 @@ def parse_args(argv: Optional[list[str]] = None):
             parser.error(f"--bench-runs: {bad} cannot be profiled; choices: "
                          f"{', '.join(r for r in BENCH_RUNS if r not in GRAPH_RUNS)} (a graph run replays the "
                          f"same kernels)")
-        if config.steps < 20:
-            parser.error(f"--steps: --bench-profile takes 20 steps (15 untimed, 5 profiled), got {config.steps}")
+        if args.bench_warmup is None:
+            args.bench_warmup = PROFILE_WARMUP
+        if not 0 <= args.bench_warmup <= config.steps - PROFILE_STEPS:
+            parser.error(f"--bench-warmup must be in [0, steps - {PROFILE_STEPS} = {config.steps - PROFILE_STEPS}] "
+                         f"(--bench-profile profiles {PROFILE_STEPS} steps after it), got {args.bench_warmup}")
+    if args.bench_warmup is None and not args.bench_profile:
+        args.bench_warmup = 20
     if args.bench_tp:
         if args.resume or args.stop_at is not None:
             parser.error("--bench-tp trains from scratch: --resume and --stop-at do not apply")
-        if config.cuda_graph:
-            parser.error("--bench-tp trains with tp > 1, which --cuda-graph does not support: leave --cuda-graph out")
+        for flag, on in (("--cuda-graph", config.cuda_graph), ("--full-iteration-graph", config.full_iteration_graph)):
+            if on:
+                parser.error(f"--bench-tp trains with tp > 1, which {flag} does not support: leave {flag} out")
         if config.tp != 1 or config.model != "gpt":
             parser.error("--bench-tp sets the tensor-parallel size itself (the number of processes) and trains "
                          "--model gpt: leave --tp and --model out")
@@ -239,7 +247,7 @@ def _main(config, args) -> int:
 
         out = args.out if args.out is not None else "chapters/data/bench"
         prof = profile_steps(dataclasses.replace(config, out=None), args.bench_runs or DEFAULT_PROFILE_RUNS,
-                             out_dir=out)
+                             warmup=args.bench_warmup, out_dir=out)
         print(f"wrote {out}/{PROFILE_FILE}")
         return 1 if prof["skipped"] else 0
     if args.bench:

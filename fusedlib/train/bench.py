@@ -68,7 +68,8 @@ from .loop import TrainConfig, Trainer
 from .model import count_parameters
 
 __all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "GRAPH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table",
-           "PROFILE_FILE", "DEFAULT_PROFILE_RUNS", "profile_steps", "profile_steps_table",
+           "PROFILE_FILE", "DEFAULT_PROFILE_RUNS", "PROFILE_STEPS", "PROFILE_WARMUP", "profile_steps",
+           "profile_steps_table",
            "run_tp_bench", "tp_bench_file",
            "load_train_bench", "smooth", "plot_losses"]
 
@@ -183,9 +184,12 @@ def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[s
 PROFILE_FILE = "train_profile.json"
 #: The runs :func:`profile_steps` takes by default: the fused model and the compiled plain one.
 DEFAULT_PROFILE_RUNS = ("fusedlib", "torch.compile")
+#: :func:`profile_steps`' default steps profiled and untimed steps before them.
+PROFILE_STEPS, PROFILE_WARMUP = 5, 15
 
 
-def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS, steps: int = 5, warmup: int = 15,
+def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS, steps: int = PROFILE_STEPS,
+                  warmup: int = PROFILE_WARMUP,
                   top: int = 30, out_dir: Optional[str | Path] = None,
                   log: Callable[[str], object] = print) -> dict:
     """Where a training step's time goes: the kernels ``torch.profiler`` records in ``steps``
@@ -201,7 +205,7 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
             takes ``warmup + steps`` steps of it, so ``base.steps`` must allow them.
         runs: names of :data:`BENCH_RUNS` outside :data:`GRAPH_RUNS`.
         steps, warmup, top: steps profiled (>= 1), steps before them (>= 0), kernels listed.
-        out_dir: where :data:`PROFILE_FILE` goes (None: not written).
+        out_dir: the directory :data:`PROFILE_FILE` goes to (None: not written; created if missing).
         log: where the table goes.
 
     Returns:
@@ -210,23 +214,28 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
         operators are recorded instead (for tests).
 
     Raises:
-        ValueError: an unknown or graph run, ``steps`` < 1, ``warmup`` < 0, or
-            ``warmup + steps`` > ``base.steps``.
+        ValueError: an unknown or graph run, ``steps`` < 1, ``warmup`` < 0, ``top`` < 1,
+            ``warmup + steps`` > ``base.steps``, or an ``out_dir`` that is '' or a file.
     """
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from ..bench.ops.transformer_layer import kernel_summary
 
-    bad = [r for r in runs if r not in BENCH_RUNS or r in GRAPH_RUNS]
+    runs = tuple(runs) if isinstance(runs, (list, tuple)) else runs
+    bad = ([r for r in runs if r not in BENCH_RUNS or r in GRAPH_RUNS] if isinstance(runs, tuple)
+           else [f"{type(runs).__name__} (not a list or tuple of names)"])
     if bad or not runs:
         raise ValueError(f"runs must name some of {[r for r in BENCH_RUNS if r not in GRAPH_RUNS]} (the graph runs "
-                         f"replay the same kernels), got {list(runs)}")
-    for name, v, low in (("steps", steps, 1), ("warmup", warmup, 0)):
+                         f"replay the same kernels), got {list(runs) if isinstance(runs, tuple) else bad[0]}")
+    for name, v, low in (("steps", steps, 1), ("warmup", warmup, 0), ("top", top, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
     if warmup + steps > base.steps:
         raise ValueError(f"warmup + steps ({warmup + steps}) must be at most the configuration's steps ({base.steps})")
+    if out_dir is not None and (str(out_dir) == "" or Path(out_dir).is_file()):
+        raise ValueError(f"out_dir must be a directory (or None), got {str(out_dir)!r}"
+                         + (" (a file)" if str(out_dir) else " (which would mean the current directory)"))
     device = base.resolved_device()
     cuda = device.type == "cuda"
     activities, kind = (([ProfilerActivity.CPU, ProfilerActivity.CUDA], torch.autograd.DeviceType.CUDA) if cuda

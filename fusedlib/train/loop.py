@@ -318,11 +318,15 @@ def _model_forward(model: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.T
 def _float_rates(state: dict) -> dict:
     """An optimizer's or scheduler's state dict with the learning rates that live in device
     tensors (``full_iteration_graph``) as floats, so that every run's checkpoint reads alike."""
+    def plain(v):
+        return float(v) if isinstance(v, torch.Tensor) else v
+
     if "param_groups" in state:
-        state["param_groups"] = [dict(g, lr=float(g["lr"])) if isinstance(g["lr"], torch.Tensor) else g
+        state["param_groups"] = [{k: plain(v) if k in ("lr", "initial_lr") else v for k, v in g.items()}
                                  for g in state["param_groups"]]
-    if "_last_lr" in state:
-        state["_last_lr"] = [float(v) for v in state["_last_lr"]]
+    for key in ("_last_lr", "base_lrs"):
+        if key in state:
+            state[key] = [plain(v) for v in state[key]]
     return state
 
 
