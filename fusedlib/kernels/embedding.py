@@ -232,7 +232,7 @@ def _embedding_backward(ids, grad, num_embeddings, dtype, host_runs: bool) -> to
     g2d = grad.reshape(n, h)
     if g2d.stride(1) != 1:
         g2d = g2d.contiguous()
-    positions = torch.arange(n, device=device)
+    positions = torch.arange(n, device=device, dtype=torch.int64)
     begins = torch.ones(n, dtype=torch.bool, device=device)
     begins[1:] = sorted_ids[1:] != sorted_ids[:-1]
     run_start = torch.cummax(torch.where(begins, positions, 0), dim=0).values  # exact, on the device
