@@ -556,7 +556,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.reduce_scatter_embeddings = bool(reduce_scatter_embeddings) and p > 1
         self.weight = _new_param(config, self.num_embeddings_per_partition, embedding_dim)
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
-        self.deterministic = bool(getattr(config, "deterministic_mode", False))
+        self.deterministic = bool(config.deterministic_mode)
         self.bias = None
         _init_weight_and_bias(self, config, init_method, (num_embeddings, embedding_dim), 0, 1)
 

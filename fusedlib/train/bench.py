@@ -81,13 +81,11 @@ BENCH_RUNS: dict[str, dict] = {
     "torch.compile": dict(model="plain", compile=True, **_PLAIN_RUN),
     "fusedlib-local": dict(model="gpt", spec="fused", compile=False, attention_backend="local", **_PLAIN_RUN),
     "fusedlib-compile": dict(model="gpt", spec="fused", compile=True, **_PLAIN_RUN),
-    "fusedlib-graphs": dict(model="gpt", spec="fused", compile=False, compile_mode=None, cuda_graph=True,
-                            full_iteration_graph=False),
-    "torch.compile-graphs": dict(model="plain", compile=True, compile_mode="reduce-overhead", cuda_graph=False,
-                                 full_iteration_graph=False),
-    "fusedlib-full-iteration": dict(model="gpt", spec="fused", compile=False, **dict(_PLAIN_RUN,
-                                                                                    full_iteration_graph=True)),
-    "torch.compile-full-iteration": dict(model="plain", compile=True, **dict(_PLAIN_RUN, full_iteration_graph=True)),
+    "fusedlib-graphs": dict(model="gpt", spec="fused", compile=False, **{**_PLAIN_RUN, "cuda_graph": True}),
+    "torch.compile-graphs": dict(model="plain", compile=True, **{**_PLAIN_RUN, "compile_mode": "reduce-overhead"}),
+    "fusedlib-full-iteration": dict(model="gpt", spec="fused", compile=False,
+                                    **{**_PLAIN_RUN, "full_iteration_graph": True}),
+    "torch.compile-full-iteration": dict(model="plain", compile=True, **{**_PLAIN_RUN, "full_iteration_graph": True}),
 }
 #: The runs that replay CUDA graphs (CUDA only).
 GRAPH_RUNS = ("fusedlib-graphs", "torch.compile-graphs", "fusedlib-full-iteration", "torch.compile-full-iteration")
@@ -197,8 +195,7 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
     per step, as chapter 7's block profile (``kernel_summary``: total, launches, categories,
     the ``top`` kernels). The steps are launched kernel by kernel: a run with CUDA graphs
     replays the same kernels, so the graph runs of :data:`BENCH_RUNS` are not offered.
-    Profiler ranges (``Optimizer.step#AdamW.step``) are left out: they span kernels that are
-    counted already.
+    Profiler ranges (``Optimizer.step#AdamW.step``) are left out (``device_events``).
 
     Args:
         base: the configuration (each run overrides its :data:`BENCH_RUNS` fields); the trainer
@@ -217,10 +214,9 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
         ValueError: an unknown or graph run, ``steps`` < 1, ``warmup`` < 0, ``top`` < 1,
             ``warmup + steps`` > ``base.steps``, or an ``out_dir`` that is '' or a file.
     """
-    from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from ..bench.ops.transformer_layer import kernel_summary
+    from ..bench.ops.transformer_layer import device_events, kernel_summary, profiler_setup
 
     runs = tuple(runs) if isinstance(runs, (list, tuple)) else runs
     bad = ([r for r in runs if r not in BENCH_RUNS or r in GRAPH_RUNS] if isinstance(runs, tuple)
@@ -238,9 +234,7 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
                          + (" (a file)" if str(out_dir) else " (which would mean the current directory)"))
     device = base.resolved_device()
     cuda = device.type == "cuda"
-    activities, kind = (([ProfilerActivity.CPU, ProfilerActivity.CUDA], torch.autograd.DeviceType.CUDA) if cuda
-                        else ([ProfilerActivity.CPU], torch.autograd.DeviceType.CPU))
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    activities, kind, sync = profiler_setup(device)
     corpus = load_corpus(base.cache_dir)
     out = {"op": "train_profile", **environment(), "python": platform.python_version(),
            "config": dataclasses.asdict(base), "tokens_per_step": base.batch * base.seq, "steps": steps,
@@ -257,9 +251,7 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
                 for _ in range(steps):
                     trainer.step()
                 sync()
-            events = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-                      if e.device_type == kind and not e.is_user_annotation]
-            out["impls"][name] = kernel_summary(events, steps, top)
+            out["impls"][name] = kernel_summary(device_events(prof, kind), steps, top)
         except Exception as exc:  # noqa: BLE001  (one failing run must not lose the others)
             out["skipped"][name] = f"{type(exc).__name__}: {exc}"[:300]
         finally:

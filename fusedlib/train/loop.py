@@ -347,7 +347,7 @@ class _FullIterationGraph:
     def __init__(self, body: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], warmup: int) -> None:
         self.body, self.warmup, self.calls = body, warmup, 0
         self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self.static: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # window, x, y
+        self.static: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # x, y
         self.loss: Optional[torch.Tensor] = None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -364,20 +364,20 @@ class _FullIterationGraph:
         if self.graph is None:
             b, s = x.shape
             window = torch.empty(b, s + 1, dtype=x.dtype, device=x.device)  # x and y as get_batch makes them:
-            self.static = (window, window[:, :-1], window[:, 1:])           # two views of one window
+            self.static = (window[:, :-1], window[:, 1:])                   # two views of one window
             self._load(x, y)
             torch.cuda.synchronize(x.device)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.loss = self.body(self.static[1], self.static[2])
+                self.loss = self.body(*self.static)
         else:
             self._load(x, y)
         self.graph.replay()
         return self.loss.clone()
 
     def _load(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.static[1].copy_(x)
-        self.static[2].copy_(y)
+        self.static[0].copy_(x)
+        self.static[1].copy_(y)
 
 
 class Trainer:

@@ -659,9 +659,24 @@ def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, top: int = 
     }
 
 
-def _device_events(prof, device_type) -> list[tuple[str, float]]:
-    """(name, microseconds) of every event of ``device_type`` (CUDA: the kernels) a profiler recorded."""
-    return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == device_type]
+def device_events(prof, device_type) -> list[tuple[str, float]]:
+    """(name, microseconds) of every event of ``device_type`` (CUDA: the kernels) a profiler
+    recorded, without user ranges (``record_function``'s, e.g. ``Optimizer.step#AdamW.step``):
+    they span kernels that are listed already."""
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == device_type and not e.is_user_annotation]
+
+
+def profiler_setup(device: torch.device) -> tuple[list, torch.autograd.DeviceType, Callable[[], None]]:
+    """``(activities, kind, sync)`` for profiling on ``device``: on CUDA, CPU and CUDA activity
+    (the kernels are then correlated with the operators that launched them) and the CUDA
+    events; on the CPU (for tests), the CPU operators; ``sync`` waits for the device."""
+    from torch.profiler import ProfilerActivity
+
+    if device.type == "cuda":
+        return ([ProfilerActivity.CPU, ProfilerActivity.CUDA], torch.autograd.DeviceType.CUDA,
+                lambda: torch.cuda.synchronize(device))
+    return [ProfilerActivity.CPU], torch.autograd.DeviceType.CPU, lambda: None
 
 
 def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_SHAPE,
@@ -684,7 +699,6 @@ def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_
     Raises:
         ValueError: an unknown implementation name.
     """
-    from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     unknown = [n for n in impls if n not in IMPLS]
@@ -692,11 +706,7 @@ def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_
         raise ValueError(f"impls: unknown {unknown}; known: {', '.join(IMPLS)}")
     device = torch.device(device)
     c = case(shape, dtype)
-    cuda = device.type == "cuda"
-    # (CPU activity too on a GPU: the kernels are then correlated with the operators that launched them)
-    activities, kind = (([ProfilerActivity.CPU, ProfilerActivity.CUDA], torch.autograd.DeviceType.CUDA) if cuda
-                        else ([ProfilerActivity.CPU], torch.autograd.DeviceType.CPU))
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    activities, kind, sync = profiler_setup(device)
     out = {"op": "transformer_layer", "shape": list(c.shape), "shape_names": list(SHAPE_NAMES),
            "dtype": str(dtype).replace("torch.", ""), "steps": steps, **environment(), "impls": {}, "skipped": {}}
     for im in c.impls:
@@ -718,7 +728,7 @@ def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_
                 for _ in range(steps):
                     step()
                 sync()
-            out["impls"][im.name] = kernel_summary(_device_events(prof, kind), steps, top)
+            out["impls"][im.name] = kernel_summary(device_events(prof, kind), steps, top)
         except Exception as exc:  # one failing implementation must not lose the others
             out["skipped"][im.name] = f"{type(exc).__name__}: {exc}"[:300]
         finally:
