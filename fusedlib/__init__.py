@@ -26,7 +26,7 @@ from ``fusedlib`` itself (Megatron-core's names); by layer:
      are in the fusion modules.)
   4. LayerNorm and RMSNorm: ``fused_layer_norm``, ``fused_rms_norm``, ``FusedLayerNorm``,
      ``FusedRMSNorm``, ``FusedNorm``, ``FusedLayerNormAffineFunction``,
-     ``FusedRMSNormAffineFunction``.
+     ``FusedRMSNormAffineFunction``, ``norm_with_residual``.
   5. softmax: ``fused_scale_mask_softmax``, ``FusedScaleMaskSoftmax``,
      ``ScaledUpperTriangMaskedSoftmax``, ``ScaledMaskedSoftmax``, ``ScaledSoftmax``,
      ``SoftmaxOne``; with the attention dropout fused, ``fused_scale_mask_softmax_dropout``
@@ -84,6 +84,7 @@ from .fusions.fused_layer_norm import (  # 4
     FusedRMSNormAffineFunction,
     fused_layer_norm,
     fused_rms_norm,
+    norm_with_residual,
 )
 from .fusions.fused_softmax import (  # 5
     FusedScaleMaskSoftmax,
@@ -146,6 +147,7 @@ __all__ = [
     "FusedRMSNormAffineFunction",
     "fused_layer_norm",
     "fused_rms_norm",
+    "norm_with_residual",
     # 5. softmax
     "FusedScaleMaskSoftmax",
     "ScaledMaskedSoftmax",

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 
 import fusedlib
 from fusedlib import (
+    FusedLayerNormAffineFunction,
+    FusedRMSNormAffineFunction,
     FusedScaleMaskSoftmax,
     ScaledMaskedSoftmax,
     ScaledSoftmax,
@@ -163,6 +165,12 @@ def _freqs(s, b, rot):
     return torch.cat([half, half], dim=-1)
 
 
+def _both(y_and_residual):
+    """One output holding both of a norm's outputs (y, residual), each with its own gradient
+    (stacked: no arithmetic, so compiled and eager round nothing differently)."""
+    return torch.stack(y_and_residual)
+
+
 def _targets():
     t = torch.randint(0, V, (N,), device="cuda")
     t[1] = -100  # ignored
@@ -188,6 +196,13 @@ CASES: dict[str, Case] = {
                                                     .requires_grad_(True), _r(H, dtype=dt, scale=0.1)),
                                         lambda x, w, b: fused_layer_norm(x, w, b, 1e-5, memory_efficient=True)),
     "rms_norm": Case(lambda dt: (_r(N, H, dtype=dt), _r(H, dtype=dt)), lambda x, w: fused_rms_norm(x, w, 1e-5)),
+    # the residual as the norm node's second output (an alias of x): its gradient is added in the kernel
+    "layer_norm_with_residual": Case(
+        lambda dt: (_r(N, H, dtype=dt), _r(H, dtype=dt), _r(H, dtype=dt)),
+        lambda x, w, b: _both(FusedLayerNormAffineFunction.apply(x, w, b, 1e-5, False, False, True))),
+    "rms_norm_with_residual": Case(
+        lambda dt: (_r(N, H, dtype=dt), _r(H, dtype=dt)),
+        lambda x, w: _both(FusedRMSNormAffineFunction.apply(x, w, 1e-5, False, False, True))),
     "rms_norm_memory_efficient_zero_centered": Case(
         lambda dt: (_r(N, H, dtype=dt), _r(H, dtype=dt, scale=0.1)),
         lambda x, w: fused_rms_norm(x, w, 1e-5, memory_efficient=True, zero_centered_gamma=True)),

@@ -159,11 +159,12 @@ def test_vocab_parallel_embedding_uses_it_in_deterministic_mode(deterministic, m
     assert len(calls) == (1 if deterministic else 0)
 
 
-@pytest.mark.parametrize("host_runs, grids", [(True, [(4, 1), (3, 1)]), (False, [(37, 1), (37, 1)])])
-def test_programs_per_piece_and_run_or_per_position(host_runs, grids, monkeypatch):
+@pytest.mark.parametrize("host_runs, grids", [(True, [(4, 1), (3, 1)]), (False, [(6, 1), (5, 1)])])
+def test_programs_per_piece_and_run_or_bound(host_runs, grids, monkeypatch):
     """With the runs found by the host (the CPU's path) a program per piece, then one per run;
-    else (a GPU's: finding them would wait for the device) a program per position, twice.
-    Here: id 3 33 times (two pieces of 32 rows), ids 1 and 0 once each, 2 absent."""
+    else (a GPU's: counting them would wait for the device) as many as the bounds the host
+    knows: n // 32 + V + 1 = 6 pieces and V + 1 = 5 runs, the spare programs idle.
+    Here: id 3 35 times (two pieces of 32 rows), ids 1 and 0 once each, 2 absent."""
     seen = []
     real = emb.launch
     monkeypatch.setattr(emb, "launch", lambda kernel, grid, *a, **k: seen.append(tuple(grid)) or real(kernel, grid,

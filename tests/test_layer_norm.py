@@ -714,3 +714,124 @@ def test_autograd_functions_are_the_entry_points():
     w, b = _params(16, torch.float32, "layer")
     assert torch.equal(FusedLayerNormAffineFunction.apply(x, w, b, EPS), fused_layer_norm(x, w, b, EPS))
     assert torch.equal(FusedRMSNormAffineFunction.apply(x, w, EPS), fused_rms_norm(x, w, EPS))
+
+
+# ---------------------------------------------------------------------------------------
+# The residual's gradient taken by the norm's backward (norm_with_residual)
+# ---------------------------------------------------------------------------------------
+
+
+def _module(norm, h, dtype, **config):
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                            normalization="LayerNorm" if norm == "layer" else "RMSNorm", **config)
+    cls = FusedLayerNorm if norm == "layer" else FusedRMSNorm
+    m = cls(cfg, h, EPS, device=DEVICE, dtype=dtype)
+    with torch.no_grad():  # not the initial ones and zeros, so gamma and beta matter
+        m.weight.copy_(torch.randn(h, device=DEVICE))
+        if m.bias is not None:
+            m.bias.copy_(torch.randn(h, device=DEVICE))
+    return m
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("h", (1, 7, 300, 4096))
+def test_residual_gradient_added_in_the_backward_kernel(norm, dtype, h):
+    # x feeds the norm and the residual: dx = norm's dx + the residual's gradient, summed in
+    # float32 by the kernel and rounded once
+    m = _module(norm, h, dtype)
+    x = _x((3, 5, h), dtype)
+    x_before = x.detach().clone()
+    y, residual = fusedlib.norm_with_residual(m, x)
+    assert torch.equal(residual, x) and residual._base is x  # the same values, a view, not a copy
+    assert residual.grad_fn is y.grad_fn  # one node: its backward gets both gradients
+    dy = torch.randn_like(y)
+    dres = torch.randn(h, 5, 3, device=DEVICE).to(dtype).permute(2, 1, 0)  # non-contiguous
+    torch.autograd.backward((y, residual), (dy, dres))
+    assert torch.equal(x.detach(), x_before)
+    x64, w64, dy64 = x.detach().double(), m.weight.detach().double(), dy.double()
+    b64 = m.bias.detach().double() if m.bias is not None else None
+    _, dx64, dw64, db64 = _reference(norm, x64, w64, b64, dy64)
+    total64 = dx64 + dres.double()
+    tol = _dx_tol(norm, x64, w64, dy64, total64, dtype)
+    _assert_within("dx + dresidual", x.grad, total64, tol)
+    assert_close(m.weight.grad, dw64, dtype, scale=15**0.5)
+    # the same as autograd adding the gradient of the residual used directly
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = m(x2)
+    torch.autograd.backward((y2, x2), (dy, dres))
+    assert torch.equal(y, y2)
+    if dtype == torch.float32:  # the two sums round differently in bf16/fp16 (once against twice)
+        torch.testing.assert_close(x.grad, x2.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_residual_gradient_in_the_split_backward(norm):
+    # the long-row backward (programs of BLOCK_N columns) adds the residual's gradient too
+    h, rows = 300, 37
+    w, b = _params(h, torch.float32, norm, requires_grad=False)
+    x = _x((rows, h), torch.float32).detach()
+    dy = torch.randn(rows, h, device=DEVICE)
+    dres = torch.randn(h, rows, device=DEVICE).t()
+    rms = norm == "rms"
+    _, mean, rstd = norm_fwd(x, w, b, EPS, rms_norm=rms)
+    tile = Tile(BLOCK_M=2, BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=2)
+    dx, _, _ = norm_bwd(dy, x, w, b, mean, rstd, rms_norm=rms, tile=tile, dresidual=dres)
+    dx0, _, _ = norm_bwd(dy, x, w, b, mean, rstd, rms_norm=rms, tile=tile)
+    torch.testing.assert_close(dx, dx0 + dres, atol=1e-6, rtol=1e-6)
+    x64, dy64 = x.double(), dy.double()
+    _, dx64, _, _ = _reference(norm, x64, w.double(), b.double() if b is not None else None, dy64)
+    _assert_within("dx", dx, dx64 + dres.double(),
+                   _dx_tol(norm, x64, w.double(), dy64, dx64 + dres.double(), torch.float32))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_residual_output_alone_or_norm_output_alone(norm):
+    # only one of the two outputs used: the other's gradient is None, never a tensor of zeros
+    m = _module(norm, 33, torch.float32)
+    x = _x((4, 33), torch.float32)
+    _, residual = m.forward_with_residual(x)
+    g = torch.randn_like(x)
+    residual.backward(g)
+    assert torch.equal(x.grad, g) and m.weight.grad is None
+    x.grad = None
+    y, _ = m.forward_with_residual(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x2 = x.detach().clone().requires_grad_(True)
+    m(x2).backward(dy)
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_residual_output_gradcheck_float64():
+    x = torch.randn(3, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: FusedLayerNormAffineFunction.apply(x, w, b, EPS, False, False, True), (x, w, b))
+    assert torch.autograd.gradcheck(
+        lambda x, w: FusedRMSNormAffineFunction.apply(x, w, EPS, False, False, True), (x, w))
+    assert torch.autograd.gradcheck(  # memory-efficient: x_hat from y, the residual's gradient added
+        lambda x, w, b: FusedLayerNormAffineFunction.apply(x, w, b, EPS, True, True, True), (x, w, b))
+
+
+def test_norm_with_residual_other_modules_and_an_fp32_stream():
+    x = _x((2, 3, 16), torch.float32)
+    ln = torch.nn.LayerNorm(16, device=DEVICE)
+    y, residual = fusedlib.norm_with_residual(ln, x)
+    assert residual is x and torch.equal(y, ln(x))  # torch's module: the residual is x itself
+    ident = fusedlib.transformer.IdentityOp()
+    y, residual = fusedlib.norm_with_residual(ident, x)
+    assert y is x and residual is x
+    m = _module("layer", 16, torch.bfloat16)  # bf16 norm, fp32 residual stream
+    y, residual = fusedlib.norm_with_residual(m, x)
+    assert residual is x and y.dtype == torch.bfloat16 and torch.equal(y, m(x.to(torch.bfloat16)))
+    with torch.no_grad():  # no autograd: the same values, the input itself as the residual
+        y, residual = m.forward_with_residual(x.detach().to(torch.bfloat16))
+        assert residual.dtype == torch.bfloat16
+
+
+def test_residual_output_rejects_what_the_norm_rejects():
+    m = _module("layer", 16, torch.float32)
+    with pytest.raises(ValueError, match="weight"):
+        FusedLayerNormAffineFunction.apply(_x((2, 8), torch.float32), m.weight, m.bias, EPS, False, False, True)

@@ -598,6 +598,19 @@ def test_each_switch_chooses_the_kernel(monkeypatch, switch, on):
     assert bool(fused) is on and bool(plain) is not on
 
 
+@pytest.mark.parametrize("post_ln_residual", [False, True])
+def test_pre_norms_take_the_residual_gradient(monkeypatch, post_ln_residual):
+    # x feeds the pre-norm and the residual connection: with fusedlib's norms the norm's backward
+    # kernel adds the residual's gradient (no separate add); the final norm has no residual, and
+    # with apply_residual_connection_post_layernorm the residual is the norm's output instead
+    spy = Spy(monkeypatch, fused_layer_norm, "norm_bwd")
+    cfg = make_config(num_layers=2, apply_residual_connection_post_layernorm=post_ln_residual)
+    _run_one_layer(cfg, backward=True)
+    given = [kw.get("dresidual") is not None for _, kw in spy.calls]
+    assert len(given) == 2 * 2 + 1  # two pre-norms per layer, then the final norm
+    assert sum(given) == (0 if post_ln_residual else 4)
+
+
 def _attention_inputs(dtype=torch.float32, sq=S, sk=S, ng=NG, requires_grad=False):
     hn = H // NP
     mk = lambda s, n: torch.randn(s, B, n, hn, device=DEVICE, dtype=torch.float32).to(dtype)  # noqa: E731

@@ -68,10 +68,10 @@ def main(hidden_sizes, dtype="bf16"):
             name = "RMSNorm  " if rms else "LayerNorm"
             cf = pick(L.FWD_TILES, h)
             sig = {"X_ptr": elem, "Y_ptr": elem, "W_ptr": elem, "B_ptr": elem, "MEAN_ptr": stat,
-                   "RSTD_ptr": stat, "n_rows": "i32", "n_cols": "i32", "X_row_stride": "i32",
+                   "RSTD_ptr": stat, "ERR_ptr": "*i64", "n_rows": "i32", "n_cols": "i32", "X_row_stride": "i32",
                    "X_col_stride": "i32", "eps": "fp32", "rows_per_program": "i32"}
             const = dict(X_col_stride=1, BLOCK_M=cf.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms, HAS_BIAS=not rms,
-                         ZERO_CENTERED_GAMMA=False, NUM_STAGES=cf.num_stages, ACC=acc)
+                         ZERO_CENTERED_GAMMA=False, NUM_STAGES=cf.num_stages, ACC=acc, CHECK_GAMMA=False)
             if cf.programs_per_sm == 0 and cf.BLOCK_M == 1:
                 const["rows_per_program"] = 1  # Triton specializes an int argument equal to 1
             aligned = ["X_ptr", "Y_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "n_rows"] + aligned_dims + (
@@ -99,15 +99,17 @@ def main(hidden_sizes, dtype="bf16"):
                           f"REG={r[0]} LOCAL={r[1]} SMEM={r[2]} -> {programs_per_sm(r[0], s_warps, r[2])} programs/SM",
                           flush=True)
                 sig = {"DY_ptr": elem, "X_ptr": elem, "W_ptr": elem, "B_ptr": elem, "MEAN_ptr": stat,
-                       "RSTD_ptr": stat, "C_ptr": stat, "DX_ptr": elem, "PARTIAL_ptr": stat,
+                       "RSTD_ptr": stat, "C_ptr": stat, "DX_ptr": elem, "PARTIAL_ptr": stat, "DRES_ptr": elem,
                        "n_rows": "i32", "n_cols": "i32", "DY_row_stride": "i32", "DY_col_stride": "i32",
-                       "X_row_stride": "i32", "X_col_stride": "i32", "rows_per_program": "i32"}
-                const = dict(DY_col_stride=1, X_col_stride=1, BLOCK_M=cb.BLOCK_M, BLOCK_N=bwd_block, IS_RMS_NORM=rms,
-                             HAS_BIAS=not rms, ZERO_CENTERED_GAMMA=False, MEMORY_EFFICIENT=me,
-                             SPLIT=split, NUM_STAGES=cb.num_stages, ACC=acc)
+                       "X_row_stride": "i32", "X_col_stride": "i32", "DRES_row_stride": "i32",
+                       "DRES_col_stride": "i32", "rows_per_program": "i32"}
+                # with the residual's gradient added (HAS_DRES), as a transformer layer's norms run
+                const = dict(DY_col_stride=1, X_col_stride=1, DRES_col_stride=1, BLOCK_M=cb.BLOCK_M,
+                             BLOCK_N=bwd_block, IS_RMS_NORM=rms, HAS_BIAS=not rms, ZERO_CENTERED_GAMMA=False,
+                             MEMORY_EFFICIENT=me, SPLIT=split, NUM_STAGES=cb.num_stages, ACC=acc, HAS_DRES=True)
                 aligned = ["DY_ptr", "X_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "C_ptr", "DX_ptr",
-                           "PARTIAL_ptr", "n_rows"] + aligned_dims + (
-                    ["DY_row_stride", "X_row_stride"] if aligned_dims else [])
+                           "PARTIAL_ptr", "DRES_ptr", "n_rows"] + aligned_dims + (
+                    ["DY_row_stride", "X_row_stride", "DRES_row_stride"] if aligned_dims else [])
                 r = compile_kernel(L._norm_bwd_kernel, sig, const, aligned, cb.num_warps)
                 print(f"h={h:5d} {dtype} {name} bwd{' (memory-efficient)' if me else ''} {cb}: "
                       f"REG={r[0]} LOCAL={r[1]} SMEM={r[2]} -> {programs_per_sm(r[0], cb.num_warps, r[2])} programs/SM",

@@ -211,18 +211,22 @@ def candidates(op: str, pass_: str, shape: Sequence[int]) -> list[dict]:
         return _attention_candidates(pass_, shape[-1])
     if op == "bias_gelu":
         cap = _p2(shape[-1])
+        # 512- and 256-column tiles: rows of 3·2^k (1536 in a GPT of hidden 384) waste a quarter
+        # of a 2048-column tile's lanes
         if pass_ == "fwd":
-            return _elementwise(cap, [(1024, 2, 4), (2048, 2, 8), (4096, 1, 8)])
+            return _elementwise(cap, [(1024, 2, 4), (2048, 2, 8), (4096, 1, 8), (512, 4, 4), (512, 8, 4),
+                                      (512, 8, 8), (256, 16, 4), (256, 32, 8)])
         return _elementwise(cap, [(2048, 4, 8), (1024, 4, 4), (2048, 2, 8), (4096, 2, 8), (1024, 8, 8),
-                                  (4096, 4, 16)], per_sm=(4, 8, 16))
+                                  (4096, 4, 16), (512, 8, 4), (512, 8, 8), (512, 16, 8), (256, 16, 4)],
+                            per_sm=(4, 8, 16))
     if op == "bias_dropout_add":
         cap = max(8, _p2(shape[-1]))  # BLOCK_N >= 8: one Philox call per 8 columns
-        if pass_ == "fwd":
+        if pass_ == "fwd":  # (128-column tiles: rows of 3·2^k waste no lanes)
             return _elementwise(cap, [(2048, 2, 4), (1024, 4, 4), (4096, 1, 4), (1024, 2, 2), (2048, 4, 8),
-                                      (4096, 2, 8), (1024, 8, 8)])
+                                      (4096, 2, 8), (1024, 8, 8), (128, 32, 4), (128, 64, 8), (128, 16, 2)])
         # the backward's tile itself (rows and warps already scaled), as the forward tiles
         # times 1 or 2 (the run behind BWD_TILES: twice the forward's rows and warps)
-        base = [(2048, 2, 4), (1024, 4, 4), (4096, 1, 4), (2048, 4, 8)]
+        base = [(2048, 2, 4), (1024, 4, 4), (4096, 1, 4), (2048, 4, 8), (128, 32, 4)]
         return _elementwise(cap, [(bn, bm * s, w * s) for (bn, bm, w) in base for s in (1, 2)],
                             per_sm=(4, 8, 16, 32))
     if op in ("geglu", "swiglu"):

@@ -84,6 +84,7 @@ __all__ = [
     "FusedLayerNorm",
     "FusedRMSNorm",
     "FusedNorm",
+    "norm_with_residual",
     "BACKENDS",
     "LAYER_NORM_GAMMA_CHECK",
     "RMS_NORM_GAMMA_CHECK",
@@ -193,6 +194,12 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
     partial sums of dgamma/dbeta, and one small kernel that sums the partials (for small
     inputs none: one program takes every row and its sums are the gradients).
 
+    With ``residual_out=True`` (a last argument) it returns ``(y, residual)``, residual being
+    the input itself as this node's second output (autograd makes it a view of the input):
+    code that uses it for the residual connection hands the residual's gradient to this
+    backward, whose kernel adds it to dx (one pass over the gradient instead of a separate
+    add of three). See :func:`norm_with_residual`.
+
     Shapes: input [..., h] (e.g. [s, b, h]), weight and bias [h] (bias may be None).
     Returns y of input's shape and dtype, a new tensor that is not a view.
 
@@ -202,7 +209,8 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: A002
-                eps: float, memory_efficient: bool = False, zero_centered_gamma: bool = False) -> torch.Tensor:
+                eps: float, memory_efficient: bool = False, zero_centered_gamma: bool = False,
+                residual_out: bool = False):
         weight_c, bias_c = _check_inputs(input, weight, bias, eps)
         memory_efficient, zero_centered_gamma = _check_flags(memory_efficient, zero_centered_gamma)
         y, mean, rstd = norm_fwd(input, weight_c, bias_c, eps, rms_norm=False, zero_centered_gamma=zero_centered_gamma,
@@ -213,26 +221,32 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
             ctx.save_for_backward(y, weight_c, bias_c, None, rstd)
         else:
             ctx.save_for_backward(input, weight_c, bias_c, mean, rstd)
+        if residual_out:
+            ctx.set_materialize_grads(False)  # an unused output's gradient stays None, never zeros
+            return y, input
         return y
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
-    def backward(ctx, grad_output: torch.Tensor):
+    def backward(ctx, grad_output: Optional[torch.Tensor], grad_residual: Optional[torch.Tensor] = None):
         # grad_output needs no check: autograd's engine has matched it to y's shape, dtype and
         # device (strides may differ: the kernel takes them)
+        if grad_output is None:  # (residual_out) y unused: x's gradient is the residual's alone
+            return grad_residual, None, None, None, None, None, None
         x_or_y, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = norm_bwd(grad_output, x_or_y, weight, bias, mean, rstd, rms_norm=False,
                                       zero_centered_gamma=ctx.zero_centered_gamma,
-                                      memory_efficient=ctx.memory_efficient)
-        return dx, dweight, dbias, None, None, None
+                                      memory_efficient=ctx.memory_efficient, dresidual=grad_residual)
+        return dx, dweight, dbias, None, None, None, None
 
 
 class FusedRMSNormAffineFunction(torch.autograd.Function):
     """Autograd wiring of fused RMSNorm over the last dim.
 
-    ``forward(ctx, input, weight, eps, memory_efficient=False, zero_centered_gamma=False)``
-    saves ``(input, weight, rstd)``, or with ``memory_efficient`` ``(y, weight, rstd)``;
-    ``backward`` returns ``(dx, dweight, None, None, None)``.
+    ``forward(ctx, input, weight, eps, memory_efficient=False, zero_centered_gamma=False,
+    residual_out=False)`` saves ``(input, weight, rstd)``, or with ``memory_efficient``
+    ``(y, weight, rstd)``; ``backward`` returns ``(dx, dweight, None, None, None, None)``.
+    ``residual_out``: as :class:`FusedLayerNormAffineFunction`'s.
 
     Shapes: input [..., h], weight [h]. Returns y of input's shape and dtype, not a view.
 
@@ -241,7 +255,7 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, eps: float,  # noqa: A002
-                memory_efficient: bool = False, zero_centered_gamma: bool = False) -> torch.Tensor:
+                memory_efficient: bool = False, zero_centered_gamma: bool = False, residual_out: bool = False):
         weight_c, _ = _check_inputs(input, weight, None, eps)
         memory_efficient, zero_centered_gamma = _check_flags(memory_efficient, zero_centered_gamma)
         y, _, rstd = norm_fwd(input, weight_c, None, eps, rms_norm=True, zero_centered_gamma=zero_centered_gamma,
@@ -249,15 +263,21 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
         ctx.memory_efficient = memory_efficient
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.save_for_backward(y if ctx.memory_efficient else input, weight_c, rstd)
+        if residual_out:
+            ctx.set_materialize_grads(False)
+            return y, input
         return y
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
-    def backward(ctx, grad_output: torch.Tensor):
+    def backward(ctx, grad_output: Optional[torch.Tensor], grad_residual: Optional[torch.Tensor] = None):
+        if grad_output is None:  # (residual_out) y unused
+            return grad_residual, None, None, None, None, None
         x_or_y, weight, rstd = ctx.saved_tensors  # grad_output: matched to y by autograd
         dx, dweight, _ = norm_bwd(grad_output, x_or_y, weight, None, None, rstd, rms_norm=True,
-                                  zero_centered_gamma=ctx.zero_centered_gamma, memory_efficient=ctx.memory_efficient)
-        return dx, dweight, None, None, None
+                                  zero_centered_gamma=ctx.zero_centered_gamma, memory_efficient=ctx.memory_efficient,
+                                  dresidual=grad_residual)
+        return dx, dweight, None, None, None, None
 
 
 def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float = 1e-5, *,
@@ -450,6 +470,14 @@ class FusedLayerNorm(_FusedNormBase):
         return apply(FusedLayerNormAffineFunction, input, self.weight, self.bias, self.eps, memory_efficient,
                                                   self.zero_centered_gamma)
 
+    def forward_with_residual(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: A002
+        """``(LayerNorm(input), residual)``: see :func:`norm_with_residual`. With ``backend="apex"``
+        the residual is ``input`` itself (Apex's kernels take no second gradient)."""
+        if self.backend == "apex":
+            return self.forward(input), input
+        return apply(FusedLayerNormAffineFunction, input, self.weight, self.bias, self.eps,
+                     bool(self.config.memory_efficient_layer_norm), self.zero_centered_gamma, True)
+
 
 class FusedRMSNorm(_FusedNormBase):
     """RMSNorm over the last dim on fusedlib's fused Triton kernels (or Apex's).
@@ -494,6 +522,50 @@ class FusedRMSNorm(_FusedNormBase):
             return apex_backend.apex_rms_norm(input, weight, self.eps, memory_efficient=memory_efficient)
         return apply(FusedRMSNormAffineFunction, input, self.weight, self.eps, memory_efficient,
                                                 self.zero_centered_gamma)
+
+    def forward_with_residual(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: A002
+        """``(RMSNorm(input), residual)``: see :func:`norm_with_residual` (Apex: ``input`` itself)."""
+        if self.backend == "apex":
+            return self.forward(input), input
+        return apply(FusedRMSNormAffineFunction, input, self.weight, self.eps,
+                     bool(self.config.memory_efficient_layer_norm), self.zero_centered_gamma, True)
+
+
+def norm_with_residual(norm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x), residual)`` for a pre-norm layer, whose x feeds both the norm and the residual
+    connection: ``residual = x; y = norm(x)``.
+
+    Autograd would sum x's two gradients with a separate add (read both, write the sum: three
+    passes over [s, b, h]). With fusedlib's norms (``FusedLayerNorm``, ``FusedRMSNorm``,
+    ``backend="fusedlib"``) the residual comes back as a second output of the norm's autograd
+    node, a view of x with the same values, so its gradient reaches the norm's backward, whose
+    kernel adds it to dx while dx is in registers (one more read, no add) and rounds the sum
+    once. Any other module (torch's LayerNorm, Apex's, an identity) returns ``(norm(x), x)``:
+    the same values and gradients, summed by autograd.
+
+    Args:
+        norm: the norm module ([..., h] -> [..., h]).
+        x: [..., h] (a layer's [s, b, h]). If its dtype differs from the norm's weight (an fp32
+            residual stream, ``fp32_residual_connection``), the norm gets ``x`` cast to the
+            weight's dtype and the residual is ``x`` itself, autograd adding the gradients.
+
+    Returns:
+        ``(y, residual)``: y = norm(x); residual equal to x (x itself, or a view of it).
+
+    Raises:
+        As the norm's forward.
+
+    Source: fusedlib; the residual's gradient taken inside the norm's backward as FlashAttention's
+    ``layer_norm_fn(..., residual=..., prenorm=True)`` (``flash_attn/ops/triton/layer_norm.py``)
+    and Transformer Engine's fused norms take theirs.
+    """
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dtype != x.dtype:
+        return norm(x.to(weight.dtype)), x
+    forward_with_residual = getattr(norm, "forward_with_residual", None)
+    if forward_with_residual is not None:
+        return forward_with_residual(x)
+    return norm(x), x
 
 
 class FusedNorm:

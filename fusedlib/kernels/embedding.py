@@ -22,9 +22,10 @@ ids into pieces of ``BLOCK_R`` rows and sums each piece (one program per piece, 
 tree); the second adds each run's pieces in order (one program per run). Two stages, because
 ids are far from uniform: in Python source the space byte alone is about a fifth of the tokens,
 a run of thousands of rows that one program could only add one piece after another. The runs
-and pieces are found on the device (a running maximum and a running sum of integers, exact), so
-nothing waits for the host; on a GPU a program per position starts, and those that do not begin
-a piece (a run) return at once. The same bits on every call.
+and pieces are found on the device (a binary search of the sorted ids for each run's first
+position, a running sum of integers for the pieces' indices, both exact), so nothing waits for
+the host; each kernel's program list is as long as a bound known on the host (n / BLOCK_R + V + 1
+pieces, V + 1 runs), padded with programs that return at once. The same bits on every call.
 
 Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``VocabParallelEmbedding``);
 PyTorch ``aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu``.
@@ -97,13 +98,10 @@ def check_ids_in_range(ids: torch.Tensor, vocab_size: int) -> None:
 
 
 @triton.jit
-def _position_and_columns(STARTS_ptr, n_cols, BLOCK_H: tl.constexpr, GIVEN_STARTS: tl.constexpr):
-    """The sorted position this program looks at (one of the host's starts, or its own index)
-    and its block of columns with their mask."""
-    if GIVEN_STARTS:
-        p = tl.load(STARTS_ptr + tl.program_id(0))
-    else:
-        p = tl.program_id(0)
+def _position_and_columns(STARTS_ptr, n_cols, BLOCK_H: tl.constexpr):
+    """The sorted position this program starts at (n: none, the list's padding) and its block
+    of columns with their mask."""
+    p = tl.load(STARTS_ptr + tl.program_id(0))
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     return p, cols, cols < n_cols
 
@@ -112,9 +110,8 @@ def _position_and_columns(STARTS_ptr, n_cols, BLOCK_H: tl.constexpr, GIVEN_START
 def _embedding_bwd_pieces_kernel(
     SORTED_ptr,  # the ids, sorted (stably), [n], int64
     ORDER_ptr,  # the rows of G in that order, [n], int64
-    RUN_START_ptr,  # the first position of each position's run, [n], int64
     PIECE_ptr,  # the index of the piece each position would begin, [n], int64
-    STARTS_ptr,  # (GIVEN_STARTS) the positions that begin a piece, [programs], int64
+    STARTS_ptr,  # the positions that begin a piece, in order, then n (padding), [programs], int64
     G_ptr,  # output gradient, [n, n_cols], unit column stride
     PIECES_ptr,  # the pieces' sums, [pieces, n_cols], ACC
     n,
@@ -123,10 +120,9 @@ def _embedding_bwd_pieces_kernel(
     BLOCK_R: tl.constexpr,  # rows per piece
     BLOCK_H: tl.constexpr,  # columns per program
     ACC: tl.constexpr,
-    GIVEN_STARTS: tl.constexpr,  # the host found the pieces (CPU); else one program per position
 ):
-    p, cols, col_mask = _position_and_columns(STARTS_ptr, n_cols, BLOCK_H, GIVEN_STARTS)
-    if (p - tl.load(RUN_START_ptr + p)) % BLOCK_R == 0:  # p begins a piece of its run
+    p, cols, col_mask = _position_and_columns(STARTS_ptr, n_cols, BLOCK_H)
+    if p < n:  # p begins a piece of its run
         tok = tl.load(SORTED_ptr + p)
         rows = p + tl.arange(0, BLOCK_R)
         same = (rows < n) & (tl.load(SORTED_ptr + rows, mask=rows < n, other=-1) == tok)  # (runs are contiguous)
@@ -140,9 +136,8 @@ def _embedding_bwd_pieces_kernel(
 @triton.jit
 def _embedding_bwd_runs_kernel(
     SORTED_ptr,  # the ids, sorted, [n], int64
-    RUN_START_ptr,  # [n], int64
     PIECE_ptr,  # [n], int64
-    STARTS_ptr,  # (GIVEN_STARTS) the positions that begin a run, [programs], int64
+    STARTS_ptr,  # the positions that begin a run, in order, then n (padding), [programs], int64
     PIECES_ptr,  # [pieces, n_cols], ACC
     OUT_ptr,  # weight gradient, [vocab_size, n_cols], contiguous, zeros where no token is
     n,
@@ -152,13 +147,12 @@ def _embedding_bwd_runs_kernel(
     BLOCK_K: tl.constexpr,  # pieces added per step
     BLOCK_H: tl.constexpr,
     ACC: tl.constexpr,
-    GIVEN_STARTS: tl.constexpr,
 ):
-    p, cols, col_mask = _position_and_columns(STARTS_ptr, n_cols, BLOCK_H, GIVEN_STARTS)
-    tok = tl.load(SORTED_ptr + p)
-    # one program per run, at its first position; ids out of range (the forward's error) are
-    # never written
-    if (tl.load(RUN_START_ptr + p) == p) & (tok >= 0) & (tok < vocab_size):
+    p, cols, col_mask = _position_and_columns(STARTS_ptr, n_cols, BLOCK_H)
+    tok = tl.load(SORTED_ptr + p, mask=p < n, other=-1)
+    # one program per run, from its first position; ids out of range (the forward's error,
+    # mapped to V) are never written
+    if (p < n) & (tok >= 0) & (tok < vocab_size):
         first = tl.load(PIECE_ptr + p)  # the run's pieces are first, first + 1, ...
         acc = tl.zeros((BLOCK_H,), dtype=ACC)
         k = 0
@@ -174,6 +168,16 @@ def _embedding_bwd_runs_kernel(
             nxt = p + k * BLOCK_R
             more = (nxt < n) & (tl.load(SORTED_ptr + nxt, mask=nxt < n, other=-1) == tok)
         tl.store(OUT_ptr + tok * n_cols + cols, acc.to(OUT_ptr.dtype.element_ty), mask=col_mask)
+
+
+def _starts(begins: torch.Tensor, index: torch.Tensor, bound: int, positions: torch.Tensor) -> torch.Tensor:
+    """The positions where ``begins`` holds, in order, then n (``positions.numel()``) up to
+    ``bound`` entries, without a host sync: position i goes to entry ``index[i]`` (the count of
+    begins up to i, minus 1) and the others to a spare entry past the end, dropped."""
+    n = positions.numel()
+    out = torch.full((bound + 1,), n, dtype=torch.int64, device=positions.device)
+    out.index_put_((torch.where(begins, index, bound),), positions)  # distinct entries, but the spare's
+    return out[:bound]
 
 
 #: Rows per piece, pieces a run's program adds per step, the widest column block.
@@ -233,12 +237,15 @@ def _embedding_backward(ids, grad, num_embeddings, dtype, host_runs: bool) -> to
     if g2d.stride(1) != 1:
         g2d = g2d.contiguous()
     positions = torch.arange(n, device=device, dtype=torch.int64)
-    begins = torch.ones(n, dtype=torch.bool, device=device)
-    begins[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    run_start = torch.cummax(torch.where(begins, positions, 0), dim=0).values  # exact, on the device
+    # each position's run begins at the first position of its id: a binary search of the sorted
+    # ids (exact, one kernel; a running maximum over one long row is a slow scan in PyTorch)
+    run_start = torch.searchsorted(sorted_ids, sorted_ids)
+    begins = run_start == positions
     piece_begins = (positions - run_start) % EMBEDDING_BWD_BLOCK_R == 0
     piece = torch.cumsum(piece_begins.to(torch.int64), dim=0) - 1  # exact
-    n_pieces = min(n, n // EMBEDDING_BWD_BLOCK_R + min(n, num_embeddings + 1))  # a bound: no sync
+    # bounds on the pieces and runs, known without a sync: every run has a partial piece at most
+    n_runs = min(n, num_embeddings + 1)
+    n_pieces = min(n, n // EMBEDDING_BWD_BLOCK_R + n_runs)
     acc = acc_dtype(grad.dtype)
     pieces = torch.empty(n_pieces, h, dtype=acc, device=device)
     # (the interpreter runs programs one by one: there, column blocks as wide as the row)
@@ -247,13 +254,14 @@ def _embedding_backward(ids, grad, num_embeddings, dtype, host_runs: bool) -> to
     if host_runs:  # on the CPU the host finds the pieces and the runs first, for free
         piece_starts = torch.nonzero(piece_begins).reshape(-1)
         run_starts = torch.nonzero(begins).reshape(-1)
-    else:  # on a GPU that would wait for the device: a program per position
-        piece_starts = run_starts = positions  # (unread)
-    launch(_embedding_bwd_pieces_kernel, (piece_starts.numel() if host_runs else n, col_blocks), device,
-           sorted_ids, order, run_start, piece, piece_starts, g2d, pieces, n, h, g2d.stride(0),
-           BLOCK_R=EMBEDDING_BWD_BLOCK_R, BLOCK_H=block_h, ACC=TL_DTYPE[acc], GIVEN_STARTS=host_runs, num_warps=4)
-    launch(_embedding_bwd_runs_kernel, (run_starts.numel() if host_runs else n, col_blocks), device,
-           sorted_ids, run_start, piece, run_starts, pieces, out, n, h, num_embeddings,
+    else:  # on a GPU that would wait for the device: lists as long as the bounds, padded with n
+        piece_starts = _starts(piece_begins, piece, n_pieces, positions)
+        run_starts = _starts(begins, torch.cumsum(begins.to(torch.int64), dim=0) - 1, n_runs, positions)
+    launch(_embedding_bwd_pieces_kernel, (piece_starts.numel(), col_blocks), device,
+           sorted_ids, order, piece, piece_starts, g2d, pieces, n, h, g2d.stride(0),
+           BLOCK_R=EMBEDDING_BWD_BLOCK_R, BLOCK_H=block_h, ACC=TL_DTYPE[acc], num_warps=4)
+    launch(_embedding_bwd_runs_kernel, (run_starts.numel(), col_blocks), device,
+           sorted_ids, piece, run_starts, pieces, out, n, h, num_embeddings,
            BLOCK_R=EMBEDDING_BWD_BLOCK_R, BLOCK_K=EMBEDDING_BWD_BLOCK_K, BLOCK_H=block_h, ACC=TL_DTYPE[acc],
-           GIVEN_STARTS=host_runs, num_warps=4)
+           num_warps=4)
     return out

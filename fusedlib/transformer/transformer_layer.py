@@ -41,6 +41,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from ..fusions.fused_layer_norm import norm_with_residual
 from ..parallel.random import checkpoint as tensor_parallel_checkpoint
 from ..utils import make_viewless_tensor
 from .identity_op import IdentityFuncOp, IdentityOp
@@ -93,6 +94,18 @@ def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(weight, torch.Tensor) and weight.dtype != x.dtype:
         x = x.to(weight.dtype)
     return norm(x)
+
+
+def _norm_and_residual(norm: torch.nn.Module, x: torch.Tensor,
+                       post_ln_residual: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x), residual)`` (x cast as in :func:`_norm`): the residual is the norm's output
+    with ``post_ln_residual``, else x, through
+    :func:`~fusedlib.fusions.fused_layer_norm.norm_with_residual` (fusedlib's norms then add
+    the residual's gradient in their backward kernel)."""
+    if post_ln_residual:
+        y = _norm(norm, x)
+        return y, y
+    return norm_with_residual(norm, x)
 
 
 class TransformerLayer(MegatronModule, BaseTransformerLayer):
@@ -181,20 +194,16 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
                            attention_bias):
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         # (Megatron-core runs each bda under torch.enable_grad, a leftover of nvfuser; not needed here)
-        residual = hidden_states
-        input_layernorm_output = _norm(self.input_layernorm, hidden_states)
-        if post_ln_residual:
-            residual = input_layernorm_output
+        input_layernorm_output, residual = _norm_and_residual(self.input_layernorm, hidden_states, post_ln_residual)
         attention_output_with_bias = self.self_attention(input_layernorm_output, attention_mask=attention_mask,
                                                          rotary_pos_emb=rotary_pos_emb,
                                                          attention_bias=attention_bias)
         hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
             attention_output_with_bias, residual, self.hidden_dropout)
 
-        residual = hidden_states
-        pre_cross_attn_layernorm_output = _norm(self.pre_cross_attn_layernorm, hidden_states)
-        if post_ln_residual and not isinstance(self.pre_cross_attn_layernorm, IdentityOp):
-            residual = pre_cross_attn_layernorm_output
+        pre_cross_attn_layernorm_output, residual = _norm_and_residual(
+            self.pre_cross_attn_layernorm, hidden_states,
+            post_ln_residual and not isinstance(self.pre_cross_attn_layernorm, IdentityOp))
         attention_output_with_bias = self.cross_attention(pre_cross_attn_layernorm_output,
                                                           attention_mask=context_mask, key_value_states=context)
         hidden_states = self.cross_attn_bda(self.training, self.config.bias_dropout_fusion)(
@@ -202,10 +211,8 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         return hidden_states, context
 
     def _forward_mlp(self, hidden_states):
-        residual = hidden_states
-        pre_mlp_layernorm_output = _norm(self.pre_mlp_layernorm, hidden_states)
-        if self.config.apply_residual_connection_post_layernorm:
-            residual = pre_mlp_layernorm_output
+        pre_mlp_layernorm_output, residual = _norm_and_residual(
+            self.pre_mlp_layernorm, hidden_states, self.config.apply_residual_connection_post_layernorm)
         if self.recompute_mlp and self.training:
             mlp_output_with_bias = tensor_parallel_checkpoint(self.mlp, pre_mlp_layernorm_output)
         else:
