@@ -487,6 +487,35 @@ for _cls, _normalization in ((FusedLayerNorm, "LayerNorm"), (FusedRMSNorm, "RMSN
     case(f"{_cls.__name__}({_normalization})")(_module_case)
 
 
+for _cls, _normalization in ((FusedLayerNorm, "LayerNorm"), (FusedRMSNorm, "RMSNorm")):
+    def _residual_case(dtype, cls=_cls, normalization=_normalization):
+        # the residual's gradient added by the norm's backward kernel: x's gradient is both
+        layer = normalization == "LayerNorm"
+        x, w, b, dy = _norm_inputs(dtype, layer)
+        dres = _randn(*x.shape, dtype=dtype)
+        config = TransformerConfig(normalization=normalization)
+
+        def run():
+            module = cls(config, HN, EPS, device=DEVICE, dtype=dtype)
+            with torch.no_grad():
+                module.weight.copy_(w)
+                if layer:
+                    module.bias.copy_(b)
+            xl = _leaves(x)[0]
+            y, residual = fusedlib.norm_with_residual(module, xl)
+            torch.autograd.backward((y, residual), (dy, dres))
+            return {"out": y, "dx": xl.grad, "dw": module.weight.grad,
+                    **({"db": module.bias.grad} if layer else {})}
+
+        def reference():
+            r = _norm_reference(x, w, b, dy)
+            return dict(r, dx=r["dx"] + dres.double())
+
+        return run, reference, _norm_expected(dtype, layer)
+
+    case(f"norm_with_residual({_cls.__name__})")(_residual_case)
+
+
 # --- the attention softmax (chapter 5) --------------------------------------------------------
 
 B, NP, SQ, SK = 2, 3, 5, 7
