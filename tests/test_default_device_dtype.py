@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import math
 import pathlib
 from types import SimpleNamespace
@@ -463,57 +464,43 @@ for _layer in (True, False):
         case(f"{name}(memory_efficient={_me}, zero_centered_gamma={_zc})")(_fused_norm_case)
 
 
-for _cls, _normalization in ((FusedLayerNorm, "LayerNorm"), (FusedRMSNorm, "RMSNorm"), (FusedNorm, "RMSNorm")):
-    def _module_case(dtype, cls=_cls, normalization=_normalization):
-        layer = normalization == "LayerNorm"
-        x, w, b, dy = _norm_inputs(dtype, layer)
-        config = TransformerConfig(normalization=normalization)
+def _module_case(dtype, cls, normalization, with_residual=False):
+    """The norm module built under the context; with_residual: through fusedlib.norm_with_residual,
+    whose backward kernel adds the residual's gradient (x's gradient is then both)."""
+    layer = normalization == "LayerNorm"
+    x, w, b, dy = _norm_inputs(dtype, layer)
+    dres = _randn(*x.shape, dtype=dtype)
+    config = TransformerConfig(normalization=normalization)
 
-        def run():
-            # built under the context, with the documented factory arguments
-            module = cls(config, HN, EPS, device=DEVICE, dtype=dtype)
-            with torch.no_grad():
-                module.weight.copy_(w)
-                if layer:
-                    module.bias.copy_(b)
-            xl = _leaves(x)[0]
-            y = module(xl)
-            y.backward(dy)
-            return {"out": y, "dx": xl.grad, "dw": module.weight.grad,
-                    **({"db": module.bias.grad} if layer else {})}
-
-        return run, lambda: _norm_reference(x, w, b, dy), _norm_expected(dtype, layer)
-
-    case(f"{_cls.__name__}({_normalization})")(_module_case)
-
-
-for _cls, _normalization in ((FusedLayerNorm, "LayerNorm"), (FusedRMSNorm, "RMSNorm")):
-    def _residual_case(dtype, cls=_cls, normalization=_normalization):
-        # the residual's gradient added by the norm's backward kernel: x's gradient is both
-        layer = normalization == "LayerNorm"
-        x, w, b, dy = _norm_inputs(dtype, layer)
-        dres = _randn(*x.shape, dtype=dtype)
-        config = TransformerConfig(normalization=normalization)
-
-        def run():
-            module = cls(config, HN, EPS, device=DEVICE, dtype=dtype)
-            with torch.no_grad():
-                module.weight.copy_(w)
-                if layer:
-                    module.bias.copy_(b)
-            xl = _leaves(x)[0]
+    def run():
+        # built under the context, with the documented factory arguments
+        module = cls(config, HN, EPS, device=DEVICE, dtype=dtype)
+        with torch.no_grad():
+            module.weight.copy_(w)
+            if layer:
+                module.bias.copy_(b)
+        xl = _leaves(x)[0]
+        if with_residual:
             y, residual = fusedlib.norm_with_residual(module, xl)
             torch.autograd.backward((y, residual), (dy, dres))
-            return {"out": y, "dx": xl.grad, "dw": module.weight.grad,
-                    **({"db": module.bias.grad} if layer else {})}
+        else:
+            y = module(xl)
+            y.backward(dy)
+        return {"out": y, "dx": xl.grad, "dw": module.weight.grad,
+                **({"db": module.bias.grad} if layer else {})}
 
-        def reference():
-            r = _norm_reference(x, w, b, dy)
-            return dict(r, dx=r["dx"] + dres.double())
+    def reference():
+        r = _norm_reference(x, w, b, dy)
+        return dict(r, dx=r["dx"] + dres.double()) if with_residual else r
 
-        return run, reference, _norm_expected(dtype, layer)
+    return run, reference, _norm_expected(dtype, layer)
 
-    case(f"norm_with_residual({_cls.__name__})")(_residual_case)
+
+for _cls, _normalization in ((FusedLayerNorm, "LayerNorm"), (FusedRMSNorm, "RMSNorm"), (FusedNorm, "RMSNorm")):
+    case(f"{_cls.__name__}({_normalization})")(functools.partial(_module_case, cls=_cls, normalization=_normalization))
+for _cls, _normalization in ((FusedLayerNorm, "LayerNorm"), (FusedRMSNorm, "RMSNorm")):
+    case(f"norm_with_residual({_cls.__name__})")(
+        functools.partial(_module_case, cls=_cls, normalization=_normalization, with_residual=True))
 
 
 # --- the attention softmax (chapter 5) --------------------------------------------------------
