@@ -14,6 +14,11 @@ Each sublayer returns ``(output, bias)`` with its bias not yet added, and the bi
 (``get_bias_dropout_add``). Unused slots are IdentityOp/IdentityFuncOp: a GPT layer's cross
 attention slot passes x through unchanged.
 
+Each pre-norm and its residual come from :func:`~fusedlib.fusions.fused_layer_norm.norm_with_residual`:
+with fusedlib's norms the residual is a second output of the norm's autograd node (the same values
+as x), so the backward kernel of the norm adds the residual's gradient to x's instead of autograd
+adding the two in a separate kernel (chapter 4); other norm modules get ``residual = x``.
+
 Residual options: ``apply_residual_connection_post_layernorm`` takes the residual after each
 norm instead of before (Megatron-core keeps the field but its layer ignores it; this is
 Megatron-LM's legacy behaviour). With ``fp32_residual_connection`` the residual stream is fp32
