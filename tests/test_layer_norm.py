@@ -835,3 +835,51 @@ def test_residual_output_rejects_what_the_norm_rejects():
     m = _module("layer", 16, torch.float32)
     with pytest.raises(ValueError, match="weight"):
         FusedLayerNormAffineFunction.apply(_x((2, 8), torch.float32), m.weight, m.bias, EPS, False, False, True)
+
+
+@pytest.mark.parametrize("hook", ["forward", "forward_pre", "global_forward"])
+def test_norm_with_residual_runs_the_modules_hooks(hook):
+    # a module with hooks is called as norm(x), so they run as without fusedlib (the residual is
+    # then x itself, autograd adding its gradient); without hooks, the fused path
+    m = _module("layer", 16, torch.float32)
+    x = _x((2, 3, 16), torch.float32)
+    calls = []
+    if hook == "forward":
+        handle = m.register_forward_hook(lambda mod, i, o: calls.append(1) or o * 0)
+    elif hook == "forward_pre":
+        handle = m.register_forward_pre_hook(lambda mod, i: calls.append(1))
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, i, o: calls.append(1))
+    try:
+        y, residual = fusedlib.norm_with_residual(m, x)
+    finally:
+        handle.remove()
+    assert calls and residual is x
+    if hook == "forward":
+        assert torch.equal(y, torch.zeros_like(y))  # the hook's output replaced the norm's
+    y, residual = fusedlib.norm_with_residual(m, x)  # hooks removed: the residual from the norm's node
+    assert residual is not x and residual._base is x and residual.grad_fn is y.grad_fn
+
+
+def test_pre_norm_hooks_run_in_a_transformer_layer():
+    from fusedlib.models.gpt import get_gpt_layer_local_spec
+    from fusedlib.transformer.transformer_block import TransformerBlock
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2)
+    block = TransformerBlock(cfg, get_gpt_layer_local_spec()).to(DEVICE)
+    seen = []
+    for name, module in block.named_modules():
+        if name.endswith("input_layernorm") or name.endswith("pre_mlp_layernorm"):
+            module.register_forward_hook(lambda mod, i, o, name=name: seen.append(name))
+    block(torch.randn(4, 2, 16, device=DEVICE), None)
+    assert sorted(seen) == ["layers.0.input_layernorm", "layers.0.pre_mlp_layernorm"]
+
+
+@pytest.mark.parametrize("value", ["no", 2.5, None, 1])
+def test_residual_out_must_be_a_bool(value):
+    x = _x((2, 8), torch.float32)
+    w, b = _params(8, torch.float32, "layer")
+    with pytest.raises(TypeError, match="residual_out"):
+        FusedLayerNormAffineFunction.apply(x, w, b, EPS, False, False, value)
+    with pytest.raises(TypeError, match="residual_out"):
+        FusedRMSNormAffineFunction.apply(x, w, EPS, False, False, value)

@@ -153,12 +153,14 @@ def _check_eps(eps: object) -> None:
                          f"kernels add it in float32), got {eps!r}")
 
 
-def _check_flags(memory_efficient: object, zero_centered_gamma: object) -> tuple[bool, bool]:
-    """The two switches, as bools: a str ("no") or an int was read as its truth value."""
-    if ((memory_efficient is True or memory_efficient is False)
-            and (zero_centered_gamma is True or zero_centered_gamma is False)):
-        return memory_efficient, zero_centered_gamma
-    return check_bool("memory_efficient", memory_efficient), check_bool("zero_centered_gamma", zero_centered_gamma)
+def _check_flags(memory_efficient: object, zero_centered_gamma: object,
+                 residual_out: object = False) -> tuple[bool, bool, bool]:
+    """The switches, as bools: a str ("no") or an int was read as its truth value."""
+    flags = (memory_efficient, zero_centered_gamma, residual_out)
+    if all(f is True or f is False for f in flags):
+        return flags
+    return (check_bool("memory_efficient", memory_efficient), check_bool("zero_centered_gamma", zero_centered_gamma),
+            check_bool("residual_out", residual_out))
 
 
 def _gamma_check_message(op: str):
@@ -187,21 +189,26 @@ RMS_NORM_GAMMA_CHECK = DeviceCheck("fused_rms_norm", _gamma_check_message("fused
 class FusedLayerNormAffineFunction(torch.autograd.Function):
     """Autograd wiring of fused LayerNorm over the last dim.
 
-    ``forward(ctx, input, weight, bias, eps, memory_efficient=False, zero_centered_gamma=False)``
-    runs one kernel that writes y and the row statistics (mean, rstd: float32, 8 bytes
+    ``forward(ctx, input, weight, bias, eps, memory_efficient=False, zero_centered_gamma=False,
+    residual_out=False)`` runs one kernel that writes y and the row statistics (mean, rstd: float32, 8 bytes
     per row) and saves ``(input, weight, bias, mean, rstd)``, or with ``memory_efficient``
     ``(y, weight, bias, rstd)``. ``backward`` runs one kernel for dx and the per-program
     partial sums of dgamma/dbeta, and one small kernel that sums the partials (for small
     inputs none: one program takes every row and its sums are the gradients).
 
-    With ``residual_out=True`` (a last argument) it returns ``(y, residual)``, residual being
-    the input itself as this node's second output (autograd makes it a view of the input):
-    code that uses it for the residual connection hands the residual's gradient to this
-    backward, whose kernel adds it to dx (one pass over the gradient instead of a separate
-    add of three). See :func:`norm_with_residual`.
+    With ``residual_out=True`` it returns ``(y, residual)``, residual being the input itself
+    as this node's second output (autograd makes it a view of the input, which requires grad
+    whenever the node is recorded): code that uses it for the residual connection hands the
+    residual's gradient to this backward, whose kernel adds it to dx (one pass over the
+    gradient instead of a separate add of three). See :func:`norm_with_residual`.
 
     Shapes: input [..., h] (e.g. [s, b, h]), weight and bias [h] (bias may be None).
-    Returns y of input's shape and dtype, a new tensor that is not a view.
+    Returns y of input's shape and dtype, a new tensor that is not a view (with
+    ``residual_out``, ``(y, residual)``).
+
+    Raises:
+        TypeError, ValueError: as :func:`fused_layer_norm`; TypeError for a ``residual_out``
+        that is not a bool.
 
     Source: Apex ``apex/normalization/fused_layer_norm.py`` (same name, same saved
     tensors); Megatron-LM ``megatron/core/fusions/fused_layer_norm.py``.
@@ -212,7 +219,8 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
                 eps: float, memory_efficient: bool = False, zero_centered_gamma: bool = False,
                 residual_out: bool = False):
         weight_c, bias_c = _check_inputs(input, weight, bias, eps)
-        memory_efficient, zero_centered_gamma = _check_flags(memory_efficient, zero_centered_gamma)
+        memory_efficient, zero_centered_gamma, residual_out = _check_flags(memory_efficient, zero_centered_gamma,
+                                                                           residual_out)
         y, mean, rstd = norm_fwd(input, weight_c, bias_c, eps, rms_norm=False, zero_centered_gamma=zero_centered_gamma,
                                  gamma_check=LAYER_NORM_GAMMA_CHECK if memory_efficient else None)
         ctx.memory_efficient = memory_efficient
@@ -257,7 +265,8 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, eps: float,  # noqa: A002
                 memory_efficient: bool = False, zero_centered_gamma: bool = False, residual_out: bool = False):
         weight_c, _ = _check_inputs(input, weight, None, eps)
-        memory_efficient, zero_centered_gamma = _check_flags(memory_efficient, zero_centered_gamma)
+        memory_efficient, zero_centered_gamma, residual_out = _check_flags(memory_efficient, zero_centered_gamma,
+                                                                           residual_out)
         y, _, rstd = norm_fwd(input, weight_c, None, eps, rms_norm=True, zero_centered_gamma=zero_centered_gamma,
                               gamma_check=RMS_NORM_GAMMA_CHECK if memory_efficient else None)
         ctx.memory_efficient = memory_efficient
@@ -471,8 +480,9 @@ class FusedLayerNorm(_FusedNormBase):
                                                   self.zero_centered_gamma)
 
     def forward_with_residual(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: A002
-        """``(LayerNorm(input), residual)``: see :func:`norm_with_residual`. With ``backend="apex"``
-        the residual is ``input`` itself (Apex's kernels take no second gradient)."""
+        """``(LayerNorm(input), residual)``: see :func:`norm_with_residual`, which calls this
+        method only for a module without hooks (this method itself runs none). With
+        ``backend="apex"`` the residual is ``input`` itself (Apex's kernels take no second gradient)."""
         if self.backend == "apex":
             return self.forward(input), input
         return apply(FusedLayerNormAffineFunction, input, self.weight, self.bias, self.eps,
@@ -524,7 +534,8 @@ class FusedRMSNorm(_FusedNormBase):
                                                 self.zero_centered_gamma)
 
     def forward_with_residual(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: A002
-        """``(RMSNorm(input), residual)``: see :func:`norm_with_residual` (Apex: ``input`` itself)."""
+        """``(RMSNorm(input), residual)``: see :func:`norm_with_residual`, which calls this method
+        only for a module without hooks (this method itself runs none; Apex: ``input`` itself)."""
         if self.backend == "apex":
             return self.forward(input), input
         return apply(FusedRMSNormAffineFunction, input, self.weight, self.eps,
@@ -542,6 +553,15 @@ def norm_with_residual(norm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Te
     kernel adds it to dx while dx is in registers (one more read, no add) and rounds the sum
     once. Any other module (torch's LayerNorm, Apex's, an identity) returns ``(norm(x), x)``:
     the same values and gradients, summed by autograd.
+
+    A module with forward or backward hooks (its own, or PyTorch's global module hooks) is
+    called as ``norm(x)``, so that its hooks run as they would without fusedlib, and the
+    residual is ``x`` (autograd adds the gradients).
+
+    The residual is a view of x made by the norm's node: modifying it, or x, in place
+    afterwards raises autograd's error. Second derivatives are not available through either
+    output (the norm's backward is ``once_differentiable``), through the residual alone
+    included.
 
     Args:
         norm: the norm module ([..., h] -> [..., h]).
@@ -563,9 +583,20 @@ def norm_with_residual(norm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Te
     if isinstance(weight, torch.Tensor) and weight.dtype != x.dtype:
         return norm(x.to(weight.dtype)), x
     forward_with_residual = getattr(norm, "forward_with_residual", None)
-    if forward_with_residual is not None:
+    if forward_with_residual is not None and not _has_hooks(norm):
         return forward_with_residual(x)
     return norm(x), x
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` would run hooks: its own forward (pre-)hooks or backward
+    (pre-)hooks, or PyTorch's global module hooks."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or nn_module._global_forward_hooks
+                or nn_module._global_forward_pre_hooks or nn_module._global_backward_hooks
+                or nn_module._global_backward_pre_hooks)
 
 
 class FusedNorm:
