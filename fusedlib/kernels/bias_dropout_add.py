@@ -109,7 +109,8 @@ FWD_TILES: TileTable = (
     (HUGE, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4)),  # long rows: [4, 1024] tiles (4 Ki elements)
 )
 
-# The backward's tiles: twice the forward's rows and warps (the same work per thread). Its
+# The backward's tiles: twice the forward's rows and warps (the same work per thread), except
+# for rows of 65 to 512 columns (below: 128-column tiles, measured faster). Its
 # grid is small (a persistent grid of a few programs per SM, each looping over rows and
 # keeping one float32 partial of db), so each program needs more loads in flight. H200,
 # [32768, 4096] bf16, kernel only (NOTES.md): [8, 1024] at 8 warps, 4 programs per SM,
