@@ -377,6 +377,72 @@ def test_double_backward_raises():
 
 
 # ---------------------------------------------------------------------------------------------
+# One packed QKV tensor: the three gradients written into one buffer laid out as it
+# ---------------------------------------------------------------------------------------------
+
+
+def _packed_views(layout, b, s, h, d, dtype):
+    """q, k, v [b, s, h, d] as views of one contiguous base (requires grad), in two layouts:
+    Megatron-core's [s, b, h, 3·d] (per head q, k, v) and [b, s, 3, h, d]."""
+    if layout == "megatron":
+        base = torch.randn(s, b, h * 3 * d, device=DEVICE).to(dtype).requires_grad_(True)
+        q, k, v = base.view(s, b, h, 3 * d).split(d, dim=-1)
+        return base, [t.transpose(0, 1) for t in (q, k, v)]
+    base = torch.randn(b, s, 3 * h * d, device=DEVICE).to(dtype).requires_grad_(True)
+    return base, list(base.view(b, s, 3, h, d).unbind(2))
+
+
+@pytest.mark.parametrize("layout", ["megatron", "bs3hd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_packed_qkv_gradients_land_in_one_buffer(layout, dtype, deterministic, tiles, monkeypatch):
+    # the gradients of the packed views: the same bits as of separate copies, and in one
+    # buffer laid out as the base (so that the split's backward has nothing to concatenate)
+    tiles(16, 16)
+    torch.manual_seed(11)
+    b, s, h, d = 2, 21, 3, 24
+    base, views = _packed_views(layout, b, s, h, d, dtype)
+    made = []
+    real = kfa.packed_grads
+    monkeypatch.setattr(kfa, "packed_grads", lambda q, k, v: made.append(real(q, k, v)) or made[-1])
+    o = flash_attention(*views, causal=True, deterministic=deterministic)
+    g = torch.randn(o.shape, device=DEVICE).to(dtype)
+    grads = torch.autograd.grad(o, views, g)
+    assert made[-1] is not None, "the packed layout was not recognised"
+    ptr = grads[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == ptr for t in grads)
+    for t, view in zip(grads, views):
+        assert t.stride() == view.stride() and t.storage_offset() == view.storage_offset()
+    separate = [t.detach().clone().requires_grad_(True) for t in views]
+    o2 = flash_attention(*separate, causal=True, deterministic=deterministic)
+    want = torch.autograd.grad(o2, separate, g)
+    assert made[-1] is None  # separate tensors: separate gradients
+    assert torch.equal(o, o2)
+    if deterministic:
+        assert all(torch.equal(a, w) for a, w in zip(grads, want))
+    else:  # atomic dQ: the order of the float32 sums may differ
+        for a, w in zip(grads, want):
+            torch.testing.assert_close(a, w, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+
+
+def test_packed_grads_only_for_views_that_tile_their_base():
+    b, s, h, d = 2, 5, 2, 16
+    base, (q, k, v) = _packed_views("megatron", b, s, h, d, torch.float32)
+    assert kfa.packed_grads(q, k, v) is not None
+    assert kfa.packed_grads(v, q, k) is not None  # any order of the three pieces
+    assert kfa.packed_grads(q, q, q) is None  # one view three times (self-attention on x, x, x)
+    assert kfa.packed_grads(q, k, k) is None  # overlapping pieces
+    wide = torch.randn(s, b, h * 4 * d, device=DEVICE).view(s, b, h, 4 * d)  # a fourth piece left over
+    q4, k4, v4, _ = wide.split(d, dim=-1)
+    assert kfa.packed_grads(*(t.transpose(0, 1) for t in (q4, k4, v4))) is None
+    gqa = torch.randn(s, b, 4 * d, device=DEVICE).view(s, b, 1, 4 * d)  # two query heads, one k/v head
+    qg, kg, vg = gqa.split([2 * d, d, d], dim=-1)
+    assert kfa.packed_grads(qg.reshape(s, b, 2, d).transpose(0, 1), *(t.transpose(0, 1) for t in (kg, vg))) is None
+    x = torch.randn(b, s, h, d, device=DEVICE)
+    assert kfa.packed_grads(x, x.clone(), x.clone()) is None  # not views
+
+
+# ---------------------------------------------------------------------------------------------
 # Bad input: a clear error naming the argument
 # ---------------------------------------------------------------------------------------------
 

@@ -168,16 +168,71 @@ def test_one_rank_issues_no_collectives_and_no_extra_nodes(seed):
         model(ids, None, None, labels=labels).backward(grad.float())
         fp.finalize_model_grads(model)
     assert len(log) == 0, log.summary()
-    # the linear layers are F.linear itself on one rank (no autograd function of fusedlib's)
+    # the linear layers are F.linear itself on one rank, except a bias added in the GEMM (the
+    # QKV projection's here), whose gradient the column-parallel Function sums with fusedlib's kernel
     x = torch.randn(3, 2, 32, device=ids.device, requires_grad=True)
-    out, _ = model.decoder.layers[0].self_attention.linear_qkv(x)
-    assert type(out.grad_fn).__name__ in ("ViewBackward0", "UnsafeViewBackward0", "AddBackward0",
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    assert qkv.bias is not None and not qkv.skip_bias_add
+    out, _ = qkv(x)
+    assert type(out.grad_fn).__name__ == "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+    out, _ = model.decoder.layers[0].mlp.linear_fc2(torch.randn(3, 2, model.decoder.layers[0].mlp.linear_fc2.input_size,
+                                                                device=ids.device, requires_grad=True))
+    assert type(out.grad_fn).__name__ in ("ViewBackward0", "UnsafeViewBackward0", "AddBackward0", "MmBackward0",
                                           "AddmmBackward0"), type(out.grad_fn).__name__
     # the layout is marked on one rank too
     layout = get_tensor_parallel_layout(model)
     assert layout["decoder.layers.0.mlp.linear_fc1.weight"] == PartitionSpec(0, 2)  # SwiGLU: stride 2
     assert layout["decoder.layers.0.self_attention.linear_proj.weight"] == PartitionSpec(1, 1)
     assert "decoder.layers.0.self_attention.linear_proj.bias" not in layout
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_out", [1, 53, 1152])
+def test_one_rank_bias_in_the_gemm_sums_its_gradient_with_fusedlib(dtype, n_out, seed):
+    # p = 1, bias added in the GEMM: the column-parallel Function (Megatron-core's), whose bias
+    # gradient is fusedlib's column sum; checked against float64 on a non-contiguous input.
+    # Bounds: a float32 sum of n products or terms errs by <= n·2^-24 of the sum of their
+    # magnitudes, rounded once to the dtype (u); a 2x margin on the sum of the two
+    from conftest import DEVICE
+
+    torch.manual_seed(seed)
+    cfg = dataclasses.replace(_layer_config(1, False, DEVICE), params_dtype=dtype)
+    layer = fp.ColumnParallelLinear(37, n_out, config=cfg, init_method=_normal, bias=True)
+    with torch.no_grad():
+        layer.bias.normal_()
+    x = torch.randn(5, 3, 37, device=DEVICE).to(dtype).transpose(0, 1).requires_grad_(True)  # [s=3, b=5, 37]
+    out, none = layer(x)
+    assert none is None and type(out.grad_fn).__name__ == "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+    g = torch.randn(out.shape, device=DEVICE).to(dtype)
+    out.backward(g)
+    x64, w64, b64, g64 = (t.detach().double() for t in (x, layer.weight, layer.bias, g))
+    u = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}[dtype]
+    u32 = 2.0 ** -24 if dtype != torch.float64 else 2.0 ** -53
+
+    def close(name, got, want, mag, n):
+        err = (got.double() - want).abs()
+        bad = err > 2 * (u + n * u32) * mag + 1e-300
+        assert not bad.any(), (name, err.max().item())
+
+    close("out", out, F.linear(x64, w64, b64), F.linear(x64.abs(), w64.abs(), b64.abs()), 38)
+    close("dx", x.grad, g64 @ w64, g64.abs() @ w64.abs(), n_out)
+    g2, x2 = g64.reshape(-1, n_out), x64.reshape(-1, 37)
+    close("dw", layer.weight.grad, g2.t() @ x2, g2.abs().t() @ x2.abs(), 15)
+    close("db", layer.bias.grad, g2.sum(0), g2.abs().sum(0), 15)
+    assert layer.bias.grad.dtype == dtype
+    # F.linear itself where the Function has nothing to add: no bias gradient wanted, skip_bias_add, autocast
+    with torch.no_grad():
+        assert layer(x)[0].grad_fn is None
+    layer.bias.requires_grad_(False)
+    assert type(layer(x)[0].grad_fn).__name__ != "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+    layer.bias.requires_grad_(True)
+    skip = fp.ColumnParallelLinear(37, n_out, config=cfg, init_method=_normal, bias=True, skip_bias_add=True)
+    assert type(skip(x)[0].grad_fn).__name__ != "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+    if dtype == torch.float64 and n_out == 53:  # a double backward goes through torch's (differentiable) sum
+        fn = fp.layers.LinearWithGradAccumulationAndAsyncCommunication.apply
+        w, b = (t.detach()[:4, :6].clone().requires_grad_(True) for t in (layer.weight, layer.bias[:, None]))
+        xs = x.detach()[:2, :2, :6].clone().requires_grad_(True)
+        assert torch.autograd.gradgradcheck(lambda x, w, b: fn(x, w, b[:, 0], False, False, None), (xs, w, b))
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])

@@ -708,6 +708,61 @@ def test_deterministic_mode_reaches_flash_attention(deterministic_mode, monkeypa
     assert seen == [deterministic_mode] * cfg.num_layers
 
 
+def test_split_last_dim_takes_gradients_that_tile_one_buffer_whole():
+    from fusedlib.transformer.attention import split_last_dim
+
+    torch.manual_seed(5)
+    x = torch.randn(S, B, 3 * H, device=DEVICE, requires_grad=True)
+    sizes = [H, H // 2, 3 * H - H - H // 2]
+    y = x * 1.0  # a contiguous non-leaf, as the QKV projection's output
+    seen = []
+    y.register_hook(lambda g: seen.append(g))
+    parts = split_last_dim(y, sizes)
+    assert [p.shape[-1] for p in parts] == sizes and all(p._base is not None for p in parts)
+    buf = torch.randn(S, B, 3 * H, device=DEVICE)
+    (gx,) = torch.autograd.grad(parts, x, list(torch.split(buf, sizes, dim=-1)))
+    assert torch.equal(gx, buf) and seen[-1].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    # separate gradients, or views of one buffer in another layout: concatenated, as torch.split's backward
+    for grads in ([torch.randn(S, B, n, device=DEVICE) for n in sizes],
+                  list(torch.split(torch.randn(S, B, 3 * H, device=DEVICE), sizes[::-1], dim=-1))[::-1]):
+        parts = split_last_dim(x * 1.0, sizes)
+        (gx,) = torch.autograd.grad(parts, x, grads)
+        assert torch.equal(gx, torch.cat(grads, dim=-1))
+    (gx,) = torch.autograd.grad(split_last_dim(x * 1.0, sizes)[1].sum(), x)  # the other pieces unused
+    assert torch.equal(gx, torch.cat([torch.zeros(S, B, sizes[0]), torch.ones(S, B, sizes[1]),
+                                      torch.zeros(S, B, sizes[2])], -1).to(DEVICE))
+
+
+def test_flash_self_attention_hands_its_packed_gradient_to_the_projection(monkeypatch):
+    # the split's backward takes FlashAttention's packed buffer as the QKV output's gradient:
+    # the same bits as with torch.split, and no concatenation
+    import fusedlib.kernels.flash_attention as kfa
+    from fusedlib.transformer import attention
+
+    made = []
+    real = kfa.packed_grads
+    monkeypatch.setattr(kfa, "packed_grads", lambda q, k, v: made.append(real(q, k, v)) or made[-1])
+    cfg = make_config(**dict(FUSIONS_ON, attention_backend=AttnBackend.flash, num_query_groups=NP))
+    torch.manual_seed(3)
+    block = randomize(TransformerBlock(cfg, get_gpt_layer_local_spec()))
+    x = hidden()
+
+    def backward_ops() -> set:
+        y = block(x, None).sum()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            y.backward()
+        return {e.name for e in prof.events()}
+
+    assert "aten::cat" not in backward_ops(), "the QKV gradient was concatenated"
+    assert len(made) == cfg.num_layers and all(m is not None for m in made)
+    grads = [x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
+    monkeypatch.setattr(attention, "split_last_dim", lambda t, sizes: torch.split(t, sizes, dim=-1))
+    x.grad = None
+    block.zero_grad()
+    assert "aten::cat" in backward_ops()  # torch.split's backward concatenates
+    assert all(torch.equal(a, b) for a, b in zip(grads, [x.grad] + [p.grad for p in block.parameters()]))
+
+
 BAD_MASKS = {
     # [b, sk] (a key-padding mask) is read as [sq, sk]: the flash path reported its 4-D view,
     # "got [1, 1, 2, 7]", and SDPA a raw broadcast RuntimeError

@@ -58,6 +58,7 @@ __all__ = [
     "ELEMENTS_PER_PHILOX",
     "FWD_TILES",
     "BWD_TILES",
+    "COLUMN_SUM_TILES",
     "drop_threshold",
     "dropout_scale",
     "philox_seed",
@@ -122,6 +123,19 @@ BWD_TILES: TileTable = (
     # against 0.0248 for [16, 512]; with dropout and dx, 0.0263 ms (tune)
     (512, Tile(BLOCK_M=64, BLOCK_N=128, num_warps=8, programs_per_sm=4)),
     (HUGE, Tile(BLOCK_M=8, BLOCK_N=1024, num_warps=8, programs_per_sm=4)),
+)
+
+# The backward with nothing to store but the bias gradient (no dropout: dx is g itself), the
+# column sums of a linear layer's output gradient among them (fusedlib.parallel.layers): only
+# loads and float32 adds, so narrow column blocks of many rows keep enough loads in flight at
+# every width, where BWD_TILES's 1024-column tiles leave most lanes of a row of 1152 masked.
+# H200, bf16, CUDA-graph replays (ms; tools: a sweep of 16-128 rows, 64-512 columns, 4 or 8
+# warps, 2-8 programs per SM), this tile against BWD_TILES's and torch's g.sum(0):
+# [32768, 1152] 0.0327 / 0.0356 / 0.0504; [32768, 384] 0.0168 / 0.0194 / 0.0463;
+# [8192, 6144] 0.0383 / 0.0418 / 0.0456; [8192, 768] 0.0129 / 0.0183 / 0.0202. The best or
+# within 3 % of the best of the sweep at each of seven shapes (NOTES.md).
+COLUMN_SUM_TILES: TileTable = (
+    (HUGE, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, programs_per_sm=4)),
 )
 
 #: Elements per program in Triton's CPU interpreter, which runs programs one at a time at
@@ -370,7 +384,8 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
         seed: the forward's Philox key, or None if the forward dropped nothing.
         p: the forward's dropout probability.
         need_dx, need_dbias: which gradients to compute.
-        tile: launch settings (None: ``pick(BWD_TILES, n_cols)``, as in the forward); its
+        tile: launch settings (None: ``pick(BWD_TILES, n_cols)``, as in the forward, or
+            ``pick(COLUMN_SUM_TILES, n_cols)`` when only db is computed); its
             ``programs_per_sm`` sizes the persistent grid.
         db_dtype: the dtype of db (the bias's: rounded once from the float32 sum, with no
             separate cast); None: the accumulation dtype (float32, float64 for float64).
@@ -396,7 +411,7 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
         return dx, None
     g2d = as_rows(g)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = g2d.shape
-    tile, block_m = _tile(BWD_TILES, tile, n_rows, n_cols)
+    tile, block_m = _tile(BWD_TILES if store_dx else COLUMN_SUM_TILES, tile, n_rows, n_cols)
     col_programs = cdiv(n_cols, tile.BLOCK_N)
     # Enough row programs to fill the device; each loops over its rows and keeps one float32
     # partial of the bias gradient per column: [row_programs, n_cols] floats.

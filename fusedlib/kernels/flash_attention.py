@@ -107,6 +107,7 @@ __all__ = [
     "flash_attn_fwd",
     "flash_attn_bwd",
     "flash_attn_dropout_mask",
+    "packed_grads",
 ]
 
 #: log2(e): scores are scaled by softmax_scale·log2(e) once, so every exponential is an exp2.
@@ -785,6 +786,49 @@ def flash_attn_fwd(
     return o, lse
 
 
+def packed_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Gradient buffers for q, k, v that are views of one fresh buffer laid out as their base,
+    when q, k and v are views that together cover a contiguous base exactly once; else None.
+
+    The case it finds is the fused QKV projection's: one GEMM output [.., 3·h·d] (or
+    Megatron-core's [.., h, 3, d] per-head order, or [.., 3, h, d]) split into q, k and v. Written
+    into such a buffer, the three gradients are the base's gradient without the copy that
+    ``torch.cat`` (the split's backward) would make; :class:`fusedlib.transformer.attention`'s
+    split takes the buffer whole. Checked (cheaply, from shapes, strides and offsets): the same
+    base, shapes and strides; rows (the b and s dims) dense at 3·h·d elements each; inside a
+    row the three views at offsets {0, d, 2d} with head stride 3d, or {0, h·d, 2·h·d} with
+    head stride d. Anything else (GQA, overlapping or foreign views, a traced call) gives None.
+
+    Args:
+        q, k, v: [b, s, h, d] views (the backward's saved inputs).
+
+    Returns:
+        ``(dq, dk, dv)``: uninitialised views with q's, k's and v's strides, or None.
+    """
+    base = q._base
+    if (base is None or k._base is not base or v._base is not base or torch.compiler.is_compiling()
+            or q.shape != k.shape or k.shape != v.shape or q.stride() != k.stride() or k.stride() != v.stride()
+            or q.dtype != base.dtype or not base.is_contiguous() or 3 * q.numel() != base.numel()
+            or q.numel() == 0 or q.stride(3) != 1):
+        return None
+    B, S, H, D = q.shape
+    sb, ss, sh, _ = q.stride()
+    row = 3 * H * D
+    expect = row  # the b and s dims enumerate rows of 3·h·d elements densely, in either order
+    for size, stride in sorted(((B, sb), (S, ss)), key=lambda t: t[1]):
+        if size > 1:
+            if stride != expect:
+                return None
+            expect *= size
+    base_off = base.storage_offset()
+    offs = sorted(t.storage_offset() - base_off for t in (q, k, v))
+    if not ((H == 1 or sh == 3 * D) and offs == [0, D, 2 * D]) and not ((H == 1 or sh == D) and offs == [0, H * D, 2 * H * D]):
+        return None
+    buf = torch.empty_like(base, memory_format=torch.contiguous_format)
+    return tuple(buf.as_strided(t.shape, t.stride(), t.storage_offset() - base_off) for t in (q, k, v))
+
+
 def flash_attn_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -821,12 +865,14 @@ def flash_attn_bwd(
             :data:`BWD_ATOMIC_TILES`) where the atomic path is taken.
 
     Returns:
-        ``(dq, dk, dv, dsink)``: like q, k, v (``torch.empty_like``); dsink float32 [hq]
-        when ``sinks`` is given, else None.
+        ``(dq, dk, dv, dsink)``: like q, k, v (``torch.empty_like``), or, where q, k and v
+        are the three views of one packed QKV tensor, views of one buffer laid out as it
+        (:func:`packed_grads`); dsink float32 [hq] when ``sinks`` is given, else None.
     """
     B, SQ, HQ, D = q.shape
     SK, HKV = k.shape[1], k.shape[2]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grads = packed_grads(q, k, v)
+    dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     dsink = None
     if q.numel() == 0 or k.numel() == 0:
         dq.zero_(), dk.zero_(), dv.zero_()

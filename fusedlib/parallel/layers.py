@@ -51,7 +51,13 @@ model: p changes nothing but the work split. Megatron's GPU path draws each shar
 tracker's model-parallel state instead, so its weights depend on p.
 
 One rank (p = 1) runs exactly the one-rank code: ``F.linear`` / ``F.embedding``, no collective,
-no extra copy, no autograd function of fusedlib's.
+no extra copy. One exception, as in Megatron-core (whose column-parallel GEMM is its autograd
+function at any p): a column-parallel layer that adds its bias in the GEMM (``skip_bias_add``
+False, the QKV projection's case) runs through
+:class:`LinearWithGradAccumulationAndAsyncCommunication` when the bias needs a gradient
+(not under autocast or torch.compile), so that the bias gradient is fusedlib's column sum
+(:func:`~fusedlib.kernels.bias_dropout_add.bias_dropout_add_bwd` with only db) rather than
+torch's ``sum(0)``; the GEMMs are the same.
 
 Left out: gradient-accumulation fusion, deferred weight gradients, MoE experts, CPU offloading,
 Transformer Engine's communication overlap.
@@ -68,6 +74,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.parameter import Parameter
 
+from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.embedding import check_ids_in_range, embedding_backward
 from . import parallel_state
 from .mappings import (
@@ -224,7 +231,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     Backward: dX = dY·W, then all-reduce it (``allreduce_dgrad``: the input was replicated) or
     reduce-scatter it to the sequence shard (``sequence_parallel``), asynchronously, while
-    dW = dYᵀ·X (on the gathered X) and db = sum dY run; then wait.
+    dW = dYᵀ·X (on the gathered X) and db = sum dY (fusedlib's column-sum kernel) run; then
+    wait. With neither (p = 1, a bias in the GEMM) there is no communication: the Function is
+    then only the GEMMs and the column sum.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py``
     (``LinearWithGradAccumulationAndAsyncCommunication``).
@@ -234,6 +243,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def forward(ctx, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):
         ctx.save_for_backward(input, weight)
         ctx.use_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
         total_input = _gather_first_dim(input, tp_group) if sequence_parallel else input
         return F.linear(total_input, weight, bias)  # [s, b, in] -> [s, b, out/p]
@@ -271,7 +281,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             if need_dw:
                 grad_weight = g2d.t().matmul(total_input.reshape(-1, total_input.shape[-1]))  # [out/p, in]
             if need_db:
-                grad_bias = g2d.sum(dim=0)
+                if torch.is_grad_enabled():  # a double backward (create_graph): torch's sum, differentiable
+                    grad_bias = g2d.sum(dim=0)
+                else:  # the column sums by fusedlib's kernel (deterministic, two stages), in the bias's dtype
+                    grad_bias = bias_dropout_add_bwd(g2d, g2d.dtype, None, 0.0, need_dx=False, need_dbias=True,
+                                                     db_dtype=ctx.bias_dtype)[1]
         if work is not None:
             work.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
@@ -404,7 +418,12 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
                                f"not {(self.output_size_per_partition, self.input_size)} as expected")
         bias = self.bias if not self.skip_bias_add else None
         if self.tp_world_size == 1:
-            output = F.linear(input_, weight, bias)  # [..., in] -> [..., out]
+            if (bias is not None and bias.requires_grad and torch.is_grad_enabled()
+                    and not torch.is_autocast_enabled(input_.device.type) and not torch.compiler.is_compiling()):
+                # the same GEMMs; the bias gradient by fusedlib's column sum (module docstring)
+                output = LinearWithGradAccumulationAndAsyncCommunication.apply(input_, weight, bias, False, False, None)
+            else:
+                output = F.linear(input_, weight, bias)  # [..., in] -> [..., out]
             return output, (self.bias if self.skip_bias_add else None)
         # [s, b, in] (or [s/p, b, in]) -> [s, b, out/p]; the input gradient is all-reduced or
         # reduce-scattered in the backward (disable_grad_reduce: neither)

@@ -65,6 +65,64 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Transform
     return rope(t, freqs, config)
 
 
+class SplitLastDim(torch.autograd.Function):
+    """``torch.split(x, sizes, dim=-1)`` whose backward takes the pieces' gradients whole when
+    they already lie in one buffer as the pieces lie in x.
+
+    ``apply(x, sizes)``: x contiguous [..., sum(sizes)]; returns the pieces, views of x. The
+    backward of ``torch.split`` is ``torch.cat``: a copy of the whole tensor ([s, b, 3·h] for
+    the QKV projection). FlashAttention's backward writes the gradients of q, k and v of one
+    packed QKV tensor into views of one buffer laid out as that tensor
+    (:func:`~fusedlib.kernels.flash_attention.packed_grads`); where the gradients arrive so
+    (the same storage, each piece's strides, the pieces' offsets from one another), the
+    backward returns that buffer as x's gradient, a view, without the copy. Otherwise (any
+    other backend, a piece unused, GQA) it concatenates, as torch.split's backward does.
+
+    Applied by :func:`split_last_dim` to contiguous x only.
+
+    Source: the copy it saves is the "cat" of autograd's split backward (PyTorch
+    ``tools/autograd/derivatives.yaml``, ``split_with_sizes``); the packed layout is
+    Megatron-core's fused QKV projection (``megatron/core/transformer/attention.py``).
+    """
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        parts = torch.split(x, sizes, dim=-1)
+        base = x.storage_offset()
+        ctx.layout = tuple((p.stride(), p.storage_offset() - base) for p in parts)
+        ctx.shape, ctx.stride, ctx.numel = x.shape, x.stride(), x.numel()
+        return parts
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g0 = grads[0]
+        start = g0.storage_offset() - ctx.layout[0][1]
+        ptr = g0.untyped_storage().data_ptr()
+        whole = (start >= 0 and (start + ctx.numel) * g0.element_size() <= g0.untyped_storage().nbytes()
+                 and all(g.dtype == g0.dtype and g.untyped_storage().data_ptr() == ptr and g.stride() == stride
+                         and g.storage_offset() - start == off for g, (stride, off) in zip(grads, ctx.layout)))
+        if whole:  # the pieces' gradients tile one buffer as the pieces tile x: it is x's gradient
+            return g0.as_strided(ctx.shape, ctx.stride, start), None
+        return torch.cat(grads, dim=-1), None
+
+
+def split_last_dim(x: torch.Tensor, sizes: list) -> Tuple[torch.Tensor, ...]:
+    """Split x's last dim into pieces of ``sizes`` (views), with :class:`SplitLastDim`'s
+    copy-free backward where x needs a gradient, is contiguous and is not being traced by
+    torch.compile (Inductor plans that copy itself); else ``torch.split``.
+
+    Args:
+        x: [..., sum(sizes)], any dtype.
+        sizes: the pieces' widths.
+
+    Returns:
+        The pieces, views of x, as ``torch.split(x, sizes, dim=-1)``.
+    """
+    if x.requires_grad and torch.is_grad_enabled() and x.is_contiguous() and not torch.compiler.is_compiling():
+        return SplitLastDim.apply(x, sizes)
+    return torch.split(x, sizes, dim=-1)
+
+
 @dataclass
 class SelfAttentionSubmodules:
     """The slots of :class:`SelfAttention`. Built in Megatron-core's order (so parameters register
@@ -247,7 +305,8 @@ class SelfAttention(Attention):
         # [sq, b, ng·(np/ng + 2)·hn] -> [sq, b, ng, (np/ng + 2)·hn]
         mixed_qkv = mixed_qkv.view(*mixed_qkv.shape[:-1], ng, (per_group + 2) * hn)
         # -> [sq, b, ng, np/ng·hn], [sq, b, ng, hn], [sq, b, ng, hn] (views)
-        query, key, value = torch.split(mixed_qkv, [per_group * hn, hn, hn], dim=3)
+        # (split_last_dim: torch.split whose backward takes FlashAttention's packed gradients whole)
+        query, key, value = split_last_dim(mixed_qkv, [per_group * hn, hn, hn])
         query = query.reshape(query.size(0), query.size(1), -1, hn)  # [sq, b, ng, np/ng·hn] -> [sq, b, np, hn]
         query = self.q_layernorm(query)
         key = self.k_layernorm(key)
