@@ -223,7 +223,13 @@ class _ExtraStateMixin:
 
 # ---------------------------------------------------------------------------- the column-parallel GEMM
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
-    """``F.linear`` of a column-parallel layer with its communication (p > 1).
+    """``F.linear`` of a column-parallel layer with its communication (p > 1), or on one rank with
+    only its bias gradient taken by fusedlib's column sum (a bias added in the GEMM).
+
+    ``apply(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group)``: input
+    [s, b, in] (any [..., in]; [s/p, b, in] with sequence_parallel), weight [out/p, in], bias
+    [out/p] or None, all of one float dtype; tp_group None when both flags are off. Returns
+    [..., out/p] in input's dtype.
 
     Forward: with ``sequence_parallel`` all-gather the input's sequence [s/p, b, in] ->
     [s, b, in] first; then Y = X·Wᵀ (+ b). Saves the input as given (the s/p shard under
