@@ -71,6 +71,7 @@ __all__ = [
     "DeviceCheck",
     "check_errors",
     "reset_generators_after_failed_capture",
+    "optional_function_ok",
 ]
 
 logger = logging.getLogger("fusedlib")
@@ -632,3 +633,24 @@ def reset_generators_after_failed_capture() -> None:
     """
     for gen in torch.cuda.default_generators:
         gen.graphsafe_set_state(gen.clone_state())
+
+
+def optional_function_ok() -> bool:
+    """Whether an optional fusedlib ``torch.autograd.Function`` may stand in for plain torch ops.
+
+    Some layers take a fusedlib Function only to do the same work faster (the QKV split whose
+    backward takes a packed gradient whole, the one-rank linear layer whose bias gradient is
+    fusedlib's column sum). Those Functions define neither ``setup_context`` nor ``jvp``, so
+    they cannot run under ``torch.func`` transforms (grad, vmap, jacrev...) or forward-mode AD,
+    and under torch.compile Inductor plans the same work itself. There the layers keep the
+    plain ops.
+
+    Returns:
+        False while torch.compile traces, a ``torch.func`` transform is active, or a
+        forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``); else True.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    from torch.autograd import forward_ad
+
+    return not torch._C._are_functorch_transforms_active() and forward_ad._current_level < 0

@@ -409,6 +409,7 @@ def test_packed_qkv_gradients_land_in_one_buffer(layout, dtype, deterministic, t
     g = torch.randn(o.shape, device=DEVICE).to(dtype)
     grads = torch.autograd.grad(o, views, g)
     assert made[-1] is not None, "the packed layout was not recognised"
+    assert getattr(grads[0]._base, kfa.PACKED_GRADS_ATTR, False)  # marked as the backward's own buffer
     ptr = grads[0].untyped_storage().data_ptr()
     assert all(t.untyped_storage().data_ptr() == ptr for t in grads)
     for t, view in zip(grads, views):

@@ -22,6 +22,7 @@ only move data are checked for exact equality, sums of p float64 values to 1e-15
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -233,6 +234,46 @@ def test_one_rank_bias_in_the_gemm_sums_its_gradient_with_fusedlib(dtype, n_out,
         w, b = (t.detach()[:4, :6].clone().requires_grad_(True) for t in (layer.weight, layer.bias[:, None]))
         xs = x.detach()[:2, :2, :6].clone().requires_grad_(True)
         assert torch.autograd.gradgradcheck(lambda x, w, b: fn(x, w, b[:, 0], False, False, None), (xs, w, b))
+
+
+def test_one_rank_bias_in_the_gemm_edge_cases(seed):
+    # 0 tokens, 0 input or output features, a 1-D input; a frozen weight keeps no input for
+    # the backward; torch.func and forward-mode AD take F.linear (the Function has neither
+    # setup_context nor jvp)
+    from conftest import DEVICE
+
+    torch.manual_seed(seed)
+    cfg = _layer_config(1, False, DEVICE)
+    name = "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+    for n_in, n_out, shape in ((0, 5, (3, 0)), (7, 0, (3, 7)), (7, 5, (7,)), (7, 5, (0, 2, 7))):
+        layer = fp.ColumnParallelLinear(n_in, n_out, config=cfg, init_method=_normal, bias=True)
+        x = torch.randn(*shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
+        out, _ = layer(x)
+        assert type(out.grad_fn).__name__ == name
+        g = torch.randn(out.shape, device=DEVICE, dtype=torch.float64)
+        out.backward(g)
+        rows = lambda t: t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # noqa: E731  (0 rows or columns too)
+        torch.testing.assert_close(layer.bias.grad, rows(g).sum(0), rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(x.grad, g @ layer.weight.detach(), rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(layer.weight.grad, rows(g).t() @ rows(x.detach()), rtol=1e-14, atol=1e-14)
+    layer = fp.ColumnParallelLinear(7, 5, config=cfg, init_method=_normal, bias=True)
+    layer.weight.requires_grad_(False)
+    out, _ = layer(torch.randn(4, 7, device=DEVICE, dtype=torch.float64, requires_grad=True))
+    assert out.grad_fn.saved_tensors[0] is None  # the input: only the weight's gradient would need it
+    layer.weight.requires_grad_(True)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    x = torch.randn(4, 3, 7, device=DEVICE, dtype=torch.float64)
+    loss = lambda p, x: torch.func.functional_call(layer, p, (x,))[0].pow(2).sum()  # noqa: E731
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(4):
+        y = F.linear(x[i], params["weight"], params["bias"])
+        torch.testing.assert_close(per_sample["bias"][i], 2 * y.sum(0), rtol=1e-14, atol=1e-14)
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():
+        t = torch.randn_like(x)
+        out, _ = layer(fwad.make_dual(x, t))
+        torch.testing.assert_close(fwad.unpack_dual(out).tangent, t @ params["weight"].t(), rtol=1e-14, atol=1e-14)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])

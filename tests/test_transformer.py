@@ -709,6 +709,7 @@ def test_deterministic_mode_reaches_flash_attention(deterministic_mode, monkeypa
 
 
 def test_split_last_dim_takes_gradients_that_tile_one_buffer_whole():
+    import fusedlib.kernels.flash_attention as kfa
     from fusedlib.transformer.attention import split_last_dim
 
     torch.manual_seed(5)
@@ -719,18 +720,52 @@ def test_split_last_dim_takes_gradients_that_tile_one_buffer_whole():
     y.register_hook(lambda g: seen.append(g))
     parts = split_last_dim(y, sizes)
     assert [p.shape[-1] for p in parts] == sizes and all(p._base is not None for p in parts)
+    # a buffer made by packed_grads (marked as fresh), its pieces as the gradients: taken whole
     buf = torch.randn(S, B, 3 * H, device=DEVICE)
+    setattr(buf, kfa.PACKED_GRADS_ATTR, True)
     (gx,) = torch.autograd.grad(parts, x, list(torch.split(buf, sizes, dim=-1)))
     assert torch.equal(gx, buf) and seen[-1].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
-    # separate gradients, or views of one buffer in another layout: concatenated, as torch.split's backward
-    for grads in ([torch.randn(S, B, n, device=DEVICE) for n in sizes],
-                  list(torch.split(torch.randn(S, B, 3 * H, device=DEVICE), sizes[::-1], dim=-1))[::-1]):
-        parts = split_last_dim(x * 1.0, sizes)
-        (gx,) = torch.autograd.grad(parts, x, grads)
+    # the same pieces of an unmarked buffer (a caller's tensor), separate gradients, or views of
+    # one marked buffer in another layout: concatenated, as torch.split's backward
+    unmarked = torch.randn(S, B, 3 * H, device=DEVICE)
+    other = torch.randn(S, B, 3 * H, device=DEVICE)
+    setattr(other, kfa.PACKED_GRADS_ATTR, True)
+    for grads in (list(torch.split(unmarked, sizes, dim=-1)), [torch.randn(S, B, n, device=DEVICE) for n in sizes],
+                  list(torch.split(other, sizes[::-1], dim=-1))[::-1]):
+        seen.clear()
+        y = x * 1.0
+        y.register_hook(lambda g: seen.append(g))
+        (gx,) = torch.autograd.grad(split_last_dim(y, sizes), x, grads)
         assert torch.equal(gx, torch.cat(grads, dim=-1))
+        assert all(seen[-1].untyped_storage().data_ptr() != g.untyped_storage().data_ptr() for g in grads)
     (gx,) = torch.autograd.grad(split_last_dim(x * 1.0, sizes)[1].sum(), x)  # the other pieces unused
     assert torch.equal(gx, torch.cat([torch.zeros(S, B, sizes[0]), torch.ones(S, B, sizes[1]),
                                       torch.zeros(S, B, sizes[2])], -1).to(DEVICE))
+
+
+def test_split_last_dim_leaves_the_callers_gradient_alone_and_differentiates_twice():
+    from fusedlib.transformer.attention import split_last_dim
+
+    torch.manual_seed(6)
+    x = torch.randn(S, 12, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    g = torch.ones(S, 12, device=DEVICE, dtype=torch.float64)
+    for _ in range(3):  # accumulated into x.grad: never into the caller's g
+        torch.cat(split_last_dim(x, [4, 4, 4]), -1).backward(g)
+    assert torch.equal(x.grad, 3 * g) and torch.equal(g, torch.ones_like(g))
+    # a second derivative through the split: loss = sum(cat(pieces)^3), Hessian-vector product 6x
+    y = torch.cat(split_last_dim(x * 1.0, [4, 4, 4]), -1).pow(3).sum()
+    (gx,) = torch.autograd.grad(y, x, create_graph=True)
+    (h,) = torch.autograd.grad(gx.sum(), x)
+    torch.testing.assert_close(h, 6 * x.detach(), rtol=1e-15, atol=0)
+    # torch.func and forward-mode AD: plain torch.split there
+    got = torch.func.grad(lambda t: sum(p.pow(2).sum() for p in split_last_dim(t, [5, 7])))(x.detach())
+    torch.testing.assert_close(got, 2 * x.detach(), rtol=1e-15, atol=0)
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():
+        t = torch.randn_like(x)
+        parts = split_last_dim(fwad.make_dual(x.detach(), t), [5, 7])
+        assert torch.equal(torch.cat([fwad.unpack_dual(p).tangent for p in parts], -1), t)
 
 
 def test_flash_self_attention_hands_its_packed_gradient_to_the_projection(monkeypatch):

@@ -108,6 +108,7 @@ __all__ = [
     "flash_attn_bwd",
     "flash_attn_dropout_mask",
     "packed_grads",
+    "PACKED_GRADS_ATTR",
 ]
 
 #: log2(e): scores are scaled by softmax_scale·log2(e) once, so every exponential is an exp2.
@@ -786,10 +787,15 @@ def flash_attn_fwd(
     return o, lse
 
 
+#: The attribute :func:`packed_grads` sets on the buffer it allocates (the gradients' ``_base``).
+PACKED_GRADS_ATTR: str = "_fusedlib_packed_grads"
+
+
 def packed_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Gradient buffers for q, k, v that are views of one fresh buffer laid out as their base,
-    when q, k and v are views that together cover a contiguous base exactly once; else None.
+    when q, k and v are split views of one contiguous base that tile it exactly once, in one
+    of the two layouts below; else None.
 
     The case it finds is the fused QKV projection's: one GEMM output [.., 3·h·d] (or
     Megatron-core's [.., h, 3, d] per-head order, or [.., 3, h, d]) split into q, k and v. Written
@@ -798,7 +804,11 @@ def packed_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     split takes the buffer whole. Checked (cheaply, from shapes, strides and offsets): the same
     base, shapes and strides; rows (the b and s dims) dense at 3·h·d elements each; inside a
     row the three views at offsets {0, d, 2d} with head stride 3d, or {0, h·d, 2·h·d} with
-    head stride d. Anything else (GQA, overlapping or foreign views, a traced call) gives None.
+    head stride d. Anything else (GQA, overlapping or foreign views, a traced call) gives None,
+    and so do q, k, v saved by a non-reentrant activation checkpoint, which come back from the
+    recomputation without their base. The buffer is marked (attribute
+    ``PACKED_GRADS_ATTR``): the split's backward takes only such a fresh buffer whole, never a
+    tensor that a caller also holds.
 
     Args:
         q, k, v: [b, s, h, d] views (the backward's saved inputs).
@@ -826,6 +836,7 @@ def packed_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if not ((H == 1 or sh == 3 * D) and offs == [0, D, 2 * D]) and not ((H == 1 or sh == D) and offs == [0, H * D, 2 * H * D]):
         return None
     buf = torch.empty_like(base, memory_format=torch.contiguous_format)
+    setattr(buf, PACKED_GRADS_ATTR, True)
     return tuple(buf.as_strided(t.shape, t.stride(), t.storage_offset() - base_off) for t in (q, k, v))
 
 

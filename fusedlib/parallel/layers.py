@@ -55,7 +55,8 @@ no extra copy. One exception, as in Megatron-core (whose column-parallel GEMM is
 function at any p): a column-parallel layer that adds its bias in the GEMM (``skip_bias_add``
 False, the QKV projection's case) runs through
 :class:`LinearWithGradAccumulationAndAsyncCommunication` when the bias needs a gradient
-(not under autocast or torch.compile), so that the bias gradient is fusedlib's column sum
+(not under autocast, torch.compile, torch.func transforms or forward-mode AD:
+:func:`~fusedlib.runtime.optional_function_ok`), so that the bias gradient is fusedlib's column sum
 (:func:`~fusedlib.kernels.bias_dropout_add.bias_dropout_add_bwd` with only db) rather than
 torch's ``sum(0)``; the GEMMs are the same.
 
@@ -66,6 +67,7 @@ Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py``.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -76,6 +78,7 @@ from torch.nn.parameter import Parameter
 
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.embedding import check_ids_in_range, embedding_backward
+from ..runtime import optional_function_ok
 from . import parallel_state
 from .mappings import (
     _ReduceFromModelParallelRegion,
@@ -247,7 +250,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):
-        ctx.save_for_backward(input, weight)
+        # the input only where the weight's gradient needs it (a frozen weight: not kept)
+        ctx.save_for_backward(input if ctx.needs_input_grad[1] else None, weight)
         ctx.use_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
@@ -283,9 +287,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_weight = grad_bias = None
         need_db = ctx.use_bias and ctx.needs_input_grad[2]
         if need_dw or need_db:
-            g2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s, b, out/p] -> [s·b, out/p]
+            g2d = _as_rows(grad_output)  # [s, b, out/p] -> [s·b, out/p]
             if need_dw:
-                grad_weight = g2d.t().matmul(total_input.reshape(-1, total_input.shape[-1]))  # [out/p, in]
+                grad_weight = g2d.t().matmul(_as_rows(total_input))  # [out/p, in]
             if need_db:
                 if torch.is_grad_enabled():  # a double backward (create_graph): torch's sum, differentiable
                     grad_bias = g2d.sum(dim=0)
@@ -295,6 +299,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if work is not None:
             work.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., n] -> [prod(...), n] (a view where possible), for any sizes: 0 rows or 0 columns
+    too, where ``reshape(-1, n)`` cannot infer the -1."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _gather_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
@@ -424,8 +434,8 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
                                f"not {(self.output_size_per_partition, self.input_size)} as expected")
         bias = self.bias if not self.skip_bias_add else None
         if self.tp_world_size == 1:
-            if (bias is not None and bias.requires_grad and torch.is_grad_enabled()
-                    and not torch.is_autocast_enabled(input_.device.type) and not torch.compiler.is_compiling()):
+            if (bias is not None and bias.requires_grad and torch.is_grad_enabled() and optional_function_ok()
+                    and not torch.is_autocast_enabled(input_.device.type)):
                 # the same GEMMs; the bias gradient by fusedlib's column sum (module docstring)
                 output = LinearWithGradAccumulationAndAsyncCommunication.apply(input_, weight, bias, False, False, None)
             else:

@@ -43,7 +43,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ..kernels.flash_attention import PACKED_GRADS_ATTR
 from ..parallel.random import checkpoint as tensor_parallel_checkpoint
+from ..runtime import optional_function_ok
 from ..parallel.random import get_cuda_rng_tracker
 from .enums import AttnMaskType
 from .identity_op import IdentityOp
@@ -66,23 +68,23 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Transform
 
 
 class SplitLastDim(torch.autograd.Function):
-    """``torch.split(x, sizes, dim=-1)`` whose backward takes the pieces' gradients whole when
-    they already lie in one buffer as the pieces lie in x.
+    """``torch.split(x, sizes, dim=-1)`` whose backward takes FlashAttention's packed gradient
+    buffer whole instead of concatenating the pieces' gradients.
 
     ``apply(x, sizes)``: x contiguous [..., sum(sizes)]; returns the pieces, views of x. The
     backward of ``torch.split`` is ``torch.cat``: a copy of the whole tensor ([s, b, 3·h] for
     the QKV projection). FlashAttention's backward writes the gradients of q, k and v of one
-    packed QKV tensor into views of one buffer laid out as that tensor
-    (:func:`~fusedlib.kernels.flash_attention.packed_grads`); where the gradients arrive so
-    (the same storage, each piece's strides, the pieces' offsets from one another), the
-    backward returns that buffer as x's gradient, a view, without the copy. Otherwise (any
-    other backend, a piece unused, GQA) it concatenates, as torch.split's backward does.
+    packed QKV tensor into views of one fresh buffer laid out as that tensor
+    (:func:`~fusedlib.kernels.flash_attention.packed_grads`, which marks the buffer). Where the
+    pieces' gradients are views of such a marked buffer, each with its piece's strides and at
+    its piece's offset from the others, they tile it exactly as the pieces tiled x, and the
+    backward returns the buffer, as a view, as x's gradient: no copy, and no tensor a caller
+    holds becomes x's gradient. Otherwise (any other backend, a piece unused, GQA, or a double
+    backward: ``create_graph``) it concatenates, as torch.split's backward does.
 
-    Applied by :func:`split_last_dim` to contiguous x only.
-
-    Source: the copy it saves is the "cat" of autograd's split backward (PyTorch
-    ``tools/autograd/derivatives.yaml``, ``split_with_sizes``); the packed layout is
-    Megatron-core's fused QKV projection (``megatron/core/transformer/attention.py``).
+    Source: the copy it saves is ``split_with_sizes_backward``'s concatenation (PyTorch
+    ``torch/csrc/autograd/FunctionsManual.cpp``); the packed layout is Megatron-core's fused
+    QKV projection (``megatron/core/transformer/attention.py``).
     """
 
     @staticmethod
@@ -96,29 +98,37 @@ class SplitLastDim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         g0 = grads[0]
-        start = g0.storage_offset() - ctx.layout[0][1]
-        ptr = g0.untyped_storage().data_ptr()
-        whole = (start >= 0 and (start + ctx.numel) * g0.element_size() <= g0.untyped_storage().nbytes()
-                 and all(g.dtype == g0.dtype and g.untyped_storage().data_ptr() == ptr and g.stride() == stride
-                         and g.storage_offset() - start == off for g, (stride, off) in zip(grads, ctx.layout)))
-        if whole:  # the pieces' gradients tile one buffer as the pieces tile x: it is x's gradient
-            return g0.as_strided(ctx.shape, ctx.stride, start), None
+        buf = g0._base
+        # (a double backward needs a differentiable function of every piece's gradient: cat)
+        if buf is not None and getattr(buf, PACKED_GRADS_ATTR, False) and not torch.is_grad_enabled():
+            start = g0.storage_offset() - ctx.layout[0][1]
+            if (start >= 0 and start + ctx.numel <= buf.numel()
+                    and all(g._base is buf and g.dtype == g0.dtype and g.stride() == stride
+                            and g.storage_offset() - start == off for g, (stride, off) in zip(grads, ctx.layout))):
+                # the pieces' gradients tile the fresh buffer as the pieces tile x: it is x's gradient
+                return g0.as_strided(ctx.shape, ctx.stride, start), None
         return torch.cat(grads, dim=-1), None
 
 
 def split_last_dim(x: torch.Tensor, sizes: list) -> Tuple[torch.Tensor, ...]:
-    """Split x's last dim into pieces of ``sizes`` (views), with :class:`SplitLastDim`'s
-    copy-free backward where x needs a gradient, is contiguous and is not being traced by
-    torch.compile (Inductor plans that copy itself); else ``torch.split``.
+    """Split x's last dim into pieces of ``sizes`` (views), through :class:`SplitLastDim` (whose
+    backward takes FlashAttention's packed gradients whole) where x needs a gradient, grad mode
+    is on, x is contiguous and :func:`~fusedlib.runtime.optional_function_ok` (not under
+    torch.compile, whose Inductor plans that copy itself, torch.func transforms or forward-mode
+    AD); else ``torch.split``.
 
     Args:
         x: [..., sum(sizes)], any dtype.
         sizes: the pieces' widths.
 
     Returns:
-        The pieces, views of x, as ``torch.split(x, sizes, dim=-1)``.
+        The pieces, views of x, as ``torch.split(x, sizes, dim=-1)``; their gradients flow back
+        as through torch.split (a concatenation), or without a copy (see SplitLastDim).
+
+    Raises:
+        RuntimeError: sizes not summing to x's last dim (torch.split's error).
     """
-    if x.requires_grad and torch.is_grad_enabled() and x.is_contiguous() and not torch.compiler.is_compiling():
+    if x.requires_grad and torch.is_grad_enabled() and x.is_contiguous() and optional_function_ok():
         return SplitLastDim.apply(x, sizes)
     return torch.split(x, sizes, dim=-1)
 
