@@ -465,6 +465,27 @@ def test_cli_bench_writes_records(tmp_path, stdlib_root, monkeypatch):
     assert "fusedlib-unfused" in bench.bench_table(records)
 
 
+def test_bench_table_gives_the_windows_median_beside_the_mean():
+    from fusedlib.train import bench
+
+    def record(impl, windows, tokens_per_s):
+        return dict(op="train", impl=impl, config=dict(layers=1, hidden=8, heads=2, batch=2, seq=4, steps=10,
+                                                       bf16=False), params=1000, tokens_per_step=8, device="cpu",
+                    tokens_per_s=tokens_per_s, ms_per_step=1.0, peak_bytes=None, losses=[1.0, 0.5], val=[],
+                    window_tokens_per_s=windows)
+
+    # one slow window drags the mean (here 750,250) but not the median; an even count: the upper middle
+    slow = record("torch.compile-full-iteration", [1_000_000, 1_000_000, 1_000, 1_000_000], 750_250)
+    assert bench.window_median(slow) == 1_000_000
+    assert bench.window_median(record("x", [3.0, 1.0, 2.0], 2.0)) == 2.0
+    assert bench.window_median(record("x", [], 2.0)) is None
+    lines = bench.bench_table([record("fusedlib", [900_000, 950_000, 1_000_000], 950_000), slow]).splitlines()
+    assert lines[1].split()[:3] == ["impl", "tokens/s", "median"]
+    row = lines[3].split()
+    assert row[0] == "torch.compile-full-iteration" and row[1] == "750,250" and row[2] == "1,000,000"
+    assert lines[2].split()[2] == "950,000"
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensor parallelism (gloo on CPU processes)
 # ---------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ from .data import Corpus, load_corpus
 from .loop import TrainConfig, Trainer
 from .model import count_parameters
 
-__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "GRAPH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table",
+__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "GRAPH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table", "window_median",
            "PROFILE_FILE", "DEFAULT_PROFILE_RUNS", "PROFILE_STEPS", "PROFILE_WARMUP", "profile_steps",
            "profile_steps_table",
            "run_tp_bench", "tp_bench_file",
@@ -336,10 +336,19 @@ def run_tp_bench(base: TrainConfig, out_dir: Optional[str | Path], warmup: int =
     return records if rank == 0 else []
 
 
+def window_median(record: dict) -> Optional[float]:
+    """The median of a run's per-window tokens/s (the upper median for an even count: the
+    middle of the sorted windows), or None for a record without windows. Robust to the few slow
+    windows that drag a run's mean (the benchmark protocol's statistic)."""
+    windows = sorted(record.get("window_tokens_per_s") or ())
+    return windows[len(windows) // 2] if windows else None
+
+
 def bench_table(records: Sequence[dict]) -> str:
-    """Text table of train.json's records: tokens/s, ms per step, peak memory (GB), the final
-    training loss (mean of the last 5% of steps) and validation loss, and how many times
-    fusedlib's throughput each run's is."""
+    """Text table of train.json's records: tokens/s over all timed steps and the median of the
+    10-step windows' (:func:`window_median`), ms per step, peak memory (GB), the final training
+    loss (mean of the last 5% of steps) and validation loss, and how many times fusedlib's
+    throughput each run's is (by tokens/s over all timed steps)."""
     rows = [r for r in records if r.get("op") == "train"]
     if not rows:
         return "no train records"
@@ -347,17 +356,20 @@ def bench_table(records: Sequence[dict]) -> str:
     c = first["config"]
     fused = next((r for r in rows if r["impl"] == "fusedlib"), None)
     bf16 = c["bf16"] or (c["bf16"] is None and first["device"] != "cpu")
+    width = max(22, 2 + max(len(r["impl"]) for r in rows))
     out = [f"{first['params'] / 1e6:.2f} M parameters ({c['layers']} layers, hidden {c['hidden']}, "
            f"{c['heads']} heads), batch {c['batch']} x seq {c['seq']} = {first['tokens_per_step']} tokens per step, "
            f"{c['steps']} steps, {'bf16' if bf16 else 'float32'}, {first['device']}",
-           f"{'impl':<22}{'tokens/s':>12}{'ms/step':>9}{'peak GB':>9}{'train loss':>12}{'val loss':>10}"
-           f"{'fusedlib is':>13}"]
+           f"{'impl':<{width}}{'tokens/s':>12}{'median':>12}{'ms/step':>9}{'peak GB':>9}{'train loss':>12}"
+           f"{'val loss':>10}{'fusedlib is':>13}"]
     for r in rows:
         tail = r["losses"][-max(1, len(r["losses"]) // 20):]
         peak = f"{r['peak_bytes'] / 1e9:.2f}" if r.get("peak_bytes") is not None else "-"
         val = f"{r['val'][-1][1]:.4f}" if r["val"] else "-"
         ratio = f"{fused['tokens_per_s'] / r['tokens_per_s']:.2f}x" if fused is not None and r is not fused else ""
-        out.append(f"{r['impl']:<22}{r['tokens_per_s']:>12,.0f}{r['ms_per_step']:>9.2f}{peak:>9}"
+        med = window_median(r)
+        med = f"{med:,.0f}" if med is not None else "-"
+        out.append(f"{r['impl']:<{width}}{r['tokens_per_s']:>12,.0f}{med:>12}{r['ms_per_step']:>9.2f}{peak:>9}"
                    f"{sum(tail) / len(tail):>12.4f}{val:>10}{ratio:>13}")
     return "\n".join(out)
 
