@@ -118,17 +118,19 @@ FWD_TILES: TileTable = (
 # 0.163 ms against 0.210 for [4, 2048], and against 0.211 at 16 programs per SM.
 BWD_TILES: TileTable = (
     (64, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, programs_per_sm=4)),
-    # rows of 3·2^k (h = 384) fill 128-column tiles whole. [32768, 384] bf16 on the H200, the
-    # bias gradient alone (no dropout), CUDA-graph replays: 0.0193 ms for [64, 128] at 8 warps,
-    # against 0.0248 for [16, 512]; with dropout and dx, 0.0263 ms (tune)
+    # rows of 3·2^k (h = 384) fill 128-column tiles whole. [32768, 384] bf16 on the H200, with
+    # dropout and dx stored (this table's calls; without them COLUMN_SUM_TILES below), CUDA-graph
+    # replays: 0.0263 ms for [64, 128] at 8 warps (tune)
     (512, Tile(BLOCK_M=64, BLOCK_N=128, num_warps=8, programs_per_sm=4)),
     (HUGE, Tile(BLOCK_M=8, BLOCK_N=1024, num_warps=8, programs_per_sm=4)),
 )
 
-# The backward with nothing to store but the bias gradient (no dropout: dx is g itself), the
-# column sums of a linear layer's output gradient among them (fusedlib.parallel.layers): only
-# loads and float32 adds, so narrow column blocks of many rows keep enough loads in flight at
-# every width, where BWD_TILES's 1024-column tiles leave most lanes of a row of 1152 masked.
+# The backward with nothing to store but the bias gradient (no dropout and g already in x's
+# dtype: dx is g itself), the column sums of a linear layer's output gradient among them
+# (fusedlib.parallel.layers): only loads and float32 adds, so narrow column blocks of many rows
+# keep enough loads in flight at the widths measured (384 to 6144), where BWD_TILES's
+# 1024-column tiles cover a row of 1152 with two, the second holding 128 columns (896 of the
+# row's 2048 lanes masked).
 # H200, bf16, CUDA-graph replays (ms; tools: a sweep of 16-128 rows, 64-512 columns, 4 or 8
 # warps, 2-8 programs per SM), this tile against BWD_TILES's and torch's g.sum(0):
 # [32768, 1152] 0.0327 / 0.0356 / 0.0504; [32768, 384] 0.0168 / 0.0194 / 0.0463;
@@ -385,7 +387,8 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
         p: the forward's dropout probability.
         need_dx, need_dbias: which gradients to compute.
         tile: launch settings (None: ``pick(BWD_TILES, n_cols)``, as in the forward, or
-            ``pick(COLUMN_SUM_TILES, n_cols)`` when only db is computed); its
+            ``pick(COLUMN_SUM_TILES, n_cols)`` when dx is not stored: need_dx False, or
+            nothing dropped and g already in x_dtype, so that dx is g); its
             ``programs_per_sm`` sizes the persistent grid.
         db_dtype: the dtype of db (the bias's: rounded once from the float32 sum, with no
             separate cast); None: the accumulation dtype (float32, float64 for float64).

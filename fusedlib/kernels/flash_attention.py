@@ -804,7 +804,9 @@ def packed_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     split takes the buffer whole. Checked (cheaply, from shapes, strides and offsets): the same
     base, shapes and strides; rows (the b and s dims) dense at 3·h·d elements each; inside a
     row the three views at offsets {0, d, 2d} with head stride 3d, or {0, h·d, 2·h·d} with
-    head stride d. Anything else (GQA, overlapping or foreign views, a traced call) gives None,
+    head stride d, all in the base's dtype. Anything else gives None: GQA, overlapping or
+    foreign views, a traced call, and q or k made new by rotary embeddings or a query/key norm
+    (the packed path serves models without them, e.g. learned positions),
     and so do q, k, v saved by a non-reentrant activation checkpoint, which come back from the
     recomputation without their base. The buffer is marked (attribute
     ``PACKED_GRADS_ATTR``): the split's backward takes only such a fresh buffer whole, never a
@@ -815,6 +817,10 @@ def packed_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Returns:
         ``(dq, dk, dv)``: uninitialised views with q's, k's and v's strides, or None.
+
+    Source: the layout is Megatron-core's fused QKV projection
+    (``megatron/core/transformer/attention.py``, ``get_query_key_value_tensors``); the copy it
+    saves is the split's backward concatenation (PyTorch ``split_with_sizes_backward``).
     """
     base = q._base
     if (base is None or k._base is not base or v._base is not base or torch.compiler.is_compiling()

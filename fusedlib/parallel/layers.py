@@ -51,7 +51,8 @@ model: p changes nothing but the work split. Megatron's GPU path draws each shar
 tracker's model-parallel state instead, so its weights depend on p.
 
 One rank (p = 1) runs exactly the one-rank code: ``F.linear`` / ``F.embedding``, no collective,
-no extra copy. One exception, as in Megatron-core (whose column-parallel GEMM is its autograd
+no extra copy. Two exceptions. With ``config.deterministic_mode`` the embedding's weight
+gradient comes from fusedlib's deterministic kernels (:class:`VocabParallelEmbedding`). And, as in Megatron-core (whose column-parallel GEMM is its autograd
 function at any p): a column-parallel layer that adds its bias in the GEMM (``skip_bias_add``
 False, the QKV projection's case) runs through
 :class:`LinearWithGradAccumulationAndAsyncCommunication` when the bias needs a gradient
@@ -236,11 +237,13 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     Forward: with ``sequence_parallel`` all-gather the input's sequence [s/p, b, in] ->
     [s, b, in] first; then Y = X·Wᵀ (+ b). Saves the input as given (the s/p shard under
-    sequence parallelism: the backward gathers it again rather than keep p times the memory).
+    sequence parallelism: the backward gathers it again rather than keep p times the memory),
+    and only when the weight needs a gradient (a frozen weight's layer keeps no activation).
 
     Backward: dX = dY·W, then all-reduce it (``allreduce_dgrad``: the input was replicated) or
     reduce-scatter it to the sequence shard (``sequence_parallel``), asynchronously, while
-    dW = dYᵀ·X (on the gathered X) and db = sum dY (fusedlib's column-sum kernel) run; then
+    dW = dYᵀ·X (on the gathered X) and db = sum dY (fusedlib's column-sum kernel; torch's
+    ``sum`` under ``create_graph``, where a double backward needs it differentiable) run; then
     wait. With neither (p = 1, a bias in the GEMM) there is no communication: the Function is
     then only the GEMMs and the column sum.
 

@@ -337,16 +337,17 @@ def run_tp_bench(base: TrainConfig, out_dir: Optional[str | Path], warmup: int =
 
 
 def window_median(record: dict) -> Optional[float]:
-    """The median of a run's per-window tokens/s (the upper median for an even count: the
-    middle of the sorted windows), or None for a record without windows. Robust to the few slow
-    windows that drag a run's mean (the benchmark protocol's statistic)."""
+    """The median of a run's per-window tokens/s (windows of ``log_interval`` steps; the upper
+    median for an even count: the middle of the sorted windows), or None for a record without
+    windows. Robust to the few slow windows that drag a run's mean, as the kernel benchmarks'
+    median timings are to slow repetitions."""
     windows = sorted(record.get("window_tokens_per_s") or ())
     return windows[len(windows) // 2] if windows else None
 
 
 def bench_table(records: Sequence[dict]) -> str:
     """Text table of train.json's records: tokens/s over all timed steps and the median of the
-    10-step windows' (:func:`window_median`), ms per step, peak memory (GB), the final training
+    windows' (:func:`window_median`), ms per step, peak memory (GB), the final training
     loss (mean of the last 5% of steps) and validation loss, and how many times fusedlib's
     throughput each run's is (by tokens/s over all timed steps)."""
     rows = [r for r in records if r.get("op") == "train"]

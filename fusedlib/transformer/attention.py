@@ -79,8 +79,9 @@ class SplitLastDim(torch.autograd.Function):
     pieces' gradients are views of such a marked buffer, each with its piece's strides and at
     its piece's offset from the others, they tile it exactly as the pieces tiled x, and the
     backward returns the buffer, as a view, as x's gradient: no copy, and no tensor a caller
-    holds becomes x's gradient. Otherwise (any other backend, a piece unused, GQA, or a double
-    backward: ``create_graph``) it concatenates, as torch.split's backward does.
+    holds becomes x's gradient. Otherwise (any other backend, rotary embeddings or a query/key
+    norm, which make q and k new tensors, a piece unused, GQA, or a double backward:
+    ``create_graph``) it concatenates, as torch.split's backward does.
 
     Source: the copy it saves is ``split_with_sizes_backward``'s concatenation (PyTorch
     ``torch/csrc/autograd/FunctionsManual.cpp``); the packed layout is Megatron-core's fused
