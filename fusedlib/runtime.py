@@ -59,6 +59,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 __all__ = [
     "CUDA_AVAILABLE",
@@ -651,6 +652,4 @@ def optional_function_ok() -> bool:
     """
     if torch.compiler.is_compiling():
         return False
-    from torch.autograd import forward_ad
-
-    return not torch._C._are_functorch_transforms_active() and forward_ad._current_level < 0
+    return not torch._C._are_functorch_transforms_active() and _forward_ad._current_level < 0

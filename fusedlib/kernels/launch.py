@@ -34,6 +34,8 @@ fused-softmax tutorials for the persistent grid.
 """
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -269,9 +271,10 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
         t: a tensor with at least 1 dim.
 
     Returns:
-        A 2-D tensor [rows, n] (``t`` itself when it is 2-D; a view where strides allow).
+        A 2-D tensor [rows, n] (``t`` itself when it is 2-D; a view where strides allow), for
+        any sizes: 0 rows or 0 columns too (where ``reshape(-1, 0)`` could not infer the -1).
     """
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def empty_contiguous_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

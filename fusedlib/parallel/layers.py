@@ -68,7 +68,6 @@ Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py``.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -79,6 +78,7 @@ from torch.nn.parameter import Parameter
 
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.embedding import check_ids_in_range, embedding_backward
+from ..kernels.launch import as_rows
 from ..runtime import optional_function_ok
 from . import parallel_state
 from .mappings import (
@@ -290,9 +290,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_weight = grad_bias = None
         need_db = ctx.use_bias and ctx.needs_input_grad[2]
         if need_dw or need_db:
-            g2d = _as_rows(grad_output)  # [s, b, out/p] -> [s·b, out/p]
+            g2d = as_rows(grad_output)  # [s, b, out/p] -> [s·b, out/p]
             if need_dw:
-                grad_weight = g2d.t().matmul(_as_rows(total_input))  # [out/p, in]
+                grad_weight = g2d.t().matmul(as_rows(total_input))  # [out/p, in]
             if need_db:
                 if torch.is_grad_enabled():  # a double backward (create_graph): torch's sum, differentiable
                     grad_bias = g2d.sum(dim=0)
@@ -302,12 +302,6 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if work is not None:
             work.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
-
-
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., n] -> [prod(...), n] (a view where possible), for any sizes: 0 rows or 0 columns
-    too, where ``reshape(-1, n)`` cannot infer the -1."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _gather_first_dim(input_: torch.Tensor, group) -> torch.Tensor:

@@ -67,7 +67,8 @@ from .data import Corpus, load_corpus
 from .loop import TrainConfig, Trainer
 from .model import count_parameters
 
-__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "GRAPH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table", "window_median",
+__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "GRAPH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table",
+           "window_median",
            "PROFILE_FILE", "DEFAULT_PROFILE_RUNS", "PROFILE_STEPS", "PROFILE_WARMUP", "profile_steps",
            "profile_steps_table",
            "run_tp_bench", "tp_bench_file",

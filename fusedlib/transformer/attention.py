@@ -45,8 +45,8 @@ import torch
 
 from ..kernels.flash_attention import PACKED_GRADS_ATTR
 from ..parallel.random import checkpoint as tensor_parallel_checkpoint
-from ..runtime import optional_function_ok
 from ..parallel.random import get_cuda_rng_tracker
+from ..runtime import optional_function_ok
 from .enums import AttnMaskType
 from .identity_op import IdentityOp
 from .module import MegatronModule
