@@ -26,7 +26,8 @@ from ``fusedlib`` itself (Megatron-core's names); by layer:
      are in the fusion modules.)
   4. LayerNorm and RMSNorm: ``fused_layer_norm``, ``fused_rms_norm``, ``FusedLayerNorm``,
      ``FusedRMSNorm``, ``FusedNorm``, ``FusedLayerNormAffineFunction``,
-     ``FusedRMSNormAffineFunction``, ``norm_with_residual``.
+     ``FusedRMSNormAffineFunction``, ``norm_with_residual``; a sublayer's bias-dropout-add in the
+     next norm: ``bias_dropout_add_norm``, ``BiasDropoutAddNormFunction``.
   5. softmax: ``fused_scale_mask_softmax``, ``FusedScaleMaskSoftmax``,
      ``ScaledUpperTriangMaskedSoftmax``, ``ScaledMaskedSoftmax``, ``ScaledSoftmax``,
      ``SoftmaxOne``; with the attention dropout fused, ``fused_scale_mask_softmax_dropout``
@@ -85,6 +86,8 @@ from .fusions.fused_layer_norm import (  # 4
     fused_layer_norm,
     fused_rms_norm,
     norm_with_residual,
+    bias_dropout_add_norm,
+    BiasDropoutAddNormFunction,
 )
 from .fusions.fused_softmax import (  # 5
     FusedScaleMaskSoftmax,
@@ -148,6 +151,8 @@ __all__ = [
     "fused_layer_norm",
     "fused_rms_norm",
     "norm_with_residual",
+    "bias_dropout_add_norm",
+    "BiasDropoutAddNormFunction",
     # 5. softmax
     "FusedScaleMaskSoftmax",
     "ScaledMaskedSoftmax",

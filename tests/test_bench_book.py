@@ -228,3 +228,23 @@ def test_a_failed_capture_leaves_random_numbers_working():
     y = torch.nn.functional.dropout(torch.randn(64, device="cuda"), 0.5)
     assert y.shape == (64,) and bool((y == 0).any())
     assert bench_core.time_ms(lambda: torch.rand(64, device="cuda"), warmup=1, rep=2, cuda_graph=True) > 0
+
+
+@pytest.mark.parametrize("all_outputs", [False, True])
+def test_fwd_bwd_pass_sends_gradients_into_the_outputs_it_names(monkeypatch, all_outputs):
+    # an op with two outputs that both feed the model (bias_dropout_add_norm: y and the next
+    # residual) is timed with a gradient into each; by default only the first output's
+    monkeypatch.setattr(core, "time_ms", lambda fn, grad_to_none=None, **kw: (fn(), 1.0)[1])
+    x = torch.randn(4, 8)
+    seen = []
+
+    def two(t):
+        a, b = 2 * t, 3 * t
+        b.register_hook(lambda g: seen.append("b") or g)
+        return a, b
+
+    case = core.BenchCase("bias_dropout_add_norm", (4, 8), torch.float32,
+                          lambda d, rg: (x.clone().requires_grad_(rg),), {"fwd": 64, "fwd+bwd": 160},
+                          [core.Impl("fusedlib", two, passes=("fwd+bwd",))], all_outputs=all_outputs)
+    core.measure_case(case, torch.device("cpu"))
+    assert bool(seen) is all_outputs

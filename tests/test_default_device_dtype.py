@@ -503,6 +503,43 @@ for _cls, _normalization in ((FusedLayerNorm, "LayerNorm"), (FusedRMSNorm, "RMSN
         functools.partial(_module_case, cls=_cls, normalization=_normalization, with_residual=True))
 
 
+
+def _bda_norm_case(dtype, cls, normalization):
+    """fusedlib.bias_dropout_add_norm with the module built under the context (dropout off, so
+    the float64 reference needs no mask): h = residual + x + bias, y = norm(h)."""
+    layer = normalization == "LayerNorm"
+    x, w, b, dy = _norm_inputs(dtype, layer)
+    r, dh = _randn(*x.shape, dtype=dtype), _randn(*x.shape, dtype=dtype)
+    lb = _randn(x.shape[-1], dtype=dtype)
+    config = TransformerConfig(normalization=normalization)
+
+    def run():
+        module = cls(config, HN, EPS, device=DEVICE, dtype=dtype)
+        with torch.no_grad():
+            module.weight.copy_(w)
+            if layer:
+                module.bias.copy_(b)
+        xl, rl, lbl = _leaves(x, r, lb)
+        y, h = fusedlib.bias_dropout_add_norm(module, (xl, lbl), rl, 0.0, True)
+        torch.autograd.backward((y, h), (dy, dh))
+        return {"out": y, "h": h, "dx": xl.grad, "dres": rl.grad, "dlb": lbl.grad, "dw": module.weight.grad,
+                **({"db": module.bias.grad} if layer else {})}
+
+    def reference():
+        h64 = r.double() + x.double() + lb.double()
+        ref = _norm_reference(h64.to(dtype), w, b, dy)  # the norm of h as stored
+        dres = ref["dx"] + dh.double()
+        return dict(ref, h=h64, dx=dres, dres=dres, dlb=dres.reshape(-1, HN).sum(0))
+
+    e = _norm_expected(dtype, layer)
+    return run, reference, dict(e, h=_same(dtype), dres=e["dx"], dlb=_same(dtype, 6**0.5))
+
+
+for _cls, _normalization in ((FusedLayerNorm, "LayerNorm"), (FusedRMSNorm, "RMSNorm")):
+    case(f"bias_dropout_add_norm({_cls.__name__})")(
+        functools.partial(_bda_norm_case, cls=_cls, normalization=_normalization))
+
+
 # --- the attention softmax (chapter 5) --------------------------------------------------------
 
 B, NP, SQ, SK = 2, 3, 5, 7

@@ -883,3 +883,241 @@ def test_residual_out_must_be_a_bool(value):
         FusedLayerNormAffineFunction.apply(x, w, b, EPS, False, False, value)
     with pytest.raises(TypeError, match="residual_out"):
         FusedRMSNormAffineFunction.apply(x, w, EPS, False, False, value)
+
+
+# ---------------------------------------------------------------------------------------
+# A sublayer's bias-dropout-add in the next norm (bias_dropout_add_norm)
+# ---------------------------------------------------------------------------------------
+
+
+def _bda_norm_inputs(norm, h, dtype, lb=True, shape=(3, 5)):
+    m = _module(norm, h, dtype)
+    x = torch.randn(h, *shape, device=DEVICE).to(dtype).permute(*range(1, len(shape) + 1), 0)  # non-contiguous
+    x.requires_grad_(True)
+    residual = (2 * torch.randn(*shape, h, device=DEVICE) + 0.5).to(dtype).requires_grad_(True)
+    linear_bias = torch.randn(h, device=DEVICE).to(dtype).requires_grad_(True) if lb else None
+    return m, x, residual, linear_bias
+
+
+def _bda_norm_chain(m, x_with_bias, residual, p, training):
+    """The same computation as two fusedlib ops: the fused bias-dropout-add, then the norm with
+    its residual (the path without the fusion)."""
+    hidden = fusedlib.get_bias_dropout_add(training, True)(x_with_bias, residual, p)
+    return fusedlib.norm_with_residual(m, hidden)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("h", (1, 7, 300, 4096))
+@pytest.mark.parametrize("p", (0.0, 0.3))
+def test_bias_dropout_add_norm_against_float64(norm, dtype, h, p, seed):
+    from fusedlib.kernels.bias_dropout_add import dropout_mask, dropout_scale, philox_seed
+
+    m, x, residual, lb = _bda_norm_inputs(norm, h, dtype)
+    before = [t.detach().clone() for t in (x, residual, lb)]
+    torch.manual_seed(seed)
+    y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, p, True)
+    assert y.grad_fn is hidden.grad_fn  # one node for both outputs
+    dy, dh = torch.randn_like(y), torch.randn_like(hidden)
+    torch.autograd.backward((y, hidden), (dy, dh))
+    for t, b in zip((x, residual, lb), before):
+        assert torch.equal(t.detach(), b)  # inputs never modified
+    torch.manual_seed(seed)  # the op's seed, drawn again: its mask and scale
+    rows = residual.numel() // h
+    keep = dropout_mask(philox_seed(DEVICE), rows, h, p).view(residual.shape).double() if p > 0 else 1.0
+    scale = dropout_scale(p)
+    # h = residual + dropout(x + lb): two float32 additions and a product, one rounding to dtype
+    v64 = (x.detach().double() + lb.detach().double()) * keep * scale
+    h64 = residual.detach().double() + v64
+    terms = residual.detach().double().abs() + 2 * v64.abs()
+    _assert_within("h", hidden, h64, _half_ulp(hidden) + 3 * U * terms)
+    # y and the gradients of h as it was stored: the norm's own tolerances
+    hs64, w64 = hidden.detach().double(), m.weight.detach().double()
+    b64 = m.bias.detach().double() if m.bias is not None else None
+    y64, dn64, dw64, db64 = _reference(norm, hs64, w64, b64, dy.double())
+    assert_close(y, y64, dtype)
+    dres64 = dn64 + dh.double()
+    _assert_within("d residual", residual.grad, dres64, _dx_tol(norm, hs64, w64, dy.double(), dres64, dtype))
+    assert_close(m.weight.grad, dw64, dtype, scale=15**0.5)
+    if db64 is not None:
+        assert_close(m.bias.grad, db64, dtype, scale=15**0.5)
+    # x's gradient and lb's, from the stored residual gradient as the bias-dropout-add backward takes it
+    dx64 = residual.grad.double() * keep * scale
+    _assert_within("dx", x.grad, dx64, _half_ulp(x.grad) + U * dx64.abs())
+    assert (x.grad.double()[keep == 0] == 0).all() if p > 0 else True
+    dlb64 = dx64.reshape(rows, h).sum(0)
+    _assert_within("d linear bias", lb.grad, dlb64,
+                   _half_ulp(lb.grad) + rows * U * dx64.abs().reshape(rows, h).sum(0))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("h", (1, 7, 300, 1000))
+@pytest.mark.parametrize("p", (0.0, 0.3))
+def test_bias_dropout_add_norm_equals_the_two_ops(norm, dtype, h, p, seed):
+    # the fused op computes what fusedlib's bias-dropout-add then norm compute, bit for bit
+    # (the same mask, h rounded once and normalised as rounded); the linear bias's gradient is
+    # summed in float32 in another order
+    m, x, residual, lb = _bda_norm_inputs(norm, h, dtype, shape=(37,))
+    dy = torch.randn(37, h, device=DEVICE).to(dtype)
+    dh = torch.randn(h, 37, device=DEVICE).to(dtype).t()  # non-contiguous
+    results = []
+    for op in (fusedlib.bias_dropout_add_norm, _bda_norm_chain):
+        for t in (x, residual, lb, m.weight, m.bias):
+            if t is not None:
+                t.grad = None
+        torch.manual_seed(seed)
+        y, hidden = op(m, (x, lb), residual, p, True)
+        torch.autograd.backward((y, hidden), (dy, dh))
+        grads = [t.grad for t in (x, residual) if t is not None]
+        results.append(((y, hidden, *grads), [t.grad for t in (m.weight, m.bias) if t is not None], lb.grad))
+    (fused, params, dlb), (chain, params_chain, dlb_chain) = results
+    # interpreted, the same bits; compiled, the two kernels may contract a product and a sum into
+    # one FMA in different places (a float32 rounding apart, seen on the H200): within the norm's
+    # tolerance there (test_bias_dropout_add_norm_against_float64 bounds each against float64)
+    exact = DEVICE.type == "cpu"
+    for a, b in zip(fused, chain):
+        if exact:
+            assert torch.equal(a, b)
+        else:
+            assert_close(a, b.double(), dtype)
+    for a, b in zip(params, params_chain):
+        if exact and h >= 8:
+            assert torch.equal(a, b)
+        elif exact:  # rows under 8 columns take an 8-column block (the mask's), which sums in another order
+            _assert_within("d norm parameter", a, b.double(), 2 * 37 * U * b.double().abs() + 2 * _half_ulp(b))
+        else:
+            assert_close(a, b.double(), dtype, scale=37**0.5)
+    # two float32 sums of the same 37 terms (x's gradient), each within 37 U of their absolute
+    # sum, each rounded once to the bias's dtype
+    abs_sum = fused[2].double().abs().reshape(37, h).sum(0)
+    _assert_within("d linear bias", dlb, dlb_chain.double(), 2 * 37 * U * abs_sum + _half_ulp(dlb) + _half_ulp(dlb_chain))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_bias_dropout_add_norm_one_output_and_no_bias(norm):
+    # y alone, h alone, no linear bias, an input that needs no gradient, evaluation mode
+    from fusedlib.kernels.bias_dropout_add import dropout_scale
+
+    m, x, residual, _ = _bda_norm_inputs(norm, 24, torch.float32, lb=False)
+    for which in ("y", "h"):
+        x.grad = residual.grad = None
+        y, hidden = fusedlib.bias_dropout_add_norm(m, (x, None), residual, 0.2, True)
+        out = y if which == "y" else hidden
+        g = torch.randn_like(out)
+        out.backward(g)
+        if which == "h":
+            assert torch.equal(residual.grad, g)  # h's gradient alone reaches the residual unchanged
+            kept = x.grad != 0
+            assert 0.6 < kept.float().mean() < 0.95  # about 80 % kept (288 elements)
+            torch.testing.assert_close(x.grad[kept], (g * dropout_scale(0.2))[kept], rtol=U, atol=0)
+    frozen = residual.detach()
+    y, hidden = fusedlib.bias_dropout_add_norm(m, (x, None), frozen, 0.0, False)  # eval: no dropout
+    y.sum().backward()
+    assert frozen.grad is None and x.grad is not None
+    with torch.no_grad():
+        y_ng, h_ng = fusedlib.bias_dropout_add_norm(m, (x, None), frozen, 0.5, False)
+    assert torch.equal(h_ng, frozen + x.detach()) and torch.equal(y_ng, y.detach())
+
+
+def test_bias_dropout_add_norm_gradcheck_float64():
+    from fusedlib.fusions.fused_layer_norm import BiasDropoutAddNormFunction
+
+    x, r = (torch.randn(4, 6, device=DEVICE, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    lb, w, b = (torch.randn(6, device=DEVICE, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    for rms in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda x, lb, r, w, b: BiasDropoutAddNormFunction.apply(x, lb, r, w, None if rms else b, EPS, 0.0, True,
+                                                                     rms, False), (x, lb, r, w, b))
+    assert torch.autograd.gradcheck(  # zero-centred gamma, dropout off in evaluation mode
+        lambda x, lb, r, w, b: BiasDropoutAddNormFunction.apply(x, lb, r, w, b, EPS, 0.4, False, False, True),
+        (x, lb, r, w, b))
+
+
+def test_bias_dropout_add_norm_falls_back_to_the_two_ops():
+    # torch's LayerNorm, a module with hooks, an fp32 residual stream, memory-efficient norms and
+    # bias_dropout_fusion off take bias-dropout-add then norm_with_residual: the same values
+    x = torch.randn(3, 2, 16, device=DEVICE, requires_grad=True)
+    lb, r = torch.randn(16, device=DEVICE), torch.randn(3, 2, 16, device=DEVICE)
+    ln = torch.nn.LayerNorm(16, device=DEVICE)
+    y, hidden = fusedlib.bias_dropout_add_norm(ln, (x, lb), r, 0.0, True)
+    assert torch.equal(hidden, r + (x + lb)) and torch.equal(y, ln(hidden))
+    m = _module("layer", 16, torch.float32)
+    fused = fusedlib.bias_dropout_add_norm(m, (x, lb), r, 0.0, True)
+    handle = m.register_forward_hook(lambda mod, i, o: o)
+    try:
+        hooked = fusedlib.bias_dropout_add_norm(m, (x, lb), r, 0.0, True)
+    finally:
+        handle.remove()
+    assert type(fused[0].grad_fn).__name__ == "BiasDropoutAddNormFunctionBackward"
+    assert type(hooked[0].grad_fn).__name__ != "BiasDropoutAddNormFunctionBackward"
+    torch.testing.assert_close(hooked[0], fused[0], rtol=1e-6, atol=1e-6)
+    unfused_bda = fusedlib.bias_dropout_add_norm(m, (x, lb), r, 0.0, True, fused=False)
+    torch.testing.assert_close(unfused_bda[0], fused[0], rtol=1e-6, atol=1e-6)
+    m16 = _module("layer", 16, torch.bfloat16)  # bf16 norm, fp32 stream: the residual stays fp32
+    y, hidden = fusedlib.bias_dropout_add_norm(m16, (x, lb), r, 0.0, True)
+    assert hidden.dtype == torch.float32 and y.dtype == torch.bfloat16
+    me = _module("layer", 16, torch.float32, memory_efficient_layer_norm=True)
+    me.load_state_dict(m.state_dict())
+    y, hidden = fusedlib.bias_dropout_add_norm(me, (x, lb), r, 0.0, True)
+    assert type(y.grad_fn).__name__ == "FusedLayerNormAffineFunctionBackward"
+    torch.testing.assert_close(y, fused[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "bias", "prob", "training", "device"])
+def test_bias_dropout_add_norm_rejects_bad_input(case):
+    from fusedlib.fusions.fused_layer_norm import BiasDropoutAddNormFunction
+
+    m = _module("layer", 16, torch.float32)
+    x, r, lb = torch.randn(4, 16, device=DEVICE), torch.randn(4, 16, device=DEVICE), torch.randn(16, device=DEVICE)
+    args = dict(x=x, lb=lb, r=r, prob=0.1, training=True)
+    expect = {"shape": (ValueError, "residual"), "dtype": (TypeError, "residual"), "bias": (ValueError, "bias"),
+              "prob": (ValueError, "prob"), "training": (TypeError, "training"), "device": (ValueError, "device")}
+    if case == "shape":
+        args["r"] = torch.randn(4, 17, device=DEVICE)
+    elif case == "dtype":
+        args["r"] = r.double()
+    elif case == "bias":
+        args["lb"] = torch.randn(15, device=DEVICE)
+    elif case == "prob":
+        args["prob"] = 1.5
+    elif case == "training":
+        args["training"] = "yes"
+    else:
+        args["r"] = r.to("meta")
+    err, word = expect[case]
+    with pytest.raises(err, match=word):
+        BiasDropoutAddNormFunction.apply(args["x"], args["lb"], args["r"], m.weight, m.bias, EPS, args["prob"],
+                                         args["training"], False, False)
+    if case in ("shape", "bias", "prob"):  # the public function raises as the bias-dropout-add does
+        with pytest.raises((ValueError, TypeError)):
+            fusedlib.bias_dropout_add_norm(m, (args["x"], args["lb"]), args["r"], args["prob"], True)
+
+
+@pytest.mark.parametrize("h", (7, 300, 1000))
+@pytest.mark.parametrize("p", (0.0, 0.3))
+def test_bias_dropout_add_norm_backward_in_the_norm_or_apart(h, p):
+    # x's gradient and the bias's column sum taken by the norm's backward kernel, or by the
+    # bias-dropout-add backward kernel reading dres back: the same results
+    from fusedlib.kernels.bias_dropout_add import philox_seed
+    from fusedlib.kernels.layer_norm import bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd
+
+    rows = 37
+    x, r, dy = (torch.randn(rows, h, device=DEVICE) for _ in range(3))
+    dh = torch.randn(h, rows, device=DEVICE).t()
+    lb, w, b = (torch.randn(h, device=DEVICE) for _ in range(3))
+    seed = philox_seed(DEVICE) if p > 0 else None
+    _, hh, mean, rstd = bias_dropout_add_norm_fwd(x, lb, r, seed, p, w, b, EPS, rms_norm=False)
+    a = bias_dropout_add_norm_bwd(dy, dh, hh, w, b, mean, rstd, seed, p, torch.float32, rms_norm=False, in_norm=True)
+    c = bias_dropout_add_norm_bwd(dy, dh, hh, w, b, mean, rstd, seed, p, torch.float32, rms_norm=False, in_norm=False)
+    assert (a[0] is a[1]) is (p == 0) and (c[0] is c[1]) is (p == 0)  # without dropout dx is dres itself
+    exact = DEVICE.type == "cpu"  # compiled: an FMA apart at most, as above
+    for name, u, v in zip(("dx", "dres", "dweight", "dbias"), a[:4], c[:4]):
+        if exact:
+            assert torch.equal(u, v), name
+        else:
+            assert_close(u, v.double(), torch.float32, scale=rows**0.5 if name.startswith("dw") else 1.0)
+    # two float32 sums over rows, each within rows·U of the absolute sum, of x's gradients that
+    # differ elementwise by what the comparison above allowed
+    abs_sum, apart = c[0].double().abs().sum(0), (a[0].double() - c[0].double()).abs().sum(0)
+    _assert_within("d linear bias", a[4], c[4].double(), 2 * rows * U * abs_sum + apart)

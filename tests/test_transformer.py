@@ -611,6 +611,61 @@ def test_pre_norms_take_the_residual_gradient(monkeypatch, post_ln_residual):
     assert sum(given) == (0 if post_ln_residual else 4)
 
 
+def _block_step(block, x, seed):
+    """(output, input gradient, parameter gradients by name) of one step from ``seed``."""
+    for p in block.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    y = block(x, None)
+    y.backward(torch.ones_like(y) + y.detach())  # a gradient that is not uniform
+    return y.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_bias_dropout_add_runs_in_the_mlp_norm(monkeypatch, normalization, dtype, seed):
+    # with bias_dropout_fusion, each layer's attention bias-dropout-add and pre-MLP norm are one op
+    # (bias_dropout_add_norm): the same outputs and gradients, bit for bit, as the two fused ops
+    # (the projection bias's gradient is summed in another order), dropout included
+    cfg = make_config(dtype, bias_dropout_fusion=True, hidden_dropout=0.2, normalization=normalization)
+    block = randomize(TransformerBlock(cfg, get_gpt_layer_local_spec())).to(DEVICE)
+    x = hidden(dtype)
+    spy = Spy(monkeypatch, fused_layer_norm.BiasDropoutAddNormFunction, "forward")
+    fused = _block_step(block, x, seed)
+    assert len(spy.calls) == cfg.num_layers
+    monkeypatch.setattr(TransformerLayer, "_bda_into_pre_mlp_norm", lambda self: False)
+    apart = _block_step(block, x, seed)
+    assert len(spy.calls) == cfg.num_layers
+    # interpreted the same bits; compiled, the kernels may place an FMA differently (a float32
+    # rounding apart), which the following layers carry on: within the dtype's tolerance there
+    exact = dict(rtol=0, atol=0) if DEVICE.type == "cpu" else {}
+    torch.testing.assert_close(fused[0], apart[0], **exact)
+    torch.testing.assert_close(fused[1], apart[1], **exact)
+    for name, g in apart[2].items():
+        if name.endswith("linear_proj.bias") or not exact:  # float32 sums of the same terms, in two orders
+            torch.testing.assert_close(fused[2][name].float(), g.float(), rtol=2e-2 if dtype is torch.bfloat16
+                                       else 1e-5, atol=1e-5 * S * B, msg=lambda m, n=name: f"{n}: {m}")
+        else:
+            torch.testing.assert_close(fused[2][name], g, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("case", ["fusion off", "post-norm residual", "fp32 residual", "torch norm"])
+def test_attention_bias_dropout_add_and_the_mlp_norm_stay_apart_otherwise(monkeypatch, case):
+    kw = dict(bias_dropout_fusion=case != "fusion off")
+    if case == "post-norm residual":
+        kw["apply_residual_connection_post_layernorm"] = True
+    if case == "fp32 residual":
+        kw.update(fp32_residual_connection=True)
+    cfg = make_config(torch.bfloat16 if case == "fp32 residual" else torch.float32, **kw)
+    spec = get_gpt_layer_unfused_spec() if case == "torch norm" else get_gpt_layer_local_spec()
+    block = randomize(TransformerBlock(cfg, spec)).to(DEVICE)
+    spy = Spy(monkeypatch, fused_layer_norm.BiasDropoutAddNormFunction, "forward")
+    x = hidden(torch.float32 if case == "fp32 residual" else cfg.params_dtype)
+    block(x, None).float().sum().backward()
+    assert not spy.calls
+
+
 def _attention_inputs(dtype=torch.float32, sq=S, sk=S, ng=NG, requires_grad=False):
     hn = H // NP
     mk = lambda s, n: torch.randn(s, B, n, hn, device=DEVICE, dtype=torch.float32).to(dtype)  # noqa: E731

@@ -124,6 +124,9 @@ class BenchCase:
             (the same count for every implementation); records then get ``"flops"``,
             ``"TFLOPs"`` and ``"TFLOPs_eager"``. None (default): no FLOP counts.
         info: extra fields copied into every record of the case.
+        all_outputs: the "fwd+bwd" pass sends a random gradient into every output of a tuple
+            (an op whose two outputs both feed the model, as a norm's output and the next
+            residual), not only the first (default False).
     """
 
     op: str
@@ -138,6 +141,14 @@ class BenchCase:
     tokens: int | None = None
     flops: dict[str, int] | None = None
     info: dict = field(default_factory=dict)
+    all_outputs: bool = False
+
+    def backward_outputs(self, out: object) -> tuple[torch.Tensor, ...]:
+        """The outputs the "fwd+bwd" pass sends gradients into: the first item of a tuple
+        output (or the output itself), or with :attr:`all_outputs` every item of the tuple."""
+        if not isinstance(out, tuple):
+            return (out,)
+        return tuple(out) if self.all_outputs else (out[0],)
 
 
 def environment() -> dict[str, str | bool]:
@@ -343,18 +354,13 @@ def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device,
             ms = time_ms(lambda: impl.fn(*inputs), cuda_graph=cuda_graph)
             return ms, (peak_extra_bytes(lambda: impl.fn(*inputs), device) if peak else None)
     inputs = case.make_inputs(device, True)
-    out = impl.fn(*inputs)
-    out = out[0] if isinstance(out, tuple) else out
-    grad = torch.randn_like(out)
-    del out
+    grads = [torch.randn_like(o) for o in case.backward_outputs(impl.fn(*inputs))]
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if impl.params is not None:  # after the first call, which may have built the module
         leaves += list(impl.params())
 
     def step():
-        o = impl.fn(*inputs)
-        o = o[0] if isinstance(o, tuple) else o
-        o.backward(grad)
+        torch.autograd.backward(case.backward_outputs(impl.fn(*inputs)), grads)
 
     ms = time_ms(step, grad_to_none=leaves, cuda_graph=cuda_graph)
     if not peak:

@@ -88,6 +88,7 @@ HOST_SHAPES: dict[str, tuple[int, ...]] = {
     "weighted_swiglu": (32, 512),
     "layer_norm": (32, 256),
     "rms_norm": (32, 256),
+    "bias_dropout_add_norm": (32, 256),
     "causal_softmax": (4, 32, 32),
     "masked_softmax": (1, 4, 32, 32),
     "softmax_one": (1, 4, 32, 32),
@@ -156,7 +157,8 @@ def host_step(case: BenchCase, impl: Impl, pass_: str, device: torch.device
         impl: the implementation.
         pass_: ``"fwd"`` (no gradients; run it in the returned ``torch.no_grad()``) or
             ``"fwd+bwd"`` (``.grad = None`` on every input leaf, the forward, then
-            ``out.float().sum().backward()``; the first item of a tuple output is used;
+            ``out.float().sum().backward()``; of a tuple output the first item, or every item
+            with :attr:`~fusedlib.bench.core.BenchCase.all_outputs`;
             an implementation's own parameters (:attr:`Impl.params`) get ``.grad = None`` too).
         device: where the inputs live.
 
@@ -177,9 +179,8 @@ def host_step(case: BenchCase, impl: Impl, pass_: str, device: torch.device
     def step():
         for t in leaves + (list(impl.params()) if impl.params is not None else []):
             t.grad = None
-        out = impl.fn(*inputs)
-        out = out[0] if isinstance(out, tuple) else out
-        out.float().sum().backward()
+        outs = case.backward_outputs(impl.fn(*inputs))
+        torch.autograd.backward([o.float().sum() for o in outs])
 
     return step, contextlib.nullcontext()
 

@@ -72,9 +72,11 @@ from ..checks import (
     on_one_kernel_device,
     real_to_float,
 )
-from ..kernels.layer_norm import MAX_HIDDEN_SIZE, norm_bwd, norm_fwd
+from ..kernels.bias_dropout_add import bias_dropout_add_bwd, philox_seed
+from ..kernels.layer_norm import MAX_HIDDEN_SIZE, bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd, norm_bwd, norm_fwd
 from ..runtime import DeviceCheck
 from ._apply import apply, once_differentiable
+from .fused_bias_dropout import _check_prob, get_bias_dropout_add
 
 __all__ = [
     "FusedLayerNormAffineFunction",
@@ -85,6 +87,8 @@ __all__ = [
     "FusedRMSNorm",
     "FusedNorm",
     "norm_with_residual",
+    "BiasDropoutAddNormFunction",
+    "bias_dropout_add_norm",
     "BACKENDS",
     "LAYER_NORM_GAMMA_CHECK",
     "RMS_NORM_GAMMA_CHECK",
@@ -586,6 +590,134 @@ def norm_with_residual(norm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Te
     if forward_with_residual is not None and not _has_hooks(norm):
         return forward_with_residual(x)
     return norm(x), x
+
+
+def bias_dropout_add_norm(norm: torch.nn.Module, x_with_bias: tuple, residual: torch.Tensor, prob: float,
+                          training: bool, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(h), h)`` with ``h = residual + dropout(x + bias, prob)``: a sublayer's
+    bias-dropout-add and the next pre-norm, which in a pre-norm layer always follow each other
+    (the attention's output, then the MLP's norm), as one kernel forward and one backward.
+
+    The two kernels one after the other read x and the residual, write h, read h again and
+    write norm(h); fused, h is normalised while it is in registers (one read of h less, one
+    launch less). The backward kernel of the norm, which already adds h's second gradient
+    (the next residual connection's) to its own, also writes x's gradient (the same tensor
+    without dropout) and sums it over rows for the bias's gradient, the work of the
+    bias-dropout-add backward kernel (one read of the gradient less). The results are the
+    two kernels' bits: h is rounded to its dtype and normalised as rounded; the bias gradient
+    is summed in float32 in another order.
+
+    Fused when ``fused`` and ``norm`` is fusedlib's ``FusedLayerNorm`` or ``FusedRMSNorm``
+    (``backend="fusedlib"``, without ``memory_efficient_layer_norm``, without hooks), x and the
+    residual have the norm's dtype, and the arguments pass :class:`BiasDropoutAddNormFunction`'s
+    checks; otherwise the bias-dropout-add of ``get_bias_dropout_add(training, fused)``, then
+    :func:`norm_with_residual` (the same values).
+
+    Args:
+        norm: the norm module ([..., h] -> [..., h]).
+        x_with_bias: ``(x, bias)`` as a linear layer returns them: x [..., h] (e.g. [s, b, h]);
+            bias [h] or None.
+        residual: x's shape.
+        prob: dropout probability in [0, 1] (Megatron's ``hidden_dropout``).
+        training: dropout on (a Philox mask from torch's generator, as the bias-dropout-add
+            kernel draws it) or off.
+        fused: the config's ``bias_dropout_fusion``; False takes the unfused bias-dropout-add.
+
+    Returns:
+        ``(y, h)``: y = norm(h); h, the next residual, in the residual's dtype.
+
+    Raises:
+        TypeError, ValueError: as ``get_bias_dropout_add(training, fused)``'s function and
+        the norm's forward.
+
+    Source: fusedlib, after FlashAttention's ``dropout_add_layer_norm`` (``flash_attn/ops/
+    layer_norm.py``, ``prenorm=True``) and its Triton ``layer_norm_fn(x, weight, bias,
+    residual=..., dropout_p=..., prenorm=True)``, here with the linear layer's bias added first
+    as in Megatron-LM's ``megatron/core/fusions/fused_bias_dropout.py``.
+    """
+    if (fused and type(training) is bool and isinstance(norm, _FusedNormBase) and norm.backend == "fusedlib"
+            and not norm.config.memory_efficient_layer_norm and not _has_hooks(norm)
+            and isinstance(x_with_bias, (tuple, list)) and len(x_with_bias) == 2
+            and isinstance(x_with_bias[0], Tensor) and isinstance(residual, Tensor)
+            and x_with_bias[0].dtype == residual.dtype == norm.weight.dtype):
+        x, linear_bias = x_with_bias
+        return apply(BiasDropoutAddNormFunction, x, linear_bias, residual, norm.weight, norm.bias, norm.eps, prob,
+                     training, isinstance(norm, FusedRMSNorm), norm.zero_centered_gamma)
+    hidden_states = get_bias_dropout_add(training, fused)(x_with_bias, residual, prob)
+    return norm_with_residual(norm, hidden_states)
+
+
+class BiasDropoutAddNormFunction(torch.autograd.Function):
+    """Autograd wiring of :func:`bias_dropout_add_norm`'s fused path.
+
+    ``forward(ctx, x, linear_bias, residual, weight, bias, eps, prob, training, rms_norm,
+    zero_centered_gamma)`` draws a Philox seed (training with prob > 0), runs one kernel
+    that writes h = residual + dropout(x + linear_bias) and y = norm(h) with its row
+    statistics, and returns ``(y, h)``; it saves h (the next residual, alive anyway), the
+    norm's parameters, the statistics and the seed. ``backward(dy, dh)`` runs the norm's
+    backward kernel with h's second gradient ``dh`` added and x's gradient and its column sum
+    computed in the same pass; returns ``(dx, dlinear_bias, dresidual, dweight, dbias, None x5)``,
+    dx being dresidual itself when nothing was dropped. With y unused (dy None) the
+    bias-dropout-add backward kernel runs alone.
+
+    Shapes: x, residual [..., h] of one float dtype; linear_bias [h] (any float dtype) or
+    None; weight, bias [h] of x's dtype (bias None for RMSNorm). Returns y and h of x's shape
+    and dtype, new tensors.
+
+    Raises:
+        TypeError: a non-tensor or unsupported dtype, residual or parameters of another dtype
+            than x, prob not a Python float, training not a bool.
+        ValueError: residual's shape not x's, linear_bias not [h], h outside 1..65536, prob
+            outside [0, 1], eps as the norms', tensors on different devices.
+
+    Source: fusedlib (see :func:`bias_dropout_add_norm`).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, linear_bias: Optional[torch.Tensor], residual: torch.Tensor,
+                weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, prob: float, training: bool,
+                rms_norm: bool, zero_centered_gamma: bool):
+        weight_c, bias_c = _check_inputs(x, weight, bias, eps, x_name="x")
+        check_tensor("residual", residual)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise (ValueError if residual.shape != x.shape else TypeError)(
+                f"residual must have x's shape {list(x.shape)} and dtype {x.dtype}, got {list(residual.shape)} "
+                f"{residual.dtype}")
+        if linear_bias is not None:
+            check_tensor("linear_bias", linear_bias, ndim=1)
+            if linear_bias.shape[0] != x.shape[-1]:
+                raise ValueError(f"the sublayer's bias must have shape [h] with h = x.shape[-1] = {x.shape[-1]}, "
+                                 f"got {list(linear_bias.shape)}")
+        check_same_device(x=x, residual=residual, linear_bias=linear_bias, weight=weight)
+        prob = _check_prob(prob)
+        training = check_bool("training", training)
+        dropout = training and prob > 0.0
+        seed = philox_seed(x.device) if dropout else None
+        lb = linear_bias.contiguous() if linear_bias is not None else None  # [h]: a copy only if strided
+        y, h, mean, rstd = bias_dropout_add_norm_fwd(x, lb, residual, seed, prob, weight_c, bias_c, eps,
+                                                     rms_norm=rms_norm, zero_centered_gamma=zero_centered_gamma)
+        ctx.save_for_backward(h, weight_c, bias_c, mean, rstd, seed)
+        ctx.prob, ctx.rms_norm, ctx.zero_centered_gamma = prob, rms_norm, zero_centered_gamma
+        ctx.linear_bias_dtype = linear_bias.dtype if linear_bias is not None else None
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        return y, h
+
+    @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    def backward(ctx, grad_y: Optional[torch.Tensor], grad_h: Optional[torch.Tensor]):
+        h, weight, bias, mean, rstd, seed = ctx.saved_tensors
+        lb_dtype = ctx.linear_bias_dtype if ctx.needs_input_grad[1] else None
+        none5 = (None,) * 5
+        if grad_y is None:  # y unused: the bias-dropout-add's backward of h's gradient alone
+            if grad_h is None:
+                return (None,) * 10
+            dx, dlb = bias_dropout_add_bwd(grad_h, h.dtype, seed, ctx.prob, need_dx=ctx.needs_input_grad[0],
+                                           need_dbias=lb_dtype is not None, db_dtype=lb_dtype)
+            return dx, dlb, grad_h, None, None, *none5
+        dx, dres, dweight, dbias, dlb = bias_dropout_add_norm_bwd(
+            grad_y, grad_h, h, weight, bias, mean, rstd, seed, ctx.prob, lb_dtype, rms_norm=ctx.rms_norm,
+            zero_centered_gamma=ctx.zero_centered_gamma)
+        return dx, dlb, dres, dweight, dbias, *none5
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:

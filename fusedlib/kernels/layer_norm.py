@@ -78,6 +78,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import DeviceCheck, launch
+from .bias_dropout_add import _keep_mask, bias_dropout_add_bwd, drop_threshold, dropout_scale
 from .launch import (
     FOLD_TILES,
     MAX_FUSED_SIZE,
@@ -96,6 +97,10 @@ from .launch import (
 __all__ = [
     "norm_fwd",
     "norm_bwd",
+    "bias_dropout_add_norm_fwd",
+    "bias_dropout_add_norm_bwd",
+    "BDA_FWD_TILES",
+    "BDA_BWD_IN_NORM",
     "FWD_TILES",
     "BWD_TILES",
     "RMS_BWD_TILES",
@@ -123,7 +128,7 @@ def _div_n(total, n, ACC: tl.constexpr):
     return q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _norm_fwd_kernel(
     X_ptr,  # input x, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
     Y_ptr,  # output y, [n_rows, n_cols], contiguous, x's dtype
@@ -138,6 +143,14 @@ def _norm_fwd_kernel(
     X_col_stride,
     eps,
     rows_per_program,  # rows this program normalizes, a multiple of BLOCK_M
+    LB_ptr,  # ADD_IN: the sublayer's bias, [n_cols], contiguous (read only if HAS_LB)
+    R_ptr,  # ADD_IN: the residual, [n_rows, n_cols], strides (R_row_stride, R_col_stride)
+    H_ptr,  # ADD_IN: out, h = residual + dropout(x + lb), [n_rows, n_cols], contiguous, the residual's dtype
+    SEED_ptr,  # ADD_IN and DROPOUT: int64 [1], the Philox key
+    R_row_stride,
+    R_col_stride,
+    T,  # ADD_IN and DROPOUT: drop threshold round(p·2^16)
+    scale,  # ADD_IN and DROPOUT: 1/(1 - p'), float32
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row
     IS_RMS_NORM: tl.constexpr,
@@ -146,6 +159,9 @@ def _norm_fwd_kernel(
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the row loop (1: none)
     ACC: tl.constexpr,  # compute dtype: float32, or float64 for float64 inputs
     CHECK_GAMMA: tl.constexpr,  # memory-efficient backward ahead: report a gamma that is 0 or subnormal
+    ADD_IN: tl.constexpr,  # x is a sublayer's output: normalize h = residual + dropout(x + lb), and store h
+    HAS_LB: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -166,13 +182,30 @@ def _norm_fwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :] * X_col_stride,
                     mask=mask, other=0.0).to(ACC)
+        if ADD_IN:
+            # the bias-dropout-add kernel's arithmetic, in its order (the same bits): v = x + lb,
+            # dropped or scaled, h = residual + v rounded to the residual's dtype, stored; the
+            # norm then takes h as it was stored, as the next kernel would have read it
+            res = tl.load(R_ptr + rows[:, None] * R_row_stride + cols[None, :] * R_col_stride, mask=mask, other=0.0)
+            if HAS_LB:
+                x += tl.load(LB_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+            if DROPOUT:
+                keep = _keep_mask(tl.load(SEED_ptr), rows, 0, T, BLOCK_M, BLOCK_N)
+                x = tl.where(keep, x * scale, 0.0)
+            h = (res.to(ACC) + x).to(H_ptr.dtype.element_ty)
+            tl.store(H_ptr + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
+            x = h.to(ACC)  # 0 in the padding: every load there gave 0
         # row statistics, [BLOCK_M]
         if IS_RMS_NORM:
             x_c = x
         else:
             # the shifted-data mean (module docstring): k = x[row, 0], a second load of one
-            # cached element; a constant row gets mean = k exactly, so x - mean = 0 below
-            k = tl.load(X_ptr + rows * X_row_stride, mask=row_mask, other=0.0).to(ACC)
+            # cached element (with ADD_IN h's first column, taken from the registers); a
+            # constant row gets mean = k exactly, so x - mean = 0 below
+            if ADD_IN:
+                k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+            else:
+                k = tl.load(X_ptr + rows * X_row_stride, mask=row_mask, other=0.0).to(ACC)
             mean = k + _div_n(tl.sum(tl.where(mask, x - k[:, None], 0.0), axis=1), n_cols, ACC)
             tl.store(MEAN_ptr + rows, mean, mask=row_mask)
             x_c = tl.where(mask, x - mean[:, None], 0.0)  # padding columns must add 0 to var
@@ -277,7 +310,7 @@ def _norm_bwd_row_stats_kernel(
         tl.store(C_ptr + n_rows + rows, _div_n(tl.sum(c2_acc, axis=1), n_cols, ACC), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _norm_bwd_kernel(
     DY_ptr,  # grad of the output dy, [n_rows, n_cols], strides (DY_row_stride, DY_col_stride)
     X_ptr,  # saved input x, or saved output y if MEMORY_EFFICIENT, [n_rows, n_cols], strides (X_row_stride, X_col_stride)
@@ -298,6 +331,10 @@ def _norm_bwd_kernel(
     DRES_row_stride,
     DRES_col_stride,
     rows_per_program,  # rows this program handles, a multiple of BLOCK_M
+    DXIN_ptr,  # DROPOUT: grad of the sublayer output, dx·keep·scale, [n_rows, n_cols], contiguous, its dtype
+    SEED_ptr,  # DROPOUT: int64 [1], the forward's Philox key
+    T,  # DROPOUT: drop threshold, as in the forward
+    scale,  # DROPOUT: 1/(1 - p'), float32
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # the whole row (next power of two >= n_cols), or with SPLIT this program's columns
     IS_RMS_NORM: tl.constexpr,
@@ -308,6 +345,9 @@ def _norm_bwd_kernel(
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the row loop (1: none)
     ACC: tl.constexpr,  # compute and accumulation dtype: float32, or float64 for float64 inputs
     HAS_DRES: tl.constexpr,  # add the residual's gradient to dx (x also feeds a residual connection)
+    HAS_DLB: tl.constexpr,  # x was h = residual + dropout(x_in + lb): sum x_in's gradient over rows (lb's)
+    DLB_ROW: tl.constexpr,  # HAS_DLB: the index of lb's partial sums in PARTIAL_ptr (after dgamma, dbeta)
+    DROPOUT: tl.constexpr,  # HAS_DLB with dropout: store x_in's gradient, the mask regenerated
 ):
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # program_id(1) is 0 without SPLIT
@@ -320,6 +360,10 @@ def _norm_bwd_kernel(
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     if HAS_BIAS:
         db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    if HAS_DLB:
+        dlb_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    if DROPOUT:
+        seed = tl.load(SEED_ptr)
     row_start = pid.to(tl.int64) * rows_per_program
     for m in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
         rows = row_start + m + tl.arange(0, BLOCK_M)
@@ -356,7 +400,18 @@ def _norm_bwd_kernel(
         if HAS_DRES:  # x's two gradients summed in ACC, rounded once (autograd would round twice)
             dx += tl.load(DRES_ptr + rows[:, None] * DRES_row_stride + cols[None, :] * DRES_col_stride,
                           mask=mask, other=0.0).to(ACC)
-        tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
+        dx = dx.to(DX_ptr.dtype.element_ty)
+        tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx, mask=mask)
+        if HAS_DLB:
+            # the bias-dropout-add backward on the stored dx (its gradient g, the same bits):
+            # x_in's gradient is g·keep·scale, or g itself without dropout, and lb's its column sum
+            dxin = dx.to(ACC)
+            if DROPOUT:
+                keep = _keep_mask(seed, rows, tl.program_id(1), T, BLOCK_M, BLOCK_N)  # the forward's mask
+                dxin = tl.where(keep, dxin * scale, 0.0)
+                tl.store(DXIN_ptr + rows[:, None] * n_cols + cols[None, :], dxin.to(DXIN_ptr.dtype.element_ty),
+                         mask=mask)
+            dlb_acc += dxin  # masked lanes hold 0
         # first stage of dgamma / dbeta: accumulate over this program's rows
         dw_acc += dy * x_hat
         if HAS_BIAS:
@@ -364,6 +419,9 @@ def _norm_bwd_kernel(
     tl.store(PARTIAL_ptr + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
         tl.store(PARTIAL_ptr + (tl.num_programs(0) + pid) * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+    if HAS_DLB:
+        tl.store(PARTIAL_ptr + (DLB_ROW * tl.num_programs(0) + pid) * n_cols + cols, tl.sum(dlb_acc, axis=0),
+                 mask=col_mask)
 
 
 @triton.jit
@@ -371,12 +429,15 @@ def _norm_bwd_reduce_kernel(
     PARTIAL_ptr,  # ACC [2, n_partials, n_cols]: per-program partial sums of dgamma ([0]) and dbeta ([1])
     DW_ptr,  # dgamma, [n_cols], w's dtype
     DB_ptr,  # dbeta, [n_cols], b's dtype (written only if HAS_BIAS)
+    DLB_ptr,  # HAS_DLB: the sublayer bias's gradient, [n_cols], its dtype
     n_partials,
     n_cols,
     BLOCK_P: tl.constexpr,  # partial rows summed per step
     BLOCK_N: tl.constexpr,  # columns per program
     HAS_BIAS: tl.constexpr,
     ACC: tl.constexpr,
+    HAS_DLB: tl.constexpr,
+    DLB_ROW: tl.constexpr,  # HAS_DLB: the index of its partials
 ):
     # second stage: sum the [n_partials, n_cols] partials over their rows, in a fixed order
     pid = tl.program_id(0)
@@ -384,6 +445,7 @@ def _norm_bwd_reduce_kernel(
     col_mask = cols < n_cols
     dw = tl.zeros((BLOCK_P, BLOCK_N), dtype=ACC)
     db = tl.zeros((BLOCK_P, BLOCK_N), dtype=ACC)
+    dlb = tl.zeros((BLOCK_P, BLOCK_N), dtype=ACC)
     for p in range(0, n_partials, BLOCK_P):
         prow = p + tl.arange(0, BLOCK_P)
         mask = (prow < n_partials)[:, None] & col_mask[None, :]
@@ -391,9 +453,13 @@ def _norm_bwd_reduce_kernel(
         dw += tl.load(PARTIAL_ptr + offs, mask=mask, other=0.0)
         if HAS_BIAS:
             db += tl.load(PARTIAL_ptr + n_partials * n_cols + offs, mask=mask, other=0.0)
+        if HAS_DLB:
+            dlb += tl.load(PARTIAL_ptr + DLB_ROW * n_partials * n_cols + offs, mask=mask, other=0.0)
     tl.store(DW_ptr + cols, tl.sum(dw, axis=0).to(DW_ptr.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_ptr + cols, tl.sum(db, axis=0).to(DB_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_DLB:
+        tl.store(DLB_ptr + cols, tl.sum(dlb, axis=0).to(DLB_ptr.dtype.element_ty), mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------
@@ -470,6 +536,30 @@ RMS_BWD_TILES: TileTable = tuple(
     for bound, tile in BWD_TILES
 )
 
+# bias_dropout_add_norm_fwd: FWD_TILES, except for rows of 257-512 (its kernel holds the
+# residual and the sublayer's output too): [32768, 384] bf16 on the H200, CUDA-graph replays,
+# 0.0316 ms for [4 rows, 2 warps] against 0.0357 for FWD_TILES's [8, 4 warps] (the two kernels
+# apart: 0.0465); the best of 15 tiles of 2-32 rows at 1-8 warps.
+BDA_FWD_TILES: TileTable = tuple(
+    (bound, Tile(BLOCK_M=4, BLOCK_N=0, num_warps=2, num_stages=1, programs_per_sm=0) if bound == 512 else tile)
+    for bound, tile in FWD_TILES
+)
+
+# bias_dropout_add_norm_bwd: whether the norm's backward kernel also writes x's gradient and sums
+# the sublayer bias's (True), or the bias-dropout-add backward kernel reads the norm's dx back
+# (False), as (upper bound of h, bool); longer rows: False. The partial sums hold another float32
+# array per program, which costs the norm's kernel occupancy; worth it only where the read it
+# saves is the larger cost. bf16 on the H200, CUDA-graph replays, in the norm / apart: [32768, 384]
+# 0.0504 / 0.0493 ms at p = 0 (0.0616 / 0.0578 at p = 0.1); [32768, 4096] 0.3215 / 0.3447 (0.4181 /
+# 0.4228); at [32768, 1024] and [16384, 8192] the whole fwd+bwd with the column sum in the norm
+# was 0.2255 / 0.2232 and 0.8357 / 0.7542 (the op's benchmark before this table, NOTES.md). Rows between
+# these lengths are not measured: 1025-2048 follow 1024, 2049-4096 follow 4096.
+BDA_BWD_IN_NORM: tuple[tuple[int, bool], ...] = (
+    (2048, False),
+    (4096, True),
+)
+
+
 # Second stage, per device type: a [BLOCK_M, BLOCK_N] float32 tile of partials per loop step.
 # GPU: 32 columns per program (128 programs for h = 4096) and 128 partial rows per step (16
 # KiB per buffer), so the 132 partial rows of h = 4096 take 2 steps: the kernel is a few
@@ -516,38 +606,88 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         ValueError: for h past MAX_HIDDEN_SIZE, or a tile narrower than the row; from
             ``gamma_check``, for a gamma of 0.
     """
+    y, mean, rstd, _ = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check)
+    return y, mean, rstd
+
+
+def bias_dropout_add_norm_fwd(x: torch.Tensor, linear_bias: Optional[torch.Tensor], residual: torch.Tensor,
+                              seed: Optional[torch.Tensor], p: float, weight: torch.Tensor,
+                              bias: Optional[torch.Tensor], eps: float, *, rms_norm: bool,
+                              zero_centered_gamma: bool = False, tile: Optional[Tile] = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Launch the forward kernel on ``h = residual + dropout(x + linear_bias, p)``: one pass
+    that writes h and its norm (the bias-dropout-add kernel's arithmetic and mask, then the norm
+    of h as rounded to its dtype: the same bits as the two kernels one after the other).
+
+    Args:
+        x: a sublayer's output [..., h], any strides.
+        linear_bias: its bias [h], contiguous, or None.
+        residual: x's shape and dtype, any strides.
+        seed: int64 [1] Philox key (:func:`~fusedlib.kernels.bias_dropout_add.philox_seed`),
+            or None for no dropout.
+        p: dropout probability in [0, 1] (ignored when ``seed`` is None).
+        weight, bias, eps, rms_norm, zero_centered_gamma, tile: as :func:`norm_fwd` (weight
+            and bias of x's dtype).
+
+    Returns:
+        ``(y, h, mean, rstd)``: y = norm(h) and h, new contiguous tensors of x's shape and
+        dtype; mean and rstd as :func:`norm_fwd`'s.
+
+    Raises:
+        ValueError: as :func:`norm_fwd`.
+    """
+    y, mean, rstd, h = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, None,
+                                 add_in=(linear_bias, residual, seed, p))
+    return y, h, mean, rstd
+
+
+def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, add_in=None):
+    """:func:`norm_fwd`, or with ``add_in = (linear_bias, residual, seed, p)``
+    :func:`bias_dropout_add_norm_fwd`: ``(y, mean, rstd, h)`` (h None without ``add_in``)."""
     device = x.device
     h = x.shape[-1]
     x2d = as_rows(x)  # [..., h] -> [rows, h]
     n_rows = x2d.shape[0]
     acc = acc_dtype(x.dtype)
     y = empty_contiguous_like(x)  # written as [rows, h]
+    h_out = empty_contiguous_like(x) if add_in is not None else None
     if rms_norm:
         mean, rstd = None, torch.empty(n_rows, dtype=acc, device=device)
     else:  # one allocation for both (each costs microseconds of host time)
         mean, rstd = torch.empty((2, n_rows), dtype=acc, device=device).unbind(0)
     if n_rows == 0:
-        return y, mean, rstd
+        return y, mean, rstd, h_out
     if tile is None:
-        tile = pick(FWD_TILES, h)
+        tile = pick(FWD_TILES if add_in is None else BDA_FWD_TILES, h)
     block_n = next_power_of_2(h)
     if 0 < tile.BLOCK_N < block_n:
         raise ValueError(f"the norms' forward holds whole rows: tile.BLOCK_N must be 0 or >= {block_n} "
                          f"for h = {h}, got {tile.BLOCK_N}")
     programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device)
     err = gamma_check.word(x) if gamma_check is not None else None
+    if add_in is not None:
+        linear_bias, residual, seed, p = add_in
+        r2d = as_rows(residual)
+        dropout = seed is not None
+        block_n = max(block_n, 8)  # the dropout mask takes columns 8 at a time (one Philox call)
+        extra = (linear_bias if linear_bias is not None else weight, r2d, h_out, seed if dropout else rstd,
+                 *r2d.stride(), drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0)
+        flags = dict(ADD_IN=True, HAS_LB=linear_bias is not None, DROPOUT=dropout)
+    else:
+        extra = (weight, x2d, y, rstd, 0, 0, 0, 1.0)
+        flags = dict(ADD_IN=False, HAS_LB=False, DROPOUT=False)
     launch(
         _norm_fwd_kernel, (programs,), device,
         x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
         err if err is not None else rstd,
-        n_rows, h, *x2d.stride(), float(eps), rows_per_program,
+        n_rows, h, *x2d.stride(), float(eps), rows_per_program, *extra,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
         ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=tile.num_stages, ACC=TL_DTYPE[acc],
-        CHECK_GAMMA=err is not None, num_warps=tile.num_warps,
+        CHECK_GAMMA=err is not None, **flags, num_warps=tile.num_warps,
     )
     if err is not None:
         gamma_check.launched(x, zero_centered_gamma)
-    return y, mean, rstd
+    return y, mean, rstd, h_out
 
 
 def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -585,14 +725,76 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
     Raises:
         ValueError: for h past MAX_HIDDEN_SIZE, or a ``tile.BLOCK_N`` that is not a power of two.
     """
+    dx, dweight, dbias, _, _ = _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamma,
+                                         memory_efficient, tile, dresidual)
+    return dx, dweight, dbias
+
+
+def bias_dropout_add_norm_bwd(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: torch.Tensor,
+                              bias: Optional[torch.Tensor], mean: Optional[torch.Tensor], rstd: torch.Tensor,
+                              seed: Optional[torch.Tensor], p: float, linear_bias_dtype: Optional[torch.dtype], *,
+                              rms_norm: bool, zero_centered_gamma: bool = False, tile: Optional[Tile] = None,
+                              in_norm: Optional[bool] = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                                         Optional[torch.Tensor]]:
+    """The backward of :func:`bias_dropout_add_norm_fwd`: h's gradient ``dres = norm's dx + dh``
+    (the residual's), x's gradient ``dres·keep·scale`` (``dres`` itself without dropout) and the
+    sublayer bias's, its sum over rows, taken from the rounded ``dres`` as the bias-dropout-add
+    backward kernel takes it.
+
+    With ``in_norm`` the norm's backward kernel does it all (x's gradient and the bias's partial
+    sums while dres is in registers: one read of dres less); otherwise it writes dres and the
+    bias-dropout-add backward kernel reads it back (the partial sums' registers cost the norm's
+    kernel occupancy, which at some row lengths costs more than the read: :data:`BDA_BWD_IN_NORM`).
+
+    Args:
+        dy: gradient of y, [..., h'], any strides.
+        dh: gradient of the h output (the next residual connection's), or None.
+        h: the forward's h output (the norm's input).
+        weight, bias, mean, rstd, rms_norm, zero_centered_gamma, tile: as :func:`norm_bwd`.
+        seed, p: the forward's Philox key (None: nothing was dropped) and probability.
+        linear_bias_dtype: the sublayer bias's dtype, or None for no bias gradient.
+        in_norm: see above; None: as :data:`BDA_BWD_IN_NORM` says for rows of h'.
+
+    Returns:
+        ``(dx, dresidual, dweight, dbias, dlinear_bias)``: dresidual a new contiguous tensor of
+        h's shape and dtype; dx ``dresidual`` itself without dropout, else a new tensor; dweight,
+        dbias as :func:`norm_bwd`'s; dlinear_bias [h'] of ``linear_bias_dtype`` or None.
+
+    Raises:
+        ValueError: as :func:`norm_bwd`.
+    """
+    if in_norm is None:
+        in_norm = next((fused for bound, fused in BDA_BWD_IN_NORM if h.shape[-1] <= bound), False)
+    if in_norm:
+        dres, dweight, dbias, dx, dlb = _norm_bwd(dy, h, weight, bias, mean, rstd, rms_norm, zero_centered_gamma,
+                                                  False, tile, dh, add_in=(seed, p, linear_bias_dtype))
+        return dx, dres, dweight, dbias, dlb
+    dres, dweight, dbias, _, _ = _norm_bwd(dy, h, weight, bias, mean, rstd, rms_norm, zero_centered_gamma, False,
+                                           tile, dh)
+    dx, dlb = bias_dropout_add_bwd(dres, h.dtype, seed, p, need_dx=True, need_dbias=linear_bias_dtype is not None,
+                                   db_dtype=linear_bias_dtype)
+    return dx, dres, dweight, dbias, dlb
+
+
+def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamma, memory_efficient, tile,
+              dresidual, add_in=None):
+    """:func:`norm_bwd`, or with ``add_in = (seed, p, linear_bias_dtype)`` the backward of
+    :func:`bias_dropout_add_norm_fwd`: ``(dx, dweight, dbias, dx_in, dlinear_bias)`` (the last
+    two None without ``add_in``; dx_in is dx itself without dropout)."""
     device = x_or_y.device
     h = x_or_y.shape[-1]
     x2d = as_rows(x_or_y)  # [..., h] -> [rows, h]
     dy2d = as_rows(dy)
     n_rows = x2d.shape[0]
     dx = empty_contiguous_like(x_or_y)  # written as [rows, h]
+    seed, p, lb_dtype = add_in if add_in is not None else (None, 0.0, None)
+    dropout = seed is not None
+    dx_in = empty_contiguous_like(x_or_y) if dropout else (dx if add_in is not None else None)
+    has_dlb = lb_dtype is not None
     if n_rows == 0:
-        return dx, torch.zeros_like(weight), (torch.zeros_like(bias) if bias is not None else None)
+        return (dx, torch.zeros_like(weight), (torch.zeros_like(bias) if bias is not None else None), dx_in,
+                torch.zeros(h, dtype=lb_dtype, device=device) if has_dlb else None)
     dres2d = as_rows(dresidual) if dresidual is not None else dy2d
     if tile is None:
         tile = pick(RMS_BWD_TILES if rms_norm else BWD_TILES, h)
@@ -600,6 +802,8 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
         raise ValueError(f"tile.BLOCK_N must be a power of two (a Triton block), got {tile.BLOCK_N}")
     row_block = next_power_of_2(h)
     block_n = min(tile.BLOCK_N or row_block, row_block)
+    if add_in is not None:  # the dropout mask takes columns 8 at a time (one Philox call)
+        row_block, block_n = max(row_block, 8), max(block_n, 8)
     split = block_n < row_block  # long rows: programs of block_n columns read the row sums c1, c2
     acc = acc_dtype(x_or_y.dtype)
     common = dict(IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None, ZERO_CENTERED_GAMMA=zero_centered_gamma,
@@ -622,25 +826,31 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
                                                  column_blocks, fold_tiles=FOLD_TILES)
     # [1 or 2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1], only with a bias);
     # with one program they are the sums themselves: stored in the parameters' dtype, no second stage
-    final = programs == 1 and (bias is None or bias.dtype == weight.dtype)
-    partial = torch.empty((2 if bias is not None else 1, programs, h), dtype=weight.dtype if final else acc,
-                          device=device)
+    dlb_row = 2 if bias is not None else 1  # [dgamma, (dbeta,) (dlinear_bias)]
+    final = (programs == 1 and (bias is None or bias.dtype == weight.dtype)
+             and (not has_dlb or lb_dtype == weight.dtype))
+    partial = torch.empty((dlb_row + has_dlb, programs, h), dtype=weight.dtype if final else acc, device=device)
     launch(
         _norm_bwd_kernel, (programs, column_blocks), device,
         dy2d, x2d, *w_b, *stats, row_sums, dx, partial, dres2d, n_rows, h, *strides, *dres2d.stride(),
-        rows_per_program, BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=tile.num_stages,
-        HAS_DRES=dresidual is not None, **common, num_warps=tile.num_warps,
+        rows_per_program, dx_in if dropout else dx, seed if dropout else rstd,
+        drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0,
+        BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=tile.num_stages,
+        HAS_DRES=dresidual is not None, HAS_DLB=has_dlb, DLB_ROW=dlb_row, DROPOUT=dropout, **common,
+        num_warps=tile.num_warps,
     )
     if final:
-        return dx, partial[0, 0], (partial[1, 0] if bias is not None else None)
+        return (dx, partial[0, 0], (partial[1, 0] if bias is not None else None), dx_in,
+                partial[dlb_row, 0] if has_dlb else None)
     dweight = torch.empty_like(weight)
     dbias = torch.empty_like(bias) if bias is not None else None
+    dlb = torch.empty(h, dtype=lb_dtype, device=device) if has_dlb else None
     r_tile = _REDUCE_TILES[device.type]
     reduce_block_n = min(r_tile.BLOCK_N, block_n)
     launch(
         _norm_bwd_reduce_kernel, (cdiv(h, reduce_block_n),), device,
-        partial, dweight, dbias if dbias is not None else dweight, programs, h,
+        partial, dweight, dbias if dbias is not None else dweight, dlb if dlb is not None else dweight, programs, h,
         BLOCK_P=min(r_tile.BLOCK_M, next_power_of_2(programs)), BLOCK_N=reduce_block_n, HAS_BIAS=bias is not None,
-        ACC=TL_DTYPE[acc], num_warps=r_tile.num_warps,
+        ACC=TL_DTYPE[acc], HAS_DLB=has_dlb, DLB_ROW=dlb_row, num_warps=r_tile.num_warps,
     )
-    return dx, dweight, dbias
+    return dx, dweight, dbias, dx_in, dlb

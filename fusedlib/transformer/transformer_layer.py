@@ -46,7 +46,8 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from ..fusions.fused_layer_norm import norm_with_residual
+from ..fusions.fused_bias_dropout import get_bias_dropout_add
+from ..fusions.fused_layer_norm import bias_dropout_add_norm, norm_with_residual
 from ..parallel.random import checkpoint as tensor_parallel_checkpoint
 from ..utils import make_viewless_tensor
 from .identity_op import IdentityFuncOp, IdentityOp
@@ -191,9 +192,28 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
                    else type(hidden_states).__name__)
             raise ValueError(f"TransformerLayer: hidden_states must be a tensor [s, b, h] with s, b >= 1 and h = "
                              f"hidden_size = {h}, got {got}")
+        if self._bda_into_pre_mlp_norm():
+            # nothing between the attention's bias-dropout-add and the MLP's norm: one op for both
+            input_layernorm_output, residual = _norm_and_residual(self.input_layernorm, hidden_states, False)
+            attention_output_with_bias = self.self_attention(input_layernorm_output, attention_mask=attention_mask,
+                                                             rotary_pos_emb=rotary_pos_emb,
+                                                             attention_bias=attention_bias)
+            pre_mlp_layernorm_output, residual = bias_dropout_add_norm(
+                self.pre_mlp_layernorm, attention_output_with_bias, residual, self.hidden_dropout, self.training)
+            return self._mlp_and_bda(pre_mlp_layernorm_output, residual), context
         hidden_states, context = self._forward_attention(hidden_states, attention_mask, context, context_mask,
                                                          rotary_pos_emb, attention_bias)
         return self._forward_mlp(hidden_states), context
+
+    def _bda_into_pre_mlp_norm(self) -> bool:
+        """Whether the self-attention's bias-dropout-add and the MLP's norm run as one op
+        (:func:`~fusedlib.fusions.fused_layer_norm.bias_dropout_add_norm`): the fused
+        bias-dropout-add of the specs (``get_bias_dropout_add`` with ``bias_dropout_fusion``),
+        no cross attention between them, pre-norm residuals."""
+        return (self.config.bias_dropout_fusion and self.self_attn_bda is get_bias_dropout_add
+                and not self.config.apply_residual_connection_post_layernorm
+                and isinstance(self.pre_cross_attn_layernorm, IdentityOp)
+                and isinstance(self.cross_attention, IdentityOp) and isinstance(self.cross_attn_bda, IdentityFuncOp))
 
     def _forward_attention(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
                            attention_bias):
@@ -218,6 +238,9 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
     def _forward_mlp(self, hidden_states):
         pre_mlp_layernorm_output, residual = _norm_and_residual(
             self.pre_mlp_layernorm, hidden_states, self.config.apply_residual_connection_post_layernorm)
+        return self._mlp_and_bda(pre_mlp_layernorm_output, residual)
+
+    def _mlp_and_bda(self, pre_mlp_layernorm_output, residual):
         if self.recompute_mlp and self.training:
             mlp_output_with_bias = tensor_parallel_checkpoint(self.mlp, pre_mlp_layernorm_output)
         else:

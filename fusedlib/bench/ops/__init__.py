@@ -26,6 +26,7 @@ OP_MODULES: dict[str, str] = {
     "softmax_dropout": "softmax_dropout",
     "layer_norm": "layer_norm",
     "rms_norm": "rms_norm",
+    "bias_dropout_add_norm": "bias_dropout_add_norm",
     "rope": "rope",
     "attention": "attention",
     "transformer_layer": "transformer_layer",
