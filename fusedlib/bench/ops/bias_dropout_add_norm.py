@@ -27,7 +27,7 @@ def bias_dropout_add_norm_bytes(n_rows: int, h: int, elem: int) -> dict[str, int
     """Fewest bytes, no mask stored: fwd reads x and the residual (and the three [h] vectors)
     and writes y and h; bwd reads dy, dh and h, writes h's gradient (the residual's) and x's
     (dropped elements zeroed), and the three [h] gradients. 9 passes over [n_rows, h] in all
-    (the two ops apart: 13, h written, read back and its gradient read again)."""
+    (the two ops apart: 11, h written and read back, its gradient written and read back)."""
     n = n_rows * h
     fwd = (4 * n + 3 * h) * elem
     bwd = (5 * n + 3 * h) * elem
