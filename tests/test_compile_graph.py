@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import fusedlib
 from fusedlib import (
+    BiasDropoutAddNormFunction,
     FusedLayerNormAffineFunction,
     FusedRMSNormAffineFunction,
     FusedScaleMaskSoftmax,
@@ -203,6 +204,14 @@ CASES: dict[str, Case] = {
     "rms_norm_with_residual": Case(
         lambda dt: (_r(N, H, dtype=dt), _r(H, dtype=dt)),
         lambda x, w: _both(FusedRMSNormAffineFunction.apply(x, w, 1e-5, False, False, True))),
+    # a sublayer's bias-dropout-add in the next norm: (y, h) from one node, both with gradients
+    "bias_dropout_add_layer_norm_p0.3": Case(
+        lambda dt: (_r(N, H, dtype=dt), _r(H, dtype=dt), _r(N, H, dtype=dt), _r(H, dtype=dt), _r(H, dtype=dt)),
+        lambda x, lb, r, w, b: _both(BiasDropoutAddNormFunction.apply(x, lb, r, w, b, 1e-5, 0.3, True, False, False)),
+        random=True),
+    "bias_dropout_add_rms_norm_p0": Case(
+        lambda dt: (_r(N, H, dtype=dt), _r(H, dtype=dt), _r(N, H, dtype=dt), _r(H, dtype=dt)),
+        lambda x, lb, r, w: _both(BiasDropoutAddNormFunction.apply(x, lb, r, w, None, 1e-5, 0.0, True, True, False))),
     "rms_norm_memory_efficient_zero_centered": Case(
         lambda dt: (_r(N, H, dtype=dt), _r(H, dtype=dt, scale=0.1)),
         lambda x, w: fused_rms_norm(x, w, 1e-5, memory_efficient=True, zero_centered_gamma=True)),
@@ -408,6 +417,19 @@ def test_cuda_graph_of_forward_and_backward_replays_on_new_data(name, dtype):
         torch.testing.assert_close(dx.double(), want_dx, atol=atol, rtol=rtol)
         n = int(visible.sum())
         assert abs(keep.sum().item() / n - (1 - p_applied)) <= 5 * math.sqrt(p_applied * (1 - p_applied) / n)
+        return
+    if case.random and name.startswith("bias_dropout_add_layer_norm"):
+        # the graph's own seed, as below: h = r + keep·(x + lb)·s with the mask read off x's
+        # gradient (dres·keep·s), and y the LayerNorm of h as stored
+        out, dx, dlb, dr, dw, db = result
+        x, lb, r, w, b = (t.detach().float() for t in static)
+        s = dropout_scale(0.3)
+        keep = (dx != 0).float()
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+        torch.testing.assert_close(out[1].float(), r + keep * (x + lb) * s, **tol)
+        torch.testing.assert_close(out[0].float(), F.layer_norm(out[1].float(), (H,), w, b, 1e-5), **tol)
+        assert torch.equal(dx, (dr.float() * keep * s).to(dx.dtype))
+        assert abs(keep.mean().item() - 0.7) <= 5 * math.sqrt(0.3 * 0.7 / keep.numel())
         return
     if case.random:
         # another seed than eager's: check the graph's own mask instead. out = r + keep·(x + b)·s
@@ -781,7 +803,17 @@ def test_kernels_compile_for_sm90_with_int_arguments_as_constants():
                                    "SMOOTHING": False, "FINALIZE": False, "CHECK": True}),
             "norm fwd check gamma": (ln._norm_fwd_kernel, {"BLOCK_M": 2, "BLOCK_N": 64, "IS_RMS_NORM": False,
                                      "HAS_BIAS": True, "ZERO_CENTERED_GAMMA": True, "NUM_STAGES": 1,
-                                     "ACC": tl.float32, "CHECK_GAMMA": True}),
+                                     "ACC": tl.float32, "CHECK_GAMMA": True, "ADD_IN": False, "HAS_LB": False,
+                                     "DROPOUT": False}),
+            # the bias-dropout-add in the norm: its dropout threshold T is an int argument too
+            "norm fwd add in": (ln._norm_fwd_kernel, {"BLOCK_M": 2, "BLOCK_N": 64, "IS_RMS_NORM": False,
+                                "HAS_BIAS": True, "ZERO_CENTERED_GAMMA": False, "NUM_STAGES": 1,
+                                "ACC": tl.float32, "CHECK_GAMMA": False, "ADD_IN": True, "HAS_LB": True,
+                                "DROPOUT": True}),
+            "norm bwd add in": (ln._norm_bwd_kernel, {"BLOCK_M": 2, "BLOCK_N": 64, "IS_RMS_NORM": False,
+                                "HAS_BIAS": True, "ZERO_CENTERED_GAMMA": False, "MEMORY_EFFICIENT": False,
+                                "SPLIT": False, "NUM_STAGES": 2, "ACC": tl.float32, "HAS_DRES": True,
+                                "HAS_DLB": True, "DLB_ROW": 2, "DROPOUT": True}),
         }
         for name, (fn, consts) in cases.items():
             for as_constants in (True, False):
@@ -791,7 +823,7 @@ def test_kernels_compile_for_sm90_with_int_arguments_as_constants():
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0 and res.stdout.count("compiled") == 6, (res.stdout, res.stderr[-4000:])
+    assert res.returncode == 0 and res.stdout.count("compiled") == 8, (res.stdout, res.stderr[-4000:])
 
 
 def test_flash_attention_kernels_compile_for_sm90():

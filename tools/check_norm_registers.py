@@ -69,9 +69,12 @@ def main(hidden_sizes, dtype="bf16"):
             cf = pick(L.FWD_TILES, h)
             sig = {"X_ptr": elem, "Y_ptr": elem, "W_ptr": elem, "B_ptr": elem, "MEAN_ptr": stat,
                    "RSTD_ptr": stat, "ERR_ptr": "*i64", "n_rows": "i32", "n_cols": "i32", "X_row_stride": "i32",
-                   "X_col_stride": "i32", "eps": "fp32", "rows_per_program": "i32"}
+                   "X_col_stride": "i32", "eps": "fp32", "rows_per_program": "i32", "LB_ptr": elem, "R_ptr": elem,
+                   "H_ptr": elem, "SEED_ptr": "*i64", "R_row_stride": "i32", "R_col_stride": "i32", "T": "i32",
+                   "scale": "fp32"}
             const = dict(X_col_stride=1, BLOCK_M=cf.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms, HAS_BIAS=not rms,
-                         ZERO_CENTERED_GAMMA=False, NUM_STAGES=cf.num_stages, ACC=acc, CHECK_GAMMA=False)
+                         ZERO_CENTERED_GAMMA=False, NUM_STAGES=cf.num_stages, ACC=acc, CHECK_GAMMA=False,
+                         ADD_IN=False, HAS_LB=False, DROPOUT=False)
             if cf.programs_per_sm == 0 and cf.BLOCK_M == 1:
                 const["rows_per_program"] = 1  # Triton specializes an int argument equal to 1
             aligned = ["X_ptr", "Y_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "n_rows"] + aligned_dims + (
@@ -102,11 +105,13 @@ def main(hidden_sizes, dtype="bf16"):
                        "RSTD_ptr": stat, "C_ptr": stat, "DX_ptr": elem, "PARTIAL_ptr": stat, "DRES_ptr": elem,
                        "n_rows": "i32", "n_cols": "i32", "DY_row_stride": "i32", "DY_col_stride": "i32",
                        "X_row_stride": "i32", "X_col_stride": "i32", "DRES_row_stride": "i32",
-                       "DRES_col_stride": "i32", "rows_per_program": "i32"}
+                       "DRES_col_stride": "i32", "rows_per_program": "i32", "DXIN_ptr": elem, "SEED_ptr": "*i64",
+                       "T": "i32", "scale": "fp32"}
                 # with the residual's gradient added (HAS_DRES), as a transformer layer's norms run
                 const = dict(DY_col_stride=1, X_col_stride=1, DRES_col_stride=1, BLOCK_M=cb.BLOCK_M,
                              BLOCK_N=bwd_block, IS_RMS_NORM=rms, HAS_BIAS=not rms, ZERO_CENTERED_GAMMA=False,
-                             MEMORY_EFFICIENT=me, SPLIT=split, NUM_STAGES=cb.num_stages, ACC=acc, HAS_DRES=True)
+                             MEMORY_EFFICIENT=me, SPLIT=split, NUM_STAGES=cb.num_stages, ACC=acc, HAS_DRES=True,
+                             HAS_DLB=False, DLB_ROW=2 if not rms else 1, DROPOUT=False)
                 aligned = ["DY_ptr", "X_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "C_ptr", "DX_ptr",
                            "PARTIAL_ptr", "DRES_ptr", "n_rows"] + aligned_dims + (
                     ["DY_row_stride", "X_row_stride", "DRES_row_stride"] if aligned_dims else [])
