@@ -991,7 +991,8 @@ def test_bias_dropout_add_norm_equals_the_two_ops(norm, dtype, h, p, seed):
     # two float32 sums of the same 37 terms (x's gradient), each within 37 U of their absolute
     # sum, each rounded once to the bias's dtype
     abs_sum = fused[2].double().abs().reshape(37, h).sum(0)
-    _assert_within("d linear bias", dlb, dlb_chain.double(), 2 * 37 * U * abs_sum + _half_ulp(dlb) + _half_ulp(dlb_chain))
+    _assert_within("d linear bias", dlb, dlb_chain.double(),
+                   2 * 37 * U * abs_sum + _half_ulp(dlb) + _half_ulp(dlb_chain))
 
 
 @pytest.mark.parametrize("norm", NORMS)

@@ -73,7 +73,9 @@ from ..checks import (
     real_to_float,
 )
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd, philox_seed
-from ..kernels.layer_norm import MAX_HIDDEN_SIZE, bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd, norm_bwd, norm_fwd
+from ..kernels.layer_norm import (
+    MAX_HIDDEN_SIZE, bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd, norm_bwd, norm_fwd,
+)
 from ..runtime import DeviceCheck
 from ._apply import apply, once_differentiable
 from .fused_bias_dropout import _check_prob, get_bias_dropout_add
