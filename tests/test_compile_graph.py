@@ -782,7 +782,9 @@ def test_kernels_compile_for_sm90_with_int_arguments_as_constants():
                     sig[a], cx[a] = "constexpr", consts[a]
                 elif a.endswith("_ptr"):
                     sig[a] = PTR.get(a, "*fp32")
-                elif a in ("eps", "scale"):
+                elif a == "scale":
+                    sig[a] = consts.get("scale type", "fp32")
+                elif a == "eps":
                     sig[a] = "fp32"
                 elif as_constants:
                     sig[a], cx[a] = "constexpr", consts.get(a, INTS.get(a, 3))
@@ -809,11 +811,14 @@ def test_kernels_compile_for_sm90_with_int_arguments_as_constants():
             "norm fwd add in": (ln._norm_fwd_kernel, {"BLOCK_M": 2, "BLOCK_N": 64, "IS_RMS_NORM": False,
                                 "HAS_BIAS": True, "ZERO_CENTERED_GAMMA": False, "NUM_STAGES": 1,
                                 "ACC": tl.float32, "CHECK_GAMMA": False, "ADD_IN": True, "HAS_LB": True,
-                                "DROPOUT": True}),
+                                "DROPOUT": True, "scale type": "fp64"}),
+            # scale as float64, as Inductor passes a float argument: the loop-carried bias sum must
+            # stay float32
             "norm bwd add in": (ln._norm_bwd_kernel, {"BLOCK_M": 2, "BLOCK_N": 64, "IS_RMS_NORM": False,
                                 "HAS_BIAS": True, "ZERO_CENTERED_GAMMA": False, "MEMORY_EFFICIENT": False,
                                 "SPLIT": False, "NUM_STAGES": 2, "ACC": tl.float32, "HAS_DRES": True,
-                                "HAS_DLB": True, "DLB_ROW": 2, "DROPOUT": True}),
+                                "HAS_DLB": True, "DLB_ROW": 2, "DROPOUT": True, "STORE_DXIN": True,
+                                "scale type": "fp64"}),
         }
         for name, (fn, consts) in cases.items():
             for as_constants in (True, False):

@@ -1012,10 +1012,13 @@ def test_bias_dropout_add_norm_one_output_and_no_bias(norm):
             kept = x.grad != 0
             assert 0.6 < kept.float().mean() < 0.95  # about 80 % kept (288 elements)
             torch.testing.assert_close(x.grad[kept], (g * dropout_scale(0.2))[kept], rtol=U, atol=0)
-    frozen = residual.detach()
+    frozen = residual.detach()  # needs no gradient: only x's is computed
+    x.grad = None
     y, hidden = fusedlib.bias_dropout_add_norm(m, (x, None), frozen, 0.0, False)  # eval: no dropout
     y.sum().backward()
-    assert frozen.grad is None and x.grad is not None
+    x2 = x.detach().clone().requires_grad_(True)
+    _bda_norm_chain(m, (x2, None), frozen, 0.0, False)[0].sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, **({} if DEVICE.type == "cuda" else dict(rtol=0, atol=0)))
     with torch.no_grad():
         y_ng, h_ng = fusedlib.bias_dropout_add_norm(m, (x, None), frozen, 0.5, False)
     assert torch.equal(h_ng, frozen + x.detach()) and torch.equal(y_ng, y.detach())
@@ -1097,10 +1100,12 @@ def test_bias_dropout_add_norm_rejects_bad_input(case):
 
 @pytest.mark.parametrize("h", (7, 300, 1000))
 @pytest.mark.parametrize("p", (0.0, 0.3))
-def test_bias_dropout_add_norm_backward_in_the_norm_or_apart(h, p):
+@pytest.mark.parametrize("wants", ["dx and d bias", "dx alone", "d bias alone"])
+def test_bias_dropout_add_norm_backward_in_the_norm_or_apart(h, p, wants):
     # x's gradient and the bias's column sum taken by the norm's backward kernel, or by the
-    # bias-dropout-add backward kernel reading dres back: the same results
-    from fusedlib.kernels.bias_dropout_add import philox_seed
+    # bias-dropout-add backward kernel reading dres back: the same results, whichever of the
+    # two gradients is asked for
+    from fusedlib.kernels.bias_dropout_add import dropout_scale, philox_seed
     from fusedlib.kernels.layer_norm import bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd
 
     rows = 37
@@ -1109,16 +1114,61 @@ def test_bias_dropout_add_norm_backward_in_the_norm_or_apart(h, p):
     lb, w, b = (torch.randn(h, device=DEVICE) for _ in range(3))
     seed = philox_seed(DEVICE) if p > 0 else None
     _, hh, mean, rstd = bias_dropout_add_norm_fwd(x, lb, r, seed, p, w, b, EPS, rms_norm=False)
-    a = bias_dropout_add_norm_bwd(dy, dh, hh, w, b, mean, rstd, seed, p, torch.float32, rms_norm=False, in_norm=True)
-    c = bias_dropout_add_norm_bwd(dy, dh, hh, w, b, mean, rstd, seed, p, torch.float32, rms_norm=False, in_norm=False)
-    assert (a[0] is a[1]) is (p == 0) and (c[0] is c[1]) is (p == 0)  # without dropout dx is dres itself
+    need_dx, lb_dtype = wants != "d bias alone", (torch.float32 if wants != "dx alone" else None)
+    a, c = (bias_dropout_add_norm_bwd(dy, dh, hh, w, b, mean, rstd, seed, p, lb_dtype, rms_norm=False,
+                                      in_norm=in_norm, need_dx=need_dx) for in_norm in (True, False))
+    ref = bias_dropout_add_norm_bwd(dy, dh, hh, w, b, mean, rstd, seed, p, torch.float32, rms_norm=False,
+                                    in_norm=False)  # every gradient, apart
+    for r in (a, c):
+        if need_dx:  # without dropout dx is dres itself
+            assert (r[0] is r[1]) is (p == 0)
+        else:
+            assert r[0] is None
+        assert (r[4] is None) is (lb_dtype is None)
     exact = DEVICE.type == "cpu"  # compiled: an FMA apart at most, as above
-    for name, u, v in zip(("dx", "dres", "dweight", "dbias"), a[:4], c[:4]):
+    for name, u, v in zip(("dx", "dres", "dweight", "dbias"), a[:4], ref[:4]):
+        if u is None:
+            continue
         if exact:
             assert torch.equal(u, v), name
         else:
             assert_close(u, v.double(), torch.float32, scale=rows**0.5 if name.startswith("dw") else 1.0)
-    # two float32 sums over rows, each within rows·U of the absolute sum, of x's gradients that
-    # differ elementwise by what the comparison above allowed
-    abs_sum, apart = c[0].double().abs().sum(0), (a[0].double() - c[0].double()).abs().sum(0)
-    _assert_within("d linear bias", a[4], c[4].double(), 2 * rows * U * abs_sum + apart)
+    assert c[0] is None or torch.equal(c[0], ref[0])
+    if lb_dtype is not None:
+        # two float32 sums over rows, each within rows·U of the absolute sum, of x's gradients that
+        # differ elementwise by what the comparison above allowed
+        # (without dx, dx as the kernel formed it: dres·keep·scale, one float32 rounding away)
+        abs_sum = ref[0].double().abs().sum(0)
+        if a[0] is not None:
+            dx_a, formed = a[0].double(), 0.0
+        else:
+            dx_a = a[1].double() * (ref[0] != 0) * (1.0 if p == 0 else dropout_scale(p))
+            formed = U * abs_sum
+        apart = (dx_a - ref[0].double()).abs().sum(0)
+        _assert_within("d linear bias", a[4], ref[4].double(), 2 * rows * U * abs_sum + apart + formed)
+        assert torch.equal(c[4], ref[4])
+
+
+@pytest.mark.parametrize("bias", ["none", "frozen"])
+def test_bias_dropout_add_norm_without_a_bias_gradient_at_every_row_length(bias):
+    # rows of 300 take x's gradient from the bias-dropout-add backward kernel, rows of 4096 from
+    # the norm's (BDA_BWD_IN_NORM); with dropout and no bias gradient to sum, x's still comes out
+    from fusedlib.kernels.bias_dropout_add import dropout_mask, dropout_scale, philox_seed
+
+    for h in (300, 4096):
+        m = _module("layer", h, torch.float32)
+        x = torch.randn(3, h, device=DEVICE, requires_grad=True)
+        r = torch.randn(3, h, device=DEVICE)
+        lb = None if bias == "none" else torch.randn(h, device=DEVICE)  # frozen: no grad
+        torch.manual_seed(11)
+        y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), r, 0.3, True)
+        g = torch.randn_like(y)
+        torch.autograd.backward((y, hidden), (g, g))
+        torch.manual_seed(11)
+        keep = dropout_mask(philox_seed(DEVICE), 3, h, 0.3)
+        x2 = x.detach().clone().requires_grad_(True)
+        torch.manual_seed(11)
+        y2, h2 = _bda_norm_chain(m, (x2, lb), r, 0.3, True)
+        torch.autograd.backward((y2, h2), (g, g))
+        assert (x.grad[~keep] == 0).all() and (x.grad[keep] != 0).all()
+        torch.testing.assert_close(x.grad, x2.grad, **({} if DEVICE.type == "cuda" else dict(rtol=0, atol=0)))

@@ -111,7 +111,7 @@ def main(hidden_sizes, dtype="bf16"):
                 const = dict(DY_col_stride=1, X_col_stride=1, DRES_col_stride=1, BLOCK_M=cb.BLOCK_M,
                              BLOCK_N=bwd_block, IS_RMS_NORM=rms, HAS_BIAS=not rms, ZERO_CENTERED_GAMMA=False,
                              MEMORY_EFFICIENT=me, SPLIT=split, NUM_STAGES=cb.num_stages, ACC=acc, HAS_DRES=True,
-                             HAS_DLB=False, DLB_ROW=2 if not rms else 1, DROPOUT=False)
+                             HAS_DLB=False, DLB_ROW=2 if not rms else 1, DROPOUT=False, STORE_DXIN=False)
                 aligned = ["DY_ptr", "X_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "C_ptr", "DX_ptr",
                            "PARTIAL_ptr", "DRES_ptr", "n_rows"] + aligned_dims + (
                     ["DY_row_stride", "X_row_stride", "DRES_row_stride"] if aligned_dims else [])

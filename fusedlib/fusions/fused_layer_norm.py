@@ -78,7 +78,8 @@ from ..kernels.layer_norm import (
 )
 from ..runtime import DeviceCheck
 from ._apply import apply, once_differentiable
-from .fused_bias_dropout import _check_prob, get_bias_dropout_add
+from .fused_bias_dropout import _check as _check_bda
+from .fused_bias_dropout import get_bias_dropout_add
 
 __all__ = [
     "FusedLayerNormAffineFunction",
@@ -605,9 +606,14 @@ def bias_dropout_add_norm(norm: torch.nn.Module, x_with_bias: tuple, residual: t
     launch less). The backward kernel of the norm, which already adds h's second gradient
     (the next residual connection's) to its own, also writes x's gradient (the same tensor
     without dropout) and sums it over rows for the bias's gradient, the work of the
-    bias-dropout-add backward kernel (one read of the gradient less). The results are the
-    two kernels' bits: h is rounded to its dtype and normalised as rounded; the bias gradient
-    is summed in float32 in another order.
+    bias-dropout-add backward kernel (one read of the gradient less), at the row lengths where
+    that measured faster (``BDA_BWD_IN_NORM`` in :mod:`fusedlib.kernels.layer_norm`; elsewhere
+    that kernel reads the gradient back). The arithmetic is the two kernels', in their order: h
+    is rounded to its dtype and normalised as rounded. In Triton's interpreter the results are
+    their bits, except sums over rows taken in another order (the bias's, in the norm's kernel;
+    and the norm's parameter gradients of rows under 8 columns, which take an 8-column block);
+    compiled, the two forms may also differ by the placement of a fused multiply-add (a float32
+    rounding).
 
     Fused when ``fused`` and ``norm`` is fusedlib's ``FusedLayerNorm`` or ``FusedRMSNorm``
     (``backend="fusedlib"``, without ``memory_efficient_layer_norm``, without hooks), x and the
@@ -668,7 +674,7 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
 
     Raises:
         TypeError: a non-tensor or unsupported dtype, residual or parameters of another dtype
-            than x, prob not a Python float, training not a bool.
+            than x, prob not a real number (a tensor, a str, a bool), training not a bool.
         ValueError: residual's shape not x's, linear_bias not [h], h outside 1..65536, prob
             outside [0, 1], eps as the norms', tensors on different devices.
 
@@ -679,19 +685,12 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, linear_bias: Optional[torch.Tensor], residual: torch.Tensor,
                 weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, prob: float, training: bool,
                 rms_norm: bool, zero_centered_gamma: bool):
+        # the bias-dropout-add's checks (shapes, dtypes, devices, prob), then the norm's
+        x, linear_bias, residual, prob = _check_bda((x, linear_bias), residual, prob)
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual must have x's dtype {x.dtype} (h is normalised in it), got {residual.dtype}")
         weight_c, bias_c = _check_inputs(x, weight, bias, eps, x_name="x")
-        check_tensor("residual", residual)
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise (ValueError if residual.shape != x.shape else TypeError)(
-                f"residual must have x's shape {list(x.shape)} and dtype {x.dtype}, got {list(residual.shape)} "
-                f"{residual.dtype}")
-        if linear_bias is not None:
-            check_tensor("linear_bias", linear_bias, ndim=1)
-            if linear_bias.shape[0] != x.shape[-1]:
-                raise ValueError(f"the sublayer's bias must have shape [h] with h = x.shape[-1] = {x.shape[-1]}, "
-                                 f"got {list(linear_bias.shape)}")
-        check_same_device(x=x, residual=residual, linear_bias=linear_bias, weight=weight)
-        prob = _check_prob(prob)
+        check_same_device(x=x, weight=weight)
         training = check_bool("training", training)
         dropout = training and prob > 0.0
         seed = philox_seed(x.device) if dropout else None
@@ -718,7 +717,7 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
             return dx, dlb, grad_h, None, None, *none5
         dx, dres, dweight, dbias, dlb = bias_dropout_add_norm_bwd(
             grad_y, grad_h, h, weight, bias, mean, rstd, seed, ctx.prob, lb_dtype, rms_norm=ctx.rms_norm,
-            zero_centered_gamma=ctx.zero_centered_gamma)
+            zero_centered_gamma=ctx.zero_centered_gamma, need_dx=ctx.needs_input_grad[0])
         return dx, dlb, dres, dweight, dbias, *none5
 
 

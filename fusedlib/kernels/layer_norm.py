@@ -71,6 +71,7 @@ arXiv:1910.07467.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -191,10 +192,10 @@ def _norm_fwd_kernel(
                 x += tl.load(LB_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
             if DROPOUT:
                 keep = _keep_mask(tl.load(SEED_ptr), rows, 0, T, BLOCK_M, BLOCK_N)
-                x = tl.where(keep, x * scale, 0.0)
+                x = tl.where(keep, x * scale, 0.0).to(ACC)  # ACC even for a float64 scale (Inductor)
             h = (res.to(ACC) + x).to(H_ptr.dtype.element_ty)
             tl.store(H_ptr + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
-            x = h.to(ACC)  # 0 in the padding: every load there gave 0
+            x = h.to(ACC)  # 0 in the padding columns (every load there gave 0); padding rows are never stored
         # row statistics, [BLOCK_M]
         if IS_RMS_NORM:
             x_c = x
@@ -320,7 +321,7 @@ def _norm_bwd_kernel(
     RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
     C_ptr,  # ACC [2, n_rows]: c1 and c2 per row from _norm_bwd_row_stats_kernel (read only if SPLIT)
     DX_ptr,  # grad of x, [n_rows, n_cols], contiguous, x's dtype
-    PARTIAL_ptr,  # ACC [2, n_programs, n_cols]: per program, its rows' sums of dy * x_hat ([0]) and dy ([1]) (one program: the sums, in w's dtype)
+    PARTIAL_ptr,  # ACC [1-3, n_programs, n_cols]: per program, its rows' sums of dy * x_hat ([0]), dy ([1], HAS_BIAS) and x_in's gradient ([DLB_ROW], HAS_DLB) (one program: the sums, in w's dtype)
     DRES_ptr,  # x's other gradient (the residual's), [n_rows, n_cols], strides (DRES_row_stride, DRES_col_stride); read only if HAS_DRES
     n_rows,
     n_cols,
@@ -347,7 +348,8 @@ def _norm_bwd_kernel(
     HAS_DRES: tl.constexpr,  # add the residual's gradient to dx (x also feeds a residual connection)
     HAS_DLB: tl.constexpr,  # x was h = residual + dropout(x_in + lb): sum x_in's gradient over rows (lb's)
     DLB_ROW: tl.constexpr,  # HAS_DLB: the index of lb's partial sums in PARTIAL_ptr (after dgamma, dbeta)
-    DROPOUT: tl.constexpr,  # HAS_DLB with dropout: store x_in's gradient, the mask regenerated
+    DROPOUT: tl.constexpr,  # x_in's gradient is dx·keep·scale, the forward's mask regenerated
+    STORE_DXIN: tl.constexpr,  # store x_in's gradient (with DROPOUT; without, it is dx itself)
 ):
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # program_id(1) is 0 without SPLIT
@@ -402,16 +404,20 @@ def _norm_bwd_kernel(
                           mask=mask, other=0.0).to(ACC)
         dx = dx.to(DX_ptr.dtype.element_ty)
         tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx, mask=mask)
-        if HAS_DLB:
+        if HAS_DLB or STORE_DXIN:
             # the bias-dropout-add backward on the stored dx (its gradient g, the same bits):
             # x_in's gradient is g·keep·scale, or g itself without dropout, and lb's its column sum
             dxin = dx.to(ACC)
             if DROPOUT:
                 keep = _keep_mask(seed, rows, tl.program_id(1), T, BLOCK_M, BLOCK_N)  # the forward's mask
-                dxin = tl.where(keep, dxin * scale, 0.0)
+                # .to(ACC): Inductor passes scale as a float64 constant, which would make dxin, and
+                # the loop-carried dlb_acc, float64
+                dxin = tl.where(keep, dxin * scale, 0.0).to(ACC)
+            if STORE_DXIN:
                 tl.store(DXIN_ptr + rows[:, None] * n_cols + cols[None, :], dxin.to(DXIN_ptr.dtype.element_ty),
                          mask=mask)
-            dlb_acc += dxin  # masked lanes hold 0
+            if HAS_DLB:
+                dlb_acc += dxin  # masked lanes hold 0
         # first stage of dgamma / dbeta: accumulate over this program's rows
         dw_acc += dy * x_hat
         if HAS_BIAS:
@@ -426,7 +432,7 @@ def _norm_bwd_kernel(
 
 @triton.jit
 def _norm_bwd_reduce_kernel(
-    PARTIAL_ptr,  # ACC [2, n_partials, n_cols]: per-program partial sums of dgamma ([0]) and dbeta ([1])
+    PARTIAL_ptr,  # ACC [1-3, n_partials, n_cols]: per-program partial sums of dgamma ([0]), dbeta ([1]), dlb ([DLB_ROW])
     DW_ptr,  # dgamma, [n_cols], w's dtype
     DB_ptr,  # dbeta, [n_cols], b's dtype (written only if HAS_BIAS)
     DLB_ptr,  # HAS_DLB: the sublayer bias's gradient, [n_cols], its dtype
@@ -540,8 +546,12 @@ RMS_BWD_TILES: TileTable = tuple(
 # residual and the sublayer's output too): [32768, 384] bf16 on the H200, CUDA-graph replays,
 # 0.0316 ms for [4 rows, 2 warps] against 0.0357 for FWD_TILES's [8, 4 warps] (the two kernels
 # apart: 0.0465); the best of 15 tiles of 2-32 rows at 1-8 warps.
+# Rows of 16 Ki-32 Ki: FWD_TILES's pipelined persistent grid would stage the residual too, past
+# an SM's shared memory (bf16 LayerNorm compiled for sm_90: 327,816 bytes against 232,448); one
+# stage there.
 BDA_FWD_TILES: TileTable = tuple(
-    (bound, Tile(BLOCK_M=4, BLOCK_N=0, num_warps=2, num_stages=1, programs_per_sm=0) if bound == 512 else tile)
+    (bound, Tile(BLOCK_M=4, BLOCK_N=0, num_warps=2, num_stages=1, programs_per_sm=0) if bound == 512
+     else replace(tile, num_stages=1) if tile.num_stages > 1 else tile)
     for bound, tile in FWD_TILES
 )
 
@@ -734,8 +744,8 @@ def bias_dropout_add_norm_bwd(dy: torch.Tensor, dh: Optional[torch.Tensor], h: t
                               bias: Optional[torch.Tensor], mean: Optional[torch.Tensor], rstd: torch.Tensor,
                               seed: Optional[torch.Tensor], p: float, linear_bias_dtype: Optional[torch.dtype], *,
                               rms_norm: bool, zero_centered_gamma: bool = False, tile: Optional[Tile] = None,
-                              in_norm: Optional[bool] = None
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                              in_norm: Optional[bool] = None, need_dx: bool = True
+                              ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, Optional[torch.Tensor],
                                          Optional[torch.Tensor]]:
     """The backward of :func:`bias_dropout_add_norm_fwd`: h's gradient ``dres = norm's dx + dh``
     (the residual's), x's gradient ``dres·keep·scale`` (``dres`` itself without dropout) and the
@@ -755,11 +765,13 @@ def bias_dropout_add_norm_bwd(dy: torch.Tensor, dh: Optional[torch.Tensor], h: t
         seed, p: the forward's Philox key (None: nothing was dropped) and probability.
         linear_bias_dtype: the sublayer bias's dtype, or None for no bias gradient.
         in_norm: see above; None: as :data:`BDA_BWD_IN_NORM` says for rows of h'.
+        need_dx: compute x's gradient (False: dx is None).
 
     Returns:
         ``(dx, dresidual, dweight, dbias, dlinear_bias)``: dresidual a new contiguous tensor of
-        h's shape and dtype; dx ``dresidual`` itself without dropout, else a new tensor; dweight,
-        dbias as :func:`norm_bwd`'s; dlinear_bias [h'] of ``linear_bias_dtype`` or None.
+        h's shape and dtype; dx ``dresidual`` itself without dropout, else a new tensor (None
+        without ``need_dx``); dweight, dbias as :func:`norm_bwd`'s; dlinear_bias [h'] of
+        ``linear_bias_dtype`` or None.
 
     Raises:
         ValueError: as :func:`norm_bwd`.
@@ -768,30 +780,31 @@ def bias_dropout_add_norm_bwd(dy: torch.Tensor, dh: Optional[torch.Tensor], h: t
         in_norm = next((fused for bound, fused in BDA_BWD_IN_NORM if h.shape[-1] <= bound), False)
     if in_norm:
         dres, dweight, dbias, dx, dlb = _norm_bwd(dy, h, weight, bias, mean, rstd, rms_norm, zero_centered_gamma,
-                                                  False, tile, dh, add_in=(seed, p, linear_bias_dtype))
+                                                  False, tile, dh, add_in=(seed, p, linear_bias_dtype, need_dx))
         return dx, dres, dweight, dbias, dlb
     dres, dweight, dbias, _, _ = _norm_bwd(dy, h, weight, bias, mean, rstd, rms_norm, zero_centered_gamma, False,
                                            tile, dh)
-    dx, dlb = bias_dropout_add_bwd(dres, h.dtype, seed, p, need_dx=True, need_dbias=linear_bias_dtype is not None,
+    dx, dlb = bias_dropout_add_bwd(dres, h.dtype, seed, p, need_dx=need_dx, need_dbias=linear_bias_dtype is not None,
                                    db_dtype=linear_bias_dtype)
     return dx, dres, dweight, dbias, dlb
 
 
 def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamma, memory_efficient, tile,
               dresidual, add_in=None):
-    """:func:`norm_bwd`, or with ``add_in = (seed, p, linear_bias_dtype)`` the backward of
+    """:func:`norm_bwd`, or with ``add_in = (seed, p, linear_bias_dtype, need_dx_in)`` the backward of
     :func:`bias_dropout_add_norm_fwd`: ``(dx, dweight, dbias, dx_in, dlinear_bias)`` (the last
-    two None without ``add_in``; dx_in is dx itself without dropout)."""
+    two None without ``add_in``; dx_in is dx itself without dropout, None without need_dx_in)."""
     device = x_or_y.device
     h = x_or_y.shape[-1]
     x2d = as_rows(x_or_y)  # [..., h] -> [rows, h]
     dy2d = as_rows(dy)
     n_rows = x2d.shape[0]
     dx = empty_contiguous_like(x_or_y)  # written as [rows, h]
-    seed, p, lb_dtype = add_in if add_in is not None else (None, 0.0, None)
-    dropout = seed is not None
-    dx_in = empty_contiguous_like(x_or_y) if dropout else (dx if add_in is not None else None)
+    seed, p, lb_dtype, need_dx_in = add_in if add_in is not None else (None, 0.0, None, False)
     has_dlb = lb_dtype is not None
+    store_dx_in = seed is not None and need_dx_in
+    dropout = seed is not None and (store_dx_in or has_dlb)  # the mask is needed
+    dx_in = empty_contiguous_like(x_or_y) if store_dx_in else (dx if need_dx_in and seed is None else None)
     if n_rows == 0:
         return (dx, torch.zeros_like(weight), (torch.zeros_like(bias) if bias is not None else None), dx_in,
                 torch.zeros(h, dtype=lb_dtype, device=device) if has_dlb else None)
@@ -824,7 +837,8 @@ def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamm
         )
     programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, max(1, tile.programs_per_sm), device,
                                                  column_blocks, fold_tiles=FOLD_TILES)
-    # [1 or 2, programs, h]: first-stage partial sums of dgamma ([0]) and dbeta ([1], only with a bias);
+    # [1 to 3, programs, h]: first-stage partial sums of dgamma ([0]), dbeta ([1], only with a bias) and
+    # the sublayer bias's gradient ([dlb_row], only with add_in and its bias);
     # with one program they are the sums themselves: stored in the parameters' dtype, no second stage
     dlb_row = 2 if bias is not None else 1  # [dgamma, (dbeta,) (dlinear_bias)]
     final = (programs == 1 and (bias is None or bias.dtype == weight.dtype)
@@ -833,10 +847,11 @@ def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamm
     launch(
         _norm_bwd_kernel, (programs, column_blocks), device,
         dy2d, x2d, *w_b, *stats, row_sums, dx, partial, dres2d, n_rows, h, *strides, *dres2d.stride(),
-        rows_per_program, dx_in if dropout else dx, seed if dropout else rstd,
+        rows_per_program, dx_in if store_dx_in else dx, seed if dropout else rstd,
         drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=tile.num_stages,
-        HAS_DRES=dresidual is not None, HAS_DLB=has_dlb, DLB_ROW=dlb_row, DROPOUT=dropout, **common,
+        HAS_DRES=dresidual is not None, HAS_DLB=has_dlb, DLB_ROW=dlb_row, DROPOUT=dropout,
+        STORE_DXIN=store_dx_in, **common,
         num_warps=tile.num_warps,
     )
     if final:

@@ -17,7 +17,11 @@ attention slot passes x through unchanged.
 Each pre-norm and its residual come from :func:`~fusedlib.fusions.fused_layer_norm.norm_with_residual`:
 with fusedlib's norms the residual is a second output of the norm's autograd node (the same values
 as x), so the backward kernel of the norm adds the residual's gradient to x's instead of autograd
-adding the two in a separate kernel (chapter 4); other norm modules get ``residual = x``.
+adding the two in a separate kernel (chapter 4); other norm modules get ``residual = x``. With
+``bias_dropout_fusion`` and nothing between them (no cross attention, pre-norm residuals), the
+self-attention's bias-dropout-add and the MLP's norm run as one op,
+:func:`~fusedlib.fusions.fused_layer_norm.bias_dropout_add_norm` (the same values; fusedlib's norms
+then take the bias-dropout-add into their kernels).
 
 Residual options: ``apply_residual_connection_post_layernorm`` takes the residual after each
 norm instead of before (Megatron-core keeps the field but its layer ignores it; this is
@@ -194,10 +198,8 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
                              f"hidden_size = {h}, got {got}")
         if self._bda_into_pre_mlp_norm():
             # nothing between the attention's bias-dropout-add and the MLP's norm: one op for both
-            input_layernorm_output, residual = _norm_and_residual(self.input_layernorm, hidden_states, False)
-            attention_output_with_bias = self.self_attention(input_layernorm_output, attention_mask=attention_mask,
-                                                             rotary_pos_emb=rotary_pos_emb,
-                                                             attention_bias=attention_bias)
+            attention_output_with_bias, residual = self._self_attention(hidden_states, attention_mask,
+                                                                        rotary_pos_emb, attention_bias)
             pre_mlp_layernorm_output, residual = bias_dropout_add_norm(
                 self.pre_mlp_layernorm, attention_output_with_bias, residual, self.hidden_dropout, self.training)
             return self._mlp_and_bda(pre_mlp_layernorm_output, residual), context
@@ -215,14 +217,21 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
                 and isinstance(self.pre_cross_attn_layernorm, IdentityOp)
                 and isinstance(self.cross_attention, IdentityOp) and isinstance(self.cross_attn_bda, IdentityFuncOp))
 
+    def _self_attention(self, hidden_states, attention_mask, rotary_pos_emb, attention_bias):
+        """``(self_attention(input_layernorm(x)) as (output, bias), residual)``."""
+        input_layernorm_output, residual = _norm_and_residual(
+            self.input_layernorm, hidden_states, self.config.apply_residual_connection_post_layernorm)
+        attention_output_with_bias = self.self_attention(input_layernorm_output, attention_mask=attention_mask,
+                                                         rotary_pos_emb=rotary_pos_emb,
+                                                         attention_bias=attention_bias)
+        return attention_output_with_bias, residual
+
     def _forward_attention(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
                            attention_bias):
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         # (Megatron-core runs each bda under torch.enable_grad, a leftover of nvfuser; not needed here)
-        input_layernorm_output, residual = _norm_and_residual(self.input_layernorm, hidden_states, post_ln_residual)
-        attention_output_with_bias = self.self_attention(input_layernorm_output, attention_mask=attention_mask,
-                                                         rotary_pos_emb=rotary_pos_emb,
-                                                         attention_bias=attention_bias)
+        attention_output_with_bias, residual = self._self_attention(hidden_states, attention_mask, rotary_pos_emb,
+                                                                    attention_bias)
         hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
             attention_output_with_bias, residual, self.hidden_dropout)
 
