@@ -1068,15 +1068,18 @@ def test_bias_dropout_add_norm_falls_back_to_the_two_ops():
     torch.testing.assert_close(y, fused[0], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["shape", "dtype", "bias", "prob", "training", "device"])
+@pytest.mark.parametrize("case", ["shape", "dtype", "bias", "prob", "training", "device", "rms_norm",
+                                  "zero_centered_gamma", "rms with bias"])
 def test_bias_dropout_add_norm_rejects_bad_input(case):
     from fusedlib.fusions.fused_layer_norm import BiasDropoutAddNormFunction
 
     m = _module("layer", 16, torch.float32)
     x, r, lb = torch.randn(4, 16, device=DEVICE), torch.randn(4, 16, device=DEVICE), torch.randn(16, device=DEVICE)
-    args = dict(x=x, lb=lb, r=r, prob=0.1, training=True)
-    expect = {"shape": (ValueError, "residual"), "dtype": (TypeError, "residual"), "bias": (ValueError, "bias"),
-              "prob": (ValueError, "prob"), "training": (TypeError, "training"), "device": (ValueError, "device")}
+    args = dict(x=x, lb=lb, r=r, prob=0.1, training=True, rms=False, zc=False, b=m.bias)
+    expect = {"shape": (ValueError, "residual"), "dtype": (TypeError, "residual"),
+              "bias": (ValueError, "linear_bias"), "prob": (ValueError, "prob"), "training": (TypeError, "training"),
+              "device": (ValueError, "device"), "rms_norm": (TypeError, "rms_norm"),
+              "zero_centered_gamma": (TypeError, "zero_centered_gamma"), "rms with bias": (ValueError, "RMSNorm")}
     if case == "shape":
         args["r"] = torch.randn(4, 17, device=DEVICE)
     elif case == "dtype":
@@ -1087,12 +1090,18 @@ def test_bias_dropout_add_norm_rejects_bad_input(case):
         args["prob"] = 1.5
     elif case == "training":
         args["training"] = "yes"
+    elif case == "rms_norm":
+        args["rms"] = "no"  # a str is not read as its truth value
+    elif case == "zero_centered_gamma":
+        args["zc"] = "False"
+    elif case == "rms with bias":
+        args["rms"] = True
     else:
         args["r"] = r.to("meta")
     err, word = expect[case]
     with pytest.raises(err, match=word):
-        BiasDropoutAddNormFunction.apply(args["x"], args["lb"], args["r"], m.weight, m.bias, EPS, args["prob"],
-                                         args["training"], False, False)
+        BiasDropoutAddNormFunction.apply(args["x"], args["lb"], args["r"], m.weight, args["b"], EPS, args["prob"],
+                                         args["training"], args["rms"], args["zc"])
     if case in ("shape", "bias", "prob"):  # the public function raises as the bias-dropout-add does
         with pytest.raises((ValueError, TypeError)):
             fusedlib.bias_dropout_add_norm(m, (args["x"], args["lb"]), args["r"], args["prob"], True)
@@ -1172,3 +1181,37 @@ def test_bias_dropout_add_norm_without_a_bias_gradient_at_every_row_length(bias)
         torch.autograd.backward((y2, h2), (g, g))
         assert (x.grad[~keep] == 0).all() and (x.grad[keep] != 0).all()
         torch.testing.assert_close(x.grad, x2.grad, **({} if DEVICE.type == "cuda" else dict(rtol=0, atol=0)))
+
+
+def test_bias_dropout_add_norm_leaves_its_inputs_alone_and_takes_only_bools():
+    # out of training, with nothing needing a gradient, neither path writes into x (the
+    # bias-dropout-add's own inference path would); fused must be a bool, as get_bias_dropout_add's
+    m = _module("layer", 16, torch.float32)
+    x, lb, r = torch.randn(3, 16, device=DEVICE), torch.randn(16, device=DEVICE), torch.randn(3, 16, device=DEVICE)
+    before = x.clone()
+    for norm in (m, torch.nn.LayerNorm(16, device=DEVICE)):
+        for fused in (True, False):
+            with torch.no_grad():
+                y, h = fusedlib.bias_dropout_add_norm(norm, (x, lb), r, 0.1, False, fused)
+            assert torch.equal(x, before) and h is not x
+            torch.testing.assert_close(h, r + (x + lb), rtol=1e-6, atol=1e-6)
+    for bad in ("False", None, 1):
+        with pytest.raises(TypeError, match="fused"):
+            fusedlib.bias_dropout_add_norm(m, (x, lb), r, 0.1, True, bad)
+    with pytest.raises(ValueError, match="prob"):  # checked out of training too
+        fusedlib.bias_dropout_add_norm(torch.nn.LayerNorm(16, device=DEVICE), (x, lb), r, 1.5, False)
+
+
+def test_a_norm_subclass_that_overrides_forward_is_called_as_written():
+    class Doubled(FusedLayerNorm):
+        def forward(self, input):  # noqa: A002
+            return 2 * super().forward(input)
+
+    m = _module("layer", 16, torch.float32)
+    d = Doubled(m.config, 16, EPS, device=DEVICE)
+    d.load_state_dict(m.state_dict())
+    x, r = torch.randn(3, 16, device=DEVICE, requires_grad=True), torch.randn(3, 16, device=DEVICE)
+    y, h = fusedlib.bias_dropout_add_norm(d, (x, None), r, 0.0, True)
+    torch.testing.assert_close(y, 2 * m(h), rtol=0, atol=0)
+    y, residual = fusedlib.norm_with_residual(d, x)
+    assert residual is x and torch.equal(y, 2 * m(x))

@@ -79,6 +79,7 @@ from ..kernels.layer_norm import (
 from ..runtime import DeviceCheck
 from ._apply import apply, once_differentiable
 from .fused_bias_dropout import _check as _check_bda
+from .fused_bias_dropout import _check_prob
 from .fused_bias_dropout import get_bias_dropout_add
 
 __all__ = [
@@ -561,9 +562,10 @@ def norm_with_residual(norm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Te
     once. Any other module (torch's LayerNorm, Apex's, an identity) returns ``(norm(x), x)``:
     the same values and gradients, summed by autograd.
 
-    A module with forward or backward hooks (its own, or PyTorch's global module hooks) is
-    called as ``norm(x)``, so that its hooks run as they would without fusedlib, and the
-    residual is ``x`` (autograd adds the gradients).
+    A module with forward or backward hooks (its own, or PyTorch's global module hooks), and a
+    subclass of fusedlib's norms that overrides ``forward``, is called as ``norm(x)``, so that
+    its hooks and its forward run as they would without fusedlib, and the residual is ``x``
+    (autograd adds the gradients).
 
     The residual is a view of x made by the norm's node: modifying it, or x, in place
     afterwards raises autograd's error. Second derivatives are not available through either
@@ -590,9 +592,14 @@ def norm_with_residual(norm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Te
     if isinstance(weight, torch.Tensor) and weight.dtype != x.dtype:
         return norm(x.to(weight.dtype)), x
     forward_with_residual = getattr(norm, "forward_with_residual", None)
-    if forward_with_residual is not None and not _has_hooks(norm):
+    if forward_with_residual is not None and not _has_hooks(norm) and type(norm).forward in _FUSED_FORWARDS:
         return forward_with_residual(x)
     return norm(x), x
+
+
+#: The norm modules whose kernels bias_dropout_add_norm may call in place of their forward: a
+#: subclass that overrides ``forward`` is called as written.
+_FUSED_FORWARDS = (FusedLayerNorm.forward, FusedRMSNorm.forward)
 
 
 def bias_dropout_add_norm(norm: torch.nn.Module, x_with_bias: tuple, residual: torch.Tensor, prob: float,
@@ -615,35 +622,46 @@ def bias_dropout_add_norm(norm: torch.nn.Module, x_with_bias: tuple, residual: t
     compiled, the two forms may also differ by the placement of a fused multiply-add (a float32
     rounding).
 
-    Fused when ``fused`` and ``norm`` is fusedlib's ``FusedLayerNorm`` or ``FusedRMSNorm``
-    (``backend="fusedlib"``, without ``memory_efficient_layer_norm``, without hooks), x and the
-    residual have the norm's dtype, and the arguments pass :class:`BiasDropoutAddNormFunction`'s
-    checks; otherwise the bias-dropout-add of ``get_bias_dropout_add(training, fused)``, then
-    :func:`norm_with_residual` (the same values).
+    Fused when ``fused`` is True and ``norm`` is fusedlib's ``FusedLayerNorm`` or ``FusedRMSNorm``
+    itself (not a subclass that overrides ``forward``; ``backend="fusedlib"``, without
+    ``memory_efficient_layer_norm``, without hooks) and x and the residual have the norm's dtype;
+    then the arguments go through :class:`BiasDropoutAddNormFunction`, whose checks raise for bad
+    ones. Otherwise the bias-dropout-add of ``get_bias_dropout_add(training, fused)``, then
+    :func:`norm_with_residual` (the same values), except that out of training x is never
+    overwritten (the bias-dropout-add's in-place inference path is not taken: x is the caller's).
+    Neither path modifies an input. Second derivatives raise (the norm's backward is
+    ``once_differentiable``).
 
     Args:
         norm: the norm module ([..., h] -> [..., h]).
-        x_with_bias: ``(x, bias)`` as a linear layer returns them: x [..., h] (e.g. [s, b, h]);
-            bias [h] or None.
-        residual: x's shape.
-        prob: dropout probability in [0, 1] (Megatron's ``hidden_dropout``).
+        x_with_bias: ``(x, bias)`` as a linear layer returns them: x [..., h] (e.g. [s, b, h]),
+            float32/float16/bfloat16 (float64 for gradcheck), any strides; bias [h] of any float
+            dtype, or None.
+        residual: x's shape, any float dtype (fused only with x's, the norm's).
+        prob: dropout probability in [0, 1] (Megatron's ``hidden_dropout``), a real number.
         training: dropout on (a Philox mask from torch's generator, as the bias-dropout-add
-            kernel draws it) or off.
-        fused: the config's ``bias_dropout_fusion``; False takes the unfused bias-dropout-add.
+            kernel draws it) or off; a bool.
+        fused: the config's ``bias_dropout_fusion``, a bool; False takes the unfused
+            bias-dropout-add.
 
     Returns:
-        ``(y, h)``: y = norm(h); h, the next residual, in the residual's dtype.
+        ``(y, h)``: h, the next residual, a new tensor in the residual's dtype; y = norm(h) in
+        the norm's dtype (the residual's when fused).
 
     Raises:
-        TypeError, ValueError: as ``get_bias_dropout_add(training, fused)``'s function and
-        the norm's forward.
+        TypeError, ValueError: from :class:`BiasDropoutAddNormFunction` when fused; otherwise as
+        ``get_bias_dropout_add(training, fused)``'s function and the norm's forward; TypeError
+        for ``training`` or ``fused`` not a bool.
 
     Source: fusedlib, after FlashAttention's ``dropout_add_layer_norm`` (``flash_attn/ops/
     layer_norm.py``, ``prenorm=True``) and its Triton ``layer_norm_fn(x, weight, bias,
     residual=..., dropout_p=..., prenorm=True)``, here with the linear layer's bias added first
     as in Megatron-LM's ``megatron/core/fusions/fused_bias_dropout.py``.
     """
-    if (fused and type(training) is bool and isinstance(norm, _FusedNormBase) and norm.backend == "fusedlib"
+    if not (type(training) is bool and type(fused) is bool):
+        get_bias_dropout_add(training, fused)  # raises for what it refuses (a str "False", None...)
+        training, fused = bool(training), bool(fused)  # numpy bools
+    if (fused and type(norm).forward in _FUSED_FORWARDS and norm.backend == "fusedlib"
             and not norm.config.memory_efficient_layer_norm and not _has_hooks(norm)
             and isinstance(x_with_bias, (tuple, list)) and len(x_with_bias) == 2
             and isinstance(x_with_bias[0], Tensor) and isinstance(residual, Tensor)
@@ -651,7 +669,11 @@ def bias_dropout_add_norm(norm: torch.nn.Module, x_with_bias: tuple, residual: t
         x, linear_bias = x_with_bias
         return apply(BiasDropoutAddNormFunction, x, linear_bias, residual, norm.weight, norm.bias, norm.eps, prob,
                      training, isinstance(norm, FusedRMSNorm), norm.zero_centered_gamma)
-    hidden_states = get_bias_dropout_add(training, fused)(x_with_bias, residual, prob)
+    if training:
+        hidden_states = get_bias_dropout_add(True, fused)(x_with_bias, residual, prob)
+    else:  # no dropout; prob still checked, and training mode's function never writes into x
+        _check_prob(prob)
+        hidden_states = get_bias_dropout_add(True, fused)(x_with_bias, residual, 0.0)
     return norm_with_residual(norm, hidden_states)
 
 
@@ -685,13 +707,25 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, linear_bias: Optional[torch.Tensor], residual: torch.Tensor,
                 weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, prob: float, training: bool,
                 rms_norm: bool, zero_centered_gamma: bool):
+        if linear_bias is not None:  # named here: the norm has a bias too
+            check_tensor("linear_bias", linear_bias, ndim=1)
+            if linear_bias.shape[0] != (x.shape[-1] if isinstance(x, Tensor) and x.dim() else None):
+                raise ValueError(f"linear_bias must have shape [h] with h = x.shape[-1], got {list(linear_bias.shape)}"
+                                 + (f" for x of shape {list(x.shape)}" if isinstance(x, Tensor) else ""))
         # the bias-dropout-add's checks (shapes, dtypes, devices, prob), then the norm's
         x, linear_bias, residual, prob = _check_bda((x, linear_bias), residual, prob)
         if residual.dtype != x.dtype:
             raise TypeError(f"residual must have x's dtype {x.dtype} (h is normalised in it), got {residual.dtype}")
+        if not (rms_norm is True or rms_norm is False):
+            rms_norm = check_bool("rms_norm", rms_norm)
+        if rms_norm and bias is not None:
+            raise ValueError("bias must be None for RMSNorm (rms_norm=True): RMSNorm has no shift")
         weight_c, bias_c = _check_inputs(x, weight, bias, eps, x_name="x")
         check_same_device(x=x, weight=weight)
-        training = check_bool("training", training)
+        if not (training is True or training is False):
+            training = check_bool("training", training)
+        if not (zero_centered_gamma is True or zero_centered_gamma is False):
+            zero_centered_gamma = check_bool("zero_centered_gamma", zero_centered_gamma)
         dropout = training and prob > 0.0
         seed = philox_seed(x.device) if dropout else None
         lb = linear_bias.contiguous() if linear_bias is not None else None  # [h]: a copy only if strided
