@@ -464,6 +464,17 @@ for _layer in (True, False):
         case(f"{name}(memory_efficient={_me}, zero_centered_gamma={_zc})")(_fused_norm_case)
 
 
+def _built_norm(cls, config, dtype, w, b):
+    """The norm module built under the context, with the documented factory arguments, holding
+    ``w`` (and ``b``, for LayerNorm)."""
+    module = cls(config, HN, EPS, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(w)
+        if b is not None:
+            module.bias.copy_(b)
+    return module
+
+
 def _module_case(dtype, cls, normalization, with_residual=False):
     """The norm module built under the context; with_residual: through fusedlib.norm_with_residual,
     whose backward kernel adds the residual's gradient (x's gradient is then both)."""
@@ -473,12 +484,7 @@ def _module_case(dtype, cls, normalization, with_residual=False):
     config = TransformerConfig(normalization=normalization)
 
     def run():
-        # built under the context, with the documented factory arguments
-        module = cls(config, HN, EPS, device=DEVICE, dtype=dtype)
-        with torch.no_grad():
-            module.weight.copy_(w)
-            if layer:
-                module.bias.copy_(b)
+        module = _built_norm(cls, config, dtype, w, b)
         xl = _leaves(x)[0]
         if with_residual:
             y, residual = fusedlib.norm_with_residual(module, xl)
@@ -503,7 +509,6 @@ for _cls, _normalization in ((FusedLayerNorm, "LayerNorm"), (FusedRMSNorm, "RMSN
         functools.partial(_module_case, cls=_cls, normalization=_normalization, with_residual=True))
 
 
-
 def _bda_norm_case(dtype, cls, normalization):
     """fusedlib.bias_dropout_add_norm with the module built under the context (dropout off, so
     the float64 reference needs no mask): h = residual + x + bias, y = norm(h)."""
@@ -514,11 +519,7 @@ def _bda_norm_case(dtype, cls, normalization):
     config = TransformerConfig(normalization=normalization)
 
     def run():
-        module = cls(config, HN, EPS, device=DEVICE, dtype=dtype)
-        with torch.no_grad():
-            module.weight.copy_(w)
-            if layer:
-                module.bias.copy_(b)
+        module = _built_norm(cls, config, dtype, w, b)
         xl, rl, lbl = _leaves(x, r, lb)
         y, h = fusedlib.bias_dropout_add_norm(module, (xl, lbl), rl, 0.0, True)
         torch.autograd.backward((y, h), (dy, dh))
