@@ -53,10 +53,10 @@ def _case(shape: tuple[int, int], dtype: torch.dtype, baselines: bool) -> BenchC
 
     def make_inputs(device, requires_grad):
         x = torch.randn(n_rows, h, device=device, dtype=dtype, requires_grad=requires_grad)
-        lb = (0.1 * torch.randn(h, device=device)).to(dtype).requires_grad_(requires_grad)
+        lb = (0.1 * torch.randn(h, device=device, dtype=torch.float32)).to(dtype).requires_grad_(requires_grad)
         r = torch.randn(n_rows, h, device=device, dtype=dtype, requires_grad=requires_grad)
-        w = (1 + 0.1 * torch.randn(h, device=device)).to(dtype).requires_grad_(requires_grad)
-        b = (0.1 * torch.randn(h, device=device)).to(dtype).requires_grad_(requires_grad)
+        w = (1 + 0.1 * torch.randn(h, device=device, dtype=torch.float32)).to(dtype).requires_grad_(requires_grad)
+        b = (0.1 * torch.randn(h, device=device, dtype=torch.float32)).to(dtype).requires_grad_(requires_grad)
         return x, lb, r, w, b
 
     impls = [Impl("fusedlib", _fused), Impl("fusedlib-two-ops", _two_ops)]
