@@ -90,9 +90,10 @@ def _happy(x_with_bias: object, residual: object, prob: object) -> bool:
             and bias.shape[0] == x.shape[-1] and on_one_kernel_device(x, bias, residual))
 
 
-def _check(x_with_bias: object, residual: object, prob: object
+def _check(x_with_bias: object, residual: object, prob: object, bias_name: str = "bias"
            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, float]:
-    """Unpack and check Megatron's arguments; returns (x, bias, residual, p)."""
+    """Unpack and check Megatron's arguments; returns (x, bias, residual, p). ``bias_name``: what
+    the errors call the bias (another op may have a second bias of its own)."""
     if _happy(x_with_bias, residual, prob):
         return x_with_bias[0], x_with_bias[1], residual, prob
     if not isinstance(x_with_bias, (tuple, list)) or len(x_with_bias) != 2:
@@ -104,10 +105,11 @@ def _check(x_with_bias: object, residual: object, prob: object
     if residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
     if bias is not None:
-        check_tensor("bias", bias, ndim=1)
+        check_tensor(bias_name, bias, ndim=1)
         if bias.shape[0] != x.shape[-1]:
-            raise ValueError(f"bias must have shape [h] with h = x.shape[-1] = {x.shape[-1]}, got {list(bias.shape)}")
-    check_same_device(x=x, bias=bias, residual=residual)
+            raise ValueError(f"{bias_name} must have shape [h] with h = x.shape[-1] = {x.shape[-1]}, "
+                             f"got {list(bias.shape)}")
+    check_same_device(**{"x": x, bias_name: bias, "residual": residual})
     return x, bias, residual, _check_prob(prob)
 
 

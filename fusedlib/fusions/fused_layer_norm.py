@@ -707,21 +707,16 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, linear_bias: Optional[torch.Tensor], residual: torch.Tensor,
                 weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, prob: float, training: bool,
                 rms_norm: bool, zero_centered_gamma: bool):
-        if linear_bias is not None:  # named here: the norm has a bias too
-            check_tensor("linear_bias", linear_bias, ndim=1)
-            if linear_bias.shape[0] != (x.shape[-1] if isinstance(x, Tensor) and x.dim() else None):
-                raise ValueError(f"linear_bias must have shape [h] with h = x.shape[-1], got {list(linear_bias.shape)}"
-                                 + (f" for x of shape {list(x.shape)}" if isinstance(x, Tensor) else ""))
-        # the bias-dropout-add's checks (shapes, dtypes, devices, prob), then the norm's
-        x, linear_bias, residual, prob = _check_bda((x, linear_bias), residual, prob)
+        # the bias-dropout-add's checks (shapes, dtypes, devices, prob; its bias named as such:
+        # the norm has a bias too), then the norm's
+        x, linear_bias, residual, prob = _check_bda((x, linear_bias), residual, prob, bias_name="linear_bias")
         if residual.dtype != x.dtype:
             raise TypeError(f"residual must have x's dtype {x.dtype} (h is normalised in it), got {residual.dtype}")
         if not (rms_norm is True or rms_norm is False):
             rms_norm = check_bool("rms_norm", rms_norm)
         if rms_norm and bias is not None:
             raise ValueError("bias must be None for RMSNorm (rms_norm=True): RMSNorm has no shift")
-        weight_c, bias_c = _check_inputs(x, weight, bias, eps, x_name="x")
-        check_same_device(x=x, weight=weight)
+        weight_c, bias_c = _check_inputs(x, weight, bias, eps, x_name="x")  # x's device too
         if not (training is True or training is False):
             training = check_bool("training", training)
         if not (zero_centered_gamma is True or zero_centered_gamma is False):
