@@ -106,6 +106,7 @@ def _no_pending_errors():
 # ---------------------------------------------------------------------------------------------
 
 N, H = 6, 40  # tokens, hidden: odd-ish, small (every row fits one block)
+HW = 3000  # a wide hidden size, where an op takes another path (see its kernel's tables)
 B, NP, SQ, SK = 2, 3, 5, 24  # attention: batch, heads, queries, keys
 V = 50  # vocabulary
 
@@ -208,6 +209,11 @@ CASES: dict[str, Case] = {
     "bias_dropout_add_layer_norm_p0.3": Case(
         lambda dt: (_r(N, H, dtype=dt), _r(H, dtype=dt), _r(N, H, dtype=dt), _r(H, dtype=dt), _r(H, dtype=dt)),
         lambda x, lb, r, w, b: _both(BiasDropoutAddNormFunction.apply(x, lb, r, w, b, 1e-5, 0.3, True, False, False)),
+        random=True),
+    # rows of 2049-4096: x's gradient and the bias's column sum come from the norm's backward kernel
+    "bias_dropout_add_layer_norm_wide_p0.2": Case(
+        lambda dt: (_r(N, HW, dtype=dt), _r(HW, dtype=dt), _r(N, HW, dtype=dt), _r(HW, dtype=dt), _r(HW, dtype=dt)),
+        lambda x, lb, r, w, b: _both(BiasDropoutAddNormFunction.apply(x, lb, r, w, b, 1e-5, 0.2, True, False, False)),
         random=True),
     "bias_dropout_add_rms_norm_p0": Case(
         lambda dt: (_r(N, H, dtype=dt), _r(H, dtype=dt), _r(N, H, dtype=dt), _r(H, dtype=dt)),
@@ -423,13 +429,14 @@ def test_cuda_graph_of_forward_and_backward_replays_on_new_data(name, dtype):
         # gradient (dres·keep·s), and y the LayerNorm of h as stored
         out, dx, dlb, dr, dw, db = result
         x, lb, r, w, b = (t.detach().float() for t in static)
-        s = dropout_scale(0.3)
+        p = float(name.rsplit("_p", 1)[1])  # the case's dropout probability
+        s = dropout_scale(p)
         keep = (dx != 0).float()
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
         torch.testing.assert_close(out[1].float(), r + keep * (x + lb) * s, **tol)
-        torch.testing.assert_close(out[0].float(), F.layer_norm(out[1].float(), (H,), w, b, 1e-5), **tol)
+        torch.testing.assert_close(out[0].float(), F.layer_norm(out[1].float(), (x.shape[-1],), w, b, 1e-5), **tol)
         assert torch.equal(dx, (dr.float() * keep * s).to(dx.dtype))
-        assert abs(keep.mean().item() - 0.7) <= 5 * math.sqrt(0.3 * 0.7 / keep.numel())
+        assert abs(keep.mean().item() - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / keep.numel())
         return
     if case.random:
         # another seed than eager's: check the graph's own mask instead. out = r + keep·(x + b)·s

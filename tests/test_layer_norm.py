@@ -1155,7 +1155,10 @@ def test_bias_dropout_add_norm_backward_in_the_norm_or_apart(h, p, wants):
             formed = U * abs_sum
         apart = (dx_a - ref[0].double()).abs().sum(0)
         _assert_within("d linear bias", a[4], ref[4].double(), 2 * rows * U * abs_sum + apart + formed)
-        assert torch.equal(c[4], ref[4])
+        if exact or need_dx:
+            assert torch.equal(c[4], ref[4])
+        else:  # compiled, the bias-only form forms dx in registers: an FMA apart, as above
+            _assert_within("d linear bias", c[4], ref[4].double(), 2 * rows * U * abs_sum + formed)
 
 
 @pytest.mark.parametrize("bias", ["none", "frozen"])
