@@ -243,6 +243,45 @@ def test_bf16_master_weights(corpus):
     assert all(p.grad is None for p in tr.params)
 
 
+@pytest.mark.parametrize("missing", [False, True])
+def test_master_gradients_are_the_bf16_gradients_in_float32(corpus, missing):
+    # one float32 buffer and one multi-tensor copy: each master gradient is its parameter's
+    # gradient exactly, of its shape; a parameter without a gradient leaves its master without one
+    tr = Trainer(TrainConfig(**dict(TINY, steps=2, model="plain", bf16=True, device="cpu")), corpus=corpus)
+    torch.manual_seed(5)
+    for p in tr.params:
+        p.grad = torch.randn(p.shape, dtype=torch.float32).to(torch.bfloat16)
+    if missing:
+        tr.params[1].grad = None
+    tr._master_grads()
+    for i, (m, p) in enumerate(zip(tr.master, tr.params)):
+        if missing and i == 1:
+            assert m.grad is None
+            continue
+        assert m.grad.dtype == torch.float32 and m.grad.shape == p.shape
+        assert torch.equal(m.grad, p.grad.float())
+    if not missing:  # views of one buffer, in parameter order
+        assert tr.master[1].grad.data_ptr() == tr.master[0].grad.data_ptr() + 4 * tr.params[0].numel()
+
+
+def test_get_batch_refuses_data_on_a_third_device(corpus):
+    data = torch.empty(100, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match="data must be on the CPU or on device"):
+        get_batch(data, 2, 4, torch.Generator().manual_seed(0), "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_get_batch_gathers_on_the_device_the_batches_of_the_cpu(corpus):
+    # the trainer keeps its splits on the device: only the offsets cross, the batches are equal
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    on_device = corpus.train.to("cuda")
+    for _ in range(3):
+        x, y = get_batch(corpus.train, 6, 33, g1, "cuda")
+        xd, yd = get_batch(on_device, 6, 33, g2, "cuda")
+        assert xd.device.type == "cuda" and xd.dtype == torch.int64
+        assert torch.equal(x, xd) and torch.equal(y, yd)
+
+
 def test_resume_refuses_another_configuration(corpus, tmp_path):
     kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path))
     Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus).run()

@@ -274,17 +274,26 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
               device: Union[str, torch.device] = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """A random batch: ``batch_size`` windows of ``seq_len + 1`` consecutive tokens.
 
+    The offsets are drawn from ``generator`` (on the CPU), so the batches are the same
+    wherever ``data`` lives. With ``data`` on the CPU the windows are gathered there and
+    copied to ``device`` (through pinned memory for CUDA); with ``data`` already on the
+    device (the trainer keeps its splits there: a few MB) only the ``b`` offsets cross and
+    the gather runs on the device, which saves the host the gather and the copy of the
+    [b, s + 1] int64 windows at every step.
+
     Args:
-        data: uint8 tokens [n] on the CPU (a split of :class:`Corpus`).
+        data: uint8 tokens [n] (a split of :class:`Corpus`), on the CPU or on ``device``.
         batch_size, seq_len: b and s, each >= 1.
         generator: a CPU ``torch.Generator``; draws b offsets from it (its state advances).
         device: where the batch goes.
 
     Returns:
-        ``(inputs, targets)``: int64 [b, s] each, ``targets[:, i] = inputs[:, i + 1]`` in the data.
+        ``(inputs, targets)``: int64 [b, s] each on ``device``, ``targets[:, i] = inputs[:, i + 1]``
+        in the data.
 
     Raises:
-        ValueError: b or s < 1, data not 1-D uint8, or fewer than s + 1 tokens.
+        ValueError: b or s < 1, data not 1-D uint8, fewer than s + 1 tokens, or data on
+            another device than the CPU and ``device``.
     """
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -293,13 +302,18 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
         raise ValueError(f"data must be a 1-D uint8 tensor, got {data.dtype} of shape {list(data.shape)}")
     if data.numel() < seq_len + 1:
         raise ValueError(f"data has {data.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+    device = torch.device(device)
+    if data.device.type != "cpu" and data.device != device:
+        raise ValueError(f"data must be on the CPU or on device ({device}), got it on {data.device}")
     offsets = torch.randint(data.numel() - seq_len, (batch_size,), generator=generator, device=generator.device,
                             dtype=torch.int64)  # [b]
-    index = offsets[:, None] + torch.arange(seq_len + 1, device=offsets.device, dtype=torch.int64)  # [b, s + 1]
+    if offsets.device != data.device:  # data on the device: only the offsets cross
+        offsets = (offsets.pin_memory() if data.device.type == "cuda" else offsets).to(data.device, non_blocking=True)
+    index = offsets[:, None] + torch.arange(seq_len + 1, device=data.device, dtype=torch.int64)  # [b, s + 1]
     window = data[index].to(torch.int64)  # [b, s + 1]
-    device = torch.device(device)
-    if device.type == "cuda":
-        window = window.pin_memory().to(device, non_blocking=True)
-    else:
-        window = window.to(device)
+    if window.device != device:
+        if device.type == "cuda":
+            window = window.pin_memory().to(device, non_blocking=True)
+        else:
+            window = window.to(device)
     return window[:, :-1], window[:, 1:]

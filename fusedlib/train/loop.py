@@ -6,7 +6,8 @@ One step (:meth:`Trainer.step`)::
     x, y = get_batch(train tokens, b, s, data generator)          # int64 [b, s] each
     loss = model(x, None, None, labels=y).mean()                   # per-token loss [b, s] -> scalar
     loss.backward()                                                # bf16 gradients
-    master.grad = param.grad.float()                               # (bf16 only) to the fp32 copies
+    master.grad = param.grad.float()                               # (bf16 only) to the fp32 copies,
+                                                                   # all in one multi-tensor copy
     clip_grad_norm_(master, grad_clip); AdamW.step(); schedule.step()
     param.copy_(master)                                            # (bf16 only) round the new weights
 
@@ -19,6 +20,9 @@ scheme.
 Schedule: the learning rate rises linearly over ``warmup`` steps to ``lr``, then falls along a
 half cosine to ``min_lr`` (default lr/10) at ``steps`` (Loshchilov and Hutter, SGDR, 2017; the
 schedule of GPT-3 and nanoGPT). Weight decay applies to the matrices (2-D parameters) only.
+
+The token splits live on the training device (uint8, a few MB): a batch's offsets are drawn
+on the CPU and the windows gathered on the device, the same batches on every device.
 
 Nothing in a step synchronises the host with the GPU: the losses stay on the device until the
 end of a logging window (``log_interval`` steps, and before every evaluation and checkpoint),
@@ -466,6 +470,12 @@ class Trainer:
             if split.numel() < cfg.seq + 1:
                 raise ValueError(f"seq ({cfg.seq}) needs at least seq + 1 tokens in the corpus' {name} split, which "
                                  f"has {split.numel()}")
+        # the token splits on the device (uint8: a few MB): a batch is gathered there from offsets
+        # drawn on the CPU (the same batches as on the CPU), so the host neither gathers nor copies
+        # windows at every step
+        self._train_tokens = self.corpus.train.to(self.device)
+        self._val_tokens = self.corpus.val.to(self.device)
+        self._master_grad_sizes: Optional[list[int]] = None
         if cfg.resume:
             self.load(self.checkpoint_path)
         elif self.out is not None:  # a fresh run starts the directory over: metrics and checkpoint
@@ -485,7 +495,7 @@ class Trainer:
         """One optimizer step on a fresh batch. Returns the batch's mean loss (a 0-d float32
         tensor on the device; reading it is the caller's synchronisation)."""
         cfg = self.config
-        x, y = get_batch(self.corpus.train, cfg.batch, cfg.seq, self.data_generator, self.device)
+        x, y = get_batch(self._train_tokens, cfg.batch, cfg.seq, self.data_generator, self.device)
         loss = self._graph(x, y) if self._graph is not None else self._step_body(x, y)
         self.scheduler.step()
         if self._lr_tensors is not None:  # the graph reads the rates from these tensors
@@ -505,8 +515,7 @@ class Trainer:
         if cfg.tp > 1:  # sum the gradients that each rank holds only part of (sequence-parallel norms)
             finalize_model_grads(self.model)
         if self.bf16:
-            for m, p in zip(self.master, self.params):
-                m.grad = None if p.grad is None else p.grad.float()
+            self._master_grads()
         if cfg.grad_clip > 0 and cfg.tp > 1:
             self._clip_tensor_parallel(cfg.grad_clip)
         elif cfg.grad_clip > 0:
@@ -519,6 +528,24 @@ class Trainer:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
         return loss.detach()
+
+    def _master_grads(self) -> None:
+        """The bf16 gradients into float32 ones for the master weights: one float32 buffer for
+        all of them and one multi-tensor copy (``torch._foreach_copy_``), instead of an
+        allocation and a copy kernel per parameter. A parameter without a gradient leaves its
+        master weight without one (AdamW skips it)."""
+        grads = [p.grad for p in self.params]
+        if any(g is None for g in grads):
+            for m, g in zip(self.master, grads):
+                m.grad = None if g is None else g.float()
+            return
+        if self._master_grad_sizes is None:
+            self._master_grad_sizes = [p.numel() for p in self.params]
+        flat = torch.empty(sum(self._master_grad_sizes), dtype=torch.float32, device=grads[0].device)
+        views = [v.view(g.shape) for v, g in zip(flat.split(self._master_grad_sizes), grads)]
+        torch._foreach_copy_(views, grads)
+        for m, v in zip(self.master, views):
+            m.grad = v
 
     def _clip_tensor_parallel(self, max_norm: float) -> None:
         """Clip the master gradients to a global norm over the whole (split) model: each split
@@ -547,7 +574,7 @@ class Trainer:
             self.model.eval()
             try:
                 # (the uncompiled model: a compiled one would compile again for evaluation mode)
-                losses = [_model_forward(self.model, *get_batch(self.corpus.val, cfg.batch, cfg.seq, gen, self.device))
+                losses = [_model_forward(self.model, *get_batch(self._val_tokens, cfg.batch, cfg.seq, gen, self.device))
                           .mean() for _ in range(cfg.eval_batches)]
             finally:
                 self.model.train()
