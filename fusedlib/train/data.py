@@ -303,6 +303,8 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
     if data.numel() < seq_len + 1:
         raise ValueError(f"data has {data.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device, as .to() reads it
+        device = torch.device("cuda", torch.cuda.current_device())
     if data.device.type != "cpu" and data.device != device:
         raise ValueError(f"data must be on the CPU or on device ({device}), got it on {data.device}")
     offsets = torch.randint(data.numel() - seq_len, (batch_size,), generator=generator, device=generator.device,
