@@ -806,7 +806,7 @@ def test_profile_steps_writes_each_runs_summary(corpus, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "load_corpus", lambda cache_dir=None: corpus)
     lines = []
-    prof = bench.profile_steps(TrainConfig(**dict(TINY, steps=4, device="cpu")), ("fusedlib", "fusedlib-unfused"),
+    prof = bench.profile_steps(TrainConfig(**dict(TINY, steps=4, device=str(DEVICE))), ("fusedlib", "fusedlib-unfused"),
                                steps=2, warmup=1, out_dir=tmp_path, log=lines.append)
     assert prof["op"] == "train_profile" and prof["steps"] == 2 and prof["skipped"] == {}
     assert list(prof["impls"]) == ["fusedlib", "fusedlib-unfused"]
