@@ -268,6 +268,12 @@ def test_host_table_and_merge():
     assert row.split()[1:4] == ["81", "15", "64"]
     with pytest.raises(ValueError, match="field"):
         host_mod.host_table(recs, "ms")
+    # an op name longer than the default column keeps every row's numbers in the same columns
+    long = recs + [_host_rec("bias_dropout_add_norm", p, i, 100) for p in ("fwd", "fwd+bwd") for i in host_mod.HOST_IMPLS]
+    lines = host_mod.host_table(long).splitlines()
+    rows = [line for line in lines if line.startswith(("bias_gelu", "bias_dropout_add_norm"))]
+    assert len(rows) == 2 and len({line.index(line.split()[1]) + len(line.split()[1]) for line in rows}) == 1
+    assert lines[2].startswith("op ") and lines[2].index("fusedlib") + len("fusedlib") == rows[0].index("83") + 2
     old = [_host_rec("bias_gelu", "fwd", "fusedlib", 999), _host_rec("layer_norm", "fwd", "fusedlib", 69)]
     merged = host_mod.merge_host_records(recs, old)
     assert merged[:len(recs)] == recs and merged[len(recs):] == [old[1]]

@@ -306,11 +306,12 @@ def host_table(records: Sequence[dict], field: str = "us") -> str:
             "cpu_us": "CPU time per call, enqueue only"}[field]
     env = f" ({rows[0]['device']}, torch {rows[0]['torch']}, triton {rows[0]['triton']})" if rows else ""
     cols = ("fusedlib", "eager", "compile", "f/eager")
+    w = max([18] + [len(op) + 1 for op in ops])  # the op column: the longest name and a space
     out = [f"{field}: {what}, microseconds{env}",
-           f"{'':<18}" + "".join(f"{p + ' (us)':<38}" for p in PASSES).rstrip(),
-           f"{'op':<18}" + "".join("".join(f"{c:>9}" for c in cols) + "  " for _ in PASSES).rstrip()]
+           f"{'':<{w}}" + "".join(f"{p + ' (us)':<38}" for p in PASSES).rstrip(),
+           f"{'op':<{w}}" + "".join("".join(f"{c:>9}" for c in cols) + "  " for _ in PASSES).rstrip()]
     for op in ops:
-        line = f"{op:<18}"
+        line = f"{op:<{w}}"
         for p in PASSES:
             vals = [value.get((op, p, i)) for i in HOST_IMPLS]
             line += "".join(f"{'-' if v is None else f'{v:.0f}':>9}" for v in vals)
