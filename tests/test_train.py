@@ -262,6 +262,45 @@ def test_master_gradients_are_the_bf16_gradients_in_float32(corpus, missing):
         assert torch.equal(m.grad, p.grad.float())
     if not missing:  # views of one buffer, in parameter order
         assert tr.master[1].grad.data_ptr() == tr.master[0].grad.data_ptr() + 4 * tr.params[0].numel()
+    else:  # the others still share one buffer
+        assert tr.master[2].grad.data_ptr() == tr.master[0].grad.data_ptr() + 4 * tr.params[0].numel()
+
+
+def test_master_gradients_keep_a_non_contiguous_weights_layout():
+    # a transposed weight: its master copy keeps the strides, and so must its gradient (fused
+    # AdamW wants them equal: on the CPU it would update with the wrong elements)
+    from fusedlib.train.loop import _master_gradients
+
+    torch.manual_seed(6)
+    w = torch.nn.Parameter(torch.randn(3, 5, dtype=torch.bfloat16).t())  # [5, 3], strides (1, 5)
+    b = torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+    params = [w, b]
+    master = [p.detach().float().clone() for p in params]
+    assert not master[0].is_contiguous()
+    w.grad = torch.randn(3, 5, dtype=torch.bfloat16).t()
+    b.grad = torch.randn(4, dtype=torch.bfloat16)
+    _master_gradients(params, master)
+    for m, p in zip(master, params):
+        assert torch.equal(m.grad, p.grad.float()) and m.grad.stride() == m.stride()
+    ref = [m.clone() for m in master]
+    for r, m in zip(ref, master):
+        r.grad = m.grad.clone()
+    torch.optim.AdamW(master, lr=0.1, fused=True).step()
+    torch.optim.AdamW(ref, lr=0.1, foreach=True).step()
+    for m, r in zip(master, ref):
+        assert torch.allclose(m, r, rtol=1e-6, atol=1e-7)
+    # every gradient None: every master gradient None, nothing allocated
+    for p in params:
+        p.grad = None
+    _master_gradients(params, master)
+    assert all(m.grad is None for m in master)
+
+
+def test_get_batch_accepts_data_on_the_device_named_without_an_index(corpus):
+    # "meta" names meta; a device type without an index matches data on any device of that type
+    g = torch.Generator().manual_seed(0)
+    x, y = get_batch(corpus.train[:1000].to("meta"), 2, 4, g, "meta")
+    assert x.device.type == "meta" and x.shape == (2, 4) and x.dtype == torch.int64
 
 
 def test_get_batch_refuses_data_on_a_third_device(corpus):

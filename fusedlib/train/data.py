@@ -305,7 +305,8 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda": the current device, as .to() reads it
         device = torch.device("cuda", torch.cuda.current_device())
-    if data.device.type != "cpu" and data.device != device:
+    if data.device.type != "cpu" and (data.device.type != device.type
+                                      or device.index is not None and data.device.index != device.index):
         raise ValueError(f"data must be on the CPU or on device ({device}), got it on {data.device}")
     offsets = torch.randint(data.numel() - seq_len, (batch_size,), generator=generator, device=generator.device,
                             dtype=torch.int64)  # [b]
@@ -313,7 +314,7 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
         offsets = (offsets.pin_memory() if data.device.type == "cuda" else offsets).to(data.device, non_blocking=True)
     index = offsets[:, None] + torch.arange(seq_len + 1, device=data.device, dtype=torch.int64)  # [b, s + 1]
     window = data[index].to(torch.int64)  # [b, s + 1]
-    if window.device != device:
+    if window.device.type == "cpu" and device.type != "cpu":  # gathered on the CPU: copy it over
         if device.type == "cuda":
             window = window.pin_memory().to(device, non_blocking=True)
         else:

@@ -384,6 +384,41 @@ class _FullIterationGraph:
         self.static[1].copy_(y)
 
 
+def _master_gradients(params: list[torch.Tensor], master: list[torch.Tensor]) -> None:
+    """Set each float32 master weight's ``.grad`` to its parameter's (bf16) gradient in float32.
+
+    The gradients go into one new float32 buffer, each master gradient a view of it of its
+    parameter's shape, through one ``torch._foreach_copy_`` (on CUDA a multi-tensor kernel
+    for gradients of one dtype and layout, where a ``.float()`` per parameter costs an
+    allocation and a copy kernel each: 76 of them for chapter 9's model). The views are
+    contiguous, so this path is taken only when every master weight is contiguous (the
+    optimizer's fused kernels want a gradient of its weight's strides); otherwise each
+    gradient is copied with ``.float()``, keeping its layout. A parameter without a gradient
+    leaves its master weight without one (AdamW skips it).
+
+    Args:
+        params: the model's parameters (their ``.grad`` read, never changed).
+        master: their float32 copies, one per parameter, in the same order (``.grad`` set).
+    """
+    grads = [p.grad for p in params]
+    if not all(m.is_contiguous() for m in master):
+        for m, g in zip(master, grads):
+            m.grad = None if g is None else g.float()
+        return
+    have = [i for i, g in enumerate(grads) if g is not None]
+    for i, m in enumerate(master):
+        if grads[i] is None:
+            m.grad = None
+    if not have:
+        return
+    sizes = [grads[i].numel() for i in have]
+    flat = torch.empty(sum(sizes), dtype=torch.float32, device=grads[have[0]].device)
+    views = [v.view(grads[i].shape) for v, i in zip(flat.split(sizes), have)]
+    torch._foreach_copy_(views, [grads[i] for i in have])
+    for v, i in zip(views, have):
+        master[i].grad = v
+
+
 class Trainer:
     """A training run of :class:`TrainConfig` (see the module docstring).
 
@@ -475,7 +510,6 @@ class Trainer:
         # windows at every step
         self._train_tokens = self.corpus.train.to(self.device)
         self._val_tokens = self.corpus.val.to(self.device)
-        self._master_grad_sizes: Optional[list[int]] = None
         if cfg.resume:
             self.load(self.checkpoint_path)
         elif self.out is not None:  # a fresh run starts the directory over: metrics and checkpoint
@@ -530,22 +564,9 @@ class Trainer:
         return loss.detach()
 
     def _master_grads(self) -> None:
-        """The bf16 gradients into float32 ones for the master weights: one float32 buffer for
-        all of them and one multi-tensor copy (``torch._foreach_copy_``), instead of an
-        allocation and a copy kernel per parameter. A parameter without a gradient leaves its
-        master weight without one (AdamW skips it)."""
-        grads = [p.grad for p in self.params]
-        if any(g is None for g in grads):
-            for m, g in zip(self.master, grads):
-                m.grad = None if g is None else g.float()
-            return
-        if self._master_grad_sizes is None:
-            self._master_grad_sizes = [p.numel() for p in self.params]
-        flat = torch.empty(sum(self._master_grad_sizes), dtype=torch.float32, device=grads[0].device)
-        views = [v.view(g.shape) for v, g in zip(flat.split(self._master_grad_sizes), grads)]
-        torch._foreach_copy_(views, grads)
-        for m, v in zip(self.master, views):
-            m.grad = v
+        """The bf16 gradients into the float32 master weights' ``.grad``
+        (:func:`_master_gradients`)."""
+        _master_gradients(self.params, self.master)
 
     def _clip_tensor_parallel(self, max_norm: float) -> None:
         """Clip the master gradients to a global norm over the whole (split) model: each split
