@@ -1203,6 +1203,9 @@ def test_bias_dropout_add_norm_leaves_its_inputs_alone_and_takes_only_bools():
             fusedlib.bias_dropout_add_norm(m, (x, lb), r, 0.1, True, bad)
     with pytest.raises(ValueError, match="prob"):  # checked out of training too
         fusedlib.bias_dropout_add_norm(torch.nn.LayerNorm(16, device=DEVICE), (x, lb), r, 1.5, False)
+    for bad in (None, torch.nn.functional.layer_norm, "layer"):  # the norm is a module
+        with pytest.raises(TypeError, match="norm must be a torch.nn.Module"):
+            fusedlib.bias_dropout_add_norm(bad, (x, lb), r, 0.1, True)
 
 
 def test_a_norm_subclass_that_overrides_forward_is_called_as_written():

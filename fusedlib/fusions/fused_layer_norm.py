@@ -651,13 +651,16 @@ def bias_dropout_add_norm(norm: torch.nn.Module, x_with_bias: tuple, residual: t
     Raises:
         TypeError, ValueError: from :class:`BiasDropoutAddNormFunction` when fused; otherwise as
         ``get_bias_dropout_add(training, fused)``'s function and the norm's forward; TypeError
-        for ``training`` or ``fused`` not a bool.
+        for ``norm`` not a ``torch.nn.Module``, ``training`` or ``fused`` not a bool.
 
     Source: fusedlib, after FlashAttention's ``dropout_add_layer_norm`` (``flash_attn/ops/
     layer_norm.py``, ``prenorm=True``) and its Triton ``layer_norm_fn(x, weight, bias,
     residual=..., dropout_p=..., prenorm=True)``, here with the linear layer's bias added first
     as in Megatron-LM's ``megatron/core/fusions/fused_bias_dropout.py``.
     """
+    if not isinstance(norm, torch.nn.Module):
+        raise TypeError(f"norm must be a torch.nn.Module (the norm module, e.g. FusedLayerNorm), got "
+                        f"{type(norm).__name__}")
     if not (type(training) is bool and type(fused) is bool):
         get_bias_dropout_add(training, fused)  # raises for what it refuses (a str "False", None...)
         training, fused = bool(training), bool(fused)  # numpy bools

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -267,8 +266,11 @@ def _main(config, args) -> int:
     except (FileNotFoundError, ValueError) as err:  # a resume that cannot go on, a corpus too short for seq
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    info = trainer.corpus.info()  # the whole record (file lists included) goes with every checkpoint
     trainer.log(f"{config.label()}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f} M parameters"
-                f"{' on this rank' if config.tp > 1 else ''}, corpus {json.dumps(trainer.corpus.info())}")
+                f"{' on this rank' if config.tp > 1 else ''}; corpus {info['corpus']} (Python {info['python']}, "
+                f"{info['files_train']} files, {info['tokens_train']:,} tokens for training, {info['files_val']} files, "
+                f"{info['tokens_val']:,} for validation, {info['tokenizer']}, sha256 {info['sha256'][:12]})")
     trainer.run()
     if args.sample:
         text = trainer.sample(args.prompt, args.sample, args.temperature, args.top_k)  # (every rank draws)

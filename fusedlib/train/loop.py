@@ -72,6 +72,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import runtime
 from ..checks import real_to_float
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..parallel.utils import all_reduce
@@ -112,7 +113,8 @@ class TrainConfig:
     lr/10), ``warmup`` (steps), ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip`` (max global
     norm; 0: none).
     Execution: ``device`` (None: CUDA when present; with ``tp`` > 1 this rank's GPU), ``bf16``
-    (None: on CUDA), ``compile`` (``torch.compile`` the model), ``compile_mode`` (its ``mode``,
+    (None: on CUDA), ``compile`` (``torch.compile`` the model; the fused "gpt" model only where
+    fusedlib's kernels are compiled for CUDA, not in Triton's interpreter), ``compile_mode`` (its ``mode``,
     e.g. "reduce-overhead": CUDA graphs of the compiled code; None: the default),
     ``cuda_graph`` (fusedlib's GPTModel with ``cuda_graph_impl="local"``: in training its
     layers and final norm run as CUDA graphs; CUDA only), ``full_iteration_graph`` (the
@@ -247,6 +249,8 @@ class TrainConfig:
             if getattr(self, name) is not None and str(getattr(self, name)) == "":
                 raise ValueError(f"{name} must be a directory path or None, got '' (which would mean the current "
                                  f"directory)")
+            if getattr(self, name) is not None and Path(getattr(self, name)).is_file():
+                raise ValueError(f"{name} must be a directory path or None, got {str(getattr(self, name))!r}, a file")
         if self.device is not None:
             try:
                 torch.device(self.device)
@@ -258,6 +262,10 @@ class TrainConfig:
         for name in ("cuda_graph", "full_iteration_graph"):
             if getattr(self, name) and self.resolved_device().type != "cuda":
                 raise ValueError(f"{name} needs a CUDA device, got {self.resolved_device()}")
+        if self.compile and self.model == "gpt" and runtime.INTERPRET_ON_CPU:
+            raise ValueError("compile with model 'gpt' needs fusedlib's kernels compiled for CUDA: in Triton's "
+                             "interpreter (this process runs them there: no GPU, or TRITON_INTERPRET=1) "
+                             "torch.compile cannot trace them; the plain model compiles anywhere")
 
     def shape(self) -> ModelShape:
         """The model's :class:`ModelShape`."""
