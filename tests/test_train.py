@@ -321,6 +321,15 @@ def test_get_batch_gathers_on_the_device_the_batches_of_the_cpu(corpus):
         assert torch.equal(x, xd) and torch.equal(y, yd)
 
 
+def test_a_resumed_run_that_is_done_says_so(corpus, tmp_path):
+    kw = dict(TINY, steps=2, model="plain", device="cpu", out=str(tmp_path), progress=False)
+    Trainer(TrainConfig(**kw), corpus=corpus, log=lambda line: None).run()
+    lines = []
+    again = Trainer(TrainConfig(resume=True, **kw), corpus=corpus, log=lines.append)
+    again.run()
+    assert again.step_count == 2 and "nothing to train: the run is at step 2, and steps is 2" in lines
+
+
 def test_resume_refuses_another_configuration(corpus, tmp_path):
     kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path))
     Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus).run()
@@ -350,8 +359,15 @@ def test_resume_names_a_damaged_checkpoint_and_compares_resolved_settings(corpus
     good = (tmp_path / "checkpoint.pt").read_bytes()
     for damaged in (b"", b"hello", good[: len(good) // 2]):
         (tmp_path / "checkpoint.pt").write_bytes(damaged)
-        with pytest.raises(ValueError, match="is not a checkpoint of this trainer"):
+        with pytest.raises(ValueError, match="is not a checkpoint of this trainer") as err:
             Trainer(TrainConfig(resume=True, **kw), corpus=corpus)
+        # one line, and never torch's advice to load the file with weights_only=False
+        assert "\n" not in str(err.value) and "weights_only=False" not in str(err.value)
+    import datetime  # an object torch.load(weights_only=True) refuses
+
+    torch.save({"config": {}, "step": 1, "corpus": {}, "x": datetime.datetime(2026, 1, 1)}, tmp_path / "checkpoint.pt")
+    with pytest.raises(ValueError, match=r"torch.load\(weights_only=True\) refused it\)$"):
+        Trainer(TrainConfig(resume=True, **kw), corpus=corpus)
 
 
 @pytest.mark.parametrize("field", ["ffn", "lr", "dropout", "weight_decay"])
@@ -679,6 +695,14 @@ def test_compile_of_the_fused_model_needs_compiled_kernels(monkeypatch):
     TrainConfig(**dict(TINY, model="plain", compile=True, device="cpu"))
     monkeypatch.setattr(runtime, "INTERPRET_ON_CPU", False)
     TrainConfig(**dict(TINY, model="gpt", compile=True, device="cpu"))
+
+
+def test_bench_with_too_few_steps_names_steps_and_log_interval(capsys):
+    for argv in (["--bench", "--steps", "1"], ["--bench", "--steps", "10", "--log-interval", "10"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv + ["--device", "cpu"])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "error: --steps" in err and "must be more than --log-interval" in err and "--bench-warmup" not in err
 
 
 def test_bench_keeps_the_runs_that_finish(tmp_path, stdlib_root, monkeypatch):

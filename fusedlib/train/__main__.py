@@ -175,6 +175,10 @@ def parse_args(argv: Optional[list[str]] = None):
                          f"(--bench-profile profiles {PROFILE_STEPS} steps after it), got {args.bench_warmup}")
     if args.bench_warmup is None and not args.bench_profile:
         args.bench_warmup = 20
+    if (args.bench or args.bench_tp) and config.steps <= config.log_interval:
+        parser.error(f"--steps ({config.steps}) must be more than --log-interval ({config.log_interval}) for "
+                     f"{'--bench' if args.bench else '--bench-tp'}: the timing takes whole logging windows after "
+                     f"the warm-up steps")
     if args.bench_tp:
         if args.resume or args.stop_at is not None:
             parser.error("--bench-tp trains from scratch: --resume and --stop-at do not apply")

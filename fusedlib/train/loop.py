@@ -647,7 +647,12 @@ class Trainer:
                     and isinstance(ckpt.get("corpus"), dict)):
                 raise ValueError("not the dict that Trainer.save writes")
         except Exception as err:  # truncated, empty, another file, a directory
-            raise ValueError(f"resume: {path} is not a checkpoint of this trainer ({type(err).__name__}: {err})") from None
+            text = str(err).strip()
+            first = text.splitlines()[0] if text else ""
+            # (torch's refusal goes on for lines, with advice to load the file unsafely: not repeated)
+            why = ("its contents are not only tensors and containers: torch.load(weights_only=True) refused it"
+                   if first.startswith("Weights only load failed") else f"{type(err).__name__}: {first}")
+            raise ValueError(f"resume: {path} is not a checkpoint of this trainer ({why})") from None
         mine = dataclasses.asdict(self.config)
         resolved = ckpt.get("resolved")  # the device type and bf16 as the run resolved them (None: the default)
         compared = dict(mine)
@@ -759,6 +764,9 @@ class Trainer:
             bar = tqdm(total=cfg.steps, initial=self.step_count, desc=self.config.label(), unit="step",
                        dynamic_ncols=True)
         log = bar.write if bar is not None else self.log
+        if self.step_count >= last:  # a resumed run that is already there: say so, train nothing
+            log(f"nothing to train: the run is at step {self.step_count}, and "
+                f"{'stop_at' if cfg.stop_at is not None else 'steps'} is {last}")
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
         pending: list[tuple[int, torch.Tensor, float]] = []
         tokens_per_step = cfg.batch * cfg.seq
