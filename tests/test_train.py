@@ -493,6 +493,10 @@ def test_sample_at_extreme_temperatures_and_its_checks_before_the_first_token():
     (["--stop-at", "9", "--steps", "5", "--out", "x"], "--stop-at"), (["--dropout", "1.5"], "--dropout"),
     (["--bench-runs", "fusedlib"], "--bench-runs"), (["--bench", "--bench-runs", "nope"], "--bench-runs"),
     (["--top-k", "0"], "--top-k"), (["--attention-backend", "magic"], "--attention-backend"),
+    # flags the chosen model would ignore
+    (["--model", "plain", "--spec", "unfused"], "--spec"),
+    (["--model", "plain", "--attention-backend", "local"], "--attention-backend"),
+    (["--spec", "unfused", "--attention-backend", "auto"], "--attention-backend"),
     (["--bench", "--bench-warmup", "5000"], "--bench-warmup"), (["--min-lr", "1"], "--min-lr"),
     # accepted, then failing after the training: at the sample, or writing into the current directory
     (["--temperature", "inf"], "--temperature"), (["--sample", "3", "--prompt", ""], "--prompt"),

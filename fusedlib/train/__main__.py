@@ -53,9 +53,12 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=MODELS, default=d.model, help="gpt: fusedlib's GPTModel; plain: nanoGPT-style")
-    m.add_argument("--spec", choices=SPECS, default=d.spec, help="fusedlib's layer spec (--model gpt)")
-    m.add_argument("--attention-backend", choices=list(AttnBackend.__members__), default=d.attention_backend,
-                   help="the fused spec's attention: flash = fusedlib's FlashAttention, auto = scaled_dot_product_attention, local = materialised")
+    m.add_argument("--spec", choices=SPECS, default=argparse.SUPPRESS,
+                   help=f"fusedlib's layer spec (--model gpt; default {d.spec})")
+    m.add_argument("--attention-backend", choices=list(AttnBackend.__members__), default=argparse.SUPPRESS,
+                   help="the fused spec's attention: flash = fusedlib's FlashAttention, auto and fused = "
+                        "scaled_dot_product_attention, local and unfused = materialised "
+                        f"(--model gpt --spec fused; default {d.attention_backend})")
     m.add_argument("--layers", type=int, default=d.layers)
     m.add_argument("--hidden", type=int, default=d.hidden)
     m.add_argument("--heads", type=int, default=d.heads)
@@ -129,6 +132,18 @@ def parse_args(argv: Optional[list[str]] = None):
 
     parser = _parser()
     args = parser.parse_args(argv)
+    args.spec, args.attention_backend = getattr(args, "spec", None), getattr(args, "attention_backend", None)
+    # flags that would be ignored are refused (with --bench / --bench-profile they set the fused runs')
+    if not (args.bench or args.bench_profile):
+        if args.model == "plain" and (args.spec is not None or args.attention_backend is not None):
+            parser.error(f"--{'spec' if args.spec is not None else 'attention-backend'} applies to --model gpt "
+                         f"(fusedlib's GPTModel), not to the plain model")
+        if args.spec == "unfused" and args.attention_backend is not None:
+            parser.error("--attention-backend applies to --spec fused: the unfused spec runs the materialised "
+                         "attention with torch's softmax")
+    d = TrainConfig()
+    args.spec = d.spec if args.spec is None else args.spec
+    args.attention_backend = d.attention_backend if args.attention_backend is None else args.attention_backend
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
     values["progress"] = not args.no_progress
