@@ -132,18 +132,16 @@ def parse_args(argv: Optional[list[str]] = None):
 
     parser = _parser()
     args = parser.parse_args(argv)
-    args.spec, args.attention_backend = getattr(args, "spec", None), getattr(args, "attention_backend", None)
-    # flags that would be ignored are refused (with --bench / --bench-profile they set the fused runs')
+    # flags that would be ignored are refused (with --bench / --bench-profile they set the fused runs');
+    # left out, they are absent from args and TrainConfig takes its defaults
+    spec, backend = getattr(args, "spec", None), getattr(args, "attention_backend", None)
     if not (args.bench or args.bench_profile):
-        if args.model == "plain" and (args.spec is not None or args.attention_backend is not None):
-            parser.error(f"--{'spec' if args.spec is not None else 'attention-backend'} applies to --model gpt "
+        if args.model == "plain" and (spec is not None or backend is not None):
+            parser.error(f"--{'spec' if spec is not None else 'attention-backend'} applies to --model gpt "
                          f"(fusedlib's GPTModel), not to the plain model")
-        if args.spec == "unfused" and args.attention_backend is not None:
+        if spec == "unfused" and backend is not None:
             parser.error("--attention-backend applies to --spec fused: the unfused spec runs the materialised "
                          "attention with torch's softmax")
-    d = TrainConfig()
-    args.spec = d.spec if args.spec is None else args.spec
-    args.attention_backend = d.attention_backend if args.attention_backend is None else args.attention_backend
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
     values["progress"] = not args.no_progress

@@ -557,7 +557,7 @@ class Trainer:
         if cfg.tp > 1:  # sum the gradients that each rank holds only part of (sequence-parallel norms)
             finalize_model_grads(self.model)
         if self.bf16:
-            self._master_grads()
+            _master_gradients(self.params, self.master)
         if cfg.grad_clip > 0 and cfg.tp > 1:
             self._clip_tensor_parallel(cfg.grad_clip)
         elif cfg.grad_clip > 0:
@@ -570,11 +570,6 @@ class Trainer:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
         return loss.detach()
-
-    def _master_grads(self) -> None:
-        """The bf16 gradients into the float32 master weights' ``.grad``
-        (:func:`_master_gradients`)."""
-        _master_gradients(self.params, self.master)
 
     def _clip_tensor_parallel(self, max_norm: float) -> None:
         """Clip the master gradients to a global norm over the whole (split) model: each split
