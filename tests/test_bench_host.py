@@ -309,15 +309,86 @@ def test_cli_host_writes_and_merges_host_json(tmp_path, monkeypatch, capsys):
             progress(op)
         return [_host_rec(op, p, i, 10.0) for p in ("fwd", "fwd+bwd") for i in host_mod.HOST_IMPLS], {}
 
+    def fake_measure_floor(device, calls=0, repeats=0, **kw):
+        seen.append(("floor", device, calls, repeats))
+        return [_floor_rec(pas, part, 20.0) for pas, parts in host_mod.FLOOR_PARTS.items() for part in parts]
+
     monkeypatch.setattr(host_mod, "measure_host", fake_measure_host)
-    core.write_records([_host_rec("layer_norm", "fwd", "fusedlib", 69), _host_rec("swiglu", "fwd", "eager", 5)],
-                       tmp_path / "host.json")
+    monkeypatch.setattr(host_mod, "measure_floor", fake_measure_floor)
+    core.write_records([_host_rec("layer_norm", "fwd", "fusedlib", 69), _host_rec("swiglu", "fwd", "eager", 5),
+                        _floor_rec("fwd", "eager", 99.0)], tmp_path / "host.json")
     assert main_host(["swiglu"], str(tmp_path), 3, 2) == 0
-    assert seen == [("swiglu", "cuda", 3, 2)]
+    assert seen == [("swiglu", "cuda", 3, 2), ("floor", "cuda", 3, 2)]  # the floor in every run, after the ops
     written = core.load_records(tmp_path / "host.json")
-    assert [(r["measured_op"], r["us"]) for r in written] == [("swiglu", 10.0)] * 6 + [("layer_norm", 69)]
+    n_floor = sum(len(parts) for parts in host_mod.FLOOR_PARTS.values())
+    assert [(r["measured_op"], r["us"]) for r in written] == \
+        [("swiglu", 10.0)] * 6 + [("host_floor", 20.0)] * n_floor + [("layer_norm", 69)]  # the old floor replaced
     out = capsys.readouterr().out
-    assert "kept 1 records" in out and "swiglu" in out
+    assert "kept 1 records" in out and "swiglu" in out and "skeleton" in out
+
+
+def _floor_rec(pas, part, us):
+    return {"op": "host_floor", "measured_op": "host_floor", "part": part, "pass": pas, "shape": [32, 256],
+            "dtype": "bfloat16", "us": us, "enqueue_us": us, "cpu_us": us, "device": "NVIDIA H200", "torch": "2.11",
+            "triton": "3.6"}
+
+
+# ------------------------------------------------------------------------------------------
+# The floor: LayerNorm's host work without LayerNorm
+# ------------------------------------------------------------------------------------------
+
+def test_skeleton_layer_norm_does_the_host_work_and_launches_once_per_pass(monkeypatch):
+    launched = []
+    monkeypatch.setattr(host_mod, "launch", lambda kernel, grid, device, *args, **kw: launched.append(args))
+    x = torch.randn(5, 12, device=DEVICE, requires_grad=True)
+    w = torch.randn(12, device=DEVICE, requires_grad=True)
+    b = torch.randn(12, device=DEVICE, requires_grad=True)
+    y = host_mod.SkeletonLayerNorm.apply(x, w, b, True)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.grad_fn is not None and len(launched) == 1
+    assert launched[0][0] is x and launched[0][1] == 12
+    y.float().sum().backward()
+    assert len(launched) == 2, "one launch in the backward"
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
+    host_mod.SkeletonLayerNorm.apply(x, w, b, False).sum().backward()
+    assert len(launched) == 2, "no launch without launches"
+    with torch.no_grad():
+        host_mod._floor_steps("fwd", torch.device(DEVICE), torch.float32)["skeleton"]()
+    assert len(launched) == 3
+
+
+def test_the_no_op_kernel_runs_on_this_device():
+    x = torch.randn(4, 16, device=DEVICE)
+    before = x.clone()
+    host_mod._noop_launch(x)  # a real launch (Triton's interpreter on the CPU)
+    host_mod._noop_kernel[(1,)](x, 16, BLOCK=16)
+    assert torch.equal(x, before)
+
+
+def test_measure_floor_records_every_part_of_each_pass():
+    recs = host_mod.measure_floor(DEVICE, calls=1, repeats=2, warmup=1, dtype=torch.float32)
+    assert [(r["pass"], r["part"]) for r in recs] == \
+        [(p, part) for p in ("fwd", "fwd+bwd") for part in host_mod.FLOOR_PARTS[p]]
+    for r in recs:
+        assert (r["op"], r["measured_op"], r["shape"], r["dtype"], r["calls"], r["repeats"]) == \
+            ("host_floor", "host_floor", list(host_mod.FLOOR_SHAPE), "float32", 1, 2)
+        assert r["us"] > 0 and len(r["us_repeats"]) == 2 and r["device"] == core.environment()["device"]
+    assert host_mod.measure_floor(DEVICE, calls=1, repeats=1, warmup=0, passes=("fwd+bwd",))[0]["pass"] == "fwd+bwd"
+
+
+def test_floor_table_rows_and_ratios_to_eager():
+    recs = [_floor_rec("fwd", "eager", 12.0), _floor_rec("fwd", "fusedlib", 42.0), _floor_rec("fwd", "skeleton", 15.0),
+            _floor_rec("fwd+bwd", "eager", 200.0), _floor_rec("fwd+bwd", "skeleton", 150.0),
+            _host_rec("layer_norm", "fwd", "fusedlib", 69)]
+    lines = host_mod.floor_table(recs).splitlines()
+    assert "NVIDIA H200" in lines[0] and "[32, 256]" in lines[0]
+    body = [line.split() for line in lines[2:]]
+    assert body[0] == ["fwd", "eager", "12.0", "1.00x"] and body[1] == ["fwd", "fusedlib", "42.0", "3.50x"]
+    assert body[2] == ["fwd", "skeleton", "15.0", "1.25x"] and body[4] == ["fwd+bwd", "skeleton", "150.0", "0.75x"]
+    assert len(body) == 5, "only the floor's records, in FLOOR_PARTS order"
+    with pytest.raises(ValueError, match="no host_floor record"):
+        host_mod.floor_table([_host_rec("layer_norm", "fwd", "fusedlib", 69)])
+    with pytest.raises(ValueError, match="field"):
+        host_mod.floor_table(recs, "ms")
 
 
 # ------------------------------------------------------------------------------------------

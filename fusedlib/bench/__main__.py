@@ -14,8 +14,9 @@ function (records -> text, printed after that table) and an ``extra_files`` func
 (device, DIR, log -> written paths), e.g. ``transformer_layer``'s tokens/s table and its kernel
 profile ``DIR/transformer_layer_profile.json``. ``--host`` writes ``DIR/host.json`` instead
 (:mod:`fusedlib.bench.host`): microseconds per call at tiny shapes, fusedlib against eager
-PyTorch and torch.compile; with ``--op`` it replaces those ops' records in the file and
-keeps the others'. Files are rewritten after every case (``--host``: every op), so a run cut
+PyTorch and torch.compile, and the floor of that cost (``"host_floor"`` records: LayerNorm's host
+work without LayerNorm, :func:`fusedlib.bench.host.measure_floor`); with ``--op`` it replaces
+those ops' records (and the floor's) in the file and keeps the others'. Files are rewritten after every case (``--host``: every op), so a run cut
 short by a time limit keeps what it measured. Both need a CUDA GPU and exit with status 2
 without one.
 """
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_host(ops: list[str], out: str, calls: int | None, repeats: int | None) -> int:
     """``--host``: measure ``ops`` on the current CUDA device, merge into ``out/host.json``."""
-    from .host import CALLS, REPEATS, host_table, measure_host, merge_host_records
+    from .host import CALLS, REPEATS, floor_table, host_table, measure_floor, measure_host, merge_host_records
 
     calls, repeats = calls or CALLS, repeats or REPEATS
     records = []
@@ -112,6 +113,7 @@ def main_host(ops: list[str], out: str, calls: int | None, repeats: int | None) 
             for name, why in skipped.items():
                 tqdm.write(f"  {op}: {name} not timed: {why}")
             write_records(merge_host_records(records, old), path)  # after every op: a cut run keeps its part
+    records += measure_floor("cuda", calls=calls, repeats=repeats)  # the floor, in the same process state
     merged = merge_host_records(records, old)
     if len(merged) > len(records):
         print(f"kept {len(merged) - len(records)} records of other ops from {path}")
@@ -119,6 +121,7 @@ def main_host(ops: list[str], out: str, calls: int | None, repeats: int | None) 
     print(f"wrote {path}")
     print(host_table(merged))
     print(host_table(merged, "cpu_us"))
+    print(floor_table(merged))
     return 0
 
 

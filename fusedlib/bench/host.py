@@ -43,6 +43,18 @@ Triton's interpreter runs every kernel in Python, so the numbers would mean noth
 writing them would overwrite the H200's file. :func:`measure_host` itself runs on any
 device (the tests use it on the CPU with a few calls).
 
+The floor (:func:`measure_floor`, in the same file as ``"op": "host_floor"`` records, one per
+part and pass): what any op launched from Python with LayerNorm's host work must cost, measured
+in the same run as LayerNorm itself. :class:`SkeletonLayerNorm` is an ``autograd.Function`` that
+does LayerNorm's host work and nothing else: the forward allocates y and the row statistics,
+launches one kernel that does nothing (:func:`_noop_kernel`) through fusedlib's launch layer and
+saves its tensors; the backward allocates the three gradients and launches the no-op kernel
+once. No argument checks, no tile lookup, no arithmetic: no Python op with LayerNorm's outputs
+and one launch per pass can cost less. Beside it: the eager ``F.layer_norm``, fusedlib's
+``fused_layer_norm``, the skeleton without its launches, one ``torch.empty_like``, and a launch
+of the no-op kernel through fusedlib's launch layer and through Triton's ``kernel[grid]``.
+:func:`floor_table` prints them.
+
 Source: the CUDA C++ Programming Guide, "Asynchronous Concurrent Execution" (a kernel launch
 returns to the host before the kernel runs, so back-to-back launches measure the host).
 """
@@ -55,7 +67,13 @@ import time
 from typing import Callable, Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from ..fusions._apply import apply as _fused_apply
+from ..fusions.fused_layer_norm import fused_layer_norm
+from ..runtime import launch
 from .core import PASSES, BenchCase, Impl, environment
 from .ops import OP_MODULES, get_case
 
@@ -71,6 +89,11 @@ __all__ = [
     "measure_host",
     "merge_host_records",
     "host_table",
+    "FLOOR_SHAPE",
+    "FLOOR_PARTS",
+    "SkeletonLayerNorm",
+    "measure_floor",
+    "floor_table",
 ]
 
 logger = logging.getLogger("fusedlib.bench")
@@ -318,4 +341,172 @@ def host_table(records: Sequence[dict], field: str = "us") -> str:
             f, e = vals[0], vals[1]
             line += f"{f'{f / e:.2f}x' if f is not None and e else '-':>9}  "
         out.append(line.rstrip())
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------
+# The floor: LayerNorm's host work without LayerNorm
+# ----------------------------------------------------------------------------------------
+
+#: The floor's shape, [rows, h] (LayerNorm's host shape).
+FLOOR_SHAPE: tuple[int, int] = (32, 256)
+
+
+@triton.jit
+def _noop_kernel(X_ptr, n_cols, BLOCK: tl.constexpr):
+    """Does nothing: its launch costs the host a launch of a kernel with two arguments and a
+    constexpr, and the GPU next to nothing."""
+    pass
+
+
+def _noop_launch(t: torch.Tensor) -> None:
+    launch(_noop_kernel, (1,), t.device, t, t.shape[-1], BLOCK=16)
+
+
+class SkeletonLayerNorm(torch.autograd.Function):
+    """LayerNorm's host work and nothing else: the least a Python op with LayerNorm's outputs
+    and one launch per pass can cost (see the module docstring).
+
+    ``forward(ctx, x, weight, bias, launches=True)``: allocates y (x's shape and dtype,
+    uninitialised) and one float32 [2, rows] buffer for the row statistics, launches
+    :func:`_noop_kernel` once (with ``launches``), saves ``(x, weight, bias, stats)``, returns y.
+    ``backward``: allocates dx, dweight, dbias (uninitialised), launches the no-op kernel once,
+    returns them. The values are garbage: for timing only.
+
+    Shapes: x [rows, h], weight and bias [h].
+
+    Source: fusedlib (a measurement device, not an op).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, launches: bool = True):
+        y = torch.empty_like(x)
+        stats = torch.empty((2, x.shape[0]), dtype=torch.float32, device=x.device)  # mean and rstd
+        if launches:
+            _noop_launch(x)
+        ctx.save_for_backward(x, weight, bias, stats)
+        ctx.launches = launches
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, bias, _ = ctx.saved_tensors
+        dx, dweight, dbias = torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias)
+        if ctx.launches:
+            _noop_launch(dy)
+        return dx, dweight, dbias, None
+
+
+#: The floor's parts per pass, in table order; ``"eager"`` is ``F.layer_norm``.
+FLOOR_PARTS: dict[str, tuple[str, ...]] = {
+    "fwd": ("eager", "fusedlib", "skeleton", "skeleton, no launch", "torch.empty_like",
+            "launch (fusedlib)", "launch (kernel[grid])"),
+    "fwd+bwd": ("eager", "fusedlib", "skeleton", "skeleton, no launch"),
+}
+
+
+def _floor_steps(pass_: str, device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """The calls :func:`measure_floor` times, by part, for ``pass_``."""
+    rows, h = FLOOR_SHAPE
+    grad = pass_ == "fwd+bwd"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, h, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+    w = torch.randn(h, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+    b = torch.randn(h, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+    forwards = {
+        "eager": lambda: F.layer_norm(x, (h,), w, b),
+        "fusedlib": lambda: fused_layer_norm(x, w, b),
+        "skeleton": lambda: _fused_apply(SkeletonLayerNorm, x, w, b, True),
+        "skeleton, no launch": lambda: _fused_apply(SkeletonLayerNorm, x, w, b, False),
+        "torch.empty_like": lambda: torch.empty_like(x),
+        "launch (fusedlib)": lambda: _noop_launch(x),
+        "launch (kernel[grid])": lambda: _noop_kernel[(1,)](x, h, BLOCK=16),
+    }
+    if not grad:
+        return {part: forwards[part] for part in FLOOR_PARTS[pass_]}
+
+    def fwd_bwd(fwd):
+        def step():
+            x.grad = w.grad = b.grad = None
+            fwd().float().sum().backward()
+        return step
+
+    return {part: fwd_bwd(forwards[part]) for part in FLOOR_PARTS[pass_]}
+
+
+def measure_floor(device: torch.device | str = "cuda", calls: int = CALLS, repeats: int = REPEATS,
+                  warmup: int = WARMUP, dtype: torch.dtype = torch.bfloat16,
+                  passes: Sequence[str] = PASSES) -> list[dict]:
+    """Host cost per call of each part of :data:`FLOOR_PARTS` at :data:`FLOOR_SHAPE`, timed as
+    :func:`measure_host` times the ops (every part warmed up, then the repeats in turns; "fwd"
+    under ``torch.no_grad()``, "fwd+bwd" with ``.grad = None`` and ``out.float().sum().backward()``).
+
+    Args:
+        device: a CUDA device for meaningful numbers (on the CPU, for tests).
+        calls, repeats, warmup: as :func:`measure_host`.
+        dtype: the inputs' dtype.
+        passes: subset of ("fwd", "fwd+bwd").
+
+    Returns:
+        One record per part and pass: ``{"op": "host_floor", "measured_op": "host_floor",
+        "part", "pass", "shape", "dtype", "us", "enqueue_us", "cpu_us", "us_repeats", "calls",
+        "repeats", "warmup", device and versions}``.
+    """
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    records = []
+    for pas in passes:
+        ctx = torch.no_grad if pas == "fwd" else contextlib.nullcontext
+        steps = _floor_steps(pas, device, dtype)
+        timings: dict[str, list[dict]] = {part: [] for part in steps}
+        with ctx():
+            for step in steps.values():
+                for _ in range(warmup):
+                    step()
+            sync()
+            for _ in range(repeats):
+                for part, step in steps.items():
+                    timings[part].append(host_timing(step, calls, 1, sync))
+        for part, ts in timings.items():
+            rec = {"op": "host_floor", "measured_op": "host_floor", "part": part, "pass": pas,
+                   "shape": list(FLOOR_SHAPE), "dtype": str(dtype).replace("torch.", "")}
+            rec.update({key: round(statistics.median(t[key] for t in ts), 2) for key in ("us", "enqueue_us", "cpu_us")})
+            rec.update({"us_repeats": [round(t["us"], 2) for t in ts], "calls": calls, "repeats": repeats,
+                        "warmup": warmup, **environment()})
+            records.append(rec)
+    return records
+
+
+def floor_table(records: Sequence[dict], field: str = "us") -> str:
+    """Text table of the ``host_floor`` records: per pass, each part's microseconds per call and
+    its time over the eager ``F.layer_norm``'s.
+
+    Args:
+        records: any records (only ``"op": "host_floor"`` ones are read).
+        field: ``"us"``, ``"enqueue_us"`` or ``"cpu_us"``.
+
+    Returns:
+        The table.
+
+    Raises:
+        ValueError: for another field, or when there is no floor record.
+    """
+    if field not in ("us", "enqueue_us", "cpu_us"):
+        raise ValueError(f"field must be 'us', 'enqueue_us' or 'cpu_us', got {field!r}")
+    rows = [r for r in records if r.get("op") == "host_floor"]
+    if not rows:
+        raise ValueError("records: no host_floor record (python -m fusedlib.bench --host writes them)")
+    r0 = rows[0]
+    what = {"us": "wall time with one sync at the end", "enqueue_us": "wall time, enqueue only",
+            "cpu_us": "CPU time, enqueue only"}[field]
+    out = [f"LayerNorm's host work at {r0['shape']} {r0['dtype']}, {field}: {what}, microseconds per call "
+           f"({r0['device']}, torch {r0['torch']}, triton {r0['triton']})",
+           f"{'pass':<9}{'part':<24}{'us':>9}{'/ eager':>9}"]
+    for pas in PASSES:
+        value = {r["part"]: r[field] for r in rows if r["pass"] == pas}
+        eager = value.get("eager")
+        for part in FLOOR_PARTS[pas]:
+            if part in value:
+                ratio = f"{value[part] / eager:.2f}x" if eager else "-"
+                out.append(f"{pas:<9}{part:<24}{value[part]:>9.1f}{ratio:>9}")
     return "\n".join(out)

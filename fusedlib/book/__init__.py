@@ -3,8 +3,9 @@
 Everything the notebooks need beyond fusedlib's ops lives here, so a chapter shows
 fusedlib's real code (``show_source``) and plots the benchmark's real records
 (``load_bench``, ``plot_bandwidth``), and prints speed claims from those records
-(``speedup_table``; ``host_table`` for the host cost per call; ``throughput_table`` and
-``plot_throughput`` for a whole block's training step) instead of typing numbers by hand.
+(``speedup_table``; ``host_table`` for the host cost per call, ``floor_table`` for its floor;
+``throughput_table`` and ``plot_throughput`` for a whole block's training step) instead of
+typing numbers by hand.
 
 Records of a model-level op (``transformer_layer``) have no byte count (``"GBps": None``): the
 bandwidth tables show ``-`` for them and :func:`plot_bandwidth` refuses them, saying to plot
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..bench.host import host_table  # noqa: F401  (re-exported for chapters: host.json's table)
+from ..bench.host import floor_table, host_table  # noqa: F401  (re-exported for chapters: host.json's tables)
 from ..bench.ops.transformer_layer import profile_table  # noqa: F401  (re-exported: the block's kernel profile)
 from ..bench.ops.transformer_layer import table as throughput_table  # noqa: F401  (the block's tokens/s)
 from ..runtime import CUDA_AVAILABLE, device_banner  # noqa: F401  (re-exported for chapters)
@@ -36,6 +37,7 @@ __all__ = [
     "plot_sweep",
     "speedup_table",
     "host_table",
+    "floor_table",
     "plot_host",
     "backward_table",
     "sweep_table",
