@@ -311,7 +311,8 @@ def test_cli_host_writes_and_merges_host_json(tmp_path, monkeypatch, capsys):
 
     def fake_measure_floor(device, calls=0, repeats=0, **kw):
         seen.append(("floor", device, calls, repeats))
-        return [_floor_rec(pas, part, 20.0) for pas, parts in host_mod.FLOOR_PARTS.items() for part in parts]
+        return [_floor_rec(pas, part, 20.0) for pas, parts in host_mod.FLOOR_PARTS.items() for part in parts], \
+            {"fwd: launch (C launcher)": "not here"}
 
     monkeypatch.setattr(host_mod, "measure_host", fake_measure_host)
     monkeypatch.setattr(host_mod, "measure_floor", fake_measure_floor)
@@ -325,6 +326,7 @@ def test_cli_host_writes_and_merges_host_json(tmp_path, monkeypatch, capsys):
         [("swiglu", 10.0)] * 6 + [("host_floor", 20.0)] * n_floor + [("layer_norm", 69)]  # the old floor replaced
     out = capsys.readouterr().out
     assert "kept 1 records" in out and "swiglu" in out and "skeleton" in out
+    assert "host floor: fwd: launch (C launcher) not timed: not here" in out
 
 
 def _floor_rec(pas, part, us):
@@ -346,49 +348,101 @@ def test_skeleton_layer_norm_does_the_host_work_and_launches_once_per_pass(monke
     y = host_mod.SkeletonLayerNorm.apply(x, w, b, True)
     assert y.shape == x.shape and y.dtype == x.dtype and y.grad_fn is not None and len(launched) == 1
     assert launched[0][0] is x and launched[0][1] == 12
+    saved = y.grad_fn.saved_tensors
+    assert saved[0] is x and saved[3].shape == (2, 5) and saved[3].dtype == torch.float32, "y and the row stats"
     y.float().sum().backward()
     assert len(launched) == 2, "one launch in the backward"
-    assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
+    assert x.grad is not None and w.grad is not None and b.grad is not None
     host_mod.SkeletonLayerNorm.apply(x, w, b, False).sum().backward()
     assert len(launched) == 2, "no launch without launches"
+    # [..., h]: one row of statistics per row of x
+    y3 = host_mod.SkeletonLayerNorm.apply(torch.randn(2, 3, 12, device=DEVICE, requires_grad=True), w, b, False)
+    assert y3.grad_fn.saved_tensors[3].shape == (2, 6)
+    # the forward pass's steps: no autograd node (fusedlib's apply takes the forward directly)
     with torch.no_grad():
-        host_mod._floor_steps("fwd", torch.device(DEVICE), torch.float32)["skeleton"]()
-    assert len(launched) == 3
-
-
-def test_the_no_op_kernel_runs_on_this_device():
-    x = torch.randn(4, 16, device=DEVICE)
-    before = x.clone()
-    host_mod._noop_launch(x)  # a real launch (Triton's interpreter on the CPU)
-    host_mod._noop_kernel[(1,)](x, 16, BLOCK=16)
-    assert torch.equal(x, before)
+        steps = host_mod._floor_steps("fwd", torch.device(DEVICE), torch.float32)
+        out = steps["skeleton"]()
+        assert out.grad_fn is None and len(launched) == 3
+        assert steps["launch (C launcher)"] is None or DEVICE.type == "cuda", "the C launcher alone: CUDA only"
 
 
 def test_measure_floor_records_every_part_of_each_pass():
-    recs = host_mod.measure_floor(DEVICE, calls=1, repeats=2, warmup=1, dtype=torch.float32)
-    assert [(r["pass"], r["part"]) for r in recs] == \
-        [(p, part) for p in ("fwd", "fwd+bwd") for part in host_mod.FLOOR_PARTS[p]]
+    recs, skipped = host_mod.measure_floor(DEVICE, calls=1, repeats=2, warmup=1, dtype=torch.float32)
+    have = [(r["pass"], r["part"]) for r in recs]
+    want = [(p, part) for p in ("fwd", "fwd+bwd") for part in host_mod.FLOOR_PARTS[p]]
+    if DEVICE.type == "cpu":  # Triton's interpreter: no compiled kernel, no C launcher
+        assert skipped == {"fwd: launch (C launcher)": "no such launch on cpu here"}
+        want.remove(("fwd", "launch (C launcher)"))
+    assert have == want
     for r in recs:
         assert (r["op"], r["measured_op"], r["shape"], r["dtype"], r["calls"], r["repeats"]) == \
             ("host_floor", "host_floor", list(host_mod.FLOOR_SHAPE), "float32", 1, 2)
         assert r["us"] > 0 and len(r["us_repeats"]) == 2 and r["device"] == core.environment()["device"]
-    assert host_mod.measure_floor(DEVICE, calls=1, repeats=1, warmup=0, passes=("fwd+bwd",))[0]["pass"] == "fwd+bwd"
+    recs, _ = host_mod.measure_floor(DEVICE, calls=1, repeats=1, warmup=0, passes=("fwd+bwd",))
+    assert {r["pass"] for r in recs} == {"fwd+bwd"}
+
+
+def test_measure_floor_refuses_bad_arguments_and_skips_a_failing_part(monkeypatch):
+    for kw in (dict(calls=0), dict(repeats=0), dict(warmup=-1), dict(passes=("bogus",)), dict(passes="fwd")):
+        with pytest.raises(ValueError, match="calls and repeats|passes must be"):
+            host_mod.measure_floor("cpu", **kw)
+    real = host_mod._floor_steps
+
+    def broken_eager(pas, device, dtype):
+        steps = real(pas, device, dtype)
+        steps["eager"] = lambda: (_ for _ in ()).throw(RuntimeError("eager broke"))
+        return steps
+
+    monkeypatch.setattr(host_mod, "_floor_steps", broken_eager)
+    recs, skipped = host_mod.measure_floor(DEVICE, calls=1, repeats=1, warmup=1, dtype=torch.float32,
+                                           passes=("fwd",))
+    assert "eager broke" in skipped["fwd: eager"] and "eager" not in {r["part"] for r in recs}
+    assert {r["part"] for r in recs} >= {"fusedlib", "skeleton"}, "the other parts still ran"
 
 
 def test_floor_table_rows_and_ratios_to_eager():
     recs = [_floor_rec("fwd", "eager", 12.0), _floor_rec("fwd", "fusedlib", 42.0), _floor_rec("fwd", "skeleton", 15.0),
             _floor_rec("fwd+bwd", "eager", 200.0), _floor_rec("fwd+bwd", "skeleton", 150.0),
-            _host_rec("layer_norm", "fwd", "fusedlib", 69)]
+            _floor_rec("fwd", "no such part", 1.0), _host_rec("layer_norm", "fwd", "fusedlib", 69)]
+    recs[2]["us_repeats"] = [17.0, 15.0, 14.5]
     lines = host_mod.floor_table(recs).splitlines()
     assert "NVIDIA H200" in lines[0] and "[32, 256]" in lines[0]
+    assert lines[1].split() == ["pass", "part", "median", "least", "most", "/", "eager"]
     body = [line.split() for line in lines[2:]]
-    assert body[0] == ["fwd", "eager", "12.0", "1.00x"] and body[1] == ["fwd", "fusedlib", "42.0", "3.50x"]
-    assert body[2] == ["fwd", "skeleton", "15.0", "1.25x"] and body[4] == ["fwd+bwd", "skeleton", "150.0", "0.75x"]
-    assert len(body) == 5, "only the floor's records, in FLOOR_PARTS order"
+    assert body[0] == ["fwd", "eager", "12.0", "12.0", "12.0", "1.00x"]
+    assert body[1] == ["fwd", "fusedlib", "42.0", "42.0", "42.0", "3.50x"]
+    assert body[2] == ["fwd", "skeleton", "15.0", "14.5", "17.0", "1.25x"], "the repeats' spread"
+    assert body[4] == ["fwd+bwd", "skeleton", "150.0", "150.0", "150.0", "0.75x"]
+    assert len(body) == 5, "only the floor's known parts, in FLOOR_PARTS order"
+    cpu = host_mod.floor_table(recs, "cpu_us").splitlines()
+    assert "least" not in cpu[1] and cpu[2].split() == ["fwd", "eager", "12.0", "1.00x"]
+    no_eager = host_mod.floor_table([_floor_rec("fwd", "skeleton", 15.0)]).splitlines()
+    assert no_eager[2].split()[-1] == "-"
     with pytest.raises(ValueError, match="no host_floor record"):
         host_mod.floor_table([_host_rec("layer_norm", "fwd", "fusedlib", 69)])
     with pytest.raises(ValueError, match="field"):
         host_mod.floor_table(recs, "ms")
+
+
+def test_bound_launch_is_none_without_direct_launches(monkeypatch):
+    from fusedlib.kernels import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "DIRECT_LAUNCH", False)
+    x = torch.zeros(4, 16, device=DEVICE)
+    assert launch_mod.bound_launch(host_mod._noop_kernel, (1,), 0, (x, 16), {"BLOCK": 16}) is None
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a compiled kernel's C launcher needs a CUDA device")
+def test_bound_launch_launches_the_cached_kernel():
+    from fusedlib.kernels import launch as launch_mod
+
+    x = torch.zeros(4, 16, device=DEVICE)
+    fn = launch_mod.bound_launch(host_mod._noop_kernel, (1,), torch.cuda.current_device(), (x, 16), {"BLOCK": 16})
+    assert fn is not None
+    before = launch_mod.launch_stats().hits
+    fn()
+    torch.cuda.synchronize()
+    assert launch_mod.launch_stats().hits == before, "no key, no lookup: the C launcher alone"
 
 
 # ------------------------------------------------------------------------------------------

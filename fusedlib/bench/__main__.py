@@ -113,7 +113,10 @@ def main_host(ops: list[str], out: str, calls: int | None, repeats: int | None) 
             for name, why in skipped.items():
                 tqdm.write(f"  {op}: {name} not timed: {why}")
             write_records(merge_host_records(records, old), path)  # after every op: a cut run keeps its part
-    records += measure_floor("cuda", calls=calls, repeats=repeats)  # the floor, in the same process state
+    floor, skipped = measure_floor("cuda", calls=calls, repeats=repeats)  # after the ops, in the same process
+    records += floor
+    for name, why in skipped.items():
+        tqdm.write(f"  host floor: {name} not timed: {why}")
     merged = merge_host_records(records, old)
     if len(merged) > len(records):
         print(f"kept {len(merged) - len(records)} records of other ops from {path}")
@@ -121,7 +124,8 @@ def main_host(ops: list[str], out: str, calls: int | None, repeats: int | None) 
     print(f"wrote {path}")
     print(host_table(merged))
     print(host_table(merged, "cpu_us"))
-    print(floor_table(merged))
+    if any(r.get("op") == "host_floor" for r in merged):
+        print(floor_table(merged))
     return 0
 
 

@@ -44,16 +44,16 @@ writing them would overwrite the H200's file. :func:`measure_host` itself runs o
 device (the tests use it on the CPU with a few calls).
 
 The floor (:func:`measure_floor`, in the same file as ``"op": "host_floor"`` records, one per
-part and pass): what any op launched from Python with LayerNorm's host work must cost, measured
-in the same run as LayerNorm itself. :class:`SkeletonLayerNorm` is an ``autograd.Function`` that
-does LayerNorm's host work and nothing else: the forward allocates y and the row statistics,
-launches one kernel that does nothing (:func:`_noop_kernel`) through fusedlib's launch layer and
-saves its tensors; the backward allocates the three gradients and launches the no-op kernel
-once. No argument checks, no tile lookup, no arithmetic: no Python op with LayerNorm's outputs
-and one launch per pass can cost less. Beside it: the eager ``F.layer_norm``, fusedlib's
-``fused_layer_norm``, the skeleton without its launches, one ``torch.empty_like``, and a launch
-of the no-op kernel through fusedlib's launch layer and through Triton's ``kernel[grid]``.
-:func:`floor_table` prints them.
+part and pass, timed after the ops in the same process): what an op built like fusedlib's costs
+the host per call at the least, with LayerNorm's host work. :class:`SkeletonLayerNorm` is an
+``autograd.Function``, called through fusedlib's ``apply`` as the ops are, that does that work
+and nothing else: the forward allocates y and the row statistics, launches one kernel that does
+nothing (:func:`_noop_kernel`) through fusedlib's launch layer and saves its tensors; the
+backward allocates the three gradients and launches the no-op kernel once. No argument checks,
+no tile lookup, no arithmetic. Beside it, in turns with it: the eager ``F.layer_norm``,
+fusedlib's ``fused_layer_norm``, the skeleton without its launches, one ``torch.empty_like``,
+and a launch of the no-op kernel through fusedlib's launch layer, through Triton's
+``kernel[grid]`` and through Triton's C launcher alone. :func:`floor_table` prints them.
 
 Source: the CUDA C++ Programming Guide, "Asynchronous Concurrent Execution" (a kernel launch
 returns to the host before the kernel runs, so back-to-back launches measure the host).
@@ -364,16 +364,22 @@ def _noop_launch(t: torch.Tensor) -> None:
 
 
 class SkeletonLayerNorm(torch.autograd.Function):
-    """LayerNorm's host work and nothing else: the least a Python op with LayerNorm's outputs
-    and one launch per pass can cost (see the module docstring).
+    """LayerNorm's host work and nothing else, built as fusedlib's ops are built: the least an
+    op like fusedlib's LayerNorm (an ``autograd.Function`` called through fusedlib's ``apply``,
+    launching through fusedlib's launch layer) can cost the host per call.
 
-    ``forward(ctx, x, weight, bias, launches=True)``: allocates y (x's shape and dtype,
-    uninitialised) and one float32 [2, rows] buffer for the row statistics, launches
-    :func:`_noop_kernel` once (with ``launches``), saves ``(x, weight, bias, stats)``, returns y.
-    ``backward``: allocates dx, dweight, dbias (uninitialised), launches the no-op kernel once,
-    returns them. The values are garbage: for timing only.
+    ``forward(ctx, x, weight, bias, launches=True)``: allocates y (x's shape and dtype) and one
+    float32 [2, rows] buffer for the row statistics (rows = x.numel() // h), launches
+    :func:`_noop_kernel` once (with ``launches``), saves ``(x, weight, bias, stats)`` (through
+    fusedlib's ``apply`` without autograd, a stand-in ``ctx`` that saves nothing, as for the
+    ops), returns y. ``backward``: allocates dx, dweight, dbias, launches the no-op kernel once
+    (with ``launches``), returns them. Every output is uninitialised memory: for timing only.
 
-    Shapes: x [rows, h], weight and bias [h].
+    Shapes: x [..., h] (h >= 1), weight and bias [h], tensors (any dtype and device the no-op
+    kernel runs on).
+
+    Raises:
+        IndexError: a 0-d x. TypeError: weight or bias not a tensor (in the backward).
 
     Source: fusedlib (a measurement device, not an op).
     """
@@ -381,7 +387,7 @@ class SkeletonLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, launches: bool = True):
         y = torch.empty_like(x)
-        stats = torch.empty((2, x.shape[0]), dtype=torch.float32, device=x.device)  # mean and rstd
+        stats = torch.empty((2, x.numel() // x.shape[-1]), dtype=torch.float32, device=x.device)  # mean, rstd
         if launches:
             _noop_launch(x)
         ctx.save_for_backward(x, weight, bias, stats)
@@ -397,22 +403,32 @@ class SkeletonLayerNorm(torch.autograd.Function):
         return dx, dweight, dbias, None
 
 
-#: The floor's parts per pass, in table order; ``"eager"`` is ``F.layer_norm``.
+#: The floor's parts per pass, in table order; ``"eager"`` is ``F.layer_norm``. The launch
+#: parts launch :func:`_noop_kernel`: through fusedlib's launch layer, through Triton's
+#: ``kernel[grid]``, and through Triton's C launcher alone
+#: (:func:`fusedlib.kernels.launch.bound_launch`: CUDA with direct launches only).
 FLOOR_PARTS: dict[str, tuple[str, ...]] = {
     "fwd": ("eager", "fusedlib", "skeleton", "skeleton, no launch", "torch.empty_like",
-            "launch (fusedlib)", "launch (kernel[grid])"),
+            "launch (fusedlib)", "launch (kernel[grid])", "launch (C launcher)"),
     "fwd+bwd": ("eager", "fusedlib", "skeleton", "skeleton, no launch"),
 }
 
 
-def _floor_steps(pass_: str, device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
-    """The calls :func:`measure_floor` times, by part, for ``pass_``."""
+def _floor_steps(pass_: str, device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], object] | None]:
+    """The calls :func:`measure_floor` times, by part, for ``pass_`` (None: the part does not
+    exist on this device)."""
     rows, h = FLOOR_SHAPE
     grad = pass_ == "fwd+bwd"
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(rows, h, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
     w = torch.randn(h, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
     b = torch.randn(h, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+    c_launch = None
+    if not grad and device.type == "cuda":
+        from ..kernels.launch import bound_launch
+
+        c_launch = bound_launch(_noop_kernel, (1,), device.index if device.index is not None
+                                else torch.cuda.current_device(), (x, h), {"BLOCK": 16})
     forwards = {
         "eager": lambda: F.layer_norm(x, (h,), w, b),
         "fusedlib": lambda: fused_layer_norm(x, w, b),
@@ -421,6 +437,7 @@ def _floor_steps(pass_: str, device: torch.device, dtype: torch.dtype) -> dict[s
         "torch.empty_like": lambda: torch.empty_like(x),
         "launch (fusedlib)": lambda: _noop_launch(x),
         "launch (kernel[grid])": lambda: _noop_kernel[(1,)](x, h, BLOCK=16),
+        "launch (C launcher)": c_launch,
     }
     if not grad:
         return {part: forwards[part] for part in FLOOR_PARTS[pass_]}
@@ -436,37 +453,66 @@ def _floor_steps(pass_: str, device: torch.device, dtype: torch.dtype) -> dict[s
 
 def measure_floor(device: torch.device | str = "cuda", calls: int = CALLS, repeats: int = REPEATS,
                   warmup: int = WARMUP, dtype: torch.dtype = torch.bfloat16,
-                  passes: Sequence[str] = PASSES) -> list[dict]:
-    """Host cost per call of each part of :data:`FLOOR_PARTS` at :data:`FLOOR_SHAPE`, timed as
-    :func:`measure_host` times the ops (every part warmed up, then the repeats in turns; "fwd"
-    under ``torch.no_grad()``, "fwd+bwd" with ``.grad = None`` and ``out.float().sum().backward()``).
+                  passes: Sequence[str] = PASSES) -> tuple[list[dict], dict[str, str]]:
+    """Host cost per call, in microseconds, of each part of :data:`FLOOR_PARTS` at
+    :data:`FLOOR_SHAPE`, timed as :func:`measure_host` times the ops: every part warmed up,
+    then the repeats taken in turns (the parts of a pass share the process's state); "fwd"
+    under ``torch.no_grad()``, "fwd+bwd" with ``.grad = None`` on x, weight and bias and
+    ``out.float().sum().backward()``.
 
     Args:
-        device: a CUDA device for meaningful numbers (on the CPU, for tests).
-        calls, repeats, warmup: as :func:`measure_host`.
-        dtype: the inputs' dtype.
-        passes: subset of ("fwd", "fwd+bwd").
+        device: a CUDA device for meaningful numbers (on the CPU, for tests: the launches
+            run in Triton's interpreter and the C launcher part does not exist).
+        calls, repeats, warmup: as :func:`measure_host` (calls and repeats >= 1, warmup >= 0).
+        dtype: the inputs' dtype, a floating-point dtype F.layer_norm takes.
+        passes: a sequence of "fwd" and "fwd+bwd".
 
     Returns:
-        One record per part and pass: ``{"op": "host_floor", "measured_op": "host_floor",
-        "part", "pass", "shape", "dtype", "us", "enqueue_us", "cpu_us", "us_repeats", "calls",
-        "repeats", "warmup", device and versions}``.
+        ``(records, skipped)``: one record per part and pass that ran, ``{"op": "host_floor",
+        "measured_op": "host_floor", "part", "pass", "shape", "dtype", "us", "enqueue_us",
+        "cpu_us", "us_repeats", "calls", "repeats", "warmup", device and versions}`` (times in
+        microseconds per call); ``skipped`` maps ``"pass: part"`` to why a part did not run
+        (it raised, or does not exist on the device), the other parts still run.
+
+    Raises:
+        ValueError: calls or repeats below 1, warmup below 0, an unknown pass.
+
+    Source: fusedlib; the method of :func:`measure_host`.
     """
+    if calls < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"calls and repeats must be >= 1 and warmup >= 0, got calls={calls}, repeats={repeats}, "
+                         f"warmup={warmup}")
+    if isinstance(passes, str) or any(p not in PASSES for p in passes):
+        raise ValueError(f"passes must be a sequence of {PASSES}, got {passes!r}")
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    records = []
+    records, skipped = [], {}
     for pas in passes:
         ctx = torch.no_grad if pas == "fwd" else contextlib.nullcontext
-        steps = _floor_steps(pas, device, dtype)
-        timings: dict[str, list[dict]] = {part: [] for part in steps}
+        try:
+            steps = _floor_steps(pas, device, dtype)
+        except Exception as exc:
+            skipped[pas] = f"{type(exc).__name__}: {exc}"
+            logger.warning("host floor %s: %s: %s", pas, type(exc).__name__, exc)
+            continue
+        timings: dict[str, list[dict]] = {}
         with ctx():
-            for step in steps.values():
-                for _ in range(warmup):
-                    step()
-            sync()
+            for part, step in steps.items():
+                if step is None:
+                    skipped[f"{pas}: {part}"] = f"no such launch on {device.type} here"
+                    continue
+                try:
+                    for _ in range(warmup):
+                        step()
+                    sync()
+                except Exception as exc:
+                    skipped[f"{pas}: {part}"] = f"{type(exc).__name__}: {exc}"
+                    logger.warning("host floor %s %s: %s: %s", pas, part, type(exc).__name__, exc)
+                    continue
+                timings[part] = []
             for _ in range(repeats):
-                for part, step in steps.items():
-                    timings[part].append(host_timing(step, calls, 1, sync))
+                for part in timings:
+                    timings[part].append(host_timing(steps[part], calls, 1, sync))
         for part, ts in timings.items():
             rec = {"op": "host_floor", "measured_op": "host_floor", "part": part, "pass": pas,
                    "shape": list(FLOOR_SHAPE), "dtype": str(dtype).replace("torch.", "")}
@@ -474,22 +520,27 @@ def measure_floor(device: torch.device | str = "cuda", calls: int = CALLS, repea
             rec.update({"us_repeats": [round(t["us"], 2) for t in ts], "calls": calls, "repeats": repeats,
                         "warmup": warmup, **environment()})
             records.append(rec)
-    return records
+    return records, skipped
 
 
 def floor_table(records: Sequence[dict], field: str = "us") -> str:
-    """Text table of the ``host_floor`` records: per pass, each part's microseconds per call and
-    its time over the eager ``F.layer_norm``'s.
+    """Text table of the ``host_floor`` records: per pass, each part's microseconds per call
+    (the median over the repeats, and with ``field="us"`` the repeats' least and greatest),
+    and its median over the eager ``F.layer_norm``'s.
 
     Args:
-        records: any records (only ``"op": "host_floor"`` ones are read).
+        records: any records (only ``"op": "host_floor"`` ones are read; parts and passes not
+            in :data:`FLOOR_PARTS` are left out).
         field: ``"us"``, ``"enqueue_us"`` or ``"cpu_us"``.
 
     Returns:
-        The table.
+        The table (``-`` for a ratio without an eager record).
 
     Raises:
         ValueError: for another field, or when there is no floor record.
+        KeyError: a floor record without the fields :func:`measure_floor` writes.
+
+    Source: fusedlib.
     """
     if field not in ("us", "enqueue_us", "cpu_us"):
         raise ValueError(f"field must be 'us', 'enqueue_us' or 'cpu_us', got {field!r}")
@@ -499,14 +550,20 @@ def floor_table(records: Sequence[dict], field: str = "us") -> str:
     r0 = rows[0]
     what = {"us": "wall time with one sync at the end", "enqueue_us": "wall time, enqueue only",
             "cpu_us": "CPU time, enqueue only"}[field]
+    spread = field == "us"
     out = [f"LayerNorm's host work at {r0['shape']} {r0['dtype']}, {field}: {what}, microseconds per call "
            f"({r0['device']}, torch {r0['torch']}, triton {r0['triton']})",
-           f"{'pass':<9}{'part':<24}{'us':>9}{'/ eager':>9}"]
+           f"{'pass':<9}{'part':<24}{'median':>9}" + (f"{'least':>9}{'most':>9}" if spread else "") + f"{'/ eager':>9}"]
     for pas in PASSES:
-        value = {r["part"]: r[field] for r in rows if r["pass"] == pas}
-        eager = value.get("eager")
+        by_part = {r["part"]: r for r in rows if r["pass"] == pas}
+        eager = by_part["eager"][field] if "eager" in by_part else None
         for part in FLOOR_PARTS[pas]:
-            if part in value:
-                ratio = f"{value[part] / eager:.2f}x" if eager else "-"
-                out.append(f"{pas:<9}{part:<24}{value[part]:>9.1f}{ratio:>9}")
+            if part not in by_part:
+                continue
+            r = by_part[part]
+            line = f"{pas:<9}{part:<24}{r[field]:>9.1f}"
+            if spread:
+                reps = r.get("us_repeats") or [r[field]]
+                line += f"{min(reps):>9.1f}{max(reps):>9.1f}"
+            out.append(line + f"{f'{r[field] / eager:.2f}x' if eager else '-':>9}")
     return "\n".join(out)

@@ -67,6 +67,7 @@ __all__ = [
     "launch_stats",
     "direct_launch",
     "launch_key",
+    "bound_launch",
     "clear_launch_cache",
 ]
 
@@ -648,3 +649,37 @@ def direct_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tup
     fn(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device_index), function,
        *head, *args, *tail)
     _STATS.hits += 1
+
+
+def bound_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tuple, kwargs: dict):
+    """The launch :func:`direct_launch` makes for these arguments, with everything but the call
+    of Triton's C launcher done once: a zero-argument callable that launches ``kernel`` on the
+    stream that is current now, or None where no direct launch exists for the call (another
+    Triton version, the interpreter, a pattern the direct path does not take).
+
+    Calling it costs the host what launching a Triton kernel from Python costs at the least
+    (no key, no lookup, no stream query): the benchmark's floor measures it
+    (:func:`fusedlib.bench.host.measure_floor`). It is not an op's launch path: it skips the
+    checks of :func:`direct_launch` (launch hooks, the knobs), and launches with the arguments
+    it was bound to, tensors included, whatever happens to them later.
+
+    Args:
+        kernel, grid, device_index, args, kwargs: as :func:`direct_launch` (the first call
+            goes through it, compiling where needed and filling the cache).
+
+    Returns:
+        The callable, or None.
+    """
+    if not DIRECT_LAUNCH or _KNOBS is None:
+        return None
+    direct_launch(kernel, grid, device_index, args, kwargs)
+    rt = _KNOBS.runtime
+    key = launch_key(kernel, device_index, rt.debug, _KNOBS.compilation.instrumentation_mode, args, kwargs)
+    entry = _CACHE.get(key) if key.__class__ is not str else None
+    if entry is None or entry is _NO_DIRECT:
+        return None
+    fn, function, head, tail, _ = entry
+    n = len(grid)
+    g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+    call_args = (g0, g1, g2, _get_stream(device_index), function, *head, *args, *tail)
+    return lambda: fn(*call_args)
