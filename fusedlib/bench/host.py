@@ -420,9 +420,10 @@ def _floor_steps(pass_: str, device: torch.device, dtype: torch.dtype) -> dict[s
     rows, h = FLOOR_SHAPE
     grad = pass_ == "fwd+bwd"
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(rows, h, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
-    w = torch.randn(h, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
-    b = torch.randn(h, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+    cpu32 = dict(generator=gen, device="cpu", dtype=torch.float32)  # drawn on the CPU, then moved
+    x = torch.randn(rows, h, **cpu32).to(device=device, dtype=dtype).requires_grad_(grad)
+    w = torch.randn(h, **cpu32).to(device=device, dtype=dtype).requires_grad_(grad)
+    b = torch.randn(h, **cpu32).to(device=device, dtype=dtype).requires_grad_(grad)
     c_launch = None
     if not grad and device.type == "cuda":
         from ..kernels.launch import bound_launch
