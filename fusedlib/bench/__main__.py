@@ -16,8 +16,9 @@ profile ``DIR/transformer_layer_profile.json``. ``--host`` writes ``DIR/host.jso
 (:mod:`fusedlib.bench.host`): microseconds per call at tiny shapes, fusedlib against eager
 PyTorch and torch.compile, and the floor of that cost (``"host_floor"`` records: LayerNorm's host
 work without LayerNorm, :func:`fusedlib.bench.host.measure_floor`); with ``--op`` it replaces
-those ops' records (and the floor's) in the file and keeps the others'. Files are rewritten after every case (``--host``: every op), so a run cut
-short by a time limit keeps what it measured. Both need a CUDA GPU and exit with status 2
+those ops' records (and the floor's) in the file and keeps the others'. Files are rewritten
+after every case (``--host``: every op), so a run cut short by a time limit keeps what it
+measured. Both need a CUDA GPU and exit with status 2
 without one.
 """
 from __future__ import annotations

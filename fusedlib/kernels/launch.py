@@ -22,7 +22,8 @@ This module holds each of those once:
   Python (``JITFunction.run``: about 19 us per launch on the H200), through a cache of the
   compiled kernels that Triton's own path returned (see its docstring and
   :data:`DIRECT_LAUNCH`, on by default, off with ``FUSEDLIB_DIRECT_LAUNCH=0``);
-  :func:`fusedlib.runtime.launch` calls it.
+  :func:`fusedlib.runtime.launch` calls it; :func:`bound_launch`, the same launch with
+  everything but Triton's C launcher done once (what the benchmark's host floor times).
 
 The host side is part of the op (DESIGN.md): an eager training step pays for every line
 here on every call, so everything that depends only on the row length or the dtype is a
