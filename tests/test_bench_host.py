@@ -251,6 +251,26 @@ def test_measure_host_warms_every_impl_then_takes_repeats_in_turns(monkeypatch):
     assert all(r["us_repeats"] == [1.0, 1.0] for r in recs)
 
 
+def test_time_in_turns_drops_a_step_that_raises_in_a_repeat_and_keeps_the_others():
+    calls = {"a": 0, "b": 0}
+
+    def counting(name, fail_after=None):
+        def step():
+            calls[name] += 1
+            if fail_after is not None and calls[name] > fail_after:
+                raise RuntimeError(f"{name} broke")
+        return step
+
+    skipped = []
+    timings = host_mod.time_in_turns({"a": (counting("a"), torch.no_grad()), "b": (counting("b", 3), torch.no_grad())},
+                                     calls=2, repeats=3, warmup=1, sync=lambda: None,
+                                     skip=lambda name, exc: skipped.append((name, str(exc))))
+    # b: 1 warm-up call, then the first repeat's 2 calls pass and the second repeat's first raises
+    assert skipped == [("b", "b broke")] and list(timings) == ["a"]
+    assert calls == {"a": 1 + 3 * 2, "b": 4}
+    assert set(timings["a"]) == {"us", "enqueue_us", "cpu_us", "us_repeats"} and len(timings["a"]["us_repeats"]) == 3
+
+
 def _host_rec(op, pas, impl, us, device="NVIDIA H200"):
     return {"op": "host", "measured_op": op, "pass": pas, "impl": impl, "us": us, "enqueue_us": us - 1,
             "cpu_us": us - 2, "device": device, "torch": "2.11", "triton": "3.6"}

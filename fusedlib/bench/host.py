@@ -84,6 +84,7 @@ __all__ = [
     "REPEATS",
     "WARMUP",
     "host_timing",
+    "time_in_turns",
     "host_step",
     "host_record",
     "measure_host",
@@ -260,35 +261,71 @@ def measure_host(op: str, device: torch.device | str = "cuda", calls: int = CALL
         # compiled, its worker threads stay, and every call that runs Python (a backward node's
         # most of all) costs more than before: timing one implementation before the compile and
         # another after would compare two states, not two implementations.
-        steps = {}
+        impls_by_name, steps = {}, {}
         for impl in case.impls:
             if impl.name not in wanted or pas not in impl.passes:
                 continue
             try:
-                step, ctx = host_step(case, impl, pas, device)
-                with ctx:
-                    for _ in range(warmup):
-                        step()
-                    sync()
+                steps[impl.name] = host_step(case, impl, pas, device)
             except Exception as exc:  # one failing implementation must not lose the others
                 _skip(skipped, op, pas, impl.name, exc)
                 continue
-            steps[impl.name] = (impl, step, ctx, [])
-        for _ in range(repeats):
-            for name, (impl, step, ctx, timings) in list(steps.items()):
-                try:
-                    with ctx:
-                        timings.append(host_timing(step, calls, 1, sync))
-                except Exception as exc:
-                    _skip(skipped, op, pas, name, exc)
-                    del steps[name]
-        for name, (impl, step, ctx, timings) in steps.items():
-            timing = {key: statistics.median(t[key] for t in timings) for key in ("us", "enqueue_us", "cpu_us")}
-            timing["us_repeats"] = [t["us"] for t in timings]
-            records.append(host_record(op, pas, impl, case.shape, dtype, timing, calls, repeats, warmup))
+            impls_by_name[impl.name] = impl
+        timings = time_in_turns(steps, calls, repeats, warmup, sync,
+                                lambda name, exc: _skip(skipped, op, pas, name, exc))
+        for name, timing in timings.items():
+            records.append(host_record(op, pas, impls_by_name[name], case.shape, dtype, timing, calls, repeats,
+                                       warmup))
             if progress:
                 progress(f"host {op} {pas} {name}")
     return records, skipped
+
+
+def time_in_turns(steps: dict[str, tuple[Callable[[], object], contextlib.AbstractContextManager]], calls: int,
+                  repeats: int, warmup: int, sync: Callable[[], object],
+                  skip: Callable[[str, Exception], object]) -> dict[str, dict]:
+    """The timing protocol of :func:`measure_host` and :func:`measure_floor`: every step warmed
+    up first (``warmup`` calls and a ``sync``), then ``repeats`` rounds, each timing one repeat
+    of ``calls`` calls of every step in turn (:func:`host_timing`), so that all are timed in the
+    same state of the process.
+
+    Args:
+        steps: name -> ``(step, context)``: the call, and the context it runs in (entered for
+            the warm-up and for each repeat; ``torch.no_grad()`` or a null context).
+        calls, repeats, warmup: as :func:`measure_host`.
+        sync: waits for the device.
+        skip: called with a step's name and the exception when it raises (in the warm-up or a
+            repeat); that step is dropped, the others go on.
+
+    Returns:
+        name -> ``{"us", "enqueue_us", "cpu_us"}`` (medians over the repeats, microseconds per
+        call) and ``"us_repeats"``, for every step that did not raise, in ``steps``' order.
+    """
+    timings: dict[str, list[dict]] = {}
+    for name, (step, ctx) in steps.items():
+        try:
+            with ctx:
+                for _ in range(warmup):
+                    step()
+                sync()
+        except Exception as exc:
+            skip(name, exc)
+            continue
+        timings[name] = []
+    for _ in range(repeats):
+        for name in list(timings):
+            step, ctx = steps[name]
+            try:
+                with ctx:
+                    timings[name].append(host_timing(step, calls, 1, sync))
+            except Exception as exc:
+                skip(name, exc)
+                del timings[name]
+    out = {}
+    for name, ts in timings.items():
+        out[name] = {key: statistics.median(t[key] for t in ts) for key in ("us", "enqueue_us", "cpu_us")}
+        out[name]["us_repeats"] = [t["us"] for t in ts]
+    return out
 
 
 def _skip(skipped: dict, op: str, pas: str, name: str, exc: Exception) -> None:
@@ -489,36 +526,28 @@ def measure_floor(device: torch.device | str = "cuda", calls: int = CALLS, repea
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     records, skipped = [], {}
     for pas in passes:
-        ctx = torch.no_grad if pas == "fwd" else contextlib.nullcontext
+        ctx = torch.no_grad() if pas == "fwd" else contextlib.nullcontext()
         try:
             steps = _floor_steps(pas, device, dtype)
         except Exception as exc:
             skipped[pas] = f"{type(exc).__name__}: {exc}"
             logger.warning("host floor %s: %s: %s", pas, type(exc).__name__, exc)
             continue
-        timings: dict[str, list[dict]] = {}
-        with ctx():
-            for part, step in steps.items():
-                if step is None:
-                    skipped[f"{pas}: {part}"] = f"no such launch on {device.type} here"
-                    continue
-                try:
-                    for _ in range(warmup):
-                        step()
-                    sync()
-                except Exception as exc:
-                    skipped[f"{pas}: {part}"] = f"{type(exc).__name__}: {exc}"
-                    logger.warning("host floor %s %s: %s: %s", pas, part, type(exc).__name__, exc)
-                    continue
-                timings[part] = []
-            for _ in range(repeats):
-                for part in timings:
-                    timings[part].append(host_timing(steps[part], calls, 1, sync))
-        for part, ts in timings.items():
+        for part in [part for part, step in steps.items() if step is None]:
+            skipped[f"{pas}: {part}"] = f"no such launch on {device.type} here"
+            del steps[part]
+
+        def skip(part, exc, pas=pas):
+            skipped[f"{pas}: {part}"] = f"{type(exc).__name__}: {exc}"
+            logger.warning("host floor %s %s: %s: %s", pas, part, type(exc).__name__, exc)
+
+        timings = time_in_turns({part: (step, ctx) for part, step in steps.items()}, calls, repeats, warmup, sync,
+                                skip)
+        for part, t in timings.items():
             rec = {"op": "host_floor", "measured_op": "host_floor", "part": part, "pass": pas,
                    "shape": list(FLOOR_SHAPE), "dtype": str(dtype).replace("torch.", "")}
-            rec.update({key: round(statistics.median(t[key] for t in ts), 2) for key in ("us", "enqueue_us", "cpu_us")})
-            rec.update({"us_repeats": [round(t["us"], 2) for t in ts], "calls": calls, "repeats": repeats,
+            rec.update({key: round(t[key], 2) for key in ("us", "enqueue_us", "cpu_us")})
+            rec.update({"us_repeats": [round(u, 2) for u in t["us_repeats"]], "calls": calls, "repeats": repeats,
                         "warmup": warmup, **environment()})
             records.append(rec)
     return records, skipped
