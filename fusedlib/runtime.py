@@ -67,6 +67,11 @@ __all__ = [
     "default_device",
     "device_banner",
     "launch",
+    "LaunchPlan",
+    "plan_cache",
+    "remember_plan",
+    "clear_plans",
+    "PLAN_CACHE_SIZE",
     "kernel_mode",
     "SYNC_CHECKS",
     "DeviceCheck",
@@ -427,6 +432,137 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
 
 
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
+
+
+#: Plans an op keeps per cache (:func:`plan_cache`, one plan per input signature,
+#: :func:`remember_plan`): past this
+#: many, the cache starts over (a model has a handful of signatures per op; a sweep of
+#: shapes has more, and each plan is a few hundred bytes).
+PLAN_CACHE_SIZE: int = 1024
+
+
+_PLAN_CACHES: list[dict] = []
+
+
+def plan_cache() -> dict:
+    """A new, empty cache of an op's plans (key: the op's input signature), known to
+    :func:`clear_plans`."""
+    cache: dict = {}
+    _PLAN_CACHES.append(cache)
+    return cache
+
+
+def clear_plans() -> None:
+    """Forget every op's plans: the next call of each op makes its plan again from the launch
+    settings as they are then (needed after changing a module's tile table or
+    ``FOLD_TILES`` at run time: a plan keeps the settings it was made with)."""
+    for cache in _PLAN_CACHES:
+        cache.clear()
+
+
+def remember_plan(cache: dict, key: tuple, plan: Any) -> Any:
+    """``cache[key] = plan`` outside a ``torch.compile`` trace (Dynamo refuses writes to a
+    global inside a traced function, and a compiled graph needs no plan), emptying ``cache``
+    first when it holds :data:`PLAN_CACHE_SIZE` plans. Returns ``plan``."""
+    if not torch.compiler.is_compiling():
+        if len(cache) >= PLAN_CACHE_SIZE:
+            cache.clear()
+        cache[key] = plan
+    return plan
+
+
+class LaunchPlan:
+    """One kernel launch with its kernel, grid, device and keyword arguments fixed: the part of
+    a launch that a fused op derives from its inputs' signature (shapes, strides, dtypes,
+    addresses modulo 16, switches), made once per signature, so that a call pays only for
+    its positional arguments.
+
+    ``plan(*args)`` launches as ``launch(kernel, grid, device, *args, **kwargs)`` does. On
+    CUDA with direct launches (:data:`fusedlib.kernels.launch.DIRECT_LAUNCH`), the first call
+    goes through :func:`launch` and then binds the compiled kernel it launched
+    (:func:`fusedlib.kernels.launch.bind_launch`); every later call hands its arguments to
+    Triton's C launcher with the bound kernel, grid and keywords: no key over the arguments,
+    no cache lookup (about 8 us of host time per launch on the H200 machine, where the
+    whole launch through the launch layer's key cost 13.7 us and the C launcher 5.7).
+
+    The caller's part: every call of one plan passes positional arguments that Triton
+    specializes as the first call's were (each tensor's dtype and whether its address is a
+    multiple of 16; each int's equality to 1, divisibility by 16 and int32 range; the
+    argument types), so the caller keys its plans by everything that decides those (an op:
+    its inputs' shapes, strides, dtypes and ``data_ptr() % 16``; outputs it allocates are
+    aligned alike for one signature). ``FUSEDLIB_CHECK_LAUNCH=1`` (or
+    :data:`fusedlib.kernels.launch.CHECK_LAUNCH`) checks that contract on every call: a call
+    whose arguments Triton would specialize otherwise raises RuntimeError.
+
+    Like :func:`launch`, a call first raises the error a device-side check of an earlier call
+    stored (:class:`DeviceCheck`). Every call goes through :func:`launch` instead (and so
+    checks as it does) while direct launches are off, the check mode is on, a Triton
+    launch hook is set, Triton's debug or instrumentation knobs differ from the bound ones,
+    another CUDA device is current, or ``torch.compile`` traces (ops call :func:`launch`
+    directly there: Dynamo must see the Triton kernel); on the CPU (Triton's interpreter)
+    always.
+
+    Args:
+        kernel: the ``@triton.jit`` function.
+        grid: 1 to 3 program counts.
+        device: the device of the kernel's tensor arguments.
+        kwargs: constexprs by keyword and launch options (``num_warps``...), as :func:`launch`'s.
+
+    Source: fusedlib (Triton's launch protocol as :mod:`fusedlib.kernels.launch` reads it).
+    """
+
+    __slots__ = ("kernel", "grid", "device", "kwargs", "_bound")
+
+    def __init__(self, kernel: Any, grid: Sequence[int], device: torch.device, kwargs: dict) -> None:
+        self.kernel = kernel
+        self.grid = tuple(grid)
+        self.device = device
+        self.kwargs = kwargs
+        # (c_launch, gx, gy, gz, function, head, tail, key, device index, debug, instrumentation mode)
+        self._bound: tuple | None = None
+
+    def __call__(self, *args: Any) -> None:
+        b = self._bound
+        if b is not None:
+            layer = _launch_layer
+            if layer.DIRECT_LAUNCH and not layer.CHECK_LAUNCH:
+                knobs = layer._KNOBS
+                rt = knobs.runtime
+                if (rt.debug == b[9] and knobs.compilation.instrumentation_mode == b[10]
+                        and not layer._hook_set(rt.launch_enter_hook) and not layer._hook_set(rt.launch_exit_hook)
+                        and _cuda_get_device() == b[8] and not torch.compiler.is_compiling()):
+                    if _ARMED:
+                        _poll()  # as launch(): a device-side check of an earlier call found bad input
+                    b[0](b[1], b[2], b[3], layer._get_stream(b[8]), b[4], *b[5], *args, *b[6])
+                    layer._STATS.hits += 1
+                    return
+        launch(self.kernel, self.grid, self.device, *args, **self.kwargs)
+        if b is None:
+            self._bind(args)
+        elif _launch_layer.CHECK_LAUNCH:
+            self._check(args, b)
+
+    def _bind(self, args: tuple) -> None:
+        layer = _launch_layer
+        if (INTERPRET_ON_CPU or self.device.type != "cuda" or not layer.DIRECT_LAUNCH or layer._KNOBS is None
+                or torch.compiler.is_compiling()):
+            return
+        index = self.device.index if self.device.index is not None else _cuda_get_device()
+        if index != _cuda_get_device():
+            return  # launched through kernel[grid] on another device: nothing cached to bind
+        bound = layer.bind_launch(self.kernel, self.grid, index, args, self.kwargs)
+        if bound is not None:
+            knobs = layer._KNOBS
+            self._bound = (*bound, index, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+
+    def _check(self, args: tuple, b: tuple) -> None:
+        key = _launch_layer.launch_key(self.kernel, b[8], b[9], b[10], args, self.kwargs)  # as bound: the args decide
+        if key != b[7]:
+            raise RuntimeError(
+                f"fusedlib LaunchPlan of {getattr(self.kernel, '__name__', self.kernel)}: called with arguments that "
+                "Triton specializes otherwise than those it was bound to (the caller's plan key misses a shape, "
+                "stride, dtype or address alignment); set FUSEDLIB_DIRECT_LAUNCH=0 to launch through kernel[grid]"
+            )
 
 
 # ----------------------------------------------------------------------------------------

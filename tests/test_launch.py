@@ -245,6 +245,115 @@ def test_the_check_mode_catches_a_key_that_misses_something(fake, monkeypatch):
         kl.direct_launch(kernel, (1,), 0, _args(buf[1:65], buf[:64]), {"BLOCK": 32})
 
 
+@pytest.fixture
+def plan_env(fake, monkeypatch):
+    """The fake kernel, with fusedlib.runtime acting as on one CUDA device (device 0 current,
+    compiled kernels, direct launches on): its launch() is the direct path, as on CUDA."""
+    kernel, knobs = fake
+    import fusedlib.runtime as rt
+
+    monkeypatch.setattr(kl, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(rt, "INTERPRET_ON_CPU", False)
+    monkeypatch.setattr(rt, "_ARMED", False)
+    current = [0]
+    monkeypatch.setattr(rt, "_cuda_get_device", lambda: current[0])
+    launched = []
+
+    def launch(k, grid, device, *args, **kwargs):
+        launched.append(args)
+        kl.direct_launch(k, grid, device.index, args, kwargs)
+
+    monkeypatch.setattr(rt, "launch", launch)
+    return kernel, knobs, rt, launched, current
+
+
+def test_a_launch_plan_binds_on_its_first_call_then_calls_the_c_launcher(plan_env):
+    kernel, _, rt, launched, _ = plan_env
+    plan = rt.LaunchPlan(kernel, (3, 2), torch.device("cuda", 0), {"BLOCK": 32, "num_warps": 4})
+    x, y = torch.zeros(64), torch.zeros(64)
+    plan(*_args(x, y))
+    assert len(launched) == 1 and len(kernel.grid_launches) == 1  # through launch(): compiled, cached
+    compiled = next(iter(kernel.triton_cache.values()))
+    x2, y2 = torch.zeros(64), torch.zeros(64)
+    for n in (80, 96):
+        plan(*_args(x2, y2, n=n))
+    assert len(launched) == 1 and len(kernel.grid_launches) == 1, "later calls go to the C launcher alone"
+    assert kl.launch_stats().hits == 2
+    call = compiled.run.calls[-1]
+    assert call[:5] == (3, 2, 1, 77, compiled.function)
+    assert call[5:13] == (False, False, None, None, (4, 1, 0), None, None, None)
+    assert call[13:] == (x2, y2, 96, 16, 0.5, 32, False)  # the call's arguments, then the keywords in order
+
+
+@pytest.mark.parametrize("how", ["direct launches off", "debug knob", "hook", "other device"])
+def test_a_launch_plan_goes_through_launch_when_it_must(plan_env, monkeypatch, how):
+    kernel, knobs, rt, launched, current = plan_env
+    plan = rt.LaunchPlan(kernel, (1,), torch.device("cuda", 0), {"BLOCK": 32})
+    x = torch.zeros(64)
+    plan(*_args(x, x))
+    plan(*_args(x, x))
+    assert len(launched) == 1
+    if how == "direct launches off":
+        monkeypatch.setattr(kl, "DIRECT_LAUNCH", False)
+    elif how == "debug knob":
+        knobs.runtime.debug = True  # another compiled kernel in Triton
+    elif how == "hook":
+        knobs.runtime.launch_enter_hook = _HookChain(lambda metadata: None)
+    else:
+        current[0] = 1
+    plan(*_args(x, x))
+    assert len(launched) == 2
+
+
+def test_a_launch_plan_polls_the_device_side_checks_as_launch_does(plan_env, monkeypatch):
+    kernel, _, rt, launched, _ = plan_env
+    plan = rt.LaunchPlan(kernel, (1,), torch.device("cuda", 0), {"BLOCK": 32})
+    x = torch.zeros(64)
+    plan(*_args(x, x))
+    polls = []
+    monkeypatch.setattr(rt, "_poll", lambda: polls.append(1))
+    plan(*_args(x, x))
+    assert polls == [], "nothing armed: no poll"
+    monkeypatch.setattr(rt, "_ARMED", True)  # an op with a device-side check ran
+    plan(*_args(x, x))
+    assert polls == [1] and len(launched) == 1, "a poll, then the C launcher"
+
+    def found():
+        raise ValueError("a bad target id")
+
+    monkeypatch.setattr(rt, "_poll", found)
+    hits = kl.launch_stats().hits
+    with pytest.raises(ValueError, match="bad target id"):
+        plan(*_args(x, x))
+    assert kl.launch_stats().hits == hits, "raised before launching"
+
+
+def test_the_check_mode_catches_a_plan_called_with_other_specializations(plan_env, monkeypatch):
+    kernel, _, rt, launched, _ = plan_env
+    monkeypatch.setattr(kl, "CHECK_LAUNCH", True)
+    plan = rt.LaunchPlan(kernel, (1,), torch.device("cuda", 0), {"BLOCK": 32})
+    buf = torch.zeros(80)
+    plan(*_args(buf[:64], buf[:64]))
+    plan(*_args(buf[16:80], buf[:64]))  # another 16-byte aligned address: the same kernel
+    with pytest.raises(RuntimeError, match="Triton specializes otherwise"):
+        plan(*_args(buf[1:65], buf[:64]))  # 4 bytes off: Triton's kernel for unaligned x
+    with pytest.raises(RuntimeError, match="Triton specializes otherwise"):
+        plan(*_args(buf[:64], buf[:64], n=1))  # n = 1 is a constant to Triton
+
+
+def test_clear_plans_forgets_every_ops_plans():
+    import fusedlib.runtime as rt
+
+    cache = rt.plan_cache()
+    rt.remember_plan(cache, ("k",), "plan")
+    assert cache == {("k",): "plan"}
+    rt.clear_plans()
+    assert cache == {}
+    for i in range(rt.PLAN_CACHE_SIZE + 1):  # a full cache starts over
+        rt.remember_plan(cache, (i,), i)
+    assert cache == {(rt.PLAN_CACHE_SIZE,): rt.PLAN_CACHE_SIZE}
+
+
 class _HookChain:
     """Triton 3.6's ``knobs.runtime.launch_enter_hook``: a chain of callables in ``.calls``."""
 
@@ -508,6 +617,8 @@ def test_every_fusedlib_launch_can_go_direct(op, monkeypatch):
         mod = importlib.import_module(f"fusedlib.kernels.{info.name}")
         if callable(getattr(mod, "launch", None)) and not isinstance(mod.launch, types.ModuleType):
             monkeypatch.setattr(mod, "launch", checking_launch(mod.launch))
+    # a LaunchPlan's launches that do not go straight to Triton's C launcher (all of them on the CPU)
+    monkeypatch.setattr(fusedlib.runtime, "launch", checking_launch(fusedlib.runtime.launch))
     case = get_case(op)(HOST_SHAPES[op], torch.float32)
     impl = next(i for i in case.impls if i.name == "fusedlib")
     for pass_ in ("fwd", "fwd+bwd"):
@@ -564,14 +675,17 @@ def _count_second_stages(monkeypatch, module_name):
     real_sum = reduce_mod.sum_partials
     monkeypatch.setattr(reduce_mod, "sum_partials", lambda *a: seen.append("sum_partials") or real_sum(*a))
     module = importlib.import_module(f"fusedlib.kernels.{module_name}")
-    real_launch = module.launch
 
-    def launch(kernel, *a, **k):
-        if getattr(kernel, "fn", kernel).__name__ == "_norm_bwd_reduce_kernel":
-            seen.append("reduce")
-        return real_launch(kernel, *a, **k)
+    def counting(real_launch):
+        def launch(kernel, *a, **k):
+            if getattr(kernel, "fn", kernel).__name__ == "_norm_bwd_reduce_kernel":
+                seen.append("reduce")
+            return real_launch(kernel, *a, **k)
+        return launch
 
-    monkeypatch.setattr(module, "launch", launch)
+    monkeypatch.setattr(module, "launch", counting(module.launch))
+    # a LaunchPlan's launches that do not go straight to Triton's C launcher (all of them on the CPU)
+    monkeypatch.setattr(fusedlib.runtime, "launch", counting(fusedlib.runtime.launch))
     return module, seen
 
 
@@ -580,7 +694,7 @@ SECOND_STAGE_OPS = ["bias_gelu", "swiglu", "bias_dropout_add", "layer_norm", "rm
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("op", SECOND_STAGE_OPS)
-def test_small_inputs_skip_the_second_stage(op, dtype, monkeypatch):
+def test_small_inputs_skip_the_second_stage(op, dtype, monkeypatch, request):
     """At a shape of at most FOLD_TILES row tiles, one program takes every row and the bias /
     gamma / beta gradient comes out of the backward kernel itself, in the parameter's dtype:
     no second-stage launch. Its value is the two-stage one's up to the order of the float32
@@ -592,9 +706,11 @@ def test_small_inputs_skip_the_second_stage(op, dtype, monkeypatch):
     rows, h = 100, 48  # a few row tiles (up to 32 rows each at h = 48), at most FOLD_TILES
     name, call, terms = _bwd_call(op, rows, h, dtype)
     module, seen = _count_second_stages(monkeypatch, name)
+    request.addfinalizer(fusedlib.runtime.clear_plans)  # no plan made with FOLD_TILES = 0 outlives the test
     folded = call()
     assert seen == [], "one program: no second stage"
     monkeypatch.setattr(module, "FOLD_TILES", 0)
+    fusedlib.runtime.clear_plans()  # plans keep the settings they were made with
     two_stage = call()
     assert seen, "several programs: a second stage"
     ulp = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -7

@@ -22,8 +22,11 @@ This module holds each of those once:
   Python (``JITFunction.run``: about 19 us per launch on the H200), through a cache of the
   compiled kernels that Triton's own path returned (see its docstring and
   :data:`DIRECT_LAUNCH`, on by default, off with ``FUSEDLIB_DIRECT_LAUNCH=0``);
-  :func:`fusedlib.runtime.launch` calls it; :func:`bound_launch`, the same launch with
-  everything but Triton's C launcher done once (what the benchmark's host floor times).
+  :func:`fusedlib.runtime.launch` calls it; :func:`bind_launch`, what it launches for a
+  call, looked up once (:class:`fusedlib.runtime.LaunchPlan`, the ops' launches after the
+  first one for an input signature, call Triton's C launcher with it); :func:`bound_launch`,
+  the same launch with everything but Triton's C launcher done once (what the benchmark's
+  host floor times).
 
 The host side is part of the op (DESIGN.md): an eager training step pays for every line
 here on every call, so everything that depends only on the row length or the dtype is a
@@ -68,6 +71,7 @@ __all__ = [
     "launch_stats",
     "direct_launch",
     "launch_key",
+    "bind_launch",
     "bound_launch",
     "clear_launch_cache",
 ]
@@ -652,6 +656,35 @@ def direct_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tup
     _STATS.hits += 1
 
 
+def bind_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tuple, kwargs: dict) -> tuple | None:
+    """What :func:`direct_launch` would launch for these arguments, looked up once: ``(c_launch,
+    grid_x, grid_y, grid_z, function, head, tail, key)``, so that
+    ``c_launch(grid_x, grid_y, grid_z, stream, function, *head, *args, *tail)`` launches
+    ``kernel`` (Triton's C launcher and nothing else), for these ``args`` or any others that
+    Triton specializes the same way (``key``, :func:`launch_key`'s, says how). None where no
+    direct launch is cached for the call (launch it through :func:`direct_launch` first), or
+    possible (another Triton version, the interpreter, a pattern the direct path does not take).
+
+    Args:
+        kernel, grid, device_index, args, kwargs: as :func:`direct_launch`.
+    """
+    if not DIRECT_LAUNCH or _KNOBS is None:
+        return None
+    rt = _KNOBS.runtime
+    key = launch_key(kernel, device_index, rt.debug, _KNOBS.compilation.instrumentation_mode, args, kwargs)
+    if key.__class__ is str:
+        return None
+    try:
+        entry = _CACHE.get(key)
+    except TypeError:  # an unhashable keyword value
+        return None
+    if entry is None or entry is _NO_DIRECT:
+        return None
+    fn, function, head, tail, _ = entry
+    n = len(grid)
+    return (fn, grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, function, head, tail, key)
+
+
 def bound_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tuple, kwargs: dict):
     """The launch :func:`direct_launch` makes for these arguments, with everything but the call
     of Triton's C launcher done once: a zero-argument callable that launches ``kernel`` on the
@@ -662,7 +695,8 @@ def bound_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tupl
     (no key, no lookup, no stream query): the benchmark's floor measures it
     (:func:`fusedlib.bench.host.measure_floor`). It is not an op's launch path: it skips the
     checks of :func:`direct_launch` (launch hooks, the knobs), and launches with the arguments
-    it was bound to, tensors included, whatever happens to them later.
+    it was bound to, tensors included, whatever happens to them later
+    (:class:`fusedlib.runtime.LaunchPlan` is the ops' path with the same C launcher).
 
     Args:
         kernel, grid, device_index, args, kwargs: as :func:`direct_launch` (the first call
@@ -674,13 +708,9 @@ def bound_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tupl
     if not DIRECT_LAUNCH or _KNOBS is None:
         return None
     direct_launch(kernel, grid, device_index, args, kwargs)
-    rt = _KNOBS.runtime
-    key = launch_key(kernel, device_index, rt.debug, _KNOBS.compilation.instrumentation_mode, args, kwargs)
-    entry = _CACHE.get(key) if key.__class__ is not str else None
-    if entry is None or entry is _NO_DIRECT:
+    bound = bind_launch(kernel, grid, device_index, args, kwargs)
+    if bound is None:
         return None
-    fn, function, head, tail, _ = entry
-    n = len(grid)
-    g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+    fn, g0, g1, g2, function, head, tail, _ = bound
     call_args = (g0, g1, g2, _get_stream(device_index), function, *head, *args, *tail)
     return lambda: fn(*call_args)

@@ -72,13 +72,13 @@ arXiv:1910.07467.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ..runtime import DeviceCheck, launch
+from ..runtime import DeviceCheck, LaunchPlan, launch, plan_cache, remember_plan
 from .bias_dropout_add import _keep_mask, bias_dropout_add_bwd, drop_threshold, dropout_scale
 from .launch import (
     FOLD_TILES,
@@ -651,50 +651,93 @@ def bias_dropout_add_norm_fwd(x: torch.Tensor, linear_bias: Optional[torch.Tenso
     return y, h, mean, rstd
 
 
-def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, add_in=None):
-    """:func:`norm_fwd`, or with ``add_in = (linear_bias, residual, seed, p)``
-    :func:`bias_dropout_add_norm_fwd`: ``(y, mean, rstd, h)`` (h None without ``add_in``)."""
-    device = x.device
-    h = x.shape[-1]
-    x2d = as_rows(x)  # [..., h] -> [rows, h]
-    n_rows = x2d.shape[0]
-    acc = acc_dtype(x.dtype)
-    y = empty_contiguous_like(x)  # written as [rows, h]
-    h_out = empty_contiguous_like(x) if add_in is not None else None
-    if rms_norm:
-        mean, rstd = None, torch.empty(n_rows, dtype=acc, device=device)
-    else:  # one allocation for both (each costs microseconds of host time)
-        mean, rstd = torch.empty((2, n_rows), dtype=acc, device=device).unbind(0)
-    if n_rows == 0:
-        return y, mean, rstd, h_out
+class _FwdPlan(NamedTuple):
+    """What a forward launch takes from its inputs' signature (:func:`_norm_fwd`)."""
+
+    programs: int
+    rows_per_program: int
+    kwargs: dict  # constexprs and num_warps
+    launch: Optional[LaunchPlan]  # None while torch.compile traces: launch() directly
+    drop: tuple  # (threshold, scale) of the dropout mask, or (0, 1.0)
+
+
+# _norm_fwd's plans by input signature (:func:`_norm_fwd`; fusedlib.runtime.remember_plan)
+_FWD_PLANS: dict[tuple, _FwdPlan] = plan_cache()
+
+
+def _fwd_plan(x2d: torch.Tensor, rms_norm: bool, has_bias: bool, zero_centered_gamma: bool, tile: Optional[Tile],
+              gamma_check: Optional[DeviceCheck], add_in: Optional[tuple]) -> _FwdPlan:
+    n_rows, h = x2d.shape
     if tile is None:
         tile = pick(FWD_TILES if add_in is None else BDA_FWD_TILES, h)
     block_n = next_power_of_2(h)
     if 0 < tile.BLOCK_N < block_n:
         raise ValueError(f"the norms' forward holds whole rows: tile.BLOCK_N must be 0 or >= {block_n} "
                          f"for h = {h}, got {tile.BLOCK_N}")
-    programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device)
-    err = gamma_check.word(x) if gamma_check is not None else None
+    programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, x2d.device)
+    drop = (0, 1.0)
+    if add_in is not None:
+        linear_bias, _, seed, p = add_in
+        dropout = seed is not None
+        block_n = max(block_n, 8)  # the dropout mask takes columns 8 at a time (one Philox call)
+        if dropout:
+            drop = (drop_threshold(p), dropout_scale(p))
+        flags = dict(ADD_IN=True, HAS_LB=linear_bias is not None, DROPOUT=dropout)
+    else:
+        flags = dict(ADD_IN=False, HAS_LB=False, DROPOUT=False)
+    kwargs = dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=has_bias,
+                  ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=tile.num_stages,
+                  ACC=TL_DTYPE[acc_dtype(x2d.dtype)], CHECK_GAMMA=gamma_check is not None, **flags,
+                  num_warps=tile.num_warps)
+    planned = None if torch.compiler.is_compiling() else LaunchPlan(_norm_fwd_kernel, (programs,), x2d.device, kwargs)
+    return _FwdPlan(programs, rows_per_program, kwargs, planned, drop)
+
+
+def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, add_in=None):
+    """:func:`norm_fwd`, or with ``add_in = (linear_bias, residual, seed, p)``
+    :func:`bias_dropout_add_norm_fwd`: ``(y, mean, rstd, h)`` (h None without ``add_in``).
+
+    The launch settings (tile, grid, constexprs, the bound launch) are a plan made once per
+    input signature: everything that decides them and Triton's specialization of the launch
+    (shapes, strides, dtypes, addresses modulo 16, the switches, the dropout probability).
+    """
+    device = x.device
+    x2d = as_rows(x)  # [..., h] -> [rows, h]
+    n_rows = x2d.shape[0]
+    acc = acc_dtype(x.dtype)
+    y = empty_contiguous_like(x)  # written as [rows, h]
+    h_out = empty_contiguous_like(x) if add_in is not None else None
+    # two allocations, not one [2, rows] split in two: each view costs host time too
+    mean = None if rms_norm else torch.empty(n_rows, dtype=acc, device=device)
+    rstd = torch.empty(n_rows, dtype=acc, device=device)
+    if n_rows == 0:
+        return y, mean, rstd, h_out
+    key = (x2d.shape, x2d.stride(), x.dtype, device, x2d.data_ptr() & 15, weight.dtype, weight.data_ptr() & 15,
+           None if bias is None else (bias.dtype, bias.data_ptr() & 15), rms_norm, zero_centered_gamma, tile,
+           gamma_check)
     if add_in is not None:
         linear_bias, residual, seed, p = add_in
         r2d = as_rows(residual)
-        dropout = seed is not None
-        block_n = max(block_n, 8)  # the dropout mask takes columns 8 at a time (one Philox call)
-        extra = (linear_bias if linear_bias is not None else weight, r2d, h_out, seed if dropout else rstd,
-                 *r2d.stride(), drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0)
-        flags = dict(ADD_IN=True, HAS_LB=linear_bias is not None, DROPOUT=dropout)
+        key += (None if linear_bias is None else (linear_bias.dtype, linear_bias.data_ptr() & 15),
+                r2d.shape, r2d.stride(), r2d.dtype, r2d.data_ptr() & 15,
+                None if seed is None else (seed.dtype, seed.data_ptr() & 15, p))
+    plan = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    if plan is None:
+        plan = remember_plan(_FWD_PLANS, key, _fwd_plan(x2d, rms_norm, bias is not None, zero_centered_gamma, tile,
+                                                        gamma_check, add_in))
+    err = gamma_check.word(x) if gamma_check is not None else None
+    if add_in is not None:
+        extra = (linear_bias if linear_bias is not None else weight, r2d, h_out, seed if seed is not None else rstd,
+                 *r2d.stride(), *plan.drop)
     else:
         extra = (weight, x2d, y, rstd, 0, 0, 0, 1.0)
-        flags = dict(ADD_IN=False, HAS_LB=False, DROPOUT=False)
-    launch(
-        _norm_fwd_kernel, (programs,), device,
-        x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
-        err if err is not None else rstd,
-        n_rows, h, *x2d.stride(), float(eps), rows_per_program, *extra,
-        BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None,
-        ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=tile.num_stages, ACC=TL_DTYPE[acc],
-        CHECK_GAMMA=err is not None, **flags, num_warps=tile.num_warps,
-    )
+    args = (x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
+            err if err is not None else rstd, n_rows, x2d.shape[1], *x2d.stride(), float(eps), plan.rows_per_program,
+            *extra)
+    if plan.launch is not None:
+        plan.launch(*args)
+    else:
+        launch(_norm_fwd_kernel, (plan.programs,), device, *args, **plan.kwargs)
     if err is not None:
         gamma_check.launched(x, zero_centered_gamma)
     return y, mean, rstd, h_out
@@ -789,26 +832,40 @@ def bias_dropout_add_norm_bwd(dy: torch.Tensor, dh: Optional[torch.Tensor], h: t
     return dx, dres, dweight, dbias, dlb
 
 
-def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamma, memory_efficient, tile,
-              dresidual, add_in=None):
-    """:func:`norm_bwd`, or with ``add_in = (seed, p, linear_bias_dtype, need_dx_in)`` the backward of
-    :func:`bias_dropout_add_norm_fwd`: ``(dx, dweight, dbias, dx_in, dlinear_bias)`` (the last
-    two None without ``add_in``; dx_in is dx itself without dropout, None without need_dx_in)."""
-    device = x_or_y.device
-    h = x_or_y.shape[-1]
-    x2d = as_rows(x_or_y)  # [..., h] -> [rows, h]
-    dy2d = as_rows(dy)
-    n_rows = x2d.shape[0]
-    dx = empty_contiguous_like(x_or_y)  # written as [rows, h]
+class _BwdPlan(NamedTuple):
+    """What a backward's launches take from their inputs' signature (:func:`_norm_bwd`)."""
+
+    split: bool  # long rows: the row-sums kernel first, then programs of block_n columns
+    column_blocks: int
+    programs: int
+    rows_per_program: int
+    final: bool  # one program: its partial sums are the gradients (no second stage)
+    dlb_row: int  # the sublayer bias's row in the partial sums
+    partial_dtype: torch.dtype
+    drop: tuple  # (threshold, scale) of the dropout mask, or (0, 1.0)
+    stats_grid: tuple
+    stats_kwargs: Optional[dict]
+    stats_launch: Optional[LaunchPlan]
+    kwargs: dict
+    launch: Optional[LaunchPlan]
+    reduce_grid: tuple
+    reduce_kwargs: Optional[dict]
+    reduce_launch: Optional[LaunchPlan]
+
+
+# _norm_bwd's plans by input signature (fusedlib.runtime.remember_plan)
+_BWD_PLANS: dict[tuple, _BwdPlan] = plan_cache()
+
+
+def _bwd_plan(x2d: torch.Tensor, rms_norm: bool, bias: Optional[torch.Tensor], weight: torch.Tensor,
+              zero_centered_gamma: bool, memory_efficient: bool, tile: Optional[Tile], has_dres: bool,
+              add_in: Optional[tuple]) -> _BwdPlan:
+    n_rows, h = x2d.shape
+    device = x2d.device
     seed, p, lb_dtype, need_dx_in = add_in if add_in is not None else (None, 0.0, None, False)
     has_dlb = lb_dtype is not None
     store_dx_in = seed is not None and need_dx_in
     dropout = seed is not None and (store_dx_in or has_dlb)  # the mask is needed
-    dx_in = empty_contiguous_like(x_or_y) if store_dx_in else (dx if need_dx_in and seed is None else None)
-    if n_rows == 0:
-        return (dx, torch.zeros_like(weight), (torch.zeros_like(bias) if bias is not None else None), dx_in,
-                torch.zeros(h, dtype=lb_dtype, device=device) if has_dlb else None)
-    dres2d = as_rows(dresidual) if dresidual is not None else dy2d
     if tile is None:
         tile = pick(RMS_BWD_TILES if rms_norm else BWD_TILES, h)
     elif tile.BLOCK_N & (tile.BLOCK_N - 1):
@@ -818,23 +875,19 @@ def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamm
     if add_in is not None:  # the dropout mask takes columns 8 at a time (one Philox call)
         row_block, block_n = max(row_block, 8), max(block_n, 8)
     split = block_n < row_block  # long rows: programs of block_n columns read the row sums c1, c2
-    acc = acc_dtype(x_or_y.dtype)
+    acc = acc_dtype(x2d.dtype)
     common = dict(IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None, ZERO_CENTERED_GAMMA=zero_centered_gamma,
                   MEMORY_EFFICIENT=memory_efficient, ACC=TL_DTYPE[acc])
-    w_b = (weight, bias if bias is not None else weight)
-    stats = (mean if mean is not None else rstd, rstd)
-    strides = (*dy2d.stride(), *x2d.stride())
+    planned = not torch.compiler.is_compiling()
     column_blocks = 1
-    row_sums = rstd  # unused pointer without a split
+    stats_grid, stats_kwargs, stats_launch = (), None, None
     if split:
         column_blocks = cdiv(h, block_n)
-        row_sums = torch.empty((2, n_rows), dtype=acc, device=device)  # c1, c2 per row
         s_tile = _ROW_STATS_TILES[device.type]
-        launch(
-            _norm_bwd_row_stats_kernel, (cdiv(n_rows, s_tile.BLOCK_M),), device,
-            dy2d, x2d, *w_b, *stats, row_sums, n_rows, h, *strides,
-            BLOCK_M=s_tile.BLOCK_M, BLOCK_N=min(s_tile.BLOCK_N, row_block), **common, num_warps=s_tile.num_warps,
-        )
+        stats_grid = (cdiv(n_rows, s_tile.BLOCK_M),)
+        stats_kwargs = dict(BLOCK_M=s_tile.BLOCK_M, BLOCK_N=min(s_tile.BLOCK_N, row_block), **common,
+                            num_warps=s_tile.num_warps)
+        stats_launch = LaunchPlan(_norm_bwd_row_stats_kernel, stats_grid, device, stats_kwargs) if planned else None
     programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, max(1, tile.programs_per_sm), device,
                                                  column_blocks, fold_tiles=FOLD_TILES)
     # [1 to 3, programs, h]: first-stage partial sums of dgamma ([0]), dbeta ([1], only with a bias) and
@@ -843,29 +896,89 @@ def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamm
     dlb_row = 2 if bias is not None else 1  # [dgamma, (dbeta,) (dlinear_bias)]
     final = (programs == 1 and (bias is None or bias.dtype == weight.dtype)
              and (not has_dlb or lb_dtype == weight.dtype))
-    partial = torch.empty((dlb_row + has_dlb, programs, h), dtype=weight.dtype if final else acc, device=device)
-    launch(
-        _norm_bwd_kernel, (programs, column_blocks), device,
-        dy2d, x2d, *w_b, *stats, row_sums, dx, partial, dres2d, n_rows, h, *strides, *dres2d.stride(),
-        rows_per_program, dx_in if store_dx_in else dx, seed if dropout else rstd,
-        drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0,
-        BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=tile.num_stages,
-        HAS_DRES=dresidual is not None, HAS_DLB=has_dlb, DLB_ROW=dlb_row, DROPOUT=dropout,
-        STORE_DXIN=store_dx_in, **common,
-        num_warps=tile.num_warps,
-    )
-    if final:
+    kwargs = dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=tile.num_stages, HAS_DRES=has_dres,
+                  HAS_DLB=has_dlb, DLB_ROW=dlb_row, DROPOUT=dropout, STORE_DXIN=store_dx_in, **common,
+                  num_warps=tile.num_warps)
+    grid = (programs, column_blocks)
+    reduce_grid, reduce_kwargs, reduce_launch = (), None, None
+    if not final:
+        r_tile = _REDUCE_TILES[device.type]
+        reduce_block_n = min(r_tile.BLOCK_N, block_n)
+        reduce_grid = (cdiv(h, reduce_block_n),)
+        reduce_kwargs = dict(BLOCK_P=min(r_tile.BLOCK_M, next_power_of_2(programs)), BLOCK_N=reduce_block_n,
+                             HAS_BIAS=bias is not None, ACC=TL_DTYPE[acc], HAS_DLB=has_dlb, DLB_ROW=dlb_row,
+                             num_warps=r_tile.num_warps)
+        reduce_launch = LaunchPlan(_norm_bwd_reduce_kernel, reduce_grid, device, reduce_kwargs) if planned else None
+    return _BwdPlan(split, column_blocks, programs, rows_per_program, final, dlb_row,
+                    weight.dtype if final else acc,
+                    (drop_threshold(p), dropout_scale(p)) if dropout else (0, 1.0),
+                    stats_grid, stats_kwargs, stats_launch,
+                    kwargs, LaunchPlan(_norm_bwd_kernel, grid, device, kwargs) if planned else None,
+                    reduce_grid, reduce_kwargs, reduce_launch)
+
+
+def _sig(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """A tensor argument's part of a plan key: dtype and address modulo 16 (None for None)."""
+    return None if t is None else (t.dtype, t.data_ptr() & 15)
+
+
+def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamma, memory_efficient, tile,
+              dresidual, add_in=None):
+    """:func:`norm_bwd`, or with ``add_in = (seed, p, linear_bias_dtype, need_dx_in)`` the backward of
+    :func:`bias_dropout_add_norm_fwd`: ``(dx, dweight, dbias, dx_in, dlinear_bias)`` (the last
+    two None without ``add_in``; dx_in is dx itself without dropout, None without need_dx_in).
+
+    The launch settings are a plan made once per input signature, as :func:`_norm_fwd`'s."""
+    device = x_or_y.device
+    x2d = as_rows(x_or_y)  # [..., h] -> [rows, h]
+    dy2d = as_rows(dy)
+    n_rows, h = x2d.shape
+    dx = empty_contiguous_like(x_or_y)  # written as [rows, h]
+    seed, p, lb_dtype, need_dx_in = add_in if add_in is not None else (None, 0.0, None, False)
+    has_dlb = lb_dtype is not None
+    store_dx_in = seed is not None and need_dx_in
+    dx_in = empty_contiguous_like(x_or_y) if store_dx_in else (dx if need_dx_in and seed is None else None)
+    if n_rows == 0:
+        return (dx, torch.zeros_like(weight), (torch.zeros_like(bias) if bias is not None else None), dx_in,
+                torch.zeros(h, dtype=lb_dtype, device=device) if has_dlb else None)
+    dres2d = as_rows(dresidual) if dresidual is not None else dy2d
+    key = (x2d.shape, x2d.stride(), x2d.dtype, device, x2d.data_ptr() & 15, dy2d.shape, dy2d.stride(), dy2d.dtype,
+           dy2d.data_ptr() & 15, _sig(weight), _sig(bias), _sig(mean), _sig(rstd), rms_norm, zero_centered_gamma,
+           memory_efficient, tile,
+           None if dresidual is None else (dres2d.shape, dres2d.stride(), dres2d.dtype, dres2d.data_ptr() & 15),
+           None if add_in is None else (_sig(seed), p if seed is not None else None, lb_dtype, need_dx_in))
+    plan = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    if plan is None:
+        plan = remember_plan(_BWD_PLANS, key, _bwd_plan(x2d, rms_norm, bias, weight, zero_centered_gamma,
+                                                        memory_efficient, tile, dresidual is not None, add_in))
+    w_b = (weight, bias if bias is not None else weight)
+    stats = (mean if mean is not None else rstd, rstd)
+    strides = (*dy2d.stride(), *x2d.stride())
+    row_sums = rstd  # unused pointer without a split
+    if plan.split:
+        row_sums = torch.empty((2, n_rows), dtype=acc_dtype(x2d.dtype), device=device)  # c1, c2 per row
+        args = (dy2d, x2d, *w_b, *stats, row_sums, n_rows, h, *strides)
+        if plan.stats_launch is not None:
+            plan.stats_launch(*args)
+        else:
+            launch(_norm_bwd_row_stats_kernel, plan.stats_grid, device, *args, **plan.stats_kwargs)
+    partial = torch.empty((plan.dlb_row + has_dlb, plan.programs, h), dtype=plan.partial_dtype, device=device)
+    args = (dy2d, x2d, *w_b, *stats, row_sums, dx, partial, dres2d, n_rows, h, *strides, *dres2d.stride(),
+            plan.rows_per_program, dx_in if store_dx_in else dx, seed if plan.kwargs["DROPOUT"] else rstd, *plan.drop)
+    if plan.launch is not None:
+        plan.launch(*args)
+    else:
+        launch(_norm_bwd_kernel, (plan.programs, plan.column_blocks), device, *args, **plan.kwargs)
+    if plan.final:
         return (dx, partial[0, 0], (partial[1, 0] if bias is not None else None), dx_in,
-                partial[dlb_row, 0] if has_dlb else None)
+                partial[plan.dlb_row, 0] if has_dlb else None)
     dweight = torch.empty_like(weight)
     dbias = torch.empty_like(bias) if bias is not None else None
     dlb = torch.empty(h, dtype=lb_dtype, device=device) if has_dlb else None
-    r_tile = _REDUCE_TILES[device.type]
-    reduce_block_n = min(r_tile.BLOCK_N, block_n)
-    launch(
-        _norm_bwd_reduce_kernel, (cdiv(h, reduce_block_n),), device,
-        partial, dweight, dbias if dbias is not None else dweight, dlb if dlb is not None else dweight, programs, h,
-        BLOCK_P=min(r_tile.BLOCK_M, next_power_of_2(programs)), BLOCK_N=reduce_block_n, HAS_BIAS=bias is not None,
-        ACC=TL_DTYPE[acc], HAS_DLB=has_dlb, DLB_ROW=dlb_row, num_warps=r_tile.num_warps,
-    )
+    args = (partial, dweight, dbias if dbias is not None else dweight, dlb if dlb is not None else dweight,
+            plan.programs, h)
+    if plan.reduce_launch is not None:
+        plan.reduce_launch(*args)
+    else:
+        launch(_norm_bwd_reduce_kernel, plan.reduce_grid, device, *args, **plan.reduce_kwargs)
     return dx, dweight, dbias, dx_in, dlb
