@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -68,6 +68,11 @@ __all__ = [
     "device_banner",
     "launch",
     "LaunchPlan",
+    "Planned",
+    "planned",
+    "launch_planned",
+    "spec_key",
+    "tensor_key",
     "plan_cache",
     "remember_plan",
     "clear_plans",
@@ -469,6 +474,44 @@ def remember_plan(cache: dict, key: tuple, plan: Any) -> Any:
             cache.clear()
         cache[key] = plan
     return plan
+
+
+class Planned(NamedTuple):
+    """One launch of an op as its plan holds it (:func:`planned`): the grid, the keyword
+    arguments, the :class:`LaunchPlan` (None while ``torch.compile`` traces), and whatever
+    else the op derives from the same signature (``data``: rows per program, ...)."""
+
+    grid: tuple
+    kwargs: dict
+    launch: Optional["LaunchPlan"]
+    data: tuple = ()
+
+
+def planned(kernel: Any, grid: Sequence[int], device: torch.device, kwargs: dict, data: tuple = ()) -> Planned:
+    """A :class:`Planned` launch of ``kernel`` (its :class:`LaunchPlan` only outside a
+    ``torch.compile`` trace); :func:`launch_planned` launches it."""
+    plan = None if torch.compiler.is_compiling() else LaunchPlan(kernel, grid, device, kwargs)
+    return Planned(tuple(grid), kwargs, plan, data)
+
+
+def launch_planned(kernel: Any, p: Planned, device: torch.device, *args: Any) -> None:
+    """Launch ``kernel`` as ``p`` says, with positional ``args``: through its
+    :class:`LaunchPlan`, or :func:`launch` (inside a ``torch.compile`` trace)."""
+    if p.launch is not None:
+        p.launch(*args)
+    else:
+        launch(kernel, p.grid, device, *args, **p.kwargs)
+
+
+def spec_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """A tensor argument's part of a plan key when its shape and strides are known from
+    others': dtype and address modulo 16 (what Triton specializes a pointer on); None for None."""
+    return None if t is None else (t.dtype, t.data_ptr() & 15)
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """A tensor argument's part of a plan key: shape, strides, dtype, address modulo 16."""
+    return (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
 
 
 class LaunchPlan:

@@ -112,6 +112,50 @@ def _fresh_seed(seed):
 
 
 @pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Forget every op's launch plans after each test (fusedlib.runtime.clear_plans): a plan
+    keeps the launch settings it was made with, and tests monkeypatch settings (FOLD_TILES,
+    the partial-sum buffers) that a plan of a later test must not keep."""
+    yield
+    import fusedlib.runtime
+
+    fusedlib.runtime.clear_plans()
+
+
+@pytest.fixture
+def spy_launches(monkeypatch):
+    """Every fusedlib kernel launch of the test, recorded: a list that gets one
+    ``SimpleNamespace(kernel=name, grid=tuple, args=tuple, kwargs=dict)`` per launch.
+
+    Direct launches are off for the test, so that no op's LaunchPlan calls Triton's C launcher
+    on its own: every launch goes through ``fusedlib.runtime.launch`` (or a kernels module's
+    own reference to it), where the spy sits."""
+    import importlib
+    import pkgutil
+    import types
+
+    import fusedlib.kernels
+    import fusedlib.runtime as rt
+    from fusedlib.kernels import launch as kl
+
+    monkeypatch.setattr(kl, "DIRECT_LAUNCH", False)
+    calls = []
+    real = rt.launch
+
+    def spy(kernel, grid, device, *args, **kwargs):
+        calls.append(types.SimpleNamespace(kernel=getattr(kernel, "fn", kernel).__name__, grid=tuple(grid),
+                                           args=args, kwargs=kwargs))
+        return real(kernel, grid, device, *args, **kwargs)
+
+    monkeypatch.setattr(rt, "launch", spy)
+    for info in pkgutil.iter_modules(fusedlib.kernels.__path__):
+        mod = importlib.import_module(f"fusedlib.kernels.{info.name}")
+        if getattr(mod, "launch", None) is real:
+            monkeypatch.setattr(mod, "launch", spy)
+    return calls
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_process_group():
     """A test that leaves a torch.distributed group (and megatron-core's parallel state on it)
     behind, e.g. a benchmark case that creates a one-rank group for a vocab-parallel baseline,

@@ -316,20 +316,12 @@ def test_clamped_swiglu_multi_program_bias_reduction():
     _check_glu("swiglu", y, _randn((24,), torch.float32).requires_grad_(True), clamp_value=CLAMP)
 
 
-def test_clamp_value_none_is_the_unclamped_kernel(monkeypatch):
+def test_clamp_value_none_is_the_unclamped_kernel(spy_launches):
     # clamp_value=None launches the kernels without the clamp (HAS_CLAMP=False, the very same
     # specialization as before clamp_value existed), so the results are bitwise the unclamped
     # ones; a clamp that no input reaches launches HAS_CLAMP=True and gives the same bits.
-    from fusedlib.kernels import glu as kglu
-
-    launched = []
-    real_launch = kglu.launch
-
-    def spy(kernel, grid, device, *args, **kwargs):
-        launched.append(kwargs["HAS_CLAMP"])
-        return real_launch(kernel, grid, device, *args, **kwargs)
-
-    monkeypatch.setattr(kglu, "launch", spy)
+    def clamps():  # HAS_CLAMP of each GLU kernel launch so far
+        return [c.kwargs["HAS_CLAMP"] for c in spy_launches if "HAS_CLAMP" in c.kwargs]
 
     def run(fn, *tensors):
         leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
@@ -352,8 +344,8 @@ def test_clamp_value_none_is_the_unclamped_kernel(monkeypatch):
         expected = run(plain, *tensors)
         for fn in with_none:
             assert all(torch.equal(a, e) for a, e in zip(run(fn, *tensors), expected))
-    assert launched and not any(launched)
-    launched.clear()
+    assert clamps() and not any(clamps())
+    spy_launches.clear()
     far = 1e30  # finite, > 0, beyond every input: the clamped kernels change nothing
     for plain, clamped, tensors in (
         (lambda y, b: bias_swiglu_impl(y, b), lambda y, b: bias_swiglu_impl(y, b, clamp_value=far), (y, b)),
@@ -362,7 +354,7 @@ def test_clamp_value_none_is_the_unclamped_kernel(monkeypatch):
          (y, w)),
     ):
         assert all(torch.equal(a, e) for a, e in zip(run(clamped, *tensors), run(plain, *tensors)))
-    assert launched.count(True) == 6 and launched.count(False) == 6
+    assert clamps().count(True) == 6 and clamps().count(False) == 6
 
 
 def _bad_clamp_cases():

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import INTERPRET_ON_CPU, launch
+from ..runtime import INTERPRET_ON_CPU, launch, launch_planned, plan_cache, planned, remember_plan, spec_key, tensor_key
 from .launch import (
     FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
     next_power_of_2, persistent_grid, pick,
@@ -332,6 +332,12 @@ def _dropout_mask_kernel(
     tl.store(MASK_ptr + rows[:, None] * n_cols + cols[None, :], keep.to(tl.int8), mask=mask)
 
 
+# Launch plans by input signature (fusedlib.runtime.LaunchPlan): the tile, grid and bound launch
+# of a call are made once per shape, strides, dtypes, addresses modulo 16 and dropout probability.
+_FWD_PLANS: dict = plan_cache()
+_BWD_PLANS: dict = plan_cache()
+
+
 def bias_dropout_add_fwd(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                          seed: torch.Tensor | None, p: float, out: torch.Tensor | None = None,
                          tile: Tile | None = None) -> torch.Tensor:
@@ -361,16 +367,20 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: torch.Tensor | None, residual: t
     x2d, r2d = as_rows(x), as_rows(residual)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = x2d.shape
     out_strides = (n_cols, 1) if fresh else out.stride()
-    tile, block_m = _tile(FWD_TILES, tile, n_rows, n_cols)
     dropout = seed is not None
-    launch(
-        _bias_dropout_add_fwd_kernel, (cdiv(n_rows, block_m), cdiv(n_cols, tile.BLOCK_N)), device,
-        x2d, bias if bias is not None else x2d, r2d, out, seed if dropout else x2d,
-        n_rows, n_cols, *x2d.stride(), *r2d.stride(), *out_strides,
-        drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0,
-        HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
-        ACC=TL_DTYPE[acc_dtype(x.dtype, residual.dtype)], num_warps=tile.num_warps,
-    )
+    key = (tensor_key(x2d), device, spec_key(bias), tensor_key(r2d), None if fresh else (out_strides, spec_key(out)),
+           (spec_key(seed), p) if dropout else None, tile)
+    pl = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    if pl is None:
+        tile, block_m = _tile(FWD_TILES, tile, n_rows, n_cols)
+        pl = remember_plan(_FWD_PLANS, key, planned(
+            _bias_dropout_add_fwd_kernel, (cdiv(n_rows, block_m), cdiv(n_cols, tile.BLOCK_N)), device,
+            dict(HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
+                 ACC=TL_DTYPE[acc_dtype(x.dtype, residual.dtype)], num_warps=tile.num_warps),
+            data=(drop_threshold(p), dropout_scale(p)) if dropout else (0, 1.0)))
+    launch_planned(_bias_dropout_add_fwd_kernel, pl, device,
+                   x2d, bias if bias is not None else x2d, r2d, out, seed if dropout else x2d,
+                   n_rows, n_cols, *x2d.stride(), *r2d.stride(), *out_strides, *pl.data)
     return out
 
 
@@ -414,22 +424,26 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
         return dx, None
     g2d = as_rows(g)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = g2d.shape
-    tile, block_m = _tile(BWD_TILES if store_dx else COLUMN_SUM_TILES, tile, n_rows, n_cols)
-    col_programs = cdiv(n_cols, tile.BLOCK_N)
-    # Enough row programs to fill the device; each loops over its rows and keeps one float32
-    # partial of the bias gradient per column: [row_programs, n_cols] floats.
-    row_programs, rows_per_program = persistent_grid(n_rows, block_m, tile.programs_per_sm, device, col_programs,
-                                                     fold_tiles=FOLD_TILES if need_dbias else 0)
+    key = (tensor_key(g2d), device, x_dtype, (spec_key(seed), p) if dropout else None, need_dx, need_dbias,
+           db_dtype, tile)
+    pl = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    if pl is None:
+        tile, block_m = _tile(BWD_TILES if store_dx else COLUMN_SUM_TILES, tile, n_rows, n_cols)
+        col_programs = cdiv(n_cols, tile.BLOCK_N)
+        # Enough row programs to fill the device; each loops over its rows and keeps one float32
+        # partial of the bias gradient per column: [row_programs, n_cols] floats.
+        row_programs, rows_per_program = persistent_grid(n_rows, block_m, tile.programs_per_sm, device, col_programs,
+                                                         fold_tiles=FOLD_TILES if need_dbias else 0)
+        pl = remember_plan(_BWD_PLANS, key, planned(
+            _bias_dropout_add_bwd_kernel, (row_programs, col_programs), device,
+            dict(DROPOUT=dropout, STORE_DX=store_dx, HAS_DBIAS=need_dbias, BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
+                 ACC=TL_DTYPE[acc], num_warps=tile.num_warps),
+            data=(rows_per_program, *((drop_threshold(p), dropout_scale(p)) if dropout else (0, 1.0)))))
     # one row program: the kernel stores db itself (db_dtype)
-    db_partial = partials_buffer(row_programs, n_cols, acc, db_dtype, device) if need_dbias else g2d
-    launch(
-        _bias_dropout_add_bwd_kernel, (row_programs, col_programs), device,
-        g2d, dx if store_dx else g2d, db_partial, seed if dropout else g2d,
-        n_rows, n_cols, rows_per_program, *g2d.stride(),
-        drop_threshold(p) if dropout else 0, dropout_scale(p) if dropout else 1.0,
-        DROPOUT=dropout, STORE_DX=store_dx, HAS_DBIAS=need_dbias, BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
-        ACC=TL_DTYPE[acc], num_warps=tile.num_warps,
-    )
+    db_partial = partials_buffer(pl.grid[0], n_cols, acc, db_dtype, device) if need_dbias else g2d
+    launch_planned(_bias_dropout_add_bwd_kernel, pl, device,
+                   g2d, dx if store_dx else g2d, db_partial, seed if dropout else g2d,
+                   n_rows, n_cols, pl.data[0], *g2d.stride(), *pl.data[1:])
     if need_dbias:
         db = finish_partials(db_partial, db_dtype)  # stage 2: [row_programs, n_cols] -> [n_cols], fixed order
     return dx, db

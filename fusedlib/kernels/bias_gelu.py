@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import launch
+from ..runtime import launch_planned, plan_cache, planned, remember_plan, spec_key, tensor_key
 from .launch import (
     FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
     persistent_grid, pick,
@@ -149,6 +149,12 @@ BWD_TILES: TileTable = (
 )
 
 
+# Launch plans by input signature (fusedlib.runtime.LaunchPlan): the tile, grid and bound launch
+# of a call are made once per shape, strides, dtypes and addresses modulo 16.
+_FWD_PLANS: dict = plan_cache()
+_BWD_PLANS: dict = plan_cache()
+
+
 def bias_gelu_fwd(y: torch.Tensor, bias: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
     """Launch the forward kernel.
 
@@ -167,14 +173,15 @@ def bias_gelu_fwd(y: torch.Tensor, bias: torch.Tensor, tile: Tile | None = None)
         return out
     y2d = as_rows(y)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = y2d.shape
-    if tile is None:
-        tile = pick(FWD_TILES, n_cols)
-    row_stride, col_stride = y2d.stride()
-    launch(
-        _bias_gelu_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(n_cols, tile.BLOCK_N)), device,
-        y2d, bias, out, n_rows, n_cols, row_stride, col_stride,
-        BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps,
-    )
+    key = (tensor_key(y2d), device, spec_key(bias), tile)
+    p = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    if p is None:
+        if tile is None:
+            tile = pick(FWD_TILES, n_cols)
+        p = remember_plan(_FWD_PLANS, key, planned(
+            _bias_gelu_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(n_cols, tile.BLOCK_N)), device,
+            dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps)))
+    launch_planned(_bias_gelu_fwd_kernel, p, device, y2d, bias, out, n_rows, n_cols, *y2d.stride())
     return out
 
 
@@ -199,19 +206,21 @@ def bias_gelu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
         return dy, torch.zeros_like(bias)
     g2d, y2d = as_rows(g), as_rows(y)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = y2d.shape
-    if tile is None:
-        tile = pick(BWD_TILES, n_cols)
-    col_programs = cdiv(n_cols, tile.BLOCK_N)
-    # Enough row programs to fill the device; each loops over its rows and keeps one
-    # float32 partial of the bias gradient per column: [row_programs, n_cols] floats.
-    row_programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device,
-                                                     col_programs, fold_tiles=FOLD_TILES)
-    acc = acc_dtype(y.dtype)
-    db_partial = partials_buffer(row_programs, n_cols, acc, bias.dtype, device)  # one program: db itself
-    g_strides, y_strides = g2d.stride(), y2d.stride()
-    launch(
-        _bias_gelu_bwd_kernel, (row_programs, col_programs), device,
-        g2d, y2d, bias, dy, db_partial, n_rows, n_cols, rows_per_program, *g_strides, *y_strides,
-        BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc], num_warps=tile.num_warps,
-    )
+    key = (tensor_key(y2d), device, tensor_key(g2d), spec_key(bias), tile)
+    p = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    if p is None:
+        if tile is None:
+            tile = pick(BWD_TILES, n_cols)
+        col_programs = cdiv(n_cols, tile.BLOCK_N)
+        # Enough row programs to fill the device; each loops over its rows and keeps one
+        # float32 partial of the bias gradient per column: [row_programs, n_cols] floats.
+        row_programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device,
+                                                         col_programs, fold_tiles=FOLD_TILES)
+        p = remember_plan(_BWD_PLANS, key, planned(
+            _bias_gelu_bwd_kernel, (row_programs, col_programs), device,
+            dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps),
+            data=(rows_per_program,)))
+    db_partial = partials_buffer(p.grid[0], n_cols, acc_dtype(y.dtype), bias.dtype, device)  # one program: db itself
+    launch_planned(_bias_gelu_bwd_kernel, p, device, g2d, y2d, bias, dy, db_partial, n_rows, n_cols, p.data[0],
+                   *g2d.stride(), *y2d.stride())
     return dy, finish_partials(db_partial, bias.dtype)

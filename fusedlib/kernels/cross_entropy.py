@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import DeviceCheck, launch
+from ..runtime import DeviceCheck, launch_planned, plan_cache, planned, remember_plan, spec_key, tensor_key
 from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, empty_contiguous_like, pick
 
 __all__ = ["cross_entropy_fwd", "cross_entropy_bwd", "smoothing_coefs", "FWD_TILES", "BWD_TILES", "TILE_ELEMENTS",
@@ -223,6 +223,12 @@ BWD_TILES: TileTable = (
 )
 
 
+# Launch plans by input signature (fusedlib.runtime.LaunchPlan): the tile, grid and bound launch
+# of a call are made once per shape, strides, dtypes, addresses modulo 16, ids and switches.
+_FWD_PLANS: dict = plan_cache()
+_BWD_PLANS: dict = plan_cache()
+
+
 def smoothing_coefs(label_smoothing: float, vocab_size: int, dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
     """``[1 - s, s / V]`` with s = eps·V/(V - 1) (Megatron's smoothing), computed in Python
@@ -293,18 +299,26 @@ def cross_entropy_fwd(
         stats = torch.empty((4, n_rows), dtype=sdt, device=device)
         loss = lse = stats  # unused pointers
     if n_rows > 0:
-        if tile is None:
-            tile = pick(FWD_TILES, n_cols)
         vocab_size = vocab_size or n_cols
+        smoothing = label_smoothing > 0
+        # the ints are keyed by value: Triton specializes them (1, multiples of 16, int32 range)
+        key = (tensor_key(x2d), device, spec_key(target1d), target1d.stride(0), vocab_start_index, vocab_size,
+               ignore_index, smoothing, bool(finalize), check, tile)
+        p = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+        if p is None:
+            if tile is None:
+                tile = pick(FWD_TILES, n_cols)
+            p = remember_plan(_FWD_PLANS, key, planned(
+                _cross_entropy_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device,
+                dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[sdt], SMOOTHING=smoothing,
+                     FINALIZE=bool(finalize), CHECK=check is not None, num_warps=tile.num_warps)))
         err = check.word(x2d) if check is not None else None
-        launch(
-            _cross_entropy_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device,
+        launch_planned(
+            _cross_entropy_fwd_kernel, p, device,
             x2d, target1d, stats, loss, lse,
-            smoothing_coefs(label_smoothing, vocab_size, sdt, device) if label_smoothing > 0 else lse,
+            smoothing_coefs(label_smoothing, vocab_size, sdt, device) if smoothing else lse,
             err if err is not None else target1d,
             n_rows, n_cols, *x2d.stride(), target1d.stride(0), vocab_start_index, vocab_size, ignore_index,
-            BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[sdt], SMOOTHING=label_smoothing > 0,
-            FINALIZE=bool(finalize), CHECK=err is not None, num_warps=tile.num_warps,
         )
         if err is not None:
             check.launched(x2d, (vocab_size, ignore_index))
@@ -345,14 +359,21 @@ def cross_entropy_bwd(
     dx = empty_contiguous_like(x2d)
     if dx.numel() == 0:
         return dx
-    if tile is None:
-        tile = pick(BWD_TILES, n_cols)
-    launch(
-        _cross_entropy_bwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(n_cols, tile.BLOCK_N)), device,
+    smoothing = label_smoothing > 0
+    key = (tensor_key(x2d), device, spec_key(target1d), target1d.stride(0), spec_key(lse), spec_key(grad1d),
+           grad1d.stride(0), vocab_start_index, ignore_index, smoothing, tile)
+    p = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    if p is None:
+        if tile is None:
+            tile = pick(BWD_TILES, n_cols)
+        p = remember_plan(_BWD_PLANS, key, planned(
+            _cross_entropy_bwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(n_cols, tile.BLOCK_N)), device,
+            dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(x2d.dtype)], SMOOTHING=smoothing,
+                 num_warps=tile.num_warps)))
+    launch_planned(
+        _cross_entropy_bwd_kernel, p, device,
         x2d, target1d, lse, grad1d, dx,
-        smoothing_coefs(label_smoothing, vocab_size or n_cols, lse.dtype, device) if label_smoothing > 0 else lse,
-        n_rows, n_cols, *x2d.stride(), target1d.stride(0), grad1d.stride(0), vocab_start_index,
-        ignore_index, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(x2d.dtype)],
-        SMOOTHING=label_smoothing > 0, num_warps=tile.num_warps,
+        smoothing_coefs(label_smoothing, vocab_size or n_cols, lse.dtype, device) if smoothing else lse,
+        n_rows, n_cols, *x2d.stride(), target1d.stride(0), grad1d.stride(0), vocab_start_index, ignore_index,
     )
     return dx

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import launch
+from ..runtime import launch_planned, plan_cache, planned, remember_plan, spec_key, tensor_key
 from .launch import (
     FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
     persistent_grid, pick,
@@ -306,6 +306,12 @@ BIAS_BWD_TILES: TileTable = tuple(
 )
 
 
+# Launch plans by input signature (fusedlib.runtime.LaunchPlan): the tile, grid and bound launch
+# of a call are made once per shape, strides, dtypes, addresses modulo 16 and switches.
+_FWD_PLANS: dict = plan_cache()
+_BWD_PLANS: dict = plan_cache()
+
+
 def _out_shape(y: torch.Tensor) -> tuple[int, ...]:
     # [..., 2h] -> [..., h]
     shape = y.shape
@@ -334,15 +340,22 @@ def glu_fwd(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | 
         return out
     y2d = as_rows(y)  # [..., 2h] -> [n_rows, 2h]
     n_rows, h = y2d.shape[0], y2d.shape[1] // 2
-    if tile is None:
-        tile = pick(TILES, h)
-    launch(
-        _glu_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(h, tile.BLOCK_N)), device,
+    key = (tensor_key(y2d), device, spec_key(bias), None if weights is None else (spec_key(weights), weights.stride(0)),
+           activation, clamp_value is not None, tile)
+    p = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    if p is None:
+        if tile is None:
+            tile = pick(TILES, h)
+        p = remember_plan(_FWD_PLANS, key, planned(
+            _glu_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(h, tile.BLOCK_N)), device,
+            dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_WEIGHTS=weights is not None,
+                 HAS_CLAMP=clamp_value is not None, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N,
+                 ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps)))
+    launch_planned(
+        _glu_fwd_kernel, p, device,
         y2d, y2d if bias is None else bias, y2d if weights is None else weights, out,  # y2d: unused dummies
         n_rows, h, *y2d.stride(), 0 if weights is None else weights.stride(0),
         0.0 if clamp_value is None else float(clamp_value),
-        ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_WEIGHTS=weights is not None,
-        HAS_CLAMP=clamp_value is not None, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps,
     )
     return out
 
@@ -381,37 +394,47 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
         return dy, db, dw
     g2d, y2d = as_rows(g), as_rows(y)  # [..., h] -> [n_rows, h]; [..., 2h] -> [n_rows, 2h]
     n_rows, h = y2d.shape[0], y2d.shape[1] // 2
-    if tile is None:
-        tile = pick(TILES if bias is None else BIAS_BWD_TILES, h)
-    col_programs = cdiv(h, tile.BLOCK_N)
+    key = (tensor_key(y2d), device, tensor_key(g2d), spec_key(bias),
+           None if weights is None else (spec_key(weights), weights.stride(0)), activation, clamp_value is not None,
+           tile)
+    p = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
     acc = acc_dtype(y.dtype)
+    if p is None:
+        if tile is None:
+            tile = pick(TILES if bias is None else BIAS_BWD_TILES, h)
+        col_programs = cdiv(h, tile.BLOCK_N)
+        if bias is None:
+            p = planned(_glu_bwd_kernel, (cdiv(n_rows, tile.BLOCK_M), col_programs), device,
+                        dict(ACTIVATION=activation, HAS_WEIGHTS=weights is not None, HAS_CLAMP=clamp_value is not None,
+                             BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc], num_warps=tile.num_warps))
+        else:
+            # Enough row programs to fill the device (the tile's programs_per_sm); each loops over its
+            # rows and keeps one partial of the bias gradient per column: [row_programs, 2h] floats,
+            # summed by a second small kernel (kernels/reduce.py).
+            row_programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device,
+                                                             col_programs, fold_tiles=FOLD_TILES)
+            p = planned(_bias_glu_bwd_kernel, (row_programs, col_programs), device,
+                        dict(ACTIVATION=activation, HAS_CLAMP=clamp_value is not None, BLOCK_M=tile.BLOCK_M,
+                             BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc], num_warps=tile.num_warps),
+                        data=(rows_per_program,))
+        remember_plan(_BWD_PLANS, key, p)
+    clamp = 0.0 if clamp_value is None else float(clamp_value)
     if bias is None:
+        col_programs = p.grid[1]
         dw_partial = dy if weights is None else torch.empty((n_rows, col_programs), dtype=acc, device=device)
-        launch(
-            _glu_bwd_kernel, (cdiv(n_rows, tile.BLOCK_M), col_programs), device,
+        launch_planned(
+            _glu_bwd_kernel, p, device,
             g2d, y2d, y2d if weights is None else weights, dy, dw_partial,  # y2d, dy: unused dummies
-            n_rows, h, *g2d.stride(), *y2d.stride(), 0 if weights is None else weights.stride(0),
-            0.0 if clamp_value is None else float(clamp_value),
-            ACTIVATION=activation, HAS_WEIGHTS=weights is not None, HAS_CLAMP=clamp_value is not None,
-            BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc], num_warps=tile.num_warps,
+            n_rows, h, *g2d.stride(), *y2d.stride(), 0 if weights is None else weights.stride(0), clamp,
         )
         if weights is None:
             return dy, None, None
         # [n_rows, col_programs] partials -> [n_rows, 1]: no reduction left for one column tile
         dw = dw_partial if col_programs == 1 else dw_partial.sum(1, keepdim=True)
         return dy, None, dw.to(weights.dtype)
-    # Enough row programs to fill the device (the tile's programs_per_sm); each loops over its
-    # rows and keeps one partial of the bias gradient per column: [row_programs, 2h] floats,
-    # summed by a second small kernel (kernels/reduce.py).
-    row_programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, device,
-                                                     col_programs, fold_tiles=FOLD_TILES)
-    db_partial = partials_buffer(row_programs, 2 * h, acc, bias.dtype, device)  # one program: db itself
-    launch(
-        _bias_glu_bwd_kernel, (row_programs, col_programs), device,
-        g2d, y2d, bias, dy, db_partial,
-        n_rows, h, rows_per_program, *g2d.stride(), *y2d.stride(),
-        0.0 if clamp_value is None else float(clamp_value),
-        ACTIVATION=activation, HAS_CLAMP=clamp_value is not None, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc],
-        num_warps=tile.num_warps,
+    db_partial = partials_buffer(p.grid[0], 2 * h, acc, bias.dtype, device)  # one program: db itself
+    launch_planned(
+        _bias_glu_bwd_kernel, p, device,
+        g2d, y2d, bias, dy, db_partial, n_rows, h, p.data[0], *g2d.stride(), *y2d.stride(), clamp,
     )
     return dy, finish_partials(db_partial, bias.dtype), None

@@ -78,7 +78,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import DeviceCheck, LaunchPlan, launch, plan_cache, remember_plan
+from ..runtime import (
+    DeviceCheck, Planned, launch_planned, plan_cache, planned, remember_plan, spec_key, tensor_key,
+)
 from .bias_dropout_add import _keep_mask, bias_dropout_add_bwd, drop_threshold, dropout_scale
 from .launch import (
     FOLD_TILES,
@@ -651,22 +653,14 @@ def bias_dropout_add_norm_fwd(x: torch.Tensor, linear_bias: Optional[torch.Tenso
     return y, h, mean, rstd
 
 
-class _FwdPlan(NamedTuple):
-    """What a forward launch takes from its inputs' signature (:func:`_norm_fwd`)."""
-
-    programs: int
-    rows_per_program: int
-    kwargs: dict  # constexprs and num_warps
-    launch: Optional[LaunchPlan]  # None while torch.compile traces: launch() directly
-    drop: tuple  # (threshold, scale) of the dropout mask, or (0, 1.0)
-
-
 # _norm_fwd's plans by input signature (:func:`_norm_fwd`; fusedlib.runtime.remember_plan)
-_FWD_PLANS: dict[tuple, _FwdPlan] = plan_cache()
+_FWD_PLANS: dict[tuple, Planned] = plan_cache()
 
 
 def _fwd_plan(x2d: torch.Tensor, rms_norm: bool, has_bias: bool, zero_centered_gamma: bool, tile: Optional[Tile],
-              gamma_check: Optional[DeviceCheck], add_in: Optional[tuple]) -> _FwdPlan:
+              gamma_check: Optional[DeviceCheck], add_in: Optional[tuple]) -> Planned:
+    """The forward's launch for inputs like ``x2d`` (data: rows per program, and the dropout
+    mask's threshold and scale, or (0, 1.0))."""
     n_rows, h = x2d.shape
     if tile is None:
         tile = pick(FWD_TILES if add_in is None else BDA_FWD_TILES, h)
@@ -689,8 +683,7 @@ def _fwd_plan(x2d: torch.Tensor, rms_norm: bool, has_bias: bool, zero_centered_g
                   ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=tile.num_stages,
                   ACC=TL_DTYPE[acc_dtype(x2d.dtype)], CHECK_GAMMA=gamma_check is not None, **flags,
                   num_warps=tile.num_warps)
-    planned = None if torch.compiler.is_compiling() else LaunchPlan(_norm_fwd_kernel, (programs,), x2d.device, kwargs)
-    return _FwdPlan(programs, rows_per_program, kwargs, planned, drop)
+    return planned(_norm_fwd_kernel, (programs,), x2d.device, kwargs, data=(rows_per_program, *drop))
 
 
 def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, add_in=None):
@@ -712,32 +705,27 @@ def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_c
     rstd = torch.empty(n_rows, dtype=acc, device=device)
     if n_rows == 0:
         return y, mean, rstd, h_out
-    key = (x2d.shape, x2d.stride(), x.dtype, device, x2d.data_ptr() & 15, weight.dtype, weight.data_ptr() & 15,
-           None if bias is None else (bias.dtype, bias.data_ptr() & 15), rms_norm, zero_centered_gamma, tile,
+    key = (tensor_key(x2d), device, spec_key(weight), spec_key(bias), rms_norm, zero_centered_gamma, tile,
            gamma_check)
     if add_in is not None:
         linear_bias, residual, seed, p = add_in
         r2d = as_rows(residual)
-        key += (None if linear_bias is None else (linear_bias.dtype, linear_bias.data_ptr() & 15),
-                r2d.shape, r2d.stride(), r2d.dtype, r2d.data_ptr() & 15,
-                None if seed is None else (seed.dtype, seed.data_ptr() & 15, p))
+        key += (spec_key(linear_bias), tensor_key(r2d), None if seed is None else (spec_key(seed), p))
     plan = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
     if plan is None:
         plan = remember_plan(_FWD_PLANS, key, _fwd_plan(x2d, rms_norm, bias is not None, zero_centered_gamma, tile,
                                                         gamma_check, add_in))
     err = gamma_check.word(x) if gamma_check is not None else None
+    rows_per_program, threshold, scale = plan.data
     if add_in is not None:
         extra = (linear_bias if linear_bias is not None else weight, r2d, h_out, seed if seed is not None else rstd,
-                 *r2d.stride(), *plan.drop)
+                 *r2d.stride(), threshold, scale)
     else:
         extra = (weight, x2d, y, rstd, 0, 0, 0, 1.0)
-    args = (x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
-            err if err is not None else rstd, n_rows, x2d.shape[1], *x2d.stride(), float(eps), plan.rows_per_program,
-            *extra)
-    if plan.launch is not None:
-        plan.launch(*args)
-    else:
-        launch(_norm_fwd_kernel, (plan.programs,), device, *args, **plan.kwargs)
+    launch_planned(_norm_fwd_kernel, plan, device,
+                   x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
+                   err if err is not None else rstd, n_rows, x2d.shape[1], *x2d.stride(), float(eps), rows_per_program,
+                   *extra)
     if err is not None:
         gamma_check.launched(x, zero_centered_gamma)
     return y, mean, rstd, h_out
@@ -836,21 +824,12 @@ class _BwdPlan(NamedTuple):
     """What a backward's launches take from their inputs' signature (:func:`_norm_bwd`)."""
 
     split: bool  # long rows: the row-sums kernel first, then programs of block_n columns
-    column_blocks: int
-    programs: int
-    rows_per_program: int
     final: bool  # one program: its partial sums are the gradients (no second stage)
     dlb_row: int  # the sublayer bias's row in the partial sums
     partial_dtype: torch.dtype
-    drop: tuple  # (threshold, scale) of the dropout mask, or (0, 1.0)
-    stats_grid: tuple
-    stats_kwargs: Optional[dict]
-    stats_launch: Optional[LaunchPlan]
-    kwargs: dict
-    launch: Optional[LaunchPlan]
-    reduce_grid: tuple
-    reduce_kwargs: Optional[dict]
-    reduce_launch: Optional[LaunchPlan]
+    stats: Optional[Planned]  # the row-sums kernel (split only)
+    main: Planned  # the backward kernel; data: rows per program, the dropout mask's threshold and scale
+    reduce: Optional[Planned]  # the second stage (not final only)
 
 
 # _norm_bwd's plans by input signature (fusedlib.runtime.remember_plan)
@@ -878,16 +857,14 @@ def _bwd_plan(x2d: torch.Tensor, rms_norm: bool, bias: Optional[torch.Tensor], w
     acc = acc_dtype(x2d.dtype)
     common = dict(IS_RMS_NORM=rms_norm, HAS_BIAS=bias is not None, ZERO_CENTERED_GAMMA=zero_centered_gamma,
                   MEMORY_EFFICIENT=memory_efficient, ACC=TL_DTYPE[acc])
-    planned = not torch.compiler.is_compiling()
     column_blocks = 1
-    stats_grid, stats_kwargs, stats_launch = (), None, None
+    stats = None
     if split:
         column_blocks = cdiv(h, block_n)
         s_tile = _ROW_STATS_TILES[device.type]
-        stats_grid = (cdiv(n_rows, s_tile.BLOCK_M),)
-        stats_kwargs = dict(BLOCK_M=s_tile.BLOCK_M, BLOCK_N=min(s_tile.BLOCK_N, row_block), **common,
-                            num_warps=s_tile.num_warps)
-        stats_launch = LaunchPlan(_norm_bwd_row_stats_kernel, stats_grid, device, stats_kwargs) if planned else None
+        stats = planned(_norm_bwd_row_stats_kernel, (cdiv(n_rows, s_tile.BLOCK_M),), device,
+                        dict(BLOCK_M=s_tile.BLOCK_M, BLOCK_N=min(s_tile.BLOCK_N, row_block), **common,
+                             num_warps=s_tile.num_warps))
     programs, rows_per_program = persistent_grid(n_rows, tile.BLOCK_M, max(1, tile.programs_per_sm), device,
                                                  column_blocks, fold_tiles=FOLD_TILES)
     # [1 to 3, programs, h]: first-stage partial sums of dgamma ([0]), dbeta ([1], only with a bias) and
@@ -899,27 +876,17 @@ def _bwd_plan(x2d: torch.Tensor, rms_norm: bool, bias: Optional[torch.Tensor], w
     kwargs = dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=tile.num_stages, HAS_DRES=has_dres,
                   HAS_DLB=has_dlb, DLB_ROW=dlb_row, DROPOUT=dropout, STORE_DXIN=store_dx_in, **common,
                   num_warps=tile.num_warps)
-    grid = (programs, column_blocks)
-    reduce_grid, reduce_kwargs, reduce_launch = (), None, None
+    main = planned(_norm_bwd_kernel, (programs, column_blocks), device, kwargs,
+                   data=(rows_per_program, *((drop_threshold(p), dropout_scale(p)) if dropout else (0, 1.0))))
+    reduce = None
     if not final:
         r_tile = _REDUCE_TILES[device.type]
         reduce_block_n = min(r_tile.BLOCK_N, block_n)
-        reduce_grid = (cdiv(h, reduce_block_n),)
-        reduce_kwargs = dict(BLOCK_P=min(r_tile.BLOCK_M, next_power_of_2(programs)), BLOCK_N=reduce_block_n,
-                             HAS_BIAS=bias is not None, ACC=TL_DTYPE[acc], HAS_DLB=has_dlb, DLB_ROW=dlb_row,
-                             num_warps=r_tile.num_warps)
-        reduce_launch = LaunchPlan(_norm_bwd_reduce_kernel, reduce_grid, device, reduce_kwargs) if planned else None
-    return _BwdPlan(split, column_blocks, programs, rows_per_program, final, dlb_row,
-                    weight.dtype if final else acc,
-                    (drop_threshold(p), dropout_scale(p)) if dropout else (0, 1.0),
-                    stats_grid, stats_kwargs, stats_launch,
-                    kwargs, LaunchPlan(_norm_bwd_kernel, grid, device, kwargs) if planned else None,
-                    reduce_grid, reduce_kwargs, reduce_launch)
-
-
-def _sig(t: Optional[torch.Tensor]) -> Optional[tuple]:
-    """A tensor argument's part of a plan key: dtype and address modulo 16 (None for None)."""
-    return None if t is None else (t.dtype, t.data_ptr() & 15)
+        reduce = planned(_norm_bwd_reduce_kernel, (cdiv(h, reduce_block_n),), device,
+                         dict(BLOCK_P=min(r_tile.BLOCK_M, next_power_of_2(programs)), BLOCK_N=reduce_block_n,
+                              HAS_BIAS=bias is not None, ACC=TL_DTYPE[acc], HAS_DLB=has_dlb, DLB_ROW=dlb_row,
+                              num_warps=r_tile.num_warps))
+    return _BwdPlan(split, final, dlb_row, weight.dtype if final else acc, stats, main, reduce)
 
 
 def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamma, memory_efficient, tile,
@@ -942,11 +909,10 @@ def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamm
         return (dx, torch.zeros_like(weight), (torch.zeros_like(bias) if bias is not None else None), dx_in,
                 torch.zeros(h, dtype=lb_dtype, device=device) if has_dlb else None)
     dres2d = as_rows(dresidual) if dresidual is not None else dy2d
-    key = (x2d.shape, x2d.stride(), x2d.dtype, device, x2d.data_ptr() & 15, dy2d.shape, dy2d.stride(), dy2d.dtype,
-           dy2d.data_ptr() & 15, _sig(weight), _sig(bias), _sig(mean), _sig(rstd), rms_norm, zero_centered_gamma,
-           memory_efficient, tile,
-           None if dresidual is None else (dres2d.shape, dres2d.stride(), dres2d.dtype, dres2d.data_ptr() & 15),
-           None if add_in is None else (_sig(seed), p if seed is not None else None, lb_dtype, need_dx_in))
+    key = (tensor_key(x2d), device, tensor_key(dy2d), spec_key(weight), spec_key(bias), spec_key(mean),
+           spec_key(rstd), rms_norm, zero_centered_gamma, memory_efficient, tile,
+           None if dresidual is None else tensor_key(dres2d),
+           None if add_in is None else (spec_key(seed), p if seed is not None else None, lb_dtype, need_dx_in))
     plan = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
     if plan is None:
         plan = remember_plan(_BWD_PLANS, key, _bwd_plan(x2d, rms_norm, bias, weight, zero_centered_gamma,
@@ -957,28 +923,22 @@ def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamm
     row_sums = rstd  # unused pointer without a split
     if plan.split:
         row_sums = torch.empty((2, n_rows), dtype=acc_dtype(x2d.dtype), device=device)  # c1, c2 per row
-        args = (dy2d, x2d, *w_b, *stats, row_sums, n_rows, h, *strides)
-        if plan.stats_launch is not None:
-            plan.stats_launch(*args)
-        else:
-            launch(_norm_bwd_row_stats_kernel, plan.stats_grid, device, *args, **plan.stats_kwargs)
-    partial = torch.empty((plan.dlb_row + has_dlb, plan.programs, h), dtype=plan.partial_dtype, device=device)
-    args = (dy2d, x2d, *w_b, *stats, row_sums, dx, partial, dres2d, n_rows, h, *strides, *dres2d.stride(),
-            plan.rows_per_program, dx_in if store_dx_in else dx, seed if plan.kwargs["DROPOUT"] else rstd, *plan.drop)
-    if plan.launch is not None:
-        plan.launch(*args)
-    else:
-        launch(_norm_bwd_kernel, (plan.programs, plan.column_blocks), device, *args, **plan.kwargs)
+        launch_planned(_norm_bwd_row_stats_kernel, plan.stats, device, dy2d, x2d, *w_b, *stats, row_sums, n_rows, h,
+                       *strides)
+    programs = plan.main.grid[0]
+    partial = torch.empty((plan.dlb_row + has_dlb, programs, h), dtype=plan.partial_dtype, device=device)
+    rows_per_program, threshold, scale = plan.main.data
+    dropout = plan.main.kwargs["DROPOUT"]
+    launch_planned(_norm_bwd_kernel, plan.main, device,
+                   dy2d, x2d, *w_b, *stats, row_sums, dx, partial, dres2d, n_rows, h, *strides, *dres2d.stride(),
+                   rows_per_program, dx_in if store_dx_in else dx, seed if dropout else rstd, threshold, scale)
     if plan.final:
         return (dx, partial[0, 0], (partial[1, 0] if bias is not None else None), dx_in,
                 partial[plan.dlb_row, 0] if has_dlb else None)
     dweight = torch.empty_like(weight)
     dbias = torch.empty_like(bias) if bias is not None else None
     dlb = torch.empty(h, dtype=lb_dtype, device=device) if has_dlb else None
-    args = (partial, dweight, dbias if dbias is not None else dweight, dlb if dlb is not None else dweight,
-            plan.programs, h)
-    if plan.reduce_launch is not None:
-        plan.reduce_launch(*args)
-    else:
-        launch(_norm_bwd_reduce_kernel, plan.reduce_grid, device, *args, **plan.reduce_kwargs)
+    launch_planned(_norm_bwd_reduce_kernel, plan.reduce, device,
+                   partial, dweight, dbias if dbias is not None else dweight, dlb if dlb is not None else dweight,
+                   programs, h)
     return dx, dweight, dbias, dx_in, dlb

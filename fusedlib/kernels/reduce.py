@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import launch
+from ..runtime import launch_planned, plan_cache, planned, remember_plan, tensor_key
 from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, pick
 
 __all__ = ["sum_partials", "partials_buffer", "finish_partials"]
@@ -71,12 +71,21 @@ def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype, tile: Tile | No
     n_partials, n_cols = partials.shape
     device = partials.device
     out = torch.empty(n_cols, dtype=out_dtype, device=device)
-    if tile is None:
-        tile = pick(SUM_PARTIALS_TILES, n_cols)
-    launch(_sum_partials_kernel, (cdiv(n_cols, tile.BLOCK_N),), device,
-           partials, out, n_partials, n_cols, BLOCK_R=tile.BLOCK_M, BLOCK_C=tile.BLOCK_N,
-           ACC=TL_DTYPE[acc_dtype(partials.dtype)], num_warps=tile.num_warps)
+    key = (tensor_key(partials), device, out_dtype, tile)
+    p = _PLANS.get(key) if not torch.compiler.is_compiling() else None
+    if p is None:
+        if tile is None:
+            tile = pick(SUM_PARTIALS_TILES, n_cols)
+        p = remember_plan(_PLANS, key, planned(
+            _sum_partials_kernel, (cdiv(n_cols, tile.BLOCK_N),), device,
+            dict(BLOCK_R=tile.BLOCK_M, BLOCK_C=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(partials.dtype)],
+                 num_warps=tile.num_warps)))
+    launch_planned(_sum_partials_kernel, p, device, partials, out, n_partials, n_cols)
     return out
+
+
+# sum_partials' launch plans by input signature (fusedlib.runtime.LaunchPlan)
+_PLANS: dict = plan_cache()
 
 
 def partials_buffer(row_programs: int, n_cols: int, acc: torch.dtype, out_dtype: torch.dtype,
