@@ -465,11 +465,12 @@ def clear_plans() -> None:
         cache.clear()
 
 
-def remember_plan(cache: dict, key: tuple, plan: Any) -> Any:
-    """``cache[key] = plan`` outside a ``torch.compile`` trace (Dynamo refuses writes to a
-    global inside a traced function, and a compiled graph needs no plan), emptying ``cache``
-    first when it holds :data:`PLAN_CACHE_SIZE` plans. Returns ``plan``."""
-    if not torch.compiler.is_compiling():
+def remember_plan(cache: dict, key: Optional[tuple], plan: Any) -> Any:
+    """``cache[key] = plan``, emptying ``cache`` first when it holds :data:`PLAN_CACHE_SIZE`
+    plans; nothing for a key of None (ops key nothing inside a ``torch.compile`` trace: Dynamo
+    refuses writes to a global there, fake tensors have no data pointer, and a compiled graph
+    needs no plan). Returns ``plan``."""
+    if key is not None and not torch.compiler.is_compiling():
         if len(cache) >= PLAN_CACHE_SIZE:
             cache.clear()
         cache[key] = plan

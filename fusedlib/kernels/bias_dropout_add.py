@@ -368,9 +368,10 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: torch.Tensor | None, residual: t
     n_rows, n_cols = x2d.shape
     out_strides = (n_cols, 1) if fresh else out.stride()
     dropout = seed is not None
-    key = (tensor_key(x2d), device, spec_key(bias), tensor_key(r2d), None if fresh else (out_strides, spec_key(out)),
-           (spec_key(seed), p) if dropout else None, tile)
-    pl = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
+        tensor_key(x2d), device, spec_key(bias), tensor_key(r2d), None if fresh else (out_strides, spec_key(out)),
+        (spec_key(seed), p) if dropout else None, tile)
+    pl = _FWD_PLANS.get(key) if key is not None else None
     if pl is None:
         tile, block_m = _tile(FWD_TILES, tile, n_rows, n_cols)
         pl = remember_plan(_FWD_PLANS, key, planned(
@@ -424,9 +425,10 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
         return dx, None
     g2d = as_rows(g)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = g2d.shape
-    key = (tensor_key(g2d), device, x_dtype, (spec_key(seed), p) if dropout else None, need_dx, need_dbias,
-           db_dtype, tile)
-    pl = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
+        tensor_key(g2d), device, x_dtype, (spec_key(seed), p) if dropout else None, need_dx, need_dbias, db_dtype,
+        tile)
+    pl = _BWD_PLANS.get(key) if key is not None else None
     if pl is None:
         tile, block_m = _tile(BWD_TILES if store_dx else COLUMN_SUM_TILES, tile, n_rows, n_cols)
         col_programs = cdiv(n_cols, tile.BLOCK_N)

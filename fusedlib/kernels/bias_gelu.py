@@ -173,14 +173,16 @@ def bias_gelu_fwd(y: torch.Tensor, bias: torch.Tensor, tile: Tile | None = None)
         return out
     y2d = as_rows(y)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = y2d.shape
-    key = (tensor_key(y2d), device, spec_key(bias), tile)
-    p = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
+        tensor_key(y2d), device, spec_key(bias), tile)
+    p = _FWD_PLANS.get(key) if key is not None else None
     if p is None:
         if tile is None:
             tile = pick(FWD_TILES, n_cols)
         p = remember_plan(_FWD_PLANS, key, planned(
             _bias_gelu_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M), cdiv(n_cols, tile.BLOCK_N)), device,
-            dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps)))
+            dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)],
+                 num_warps=tile.num_warps)))
     launch_planned(_bias_gelu_fwd_kernel, p, device, y2d, bias, out, n_rows, n_cols, *y2d.stride())
     return out
 
@@ -206,8 +208,9 @@ def bias_gelu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
         return dy, torch.zeros_like(bias)
     g2d, y2d = as_rows(g), as_rows(y)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = y2d.shape
-    key = (tensor_key(y2d), device, tensor_key(g2d), spec_key(bias), tile)
-    p = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
+        tensor_key(y2d), device, tensor_key(g2d), spec_key(bias), tile)
+    p = _BWD_PLANS.get(key) if key is not None else None
     if p is None:
         if tile is None:
             tile = pick(BWD_TILES, n_cols)
@@ -218,7 +221,8 @@ def bias_gelu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
                                                          col_programs, fold_tiles=FOLD_TILES)
         p = remember_plan(_BWD_PLANS, key, planned(
             _bias_gelu_bwd_kernel, (row_programs, col_programs), device,
-            dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)], num_warps=tile.num_warps),
+            dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)],
+                 num_warps=tile.num_warps),
             data=(rows_per_program,)))
     db_partial = partials_buffer(p.grid[0], n_cols, acc_dtype(y.dtype), bias.dtype, device)  # one program: db itself
     launch_planned(_bias_gelu_bwd_kernel, p, device, g2d, y2d, bias, dy, db_partial, n_rows, n_cols, p.data[0],

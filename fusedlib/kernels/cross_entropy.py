@@ -302,9 +302,10 @@ def cross_entropy_fwd(
         vocab_size = vocab_size or n_cols
         smoothing = label_smoothing > 0
         # the ints are keyed by value: Triton specializes them (1, multiples of 16, int32 range)
-        key = (tensor_key(x2d), device, spec_key(target1d), target1d.stride(0), vocab_start_index, vocab_size,
-               ignore_index, smoothing, bool(finalize), check, tile)
-        p = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+        key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
+            tensor_key(x2d), device, spec_key(target1d), target1d.stride(0), vocab_start_index, vocab_size,
+            ignore_index, smoothing, bool(finalize), check, tile)
+        p = _FWD_PLANS.get(key) if key is not None else None
         if p is None:
             if tile is None:
                 tile = pick(FWD_TILES, n_cols)
@@ -360,9 +361,10 @@ def cross_entropy_bwd(
     if dx.numel() == 0:
         return dx
     smoothing = label_smoothing > 0
-    key = (tensor_key(x2d), device, spec_key(target1d), target1d.stride(0), spec_key(lse), spec_key(grad1d),
-           grad1d.stride(0), vocab_start_index, ignore_index, smoothing, tile)
-    p = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
+        tensor_key(x2d), device, spec_key(target1d), target1d.stride(0), spec_key(lse), spec_key(grad1d),
+        grad1d.stride(0), vocab_start_index, ignore_index, smoothing, tile)
+    p = _BWD_PLANS.get(key) if key is not None else None
     if p is None:
         if tile is None:
             tile = pick(BWD_TILES, n_cols)

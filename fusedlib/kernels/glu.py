@@ -340,9 +340,10 @@ def glu_fwd(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | 
         return out
     y2d = as_rows(y)  # [..., 2h] -> [n_rows, 2h]
     n_rows, h = y2d.shape[0], y2d.shape[1] // 2
-    key = (tensor_key(y2d), device, spec_key(bias), None if weights is None else (spec_key(weights), weights.stride(0)),
-           activation, clamp_value is not None, tile)
-    p = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
+        tensor_key(y2d), device, spec_key(bias), None if weights is None else (spec_key(weights), weights.stride(0)),
+        activation, clamp_value is not None, tile)
+    p = _FWD_PLANS.get(key) if key is not None else None
     if p is None:
         if tile is None:
             tile = pick(TILES, h)
@@ -394,10 +395,11 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
         return dy, db, dw
     g2d, y2d = as_rows(g), as_rows(y)  # [..., h] -> [n_rows, h]; [..., 2h] -> [n_rows, 2h]
     n_rows, h = y2d.shape[0], y2d.shape[1] // 2
-    key = (tensor_key(y2d), device, tensor_key(g2d), spec_key(bias),
-           None if weights is None else (spec_key(weights), weights.stride(0)), activation, clamp_value is not None,
-           tile)
-    p = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
+        tensor_key(y2d), device, tensor_key(g2d), spec_key(bias),
+        None if weights is None else (spec_key(weights), weights.stride(0)), activation, clamp_value is not None,
+        tile)
+    p = _BWD_PLANS.get(key) if key is not None else None
     acc = acc_dtype(y.dtype)
     if p is None:
         if tile is None:

@@ -705,13 +705,16 @@ def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_c
     rstd = torch.empty(n_rows, dtype=acc, device=device)
     if n_rows == 0:
         return y, mean, rstd, h_out
-    key = (tensor_key(x2d), device, spec_key(weight), spec_key(bias), rms_norm, zero_centered_gamma, tile,
-           gamma_check)
     if add_in is not None:
         linear_bias, residual, seed, p = add_in
         r2d = as_rows(residual)
-        key += (spec_key(linear_bias), tensor_key(r2d), None if seed is None else (spec_key(seed), p))
-    plan = _FWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    key = None  # no plans inside a torch.compile trace (nor data pointers: fake tensors have none)
+    if not torch.compiler.is_compiling():
+        key = (tensor_key(x2d), device, spec_key(weight), spec_key(bias), rms_norm, zero_centered_gamma, tile,
+               gamma_check)
+        if add_in is not None:
+            key += (spec_key(linear_bias), tensor_key(r2d), None if seed is None else (spec_key(seed), p))
+    plan = _FWD_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = remember_plan(_FWD_PLANS, key, _fwd_plan(x2d, rms_norm, bias is not None, zero_centered_gamma, tile,
                                                         gamma_check, add_in))
@@ -909,11 +912,11 @@ def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamm
         return (dx, torch.zeros_like(weight), (torch.zeros_like(bias) if bias is not None else None), dx_in,
                 torch.zeros(h, dtype=lb_dtype, device=device) if has_dlb else None)
     dres2d = as_rows(dresidual) if dresidual is not None else dy2d
-    key = (tensor_key(x2d), device, tensor_key(dy2d), spec_key(weight), spec_key(bias), spec_key(mean),
-           spec_key(rstd), rms_norm, zero_centered_gamma, memory_efficient, tile,
-           None if dresidual is None else tensor_key(dres2d),
-           None if add_in is None else (spec_key(seed), p if seed is not None else None, lb_dtype, need_dx_in))
-    plan = _BWD_PLANS.get(key) if not torch.compiler.is_compiling() else None
+    key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
+        tensor_key(x2d), device, tensor_key(dy2d), spec_key(weight), spec_key(bias), spec_key(mean), spec_key(rstd),
+        rms_norm, zero_centered_gamma, memory_efficient, tile, None if dresidual is None else tensor_key(dres2d),
+        None if add_in is None else (spec_key(seed), p if seed is not None else None, lb_dtype, need_dx_in))
+    plan = _BWD_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = remember_plan(_BWD_PLANS, key, _bwd_plan(x2d, rms_norm, bias, weight, zero_centered_gamma,
                                                         memory_efficient, tile, dresidual is not None, add_in))

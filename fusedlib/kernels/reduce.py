@@ -71,8 +71,9 @@ def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype, tile: Tile | No
     n_partials, n_cols = partials.shape
     device = partials.device
     out = torch.empty(n_cols, dtype=out_dtype, device=device)
-    key = (tensor_key(partials), device, out_dtype, tile)
-    p = _PLANS.get(key) if not torch.compiler.is_compiling() else None
+    key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
+        tensor_key(partials), device, out_dtype, tile)
+    p = _PLANS.get(key) if key is not None else None
     if p is None:
         if tile is None:
             tile = pick(SUM_PARTIALS_TILES, n_cols)
