@@ -761,3 +761,142 @@ def test_direct_launches_are_on_by_default_where_possible():
             assert kl._env_flag("FUSEDLIB_DIRECT_LAUNCH", True) is on
         finally:
             del os.environ["FUSEDLIB_DIRECT_LAUNCH"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch plans through the ops, on any machine: Triton's C launcher emulated
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def emulated_plans(monkeypatch):
+    """Every LaunchPlan binds on its first call (as on CUDA with direct launches) to an emulated
+    C launcher, which launches ``kernel[grid]`` with the positional arguments it is handed and
+    the plan's keywords, after checking the plan's contract: the arguments get the launch key the
+    plan was bound with (Triton would select the same compiled kernel for them). Returns the list
+    of launches: a kernel's name for each emulated C-launcher call, "plain NAME" for each
+    launch through ``fusedlib.runtime.launch``."""
+    import fusedlib.runtime as rt
+
+    calls = []
+    monkeypatch.setattr(kl, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(kl, "CHECK_LAUNCH", False)
+    monkeypatch.setattr(kl, "_KNOBS", types.SimpleNamespace(
+        runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False),
+        compilation=types.SimpleNamespace(instrumentation_mode="")))
+    monkeypatch.setattr(kl, "_get_stream", lambda index: 0)
+    monkeypatch.setattr(rt, "_cuda_get_device", lambda: 0)
+
+    def bind(self, args):
+        kernel, kwargs = self.kernel, self.kwargs
+        key = kl.launch_key(kernel, 0, False, "", args, kwargs)
+        grid = self.grid + (1,) * (3 - len(self.grid))
+
+        def c_launch(gx, gy, gz, stream, function, *call_args):
+            assert kl.launch_key(kernel, 0, False, "", call_args, kwargs) == key, (
+                f"{kernel.fn.__name__}: a plan called with arguments Triton specializes otherwise")
+            calls.append(kernel.fn.__name__)
+            kernel[(gx, gy, gz)](*call_args, **kwargs)
+
+        self._bound = (c_launch, *grid, None, (), (), key, 0, False, "")
+
+    monkeypatch.setattr(rt.LaunchPlan, "_bind", bind)
+    real_launch = rt.launch
+
+    def plain_launch(kernel, *args, **kwargs):
+        calls.append("plain " + kernel.fn.__name__)
+        return real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(rt, "launch", plain_launch)
+    fusedlib.runtime.clear_plans()
+    return calls
+
+
+def _plan_cases():
+    """(name, make(offset) -> inputs, fn, random): ops whose launches are planned, forward and
+    backward, with the variants that take other paths (dropout, no bias, weights, memory-efficient,
+    the residual output, bias-dropout-add in the norm, rows long enough to split, cross entropy)."""
+    from fusedlib import (bias_dropout_add_fused_train, bias_geglu_impl, bias_gelu_impl, bias_swiglu_impl,
+                          fused_layer_norm, fused_rms_norm, fused_vocab_parallel_cross_entropy,
+                          weighted_bias_swiglu_impl)
+    from fusedlib.fusions.fused_layer_norm import BiasDropoutAddNormFunction, FusedLayerNormAffineFunction
+
+    def r(*shape, scale=1.0, grad=True, dtype=torch.float32):
+        gen = torch.Generator().manual_seed(sum(shape) + len(shape))
+        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE, dtype).requires_grad_(grad)
+
+    n, h = 37, 24
+    return {
+        "bias_gelu": (lambda: (r(n, h), r(h)), bias_gelu_impl, False),
+        "bias_dropout_add_p0.3": (lambda: (r(n, h), r(h), r(n, h)),
+                                  lambda x, b, res: bias_dropout_add_fused_train((x, b), res, 0.3), True),
+        "bias_dropout_add_bf16_into_fp32": (lambda: (r(n, h, dtype=torch.bfloat16), r(h, dtype=torch.bfloat16),
+                                                     r(n, h)),
+                                            lambda x, b, res: bias_dropout_add_fused_train((x, b), res, 0.0), False),
+        "bias_geglu": (lambda: (r(n, 2 * h), r(2 * h)), bias_geglu_impl, False),
+        "swiglu_no_bias": (lambda: (r(n, 2 * h),), lambda y: bias_swiglu_impl(y, None), False),
+        "weighted_swiglu": (lambda: (r(n, 2 * h), r(n, 1)), lambda y, w: weighted_bias_swiglu_impl(y, None, w), False),
+        "layer_norm": (lambda: (r(n, h), r(h), r(h)), lambda x, w, b: fused_layer_norm(x, w, b, 1e-5), False),
+        "layer_norm_memory_efficient": (lambda: (r(n, h), (1 + r(h, scale=0.2, grad=False)).requires_grad_(),
+                                                 r(h, scale=0.1)),
+                                        lambda x, w, b: fused_layer_norm(x, w, b, 1e-5, memory_efficient=True), False),
+        "rms_norm_zero_centered": (lambda: (r(n, h), r(h, scale=0.1)),
+                                   lambda x, w: fused_rms_norm(x, w, 1e-5, zero_centered_gamma=True), False),
+        "layer_norm_with_residual": (lambda: (r(n, h), r(h), r(h)),
+                                     lambda x, w, b: torch.stack(FusedLayerNormAffineFunction.apply(
+                                         x, w, b, 1e-5, False, False, True)), False),
+        "bias_dropout_add_layer_norm_p0.3": (
+            lambda: (r(n, h), r(h), r(n, h), r(h), r(h)),
+            lambda x, lb, res, w, b: torch.stack(BiasDropoutAddNormFunction.apply(
+                x, lb, res, w, b, 1e-5, 0.3, True, False, False)), True),
+        "cross_entropy": (lambda: (r(n, 50, scale=3.0), torch.randint(0, 50, (n,), device=DEVICE)),
+                          lambda x, t: fused_vocab_parallel_cross_entropy(x, t), False),
+        "cross_entropy_smoothing": (lambda: (r(n, 50, scale=3.0), torch.randint(0, 50, (n,), device=DEVICE)),
+                                    lambda x, t: fused_vocab_parallel_cross_entropy(x, t, label_smoothing=0.1), False),
+    }
+
+
+def _variant(t: torch.Tensor, how: str) -> torch.Tensor:
+    """``t``'s values as a new leaf: ``"aligned"``, ``"offset"`` (stored one element off a
+    16-byte boundary), or ``"strided"`` (a view of every other column of a wider buffer)."""
+    if not t.is_floating_point():
+        return t.clone()
+    if how == "offset":
+        return _offset_copy(t, 1)
+    if how == "strided" and t.dim() == 2:
+        wide = torch.zeros(t.shape[0], 2 * t.shape[1], dtype=t.dtype, device=t.device)
+        wide[:, ::2] = t.detach()
+        return wide[:, ::2].detach().requires_grad_(t.requires_grad)
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def _fwd_bwd(fn, inputs, seed=5):
+    torch.manual_seed(seed)
+    out = fn(*inputs)
+    diff = [t for t in inputs if t.is_floating_point() and t.requires_grad]
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, out.dtype)
+    grads = torch.autograd.grad(out, diff, g)
+    return [out.detach()] + list(grads)
+
+
+@pytest.mark.parametrize("name", sorted(_plan_cases()))
+def test_ops_through_bound_launch_plans_equal_the_plain_launches_bitwise(name, emulated_plans, monkeypatch):
+    """Each op, forward and backward, called again and again with inputs at aligned addresses,
+    one element off and strided (each a new signature, so a new plan), gives bitwise what it
+    gives through plain launches, and its later calls go through the bound plans, whose
+    arguments always have the launch key the plan was bound with."""
+    make, fn, _ = _plan_cases()[name]
+    base = make()
+    hows = ["aligned", "offset", "strided", "aligned", "offset", "strided"]
+    monkeypatch.setattr(kl, "DIRECT_LAUNCH", False)  # plans do not bind: every launch is a plain one
+    want = {how: _fwd_bwd(fn, [_variant(t, how) for t in base]) for how in hows[:3]}
+    fusedlib.runtime.clear_plans()
+    monkeypatch.setattr(kl, "DIRECT_LAUNCH", True)
+    for i, how in enumerate(hows):
+        emulated_plans.clear()
+        _same(_fwd_bwd(fn, [_variant(t, how) for t in base]), want[how])
+        if i < 3:  # a new signature: a new plan at least for the forward, whose first call is a plain launch
+            # (a backward that never sees the changed input, e.g. memory-efficient's, keeps its plan)
+            assert emulated_plans and emulated_plans[0].startswith("plain "), emulated_plans
+        else:  # every launch through a bound plan
+            assert emulated_plans and not any(c.startswith("plain ") for c in emulated_plans), emulated_plans
