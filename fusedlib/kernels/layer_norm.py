@@ -929,15 +929,17 @@ def _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamm
         launch_planned(_norm_bwd_row_stats_kernel, plan.stats, device, dy2d, x2d, *w_b, *stats, row_sums, n_rows, h,
                        *strides)
     programs = plan.main.grid[0]
-    partial = torch.empty((plan.dlb_row + has_dlb, programs, h), dtype=plan.partial_dtype, device=device)
+    # [1 to 3, programs, h] as the kernels index it, allocated 2-D so that the one-program
+    # results below are one index each (a 3-D partial[r, 0] is two views: twice the host time)
+    partial = torch.empty(((plan.dlb_row + has_dlb) * programs, h), dtype=plan.partial_dtype, device=device)
     rows_per_program, threshold, scale = plan.main.data
     dropout = plan.main.kwargs["DROPOUT"]
     launch_planned(_norm_bwd_kernel, plan.main, device,
                    dy2d, x2d, *w_b, *stats, row_sums, dx, partial, dres2d, n_rows, h, *strides, *dres2d.stride(),
                    rows_per_program, dx_in if store_dx_in else dx, seed if dropout else rstd, threshold, scale)
-    if plan.final:
-        return (dx, partial[0, 0], (partial[1, 0] if bias is not None else None), dx_in,
-                partial[plan.dlb_row, 0] if has_dlb else None)
+    if plan.final:  # one program: row r of the partial sums is the r-th gradient itself
+        return (dx, partial[0], (partial[1] if bias is not None else None), dx_in,
+                partial[plan.dlb_row] if has_dlb else None)
     dweight = torch.empty_like(weight)
     dbias = torch.empty_like(bias) if bias is not None else None
     dlb = torch.empty(h, dtype=lb_dtype, device=device) if has_dlb else None
