@@ -90,12 +90,13 @@ class _VocabParallelCrossEntropy(_UnfusedVocabParallelCrossEntropy):
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, tp_group=None, label_smoothing=0.0, ignore_index=-100):
         x2d, t1d = prepare_inputs(vocab_parallel_logits, target, label_smoothing, ignore_index)
-        vocab_start_index, vocab_size = shard_range(x2d, tp_group)
+        rank_and_size = tp_rank_and_size(tp_group)
+        vocab_start_index, vocab_size = shard_range(x2d, tp_group, rank_and_size)
         check_label_smoothing(vocab_size, label_smoothing)
 
         # The forward kernel checks the target ids: a bad id's row gets NaN and, on the CPU,
         # a ValueError here, before any collective; on CUDA later, with no host sync (TARGET_CHECK).
-        if tp_rank_and_size(tp_group)[1] == 1:
+        if rank_and_size[1] == 1:
             # The whole vocabulary is here: one kernel writes loss and lse, no collectives.
             loss, lse = cross_entropy_fwd(x2d, t1d, 0, ignore_index, label_smoothing, vocab_size, finalize=True,
                                           check=TARGET_CHECK)
@@ -110,7 +111,7 @@ class _VocabParallelCrossEntropy(_UnfusedVocabParallelCrossEntropy):
 
         ctx.save_for_backward(x2d, t1d, lse)
         ctx.args = (vocab_start_index, vocab_size, ignore_index, label_smoothing, vocab_parallel_logits.shape)
-        return loss.view(target.shape)
+        return loss if target.dim() == 1 else loss.view(target.shape)  # [rows] is target's shape already
 
 
 def fused_vocab_parallel_cross_entropy(

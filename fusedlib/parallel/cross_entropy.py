@@ -270,9 +270,11 @@ class VocabParallelCrossEntropy:
                                  label_smoothing, vocab_size)
 
 
-def shard_range(x2d: torch.Tensor, tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """``(vocab_start_index, vocab_size)`` of this rank's shard of ``x2d`` [rows, V/p] in ``tp_group``."""
-    rank, size = tp_rank_and_size(tp_group)
+def shard_range(x2d: torch.Tensor, tp_group: dist.ProcessGroup | None,
+                rank_and_size: tuple[int, int] | None = None) -> tuple[int, int]:
+    """``(vocab_start_index, vocab_size)`` of this rank's shard of ``x2d`` [rows, V/p] in ``tp_group``
+    (``rank_and_size``: :func:`tp_rank_and_size` of it, where the caller has it already)."""
+    rank, size = rank_and_size if rank_and_size is not None else tp_rank_and_size(tp_group)
     partition_vocab_size = x2d.shape[1]
     start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(partition_vocab_size, rank, size)
     return start, partition_vocab_size * size
