@@ -149,12 +149,6 @@ BWD_TILES: TileTable = (
 )
 
 
-# Launch plans by input signature (fusedlib.runtime.LaunchPlan): the tile, grid and bound launch
-# of a call are made once per shape, strides, dtypes and addresses modulo 16.
-_FWD_PLANS: dict = plan_cache()
-_BWD_PLANS: dict = plan_cache()
-
-
 def bias_gelu_fwd(y: torch.Tensor, bias: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
     """Launch the forward kernel.
 
@@ -228,3 +222,9 @@ def bias_gelu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
     launch_planned(_bias_gelu_bwd_kernel, p, device, g2d, y2d, bias, dy, db_partial, n_rows, n_cols, p.data[0],
                    *g2d.stride(), *y2d.stride())
     return dy, finish_partials(db_partial, bias.dtype)
+
+
+# Launch plans by input signature (fusedlib.runtime.LaunchPlan): the tile, grid and bound launch
+# of a call are made once per shape, strides, dtypes and addresses modulo 16.
+_FWD_PLANS: dict = plan_cache()
+_BWD_PLANS: dict = plan_cache()

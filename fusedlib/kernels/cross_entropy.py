@@ -223,12 +223,6 @@ BWD_TILES: TileTable = (
 )
 
 
-# Launch plans by input signature (fusedlib.runtime.LaunchPlan): the tile, grid and bound launch
-# of a call are made once per shape, strides, dtypes, addresses modulo 16, ids and switches.
-_FWD_PLANS: dict = plan_cache()
-_BWD_PLANS: dict = plan_cache()
-
-
 def smoothing_coefs(label_smoothing: float, vocab_size: int, dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
     """``[1 - s, s / V]`` with s = eps·V/(V - 1) (Megatron's smoothing), computed in Python
@@ -379,3 +373,9 @@ def cross_entropy_bwd(
         n_rows, n_cols, *x2d.stride(), target1d.stride(0), grad1d.stride(0), vocab_start_index, ignore_index,
     )
     return dx
+
+
+# Launch plans by input signature (fusedlib.runtime.LaunchPlan): the tile, grid and bound launch
+# of a call are made once per shape, strides, dtypes, addresses modulo 16, ids and switches.
+_FWD_PLANS: dict = plan_cache()
+_BWD_PLANS: dict = plan_cache()

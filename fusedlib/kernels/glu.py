@@ -306,12 +306,6 @@ BIAS_BWD_TILES: TileTable = tuple(
 )
 
 
-# Launch plans by input signature (fusedlib.runtime.LaunchPlan): the tile, grid and bound launch
-# of a call are made once per shape, strides, dtypes, addresses modulo 16 and switches.
-_FWD_PLANS: dict = plan_cache()
-_BWD_PLANS: dict = plan_cache()
-
-
 def _out_shape(y: torch.Tensor) -> tuple[int, ...]:
     # [..., 2h] -> [..., h]
     shape = y.shape
@@ -440,3 +434,9 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
         g2d, y2d, bias, dy, db_partial, n_rows, h, p.data[0], *g2d.stride(), *y2d.stride(), clamp,
     )
     return dy, finish_partials(db_partial, bias.dtype), None
+
+
+# Launch plans by input signature (fusedlib.runtime.LaunchPlan): the tile, grid and bound launch
+# of a call are made once per shape, strides, dtypes, addresses modulo 16 and switches.
+_FWD_PLANS: dict = plan_cache()
+_BWD_PLANS: dict = plan_cache()
