@@ -506,13 +506,14 @@ def launch_planned(kernel: Any, p: Planned, device: torch.device, *args: Any) ->
 
 def spec_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
     """A tensor argument's part of a plan key when its shape and strides are known from
-    others': dtype and address modulo 16 (what Triton specializes a pointer on); None for None."""
-    return None if t is None else (t.dtype, t.data_ptr() & 15)
+    others': dtype and address modulo 16 (what Triton specializes a pointer on), and the
+    class (the launch layer's key tells a tensor subclass from a tensor); None for None."""
+    return None if t is None else (t.__class__, t.dtype, t.data_ptr() & 15)
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
-    """A tensor argument's part of a plan key: shape, strides, dtype, address modulo 16."""
-    return (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
+    """A tensor argument's part of a plan key: class, shape, strides, dtype, address modulo 16."""
+    return (t.__class__, t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
 
 
 class LaunchPlan:

@@ -900,3 +900,63 @@ def test_ops_through_bound_launch_plans_equal_the_plain_launches_bitwise(name, e
             assert emulated_plans and emulated_plans[0].startswith("plain "), emulated_plans
         else:  # every launch through a bound plan
             assert emulated_plans and not any(c.startswith("plain ") for c in emulated_plans), emulated_plans
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "layer_norm_memory_efficient"])
+def test_a_check_without_its_word_is_not_compiled_in_and_gets_its_own_plan(op, emulated_plans, monkeypatch):
+    """A device-side check has no word while a CUDA graph is captured before any check buffer
+    exists (and while torch.compile traces): the kernel is then launched without the check, the
+    pointer it would write through is never the caller's tensor, and the call's plan is not the
+    plan of a call with the word (their arguments differ: the word is an int64 pointer)."""
+    import fusedlib.runtime as rt
+    from fusedlib import fused_layer_norm, fused_vocab_parallel_cross_entropy
+    from fusedlib.fusions.fused_cross_entropy import TARGET_CHECK
+    from fusedlib.fusions.fused_layer_norm import LAYER_NORM_GAMMA_CHECK
+
+    gen = torch.Generator().manual_seed(3)
+    if op == "cross_entropy":
+        check = TARGET_CHECK
+        x = torch.randn(4, 10, generator=gen).to(DEVICE)
+        t = torch.tensor([1, 2, 3, 4], device=DEVICE)
+
+        def call(target):
+            return fused_vocab_parallel_cross_entropy(x, target)
+    else:
+        check = LAYER_NORM_GAMMA_CHECK
+        x = torch.randn(4, 10, generator=gen).to(DEVICE)
+        w, b = 1 + torch.rand(10, generator=gen).to(DEVICE), torch.randn(10, generator=gen).to(DEVICE)
+
+        def call(target):
+            return fused_layer_norm(x, w, b, 1e-5, memory_efficient=True)
+    want = call(t if op == "cross_entropy" else None)
+    call(t if op == "cross_entropy" else None)  # through the bound plan
+    monkeypatch.setattr(check, "_words", {})
+    monkeypatch.setattr(rt, "_buffer", lambda cuda: None)  # as in a capture before any buffer exists
+    assert check.word(x) is None
+    emulated_plans.clear()
+    if op == "cross_entropy":
+        bad = torch.tensor([1, 2, 30, 3], device=DEVICE)  # 30 is outside the vocabulary
+        got = call(bad)
+        assert bad.tolist() == [1, 2, 30, 3], "the kernel wrote into the caller's target"
+        good = call(torch.tensor([1, 2, 0, 3], device=DEVICE))
+        assert torch.isnan(got[2]) and torch.equal(got[[0, 1, 3]], good[[0, 1, 3]])
+    else:
+        got = call(None)
+        assert torch.equal(got, want)
+    assert emulated_plans and emulated_plans[0].startswith("plain "), "a call without the word gets its own plan"
+
+
+def test_a_tensor_subclass_gets_its_own_plan(emulated_plans):
+    """A tensor subclass (here a Parameter subclass) is keyed apart from a plain tensor, as the
+    launch layer's key tells them apart: a plan bound for one is not called with the other."""
+    from fusedlib import fused_layer_norm
+
+    class MyParameter(torch.nn.Parameter):
+        pass
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 24, generator=gen).to(DEVICE)
+    w, b = torch.randn(24, generator=gen).to(DEVICE), torch.randn(24, generator=gen).to(DEVICE)
+    plain = [fused_layer_norm(x, torch.nn.Parameter(w), torch.nn.Parameter(b), 1e-5) for _ in range(2)]
+    sub = fused_layer_norm(x, MyParameter(w), MyParameter(b), 1e-5)  # the emulated launcher checks the key
+    assert torch.equal(sub, plain[0]) and torch.equal(plain[1], plain[0])

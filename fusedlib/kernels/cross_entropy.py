@@ -295,10 +295,13 @@ def cross_entropy_fwd(
     if n_rows > 0:
         vocab_size = vocab_size or n_cols
         smoothing = label_smoothing > 0
+        # the check's word, or None: no check compiled in (while torch.compile traces, or during a
+        # CUDA-graph capture before any check buffer exists); the key says which
+        err = check.word(x2d) if check is not None else None
         # the ints are keyed by value: Triton specializes them (1, multiples of 16, int32 range)
         key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
             tensor_key(x2d), device, spec_key(target1d), target1d.stride(0), vocab_start_index, vocab_size,
-            ignore_index, smoothing, bool(finalize), check, tile)
+            ignore_index, smoothing, bool(finalize), err is not None, tile)
         p = _FWD_PLANS.get(key) if key is not None else None
         if p is None:
             if tile is None:
@@ -306,8 +309,7 @@ def cross_entropy_fwd(
             p = remember_plan(_FWD_PLANS, key, planned(
                 _cross_entropy_fwd_kernel, (cdiv(n_rows, tile.BLOCK_M),), device,
                 dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[sdt], SMOOTHING=smoothing,
-                     FINALIZE=bool(finalize), CHECK=check is not None, num_warps=tile.num_warps)))
-        err = check.word(x2d) if check is not None else None
+                     FINALIZE=bool(finalize), CHECK=err is not None, num_warps=tile.num_warps)))
         launch_planned(
             _cross_entropy_fwd_kernel, p, device,
             x2d, target1d, stats, loss, lse,

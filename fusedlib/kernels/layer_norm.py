@@ -658,7 +658,7 @@ _FWD_PLANS: dict[tuple, Planned] = plan_cache()
 
 
 def _fwd_plan(x2d: torch.Tensor, rms_norm: bool, has_bias: bool, zero_centered_gamma: bool, tile: Optional[Tile],
-              gamma_check: Optional[DeviceCheck], add_in: Optional[tuple]) -> Planned:
+              check_gamma: bool, add_in: Optional[tuple]) -> Planned:
     """The forward's launch for inputs like ``x2d`` (data: rows per program, and the dropout
     mask's threshold and scale, or (0, 1.0))."""
     n_rows, h = x2d.shape
@@ -681,7 +681,7 @@ def _fwd_plan(x2d: torch.Tensor, rms_norm: bool, has_bias: bool, zero_centered_g
         flags = dict(ADD_IN=False, HAS_LB=False, DROPOUT=False)
     kwargs = dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=has_bias,
                   ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=tile.num_stages,
-                  ACC=TL_DTYPE[acc_dtype(x2d.dtype)], CHECK_GAMMA=gamma_check is not None, **flags,
+                  ACC=TL_DTYPE[acc_dtype(x2d.dtype)], CHECK_GAMMA=check_gamma, **flags,
                   num_warps=tile.num_warps)
     return planned(_norm_fwd_kernel, (programs,), x2d.device, kwargs, data=(rows_per_program, *drop))
 
@@ -708,17 +708,19 @@ def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_c
     if add_in is not None:
         linear_bias, residual, seed, p = add_in
         r2d = as_rows(residual)
+    # the check's word, or None: no check compiled in (while torch.compile traces, or during a
+    # CUDA-graph capture before any check buffer exists); the key says which
+    err = gamma_check.word(x) if gamma_check is not None else None
     key = None  # no plans inside a torch.compile trace (nor data pointers: fake tensors have none)
     if not torch.compiler.is_compiling():
         key = (tensor_key(x2d), device, spec_key(weight), spec_key(bias), rms_norm, zero_centered_gamma, tile,
-               gamma_check)
+               err is not None)
         if add_in is not None:
             key += (spec_key(linear_bias), tensor_key(r2d), None if seed is None else (spec_key(seed), p))
     plan = _FWD_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = remember_plan(_FWD_PLANS, key, _fwd_plan(x2d, rms_norm, bias is not None, zero_centered_gamma, tile,
-                                                        gamma_check, add_in))
-    err = gamma_check.word(x) if gamma_check is not None else None
+                                                        err is not None, add_in))
     rows_per_program, threshold, scale = plan.data
     if add_in is not None:
         extra = (linear_bias if linear_bias is not None else weight, r2d, h_out, seed if seed is not None else rstd,
