@@ -379,10 +379,16 @@ def test_skeleton_layer_norm_does_the_host_work_and_launches_once_per_pass(monke
     y3 = host_mod.SkeletonLayerNorm.apply(torch.randn(2, 3, 12, device=DEVICE, requires_grad=True), w, b, False)
     assert y3.grad_fn.saved_tensors[3].shape == (2, 6)
     # the forward pass's steps: no autograd node (fusedlib's apply takes the forward directly)
+    # and, as fusedlib's norms there, no statistics: y is the one allocation
+    allocated = []
+    real_empty, real_empty_like = torch.empty, torch.empty_like
     with torch.no_grad():
         steps = host_mod._floor_steps("fwd", torch.device(DEVICE), torch.float32)
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append("empty") or real_empty(*a, **k))
+        monkeypatch.setattr(torch, "empty_like", lambda *a, **k: allocated.append("like") or real_empty_like(*a, **k))
         out = steps["skeleton"]()
-        assert out.grad_fn is None and len(launched) == 3
+        monkeypatch.undo()
+        assert out.grad_fn is None and len(launched) == 3 and allocated == ["like"]
         assert steps["launch (C launcher)"] is None or DEVICE.type == "cuda", "the C launcher alone: CUDA only"
 
 

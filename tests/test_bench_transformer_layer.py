@@ -89,10 +89,11 @@ def test_the_three_fusedlib_blocks_have_the_documented_switches():
 
 def test_param_count_and_gemm_flops_against_the_built_blocks():
     # FLOPs of one fwd+bwd of the materialised block, counted by PyTorch's FlopCounterMode (every
-    # matmul, baddbmm and bmm, forward and backward), equal the formula; the block is float32 on the CPU
-    block = tl.fusedlib_block(TINY, False, dtype=torch.float32)
+    # matmul, baddbmm and bmm, forward and backward), equal the formula; the block is float32 on the
+    # test device (CPU tensors cannot run fusedlib's kernels where they are compiled for a GPU)
+    block = tl.fusedlib_block(TINY, False, dtype=torch.float32, device=DEVICE)
     assert sum(p.numel() for p in block.parameters()) == tl.param_count(TINY)
-    x = torch.randn(TINY[0], TINY[1], TINY[2], requires_grad=True)
+    x = torch.randn(TINY[0], TINY[1], TINY[2], device=DEVICE, requires_grad=True)
     with FlopCounterMode(display=False) as counter:
         block(x, None).sum().backward()
     assert counter.get_total_flops() == tl.gemm_flops(TINY)
@@ -264,7 +265,8 @@ def test_kernel_categories_and_summary():
 
 def test_profile_runs_and_its_table_and_files(tmp_path, monkeypatch):
     # on the CPU the profiler records CPU operators instead of kernels: the plumbing, not the numbers
-    prof = tl.profile("cpu", TINY, impls=("fusedlib-unfused",), steps=1, warmup=1, dtype=torch.float32)
+    # (on a GPU, its kernels)
+    prof = tl.profile(DEVICE, TINY, impls=("fusedlib-unfused",), steps=1, warmup=1, dtype=torch.float32)
     assert list(prof["impls"]) == ["fusedlib-unfused"] and prof["skipped"] == {}
     p = prof["impls"]["fusedlib-unfused"]
     assert p["kernel_ms"] > 0 and p["top"] and abs(sum(p["categories"].values()) - p["kernel_ms"]) < 1e-2

@@ -813,12 +813,12 @@ def test_kernels_compile_for_sm90_with_int_arguments_as_constants():
             "norm fwd check gamma": (ln._norm_fwd_kernel, {"BLOCK_M": 2, "BLOCK_N": 64, "IS_RMS_NORM": False,
                                      "HAS_BIAS": True, "ZERO_CENTERED_GAMMA": True, "NUM_STAGES": 1,
                                      "ACC": tl.float32, "CHECK_GAMMA": True, "ADD_IN": False, "HAS_LB": False,
-                                     "DROPOUT": False}),
+                                     "DROPOUT": False, "STORE_STATS": True}),
             # the bias-dropout-add in the norm: its dropout threshold T is an int argument too
             "norm fwd add in": (ln._norm_fwd_kernel, {"BLOCK_M": 2, "BLOCK_N": 64, "IS_RMS_NORM": False,
                                 "HAS_BIAS": True, "ZERO_CENTERED_GAMMA": False, "NUM_STAGES": 1,
                                 "ACC": tl.float32, "CHECK_GAMMA": False, "ADD_IN": True, "HAS_LB": True,
-                                "DROPOUT": True, "scale type": "fp64"}),
+                                "DROPOUT": True, "STORE_STATS": True, "scale type": "fp64"}),
             # scale as float64, as Inductor passes a float argument: the loop-carried bias sum must
             # stay float32
             "norm bwd add in": (ln._norm_bwd_kernel, {"BLOCK_M": 2, "BLOCK_N": 64, "IS_RMS_NORM": False,

@@ -996,6 +996,47 @@ def test_bias_dropout_add_norm_equals_the_two_ops(norm, dtype, h, p, seed):
 
 
 @pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_a_forward_without_a_backward_stores_no_statistics(norm, dtype, monkeypatch):
+    # Without autograd (no_grad, or no input that requires grad) the ops run their forward with
+    # an InferenceCtx: the kernel neither allocates nor writes mean and rstd, and y has the
+    # bits of the forward that stores them for a backward. With autograd they are stored (the
+    # backward tests check what it does with them).
+    import fusedlib.fusions.fused_layer_norm as fln
+
+    seen = []
+
+    def spy(fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            seen.append(out[-2:])  # (mean, rstd)
+            return out
+        return wrapper
+
+    monkeypatch.setattr(fln, "norm_fwd", spy(fln.norm_fwd))
+    monkeypatch.setattr(fln, "bias_dropout_add_norm_fwd", spy(fln.bias_dropout_add_norm_fwd))
+    h = 37
+    w, b = _params(h, dtype, norm)
+    x = _x((5, 3, h), dtype).transpose(0, 1)  # [3, 5, h], strided rows
+    with torch.no_grad():
+        y_ng = _apply(norm, x, w, b)
+    y_frozen = _apply(norm, x.detach(), w.detach(), b.detach() if b is not None else None)
+    y = _apply(norm, x, w, b)
+    assert seen[0] == (None, None) and seen[1] == (None, None)
+    mean, rstd = seen[2]
+    assert rstd is not None and rstd.shape == (15,) and (mean is None) == (norm == "rms")
+    assert torch.equal(y_ng, y.detach()) and torch.equal(y_frozen, y.detach())
+    # the bias-dropout-add in the norm
+    m, x, residual, lb = _bda_norm_inputs(norm, h, dtype)
+    seen.clear()
+    with torch.no_grad():
+        y_ng, h_ng = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, 0.0, False)
+    y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, 0.0, False)
+    assert seen[0] == (None, None) and seen[1][1] is not None
+    assert torch.equal(y_ng, y.detach()) and torch.equal(h_ng, hidden.detach())
+
+
+@pytest.mark.parametrize("norm", NORMS)
 def test_bias_dropout_add_norm_one_output_and_no_bias(norm):
     # y alone, h alone, no linear bias, an input that needs no gradient, evaluation mode
     from fusedlib.kernels.bias_dropout_add import dropout_scale
@@ -1022,6 +1063,16 @@ def test_bias_dropout_add_norm_one_output_and_no_bias(norm):
     with torch.no_grad():
         y_ng, h_ng = fusedlib.bias_dropout_add_norm(m, (x, None), frozen, 0.5, False)
     assert torch.equal(h_ng, frozen + x.detach()) and torch.equal(y_ng, y.detach())
+    # only the norm's parameters need gradients: h depends on none of them, so it requires no
+    # grad (as the two torch ops would give); y does, and its weight gradient is the chain's
+    m.weight.grad = None
+    y, hidden = fusedlib.bias_dropout_add_norm(m, (x.detach(), None), frozen, 0.0, False)
+    assert y.requires_grad and not hidden.requires_grad
+    y.sum().backward()
+    dw = m.weight.grad
+    m.weight.grad = None
+    _bda_norm_chain(m, (x.detach(), None), frozen, 0.0, False)[0].sum().backward()
+    torch.testing.assert_close(dw, m.weight.grad, **({} if DEVICE.type == "cuda" else dict(rtol=0, atol=0)))
 
 
 def test_bias_dropout_add_norm_gradcheck_float64():

@@ -74,7 +74,7 @@ def main(hidden_sizes, dtype="bf16"):
                    "scale": "fp32"}
             const = dict(X_col_stride=1, BLOCK_M=cf.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms, HAS_BIAS=not rms,
                          ZERO_CENTERED_GAMMA=False, NUM_STAGES=cf.num_stages, ACC=acc, CHECK_GAMMA=False,
-                         ADD_IN=False, HAS_LB=False, DROPOUT=False)
+                         ADD_IN=False, HAS_LB=False, DROPOUT=False, STORE_STATS=True)
             if cf.programs_per_sm == 0 and cf.BLOCK_M == 1:
                 const["rows_per_program"] = 1  # Triton specializes an int argument equal to 1
             aligned = ["X_ptr", "Y_ptr", "W_ptr", "B_ptr", "MEAN_ptr", "RSTD_ptr", "n_rows"] + aligned_dims + (

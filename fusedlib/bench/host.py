@@ -71,6 +71,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..fusions._apply import InferenceCtx
 from ..fusions._apply import apply as _fused_apply
 from ..fusions.fused_layer_norm import fused_layer_norm
 from ..runtime import launch
@@ -407,9 +408,9 @@ class SkeletonLayerNorm(torch.autograd.Function):
 
     ``forward(ctx, x, weight, bias, launches=True)``: allocates y (x's shape and dtype) and one
     float32 [2, rows] buffer for the row statistics (rows = x.numel() // h), launches
-    :func:`_noop_kernel` once (with ``launches``), saves ``(x, weight, bias, stats)`` (through
-    fusedlib's ``apply`` without autograd, a stand-in ``ctx`` that saves nothing, as for the
-    ops), returns y. ``backward``: allocates dx, dweight, dbias, launches the no-op kernel once
+    :func:`_noop_kernel` once (with ``launches``), saves ``(x, weight, bias, stats)``, returns y.
+    Through fusedlib's ``apply`` without autograd (a stand-in ``ctx`` that saves nothing), as the
+    ops do: no statistics (no backward will read them). ``backward``: allocates dx, dweight, dbias, launches the no-op kernel once
     (with ``launches``), returns them. Every output is uninitialised memory: for timing only.
 
     Shapes: x [..., h] (h >= 1), weight and bias [h], tensors (any dtype and device the no-op
@@ -424,7 +425,9 @@ class SkeletonLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, launches: bool = True):
         y = torch.empty_like(x)
-        stats = torch.empty((2, x.numel() // x.shape[-1]), dtype=torch.float32, device=x.device)  # mean, rstd
+        stats = None
+        if type(ctx) is not InferenceCtx:  # a backward will run: the row statistics (mean, rstd)
+            stats = torch.empty((2, x.numel() // x.shape[-1]), dtype=torch.float32, device=x.device)
         if launches:
             _noop_launch(x)
         ctx.save_for_backward(x, weight, bias, stats)

@@ -77,7 +77,7 @@ from ..kernels.layer_norm import (
     MAX_HIDDEN_SIZE, bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd, norm_bwd, norm_fwd,
 )
 from ..runtime import DeviceCheck
-from ._apply import apply, once_differentiable
+from ._apply import InferenceCtx, apply, once_differentiable
 from .fused_bias_dropout import _check as _check_bda
 from .fused_bias_dropout import _check_prob
 from .fused_bias_dropout import get_bias_dropout_add
@@ -199,7 +199,9 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
 
     ``forward(ctx, input, weight, bias, eps, memory_efficient=False, zero_centered_gamma=False,
     residual_out=False)`` runs one kernel that writes y and the row statistics (mean, rstd: float32, 8 bytes
-    per row) and saves ``(input, weight, bias, mean, rstd)``, or with ``memory_efficient``
+    per row; neither is allocated or written when :func:`~fusedlib.fusions._apply.apply` runs the
+    forward without autograd, with an ``InferenceCtx``: no backward will read them) and saves
+    ``(input, weight, bias, mean, rstd)``, or with ``memory_efficient``
     ``(y, weight, bias, rstd)``. ``backward`` runs one kernel for dx and the per-program
     partial sums of dgamma/dbeta, and one small kernel that sums the partials (for small
     inputs none: one program takes every row and its sums are the gradients).
@@ -230,7 +232,8 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
         memory_efficient, zero_centered_gamma, residual_out = _check_flags(memory_efficient, zero_centered_gamma,
                                                                            residual_out)
         y, mean, rstd = norm_fwd(input, weight_c, bias_c, eps, rms_norm=False, zero_centered_gamma=zero_centered_gamma,
-                                 gamma_check=LAYER_NORM_GAMMA_CHECK if memory_efficient else None)
+                                 gamma_check=LAYER_NORM_GAMMA_CHECK if memory_efficient else None,
+                                 stats=type(ctx) is not InferenceCtx)  # InferenceCtx: no backward will run
         ctx.memory_efficient = memory_efficient
         ctx.zero_centered_gamma = zero_centered_gamma
         if ctx.memory_efficient:
@@ -276,7 +279,8 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
         memory_efficient, zero_centered_gamma, residual_out = _check_flags(memory_efficient, zero_centered_gamma,
                                                                            residual_out)
         y, _, rstd = norm_fwd(input, weight_c, None, eps, rms_norm=True, zero_centered_gamma=zero_centered_gamma,
-                              gamma_check=RMS_NORM_GAMMA_CHECK if memory_efficient else None)
+                              gamma_check=RMS_NORM_GAMMA_CHECK if memory_efficient else None,
+                              stats=type(ctx) is not InferenceCtx)
         ctx.memory_efficient = memory_efficient
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.save_for_backward(y if ctx.memory_efficient else input, weight_c, rstd)
@@ -728,11 +732,16 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
         seed = philox_seed(x.device) if dropout else None
         lb = linear_bias.contiguous() if linear_bias is not None else None  # [h]: a copy only if strided
         y, h, mean, rstd = bias_dropout_add_norm_fwd(x, lb, residual, seed, prob, weight_c, bias_c, eps,
-                                                     rms_norm=rms_norm, zero_centered_gamma=zero_centered_gamma)
+                                                     rms_norm=rms_norm, zero_centered_gamma=zero_centered_gamma,
+                                                     stats=type(ctx) is not InferenceCtx)
         ctx.save_for_backward(h, weight_c, bias_c, mean, rstd, seed)
         ctx.prob, ctx.rms_norm, ctx.zero_centered_gamma = prob, rms_norm, zero_centered_gamma
         ctx.linear_bias_dtype = linear_bias.dtype if linear_bias is not None else None
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+            # h depends on x, the sublayer bias and the residual alone: with none of them requiring
+            # grad (only the norm's parameters do), h is a constant as torch's ops would make it
+            ctx.mark_non_differentiable(h)
         return y, h
 
     @staticmethod

@@ -137,8 +137,8 @@ def _norm_fwd_kernel(
     Y_ptr,  # output y, [n_rows, n_cols], contiguous, x's dtype
     W_ptr,  # weight w, [n_cols], contiguous: gamma = w, or w + 1 if ZERO_CENTERED_GAMMA
     B_ptr,  # bias beta, [n_cols], contiguous (read only if HAS_BIAS)
-    MEAN_ptr,  # ACC [n_rows]: row means (written only for LayerNorm)
-    RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps)
+    MEAN_ptr,  # ACC [n_rows]: row means (written only for LayerNorm, with STORE_STATS)
+    RSTD_ptr,  # ACC [n_rows]: row 1 / sqrt(var + eps) (written only with STORE_STATS)
     ERR_ptr,  # int64 [1], only with CHECK_GAMMA: 1 + the index of a column whose |gamma| < GAMMA_MIN
     n_rows,
     n_cols,
@@ -165,6 +165,7 @@ def _norm_fwd_kernel(
     ADD_IN: tl.constexpr,  # x is a sublayer's output: normalize h = residual + dropout(x + lb), and store h
     HAS_LB: tl.constexpr,
     DROPOUT: tl.constexpr,
+    STORE_STATS: tl.constexpr,  # a backward will run: store mean and rstd for it
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -210,11 +211,13 @@ def _norm_fwd_kernel(
             else:
                 k = tl.load(X_ptr + rows * X_row_stride, mask=row_mask, other=0.0).to(ACC)
             mean = k + _div_n(tl.sum(tl.where(mask, x - k[:, None], 0.0), axis=1), n_cols, ACC)
-            tl.store(MEAN_ptr + rows, mean, mask=row_mask)
+            if STORE_STATS:
+                tl.store(MEAN_ptr + rows, mean, mask=row_mask)
             x_c = tl.where(mask, x - mean[:, None], 0.0)  # padding columns must add 0 to var
         var = _div_n(tl.sum(x_c * x_c, axis=1), n_cols, ACC)
         rstd = 1.0 / tl.sqrt(var + eps)
-        tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
+        if STORE_STATS:
+            tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
         # normalize, scale, shift. gamma and beta are loaded here, not before the loop: kept
         # in registers through the reductions they would cost occupancy; reloads hit the cache
         gamma = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(ACC)
@@ -593,7 +596,8 @@ _ROW_STATS_TILES: dict[str, Tile] = {"cuda": Tile(BLOCK_M=1, BLOCK_N=4096, num_w
 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *,
              rms_norm: bool, zero_centered_gamma: bool = False, tile: Optional[Tile] = None,
-             gamma_check: Optional[DeviceCheck] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+             gamma_check: Optional[DeviceCheck] = None, stats: bool = True
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Launch the forward kernel over the last dim of ``x``.
 
     Args:
@@ -608,25 +612,27 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         gamma_check: for a memory-efficient backward ahead, the op's
             :class:`~fusedlib.runtime.DeviceCheck`: the kernel stores 1 + the index of a
             column whose gamma is exactly 0 (reported at once on the CPU, lazily on CUDA).
+        stats: store the row statistics for a backward (False: no backward will run, e.g.
+            under ``torch.no_grad()``; mean and rstd are neither allocated nor written).
 
     Returns:
         ``(y, mean, rstd)``: y a new contiguous tensor of x's shape and dtype (not a view:
         its ``_base`` is None); mean (None for RMSNorm) and rstd float32 [rows] (float64
-        for float64 x), rows = x.numel() // h.
+        for float64 x), rows = x.numel() // h; both None with ``stats=False``.
 
     Raises:
         ValueError: for h past MAX_HIDDEN_SIZE, or a tile narrower than the row; from
             ``gamma_check``, for a gamma of 0.
     """
-    y, mean, rstd, _ = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check)
+    y, mean, rstd, _ = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, stats)
     return y, mean, rstd
 
 
 def bias_dropout_add_norm_fwd(x: torch.Tensor, linear_bias: Optional[torch.Tensor], residual: torch.Tensor,
                               seed: Optional[torch.Tensor], p: float, weight: torch.Tensor,
                               bias: Optional[torch.Tensor], eps: float, *, rms_norm: bool,
-                              zero_centered_gamma: bool = False, tile: Optional[Tile] = None
-                              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+                              zero_centered_gamma: bool = False, tile: Optional[Tile] = None, stats: bool = True
+                              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Launch the forward kernel on ``h = residual + dropout(x + linear_bias, p)``: one pass
     that writes h and its norm (the bias-dropout-add kernel's arithmetic and mask, then the norm
     of h as rounded to its dtype: the same bits as the two kernels one after the other).
@@ -638,8 +644,8 @@ def bias_dropout_add_norm_fwd(x: torch.Tensor, linear_bias: Optional[torch.Tenso
         seed: int64 [1] Philox key (:func:`~fusedlib.kernels.bias_dropout_add.philox_seed`),
             or None for no dropout.
         p: dropout probability in [0, 1] (ignored when ``seed`` is None).
-        weight, bias, eps, rms_norm, zero_centered_gamma, tile: as :func:`norm_fwd` (weight
-            and bias of x's dtype).
+        weight, bias, eps, rms_norm, zero_centered_gamma, tile, stats: as :func:`norm_fwd`
+            (weight and bias of x's dtype).
 
     Returns:
         ``(y, h, mean, rstd)``: y = norm(h) and h, new contiguous tensors of x's shape and
@@ -648,7 +654,7 @@ def bias_dropout_add_norm_fwd(x: torch.Tensor, linear_bias: Optional[torch.Tenso
     Raises:
         ValueError: as :func:`norm_fwd`.
     """
-    y, mean, rstd, h = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, None,
+    y, mean, rstd, h = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, None, stats,
                                  add_in=(linear_bias, residual, seed, p))
     return y, h, mean, rstd
 
@@ -658,7 +664,7 @@ _FWD_PLANS: dict[tuple, Planned] = plan_cache()
 
 
 def _fwd_plan(x2d: torch.Tensor, rms_norm: bool, has_bias: bool, zero_centered_gamma: bool, tile: Optional[Tile],
-              check_gamma: bool, add_in: Optional[tuple]) -> Planned:
+              check_gamma: bool, stats: bool, add_in: Optional[tuple]) -> Planned:
     """The forward's launch for inputs like ``x2d`` (data: rows per program, and the dropout
     mask's threshold and scale, or (0, 1.0))."""
     n_rows, h = x2d.shape
@@ -681,12 +687,12 @@ def _fwd_plan(x2d: torch.Tensor, rms_norm: bool, has_bias: bool, zero_centered_g
         flags = dict(ADD_IN=False, HAS_LB=False, DROPOUT=False)
     kwargs = dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=block_n, IS_RMS_NORM=rms_norm, HAS_BIAS=has_bias,
                   ZERO_CENTERED_GAMMA=zero_centered_gamma, NUM_STAGES=tile.num_stages,
-                  ACC=TL_DTYPE[acc_dtype(x2d.dtype)], CHECK_GAMMA=check_gamma, **flags,
+                  ACC=TL_DTYPE[acc_dtype(x2d.dtype)], CHECK_GAMMA=check_gamma, **flags, STORE_STATS=stats,
                   num_warps=tile.num_warps)
     return planned(_norm_fwd_kernel, (programs,), x2d.device, kwargs, data=(rows_per_program, *drop))
 
 
-def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, add_in=None):
+def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, stats, add_in=None):
     """:func:`norm_fwd`, or with ``add_in = (linear_bias, residual, seed, p)``
     :func:`bias_dropout_add_norm_fwd`: ``(y, mean, rstd, h)`` (h None without ``add_in``).
 
@@ -700,9 +706,11 @@ def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_c
     acc = acc_dtype(x.dtype)
     y = empty_contiguous_like(x)  # written as [rows, h]
     h_out = empty_contiguous_like(x) if add_in is not None else None
-    # two allocations, not one [2, rows] split in two: each view costs host time too
-    mean = None if rms_norm else torch.empty(n_rows, dtype=acc, device=device)
-    rstd = torch.empty(n_rows, dtype=acc, device=device)
+    # two allocations, not one [2, rows] split in two: each view costs host time too; none
+    # when no backward will run (each costs about as much host time as a launch's key)
+    mean = None if rms_norm or not stats else torch.empty(n_rows, dtype=acc, device=device)
+    rstd = torch.empty(n_rows, dtype=acc, device=device) if stats else None
+    spare = y if rstd is None else rstd  # stands in for the pointer arguments a launch leaves unread
     if n_rows == 0:
         return y, mean, rstd, h_out
     if add_in is not None:
@@ -714,22 +722,22 @@ def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_c
     key = None  # no plans inside a torch.compile trace (nor data pointers: fake tensors have none)
     if not torch.compiler.is_compiling():
         key = (tensor_key(x2d), device, spec_key(weight), spec_key(bias), rms_norm, zero_centered_gamma, tile,
-               err is not None)
+               err is not None, stats)
         if add_in is not None:
             key += (spec_key(linear_bias), tensor_key(r2d), None if seed is None else (spec_key(seed), p))
     plan = _FWD_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = remember_plan(_FWD_PLANS, key, _fwd_plan(x2d, rms_norm, bias is not None, zero_centered_gamma, tile,
-                                                        err is not None, add_in))
+                                                        err is not None, stats, add_in))
     rows_per_program, threshold, scale = plan.data
     if add_in is not None:
-        extra = (linear_bias if linear_bias is not None else weight, r2d, h_out, seed if seed is not None else rstd,
+        extra = (linear_bias if linear_bias is not None else weight, r2d, h_out, seed if seed is not None else spare,
                  *r2d.stride(), threshold, scale)
     else:
-        extra = (weight, x2d, y, rstd, 0, 0, 0, 1.0)
+        extra = (weight, x2d, y, spare, 0, 0, 0, 1.0)
     launch_planned(_norm_fwd_kernel, plan, device,
-                   x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd,
-                   err if err is not None else rstd, n_rows, x2d.shape[1], *x2d.stride(), float(eps), rows_per_program,
+                   x2d, y, weight, bias if bias is not None else weight, mean if mean is not None else spare, spare,
+                   err if err is not None else spare, n_rows, x2d.shape[1], *x2d.stride(), float(eps), rows_per_program,
                    *extra)
     if err is not None:
         gamma_check.launched(x, zero_centered_gamma)
