@@ -1068,6 +1068,9 @@ def test_bias_dropout_add_norm_one_output_and_no_bias(norm):
     m.weight.grad = None
     y, hidden = fusedlib.bias_dropout_add_norm(m, (x.detach(), None), frozen, 0.0, False)
     assert y.requires_grad and not hidden.requires_grad
+    # the same on the path without the fusion, and for the norm with its residual alone
+    assert not fusedlib.bias_dropout_add_norm(m, (x.detach(), None), frozen, 0.0, False, False)[1].requires_grad
+    assert not fusedlib.norm_with_residual(m, frozen)[1].requires_grad
     y.sum().backward()
     dw = m.weight.grad
     m.weight.grad = None

@@ -208,7 +208,7 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
 
     With ``residual_out=True`` it returns ``(y, residual)``, residual being the input itself
     as this node's second output (autograd makes it a view of the input, which requires grad
-    whenever the node is recorded): code that uses it for the residual connection hands the
+    when the input does: with only the parameters requiring grad it is a constant): code that uses it for the residual connection hands the
     residual's gradient to this backward, whose kernel adds it to dx (one pass over the
     gradient instead of a separate add of three). See :func:`norm_with_residual`.
 
@@ -242,6 +242,8 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
             ctx.save_for_backward(input, weight_c, bias_c, mean, rstd)
         if residual_out:
             ctx.set_materialize_grads(False)  # an unused output's gradient stays None, never zeros
+            if not ctx.needs_input_grad[0]:
+                ctx.mark_non_differentiable(input)  # the residual is the input: constant if it needs no grad
             return y, input
         return y
 
@@ -286,6 +288,8 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
         ctx.save_for_backward(y if ctx.memory_efficient else input, weight_c, rstd)
         if residual_out:
             ctx.set_materialize_grads(False)
+            if not ctx.needs_input_grad[0]:
+                ctx.mark_non_differentiable(input)
             return y, input
         return y
 
