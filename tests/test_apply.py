@@ -84,3 +84,19 @@ def test_needs_autograd():
 
     with fwad.dual_level():  # the Functions define no jvp: Function.apply says so
         assert _apply.needs_autograd(x)
+
+
+@pytest.mark.parametrize("op", ["bias_gelu", "layer_norm", "cross_entropy", "causal_softmax"])
+def test_torch_func_transforms_keep_the_function_path_and_its_clear_error(op):
+    # inside vmap the fast path would hand the kernels batched tensors (no storage: "Cannot access
+    # data pointer"); the Function path raises torch's error naming what the Functions lack
+    case = get_case(op)(HOST_SHAPES[op], torch.float32)
+    fn = next(i for i in case.impls if i.name == "fusedlib").fn
+    inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in case.make_inputs(DEVICE, True)]
+    x = inputs[0]
+    batched = x.unsqueeze(0).expand(2, *x.shape).contiguous()
+    with pytest.raises(RuntimeError, match="functorch transforms"):
+        torch.func.vmap(lambda xb: _first(fn(xb, *inputs[1:])))(batched)
+    seen = []
+    torch.func.vmap(lambda xb: seen.append(_apply.needs_autograd(xb)) or xb)(batched)
+    assert seen == [True] and not _apply.needs_autograd(x)

@@ -14,7 +14,10 @@ The Function path is kept whenever autograd may need it:
 * ``torch.compile`` is tracing (Dynamo turns the Function into its own graph node: keep what
   it sees unchanged);
 * a forward-mode AD level is active (``torch.autograd.forward_ad.dual_level``): the Functions
-  define no ``jvp``, and ``Function.apply`` says so instead of dropping the tangents.
+  define no ``jvp``, and ``Function.apply`` says so instead of dropping the tangents;
+* a ``torch.func`` transform is active (``vmap``, ``grad``, ``jacrev``...): the Functions do not
+  support them, and ``Function.apply`` says so (the kernels would get batched tensors, which have
+  no storage).
 
 Source: PyTorch ``torch/autograd/function.py`` (``Function.apply``, ``FunctionCtx``).
 """
@@ -35,6 +38,9 @@ Tensor = torch.Tensor
 # *args), it is what cls.apply is unless cls overrides apply (the softmax Functions do, to take
 # this module's fast path when called as Megatron calls them, ``Cls.apply(...)``).
 _FUNCTION_APPLY = torch.autograd.Function.apply.__func__
+
+# The innermost active torch.func transform's level, None outside any (a C call, ~0.1 us).
+_functorch_level = torch._C._functorch.maybe_current_level
 
 
 class InferenceCtx:
@@ -66,9 +72,10 @@ def needs_autograd(*args: Any) -> bool:
 
     Returns:
         True when grad mode is on and a tensor argument requires grad, when ``torch.compile``
-        is tracing, or when a forward-mode AD level is active; else False.
+        is tracing, when a forward-mode AD level is active, or inside a ``torch.func``
+        transform; else False.
     """
-    if torch.compiler.is_compiling() or _forward_ad._current_level >= 0:
+    if torch.compiler.is_compiling() or _forward_ad._current_level >= 0 or _functorch_level() is not None:
         return True
     if not torch.is_grad_enabled():
         return False
