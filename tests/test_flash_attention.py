@@ -543,14 +543,23 @@ def test_gpu_long_rows_every_feature(dtype):
            sinks=sinks)
 
 
-def test_float32_runs_one_pipeline_stage_fewer():
-    """float32 tiles hold twice the bytes per stage: the launchers drop one stage for them
-    (the float32 d = 128 forward at 3 stages sits 3 KB under the H200's shared memory)."""
-    t = Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    assert kfa._stages_for(t, torch.float32) == Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
-    assert kfa._stages_for(t, torch.bfloat16) is t and kfa._stages_for(t, torch.float16) is t
-    one = Tile(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    assert kfa._stages_for(one, torch.float32) is one
+def test_float32_tiles_are_small_and_run_one_pipeline_stage_fewer(monkeypatch):
+    """float32 launches (a reference dtype) take blocks of at most FLOAT32_MAX_BLOCK at 4 warps,
+    whose unrolled IEEE FMA products compile in seconds instead of minutes, and one stage fewer
+    (twice the bytes per stage); 16-bit tiles, and every tile in the interpreter, unchanged."""
+    monkeypatch.setattr(kfa, "INTERPRET_ON_CPU", False)
+    t = Tile(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3)
+    assert kfa.FLOAT32_MAX_BLOCK == 32
+    assert kfa._float32_tile(t, torch.float32) == Tile(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    assert kfa._float32_tile(t, torch.bfloat16) is t and kfa._float32_tile(t, torch.float16) is t
+    one = Tile(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
+    assert kfa._float32_tile(one, torch.float32) == one
+    for table in (kfa.FWD_TILES, kfa.BWD_DKDV_TILES, kfa.BWD_ATOMIC_TILES, kfa.BWD_DQ_TILES):
+        for _, tile in table:
+            small = kfa._float32_tile(tile, torch.float32)
+            assert small.BLOCK_M <= 32 and small.BLOCK_N <= 32 and small.num_warps <= 4
+    monkeypatch.setattr(kfa, "INTERPRET_ON_CPU", True)
+    assert kfa._float32_tile(t, torch.float32) is t
 
 
 def test_attention_tables_keep_their_key_blocks():

@@ -81,7 +81,6 @@ the sliding window, softmax_scale); Miller, "Attention is off by one" (2023) for
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import torch
@@ -178,15 +177,26 @@ BWD_DQ_TILES: TileTable = (
 INTERPRETER_TILE: Tile = Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
 
 
-def _stages_for(tile: Tile, dtype: torch.dtype) -> Tile:
-    """``tile`` for inputs of ``dtype``: float32 (a reference dtype, not a speed one) holds twice
-    the bytes per pipeline stage, so it runs one stage fewer. Compiled offline for sm_90, the
-    float32 forward at d = 128 with the table's 3 stages needs 229 376 bytes of shared memory,
-    3 KB under the H200's 232 448 (a compiler version that pads differently would not launch);
-    with 2 stages, 163 840."""
-    if dtype != torch.float32 or tile.num_stages <= 1:
+#: The largest tile a float32 launch takes (queries or keys per block). float32 is a reference
+#: dtype, not a speed one: its IEEE products (no TF32) compile to unrolled FMA loops, one per
+#: element of a thread's share of each product, [BLOCK_M, BLOCK_N] x d of them. The tables' d = 128
+#: tiles took about 2 minutes of compile time per kernel on the H200 (the atomic dK/dV kernel's
+#: [64, 128] at 8 warps: 4096 FMAs per thread per product); [32, 32] at 4 warps is 1024.
+FLOAT32_MAX_BLOCK: int = 32
+
+
+def _float32_tile(tile: Tile, dtype: torch.dtype) -> Tile:
+    """``tile`` for inputs of ``dtype``: for float32, blocks of at most
+    :data:`FLOAT32_MAX_BLOCK` queries and keys at 4 warps or fewer (short compiles, see there)
+    and one pipeline stage fewer (twice the bytes per stage: compiled offline for sm_90, the
+    float32 forward at d = 128 with the table's [64, 64] and 3 stages needed 229 376 bytes of
+    shared memory, 3 KB under the H200's 232 448); other dtypes' tiles, and every tile in Triton's
+    CPU interpreter (nothing is compiled there: its tile is chosen for few programs), unchanged."""
+    if dtype != torch.float32 or INTERPRET_ON_CPU:
         return tile
-    return dataclasses.replace(tile, num_stages=tile.num_stages - 1)
+    cap = FLOAT32_MAX_BLOCK
+    return dataclasses.replace(tile, BLOCK_M=min(tile.BLOCK_M, cap), BLOCK_N=min(tile.BLOCK_N, cap),
+                               num_warps=min(tile.num_warps, 4), num_stages=max(tile.num_stages - 1, 1))
 
 
 def attention_tile(table: TileTable, head_dim: int) -> Tile:
@@ -772,7 +782,7 @@ def flash_attn_fwd(
     if o.numel() == 0:
         return o, lse
     if tile is None:
-        tile = _stages_for(attention_tile(FWD_TILES, D), q.dtype)
+        tile = _float32_tile(attention_tile(FWD_TILES, D), q.dtype)
     m4, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
     T, keep_scale = _dropout_args(seed, dropout_p)
     dot, precision = _dot_settings(q.dtype)
@@ -921,7 +931,7 @@ def flash_attn_bwd(
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, MASK_KIND=kind, DROPOUT=seed is not None, DOT=dot,
                   PRECISION=precision)
     if tile is None:
-        tile = _stages_for(attention_tile(BWD_ATOMIC_TILES if atomic else BWD_DKDV_TILES, D), q.dtype)
+        tile = _float32_tile(attention_tile(BWD_ATOMIC_TILES if atomic else BWD_DKDV_TILES, D), q.dtype)
     launch(_flash_bwd_dkdv_kernel, (cdiv(SK, tile.BLOCK_N), HKV, B), q.device,
            q, k, v, do, lse, delta, dk, dv, dq_acc, m4, seed_arg,
            *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], *ms,
@@ -934,7 +944,7 @@ def flash_attn_bwd(
                HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, num_warps=pre_warps)
         return dq, dk, dv, dsink
     if dq_tile is None:
-        dq_tile = _stages_for(attention_tile(BWD_DQ_TILES, D), q.dtype)
+        dq_tile = _float32_tile(attention_tile(BWD_DQ_TILES, D), q.dtype)
     launch(_flash_bwd_dq_kernel, (cdiv(SQ, dq_tile.BLOCK_M), HQ, B), q.device,
            q, k, v, do, lse, delta, dq, m4, seed_arg,
            *q_s, *k_s, *v_s, *do_s, *dq.stride()[:3], *ms,
