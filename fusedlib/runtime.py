@@ -511,6 +511,12 @@ def spec_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return None if t is None else (t.__class__, t.dtype, t.data_ptr() & 15)
 
 
+def param_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """A tensor argument's part of a plan key that also stands for an argument check:
+    class, shape, strides, dtype, device and address modulo 16; None for None."""
+    return None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
 def tensor_key(t: torch.Tensor) -> tuple:
     """A tensor argument's part of a plan key: class, shape, strides, dtype, address modulo 16."""
     return (t.__class__, t.shape, t.stride(), t.dtype, t.data_ptr() & 15)

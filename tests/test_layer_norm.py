@@ -688,6 +688,61 @@ def test_bad_eps_and_mixed_devices_raise():
         pick(FWD_TILES, 70000)
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(norm, monkeypatch):
+    # The forward's argument check runs when no plan matches the call's signature; a plan is
+    # remembered only for a signature that passed it, under a key holding all the check reads.
+    import fusedlib.fusions.fused_layer_norm as fln
+    from fusedlib.runtime import clear_plans
+
+    checks = []
+
+    def counting(*args):
+        checks.append(args)
+        return fln_check(*args)
+
+    fln_check = fln._check_inputs
+    monkeypatch.setattr(fln, "_check_inputs", counting)
+    clear_plans()
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    h = 24
+    w = torch.randn(h, generator=gen).to(DEVICE)
+    b = torch.randn(h, generator=gen).to(DEVICE) if norm == "layer" else None
+
+    def run(x, weight=w, bias=b, eps=1.0):
+        return fused_layer_norm(x, weight, bias, eps) if norm == "layer" else fused_rms_norm(x, weight, eps)
+
+    x = torch.randn(6, h, generator=gen).to(DEVICE)
+    y = run(x)
+    assert len(checks) == 1
+    assert torch.equal(run(x), y) and len(checks) == 1  # the same signature: no check
+    x2 = torch.randn(6, h, generator=gen).to(DEVICE)
+    run(x2)
+    assert len(checks) == 1  # new values, the same signature
+    run(x2[:5])
+    assert len(checks) == 2  # a new shape: checked once
+    # bad arguments beside a remembered signature are still refused, every time
+    for _ in range(2):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            run(x, eps=True)  # equal to 1.0 as a key, but a bool
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            run(x, eps=float("nan"))
+        with pytest.raises(ValueError, match=r"weight must have shape \[h\]"):
+            run(x, weight=torch.randn(h + 1, device=DEVICE))
+        with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+            run(x.tolist())
+        with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+            run(x, weight=w.tolist())
+    # a strided weight: the check copies it, every call checks again, the result is the same
+    wide = torch.zeros(2 * h, device=DEVICE)
+    wide[::2] = w
+    n = len(checks)
+    for _ in range(2):
+        assert torch.equal(run(x, weight=wide[::2]), y)
+    assert len(checks) == n + 2
+    clear_plans()
+
+
 @pytest.mark.parametrize("norm", ("layer", "rms"))
 @pytest.mark.parametrize("flag", ("zero_centered_gamma", "memory_efficient"))
 @pytest.mark.parametrize("value, got", [("no", "str"), (1, "int"), (None, "NoneType"), (0.0, "float")])
@@ -1006,15 +1061,15 @@ def test_a_forward_without_a_backward_stores_no_statistics(norm, dtype, monkeypa
 
     seen = []
 
-    def spy(fn):
+    def spy(fn, stats):
         def wrapper(*args, **kwargs):
             out = fn(*args, **kwargs)
-            seen.append(out[-2:])  # (mean, rstd)
+            seen.append(out[stats])  # (mean, rstd)
             return out
         return wrapper
 
-    monkeypatch.setattr(fln, "norm_fwd", spy(fln.norm_fwd))
-    monkeypatch.setattr(fln, "bias_dropout_add_norm_fwd", spy(fln.bias_dropout_add_norm_fwd))
+    monkeypatch.setattr(fln, "_norm_fwd", spy(fln._norm_fwd, slice(1, 3)))  # (y, mean, rstd, h, w, b)
+    monkeypatch.setattr(fln, "bias_dropout_add_norm_fwd", spy(fln.bias_dropout_add_norm_fwd, slice(2, 4)))
     h = 37
     w, b = _params(h, dtype, norm)
     x = _x((5, 3, h), dtype).transpose(0, 1)  # [3, 5, h], strided rows

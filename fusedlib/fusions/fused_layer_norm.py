@@ -74,7 +74,7 @@ from ..checks import (
 )
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd, philox_seed
 from ..kernels.layer_norm import (
-    MAX_HIDDEN_SIZE, bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd, norm_bwd, norm_fwd,
+    MAX_HIDDEN_SIZE, bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd, _norm_fwd, norm_bwd,
 )
 from ..runtime import DeviceCheck
 from ._apply import InferenceCtx, apply, once_differentiable
@@ -228,12 +228,13 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: A002
                 eps: float, memory_efficient: bool = False, zero_centered_gamma: bool = False,
                 residual_out: bool = False):
-        weight_c, bias_c = _check_inputs(input, weight, bias, eps)
         memory_efficient, zero_centered_gamma, residual_out = _check_flags(memory_efficient, zero_centered_gamma,
                                                                            residual_out)
-        y, mean, rstd = norm_fwd(input, weight_c, bias_c, eps, rms_norm=False, zero_centered_gamma=zero_centered_gamma,
-                                 gamma_check=LAYER_NORM_GAMMA_CHECK if memory_efficient else None,
-                                 stats=type(ctx) is not InferenceCtx)  # InferenceCtx: no backward will run
+        # _check_inputs runs unless this call's signature passed it before (the plan's key)
+        y, mean, rstd, _, weight_c, bias_c = _norm_fwd(
+            input, weight, bias, eps, False, zero_centered_gamma, None,
+            LAYER_NORM_GAMMA_CHECK if memory_efficient else None,
+            type(ctx) is not InferenceCtx, check=_check_inputs)  # InferenceCtx: no backward will run
         ctx.memory_efficient = memory_efficient
         ctx.zero_centered_gamma = zero_centered_gamma
         if ctx.memory_efficient:
@@ -277,12 +278,11 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, eps: float,  # noqa: A002
                 memory_efficient: bool = False, zero_centered_gamma: bool = False, residual_out: bool = False):
-        weight_c, _ = _check_inputs(input, weight, None, eps)
         memory_efficient, zero_centered_gamma, residual_out = _check_flags(memory_efficient, zero_centered_gamma,
                                                                            residual_out)
-        y, _, rstd = norm_fwd(input, weight_c, None, eps, rms_norm=True, zero_centered_gamma=zero_centered_gamma,
-                              gamma_check=RMS_NORM_GAMMA_CHECK if memory_efficient else None,
-                              stats=type(ctx) is not InferenceCtx)
+        y, _, rstd, _, weight_c, _ = _norm_fwd(input, weight, None, eps, True, zero_centered_gamma, None,
+                                               RMS_NORM_GAMMA_CHECK if memory_efficient else None,
+                                               type(ctx) is not InferenceCtx, check=_check_inputs)
         ctx.memory_efficient = memory_efficient
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.save_for_backward(y if ctx.memory_efficient else input, weight_c, rstd)

@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import (
-    DeviceCheck, Planned, launch_planned, plan_cache, planned, remember_plan, spec_key, tensor_key,
+    DeviceCheck, Planned, launch_planned, param_key, plan_cache, planned, remember_plan, spec_key, tensor_key,
 )
 from .bias_dropout_add import _keep_mask, bias_dropout_add_bwd, drop_threshold, dropout_scale
 from .launch import (
@@ -624,7 +624,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         ValueError: for h past MAX_HIDDEN_SIZE, or a tile narrower than the row; from
             ``gamma_check``, for a gamma of 0.
     """
-    y, mean, rstd, _ = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, stats)
+    y, mean, rstd, _, _, _ = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, stats)
     return y, mean, rstd
 
 
@@ -654,8 +654,8 @@ def bias_dropout_add_norm_fwd(x: torch.Tensor, linear_bias: Optional[torch.Tenso
     Raises:
         ValueError: as :func:`norm_fwd`.
     """
-    y, mean, rstd, h = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, None, stats,
-                                 add_in=(linear_bias, residual, seed, p))
+    y, mean, rstd, h, _, _ = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, None, stats,
+                                       add_in=(linear_bias, residual, seed, p))
     return y, h, mean, rstd
 
 
@@ -692,40 +692,66 @@ def _fwd_plan(x2d: torch.Tensor, rms_norm: bool, has_bias: bool, zero_centered_g
     return planned(_norm_fwd_kernel, (programs,), x2d.device, kwargs, data=(rows_per_program, *drop))
 
 
-def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, stats, add_in=None):
+def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, stats, add_in=None,
+              check=None):
     """:func:`norm_fwd`, or with ``add_in = (linear_bias, residual, seed, p)``
-    :func:`bias_dropout_add_norm_fwd`: ``(y, mean, rstd, h)`` (h None without ``add_in``).
+    :func:`bias_dropout_add_norm_fwd`: ``(y, mean, rstd, h, weight, bias)`` (h None without
+    ``add_in``; weight and bias as the kernel read them).
 
     The launch settings (tile, grid, constexprs, the bound launch) are a plan made once per
     input signature: everything that decides them and Triton's specialization of the launch
-    (shapes, strides, dtypes, addresses modulo 16, the switches, the dropout probability).
+    (shapes, strides, dtypes, addresses modulo 16, the switches, the dropout probability), and
+    everything an argument check reads (the parameters' shapes, strides and devices, eps and
+    its type).
+
+    ``check``: the op's argument check, ``check(x, weight, bias, eps) -> (weight, bias)`` (the
+    parameters as the kernel takes them: contiguous), raising for bad input. It runs only when
+    no plan matches the call's signature, and a plan is remembered only for a signature that
+    passed it: the check reads nothing the key does not hold, so a call whose signature
+    matches passes it too, and skips it (a few microseconds of host time per call). Where the
+    check copies a parameter (a non-contiguous weight) the plan is keyed by the copy's
+    signature, and every such call checks again.
     """
+    key = err = None
+    if not torch.compiler.is_compiling():  # no plans inside a torch.compile trace (nor data pointers)
+        try:
+            # the check's word, or None: no check compiled in (during a CUDA-graph capture before
+            # any check buffer exists); the key says which
+            err = gamma_check.word(x) if gamma_check is not None else None
+            key = (tensor_key(x), x.device, param_key(weight), param_key(bias), eps.__class__, eps, rms_norm,
+                   zero_centered_gamma, tile, err is not None, stats)
+        except (AttributeError, RuntimeError, TypeError):  # not tensors, or no strides: the check says what is wrong
+            key = None
+        if key is not None and add_in is not None:
+            linear_bias, residual, seed, p = add_in
+            key += (spec_key(linear_bias), tensor_key(residual), None if seed is None else (spec_key(seed), p))
+    plan = _FWD_PLANS.get(key) if key is not None else None
+    if plan is None and check is not None:
+        checked = check(x, weight, bias, eps)
+        if key is None or checked[0] is not weight or checked[1] is not bias:
+            weight, bias = checked  # a copy's own signature, or none (a trace)
+            key = None if torch.compiler.is_compiling() else (
+                tensor_key(x), x.device, param_key(weight), param_key(bias), eps.__class__, eps, rms_norm,
+                zero_centered_gamma, tile, err is not None, stats)
+            plan = _FWD_PLANS.get(key) if key is not None else None
     device = x.device
     x2d = as_rows(x)  # [..., h] -> [rows, h]
     n_rows = x2d.shape[0]
-    acc = acc_dtype(x.dtype)
     y = empty_contiguous_like(x)  # written as [rows, h]
     h_out = empty_contiguous_like(x) if add_in is not None else None
     # two allocations, not one [2, rows] split in two: each view costs host time too; none
     # when no backward will run (each costs about as much host time as a launch's key)
-    mean = None if rms_norm or not stats else torch.empty(n_rows, dtype=acc, device=device)
-    rstd = torch.empty(n_rows, dtype=acc, device=device) if stats else None
+    mean = rstd = None
+    if stats:
+        acc = acc_dtype(x.dtype)
+        mean = None if rms_norm else torch.empty(n_rows, dtype=acc, device=device)
+        rstd = torch.empty(n_rows, dtype=acc, device=device)
     spare = y if rstd is None else rstd  # stands in for the pointer arguments a launch leaves unread
     if n_rows == 0:
-        return y, mean, rstd, h_out
+        return y, mean, rstd, h_out, weight, bias
     if add_in is not None:
         linear_bias, residual, seed, p = add_in
         r2d = as_rows(residual)
-    # the check's word, or None: no check compiled in (while torch.compile traces, or during a
-    # CUDA-graph capture before any check buffer exists); the key says which
-    err = gamma_check.word(x) if gamma_check is not None else None
-    key = None  # no plans inside a torch.compile trace (nor data pointers: fake tensors have none)
-    if not torch.compiler.is_compiling():
-        key = (tensor_key(x2d), device, spec_key(weight), spec_key(bias), rms_norm, zero_centered_gamma, tile,
-               err is not None, stats)
-        if add_in is not None:
-            key += (spec_key(linear_bias), tensor_key(r2d), None if seed is None else (spec_key(seed), p))
-    plan = _FWD_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = remember_plan(_FWD_PLANS, key, _fwd_plan(x2d, rms_norm, bias is not None, zero_centered_gamma, tile,
                                                         err is not None, stats, add_in))
@@ -741,7 +767,7 @@ def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_c
                    *extra)
     if err is not None:
         gamma_check.launched(x, zero_centered_gamma)
-    return y, mean, rstd, h_out
+    return y, mean, rstd, h_out, weight, bias
 
 
 def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
