@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels.cross_entropy import cross_entropy_fwd
+from ..kernels.cross_entropy import _cross_entropy_fwd, cross_entropy_fwd
 from ..parallel.cross_entropy import (
     VocabParallelCrossEntropy,
     _VocabParallelCrossEntropy as _UnfusedVocabParallelCrossEntropy,
@@ -89,29 +89,44 @@ class _VocabParallelCrossEntropy(_UnfusedVocabParallelCrossEntropy):
 
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, tp_group=None, label_smoothing=0.0, ignore_index=-100):
-        x2d, t1d = prepare_inputs(vocab_parallel_logits, target, label_smoothing, ignore_index)
-        rank_and_size = tp_rank_and_size(tp_group)
-        vocab_start_index, vocab_size = shard_range(x2d, tp_group, rank_and_size)
-        check_label_smoothing(vocab_size, label_smoothing)
-
         # The forward kernel checks the target ids: a bad id's row gets NaN and, on the CPU,
         # a ValueError here, before any collective; on CUDA later, with no host sync (TARGET_CHECK).
-        if rank_and_size[1] == 1:
-            # The whole vocabulary is here: one kernel writes loss and lse, no collectives.
-            loss, lse = cross_entropy_fwd(x2d, t1d, 0, ignore_index, label_smoothing, vocab_size, finalize=True,
-                                          check=TARGET_CHECK)
+        if tp_group is None and not (dist.is_available() and dist.is_initialized()):
+            # One rank, the whole vocabulary: one kernel writes loss and lse, no collectives. The
+            # argument checks (_check_one_rank) run unless this call's signature passed them before.
+            (loss, lse), x2d, t1d = _cross_entropy_fwd(vocab_parallel_logits, target, 0, ignore_index,
+                                                       label_smoothing, None, True, None, TARGET_CHECK,
+                                                       validate=_check_one_rank)
+            vocab_start_index, vocab_size = 0, x2d.shape[1]
         else:
-            stats, logits_max = calculate_logits_max(x2d, t1d, vocab_start_index, ignore_index, label_smoothing,
-                                                     vocab_size, check=TARGET_CHECK)
-            all_reduce(logits_max, "MAX", tp_group)  # collective 1: the global max
-            block = calculate_predicted_logits(stats, logits_max, label_smoothing)
-            all_reduce(block, "SUM", tp_group)  # collective 2: sum-exp, x_t (and sum of logits) at once
-            loss, lse = calculate_cross_entropy_loss(block, logits_max, t1d, vocab_size, ignore_index,
-                                                     label_smoothing)
+            x2d, t1d = prepare_inputs(vocab_parallel_logits, target, label_smoothing, ignore_index)
+            rank_and_size = tp_rank_and_size(tp_group)
+            vocab_start_index, vocab_size = shard_range(x2d, tp_group, rank_and_size)
+            check_label_smoothing(vocab_size, label_smoothing)
+            if rank_and_size[1] == 1:  # a group of one rank
+                loss, lse = cross_entropy_fwd(x2d, t1d, 0, ignore_index, label_smoothing, vocab_size, finalize=True,
+                                              check=TARGET_CHECK)
+            else:
+                stats, logits_max = calculate_logits_max(x2d, t1d, vocab_start_index, ignore_index, label_smoothing,
+                                                         vocab_size, check=TARGET_CHECK)
+                all_reduce(logits_max, "MAX", tp_group)  # collective 1: the global max
+                block = calculate_predicted_logits(stats, logits_max, label_smoothing)
+                all_reduce(block, "SUM", tp_group)  # collective 2: sum-exp, x_t (and sum of logits) at once
+                loss, lse = calculate_cross_entropy_loss(block, logits_max, t1d, vocab_size, ignore_index,
+                                                         label_smoothing)
 
         ctx.save_for_backward(x2d, t1d, lse)
         ctx.args = (vocab_start_index, vocab_size, ignore_index, label_smoothing, vocab_parallel_logits.shape)
         return loss if target.dim() == 1 else loss.view(target.shape)  # [rows] is target's shape already
+
+
+def _check_one_rank(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-rank forward's argument checks (:func:`prepare_inputs`, :func:`check_label_smoothing`
+    with the whole vocabulary here): ``(x2d, t1d)``."""
+    x2d, t1d = prepare_inputs(logits, target, label_smoothing, ignore_index)
+    check_label_smoothing(x2d.shape[1], label_smoothing)
+    return x2d, t1d
 
 
 def fused_vocab_parallel_cross_entropy(

@@ -49,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import DeviceCheck, launch_planned, plan_cache, planned, remember_plan, spec_key, tensor_key
-from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, cdiv, empty_contiguous_like, pick
+from ..runtime import DeviceCheck, launch_planned, param_key, plan_cache, planned, remember_plan, spec_key, tensor_key
+from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like, pick
 
 __all__ = ["cross_entropy_fwd", "cross_entropy_bwd", "smoothing_coefs", "FWD_TILES", "BWD_TILES", "TILE_ELEMENTS",
            "STAT_ROWS"]
@@ -282,6 +282,42 @@ def cross_entropy_fwd(
     Raises:
         ValueError: from ``check``, for a bad target id (see above).
     """
+    out, _, _ = _cross_entropy_fwd(x2d, target1d, vocab_start_index, ignore_index, label_smoothing, vocab_size,
+                                   finalize, tile, check)
+    return out
+
+
+def _cross_entropy_fwd(x, target, vocab_start_index, ignore_index, label_smoothing, vocab_size, finalize, tile,
+                       check, validate=None):
+    """:func:`cross_entropy_fwd` on ``x`` [..., n_cols] and ``target`` [...]: ``(out, x2d, target1d)``,
+    out as :func:`cross_entropy_fwd` returns it, x2d and target1d the rows the kernel read.
+
+    The launch settings are a plan made once per input signature (shapes, strides, dtypes,
+    devices, addresses modulo 16, the ints Triton specializes, the switches, label_smoothing
+    and ignore_index with their types). ``validate``: the op's argument check,
+    ``validate(x, target, label_smoothing, ignore_index) -> (x2d, target1d)``, raising for bad
+    input; it runs only when no plan matches the call's signature, and a plan is remembered only
+    for a signature that passed it (it reads nothing the key does not hold), so a call whose
+    signature matches skips it. Without it, x and target must be what the kernel takes.
+    """
+    key = err = None
+    if not torch.compiler.is_compiling():  # no plan in a compile trace (fake tensors: no data pointer)
+        try:
+            # the check's word, or None: no check compiled in (while torch.compile traces, or during
+            # a CUDA-graph capture before any check buffer exists); the key says which
+            err = check.word(x) if check is not None else None
+            # the ints are keyed by value: Triton specializes them (1, multiples of 16, int32 range)
+            key = (param_key(x), param_key(target), vocab_start_index, vocab_size, ignore_index.__class__,
+                   ignore_index, label_smoothing.__class__, label_smoothing, bool(finalize), err is not None, tile)
+        except (AttributeError, RuntimeError, TypeError):  # not tensors: the check says what is wrong
+            key = None
+    p = _FWD_PLANS.get(key) if key is not None else None
+    if p is None and validate is not None:
+        x2d, target1d = validate(x, target, label_smoothing, ignore_index)
+        if key is None and check is not None:
+            err = check.word(x2d)
+    else:
+        x2d, target1d = as_rows(x), (target if target.dim() == 1 else target.reshape(-1))
     n_rows, n_cols = x2d.shape
     device = x2d.device
     sdt = acc_dtype(x2d.dtype)  # statistics, loss and lse: float32 (float64 for float64 logits)
@@ -295,14 +331,6 @@ def cross_entropy_fwd(
     if n_rows > 0:
         vocab_size = vocab_size or n_cols
         smoothing = label_smoothing > 0
-        # the check's word, or None: no check compiled in (while torch.compile traces, or during a
-        # CUDA-graph capture before any check buffer exists); the key says which
-        err = check.word(x2d) if check is not None else None
-        # the ints are keyed by value: Triton specializes them (1, multiples of 16, int32 range)
-        key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
-            tensor_key(x2d), device, spec_key(target1d), target1d.stride(0), vocab_start_index, vocab_size,
-            ignore_index, smoothing, bool(finalize), err is not None, tile)
-        p = _FWD_PLANS.get(key) if key is not None else None
         if p is None:
             if tile is None:
                 tile = pick(FWD_TILES, n_cols)
@@ -319,7 +347,7 @@ def cross_entropy_fwd(
         )
         if err is not None:
             check.launched(x2d, (vocab_size, ignore_index))
-    return (loss, lse) if finalize else stats
+    return ((loss, lse) if finalize else stats), x2d, target1d
 
 
 def cross_entropy_bwd(
