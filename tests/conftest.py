@@ -123,6 +123,24 @@ def _fresh_plans():
 
 
 @pytest.fixture
+def count_calls(monkeypatch):
+    """``count_calls(module, name)``: replace ``module.name`` (a function) for the test by one
+    that records each call's positional arguments in the returned list, then calls it."""
+
+    def count(module, name):
+        calls, real = [], getattr(module, name)
+
+        def counting(*args):
+            calls.append(args)
+            return real(*args)
+
+        monkeypatch.setattr(module, name, counting)
+        return calls
+
+    return count
+
+
+@pytest.fixture
 def spy_launches(monkeypatch):
     """Every fusedlib kernel launch of the test, recorded: a list that gets one
     ``SimpleNamespace(kernel=name, grid=tuple, args=tuple, kwargs=dict)`` per launch.

@@ -182,22 +182,13 @@ def test_bad_label_smoothing_and_ignore_index_raise(path):
         ce(path, x, t, ignore_index=-100.0)
 
 
-def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(monkeypatch):
+def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(count_calls):
     # On one rank the fused forward checks its arguments only when no plan matches the call's
     # signature; a plan is remembered only for a signature that passed (the key holds all the
     # checks read, label_smoothing's and ignore_index's types included).
     import fusedlib.fusions.fused_cross_entropy as fce
-    from fusedlib.runtime import clear_plans
 
-    checks = []
-
-    def counting(*args):
-        checks.append(args)
-        return check(*args)
-
-    check = fce._check_one_rank
-    monkeypatch.setattr(fce, "_check_one_rank", counting)
-    clear_plans()
+    checks = count_calls(fce, "_check_one_rank")
     x, t = _inputs((6,), 9, torch.float32, ignore_index=1)
     loss = fused_vocab_parallel_cross_entropy(x, t, ignore_index=1)
     assert len(checks) == 1
@@ -216,7 +207,6 @@ def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(
             fused_vocab_parallel_cross_entropy(x, t.float(), ignore_index=1)
         with pytest.raises(TypeError, match="vocab_parallel_logits must be a torch.Tensor"):
             fused_vocab_parallel_cross_entropy(x.tolist(), t, ignore_index=1)
-    clear_plans()
 
 
 def test_mixed_devices_raise():

@@ -689,21 +689,12 @@ def test_bad_eps_and_mixed_devices_raise():
 
 
 @pytest.mark.parametrize("norm", NORMS)
-def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(norm, monkeypatch):
+def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(norm, count_calls):
     # The forward's argument check runs when no plan matches the call's signature; a plan is
     # remembered only for a signature that passed it, under a key holding all the check reads.
     import fusedlib.fusions.fused_layer_norm as fln
-    from fusedlib.runtime import clear_plans
 
-    checks = []
-
-    def counting(*args):
-        checks.append(args)
-        return fln_check(*args)
-
-    fln_check = fln._check_inputs
-    monkeypatch.setattr(fln, "_check_inputs", counting)
-    clear_plans()
+    checks = count_calls(fln, "_check_inputs")
     gen = torch.Generator(device="cpu").manual_seed(7)
     h = 24
     w = torch.randn(h, generator=gen).to(DEVICE)
@@ -740,7 +731,6 @@ def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(
     for _ in range(2):
         assert torch.equal(run(x, weight=wide[::2]), y)
     assert len(checks) == n + 2
-    clear_plans()
 
 
 @pytest.mark.parametrize("norm", ("layer", "rms"))
