@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -207,6 +208,17 @@ def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(
             fused_vocab_parallel_cross_entropy(x, t.float(), ignore_index=1)
         with pytest.raises(TypeError, match="vocab_parallel_logits must be a torch.Tensor"):
             fused_vocab_parallel_cross_entropy(x.tolist(), t, ignore_index=1)
+        with pytest.raises(ValueError, match=r"label_smoothing must be a float in \[0, 1\)"):
+            fused_vocab_parallel_cross_entropy(x, t, label_smoothing=[0.1])  # unhashable: the check's to refuse
+    # the unchecked kernel-layer call's plans never stand for the op's checks
+    from fusedlib.kernels.cross_entropy import cross_entropy_fwd
+
+    x2 = x.detach()
+    with warnings.catch_warnings():  # what the unchecked call computes is not the point
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cross_entropy_fwd(x2, t, 0, 1, 1.5, None, finalize=True, check=fce.TARGET_CHECK)
+    with pytest.raises(ValueError, match=r"label_smoothing must be a float in \[0, 1\)"):
+        fused_vocab_parallel_cross_entropy(x2, t, label_smoothing=1.5, ignore_index=1)
 
 
 def test_mixed_devices_raise():

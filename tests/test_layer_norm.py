@@ -1,6 +1,8 @@
 """LayerNorm and RMSNorm: fusedlib's Triton kernels against float64 PyTorch references."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -731,6 +733,25 @@ def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(
     for _ in range(2):
         assert torch.equal(run(x, weight=wide[::2]), y)
     assert len(checks) == n + 2
+    # the unchecked kernel-layer call's plans never stand for a check: after norm_fwd on the same
+    # arguments, the op still refuses bad ones and still copies a strided weight
+    bad_w = torch.randn(h + 3, device=DEVICE)
+    with warnings.catch_warnings():  # what the unchecked calls compute (NaN for eps < 0) is not the point
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for stats in (False, True):  # as the op's call without and with autograd
+            kw = dict(rms_norm=norm == "rms", stats=stats)
+            norm_fwd(x, bad_w, None if b is None else torch.randn(h + 3, device=DEVICE), 1.0, **kw)
+            norm_fwd(x, w, b, -1.0, **kw)
+            norm_fwd(x, wide[::2], b, 1.0, **kw)
+    with pytest.raises(ValueError, match=r"weight must have shape \[h\]"):
+        run(x, weight=bad_w, bias=None if b is None else torch.randn(h + 3, device=DEVICE))
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+        run(x, eps=-1.0)
+    assert torch.equal(run(x, weight=wide[::2]), y)
+    # an unhashable eps is the check's to refuse, not the key's
+    for eps in ([1.0], {}):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            run(x, eps=eps)
 
 
 @pytest.mark.parametrize("norm", ("layer", "rms"))
@@ -1264,7 +1285,7 @@ def test_bias_dropout_add_norm_backward_in_the_norm_or_apart(h, p, wants):
 def test_bias_dropout_add_norm_without_a_bias_gradient_at_every_row_length(bias):
     # rows of 300 take x's gradient from the bias-dropout-add backward kernel, rows of 4096 from
     # the norm's (BDA_BWD_IN_NORM); with dropout and no bias gradient to sum, x's still comes out
-    from fusedlib.kernels.bias_dropout_add import dropout_mask, dropout_scale, philox_seed
+    from fusedlib.kernels.bias_dropout_add import dropout_mask, philox_seed
 
     for h in (300, 4096):
         m = _module("layer", h, torch.float32)

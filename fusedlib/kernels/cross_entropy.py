@@ -306,12 +306,16 @@ def _cross_entropy_fwd(x, target, vocab_start_index, ignore_index, label_smoothi
             # the check's word, or None: no check compiled in (while torch.compile traces, or during
             # a CUDA-graph capture before any check buffer exists); the key says which
             err = check.word(x) if check is not None else None
-            # the ints are keyed by value: Triton specializes them (1, multiples of 16, int32 range)
+            # the ints are keyed by value: Triton specializes them (1, multiples of 16, int32 range);
+            # validate too: a plan made by an unchecked call never lets a checked one skip its check
             key = (param_key(x), param_key(target), vocab_start_index, vocab_size, ignore_index.__class__,
-                   ignore_index, label_smoothing.__class__, label_smoothing, bool(finalize), err is not None, tile)
-        except (AttributeError, RuntimeError, TypeError):  # not tensors: the check says what is wrong
-            key = None
-    p = _FWD_PLANS.get(key) if key is not None else None
+                   ignore_index, label_smoothing.__class__, label_smoothing, bool(finalize), err is not None, tile,
+                   validate)
+            p = _FWD_PLANS.get(key)
+        except (AttributeError, RuntimeError, TypeError):  # not tensors, an unhashable scalar: the check
+            key = p = None  # says what is wrong
+    else:
+        p = None
     if p is None and validate is not None:
         x2d, target1d = validate(x, target, label_smoothing, ignore_index)
         if key is None and check is not None:

@@ -692,6 +692,26 @@ def _fwd_plan(x2d: torch.Tensor, rms_norm: bool, has_bias: bool, zero_centered_g
     return planned(_norm_fwd_kernel, (programs,), x2d.device, kwargs, data=(rows_per_program, *drop))
 
 
+def _find_fwd_plan(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, err, stats, add_in, check
+                   ) -> tuple[Optional[tuple], Optional[Planned]]:
+    """:func:`_norm_fwd`'s plan key and the plan remembered under it (or None): both None while
+    torch.compile traces (no plans there, nor data pointers), or for arguments a key cannot be
+    built from (not tensors, no strides, an unhashable eps: the check says what is wrong). The
+    check itself is in the key: a plan made by an unchecked call (:func:`norm_fwd`) never lets a
+    checked one skip its check."""
+    if torch.compiler.is_compiling():
+        return None, None
+    try:
+        key = (tensor_key(x), x.device, param_key(weight), param_key(bias), eps.__class__, eps, rms_norm,
+               zero_centered_gamma, tile, err is not None, stats, check)
+        if add_in is not None:
+            linear_bias, residual, seed, p = add_in
+            key += (spec_key(linear_bias), tensor_key(residual), None if seed is None else (spec_key(seed), p))
+        return key, _FWD_PLANS.get(key)
+    except (AttributeError, RuntimeError, TypeError):
+        return None, None
+
+
 def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, stats, add_in=None,
               check=None):
     """:func:`norm_fwd`, or with ``add_in = (linear_bias, residual, seed, p)``
@@ -712,28 +732,19 @@ def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_c
     check copies a parameter (a non-contiguous weight) the plan is keyed by the copy's
     signature, and every such call checks again.
     """
-    key = err = None
-    if not torch.compiler.is_compiling():  # no plans inside a torch.compile trace (nor data pointers)
-        try:
-            # the check's word, or None: no check compiled in (during a CUDA-graph capture before
-            # any check buffer exists); the key says which
-            err = gamma_check.word(x) if gamma_check is not None else None
-            key = (tensor_key(x), x.device, param_key(weight), param_key(bias), eps.__class__, eps, rms_norm,
-                   zero_centered_gamma, tile, err is not None, stats)
-        except (AttributeError, RuntimeError, TypeError):  # not tensors, or no strides: the check says what is wrong
-            key = None
-        if key is not None and add_in is not None:
-            linear_bias, residual, seed, p = add_in
-            key += (spec_key(linear_bias), tensor_key(residual), None if seed is None else (spec_key(seed), p))
-    plan = _FWD_PLANS.get(key) if key is not None else None
+    # the check's word, or None: no check compiled in (during a CUDA-graph capture before any
+    # check buffer exists, or while torch.compile traces); the key says which
+    try:
+        err = gamma_check.word(x) if gamma_check is not None else None
+    except AttributeError:  # not a tensor: the check says so
+        err = None
+    key, plan = _find_fwd_plan(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, err, stats, add_in, check)
     if plan is None and check is not None:
         checked = check(x, weight, bias, eps)
         if key is None or checked[0] is not weight or checked[1] is not bias:
             weight, bias = checked  # a copy's own signature, or none (a trace)
-            key = None if torch.compiler.is_compiling() else (
-                tensor_key(x), x.device, param_key(weight), param_key(bias), eps.__class__, eps, rms_norm,
-                zero_centered_gamma, tile, err is not None, stats)
-            plan = _FWD_PLANS.get(key) if key is not None else None
+            key, plan = _find_fwd_plan(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, err, stats, add_in,
+                                       check)
     device = x.device
     x2d = as_rows(x)  # [..., h] -> [rows, h]
     n_rows = x2d.shape[0]
