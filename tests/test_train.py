@@ -711,6 +711,20 @@ def test_bench_with_too_few_steps_names_steps_and_log_interval(capsys):
         assert "error: --steps" in err and "must be more than --log-interval" in err and "--bench-warmup" not in err
 
 
+@pytest.mark.parametrize("kw, recorded", [
+    (dict(model="gpt", spec="fused", attention_backend="local"), "local"),
+    (dict(model="gpt", spec="unfused", attention_backend="local"), None),  # the unfused spec's own attention
+    (dict(model="plain"), None),  # the plain model's SDPA
+])
+def test_a_records_config_names_the_attention_backend_only_where_the_model_reads_it(kw, recorded):
+    cfg = TrainConfig(**dict(TINY, **kw))
+    rec = cfg.record()
+    assert rec["attention_backend"] == recorded and cfg.uses_attention_backend() == (recorded is not None)
+    assert {k: v for k, v in rec.items() if k != "attention_backend"} == {
+        k: v for k, v in dataclasses.asdict(cfg).items() if k != "attention_backend"}
+    assert cfg.attention_backend == kw.get("attention_backend", "flash")  # the config itself unchanged
+
+
 def test_bench_keeps_the_runs_that_finish(tmp_path, stdlib_root, monkeypatch):
     # a failing run is logged and left out; the others are measured and written; exit status 1
     from fusedlib.train import bench

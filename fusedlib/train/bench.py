@@ -121,7 +121,7 @@ def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_to
         text = trainer.sample(SAMPLE_PROMPT, sample_tokens, SAMPLE_TEMPERATURE, SAMPLE_TOP_K, seed=0)
     return {"op": "train", "impl": name, "label": cfg.label(), "dtype": "bfloat16" if trainer.bf16 else "float32",
             **environment(), "python": platform.python_version(),
-            "corpus": corpus.info(), "config": dataclasses.asdict(cfg), "params": count_parameters(trainer.model),
+            "corpus": corpus.info(), "config": cfg.record(), "params": count_parameters(trainer.model),
             "tokens_per_step": tokens, "warmup_steps": warmup, "timed_steps": steps, "timed_s": seconds,
             "tokens_per_s": steps * tokens / seconds if seconds else None,
             "ms_per_step": 1e3 * seconds / steps if steps else None,
@@ -238,7 +238,7 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
     activities, kind, sync = profiler_setup(device)
     corpus = load_corpus(base.cache_dir)
     out = {"op": "train_profile", **environment(), "python": platform.python_version(),
-           "config": dataclasses.asdict(base), "tokens_per_step": base.batch * base.seq, "steps": steps,
+           "config": base.record(), "tokens_per_step": base.batch * base.seq, "steps": steps,
            "warmup": warmup, "impls": {}, "skipped": {}}
     for name in runs:
         trainer = None

@@ -288,11 +288,24 @@ class TrainConfig:
         """``bf16``, or whether the device is CUDA."""
         return self.bf16 if self.bf16 is not None else self.resolved_device().type == "cuda"
 
+    def uses_attention_backend(self) -> bool:
+        """Whether the model reads ``attention_backend``: the fused GPT only (the unfused spec
+        and the plain model have an attention of their own)."""
+        return self.model == "gpt" and self.spec == "fused"
+
+    def record(self) -> dict:
+        """The fields for a benchmark record: ``dataclasses.asdict``, with ``attention_backend``
+        None where the model does not read it (:meth:`uses_attention_backend`)."""
+        fields = dataclasses.asdict(self)
+        if not self.uses_attention_backend():
+            fields["attention_backend"] = None
+        return fields
+
     def label(self) -> str:
         """A short name: "fused", "unfused", "fused (local)", "plain", with "+ CUDA graphs",
         "+ compile" (and its mode) and "+ full-iteration graph" where they apply."""
         name = "plain" if self.model == "plain" else self.spec
-        if self.model == "gpt" and self.spec == "fused" and self.attention_backend != "flash":
+        if self.uses_attention_backend() and self.attention_backend != "flash":
             name += f" ({self.attention_backend})"
         if self.tp > 1:
             name += f", tp = {self.tp}" + (" + SP" if self.sequence_parallel else "")
