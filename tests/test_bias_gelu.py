@@ -135,6 +135,43 @@ def test_bad_input_raises_clear_error(make, error, match):
         bias_gelu_impl(y, b.to(DEVICE))
 
 
+def test_a_signature_that_passed_the_check_skips_it_and_a_bad_one_never_does(count_calls):
+    # GeLUFunction's forward checks its arguments only when no plan matches the call's signature;
+    # a plan is remembered only for a signature that passed (the check itself in the key).
+    import fusedlib.fusions.fused_bias_gelu as fbg
+    from fusedlib.kernels.bias_gelu import bias_gelu_fwd
+
+    checks = count_calls(fbg, "_check")
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    y, b = torch.randn(6, 40, generator=gen).to(DEVICE), torch.randn(40, generator=gen).to(DEVICE)
+    out = bias_gelu_impl(y, b)
+    assert len(checks) == 1
+    assert torch.equal(bias_gelu_impl(y, b), out) and len(checks) == 1  # the same signature: no check
+    bias_gelu_impl(torch.randn(6, 40, device=DEVICE), torch.randn(40, device=DEVICE))
+    assert len(checks) == 1  # new values, the same signature
+    bias_gelu_impl(y[:5], b)
+    assert len(checks) == 2  # a new shape: checked once
+    for _ in range(2):
+        with pytest.raises(TypeError, match="bias dtype"):
+            bias_gelu_impl(y, b.double())
+        with pytest.raises(ValueError, match=r"bias must have shape \[h\]"):
+            bias_gelu_impl(y, torch.randn(41, device=DEVICE))
+        with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+            bias_gelu_impl(y.tolist(), b)
+    # a strided bias: the check copies it, every call checks again; an unchecked kernel-layer
+    # call on it first (its plan never stands for the check) changes nothing
+    wide = torch.zeros(80, device=DEVICE)
+    wide[::2] = b
+    bias_gelu_fwd(y, wide[::2])
+    n = len(checks)
+    for _ in range(2):
+        assert torch.equal(bias_gelu_impl(y, wide[::2]), out)
+    assert len(checks) == n + 2
+    bias_gelu_fwd(y, torch.randn(41, device=DEVICE))  # unchecked: reads 40 of the 41
+    with pytest.raises(ValueError, match=r"bias must have shape \[h\]"):
+        bias_gelu_impl(y, torch.randn(41, device=DEVICE))
+
+
 def test_mixed_devices_raise():
     other = "cpu" if DEVICE.type == "cuda" else "meta"
     with pytest.raises(ValueError, match="one device, got input on"):

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import launch_planned, plan_cache, planned, remember_plan, spec_key, tensor_key
+from ..runtime import launch_planned, param_key, plan_cache, planned, remember_plan, spec_key, tensor_key
 from .launch import (
     FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
     persistent_grid, pick,
@@ -161,15 +161,47 @@ def bias_gelu_fwd(y: torch.Tensor, bias: torch.Tensor, tile: Tile | None = None)
     Returns:
         ``gelutanh(y + bias)``: a new contiguous tensor of y's shape and dtype.
     """
+    return _bias_gelu_fwd(y, bias, tile, None)[0]
+
+
+def _find_fwd_plan(y, bias, tile, check) -> tuple[tuple | None, object]:
+    """:func:`_bias_gelu_fwd`'s plan key and the plan remembered under it (or None): both None
+    while torch.compile traces (no plans there, nor data pointers), or for arguments a key cannot
+    be built from (not tensors: the check says what is wrong). The check itself is in the key:
+    a plan made by an unchecked call (:func:`bias_gelu_fwd`) never lets a checked one skip it."""
+    if torch.compiler.is_compiling():
+        return None, None
+    try:
+        key = (param_key(y), param_key(bias), tile, check)
+        return key, _FWD_PLANS.get(key)
+    except (AttributeError, RuntimeError, TypeError):
+        return None, None
+
+
+def _bias_gelu_fwd(y, bias, tile, check):
+    """:func:`bias_gelu_fwd` with the op's argument check: ``(out, bias)``, bias as the kernel
+    read it.
+
+    The launch settings are a plan made once per input signature (both tensors' class, shape,
+    strides, dtype, device and address modulo 16: everything that decides them, Triton's
+    specialization of the launch, and what the check reads). ``check(y, bias) -> bias`` (the
+    bias as the kernel takes it: contiguous), raising for bad input, runs only when no plan
+    matches the call's signature, and a plan is remembered only for a signature that passed it:
+    a call whose signature matches skips it. A strided bias (the check copies it) is keyed by the
+    copy's signature, and every such call checks again.
+    """
+    key, p = _find_fwd_plan(y, bias, tile, check)
+    if p is None and check is not None:
+        checked = check(y, bias)
+        if key is None or checked is not bias:
+            bias = checked  # a copy's own signature, or none (a trace)
+            key, p = _find_fwd_plan(y, bias, tile, check)
     device = y.device
     out = empty_contiguous_like(y)  # written as [n_rows, n_cols]
     if out.numel() == 0:
-        return out
+        return out, bias
     y2d = as_rows(y)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = y2d.shape
-    key = None if torch.compiler.is_compiling() else (  # no plan in a compile trace (fake tensors: no data pointer)
-        tensor_key(y2d), device, spec_key(bias), tile)
-    p = _FWD_PLANS.get(key) if key is not None else None
     if p is None:
         if tile is None:
             tile = pick(FWD_TILES, n_cols)
@@ -178,7 +210,7 @@ def bias_gelu_fwd(y: torch.Tensor, bias: torch.Tensor, tile: Tile | None = None)
             dict(BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc_dtype(y.dtype)],
                  num_warps=tile.num_warps)))
     launch_planned(_bias_gelu_fwd_kernel, p, device, y2d, bias, out, n_rows, n_cols, *y2d.stride())
-    return out
+    return out, bias
 
 
 def bias_gelu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
