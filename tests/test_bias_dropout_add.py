@@ -562,6 +562,55 @@ def test_bias_dropout_add_func_bad_input(args, error, match):
 # ---------------------------------------------------------------------------------------
 
 
+def test_a_signature_that_passed_the_check_skips_it_and_a_bad_one_never_does(count_calls):
+    # In training the Function's forward checks its arguments only when no plan matches the call's
+    # signature; a plan is remembered only for a signature that passed (the check in the key), and
+    # the seed is drawn after the check: a refused call draws no random numbers.
+    import fusedlib.fusions.fused_bias_dropout as fbd
+    from fusedlib.kernels.bias_dropout_add import bias_dropout_add_fwd
+
+    checks = count_calls(fbd, "_check")
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    x, b, r = (torch.randn(*shape, generator=gen).to(DEVICE) for shape in ((6, 40), (40,), (6, 40)))
+    torch.manual_seed(0)
+    out = bias_dropout_add_fused_train((x, b), r, 0.25)
+    assert len(checks) == 1
+    torch.manual_seed(0)
+    assert torch.equal(bias_dropout_add_fused_train([x, b], r, 0.25), out) and len(checks) == 1  # no check
+    bias_dropout_add_fused_train((torch.randn(6, 40, device=DEVICE), b), torch.randn(6, 40, device=DEVICE), 0.25)
+    assert len(checks) == 1  # new values, the same signature
+    bias_dropout_add_fused_train((x[:5], b), r[:5], 0.25)
+    assert len(checks) == 2  # a new shape: checked once
+    b41 = torch.randn(41, device=DEVICE)
+    bias_dropout_add_fused_train((x, b), r, 1.0)  # remembered: True below equals it as a key, but is a bool
+    state = torch.random.get_rng_state(), (torch.cuda.get_rng_state() if DEVICE.type == "cuda" else None)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="given as a Python float, got bool"):
+            bias_dropout_add_fused_train((x, b), r, True)
+        with pytest.raises(ValueError, match=r"prob must be a dropout probability in \[0, 1\]"):
+            bias_dropout_add_fused_train((x, b), r, float("nan"))
+        with pytest.raises(TypeError, match=r"prob must be a dropout probability .* got list"):
+            bias_dropout_add_fused_train((x, b), r, [0.25])  # unhashable: the check's to refuse
+        with pytest.raises(ValueError, match=r"bias must have shape \[h\]"):
+            bias_dropout_add_fused_train((x, b41), r, 0.25)
+        with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+            bias_dropout_add_fused_train((x.tolist(), b), r, 0.25)
+        with pytest.raises(ValueError, match=r"bias must have shape \[h\]"):  # the Function itself checks too
+            BiasDropoutAddFunction.apply(x, b41, r, 0.25, True)
+    assert torch.equal(torch.random.get_rng_state(), state[0])
+    assert state[1] is None or torch.equal(torch.cuda.get_rng_state(), state[1])
+    # a strided bias: copied, checked every call, the same result; an unchecked kernel-layer call
+    # on it first (its plan never stands for the check) changes nothing
+    wide = torch.zeros(80, device=DEVICE)
+    wide[::2] = b
+    bias_dropout_add_fwd(x, wide[::2], r, None, 0.0)
+    n = len(checks)
+    for _ in range(2):
+        torch.manual_seed(0)
+        assert torch.equal(bias_dropout_add_fused_train((x, wide[::2]), r, 0.25), out)
+    assert len(checks) == n + 2
+
+
 @pytest.mark.parametrize("prob", (-0.1, 1.5, float("nan"), True, "0.1", None))
 @pytest.mark.parametrize("fn", (bias_dropout_add_fused_train, bias_dropout_add_fused_inference))
 def test_bad_prob_raises(fn, prob):

@@ -584,7 +584,7 @@ def test_each_switch_chooses_the_kernel(monkeypatch, switch, on):
         fused, plain = Spy(monkeypatch, fused_softmax, "softmax_fwd"), Spy(monkeypatch, unfused, "scale_mask_softmax")
     elif switch == "bias_dropout_fusion":
         kw[switch] = on
-        fused, plain = (Spy(monkeypatch, fused_bias_dropout, "bias_dropout_add_fwd"),
+        fused, plain = (Spy(monkeypatch, fused_bias_dropout, "_bias_dropout_add_fwd_checked"),  # training
                         Spy(monkeypatch, unfused, "bias_dropout_add"))
     else:  # memory_efficient_layer_norm: the norm saves y instead of x
         kw[switch] = on

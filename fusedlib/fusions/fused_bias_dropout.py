@@ -47,7 +47,7 @@ from ..checks import (
     real_to_float,
     type_name,
 )
-from ..kernels.bias_dropout_add import bias_dropout_add_bwd, bias_dropout_add_fwd, philox_seed
+from ..kernels.bias_dropout_add import _bias_dropout_add_fwd_checked, bias_dropout_add_bwd, bias_dropout_add_fwd
 from ._apply import apply
 
 __all__ = [
@@ -116,8 +116,11 @@ def _check(x_with_bias: object, residual: object, prob: object, bias_name: str =
 class BiasDropoutAddFunction(torch.autograd.Function):
     """Autograd wiring of fused ``residual + dropout(x + bias, p)``.
 
-    ``forward(ctx, x, bias, residual, prob, training)`` draws a Philox seed from torch's
-    generator (only when ``training`` and p > 0), launches one kernel, and saves the seed:
+    ``forward(ctx, x, bias, residual, prob, training)`` checks its arguments (as
+    :func:`bias_dropout_add_fused_train`, for a call signature that has not passed the check
+    before: the launch plan's key holds all it reads), draws a Philox seed from torch's
+    generator (only when ``training`` and p > 0; after the check, so a refused call draws no
+    random numbers), launches one kernel, and saves the seed:
     8 bytes, where torch's dropout saves a mask of one byte per element. ``backward``
     regenerates the mask from the seed and returns ``(dx, dbias, dresidual, None, None)``:
     dx = g·mask/(1-p') in x's dtype (p' the applied probability, see below), dbias its float32 sum over leading dims in bias's
@@ -127,19 +130,21 @@ class BiasDropoutAddFunction(torch.autograd.Function):
     Shapes: x, residual [..., h] (e.g. [s, b, h], h = 0 allowed: empty results); bias [h] or None.
     prob is applied as p' = round(prob·2^16)/2^16 and kept values scaled by 1/(1 - p').
 
+    Raises:
+        TypeError, ValueError: as :func:`bias_dropout_add_fused_train`.
+
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py``.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, prob: float,
                 training: bool) -> torch.Tensor:
-        dropout = training and prob > 0.0
-        seed = philox_seed(x.device) if dropout else None
-        b = bias.contiguous() if bias is not None else None  # [h]: a copy only for a strided bias
-        out = bias_dropout_add_fwd(x, b, residual, seed, prob)  # [..., h], the residual's dtype
+        # _check runs unless this call's signature passed it before (the plan's key); then the
+        # seed is drawn (training and p > 0) and one kernel writes out [..., h], the residual's dtype
+        out, seed, _, p = _bias_dropout_add_fwd_checked(x, bias, residual, prob, training, _check)
         if seed is not None:
             ctx.save_for_backward(seed)
-        ctx.dropout, ctx.prob, ctx.x_dtype = dropout, prob, x.dtype
+        ctx.dropout, ctx.prob, ctx.x_dtype = seed is not None, p, x.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
 
@@ -156,6 +161,9 @@ class BiasDropoutAddFunction(torch.autograd.Function):
 
 
 def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training: bool) -> torch.Tensor:
+    if training and isinstance(x_with_bias, (tuple, list)) and len(x_with_bias) == 2:
+        # never in place: the Function's forward checks the arguments (once per signature)
+        return apply(BiasDropoutAddFunction, x_with_bias[0], x_with_bias[1], residual, prob, True)
     x, bias, residual, p = _check(x_with_bias, residual, prob)
     inplace = (not training and not x.requires_grad and not residual.requires_grad
                and (bias is None or not bias.requires_grad) and x.dtype == residual.dtype)

@@ -41,12 +41,16 @@ Dror & Shaw, "Parallel random numbers: as easy as 1, 2, 3" (SC 2011); Dao,
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from ..runtime import INTERPRET_ON_CPU, launch, launch_planned, plan_cache, planned, remember_plan, spec_key, tensor_key
+from ..runtime import (
+    INTERPRET_ON_CPU, Planned, launch, launch_planned, param_key, plan_cache, planned, remember_plan, spec_key,
+    tensor_key,
+)
 from .launch import (
     FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
     next_power_of_2, persistent_grid, pick,
@@ -373,16 +377,78 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: torch.Tensor | None, residual: t
         (spec_key(seed), p) if dropout else None, tile)
     pl = _FWD_PLANS.get(key) if key is not None else None
     if pl is None:
-        tile, block_m = _tile(FWD_TILES, tile, n_rows, n_cols)
-        pl = remember_plan(_FWD_PLANS, key, planned(
-            _bias_dropout_add_fwd_kernel, (cdiv(n_rows, block_m), cdiv(n_cols, tile.BLOCK_N)), device,
-            dict(HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
-                 ACC=TL_DTYPE[acc_dtype(x.dtype, residual.dtype)], num_warps=tile.num_warps),
-            data=(drop_threshold(p), dropout_scale(p)) if dropout else (0, 1.0)))
+        pl = remember_plan(_FWD_PLANS, key, _fwd_plan(x2d, bias is not None, residual.dtype, dropout, p, tile))
     launch_planned(_bias_dropout_add_fwd_kernel, pl, device,
                    x2d, bias if bias is not None else x2d, r2d, out, seed if dropout else x2d,
                    n_rows, n_cols, *x2d.stride(), *r2d.stride(), *out_strides, *pl.data)
     return out
+
+
+def _fwd_plan(x2d: torch.Tensor, has_bias: bool, residual_dtype: torch.dtype, dropout: bool, p: float,
+              tile: Tile | None) -> Planned:
+    """The forward's launch for inputs like ``x2d`` (data: the dropout mask's threshold and scale,
+    or (0, 1.0))."""
+    n_rows, n_cols = x2d.shape
+    tile, block_m = _tile(FWD_TILES, tile, n_rows, n_cols)
+    return planned(
+        _bias_dropout_add_fwd_kernel, (cdiv(n_rows, block_m), cdiv(n_cols, tile.BLOCK_N)), x2d.device,
+        dict(HAS_BIAS=has_bias, DROPOUT=dropout, BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
+             ACC=TL_DTYPE[acc_dtype(x2d.dtype, residual_dtype)], num_warps=tile.num_warps),
+        data=(drop_threshold(p), dropout_scale(p)) if dropout else (0, 1.0))
+
+
+def _find_checked_plan(x, bias, residual, prob, training, check) -> tuple[tuple | None, Planned | None]:
+    """:func:`_bias_dropout_add_fwd_checked`'s plan key and the plan remembered under it (or None):
+    both None while torch.compile traces (no plans there, nor data pointers), or for arguments a
+    key cannot be built from (not tensors, an unhashable prob: the check says what is wrong)."""
+    if torch.compiler.is_compiling():
+        return None, None
+    try:
+        key = (param_key(x), param_key(bias), param_key(residual), prob.__class__, prob, training, check)
+        return key, _FWD_PLANS.get(key)
+    except (AttributeError, RuntimeError, TypeError):
+        return None, None
+
+
+def _bias_dropout_add_fwd_checked(x: Any, bias: Any, residual: Any, prob: Any, training: bool,
+                                 check: Callable) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                                           float]:
+    """:func:`bias_dropout_add_fwd` into a new tensor, with the op's argument check and the seed:
+    ``(out, seed, bias, p)``: seed the Philox key drawn (:func:`philox_seed`, after the check;
+    None when ``training`` is False or p is 0), bias as the kernel read it (contiguous), p the
+    probability as a float.
+
+    ``check((x, bias), residual, prob) -> (x, bias, residual, p)`` raises for bad input. It runs
+    only when no plan matches the call's signature (each tensor's class, shape, strides, dtype,
+    device and address modulo 16; prob and its type; training; the check itself), and a plan is
+    remembered only for a signature that passed it, so a call whose signature matches skips it.
+    A strided bias (copied here) is keyed by its copy's signature, and every such call checks
+    again.
+
+    Raises:
+        What ``check`` raises.
+    """
+    key, pl = _find_checked_plan(x, bias, residual, prob, training, check)
+    if pl is None:
+        x, bias, residual, p = check((x, bias), residual, prob)
+        b = bias.contiguous() if bias is not None else None  # [h]: a copy only for a strided bias
+        if b is not bias:
+            key, pl = _find_checked_plan(x, b, residual, prob, training, check)
+    else:
+        b, p = bias, float(prob)
+    dropout = training and p > 0.0
+    seed = philox_seed(x.device) if dropout else None
+    out = empty_contiguous_like(residual)  # x's shape, the residual's dtype; written as [n_rows, n_cols]
+    if out.numel() == 0:
+        return out, seed, b, p
+    x2d, r2d = as_rows(x), as_rows(residual)  # [..., n_cols] -> [n_rows, n_cols]
+    n_rows, n_cols = x2d.shape
+    if pl is None:
+        pl = remember_plan(_FWD_PLANS, key, _fwd_plan(x2d, b is not None, residual.dtype, dropout, p, None))
+    launch_planned(_bias_dropout_add_fwd_kernel, pl, x.device,
+                   x2d, b if b is not None else x2d, r2d, out, seed if dropout else x2d,
+                   n_rows, n_cols, *x2d.stride(), *r2d.stride(), n_cols, 1, *pl.data)
+    return out, seed, b, p
 
 
 def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tensor | None, p: float,
