@@ -599,6 +599,21 @@ def test_a_signature_that_passed_the_check_skips_it_and_a_bad_one_never_does(cou
             BiasDropoutAddFunction.apply(x, b41, r, 0.25, True)
     assert torch.equal(torch.random.get_rng_state(), state[0])
     assert state[1] is None or torch.equal(torch.cuda.get_rng_state(), state[1])
+    # training must be a bool (a tensor flag flipped in place kept the dropout plan); a Real
+    # that is not a float is checked at every call (its value may change under one identity)
+    with pytest.raises(TypeError, match="training must be a bool, got torch.Tensor"):
+        BiasDropoutAddFunction.apply(x, b, r, 0.25, torch.tensor(True))
+
+    class Schedule(float):  # a float subclass: not keyed, checked every call
+        pass
+
+    n = len(checks)
+    for _ in range(2):
+        bias_dropout_add_fused_train((x, b), r, Schedule(0.25))
+    assert len(checks) == n + 2
+    # inside torch.func transforms torch refuses the Function first: the op checks before it
+    with pytest.raises(ValueError, match=r"bias must have shape \[h\]"):
+        torch.func.vmap(lambda xx: bias_dropout_add_fused_train((xx, b41), r, 0.25))(x[None])
     # a strided bias: copied, checked every call, the same result; an unchecked kernel-layer call
     # on it first (its plan never stands for the check) changes nothing
     wide = torch.zeros(80, device=DEVICE)

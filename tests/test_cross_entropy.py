@@ -210,6 +210,15 @@ def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(
             fused_vocab_parallel_cross_entropy(x.tolist(), t, ignore_index=1)
         with pytest.raises(ValueError, match=r"label_smoothing must be a float in \[0, 1\)"):
             fused_vocab_parallel_cross_entropy(x, t, label_smoothing=[0.1])  # unhashable: the check's to refuse
+
+    class Smoothing(float):  # a Real that is not a float: not keyed (its value may change), checked every call
+        pass
+
+    n = len(checks)
+    for _ in range(2):
+        assert torch.equal(fused_vocab_parallel_cross_entropy(x, t, label_smoothing=Smoothing(0.0), ignore_index=1),
+                           loss)
+    assert len(checks) == n + 2
     # the unchecked kernel-layer call's plans never stand for the op's checks
     from fusedlib.kernels.cross_entropy import cross_entropy_fwd
 

@@ -753,6 +753,14 @@ def test_a_signature_that_passed_the_checks_skips_them_and_a_bad_one_never_does(
         with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
             run(x, eps=eps)
 
+    class Eps(float):  # a Real that is not a float: not keyed (its value may change), checked every call
+        pass
+
+    n = len(checks)
+    for _ in range(2):
+        assert torch.equal(run(x, eps=Eps(1.0)), y)
+    assert len(checks) == n + 2
+
 
 @pytest.mark.parametrize("norm", ("layer", "rms"))
 @pytest.mark.parametrize("flag", ("zero_centered_gamma", "memory_efficient"))

@@ -30,7 +30,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 from torch.autograd.function import once_differentiable as _torch_once_differentiable
 
-__all__ = ["apply", "needs_autograd", "InferenceCtx", "once_differentiable"]
+__all__ = ["apply", "needs_autograd", "in_transform", "InferenceCtx", "once_differentiable"]
 
 Tensor = torch.Tensor
 
@@ -62,6 +62,12 @@ class InferenceCtx:
 
     def set_materialize_grads(self, value: bool) -> None:
         pass
+
+
+def in_transform() -> bool:
+    """Whether a forward-mode AD level or a ``torch.func`` transform is active (where the
+    Functions raise torch's error before their own argument checks could run)."""
+    return _forward_ad._current_level >= 0 or _functorch_level() is not None
 
 
 def needs_autograd(*args: Any) -> bool:

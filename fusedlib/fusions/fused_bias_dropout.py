@@ -48,7 +48,7 @@ from ..checks import (
     type_name,
 )
 from ..kernels.bias_dropout_add import _bias_dropout_add_fwd_checked, bias_dropout_add_bwd, bias_dropout_add_fwd
-from ._apply import apply
+from ._apply import apply, in_transform
 
 __all__ = [
     "BiasDropoutAddFunction",
@@ -141,6 +141,8 @@ class BiasDropoutAddFunction(torch.autograd.Function):
                 training: bool) -> torch.Tensor:
         # _check runs unless this call's signature passed it before (the plan's key); then the
         # seed is drawn (training and p > 0) and one kernel writes out [..., h], the residual's dtype
+        if training is not True and training is not False:
+            training = check_bool("training", training)
         out, seed, _, p = _bias_dropout_add_fwd_checked(x, bias, residual, prob, training, _check)
         if seed is not None:
             ctx.save_for_backward(seed)
@@ -161,8 +163,9 @@ class BiasDropoutAddFunction(torch.autograd.Function):
 
 
 def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training: bool) -> torch.Tensor:
-    if training and isinstance(x_with_bias, (tuple, list)) and len(x_with_bias) == 2:
-        # never in place: the Function's forward checks the arguments (once per signature)
+    if training and isinstance(x_with_bias, (tuple, list)) and len(x_with_bias) == 2 and not in_transform():
+        # never in place: the Function's forward checks the arguments (once per signature); inside
+        # a torch.func transform or forward AD torch refuses the Function first, so check here then
         return apply(BiasDropoutAddFunction, x_with_bias[0], x_with_bias[1], residual, prob, True)
     x, bias, residual, p = _check(x_with_bias, residual, prob)
     inplace = (not training and not x.requires_grad and not residual.requires_grad

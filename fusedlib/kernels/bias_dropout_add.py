@@ -399,12 +399,14 @@ def _fwd_plan(x2d: torch.Tensor, has_bias: bool, residual_dtype: torch.dtype, dr
 
 def _find_checked_plan(x, bias, residual, prob, training, check) -> tuple[tuple | None, Planned | None]:
     """:func:`_bias_dropout_add_fwd_checked`'s plan key and the plan remembered under it (or None):
-    both None while torch.compile traces (no plans there, nor data pointers), or for arguments a
-    key cannot be built from (not tensors, an unhashable prob: the check says what is wrong)."""
-    if torch.compiler.is_compiling():
+    both None while torch.compile traces (no plans there, nor data pointers), for a prob that is
+    not a Python float (only a float's value is fixed: another Real may change under the same
+    identity; the check runs every call for it), or for arguments a key cannot be built from (not
+    tensors: the check says what is wrong)."""
+    if torch.compiler.is_compiling() or type(prob) is not float:
         return None, None
     try:
-        key = (param_key(x), param_key(bias), param_key(residual), prob.__class__, prob, training, check)
+        key = (param_key(x), param_key(bias), param_key(residual), prob, training, check)
         return key, _FWD_PLANS.get(key)
     except (AttributeError, RuntimeError, TypeError):
         return None, None
@@ -420,7 +422,7 @@ def _bias_dropout_add_fwd_checked(x: Any, bias: Any, residual: Any, prob: Any, t
 
     ``check((x, bias), residual, prob) -> (x, bias, residual, p)`` raises for bad input. It runs
     only when no plan matches the call's signature (each tensor's class, shape, strides, dtype,
-    device and address modulo 16; prob and its type; training; the check itself), and a plan is
+    device and address modulo 16; prob, a Python float; training, a bool; the check itself), and a plan is
     remembered only for a signature that passed it, so a call whose signature matches skips it.
     A strided bias (copied here) is keyed by its copy's signature, and every such call checks
     again.

@@ -294,31 +294,33 @@ def _cross_entropy_fwd(x, target, vocab_start_index, ignore_index, label_smoothi
 
     The launch settings are a plan made once per input signature (shapes, strides, dtypes,
     devices, addresses modulo 16, the ints Triton specializes, the switches, label_smoothing
-    and ignore_index with their types). ``validate``: the op's argument check,
+    and ignore_index: a Python float and int, or no plan is remembered). ``validate``: the op's argument check,
     ``validate(x, target, label_smoothing, ignore_index) -> (x2d, target1d)``, raising for bad
     input; it runs only when no plan matches the call's signature, and a plan is remembered only
     for a signature that passed it (it reads nothing the key does not hold), so a call whose
     signature matches skips it. Without it, x and target must be what the kernel takes.
     """
-    key = err = None
+    key = p = err = None
     if not torch.compiler.is_compiling():  # no plan in a compile trace (fake tensors: no data pointer)
+        # the check's word, or None: no check compiled in (while torch.compile traces, or during a
+        # CUDA-graph capture before any check buffer exists); the key says which
         try:
-            # the check's word, or None: no check compiled in (while torch.compile traces, or during
-            # a CUDA-graph capture before any check buffer exists); the key says which
             err = check.word(x) if check is not None else None
-            # the ints are keyed by value: Triton specializes them (1, multiples of 16, int32 range);
-            # validate too: a plan made by an unchecked call never lets a checked one skip its check
-            key = (param_key(x), param_key(target), vocab_start_index, vocab_size, ignore_index.__class__,
-                   ignore_index, label_smoothing.__class__, label_smoothing, bool(finalize), err is not None, tile,
-                   validate)
-            p = _FWD_PLANS.get(key)
-        except (AttributeError, RuntimeError, TypeError):  # not tensors, an unhashable scalar: the check
-            key = p = None  # says what is wrong
-    else:
-        p = None
+        except AttributeError:  # not a tensor: the argument check says so
+            err = None
+        # scalars keyed by value only as a Python float and int (another Real may change under the
+        # same identity: no plan then); the ints by value as Triton specializes them (1, multiples
+        # of 16, int32 range); validate too: an unchecked call's plan never stands for the check
+        if type(label_smoothing) is float and type(ignore_index) is int:
+            try:
+                key = (param_key(x), param_key(target), vocab_start_index, vocab_size, ignore_index,
+                       label_smoothing, bool(finalize), err is not None, tile, validate)
+                p = _FWD_PLANS.get(key)
+            except (AttributeError, RuntimeError, TypeError):  # not tensors: the check says what is wrong
+                key = p = None
     if p is None and validate is not None:
         x2d, target1d = validate(x, target, label_smoothing, ignore_index)
-        if key is None and check is not None:
+        if err is None and check is not None:
             err = check.word(x2d)
     else:
         x2d, target1d = as_rows(x), (target if target.dim() == 1 else target.reshape(-1))

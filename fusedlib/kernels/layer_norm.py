@@ -696,13 +696,14 @@ def _find_fwd_plan(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, er
                    ) -> tuple[Optional[tuple], Optional[Planned]]:
     """:func:`_norm_fwd`'s plan key and the plan remembered under it (or None): both None while
     torch.compile traces (no plans there, nor data pointers), or for arguments a key cannot be
-    built from (not tensors, no strides, an unhashable eps: the check says what is wrong). The
-    check itself is in the key: a plan made by an unchecked call (:func:`norm_fwd`) never lets a
-    checked one skip its check."""
-    if torch.compiler.is_compiling():
+    built from (not tensors, no strides: the check says what is wrong), and for an eps that is not
+    a Python float (only a float's value is fixed: another Real may change under the same
+    identity; the check runs every call for it). The check itself is in the key: a plan made by
+    an unchecked call (:func:`norm_fwd`) never lets a checked one skip its check."""
+    if torch.compiler.is_compiling() or type(eps) is not float:
         return None, None
     try:
-        key = (tensor_key(x), x.device, param_key(weight), param_key(bias), eps.__class__, eps, rms_norm,
+        key = (tensor_key(x), x.device, param_key(weight), param_key(bias), eps, rms_norm,
                zero_centered_gamma, tile, err is not None, stats, check)
         if add_in is not None:
             linear_bias, residual, seed, p = add_in
@@ -721,8 +722,8 @@ def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_c
     The launch settings (tile, grid, constexprs, the bound launch) are a plan made once per
     input signature: everything that decides them and Triton's specialization of the launch
     (shapes, strides, dtypes, addresses modulo 16, the switches, the dropout probability), and
-    everything an argument check reads (the parameters' shapes, strides and devices, eps and
-    its type).
+    everything an argument check reads (the parameters' shapes, strides and devices, eps: a
+    Python float, or no plan is remembered).
 
     ``check``: the op's argument check, ``check(x, weight, bias, eps) -> (weight, bias)`` (the
     parameters as the kernel takes them: contiguous), raising for bad input. It runs only when
