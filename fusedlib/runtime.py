@@ -75,6 +75,7 @@ __all__ = [
     "tensor_key",
     "plan_cache",
     "remember_plan",
+    "find_plan",
     "clear_plans",
     "PLAN_CACHE_SIZE",
     "kernel_mode",
@@ -463,6 +464,24 @@ def clear_plans() -> None:
     ``FOLD_TILES`` at run time: a plan keeps the settings it was made with)."""
     for cache in _PLAN_CACHES:
         cache.clear()
+
+
+def find_plan(cache: dict, key_of: Callable[..., Optional[tuple]], *args: Any) -> tuple[Optional[tuple], Any]:
+    """``(key, plan)``: the plan key ``key_of(*args)`` of an op's call and the plan ``cache``
+    remembers under it (None when it has none). Both None while ``torch.compile`` traces (no
+    plans there: Dynamo refuses reads of a global cache, fake tensors have no data pointer),
+    where ``key_of`` returns None (arguments it will not key, e.g. a scalar that is not a plain
+    float), and where the key cannot be built or hashed (arguments that are not tensors, a
+    tensor without strides, an unhashable scalar): the op's argument check then says what is
+    wrong. An op whose check reads nothing its key does not hold runs the check only when this
+    finds no plan, and remembers a plan (:func:`remember_plan`) only after the check passed."""
+    if torch.compiler.is_compiling():
+        return None, None
+    try:
+        key = key_of(*args)
+        return key, (cache.get(key) if key is not None else None)
+    except (AttributeError, RuntimeError, TypeError):
+        return None, None
 
 
 def remember_plan(cache: dict, key: Optional[tuple], plan: Any) -> Any:

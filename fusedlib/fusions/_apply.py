@@ -81,7 +81,7 @@ def needs_autograd(*args: Any) -> bool:
         is tracing, when a forward-mode AD level is active, or inside a ``torch.func``
         transform; else False.
     """
-    if torch.compiler.is_compiling() or _forward_ad._current_level >= 0 or _functorch_level() is not None:
+    if torch.compiler.is_compiling() or in_transform():
         return True
     if not torch.is_grad_enabled():
         return False

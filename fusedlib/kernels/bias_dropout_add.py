@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 
 from ..runtime import (
-    INTERPRET_ON_CPU, Planned, launch, launch_planned, param_key, plan_cache, planned, remember_plan, spec_key,
-    tensor_key,
+    INTERPRET_ON_CPU, Planned, find_plan, launch, launch_planned, param_key, plan_cache, planned, remember_plan,
+    spec_key, tensor_key,
 )
 from .launch import (
     FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
@@ -397,19 +397,13 @@ def _fwd_plan(x2d: torch.Tensor, has_bias: bool, residual_dtype: torch.dtype, dr
         data=(drop_threshold(p), dropout_scale(p)) if dropout else (0, 1.0))
 
 
-def _find_checked_plan(x, bias, residual, prob, training, check) -> tuple[tuple | None, Planned | None]:
-    """:func:`_bias_dropout_add_fwd_checked`'s plan key and the plan remembered under it (or None):
-    both None while torch.compile traces (no plans there, nor data pointers), for a prob that is
-    not a Python float (only a float's value is fixed: another Real may change under the same
-    identity; the check runs every call for it), or for arguments a key cannot be built from (not
-    tensors: the check says what is wrong)."""
-    if torch.compiler.is_compiling() or type(prob) is not float:
-        return None, None
-    try:
-        key = (param_key(x), param_key(bias), param_key(residual), prob, training, check)
-        return key, _FWD_PLANS.get(key)
-    except (AttributeError, RuntimeError, TypeError):
-        return None, None
+def _checked_key(x, bias, residual, prob, training, check) -> tuple | None:
+    """:func:`_bias_dropout_add_fwd_checked`'s plan key (for :func:`~fusedlib.runtime.find_plan`),
+    or None for a prob that is not a Python float (only a float's value is fixed: another Real
+    may change under the same identity; the check runs every call for it)."""
+    if type(prob) is not float:
+        return None
+    return param_key(x), param_key(bias), param_key(residual), prob, training, check
 
 
 def _bias_dropout_add_fwd_checked(x: Any, bias: Any, residual: Any, prob: Any, training: bool,
@@ -430,12 +424,12 @@ def _bias_dropout_add_fwd_checked(x: Any, bias: Any, residual: Any, prob: Any, t
     Raises:
         What ``check`` raises.
     """
-    key, pl = _find_checked_plan(x, bias, residual, prob, training, check)
+    key, pl = find_plan(_FWD_PLANS, _checked_key, x, bias, residual, prob, training, check)
     if pl is None:
         x, bias, residual, p = check((x, bias), residual, prob)
         b = bias.contiguous() if bias is not None else None  # [h]: a copy only for a strided bias
         if b is not bias:
-            key, pl = _find_checked_plan(x, b, residual, prob, training, check)
+            key, pl = find_plan(_FWD_PLANS, _checked_key, x, b, residual, prob, training, check)
     else:
         b, p = bias, float(prob)
     dropout = training and p > 0.0

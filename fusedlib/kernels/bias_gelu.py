@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import launch_planned, param_key, plan_cache, planned, remember_plan, spec_key, tensor_key
+from ..runtime import find_plan, launch_planned, param_key, plan_cache, planned, remember_plan, spec_key, tensor_key
 from .launch import (
     FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
     persistent_grid, pick,
@@ -164,18 +164,11 @@ def bias_gelu_fwd(y: torch.Tensor, bias: torch.Tensor, tile: Tile | None = None)
     return _bias_gelu_fwd(y, bias, tile, None)[0]
 
 
-def _find_fwd_plan(y, bias, tile, check) -> tuple[tuple | None, object]:
-    """:func:`_bias_gelu_fwd`'s plan key and the plan remembered under it (or None): both None
-    while torch.compile traces (no plans there, nor data pointers), or for arguments a key cannot
-    be built from (not tensors: the check says what is wrong). The check itself is in the key:
-    a plan made by an unchecked call (:func:`bias_gelu_fwd`) never lets a checked one skip it."""
-    if torch.compiler.is_compiling():
-        return None, None
-    try:
-        key = (param_key(y), param_key(bias), tile, check)
-        return key, _FWD_PLANS.get(key)
-    except (AttributeError, RuntimeError, TypeError):
-        return None, None
+def _fwd_key(y, bias, tile, check) -> tuple:
+    """:func:`_bias_gelu_fwd`'s plan key (for :func:`~fusedlib.runtime.find_plan`). The check
+    itself is in it: a plan made by an unchecked call (:func:`bias_gelu_fwd`) never lets a
+    checked one skip it."""
+    return param_key(y), param_key(bias), tile, check
 
 
 def _bias_gelu_fwd(y, bias, tile, check):
@@ -190,12 +183,12 @@ def _bias_gelu_fwd(y, bias, tile, check):
     a call whose signature matches skips it. A strided bias (the check copies it) is keyed by the
     copy's signature, and every such call checks again.
     """
-    key, p = _find_fwd_plan(y, bias, tile, check)
+    key, p = find_plan(_FWD_PLANS, _fwd_key, y, bias, tile, check)
     if p is None and check is not None:
         checked = check(y, bias)
         if key is None or checked is not bias:
             bias = checked  # a copy's own signature, or none (a trace)
-            key, p = _find_fwd_plan(y, bias, tile, check)
+            key, p = find_plan(_FWD_PLANS, _fwd_key, y, bias, tile, check)
     device = y.device
     out = empty_contiguous_like(y)  # written as [n_rows, n_cols]
     if out.numel() == 0:

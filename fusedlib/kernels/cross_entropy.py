@@ -49,7 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import DeviceCheck, launch_planned, param_key, plan_cache, planned, remember_plan, spec_key, tensor_key
+from ..runtime import (
+    DeviceCheck, find_plan, launch_planned, param_key, plan_cache, planned, remember_plan, spec_key, tensor_key,
+)
 from .launch import HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like, pick
 
 __all__ = ["cross_entropy_fwd", "cross_entropy_bwd", "smoothing_coefs", "FWD_TILES", "BWD_TILES", "TILE_ELEMENTS",
@@ -287,6 +289,19 @@ def cross_entropy_fwd(
     return out
 
 
+def _fwd_key(x, target, vocab_start_index, ignore_index, label_smoothing, vocab_size, finalize, tile, err,
+             validate) -> tuple | None:
+    """:func:`_cross_entropy_fwd`'s plan key (for :func:`~fusedlib.runtime.find_plan`), or None
+    for scalars other than a Python float label_smoothing and int ignore_index (only their values
+    are fixed: another Real may change under the same identity). The ints by value, as Triton
+    specializes them (1, multiples of 16, int32 range); validate too: an unchecked call's plan
+    never stands for the check."""
+    if type(label_smoothing) is not float or type(ignore_index) is not int:
+        return None
+    return (param_key(x), param_key(target), vocab_start_index, vocab_size, ignore_index, label_smoothing,
+            bool(finalize), err is not None, tile, validate)
+
+
 def _cross_entropy_fwd(x, target, vocab_start_index, ignore_index, label_smoothing, vocab_size, finalize, tile,
                        check, validate=None):
     """:func:`cross_entropy_fwd` on ``x`` [..., n_cols] and ``target`` [...]: ``(out, x2d, target1d)``,
@@ -300,24 +315,14 @@ def _cross_entropy_fwd(x, target, vocab_start_index, ignore_index, label_smoothi
     for a signature that passed it (it reads nothing the key does not hold), so a call whose
     signature matches skips it. Without it, x and target must be what the kernel takes.
     """
-    key = p = err = None
-    if not torch.compiler.is_compiling():  # no plan in a compile trace (fake tensors: no data pointer)
-        # the check's word, or None: no check compiled in (while torch.compile traces, or during a
-        # CUDA-graph capture before any check buffer exists); the key says which
-        try:
-            err = check.word(x) if check is not None else None
-        except AttributeError:  # not a tensor: the argument check says so
-            err = None
-        # scalars keyed by value only as a Python float and int (another Real may change under the
-        # same identity: no plan then); the ints by value as Triton specializes them (1, multiples
-        # of 16, int32 range); validate too: an unchecked call's plan never stands for the check
-        if type(label_smoothing) is float and type(ignore_index) is int:
-            try:
-                key = (param_key(x), param_key(target), vocab_start_index, vocab_size, ignore_index,
-                       label_smoothing, bool(finalize), err is not None, tile, validate)
-                p = _FWD_PLANS.get(key)
-            except (AttributeError, RuntimeError, TypeError):  # not tensors: the check says what is wrong
-                key = p = None
+    # the check's word, or None: no check compiled in (while torch.compile traces, or during a
+    # CUDA-graph capture before any check buffer exists); the key says which
+    try:
+        err = check.word(x) if check is not None else None
+    except AttributeError:  # not a tensor: the argument check says so
+        err = None
+    key, p = find_plan(_FWD_PLANS, _fwd_key, x, target, vocab_start_index, ignore_index, label_smoothing, vocab_size,
+                       finalize, tile, err, validate)
     if p is None and validate is not None:
         x2d, target1d = validate(x, target, label_smoothing, ignore_index)
         if err is None and check is not None:

@@ -79,7 +79,8 @@ import triton
 import triton.language as tl
 
 from ..runtime import (
-    DeviceCheck, Planned, launch_planned, param_key, plan_cache, planned, remember_plan, spec_key, tensor_key,
+    DeviceCheck, Planned, find_plan, launch_planned, param_key, plan_cache, planned, remember_plan, spec_key,
+    tensor_key,
 )
 from .bias_dropout_add import _keep_mask, bias_dropout_add_bwd, drop_threshold, dropout_scale
 from .launch import (
@@ -692,25 +693,20 @@ def _fwd_plan(x2d: torch.Tensor, rms_norm: bool, has_bias: bool, zero_centered_g
     return planned(_norm_fwd_kernel, (programs,), x2d.device, kwargs, data=(rows_per_program, *drop))
 
 
-def _find_fwd_plan(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, err, stats, add_in, check
-                   ) -> tuple[Optional[tuple], Optional[Planned]]:
-    """:func:`_norm_fwd`'s plan key and the plan remembered under it (or None): both None while
-    torch.compile traces (no plans there, nor data pointers), or for arguments a key cannot be
-    built from (not tensors, no strides: the check says what is wrong), and for an eps that is not
-    a Python float (only a float's value is fixed: another Real may change under the same
-    identity; the check runs every call for it). The check itself is in the key: a plan made by
-    an unchecked call (:func:`norm_fwd`) never lets a checked one skip its check."""
-    if torch.compiler.is_compiling() or type(eps) is not float:
-        return None, None
-    try:
-        key = (tensor_key(x), x.device, param_key(weight), param_key(bias), eps, rms_norm,
-               zero_centered_gamma, tile, err is not None, stats, check)
-        if add_in is not None:
-            linear_bias, residual, seed, p = add_in
-            key += (spec_key(linear_bias), tensor_key(residual), None if seed is None else (spec_key(seed), p))
-        return key, _FWD_PLANS.get(key)
-    except (AttributeError, RuntimeError, TypeError):
-        return None, None
+def _fwd_key(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, err, stats, add_in, check
+             ) -> Optional[tuple]:
+    """:func:`_norm_fwd`'s plan key (for :func:`~fusedlib.runtime.find_plan`), or None for an eps
+    that is not a Python float (only a float's value is fixed: another Real may change under the
+    same identity; the check runs every call for it). The check itself is in the key: a plan
+    made by an unchecked call (:func:`norm_fwd`) never lets a checked one skip its check."""
+    if type(eps) is not float:
+        return None
+    key = (param_key(x), param_key(weight), param_key(bias), eps, rms_norm, zero_centered_gamma, tile,
+           err is not None, stats, check)
+    if add_in is not None:
+        linear_bias, residual, seed, p = add_in
+        key += (spec_key(linear_bias), tensor_key(residual), None if seed is None else (spec_key(seed), p))
+    return key
 
 
 def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, stats, add_in=None,
@@ -739,13 +735,13 @@ def _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_c
         err = gamma_check.word(x) if gamma_check is not None else None
     except AttributeError:  # not a tensor: the check says so
         err = None
-    key, plan = _find_fwd_plan(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, err, stats, add_in, check)
+    key_args = (x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, err, stats, add_in, check)
+    key, plan = find_plan(_FWD_PLANS, _fwd_key, *key_args)
     if plan is None and check is not None:
         checked = check(x, weight, bias, eps)
         if key is None or checked[0] is not weight or checked[1] is not bias:
             weight, bias = checked  # a copy's own signature, or none (a trace)
-            key, plan = _find_fwd_plan(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, err, stats, add_in,
-                                       check)
+            key, plan = find_plan(_FWD_PLANS, _fwd_key, x, weight, bias, *key_args[3:])
     device = x.device
     x2d = as_rows(x)  # [..., h] -> [rows, h]
     n_rows = x2d.shape[0]
