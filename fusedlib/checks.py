@@ -10,8 +10,9 @@ when that condition fails: the error is the same, the common case pays a fractio
 """
 from __future__ import annotations
 
+import functools
 import numbers
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -22,6 +23,9 @@ __all__ = [
     "FLOAT32_MAX",
     "ArgumentTypeError",
     "check_tensor",
+    "check_dense",
+    "is_dense",
+    "resolve_neg_grads",
     "check_same_device",
     "check_bool",
     "is_numpy_bool",
@@ -43,6 +47,9 @@ KERNEL_DEVICE_TYPES: frozenset[str] = frozenset(("cuda", "cpu"))
 #: The largest finite float32 (3.4028e38). The kernels take Python floats (scales, eps, clamps)
 #: as float32 arguments: a larger value becomes inf there, so checks reject it.
 FLOAT32_MAX: float = torch.finfo(torch.float32).max
+
+_STRIDED = torch.strided
+_is_compiling = torch.compiler.is_compiling
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -116,8 +123,9 @@ def _short_repr(value: object) -> str:
 
 
 def on_one_kernel_device(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is on one device of a type in :data:`KERNEL_DEVICE_TYPES`: the
-    happy case of :func:`check_same_device`, as one cheap test (no message, no raise).
+    """True when every tensor is on one device of a type in :data:`KERNEL_DEVICE_TYPES`, dense
+    and without the negative bit (:func:`check_dense`): the happy case of
+    :func:`check_same_device`, as one cheap test (no message, no raise).
 
     Args:
         *tensors: one or more tensors (no None).
@@ -125,10 +133,72 @@ def on_one_kernel_device(*tensors: torch.Tensor) -> bool:
     device = tensors[0].device
     if device.type not in KERNEL_DEVICE_TYPES:
         return False
-    for t in tensors[1:]:
-        if t.device != device:
+    for t in tensors:
+        if t.device != device or t.layout is not _STRIDED:
             return False
+    if not _is_compiling():  # (Dynamo cannot trace is_neg)
+        for t in tensors:
+            if t.is_neg():
+                return False
     return True
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """The happy case of :func:`check_dense` as one cheap test: strided, and without the
+    negative bit (not tested while ``torch.compile`` traces)."""
+    return t.layout is _STRIDED and (_is_compiling() or not t.is_neg())
+
+
+def check_dense(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor a Triton kernel cannot read as its values.
+
+    A kernel reads a tensor's memory through its data pointer and strides. That memory is the
+    tensor's values only for a strided (dense) layout, and only without the *negative bit*:
+    PyTorch's lazy negation views (``c.conj().imag`` of a complex tensor, ``torch._neg_view``)
+    share the memory of the tensor they negate and flip the sign only when an operator reads
+    them, so a kernel would compute with the negated values. PyTorch's own raw-memory exits
+    refuse them the same way (``Tensor.numpy()``). Not checked while ``torch.compile`` traces
+    (Dynamo cannot trace ``is_neg``; the compiled graph's inputs are plain tensors).
+
+    Args:
+        name: the argument's name, used in the error message.
+        t: a tensor.
+
+    Raises:
+        TypeError: ``t`` is sparse or of another non-strided layout.
+        ValueError: ``t`` has the negative bit set (the message says to pass
+            ``t.resolve_neg()``).
+    """
+    if t.layout is not _STRIDED:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}: pass {name}.to_dense()")
+    if not torch.compiler.is_compiling() and t.is_neg():
+        raise ValueError(
+            f"{name} has its negative bit set (a lazy negation view, e.g. the imaginary part of a conjugated "
+            f"complex tensor), whose memory holds the negated values that fusedlib's kernels would read: "
+            f"pass {name}.resolve_neg()"
+        )
+
+
+def resolve_neg_grads(backward: Callable) -> Callable:
+    """Decorator for an ``autograd.Function``'s ``backward``: the gradients it receives with the
+    negative bit set (autograd hands on lazy negation views, see :func:`check_dense`) reach
+    it resolved (``g.resolve_neg()``, a copy), so its kernels read the gradients' values. The
+    others pass unchanged (one ``is_neg`` test each); nothing is tested while ``torch.compile``
+    traces.
+
+    Source: fusedlib (PyTorch's negative-bit views: ``torch.Tensor.resolve_neg``).
+    """
+
+    @functools.wraps(backward)
+    def resolving(ctx: Any, *grads: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            for g in grads:
+                if g is not None and g.is_neg():
+                    grads = tuple(h.resolve_neg() if h is not None else None for h in grads)
+                    break
+        return backward(ctx, *grads)
+
+    return resolving
 
 
 def check_tensor(
@@ -154,11 +224,14 @@ def check_tensor(
         ``t``, unchanged.
 
     Raises:
-        TypeError: ``t`` is not a tensor, or has a dtype not in ``dtypes``.
-        ValueError: wrong number of dims or shape.
+        TypeError: ``t`` is not a tensor, is not dense (:func:`check_dense`), or has a dtype
+            not in ``dtypes``.
+        ValueError: ``t`` has the negative bit set (:func:`check_dense`); wrong number of
+            dims or shape.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(name, t)
     if dtypes is not None:
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
@@ -188,10 +261,14 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
         The common device.
 
     Raises:
+        TypeError, ValueError: as :func:`check_dense`, for a tensor that is not dense or has
+            the negative bit set.
         ValueError: naming each argument and its device when they differ, or when the
             device is neither CUDA nor CPU.
     """
     present = {k: v for k, v in tensors.items() if v is not None}
+    for k, v in present.items():
+        check_dense(k, v)
     devices = {v.device for v in present.values()}
     if len(devices) > 1:
         where = ", ".join(f"{k} on {v.device}" for k, v in present.items())

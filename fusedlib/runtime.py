@@ -412,6 +412,7 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
             "or set TRITON_INTERPRET=1 in the environment before starting Python."
         )
     if INTERPRET_ON_CPU:
+        _launch_layer.refuse_neg_arguments(kernel, args)
         kernel[tuple(grid)](*args, **kwargs)
         return
     if tensors_device.type != "cuda":
@@ -425,14 +426,17 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
         current = _cuda_get_device()  # torch.cuda.current_device() without its lazy-init call
         if index is None or index == current:
             if _launch_layer.DIRECT_LAUNCH:
-                # the cached compiled kernel, without Triton's per-call Python (kernels/launch.py)
+                # the cached compiled kernel, without Triton's per-call Python (kernels/launch.py;
+                # its key refuses a tensor with the negative bit)
                 _launch_layer.direct_launch(kernel, grid, current, args, kwargs)
             else:
+                _launch_layer.refuse_neg_arguments(kernel, args)
                 kernel[tuple(grid)](*args, **kwargs)
             return
     elif index is None or index == torch.cuda.current_device():
         kernel[tuple(grid)](*args, **kwargs)  # inside a compile: Dynamo must see the Triton kernel
         return
+    _launch_layer.refuse_neg_arguments(kernel, args)
     with torch.cuda.device(tensors_device):  # Triton launches on the current device
         kernel[tuple(grid)](*args, **kwargs)
 
@@ -526,19 +530,22 @@ def launch_planned(kernel: Any, p: Planned, device: torch.device, *args: Any) ->
 def spec_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
     """A tensor argument's part of a plan key when its shape and strides are known from
     others': dtype and address modulo 16 (what Triton specializes a pointer on), and the
-    class (the launch layer's key tells a tensor subclass from a tensor); None for None."""
-    return None if t is None else (t.__class__, t.dtype, t.data_ptr() & 15)
+    class (the launch layer's key tells a tensor subclass from a tensor) and the negative bit
+    (:func:`fusedlib.checks.check_dense`: such a tensor has no plan); None for None."""
+    return None if t is None else (t.__class__, t.dtype, t.data_ptr() & 15, t.is_neg())
 
 
 def param_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
     """A tensor argument's part of a plan key that also stands for an argument check:
-    class, shape, strides, dtype, device and address modulo 16; None for None."""
-    return None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+    class, shape, strides, dtype, device, address modulo 16 and the negative bit; None for None."""
+    return None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15,
+                                   t.is_neg())
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
-    """A tensor argument's part of a plan key: class, shape, strides, dtype, address modulo 16."""
-    return (t.__class__, t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
+    """A tensor argument's part of a plan key: class, shape, strides, dtype, address modulo 16,
+    the negative bit."""
+    return (t.__class__, t.shape, t.stride(), t.dtype, t.data_ptr() & 15, t.is_neg())
 
 
 class LaunchPlan:

@@ -18,6 +18,7 @@ from ..checks import (
     check_bool,
     check_same_device,
     check_tensor,
+    is_dense,
     on_one_kernel_device,
     real_to_float,
 )
@@ -41,7 +42,7 @@ def check_glu_input(y: object, name: str = "input", ndim: tuple[int, ...] | None
     """
     # the happy case in one test; the checks below name what is wrong otherwise
     if (isinstance(y, Tensor) and y.dtype in FLOAT_DTYPES and y.dim() >= 1 and (ndim is None or y.dim() in ndim)
-            and y.shape[-1] % 2 == 0):
+            and y.shape[-1] % 2 == 0 and is_dense(y)):
         return y
     check_tensor(name, y, min_ndim=1, ndim=ndim)
     if y.shape[-1] % 2 != 0:

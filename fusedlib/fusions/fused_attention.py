@@ -44,7 +44,15 @@ from typing import Optional
 
 import torch
 
-from ..checks import FLOAT32_MAX, check_bool, check_same_device, check_tensor, on_one_kernel_device, real_to_float
+from ..checks import (
+    FLOAT32_MAX,
+    check_bool,
+    check_same_device,
+    check_tensor,
+    on_one_kernel_device,
+    real_to_float,
+    resolve_neg_grads,
+)
 from ..kernels.bias_dropout_add import philox_seed
 from ..kernels.flash_attention import LOG2E, MAX_HEAD_DIM, attention_band, flash_attn_bwd, flash_attn_fwd
 from .fused_softmax import _check_dropout_p, _check_window  # the softmax's argument rules, shared
@@ -93,6 +101,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output):
         q, k, v, o, lse, mask, sink32, seed = ctx.saved_tensors
         do = grad_output if grad_output.stride(-1) == 1 else grad_output.contiguous()

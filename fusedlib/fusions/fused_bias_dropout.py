@@ -38,13 +38,14 @@ from torch.autograd.function import once_differentiable
 
 from .. import unfused
 from ..checks import (
-    FLOAT_DTYPES,
     ArgumentTypeError,
+    FLOAT_DTYPES,
     check_bool,
     check_same_device,
     check_tensor,
     on_one_kernel_device,
     real_to_float,
+    resolve_neg_grads,
     type_name,
 )
 from ..kernels.bias_dropout_add import _bias_dropout_add_fwd_checked, bias_dropout_add_bwd, bias_dropout_add_fwd
@@ -152,6 +153,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: torch.Tensor):
         seed = ctx.saved_tensors[0] if ctx.dropout else None
         need_dx, need_db, need_dr = ctx.needs_input_grad[:3]

@@ -27,6 +27,7 @@ from ._glu import (
     glu_backward_apply,
     glu_forward,
 )
+from ..checks import resolve_neg_grads
 from ._apply import apply, once_differentiable
 
 __all__ = [
@@ -137,6 +138,7 @@ class BiasGeGLUFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: torch.Tensor):
         dy, db, _ = glu_backward(ctx, grad_output)
         return dy, db
@@ -155,6 +157,7 @@ class GeGLUFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: torch.Tensor):
         return glu_backward(ctx, grad_output)[0]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device, resolve_neg_grads
 from ..kernels.bias_gelu import _bias_gelu_fwd, bias_gelu_bwd, bias_gelu_fwd
 from ._apply import apply, once_differentiable
 
@@ -116,6 +116,7 @@ class GeLUFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         input, bias = ctx.saved_tensors  # noqa: A001
         # autograd has already checked grad_output's shape and dtype against the output

@@ -49,6 +49,7 @@ from ._glu import (
     glu_backward_apply,
     glu_forward,
 )
+from ..checks import resolve_neg_grads
 from ._apply import apply, once_differentiable
 
 __all__ = [
@@ -356,6 +357,7 @@ class BiasSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: torch.Tensor):
         dy, db, _ = glu_backward(ctx, grad_output)
         return dy, db, None, None, None  # (a trailing None for an omitted clamp_value is ignored)
@@ -380,6 +382,7 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: torch.Tensor):
         dy, _, _ = glu_backward(ctx, grad_output)
         return dy, None, None, None
@@ -407,6 +410,7 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: torch.Tensor):
         dy, _, dw = glu_backward(ctx, grad_output)
         return dy, dw, None, None

@@ -71,6 +71,7 @@ from ..checks import (
     check_tensor,
     on_one_kernel_device,
     real_to_float,
+    resolve_neg_grads,
 )
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd, philox_seed
 from ..kernels.layer_norm import (
@@ -250,6 +251,7 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: Optional[torch.Tensor], grad_residual: Optional[torch.Tensor] = None):
         # grad_output needs no check: autograd's engine has matched it to y's shape, dtype and
         # device (strides may differ: the kernel takes them)
@@ -295,6 +297,7 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: Optional[torch.Tensor], grad_residual: Optional[torch.Tensor] = None):
         if grad_output is None:  # (residual_out) y unused
             return grad_residual, None, None, None, None, None
@@ -750,6 +753,7 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_y: Optional[torch.Tensor], grad_h: Optional[torch.Tensor]):
         h, weight, bias, mean, rstd, seed = ctx.saved_tensors
         lb_dtype = ctx.linear_bias_dtype if ctx.needs_input_grad[1] else None

@@ -37,6 +37,7 @@ from ..checks import (
     check_tensor,
     on_one_kernel_device,
     real_to_float,
+    resolve_neg_grads,
     type_name,
 )
 from ._apply import apply
@@ -131,6 +132,7 @@ class FusedRoPEFunc(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernel's backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (freqs,) = ctx.saved_tensors
         # autograd has checked grad_output's shape and dtype against the output; any strides

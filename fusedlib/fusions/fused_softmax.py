@@ -55,8 +55,10 @@ from ..checks import (
     check_bool,
     check_same_device,
     check_tensor,
+    is_dense,
     on_one_kernel_device,
     real_to_float,
+    resolve_neg_grads,
     type_name,
 )
 from ..kernels.bias_dropout_add import KEEP_BITS, philox_seed
@@ -281,7 +283,7 @@ Tensor = torch.Tensor
 
 def _is_float_tensor(t: object, ndim: int) -> bool:
     """The happy case of ``check_tensor(name, t, ndim=ndim)`` (ndim 0: any), as one cheap test."""
-    return isinstance(t, Tensor) and t.dtype in FLOAT_DTYPES and (ndim == 0 or t.dim() == ndim)
+    return isinstance(t, Tensor) and t.dtype in FLOAT_DTYPES and (ndim == 0 or t.dim() == ndim) and is_dense(t)
 
 
 def _check_scale(scale: object) -> float:
@@ -399,6 +401,7 @@ class _ScaleMaskSoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output):
         p, sink = ctx.saved_tensors
         want_offset = ctx.offset_meta is not None and ctx.needs_input_grad[4]
@@ -504,6 +507,7 @@ class ScaledMaskedSoftmaxDropout(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output):
         x4, mask, stats, seed, sink = ctx.saved_tensors
         want_offset = ctx.offset_meta is not None and ctx.needs_input_grad[4]
@@ -637,6 +641,7 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, output_grads):
         (p,) = ctx.saved_tensors
         dx, _ = softmax_bwd(output_grads, p, ctx.scale, ctx.band)
@@ -679,6 +684,7 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, output_grads):
         (p,) = ctx.saved_tensors
         dx, _ = softmax_bwd(output_grads, p, ctx.scale)
@@ -716,6 +722,7 @@ class ScaledSoftmax(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, output_grads):
         (p,) = ctx.saved_tensors
         sk = p.shape[-1]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import FLOAT32_MAX, FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import FLOAT32_MAX, FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device, resolve_neg_grads
 from ..kernels.squared_relu import weighted_squared_relu_bwd, weighted_squared_relu_fwd
 from ._glu import check_row_weights
 from ._apply import apply, once_differentiable
@@ -156,6 +156,7 @@ class WeightedSquaredReLUFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: torch.Tensor):
         x, weights = ctx.saved_tensors
         _check_grad(grad_output, x)

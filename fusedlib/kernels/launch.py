@@ -71,6 +71,7 @@ __all__ = [
     "launch_stats",
     "direct_launch",
     "launch_key",
+    "refuse_neg_arguments",
     "bind_launch",
     "bound_launch",
     "clear_launch_cache",
@@ -448,6 +449,23 @@ def clear_launch_cache() -> None:
     _CACHE.clear()
 
 
+def refuse_neg_arguments(kernel: Any, args: tuple) -> None:
+    """Raise ValueError, naming the kernel's parameter, for the first tensor in ``args`` with the
+    negative bit set (a lazy negation view, :func:`fusedlib.checks.check_dense`): a kernel
+    reads its memory, which holds the negated values. The ops refuse such inputs in their
+    checks and resolve such gradients (:func:`fusedlib.checks.resolve_neg_grads`); this is the
+    launch layer's net for callers of the kernel layer."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_neg():
+            names = getattr(kernel, "arg_names", None) or ()
+            name = names[i] if i < len(names) else f"#{i}"
+            raise ValueError(
+                f"{getattr(kernel, '__name__', kernel)}: argument {name} is a tensor with its negative bit set (a lazy "
+                "negation view, whose memory holds the negated values the kernel would read): pass it through "
+                ".resolve_neg() first"
+            )
+
+
 def _other_spec(a: Any) -> Any:
     """The key item of an argument that is not an int, float, bool, None or plain tensor,
     or None when the direct path does not take it."""
@@ -569,6 +587,10 @@ def launch_key(kernel: Any, device_index: int, debug: Any, instrumentation_mode:
     arguments as their names and values (a ``tl.dtype`` value as ``("tl.dtype", name)``).
     Every item type is told apart from the others (dtypes, bools, strs, None, tuples), so the
     key names the argument types too.
+
+    Raises:
+        ValueError: for a tensor argument with the negative bit set
+            (:func:`refuse_neg_arguments`).
     """
     key = [id(kernel), device_index, debug, instrumentation_mode]
     append = key.append
@@ -576,6 +598,8 @@ def launch_key(kernel: Any, device_index: int, debug: Any, instrumentation_mode:
     for a in args:
         t = a.__class__
         if t is tensor or t is parameter:
+            if a.is_neg():
+                refuse_neg_arguments(kernel, args)
             append(a.dtype)
             append(a.data_ptr() & 15 == 0)
         elif t is int:
@@ -592,6 +616,8 @@ def launch_key(kernel: Any, device_index: int, debug: Any, instrumentation_mode:
         elif t is bool:
             append("u1")
         else:
+            if isinstance(a, torch.Tensor) and a.is_neg():
+                refuse_neg_arguments(kernel, args)
             s = _other_spec(a)
             if s is None:
                 return f"an argument of type {t.__name__}"

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ..fusions._apply import once_differentiable
-from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device
+from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device, resolve_neg_grads
 from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from ..kernels.launch import as_rows
 from ..runtime import DeviceCheck
@@ -312,6 +312,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not itself differentiable: say so, not silently
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output):
         x2d, t1d, lse = ctx.saved_tensors
         vocab_start_index, vocab_size, ignore_index, label_smoothing, shape = ctx.args

@@ -76,6 +76,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.parameter import Parameter
 
+from ..checks import resolve_neg_grads
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.embedding import check_ids_in_range, embedding_backward
 from ..kernels.launch import as_rows
@@ -538,6 +539,7 @@ class _EmbeddingDeterministicGrad(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # torch's: the gradient is linear in the weight (a second derivative through
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output):  # the incoming gradient raises, as for bias-dropout-add and RoPE)
         (ids,) = ctx.saved_tensors
         return None, embedding_backward(ids, grad_output, ctx.num_embeddings, ctx.weight_dtype)
