@@ -134,19 +134,19 @@ def on_one_kernel_device(*tensors: torch.Tensor) -> bool:
     if device.type not in KERNEL_DEVICE_TYPES:
         return False
     for t in tensors:
-        if t.device != device or t.layout is not _STRIDED:
+        if t.device != device:
             return False
-    if not _is_compiling():  # (Dynamo cannot trace is_neg)
+    if not _is_compiling():  # (Dynamo cannot trace is_neg, nor layout in a Function's backward)
         for t in tensors:
-            if t.is_neg():
+            if t.layout is not _STRIDED or t.is_neg():
                 return False
     return True
 
 
 def is_dense(t: torch.Tensor) -> bool:
     """The happy case of :func:`check_dense` as one cheap test: strided, and without the
-    negative bit (not tested while ``torch.compile`` traces)."""
-    return t.layout is _STRIDED and (_is_compiling() or not t.is_neg())
+    negative bit (nothing is tested while ``torch.compile`` traces)."""
+    return _is_compiling() or (t.layout is _STRIDED and not t.is_neg())
 
 
 def check_dense(name: str, t: torch.Tensor) -> None:
@@ -158,7 +158,7 @@ def check_dense(name: str, t: torch.Tensor) -> None:
     share the memory of the tensor they negate and flip the sign only when an operator reads
     them, so a kernel would compute with the negated values. PyTorch's own raw-memory exits
     refuse them the same way (``Tensor.numpy()``). Not checked while ``torch.compile`` traces
-    (Dynamo cannot trace ``is_neg``; the compiled graph's inputs are plain tensors).
+    (Dynamo cannot trace ``is_neg``, nor ``layout`` inside a Function's backward).
 
     Args:
         name: the argument's name, used in the error message.
@@ -169,6 +169,8 @@ def check_dense(name: str, t: torch.Tensor) -> None:
         ValueError: ``t`` has the negative bit set (the message says to pass
             ``t.resolve_neg()``).
     """
+    if _is_compiling():
+        return
     if t.layout is not _STRIDED:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}: pass {name}.to_dense()")
     if not torch.compiler.is_compiling() and t.is_neg():
