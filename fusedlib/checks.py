@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -138,7 +138,7 @@ def on_one_kernel_device(*tensors: torch.Tensor) -> bool:
             return False
     if not _is_compiling():  # (Dynamo cannot trace is_neg, nor layout in a Function's backward)
         for t in tensors:
-            if t.layout is not _STRIDED or t.is_neg():
+            if t.layout is not _STRIDED or t.is_nested or t.is_neg():
                 return False
     return True
 
@@ -146,14 +146,14 @@ def on_one_kernel_device(*tensors: torch.Tensor) -> bool:
 def is_dense(t: torch.Tensor) -> bool:
     """The happy case of :func:`check_dense` as one cheap test: strided, and without the
     negative bit (nothing is tested while ``torch.compile`` traces)."""
-    return _is_compiling() or (t.layout is _STRIDED and not t.is_neg())
+    return _is_compiling() or (t.layout is _STRIDED and not t.is_nested and not t.is_neg())
 
 
 def check_dense(name: str, t: torch.Tensor) -> None:
     """Refuse a tensor a Triton kernel cannot read as its values.
 
     A kernel reads a tensor's memory through its data pointer and strides. That memory is the
-    tensor's values only for a strided (dense) layout, and only without the *negative bit*:
+    tensor's values only for a strided (dense) layout, not nested, and only without the *negative bit*:
     PyTorch's lazy negation views (``c.conj().imag`` of a complex tensor, ``torch._neg_view``)
     share the memory of the tensor they negate and flip the sign only when an operator reads
     them, so a kernel would compute with the negated values. PyTorch's own raw-memory exits
@@ -165,7 +165,7 @@ def check_dense(name: str, t: torch.Tensor) -> None:
         t: a tensor.
 
     Raises:
-        TypeError: ``t`` is sparse or of another non-strided layout.
+        TypeError: ``t`` is sparse or of another non-strided layout, or a nested tensor.
         ValueError: ``t`` has the negative bit set (the message says to pass
             ``t.resolve_neg()``).
     """
@@ -173,6 +173,9 @@ def check_dense(name: str, t: torch.Tensor) -> None:
         return
     if t.layout is not _STRIDED:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}: pass {name}.to_dense()")
+    if t.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor: pass its components "
+                        f"one at a time, or {name}.to_padded_tensor(0.0)")
     if not torch.compiler.is_compiling() and t.is_neg():
         raise ValueError(
             f"{name} has its negative bit set (a lazy negation view, e.g. the imaginary part of a conjugated "
@@ -181,11 +184,22 @@ def check_dense(name: str, t: torch.Tensor) -> None:
         )
 
 
+def _dense_grad(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if g is None:
+        return None
+    if g._is_zerotensor():  # autograd's lazy zeros: no memory at all
+        return torch.zeros(g.shape, dtype=g.dtype, device=g.device)
+    if g.layout is not _STRIDED:
+        g = g.to_dense()
+    return g.resolve_neg()
+
+
 def resolve_neg_grads(backward: Callable) -> Callable:
     """Decorator for an ``autograd.Function``'s ``backward``: the gradients it receives with the
     negative bit set (autograd hands on lazy negation views, see :func:`check_dense`) reach
-    it resolved (``g.resolve_neg()``, a copy), so its kernels read the gradients' values. The
-    others pass unchanged (one ``is_neg`` test each); nothing is tested while ``torch.compile``
+    it resolved (``g.resolve_neg()``, a copy), so its kernels read the gradients' values; a
+    sparse gradient reaches it dense, autograd's storage-less zero tensor as zeros. The
+    others pass unchanged (three cheap tests each); nothing is tested while ``torch.compile``
     traces.
 
     Source: fusedlib (PyTorch's negative-bit views: ``torch.Tensor.resolve_neg``).
@@ -193,10 +207,10 @@ def resolve_neg_grads(backward: Callable) -> Callable:
 
     @functools.wraps(backward)
     def resolving(ctx: Any, *grads: Any) -> Any:
-        if not torch.compiler.is_compiling():
+        if not _is_compiling():
             for g in grads:
-                if g is not None and g.is_neg():
-                    grads = tuple(h.resolve_neg() if h is not None else None for h in grads)
+                if g is not None and (g.is_neg() or g.layout is not _STRIDED or g._is_zerotensor()):
+                    grads = tuple(_dense_grad(h) for h in grads)
                     break
         return backward(ctx, *grads)
 

@@ -136,3 +136,56 @@ def test_the_checks():
         check_tensor("x", sparse)
     imag = torch.complex(t, t).conj().imag  # how such a view arises
     assert imag.is_neg() and not is_dense(imag)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # (a prototype, torch says)
+def test_a_nested_tensor_is_refused_by_name():
+    x = torch.randn(2, 4, 8, device=DEVICE)
+    nested = torch.nested.as_nested_tensor([x, x])
+    assert nested.layout is torch.strided and not is_dense(nested) and not on_one_kernel_device(nested)
+    w, b = torch.ones(8, device=DEVICE), torch.zeros(8, device=DEVICE)
+    with pytest.raises(TypeError, match=r"^input must be a dense \(strided\) tensor, got a nested tensor"):
+        fusedlib.fused_layer_norm(nested, w, b)
+    with pytest.raises(TypeError, match=r"^input must be a dense \(strided\) tensor, got a nested tensor"):
+        fusedlib.bias_gelu_impl(nested, b)
+    with torch.no_grad(), pytest.raises(TypeError, match=r"^input must be a dense \(strided\) tensor, got a nested"):
+        fusedlib.fused_rms_norm(nested, w)
+    q = torch.randn(1, 4, 2, 8, device=DEVICE)
+    nested_q = torch.nested.as_nested_tensor([q[0], q[0]])
+    with pytest.raises(TypeError, match=r"^k must be a dense \(strided\) tensor, got a nested tensor"):
+        fusedlib.flash_attention(q, nested_q, q)
+
+
+def test_zero_tensor_and_sparse_gradients_give_the_dense_gradients():
+    torch.manual_seed(6)
+    y = torch.randn(4, 8, device=DEVICE, requires_grad=True)
+    b = torch.randn(8, device=DEVICE, requires_grad=True)
+    zeros = torch.autograd.grad(fusedlib.bias_gelu_impl(y, b), [y, b], torch._efficientzerotensor(4, 8, device=DEVICE))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in zeros)
+    g = torch.randn(4, 8, device=DEVICE)
+    g[1] = 0.0
+    want = torch.autograd.grad(fusedlib.bias_gelu_impl(y, b), [y, b], g)
+    got = torch.autograd.grad(fusedlib.bias_gelu_impl(y, b), [y, b], g.to_sparse())
+    assert all(torch.equal(a, c) for a, c in zip(got, want))
+
+
+def test_the_parallel_layers_take_negative_bit_gradients_and_ids():
+    from fusedlib.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+    from fusedlib.transformer import TransformerConfig
+
+    torch.manual_seed(7)
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, deterministic_mode=True)
+    lin = ColumnParallelLinear(16, 8, config=cfg, init_method=torch.nn.init.normal_, bias=True,
+                               gather_output=False).to(DEVICE)
+    x = torch.randn(4, 2, 16, device=DEVICE, requires_grad=True)
+    g = torch.randn(4, 2, 8, device=DEVICE)
+    params = [x, lin.weight, lin.bias]
+    want = torch.autograd.grad(lin(x)[0], params, g)
+    got = torch.autograd.grad(lin(x)[0], params, _neg_twin(g))  # the bias gradient is a kernel's column sum
+    assert all(torch.equal(a, c) for a, c in zip(got, want))
+    emb = VocabParallelEmbedding(32, 16, init_method=torch.nn.init.normal_, config=cfg).to(DEVICE)
+    ids = torch.randint(0, 32, (2, 5), device=DEVICE)
+    want = torch.autograd.grad(emb(ids).square().sum(), emb.weight)[0]  # the deterministic kernel's gradient
+    out = emb(_neg_twin(ids))
+    assert torch.equal(out, emb(ids))
+    assert torch.equal(torch.autograd.grad(out.square().sum(), emb.weight)[0], want)

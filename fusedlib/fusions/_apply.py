@@ -24,11 +24,14 @@ Source: PyTorch ``torch/autograd/function.py`` (``Function.apply``, ``FunctionCt
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
 from torch.autograd.function import once_differentiable as _torch_once_differentiable
+
+from ..checks import check_dense
 
 __all__ = ["apply", "needs_autograd", "in_transform", "InferenceCtx", "once_differentiable"]
 
@@ -104,12 +107,27 @@ def apply(fn_cls: type, *args: Any) -> Any:
 
     Raises:
         Whatever the forward raises (the ops' argument checks run in it, on both paths).
+        TypeError: for a nested tensor among ``args``, where the forward raised a RuntimeError
+            (a nested tensor has no ``shape``: the checks' cheap happy-case test reads it first).
     """
-    if needs_autograd(*args):
-        if torch.compiler.is_compiling():
-            return fn_cls.apply(*args)  # Dynamo's own handling of Function.apply
-        return _FUNCTION_APPLY(fn_cls, *args)
-    return fn_cls.forward(InferenceCtx(len(args)), *args)
+    try:
+        if needs_autograd(*args):
+            if torch.compiler.is_compiling():
+                return fn_cls.apply(*args)  # Dynamo's own handling of Function.apply
+            return _FUNCTION_APPLY(fn_cls, *args)
+        return fn_cls.forward(InferenceCtx(len(args)), *args)
+    except RuntimeError:
+        _refuse_nested(fn_cls, args)
+        raise
+
+
+def _refuse_nested(fn_cls: type, args: tuple) -> None:
+    """Raise check_dense's TypeError for the first nested tensor in ``args``, named as
+    ``fn_cls.forward`` names its parameter."""
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor) and a.is_nested:
+            names = list(inspect.signature(fn_cls.forward).parameters)[1:]  # after ctx
+            check_dense(names[i] if i < len(names) else f"argument {i}", a)
 
 
 _TWICE = (b"trying to differentiate twice a function that was marked with @once_differentiable: a fusedlib "

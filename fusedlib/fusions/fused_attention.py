@@ -273,9 +273,12 @@ def flash_attention(
     ok = (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and q.dtype in _DTYPES
           and k.dtype == q.dtype and v.dtype == q.dtype and q.dim() == 4 and k.dim() == 4)
     if ok:  # the shapes read once: each .shape is a new torch.Size
-        qs, ks = q.shape, k.shape
-        ok = (ks == v.shape and ks[0] == qs[0] and ks[3] == qs[3] and 1 <= qs[3] <= MAX_HEAD_DIM and ks[2] >= 1
-              and qs[2] % ks[2] == 0 and on_one_kernel_device(q, k, v))
+        try:
+            qs, ks = q.shape, k.shape
+            ok = (ks == v.shape and ks[0] == qs[0] and ks[3] == qs[3] and 1 <= qs[3] <= MAX_HEAD_DIM
+                  and ks[2] >= 1 and qs[2] % ks[2] == 0 and on_one_kernel_device(q, k, v))
+        except RuntimeError:  # a nested tensor has no shape: _check_qkv names it
+            ok = False
     if not ok:
         _check_qkv(q, k, v)
     if causal is not True and causal is not False:  # numpy's bool is accepted; a str or 1 is not

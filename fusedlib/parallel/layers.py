@@ -263,6 +263,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         return F.linear(total_input, weight, bias)  # [s, b, in] -> [s, b, out/p]
 
     @staticmethod
+    @resolve_neg_grads  # gradients with the negative bit, resolved (its bias gradient is a kernel's)
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
         group = ctx.tp_group
@@ -533,7 +534,7 @@ class _EmbeddingDeterministicGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, weight):
-        ctx.save_for_backward(ids)
+        ctx.save_for_backward(ids.resolve_neg())  # the backward's kernel reads the ids' memory
         ctx.num_embeddings, ctx.weight_dtype = weight.shape[0], weight.dtype
         return F.embedding(ids, weight)
 
@@ -600,6 +601,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             if self.deterministic and torch.is_grad_enabled() and self.weight.requires_grad:
                 return _EmbeddingDeterministicGrad.apply(input_, self.weight)
             return F.embedding(input_, self.weight)
+        input_ = input_.resolve_neg()  # (a lazy negation view: the range check's kernel reads memory)
         check_ids_in_range(input_, self.num_embeddings)  # else a bad id is a zero row on every rank
         input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)  # ids of other ranks
         masked_input = (input_ - self.vocab_start_index).masked_fill_(input_mask, 0)  # local ids, 0 for others
