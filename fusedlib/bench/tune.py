@@ -115,13 +115,16 @@ def _dedupe(tiles: list[dict]) -> list[dict]:
     return out
 
 
-def _elementwise(block_n_cap: int, tiles: Sequence[tuple[int, int, int]], per_sm: Sequence[int] = ()) -> list[dict]:
+def _elementwise(block_n_cap: int, tiles: Sequence[tuple[int, int, int]], per_sm: Sequence[int] = (),
+                 stages: Sequence[int] = (1,)) -> list[dict]:
     """(BLOCK_N, BLOCK_M, warps) tiles with BLOCK_N capped at the row's next power of two,
-    as the launchers cap it; times each programs-per-SM value if given."""
+    as the launchers cap it; times each programs-per-SM value if given, times each row-loop
+    pipelining depth (``stages``)."""
     out = []
     for (bn, bm, w) in tiles:
-        base = _tile(min(bn, block_n_cap), bm, w)
-        out += [dict(base, programs_per_sm=k) for k in per_sm] if per_sm else [base]
+        for st in stages:
+            base = _tile(min(bn, block_n_cap), bm, w, num_stages=st)
+            out += [dict(base, programs_per_sm=k) for k in per_sm] if per_sm else [base]
     return _dedupe(out)
 
 
@@ -217,8 +220,9 @@ def candidates(op: str, pass_: str, shape: Sequence[int]) -> list[dict]:
             return _elementwise(cap, [(1024, 2, 4), (2048, 2, 8), (4096, 1, 8), (512, 4, 4), (512, 8, 4),
                                       (512, 8, 8), (256, 16, 4), (256, 32, 8)])
         return _elementwise(cap, [(2048, 4, 8), (1024, 4, 4), (2048, 2, 8), (4096, 2, 8), (1024, 8, 8),
-                                  (4096, 4, 16), (512, 8, 4), (512, 8, 8), (512, 16, 8), (256, 16, 4)],
-                            per_sm=(4, 8, 16))
+                                  (4096, 4, 16), (512, 8, 4), (512, 8, 8), (512, 16, 8), (256, 16, 4),
+                                  (512, 4, 4), (1024, 2, 4)],
+                            per_sm=(4, 8, 16), stages=(1, 3))
     if op == "bias_dropout_add":
         cap = max(8, _p2(shape[-1]))  # BLOCK_N >= 8: one Philox call per 8 columns
         if pass_ == "fwd":  # (128-column tiles: rows of 3·2^k waste no lanes)
