@@ -131,11 +131,11 @@ FWD_TILES: TileTable = (
 
 
 # The backward's tiles: its programs loop over rows_per_program rows to keep a running
-# bias-gradient sum, so each step holds more rows than a forward tile. Long rows:
-# 2048 x 4 at 8 warps, 0.245 ms for [8192, 16384] bf16 on the H200 against 0.250 for
-# 2048 x 2 and 0.338 for 4096 x 2 (kernel only, 4 programs per SM, NOTES.md). A persistent
-# grid of 4 programs per SM, each writing one float32 partial row of the bias gradient:
-# 0.245 ms at 4 per SM against 0.273 at 16 (kernel only, H200, NOTES.md).
+# bias-gradient sum, so each step holds more rows than a forward tile. Long rows, with the
+# loop not pipelined (1 stage): 2048 x 4 at 8 warps, 0.245 ms for [8192, 16384] bf16 on the
+# H200 against 0.250 for 2048 x 2 and 0.338 for 4096 x 2 (kernel only, 4 programs per SM,
+# NOTES.md). A persistent grid of 4 programs per SM, each writing one float32 partial row of
+# the bias gradient: 0.245 ms at 4 per SM against 0.273 at 16 (kernel only, 1 stage, H200).
 BWD_TILES: TileTable = (
     (16, Tile(BLOCK_M=256, BLOCK_N=16, num_warps=4, programs_per_sm=4)),
     (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, programs_per_sm=4)),
