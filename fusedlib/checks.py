@@ -144,8 +144,8 @@ def on_one_kernel_device(*tensors: torch.Tensor) -> bool:
 
 
 def is_dense(t: torch.Tensor) -> bool:
-    """The happy case of :func:`check_dense` as one cheap test: strided, and without the
-    negative bit (nothing is tested while ``torch.compile`` traces)."""
+    """The happy case of :func:`check_dense` as one cheap test: strided, not nested, and
+    without the negative bit (nothing is tested while ``torch.compile`` traces)."""
     return _is_compiling() or (t.layout is _STRIDED and not t.is_nested and not t.is_neg())
 
 
@@ -176,7 +176,7 @@ def check_dense(name: str, t: torch.Tensor) -> None:
     if t.is_nested:
         raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor: pass its components "
                         f"one at a time, or {name}.to_padded_tensor(0.0)")
-    if not torch.compiler.is_compiling() and t.is_neg():
+    if t.is_neg():
         raise ValueError(
             f"{name} has its negative bit set (a lazy negation view, e.g. the imaginary part of a conjugated "
             f"complex tensor), whose memory holds the negated values that fusedlib's kernels would read: "
