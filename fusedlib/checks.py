@@ -133,13 +133,10 @@ def on_one_kernel_device(*tensors: torch.Tensor) -> bool:
     device = tensors[0].device
     if device.type not in KERNEL_DEVICE_TYPES:
         return False
+    dense = not _is_compiling()  # (Dynamo cannot trace is_neg, nor layout in a Function's backward)
     for t in tensors:
-        if t.device != device:
+        if t.device != device or (dense and (t.layout is not _STRIDED or t.is_nested or t.is_neg())):
             return False
-    if not _is_compiling():  # (Dynamo cannot trace is_neg, nor layout in a Function's backward)
-        for t in tensors:
-            if t.layout is not _STRIDED or t.is_nested or t.is_neg():
-                return False
     return True
 
 
