@@ -157,6 +157,27 @@ def test_empty_input(dtype):
     assert torch.equal(b.grad, torch.zeros_like(b))
 
 
+def _generator_state(device):
+    return torch.cuda.get_rng_state(device) if torch.device(device).type == "cuda" else torch.get_rng_state()
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0)])
+def test_empty_input_draws_no_random_numbers(shape):
+    # as torch's dropout: an empty input drops nothing, so the generator does not move (a
+    # later dropout's mask is the one it would have been without the empty call)
+    x, b, r = _inputs(shape, torch.float32)
+    before = _generator_state(DEVICE)
+    torch.nn.functional.dropout(torch.empty(shape, device=DEVICE), 0.1, True)
+    assert torch.equal(_generator_state(DEVICE), before)  # torch's own behaviour, on this device
+    out = bias_dropout_add_fused_train((x, b), r, 0.1)
+    assert torch.equal(_generator_state(DEVICE), before)
+    out.sum().backward()
+    assert x.grad.shape == shape and r.grad.shape == shape
+    x_one, b_one, r_one = _inputs((3, 8), torch.float32)
+    bias_dropout_add_fused_train((x_one, b_one), r_one, 0.1)
+    assert not torch.equal(_generator_state(DEVICE), before)  # a non-empty input draws its seed
+
+
 @pytest.mark.parametrize("fn", ["train", "inference"])
 def test_hidden_size_zero(fn):
     # h = 0: reshape(-1, 0) cannot infer the row count; the op returns empty results

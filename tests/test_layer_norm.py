@@ -1111,6 +1111,25 @@ def test_a_forward_without_a_backward_stores_no_statistics(norm, dtype, monkeypa
 
 
 @pytest.mark.parametrize("norm", NORMS)
+def test_bias_dropout_add_norm_empty_input_draws_no_random_numbers(norm):
+    # as torch's dropout (and fusedlib's bias-dropout-add): nothing to drop, the generator stays
+    state = (lambda: torch.cuda.get_rng_state(DEVICE)) if torch.device(DEVICE).type == "cuda" else torch.get_rng_state
+    m, _, _, _ = _bda_norm_inputs(norm, 16, torch.float32)
+    x = torch.randn(0, 16, device=DEVICE, requires_grad=True)
+    lb = torch.randn(16, device=DEVICE, requires_grad=True)
+    residual = torch.randn(0, 16, device=DEVICE, requires_grad=True)
+    before = state()
+    y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, 0.2, True)
+    assert torch.equal(state(), before)
+    (y.sum() + hidden.sum()).backward()
+    assert y.shape == hidden.shape == (0, 16) and x.grad.shape == (0, 16)
+    assert torch.equal(lb.grad, torch.zeros_like(lb))
+    x1, r1 = torch.randn(2, 16, device=DEVICE), torch.randn(2, 16, device=DEVICE)
+    fusedlib.bias_dropout_add_norm(m, (x1, lb), r1, 0.2, True)
+    assert not torch.equal(state(), before)  # a non-empty input draws its seed
+
+
+@pytest.mark.parametrize("norm", NORMS)
 def test_bias_dropout_add_norm_one_output_and_no_bias(norm):
     # y alone, h alone, no linear bias, an input that needs no gradient, evaluation mode
     from fusedlib.kernels.bias_dropout_add import dropout_scale

@@ -695,7 +695,7 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
     """Autograd wiring of :func:`bias_dropout_add_norm`'s fused path.
 
     ``forward(ctx, x, linear_bias, residual, weight, bias, eps, prob, training, rms_norm,
-    zero_centered_gamma)`` draws a Philox seed (training with prob > 0), runs one kernel
+    zero_centered_gamma)`` draws a Philox seed (training with prob > 0, a non-empty x), runs one kernel
     that writes h = residual + dropout(x + linear_bias) and y = norm(h) with its row
     statistics, and returns ``(y, h)``; it saves h (the next residual, alive anyway), the
     norm's parameters, the statistics and the seed. ``backward(dy, dh)`` runs the norm's
@@ -735,7 +735,7 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
             training = check_bool("training", training)
         if not (zero_centered_gamma is True or zero_centered_gamma is False):
             zero_centered_gamma = check_bool("zero_centered_gamma", zero_centered_gamma)
-        dropout = training and prob > 0.0
+        dropout = training and prob > 0.0 and x.numel() > 0  # empty: no seed, as torch's dropout draws none
         seed = philox_seed(x.device) if dropout else None
         lb = linear_bias.contiguous() if linear_bias is not None else None  # [h]: a copy only if strided
         y, h, mean, rstd = bias_dropout_add_norm_fwd(x, lb, residual, seed, prob, weight_c, bias_c, eps,

@@ -291,6 +291,7 @@ def _bias_dropout_add_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACC: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # the row loop's software pipelining: the next tiles' loads in flight
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -300,7 +301,7 @@ def _bias_dropout_add_bwd_kernel(
     if DROPOUT:
         seed = tl.load(SEED_ptr)
     row_start = pid_m.to(tl.int64) * rows_per_program
-    for m in range(0, rows_per_program, BLOCK_M):
+    for m in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
         rows = row_start + m + tl.arange(0, BLOCK_M)
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride, mask=mask, other=0.0)
@@ -411,8 +412,8 @@ def _bias_dropout_add_fwd_checked(x: Any, bias: Any, residual: Any, prob: Any, t
                                                            float]:
     """:func:`bias_dropout_add_fwd` into a new tensor, with the op's argument check and the seed:
     ``(out, seed, bias, p)``: seed the Philox key drawn (:func:`philox_seed`, after the check;
-    None when ``training`` is False or p is 0), bias as the kernel read it (contiguous), p the
-    probability as a float.
+    None when ``training`` is False, p is 0 or the input is empty), bias as the kernel read it
+    (contiguous), p the probability as a float.
 
     ``check((x, bias), residual, prob) -> (x, bias, residual, p)`` raises for bad input. It runs
     only when no plan matches the call's signature (each tensor's class, shape, strides, dtype,
@@ -432,11 +433,11 @@ def _bias_dropout_add_fwd_checked(x: Any, bias: Any, residual: Any, prob: Any, t
             key, pl = find_plan(_FWD_PLANS, _checked_key, x, b, residual, prob, training, check)
     else:
         b, p = bias, float(prob)
+    out = empty_contiguous_like(residual)  # x's shape, the residual's dtype; written as [n_rows, n_cols]
+    if out.numel() == 0:  # nothing to drop: no seed drawn, as torch's dropout draws none for an empty input
+        return out, None, b, p
     dropout = training and p > 0.0
     seed = philox_seed(x.device) if dropout else None
-    out = empty_contiguous_like(residual)  # x's shape, the residual's dtype; written as [n_rows, n_cols]
-    if out.numel() == 0:
-        return out, seed, b, p
     x2d, r2d = as_rows(x), as_rows(residual)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = x2d.shape
     if pl is None:
@@ -501,7 +502,7 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
         pl = remember_plan(_BWD_PLANS, key, planned(
             _bias_dropout_add_bwd_kernel, (row_programs, col_programs), device,
             dict(DROPOUT=dropout, STORE_DX=store_dx, HAS_DBIAS=need_dbias, BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
-                 ACC=TL_DTYPE[acc], num_warps=tile.num_warps),
+                 ACC=TL_DTYPE[acc], NUM_STAGES=tile.num_stages, num_warps=tile.num_warps),
             data=(rows_per_program, *((drop_threshold(p), dropout_scale(p)) if dropout else (0, 1.0)))))
     # one row program: the kernel stores db itself (db_dtype)
     db_partial = partials_buffer(pl.grid[0], n_cols, acc, db_dtype, device) if need_dbias else g2d

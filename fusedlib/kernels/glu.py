@@ -244,6 +244,7 @@ def _bias_glu_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACC: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # the row loop's software pipelining: the next tiles' loads in flight
 ):
     # With a bias, db = Σ_rows dy: each program walks rows_per_program rows of one column
     # block and keeps running sums in registers (stage 1 of a deterministic reduction).
@@ -258,7 +259,7 @@ def _bias_glu_bwd_kernel(
     db1_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     db2_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     row_start = pid_m.to(tl.int64) * rows_per_program
-    for m in range(0, rows_per_program, BLOCK_M):
+    for m in tl.range(0, rows_per_program, BLOCK_M, num_stages=NUM_STAGES):
         rows = row_start + m + tl.arange(0, BLOCK_M)
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         y_rows = Y_ptr + rows[:, None] * Y_row_stride
@@ -411,7 +412,8 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
                                                              col_programs, fold_tiles=FOLD_TILES)
             p = planned(_bias_glu_bwd_kernel, (row_programs, col_programs), device,
                         dict(ACTIVATION=activation, HAS_CLAMP=clamp_value is not None, BLOCK_M=tile.BLOCK_M,
-                             BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc], num_warps=tile.num_warps),
+                             BLOCK_N=tile.BLOCK_N, ACC=TL_DTYPE[acc], NUM_STAGES=tile.num_stages,
+                             num_warps=tile.num_warps),
                         data=(rows_per_program,))
         remember_plan(_BWD_PLANS, key, p)
     clamp = 0.0 if clamp_value is None else float(clamp_value)
