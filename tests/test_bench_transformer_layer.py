@@ -261,6 +261,24 @@ def test_kernel_categories_and_summary():
                         {"name": "_norm_fwd_kernel", "category": "norm", "calls": 0.5, "ms": 0.2, "share": 0.25}]
     with pytest.raises(ValueError, match="steps"):
         tl.kernel_summary(events, steps=0)
+    timed = tl.kernel_summary(events, steps=2, top=2, span=(2000.0, 1500.0))
+    assert timed["span_ms"] == 1.0 and timed["idle_ms"] == 0.25
+    assert "first kernel to last 1.00 ms, no kernel running 0.25 ms" in tl.kernel_summary_lines("x", timed)[0]
+    assert "span_ms" not in s and "first kernel" not in tl.kernel_summary_lines("x", s)[0]
+
+
+def test_device_span_counts_overlaps_once_and_gaps_as_idle():
+    from types import SimpleNamespace as NS
+
+    def ev(start, end, device="cuda", user=False):
+        return NS(time_range=NS(start=start, end=end), device_type=device, is_user_annotation=user)
+
+    # kernels [0, 10], [5, 12] (overlapping: busy 12), a gap, [20, 25] and [21, 23] inside it, [30, 40];
+    # a CPU event and a user range outside them are not counted
+    prof = NS(events=lambda: [ev(20, 25), ev(0, 10), ev(30, 40), ev(5, 12), ev(21, 23),
+                              ev(-50, 100, device="cpu"), ev(-5, 45, user=True)])
+    assert tl.device_span(prof, "cuda") == (40.0, 27.0)
+    assert tl.device_span(NS(events=lambda: []), "cuda") == (0.0, 0.0)
 
 
 def test_profile_runs_and_its_table_and_files(tmp_path, monkeypatch):

@@ -925,6 +925,7 @@ def test_profile_steps_writes_each_runs_summary(corpus, tmp_path, monkeypatch):
     for p in prof["impls"].values():
         assert p["kernel_ms"] > 0 and p["launches"] > 0 and p["top"]
         assert abs(sum(p["categories"].values()) - p["kernel_ms"]) < 1e-3
+        assert p["span_ms"] > 0 and 0 <= p["idle_ms"] <= p["span_ms"]  # the timeline of the same events
     assert json.loads((tmp_path / bench.PROFILE_FILE).read_text()) == prof
     assert "fusedlib-unfused:" in lines[0] and "ms of kernels per step" in lines[0]
     # a graph run is refused (it replays the same kernels), so are sizes out of range

@@ -217,7 +217,7 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
     """
     from torch.profiler import profile as torch_profile
 
-    from ..bench.ops.transformer_layer import device_events, kernel_summary, profiler_setup
+    from ..bench.ops.transformer_layer import device_events, device_span, kernel_summary, profiler_setup
 
     runs = tuple(runs) if isinstance(runs, (list, tuple)) else runs
     bad = ([r for r in runs if r not in BENCH_RUNS or r in GRAPH_RUNS] if isinstance(runs, tuple)
@@ -252,7 +252,7 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
                 for _ in range(steps):
                     trainer.step()
                 sync()
-            out["impls"][name] = kernel_summary(device_events(prof, kind), steps, top)
+            out["impls"][name] = kernel_summary(device_events(prof, kind), steps, top, device_span(prof, kind))
         except Exception as exc:  # noqa: BLE001  (one failing run must not lose the others)
             out["skipped"][name] = f"{type(exc).__name__}: {exc}"[:300]
         finally:

@@ -124,7 +124,7 @@ __all__ = [
     "DEFAULT_SHAPE", "GPT2_SMALL_SHAPE", "SMALL_SHAPE", "SHAPE_NAMES", "HIDDEN_DROPOUT", "ATTENTION_DROPOUT", "IMPLS",
     "PROFILE_IMPLS", "PROFILE_FILE", "FUSIONS_ON", "param_count", "gemm_flops", "fusedlib_block",
     "megatron_block", "init_megatron", "PlainGPTLayer", "PlainGPTBlock", "case", "cases", "table",
-    "kernel_category", "kernel_summary", "profile", "profile_table", "extra_files", "load_profile",
+    "kernel_category", "kernel_summary", "device_span", "profile", "profile_table", "extra_files", "load_profile",
 ]
 
 #: [s, b, h, heads, ffn, layers]: the headline (2048 tokens x 4 sequences, hidden 2048, 16 heads of 128)
@@ -626,14 +626,23 @@ def kernel_category(name: str) -> str:
     return "elementwise & other"
 
 
-def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, top: int = 12) -> dict:
+def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, top: int = 12,
+                   span: Optional[tuple[float, float]] = None) -> dict:
     """Per-step totals of ``(kernel name, microseconds)`` pairs collected over ``steps`` steps.
+
+    Args:
+        kernels: ``(name, us)`` of every kernel (:func:`device_events`).
+        steps: how many steps they cover (>= 1).
+        top: kernels listed.
+        span: ``(span_us, busy_us)`` of the same kernels (:func:`device_span`), or None.
 
     Returns:
         ``{"kernel_ms": total kernel time per step, "launches": kernels per step, "categories":
         {category: ms per step}, "top": [{"name", "category", "calls", "ms", "share"}]}``: the
         ``top`` kernels by total time (calls and ms per step, share of the step's kernel time),
-        names cut to 200 characters.
+        names cut to 200 characters. With ``span``, also ``"span_ms"`` (from the first kernel's
+        start to the last one's end, per step) and ``"idle_ms"`` (the time in that span when no
+        kernel ran: launch gaps, host work the device waits for; per step).
 
     Raises:
         ValueError: ``steps`` < 1.
@@ -649,8 +658,11 @@ def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, top: int = 
         cat = kernel_category(name)
         cats[cat] = cats.get(cat, 0.0) + sum(v) / steps / 1e3
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    timeline = {} if span is None else {"span_ms": round(span[0] / steps / 1e3, 4),
+                                        "idle_ms": round((span[0] - span[1]) / steps / 1e3, 4)}
     return {
         "kernel_ms": round(total, 4),
+        **timeline,
         "launches": round(sum(len(v) for v in by_name.values()) / steps, 1),
         "categories": {c: round(ms, 4) for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])},
         "top": [{"name": name[:200], "category": kernel_category(name), "calls": round(len(v) / steps, 1),
@@ -665,6 +677,25 @@ def device_events(prof, device_type) -> list[tuple[str, float]]:
     they span kernels that are listed already."""
     return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
             if e.device_type == device_type and not e.is_user_annotation]
+
+
+def device_span(prof, device_type) -> tuple[float, float]:
+    """``(span_us, busy_us)`` of the device events :func:`device_events` lists: span from the
+    first one's start to the last one's end, busy the length of the union of their intervals
+    (kernels that overlap count once). ``(0.0, 0.0)`` without events."""
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == device_type and not e.is_user_annotation)
+    if not intervals:
+        return 0.0, 0.0
+    busy, cur_start, cur_end = 0.0, intervals[0][0], intervals[0][1]
+    for start, end in intervals[1:]:
+        if start > cur_end:  # a gap: close the current run of overlapping intervals
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return float(max(end for _, end in intervals) - intervals[0][0]), float(busy)
 
 
 def profiler_setup(device: torch.device) -> tuple[list, torch.autograd.DeviceType, Callable[[], None]]:
@@ -728,7 +759,7 @@ def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_
                 for _ in range(steps):
                     step()
                 sync()
-            out["impls"][im.name] = kernel_summary(device_events(prof, kind), steps, top)
+            out["impls"][im.name] = kernel_summary(device_events(prof, kind), steps, top, device_span(prof, kind))
         except Exception as exc:  # one failing implementation must not lose the others
             out["skipped"][im.name] = f"{type(exc).__name__}: {exc}"[:300]
         finally:
@@ -754,7 +785,9 @@ def kernel_summary_lines(name: str, summary: dict, top: int = 8) -> list[str]:
     """Text lines of one :func:`kernel_summary`: the kernel time per step, its categories (ms and
     share), then its ``top`` kernels (names cut to 70 characters; calls and ms per step, share)."""
     p = summary
-    out = [f"\n{name}: {p['kernel_ms']:.2f} ms of kernels per step, {p['launches']:.0f} launches"]
+    out = [f"\n{name}: {p['kernel_ms']:.2f} ms of kernels per step, {p['launches']:.0f} launches"
+           + (f"; first kernel to last {p['span_ms']:.2f} ms, no kernel running {p['idle_ms']:.2f} ms"
+              if "span_ms" in p else "")]
     for cat, ms in p["categories"].items():
         out.append(f"  {cat:<28}{ms:>9.2f} ms {100 * ms / p['kernel_ms'] if p['kernel_ms'] else 0:>6.1f}%")
     out.append(f"  top {min(top, len(p['top']))} kernels:{'calls':>56}{'ms':>9}{'share':>8}")
