@@ -229,10 +229,11 @@ def candidates(op: str, pass_: str, shape: Sequence[int]) -> list[dict]:
             return _elementwise(cap, [(2048, 2, 4), (1024, 4, 4), (4096, 1, 4), (1024, 2, 2), (2048, 4, 8),
                                       (4096, 2, 8), (1024, 8, 8), (128, 32, 4), (128, 64, 8), (128, 16, 2)])
         # the backward's tile itself (rows and warps already scaled), as the forward tiles
-        # times 1 or 2 (the run behind BWD_TILES: twice the forward's rows and warps)
+        # times 1 or 2 (the run behind BWD_TILES: twice the forward's rows and warps), its row
+        # loop pipelined or not
         base = [(2048, 2, 4), (1024, 4, 4), (4096, 1, 4), (2048, 4, 8), (128, 32, 4)]
         return _elementwise(cap, [(bn, bm * s, w * s) for (bn, bm, w) in base for s in (1, 2)],
-                            per_sm=(4, 8, 16, 32))
+                            per_sm=(4, 8, 16, 32), stages=(1, 3))
     if op in ("geglu", "swiglu"):
         cap = _p2(shape[-1] // 2)  # the output width h
         tiles = [(bn, bm, w) for bn, bm, w in itertools.product((1024, 2048, 4096), (1, 2, 4, 8), (4, 8))

@@ -124,9 +124,13 @@ BWD_TILES: TileTable = (
     (64, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, programs_per_sm=4)),
     # rows of 3·2^k (h = 384) fill 128-column tiles whole. [32768, 384] bf16 on the H200, with
     # dropout and dx stored (this table's calls; without them COLUMN_SUM_TILES below), CUDA-graph
-    # replays: 0.0263 ms for [64, 128] at 8 warps (tune)
-    (512, Tile(BLOCK_M=64, BLOCK_N=128, num_warps=8, programs_per_sm=4)),
-    (HUGE, Tile(BLOCK_M=8, BLOCK_N=1024, num_warps=8, programs_per_sm=4)),
+    # replays, kernel and second stage: 0.0233 ms for [32, 128] at 4 warps against 0.0259 for
+    # [64, 128] at 8 (the best of 10 settings: 4 or 8 programs per SM, 1-4 stages; NOTES.md)
+    (512, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, programs_per_sm=4)),
+    # long rows: [4, 1024] at 4 warps with the row loop pipelined (3 stages), against [8, 1024]
+    # at 8 warps and 1 stage: [8192, 2048] 0.0285 / 0.0309 ms, [32768, 4096] 0.1527 / 0.1520
+    # (same run, as above; 2 or 4 stages and [4, 2048] tiles slower)
+    (HUGE, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4, num_stages=3, programs_per_sm=4)),
 )
 
 # The backward with nothing to store but the bias gradient (no dropout and g already in x's

@@ -139,7 +139,15 @@ FWD_TILES: TileTable = (
 BWD_TILES: TileTable = (
     (16, Tile(BLOCK_M=256, BLOCK_N=16, num_warps=4, programs_per_sm=4)),
     (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, programs_per_sm=4)),
-    (1024, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4, programs_per_sm=4)),
+    (512, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4, programs_per_sm=4)),  # (BLOCK_N capped at the row's)
+    # 513 to 1 Ki, pipelined (3 stages). Kernel and bias-gradient second stage, bf16, H200, CUDA-graph
+    # replays (NOTES.md, 8-12 settings per shape): [32768, 768] 0.0530 ms for [8, 256] x 4
+    # warps at 3 stages (three 256-column blocks fill the row) against 0.0656 for the earlier
+    # [4, 1024] at 1 stage and 0.0584 at 3; [131072, 1024] 0.2168 for [2, 1024] x 4 warps at 3
+    # stages (3714 GB/s) against 0.2551 for [4, 1024] at 1 stage (0.2753 at 3, 0.2272 at 2) and
+    # 0.2222 for [8, 256]. Rows of 129 to 512 columns: not measured pipelined, kept at 1 stage.
+    (768, Tile(BLOCK_M=8, BLOCK_N=256, num_warps=4, num_stages=3, programs_per_sm=4)),
+    (1024, Tile(BLOCK_M=2, BLOCK_N=1024, num_warps=4, num_stages=3, programs_per_sm=4)),
     # 1 Ki to 1.5 Ki, as in the forward: three 512-column blocks fill a row of 1536 where one
     # 2048-column block leaves a quarter of its lanes masked. [32768, 1536] bf16, H200, CUDA-graph
     # replays: 0.1052 ms for [4, 512] at 4 warps against 0.1196 for [4, 2048] at 8 (torch.compile's
@@ -150,8 +158,7 @@ BWD_TILES: TileTable = (
     # [32768, 1536] at [4, 512] x 4 warps 0.1101 / 0.0801 ms (3768 GB/s, 88 % of copy; 4 stages
     # 0.0834); [8192, 16384] at [4, 2048] x 8 warps 0.2398 / 0.2167 (4 stages 0.2121); [8192, 3072]
     # at [4, 2048] 0.0590 / 0.0502 and at [2, 1024] x 4 warps 0.0575 / 0.0407 (3711 GB/s), the best
-    # of 9 tiles there, hence its own row (measured at 3072 only). Rows below 1 Ki: not measured
-    # pipelined, kept at 1 stage.
+    # of 9 tiles there, hence its own row (measured at 3072 only).
     (1536, Tile(BLOCK_M=4, BLOCK_N=512, num_warps=4, num_stages=3, programs_per_sm=4)),
     (3072, Tile(BLOCK_M=2, BLOCK_N=1024, num_warps=4, num_stages=3, programs_per_sm=4)),
     (HUGE, Tile(BLOCK_M=4, BLOCK_N=2048, num_warps=8, num_stages=3, programs_per_sm=4)),
