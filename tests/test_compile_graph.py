@@ -801,7 +801,7 @@ def test_kernels_compile_for_sm90_with_int_arguments_as_constants():
                            options={"num_warps": 4})
 
         drop = {"HAS_BIAS": True, "DROPOUT": True, "BLOCK_M": 4, "BLOCK_N": 64, "ACC": tl.float32,
-                "STORE_DX": True, "HAS_DBIAS": True}
+                "STORE_DX": True, "HAS_DBIAS": True, "NUM_STAGES": 3}  # (the backward's row loop pipelined)
         cases = {
             "bda fwd": (bda._bias_dropout_add_fwd_kernel, drop),
             "bda bwd": (bda._bias_dropout_add_bwd_kernel, drop),
