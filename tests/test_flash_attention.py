@@ -206,6 +206,26 @@ def test_half_precision_forward_backward(name, dtype, tiles):
     _check(dtype, b, sq, sk, hq, hkv, d, **_masks(case, b, sq, sk, hq))
 
 
+@pytest.mark.parametrize("sq, sk", [(0, 5), (4, 0), (0, 0)])
+def test_empty_inputs_draw_no_random_numbers(sq, sk):
+    # no queries or no keys: nothing to drop, so, as torch's dropout for an empty input, the
+    # generator does not move; the output and gradients keep their shapes (no keys: zeros)
+    state = (lambda: torch.cuda.get_rng_state(DEVICE)) if torch.device(DEVICE).type == "cuda" else torch.get_rng_state
+    q = torch.randn(2, sq, 2, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(2, sk, 2, 16, device=DEVICE, requires_grad=True)
+    v = torch.randn(2, sk, 2, 16, device=DEVICE, requires_grad=True)
+    before = state()
+    o = flash_attention(q, k, v, dropout_p=0.2)
+    assert torch.equal(state(), before)
+    assert o.shape == q.shape and torch.equal(o, torch.zeros_like(o))
+    o.backward(torch.randn_like(o))
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert not q.grad.isnan().any()
+    flash_attention(torch.randn(2, 3, 2, 16, device=DEVICE), torch.randn(2, 3, 2, 16, device=DEVICE),
+                    torch.randn(2, 3, 2, 16, device=DEVICE), dropout_p=0.2)
+    assert not torch.equal(state(), before)  # queries and keys: the key is drawn
+
+
 def test_lse_is_the_rows_logsumexp_and_minus_inf_for_empty_rows(tiles):
     tiles(16, 16)
     b, sq, sk, hq, hkv, d = 2, 20, 12, 2, 1, 16

@@ -299,13 +299,24 @@ def test_fully_masked_rows_give_zeros_and_zero_gradient(path, monkeypatch):
     assert all(torch.equal(t, torch.zeros_like(t)) for t in empty)
 
 
+def _generator_state():
+    return torch.cuda.get_rng_state(DEVICE) if torch.device(DEVICE).type == "cuda" else torch.get_rng_state()
+
+
 def test_empty_inputs():
+    # as torch's dropout, an empty input draws no random numbers (the generator stays where it
+    # was, so later masks are the ones they would have been)
     for shape in [(0, 2, 3, 4), (2, 2, 0, 4), (1, 2, 3, 0)]:
         x = torch.randn(shape, device=DEVICE, requires_grad=True)
+        before = _generator_state()
         z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, 1.0, 0.1)
+        assert torch.equal(_generator_state(), before)
         assert z.shape == shape
         z.sum().backward()
         assert x.grad.shape == shape
+    before = _generator_state()
+    fused_scale_mask_softmax_dropout(torch.randn(1, 2, 3, 4, device=DEVICE), None, AttnMaskType.causal, 1.0, 0.1)
+    assert not torch.equal(_generator_state(), before)  # a non-empty input draws its key
 
 
 def test_saves_the_scores_and_row_statistics_not_probabilities_or_a_mask():

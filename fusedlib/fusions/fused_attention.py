@@ -77,8 +77,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     ``(band_lo, band_hi)`` (:func:`~fusedlib.kernels.flash_attention.attention_band`);
     dropout_p in [0, 1); deterministic a bool.
 
-    Forward: draws a Philox key from torch's generator on q's device when dropout_p > 0,
-    launches one kernel, saves q, k, v, o, the LSE (float32 [b, hq, sq]), the mask, the sinks
+    Forward: draws a Philox key from torch's generator on q's device when dropout_p > 0 and
+    neither q nor k is empty, launches one kernel, saves q, k, v, o, the LSE (float32 [b, hq, sq]), the mask, the sinks
     and the key. Backward: three kernels, returning (dq, dk, dv, dsinks) in the inputs' dtypes:
     without atomics when ``deterministic``, else dQ by atomic adds where that is faster
     (:func:`~fusedlib.kernels.flash_attention.use_atomic_dq`). Differentiable once (a double
@@ -92,7 +92,9 @@ class FlashAttentionFunction(torch.autograd.Function):
         sink32 = None
         if sinks is not None:  # (no graph here: forward runs without grad)
             sink32 = sinks.to(torch.float32).contiguous()
-        seed = philox_seed(q.device) if dropout_p > 0.0 else None
+        # no queries or no keys: nothing to drop, no random numbers drawn (as torch's dropout
+        # for an empty input)
+        seed = philox_seed(q.device) if dropout_p > 0.0 and q.numel() and k.numel() else None
         o, lse = flash_attn_fwd(q, k, v, softmax_scale, band, mask, sink32, seed, dropout_p)
         ctx.save_for_backward(q, k, v, o, lse, mask, sink32, seed)
         ctx.softmax_scale, ctx.band, ctx.dropout_p, ctx.deterministic = softmax_scale, band, dropout_p, deterministic

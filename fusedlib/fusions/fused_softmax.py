@@ -482,7 +482,7 @@ class ScaledMaskedSoftmaxDropout(torch.autograd.Function):
     softmax's Function instead; here it would run the dropout kernels keeping everything).
 
     Forward: draws a Philox key from torch's generator on x4's device (8 bytes; so
-    ``torch.manual_seed`` reproduces the mask), launches one kernel, and saves x4, the mask,
+    ``torch.manual_seed`` reproduces the mask; none for an empty x4), launches one kernel, and saves x4, the mask,
     the seed and the row statistics (m and 1/D, float32 [2, b·np·sq]): no probabilities and no
     dropout mask. Backward: one kernel recomputes p from x4, regenerates the keep mask k and
     returns dx = scale·p·(g' - sum(g'·p)) with g' = g·k/(1 - p'), in x4's dtype, and the
@@ -498,7 +498,9 @@ class ScaledMaskedSoftmaxDropout(torch.autograd.Function):
         if offset is not None:  # sink logits in the compute dtype, [1] or [np] (no graph: forward runs without grad)
             off = offset.to(acc_dtype(x4.dtype))
             off = (off if off.dim() == 1 else off.reshape(-1)).contiguous()
-        seed = philox_seed(x4.device)
+        # an empty x4 drops nothing and launches nothing: a placeholder key, no random numbers
+        # drawn (as torch's dropout for an empty input)
+        seed = philox_seed(x4.device) if x4.numel() else torch.zeros(1, dtype=torch.int64, device=x4.device)
         z, sink, stats = softmax_dropout_fwd(x4, seed, dropout_p, scale, mask, band, off)
         ctx.save_for_backward(x4, mask, stats, seed, sink)
         ctx.scale, ctx.band, ctx.dropout_p = scale, band, dropout_p
