@@ -642,7 +642,9 @@ def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, top: int = 
         ``top`` kernels by total time (calls and ms per step, share of the step's kernel time),
         names cut to 200 characters. With ``span``, also ``"span_ms"`` (from the first kernel's
         start to the last one's end, per step) and ``"idle_ms"`` (the time in that span when no
-        kernel ran: launch gaps, host work the device waits for; per step).
+        kernel ran: launch gaps, host work the device waits for; per step). Recorded under
+        ``torch.profiler``, whose own host work per operation lengthens the gaps of plain
+        launches: an upper bound on what the same steps leave idle without the profiler.
 
     Raises:
         ValueError: ``steps`` < 1.
