@@ -114,12 +114,13 @@ FWD_TILES: TileTable = (
     (HUGE, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4)),  # long rows: [4, 1024] tiles (4 Ki elements)
 )
 
-# The backward's tiles: twice the forward's rows and warps (the same work per thread), except
-# for rows of 65 to 512 columns (below: 128-column tiles, measured faster). Its
-# grid is small (a persistent grid of a few programs per SM, each looping over rows and
-# keeping one float32 partial of db), so each program needs more loads in flight. H200,
-# [32768, 4096] bf16, kernel only (NOTES.md): [8, 1024] at 8 warps, 4 programs per SM,
-# 0.163 ms against 0.210 for [4, 2048], and against 0.211 at 16 programs per SM.
+# The backward's tiles. Its grid is small (a persistent grid of a few programs per SM, each
+# looping over rows and keeping one float32 partial of db), so each program needs many loads
+# in flight: for short rows twice the forward's rows and warps; for rows of 65 to 512 columns
+# 128-column tiles (measured faster); for long rows the forward's tile with the row loop
+# pipelined (the next tiles' loads issued while one is computed), which replaced twice the
+# forward's rows and warps ([8, 1024] at 8 warps: 0.163 ms kernel only at [32768, 4096] bf16
+# on the H200, against 0.210 for [4, 2048] and 0.211 at 16 programs per SM; NOTES.md).
 BWD_TILES: TileTable = (
     (64, Tile(BLOCK_M=128, BLOCK_N=64, num_warps=8, programs_per_sm=4)),
     # rows of 3·2^k (h = 384) fill 128-column tiles whole. [32768, 384] bf16 on the H200, with
