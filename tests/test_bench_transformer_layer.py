@@ -265,6 +265,12 @@ def test_kernel_categories_and_summary():
     assert timed["span_ms"] == 1.0 and timed["idle_ms"] == 0.25
     assert "first kernel to last 1.00 ms, no kernel running 0.25 ms" in tl.kernel_summary_lines("x", timed)[0]
     assert "span_ms" not in s and "first kernel" not in tl.kernel_summary_lines("x", s)[0]
+    for bad in ((1000.0, 1500.0), (float("nan"), 0.0), (2000.0,), (100.0, -1.0), [2000.0, 1500.0], (True, 0)):
+        with pytest.raises(ValueError, match="span must be"):
+            tl.kernel_summary(events, steps=2, span=bad)
+    for bad in (1.5, True, "2"):
+        with pytest.raises(ValueError, match="steps must be an int"):
+            tl.kernel_summary(events, steps=bad)
 
 
 def test_device_span_counts_overlaps_once_and_gaps_as_idle():

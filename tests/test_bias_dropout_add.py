@@ -178,6 +178,23 @@ def test_empty_input_draws_no_random_numbers(shape):
     assert not torch.equal(_generator_state(DEVICE), before)  # a non-empty input draws its seed
 
 
+@pytest.mark.parametrize("p", [1.0, 1.0 - 2.0**-18])
+def test_dropping_everything_draws_no_random_numbers(p):
+    # p' = round(p·2^16)/2^16 = 1 drops every element whatever the random bits: as torch's
+    # dropout for p = 1, no random numbers are drawn, and the output is the residual, the
+    # gradient of x zero (the backward regenerates the same all-dropped mask)
+    x, b, r = _inputs((5, 24), torch.float32)
+    before = _generator_state(DEVICE)
+    out = bias_dropout_add_fused_train((x, b), r, p)
+    assert torch.equal(_generator_state(DEVICE), before)
+    assert torch.equal(out, r.detach())
+    out.backward(torch.ones_like(out))
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(b.grad, torch.zeros_like(b))
+    assert torch.equal(r.grad, torch.ones_like(r))
+    bias_dropout_add_fused_train((x, b), r, 1.0 - 2.0**-16)  # p' < 1: the key is drawn
+    assert not torch.equal(_generator_state(DEVICE), before)
+
+
 @pytest.mark.parametrize("fn", ["train", "inference"])
 def test_hidden_size_zero(fn):
     # h = 0: reshape(-1, 0) cannot infer the row count; the op returns empty results

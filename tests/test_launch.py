@@ -23,6 +23,7 @@ misses).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import types
@@ -960,3 +961,31 @@ def test_a_tensor_subclass_gets_its_own_plan(emulated_plans):
     plain = [fused_layer_norm(x, torch.nn.Parameter(w), torch.nn.Parameter(b), 1e-5) for _ in range(2)]
     sub = fused_layer_norm(x, MyParameter(w), MyParameter(b), 1e-5)  # the emulated launcher checks the key
     assert torch.equal(sub, plain[0]) and torch.equal(plain[1], plain[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile: its fields are checked where a tile is made, before any kernel is compiled with it
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value, error, match", [
+    ("num_stages", 0, ValueError, "Tile.num_stages must be from 1"),
+    ("num_stages", -1, ValueError, "Tile.num_stages must be from 1"),
+    ("num_stages", kl.MAX_NUM_STAGES + 1, ValueError, "Tile.num_stages must be from 1"),
+    ("num_stages", 2.5, TypeError, "Tile.num_stages must be an int"),
+    ("num_stages", "3", TypeError, "Tile.num_stages must be an int"),
+    ("num_stages", True, TypeError, "Tile.num_stages must be an int"),
+    ("num_stages", None, TypeError, "Tile.num_stages must be an int"),
+    ("BLOCK_M", 0, ValueError, "Tile.BLOCK_M must be >= 1"),
+    ("BLOCK_N", -64, ValueError, "Tile.BLOCK_N must be >= 0"),
+    ("num_warps", 3, ValueError, "Tile.num_warps must be a power of two"),
+    ("num_warps", 64, ValueError, "Tile.num_warps must be a power of two"),
+    ("programs_per_sm", -1, ValueError, "Tile.programs_per_sm must be >= 0"),
+])
+def test_tile_fields_are_checked(field, value, error, match):
+    good = dict(BLOCK_M=4, BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=4)
+    kl.Tile(**good)  # the good tile itself
+    with pytest.raises(error, match=match):
+        kl.Tile(**dict(good, **{field: value}))
+    with pytest.raises(error, match=match):  # dataclasses.replace checks too
+        dataclasses.replace(kl.Tile(**good), **{field: value})
+

@@ -1130,6 +1130,28 @@ def test_bias_dropout_add_norm_empty_input_draws_no_random_numbers(norm):
 
 
 @pytest.mark.parametrize("norm", NORMS)
+def test_bias_dropout_add_norm_dropping_everything_draws_no_random_numbers(norm):
+    # p = 1: the mask drops every element whatever the random bits; no key is drawn and h is
+    # the residual (as torch's dropout for p = 1), the same as the two ops give
+    state = (lambda: torch.cuda.get_rng_state(DEVICE)) if torch.device(DEVICE).type == "cuda" else torch.get_rng_state
+    m, x, residual, lb = _bda_norm_inputs(norm, 16, torch.float32)
+    before = state()
+    y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, 1.0, True)
+    assert torch.equal(state(), before)
+    assert torch.equal(hidden, residual.detach())
+    y2, h2 = _bda_norm_chain(m, (x, lb), residual, 1.0, True)
+    assert torch.equal(h2, hidden)
+    # interpreted, the same bits; compiled, within the norm's tolerance (as in
+    # test_bias_dropout_add_norm_equals_the_two_ops)
+    if DEVICE.type == "cpu":
+        assert torch.equal(y2, y)
+    else:
+        assert_close(y, y2.double(), torch.float32)
+    (y.sum() + hidden.sum()).backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(lb.grad, torch.zeros_like(lb))
+
+
+@pytest.mark.parametrize("norm", NORMS)
 def test_bias_dropout_add_norm_one_output_and_no_bias(norm):
     # y alone, h alone, no linear bias, an input that needs no gradient, evaluation mode
     from fusedlib.kernels.bias_dropout_add import dropout_scale

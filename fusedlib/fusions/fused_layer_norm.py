@@ -73,7 +73,7 @@ from ..checks import (
     real_to_float,
     resolve_neg_grads,
 )
-from ..kernels.bias_dropout_add import bias_dropout_add_bwd, philox_seed
+from ..kernels.bias_dropout_add import bias_dropout_add_bwd, dropout_key
 from ..kernels.layer_norm import (
     MAX_HIDDEN_SIZE, bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd, _norm_fwd, norm_bwd,
 )
@@ -695,10 +695,11 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
     """Autograd wiring of :func:`bias_dropout_add_norm`'s fused path.
 
     ``forward(ctx, x, linear_bias, residual, weight, bias, eps, prob, training, rms_norm,
-    zero_centered_gamma)`` draws a Philox seed (training with prob > 0, a non-empty x), runs one kernel
-    that writes h = residual + dropout(x + linear_bias) and y = norm(h) with its row
-    statistics, and returns ``(y, h)``; it saves h (the next residual, alive anyway), the
-    norm's parameters, the statistics and the seed. ``backward(dy, dh)`` runs the norm's
+    zero_centered_gamma)`` draws a Philox seed (training with prob > 0, a non-empty x, not
+    every element dropped), runs one kernel that writes h = residual + dropout(x + linear_bias)
+    and y = norm(h) with its row statistics, and returns ``(y, h)``; it saves h (the next
+    residual, alive anyway), the norm's parameters, the statistics and the seed.
+    ``backward(dy, dh)`` runs the norm's
     backward kernel with h's second gradient ``dh`` added and x's gradient and its column sum
     computed in the same pass; returns ``(dx, dlinear_bias, dresidual, dweight, dbias, None x5)``,
     dx being dresidual itself when nothing was dropped. With y unused (dy None) the
@@ -736,7 +737,7 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
         if not (zero_centered_gamma is True or zero_centered_gamma is False):
             zero_centered_gamma = check_bool("zero_centered_gamma", zero_centered_gamma)
         dropout = training and prob > 0.0 and x.numel() > 0  # empty: no seed, as torch's dropout draws none
-        seed = philox_seed(x.device) if dropout else None
+        seed = dropout_key(x.device, prob) if dropout else None  # (none drawn when everything is dropped)
         lb = linear_bias.contiguous() if linear_bias is not None else None  # [h]: a copy only if strided
         y, h, mean, rstd = bias_dropout_add_norm_fwd(x, lb, residual, seed, prob, weight_c, bias_c, eps,
                                                      rms_norm=rms_norm, zero_centered_gamma=zero_centered_gamma,

@@ -66,6 +66,7 @@ __all__ = [
     "drop_threshold",
     "dropout_scale",
     "philox_seed",
+    "dropout_key",
     "bias_dropout_add_fwd",
     "bias_dropout_add_bwd",
     "dropout_mask",
@@ -184,6 +185,20 @@ def philox_seed(device: torch.device) -> torch.Tensor:
         int64 tensor of shape [1] on ``device``, in [0, 2^62).
     """
     return torch.randint(0, 1 << 62, (1,), dtype=torch.int64, device=device)
+
+
+def dropout_key(device: torch.device, p: float) -> torch.Tensor:
+    """The Philox key of a dropout of probability ``p`` (> 0) on ``device``: :func:`philox_seed`,
+    except where every element is dropped (p' = round(p·2^16)/2^16 = 1, i.e. p >= 1 - 2^-17),
+    whose mask does not depend on the random bits: then a zero key, and no random numbers are
+    drawn, as torch's dropout draws none for p = 1.
+
+    Returns:
+        int64 tensor of shape [1] on ``device``.
+    """
+    if drop_threshold(p) >= 1 << KEEP_BITS:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    return philox_seed(device)
 
 
 @triton.jit
@@ -417,8 +432,9 @@ def _bias_dropout_add_fwd_checked(x: Any, bias: Any, residual: Any, prob: Any, t
                                                            float]:
     """:func:`bias_dropout_add_fwd` into a new tensor, with the op's argument check and the seed:
     ``(out, seed, bias, p)``: seed the Philox key drawn (:func:`philox_seed`, after the check;
-    None when ``training`` is False, p is 0 or the input is empty), bias as the kernel read it
-    (contiguous), p the probability as a float.
+    None when ``training`` is False, p is 0 or the input is empty; a zero key, drawing nothing,
+    when everything is dropped: :func:`dropout_key`), bias as the kernel read it (contiguous),
+    p the probability as a float.
 
     ``check((x, bias), residual, prob) -> (x, bias, residual, p)`` raises for bad input. It runs
     only when no plan matches the call's signature (each tensor's class, shape, strides, dtype,
@@ -442,7 +458,7 @@ def _bias_dropout_add_fwd_checked(x: Any, bias: Any, residual: Any, prob: Any, t
     if out.numel() == 0:  # nothing to drop: no seed drawn, as torch's dropout draws none for an empty input
         return out, None, b, p
     dropout = training and p > 0.0
-    seed = philox_seed(x.device) if dropout else None
+    seed = dropout_key(x.device, p) if dropout else None  # (none drawn when everything is dropped)
     x2d, r2d = as_rows(x), as_rows(residual)  # [..., n_cols] -> [n_rows, n_cols]
     n_rows, n_cols = x2d.shape
     if pl is None:

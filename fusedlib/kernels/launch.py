@@ -51,6 +51,7 @@ import triton.language as tl
 __all__ = [
     "Tile",
     "TileTable",
+    "MAX_NUM_STAGES",
     "pick",
     "persistent_grid",
     "FOLD_TILES",
@@ -113,6 +114,12 @@ class Tile:
         programs_per_sm: for kernels whose programs loop over rows (a persistent grid): k
             programs per streaming multiprocessor (:func:`persistent_grid`); 0: one program
             per tile of BLOCK_M rows.
+
+    Raises:
+        TypeError: a field that is not an int (a bool is not one).
+        ValueError: BLOCK_M < 1, BLOCK_N < 0, num_warps not a power of two from 1 to 32,
+            num_stages outside 1 to :data:`MAX_NUM_STAGES`, programs_per_sm < 0. (Whether
+            BLOCK_N must be a power of two, and which tiles fit a kernel, the launchers check.)
     """
 
     BLOCK_M: int
@@ -120,6 +127,28 @@ class Tile:
     num_warps: int
     num_stages: int = 1
     programs_per_sm: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "programs_per_sm"):
+            v = getattr(self, name)
+            if type(v) is not int:
+                raise TypeError(f"Tile.{name} must be an int, got {v!r} ({type(v).__name__})")
+        if self.BLOCK_M < 1:
+            raise ValueError(f"Tile.BLOCK_M must be >= 1 (rows per tile), got {self.BLOCK_M}")
+        if self.BLOCK_N < 0:
+            raise ValueError(f"Tile.BLOCK_N must be >= 0 (columns per tile; 0: the whole row), got {self.BLOCK_N}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"Tile.num_warps must be a power of two from 1 to 32, got {self.num_warps}")
+        if not 1 <= self.num_stages <= MAX_NUM_STAGES:
+            raise ValueError(f"Tile.num_stages must be from 1 (no pipelining) to {MAX_NUM_STAGES}, got "
+                             f"{self.num_stages}")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"Tile.programs_per_sm must be >= 0 (0: one program per tile), got {self.programs_per_sm}")
+
+
+#: The deepest software pipelining a :class:`Tile` may ask for: each stage holds one more
+#: tile's loads in shared memory (the tables use 1 to 3; FlashAttention's 2 or 3).
+MAX_NUM_STAGES: int = 8
 
 
 #: A tile table: ``(upper bound of n_cols, Tile)`` rows in increasing bound order; a row

@@ -108,6 +108,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import json
+import math
 import socket
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
@@ -647,10 +648,17 @@ def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, top: int = 
         launches: an upper bound on what the same steps leave idle without the profiler.
 
     Raises:
-        ValueError: ``steps`` < 1.
+        ValueError: ``steps`` not an int >= 1; ``span`` not a pair of finite numbers with
+            0 <= busy_us <= span_us.
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if span is not None and not (
+            isinstance(span, tuple) and len(span) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in span)
+            and 0 <= span[1] <= span[0]):
+        raise ValueError(f"span must be (span_us, busy_us) as device_span gives it: finite, with "
+                         f"0 <= busy_us <= span_us, got {span!r}")
     by_name: dict[str, list[float]] = {}
     for name, us in kernels:
         by_name.setdefault(name, []).append(us)
