@@ -78,8 +78,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     dropout_p in [0, 1); deterministic a bool.
 
     Forward: draws a Philox key from torch's generator on q's device when dropout_p > 0 and
-    neither q nor k is empty, launches one kernel, saves q, k, v, o, the LSE (float32 [b, hq, sq]), the mask, the sinks
-    and the key. Backward: three kernels, returning (dq, dk, dv, dsinks) in the inputs' dtypes:
+    neither q nor k is empty, launches one kernel, saves q, k, v, o, the LSE (float32
+    [b, hq, sq]), the mask, the sinks and the key. Backward: three kernels, returning (dq, dk, dv, dsinks) in the inputs' dtypes:
     without atomics when ``deterministic``, else dQ by atomic adds where that is faster
     (:func:`~fusedlib.kernels.flash_attention.use_atomic_dq`). Differentiable once (a double
     backward raises).

@@ -121,12 +121,12 @@ class BiasDropoutAddFunction(torch.autograd.Function):
     :func:`bias_dropout_add_fused_train`, for a call signature that has not passed the check
     before: the launch plan's key holds all it reads), draws a Philox seed from torch's
     generator (only when ``training`` and p > 0, for a non-empty x whose elements are not all
-    dropped; after the check, so a refused call draws no random numbers), launches one kernel, and saves the seed:
-    8 bytes, where torch's dropout saves a mask of one byte per element. ``backward``
-    regenerates the mask from the seed and returns ``(dx, dbias, dresidual, None, None)``:
-    dx = g·mask/(1-p') in x's dtype (p' the applied probability, see below), dbias its float32 sum over leading dims in bias's
-    dtype (None when bias is None or needs no grad), dresidual = g itself (the residual's
-    dtype, as out's).
+    dropped; after the check, so a refused call draws no random numbers), launches one kernel,
+    and saves the seed: 8 bytes, where torch's dropout saves a mask of one byte per element.
+    ``backward`` regenerates the mask from the seed and returns ``(dx, dbias, dresidual, None,
+    None)``: dx = g·mask/(1-p') in x's dtype (p' the applied probability, see below), dbias its
+    float32 sum over leading dims in bias's dtype (None when bias is None or needs no grad),
+    dresidual = g itself (the residual's dtype, as out's).
 
     Shapes: x, residual [..., h] (e.g. [s, b, h], h = 0 allowed: empty results); bias [h] or None.
     prob is applied as p' = round(prob·2^16)/2^16 and kept values scaled by 1/(1 - p').

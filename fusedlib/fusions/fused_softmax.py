@@ -482,8 +482,8 @@ class ScaledMaskedSoftmaxDropout(torch.autograd.Function):
     softmax's Function instead; here it would run the dropout kernels keeping everything).
 
     Forward: draws a Philox key from torch's generator on x4's device (8 bytes; so
-    ``torch.manual_seed`` reproduces the mask; none for an empty x4), launches one kernel, and saves x4, the mask,
-    the seed and the row statistics (m and 1/D, float32 [2, b·np·sq]): no probabilities and no
+    ``torch.manual_seed`` reproduces the mask; none for an empty x4), launches one kernel,
+    and saves x4, the mask, the seed and the row statistics (m and 1/D, float32 [2, b·np·sq]): no probabilities and no
     dropout mask. Backward: one kernel recomputes p from x4, regenerates the keep mask k and
     returns dx = scale·p·(g' - sum(g'·p)) with g' = g·k/(1 - p'), in x4's dtype, and the
     sink-logit gradient. Differentiable once (a double backward raises).
