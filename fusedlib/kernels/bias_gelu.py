@@ -131,21 +131,22 @@ FWD_TILES: TileTable = (
 
 
 # The backward's tiles: its programs loop over rows_per_program rows to keep a running
-# bias-gradient sum, so each step holds more rows than a forward tile. Long rows, with the
-# loop not pipelined (1 stage): 2048 x 4 at 8 warps, 0.245 ms for [8192, 16384] bf16 on the
-# H200 against 0.250 for 2048 x 2 and 0.338 for 4096 x 2 (kernel only, 4 programs per SM,
-# NOTES.md). A persistent grid of 4 programs per SM, each writing one float32 partial row of
-# the bias gradient: 0.245 ms at 4 per SM against 0.273 at 16 (kernel only, 1 stage, H200).
+# bias-gradient sum, so each step holds more rows than a forward tile. Long rows, from a first
+# tuning run with the loop not pipelined (1 stage): [4, 2048] at 8 warps, 0.245 ms for
+# [8192, 16384] bf16 on the H200 against 0.250 for [2, 2048] and 0.338 for [2, 4096] (kernel
+# only, 4 programs per SM, NOTES.md). A persistent grid of 4 programs per SM, each writing one
+# float32 partial row of the bias gradient: 0.245 ms at 4 per SM against 0.273 at 16 (kernel
+# only, 1 stage, H200). (The pipelining run below timed the same 1-stage tile at 0.2398 ms.)
 BWD_TILES: TileTable = (
     (16, Tile(BLOCK_M=256, BLOCK_N=16, num_warps=4, programs_per_sm=4)),
     (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, programs_per_sm=4)),
     (512, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4, programs_per_sm=4)),  # (BLOCK_N capped at the row's)
     # 513 to 1 Ki, pipelined (3 stages). Kernel and bias-gradient second stage, bf16, H200, CUDA-graph
     # replays (NOTES.md, 8-12 settings per shape): [32768, 768] 0.0530 ms for [8, 256] x 4
-    # warps at 3 stages (three 256-column blocks fill the row) against 0.0656 for the earlier
-    # [4, 1024] at 1 stage and 0.0584 at 3; [131072, 1024] 0.2168 for [2, 1024] x 4 warps at 3
+    # warps at 3 stages (three 256-column blocks fill the row) against 0.0656 for [4, 1024] at 1
+    # stage and 0.0584 at 3; [131072, 1024] 0.2168 for [2, 1024] x 4 warps at 3
     # stages (3714 GB/s) against 0.2551 for [4, 1024] at 1 stage (0.2753 at 3, 0.2272 at 2) and
-    # 0.2222 for [8, 256]. Rows of 129 to 512 columns: not measured pipelined, kept at 1 stage.
+    # 0.2222 for [8, 256]. Rows of up to 512 columns: not measured pipelined, kept at 1 stage.
     (768, Tile(BLOCK_M=8, BLOCK_N=256, num_warps=4, num_stages=3, programs_per_sm=4)),
     (1024, Tile(BLOCK_M=2, BLOCK_N=1024, num_warps=4, num_stages=3, programs_per_sm=4)),
     # 1 Ki to 1.5 Ki, as in the forward: three 512-column blocks fill a row of 1536 where one
@@ -153,8 +154,8 @@ BWD_TILES: TileTable = (
     # replays: 0.1052 ms for [4, 512] at 4 warps against 0.1196 for [4, 2048] at 8 (torch.compile's
     # GeLU backward and bias sum: 0.1163); the best of 72 tiles of 256-2048 columns, 2-16 rows,
     # 4 or 8 warps, 2-8 programs per SM.
-    # From 1 Ki up, the row loop is software-pipelined (num_stages 3: the next two tiles' loads in
-    # flight while one is computed). Kernel only, bf16, H200, CUDA-graph replays, stages 1 / 3:
+    # Above 1 Ki too, the row loop is software-pipelined (num_stages 3: the next two tiles' loads
+    # in flight while one is computed). Kernel only, bf16, H200, CUDA-graph replays, stages 1 / 3:
     # [32768, 1536] at [4, 512] x 4 warps 0.1101 / 0.0801 ms (3768 GB/s, 88 % of copy; 4 stages
     # 0.0834); [8192, 16384] at [4, 2048] x 8 warps 0.2398 / 0.2167 (4 stages 0.2121); [8192, 3072]
     # at [4, 2048] 0.0590 / 0.0502 and at [2, 1024] x 4 warps 0.0575 / 0.0407 (3711 GB/s), the best
