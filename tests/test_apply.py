@@ -100,3 +100,26 @@ def test_torch_func_transforms_keep_the_function_path_and_its_clear_error(op):
     seen = []
     torch.func.vmap(lambda xb: seen.append(_apply.needs_autograd(xb)) or xb)(batched)
     assert seen == [True] and not _apply.needs_autograd(x)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_forward_mode_tangents_are_refused_before_the_forward_runs(op, applies):
+    # the Functions define no jvp: an input with a tangent is refused, naming it, before the
+    # forward launches anything or draws a dropout key (torch's own refusal comes only after
+    # the forward); inside a dual level, inputs without tangents still run
+    import torch.autograd.forward_ad as fwad
+
+    case = get_case(op)(HOST_SHAPES[op], torch.float32)
+    fn = next(i for i in case.impls if i.name == "fusedlib").fn
+    inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in case.make_inputs(DEVICE, True)]
+    tangent = torch.randn_like(inputs[0])
+    state = (lambda: torch.cuda.get_rng_state(DEVICE)) if DEVICE.type == "cuda" else torch.get_rng_state
+    torch.manual_seed(0)  # (the dropout ops draw their key from the generator)
+    want = _first(fn(*inputs))
+    with fwad.dual_level():
+        before = state()
+        with pytest.raises(NotImplementedError, match="carries a forward-mode AD tangent"):
+            fn(fwad.make_dual(inputs[0], tangent), *inputs[1:])
+        assert torch.equal(state(), before) and applies == []
+        torch.manual_seed(0)
+        assert torch.equal(_first(fn(*inputs)), want)  # no tangents: the op runs, as outside the level

@@ -14,7 +14,8 @@ The Function path is kept whenever autograd may need it:
 * ``torch.compile`` is tracing (Dynamo turns the Function into its own graph node: keep what
   it sees unchanged);
 * a forward-mode AD level is active (``torch.autograd.forward_ad.dual_level``): the Functions
-  define no ``jvp``, and ``Function.apply`` says so instead of dropping the tangents;
+  define no ``jvp``; an argument with a tangent is refused before the forward runs (nothing
+  launched, no random numbers drawn) instead of the tangents being dropped;
 * a ``torch.func`` transform is active (``vmap``, ``grad``, ``jacrev``...): the Functions do not
   support them, and ``Function.apply`` says so (the kernels would get batched tensors, which have
   no storage).
@@ -109,11 +110,16 @@ def apply(fn_cls: type, *args: Any) -> Any:
         Whatever the forward raises (the ops' argument checks run in it, on both paths).
         TypeError: for a nested tensor among ``args``, where the forward raised a RuntimeError
             (a nested tensor has no ``shape``: the checks' cheap happy-case test reads it first).
+        NotImplementedError: a tensor argument carries a forward-mode AD tangent (the Functions
+            define no ``jvp``): raised before the forward runs, so nothing is launched and no
+            random numbers are drawn (``Function.apply`` would say so only after the forward).
     """
     try:
         if needs_autograd(*args):
             if torch.compiler.is_compiling():
                 return fn_cls.apply(*args)  # Dynamo's own handling of Function.apply
+            if _forward_ad._current_level >= 0:
+                _refuse_tangents(fn_cls, args)  # before the forward: it would launch, and draw random numbers
             return _FUNCTION_APPLY(fn_cls, *args)
         return fn_cls.forward(InferenceCtx(len(args)), *args)
     except RuntimeError:
@@ -121,13 +127,28 @@ def apply(fn_cls: type, *args: Any) -> Any:
         raise
 
 
+def _param_name(fn_cls: type, i: int) -> str:
+    names = list(inspect.signature(fn_cls.forward).parameters)[1:]  # after ctx
+    return names[i] if i < len(names) else f"argument {i}"
+
+
+def _refuse_tangents(fn_cls: type, args: tuple) -> None:
+    """Raise NotImplementedError, naming the argument, for the first tensor in ``args`` that is a
+    forward-mode AD dual tensor (one with a tangent at the current level)."""
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor) and _forward_ad.unpack_dual(a).tangent is not None:
+            raise NotImplementedError(
+                f"{fn_cls.__name__}: {_param_name(fn_cls, i)} carries a forward-mode AD tangent, but fusedlib's "
+                "fused ops have no forward-mode derivative (jvp), only the reverse mode: call the op outside "
+                "torch.autograd.forward_ad.dual_level, or on tensors without tangents (nothing was computed)")
+
+
 def _refuse_nested(fn_cls: type, args: tuple) -> None:
     """Raise check_dense's TypeError for the first nested tensor in ``args``, named as
     ``fn_cls.forward`` names its parameter."""
     for i, a in enumerate(args):
         if isinstance(a, Tensor) and a.is_nested:
-            names = list(inspect.signature(fn_cls.forward).parameters)[1:]  # after ctx
-            check_dense(names[i] if i < len(names) else f"argument {i}", a)
+            check_dense(_param_name(fn_cls, i), a)
 
 
 _TWICE = (b"trying to differentiate twice a function that was marked with @once_differentiable: a fusedlib "
