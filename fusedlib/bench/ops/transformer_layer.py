@@ -705,7 +705,7 @@ def device_span(prof, device_type) -> tuple[float, float]:
         else:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
-    return float(max(end for _, end in intervals) - intervals[0][0]), float(busy)
+    return float(cur_end - intervals[0][0]), float(busy)  # (the last run ends last)
 
 
 def profiler_setup(device: torch.device) -> tuple[list, torch.autograd.DeviceType, Callable[[], None]]:
