@@ -306,6 +306,9 @@ class _ForeignBackend(enum.Enum):  # another library's enum with the same member
     (dict(bias_activation_fusion=True, activation_func=F.relu), ValueError, "activation_func must be F.gelu"),
     (dict(bias_activation_fusion=True, activation_func=F.silu), ValueError, "gated_linear_unit must be True"),
     (dict(bias_activation_fusion=True, add_bias_linear=False), ValueError, "add_bias_linear must also be True"),
+    (dict(gemm_gelu_fusion=True), ValueError, "gemm_gelu_fusion .* needs bias_activation_fusion=True"),
+    (dict(gemm_gelu_fusion=True, bias_activation_fusion=True, gated_linear_unit=True), ValueError,
+     "gemm_gelu_fusion .* gated_linear_unit=False"),
     (dict(bias_activation_fusion=True, gated_linear_unit=True, glu_linear_offset=1.0), ValueError,
      "glu_linear_offset must be 0"),
     (dict(activation_func_clamp_value=float("nan"), num_moe_experts=2, gated_linear_unit=True), ValueError,
@@ -495,6 +498,9 @@ BLOCK_CASES = {
     "fp32-swiglu-layernorm": dict(dtype=torch.float32),
     "bf16-swiglu-rmsnorm-qknorm": dict(dtype=torch.bfloat16, normalization="RMSNorm", qk_layernorm=True),
     "fp32-gelu-padding-mask": dict(dtype=torch.float32, gated_linear_unit=False, activation_func="gelu", mask=True),
+    # the MLP as one op, bias-GeLU in cuBLASLt's GEMM epilogues on CUDA (ffn a multiple of 8 for them)
+    "bf16-gelu-gemm-epilogue": dict(dtype=torch.bfloat16, gated_linear_unit=False, activation_func="gelu",
+                                    ffn_hidden_size=32, gemm_gelu_fusion=True),
 }
 
 
@@ -512,11 +518,12 @@ def test_every_fusion_on_equals_every_fusion_off(case):
     kw = dict(BLOCK_CASES[case])
     dtype, use_mask = kw.pop("dtype"), kw.pop("mask", False)
     qk = kw.pop("qk_layernorm", False)
+    fused_only = {"gemm_gelu_fusion": kw.pop("gemm_gelu_fusion")} if "gemm_gelu_fusion" in kw else {}
     act64 = None
     if kw.get("activation_func") == "gelu":
         # the fused bias-GeLU is the tanh approximation (as Megatron's): the unfused block gets the same
         kw["activation_func"] = F.gelu
-        fused_cfg = make_config(dtype, qk_layernorm=qk, **kw, **FUSIONS_ON)
+        fused_cfg = make_config(dtype, qk_layernorm=qk, **kw, **FUSIONS_ON, **fused_only)
         kw["activation_func"] = functools.partial(F.gelu, approximate="tanh")
         act64 = kw["activation_func"]
     else:
@@ -558,13 +565,21 @@ def _run_one_layer(cfg, *, backward=False):
 
 
 @pytest.mark.parametrize("switch", ["masked_softmax_fusion", "bias_dropout_fusion", "swiglu", "geglu", "gelu",
-                                    "attention_backend", "attention_backend_flash", "memory_efficient_layer_norm"])
+                                    "attention_backend", "attention_backend_flash", "memory_efficient_layer_norm",
+                                    "gemm_gelu_fusion"])
 @pytest.mark.parametrize("on", [True, False])
 def test_each_switch_chooses_the_kernel(monkeypatch, switch, on):
     act = {"swiglu": dict(gated_linear_unit=True, activation_func=F.silu),
            "geglu": dict(gated_linear_unit=True, activation_func=F.gelu),
            "gelu": dict(gated_linear_unit=False, activation_func=F.gelu)}
     kw = dict(act.get(switch, {}), num_layers=1)
+    if switch == "gemm_gelu_fusion":  # the MLP as one op, or fc1, the bias-GeLU kernel and fc2
+        kw.update(act["gelu"], bias_activation_fusion=True, gemm_gelu_fusion=on)
+        fused, plain = Spy(monkeypatch, mlp_module, "fused_dense_gelu_dense"), Spy(monkeypatch, mlp_module,
+                                                                                  "bias_gelu_impl")
+        _run_one_layer(make_config(**kw))
+        assert bool(fused) is on and bool(plain) is not on
+        return
     if switch in act:
         kw["bias_activation_fusion"] = on
         fused = Spy(monkeypatch, mlp_module, f"bias_{switch}_impl")

@@ -7,7 +7,8 @@ All three compute the same function from the same weights (up to rounding):
     -> output layer tied to the token embedding -> per-token cross entropy [b, s]
 
 * ``gpt`` with ``spec="fused"``: ``GPTModel`` from ``get_gpt_layer_local_spec`` with every fusion
-  switch on (:data:`FUSED_SWITCHES`: fused LayerNorm, bias-GeLU, bias-dropout-add, the softmax
+  switch on (:data:`FUSED_SWITCHES`: fused LayerNorm, bias-GeLU (in the MLP's GEMM epilogues on
+  CUDA, ``gemm_gelu_fusion``), bias-dropout-add, the softmax
   with its dropout when the attention is materialised, the fused cross entropy) and the
   attention backend asked for (``flash``, fusedlib's FlashAttention kernel, by default;
   ``auto``: torch's ``scaled_dot_product_attention``; ``local``: the materialised attention
@@ -48,8 +49,8 @@ __all__ = ["MODELS", "SPECS", "FUSED_SWITCHES", "ModelShape", "gpt_config", "bui
 MODELS = ("gpt", "plain")
 SPECS = ("fused", "unfused")
 #: The TransformerConfig switches of the fused model.
-FUSED_SWITCHES = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion", "persist_layer_norm",
-                  "cross_entropy_loss_fusion")
+FUSED_SWITCHES = ("bias_activation_fusion", "gemm_gelu_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+                  "persist_layer_norm", "cross_entropy_loss_fusion")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,12 @@ for the layer's bias-dropout-add.
 
 The switch is read at each forward, as in Megatron-core.
 
+``config.gemm_gelu_fusion`` (fusedlib's switch) goes one step further for the GeLU MLP: fc1's
+GEMM, the bias-GeLU and fc2's GEMM become one op, :func:`~fusedlib.fusions.fused_dense.
+fused_dense_gelu_dense`, with the bias and GeLU in cuBLASLt's GEMM epilogues (and GeLU's
+derivative in fc2's input-gradient GEMM). It applies on one tensor-parallel rank with
+fusedlib's own linear layers (whose weights it reads); otherwise the MLP runs as above.
+
 Tensor parallelism: fc1 is column-parallel and fc2 row-parallel, so each rank computes ffn/p of
 the inner features, activation included, and fc2's all-reduce (or reduce-scatter) is the only
 communication. A gated unit's fc1 is split with stride 2 (Megatron-core's layout): rank r holds
@@ -42,6 +48,8 @@ import torch.nn.functional as F
 from ..fusions.fused_bias_geglu import bias_geglu_impl
 from ..fusions.fused_bias_gelu import bias_gelu_impl
 from ..fusions.fused_bias_swiglu import bias_swiglu_impl
+from ..fusions.fused_dense import fused_dense_gelu_dense
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .module import MegatronModule
 from .spec_utils import ModuleSpec, build_module
 from .transformer_config import TransformerConfig
@@ -119,9 +127,21 @@ class MLP(MegatronModule):
         """fc1, activation (bias fused in or added first), fc2; see the module docstring."""
         if per_token_scale is not None:
             raise NotImplementedError("MLP: per_token_scale (MoE experts) is left out of fusedlib")
+        if self.config.gemm_gelu_fusion and self._gemm_gelu_applies():
+            fc1, fc2 = self.linear_fc1, self.linear_fc2
+            # [s, b, h] -> [s, b, h]: fc1, bias-GeLU and fc2 in one op (the module docstring)
+            return fused_dense_gelu_dense(hidden_states, fc1.weight, fc1.bias, fc2.weight), fc2.bias
         intermediate, bias = self.linear_fc1(hidden_states)  # [s, b, h] -> [s, b, ffn or 2·ffn], bias
         intermediate = self.activation(intermediate, bias)  # -> [s, b, ffn]
         return self.linear_fc2(intermediate)  # -> ([s, b, h], bias)
+
+    def _gemm_gelu_applies(self) -> bool:
+        """Whether ``gemm_gelu_fusion`` can take this MLP: fusedlib's linear layers on one rank,
+        fc1 returning its bias (the config has checked GeLU, no gated unit, a bias)."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        return (type(fc1) is ColumnParallelLinear and type(fc2) is RowParallelLinear and fc1.tp_world_size == 1
+                and fc2.tp_world_size == 1 and fc1.skip_bias_add and fc2.skip_bias_add and fc1.bias is not None
+                and fc1.weight is not None)
 
     def activation(self, intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """act(intermediate + bias): one fused kernel with ``config.bias_activation_fusion``, else PyTorch."""

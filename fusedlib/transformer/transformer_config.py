@@ -103,7 +103,8 @@ class TransformerConfig:
         glu_linear_offset not a finite number, init_method, output_layer_init_method or
         embedding_init_method neither None nor callable (each an ArgumentTypeError but the
         non-finite offset); bias_activation_fusion with an
-        activation fusedlib cannot fuse; a bad activation_func_clamp_value (see the module
+        activation fusedlib cannot fuse; gemm_gelu_fusion without bias_activation_fusion and a
+        non-gated GeLU; a bad activation_func_clamp_value (see the module
         docstring); num_moe_experts <= 0; a bad window_size; a bad recompute setting
         (recompute_method not "uniform"/"block"/None, with or without recompute_granularity); a bad
         CUDA-graph setting (an unknown ``cuda_graph_impl``, ``enable_cuda_graph`` not a bool,
@@ -219,6 +220,10 @@ class TransformerConfig:
     # ---------------------------------------------------------------- fusions
     bias_activation_fusion: bool = False
     """Fuse the MLP's fc1 bias into its activation (bias_gelu_impl, bias_geglu_impl, bias_swiglu_impl)."""
+    gemm_gelu_fusion: bool = False
+    """fusedlib's (not Megatron-core's; Transformer Engine's ``LayerNormMLP`` does the same): the fused
+    bias-GeLU moves into the MLP's GEMMs, cuBLASLt's epilogues (``fused_dense_gelu_dense``), on one
+    tensor-parallel rank; needs bias_activation_fusion with GeLU, no gated unit."""
     masked_softmax_fusion: bool = False
     """Fused scale + mask + softmax (and, in training with attention dropout, the fused softmax+dropout)."""
     persist_layer_norm: bool = False
@@ -441,6 +446,9 @@ class TransformerConfig:
             if self.glu_linear_offset != 0.0:
                 raise ValueError("When bias_activation_fusion is True, glu_linear_offset must be 0 (Megatron fuses "
                                  "an offset for quick_gelu only; fusedlib's fused units have none)")
+        if self.gemm_gelu_fusion and not (self.bias_activation_fusion and act is F.gelu and not glu):
+            raise ValueError("gemm_gelu_fusion moves the fused bias-GeLU into the MLP's GEMMs: it needs "
+                             "bias_activation_fusion=True, activation_func=F.gelu and gated_linear_unit=False")
         c = self.activation_func_clamp_value
         if c is None:
             return

@@ -156,8 +156,8 @@ IMPLS: dict[str, str] = {
 GRAPH_IMPLS = ("fusedlib-sdpa-graphs", "eager-graphs")
 
 #: The TransformerConfig switches of "every fusion on" (apply_rope_fusion is on but idle: no RoPE here).
-FUSIONS_ON = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion", "persist_layer_norm",
-              "apply_rope_fusion")
+FUSIONS_ON = ("bias_activation_fusion", "gemm_gelu_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+              "persist_layer_norm", "apply_rope_fusion")
 
 #: Profiled at DEFAULT_SHAPE, as plain launches.
 PROFILE_IMPLS = ("fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash")

@@ -15,7 +15,8 @@
   (RoPE, in SelfAttention)    rope_utils.apply_rotary_pos_emb            apply_rope_fusion
   linear_proj, linear_fc2     RowParallelLinear (bias returned)          (a GEMM)
   self_attn_bda, mlp_bda      get_bias_dropout_add                       bias_dropout_fusion
-  mlp                         MLP (fc1 bias into the activation)         bias_activation_fusion
+  mlp                         MLP (fc1 bias into the activation)         bias_activation_fusion,
+                                                                         gemm_gelu_fusion
   ==========================  =========================================  ===========================
 
 * :func:`get_gpt_layer_unfused_spec`: every slot plain PyTorch whatever the switches say:
@@ -95,11 +96,11 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
 def without_fusions(config: TransformerConfig) -> TransformerConfig:
     """A copy of ``config`` with every fusion switch off and the materialised attention backend.
 
-    Off: bias_activation_fusion, masked_softmax_fusion, bias_dropout_fusion, apply_rope_fusion,
-    persist_layer_norm, memory_efficient_layer_norm, cross_entropy_loss_fusion;
+    Off: bias_activation_fusion, gemm_gelu_fusion, masked_softmax_fusion, bias_dropout_fusion,
+    apply_rope_fusion, persist_layer_norm, memory_efficient_layer_norm, cross_entropy_loss_fusion;
     attention_backend = AttnBackend.unfused.
     """
-    return dataclasses.replace(config, bias_activation_fusion=False, masked_softmax_fusion=False,
+    return dataclasses.replace(config, bias_activation_fusion=False, gemm_gelu_fusion=False, masked_softmax_fusion=False,
                                bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                                memory_efficient_layer_norm=False, cross_entropy_loss_fusion=False,
                                attention_backend=AttnBackend.unfused)

@@ -1,0 +1,305 @@
+"""cuBLASLt's GEMM epilogues, called through ``ctypes``: the MLP's bias-GeLU inside its GEMMs.
+
+fusedlib's bias-GeLU kernel reads the fc1 GEMM's output once and writes the activation once;
+what is left of the MLP's elementwise traffic is that pass itself. cuBLASLt's GEMMs can apply
+the bias and the GeLU to the tile they hold in registers before it reaches memory (an
+*epilogue*), and, in the backward, multiply fc2's input gradient by GeLU's derivative and sum
+fc1's bias gradient in the same way (fusedlib takes the first, not the second: see
+:func:`matmul_dgelu`). Transformer Engine and Apex (``fused_dense``) do this;
+PyTorch exposes no binding with the pre-activation output the backward needs, so this module
+calls cuBLASLt's C API itself, on the library torch has already loaded:
+
+* :func:`linear_gelu_aux_bias` -- ``z = x·Wᵀ + b`` and ``y = gelu_tanh(z)`` from one GEMM
+  (``CUBLASLT_EPILOGUE_GELU_AUX_BIAS``: y is the output, z the "aux" output kept for the
+  backward);
+* :func:`matmul_dgelu` -- ``dz = (g·W) * gelu_tanh'(z)`` from one GEMM
+  (``CUBLASLT_EPILOGUE_DGELU``); the bias gradient ``Σ_rows dz`` is one more pass (see there
+  why not cuBLASLt's own).
+
+cuBLASLt's GeLU is the tanh approximation, Megatron's ``bias_gelu_impl``'s. The GEMMs are
+column-major: a row-major [M, N] output is cuBLASLt's [N, M] with leading dimension N, so
+``x·Wᵀ`` is ``op(A)·op(B)`` with A = W (transposed) and B = x, and the bias (one value per
+row of cuBLASLt's output) is one value per column of ours.
+
+Only CUDA devices with cuBLASLt (what torch links), float16 / bfloat16, contiguous row-major
+operands with 16-byte aligned storage and widths a multiple of 8 (cuBLASLt's rule for the aux
+matrix's leading dimension): :func:`supported` says whether a call qualifies, and callers fall
+back to the separate GEMM and Triton kernel otherwise (the CPU always does).
+
+Descriptors and the heuristic's algorithm are made once per (device, dtype, shape) and kept;
+a call sets the two pointers the descriptor holds and launches on torch's current stream, so it
+can be captured in a CUDA graph. cuBLASLt gets a workspace of :data:`WORKSPACE_BYTES` (its bias
+gradient sums need one), one per device and stream as torch keeps its own, made on the first
+call on that stream.
+
+Source: NVIDIA cuBLAS documentation, "cuBLASLt API" (``cublasLtMatmul``, ``cublasLtEpilogue_t``);
+Apex ``apex/fused_dense`` (``gemm_bias_gelu_lt``, ``gemm_dgelu_bgradb_lt``); Transformer Engine
+``transformer_engine/common/gemm/cublaslt_gemm.cu``.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import threading
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["CublasLtError", "WORKSPACE_BYTES", "cublaslt_available", "supported", "linear_gelu_aux_bias",
+           "matmul_dgelu"]
+
+# enum values from cublasLt.h / cublas_api.h / library_types.h (the same in CUDA 12 and 13)
+_CUBLAS_COMPUTE_32F = 68
+_CUDA_R_32F = 0
+_DTYPE_CODE = {torch.float16: 2, torch.bfloat16: 14}
+_OP_N, _OP_T = 0, 1
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE = 3, 4, 7
+_DESC_BIAS_POINTER, _DESC_AUX_POINTER, _DESC_AUX_LD = 8, 11, 12
+_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
+_EPILOGUE_DGELU = 64 | 128
+_PREF_MAX_WORKSPACE_BYTES = 1
+
+#: Bytes of workspace each (device, stream) gives cuBLASLt (Apex's ``fused_dense`` gives 4 MiB).
+WORKSPACE_BYTES = 4 << 20
+
+
+class _HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+class CublasLtError(RuntimeError):
+    """A cuBLASLt call returned a status other than CUBLAS_STATUS_SUCCESS (the message names it)."""
+
+
+_lib: Optional[ctypes.CDLL] = None
+_lib_error: Optional[str] = None
+_lock = threading.Lock()
+_plans: dict = {}
+_handles: dict = {}
+_workspaces: dict = {}
+_ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    """The cuBLASLt library torch loaded (by soname, then from the nvidia wheels), or None."""
+    global _lib, _lib_error
+    if _lib is not None or _lib_error is not None:
+        return _lib
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        _lib_error = "no CUDA device (or a torch built without CUDA)"
+        return None
+    major = torch.version.cuda.split(".")[0]
+    names = [f"libcublasLt.so.{major}"]
+    for root in sys.path:  # the pip wheels' layout: nvidia/cu13/lib or nvidia/cublas/lib
+        names += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", f"libcublasLt.so.{major}*")))
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        c = ctypes
+        lib.cublasLtCreate.argtypes = [c.POINTER(c.c_void_p)]
+        lib.cublasLtMatmulDescCreate.argtypes = [c.POINTER(c.c_void_p), c.c_int, c.c_int]
+        lib.cublasLtMatmulDescSetAttribute.argtypes = [c.c_void_p, c.c_int, c.c_void_p, c.c_size_t]
+        lib.cublasLtMatrixLayoutCreate.argtypes = [c.POINTER(c.c_void_p), c.c_int, c.c_uint64, c.c_uint64, c.c_int64]
+        lib.cublasLtMatmulPreferenceCreate.argtypes = [c.POINTER(c.c_void_p)]
+        lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [c.c_void_p, c.c_int, c.c_void_p, c.c_size_t]
+        lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
+                                                       c.c_void_p, c.c_void_p, c.c_int,
+                                                       c.POINTER(_HeuristicResult), c.POINTER(c.c_int)]
+        lib.cublasLtMatmul.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
+                                       c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
+                                       c.c_void_p, c.c_void_p, c.c_size_t, c.c_void_p]
+        _lib = lib
+        return lib
+    _lib_error = f"libcublasLt.so.{major} not found"
+    return None
+
+
+def cublaslt_available() -> bool:
+    """True where cuBLASLt can be called (a CUDA build of torch on a machine with a GPU)."""
+    return _load() is not None
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CublasLtError(f"cuBLASLt: {what} returned status {status}")
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
+    """Whether cuBLASLt's epilogue GEMMs can take these operands (else use the unfused path).
+
+    Args:
+        x: [M, K] (or [..., K]) activations; weight: [N, K]; others: more operands of the call
+            (bias, pre-activation, gradient), None entries ignored.
+
+    Returns:
+        True when every tensor is on one CUDA device, float16 or bfloat16 alike, contiguous,
+        16-byte aligned, the widths (K, N) are multiples of 8, and cuBLASLt loads.
+    """
+    ts = [x, weight] + [t for t in others if t is not None]
+    if not (x.is_cuda and x.dtype in _DTYPE_CODE and weight.dim() == 2):
+        return False
+    if any(t.device != x.device or t.dtype != x.dtype or not t.is_contiguous() for t in ts):
+        return False
+    if weight.shape[0] % 8 or weight.shape[1] % 8 or not _aligned(*ts):
+        return False
+    return cublaslt_available()
+
+
+def _handle(device: torch.device) -> ctypes.c_void_p:
+    h = _handles.get(device.index)
+    if h is None:
+        with torch.cuda.device(device):
+            h = ctypes.c_void_p()
+            _check(_lib.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
+        _handles[device.index] = h
+    return h
+
+
+def _plan(device: torch.device, dtype: torch.dtype, epilogue: int, transa: int, m: int, n: int, k: int,
+          lda: int, ldb: int, ldd: int, a_rows: int, a_cols: int, b_rows: int, b_cols: int):
+    """(handle, desc, layouts A/B/D, algo) for D[m, n] = op(A)·op(B) (column-major), made once."""
+    key = (device.index, dtype, epilogue, transa, m, n, k)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    lib, c = _lib, ctypes
+    code = _DTYPE_CODE[dtype]
+    handle = _handle(device)
+    desc = c.c_void_p()
+    _check(lib.cublasLtMatmulDescCreate(c.byref(desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F), "cublasLtMatmulDescCreate")
+    for attr, value in ((_DESC_TRANSA, c.c_int32(transa)), (_DESC_TRANSB, c.c_int32(_OP_N)),
+                        (_DESC_EPILOGUE, c.c_uint32(epilogue)), (_DESC_AUX_LD, c.c_int64(ldd))):
+        _check(lib.cublasLtMatmulDescSetAttribute(desc, attr, c.byref(value), c.sizeof(value)),
+               f"cublasLtMatmulDescSetAttribute({attr})")
+    layouts = []
+    for rows, cols, ld in ((a_rows, a_cols, lda), (b_rows, b_cols, ldb), (m, n, ldd)):
+        layout = c.c_void_p()
+        _check(lib.cublasLtMatrixLayoutCreate(c.byref(layout), code, rows, cols, ld), "cublasLtMatrixLayoutCreate")
+        layouts.append(layout)
+    pref = c.c_void_p()
+    _check(lib.cublasLtMatmulPreferenceCreate(c.byref(pref)), "cublasLtMatmulPreferenceCreate")
+    limit = c.c_uint64(WORKSPACE_BYTES)
+    _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, c.byref(limit), c.sizeof(limit)),
+           "cublasLtMatmulPreferenceSetAttribute")
+    # the heuristic reads the pointers' alignment from the descriptor: give it aligned placeholders
+    placeholder = c.c_void_p(256)
+    for attr in ((_DESC_BIAS_POINTER, _DESC_AUX_POINTER) if epilogue & (4 | 16) else (_DESC_AUX_POINTER,)):
+        _check(lib.cublasLtMatmulDescSetAttribute(desc, attr, c.byref(placeholder), c.sizeof(placeholder)),
+               "cublasLtMatmulDescSetAttribute(pointer)")
+    # the heuristic's first algorithm, always: timing the candidates would pick faster ones at some
+    # shapes, but not the same one in every process (and a resumed run must compute what the
+    # uninterrupted one did, bit for bit)
+    result, count = _HeuristicResult(), c.c_int(0)
+    _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref, 1,
+                                              c.byref(result), c.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
+    if count.value < 1 or result.state != 0:
+        raise CublasLtError(f"cuBLASLt: no algorithm for epilogue {epilogue} at m={m}, n={n}, k={k} ({dtype})")
+    plan = (handle, desc, layouts, result.algo)
+    _plans[key] = plan
+    return plan
+
+
+def _matmul(plan, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bias: torch.Tensor, aux: torch.Tensor) -> None:
+    handle, desc, (la, lb, ld), algo = plan
+    lib, c = _lib, ctypes
+    if torch.cuda.current_device() != d.device.index:
+        with torch.cuda.device(d.device):
+            return _matmul(plan, a, b, d, bias, aux)
+    stream = torch.cuda.current_stream(d.device).cuda_stream
+    workspace = _workspaces.get((d.device.index, stream))
+    if workspace is None:
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=d.device)
+        _workspaces[(d.device.index, stream)] = workspace
+    bias_p, aux_p = c.c_void_p(bias.data_ptr() if bias is not None else None), c.c_void_p(aux.data_ptr())
+    with _lock:  # the descriptor holds the pointers: set and launch as one
+        _check(lib.cublasLtMatmulDescSetAttribute(desc, _DESC_BIAS_POINTER, c.byref(bias_p), 8), "set bias pointer")
+        _check(lib.cublasLtMatmulDescSetAttribute(desc, _DESC_AUX_POINTER, c.byref(aux_p), 8), "set aux pointer")
+        _check(lib.cublasLtMatmul(handle, desc, c.byref(_ONE), a.data_ptr(), la, b.data_ptr(), lb, c.byref(_ZERO),
+                                  d.data_ptr(), ld, d.data_ptr(), ld, c.byref(algo), workspace.data_ptr(),
+                                  WORKSPACE_BYTES, stream),
+               "cublasLtMatmul")
+
+
+def linear_gelu_aux_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``y = gelu_tanh(x·Wᵀ + b)`` and the pre-activation ``z = x·Wᵀ + b``, from one cuBLASLt GEMM.
+
+    Args:
+        x: [M, K]; weight: [N, K]; bias: [N]; one CUDA device, float16 or bfloat16 alike,
+            contiguous, 16-byte aligned, K and N multiples of 8 (:func:`supported`).
+
+    Returns:
+        ``(y, z)``, both new [M, N] tensors of x's dtype (y the GEMM's output, z its aux output).
+
+    Raises:
+        ValueError: operands :func:`supported` refuses or of mismatched shapes.
+        CublasLtError: cuBLASLt refused the call.
+
+    Source: cuBLASLt ``CUBLASLT_EPILOGUE_GELU_AUX_BIAS``; Apex ``fused_dense`` (``gemm_bias_gelu_lt``).
+    """
+    if x.dim() != 2 or weight.dim() != 2 or bias.shape != (weight.shape[0],) or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_gelu_aux_bias: expected x [M, K], weight [N, K], bias [N]; got "
+                         f"{list(x.shape)}, {list(weight.shape)}, {list(bias.shape)}")
+    if not supported(x, weight, bias):
+        raise ValueError("linear_gelu_aux_bias: operands cuBLASLt cannot take (see supported())")
+    m_rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m_rows, n), dtype=x.dtype, device=x.device)
+    z = torch.empty_like(y)
+    if m_rows == 0:
+        return y, z
+    # column-major: D[n, M] = op(A)[n, k] · B[k, M]; A = W stored [k, n] (ld k), transposed
+    plan = _plan(x.device, x.dtype, _EPILOGUE_GELU_AUX_BIAS, _OP_T, n, m_rows, k, k, k, n, k, n, k, m_rows)
+    _matmul(plan, weight, x, y, bias, z)
+    return y, z
+
+
+def matmul_dgelu(grad: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``dz = (grad·W) * gelu_tanh'(z)``, from one cuBLASLt GEMM.
+
+    The backward of ``linear(gelu_tanh(z), W)`` with respect to z: fc2's input-gradient GEMM
+    with the activation's derivative in its epilogue (z, the aux input, read once there).
+    fc1's bias gradient, the column sums of dz, is left to the caller: cuBLASLt's
+    ``CUBLASLT_EPILOGUE_DGELU_BGRAD``, which sums it in the same GEMM, took 2.4-4.0x this
+    epilogue's time on the H200 at the MLP shapes of chapters 7 and 9 (bf16: 0.476 against
+    0.120 ms at [32768, 384] x [384, 1536]; 0.976 against 0.398 at [8192, 2048] x [2048, 8192]; the heuristic's first
+    algorithm with a 4 MiB workspace, CUDA-graph replays),
+    and fusedlib's column-sum kernel adds 0.028 and 0.035 ms.
+
+    Args:
+        grad: [M, H], the gradient of fc2's output; weight: fc2's [H, F]; z: [M, F], the
+            pre-activation :func:`linear_gelu_aux_bias` returned; as :func:`supported` asks.
+
+    Returns:
+        dz, a new [M, F] tensor of grad's dtype.
+
+    Raises:
+        ValueError: operands :func:`supported` refuses or of mismatched shapes.
+        CublasLtError: cuBLASLt refused the call.
+
+    Source: cuBLASLt ``CUBLASLT_EPILOGUE_DGELU``; Apex ``fused_dense`` (``gemm_dgelu_bgradb_lt``, which
+    also takes the bias gradient from the epilogue).
+    """
+    if (grad.dim() != 2 or weight.dim() != 2 or z.dim() != 2 or grad.shape[1] != weight.shape[0]
+            or z.shape != (grad.shape[0], weight.shape[1])):
+        raise ValueError(f"matmul_dgelu: expected grad [M, H], weight [H, F], z [M, F]; got "
+                         f"{list(grad.shape)}, {list(weight.shape)}, {list(z.shape)}")
+    if not supported(grad, weight, z):
+        raise ValueError("matmul_dgelu: operands cuBLASLt cannot take (see supported())")
+    m_rows, h = grad.shape
+    f = weight.shape[1]
+    dz = torch.empty((m_rows, f), dtype=grad.dtype, device=grad.device)
+    if m_rows == 0:
+        return dz
+    # column-major: D[f, M] = A[f, h] · B[h, M]; A = W stored [h, f] row-major = [f, h] col-major (ld f)
+    plan = _plan(grad.device, grad.dtype, _EPILOGUE_DGELU, _OP_N, f, m_rows, h, f, h, f, f, h, h, m_rows)
+    _matmul(plan, weight, grad, dz, None, z)
+    return dz

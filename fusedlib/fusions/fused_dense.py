@@ -1,0 +1,146 @@
+"""The MLP's GEMMs with bias-GeLU in their epilogues: ``fused_dense_gelu_dense``.
+
+``bias_gelu_impl`` leaves one pass over the [tokens, ffn] activation in each direction: the
+forward reads the fc1 GEMM's output and writes gelu_tanh(output + b1); the backward reads fc2's
+input gradient and the saved pre-activation and writes dz. On CUDA this op moves both into
+cuBLASLt GEMM epilogues (:mod:`fusedlib.backends.cublaslt`):
+
+* forward: fc1's GEMM writes ``y = gelu_tanh(x·W1ᵀ + b1)`` and the pre-activation
+  ``z = x·W1ᵀ + b1`` (kept for the backward) from its epilogue; then fc2's GEMM
+  ``out = y·W2ᵀ (+ b2)``.
+* backward: fc2's input-gradient GEMM writes ``dz = (g·W2) * gelu_tanh'(z)`` from its epilogue;
+  fusedlib's column-sum kernel gives ``db1 = Σ dz`` (float32 sums, deterministic); the weight
+  gradients and dx are plain GEMMs.
+
+It saves x, y and z: what the unfused MLP saves (fc1's input, GeLU's input, fc2's input).
+Where cuBLASLt cannot take the operands (the CPU, float32, unaligned or strided storage, widths
+not multiples of 8, inside ``torch.compile``), the same Function runs the GEMMs through torch
+and the activation through fusedlib's bias-GeLU kernels: the same math, one more pass each way.
+
+Numerics: the epilogue adds the bias to the GEMM's float32 accumulator before rounding, where
+the unfused path rounds x·W1ᵀ to the input dtype first and adds the bias in the kernel: the two
+differ by the rounding of one bf16/fp16 value.
+
+Source: Apex ``apex/fused_dense/fused_dense.py`` (``FusedDenseGeluDenseFunc``,
+``fused_dense_gelu_dense_function``); Transformer Engine ``LayerNormMLP`` (its fc1 GEMM's GeLU
+epilogue); Megatron-LM ``megatron/core/transformer/mlp.py`` (the MLP it replaces).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import cublaslt
+from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, resolve_neg_grads
+from ..kernels.bias_dropout_add import bias_dropout_add_bwd
+from ..kernels.bias_gelu import bias_gelu_bwd, bias_gelu_fwd
+from ._apply import apply, once_differentiable
+
+__all__ = ["FusedDenseGeluDenseFunction", "fused_dense_gelu_dense"]
+
+Tensor = torch.Tensor
+
+
+def _column_sum(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """Σ over the rows of a [M, N] tensor, in float32, rounded once to ``dtype`` (fusedlib's kernel)."""
+    return bias_dropout_add_bwd(t, t.dtype, None, 0.0, need_dx=False, need_dbias=True, db_dtype=dtype)[1]
+
+
+def _use_epilogue(*tensors: Tensor) -> bool:
+    return not torch.compiler.is_compiling() and cublaslt.supported(*tensors)
+
+
+class FusedDenseGeluDenseFunction(torch.autograd.Function):
+    """Autograd wiring of :func:`fused_dense_gelu_dense` (see the module docstring).
+
+    ``forward(ctx, input, weight1, bias1, weight2, bias2)``: input [..., K], weight1 [F, K],
+    bias1 [F], weight2 [H, F], bias2 [H] or None; returns [..., H]. ``backward`` returns the
+    gradients of all five (None for bias2 when it is None), each in its tensor's dtype; the
+    bias gradients are float32 sums rounded once.
+
+    Source: Apex ``apex/fused_dense/fused_dense.py`` (``FusedDenseGeluDenseFunc``).
+    """
+
+    @staticmethod
+    def forward(ctx, input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
+                bias2: Optional[Tensor]) -> Tensor:
+        x = input.reshape(-1, input.shape[-1])  # [..., K] -> [M, K] (a view where it can be)
+        ctx.epilogue = _use_epilogue(x, weight1, bias1, weight2)
+        if ctx.epilogue:
+            y, z = cublaslt.linear_gelu_aux_bias(x, weight1, bias1)  # [M, F] each; z includes b1
+        else:
+            z = F.linear(x, weight1)  # [M, F], without b1: the kernel adds it
+            y = bias_gelu_fwd(z, bias1.contiguous())
+        out = F.linear(y, weight2, bias2)  # [M, H]
+        ctx.save_for_backward(x, weight1, bias1, weight2, y, z)
+        ctx.has_bias2 = bias2 is not None
+        ctx.in_shape = input.shape
+        return out.view(*input.shape[:-1], weight2.shape[0])
+
+    @staticmethod
+    @once_differentiable  # GEMMs and kernels: the backward is not itself differentiable
+    @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
+    def backward(ctx, grad_output: Tensor):
+        x, weight1, bias1, weight2, y, z = ctx.saved_tensors
+        g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()  # [M, H]
+        need = ctx.needs_input_grad
+        dx = dw1 = db1 = dw2 = db2 = None
+        if need[3]:
+            dw2 = g.t().matmul(y)  # [H, F]
+        if ctx.has_bias2 and need[4]:
+            db2 = _column_sum(g, weight2.dtype)
+        if need[0] or need[1] or need[2]:
+            if ctx.epilogue and _use_epilogue(g, weight2, z):
+                dz = cublaslt.matmul_dgelu(g, weight2, z)  # [M, F]
+                db1 = _column_sum(dz, bias1.dtype) if need[2] else None
+            else:  # z holds b1 on the epilogue path: add none again
+                b = torch.zeros_like(bias1) if ctx.epilogue else bias1
+                dz, db1 = bias_gelu_bwd(g.matmul(weight2), z, b.contiguous())
+                db1 = db1 if need[2] else None
+            if need[0]:
+                dx = dz.matmul(weight1).view(ctx.in_shape)  # [M, K] -> [..., K]
+            if need[1]:
+                dw1 = dz.t().matmul(x)  # [F, K]
+        return dx, dw1, db1, dw2, db2
+
+
+def _check(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
+           bias2: Optional[Tensor]) -> None:
+    check_tensor("input", input, dtypes=FLOAT_DTYPES, min_ndim=1)
+    k = input.shape[-1]
+    check_tensor("weight1", weight1, dtypes=(input.dtype,), shape=(None, k))
+    f = weight1.shape[0]
+    check_tensor("bias1", bias1, dtypes=(input.dtype,), shape=(f,))
+    check_tensor("weight2", weight2, dtypes=(input.dtype,), shape=(None, f))
+    if bias2 is not None:
+        check_tensor("bias2", bias2, dtypes=(input.dtype,), shape=(weight2.shape[0],))
+    check_same_device(input=input, weight1=weight1, bias1=bias1, weight2=weight2, bias2=bias2)
+
+
+def fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
+                           bias2: Optional[Tensor] = None) -> Tensor:
+    """``linear(gelu_tanh(linear(input, weight1, bias1)), weight2, bias2)``, bias-GeLU in the GEMMs.
+
+    The MLP of a GPT layer with its activation in cuBLASLt's GEMM epilogues on CUDA (module
+    docstring), with autograd.
+
+    Args:
+        input: [..., K] (e.g. [s, b, h]), float32 / float16 / bfloat16, any strides.
+        weight1: fc1's [F, K]; bias1: [F]; weight2: fc2's [H, F]; bias2: [H] or None (None:
+            the caller adds fc2's bias, e.g. in a bias-dropout-add). All of input's dtype and
+            device.
+
+    Returns:
+        A new [..., H] tensor of input's dtype.
+
+    Raises:
+        TypeError: a non-tensor argument, an unsupported dtype, or dtypes that differ.
+        ValueError: shapes that do not chain ([F, K], [F], [H, F], [H]), or tensors on
+            different devices.
+
+    Source: Apex ``apex/fused_dense/fused_dense.py`` (``fused_dense_gelu_dense_function``).
+    """
+    _check(input, weight1, bias1, weight2, bias2)
+    return apply(FusedDenseGeluDenseFunction, input, weight1, bias1, weight2, bias2)

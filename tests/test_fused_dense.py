@@ -1,0 +1,187 @@
+"""fused_dense_gelu_dense: the MLP with bias-GeLU in cuBLASLt's GEMM epilogues (CUDA) or through
+fusedlib's bias-GeLU kernels (elsewhere), against a float64 reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusedlib.backends import cublaslt
+from fusedlib.fusions import fused_dense
+from fusedlib.fusions.fused_dense import fused_dense_gelu_dense
+
+from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
+
+CUDA = DEVICE.type == "cuda"
+needs_cublaslt = pytest.mark.skipif(not CUDA, reason="cuBLASLt's epilogues need a CUDA device")
+
+
+def _gelu_tanh(z):
+    return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+
+
+def _inputs(lead, k, f, h, dtype, bias2=True):
+    """x ~ N(0, 1), weights scaled by 1/sqrt(fan-in), biases ~ N(0, 1): every output O(1)."""
+    def r(*shape, scale=1.0):
+        return (scale * torch.randn(shape, device=DEVICE, dtype=torch.float32)).to(dtype).requires_grad_(True)
+    return (r(*lead, k), r(f, k, scale=k ** -0.5), r(f), r(h, f, scale=f ** -0.5), r(h) if bias2 else None)
+
+
+def _reference(x, w1, b1, w2, b2, g):
+    """Output and the five gradients in float64."""
+    leaves = [t.detach().double().requires_grad_(True) if t is not None else None for t in (x, w1, b1, w2, b2)]
+    x64, w164, b164, w264, b264 = leaves
+    out = F.linear(_gelu_tanh(F.linear(x64, w164, b164)), w264, b264)
+    out.backward(g.double())
+    return out.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+def _check(x, w1, b1, w2, b2, dtype):
+    before = [t.detach().clone() if t is not None else None for t in (x, w1, b1, w2, b2)]
+    out = fused_dense_gelu_dense(x, w1, b1, w2, b2)
+    assert out.dtype == dtype and out.shape == (*x.shape[:-1], w2.shape[0])
+    g = torch.randn(out.shape, device=DEVICE, dtype=torch.float32).to(dtype)
+    out.backward(g)
+    ref, grads = _reference(x, w1, b1, w2, b2, g)
+    rows = max(1, x.numel() // x.shape[-1])
+    # the output and dx carry two more roundings than one kernel's (the pre-activation z and the
+    # activation y, each to the input dtype, before the next GEMM): scale 3; the weight and bias
+    # gradients sum over the rows: sqrt(rows) more
+    assert_close(out, ref, dtype, scale=3)
+    assert_close(x.grad, grads[0], dtype, scale=3)
+    for t, ref_grad in zip((w1, b1, w2, b2), grads[1:]):
+        if t is not None:
+            assert t.grad.dtype == dtype
+            assert_close(t.grad, ref_grad, dtype, scale=3 * rows ** 0.5)
+    for t, b in zip((x, w1, b1, w2, b2), before):
+        if t is not None:
+            assert torch.equal(t.detach(), b), "an input was modified"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("lead,k,f,h", [((1,), 8, 16, 8), ((37,), 24, 72, 40), ((5, 3), 16, 40, 24),
+                                        ((9,), 20, 36, 12), ((4,), 1, 1, 1)])
+def test_forward_backward_against_float64(dtype, lead, k, f, h):
+    # (9, 20, 36, 12): widths not multiples of 8, cuBLASLt refuses them: the unfused path on CUDA too
+    _check(*_inputs(lead, k, f, h, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_without_fc2_bias(dtype):
+    x, w1, b1, w2, _ = _inputs((13,), 16, 48, 24, dtype, bias2=False)
+    _check(x, w1, b1, w2, None, dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_non_contiguous_input(dtype):
+    x, w1, b1, w2, b2 = _inputs((6, 4), 16, 32, 16, dtype)
+    xt = x.detach().transpose(0, 1).requires_grad_(True)  # [4, 6, 16], strided
+    assert not xt.is_contiguous()
+    _check(xt, w1, b1, w2, b2, dtype)
+
+
+def test_frozen_weights_and_no_grad():
+    x, w1, b1, w2, b2 = _inputs((11,), 16, 32, 8, torch.float32)
+    w1.requires_grad_(False)
+    b2.requires_grad_(False)
+    out = fused_dense_gelu_dense(x, w1, b1, w2, b2)
+    out.sum().backward()
+    assert w1.grad is None and b2.grad is None and x.grad is not None and b1.grad is not None
+    with torch.no_grad():
+        again = fused_dense_gelu_dense(x, w1, b1, w2, b2)
+    assert again.grad_fn is None and torch.equal(again, out.detach())
+
+
+def test_empty_rows():
+    x, w1, b1, w2, b2 = _inputs((0,), 16, 32, 8, torch.float32)
+    out = fused_dense_gelu_dense(x, w1, b1, w2, b2)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert torch.equal(b1.grad, torch.zeros_like(b1)) and torch.equal(w1.grad, torch.zeros_like(w1))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(input=[1.0, 2.0]), "input must be a torch.Tensor"),
+    (dict(weight1=torch.zeros(32, 15)), r"weight1 must have shape"),
+    (dict(bias1=torch.zeros(31)), r"bias1 must have shape"),
+    (dict(weight2=torch.zeros(8, 31)), r"weight2 must have shape"),
+    (dict(bias2=torch.zeros(9)), r"bias2 must have shape"),
+    (dict(weight1=torch.zeros(32, 16, dtype=torch.float64)), "weight1 must have dtype"),
+    (dict(input=torch.zeros(3, 16, dtype=torch.int64)), "input must have dtype"),
+])
+def test_bad_arguments_are_named(bad, match):
+    args = dict(input=torch.zeros(3, 16), weight1=torch.zeros(32, 16), bias1=torch.zeros(32),
+                weight2=torch.zeros(8, 32), bias2=torch.zeros(8))
+    args.update(bad)
+    args = {n: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for n, v in args.items()}
+    with pytest.raises((TypeError, ValueError), match=match):
+        fused_dense_gelu_dense(**args)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device beside the CPU")
+def test_tensors_on_two_devices_are_refused():
+    x, w1, b1, w2, b2 = _inputs((3,), 16, 32, 8, torch.float32)
+    with pytest.raises(ValueError, match="device"):
+        fused_dense_gelu_dense(x, w1, b1.detach().cpu(), w2, b2)
+
+
+# ---------------------------------------------------------------- the cuBLASLt path (CUDA)
+@needs_cublaslt
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_epilogues_run_and_match_float64(dtype, count_calls):
+    fwd = count_calls(fused_dense.cublaslt, "linear_gelu_aux_bias")
+    bwd = count_calls(fused_dense.cublaslt, "matmul_dgelu")
+    _check(*_inputs((3, 100), 64, 256, 96, dtype), dtype)
+    assert len(fwd) == 1 and len(bwd) == 1
+
+
+@needs_cublaslt
+@pytest.mark.parametrize("case", ["float32", "width", "unaligned"])
+def test_operands_cublaslt_cannot_take_run_unfused(case, count_calls):
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    fwd = count_calls(fused_dense.cublaslt, "linear_gelu_aux_bias")
+    if case == "width":
+        args = _inputs((33,), 64, 100, 64, dtype)  # F = 100: not a multiple of 8
+    else:
+        args = _inputs((33,), 64, 128, 64, dtype)
+    if case == "unaligned":  # a view 2 elements (4 bytes) into its storage
+        x = args[0]
+        buf = torch.randn(x.numel() + 2, device=DEVICE, dtype=torch.float32).to(dtype)
+        args = (buf[2:].view(x.shape).requires_grad_(True), *args[1:])
+        assert args[0].data_ptr() % 16
+    _check(*args, dtype)
+    assert not fwd
+
+
+@needs_cublaslt
+def test_epilogue_path_replays_in_a_cuda_graph():
+    x, w1, b1, w2, b2 = _inputs((64,), 64, 128, 32, torch.bfloat16)
+    xs = x.detach().clone()
+    eager = fused_dense_gelu_dense(xs, w1.detach(), b1.detach(), w2.detach(), b2.detach())
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_dense_gelu_dense(xs, w1.detach(), b1.detach(), w2.detach(), b2.detach())
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_dense_gelu_dense(xs, w1.detach(), b1.detach(), w2.detach(), b2.detach())
+    xs.copy_(torch.randn_like(xs))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_dense_gelu_dense(xs, w1.detach(), b1.detach(), w2.detach(), b2.detach()))
+    assert not torch.equal(out, eager)
+
+
+def test_cublaslt_refuses_what_it_cannot_take():
+    x = torch.zeros(4, 16, device=DEVICE)
+    assert not cublaslt.supported(x, torch.zeros(32, 16, device=DEVICE))  # float32
+    with pytest.raises(ValueError, match="linear_gelu_aux_bias"):
+        cublaslt.linear_gelu_aux_bias(x, torch.zeros(32, 16, device=DEVICE), torch.zeros(32, device=DEVICE))
+    with pytest.raises(ValueError, match="expected grad"):
+        cublaslt.matmul_dgelu(x, torch.zeros(8, 32, device=DEVICE), torch.zeros(4, 32, device=DEVICE))
+    if not CUDA:
+        assert not cublaslt.cublaslt_available()
+
