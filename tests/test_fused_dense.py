@@ -38,9 +38,9 @@ def _reference(x, w1, b1, w2, b2, g):
     return out.detach(), [t.grad if t is not None else None for t in leaves]
 
 
-def _check(x, w1, b1, w2, b2, dtype):
+def _check(x, w1, b1, w2, b2, dtype, epilogue=None):
     before = [t.detach().clone() if t is not None else None for t in (x, w1, b1, w2, b2)]
-    out = fused_dense_gelu_dense(x, w1, b1, w2, b2)
+    out = fused_dense_gelu_dense(x, w1, b1, w2, b2, epilogue=epilogue)
     assert out.dtype == dtype and out.shape == (*x.shape[:-1], w2.shape[0])
     g = torch.randn(out.shape, device=DEVICE, dtype=torch.float32).to(dtype)
     out.backward(g)
@@ -60,12 +60,13 @@ def _check(x, w1, b1, w2, b2, dtype):
             assert torch.equal(t.detach(), b), "an input was modified"
 
 
+@pytest.mark.parametrize("epilogue", [None, True, False])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("lead,k,f,h", [((1,), 8, 16, 8), ((37,), 24, 72, 40), ((5, 3), 16, 40, 24),
                                         ((9,), 20, 36, 12), ((4,), 1, 1, 1)])
-def test_forward_backward_against_float64(dtype, lead, k, f, h):
+def test_forward_backward_against_float64(dtype, lead, k, f, h, epilogue):
     # (9, 20, 36, 12): widths not multiples of 8, cuBLASLt refuses them: the unfused path on CUDA too
-    _check(*_inputs(lead, k, f, h, dtype), dtype)
+    _check(*_inputs(lead, k, f, h, dtype), dtype, epilogue)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -110,6 +111,8 @@ def test_empty_rows():
     (dict(bias2=torch.zeros(9)), r"bias2 must have shape"),
     (dict(weight1=torch.zeros(32, 16, dtype=torch.float64)), "weight1 must have dtype"),
     (dict(input=torch.zeros(3, 16, dtype=torch.int64)), "input must have dtype"),
+    (dict(epilogue="yes"), "epilogue must be a bool"),
+    (dict(epilogue=1), "epilogue must be a bool"),
 ])
 def test_bad_arguments_are_named(bad, match):
     args = dict(input=torch.zeros(3, 16), weight1=torch.zeros(32, 16), bias1=torch.zeros(32),
@@ -133,8 +136,21 @@ def test_tensors_on_two_devices_are_refused():
 def test_epilogues_run_and_match_float64(dtype, count_calls):
     fwd = count_calls(fused_dense.cublaslt, "linear_gelu_aux_bias")
     bwd = count_calls(fused_dense.cublaslt, "matmul_dgelu")
-    _check(*_inputs((3, 100), 64, 256, 96, dtype), dtype)
+    _check(*_inputs((3, 100), 64, 256, 96, dtype), dtype, epilogue=True)
     assert len(fwd) == 1 and len(bwd) == 1
+
+
+@needs_cublaslt
+@pytest.mark.parametrize("k,h,epilogue,expect", [(64, 64, None, False), (768, 64, None, False), (768, 768, None, True),
+                                                 (64, 64, True, True), (768, 768, False, False)])
+def test_the_automatic_choice_takes_epilogues_from_the_least_width(count_calls, k, h, epilogue, expect):
+    # EPILOGUE_MIN_WIDTH: fc1's K for the forward's epilogue; fc2's H as well for the backward's
+    fwd = count_calls(fused_dense.cublaslt, "linear_gelu_aux_bias")
+    bwd = count_calls(fused_dense.cublaslt, "matmul_dgelu")
+    assert fused_dense.EPILOGUE_MIN_WIDTH == 768
+    x, w1, b1, w2, b2 = _inputs((16,), k, 64, h, torch.bfloat16)
+    fused_dense_gelu_dense(x, w1, b1, w2, b2, epilogue=epilogue).sum().backward()
+    assert bool(fwd) is (expect or (epilogue is None and k >= 768)) and bool(bwd) is expect
 
 
 @needs_cublaslt
@@ -151,7 +167,7 @@ def test_operands_cublaslt_cannot_take_run_unfused(case, count_calls):
         buf = torch.randn(x.numel() + 2, device=DEVICE, dtype=torch.float32).to(dtype)
         args = (buf[2:].view(x.shape).requires_grad_(True), *args[1:])
         assert args[0].data_ptr() % 16
-    _check(*args, dtype)
+    _check(*args, dtype, epilogue=True)
     assert not fwd
 
 
@@ -159,19 +175,20 @@ def test_operands_cublaslt_cannot_take_run_unfused(case, count_calls):
 def test_epilogue_path_replays_in_a_cuda_graph():
     x, w1, b1, w2, b2 = _inputs((64,), 64, 128, 32, torch.bfloat16)
     xs = x.detach().clone()
-    eager = fused_dense_gelu_dense(xs, w1.detach(), b1.detach(), w2.detach(), b2.detach())
+    params = [t.detach() for t in (w1, b1, w2, b2)]
+    eager = fused_dense_gelu_dense(xs, *params, epilogue=True)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fused_dense_gelu_dense(xs, w1.detach(), b1.detach(), w2.detach(), b2.detach())
+        fused_dense_gelu_dense(xs, *params, epilogue=True)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_dense_gelu_dense(xs, w1.detach(), b1.detach(), w2.detach(), b2.detach())
+        out = fused_dense_gelu_dense(xs, *params, epilogue=True)
     xs.copy_(torch.randn_like(xs))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, fused_dense_gelu_dense(xs, w1.detach(), b1.detach(), w2.detach(), b2.detach()))
+    assert torch.equal(out, fused_dense_gelu_dense(xs, *params, epilogue=True))
     assert not torch.equal(out, eager)
 
 

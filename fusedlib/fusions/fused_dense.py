@@ -33,12 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import cublaslt
-from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, resolve_neg_grads
+from ..checks import FLOAT_DTYPES, check_bool, check_same_device, check_tensor, resolve_neg_grads
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.bias_gelu import bias_gelu_bwd, bias_gelu_fwd
 from ._apply import apply, once_differentiable
 
-__all__ = ["FusedDenseGeluDenseFunction", "fused_dense_gelu_dense"]
+__all__ = ["EPILOGUE_MIN_WIDTH", "FusedDenseGeluDenseFunction", "fused_dense_gelu_dense"]
 
 Tensor = torch.Tensor
 
@@ -48,15 +48,24 @@ def _column_sum(t: Tensor, dtype: torch.dtype) -> Tensor:
     return bias_dropout_add_bwd(t, t.dtype, None, 0.0, need_dx=False, need_dbias=True, db_dtype=dtype)[1]
 
 
-def _use_epilogue(*tensors: Tensor) -> bool:
+#: The least reduction width (fc1's input width K; fc2's output width H in the backward) at which
+#: the automatic choice (``epilogue=None``) takes cuBLASLt's epilogues: below it they cost the GEMM
+#: more than the pass they save (see the constant's measurements in NOTES.md).
+EPILOGUE_MIN_WIDTH = 768
+
+
+def _use_epilogue(epilogue: Optional[bool], width: int, *tensors: Tensor) -> bool:
+    if epilogue is False or (epilogue is None and width < EPILOGUE_MIN_WIDTH):
+        return False
     return not torch.compiler.is_compiling() and cublaslt.supported(*tensors)
 
 
 class FusedDenseGeluDenseFunction(torch.autograd.Function):
     """Autograd wiring of :func:`fused_dense_gelu_dense` (see the module docstring).
 
-    ``forward(ctx, input, weight1, bias1, weight2, bias2)``: input [..., K], weight1 [F, K],
-    bias1 [F], weight2 [H, F], bias2 [H] or None; returns [..., H]. ``backward`` returns the
+    ``forward(ctx, input, weight1, bias1, weight2, bias2, epilogue)``: input [..., K], weight1
+    [F, K], bias1 [F], weight2 [H, F], bias2 [H] or None, epilogue as
+    :func:`fused_dense_gelu_dense`'s; returns [..., H]. ``backward`` returns the
     gradients of all five (None for bias2 when it is None), each in its tensor's dtype; the
     bias gradients are float32 sums rounded once.
 
@@ -65,9 +74,10 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
-                bias2: Optional[Tensor]) -> Tensor:
+                bias2: Optional[Tensor], epilogue: Optional[bool] = None) -> Tensor:
         x = input.reshape(-1, input.shape[-1])  # [..., K] -> [M, K] (a view where it can be)
-        ctx.epilogue = _use_epilogue(x, weight1, bias1, weight2)
+        ctx.epilogue = _use_epilogue(epilogue, x.shape[1], x, weight1, bias1, weight2)
+        ctx.backward_epilogue = _use_epilogue(epilogue, weight2.shape[0], weight2) if ctx.epilogue else False
         if ctx.epilogue:
             y, z = cublaslt.linear_gelu_aux_bias(x, weight1, bias1)  # [M, F] each; z includes b1
         else:
@@ -92,7 +102,7 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
         if ctx.has_bias2 and need[4]:
             db2 = _column_sum(g, weight2.dtype)
         if need[0] or need[1] or need[2]:
-            if ctx.epilogue and _use_epilogue(g, weight2, z):
+            if ctx.backward_epilogue and cublaslt.supported(g, weight2, z):
                 dz = cublaslt.matmul_dgelu(g, weight2, z)  # [M, F]
                 db1 = _column_sum(dz, bias1.dtype) if need[2] else None
             else:  # z holds b1 on the epilogue path: add none again
@@ -103,7 +113,7 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
                 dx = dz.matmul(weight1).view(ctx.in_shape)  # [M, K] -> [..., K]
             if need[1]:
                 dw1 = dz.t().matmul(x)  # [F, K]
-        return dx, dw1, db1, dw2, db2
+        return dx, dw1, db1, dw2, db2, None
 
 
 def _check(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
@@ -120,7 +130,7 @@ def _check(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # no
 
 
 def fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
-                           bias2: Optional[Tensor] = None) -> Tensor:
+                           bias2: Optional[Tensor] = None, *, epilogue: Optional[bool] = None) -> Tensor:
     """``linear(gelu_tanh(linear(input, weight1, bias1)), weight2, bias2)``, bias-GeLU in the GEMMs.
 
     The MLP of a GPT layer with its activation in cuBLASLt's GEMM epilogues on CUDA (module
@@ -131,16 +141,24 @@ def fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight
         weight1: fc1's [F, K]; bias1: [F]; weight2: fc2's [H, F]; bias2: [H] or None (None:
             the caller adds fc2's bias, e.g. in a bias-dropout-add). All of input's dtype and
             device.
+        epilogue: None (default): cuBLASLt's epilogues where they take the operands and the
+            GEMMs' reduction width (K forward, H backward) is at least
+            :data:`EPILOGUE_MIN_WIDTH` (narrower GEMMs lose more to the epilogue than the pass
+            saves); True: wherever cuBLASLt takes the operands; False: never (fc1's GEMM, the
+            bias-GeLU kernels, fc2's GEMM).
 
     Returns:
         A new [..., H] tensor of input's dtype.
 
     Raises:
-        TypeError: a non-tensor argument, an unsupported dtype, or dtypes that differ.
+        TypeError: a non-tensor argument, an unsupported dtype, dtypes that differ, or an
+            epilogue that is not None or a bool.
         ValueError: shapes that do not chain ([F, K], [F], [H, F], [H]), or tensors on
             different devices.
 
     Source: Apex ``apex/fused_dense/fused_dense.py`` (``fused_dense_gelu_dense_function``).
     """
+    if epilogue is not None and epilogue is not True and epilogue is not False:
+        epilogue = check_bool("epilogue", epilogue)  # a numpy bool converted, anything else refused
     _check(input, weight1, bias1, weight2, bias2)
-    return apply(FusedDenseGeluDenseFunction, input, weight1, bias1, weight2, bias2)
+    return apply(FusedDenseGeluDenseFunction, input, weight1, bias1, weight2, bias2, epilogue)

@@ -17,6 +17,7 @@ from ..core import BenchCase
 #: op name -> module under fusedlib.bench.ops
 OP_MODULES: dict[str, str] = {
     "bias_gelu": "bias_gelu",
+    "fused_dense": "fused_dense",
     "cross_entropy": "cross_entropy",
     "bias_dropout_add": "bias_dropout_add",
     "geglu": "geglu", "swiglu": "swiglu", "weighted_swiglu": "weighted_swiglu",
