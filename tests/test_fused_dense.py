@@ -202,3 +202,39 @@ def test_cublaslt_refuses_what_it_cannot_take():
     if not CUDA:
         assert not cublaslt.cublaslt_available()
 
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_the_epilogue_path_s_wiring_with_cublaslt_emulated(dtype, monkeypatch):
+    """The Function's epilogue branch on any device: cuBLASLt's two calls replaced by PyTorch
+    (z = x·W1ᵀ + b1 rounded once, y = gelu_tanh(z); dz = (g·W2)·gelu_tanh'(z)), so the rest
+    (what is saved, the column sum of dz for b1, dx and the weight gradients) is tested here."""
+    calls = []
+
+    def gelu_aux_bias(x, w, b):
+        calls.append("fwd")
+        z = (x.double() @ w.double().t() + b.double())
+        return _gelu_tanh(z).to(x.dtype), z.to(x.dtype)
+
+    def dgelu(g, w, z):
+        calls.append("bwd")
+        with torch.enable_grad():  # called inside the backward, where grad mode is off
+            z64 = z.double().requires_grad_(True)
+            (dz,) = torch.autograd.grad(_gelu_tanh(z64), z64, g.double() @ w.double())
+        return dz.to(g.dtype)
+
+    monkeypatch.setattr(fused_dense.cublaslt, "supported", lambda x, weight, *others: True)  # its signature
+    monkeypatch.setattr(fused_dense.cublaslt, "linear_gelu_aux_bias", gelu_aux_bias)
+    monkeypatch.setattr(fused_dense.cublaslt, "matmul_dgelu", dgelu)
+    _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype, epilogue=True)
+    assert calls == ["fwd", "bwd"]
+    calls.clear()
+    # the automatic choice: K = 16 < EPILOGUE_MIN_WIDTH, no epilogue; with the width lowered, both
+    _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype)
+    assert calls == []
+    monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_WIDTH", 16)
+    _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype)
+    assert calls == ["fwd", "bwd"]
+    calls.clear()
+    monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_WIDTH", 20)  # K = 16 < 20: neither direction
+    _check(*_inputs((5, 7), 24, 40, 16, dtype), dtype)  # K = 24 >= 20 forward, H = 16 < 20 backward
+    assert calls == ["fwd"]

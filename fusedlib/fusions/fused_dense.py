@@ -77,7 +77,8 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
                 bias2: Optional[Tensor], epilogue: Optional[bool] = None) -> Tensor:
         x = input.reshape(-1, input.shape[-1])  # [..., K] -> [M, K] (a view where it can be)
         ctx.epilogue = _use_epilogue(epilogue, x.shape[1], x, weight1, bias1, weight2)
-        ctx.backward_epilogue = _use_epilogue(epilogue, weight2.shape[0], weight2) if ctx.epilogue else False
+        # the backward's epilogue reduces over H (fc2's output width): the same rule, its operands checked there
+        ctx.backward_epilogue = ctx.epilogue and (epilogue is True or weight2.shape[0] >= EPILOGUE_MIN_WIDTH)
         if ctx.epilogue:
             y, z = cublaslt.linear_gelu_aux_bias(x, weight1, bias1)  # [M, F] each; z includes b1
         else:
