@@ -141,16 +141,16 @@ def test_epilogues_run_and_match_float64(dtype, count_calls):
 
 
 @needs_cublaslt
-@pytest.mark.parametrize("k,h,epilogue,expect", [(64, 64, None, False), (768, 64, None, False), (768, 768, None, True),
-                                                 (64, 64, True, True), (768, 768, False, False)])
-def test_the_automatic_choice_takes_epilogues_from_the_least_width(count_calls, k, h, epilogue, expect):
-    # EPILOGUE_MIN_WIDTH: fc1's K for the forward's epilogue; fc2's H as well for the backward's
+@pytest.mark.parametrize("rows,f,epilogue,expect", [(16, 64, None, False), (2048, 8192, None, True),
+                                                    (16, 64, True, True), (2048, 8192, False, False)])
+def test_the_automatic_choice_takes_epilogues_from_the_least_size(count_calls, rows, f, epilogue, expect):
+    # EPILOGUE_MIN_ELEMENTS = 2^24: the activation [M, F] of 16 x 64 is below, 2048 x 8192 at it
     fwd = count_calls(fused_dense.cublaslt, "linear_gelu_aux_bias")
     bwd = count_calls(fused_dense.cublaslt, "matmul_dgelu")
-    assert fused_dense.EPILOGUE_MIN_WIDTH == 768
-    x, w1, b1, w2, b2 = _inputs((16,), k, 64, h, torch.bfloat16)
+    assert fused_dense.EPILOGUE_MIN_ELEMENTS == 1 << 24
+    x, w1, b1, w2, b2 = _inputs((rows,), 64, f, 64, torch.bfloat16)
     fused_dense_gelu_dense(x, w1, b1, w2, b2, epilogue=epilogue).sum().backward()
-    assert bool(fwd) is (expect or (epilogue is None and k >= 768)) and bool(bwd) is expect
+    assert bool(fwd) is expect and bool(bwd) is expect
 
 
 @needs_cublaslt
@@ -228,13 +228,13 @@ def test_the_epilogue_path_s_wiring_with_cublaslt_emulated(dtype, monkeypatch):
     _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype, epilogue=True)
     assert calls == ["fwd", "bwd"]
     calls.clear()
-    # the automatic choice: K = 16 < EPILOGUE_MIN_WIDTH, no epilogue; with the width lowered, both
+    # the automatic choice: [M, F] = [35, 40] is below EPILOGUE_MIN_ELEMENTS; at the limit, both
     _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype)
     assert calls == []
-    monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_WIDTH", 16)
+    monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_ELEMENTS", 35 * 40)
     _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype)
     assert calls == ["fwd", "bwd"]
     calls.clear()
-    monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_WIDTH", 20)  # K = 16 < 20: neither direction
-    _check(*_inputs((5, 7), 24, 40, 16, dtype), dtype)  # K = 24 >= 20 forward, H = 16 < 20 backward
-    assert calls == ["fwd"]
+    monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_ELEMENTS", 35 * 40 + 1)
+    _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype)
+    assert calls == []

@@ -519,8 +519,8 @@ def test_every_fusion_on_equals_every_fusion_off(case, monkeypatch):
     dtype, use_mask = kw.pop("dtype"), kw.pop("mask", False)
     qk = kw.pop("qk_layernorm", False)
     fused_only = {"gemm_gelu_fusion": kw.pop("gemm_gelu_fusion")} if "gemm_gelu_fusion" in kw else {}
-    if fused_only:  # the epilogues at these small widths too (on CUDA), not only from 768 up
-        monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_WIDTH", 8)
+    if fused_only:  # the epilogues at this small size too (on CUDA), not only from 2^24 elements up
+        monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_ELEMENTS", 1)
     act64 = None
     if kw.get("activation_func") == "gelu":
         # the fused bias-GeLU is the tanh approximation (as Megatron's): the unfused block gets the same

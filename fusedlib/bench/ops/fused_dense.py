@@ -6,7 +6,7 @@ Shape [M, h, F]: M tokens (s·b), hidden h, MLP width F; input [M, h], weights [
 
 =====================  ==============================================================================
 fusedlib               ``fused_dense_gelu_dense`` as it chooses (``epilogue=None``: cuBLASLt's
-                       epilogues from h = EPILOGUE_MIN_WIDTH up)
+                       epilogues from M·F = EPILOGUE_MIN_ELEMENTS up)
 fusedlib-epilogue      ``epilogue=True``: bias and GeLU in fc1's GEMM, GeLU's derivative in fc2's
                        input-gradient GEMM (cuBLASLt), fc1's bias gradient by fusedlib's column sum
 fusedlib-kernel        ``epilogue=False``: fc1's GEMM, fusedlib's bias-GeLU kernels, fc2's GEMM
