@@ -75,3 +75,35 @@ def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.
     if sweep:
         out += [case(s, dtype) for s in SWEEP_SHAPES]
     return out
+
+
+def table(records) -> str:
+    """Text table of ``fused_dense`` records, one block per shape: each implementation's forward and
+    forward + backward time (CUDA-graph replays; ``*`` where only plain launches ran), TFLOP/s,
+    and how many times faster ``fusedlib`` is. Other records (the copy ceiling) are ignored.
+    """
+    rows = [r for r in records if r.get("op") == "fused_dense"]
+    if not rows:
+        return "no fused_dense records"
+    out = []
+    for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
+        at = {(r["impl"], r["pass"]): r for r in rows if tuple(r["shape"]) == shape}
+        first = next(iter(at.values()))
+        out.append(f"fused_dense [M, h, F] = {list(shape)}, {first['dtype']}, {first['device']} "
+                   f"(ms: CUDA-graph replays; * plain launches)")
+        out.append(f"{'impl':<20}{'fwd ms':>9}{'TFLOP/s':>9}{'fwd+bwd ms':>12}{'TFLOP/s':>9}{'fusedlib is':>14}")
+        for impl in dict.fromkeys(i for i, _ in at):
+            line, ratios = f"{impl:<20}", []
+            for pas, w in (("fwd", 9), ("fwd+bwd", 12)):
+                r, f = at.get((impl, pas)), at.get(("fusedlib", pas))
+                if r is None:
+                    line += f"{'-':>{w}}{'-':>9}"
+                    ratios.append("-")
+                    continue
+                star = "*" if r.get("timer") == "do_bench" else " "
+                tf = f"{r['TFLOPs']:.0f}" if r.get("TFLOPs") is not None else "-"
+                line += f"{r['ms']:>{w - 1}.4f}{star}{tf:>9}"
+                ratios.append(f"{r['ms'] / f['ms']:.2f}x" if f is not None else "-")
+            out.append(line + (f"{', '.join(ratios):>14}" if impl != "fusedlib" else ""))
+        out.append("")
+    return "\n".join(out).rstrip()
