@@ -45,7 +45,7 @@ def _check(x, w1, b1, w2, b2, dtype, epilogue=None):
     g = torch.randn(out.shape, device=DEVICE, dtype=torch.float32).to(dtype)
     out.backward(g)
     ref, grads = _reference(x, w1, b1, w2, b2, g)
-    rows = max(1, x.numel() // x.shape[-1])
+    rows = max(1, math.prod(x.shape[:-1]))
     # the output and dx carry two more roundings than one kernel's (the pre-activation z and the
     # activation y, each to the input dtype, before the next GEMM): scale 3; the weight and bias
     # gradients sum over the rows: sqrt(rows) more
@@ -101,6 +101,89 @@ def test_empty_rows():
     assert out.shape == (0, 8)
     out.sum().backward()
     assert torch.equal(b1.grad, torch.zeros_like(b1)) and torch.equal(w1.grad, torch.zeros_like(w1))
+
+
+@pytest.mark.parametrize("wrt", ["input", "weight1"])
+def test_a_second_derivative_raises(wrt):
+    # the backward is GEMMs and kernels: differentiating it again must fail loudly, also with an
+    # incoming gradient that requires no grad (torch's once_differentiable then gave no graph)
+    x, w1, b1, w2, b2 = _inputs((5,), 8, 16, 8, torch.float32)
+    t = x if wrt == "input" else w1
+    out = fused_dense_gelu_dense(x, w1, b1, w2, b2)
+    for loss in (out.pow(2).sum(), (out * torch.randn_like(out)).sum()):
+        (gt,) = torch.autograd.grad(loss, t, create_graph=True, retain_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            gt.pow(2).sum().backward(retain_graph=True)
+
+
+def test_negative_bit_inputs_are_refused_and_negative_bit_gradients_resolved():
+    x, w1, b1, w2, b2 = _inputs((5,), 8, 16, 8, torch.float32)
+    for name, args in (("input", (torch._neg_view(x.detach()), w1, b1, w2, b2)),
+                       ("weight2", (x, w1, b1, torch._neg_view(w2.detach()), b2))):
+        with pytest.raises(ValueError, match=f"{name} has its negative bit set"):
+            fused_dense_gelu_dense(*args)
+    g = torch.randn(5, 8, device=DEVICE)
+    want = torch.autograd.grad(fused_dense_gelu_dense(x, w1, b1, w2, b2), (x, w1, b1, w2, b2), -g)
+    got = torch.autograd.grad(fused_dense_gelu_dense(x, w1, b1, w2, b2), (x, w1, b1, w2, b2), torch._neg_view(g))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_gradcheck_float64():
+    # float64, which the op takes too (never cuBLASLt's epilogues), computed in float64 throughout
+    x, w1, b1, w2, b2 = _inputs((2, 3), 4, 6, 3, torch.float64)
+    assert torch.autograd.gradcheck(fused_dense_gelu_dense, (x, w1, b1, w2, b2))
+    assert torch.autograd.gradcheck(lambda x, w1, b1, w2: fused_dense_gelu_dense(x, w1, b1, w2), (x, w1, b1, w2))
+
+
+@pytest.mark.parametrize("epilogue", [None, True, False])
+@pytest.mark.parametrize("k,f,h", [(0, 16, 8), (16, 0, 8), (16, 16, 0)])
+def test_zero_widths(k, f, h, epilogue):
+    # K = 0 (fc1's output is b1 alone) and H = 0 broke the reshapes to [M, K] and [M, H] (-1 rows
+    # of 0 elements); F = 0 with the epilogue on CUDA went to cuBLASLt, whose heuristic refuses N = 0
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x, w1, b1, w2, b2 = (torch.randn(shape, device=DEVICE, dtype=torch.float32).to(dtype).requires_grad_(True)
+                         for shape in ((3, 5, k), (f, k), (f,), (h, f), (h,)))
+    _check(x, w1, b1, w2, b2, dtype, epilogue)
+
+
+def test_the_output_can_be_modified_in_place():
+    # a new tensor, as documented: not a view made inside the Function, which autograd would refuse
+    # to modify in place ("Output 0 of FusedDenseGeluDenseFunction is a view ...")
+    x, w1, b1, w2, b2 = _inputs((4, 3), 16, 32, 8, torch.float32)
+    out = fused_dense_gelu_dense(x, w1, b1, w2, b2)
+    assert out._base is None
+    out.mul_(2)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (x, w1, b1, w2, b2)]
+    for t in (x, w1, b1, w2, b2):
+        t.grad = None
+    (2 * fused_dense_gelu_dense(x, w1, b1, w2, b2)).sum().backward()
+    for t, g in zip((x, w1, b1, w2, b2), grads):
+        assert torch.equal(t.grad, g)
+
+
+@pytest.mark.parametrize("bias2", [True, False])
+def test_autocast_casts_the_arguments_and_runs_in_its_dtype(bias2):
+    # as Apex's fused_dense: float32 arguments cast to autocast's dtype, the op computed in it; before,
+    # autocast cast the Function's GEMMs alone and the backward raised (bfloat16 g against float32 W2)
+    x, w1, b1, w2, b2 = _inputs((5, 3), 16, 32, 8, torch.float32, bias2=bias2)
+    ts = [t for t in (x, w1, b1, w2, b2) if t is not None]
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out = fused_dense_gelu_dense(x, w1, b1, w2, b2)
+    g = torch.randn(out.shape, device=DEVICE, dtype=torch.float32).to(torch.bfloat16)
+    out.backward(g)
+    low = [t.detach().to(torch.bfloat16).requires_grad_(True) if t is not None else None for t in (x, w1, b1, w2, b2)]
+    want = fused_dense_gelu_dense(*low)
+    want.backward(g)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    for t, t_low in zip(ts, [t for t in low if t is not None]):
+        assert t.grad.dtype == torch.float32 and torch.equal(t.grad, t_low.grad.float())
+    # float64 is not cast (as autocast leaves it)
+    x64, w164, b164, w264, b264 = (t.detach().double() if t is not None else None for t in (x, w1, b1, w2, b2))
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out64 = fused_dense_gelu_dense(x64, w164, b164, w264, b264)
+    assert out64.dtype == torch.float64 and torch.equal(out64, fused_dense_gelu_dense(x64, w164, b164, w264, b264))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -201,6 +284,23 @@ def test_cublaslt_refuses_what_it_cannot_take():
         cublaslt.matmul_dgelu(x, torch.zeros(8, 32, device=DEVICE), torch.zeros(4, 32, device=DEVICE))
     if not CUDA:
         assert not cublaslt.cublaslt_available()
+
+
+def test_cublaslt_names_operands_it_cannot_read():
+    # its entry points read the operands' memory: a non-tensor, a sparse tensor or one with the
+    # negative bit (whose memory holds the negated values) refused by name on every device
+    x, w, b = (torch.zeros(shape, device=DEVICE, dtype=torch.bfloat16) for shape in ((4, 16), (32, 16), (32,)))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        cublaslt.linear_gelu_aux_bias([[1.0] * 16], w, b)
+    with pytest.raises(ValueError, match="x has its negative bit set"):
+        cublaslt.linear_gelu_aux_bias(torch._neg_view(x), w, b)
+    with pytest.raises(ValueError, match="bias has its negative bit set"):
+        cublaslt.linear_gelu_aux_bias(x, w, torch._neg_view(b))
+    with pytest.raises(TypeError, match="weight must be a dense"):
+        cublaslt.matmul_dgelu(x, w.t().contiguous().to_sparse(), torch.zeros(4, 32, device=DEVICE, dtype=x.dtype))
+    with pytest.raises(ValueError, match="z has its negative bit set"):
+        cublaslt.matmul_dgelu(torch.zeros(4, 32, device=DEVICE, dtype=x.dtype), w, torch._neg_view(x))
+    assert not cublaslt.supported(torch._neg_view(x), w, b)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

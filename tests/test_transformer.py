@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune as prune
 
 import transformer_reference as R
 from fusedlib import unfused
@@ -1063,6 +1064,36 @@ def test_mlp_fused_activation_equals_the_reference(unit, clamp):
         torch.testing.assert_close(xi.grad.double(), x64.grad, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(mlp.linear_fc1.weight.grad.double(), sd["linear_fc1.weight"].grad,
                                    atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hook", ["fc2_forward_hook", "fc1_pruned"])
+def test_gemm_gelu_fusion_leaves_linear_layers_with_hooks_to_their_forward(hook):
+    # the fused op calls neither linear layer: a layer with hooks (here one that scales fc2's output,
+    # and pruning's forward pre-hook that recomputes fc1's weight from weight_orig and the mask at
+    # every call) runs as without the switch, over two steps of plain gradient descent
+    results = []
+    for on in (True, False):
+        cfg = make_config(gated_linear_unit=False, activation_func=F.gelu, bias_activation_fusion=True,
+                          gemm_gelu_fusion=on)
+        torch.manual_seed(0)
+        mlp = randomize(MLP(cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)))
+        if hook == "fc2_forward_hook":
+            mlp.linear_fc2.register_forward_hook(lambda module, args, out: (2 * out[0], out[1]))
+        else:
+            prune.random_unstructured(mlp.linear_fc1, "weight", amount=0.5)
+        x = hidden()
+        outs = []
+        for _ in range(2):
+            out, bias = mlp(x)
+            (out + bias).sum().backward()
+            outs.append(out.detach())
+            with torch.no_grad():
+                for p in mlp.parameters():
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+        results.append(outs)
+    for on, off in zip(*results):
+        torch.testing.assert_close(on, off, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

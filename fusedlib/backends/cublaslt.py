@@ -16,21 +16,28 @@ calls cuBLASLt's C API itself, on the library torch has already loaded:
   (``CUBLASLT_EPILOGUE_DGELU``); the bias gradient ``Σ_rows dz`` is one more pass (see there
   why not cuBLASLt's own).
 
-cuBLASLt's GeLU is the tanh approximation, Megatron's ``bias_gelu_impl``'s. The GEMMs are
+cuBLASLt's documentation does not say which GeLU its epilogues compute; PyTorch's
+``_addmm_activation`` substitutes ``gelu(approximate="tanh")`` where it cannot use them, and
+Transformer Engine uses them for its tanh GeLU, the form of Megatron's ``bias_gelu_impl``.
+fusedlib's tests compare them with the tanh form at float16's and bfloat16's tolerances, which
+cannot tell the two forms apart (they differ by at most 4.7e-4). The GEMMs are
 column-major: a row-major [M, N] output is cuBLASLt's [N, M] with leading dimension N, so
 ``x·Wᵀ`` is ``op(A)·op(B)`` with A = W (transposed) and B = x, and the bias (one value per
 row of cuBLASLt's output) is one value per column of ours.
 
 Only CUDA devices with cuBLASLt (what torch links), float16 / bfloat16, contiguous row-major
-operands with 16-byte aligned storage and widths a multiple of 8 (cuBLASLt's rule for the aux
-matrix's leading dimension): :func:`supported` says whether a call qualifies, and callers fall
-back to the separate GEMM and Triton kernel otherwise (the CPU always does).
+operands with 256-byte aligned storage (what the heuristic assumes) and widths a multiple of 8
+(cuBLASLt's rule for the aux matrix's leading dimension): :func:`supported` says whether a call
+qualifies, and callers fall back to the separate GEMM and Triton kernel otherwise (the CPU
+always does).
 
-Descriptors and the heuristic's algorithm are made once per (device, dtype, shape) and kept;
-a call sets the two pointers the descriptor holds and launches on torch's current stream, so it
-can be captured in a CUDA graph. cuBLASLt gets a workspace of :data:`WORKSPACE_BYTES` (its bias
-gradient sums need one), one per device and stream as torch keeps its own, made on the first
-call on that stream.
+Descriptors and the heuristic's algorithm are made once per (device, dtype, shape) and kept for
+the process's life (a training run has a few shapes); a call sets the two pointers the
+descriptor holds and launches on torch's current stream, so it can be captured in a CUDA graph.
+cuBLASLt gets a workspace of :data:`WORKSPACE_BYTES` (without one its heuristic found no
+algorithm for the bias-gradient epilogue; every timing here had it), one per device and stream
+as torch keeps its own, made on the first call on that stream: graphs captured on one stream
+share it, so replay them one after another, not concurrently on several streams.
 
 Source: NVIDIA cuBLAS documentation, "cuBLASLt API" (``cublasLtMatmul``, ``cublasLtEpilogue_t``);
 Apex ``apex/fused_dense`` (``gemm_bias_gelu_lt``, ``gemm_dgelu_bgradb_lt``); Transformer Engine
@@ -47,7 +54,9 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["CublasLtError", "WORKSPACE_BYTES", "cublaslt_available", "supported", "linear_gelu_aux_bias",
+from ..checks import check_tensor, is_dense
+
+__all__ = ["ALIGNMENT", "CublasLtError", "WORKSPACE_BYTES", "cublaslt_available", "supported", "linear_gelu_aux_bias",
            "matmul_dgelu"]
 
 # enum values from cublasLt.h / cublas_api.h / library_types.h (the same in CUDA 12 and 13)
@@ -129,8 +138,14 @@ def _check(status: int, what: str) -> None:
         raise CublasLtError(f"cuBLASLt: {what} returned status {status}")
 
 
+#: The alignment (bytes) cuBLASLt's heuristic assumes of every pointer unless told otherwise
+#: (``CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES``' default); torch's allocations have it, and an
+#: operand without it takes the unfused path.
+ALIGNMENT = 256
+
+
 def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+    return all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
@@ -141,17 +156,27 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *others: Optional[torch.Ten
             (bias, pre-activation, gradient), None entries ignored.
 
     Returns:
-        True when every tensor is on one CUDA device, float16 or bfloat16 alike, contiguous,
-        16-byte aligned, the widths (K, N) are multiples of 8, and cuBLASLt loads.
+        True when every tensor is on one CUDA device, float16 or bfloat16 alike, dense without
+        the negative bit (:func:`~fusedlib.checks.is_dense`: cuBLASLt reads the memory),
+        contiguous, :data:`ALIGNMENT`-byte aligned, the widths (K, N) are multiples of 8 and not 0 (cuBLASLt's
+        heuristic refuses N = 0), and cuBLASLt loads.
     """
     ts = [x, weight] + [t for t in others if t is not None]
     if not (x.is_cuda and x.dtype in _DTYPE_CODE and weight.dim() == 2):
         return False
-    if any(t.device != x.device or t.dtype != x.dtype or not t.is_contiguous() for t in ts):
+    if any(t.device != x.device or t.dtype != x.dtype or not is_dense(t) or not t.is_contiguous() for t in ts):
         return False
-    if weight.shape[0] % 8 or weight.shape[1] % 8 or not _aligned(*ts):
+    if not weight.numel() or weight.shape[0] % 8 or weight.shape[1] % 8 or not _aligned(*ts):
         return False
     return cublaslt_available()
+
+
+def _check_args(**tensors: object) -> None:
+    """Refuse, by name, an argument that is not a tensor, or one cuBLASLt could not read as its
+    values (sparse, nested, the negative bit: :func:`~fusedlib.checks.check_tensor`)."""
+    for name, t in tensors.items():
+        if not (isinstance(t, torch.Tensor) and is_dense(t)):
+            check_tensor(name, t, dtypes=None)
 
 
 def _handle(device: torch.device) -> ctypes.c_void_p:
@@ -234,17 +259,20 @@ def linear_gelu_aux_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
     Args:
         x: [M, K]; weight: [N, K]; bias: [N]; one CUDA device, float16 or bfloat16 alike,
-            contiguous, 16-byte aligned, K and N multiples of 8 (:func:`supported`).
+            contiguous, 256-byte aligned, K and N multiples of 8 (:func:`supported`).
 
     Returns:
         ``(y, z)``, both new [M, N] tensors of x's dtype (y the GEMM's output, z its aux output).
 
     Raises:
-        ValueError: operands :func:`supported` refuses or of mismatched shapes.
+        TypeError: an argument that is not a tensor, or is sparse or nested.
+        ValueError: operands :func:`supported` refuses (a tensor with the negative bit named) or
+            of mismatched shapes.
         CublasLtError: cuBLASLt refused the call.
 
     Source: cuBLASLt ``CUBLASLT_EPILOGUE_GELU_AUX_BIAS``; Apex ``fused_dense`` (``gemm_bias_gelu_lt``).
     """
+    _check_args(x=x, weight=weight, bias=bias)
     if x.dim() != 2 or weight.dim() != 2 or bias.shape != (weight.shape[0],) or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_gelu_aux_bias: expected x [M, K], weight [N, K], bias [N]; got "
                          f"{list(x.shape)}, {list(weight.shape)}, {list(bias.shape)}")
@@ -282,12 +310,15 @@ def matmul_dgelu(grad: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> t
         dz, a new [M, F] tensor of grad's dtype.
 
     Raises:
-        ValueError: operands :func:`supported` refuses or of mismatched shapes.
+        TypeError: an argument that is not a tensor, or is sparse or nested.
+        ValueError: operands :func:`supported` refuses (a tensor with the negative bit named) or
+            of mismatched shapes.
         CublasLtError: cuBLASLt refused the call.
 
     Source: cuBLASLt ``CUBLASLT_EPILOGUE_DGELU``; Apex ``fused_dense`` (``gemm_dgelu_bgradb_lt``, which
     also takes the bias gradient from the epilogue).
     """
+    _check_args(grad=grad, weight=weight, z=z)
     if (grad.dim() != 2 or weight.dim() != 2 or z.dim() != 2 or grad.shape[1] != weight.shape[0]
             or z.shape != (grad.shape[0], weight.shape[1])):
         raise ValueError(f"matmul_dgelu: expected grad [M, H], weight [H, F], z [M, F]; got "

@@ -27,13 +27,14 @@ epilogue); Megatron-LM ``megatron/core/transformer/mlp.py`` (the MLP it replaces
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..backends import cublaslt
-from ..checks import FLOAT_DTYPES, check_bool, check_same_device, check_tensor, resolve_neg_grads
+from ..checks import FLOAT_DTYPES, KERNEL_DEVICE_TYPES, check_bool, check_same_device, check_tensor, resolve_neg_grads
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.bias_gelu import bias_gelu_bwd, bias_gelu_fwd
 from ._apply import apply, once_differentiable
@@ -51,9 +52,10 @@ def _column_sum(t: Tensor, dtype: torch.dtype) -> Tensor:
 #: The least size of the activation [M, F] (elements) at which the automatic choice
 #: (``epilogue=None``) takes cuBLASLt's epilogues. ``python -m fusedlib.bench --op fused_dense
 #: --sweep`` on the H200 (bf16, fwd+bwd, CUDA-graph replays): at [M, h, F] = [4096, 512, 2048]
-#: (2^23 elements) the epilogues took 0.1398 ms against 0.1223 for fc1's GEMM, the bias-GeLU
+#: (2^23 elements) the epilogues took 0.1389 ms against 0.1224 for fc1's GEMM, the bias-GeLU
 #: kernels and fc2's GEMM; at the five larger shapes of that sweep (2.5·10^7 to 1.3·10^8
-#: elements) between 0.7 % slower and 3 % faster (0.5323 against 0.5456 at [32768, 384, 1536]).
+#: elements) 0.0 to 2.9 % less (0.5323 against 0.5464 at [32768, 384, 1536]); the same code timed
+#: twice in that run came out up to 1.8 % apart.
 EPILOGUE_MIN_ELEMENTS = 1 << 24
 
 
@@ -78,25 +80,33 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
                 bias2: Optional[Tensor], epilogue: Optional[bool] = None) -> Tensor:
-        x = input.reshape(-1, input.shape[-1])  # [..., K] -> [M, K] (a view where it can be)
+        # [..., K] -> [M, K] (a view where it can be; M given, not -1: K may be 0)
+        x = input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
         ctx.epilogue = _use_epilogue(epilogue, x.shape[0] * weight1.shape[0], x, weight1, bias1, weight2)
         if ctx.epilogue:
             y, z = cublaslt.linear_gelu_aux_bias(x, weight1, bias1)  # [M, F] each; z includes b1
         else:
             z = F.linear(x, weight1)  # [M, F], without b1: the kernel adds it
             y = bias_gelu_fwd(z, bias1.contiguous())
-        out = F.linear(y, weight2, bias2)  # [M, H]
+        # [M, H] written into a new [..., H] tensor: returned, it is no view (a view made in a
+        # Function's forward could not be modified in place)
+        out = torch.empty((*input.shape[:-1], weight2.shape[0]), dtype=y.dtype, device=y.device)
+        out2d = out.view(x.shape[0], weight2.shape[0])
+        if bias2 is None:
+            torch.mm(y, weight2.t(), out=out2d)
+        else:
+            torch.addmm(bias2, y, weight2.t(), out=out2d)  # F.linear's GEMM with its bias
         ctx.save_for_backward(x, weight1, bias1, weight2, y, z)
         ctx.has_bias2 = bias2 is not None
         ctx.in_shape = input.shape
-        return out.view(*input.shape[:-1], weight2.shape[0])
+        return out
 
     @staticmethod
     @once_differentiable  # GEMMs and kernels: the backward is not itself differentiable
     @resolve_neg_grads  # gradients with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_output: Tensor):
         x, weight1, bias1, weight2, y, z = ctx.saved_tensors
-        g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()  # [M, H]
+        g = grad_output.reshape(x.shape[0], grad_output.shape[-1]).contiguous()  # [M, H] (H may be 0)
         need = ctx.needs_input_grad
         dx = dw1 = db1 = dw2 = db2 = None
         if need[3]:
@@ -138,8 +148,13 @@ def fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight
     The MLP of a GPT layer with its activation in cuBLASLt's GEMM epilogues on CUDA (module
     docstring), with autograd.
 
+    Under ``torch.autocast`` on input's device, the floating tensors (float64 aside) are cast to
+    autocast's dtype first and the op computes in it (as Apex's ``fused_dense``): the result has
+    that dtype, and the gradients their tensors' dtypes.
+
     Args:
-        input: [..., K] (e.g. [s, b, h]), float32 / float16 / bfloat16, any strides.
+        input: [..., K] (e.g. [s, b, h]), float32 / float16 / bfloat16 (or float64, computed
+            in float64: for gradcheck), any strides.
         weight1: fc1's [F, K]; bias1: [F]; weight2: fc2's [H, F]; bias2: [H] or None (None:
             the caller adds fc2's bias, e.g. in a bias-dropout-add). All of input's dtype and
             device.
@@ -149,7 +164,7 @@ def fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight
             takes the operands; False: never (fc1's GEMM, the bias-GeLU kernels, fc2's GEMM).
 
     Returns:
-        A new [..., H] tensor of input's dtype.
+        A new [..., H] tensor of input's dtype (autocast's under ``torch.autocast``).
 
     Raises:
         TypeError: a non-tensor argument, an unsupported dtype, dtypes that differ, or an
@@ -161,5 +176,22 @@ def fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight
     """
     if epilogue is not None and epilogue is not True and epilogue is not False:
         epilogue = check_bool("epilogue", epilogue)  # a numpy bool converted, anything else refused
+    dev = input.device.type if isinstance(input, Tensor) else None
+    if dev in KERNEL_DEVICE_TYPES and torch.is_autocast_enabled(dev):
+        # as Apex's fused_dense_gelu_dense_function: the arguments cast to autocast's dtype, the op
+        # run without autocast (else its GEMMs would be cast and the rest not: mixed dtypes)
+        dtype = torch.get_autocast_dtype(dev)
+        args = [_autocast_cast(t, dev, dtype) for t in (input, weight1, bias1, weight2, bias2)]
+        _check(*args)
+        with torch.autocast(dev, enabled=False):
+            return apply(FusedDenseGeluDenseFunction, *args, epilogue)
     _check(input, weight1, bias1, weight2, bias2)
     return apply(FusedDenseGeluDenseFunction, input, weight1, bias1, weight2, bias2, epilogue)
+
+
+def _autocast_cast(t: object, device_type: str, dtype: torch.dtype) -> object:
+    """``t.to(dtype)`` for a floating tensor on ``device_type`` but float64, as autocast casts a
+    GEMM's operands (``torch.amp.autocast_mode._cast``); anything else unchanged (the checks see it)."""
+    if isinstance(t, Tensor) and t.is_floating_point() and t.device.type == device_type and t.dtype != torch.float64:
+        return t.to(dtype)
+    return t

@@ -25,7 +25,8 @@ The switch is read at each forward, as in Megatron-core.
 GEMM, the bias-GeLU and fc2's GEMM become one op, :func:`~fusedlib.fusions.fused_dense.
 fused_dense_gelu_dense`, with the bias and GeLU in cuBLASLt's GEMM epilogues (and GeLU's
 derivative in fc2's input-gradient GEMM). It applies on one tensor-parallel rank with
-fusedlib's own linear layers (whose weights it reads); otherwise the MLP runs as above.
+fusedlib's own linear layers (whose weights it reads), neither with module hooks (it calls
+neither layer); otherwise the MLP runs as above.
 
 Tensor parallelism: fc1 is column-parallel and fc2 row-parallel, so each rank computes ffn/p of
 the inner features, activation included, and fc2's all-reduce (or reduce-scatter) is the only
@@ -49,6 +50,7 @@ from ..fusions.fused_bias_geglu import bias_geglu_impl
 from ..fusions.fused_bias_gelu import bias_gelu_impl
 from ..fusions.fused_bias_swiglu import bias_swiglu_impl
 from ..fusions.fused_dense import fused_dense_gelu_dense
+from ..fusions.fused_layer_norm import _has_hooks
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .module import MegatronModule
 from .spec_utils import ModuleSpec, build_module
@@ -137,11 +139,13 @@ class MLP(MegatronModule):
 
     def _gemm_gelu_applies(self) -> bool:
         """Whether ``gemm_gelu_fusion`` can take this MLP: fusedlib's linear layers on one rank,
-        fc1 returning its bias (the config has checked GeLU, no gated unit, a bias)."""
+        fc1 returning its bias (the config has checked GeLU, no gated unit, a bias), neither
+        with hooks (the op calls neither layer: their hooks, e.g. pruning's or weight norm's
+        forward pre-hook that recomputes the weight, would not run)."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         return (type(fc1) is ColumnParallelLinear and type(fc2) is RowParallelLinear and fc1.tp_world_size == 1
                 and fc2.tp_world_size == 1 and fc1.skip_bias_add and fc2.skip_bias_add and fc1.bias is not None
-                and fc1.weight is not None)
+                and fc1.weight is not None and not _has_hooks(fc1) and not _has_hooks(fc2))
 
     def activation(self, intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """act(intermediate + bias): one fused kernel with ``config.bias_activation_fusion``, else PyTorch."""
