@@ -11,7 +11,9 @@ from ``fusedlib`` itself (Megatron-core's names); by layer:
 * fusions, by chapter (``fusedlib.fusions``; the kernels and their launch settings are in
   ``fusedlib.kernels``):
 
-  1. bias + GeLU: ``bias_gelu_impl``, ``GeLUFunction``, ``bias_gelu``, ``bias_gelu_back``.
+  1. bias + GeLU: ``bias_gelu_impl``, ``GeLUFunction``, ``bias_gelu``, ``bias_gelu_back``;
+     the GeLU MLP with bias-GeLU in cuBLASLt's GEMM epilogues: ``fused_dense_gelu_dense``,
+     ``FusedDenseGeluDenseFunction``.
   2. bias + dropout + add: ``get_bias_dropout_add``, ``bias_dropout_add_fused_train``,
      ``bias_dropout_add_fused_inference``, ``bias_dropout_add_unfused``,
      ``BiasDropoutAddFunction``. (Megatron-core's unfused ``_bias_dropout_add_func`` is in
@@ -61,6 +63,7 @@ from . import checks, jit, unfused, utils
 
 # fusions, by chapter
 from .fusions.fused_bias_gelu import GeLUFunction, bias_gelu, bias_gelu_back, bias_gelu_impl  # 1
+from .fusions.fused_dense import FusedDenseGeluDenseFunction, fused_dense_gelu_dense  # 1
 from .fusions.fused_bias_dropout import (  # 2
     BiasDropoutAddFunction,
     bias_dropout_add_fused_inference,
@@ -125,6 +128,8 @@ __all__ = [
     "bias_gelu",
     "bias_gelu_back",
     "bias_gelu_impl",
+    "FusedDenseGeluDenseFunction",
+    "fused_dense_gelu_dense",
     # 2. bias + dropout + add
     "BiasDropoutAddFunction",
     "bias_dropout_add_fused_inference",

@@ -201,6 +201,31 @@ def _bias_gelu_impl(dtype):
     return run, reference, {"out": _same(dtype), "dy": _same(dtype), "db": _same(dtype, 6**0.5)}
 
 
+@case("fused_dense_gelu_dense")
+def _fused_dense_gelu_dense(dtype):
+    x, w1, b1 = _randn(3, 2, 16, dtype=dtype), _randn(24, 16, dtype=dtype, scale=0.25), _randn(24, dtype=dtype)
+    w2, b2, g = _randn(8, 24, dtype=dtype, scale=0.2), _randn(8, dtype=dtype), _randn(3, 2, 8, dtype=dtype)
+    names = ("dx", "dw1", "db1", "dw2", "db2")
+
+    def run():
+        leaves = _leaves(x, w1, b1, w2, b2)
+        out = fusedlib.fused_dense_gelu_dense(*leaves)
+        out.backward(g)
+        return {"out": out, **{n: t.grad for n, t in zip(names, leaves)}}
+
+    def reference():
+        leaves = _leaves64(x, w1, b1, w2, b2)
+        out = F.linear(unfused.bias_gelu(leaves[2], F.linear(leaves[0], leaves[1])), leaves[3], leaves[4])
+        out.backward(g.double())
+        return {"out": out, **{n: t.grad for n, t in zip(names, leaves)}}
+
+    # z and y rounded to the input dtype before the next GEMM: 3x one rounding (tests/test_fused_dense.py);
+    # the weight and bias gradients sum 6 rows: sqrt(6) more
+    rows = 6 ** 0.5
+    return run, reference, {"out": _same(dtype, 3), "dx": _same(dtype, 3), "dw1": _same(dtype, 3 * rows),
+                            "db1": _same(dtype, 3 * rows), "dw2": _same(dtype, 3 * rows), "db2": _same(dtype, 3 * rows)}
+
+
 @case("bias_gelu, bias_gelu_back")
 def _bias_gelu_plain(dtype):
     y, b, g = _randn(5, 19, dtype=dtype, scale=2.0), _randn(19, dtype=dtype), _randn(5, 19, dtype=dtype)
