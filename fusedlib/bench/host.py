@@ -107,6 +107,7 @@ logger = logging.getLogger("fusedlib.bench")
 #: so the host decides.
 HOST_SHAPES: dict[str, tuple[int, ...]] = {
     "bias_gelu": (32, 256),
+    "fused_dense": (32, 64, 256),
     "bias_dropout_add": (32, 256),
     "geglu": (32, 512),
     "swiglu": (32, 512),
