@@ -338,3 +338,13 @@ def test_the_epilogue_path_s_wiring_with_cublaslt_emulated(dtype, monkeypatch):
     monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_ELEMENTS", 35 * 40 + 1)
     _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype)
     assert calls == []
+
+
+def test_the_binding_says_why_cublaslt_is_missing(monkeypatch):
+    monkeypatch.setattr(cublaslt, "_lib", None)
+    monkeypatch.setattr(cublaslt, "_lib_error", "libcublasLt.so.99 not found")  # as _load() records it
+    x = torch.zeros(4, 16, device=DEVICE, dtype=torch.bfloat16)
+    w, b = torch.zeros(32, 16, device=DEVICE, dtype=torch.bfloat16), torch.zeros(32, device=DEVICE, dtype=torch.bfloat16)
+    assert not cublaslt.supported(x, w, b)
+    with pytest.raises(ValueError, match="libcublasLt.so.99 not found"):
+        cublaslt.linear_gelu_aux_bias(x, w, b)

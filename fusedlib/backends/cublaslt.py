@@ -171,6 +171,11 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *others: Optional[torch.Ten
     return cublaslt_available()
 
 
+def _why() -> str:
+    """Why cuBLASLt could not be loaded, for an error message ("" once it is)."""
+    return f": {_lib_error}" if _lib is None and _lib_error else ""
+
+
 def _check_args(**tensors: object) -> None:
     """Refuse, by name, an argument that is not a tensor, or one cuBLASLt could not read as its
     values (sparse, nested, the negative bit: :func:`~fusedlib.checks.check_tensor`)."""
@@ -277,7 +282,7 @@ def linear_gelu_aux_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f"linear_gelu_aux_bias: expected x [M, K], weight [N, K], bias [N]; got "
                          f"{list(x.shape)}, {list(weight.shape)}, {list(bias.shape)}")
     if not supported(x, weight, bias):
-        raise ValueError("linear_gelu_aux_bias: operands cuBLASLt cannot take (see supported())")
+        raise ValueError(f"linear_gelu_aux_bias: operands cuBLASLt cannot take (see supported()){_why()}")
     m_rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m_rows, n), dtype=x.dtype, device=x.device)
@@ -324,7 +329,7 @@ def matmul_dgelu(grad: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> t
         raise ValueError(f"matmul_dgelu: expected grad [M, H], weight [H, F], z [M, F]; got "
                          f"{list(grad.shape)}, {list(weight.shape)}, {list(z.shape)}")
     if not supported(grad, weight, z):
-        raise ValueError("matmul_dgelu: operands cuBLASLt cannot take (see supported())")
+        raise ValueError(f"matmul_dgelu: operands cuBLASLt cannot take (see supported()){_why()}")
     m_rows, h = grad.shape
     f = weight.shape[1]
     dz = torch.empty((m_rows, f), dtype=grad.dtype, device=grad.device)
