@@ -217,8 +217,8 @@ def test_tensors_on_two_devices_are_refused():
 @needs_cublaslt
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_epilogues_run_and_match_float64(dtype, count_calls):
-    fwd = count_calls(fused_dense.cublaslt, "linear_gelu_aux_bias")
-    bwd = count_calls(fused_dense.cublaslt, "matmul_dgelu")
+    fwd = count_calls(fused_dense.cublaslt, "launch_linear_gelu_aux_bias")
+    bwd = count_calls(fused_dense.cublaslt, "launch_matmul_dgelu")
     _check(*_inputs((3, 100), 64, 256, 96, dtype), dtype, epilogue=True)
     assert len(fwd) == 1 and len(bwd) == 1
 
@@ -228,8 +228,8 @@ def test_epilogues_run_and_match_float64(dtype, count_calls):
                                                     (16, 64, True, True), (2048, 8192, False, False)])
 def test_the_automatic_choice_takes_epilogues_from_the_least_size(count_calls, rows, f, epilogue, expect):
     # EPILOGUE_MIN_ELEMENTS = 2^24: the activation [M, F] of 16 x 64 is below, 2048 x 8192 at it
-    fwd = count_calls(fused_dense.cublaslt, "linear_gelu_aux_bias")
-    bwd = count_calls(fused_dense.cublaslt, "matmul_dgelu")
+    fwd = count_calls(fused_dense.cublaslt, "launch_linear_gelu_aux_bias")
+    bwd = count_calls(fused_dense.cublaslt, "launch_matmul_dgelu")
     assert fused_dense.EPILOGUE_MIN_ELEMENTS == 1 << 24
     x, w1, b1, w2, b2 = _inputs((rows,), 64, f, 64, torch.bfloat16)
     fused_dense_gelu_dense(x, w1, b1, w2, b2, epilogue=epilogue).sum().backward()
@@ -240,7 +240,7 @@ def test_the_automatic_choice_takes_epilogues_from_the_least_size(count_calls, r
 @pytest.mark.parametrize("case", ["float32", "width", "unaligned"])
 def test_operands_cublaslt_cannot_take_run_unfused(case, count_calls):
     dtype = torch.float32 if case == "float32" else torch.bfloat16
-    fwd = count_calls(fused_dense.cublaslt, "linear_gelu_aux_bias")
+    fwd = count_calls(fused_dense.cublaslt, "launch_linear_gelu_aux_bias")
     if case == "width":
         args = _inputs((33,), 64, 100, 64, dtype)  # F = 100: not a multiple of 8
     else:
@@ -323,8 +323,8 @@ def test_the_epilogue_path_s_wiring_with_cublaslt_emulated(dtype, monkeypatch):
         return dz.to(g.dtype)
 
     monkeypatch.setattr(fused_dense.cublaslt, "supported", lambda x, weight, *others: True)  # its signature
-    monkeypatch.setattr(fused_dense.cublaslt, "linear_gelu_aux_bias", gelu_aux_bias)
-    monkeypatch.setattr(fused_dense.cublaslt, "matmul_dgelu", dgelu)
+    monkeypatch.setattr(fused_dense.cublaslt, "launch_linear_gelu_aux_bias", gelu_aux_bias)
+    monkeypatch.setattr(fused_dense.cublaslt, "launch_matmul_dgelu", dgelu)
     _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype, epilogue=True)
     assert calls == ["fwd", "bwd"]
     calls.clear()

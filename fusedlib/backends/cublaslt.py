@@ -57,7 +57,7 @@ import torch
 from ..checks import check_tensor, is_dense
 
 __all__ = ["ALIGNMENT", "CublasLtError", "WORKSPACE_BYTES", "cublaslt_available", "supported", "linear_gelu_aux_bias",
-           "matmul_dgelu"]
+           "launch_linear_gelu_aux_bias", "matmul_dgelu", "launch_matmul_dgelu"]
 
 # enum values from cublasLt.h / cublas_api.h / library_types.h (the same in CUDA 12 and 13)
 _CUBLAS_COMPUTE_32F = 68
@@ -171,9 +171,12 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *others: Optional[torch.Ten
     return cublaslt_available()
 
 
-def _why() -> str:
-    """Why cuBLASLt could not be loaded, for an error message ("" once it is)."""
-    return f": {_lib_error}" if _lib is None and _lib_error else ""
+def _require_supported(fn: str, *tensors: torch.Tensor) -> None:
+    """Raise ValueError naming ``fn`` when :func:`supported` refuses ``tensors`` (and why cuBLASLt
+    did not load, where it did not)."""
+    if not supported(*tensors):
+        why = f": {_lib_error}" if _lib is None and _lib_error else ""
+        raise ValueError(f"{fn}: operands cuBLASLt cannot take (see supported()){why}")
 
 
 def _check_args(**tensors: object) -> None:
@@ -281,8 +284,14 @@ def linear_gelu_aux_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if x.dim() != 2 or weight.dim() != 2 or bias.shape != (weight.shape[0],) or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_gelu_aux_bias: expected x [M, K], weight [N, K], bias [N]; got "
                          f"{list(x.shape)}, {list(weight.shape)}, {list(bias.shape)}")
-    if not supported(x, weight, bias):
-        raise ValueError(f"linear_gelu_aux_bias: operands cuBLASLt cannot take (see supported()){_why()}")
+    _require_supported("linear_gelu_aux_bias", x, weight, bias)
+    return launch_linear_gelu_aux_bias(x, weight, bias)
+
+
+def launch_linear_gelu_aux_bias(x: torch.Tensor, weight: torch.Tensor,
+                                bias: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`linear_gelu_aux_bias` without its checks, for a caller that has had :func:`supported`
+    accept the operands (``fused_dense_gelu_dense``: one check per call, not two)."""
     m_rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m_rows, n), dtype=x.dtype, device=x.device)
@@ -303,9 +312,9 @@ def matmul_dgelu(grad: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> t
     fc1's bias gradient, the column sums of dz, is left to the caller: cuBLASLt's
     ``CUBLASLT_EPILOGUE_DGELU_BGRAD``, which sums it in the same GEMM, took 2.4-4.0x this
     epilogue's time on the H200 at the MLP shapes of chapters 7 and 9 (bf16: 0.476 against
-    0.120 ms at [32768, 384] x [384, 1536]; 0.976 against 0.398 at [8192, 2048] x [2048, 8192]; the heuristic's first
-    algorithm with a 4 MiB workspace, CUDA-graph replays),
-    and fusedlib's column-sum kernel adds 0.028 and 0.035 ms.
+    0.120 ms at [32768, 384] x [384, 1536]; 0.976 against 0.398 at [8192, 2048] x [2048, 8192];
+    the heuristic's first algorithm with a 4 MiB workspace, CUDA-graph replays), and fusedlib's
+    column-sum kernel adds 0.028 and 0.035 ms.
 
     Args:
         grad: [M, H], the gradient of fc2's output; weight: fc2's [H, F]; z: [M, F], the
@@ -328,8 +337,13 @@ def matmul_dgelu(grad: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> t
             or z.shape != (grad.shape[0], weight.shape[1])):
         raise ValueError(f"matmul_dgelu: expected grad [M, H], weight [H, F], z [M, F]; got "
                          f"{list(grad.shape)}, {list(weight.shape)}, {list(z.shape)}")
-    if not supported(grad, weight, z):
-        raise ValueError(f"matmul_dgelu: operands cuBLASLt cannot take (see supported()){_why()}")
+    _require_supported("matmul_dgelu", grad, weight, z)
+    return launch_matmul_dgelu(grad, weight, z)
+
+
+def launch_matmul_dgelu(grad: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """:func:`matmul_dgelu` without its checks, for a caller that has had :func:`supported` accept
+    the operands."""
     m_rows, h = grad.shape
     f = weight.shape[1]
     dz = torch.empty((m_rows, f), dtype=grad.dtype, device=grad.device)

@@ -84,7 +84,7 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
         x = input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
         ctx.epilogue = _use_epilogue(epilogue, x.shape[0] * weight1.shape[0], x, weight1, bias1, weight2)
         if ctx.epilogue:
-            y, z = cublaslt.linear_gelu_aux_bias(x, weight1, bias1)  # [M, F] each; z includes b1
+            y, z = cublaslt.launch_linear_gelu_aux_bias(x, weight1, bias1)  # [M, F] each; z includes b1
         else:
             z = F.linear(x, weight1)  # [M, F], without b1: the kernel adds it
             y = bias_gelu_fwd(z, bias1.contiguous())
@@ -115,7 +115,7 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
             db2 = _column_sum(g, weight2.dtype)
         if need[0] or need[1] or need[2]:
             if ctx.epilogue and cublaslt.supported(g, weight2, z):
-                dz = cublaslt.matmul_dgelu(g, weight2, z)  # [M, F]
+                dz = cublaslt.launch_matmul_dgelu(g, weight2, z)  # [M, F]
                 db1 = _column_sum(dz, bias1.dtype) if need[2] else None
             else:  # z holds b1 on the epilogue path: add none again
                 b = torch.zeros_like(bias1) if ctx.epilogue else bias1
