@@ -255,6 +255,32 @@ def test_operands_cublaslt_cannot_take_run_unfused(case, count_calls):
 
 
 @needs_cublaslt
+def test_calls_of_one_shape_read_their_own_operands():
+    # a shape's plan keeps the bias and aux pointers it last set in cuBLASLt's descriptor and sets
+    # them again only when they change: calls alternating between operands read each their own
+    dtype = torch.bfloat16
+    x, w1, _, w2, _ = _inputs((48,), 64, 128, 32, dtype)
+    x, w1, w2 = x.detach(), w1.detach(), w2.detach()
+    biases = [torch.randn(128, device=DEVICE).to(dtype) for _ in range(2)]
+    g = torch.randn(48, 32, device=DEVICE).to(dtype)
+    first = [cublaslt.linear_gelu_aux_bias(x, w1, b) for b in biases]
+    again = [cublaslt.linear_gelu_aux_bias(x, w1, b) for b in reversed(biases)][::-1]
+    for b, (y, z), (y2, z2) in zip(biases, first, again):
+        z64 = F.linear(x.double(), w1.double(), b.double())
+        assert_close(z, z64, dtype)
+        assert_close(y, _gelu_tanh(z64), dtype, scale=2)
+        assert torch.equal(y, y2) and torch.equal(z, z2)
+    assert not torch.equal(first[0][1], first[1][1])
+    dz = [cublaslt.matmul_dgelu(g, w2, z) for _, z in first]
+    dz_again = [cublaslt.matmul_dgelu(g, w2, z) for _, z in reversed(first)][::-1]
+    for (_, z), d, d2 in zip(first, dz, dz_again):
+        z64 = z.double().requires_grad_(True)
+        ref, = torch.autograd.grad(_gelu_tanh(z64), z64, g.double() @ w2.double())
+        assert_close(d, ref, dtype, scale=2)
+        assert torch.equal(d, d2)
+
+
+@needs_cublaslt
 def test_epilogue_path_replays_in_a_cuda_graph():
     x, w1, b1, w2, b2 = _inputs((64,), 64, 128, 32, torch.bfloat16)
     xs = x.detach().clone()
