@@ -248,6 +248,14 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     wait. With neither (p = 1, a bias in the GEMM) there is no communication: the Function is
     then only the GEMMs and the column sum.
 
+    Why not the bias gradient inside the weight-gradient GEMM (cuBLASLt's
+    ``CUBLASLT_EPILOGUE_BGRADB``, Transformer Engine's way): on the H200 (bf16, CUDA-graph
+    replays, the heuristic's first algorithm) that GEMM took longer than torch's GEMM plus the
+    column sum at the shapes of chapters 7 and 9 but the widest: [M, in] -> [M, out] =
+    [32768, 384] -> 1152: 0.0816 against 0.0714 ms; [8192, 768] -> 3072: 0.0805 against 0.0701;
+    [8192, 2048] -> 2048: 0.0984 against 0.0967; it saved 0.02 ms at [8192, 2048] -> 6144
+    (0.3008 against 0.3217).
+
     Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py``
     (``LinearWithGradAccumulationAndAsyncCommunication``).
     """
