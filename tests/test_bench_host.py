@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
@@ -67,7 +68,10 @@ def test_every_torch_compile_baseline_is_static_but_the_softmax_sweeps(monkeypat
     calls = []
 
     def fake_compile(fn, dynamic=None, backend="inductor", **kw):
-        calls.append(dynamic)
+        # fusedlib's calls only: where megatron-core imports (the GPU machine), its modules'
+        # decorators call torch.compile as the baselines' cases import them
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("fusedlib."):
+            calls.append(dynamic)
         return fn
 
     monkeypatch.setattr(torch, "compile", fake_compile)
@@ -347,6 +351,26 @@ def test_cli_host_writes_and_merges_host_json(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "kept 1 records" in out and "swiglu" in out and "skeleton" in out
     assert "host floor: fwd: launch (C launcher) not timed: not here" in out
+
+
+def test_cli_host_times_an_op_s_extra_implementations(tmp_path, monkeypatch):
+    # fused_dense's host shape takes its kernel path; the epilogue path (cuBLASLt through ctypes,
+    # what training sizes take) is timed beside it
+    asked = {}
+
+    def fake_measure_host(op, device, calls=0, repeats=0, progress=None, impls=(), **kw):
+        asked[op] = tuple(impls)
+        return [_host_rec(op, p, i, 10.0) for p in ("fwd", "fwd+bwd") for i in impls], {}
+
+    monkeypatch.setattr(host_mod, "measure_host", fake_measure_host)
+    monkeypatch.setattr(host_mod, "measure_floor", lambda *a, **k: ([], {}))
+    assert main_host(["fused_dense", "swiglu"], str(tmp_path), 3, 2) == 0
+    assert asked == {"fused_dense": host_mod.HOST_IMPLS + ("fusedlib-epilogue",), "swiglu": host_mod.HOST_IMPLS}
+    written = core.load_records(tmp_path / "host.json")
+    assert sum(r["impl"] == "fusedlib-epilogue" for r in written) == 2
+    for op, extra in host_mod.HOST_EXTRA_IMPLS.items():
+        case = get_case(op)(host_mod.HOST_SHAPES[op], torch.bfloat16)
+        assert set(extra) <= {i.name for i in case.impls}, op
 
 
 def _floor_rec(pas, part, us):

@@ -100,15 +100,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_host(ops: list[str], out: str, calls: int | None, repeats: int | None) -> int:
     """``--host``: measure ``ops`` on the current CUDA device, merge into ``out/host.json``."""
-    from .host import CALLS, REPEATS, floor_table, host_table, measure_floor, measure_host, merge_host_records
+    from .host import (CALLS, HOST_EXTRA_IMPLS, HOST_IMPLS, REPEATS, floor_table, host_table, measure_floor,
+                       measure_host, merge_host_records)
 
     calls, repeats = calls or CALLS, repeats or REPEATS
     records = []
     path = Path(out) / "host.json"
     old = load_records(path) if path.exists() else []
-    with tqdm(total=len(ops) * 6, desc="host", unit="timing") as bar:
+    impls = {op: HOST_IMPLS + HOST_EXTRA_IMPLS.get(op, ()) for op in ops}
+    with tqdm(total=2 * sum(len(i) for i in impls.values()), desc="host", unit="timing") as bar:
         for op in ops:
-            recs, skipped = measure_host(op, "cuda", calls=calls, repeats=repeats,
+            recs, skipped = measure_host(op, "cuda", calls=calls, repeats=repeats, impls=impls[op],
                                          progress=lambda label: (bar.set_postfix_str(label), bar.update(1)))
             records += recs
             for name, why in skipped.items():

@@ -81,6 +81,7 @@ from .ops import OP_MODULES, get_case
 __all__ = [
     "HOST_SHAPES",
     "HOST_IMPLS",
+    "HOST_EXTRA_IMPLS",
     "CALLS",
     "REPEATS",
     "WARMUP",
@@ -127,6 +128,11 @@ HOST_SHAPES: dict[str, tuple[int, ...]] = {
 
 #: The implementations timed: fusedlib and what a user writes without it.
 HOST_IMPLS: tuple[str, ...] = ("fusedlib", "eager", "torch.compile")
+
+#: More implementations ``python -m fusedlib.bench --host`` times for an op: where fusedlib's
+#: choice at the tiny host shape is not the path it takes at training sizes (``fused_dense``
+#: takes cuBLASLt's epilogues from 2^24 activation elements up, through ``ctypes``).
+HOST_EXTRA_IMPLS: dict[str, tuple[str, ...]] = {"fused_dense": ("fusedlib-epilogue",)}
 
 CALLS = 300  #: back-to-back calls per repeat
 REPEATS = 5  #: repeats; records hold the medians
