@@ -349,6 +349,8 @@ def test_the_epilogue_path_s_wiring_with_cublaslt_emulated(dtype, monkeypatch):
         return dz.to(g.dtype)
 
     monkeypatch.setattr(fused_dense.cublaslt, "supported", lambda x, weight, *others: True)  # its signature
+    monkeypatch.setattr(fused_dense.cublaslt, "supported_like", lambda t, like: True)
+    monkeypatch.setattr(fused_dense, "_PLANS", {})  # no path chosen before (or remembered after) the patch
     monkeypatch.setattr(fused_dense.cublaslt, "launch_linear_gelu_aux_bias", gelu_aux_bias)
     monkeypatch.setattr(fused_dense.cublaslt, "launch_matmul_dgelu", dgelu)
     _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype, epilogue=True)
@@ -364,6 +366,55 @@ def test_the_epilogue_path_s_wiring_with_cublaslt_emulated(dtype, monkeypatch):
     monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_ELEMENTS", 35 * 40 + 1)
     _check(*_inputs((5, 7), 16, 40, 24, dtype), dtype)
     assert calls == []
+
+
+def test_a_checked_signature_skips_the_checks_and_others_do_not(monkeypatch):
+    # the checks and the path run once per call signature (_PLANS); a call of another signature
+    # (here: a bias of another dtype, a bad one) is checked and refused as ever
+    monkeypatch.setattr(fused_dense, "_PLANS", {})
+    checks = []
+    real = fused_dense._check
+    monkeypatch.setattr(fused_dense, "_check", lambda *a: (checks.append(1), real(*a))[1])
+    x, w1, b1, w2, b2 = (t.detach() for t in _inputs((4, 3), 16, 32, 8, torch.float32))
+    first = fused_dense_gelu_dense(x, w1, b1, w2, b2)
+    again = fused_dense_gelu_dense(x.clone(), w1, b1, w2, b2)  # the same signature
+    assert len(checks) == 1 and torch.equal(first, again)
+    with pytest.raises(TypeError, match="bias1"):
+        fused_dense_gelu_dense(x, w1, b1.double(), w2, b2)
+    with pytest.raises(ValueError, match="weight2"):
+        fused_dense_gelu_dense(x, w1, b1, w2[:, :16], b2)
+    assert len(checks) == 3
+    fused_dense_gelu_dense(x, w1, b1, w2, b2, epilogue=False)  # another epilogue argument: checked again
+    assert len(checks) == 4
+
+
+@needs_cublaslt
+def test_the_path_follows_each_call_s_alignment(count_calls):
+    # the remembered path is keyed by the operands' addresses modulo cuBLASLt's alignment: an
+    # unaligned view of the same shape and strides as an aligned input takes the kernel path
+    fwd = count_calls(fused_dense.cublaslt, "launch_linear_gelu_aux_bias")
+    x, w1, b1, w2, b2 = (t.detach() for t in _inputs((33,), 64, 128, 64, torch.bfloat16))
+    fused_dense_gelu_dense(x, w1, b1, w2, b2, epilogue=True)
+    assert len(fwd) == 1
+    buf = torch.empty(x.numel() + 8, device=DEVICE, dtype=x.dtype)
+    shifted = buf[8:].view(x.shape)  # 16 bytes in: aligned for Triton, not for cuBLASLt
+    shifted.copy_(x)
+    assert shifted.stride() == x.stride() and shifted.data_ptr() % cublaslt.ALIGNMENT
+    out = fused_dense_gelu_dense(shifted, w1, b1, w2, b2, epilogue=True)
+    assert len(fwd) == 1
+    assert_close(out, fused_dense_gelu_dense(x, w1, b1, w2, b2, epilogue=False), torch.bfloat16, scale=3)
+
+
+def test_supported_like_asks_what_the_backward_s_gradient_needs():
+    # a gradient beside an operand supported() took: same dtype and device, dense, contiguous, aligned
+    buf = torch.zeros(4096, dtype=torch.bfloat16, device=DEVICE)
+    off = (-buf.data_ptr() % cublaslt.ALIGNMENT) // buf.element_size()
+    t = buf[off:off + 1024].view(64, 16)
+    assert t.data_ptr() % cublaslt.ALIGNMENT == 0 and cublaslt.supported_like(t, t)
+    assert not cublaslt.supported_like(buf[off + 8:off + 8 + 1024].view(64, 16), t)  # 16 bytes off
+    assert not cublaslt.supported_like(t.float(), t)
+    assert not cublaslt.supported_like(t.view(16, 64).t(), t)  # not contiguous
+    assert not cublaslt.supported_like(torch._neg_view(t), t)
 
 
 def test_the_binding_says_why_cublaslt_is_missing(monkeypatch):

@@ -56,8 +56,8 @@ import torch
 
 from ..checks import check_tensor, is_dense
 
-__all__ = ["ALIGNMENT", "CublasLtError", "WORKSPACE_BYTES", "cublaslt_available", "supported", "linear_gelu_aux_bias",
-           "launch_linear_gelu_aux_bias", "matmul_dgelu", "launch_matmul_dgelu"]
+__all__ = ["ALIGNMENT", "CublasLtError", "WORKSPACE_BYTES", "cublaslt_available", "supported", "supported_like",
+           "linear_gelu_aux_bias", "launch_linear_gelu_aux_bias", "matmul_dgelu", "launch_matmul_dgelu"]
 
 # enum values from cublasLt.h / cublas_api.h / library_types.h (the same in CUDA 12 and 13)
 _CUBLAS_COMPUTE_32F = 68
@@ -179,6 +179,15 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *others: Optional[torch.Ten
     if not weight.numel() or weight.shape[0] % 8 or weight.shape[1] % 8 or not _aligned(*ts):
         return False
     return cublaslt_available()
+
+
+def supported_like(t: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether ``t`` can stand where ``like``, an operand :func:`supported` accepted, stood:
+    the same dtype and device, dense, contiguous and :data:`ALIGNMENT`-byte aligned (its shape
+    is the caller's to match). The backward's check of a gradient beside what its forward
+    checked."""
+    return (t.dtype == like.dtype and t.device == like.device and is_dense(t) and t.is_contiguous()
+            and t.data_ptr() % ALIGNMENT == 0)
 
 
 def _require_supported(fn: str, *tensors: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from ..backends import cublaslt
 from ..checks import FLOAT_DTYPES, KERNEL_DEVICE_TYPES, check_bool, check_same_device, check_tensor, resolve_neg_grads
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.bias_gelu import bias_gelu_bwd, bias_gelu_fwd
+from ..runtime import find_plan, param_key, plan_cache, remember_plan
 from ._apply import apply, once_differentiable
 
 __all__ = ["EPILOGUE_MIN_ELEMENTS", "FusedDenseGeluDenseFunction", "fused_dense_gelu_dense"]
@@ -65,12 +66,39 @@ def _use_epilogue(epilogue: Optional[bool], elements: int, *tensors: Tensor) -> 
     return not torch.compiler.is_compiling() and cublaslt.supported(*tensors)
 
 
+def _path(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
+          epilogue: Optional[bool]) -> bool:
+    """Whether the forward takes cuBLASLt's epilogues: :func:`_use_epilogue` of the [M, K] view
+    (or copy) of ``input`` the forward makes."""
+    x = input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
+    return _use_epilogue(epilogue, x.shape[0] * weight1.shape[0], x, weight1, bias1, weight2)
+
+
+def _plan_key(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
+              bias2: Optional[Tensor], epilogue: Optional[bool]) -> tuple:
+    """A call's signature: everything :func:`_check` and :func:`_path` read (each tensor's
+    class, shape, strides, dtype, device and negative bit, the operands' addresses modulo
+    cuBLASLt's alignment), the ``epilogue`` argument and the size rule."""
+    a = cublaslt.ALIGNMENT
+    return (param_key(input), param_key(weight1), param_key(bias1), param_key(weight2), param_key(bias2),
+            input.data_ptr() % a, weight1.data_ptr() % a, bias1.data_ptr() % a, weight2.data_ptr() % a,
+            epilogue, EPILOGUE_MIN_ELEMENTS)
+
+
+#: The path each checked call signature takes (:func:`_plan_key` -> True: the epilogues): a
+#: call whose signature passed the checks before skips them and ``supported()``, host work
+#: paid on every call otherwise (as fusedlib's other ops skip theirs: :mod:`fusedlib.runtime`).
+_PLANS: dict = plan_cache()
+
+
 class FusedDenseGeluDenseFunction(torch.autograd.Function):
     """Autograd wiring of :func:`fused_dense_gelu_dense` (see the module docstring).
 
-    ``forward(ctx, input, weight1, bias1, weight2, bias2, epilogue)``: input [..., K], weight1
-    [F, K], bias1 [F], weight2 [H, F], bias2 [H] or None, epilogue as
-    :func:`fused_dense_gelu_dense`'s; returns [..., H]. ``backward`` returns the
+    ``forward(ctx, input, weight1, bias1, weight2, bias2, epilogue, path=None)``: input [..., K],
+    weight1 [F, K], bias1 [F], weight2 [H, F], bias2 [H] or None, epilogue as
+    :func:`fused_dense_gelu_dense`'s; ``path`` the choice already made for these operands
+    (True: the epilogues; :func:`fused_dense_gelu_dense` passes the one its checks cached),
+    None to make it here; returns [..., H]. ``backward`` returns the
     gradients of all five (None for bias2 when it is None), each in its tensor's dtype; the
     bias gradients are float32 sums rounded once.
 
@@ -79,10 +107,12 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
-                bias2: Optional[Tensor], epilogue: Optional[bool] = None) -> Tensor:
+                bias2: Optional[Tensor], epilogue: Optional[bool] = None, path: Optional[bool] = None) -> Tensor:
         # [..., K] -> [M, K] (a view where it can be; M given, not -1: K may be 0)
         x = input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
-        ctx.epilogue = _use_epilogue(epilogue, x.shape[0] * weight1.shape[0], x, weight1, bias1, weight2)
+        if path is None:
+            path = _use_epilogue(epilogue, x.shape[0] * weight1.shape[0], x, weight1, bias1, weight2)
+        ctx.epilogue = path
         if ctx.epilogue:
             y, z = cublaslt.launch_linear_gelu_aux_bias(x, weight1, bias1)  # [M, F] each; z includes b1
         else:
@@ -114,7 +144,7 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
         if ctx.has_bias2 and need[4]:
             db2 = _column_sum(g, weight2.dtype)
         if need[0] or need[1] or need[2]:
-            if ctx.epilogue and cublaslt.supported(g, weight2, z):
+            if ctx.epilogue and cublaslt.supported_like(g, z):  # weight2 and z: supported() in the forward
                 dz = cublaslt.launch_matmul_dgelu(g, weight2, z)  # [M, F]
                 db1 = _column_sum(dz, bias1.dtype) if need[2] else None
             else:  # z holds b1 on the epilogue path: add none again
@@ -125,7 +155,7 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
                 dx = dz.matmul(weight1).view(ctx.in_shape)  # [M, K] -> [..., K]
             if need[1]:
                 dw1 = dz.t().matmul(x)  # [F, K]
-        return dx, dw1, db1, dw2, db2, None
+        return dx, dw1, db1, dw2, db2, None, None
 
 
 def _check(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
@@ -182,11 +212,22 @@ def fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight
         # run without autocast (else its GEMMs would be cast and the rest not: mixed dtypes)
         dtype = torch.get_autocast_dtype(dev)
         args = [_autocast_cast(t, dev, dtype) for t in (input, weight1, bias1, weight2, bias2)]
-        _check(*args)
+        path = _checked_path(*args, epilogue)
         with torch.autocast(dev, enabled=False):
-            return apply(FusedDenseGeluDenseFunction, *args, epilogue)
-    _check(input, weight1, bias1, weight2, bias2)
-    return apply(FusedDenseGeluDenseFunction, input, weight1, bias1, weight2, bias2, epilogue)
+            return apply(FusedDenseGeluDenseFunction, *args, epilogue, path)
+    path = _checked_path(input, weight1, bias1, weight2, bias2, epilogue)
+    return apply(FusedDenseGeluDenseFunction, input, weight1, bias1, weight2, bias2, epilogue, path)
+
+
+def _checked_path(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
+                  bias2: Optional[Tensor], epilogue: Optional[bool]) -> bool:
+    """:func:`_check` the arguments and choose the path (:func:`_path`), or take both from the
+    plan of a call with the same signature (:data:`_PLANS`)."""
+    key, path = find_plan(_PLANS, _plan_key, input, weight1, bias1, weight2, bias2, epilogue)
+    if path is None:
+        _check(input, weight1, bias1, weight2, bias2)
+        path = remember_plan(_PLANS, key, _path(input, weight1, bias1, weight2, epilogue))
+    return path
 
 
 def _autocast_cast(t: object, device_type: str, dtype: torch.dtype) -> object:
