@@ -2,6 +2,8 @@
 fusedlib's bias-GeLU kernels (elsewhere), against a float64 reference."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedlib.backends import cublaslt
+from fusedlib.checks import is_dense
 from fusedlib.fusions import fused_dense
 from fusedlib.fusions.fused_dense import fused_dense_gelu_dense
 
@@ -415,6 +418,191 @@ def test_supported_like_asks_what_the_backward_s_gradient_needs():
     assert not cublaslt.supported_like(t.float(), t)
     assert not cublaslt.supported_like(t.view(16, 64).t(), t)  # not contiguous
     assert not cublaslt.supported_like(torch._neg_view(t), t)
+    # its rows a GEMM width (the dgelu GEMM's depth H, for the gradient g [M, H]): a multiple of 8, not 0
+    assert not cublaslt.supported_like(buf[off:off + 1024].view(256, 4), t)
+    assert not cublaslt.supported_like(buf[off:off + 1020].view(85, 12), t)
+    assert not cublaslt.supported_like(buf[off:off].view(64, 0), t)
+    assert cublaslt.supported_like(buf[off:off + 1024].view(128, 8), t)
+
+
+def _aligned_copy(t):
+    """A contiguous copy of ``t`` at an address that is a multiple of cuBLASLt's alignment (the
+    CPU's allocator gives 64 bytes; CUDA's caching allocator 512)."""
+    buf = torch.empty(t.numel() + cublaslt.ALIGNMENT, dtype=t.dtype, device=t.device)
+    off = (-buf.data_ptr() % cublaslt.ALIGNMENT) // t.element_size()
+    out = buf[off:off + t.numel()].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def _shifted_copy(t):
+    """A contiguous copy of ``t`` 16 bytes past an address aligned for cuBLASLt."""
+    buf = torch.empty(t.numel() + cublaslt.ALIGNMENT + 16, dtype=t.dtype, device=t.device)
+    off = (-buf.data_ptr() % cublaslt.ALIGNMENT + 16) // t.element_size()
+    out = buf[off:off + t.numel()].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def _lt_rule(x, weight, *others):
+    """cuBLASLt's rule as :func:`cublaslt.supported` states it, but for the device and the
+    library (which the CPU lacks): one dtype (float16 / bfloat16), dense, contiguous, 256-byte
+    aligned (the address read as cuBLASLt's heuristic reads it), weight's widths multiples of 8."""
+    ts = [x, weight] + [t for t in others if t is not None]
+    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dim() != 2:
+        return False
+    if any(t.dtype != x.dtype or t.device != x.device or not is_dense(t) or not t.is_contiguous() for t in ts):
+        return False
+    return bool(weight.numel() and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0
+                and all(t.data_ptr() % cublaslt.ALIGNMENT == 0 for t in ts))
+
+
+@pytest.fixture
+def lt_emulated(monkeypatch):
+    """cuBLASLt on any device: supported() is :func:`_lt_rule`, and its two launches read their
+    operands' memory as cuBLASLt does (row-major, whatever the strides) after asserting that the
+    operands are ones supported() accepts (their contract); their outputs are aligned as CUDA's
+    are. Returns the list of the launches made ("fwd", "bwd")."""
+    calls = []
+
+    def as_read(t):  # the memory cuBLASLt reads: [rows, cols] row-major from the data pointer
+        return torch.as_strided(t, t.shape, (t.shape[1], 1))
+
+    def gelu_aux_bias(x, w, b):
+        assert _lt_rule(x, w, b), "launch_linear_gelu_aux_bias: operands supported() refuses"
+        calls.append("fwd")
+        z = as_read(x).double() @ as_read(w).double().t() + b.double()
+        return _aligned_copy(_gelu_tanh(z).to(x.dtype)), _aligned_copy(z.to(x.dtype))
+
+    def dgelu(g, w, z):
+        assert _lt_rule(g, w, z), "launch_matmul_dgelu: operands supported() refuses"
+        calls.append("bwd")
+        with torch.enable_grad():
+            z64 = as_read(z).double().requires_grad_(True)
+            (dz,) = torch.autograd.grad(_gelu_tanh(z64), z64, as_read(g).double() @ as_read(w).double())
+        return _aligned_copy(dz.to(g.dtype))
+
+    monkeypatch.setattr(fused_dense.cublaslt, "supported", _lt_rule)
+    monkeypatch.setattr(fused_dense, "_PLANS", {})
+    monkeypatch.setattr(fused_dense.cublaslt, "launch_linear_gelu_aux_bias", gelu_aux_bias)
+    monkeypatch.setattr(fused_dense.cublaslt, "launch_matmul_dgelu", dgelu)
+    return calls
+
+
+def _aligned_inputs(lead, k, f, h, dtype):
+    return [_aligned_copy(t.detach()).requires_grad_(True) for t in _inputs(lead, k, f, h, dtype)]
+
+
+def _grads_against_float64(args, g, dtype, **kw):
+    out = fused_dense_gelu_dense(*args, **kw)
+    grads = torch.autograd.grad(out, args, g)
+    ref, want = _reference(*args, g)
+    assert_close(out, ref, dtype, scale=3)
+    rows = max(1, math.prod(out.shape[:-1]))
+    for got, w in zip(grads, want):
+        assert_close(got, w, dtype, scale=3 * rows ** 0.5)
+
+
+@pytest.mark.parametrize("h", [16, 12, 4, 0])
+def test_the_backward_s_gemm_takes_cublaslt_only_where_fc2_s_rows_are_multiples_of_8(h, lt_emulated):
+    # the forward asks supported() of x, W1, b1, W2: W1's widths (K, F) alone; the backward's
+    # dgelu GEMM g [M, H] · W2 [H, F] has depth H, which it must ask itself (before, supported(g,
+    # W2, z) did; supported_like(g, z) alone sent H = 12, 4 and 0 to cuBLASLt)
+    dtype = torch.bfloat16
+    args = _aligned_inputs((6,), 16, 32, h, dtype)
+    g = _aligned_copy(torch.randn(6, h, device=DEVICE).to(dtype))
+    _grads_against_float64(args, g, dtype, epilogue=True)
+    assert lt_emulated == (["fwd", "bwd"] if h == 16 else ["fwd"])
+
+
+@pytest.mark.parametrize("how", ["strided", "unaligned"])
+def test_a_weight_whose_data_is_replaced_before_the_backward(how, lt_emulated):
+    # a sharded optimizer (ZeRO-3, FSDP) frees a parameter after the forward and gathers it again
+    # before the backward, into new memory: W2's .data is replaced, which autograd does not
+    # track. The backward must ask of the W2 it gets what cuBLASLt needs (cuBLASLt would read a
+    # strided W2 as row-major: a wrong dx; an unaligned one breaks the alignment its algorithm assumed)
+    dtype = torch.bfloat16
+    x, w1, b1, w2, b2 = _aligned_inputs((6,), 16, 32, 16, dtype)
+    g = _aligned_copy(torch.randn(6, 16, device=DEVICE).to(dtype))
+    out = fused_dense_gelu_dense(x, w1, b1, w2, b2, epilogue=True)
+    ref, want = _reference(x, w1, b1, w2, b2, g)
+    if how == "strided":
+        w2.data = w2.detach().t().contiguous().t()  # the same values, column-major
+    else:
+        w2.data = _shifted_copy(w2.detach())  # the same values, 16 bytes past an aligned address
+    assert not (w2.is_contiguous() and w2.data_ptr() % cublaslt.ALIGNMENT == 0)
+    grads = torch.autograd.grad(out, (x, w1, b1, w2, b2), g)
+    assert lt_emulated == ["fwd"]
+    for got, w in zip(grads, want):
+        assert_close(got, w, dtype, scale=3 * 6 ** 0.5)
+
+
+def test_torch_func_transforms_raise_their_clear_error_where_the_epilogues_would_run(lt_emulated):
+    # inside vmap / grad / jvp the operands are tensors without storage: choosing the path before
+    # the Function (supported() reads the operands' addresses on CUDA) raised "Cannot access data
+    # pointer of Tensor that doesn't have storage" there, before torch's error (the Functions lack
+    # setup_context) or fusedlib's refusal of a tangent could say what is wrong
+    x, w1, b1, w2, b2 = (t.detach() for t in _aligned_inputs((6,), 16, 32, 16, torch.bfloat16))
+    fn = functools.partial(fused_dense_gelu_dense, weight1=w1, bias1=b1, weight2=w2, bias2=b2, epilogue=True)
+    assert _lt_rule(x, w1, b1, w2)  # these operands take the epilogues outside a transform
+    with pytest.raises(RuntimeError, match="functorch transforms"):
+        torch.func.vmap(fn)(x.unsqueeze(0).expand(2, *x.shape))
+    with pytest.raises(RuntimeError, match="functorch transforms"):
+        torch.func.grad(lambda t: fn(t).float().sum())(x)
+    with pytest.raises(NotImplementedError, match="carries a forward-mode AD tangent"):
+        torch.func.jvp(fn, (x,), (torch.ones_like(x),))
+    assert lt_emulated == []
+    assert torch.equal(fn(x), fused_dense_gelu_dense(x, w1, b1, w2, b2, epilogue=True)) and lt_emulated == ["fwd"] * 2
+
+
+class _FakeLt:
+    """The two cuBLASLt calls :func:`cublaslt._matmul` makes, on the host: the descriptor's
+    pointers kept as set, each launch recording the (bias, aux) pointers it would read;
+    ``interrupt``: the next setting of a pointer is followed by a KeyboardInterrupt (Ctrl-C,
+    which Python raises after the C call returned)."""
+
+    def __init__(self):
+        self.desc, self.launches, self.interrupt = {}, [], False
+
+    def cublasLtMatmulDescSetAttribute(self, desc, attr, ref, size):
+        self.desc[attr] = ref._obj.value
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        return 0
+
+    def cublasLtMatmul(self, *args):
+        self.launches.append((self.desc.get(cublaslt._DESC_BIAS_POINTER), self.desc.get(cublaslt._DESC_AUX_POINTER)))
+        return 0
+
+
+def test_a_plan_s_descriptor_holds_each_call_s_pointers_also_after_an_interrupted_call(monkeypatch):
+    # _matmul sets the bias and aux pointers only where they differ from those the plan last set:
+    # a call interrupted between setting one and recording it left the plan naming the previous
+    # pointer, and the next call with that pointer launched with the interrupted call's (freed) one
+    lt = _FakeLt()
+    d = torch.empty(4, 8)
+    monkeypatch.setattr(cublaslt, "_lib", lt)
+    monkeypatch.setattr(cublaslt, "_current_stream", lambda index: 0)
+    monkeypatch.setattr(cublaslt, "_workspaces", {(d.device.index, 0): torch.empty(0, dtype=torch.uint8)})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: d.device.index)
+    plan = cublaslt._Plan(None, None, (None, None, None), ctypes.c_uint64(0))
+    biases, auxes = [torch.empty(8) for _ in range(2)], [torch.empty(4, 8) for _ in range(2)]
+    ptrs = [(b.data_ptr(), z.data_ptr()) for b, z in zip(biases, auxes)]
+    for i in (0, 1, 1, 0):
+        cublaslt._matmul(plan, d, d, d, biases[i], auxes[i])
+        assert lt.launches[-1] == ptrs[i]
+    for which in ("bias", "aux"):
+        lt.interrupt = True
+        b, z = (biases[1], auxes[0]) if which == "bias" else (biases[0], auxes[1])
+        with pytest.raises(KeyboardInterrupt):
+            cublaslt._matmul(plan, d, d, d, b, z)
+        cublaslt._matmul(plan, d, d, d, biases[0], auxes[0])
+        assert lt.launches[-1] == ptrs[0]
+    dgelu = cublaslt._Plan(None, None, (None, None, None), ctypes.c_uint64(0))  # no bias: its pointer never set
+    lt.desc.clear()
+    cublaslt._matmul(dgelu, d, d, d, None, auxes[1])
+    assert lt.launches[-1] == (None, ptrs[1][1])
 
 
 def test_the_binding_says_why_cublaslt_is_missing(monkeypatch):

@@ -183,11 +183,13 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *others: Optional[torch.Ten
 
 def supported_like(t: torch.Tensor, like: torch.Tensor) -> bool:
     """Whether ``t`` can stand where ``like``, an operand :func:`supported` accepted, stood:
-    the same dtype and device, dense, contiguous and :data:`ALIGNMENT`-byte aligned (its shape
-    is the caller's to match). The backward's check of a gradient beside what its forward
-    checked."""
-    return (t.dtype == like.dtype and t.device == like.device and is_dense(t) and t.is_contiguous()
-            and t.data_ptr() % ALIGNMENT == 0)
+    the same dtype and device, dense, contiguous, :data:`ALIGNMENT`-byte aligned, and its rows
+    (the last dim: its leading dimension, a width of the GEMM it enters) a multiple of 8 and not
+    0, as :func:`supported` asks of the widths (the rest of its shape is the caller's to match).
+    The backward's check of its gradient, and of a saved operand whose ``.data`` may have been
+    replaced since the forward checked it (a sharded optimizer gathers its parameters again)."""
+    return (t.dtype == like.dtype and t.device == like.device and is_dense(t) and t.dim() > 0
+            and t.shape[-1] % 8 == 0 and t.shape[-1] > 0 and t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0)
 
 
 def _require_supported(fn: str, *tensors: torch.Tensor) -> None:
@@ -270,7 +272,7 @@ class _Plan:
     def __init__(self, handle, desc, layouts, algo) -> None:
         self.handle, self.desc, (self.la, self.lb, self.ld), self.algo = handle, desc, layouts, algo
         self.algo_ref = ctypes.byref(algo)
-        self.bias_p = self.aux_p = None  # not set yet (the placeholders are)
+        self.bias_p = self.aux_p = None  # not set yet, or unknown (the placeholders are, or were)
 
 
 def _matmul(plan: _Plan, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bias: Optional[torch.Tensor],
@@ -288,12 +290,17 @@ def _matmul(plan: _Plan, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bias
     bias_p = bias.data_ptr() if bias is not None else None
     aux_p = aux.data_ptr()
     with _lock:  # the descriptor holds the pointers: set and launch as one
+        # a pointer being set is unknown (None) until the call is through: an exception between
+        # cuBLASLt's call and the bookkeeping (a KeyboardInterrupt) must not leave the plan
+        # naming a pointer the descriptor no longer holds
         if bias_p != plan.bias_p:
+            plan.bias_p = None
             value = ctypes.c_void_p(bias_p)
             _check(lib.cublasLtMatmulDescSetAttribute(plan.desc, _DESC_BIAS_POINTER, ctypes.byref(value), 8),
                    "set bias pointer")
             plan.bias_p = bias_p
         if aux_p != plan.aux_p:
+            plan.aux_p = None
             value = ctypes.c_void_p(aux_p)
             _check(lib.cublasLtMatmulDescSetAttribute(plan.desc, _DESC_AUX_POINTER, ctypes.byref(value), 8),
                    "set aux pointer")

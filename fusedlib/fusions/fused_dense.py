@@ -97,8 +97,8 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
     ``forward(ctx, input, weight1, bias1, weight2, bias2, epilogue, path=None)``: input [..., K],
     weight1 [F, K], bias1 [F], weight2 [H, F], bias2 [H] or None, epilogue as
     :func:`fused_dense_gelu_dense`'s; ``path`` the choice already made for these operands
-    (True: the epilogues; :func:`fused_dense_gelu_dense` passes the one its checks cached),
-    None to make it here; returns [..., H]. ``backward`` returns the
+    (True: the epilogues; :func:`fused_dense_gelu_dense` passes the one its checks cached, or
+    None where it keys none), None to make it here; returns [..., H]. ``backward`` returns the
     gradients of all five (None for bias2 when it is None), each in its tensor's dtype; the
     bias gradients are float32 sums rounded once.
 
@@ -144,7 +144,9 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
         if ctx.has_bias2 and need[4]:
             db2 = _column_sum(g, weight2.dtype)
         if need[0] or need[1] or need[2]:
-            if ctx.epilogue and cublaslt.supported_like(g, z):  # weight2 and z: supported() in the forward
+            # z: supported() in the forward; g [M, H] and weight2 [H, F] asked here (H, the GEMM's
+            # depth, is no width the forward asked of; weight2's .data may have been replaced since)
+            if ctx.epilogue and cublaslt.supported_like(g, z) and cublaslt.supported_like(weight2, z):
                 dz = cublaslt.launch_matmul_dgelu(g, weight2, z)  # [M, F]
                 db1 = _column_sum(dz, bias1.dtype) if need[2] else None
             else:  # z holds b1 on the epilogue path: add none again
@@ -220,12 +222,17 @@ def fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight
 
 
 def _checked_path(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
-                  bias2: Optional[Tensor], epilogue: Optional[bool]) -> bool:
+                  bias2: Optional[Tensor], epilogue: Optional[bool]) -> Optional[bool]:
     """:func:`_check` the arguments and choose the path (:func:`_path`), or take both from the
-    plan of a call with the same signature (:data:`_PLANS`)."""
+    plan of a call with the same signature (:data:`_PLANS`). None (checked, the path left to
+    the Function's forward, where it runs) for a call without a key: inside a ``torch.func``
+    transform (tensors without storage, whose address :func:`_path` would read: torch's own
+    error, or the refusal of a tangent, says what is wrong) or a ``torch.compile`` trace."""
     key, path = find_plan(_PLANS, _plan_key, input, weight1, bias1, weight2, bias2, epilogue)
     if path is None:
         _check(input, weight1, bias1, weight2, bias2)
+        if key is None:
+            return None
         path = remember_plan(_PLANS, key, _path(input, weight1, bias1, weight2, epilogue))
     return path
 
