@@ -66,6 +66,7 @@ _DTYPE_CODE = {torch.float16: 2, torch.bfloat16: 14}
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE = 3, 4, 7
 _DESC_BIAS_POINTER, _DESC_AUX_POINTER, _DESC_AUX_LD = 8, 11, 12
+_POINTER_ATTRS = (_DESC_BIAS_POINTER, _DESC_AUX_POINTER)  # the order of a plan's `pointers`
 _EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
 _EPILOGUE_DGELU = 64 | 128
 _PREF_MAX_WORKSPACE_BYTES = 1
@@ -267,12 +268,14 @@ class _Plan:
     algorithm, and the launch's constant arguments and the pointers last set in the descriptor
     (set again only when they change: ``cublasLtMatmulDescSetAttribute`` costs host time)."""
 
-    __slots__ = ("handle", "desc", "la", "lb", "ld", "algo", "algo_ref", "bias_p", "aux_p")
+    __slots__ = ("handle", "desc", "la", "lb", "ld", "algo", "algo_ref", "pointers")
 
     def __init__(self, handle, desc, layouts, algo) -> None:
         self.handle, self.desc, (self.la, self.lb, self.ld), self.algo = handle, desc, layouts, algo
         self.algo_ref = ctypes.byref(algo)
-        self.bias_p = self.aux_p = None  # not set yet, or unknown (the placeholders are, or were)
+        # the bias and aux pointers last set (:data:`_POINTER_ATTRS`); None: not set yet, or
+        # unknown (the placeholders are, or were)
+        self.pointers = [None, None]
 
 
 def _matmul(plan: _Plan, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bias: Optional[torch.Tensor],
@@ -290,21 +293,17 @@ def _matmul(plan: _Plan, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bias
     bias_p = bias.data_ptr() if bias is not None else None
     aux_p = aux.data_ptr()
     with _lock:  # the descriptor holds the pointers: set and launch as one
-        # a pointer being set is unknown (None) until the call is through: an exception between
-        # cuBLASLt's call and the bookkeeping (a KeyboardInterrupt) must not leave the plan
-        # naming a pointer the descriptor no longer holds
-        if bias_p != plan.bias_p:
-            plan.bias_p = None
-            value = ctypes.c_void_p(bias_p)
-            _check(lib.cublasLtMatmulDescSetAttribute(plan.desc, _DESC_BIAS_POINTER, ctypes.byref(value), 8),
-                   "set bias pointer")
-            plan.bias_p = bias_p
-        if aux_p != plan.aux_p:
-            plan.aux_p = None
-            value = ctypes.c_void_p(aux_p)
-            _check(lib.cublasLtMatmulDescSetAttribute(plan.desc, _DESC_AUX_POINTER, ctypes.byref(value), 8),
-                   "set aux pointer")
-            plan.aux_p = aux_p
+        held = plan.pointers
+        for i, ptr in enumerate((bias_p, aux_p)):
+            if ptr != held[i]:
+                # unknown (None) until the call is through: an exception between cuBLASLt's call
+                # and the bookkeeping (a KeyboardInterrupt) must not leave the plan naming a
+                # pointer the descriptor no longer holds
+                held[i] = None
+                value = ctypes.c_void_p(ptr)
+                _check(lib.cublasLtMatmulDescSetAttribute(plan.desc, _POINTER_ATTRS[i], ctypes.byref(value), 8),
+                       "set pointer")
+                held[i] = ptr
         _check(lib.cublasLtMatmul(plan.handle, plan.desc, _ONE_REF, a.data_ptr(), plan.la, b.data_ptr(), plan.lb,
                                   _ZERO_REF, d.data_ptr(), plan.ld, d.data_ptr(), plan.ld, plan.algo_ref,
                                   workspace.data_ptr(), WORKSPACE_BYTES, stream),
