@@ -155,8 +155,11 @@ def _check(status: int, what: str) -> None:
 ALIGNMENT = 256
 
 
-def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
+def _operand_ok(t: torch.Tensor, like: torch.Tensor) -> bool:
+    """``t`` beside ``like`` as cuBLASLt reads its operands: the same device and dtype, dense,
+    contiguous and :data:`ALIGNMENT`-byte aligned."""
+    return (t.device == like.device and t.dtype == like.dtype and is_dense(t) and t.is_contiguous()
+            and t.data_ptr() % ALIGNMENT == 0)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
@@ -172,12 +175,11 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *others: Optional[torch.Ten
         contiguous, :data:`ALIGNMENT`-byte aligned, the widths (K, N) are multiples of 8 and not 0 (cuBLASLt's
         heuristic refuses N = 0), and cuBLASLt loads.
     """
-    ts = [x, weight] + [t for t in others if t is not None]
     if not (x.is_cuda and x.dtype in _DTYPE_CODE and weight.dim() == 2):
         return False
-    if any(t.device != x.device or t.dtype != x.dtype or not is_dense(t) or not t.is_contiguous() for t in ts):
+    if not weight.numel() or weight.shape[0] % 8 or weight.shape[1] % 8:
         return False
-    if not weight.numel() or weight.shape[0] % 8 or weight.shape[1] % 8 or not _aligned(*ts):
+    if not all(_operand_ok(t, x) for t in (x, weight, *others) if t is not None):
         return False
     return cublaslt_available()
 
@@ -189,8 +191,7 @@ def supported_like(t: torch.Tensor, like: torch.Tensor) -> bool:
     0, as :func:`supported` asks of the widths (the rest of its shape is the caller's to match).
     The backward's check of its gradient, and of a saved operand whose ``.data`` may have been
     replaced since the forward checked it (a sharded optimizer gathers its parameters again)."""
-    return (t.dtype == like.dtype and t.device == like.device and is_dense(t) and t.dim() > 0
-            and t.shape[-1] % 8 == 0 and t.shape[-1] > 0 and t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0)
+    return t.dim() > 0 and t.shape[-1] > 0 and t.shape[-1] % 8 == 0 and _operand_ok(t, like)
 
 
 def _require_supported(fn: str, *tensors: torch.Tensor) -> None:
