@@ -60,23 +60,21 @@ def _column_sum(t: Tensor, dtype: torch.dtype) -> Tensor:
 EPILOGUE_MIN_ELEMENTS = 1 << 24
 
 
-def _use_epilogue(epilogue: Optional[bool], elements: int, *tensors: Tensor) -> bool:
-    if epilogue is False or (epilogue is None and elements < EPILOGUE_MIN_ELEMENTS):
+def _rows(input: Tensor) -> Tensor:  # noqa: A002
+    """[..., K] -> [M, K] (a view where it can be; M given, not -1: K may be 0)."""
+    return input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
+
+
+def _use_epilogue(epilogue: Optional[bool], x: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor) -> bool:
+    """Whether the forward on ``x`` = :func:`_rows` of the input takes cuBLASLt's epilogues."""
+    if epilogue is False or (epilogue is None and x.shape[0] * weight1.shape[0] < EPILOGUE_MIN_ELEMENTS):
         return False
-    return not torch.compiler.is_compiling() and cublaslt.supported(*tensors)
-
-
-def _path(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
-          epilogue: Optional[bool]) -> bool:
-    """Whether the forward takes cuBLASLt's epilogues: :func:`_use_epilogue` of the [M, K] view
-    (or copy) of ``input`` the forward makes."""
-    x = input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
-    return _use_epilogue(epilogue, x.shape[0] * weight1.shape[0], x, weight1, bias1, weight2)
+    return not torch.compiler.is_compiling() and cublaslt.supported(x, weight1, bias1, weight2)
 
 
 def _plan_key(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
               bias2: Optional[Tensor], epilogue: Optional[bool]) -> tuple:
-    """A call's signature: everything :func:`_check` and :func:`_path` read (each tensor's
+    """A call's signature: everything :func:`_check` and :func:`_use_epilogue` read (each tensor's
     class, shape, strides, dtype, device and negative bit, the operands' addresses modulo
     cuBLASLt's alignment), the ``epilogue`` argument and the size rule."""
     a = cublaslt.ALIGNMENT
@@ -108,10 +106,9 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
                 bias2: Optional[Tensor], epilogue: Optional[bool] = None, path: Optional[bool] = None) -> Tensor:
-        # [..., K] -> [M, K] (a view where it can be; M given, not -1: K may be 0)
-        x = input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
+        x = _rows(input)  # [..., K] -> [M, K]
         if path is None:
-            path = _use_epilogue(epilogue, x.shape[0] * weight1.shape[0], x, weight1, bias1, weight2)
+            path = _use_epilogue(epilogue, x, weight1, bias1, weight2)
         ctx.epilogue = path
         if ctx.epilogue:
             y, z = cublaslt.launch_linear_gelu_aux_bias(x, weight1, bias1)  # [M, F] each; z includes b1
@@ -223,17 +220,17 @@ def fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight
 
 def _checked_path(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor,  # noqa: A002
                   bias2: Optional[Tensor], epilogue: Optional[bool]) -> Optional[bool]:
-    """:func:`_check` the arguments and choose the path (:func:`_path`), or take both from the
+    """:func:`_check` the arguments and choose the path (:func:`_use_epilogue`), or take both from the
     plan of a call with the same signature (:data:`_PLANS`). None (checked, the path left to
     the Function's forward, where it runs) for a call without a key: inside a ``torch.func``
-    transform (tensors without storage, whose address :func:`_path` would read: torch's own
+    transform (tensors without storage, whose address :func:`_use_epilogue` would read: torch's own
     error, or the refusal of a tangent, says what is wrong) or a ``torch.compile`` trace."""
     key, path = find_plan(_PLANS, _plan_key, input, weight1, bias1, weight2, bias2, epilogue)
     if path is None:
         _check(input, weight1, bias1, weight2, bias2)
         if key is None:
             return None
-        path = remember_plan(_PLANS, key, _path(input, weight1, bias1, weight2, epilogue))
+        path = remember_plan(_PLANS, key, _use_epilogue(epilogue, _rows(input), weight1, bias1, weight2))
     return path
 
 
