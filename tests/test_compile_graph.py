@@ -253,6 +253,11 @@ CASES: dict[str, Case] = {
     "flash_attention_d80_atomic_dq": Case(
         lambda dt: (_r(B, SQ, NP, 80, dtype=dt), _r(B, SK, 1, 80, dtype=dt), _r(B, SK, 1, 80, dtype=dt)),
         lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=False)),
+    # the same at d = 128: on a Hopper GPU each dQ tile is added by a TMA bulk reduction (a tensor
+    # descriptor argument: direct launches and graphs take it, a torch.compile trace the pointers)
+    "flash_attention_d128_atomic_dq": Case(
+        lambda dt: (_r(B, SQ, NP, 128, dtype=dt), _r(B, SK, 1, 128, dtype=dt), _r(B, SK, 1, 128, dtype=dt)),
+        lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=False)),
     # the deterministic embedding gradient (ids repeat, so runs of equal ids are summed)
     "embedding_deterministic_grad": Case(lambda dt: (_r(V, H, dtype=dt), torch.randint(0, 7, (3, N), device="cuda")),
                                          lambda w, ids: _EmbeddingDeterministicGrad.apply(ids, w)),
@@ -841,7 +846,7 @@ def test_kernels_compile_for_sm90_with_int_arguments_as_constants():
 def test_flash_attention_kernels_compile_for_sm90():
     # FlashAttention's backward kernels compiled for sm_90 without a GPU, at the H200 tables'
     # d = 128 tiles in bf16: the atomic dQ form with dropout (the dK/dV kernel's largest
-    # variant), the deterministic dQ kernel with a per-(query, key) mask, and the small kernels
+    # variant; with element atomics and with TMA bulk reductions), the deterministic dQ kernel with a per-(query, key) mask, and the small kernels
     # around them; their shared memory within the H200's 227 KB per block
     code = textwrap.dedent("""
         import os
@@ -872,7 +877,13 @@ def test_flash_attention_kernels_compile_for_sm90():
         head = dict(HEAD_DIM=128, BLOCK_D=128, DOT=tl.bfloat16, PRECISION="tf32")
         t = pick(fa.BWD_ATOMIC_TILES, 128, resolve_block_n=False)
         compile_("dkdv atomic dropout", fa._flash_bwd_dkdv_kernel,
-                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=True, ATOMIC_DQ=True), t)
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=True, ATOMIC_DQ=True,
+                      DQ_TMA=False), t)
+        PTR["DQACC_ptr"] = "tensordesc<fp32[1,%d,128]>" % t.BLOCK_M  # the dQ tiles by TMA bulk reductions
+        compile_("dkdv atomic dropout tma", fa._flash_bwd_dkdv_kernel,
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=True, ATOMIC_DQ=True,
+                      DQ_TMA=True), t)
+        del PTR["DQACC_ptr"]
         t = pick(fa.BWD_DQ_TILES, 128, resolve_block_n=False)
         compile_("dq 4d mask", fa._flash_bwd_dq_kernel,
                  dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=2, DROPOUT=False), t)
@@ -884,4 +895,4 @@ def test_flash_attention_kernels_compile_for_sm90():
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0 and res.stdout.count("compiled") == 4, (res.stdout, res.stderr[-4000:])
+    assert res.returncode == 0 and res.stdout.count("compiled") == 5, (res.stdout, res.stderr[-4000:])

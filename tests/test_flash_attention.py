@@ -388,6 +388,25 @@ def test_atomic_dq_only_where_it_measured_faster():
         [True, True, True, True, True, False, False]
 
 
+def test_dq_by_tma_where_the_bulk_reduction_can_run(monkeypatch):
+    """The atomic dQ takes TMA bulk reductions on a compiled Hopper-or-newer GPU, for head dims
+    that are powers of two of at least 16, outside torch.compile traces, unless DQ_BY_TMA is off;
+    never in the interpreter (no bulk reduction there)."""
+    q = torch.empty(1, 4, 2, 128, device=DEVICE)
+    hopper = q.is_cuda and not kfa.INTERPRET_ON_CPU and torch.cuda.get_device_capability(q.device)[0] >= 9
+    assert [kfa.dq_by_tma(q, d) for d in (8, 16, 64, 80, 96, 128, 256)] == \
+        [False, hopper, hopper, False, False, hopper, hopper]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not kfa.dq_by_tma(q, 128)
+    monkeypatch.undo()
+    monkeypatch.setattr(kfa, "DQ_BY_TMA", False)
+    assert not kfa.dq_by_tma(q, 128)
+    monkeypatch.setattr(kfa, "DQ_BY_TMA", True)
+    monkeypatch.setattr(kfa, "_TensorDescriptor", None)  # a Triton without descriptor reductions
+    assert not kfa.dq_by_tma(q, 128)
+    assert not kfa.dq_by_tma(torch.empty(1, 4, 2, 128), 128)  # a CPU tensor
+
+
 def test_double_backward_raises():
     q, k, v = _inputs(1, 4, 4, 1, 1, 16, torch.float32)
     o = flash_attention(q, k, v)
@@ -561,6 +580,27 @@ def test_gpu_long_rows_every_feature(dtype):
     sinks = torch.randn(hq, device=DEVICE, requires_grad=True)
     _check(dtype, b, sq, sk, hq, hkv, d, dropout_p=0.1, causal=True, window_size=(300, -1), attention_mask=mask,
            sinks=sinks)
+
+
+@needs_cuda
+@pytest.mark.parametrize("by_tma", [True, False], ids=["bulk-reductions", "element-atomics"])
+@pytest.mark.parametrize("d, dropout_p", [(128, 0.0), (64, 0.1)])
+def test_gpu_atomic_dq_both_ways(by_tma, d, dropout_p, monkeypatch):
+    # both ways of adding dQ tiles against float64: sq = 333 leaves the last 64-query tile
+    # partial (its rows past sq must not reach the next head's rows), sq != sk, GQA; and the
+    # dK/dV launch takes the way asked for (TMA only on compute capability 9.0 or newer)
+    monkeypatch.setattr(kfa, "DQ_BY_TMA", by_tma)
+    seen = []
+    real = kfa.launch
+
+    def spy(kernel, *args, **kwargs):
+        if "DQ_TMA" in kwargs:
+            seen.append((kwargs["ATOMIC_DQ"], kwargs["DQ_TMA"]))
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(kfa, "launch", spy)
+    _check(torch.bfloat16, 2, 333, 400, 8, 2, d, dropout_p=dropout_p, causal=True, deterministic=False)
+    assert seen == [(True, by_tma and torch.cuda.get_device_capability()[0] >= 9)]
 
 
 def test_float32_tiles_are_small_and_run_one_pipeline_stage_fewer(monkeypatch):

@@ -62,7 +62,10 @@ the price of a deterministic backward with no [b, sq, hq, d] float32 accumulator
 nondeterministic form (``deterministic=False``, FlashAttention-2's own): kernel 2 also adds
 dS·k of each tile into a float32 dQ accumulator with atomic adds (which the preprocess
 zeroes), and a last kernel scales and casts it; the order of those float32 additions varies
-from run to run. Taken where it measured faster (:func:`use_atomic_dq`).
+from run to run. Taken where it measured faster (:func:`use_atomic_dq`). On Hopper GPUs the
+tile is added by one TMA bulk reduction (FlashAttention-3's way, Shah et al. 2024, Sec. 3.1)
+instead of a float32 atomic per element (:func:`dq_by_tma`): the tile is written to shared
+memory once and the copy engine adds it while the warps go on with the next query tile.
 
 Dtype policy: q, k, v in float16 or bfloat16 (float32 for tests, with IEEE float32
 products: no TF32), products accumulated in float32 on the tensor cores, softmax statistics
@@ -88,6 +91,14 @@ import triton
 import triton.language as tl
 
 from ..runtime import INTERPRET_ON_CPU, launch
+
+try:  # Triton's host-side tensor descriptor (Triton >= 3.4), and its bulk reductions
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+
+    if not hasattr(tl.core.tensor_descriptor_base, "atomic_add"):
+        _TensorDescriptor = None
+except (ImportError, AttributeError):
+    _TensorDescriptor = None
 from .bias_dropout_add import _keep_mask_joined, drop_threshold, dropout_scale
 from .launch import Tile, TileTable, cdiv, next_power_of_2, pick
 from .softmax import softmax_dropout_mask
@@ -102,6 +113,8 @@ __all__ = [
     "INTERPRETER_TILE",
     "attention_tile",
     "use_atomic_dq",
+    "dq_by_tma",
+    "DQ_BY_TMA",
     "attention_band",
     "flash_attn_fwd",
     "flash_attn_bwd",
@@ -158,11 +171,16 @@ BWD_DKDV_TILES: TileTable = (
 #: only, NOTES.md), whole backward ms: d = 128 [64 queries, 128 keys] at 8 warps 0.649 at causal
 #: [4, 16, 2048, 128] (the deterministic pair 0.664), 1.085 non-causal (1.138), 3.857 at causal
 #: [2, 16, 8192, 128] (4.147); every 64-key tile was slower than the deterministic pair (0.87-1.08
-#: at the first shape): fewer, wider key tiles mean fewer atomic adds. d = 64 with dropout 0.1,
-#: [64, 64] at 4 warps: 0.611 at causal [8, 32, 1024, 64] (0.767), 0.312 at [64, 6, 512, 64] (0.361).
+#: at the first shape): fewer, wider key tiles mean fewer atomic adds. With the TMA bulk
+#: reductions (:data:`DQ_BY_TMA`) the same tile at 3 stages: 0.612, 0.953 and 3.626 (2 stages
+#: 0.656, 1.089, 3.901; [32, 128] and 64-key tiles 0.87-2.09 at the first two shapes). d = 64
+#: with dropout 0.1, [64, 64] at 4 warps: 0.611 at causal [8, 32, 1024, 64] (the deterministic
+#: pair 0.767), 0.312 at [64, 6, 512, 64] (0.361) with element atomics and 3 stages; with the
+#: bulk reductions and 2 stages 0.576 and 0.287 (3 stages 0.589 and 0.306; [32, 64] and
+#: [64, 128] slower, 0.67-0.76 at the first shape).
 BWD_ATOMIC_TILES: TileTable = (
-    (64, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
-    (128, Tile(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)),
+    (64, Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
+    (128, Tile(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3)),
 )
 #: Backward dQ: one program per BLOCK_M queries of one head, walking BLOCK_N keys.
 BWD_DQ_TILES: TileTable = (
@@ -457,8 +475,8 @@ def _flash_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                 mask_base, stride_mq, stride_mk, seed, row0, n_tile, offs_n, offs_d, lo, hi, sq, band_lo, band_hi,
-                qk_scale, T, keep_scale, dqacc_base,
-                EDGE: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                qk_scale, T, keep_scale, dqacc_base, bh,
+                EDGE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                 HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Query tiles [lo, hi) of one head for the key tile offs_n: accumulate dK (unscaled) and
@@ -501,8 +519,11 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
         dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=PRECISION)
         if ATOMIC_DQ:  # this tile's share of dQ (unscaled), added into the float32 accumulator
             dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
-            tl.atomic_add(dqacc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], dq,
-                          mask=m_ok[:, None] & d_ok[None, :], sem="relaxed")
+            if DQ_TMA:  # one bulk reduction of the tile (rows past sq clipped by the descriptor)
+                dqacc_base.atomic_add([bh, start_m, 0], tl.reshape(dq, [1, BLOCK_M, HEAD_DIM]))
+            else:
+                tl.atomic_add(dqacc_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], dq,
+                              mask=m_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -526,6 +547,7 @@ def _flash_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,  # also dQ, by atomic adds (not bitwise reproducible)
+    DQ_TMA: tl.constexpr = False,  # DQACC_ptr is a [b·hq, sq, d] tensor descriptor: bulk reductions
 ):
     sm_scale, qk_scale = tl.cast(sm_scale, tl.float32), tl.cast(qk_scale, tl.float32)
     keep_scale = tl.cast(keep_scale, tl.float32)
@@ -562,21 +584,25 @@ def _flash_bwd_dkdv_kernel(
         delta_base = DELTA_ptr + (b64 * n_heads + h) * sq
         mask_base = MASK_ptr + b64 * stride_mb + h.to(tl.int64) * stride_mh
         row0 = (b64 * n_heads + h) * sq
-        dqacc_base = DQACC_ptr + row0 * HEAD_DIM  # float32 [b, hq, sq, d] (with ATOMIC_DQ)
+        if DQ_TMA:
+            dqacc_base = DQACC_ptr
+        else:
+            dqacc_base = DQACC_ptr + row0 * HEAD_DIM  # float32 [b, hq, sq, d] (with ATOMIC_DQ)
+        bh = b * n_heads + h
         kmask = tl.where(n_ok, 0, 1).to(tl.int8)  # 1 = masked: the keys past sk
         if MASK_KIND == 1:  # the same for every query: read once per head
             kmask = tl.load(mask_base + offs_n * stride_mk, mask=n_ok, other=1).to(tl.int8)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, lo, a, sq, band_lo,
-                             band_hi, qk_scale, T, keep_scale, dqacc_base, True, ATOMIC_DQ, MASK_KIND, DROPOUT,
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, True, ATOMIC_DQ, DQ_TMA, MASK_KIND, DROPOUT,
                              HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, a, bb, sq, band_lo,
-                             band_hi, qk_scale, T, keep_scale, dqacc_base, False, ATOMIC_DQ, MASK_KIND, DROPOUT,
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, False, ATOMIC_DQ, DQ_TMA, MASK_KIND, DROPOUT,
                              HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, bb, hi, sq, band_lo,
-                             band_hi, qk_scale, T, keep_scale, dqacc_base, True, ATOMIC_DQ, MASK_KIND, DROPOUT,
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, True, ATOMIC_DQ, DQ_TMA, MASK_KIND, DROPOUT,
                              HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dk = dk * sm_scale
     tl.store(DK_ptr + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dks
@@ -856,6 +882,38 @@ def packed_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return tuple(buf.as_strided(t.shape, t.stride(), t.storage_offset() - base_off) for t in (q, k, v))
 
 
+#: Whether the atomic dQ adds each [BLOCK_M, d] tile with one TMA bulk reduction
+#: (``cp.reduce.async.bulk.tensor``: the tile goes through shared memory and the copy engine
+#: adds it into global memory) instead of one float32 atomic per element, where
+#: :func:`dq_by_tma` allows. Measured on the H200 (bf16, whole backward, kernel only, ms,
+#: NOTES.md), element atomics against the bulk reduction at the same [64, 128] tile, 8 warps,
+#: 3 stages: causal [4, 16, 2048, 128] 0.669 / 0.612, non-causal 1.026 / 0.953, causal
+#: [2, 16, 8192, 128] 3.955 / 3.626. Tests set it False to run the element atomics on a GPU.
+DQ_BY_TMA: bool = True
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def dq_by_tma(q: torch.Tensor, head_dim: int) -> bool:
+    """Whether the atomic dQ of a backward on ``q`` ([b, sq, hq, d]) takes TMA bulk
+    reductions (:data:`DQ_BY_TMA`): on a CUDA GPU of compute capability 9.0 or newer (the
+    Hopper tensor-memory accelerator), with kernels compiled (not Triton's interpreter, which
+    has no bulk reduction), outside a ``torch.compile`` trace (Inductor's Triton wrapper is
+    given plain pointers), for a head dim that is a power of two of at least 16 (the tile's
+    width, so every row of the [b·hq, sq, d] accumulator is 16-byte aligned and the
+    descriptor's box matches the tile), with a Triton whose tensor descriptors have
+    ``atomic_add``."""
+    if not DQ_BY_TMA or INTERPRET_ON_CPU or _TensorDescriptor is None or q.device.type != "cuda":
+        return False
+    if head_dim != _block_d(head_dim) or torch.compiler.is_compiling():
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(index)
+    if cap is None:
+        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return cap[0] >= 9
+
+
 def flash_attn_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -932,12 +990,16 @@ def flash_attn_bwd(
                   PRECISION=precision)
     if tile is None:
         tile = _float32_tile(attention_tile(BWD_ATOMIC_TILES if atomic else BWD_DKDV_TILES, D), q.dtype)
+    tma = atomic and dq_by_tma(q, D)
+    # the accumulator as [b·hq, sq, d] rows for the bulk reductions: a tile's rows past sq are
+    # outside the descriptor's bounds, so the copy engine drops them
+    dq_arg = _TensorDescriptor(dq_acc, (B * HQ, SQ, D), (SQ * D, D, 1), [1, tile.BLOCK_M, D]) if tma else dq_acc
     launch(_flash_bwd_dkdv_kernel, (cdiv(SK, tile.BLOCK_N), HKV, B), q.device,
-           q, k, v, do, lse, delta, dk, dv, dq_acc, m4, seed_arg,
+           q, k, v, do, lse, delta, dk, dv, dq_arg, m4, seed_arg,
            *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], *ms,
            HQ, HQ // HKV, SQ, SK, softmax_scale, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
            BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, num_warps=tile.num_warps, num_stages=tile.num_stages,
-           ATOMIC_DQ=atomic, **common)
+           ATOMIC_DQ=atomic, DQ_TMA=tma, **common)
     if atomic:
         launch(_flash_bwd_dq_convert_kernel, (cdiv(SQ, pre_m), HQ, B), q.device,
                dq_acc, dq, *dq.stride()[:3], HQ, SQ, softmax_scale,

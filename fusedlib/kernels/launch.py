@@ -48,6 +48,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # a Triton without host-side descriptors: no argument is one
+    _TensorDescriptor = None
+
 __all__ = [
     "Tile",
     "TileTable",
@@ -500,6 +505,11 @@ def _other_spec(a: Any) -> Any:
     or None when the direct path does not take it."""
     if isinstance(a, torch.Tensor):
         return ("tensor", a.dtype, a.data_ptr() & 15 == 0)
+    if a.__class__ is _TensorDescriptor:
+        # Triton's host-side TMA descriptor: specialized on the base's dtype, the block shape
+        # and the padding (shape and strides are runtime arguments; the base is 16-byte aligned,
+        # which the descriptor asserts); its launcher builds the CUtensorMap on each call
+        return ("tensordesc", a.base.dtype, tuple(a.block_shape), a.padding, len(a.shape))
     return None
 
 
