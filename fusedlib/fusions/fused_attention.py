@@ -244,9 +244,10 @@ def flash_attention(
             kernels, the GQA sum in registers, no atomics). False (FlashAttention's default):
             where it is faster (head dims 65-128, or any head dim up to 64 with dropout:
             :func:`~fusedlib.kernels.flash_attention.use_atomic_dq`) dQ is summed by float32
-            atomic adds, whose order varies from run to run, so dq may differ between runs in
-            its last bits (dk, dv and d sinks stay reproducible); elsewhere the deterministic
-            kernels run.
+            atomic adds (on Hopper GPUs one TMA bulk reduction per tile:
+            :func:`~fusedlib.kernels.flash_attention.dq_by_tma`), whose order varies from run
+            to run, so dq may differ between runs in its last bits (dk, dv and d sinks stay
+            reproducible); elsewhere the deterministic kernels run.
 
     Returns:
         The attention output [b, sq, hq, d] in q's dtype (``torch.empty_like(q)``: q's
