@@ -91,17 +91,18 @@ import triton
 import triton.language as tl
 
 from ..runtime import INTERPRET_ON_CPU, launch
-
-try:  # Triton's host-side tensor descriptor (Triton >= 3.4), and its bulk reductions
-    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
-
-    if not hasattr(tl.core.tensor_descriptor_base, "atomic_add"):
-        _TensorDescriptor = None
-except (ImportError, AttributeError):
-    _TensorDescriptor = None
 from .bias_dropout_add import _keep_mask_joined, drop_threshold, dropout_scale
 from .launch import Tile, TileTable, cdiv, next_power_of_2, pick
 from .softmax import softmax_dropout_mask
+
+try:  # Triton's host-side tensor descriptor (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _HostDescriptor
+except ImportError:
+    _HostDescriptor = None
+#: The host-side descriptor class where Triton's device-side descriptors have bulk reductions
+#: (``atomic_add``), else None.
+_TensorDescriptor = (_HostDescriptor if hasattr(getattr(tl.core, "tensor_descriptor_base", None), "atomic_add")
+                     else None)
 
 __all__ = [
     "LOG2E",
@@ -476,8 +477,8 @@ def _flash_bwd_preprocess_kernel(
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                 mask_base, stride_mq, stride_mk, seed, row0, n_tile, offs_n, offs_d, lo, hi, sq, band_lo, band_hi,
                 qk_scale, T, keep_scale, dqacc_base, bh,
-                EDGE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                HEAD_DIM: tl.constexpr,
+                EDGE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, MASK_KIND: tl.constexpr,
+                DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Query tiles [lo, hi) of one head for the key tile offs_n: accumulate dK (unscaled) and
     dV. Computed transposed ([keys, queries]) so that no product needs a transposed result.
@@ -594,16 +595,16 @@ def _flash_bwd_dkdv_kernel(
             kmask = tl.load(mask_base + offs_n * stride_mk, mask=n_ok, other=1).to(tl.int8)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, lo, a, sq, band_lo,
-                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, True, ATOMIC_DQ, DQ_TMA, MASK_KIND, DROPOUT,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, True, ATOMIC_DQ, DQ_TMA, MASK_KIND,
+                             DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, a, bb, sq, band_lo,
-                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, False, ATOMIC_DQ, DQ_TMA, MASK_KIND, DROPOUT,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, False, ATOMIC_DQ, DQ_TMA, MASK_KIND,
+                             DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, bb, hi, sq, band_lo,
-                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, True, ATOMIC_DQ, DQ_TMA, MASK_KIND, DROPOUT,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, True, ATOMIC_DQ, DQ_TMA, MASK_KIND,
+                             DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dk = dk * sm_scale
     tl.store(DK_ptr + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dks
              + offs_d[None, :], dk.to(DK_ptr.dtype.element_ty), mask=kv_ok)
