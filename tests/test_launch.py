@@ -66,6 +66,15 @@ def _arg_pool():
     pool += [0, 1, 2, 3, 15, 16, 17, 32, -1, -16, -17, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1,
              2**40, 2**40 + 3, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1]
     pool += [0.0, 1.0, 1.5, -2.0, True, False, None]
+    # Triton's host-side tensor descriptors (FlashAttention's dQ bulk reductions): the block
+    # shape and dtype are specialized, the base, shape and strides are runtime arguments
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = torch.zeros(4, 64, 32)
+    pool += [TensorDescriptor.from_tensor(t, [1, 16, 32]), TensorDescriptor.from_tensor(t, [1, 32, 32]),
+             TensorDescriptor.from_tensor(t.to(torch.bfloat16), [1, 16, 32]),
+             TensorDescriptor.from_tensor(torch.zeros(8, 16, 32), [1, 16, 32]),
+             TensorDescriptor(t, (4, 64, 32), (2048, 32, 1), [1, 16, 32], "nan")]
     return pool
 
 
