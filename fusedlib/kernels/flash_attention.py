@@ -92,15 +92,11 @@ import triton.language as tl
 
 from ..runtime import INTERPRET_ON_CPU, launch
 from .bias_dropout_add import _keep_mask_joined, drop_threshold, dropout_scale
-from .launch import Tile, TileTable, cdiv, next_power_of_2, pick
+from .launch import Tile, TileTable, _TensorDescriptor as _HostDescriptor, cdiv, next_power_of_2, pick
 from .softmax import softmax_dropout_mask
 
-try:  # Triton's host-side tensor descriptor (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor as _HostDescriptor
-except ImportError:
-    _HostDescriptor = None
-#: The host-side descriptor class where Triton's device-side descriptors have bulk reductions
-#: (``atomic_add``), else None.
+#: Triton's host-side descriptor class (the launch layer's import: None in a Triton without one)
+#: where Triton's device-side descriptors have bulk reductions (``atomic_add``), else None.
 _TensorDescriptor = (_HostDescriptor if hasattr(getattr(tl.core, "tensor_descriptor_base", None), "atomic_add")
                      else None)
 

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:
+try:  # Triton's host-side TMA descriptor (Triton >= 3.4); FlashAttention's backward imports it from here
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 except ImportError:  # a Triton without host-side descriptors: no argument is one
     _TensorDescriptor = None
