@@ -614,7 +614,7 @@ def test_float32_tiles_are_small_and_run_one_pipeline_stage_fewer(monkeypatch):
     assert kfa._float32_tile(t, torch.bfloat16) is t and kfa._float32_tile(t, torch.float16) is t
     one = Tile(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
     assert kfa._float32_tile(one, torch.float32) == one
-    for table in (kfa.FWD_TILES, kfa.BWD_DKDV_TILES, kfa.BWD_ATOMIC_TILES, kfa.BWD_DQ_TILES):
+    for table in (kfa.FWD_TILES, kfa.FWD_DROPOUT_TILES, kfa.BWD_DKDV_TILES, kfa.BWD_ATOMIC_TILES, kfa.BWD_DQ_TILES):
         for _, tile in table:
             small = kfa._float32_tile(tile, torch.float32)
             assert small.BLOCK_M <= 32 and small.BLOCK_N <= 32 and small.num_warps <= 4
@@ -622,12 +622,33 @@ def test_float32_tiles_are_small_and_run_one_pipeline_stage_fewer(monkeypatch):
     assert kfa._float32_tile(t, torch.float32) is t
 
 
+def test_forward_takes_the_dropout_table_with_a_seed(monkeypatch):
+    """The forward's tile comes from FWD_DROPOUT_TILES where it draws a mask (a seed is given),
+    else from FWD_TILES, at every head dim of the tables (compiled kernels: the interpreter
+    has one tile). The launch is recorded, not run."""
+    monkeypatch.setattr(kfa, "INTERPRET_ON_CPU", False)
+    seen = []
+
+    def record(kernel, grid, device, *args, **kwargs):
+        seen.append((kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]))
+
+    monkeypatch.setattr(kfa, "launch", record)
+    for d in (40, 64, 96, 128, 256):
+        q = torch.zeros(1, 5, 2, d, dtype=torch.bfloat16)
+        for seed, table in ((None, kfa.FWD_TILES), (torch.zeros(1, dtype=torch.int64), kfa.FWD_DROPOUT_TILES)):
+            seen.clear()
+            kfa.flash_attn_fwd(q, q, q, 1.0, (-5, 0), seed=seed, dropout_p=0.0 if seed is None else 0.1)
+            t = next(t for bound, t in table if d <= bound)
+            assert seen == [(t.BLOCK_M, t.BLOCK_N, t.num_warps, t.num_stages)], (d, seed, seen)
+    assert kfa.FWD_DROPOUT_TILES != kfa.FWD_TILES  # a test that could not fail otherwise
+
+
 def test_attention_tables_keep_their_key_blocks():
     """FlashAttention's tables are keyed by head dim and their BLOCK_N counts keys: the shared
     pick() returns it as the table gives it, where a row table's BLOCK_N is capped at the row."""
     from fusedlib.kernels.launch import pick
 
-    for table in (kfa.FWD_TILES, kfa.BWD_DKDV_TILES, kfa.BWD_DQ_TILES):
+    for table in (kfa.FWD_TILES, kfa.FWD_DROPOUT_TILES, kfa.BWD_DKDV_TILES, kfa.BWD_DQ_TILES):
         for d in (1, 40, 64, 65, 128, 200, 256):
             want = next(t for bound, t in table if d <= bound)
             assert pick(table, d, resolve_block_n=False) == want
