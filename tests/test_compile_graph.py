@@ -844,10 +844,11 @@ def test_kernels_compile_for_sm90_with_int_arguments_as_constants():
 
 
 def test_flash_attention_kernels_compile_for_sm90():
-    # FlashAttention's backward kernels compiled for sm_90 without a GPU, at the H200 tables'
-    # d = 128 tiles in bf16: the atomic dQ form with dropout (the dK/dV kernel's largest
-    # variant; with element atomics and with TMA bulk reductions), the deterministic dQ kernel with a per-(query, key) mask, and the small kernels
-    # around them; their shared memory within the H200's 227 KB per block
+    # FlashAttention's kernels compiled for sm_90 without a GPU, at the H200 tables' d = 128
+    # tiles in bf16: the forward with dropout and sinks (its own table), the atomic dQ form with
+    # dropout (the dK/dV kernel's largest variant; with element atomics and with TMA bulk
+    # reductions), the deterministic dQ kernel with a per-(query, key) mask, and the small
+    # kernels around them; their shared memory within the H200's 227 KB per block
     code = textwrap.dedent("""
         import os
         os.environ["TRITON_INTERPRET"] = "0"
@@ -875,6 +876,9 @@ def test_flash_attention_kernels_compile_for_sm90():
             print(name, "compiled", tile)
 
         head = dict(HEAD_DIM=128, BLOCK_D=128, DOT=tl.bfloat16, PRECISION="tf32")
+        t = pick(fa.FWD_DROPOUT_TILES, 128, resolve_block_n=False)
+        compile_("fwd dropout", fa._flash_fwd_kernel,
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, HAS_SINK=True, DROPOUT=True), t)
         t = pick(fa.BWD_ATOMIC_TILES, 128, resolve_block_n=False)
         compile_("dkdv atomic dropout", fa._flash_bwd_dkdv_kernel,
                  dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=True, ATOMIC_DQ=True,
@@ -895,4 +899,4 @@ def test_flash_attention_kernels_compile_for_sm90():
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0 and res.stdout.count("compiled") == 5, (res.stdout, res.stderr[-4000:])
+    assert res.returncode == 0 and res.stdout.count("compiled") == 6, (res.stdout, res.stderr[-4000:])
