@@ -289,6 +289,61 @@ def test_dropout_statistics_from_the_output(tiles):
     assert not torch.equal(a, flash_attention(q, k, v, causal=True, dropout_p=p))
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_float16_dv_stays_finite_at_the_largest_dropout(deterministic, tiles):
+    # p' = 1 - 2^-16, the largest the op takes: kept probabilities are scaled by 2^16, so a
+    # kept P near 1 gives P·2^16 > 65504, past float16's range, if the scale is applied before
+    # P is rounded for the dV product; dV itself (2^16·P·1e-3 = 65.5) fits. The seed is the
+    # first from SEED whose mask keeps an element; the query of that row is set to its key
+    # (scores 50 against at most 50·cos of the other keys), so P there is near 1.
+    tiles(32, 32)
+    p = 1 - 2**-16
+    b, s, h, d = 1, 64, 4, 16
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    k = torch.nn.functional.normalize(torch.randn(b, s, h, d, generator=gen), dim=-1).to(DEVICE)
+    q = torch.randn(b, s, h, d, generator=gen).to(DEVICE)
+    v = torch.full((b, s, h, d), 1e-3, device=DEVICE)
+    do = torch.full_like(v, 1e-3)
+    for seed in range(SEED, SEED + 200):
+        torch.manual_seed(seed)
+        keep = flash_attn_dropout_mask(philox_seed(DEVICE), (b, h, s, s), p)
+        if keep.any():
+            break
+    bi, hi, i, j = (int(x) for x in keep.nonzero()[0])
+    q[bi, i, hi] = k[bi, j, hi]
+    scale, p_used = 50.0, _p_used(p)
+    probs = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale, -1)
+    assert probs[bi, hi, i, j] > 0.999  # the case the test is about: P·2^16 > 65504
+    pd = probs * keep / (1 - p_used)
+    dv_ref = torch.einsum("bhqk,bqhd->bkhd", pd, do.double())
+    qq, kk, vv = (t.half().requires_grad_(True) for t in (q, k, v))
+    torch.manual_seed(seed)
+    o = flash_attention(qq, kk, vv, softmax_scale=scale, dropout_p=p, deterministic=deterministic)
+    o.backward(do.half())
+    assert all(torch.isfinite(g).all() for g in (qq.grad, kk.grad, vv.grad))
+    # float16 rounding of P (2^-11 relative) and of dv (2^-11): a derived bound of 2^-9
+    torch.testing.assert_close(vv.grad.double(), dv_ref, rtol=2**-9, atol=2**-9 * dv_ref.abs().max().item())
+
+
+def test_kernel_launchers_check_seed_and_dropout_p():
+    """The kernels' launchers check what they draw with: a seed's dtype, size and device and,
+    with a seed, dropout_p in [0, 1) with p' < 1 (without a seed nothing is drawn, whatever p)."""
+    q, k, v = (t.detach() for t in _inputs(1, 5, 7, 2, 2, 16, torch.float32))
+    band = attention_band(5, 7, False, None)
+    seed = philox_seed(DEVICE)
+    for bad in (-0.1, 1.0, 1.5, float("nan"), float("inf"), 1 - 2**-18, True, "0.1"):
+        with pytest.raises(ValueError, match="dropout_p"):
+            flash_attn_fwd(q, k, v, 0.25, band, seed=seed, dropout_p=bad)
+    for bad_seed in (seed.float(), seed.expand(2), 3):
+        with pytest.raises(ValueError, match="seed must be an int64 tensor of one element"):
+            flash_attn_fwd(q, k, v, 0.25, band, seed=bad_seed, dropout_p=0.1)
+    o, lse = flash_attn_fwd(q, k, v, 0.25, band, seed=seed, dropout_p=0.1)
+    do = torch.randn_like(o)
+    with pytest.raises(ValueError, match="dropout_p"):
+        kfa.flash_attn_bwd(do, q, k, v, o, lse, 0.25, band, seed=seed, dropout_p=-0.5)
+    assert torch.equal(flash_attn_fwd(q, k, v, 0.25, band, dropout_p=0.5)[0], flash_attn_fwd(q, k, v, 0.25, band)[0])
+
+
 def test_dropout_p0_draws_no_random_numbers():
     q, k, v = (t.detach() for t in _inputs(1, 5, 7, 2, 2, 16, torch.float32))
     state = torch.get_rng_state()

@@ -84,6 +84,7 @@ the sliding window, softmax_scale); Miller, "Attention is off by one" (2023) for
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 import torch
@@ -91,7 +92,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import INTERPRET_ON_CPU, launch
-from .bias_dropout_add import _keep_mask_joined, drop_threshold, dropout_scale
+from .bias_dropout_add import KEEP_BITS, _keep_mask_joined, drop_threshold, dropout_scale
 from .launch import Tile, TileTable, _TensorDescriptor as _HostDescriptor, cdiv, next_power_of_2, pick
 from .softmax import softmax_dropout_mask
 
@@ -518,7 +519,9 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
         dpT = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]: (dO·vᵀ)ᵀ
         if DROPOUT:  # dV takes the dropped P, dP the gradient through the dropout
             keepT = tl.trans(_keep_mask_joined(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
-            pdT = tl.where(keepT, pT * keep_scale, 0.0)
+            # the kept P, unscaled: dV takes 1/(1 - p') once, in float32, at the end (the caller),
+            # so no P·scale is rounded to 16 bits (float16 overflows at P·65536 for p' = 1 - 2^-16)
+            pdT = tl.where(keepT, pT, 0.0)
             dpT = tl.where(keepT, dpT * keep_scale, 0.0)
             dv = tl.dot(pdT.to(do.dtype).to(DOT), do.to(DOT), dv, input_precision=PRECISION)
         else:
@@ -617,7 +620,7 @@ def _flash_bwd_dkdv_kernel(
     tl.store(DK_ptr + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dks
              + offs_d[None, :], dk.to(DK_ptr.dtype.element_ty), mask=kv_ok)
     tl.store(DV_ptr + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvs
-             + offs_d[None, :], dv.to(DV_ptr.dtype.element_ty), mask=kv_ok)
+             + offs_d[None, :], (dv * keep_scale).to(DV_ptr.dtype.element_ty), mask=kv_ok)
 
 
 @triton.jit
@@ -774,9 +777,27 @@ def _mask_args(mask: Optional[torch.Tensor], shape: tuple[int, int, int, int],
     return m4, strides, kind
 
 
-def _dropout_args(seed: Optional[torch.Tensor], dropout_p: float) -> tuple[int, float]:
+def _dropout_args(seed: Optional[torch.Tensor], dropout_p: float, device: torch.device) -> tuple[int, float]:
+    """(T, 1/(1 - p')) for the kernels; (0, 1.0) without a seed (no dropout, whatever
+    ``dropout_p`` says: the op passes none where nothing is drawn, e.g. for an empty input).
+
+    Raises:
+        ValueError: with a seed, ``dropout_p`` not a number in [0, 1) whose p' = round(p·2^16)/2^16
+            is below 1 (every element dropped is the op's to handle), or ``seed`` not an int64
+            tensor of one element on ``device``.
+    """
     if seed is None:
         return 0, 1.0
+    if not isinstance(seed, torch.Tensor):
+        raise ValueError(f"seed must be an int64 tensor of one element on {device} (philox_seed), "
+                         f"got {type(seed).__name__}")
+    if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != device:
+        raise ValueError(f"seed must be an int64 tensor of one element on {device} (philox_seed), "
+                         f"got {seed.dtype} of shape {tuple(seed.shape)} on {seed.device}")
+    if not (isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool) and 0.0 <= dropout_p < 1.0
+            and drop_threshold(dropout_p) < 1 << KEEP_BITS):
+        raise ValueError(f"dropout_p must be in [0, 1) with p' = round(p·2^16)/2^16 < 1 when a seed is given, "
+                         f"got {dropout_p!r}")
     return drop_threshold(dropout_p), dropout_scale(dropout_p)
 
 
@@ -810,6 +831,11 @@ def flash_attn_fwd(
     Returns:
         ``(o, lse)``: o like ``q`` (``torch.empty_like``: q's strides where q is dense), lse
         float32 [b, hq, sq] contiguous (natural log; -inf for a row that saw nothing).
+
+    Raises:
+        ValueError: with ``seed``, ``dropout_p`` outside [0, 1) or rounding to p' = 1, or
+            ``seed`` not an int64 tensor of one element on q's device. The other arguments are
+            the op's to check (:func:`~fusedlib.fusions.fused_attention.flash_attention`).
     """
     B, SQ, HQ, D = q.shape
     SK, HKV = k.shape[1], k.shape[2]
@@ -820,7 +846,7 @@ def flash_attn_fwd(
     if tile is None:
         tile = _float32_tile(attention_tile(FWD_TILES if seed is None else FWD_DROPOUT_TILES, D), q.dtype)
     m4, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
-    T, keep_scale = _dropout_args(seed, dropout_p)
+    T, keep_scale = _dropout_args(seed, dropout_p, q.device)
     dot, precision = _dot_settings(q.dtype)
     grid = (cdiv(SQ, tile.BLOCK_M), HQ, B)
     launch(_flash_fwd_kernel, grid, q.device,
@@ -963,6 +989,9 @@ def flash_attn_bwd(
         ``(dq, dk, dv, dsink)``: like q, k, v (``torch.empty_like``), or, where q, k and v
         are the three views of one packed QKV tensor, views of one buffer laid out as it
         (:func:`packed_grads`); dsink float32 [hq] when ``sinks`` is given, else None.
+
+    Raises:
+        ValueError: as :func:`flash_attn_fwd` for ``seed`` and ``dropout_p``.
     """
     B, SQ, HQ, D = q.shape
     SK, HKV = k.shape[1], k.shape[2]
@@ -993,7 +1022,7 @@ def flash_attn_bwd(
     if dsink_rows is not None:
         dsink = dsink_rows.sum(dim=(0, 2))
     m4, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
-    T, keep_scale = _dropout_args(seed, dropout_p)
+    T, keep_scale = _dropout_args(seed, dropout_p, q.device)
     dot, precision = _dot_settings(q.dtype)
     seed_arg = seed if seed is not None else lse
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, MASK_KIND=kind, DROPOUT=seed is not None, DOT=dot,
