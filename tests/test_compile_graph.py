@@ -847,8 +847,9 @@ def test_flash_attention_kernels_compile_for_sm90():
     # FlashAttention's kernels compiled for sm_90 without a GPU, at the H200 tables' d = 128
     # tiles in bf16: the forward with dropout and sinks (its own table), the atomic dQ form with
     # dropout (the dK/dV kernel's largest variant; with element atomics and with TMA bulk
-    # reductions), the deterministic dQ kernel with a per-(query, key) mask, and the small
-    # kernels around them; their shared memory within the H200's 227 KB per block
+    # reductions), the deterministic dQ kernel with a per-(query, key) mask, the three kernels
+    # that read their streamed tiles by TMA loads (descriptors of [1, rows, 1, d] boxes), and the
+    # small kernels around them; their shared memory within the H200's 227 KB per block
     code = textwrap.dedent("""
         import os
         os.environ["TRITON_INTERPRET"] = "0"
@@ -865,7 +866,7 @@ def test_flash_attention_kernels_compile_for_sm90():
             sig, cx = {}, {}
             for a in fn.arg_names:
                 if fn.params[fn.arg_names.index(a)].is_constexpr:
-                    sig[a], cx[a] = "constexpr", consts[a]
+                    sig[a], cx[a] = "constexpr", consts.get(a, fn.params[fn.arg_names.index(a)].default)
                 elif a.endswith("_ptr"):
                     sig[a] = PTR.get(a, "*fp32")
                 else:
@@ -891,6 +892,22 @@ def test_flash_attention_kernels_compile_for_sm90():
         t = pick(fa.BWD_DQ_TILES, 128, resolve_block_n=False)
         compile_("dq 4d mask", fa._flash_bwd_dq_kernel,
                  dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=2, DROPOUT=False), t)
+        # the TMA tile loads (LOADS_BY_TMA): [b, s, h, d] descriptors of [1, rows, 1, d] boxes
+        PTR["K_ptr"] = PTR["V_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_N
+        compile_("dq tma loads", fa._flash_bwd_dq_kernel,
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=False, KV_TMA=True), t)
+        t = pick(fa.FWD_TILES, 128, resolve_block_n=False)
+        PTR["K_ptr"] = PTR["V_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_N
+        compile_("fwd tma loads", fa._flash_fwd_kernel,
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=1, HAS_SINK=True, DROPOUT=False,
+                      KV_TMA=True), t)
+        PTR["K_ptr"] = PTR["V_ptr"] = "*bf16"
+        t = pick(fa.BWD_DKDV_TILES, 128, resolve_block_n=False)
+        PTR["Q_ptr"] = PTR["DO_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_M
+        compile_("dkdv tma loads", fa._flash_bwd_dkdv_kernel,
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=False, ATOMIC_DQ=False,
+                      QDO_TMA=True), t)
+        PTR["Q_ptr"] = PTR["DO_ptr"] = "*bf16"
         small = fa.Tile(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1)
         compile_("preprocess", fa._flash_bwd_preprocess_kernel,
                  dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_M=64, HAS_SINK=True, ZERO_DQACC=True), small)
@@ -899,4 +916,4 @@ def test_flash_attention_kernels_compile_for_sm90():
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0 and res.stdout.count("compiled") == 6, (res.stdout, res.stderr[-4000:])
+    assert res.returncode == 0 and res.stdout.count("compiled") == 9, (res.stdout, res.stderr[-4000:])

@@ -658,6 +658,140 @@ def test_gpu_atomic_dq_both_ways(by_tma, d, dropout_p, monkeypatch):
     assert seen == [(True, by_tma and torch.cuda.get_device_capability()[0] >= 9)]
 
 
+@needs_cuda
+@pytest.mark.parametrize("by_tma", [True, False], ids=["tma-loads", "pointer-loads"])
+@pytest.mark.parametrize("deterministic, dropout_p", [(True, 0.0), (False, 0.0), (True, 0.1)])
+def test_gpu_tile_loads_both_ways(by_tma, deterministic, dropout_p, monkeypatch):
+    # both ways of reading the streamed tiles against float64: sq = 333 and sk = 400 leave the
+    # last tiles partial (rows past the end must read as zeros, not the next head's rows), GQA;
+    # and every launch takes the loads the policy gives: TMA on compute capability 9.0 or newer,
+    # at the head dims of TMA_LOAD_HEAD_DIMS (d = 64 is not), in the forward without dropout and
+    # the deterministic backward without dropout
+    monkeypatch.setattr(kfa, "LOADS_BY_TMA", by_tma)
+    seen = []
+    real = kfa.launch
+
+    def spy(kernel, *args, **kwargs):
+        for flag in ("KV_TMA", "QDO_TMA"):
+            if flag in kwargs:
+                seen.append((kernel.__name__, flag, kwargs[flag]))
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(kfa, "launch", spy)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    for d in (128, 64):
+        seen.clear()
+        _check(torch.bfloat16, 2, 333, 400, 8, 2, d, dropout_p=dropout_p, causal=True, deterministic=deterministic)
+        on = by_tma and hopper and d in kfa.TMA_LOAD_HEAD_DIMS and dropout_p == 0
+        pair = deterministic or not kfa.use_atomic_dq(d, dropout_p > 0)  # dK/dV, then dQ
+        expect = [("_flash_fwd_kernel", "KV_TMA", on), ("_flash_bwd_dkdv_kernel", "QDO_TMA", on and pair)]
+        if pair:
+            expect.append(("_flash_bwd_dq_kernel", "KV_TMA", on))
+        assert seen == expect, (d, seen)
+    assert kfa.TMA_LOAD_HEAD_DIMS == (128,)  # the loop's d = 128 takes them (a test that could fail)
+
+
+@needs_cuda
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_tile_loads_read_the_block_s_packed_views(causal, monkeypatch):
+    # q, k and v as the attention layer passes them: [b, s, heads, d] views of one [s, b, groups,
+    # (heads/groups + 2)·d] projection (GQA), so the batch stride is below the sequence's and a
+    # head's rows are not adjacent; and the same tensors one element off 16-byte alignment, which
+    # the copy engine cannot address (pointer loads then). TMA and pointer loads must give the
+    # same bits (the deterministic backward: every sum in the same order)
+    s_, b_, groups, per, d = 300, 2, 2, 4, 128
+    base = torch.randn(s_ * b_ * groups * (per + 2) * d + 1, device=DEVICE).to(torch.bfloat16)
+    out = {}
+    for offset in (0, 1):
+        mixed = base[offset:offset + s_ * b_ * groups * (per + 2) * d].view(s_, b_, groups, (per + 2) * d)
+        q = mixed[..., :per * d].reshape(s_, b_, groups * per, d).transpose(0, 1)
+        k = mixed[..., per * d:(per + 1) * d].transpose(0, 1)
+        v = mixed[..., (per + 1) * d:].transpose(0, 1)
+        assert (kfa._tile_desc(k, 64) is None) == (offset == 1)
+        g = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
+        for by_tma in (True, False):
+            monkeypatch.setattr(kfa, "LOADS_BY_TMA", by_tma)
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            o = flash_attention(qq, kk, vv, causal=causal, deterministic=True)
+            o.backward(g)
+            out[offset, by_tma] = [o.detach()] + [t.grad for t in (qq, kk, vv)]
+        assert all(torch.equal(a, b) for a, b in zip(out[offset, True], out[offset, False])), offset
+    _check(torch.bfloat16, b_, s_, s_, groups * per, groups, d, causal=causal,
+           inputs=[t.detach().requires_grad_(True) for t in (q, k, v)])
+
+
+def test_tile_descriptors_only_where_the_copy_engine_can_read(monkeypatch):
+    """_tile_desc describes [b, s, h, d] as [1, rows, 1, d] boxes with the tensor's strides (a
+    dim of length 1 given 16 bytes), and refuses a base or a stride the copy engine cannot
+    address; _tile_descs gives both tensors or neither. Host-side only (no kernel runs)."""
+    if kfa._HostDescriptor is None:
+        pytest.skip("this Triton has no host-side tensor descriptors")
+    x = torch.zeros(2, 40, 6, 64, dtype=torch.bfloat16)
+    d = kfa._tile_desc(x, 32)
+    assert list(d.shape) == [2, 40, 6, 64] and list(d.strides) == list(x.stride()) and list(d.block_shape) == [1, 32, 1, 64]
+    view = x.transpose(0, 1).contiguous().transpose(0, 1)  # [s, b] memory: a batch stride below the sequence's
+    assert list(kfa._tile_desc(view, 64).strides) == list(view.stride())
+    one = torch.zeros(1, 40, 1, 64, dtype=torch.bfloat16)[:, :, :, :]
+    assert list(kfa._tile_desc(one.as_strided(one.shape, (7, 64, 3, 1)), 16).strides) == [8, 64, 8, 1]
+    flat = torch.zeros(2 * 40 * 6 * 64 + 8, dtype=torch.bfloat16)
+    assert kfa._tile_desc(flat[1:1 + x.numel()].view(x.shape), 32) is None  # base 2 bytes off
+    assert kfa._tile_desc(flat[8:8 + x.numel()].view(x.shape), 32) is not None  # 16 bytes off
+    odd = torch.zeros(2, 40, 6 * 72, dtype=torch.bfloat16)[..., :6 * 68].unflatten(-1, (6, 68))[..., :64]
+    assert kfa._tile_desc(odd, 32) is None  # head stride 68 elements = 136 bytes
+    assert kfa._tile_desc(x[:1].expand(2, 40, 6, 64), 32) is None  # a zero batch stride
+    assert kfa._tile_desc(x[:, :0], 32) is None  # no rows: a descriptor needs every dim >= 1
+    assert kfa._tile_descs(x, odd, 32) == (x, odd) and kfa._tile_descs(odd, x, 32) == (odd, x)
+    a, b = kfa._tile_descs(x, view, 16)
+    assert a.base is x and b.base is view
+
+
+def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):
+    """With tma_loads true, the forward passes K and V, the dK/dV kernel q and dO, and the dQ
+    kernel K and V as descriptors whose boxes are the launch's tiles, and sets the kernels'
+    flags; with it false, the tensors themselves; with dropout, or with dQ by atomics, the
+    tensors too (the forms where TMA loads measured slower). The launches are recorded, not run."""
+    if kfa._HostDescriptor is None:
+        pytest.skip("this Triton has no host-side tensor descriptors")
+    monkeypatch.setattr(kfa, "INTERPRET_ON_CPU", False)
+    seen = []
+
+    def record(kernel, grid, device, *args, **kwargs):
+        seen.append((kernel.__name__, args, kwargs))
+
+    monkeypatch.setattr(kfa, "launch", record)
+    q = torch.randn(2, 50, 4, 64).to(torch.bfloat16)
+    k, v = q[:, :, :2], q[:, :, 2:]
+    lse = torch.zeros(2, 4, 50)
+    for on in (True, False):
+        monkeypatch.setattr(kfa, "tma_loads", lambda t, d, on=on: on)
+        seen.clear()
+        kfa.flash_attn_fwd(q, k, v, 1.0, (-50, 0))
+        kfa.flash_attn_bwd(q, q, k, v, q, lse, 1.0, (-50, 0), deterministic=True)
+        by_name = {name: (args, kwargs) for name, args, kwargs in seen}
+        fwd_args, fwd_kw = by_name["_flash_fwd_kernel"]
+        dkdv_args, dkdv_kw = by_name["_flash_bwd_dkdv_kernel"]
+        dq_args, dq_kw = by_name["_flash_bwd_dq_kernel"]
+        assert fwd_kw["KV_TMA"] is on and dkdv_kw["QDO_TMA"] is on and dq_kw["KV_TMA"] is on
+        for args, kw, idx, names, rows in ((fwd_args, fwd_kw, (1, 2), (k, v), "BLOCK_N"),
+                                           (dkdv_args, dkdv_kw, (0, 3), (q, q), "BLOCK_M"),
+                                           (dq_args, dq_kw, (1, 2), (k, v), "BLOCK_N")):
+            for i, t in zip(idx, names):
+                if on:
+                    assert args[i].base is t and list(args[i].block_shape) == [1, kw[rows], 1, 64]
+                else:
+                    assert args[i] is t
+        seen.clear()
+        seed = torch.zeros(1, dtype=torch.int64)
+        kfa.flash_attn_fwd(q, k, v, 1.0, (-50, 0), seed=seed, dropout_p=0.1)
+        kfa.flash_attn_bwd(q, q, k, v, q, lse, 1.0, (-50, 0), seed=seed, dropout_p=0.1, deterministic=True)
+        q2 = torch.randn(2, 50, 4, 128).to(torch.bfloat16)  # d = 128: dQ by atomics without determinism
+        kfa.flash_attn_bwd(q2, q2, q2[:, :, :2], q2[:, :, 2:], q2, lse, 1.0, (-50, 0), deterministic=False)
+        flags = [(name, kw.get("KV_TMA", kw.get("QDO_TMA")), kw.get("ATOMIC_DQ")) for name, _, kw in seen
+                 if "KV_TMA" in kw or "QDO_TMA" in kw]
+        assert flags == [("_flash_fwd_kernel", False, None), ("_flash_bwd_dkdv_kernel", False, False),
+                         ("_flash_bwd_dq_kernel", False, None), ("_flash_bwd_dkdv_kernel", False, True)], flags
+
+
 def test_float32_tiles_are_small_and_run_one_pipeline_stage_fewer(monkeypatch):
     """float32 launches (a reference dtype) take blocks of at most FLOAT32_MAX_BLOCK at 4 warps,
     whose unrolled IEEE FMA products compile in seconds instead of minutes, and one stage fewer

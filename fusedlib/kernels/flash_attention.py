@@ -114,6 +114,9 @@ __all__ = [
     "use_atomic_dq",
     "dq_by_tma",
     "DQ_BY_TMA",
+    "tma_loads",
+    "LOADS_BY_TMA",
+    "TMA_LOAD_HEAD_DIMS",
     "attention_band",
     "flash_attn_fwd",
     "flash_attn_bwd",
@@ -286,17 +289,23 @@ def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[i
 
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
-               seed, rows, offs_m, offs_d, m_ok, lo, hi, sk, band_lo, band_hi, qk_scale, T,
-               EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+               seed, rows, offs_m, offs_d, m_ok, lo, hi, sk, band_lo, band_hi, qk_scale, T, b, hk,
+               KV_TMA: tl.constexpr, EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+               PRECISION: tl.constexpr):
     """Key tiles [lo, hi) of the online softmax (lo, hi multiples of BLOCK_N). EDGE: the tiles
     may hold keys outside the band or past sk, so the band and the end are masked; else every
-    key of every tile is visible (only the caller's mask, if any, applies)."""
+    key of every tile is visible (only the caller's mask, if any, applies). KV_TMA: k_base and
+    v_base are [b, sk, hkv, d] descriptors, read at (b, start_n, hk, 0) in [1, BLOCK_N, 1, d]
+    boxes (keys past sk arrive as zeros, as the masked loads' other=0)."""
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if EDGE:
             n_ok = offs_n < sk
+        if KV_TMA:
+            kT = tl.trans(tl.reshape(k_base.load([b, start_n, hk, 0]), [BLOCK_N, HEAD_DIM]))
+        elif EDGE:
             kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :],
                          other=0.0)
         else:
@@ -321,7 +330,9 @@ def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base
         if DROPOUT:  # l keeps every probability; acc only the kept ones (rescaled at the end)
             keep = _keep_mask_joined(seed, rows, start_n // BLOCK_N, T, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
-        if EDGE:
+        if KV_TMA:
+            v = tl.reshape(v_base.load([b, start_n, hk, 0]), [BLOCK_N, HEAD_DIM])
+        elif EDGE:
             v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
                         other=0.0)
         else:
@@ -377,6 +388,7 @@ def _flash_fwd_kernel(
     DROPOUT: tl.constexpr,
     DOT: tl.constexpr,  # dtype of the products' operands (float32 for bfloat16 in the interpreter)
     PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else "tf32" (unused by 16-bit types)
+    KV_TMA: tl.constexpr = False,  # K_ptr and V_ptr are [b, sk, hkv, d] tensor descriptors: TMA tile loads
 ):
     # float arguments are float32 (Triton's launcher) or float64 (Inductor types a Python float so):
     # compute in float32 either way, or float64 would spread to the scores and the accumulators
@@ -387,8 +399,12 @@ def _flash_fwd_kernel(
     hk = h // group  # the key/value head of this query head
     b64 = b.to(tl.int64)
     q_base = Q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = K_ptr + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V_ptr + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    if KV_TMA:  # descriptors: the tile loads index (b, key, hk, 0)
+        k_base = K_ptr
+        v_base = V_ptr
+    else:
+        k_base = K_ptr + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+        v_base = V_ptr + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     o_base = O_ptr + b64 * stride_ob + h.to(tl.int64) * stride_oh
     mask_base = MASK_ptr + b64 * stride_mb + h.to(tl.int64) * stride_mh
 
@@ -416,13 +432,13 @@ def _flash_fwd_kernel(
     lo, a, bb, hi = _tile_ranges(m0, m_last, band_lo, band_hi, sk, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq,
                                stride_mk, seed, rows, offs_m, offs_d, m_ok, lo, a, sk, band_lo, band_hi, qk_scale, T,
-                               True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                               b, hk, KV_TMA, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq,
                                stride_mk, seed, rows, offs_m, offs_d, m_ok, a, bb, sk, band_lo, band_hi, qk_scale, T,
-                               False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                               b, hk, KV_TMA, False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq,
                                stride_mk, seed, rows, offs_m, offs_d, m_ok, bb, hi, sk, band_lo, band_hi, qk_scale, T,
-                               True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                               b, hk, KV_TMA, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
 
     empty = l_i == 0.0  # nothing visible and no sink: output 0, LSE -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -485,19 +501,24 @@ def _flash_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                 mask_base, stride_mq, stride_mk, seed, row0, n_tile, offs_n, offs_d, lo, hi, sq, band_lo, band_hi,
-                qk_scale, T, keep_scale, dqacc_base, bh,
-                EDGE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, MASK_KIND: tl.constexpr,
-                DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                qk_scale, T, keep_scale, dqacc_base, bh, b, h,
+                QDO_TMA: tl.constexpr, EDGE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Query tiles [lo, hi) of one head for the key tile offs_n: accumulate dK (unscaled) and
     dV. Computed transposed ([keys, queries]) so that no product needs a transposed result.
-    Rows past sq contribute nothing: their q and dO load as 0, their LSE as +inf (P = 0)."""
+    Rows past sq contribute nothing: their q and dO load as 0, their LSE as +inf (P = 0).
+    QDO_TMA: q_base and do_base are [b, sq, hq, d] descriptors, read at (b, start_m, h, 0) in
+    [1, BLOCK_M, 1, d] boxes (rows past sq arrive as zeros)."""
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < sq
-        qT = tl.load(q_base + offs_m[None, :] * stride_qs + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :],
-                     other=0.0).to(DOT)
+        if QDO_TMA:
+            qT = tl.trans(tl.reshape(q_base.load([b, start_m, h, 0]), [BLOCK_M, HEAD_DIM])).to(DOT)
+        else:
+            qT = tl.load(q_base + offs_m[None, :] * stride_qs + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :],
+                         other=0.0).to(DOT)
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # an empty row: P = 0
         sT = tl.dot(k, qT, input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
@@ -514,8 +535,11 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
                              mask=m_ok[None, :] & (kmask == 0)[:, None], other=1)  # kmask: 1 past sk
             sT = tl.where(masked == 0, sT, float("-inf"))
         pT = tl.exp2(sT - lse[None, :])  # an empty row: -inf - inf = -inf, P = 0
-        do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                     other=0.0)
+        if QDO_TMA:
+            do = tl.reshape(do_base.load([b, start_m, h, 0]), [BLOCK_M, HEAD_DIM])
+        else:
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                         other=0.0)
         dpT = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]: (dO·vᵀ)ᵀ
         if DROPOUT:  # dV takes the dropped P, dP the gradient through the dropout
             keepT = tl.trans(_keep_mask_joined(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
@@ -560,6 +584,7 @@ def _flash_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,  # also dQ, by atomic adds (not bitwise reproducible)
     DQ_TMA: tl.constexpr = False,  # DQACC_ptr is a [b·hq, sq, d] tensor descriptor: bulk reductions
+    QDO_TMA: tl.constexpr = False,  # Q_ptr and DO_ptr are [b, sq, hq, d] tensor descriptors: TMA tile loads
 ):
     sm_scale, qk_scale = tl.cast(sm_scale, tl.float32), tl.cast(qk_scale, tl.float32)
     keep_scale = tl.cast(keep_scale, tl.float32)
@@ -590,8 +615,12 @@ def _flash_bwd_dkdv_kernel(
     lo, a, bb, hi = _tile_ranges(n0, n_last, -band_hi, -band_lo, sq, BLOCK_M)
     for g in range(0, group):  # every query head of this key/value head: the GQA sum in registers
         h = hk * group + g
-        q_base = Q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = DO_ptr + b64 * stride_dob + h.to(tl.int64) * stride_doh
+        if QDO_TMA:  # descriptors: the tile loads index (b, query, h, 0)
+            q_base = Q_ptr
+            do_base = DO_ptr
+        else:
+            q_base = Q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh
+            do_base = DO_ptr + b64 * stride_dob + h.to(tl.int64) * stride_doh
         lse_base = LSE_ptr + (b64 * n_heads + h) * sq
         delta_base = DELTA_ptr + (b64 * n_heads + h) * sq
         mask_base = MASK_ptr + b64 * stride_mb + h.to(tl.int64) * stride_mh
@@ -606,16 +635,16 @@ def _flash_bwd_dkdv_kernel(
             kmask = tl.load(mask_base + offs_n * stride_mk, mask=n_ok, other=1).to(tl.int8)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, lo, a, sq, band_lo,
-                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, True, ATOMIC_DQ, DQ_TMA, MASK_KIND,
-                             DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, b, h, QDO_TMA, True, ATOMIC_DQ, DQ_TMA,
+                             MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, a, bb, sq, band_lo,
-                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, False, ATOMIC_DQ, DQ_TMA, MASK_KIND,
-                             DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, b, h, QDO_TMA, False, ATOMIC_DQ, DQ_TMA,
+                             MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
                              mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, bb, hi, sq, band_lo,
-                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, True, ATOMIC_DQ, DQ_TMA, MASK_KIND,
-                             DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                             band_hi, qk_scale, T, keep_scale, dqacc_base, bh, b, h, QDO_TMA, True, ATOMIC_DQ, DQ_TMA,
+                             MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dk = dk * sm_scale
     tl.store(DK_ptr + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dks
              + offs_d[None, :], dk.to(DK_ptr.dtype.element_ty), mask=kv_ok)
@@ -625,10 +654,12 @@ def _flash_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
-              seed, rows, offs_m, offs_d, m_ok, lo, hi, sk, band_lo, band_hi, qk_scale, T, keep_scale,
-              EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """Key tiles [lo, hi) for the query tile offs_m: accumulate dQ (unscaled)."""
+              seed, rows, offs_m, offs_d, m_ok, lo, hi, sk, band_lo, band_hi, qk_scale, T, keep_scale, b, hk,
+              KV_TMA: tl.constexpr, EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """Key tiles [lo, hi) for the query tile offs_m: accumulate dQ (unscaled). KV_TMA: as
+    :func:`_fwd_tiles`."""
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -637,8 +668,12 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_
             ld = d_ok[:, None] & n_ok[None, :]
         else:
             ld = d_ok[:, None]
-        kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=ld, other=0.0)
-        vT = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=ld, other=0.0)
+        if KV_TMA:
+            kT = tl.trans(tl.reshape(k_base.load([b, start_n, hk, 0]), [BLOCK_N, HEAD_DIM]))
+            vT = tl.trans(tl.reshape(v_base.load([b, start_n, hk, 0]), [BLOCK_N, HEAD_DIM]))
+        else:
+            kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=ld, other=0.0)
+            vT = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=ld, other=0.0)
         s = tl.dot(q, kT.to(DOT), input_precision=PRECISION) * qk_scale
         if EDGE:  # the masks on the scores, before the exponential (see _dkdv_tiles)
             rel = offs_n[None, :] - offs_m[:, None]
@@ -676,6 +711,7 @@ def _flash_bwd_dq_kernel(
     sm_scale, qk_scale, band_lo, band_hi, T, keep_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    KV_TMA: tl.constexpr = False,  # K_ptr and V_ptr are [b, sk, hkv, d] tensor descriptors: TMA tile loads
 ):
     sm_scale, qk_scale = tl.cast(sm_scale, tl.float32), tl.cast(qk_scale, tl.float32)
     keep_scale = tl.cast(keep_scale, tl.float32)
@@ -697,8 +733,12 @@ def _flash_bwd_dq_kernel(
     lse = tl.load(LSE_ptr + rows, mask=m_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # an empty row: P = 0
     delta = tl.load(DELTA_ptr + rows, mask=m_ok, other=0.0)
-    k_base = K_ptr + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V_ptr + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    if KV_TMA:
+        k_base = K_ptr
+        v_base = V_ptr
+    else:
+        k_base = K_ptr + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+        v_base = V_ptr + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     mask_base = MASK_ptr + b64 * stride_mb + h.to(tl.int64) * stride_mh
     seed = 0
     if DROPOUT:
@@ -708,13 +748,13 @@ def _flash_bwd_dq_kernel(
     lo, a, bb, hi = _tile_ranges(m0, m_last, band_lo, band_hi, sk, BLOCK_N)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
                    seed, rows, offs_m, offs_d, m_ok, lo, a, sk, band_lo, band_hi, qk_scale, T, keep_scale,
-                   True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                   b, hk, KV_TMA, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
                    seed, rows, offs_m, offs_d, m_ok, a, bb, sk, band_lo, band_hi, qk_scale, T, keep_scale,
-                   False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                   b, hk, KV_TMA, False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
                    seed, rows, offs_m, offs_d, m_ok, bb, hi, sk, band_lo, band_hi, qk_scale, T, keep_scale,
-                   True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                   b, hk, KV_TMA, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ_ptr + b64 * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
              dq.to(DQ_ptr.dtype.element_ty), mask=ld)
@@ -849,12 +889,14 @@ def flash_attn_fwd(
     T, keep_scale = _dropout_args(seed, dropout_p, q.device)
     dot, precision = _dot_settings(q.dtype)
     grid = (cdiv(SQ, tile.BLOCK_M), HQ, B)
+    ka, va = _tile_descs(k, v, tile.BLOCK_N) if seed is None and tma_loads(q, D) else (k, v)
     launch(_flash_fwd_kernel, grid, q.device,
-           q, k, v, o, lse, m4, sinks if sinks is not None else lse, seed if seed is not None else lse,
+           q, ka, va, o, lse, m4, sinks if sinks is not None else lse, seed if seed is not None else lse,
            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms,
            HQ, HQ // HKV, SQ, SK, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
            HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, MASK_KIND=kind,
            HAS_SINK=sinks is not None, DROPOUT=seed is not None, DOT=dot, PRECISION=precision,
+           KV_TMA=ka is not k,
            num_warps=tile.num_warps, num_stages=tile.num_stages)
     return o, lse
 
@@ -943,11 +985,77 @@ def dq_by_tma(q: torch.Tensor, head_dim: int) -> bool:
         return False
     if head_dim != _block_d(head_dim) or torch.compiler.is_compiling():
         return False
+    return _hopper_or_newer(q)
+
+
+def _hopper_or_newer(q: torch.Tensor) -> bool:
+    """Whether q's CUDA device has compute capability 9.0 or newer (cached per device)."""
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     cap = _CAPABILITY.get(index)
     if cap is None:
         cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
     return cap[0] >= 9
+
+
+#: Whether the kernels read the tiles they stream (the forward's and the dQ kernel's K and V
+#: tiles, the dK/dV kernel's q and dO tiles) with TMA tile loads where :func:`tma_loads`
+#: allows, instead of a masked pointer load per element. The copy engine fills shared memory
+#: from a descriptor while the warps compute: the forward's loop, whose pointer loads Triton
+#: 3.6 compiles for sm_90 without cp.async (each tile waited for), is then pipelined over its
+#: stages, and it keeps no addresses in registers (compiled for sm_90: no spill, 79 local
+#: memory instructions with pointer loads). Tests set it False to run the pointer loads on a GPU.
+LOADS_BY_TMA: bool = True
+
+#: The head dims whose kernels take the TMA loads, and only in the forms where they measured
+#: faster on the H200 (bf16, kernel only, CUDA-graph replays, ms, pointer loads / TMA, NOTES.md):
+#: the forward without dropout, causal [4, 16, 2048, 128] 0.188 / 0.178, non-causal 0.289 /
+#: 0.286, causal [2, 16, 8192, 128] 1.294 / 1.225; the deterministic backward without dropout
+#: 0.674 / 0.648, 1.148 / 1.109, 4.362 / 4.139. Slower, so left on pointer loads: the forward
+#: with dropout (0.334 / 0.360 at the first shape), the backward with atomic dQ (0.608 / 0.765:
+#: its q and dO stages take 215 KB of shared memory instead of 132), and every form at d = 64
+#: (causal [8, 32, 1024, 64] forward 0.122 / 0.129, backward 0.401 / 0.442). d = 256: not measured.
+TMA_LOAD_HEAD_DIMS: tuple[int, ...] = (128,)
+
+
+def tma_loads(q: torch.Tensor, head_dim: int) -> bool:
+    """Whether kernels on ``q`` ([b, sq, hq, d]) may read their streamed tiles by TMA
+    (:data:`LOADS_BY_TMA`): on a CUDA GPU of compute capability 9.0 or newer, kernels compiled
+    (not Triton's interpreter), outside a ``torch.compile`` trace (Inductor's Triton wrapper
+    passes plain pointers), a head dim in :data:`TMA_LOAD_HEAD_DIMS` (powers of two: the box is
+    the whole head), with a Triton that has host-side tensor descriptors. The launchers take
+    them only in the forms that measured faster (the forward without dropout, the
+    deterministic backward without dropout), and only for tensors the copy engine can address
+    (:func:`_tile_descs`)."""
+    if not LOADS_BY_TMA or INTERPRET_ON_CPU or _HostDescriptor is None or q.device.type != "cuda":
+        return False
+    if head_dim not in TMA_LOAD_HEAD_DIMS or torch.compiler.is_compiling():
+        return False
+    return _hopper_or_newer(q)
+
+
+def _tile_desc(t: torch.Tensor, rows: int) -> Optional[object]:
+    """t ([b, s, h, d], unit last stride) as a TMA descriptor of [1, rows, 1, d] boxes (rows
+    past s read as zeros), or None where the copy engine cannot address it: a base address or a
+    stride (of a dim longer than 1) that is not a multiple of 16 bytes, a zero stride, or no
+    elements. A dim of length 1 is only ever read at index 0: its stride is given as 16 bytes."""
+    if t.data_ptr() % 16 or t.numel() == 0:
+        return None
+    es = t.element_size()
+    strides = list(t.stride())
+    for i in range(3):
+        if t.shape[i] == 1:
+            strides[i] = 16 // es
+        elif strides[i] == 0 or (strides[i] * es) % 16:
+            return None
+    return _HostDescriptor(t, list(t.shape), strides, [1, rows, 1, t.shape[3]])
+
+
+def _tile_descs(a: torch.Tensor, b: torch.Tensor, rows: int) -> tuple:
+    """(a, b) as descriptors of [1, rows, 1, d] boxes (:func:`_tile_desc`) when both can be,
+    else (a, b) themselves: the kernel takes both or neither."""
+    da = _tile_desc(a, rows)
+    db = _tile_desc(b, rows) if da is not None else None
+    return (da, db) if db is not None else (a, b)
 
 
 def flash_attn_bwd(
@@ -1033,12 +1141,14 @@ def flash_attn_bwd(
     # the accumulator as [b·hq, sq, d] rows for the bulk reductions: a tile's rows past sq are
     # outside the descriptor's bounds, so the copy engine drops them
     dq_arg = _TensorDescriptor(dq_acc, (B * HQ, SQ, D), (SQ * D, D, 1), [1, tile.BLOCK_M, D]) if tma else dq_acc
+    loads = not atomic and seed is None and tma_loads(q, D)  # where they measured faster
+    qa, doa = _tile_descs(q, do, tile.BLOCK_M) if loads else (q, do)
     launch(_flash_bwd_dkdv_kernel, (cdiv(SK, tile.BLOCK_N), HKV, B), q.device,
-           q, k, v, do, lse, delta, dk, dv, dq_arg, m4, seed_arg,
+           qa, k, v, doa, lse, delta, dk, dv, dq_arg, m4, seed_arg,
            *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], *ms,
            HQ, HQ // HKV, SQ, SK, softmax_scale, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
            BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, num_warps=tile.num_warps, num_stages=tile.num_stages,
-           ATOMIC_DQ=atomic, DQ_TMA=tma, **common)
+           ATOMIC_DQ=atomic, DQ_TMA=tma, QDO_TMA=qa is not q, **common)
     if atomic:
         launch(_flash_bwd_dq_convert_kernel, (cdiv(SQ, pre_m), HQ, B), q.device,
                dq_acc, dq, *dq.stride()[:3], HQ, SQ, softmax_scale,
@@ -1046,12 +1156,13 @@ def flash_attn_bwd(
         return dq, dk, dv, dsink
     if dq_tile is None:
         dq_tile = _float32_tile(attention_tile(BWD_DQ_TILES, D), q.dtype)
+    ka, va = _tile_descs(k, v, dq_tile.BLOCK_N) if loads else (k, v)
     launch(_flash_bwd_dq_kernel, (cdiv(SQ, dq_tile.BLOCK_M), HQ, B), q.device,
-           q, k, v, do, lse, delta, dq, m4, seed_arg,
+           q, ka, va, do, lse, delta, dq, m4, seed_arg,
            *q_s, *k_s, *v_s, *do_s, *dq.stride()[:3], *ms,
            HQ, HQ // HKV, SQ, SK, softmax_scale, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
            BLOCK_M=dq_tile.BLOCK_M, BLOCK_N=dq_tile.BLOCK_N, num_warps=dq_tile.num_warps,
-           num_stages=dq_tile.num_stages, **common)
+           num_stages=dq_tile.num_stages, KV_TMA=ka is not k, **common)
     return dq, dk, dv, dsink
 
 
