@@ -664,10 +664,10 @@ def test_gpu_atomic_dq_both_ways(by_tma, d, dropout_p, monkeypatch):
 def test_gpu_tile_loads_both_ways(by_tma, deterministic, dropout_p, monkeypatch):
     # both ways of reading the streamed tiles against float64: sq = 333 and sk = 400 leave the
     # last tiles partial (rows past the end must read as zeros, not the next head's rows), GQA;
-    # and every launch takes the loads the policy gives: TMA on compute capability 9.0 or newer,
-    # at the head dims of TMA_LOAD_HEAD_DIMS (d = 64 is not), in the forward without dropout and
-    # the deterministic backward without dropout
+    # and every launch takes the loads asked for: TMA on compute capability 9.0 or newer, in
+    # every form at d = 128 and 64 (the table set so; TMA_LOADS's own rows: the next test)
     monkeypatch.setattr(kfa, "LOADS_BY_TMA", by_tma)
+    monkeypatch.setattr(kfa, "TMA_LOADS", {form: (64, 128) for form in kfa.TMA_LOADS})
     seen = []
     real = kfa.launch
 
@@ -682,13 +682,24 @@ def test_gpu_tile_loads_both_ways(by_tma, deterministic, dropout_p, monkeypatch)
     for d in (128, 64):
         seen.clear()
         _check(torch.bfloat16, 2, 333, 400, 8, 2, d, dropout_p=dropout_p, causal=True, deterministic=deterministic)
-        on = by_tma and hopper and d in kfa.TMA_LOAD_HEAD_DIMS and dropout_p == 0
+        on = by_tma and hopper
         pair = deterministic or not kfa.use_atomic_dq(d, dropout_p > 0)  # dK/dV, then dQ
-        expect = [("_flash_fwd_kernel", "KV_TMA", on), ("_flash_bwd_dkdv_kernel", "QDO_TMA", on and pair)]
+        expect = [("_flash_fwd_kernel", "KV_TMA", on), ("_flash_bwd_dkdv_kernel", "QDO_TMA", on)]
         if pair:
             expect.append(("_flash_bwd_dq_kernel", "KV_TMA", on))
         assert seen == expect, (d, seen)
-    assert kfa.TMA_LOAD_HEAD_DIMS == (128,)  # the loop's d = 128 takes them (a test that could fail)
+
+
+@needs_cuda
+def test_gpu_tma_loads_follow_the_table():
+    # TMA_LOADS as stored: at d = 128 the forward without dropout and the deterministic
+    # backward, nothing else (the forms measured slower: the forward with dropout, atomic dQ,
+    # d = 64)
+    q = torch.zeros(1, 8, 2, 128, device=DEVICE, dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    got = {form: [kfa.tma_loads(q[..., :d], d, form) for d in (64, 128)] for form in kfa.TMA_LOADS}
+    assert got == {"forward": [False, hopper], "forward_dropout": [False, False], "backward": [False, hopper],
+                   "backward_dropout": [False, hopper], "backward_atomic": [False, False]}, got
 
 
 @needs_cuda
@@ -746,10 +757,11 @@ def test_tile_descriptors_only_where_the_copy_engine_can_read(monkeypatch):
 
 
 def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):
-    """With tma_loads true, the forward passes K and V, the dK/dV kernel q and dO, and the dQ
-    kernel K and V as descriptors whose boxes are the launch's tiles, and sets the kernels'
-    flags; with it false, the tensors themselves; with dropout, or with dQ by atomics, the
-    tensors too (the forms where TMA loads measured slower). The launches are recorded, not run."""
+    """Where tma_loads allows (here: the forms "forward" and "backward"), the forward passes K
+    and V, the dK/dV kernel q and dO, and the dQ kernel K and V as descriptors whose boxes are
+    the launch's tiles, and sets the kernels' flags; elsewhere the tensors themselves: with it
+    false, and in the forms it refuses (here: with dropout, with dQ by atomics). The launches
+    are recorded, not run."""
     if kfa._HostDescriptor is None:
         pytest.skip("this Triton has no host-side tensor descriptors")
     monkeypatch.setattr(kfa, "INTERPRET_ON_CPU", False)
@@ -763,7 +775,7 @@ def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):
     k, v = q[:, :, :2], q[:, :, 2:]
     lse = torch.zeros(2, 4, 50)
     for on in (True, False):
-        monkeypatch.setattr(kfa, "tma_loads", lambda t, d, on=on: on)
+        monkeypatch.setattr(kfa, "tma_loads", lambda t, d, form, on=on: on and form in ("forward", "backward"))
         seen.clear()
         kfa.flash_attn_fwd(q, k, v, 1.0, (-50, 0))
         kfa.flash_attn_bwd(q, q, k, v, q, lse, 1.0, (-50, 0), deterministic=True)

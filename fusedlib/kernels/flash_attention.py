@@ -116,7 +116,7 @@ __all__ = [
     "DQ_BY_TMA",
     "tma_loads",
     "LOADS_BY_TMA",
-    "TMA_LOAD_HEAD_DIMS",
+    "TMA_LOADS",
     "attention_band",
     "flash_attn_fwd",
     "flash_attn_bwd",
@@ -889,7 +889,8 @@ def flash_attn_fwd(
     T, keep_scale = _dropout_args(seed, dropout_p, q.device)
     dot, precision = _dot_settings(q.dtype)
     grid = (cdiv(SQ, tile.BLOCK_M), HQ, B)
-    ka, va = _tile_descs(k, v, tile.BLOCK_N) if seed is None and tma_loads(q, D) else (k, v)
+    form = "forward" if seed is None else "forward_dropout"
+    ka, va = _tile_descs(k, v, tile.BLOCK_N) if tma_loads(q, D, form) else (k, v)
     launch(_flash_fwd_kernel, grid, q.device,
            q, ka, va, o, lse, m4, sinks if sinks is not None else lse, seed if seed is not None else lse,
            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms,
@@ -1006,29 +1007,34 @@ def _hopper_or_newer(q: torch.Tensor) -> bool:
 #: memory instructions with pointer loads). Tests set it False to run the pointer loads on a GPU.
 LOADS_BY_TMA: bool = True
 
-#: The head dims whose kernels take the TMA loads, and only in the forms where they measured
-#: faster on the H200 (bf16, kernel only, CUDA-graph replays, ms, pointer loads / TMA, NOTES.md):
-#: the forward without dropout, causal [4, 16, 2048, 128] 0.188 / 0.178, non-causal 0.289 /
-#: 0.286, causal [2, 16, 8192, 128] 1.294 / 1.225; the deterministic backward without dropout
-#: 0.674 / 0.648, 1.148 / 1.109, 4.362 / 4.139. Slower, so left on pointer loads: the forward
-#: with dropout (0.334 / 0.360 at the first shape), the backward with atomic dQ (0.608 / 0.765:
-#: its q and dO stages take 215 KB of shared memory instead of 132), and every form at d = 64
-#: (causal [8, 32, 1024, 64] forward 0.122 / 0.129, backward 0.401 / 0.442). d = 256: not measured.
-TMA_LOAD_HEAD_DIMS: tuple[int, ...] = (128,)
+#: Where the kernels take the TMA loads: for each form of launch, the head dims at which they
+#: measured faster on the H200 (``python tools/attention_loads.py``, stored as
+#: ``chapters/data/bench/attention_loads.json``; bf16, kernel only, CUDA-graph replays, ms,
+#: pointer / TMA loads at causal [4, 16, 2048, 128]): the forward without dropout (0.191 /
+#: 0.182), the deterministic backward (0.680 / 0.657; with dropout 1.040 / 1.015), at d = 128,
+#: faster at every d = 128 case. Slower, so left on pointer loads: the forward with dropout
+#: (0.334 / 0.359), the backward with atomic dQ (0.615 / 0.768: its q and dO stages take 215 KB
+#: of shared memory instead of 132) and every form at d = 64. d = 256: not measured.
+TMA_LOADS: dict[str, tuple[int, ...]] = {
+    "forward": (128,),  # without dropout
+    "forward_dropout": (),
+    "backward": (128,),  # the deterministic kernels (dK/dV, then dQ), without dropout
+    "backward_dropout": (128,),  # the deterministic kernels with dropout
+    "backward_atomic": (),  # dK/dV with atomic dQ, with or without dropout
+}
 
 
-def tma_loads(q: torch.Tensor, head_dim: int) -> bool:
-    """Whether kernels on ``q`` ([b, sq, hq, d]) may read their streamed tiles by TMA
-    (:data:`LOADS_BY_TMA`): on a CUDA GPU of compute capability 9.0 or newer, kernels compiled
-    (not Triton's interpreter), outside a ``torch.compile`` trace (Inductor's Triton wrapper
-    passes plain pointers), a head dim in :data:`TMA_LOAD_HEAD_DIMS` (powers of two: the box is
-    the whole head), with a Triton that has host-side tensor descriptors. The launchers take
-    them only in the forms that measured faster (the forward without dropout, the
-    deterministic backward without dropout), and only for tensors the copy engine can address
-    (:func:`_tile_descs`)."""
+def tma_loads(q: torch.Tensor, head_dim: int, form: str) -> bool:
+    """Whether the kernels of ``form`` (a key of :data:`TMA_LOADS`) on ``q`` ([b, sq, hq, d])
+    read their streamed tiles by TMA (:data:`LOADS_BY_TMA`): on a CUDA GPU of compute
+    capability 9.0 or newer, kernels compiled (not Triton's interpreter), outside a
+    ``torch.compile`` trace (Inductor's Triton wrapper passes plain pointers), at a head dim
+    :data:`TMA_LOADS` lists for the form (powers of two: the box is the whole head), with a
+    Triton that has host-side tensor descriptors; and only for tensors the copy engine can
+    address (:func:`_tile_descs`)."""
     if not LOADS_BY_TMA or INTERPRET_ON_CPU or _HostDescriptor is None or q.device.type != "cuda":
         return False
-    if head_dim not in TMA_LOAD_HEAD_DIMS or torch.compiler.is_compiling():
+    if head_dim not in TMA_LOADS[form] or head_dim != _block_d(head_dim) or torch.compiler.is_compiling():
         return False
     return _hopper_or_newer(q)
 
@@ -1141,7 +1147,7 @@ def flash_attn_bwd(
     # the accumulator as [b·hq, sq, d] rows for the bulk reductions: a tile's rows past sq are
     # outside the descriptor's bounds, so the copy engine drops them
     dq_arg = _TensorDescriptor(dq_acc, (B * HQ, SQ, D), (SQ * D, D, 1), [1, tile.BLOCK_M, D]) if tma else dq_acc
-    loads = not atomic and seed is None and tma_loads(q, D)  # where they measured faster
+    loads = tma_loads(q, D, "backward_atomic" if atomic else "backward" if seed is None else "backward_dropout")
     qa, doa = _tile_descs(q, do, tile.BLOCK_M) if loads else (q, do)
     launch(_flash_bwd_dkdv_kernel, (cdiv(SK, tile.BLOCK_N), HKV, B), q.device,
            qa, k, v, doa, lse, delta, dk, dv, dq_arg, m4, seed_arg,
