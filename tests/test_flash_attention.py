@@ -858,3 +858,25 @@ def test_attention_tables_keep_their_key_blocks():
     assert pick(row_table, 40, resolve_block_n=False).BLOCK_N == 128
     with pytest.raises(ValueError, match="past the tile table's last bound"):
         pick(kfa.FWD_TILES, kfa.MAX_HEAD_DIM + 1, resolve_block_n=False)
+
+
+def test_attention_loads_tool_times_every_form_of_the_table():
+    """tools/attention_loads.py (which measured TMA_LOADS) times each form the table names, at
+    the head dims of the attention benchmark, with the dropout and determinism that select it."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "attention_loads.py"
+    spec = importlib.util.spec_from_file_location("attention_loads", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for d in (64, 128):
+        forms = tool._forms(d)
+        assert {f for f, _, _ in forms} == set(kfa.TMA_LOADS), d
+        for form, p, deterministic in forms:
+            assert (p > 0) == form.endswith("dropout") or form == "backward_atomic"
+            assert deterministic == (form != "backward_atomic")
+            if form == "backward_atomic":
+                assert kfa.use_atomic_dq(d, p > 0)
+    assert [p for f, p, _ in tool._forms(128) if f == "backward_atomic"] == [0.0, tool.DROPOUT_P]
+    assert [p for f, p, _ in tool._forms(64) if f == "backward_atomic"] == [tool.DROPOUT_P]
