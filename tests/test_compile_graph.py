@@ -848,7 +848,8 @@ def test_flash_attention_kernels_compile_for_sm90():
     # tiles in bf16: the forward with dropout and sinks (its own table), the atomic dQ form with
     # dropout (the dK/dV kernel's largest variant; with element atomics and with TMA bulk
     # reductions), the deterministic dQ kernel with a per-(query, key) mask, the three kernels
-    # that read their streamed tiles by TMA loads (descriptors of [1, rows, 1, d] boxes), and the
+    # that read their streamed tiles by TMA loads (descriptors of [1, rows, 1, d] boxes; the
+    # backward's two with dropout, the forms TMA_LOADS takes at d = 128), and the
     # small kernels around them; their shared memory within the H200's 227 KB per block
     code = textwrap.dedent("""
         import os
@@ -894,8 +895,8 @@ def test_flash_attention_kernels_compile_for_sm90():
                  dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=2, DROPOUT=False), t)
         # the TMA tile loads (LOADS_BY_TMA): [b, s, h, d] descriptors of [1, rows, 1, d] boxes
         PTR["K_ptr"] = PTR["V_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_N
-        compile_("dq tma loads", fa._flash_bwd_dq_kernel,
-                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=False, KV_TMA=True), t)
+        compile_("dq tma loads dropout", fa._flash_bwd_dq_kernel,
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=True, KV_TMA=True), t)
         t = pick(fa.FWD_TILES, 128, resolve_block_n=False)
         PTR["K_ptr"] = PTR["V_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_N
         compile_("fwd tma loads", fa._flash_fwd_kernel,
@@ -904,8 +905,8 @@ def test_flash_attention_kernels_compile_for_sm90():
         PTR["K_ptr"] = PTR["V_ptr"] = "*bf16"
         t = pick(fa.BWD_DKDV_TILES, 128, resolve_block_n=False)
         PTR["Q_ptr"] = PTR["DO_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_M
-        compile_("dkdv tma loads", fa._flash_bwd_dkdv_kernel,
-                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=False, ATOMIC_DQ=False,
+        compile_("dkdv tma loads dropout", fa._flash_bwd_dkdv_kernel,
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=True, ATOMIC_DQ=False,
                       QDO_TMA=True), t)
         PTR["Q_ptr"] = PTR["DO_ptr"] = "*bf16"
         small = fa.Tile(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1)

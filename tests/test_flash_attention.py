@@ -707,9 +707,10 @@ def test_gpu_tma_loads_follow_the_table():
 def test_gpu_tile_loads_read_the_block_s_packed_views(causal, monkeypatch):
     # q, k and v as the attention layer passes them: [b, s, heads, d] views of one [s, b, groups,
     # (heads/groups + 2)·d] projection (GQA), so the batch stride is below the sequence's and a
-    # head's rows are not adjacent; and the same tensors one element off 16-byte alignment, which
-    # the copy engine cannot address (pointer loads then). TMA and pointer loads must give the
-    # same bits (the deterministic backward: every sum in the same order)
+    # head's rows are not adjacent (q, which the reshape of the GQA split copies, is dense); and
+    # the projection one element off 16-byte alignment, where K and V (views of it) cannot be
+    # addressed by the copy engine: pointer loads for them, TMA for q and dO. TMA and pointer
+    # loads must give the same bits (the deterministic backward: every sum in the same order)
     s_, b_, groups, per, d = 300, 2, 2, 4, 128
     base = torch.randn(s_ * b_ * groups * (per + 2) * d + 1, device=DEVICE).to(torch.bfloat16)
     out = {}
@@ -751,6 +752,9 @@ def test_tile_descriptors_only_where_the_copy_engine_can_read(monkeypatch):
     assert kfa._tile_desc(odd, 32) is None  # head stride 68 elements = 136 bytes
     assert kfa._tile_desc(x[:1].expand(2, 40, 6, 64), 32) is None  # a zero batch stride
     assert kfa._tile_desc(x[:, :0], 32) is None  # no rows: a descriptor needs every dim >= 1
+    assert kfa._tile_desc(torch.zeros(2, 40, 6, 128, dtype=torch.bfloat16)[..., ::2], 32) is None  # last stride 2
+    with pytest.raises(ValueError, match="form must be one of"):
+        kfa.tma_loads(x, 64, "fwd")
     assert kfa._tile_descs(x, odd, 32) == (x, odd) and kfa._tile_descs(odd, x, 32) == (odd, x)
     a, b = kfa._tile_descs(x, view, 16)
     assert a.base is x and b.base is view
@@ -759,9 +763,12 @@ def test_tile_descriptors_only_where_the_copy_engine_can_read(monkeypatch):
 def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):
     """Where tma_loads allows (here: the forms "forward" and "backward"), the forward passes K
     and V, the dK/dV kernel q and dO, and the dQ kernel K and V as descriptors whose boxes are
-    the launch's tiles, and sets the kernels' flags; elsewhere the tensors themselves: with it
-    false, and in the forms it refuses (here: with dropout, with dQ by atomics). The launches
-    are recorded, not run."""
+    [1, rows, 1, d] with the launch's tile rows (keys for K and V, queries for q and dO), and
+    sets the kernels' flags; elsewhere the tensors themselves with the flags off: with it
+    false, in the forms it refuses (here: with dropout, with dQ by atomics), and for a pair of
+    tensors the copy engine cannot address (each kernel's flag follows its own pair). d = 32 and
+    tiles with BLOCK_M != BLOCK_N, so a box of the wrong rows or width fails. The launches are
+    recorded, not run."""
     if kfa._HostDescriptor is None:
         pytest.skip("this Triton has no host-side tensor descriptors")
     monkeypatch.setattr(kfa, "INTERPRET_ON_CPU", False)
@@ -771,37 +778,49 @@ def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):
         seen.append((kernel.__name__, args, kwargs))
 
     monkeypatch.setattr(kfa, "launch", record)
-    q = torch.randn(2, 50, 4, 64).to(torch.bfloat16)
-    k, v = q[:, :, :2], q[:, :, 2:]
+    fwd_t = Tile(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)
+    bwd_t = Tile(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2)
+    dq_t = Tile(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)
+    flat = torch.randn(2 * 50 * 4 * 32 + 1).to(torch.bfloat16)
+    aligned = flat[:-1].view(2, 50, 4, 32)
+    off = flat[1:].view(2, 50, 4, 32)  # 2 bytes past a 16-byte boundary: no descriptor
     lse = torch.zeros(2, 4, 50)
-    for on in (True, False):
-        monkeypatch.setattr(kfa, "tma_loads", lambda t, d, form, on=on: on and form in ("forward", "backward"))
+
+    def launches(q, kv, on):
+        monkeypatch.setattr(kfa, "tma_loads", lambda t, d, form: on and form in ("forward", "backward"))
+        k, v = kv[:, :, :2], kv[:, :, 2:]
         seen.clear()
-        kfa.flash_attn_fwd(q, k, v, 1.0, (-50, 0))
-        kfa.flash_attn_bwd(q, q, k, v, q, lse, 1.0, (-50, 0), deterministic=True)
+        kfa.flash_attn_fwd(q, k, v, 1.0, (-50, 0), tile=fwd_t)
+        kfa.flash_attn_bwd(q, q, k, v, q, lse, 1.0, (-50, 0), tile=bwd_t, dq_tile=dq_t, deterministic=True)
         by_name = {name: (args, kwargs) for name, args, kwargs in seen}
-        fwd_args, fwd_kw = by_name["_flash_fwd_kernel"]
-        dkdv_args, dkdv_kw = by_name["_flash_bwd_dkdv_kernel"]
-        dq_args, dq_kw = by_name["_flash_bwd_dq_kernel"]
-        assert fwd_kw["KV_TMA"] is on and dkdv_kw["QDO_TMA"] is on and dq_kw["KV_TMA"] is on
-        for args, kw, idx, names, rows in ((fwd_args, fwd_kw, (1, 2), (k, v), "BLOCK_N"),
-                                           (dkdv_args, dkdv_kw, (0, 3), (q, q), "BLOCK_M"),
-                                           (dq_args, dq_kw, (1, 2), (k, v), "BLOCK_N")):
-            for i, t in zip(idx, names):
-                if on:
-                    assert args[i].base is t and list(args[i].block_shape) == [1, kw[rows], 1, 64]
+        return k, v, [(by_name["_flash_fwd_kernel"], "KV_TMA", (1, 2), (k, v), fwd_t.BLOCK_N),
+                      (by_name["_flash_bwd_dkdv_kernel"], "QDO_TMA", (0, 3), (q, q), bwd_t.BLOCK_M),
+                      (by_name["_flash_bwd_dq_kernel"], "KV_TMA", (1, 2), (k, v), dq_t.BLOCK_N)]
+
+    for q, kv, on, expect in ((aligned, aligned, True, [True, True, True]),
+                              (aligned, aligned, False, [False, False, False]),
+                              (aligned, off, True, [False, True, False]),  # K and V unaligned
+                              (off, aligned, True, [True, False, True])):  # q and dO unaligned
+        k, v, got = launches(q, kv, on)
+        for ((args, kw), flag, idx, tensors, rows), want in zip(got, expect):
+            assert kw[flag] is want, (flag, want)
+            for i, t in zip(idx, tensors):
+                if want:
+                    assert args[i].base is t and list(args[i].block_shape) == [1, rows, 1, 32]
                 else:
                     assert args[i] is t
-        seen.clear()
-        seed = torch.zeros(1, dtype=torch.int64)
-        kfa.flash_attn_fwd(q, k, v, 1.0, (-50, 0), seed=seed, dropout_p=0.1)
-        kfa.flash_attn_bwd(q, q, k, v, q, lse, 1.0, (-50, 0), seed=seed, dropout_p=0.1, deterministic=True)
-        q2 = torch.randn(2, 50, 4, 128).to(torch.bfloat16)  # d = 128: dQ by atomics without determinism
-        kfa.flash_attn_bwd(q2, q2, q2[:, :, :2], q2[:, :, 2:], q2, lse, 1.0, (-50, 0), deterministic=False)
-        flags = [(name, kw.get("KV_TMA", kw.get("QDO_TMA")), kw.get("ATOMIC_DQ")) for name, _, kw in seen
-                 if "KV_TMA" in kw or "QDO_TMA" in kw]
-        assert flags == [("_flash_fwd_kernel", False, None), ("_flash_bwd_dkdv_kernel", False, False),
-                         ("_flash_bwd_dq_kernel", False, None), ("_flash_bwd_dkdv_kernel", False, True)], flags
+    monkeypatch.setattr(kfa, "tma_loads", lambda t, d, form: form in ("forward", "backward"))
+    q, k, v = aligned, aligned[:, :, :2], aligned[:, :, 2:]
+    seen.clear()
+    seed = torch.zeros(1, dtype=torch.int64)
+    kfa.flash_attn_fwd(q, k, v, 1.0, (-50, 0), seed=seed, dropout_p=0.1)
+    kfa.flash_attn_bwd(q, q, k, v, q, lse, 1.0, (-50, 0), seed=seed, dropout_p=0.1, deterministic=True)
+    q2 = torch.randn(2, 50, 4, 128).to(torch.bfloat16)  # d = 128: dQ by atomics without determinism
+    kfa.flash_attn_bwd(q2, q2, q2[:, :, :2], q2[:, :, 2:], q2, lse, 1.0, (-50, 0), deterministic=False)
+    flags = [(name, kw.get("KV_TMA", kw.get("QDO_TMA")), kw.get("ATOMIC_DQ")) for name, _, kw in seen
+             if "KV_TMA" in kw or "QDO_TMA" in kw]
+    assert flags == [("_flash_fwd_kernel", False, None), ("_flash_bwd_dkdv_kernel", False, False),
+                     ("_flash_bwd_dq_kernel", False, None), ("_flash_bwd_dkdv_kernel", False, True)], flags
 
 
 def test_float32_tiles_are_small_and_run_one_pipeline_stage_fewer(monkeypatch):

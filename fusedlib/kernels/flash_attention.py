@@ -1013,8 +1013,9 @@ LOADS_BY_TMA: bool = True
 #: pointer / TMA loads at causal [4, 16, 2048, 128]): the forward without dropout (0.191 /
 #: 0.182), the deterministic backward (0.680 / 0.657; with dropout 1.040 / 1.015), at d = 128,
 #: faster at every d = 128 case. Slower, so left on pointer loads: the forward with dropout
-#: (0.334 / 0.359), the backward with atomic dQ (0.615 / 0.768: its q and dO stages take 215 KB
-#: of shared memory instead of 132) and every form at d = 64. d = 256: not measured.
+#: (0.334 / 0.359), the backward with atomic dQ (0.615 / 0.768: compiled for sm_90 its q and dO
+#: stages take 210 KB of shared memory instead of 129) and every form at d = 64. d = 256: not
+#: measured.
 TMA_LOADS: dict[str, tuple[int, ...]] = {
     "forward": (128,),  # without dropout
     "forward_dropout": (),
@@ -1026,12 +1027,19 @@ TMA_LOADS: dict[str, tuple[int, ...]] = {
 
 def tma_loads(q: torch.Tensor, head_dim: int, form: str) -> bool:
     """Whether the kernels of ``form`` (a key of :data:`TMA_LOADS`) on ``q`` ([b, sq, hq, d])
-    read their streamed tiles by TMA (:data:`LOADS_BY_TMA`): on a CUDA GPU of compute
+    may read their streamed tiles by TMA (:data:`LOADS_BY_TMA`): on a CUDA GPU of compute
     capability 9.0 or newer, kernels compiled (not Triton's interpreter), outside a
     ``torch.compile`` trace (Inductor's Triton wrapper passes plain pointers), at a head dim
     :data:`TMA_LOADS` lists for the form (powers of two: the box is the whole head), with a
-    Triton that has host-side tensor descriptors; and only for tensors the copy engine can
-    address (:func:`_tile_descs`)."""
+    Triton that has host-side tensor descriptors. The tensors themselves are not looked at
+    here: the launchers then pass descriptors only for a pair the copy engine can address
+    (:func:`_tile_descs`), and the kernel's flag follows what they passed.
+
+    Raises:
+        ValueError: ``form`` not a key of :data:`TMA_LOADS`.
+    """
+    if form not in TMA_LOADS:
+        raise ValueError(f"form must be one of {sorted(TMA_LOADS)}, got {form!r}")
     if not LOADS_BY_TMA or INTERPRET_ON_CPU or _HostDescriptor is None or q.device.type != "cuda":
         return False
     if head_dim not in TMA_LOADS[form] or head_dim != _block_d(head_dim) or torch.compiler.is_compiling():
@@ -1042,9 +1050,10 @@ def tma_loads(q: torch.Tensor, head_dim: int, form: str) -> bool:
 def _tile_desc(t: torch.Tensor, rows: int) -> Optional[object]:
     """t ([b, s, h, d], unit last stride) as a TMA descriptor of [1, rows, 1, d] boxes (rows
     past s read as zeros), or None where the copy engine cannot address it: a base address or a
-    stride (of a dim longer than 1) that is not a multiple of 16 bytes, a zero stride, or no
-    elements. A dim of length 1 is only ever read at index 0: its stride is given as 16 bytes."""
-    if t.data_ptr() % 16 or t.numel() == 0:
+    stride (of a dim longer than 1) that is not a multiple of 16 bytes, a zero stride, a last
+    stride other than 1, or no elements. A dim of length 1 is only ever read at index 0: its
+    stride is given as 16 bytes."""
+    if t.data_ptr() % 16 or t.numel() == 0 or t.stride(3) != 1:
         return None
     es = t.element_size()
     strides = list(t.stride())
