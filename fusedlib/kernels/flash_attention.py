@@ -1011,9 +1011,9 @@ LOADS_BY_TMA: bool = True
 #: measured faster on the H200 (``python tools/attention_loads.py``, stored as
 #: ``chapters/data/bench/attention_loads.json``; bf16, kernel only, CUDA-graph replays, ms,
 #: pointer / TMA loads at causal [4, 16, 2048, 128]): the forward without dropout (0.191 /
-#: 0.182), the deterministic backward (0.680 / 0.657; with dropout 1.040 / 1.015), at d = 128,
+#: 0.182), the deterministic backward (0.681 / 0.658; with dropout 1.039 / 1.016), at d = 128,
 #: faster at every d = 128 case. Slower, so left on pointer loads: the forward with dropout
-#: (0.334 / 0.359), the backward with atomic dQ (0.615 / 0.768: compiled for sm_90 its q and dO
+#: (0.333 / 0.359), the backward with atomic dQ (0.615 / 0.769: compiled for sm_90 its q and dO
 #: stages take 210 KB of shared memory instead of 129) and every form at d = 64. d = 256: not
 #: measured.
 TMA_LOADS: dict[str, tuple[int, ...]] = {
