@@ -982,15 +982,18 @@ def dq_by_tma(q: torch.Tensor, head_dim: int) -> bool:
     width, so every row of the [b·hq, sq, d] accumulator is 16-byte aligned and the
     descriptor's box matches the tile), with a Triton whose tensor descriptors have
     ``atomic_add``."""
-    if not DQ_BY_TMA or INTERPRET_ON_CPU or _TensorDescriptor is None or q.device.type != "cuda":
+    return DQ_BY_TMA and _TensorDescriptor is not None and _tma_usable(q, head_dim)
+
+
+def _tma_usable(q: torch.Tensor, head_dim: int) -> bool:
+    """What every TMA path asks (:func:`dq_by_tma`, :func:`tma_loads`): q on a CUDA GPU of
+    compute capability 9.0 or newer (cached per device), kernels compiled (not Triton's
+    interpreter), outside a ``torch.compile`` trace, a head dim that is a power of two of at
+    least 16 (the tile's width: a box covers the whole head)."""
+    if INTERPRET_ON_CPU or q.device.type != "cuda":
         return False
     if head_dim != _block_d(head_dim) or torch.compiler.is_compiling():
         return False
-    return _hopper_or_newer(q)
-
-
-def _hopper_or_newer(q: torch.Tensor) -> bool:
-    """Whether q's CUDA device has compute capability 9.0 or newer (cached per device)."""
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     cap = _CAPABILITY.get(index)
     if cap is None:
@@ -1040,11 +1043,7 @@ def tma_loads(q: torch.Tensor, head_dim: int, form: str) -> bool:
     """
     if form not in TMA_LOADS:
         raise ValueError(f"form must be one of {sorted(TMA_LOADS)}, got {form!r}")
-    if not LOADS_BY_TMA or INTERPRET_ON_CPU or _HostDescriptor is None or q.device.type != "cuda":
-        return False
-    if head_dim not in TMA_LOADS[form] or head_dim != _block_d(head_dim) or torch.compiler.is_compiling():
-        return False
-    return _hopper_or_newer(q)
+    return LOADS_BY_TMA and _HostDescriptor is not None and head_dim in TMA_LOADS[form] and _tma_usable(q, head_dim)
 
 
 def _tile_desc(t: torch.Tensor, rows: int) -> Optional[object]:
