@@ -850,7 +850,8 @@ def test_flash_attention_kernels_compile_for_sm90():
     # reductions), the deterministic dQ kernel with a per-(query, key) mask, the three kernels
     # that read their streamed tiles by TMA loads (descriptors of [1, rows, 1, d] boxes; the
     # backward's two with dropout, the forms TMA_LOADS takes at d = 128), and the
-    # small kernels around them; their shared memory within the H200's 227 KB per block
+    # small kernels around them; the three tiled kernels in the order of programs a causal
+    # band takes (SCHEDULE_HEADS's groups); their shared memory within the H200's 227 KB per block
     code = textwrap.dedent("""
         import os
         os.environ["TRITON_INTERPRET"] = "0"
@@ -877,10 +878,14 @@ def test_flash_attention_kernels_compile_for_sm90():
             assert k.metadata.shared <= 232448, (name, k.metadata.shared)
             print(name, "compiled", tile)
 
-        head = dict(HEAD_DIM=128, BLOCK_D=128, DOT=tl.bfloat16, PRECISION="tf32")
+        # the programs in the order a causal band takes at d = 128 (_scheduled_tile): groups of
+        # heads, the query-block kernels' blocks reversed
+        head = dict(HEAD_DIM=128, BLOCK_D=128, DOT=tl.bfloat16, PRECISION="tf32",
+                    GROUP_HEADS=dict(fa.SCHEDULE_HEADS)[128])
         t = pick(fa.FWD_DROPOUT_TILES, 128, resolve_block_n=False)
         compile_("fwd dropout", fa._flash_fwd_kernel,
-                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, HAS_SINK=True, DROPOUT=True), t)
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, HAS_SINK=True, DROPOUT=True,
+                      REVERSE_BLOCKS=True), t)
         t = pick(fa.BWD_ATOMIC_TILES, 128, resolve_block_n=False)
         compile_("dkdv atomic dropout", fa._flash_bwd_dkdv_kernel,
                  dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=True, ATOMIC_DQ=True,
@@ -892,7 +897,7 @@ def test_flash_attention_kernels_compile_for_sm90():
         del PTR["DQACC_ptr"]
         t = pick(fa.BWD_DQ_TILES, 128, resolve_block_n=False)
         compile_("dq 4d mask", fa._flash_bwd_dq_kernel,
-                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=2, DROPOUT=False), t)
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=2, DROPOUT=False, REVERSE_BLOCKS=True), t)
         # the TMA tile loads (LOADS_BY_TMA): [b, s, h, d] descriptors of [1, rows, 1, d] boxes
         PTR["K_ptr"] = PTR["V_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_N
         compile_("dq tma loads dropout", fa._flash_bwd_dq_kernel,
@@ -901,7 +906,7 @@ def test_flash_attention_kernels_compile_for_sm90():
         PTR["K_ptr"] = PTR["V_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_N
         compile_("fwd tma loads", fa._flash_fwd_kernel,
                  dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=1, HAS_SINK=True, DROPOUT=False,
-                      KV_TMA=True), t)
+                      KV_TMA=True, REVERSE_BLOCKS=True), t)
         PTR["K_ptr"] = PTR["V_ptr"] = "*bf16"
         t = pick(fa.BWD_DKDV_TILES, 128, resolve_block_n=False)
         PTR["Q_ptr"] = PTR["DO_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_M

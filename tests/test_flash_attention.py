@@ -899,3 +899,141 @@ def test_attention_loads_tool_times_every_form_of_the_table():
                 assert kfa.use_atomic_dq(d, p > 0)
     assert [p for f, p, _ in tool._forms(128) if f == "backward_atomic"] == [0.0, tool.DROPOUT_P]
     assert [p for f, p, _ in tool._forms(64) if f == "backward_atomic"] == [tool.DROPOUT_P]
+
+
+# ---------------------------------------------------------------------------------------------
+# The programs' order (_scheduled_tile, program_order)
+# ---------------------------------------------------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fusedlib.kernels.flash_attention import _scheduled_tile  # noqa: E402
+
+
+@triton.jit
+def _order_probe_kernel(OUT_ptr, GROUP_HEADS: tl.constexpr, REVERSE_BLOCKS: tl.constexpr):
+    # each program writes the tile it was given at its linear index (the order the GPU starts it)
+    blk, h, b = _scheduled_tile(GROUP_HEADS, REVERSE_BLOCKS)
+    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    tl.store(OUT_ptr + pid * 3, blk)
+    tl.store(OUT_ptr + pid * 3 + 1, h)
+    tl.store(OUT_ptr + pid * 3 + 2, b)
+
+
+@pytest.mark.parametrize("group, reverse", [(1, False), (1, True), (4, True), (4, False), (6, True), (8, True)])
+def test_scheduled_tile_visits_every_tile_once_heaviest_first(group, reverse):
+    # grid (5 blocks, 3 heads, 2 batch): 6 (head, batch) pairs, so groups of 4 leave a last
+    # group of 2 and groups of 8 take every pair; the expected order is written independently
+    # of the kernel's arithmetic: group by group, block by block (the heaviest first), pair by
+    # pair
+    nb, nh, nbatch = 5, 3, 2
+    out = torch.full((nb * nh * nbatch, 3), -1, dtype=torch.int32, device=DEVICE)
+    _order_probe_kernel[(nb, nh, nbatch)](out, GROUP_HEADS=group, REVERSE_BLOCKS=reverse)
+    expect = []
+    pairs = list(range(nh * nbatch))
+    for g0 in range(0, len(pairs), group):
+        for r in range(nb):
+            for hb in pairs[g0:g0 + group]:
+                expect.append((nb - 1 - r if reverse else r, hb % nh, hb // nh))
+    got = [tuple(row) for row in out.tolist()]
+    assert got == expect
+    assert sorted(got) == sorted((m, h, b) for m in range(nb) for h in range(nh) for b in range(nbatch))
+
+
+def test_program_order_by_band(monkeypatch):
+    # the table's group where the band makes the blocks' costs differ, heaviest block first;
+    # the grid's order where they cost the same or the table says 1
+    monkeypatch.setattr(kfa, "SCHEDULE_HEADS", ((64, 1), (128, 8), (256, 1)))
+    order = kfa.program_order
+    causal = attention_band(2048, 2048, True, None)
+    assert order(causal, 2048, 2048, 128, False) == (8, True)  # the last query block sees every key
+    assert order(causal, 2048, 2048, 128, True) == (8, False)  # the first key block is seen by every query
+    assert order(causal, 2048, 2048, 80, False) == (8, True)  # padded to 128
+    assert order(causal, 2048, 2048, 64, False) == (1, False)
+    assert order(causal, 2048, 2048, 256, True) == (1, False)
+    full = attention_band(2048, 2048, False, None)
+    assert order(full, 2048, 2048, 128, False) == order(full, 2048, 2048, 128, True) == (1, False)
+    window = attention_band(512, 512, False, (100, 100))  # rows in the middle see 201 keys, the ends 101
+    assert order(window, 512, 512, 128, False) == (1, False)  # first and last rows alike
+    sliding = attention_band(512, 512, True, (16, -1))  # causal window: the first row sees 1 key, the last 17
+    assert order(sliding, 512, 512, 128, False) == (8, True)
+    assert order(sliding, 512, 512, 128, True) == (8, False)
+    later = attention_band(512, 512, False, (0, -1))  # keys j >= i only: the first row sees every key
+    assert order(later, 512, 512, 128, False) == (8, False)
+    assert order(later, 512, 512, 128, True) == (8, True)
+    short = attention_band(5, 9, True, None)  # bottom-right aligned: row 0 sees 5 keys, row 4 all 9
+    assert order(short, 5, 9, 128, False) == (8, True)
+    assert order(short, 5, 9, 128, True) == (8, False)  # keys 0-4 seen by all 5 rows, key 8 by one
+
+
+ORDERS = [(1, True), (3, False), (3, True), (64, True)]
+
+
+@pytest.mark.parametrize("group, reverse", ORDERS)
+def test_program_order_changes_no_bits(group, reverse, tiles, monkeypatch):
+    # every program computes the same tile in any order: the forward and the deterministic
+    # backward give the grid order's bits, and the atomic form its dK, dV (its dQ's float32
+    # additions come in another order: against float64 in the next test). GQA (6 query heads, 3
+    # key/value heads) and 3 samples give 18 and 9 (head, batch) pairs: groups of 3 divide
+    # them, and with the grid of blocks ragged (partial tiles, sq != sk) every program counts
+    tiles(16, 16)
+    b, hq, hkv = 3, 6, 3
+    sq, sk, d = (37, 45, 80) if not CUDA else (333, 400, 128)
+    torch.manual_seed(0)
+    q = torch.randn(b, sq, hq, d, device=DEVICE).to(torch.bfloat16)
+    k, v = (torch.randn(b, sk, hkv, d, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    sinks = torch.randn(hq, device=DEVICE)
+    scale = d ** -0.5
+    band = attention_band(sq, sk, True, None)
+
+    def run(order):
+        monkeypatch.setattr(kfa, "program_order", order)
+        o, lse = kfa.flash_attn_fwd(q, k, v, scale, band, sinks=sinks)
+        det = kfa.flash_attn_bwd(do, q, k, v, o, lse, scale, band, sinks=sinks, deterministic=True)
+        atomic = kfa.flash_attn_bwd(do, q, k, v, o, lse, scale, band, sinks=sinks, deterministic=False)
+        return [o, lse, *det], atomic
+
+    seen = []
+    grid_order, other = (lambda *a: (1, False)), (lambda *a: (seen.append(a[-1]) or (group, reverse)))
+    ref, ref_atomic = run(grid_order)
+    got, got_atomic = run(other)
+    assert seen.count(False) == 2 and seen.count(True) == 2  # forward, dQ; dK/dV twice
+    assert all(torch.equal(x, y) for x, y in zip(ref, got))
+    assert torch.equal(ref_atomic[1], got_atomic[1]) and torch.equal(ref_atomic[2], got_atomic[2])
+    assert kfa.use_atomic_dq(d, False)  # the atomic form ran (d = 80 pads to 128, its reach)
+
+
+def test_atomic_dq_in_another_order_against_float64(tiles, monkeypatch):
+    # the atomic dQ with the programs in groups of 3 (head, batch) pairs, the query blocks
+    # reversed, against float64: 18 pairs, sq != sk, partial tiles
+    tiles(16, 16)
+    monkeypatch.setattr(kfa, "program_order", lambda band, sq, sk, d, by_keys: (3, not by_keys))
+    _check(torch.float32, 3, 37, 45, 6, 3, 80, causal=True, deterministic=False)
+
+
+def test_attention_order_tool_puts_the_programs_in_each_order():
+    """tools/attention_order.py (which measured SCHEDULE_HEADS) times the grid's order and groups
+    of 8, 16 and every pair, heaviest block first whichever end it is at, and the order the
+    table takes at d = 128 is among them."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "attention_order.py"
+    spec = importlib.util.spec_from_file_location("attention_order", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    causal = attention_band(2048, 2048, True, None)
+    later = attention_band(2048, 2048, False, (0, -1))  # the heaviest query block is the first
+    got = {name: [tool._order(name, 64)(band, 2048, 2048, 128, by_keys) for band in (causal, later)
+                  for by_keys in (False, True)] for name in tool.ORDERS}
+    assert got == {"grid": [(1, False)] * 4, "8": [(8, True), (8, False), (8, False), (8, True)],
+                   "16": [(16, True), (16, False), (16, False), (16, True)],
+                   "all": [(64, True), (64, False), (64, False), (64, True)]}
+    table = [kfa.program_order(causal, 2048, 2048, 128, by_keys) for by_keys in (False, True)]
+    assert table in [got[name][:2] for name in tool.ORDERS]
+    forms = {f: (p, det) for f, p, det in tool._forms(128)}
+    assert forms == {"forward": (0.0, True), "forward_dropout": (tool.DROPOUT_P, True), "backward": (0.0, True),
+                     "backward_atomic": (0.0, False), "backward_atomic_dropout": (tool.DROPOUT_P, False)}
+    assert "backward_atomic" not in {f for f, _, _ in tool._forms(64)}  # no atomic dQ at d = 64 without dropout
