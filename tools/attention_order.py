@@ -59,11 +59,7 @@ def _order(name: str, pairs: int):
     def order(band, sq, sk, head_dim, by_keys):
         if name == "grid":
             return 1, False
-        lo, hi = band  # heaviest block first, whichever end it is at (program_order's test)
-        if by_keys:
-            first, last = kfa._visible(0, -hi, -lo, sq), kfa._visible(sk - 1, -hi, -lo, sq)
-        else:
-            first, last = kfa._visible(0, lo, hi, sk), kfa._visible(sq - 1, lo, hi, sk)
+        first, last = kfa._end_costs(band, sq, sk, by_keys)  # heaviest block first, whichever end it is at
         return (pairs if name == "all" else int(name)), last > first
 
     return order

@@ -284,9 +284,9 @@ def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[i
     return max(lo, -big), min(hi, big)
 
 
-#: The programs' order (:func:`_scheduled_tile`), by head dim: (largest head dim, how many
-#: (head, batch) pairs the programs walk together, heaviest block first), taken where the band
-#: makes the blocks' costs differ (:func:`program_order`). Timed on the H200 (bf16, kernel ms,
+#: The programs' order (:func:`_scheduled_tile`), by head dim: (largest head dim, pairs per
+#: group), the number of (head, batch) pairs the programs walk together, heaviest block first;
+#: taken where the band makes the blocks' costs differ (:func:`program_order`). Timed on the H200 (bf16, kernel ms,
 #: CUDA-graph replays; ``tools/attention_order.py`` -> ``attention_order.json``, the grid's order
 #: against groups of 8 / 16 / every pair): causal [4, 16, 2048, 128] forward 0.183 against
 #: 0.176 / 0.176 / 0.191, with dropout 0.337 against 0.307 / 0.306 / 0.311, deterministic
@@ -304,6 +304,15 @@ def _visible(i: int, lo: int, hi: int, n: int) -> int:
     return max(0, min(n - 1, i + hi) - max(0, i + lo) + 1)
 
 
+def _end_costs(band: tuple[int, int], sq: int, sk: int, by_keys: bool) -> tuple[int, int]:
+    """How much of the band the first and the last row (``by_keys=False``: keys each query sees)
+    or key (``by_keys=True``: queries that see it) cover."""
+    lo, hi = band
+    if by_keys:  # key j is seen by the queries i with lo <= j - i <= hi
+        return _visible(0, -hi, -lo, sq), _visible(sk - 1, -hi, -lo, sq)
+    return _visible(0, lo, hi, sk), _visible(sq - 1, lo, hi, sk)
+
+
 def program_order(band: tuple[int, int], sq: int, sk: int, head_dim: int, by_keys: bool) -> tuple[int, bool]:
     """``(GROUP_HEADS, REVERSE_BLOCKS)`` of :func:`_scheduled_tile` for a kernel whose programs
     each take one block of queries (``by_keys=False``: the forward, the dQ kernel) or of keys
@@ -311,15 +320,12 @@ def program_order(band: tuple[int, int], sq: int, sk: int, head_dim: int, by_key
 
     Where the first and the last row (key) see as many keys (queries) of the band, every block
     costs about the same and the grid's order is kept: ``(1, False)``; so it is for the head dims
-    where :data:`SCHEDULE_HEADS` gives 1. Otherwise that table's group, with REVERSE_BLOCKS
-    where the last block is the heavier: the forward's and dQ's under a causal band (the last
-    query row sees every key), the dK/dV kernel's under a band open only to later keys.
+    where :data:`SCHEDULE_HEADS` gives 1 (the blocks of one head reversed, ``(1, True)``, was not
+    timed). Otherwise that table's group, with REVERSE_BLOCKS where the last block is the heavier:
+    the forward's and dQ's under a causal band (the last query row sees every key), the dK/dV
+    kernel's under a band open only to later keys.
     """
-    lo, hi = band
-    if by_keys:  # key j is seen by the queries i with lo <= j - i <= hi
-        first, last = _visible(0, -hi, -lo, sq), _visible(sk - 1, -hi, -lo, sq)
-    else:
-        first, last = _visible(0, lo, hi, sk), _visible(sq - 1, lo, hi, sk)
+    first, last = _end_costs(band, sq, sk, by_keys)
     if first == last:
         return 1, False
     block_d = _block_d(head_dim)
@@ -407,12 +413,12 @@ def _tile_ranges(m0, m_last, band_lo, band_hi, n_total, BLOCK_N: tl.constexpr):
 @triton.jit
 def _scheduled_tile(GROUP_HEADS: tl.constexpr, REVERSE_BLOCKS: tl.constexpr):
     """(block, head, batch) of this program of a (blocks, heads, batch) grid, in the order the
-    GPU should start them. The GPU starts programs in the order of their linear index (axis 0
-    fastest), each as soon as one ends. Under a causal band the blocks' costs differ (the
-    forward's last query block walks every key tile, its first one), so the default order ends
-    the kernel with heavy blocks running after the light ones have drained: a tail. Here the
-    linear index walks GROUP_HEADS (head, batch) pairs at a time, the heaviest block of each pair
-    first (the longest-processing-time-first rule of list scheduling, Graham 1969; FlashAttention's
+    GPU should start them. CUDA promises no order, but GPUs start programs in about the order of
+    their linear index (axis 0 fastest), each as soon as one ends. Under a causal band the
+    blocks' costs differ (the forward's last query block walks every key tile, its first block
+    one), so the grid's order ends the kernel with heavy blocks running after the light ones
+    have drained: a tail. Here the linear index walks GROUP_HEADS (head, batch) pairs at a time,
+    the heaviest block of each pair first (the longest-processing-time-first rule of list scheduling, Graham 1969; FlashAttention's
     CuTe kernels start causal tiles so, ``SingleTileLPTScheduler``), so the last programs to start
     are the lightest. Groups
     of heads, not every head at once, keep the tiles that the running programs share (K/V in
