@@ -23,8 +23,9 @@ Each record also says whether the order changed the bits of a deterministic form
 every program computes the same tile) or, for the atomic dQ, the relative difference of dq from
 the grid order's (its float32 additions come in an order that varies).
 
-Records (a JSON list): ``{"op": "attention_order", "form", "order", "group_heads", "shape": [b, h, s, d], "shape_names", "causal", "dropout_p", "dtype", "ms",
-"timer": "cuda_graph", "same_bits" (or "dq_rel_diff")}`` plus the benchmark's environment
+Records (a JSON list): ``{"op": "attention_order", "form", "order", "group_heads", "shape":
+[b, h, s, d], "shape_names", "causal", "dropout_p", "dtype", "ms", "timer": "cuda_graph",
+"same_bits" (or "dq_rel_diff")}`` plus the benchmark's environment
 fields (device, torch, triton, direct_launch).
 """
 from __future__ import annotations

@@ -286,10 +286,10 @@ def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[i
 
 #: The programs' order (:func:`_scheduled_tile`), by head dim: (largest head dim, pairs per
 #: group), the number of (head, batch) pairs the programs walk together, heaviest block first;
-#: taken where the band makes the blocks' costs differ (:func:`program_order`). Timed on the H200 (bf16, kernel ms,
-#: CUDA-graph replays; ``tools/attention_order.py`` -> ``attention_order.json``, the grid's order
-#: against groups of 8 / 16 / every pair): causal [4, 16, 2048, 128] forward 0.183 against
-#: 0.176 / 0.176 / 0.191, with dropout 0.337 against 0.307 / 0.306 / 0.311, deterministic
+#: taken where the band makes the blocks' costs differ (:func:`program_order`). Timed on the
+#: H200 (bf16, kernel ms, CUDA-graph replays; ``tools/attention_order.py`` ->
+#: ``attention_order.json``, the grid's order against groups of 8 / 16 / every pair): causal
+#: [4, 16, 2048, 128] forward 0.183 against 0.176 / 0.176 / 0.191, with dropout 0.337 against 0.307 / 0.306 / 0.311, deterministic
 #: backward 0.660 against 0.611 / 0.611 / 0.643, atomic 0.614 against 0.567 / 0.565 / 0.578,
 #: atomic with dropout 0.973 against 0.874 / 0.873 / 0.887; causal [2, 16, 8192, 128] groups of 8
 #: 2-5 % faster in every form, 16 and every pair slower than 8 (forward 1.218 against 1.360 and
@@ -418,11 +418,11 @@ def _scheduled_tile(GROUP_HEADS: tl.constexpr, REVERSE_BLOCKS: tl.constexpr):
     blocks' costs differ (the forward's last query block walks every key tile, its first block
     one), so the grid's order ends the kernel with heavy blocks running after the light ones
     have drained: a tail. Here the linear index walks GROUP_HEADS (head, batch) pairs at a time,
-    the heaviest block of each pair first (the longest-processing-time-first rule of list scheduling, Graham 1969; FlashAttention's
-    CuTe kernels start causal tiles so, ``SingleTileLPTScheduler``), so the last programs to start
-    are the lightest. Groups
-    of heads, not every head at once, keep the tiles that the running programs share (K/V in
-    the forward, q/dO and the dQ accumulator in the backward) few enough for the L2 cache.
+    the heaviest block of each pair first (the longest-processing-time-first rule of list
+    scheduling, Graham 1969; FlashAttention's CuTe kernels start causal tiles so,
+    ``SingleTileLPTScheduler``), so the last programs to start are the lightest. Groups of
+    heads, not every head at once, keep the tiles that the running programs share (K/V in the
+    forward, q/dO and the dQ accumulator in the backward) few enough for the L2 cache.
     REVERSE_BLOCKS: the heaviest block is the last index (the host decides from the band).
     GROUP_HEADS = 1 without REVERSE_BLOCKS is the grid's own order."""
     n_blocks = tl.num_programs(0)
@@ -436,7 +436,8 @@ def _scheduled_tile(GROUP_HEADS: tl.constexpr, REVERSE_BLOCKS: tl.constexpr):
         per_group = GROUP_HEADS * n_blocks
         g = pid // per_group
         r = pid - g * per_group
-        g_heads = tl.minimum(n_heads * tl.num_programs(2) - g * GROUP_HEADS, GROUP_HEADS)  # the last group's may be fewer
+        # pairs in this group: GROUP_HEADS, fewer in the last
+        g_heads = tl.minimum(n_heads * tl.num_programs(2) - g * GROUP_HEADS, GROUP_HEADS)
         blk = r // g_heads
         hb = g * GROUP_HEADS + (r - blk * g_heads)
         h = hb % n_heads
