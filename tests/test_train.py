@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -372,6 +373,98 @@ def test_resume_names_a_damaged_checkpoint_and_compares_resolved_settings(corpus
         Trainer(TrainConfig(resume=True, **kw), corpus=corpus)
 
 
+def _damage(ckpt: dict, how: str) -> str:
+    """Damage a loaded checkpoint dict in place; returns what the refusal must name."""
+    model = ckpt["model"]
+    name = next(k for k, v in model.items() if torch.is_tensor(v) and v.is_floating_point() and v.dim() == 2)
+    if how == "nan weight":
+        model[name] = model[name].clone()
+        model[name].view(-1)[3] = float("nan")
+        return rf"model\['{re.escape(name)}'\] holds values that are not finite"
+    if how == "cut weight":
+        model[name] = model[name][:1].clone()
+        return rf"model\['{re.escape(name)}'\] is a torch.float32 tensor of shape \[1, "
+    if how == "inf moment":
+        state = next(iter(ckpt["optimizer"]["state"].values()))
+        state["exp_avg"] = state["exp_avg"].clone().fill_(float("inf"))
+        return r"optimizer state \d+ 'exp_avg' holds values that are not finite"
+    if how == "no optimizer":
+        del ckpt["optimizer"]
+        return "it has no 'optimizer' entry"
+    if how == "short data_rng":
+        ckpt["data_rng"] = torch.zeros(3, dtype=torch.uint8)
+        return r"data_rng is a torch.uint8 tensor of shape \[3\]"
+    if how == "corpus without sha256":
+        ckpt["corpus"] = {"python": "3.11"}
+        return "its corpus entry has no sha256"
+    if how == "empty scheduler":
+        ckpt["scheduler"] = {}
+        return "scheduler does not have this run's entries"
+    if how == "negative step":
+        ckpt["step"] = -5
+        return "its step is -5"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["nan weight", "cut weight", "inf moment", "no optimizer", "short data_rng",
+                                 "corpus without sha256", "empty scheduler", "negative step"])
+def test_resume_refuses_a_checkpoint_it_cannot_restore(how, corpus, tmp_path):
+    # each damage loaded (torch.load does not check the archive's CRCs) and then trained to NaN,
+    # or raised KeyError / RuntimeError from inside load_state_dict; the CLI printed a traceback
+    kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path))
+    Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus).run()
+    path = tmp_path / "checkpoint.pt"
+    assert Trainer(TrainConfig(resume=True, **kw), corpus=corpus).step_count == 2  # undamaged: resumes
+    ckpt = torch.load(path, weights_only=True)
+    match = _damage(ckpt, how)
+    torch.save(ckpt, path)
+    with pytest.raises(ValueError, match="cannot be restored into this run: " + match):
+        Trainer(TrainConfig(resume=True, **kw), corpus=corpus)
+
+
+def test_a_diverged_run_stops_with_an_error_and_keeps_its_last_checkpoint(corpus, tmp_path):
+    # lr 1e30 trained to NaN and exited 0; metrics.jsonl then held bare NaN tokens (not JSON)
+    kw = dict(TINY, steps=6, model="plain", device="cpu", out=str(tmp_path), log_interval=1, save_interval=1,
+              grad_clip=0.0, lr=1e30, warmup=0)
+    trainer = Trainer(TrainConfig(**kw), corpus=corpus)
+    with pytest.raises(FloatingPointError, match=r"step \d+: the training loss is (nan|inf|-inf): the run diverged"):
+        trainer.run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # strict JSON
+    assert all(math.isfinite(r["loss"]) for r in records) and len(records) < 6
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    if records:  # the last checkpoint is the last finite step's
+        assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == records[-1]["step"]
+    else:
+        assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_lr_device_and_out_path_are_checked_before_training(tmp_path):
+    # lr 1e39 overflowed float32 inside AdamW's step; devices torch names but fusedlib's kernels
+    # do not run on failed later with tracebacks; a file inside out's path raised NotADirectoryError
+    with pytest.raises(ValueError, match=r"lr must be at most 3.40282e\+38"):
+        TrainConfig(**dict(TINY, lr=1e39))
+    assert TrainConfig(**dict(TINY, lr=3e38)).lr == 3e38
+    for device in ("meta", "mps"):
+        with pytest.raises(ValueError, match=f"device must be 'cuda' .* or 'cpu'.*got '{device}'"):
+            TrainConfig(**dict(TINY, device=device))
+    (tmp_path / "afile").write_text("x")
+    for name in ("out", "cache_dir"):
+        with pytest.raises(ValueError, match=f"{name} must be a directory path .*afile' on its way is a file"):
+            TrainConfig(**dict(TINY, **{name: str(tmp_path / "afile" / "sub" / "deeper")}))
+
+
+def test_cli_help_gives_every_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    d = TrainConfig()
+    for flag, value in (("--layers", d.layers), ("--hidden", d.hidden), ("--heads", d.heads), ("--steps", d.steps),
+                        ("--dropout", d.dropout), ("--beta2", d.beta2), ("--seed", d.seed),
+                        ("--log-interval", d.log_interval), ("--top-k", 40)):
+        assert re.search(rf"{flag} \S+ .*?\(default: {re.escape(str(value))}\)", text), flag
+    assert "(default: None)" not in text
+
+
 @pytest.mark.parametrize("field", ["ffn", "lr", "dropout", "weight_decay"])
 def test_train_config_refuses_bools_and_strs_for_numbers(field):
     for value in (True, "0.1"):
@@ -554,6 +647,16 @@ def test_cli_resume_problems_are_one_error_line(tmp_path, stdlib_root, capsys, m
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "error: resume: no checkpoint at" in err and "Traceback" not in err
+
+
+def test_cli_a_diverged_run_is_one_error_line_and_status_1(tmp_path, stdlib_root, capsys, monkeypatch):
+    monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
+    argv = ["--model", "plain", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",
+            "--steps", "6", "--warmup", "0", "--log-interval", "1", "--lr", "1e30", "--grad-clip", "0",
+            "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--device", "cpu"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "error: step " in err and "the run diverged" in err and "Traceback" not in err
 
 
 def test_cli_bench_writes_records(tmp_path, stdlib_root, monkeypatch):

@@ -21,7 +21,8 @@ fused GPTModel with tp = p and, on rank 0, with tp = 1, and writes ``<out>/train
 (:func:`fusedlib.train.bench.run_tp_bench`).
 
 Exit status: 0; 1 when a ``--bench`` or ``--bench-profile`` run failed (the others are still
-measured and written);
+measured and written), or when the training loss became non-finite (the run diverged: one
+``error:`` line; the metrics before it are written, the last checkpoint is kept);
 2 for a bad flag (argparse's, with a message naming the flag), and for a run that cannot start: a
 ``--resume`` without a checkpoint, or with one of another configuration, another corpus or not a
 checkpoint at all; a corpus split shorter than ``--seq`` + 1 (one ``error:`` line, no traceback).
@@ -45,12 +46,18 @@ from .model import MODELS, SPECS
 PROG = "python -m fusedlib.train"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults in ``--help``, except None (the option's help says what None means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     from .loop import TrainConfig
 
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=MODELS, default=d.model, help="gpt: fusedlib's GPTModel; plain: nanoGPT-style")
     m.add_argument("--spec", choices=SPECS, default=argparse.SUPPRESS,
@@ -59,21 +66,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="the fused spec's attention: flash = fusedlib's FlashAttention, auto and fused = "
                         "scaled_dot_product_attention, local and unfused = materialised "
                         f"(--model gpt --spec fused; default {d.attention_backend})")
-    m.add_argument("--layers", type=int, default=d.layers)
-    m.add_argument("--hidden", type=int, default=d.hidden)
-    m.add_argument("--heads", type=int, default=d.heads)
+    m.add_argument("--layers", type=int, default=d.layers, help="transformer layers")
+    m.add_argument("--hidden", type=int, default=d.hidden, help="hidden size")
+    m.add_argument("--heads", type=int, default=d.heads, help="attention heads (dividing --hidden)")
     m.add_argument("--ffn", type=int, default=d.ffn, help="MLP width (default 4 x hidden)")
     m.add_argument("--seq", type=int, default=d.seq, help="tokens (bytes) per sequence")
-    m.add_argument("--dropout", type=float, default=d.dropout)
+    m.add_argument("--dropout", type=float, default=d.dropout, help="hidden and attention dropout")
     o = p.add_argument_group("optimisation")
     o.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
-    o.add_argument("--steps", type=int, default=d.steps)
+    o.add_argument("--steps", type=int, default=d.steps, help="training steps")
     o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     o.add_argument("--min-lr", type=float, default=d.min_lr, help="final learning rate (default lr/10)")
     o.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
-    o.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    o.add_argument("--beta1", type=float, default=d.beta1)
-    o.add_argument("--beta2", type=float, default=d.beta2)
+    o.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's, on the matrices")
+    o.add_argument("--beta1", type=float, default=d.beta1, help="AdamW's first-moment decay")
+    o.add_argument("--beta2", type=float, default=d.beta2, help="AdamW's second-moment decay")
     o.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global gradient norm (0: none)")
     e = p.add_argument_group("execution")
     e.add_argument("--device", default=d.device, help="default: cuda when present, else cpu")
@@ -91,23 +98,23 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--tp", type=int, default=d.tp,
                    help="tensor-parallel ranks (start with torchrun --nproc-per-node TP)")
     e.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (with --tp > 1)")
-    e.add_argument("--seed", type=int, default=d.seed)
+    e.add_argument("--seed", type=int, default=d.seed, help="weights, batches and dropout")
     e.add_argument("--cache-dir", default=d.cache_dir,
                    help="corpus cache (default $FUSEDLIB_CACHE or ~/.cache/fusedlib)")
     w = p.add_argument_group("output")
     w.add_argument("--out", default=None, help="directory for metrics.jsonl and checkpoint.pt (--bench: train.json)")
-    w.add_argument("--log-interval", type=int, default=d.log_interval)
+    w.add_argument("--log-interval", type=int, default=d.log_interval, help="steps per metrics window")
     w.add_argument("--eval-interval", type=int, default=d.eval_interval, help="0: only at the end")
-    w.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    w.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
     w.add_argument("--save-interval", type=int, default=d.save_interval, help="0: only at the end")
     w.add_argument("--stop-at", type=int, default=d.stop_at, help="stop (and save) after this step")
     w.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     s = p.add_argument_group("sampling")
     s.add_argument("--sample", type=int, default=0, metavar="N", help="print N sampled tokens after training")
-    s.add_argument("--prompt", default="def ")
-    s.add_argument("--temperature", type=float, default=0.8)
-    s.add_argument("--top-k", type=int, default=40)
+    s.add_argument("--prompt", default="def ", help="the text the samples continue")
+    s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    s.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens")
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="train each of --bench-runs, write <out>/train.json")
     b.add_argument("--bench-runs", nargs="+", default=None,
@@ -288,7 +295,11 @@ def _main(config, args) -> int:
                 f"{' on this rank' if config.tp > 1 else ''}; corpus {info['corpus']} (Python {info['python']}, "
                 f"{info['files_train']} files, {info['tokens_train']:,} tokens for training, {info['files_val']} files, "
                 f"{info['tokens_val']:,} for validation, {info['tokenizer']}, sha256 {info['sha256'][:12]})")
-    trainer.run()
+    try:
+        trainer.run()
+    except FloatingPointError as err:  # diverged: the metrics up to it are written, the last checkpoint kept
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 1
     if args.sample:
         text = trainer.sample(args.prompt, args.sample, args.temperature, args.top_k)  # (every rank draws)
         trainer.log(text)

@@ -87,10 +87,12 @@ __all__ = ["TrainConfig", "CosineSchedule", "Trainer", "sample", "CHECKPOINT", "
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
-#: Config fields a resumed run may change: they do not touch the training's arithmetic.
 #: The largest size or count a flag takes (an index-sized int; larger ones overflow in torch).
 _MAX_INT = 2 ** 31 - 1
+#: The largest learning rate: float32's largest number (AdamW's step computes in float32).
+_MAX_LR = float(torch.finfo(torch.float32).max)
 
+#: Config fields a resumed run may change: they do not touch the training's arithmetic.
 RESUMABLE_CHANGES = frozenset({"out", "resume", "stop_at", "save_interval", "log_interval", "eval_interval",
                                "eval_batches", "progress", "cache_dir", "compile", "compile_mode",
                                "cuda_graph", "full_iteration_graph"})
@@ -202,6 +204,9 @@ class TrainConfig:
             raise ValueError(f"stop_at must be between 1 and steps ({self.steps}), got {self.stop_at!r}")
         if not (self.lr > 0 and math.isfinite(real_to_float("lr", self.lr, "a finite number > 0"))):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if self.lr > _MAX_LR:  # AdamW's step multiplies float32 tensors by it: 1e39 is not a float32
+            raise ValueError(f"lr must be at most {_MAX_LR:g} (float32's largest: AdamW's step is float32), "
+                             f"got {self.lr!r}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr must be in [0, lr = {self.lr}], got {self.min_lr!r}")
         for name in ("beta1", "beta2"):
@@ -251,11 +256,20 @@ class TrainConfig:
                                  f"directory)")
             if getattr(self, name) is not None and Path(getattr(self, name)).is_file():
                 raise ValueError(f"{name} must be a directory path or None, got {str(getattr(self, name))!r}, a file")
+            if getattr(self, name) is not None:  # a file on the way: no directory can be made there
+                path = Path(getattr(self, name))
+                blocked = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+                if blocked is not None:
+                    raise ValueError(f"{name} must be a directory path or None, got {str(getattr(self, name))!r}: "
+                                     f"{str(blocked)!r} on its way is a file")
         if self.device is not None:
             try:
                 torch.device(self.device)
             except RuntimeError:
                 raise ValueError(f"device must be a torch device name, got {self.device!r}") from None
+            if torch.device(self.device).type not in ("cuda", "cpu"):
+                raise ValueError(f"device must be 'cuda' (optionally with an index) or 'cpu': fusedlib's kernels "
+                                 f"run on those; got {self.device!r}")
             if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r}: no CUDA device here (torch.cuda.is_available() is False)")
         self.shape()  # checks the model's shape
@@ -486,8 +500,15 @@ class Trainer:
         self.log = (log or print) if self.is_main else (lambda line: None)
         self.corpus = corpus if corpus is not None else load_corpus(cfg.cache_dir)
         dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.model = build_model(cfg.model, cfg.shape(), cfg.seed, cfg.spec, cfg.attention_backend, dtype, self.device,
-                                 cfg.tp, cfg.sequence_parallel, cfg.cuda_graph)
+        try:
+            self.model = build_model(cfg.model, cfg.shape(), cfg.seed, cfg.spec, cfg.attention_backend, dtype,
+                                     self.device, cfg.tp, cfg.sequence_parallel, cfg.cuda_graph)
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+            text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            if not isinstance(err, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in text:
+                raise
+            raise ValueError(f"the model (layers {cfg.layers}, hidden {cfg.hidden}, ffn {cfg.ffn or 4 * cfg.hidden}) "
+                             f"does not fit in the {self.device.type} memory: {text}") from None
         self.forward = torch.compile(self.model, mode=cfg.compile_mode) if cfg.compile else self.model
         self.params = list(self.model.parameters())
         if self.bf16:  # float32 master weights, updated by the optimizer, rounded into the bf16 parameters
@@ -520,7 +541,10 @@ class Trainer:
         self.out = Path(cfg.out) if cfg.out is not None else None
         self.checkpoint_path = None
         if self.out is not None:
-            self.out.mkdir(parents=True, exist_ok=True)
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+            except OSError as err:  # a file on the way, no permission, a file system that refuses
+                raise ValueError(f"out: cannot make the directory {str(self.out)!r}: {err.strerror or err}") from None
             self.checkpoint_path = self.out / (CHECKPOINT if cfg.tp == 1 else f"checkpoint-tp{self.rank}.pt")
         for name, split in (("train", self.corpus.train), ("val", self.corpus.val)):
             if split.numel() < cfg.seq + 1:
@@ -674,18 +698,92 @@ class Trainer:
         if diff:
             raise ValueError("resume: the checkpoint's configuration differs in "
                              + ", ".join(f"{k} (checkpoint {a!r}, now {b!r})" for k, (a, b) in diff.items()))
+        problem = self._unrestorable(ckpt)
+        if problem is not None:
+            raise ValueError(f"resume: {path} cannot be restored into this run: {problem}")
         if ckpt["corpus"]["sha256"] != self.corpus.sha256:
             raise ValueError(f"resume: the checkpoint was trained on another corpus (Python "
                              f"{ckpt['corpus']['python']}, sha256 {ckpt['corpus']['sha256'][:12]}), this is Python "
                              f"{self.corpus.python}'s ({self.corpus.sha256[:12]})")
         return ckpt
 
+    def _unrestorable(self, ckpt: dict) -> Optional[str]:
+        """Why ``ckpt`` (a dict with the config, step and corpus entries) cannot be restored into
+        this trainer, or None: every entry :meth:`state_dict` writes, of the type, shape and
+        dtype that this run's own state has, and the model's, the master weights' and the
+        optimizer's floating-point tensors finite. (torch.load does not check the archive's
+        CRCs: damaged bytes load; a non-finite weight is the damage that would train on silently.)
+        Checked before anything is restored, so that with ``tp`` > 1 every rank knows in time."""
+        if ckpt["step"] < 0:
+            return f"its step is {ckpt['step']}, not a step count"
+        corpus = ckpt["corpus"]
+        if not (isinstance(corpus.get("sha256"), str) and isinstance(corpus.get("python"), str)):
+            return "its corpus entry has no sha256 and python strings"
+        mine = self.state_dict()
+        for key in ("model", "optimizer", "scheduler", "data_rng", "torch_rng", "cuda_rng", "master"):
+            if key not in ckpt:
+                return f"it has no {key!r} entry"
+
+        def same_kind(a, b, where: str) -> Optional[str]:
+            if isinstance(b, torch.Tensor):
+                if not isinstance(a, torch.Tensor):
+                    return f"{where} is {type(a).__name__}, not a tensor"
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    return (f"{where} is a {a.dtype} tensor of shape {list(a.shape)}, this run's a {b.dtype} "
+                            f"tensor of shape {list(b.shape)}")
+                if a.is_floating_point() and not bool(torch.isfinite(a).all()):
+                    return f"{where} holds values that are not finite (a damaged file?)"
+                return None
+            if isinstance(b, dict):
+                if not isinstance(a, dict) or set(a) != set(b):
+                    return f"{where} does not have this run's entries"
+                return next((w for k in b if (w := same_kind(a[k], b[k], f"{where}[{k!r}]"))), None)
+            if isinstance(b, (list, tuple)):
+                if not isinstance(a, (list, tuple)) or len(a) != len(b):
+                    return f"{where} does not have this run's {len(b)} entries"
+                return next((w for i, (x, y) in enumerate(zip(a, b)) if (w := same_kind(x, y, f"{where}[{i}]"))),
+                            None)
+            if b is None or isinstance(b, (bool, int, float, str)):
+                if a is not None and b is not None and not isinstance(a, (bool, int, float, str)):
+                    return f"{where} is {type(a).__name__}, not a number or a string"
+            return None
+
+        for key in ("model", "master", "scheduler", "data_rng", "torch_rng"):
+            why = same_kind(ckpt[key], mine[key], key)
+            if why:
+                return why
+        opt, my_opt = ckpt["optimizer"], mine["optimizer"]
+        if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
+                and isinstance(opt.get("param_groups"), list)):
+            return "its optimizer entry is not an optimizer's state dict"
+        why = same_kind([len(g.get("params", ())) if isinstance(g, dict) else None for g in opt["param_groups"]],
+                        [len(g["params"]) for g in my_opt["param_groups"]], "optimizer's parameter groups")
+        if why:
+            return why
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for index, state in opt["state"].items():
+            if not (isinstance(index, int) and 0 <= index < len(params) and isinstance(state, dict)):
+                return f"its optimizer state has an entry {index!r} for no parameter"
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:  # exp_avg, exp_avg_sq (step: a scalar)
+                    why = same_kind(value, torch.empty_like(params[index], device="cpu"),
+                                    f"optimizer state {index} {name!r}")
+                    if why:
+                        return why
+                elif isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all()):
+                    return f"optimizer state {index} {name!r} is not finite"
+        if not isinstance(ckpt["cuda_rng"], (list, tuple)):
+            return "its cuda_rng entry is not a list"
+        return None
+
     def load(self, path: Path) -> None:
         """Restore a checkpoint written by :meth:`save`, and cut the metrics file back to its step.
 
         Raises:
             FileNotFoundError: no checkpoint at ``path``.
-            ValueError: not a checkpoint this trainer wrote (truncated, empty, another file);
+            ValueError: not a checkpoint this trainer wrote (truncated, empty, another file; an
+                entry missing, or of another type, shape or dtype than this run's state; a
+                non-finite weight or optimizer state: :meth:`_unrestorable`);
                 its configuration differs in a field outside :data:`RESUMABLE_CHANGES` (the
                 device type and bf16 compared as resolved), or its corpus differs (another
                 Python's stdlib); with ``tp`` > 1, the ranks' checkpoints are of different steps.
@@ -762,6 +860,12 @@ class Trainer:
         Records: ``{"step", "loss", "lr", "tokens_per_s", "peak_bytes"}`` per step (tokens/s of
         the step's logging window; peak_bytes: CUDA's peak allocation so far, None on a CPU) and
         ``{"step", "val_loss"}`` per evaluation.
+
+        Raises:
+            FloatingPointError: a training loss (checked at each logging window's synchronisation)
+                or a validation loss is not finite: the run diverged. The records of the
+                window's steps before it are written; nothing is saved after it (the last
+                checkpoint stays).
         """
         cfg = self.config
         last = cfg.stop_at if cfg.stop_at is not None else cfg.steps
@@ -793,8 +897,16 @@ class Trainer:
                     sync()
                     seconds = time.perf_counter() - t0
                     tps = tokens_per_step * len(pending) / seconds
-                    self.windows.append((pending[0][0], s, seconds))
                     peak = self._peak_bytes()
+                    bad = next((i for i, l in enumerate(losses) if not math.isfinite(l)), None)
+                    if bad is not None:  # diverged: log the finite steps before it, save nothing, stop
+                        self._write([{"step": st, "loss": l, "lr": r, "tokens_per_s": tps, "peak_bytes": peak}
+                                     for (st, _, r), l in zip(pending[:bad], losses[:bad])])
+                        raise FloatingPointError(
+                            f"step {pending[bad][0]}: the training loss is {losses[bad]}: the run diverged "
+                            f"(lr {pending[bad][2]:g}; a smaller lr or a grad_clip may help); nothing was saved "
+                            f"after it")
+                    self.windows.append((pending[0][0], s, seconds))
                     self._write([{"step": st, "loss": l, "lr": r, "tokens_per_s": tps, "peak_bytes": peak}
                                  for (st, _, r), l in zip(pending, losses)])
                     if bar is not None:
@@ -803,6 +915,9 @@ class Trainer:
                     pending = []
                     if evaluate:
                         val = self.evaluate()
+                        if not math.isfinite(val):
+                            raise FloatingPointError(f"step {s}: the validation loss is {val} (the training loss "
+                                                     f"{losses[-1]}): the model diverged; nothing was saved after it")
                         self._write([{"step": s, "val_loss": val}])
                         log(f"step {s}: train loss {losses[-1]:.4f}, val loss {val:.4f}")
                     if save:
