@@ -759,6 +759,82 @@ def test_state_dict_helpers_raise_clear_errors():
         unshard_state_dict([shards[0], {"w": shards[1]["w"]}], layout)
 
 
+def test_state_dict_helpers_refuse_what_does_not_join():
+    # each of these was merged silently (dtype promotion by torch.cat, a None replica taken from
+    # rank 0, a layout entry skipped) or raised ZeroDivisionError / IndexError / AttributeError
+    full = {"w": torch.arange(16.0).reshape(4, 4), "n": torch.ones(4)}
+    layout = {"w": PartitionSpec(0)}
+    shards = [shard_state_dict(full, layout, r, 2) for r in range(2)]
+    for other, dtype in ((torch.float64, "torch.float64"), (torch.int64, "torch.int64")):
+        with pytest.raises(ValueError, match=rf"w: the shards' dtypes differ: \['torch.float32', '{dtype}'\]"):
+            unshard_state_dict([shards[0], {**shards[1], "w": shards[1]["w"].to(other)}], layout)
+    for r in (0, 1):
+        bad = [dict(sd) for sd in shards]
+        bad[r]["n"] = None
+        first, then = ("NoneType", "Tensor") if r == 0 else ("Tensor", "NoneType")
+        with pytest.raises(ValueError, match=f"replicated entry 'n' is {first} on rank 0 and {then} on rank 1"):
+            unshard_state_dict(bad, layout)
+    with pytest.raises(ValueError, match=r"replicated entry 'n' differs .*\(dtype torch.float32 against torch.float64\)"):
+        unshard_state_dict([shards[0], {**shards[1], "n": shards[1]["n"].double()}], layout)
+    with pytest.raises(ValueError, match=r"the layout's entries \['missing'\] are not in the state dicts"):
+        unshard_state_dict(shards, {**layout, "missing": PartitionSpec(0)})
+    for spec, match in ((PartitionSpec(0, 0), "stride must be >= 1, got 0"),
+                        (PartitionSpec(0, -1), "stride must be >= 1, got -1"),
+                        (PartitionSpec(0.0, 1), "dim must be an int, got 0.0"), ((0,), "must be a PartitionSpec")):
+        with pytest.raises(ValueError, match=f"w: .*{match}"):
+            shard_state_dict(full, {"w": spec}, 0, 2)
+        with pytest.raises(ValueError, match=f"w: .*{match}"):
+            unshard_state_dict(shards, {"w": spec})
+    with pytest.raises(ValueError, match=r"w: partition_dim 5 out of range for the shards' shape \[2, 4\]"):
+        unshard_state_dict(shards, {"w": PartitionSpec(5)})
+    with pytest.raises(ValueError, match="w: the full entry must be a tensor .* got NoneType"):
+        shard_state_dict({**full, "w": None}, layout, 0, 2)
+    with pytest.raises(ValueError, match="w: rank 1's shard must be a tensor .* got NoneType"):
+        unshard_state_dict([shards[0], {**shards[1], "w": None}], layout)
+    assert torch.equal(unshard_state_dict(shards, layout)["w"], full["w"])  # and the good ones still join
+
+
+def _noop_rank(rank, world_size, device):
+    return rank
+
+
+def test_launch_and_seed_arguments_are_checked(seed):
+    from fusedlib.parallel import spawn
+
+    for world_size in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=r"world_size must be an int >= 1, got "):
+            spawn(_noop_rank, world_size)
+    for backend in ("mpi", "not-a-backend"):  # a one-process world accepted any backend
+        with pytest.raises(ValueError, match=f"backend must be 'nccl', 'gloo' or None, got '{backend}'"):
+            parallel_state.initialize_model_parallel(1, backend=backend)
+        assert not parallel_state.model_parallel_is_initialized()
+    for bad in (2 ** 64, 2 ** 63 - 2718, -1, 1.5):
+        with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\^63 - 2718 - tp_rank\)"):
+            fp.model_parallel_cuda_manual_seed(bad, tp_rank=0)
+    with pytest.raises(ValueError, match="tp_rank must be an int >= 0 or None, got -1"):
+        fp.model_parallel_cuda_manual_seed(seed, tp_rank=-1)
+
+
+def test_parallel_linears_name_a_wrong_input(seed):
+    # torch's "mat1 and mat2 shapes cannot be multiplied (6x6 and 8x4)" named neither the layer
+    # nor the width it expected
+    cfg = fp_config(num_layers=1, hidden_size=8, num_attention_heads=2)
+    col = fp.ColumnParallelLinear(8, 6, config=cfg, init_method=torch.nn.init.zeros_)
+    row = fp.RowParallelLinear(8, 6, config=cfg, init_method=torch.nn.init.zeros_, bias=True, input_is_parallel=True,
+                               skip_bias_add=False)
+    for layer, name in ((col, "ColumnParallelLinear"), (row, "RowParallelLinear")):
+        with pytest.raises(ValueError, match=rf"{name}: input_ must be \[\.\.\., 8\] \(input_size\), got shape \[3, 2, 6\]"):
+            layer(torch.randn(3, 2, 6))
+        with pytest.raises(ValueError, match=rf"{name}: input_ must have the weight's dtype torch.float32 .*float64"):
+            layer(torch.randn(3, 2, 8, dtype=torch.float64))
+        with pytest.raises(ValueError, match=rf"{name}: input_ must be a tensor \[\.\.\., 8\], got list"):
+            layer([1.0] * 8)
+        x = torch.randn(3, 2, 8)
+        assert layer(x)[0].shape == (3, 2, 6)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: a bf16 input meets float32 weights
+            assert layer(x.bfloat16())[0].shape == (3, 2, 6)
+
+
 def test_a_leaked_process_group_is_destroyed_after_its_test():
     # the conftest fixture's contract: this test creates a one-rank group and leaves it; the next
     # test (below, in the same process) must start without one

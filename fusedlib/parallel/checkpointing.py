@@ -64,6 +64,26 @@ def get_tensor_parallel_layout(model: torch.nn.Module) -> Dict[str, PartitionSpe
             for name, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
 
 
+def _check_spec(spec: object, name: str) -> tuple[int, int]:
+    """``spec`` as (dim, stride), checked: a pair of ints with stride >= 1."""
+    try:
+        dim, stride = spec  # a PartitionSpec, or any pair
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: the layout's entry must be a PartitionSpec(dim, stride), got {spec!r}") from None
+    for what, v in (("dim", dim), ("stride", stride)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name}: the partition {what} must be an int, got {v!r}")
+    if stride < 1:
+        raise ValueError(f"{name}: the partition stride must be >= 1, got {stride}")
+    return dim, stride
+
+
+def _check_tensor(t: object, name: str, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: {what} must be a tensor (the layout splits it), got {type(t).__name__}")
+    return t
+
+
 def _check_rank(rank: int, world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -80,7 +100,8 @@ def shard_tensor(full: torch.Tensor, spec: PartitionSpec, rank: int, world_size:
             bad rank.
     """
     _check_rank(rank, world_size)
-    dim, stride = spec
+    dim, stride = _check_spec(spec, name)
+    full = _check_tensor(full, name, "the full entry")
     if not -full.dim() <= dim < full.dim():
         raise ValueError(f"{name}: partition_dim {dim} out of range for shape {list(full.shape)}")
     n = full.shape[dim]
@@ -95,14 +116,21 @@ def unshard_tensors(shards: Sequence[torch.Tensor], spec: PartitionSpec, name: s
     """The full tensor from the ranks' shards, in rank order (inverse of :func:`shard_tensor`).
 
     Raises:
-        ValueError: shards of different shapes, or not divisible by the stride.
+        ValueError: a shard that is not a tensor, shards of different shapes or dtypes, a dim out
+            of range, a stride < 1, or a dim not divisible by the stride.
     """
-    dim, stride = spec
+    dim, stride = _check_spec(spec, name)
     p = len(shards)
     if p == 0:
         raise ValueError(f"{name}: no shards")
+    for r, s in enumerate(shards):
+        _check_tensor(s, name, f"rank {r}'s shard")
     if any(s.shape != shards[0].shape for s in shards):
         raise ValueError(f"{name}: the shards' shapes differ: {[list(s.shape) for s in shards]}")
+    if any(s.dtype != shards[0].dtype for s in shards):
+        raise ValueError(f"{name}: the shards' dtypes differ: {[str(s.dtype) for s in shards]}")
+    if not -shards[0].dim() <= dim < shards[0].dim():
+        raise ValueError(f"{name}: partition_dim {dim} out of range for the shards' shape {list(shards[0].shape)}")
     if shards[0].shape[dim] % stride:
         raise ValueError(f"{name}: shard dim {dim} ({shards[0].shape[dim]}) is not divisible by stride {stride}")
     parts = [torch.chunk(s, stride, dim=dim) for s in shards]  # parts[r][j]: chunk j·p + r of the full dim
@@ -156,8 +184,10 @@ def unshard_state_dict(shards: Sequence[Mapping[str, object]], layout: Layout, c
         A new dict: split entries joined, replicated ones taken from rank 0.
 
     Raises:
-        ValueError: no shards, different keys, or (``check_replicas``) replicas that differ,
-            naming the entry and the largest difference.
+        ValueError: no shards, different keys, a layout entry missing from the state dicts, split
+            entries that do not join (:func:`unshard_tensors`), or (``check_replicas``) replicas
+            that differ (in value, shape, dtype, or a tensor on one rank and not on another),
+            naming the entry and the difference.
     """
     if not shards:
         raise ValueError("unshard_state_dict: no shards")
@@ -166,6 +196,9 @@ def unshard_state_dict(shards: Sequence[Mapping[str, object]], layout: Layout, c
         if set(sd) != set(keys):
             raise ValueError(f"unshard_state_dict: rank {r}'s keys differ from rank 0's: "
                              f"{sorted(set(sd) ^ set(keys))}")
+    missing = sorted(set(layout) - set(keys))
+    if missing:
+        raise ValueError(f"unshard_state_dict: the layout's entries {missing} are not in the state dicts")
     out: Dict[str, object] = {}
     for k in keys:
         values = [sd[k] for sd in shards]
@@ -173,12 +206,21 @@ def unshard_state_dict(shards: Sequence[Mapping[str, object]], layout: Layout, c
             out[k] = unshard_tensors(values, layout[k], k)
             continue
         first = values[0]
-        if check_replicas and isinstance(first, torch.Tensor):
+        if check_replicas:
             for r, v in enumerate(values[1:], 1):
-                if not _same(v, first):
-                    diff = (v.double() - first.double()).abs().max().item() if v.shape == first.shape else "shape"
-                    raise ValueError(f"unshard_state_dict: the replicated entry {k!r} differs between rank 0 and "
-                                     f"rank {r} (max |difference| {diff}); were its gradients all-reduced "
-                                     "(fusedlib.parallel.finalize_model_grads)?")
+                if isinstance(v, torch.Tensor) != isinstance(first, torch.Tensor):
+                    raise ValueError(f"unshard_state_dict: the replicated entry {k!r} is "
+                                     f"{type(first).__name__} on rank 0 and {type(v).__name__} on rank {r}")
+                if not isinstance(first, torch.Tensor) or _same(v, first):
+                    continue
+                if v.shape != first.shape:
+                    diff = f"shape {list(first.shape)} against {list(v.shape)}"
+                elif v.dtype != first.dtype:
+                    diff = f"dtype {first.dtype} against {v.dtype}"
+                else:
+                    diff = f"max |difference| {(v.double() - first.double()).abs().max().item()}"
+                raise ValueError(f"unshard_state_dict: the replicated entry {k!r} differs between rank 0 and "
+                                 f"rank {r} ({diff}); were its gradients all-reduced "
+                                 "(fusedlib.parallel.finalize_model_grads)?")
         out[k] = first
     return out

@@ -85,12 +85,15 @@ def run_tp(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         numbers, strings, lists and dicts of them).
 
     Raises:
-        ValueError: for an unknown backend, or "nccl" with fewer than ``world_size`` GPUs.
+        ValueError: world_size not an int >= 1, an unknown backend, or "nccl" with fewer than
+            ``world_size`` GPUs.
         torch.multiprocessing.ProcessRaisedException: when a rank raises; the other ranks are
             terminated, so a failing rank never leaves the others waiting in a collective.
     """
     import torch.multiprocessing as mp
 
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and torch.cuda.device_count() < world_size:

@@ -210,6 +210,19 @@ def _init_weight_and_bias(layer: torch.nn.Module, config, init_method: Optional[
             layer.bias.zero_()  # Megatron-core: the bias always starts at zero
 
 
+def _check_input(layer: str, input_: object, width: int, weight: torch.Tensor, what: str) -> None:
+    """A linear layer's input: a tensor [..., width] of the weight's dtype (any dtype under
+    autocast), else a ValueError naming the layer and what it expected (torch's own error names
+    neither: "mat1 and mat2 shapes cannot be multiplied")."""
+    if not isinstance(input_, torch.Tensor):
+        raise ValueError(f"{layer}: input_ must be a tensor [..., {width}], got {type(input_).__name__}")
+    if input_.dim() == 0 or input_.shape[-1] != width:
+        raise ValueError(f"{layer}: input_ must be [..., {width}] ({what}), got shape {list(input_.shape)}")
+    if input_.dtype != weight.dtype and not torch.is_autocast_enabled(input_.device.type):
+        raise ValueError(f"{layer}: input_ must have the weight's dtype {weight.dtype} (or run under autocast), "
+                         f"got {input_.dtype}")
+
+
 class _ExtraStateMixin:
     """Megatron-core's linear layers carry an empty ``_extra_state`` (Transformer Engine keeps FP8
     metadata there); keeping it makes a Megatron-core state dict load 1:1, strictly, and back."""
@@ -391,7 +404,8 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
             (skip_weight_param_allocation) and none passed, or a passed weight of the wrong
             shape (Megatron-core's messages).
         ValueError: output_size not divisible by p, a group of the wrong size, init_method None
-            while initializing.
+            while initializing; in the forward an ``input_`` that is not [..., input_size], or
+            not of the weight's dtype outside autocast.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``ColumnParallelLinear``).
     """
@@ -439,6 +453,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         elif weight.shape != (self.output_size_per_partition, self.input_size):
             raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, "
                                f"not {(self.output_size_per_partition, self.input_size)} as expected")
+        _check_input("ColumnParallelLinear", input_, self.input_size, weight, "input_size")
         bias = self.bias if not self.skip_bias_add else None
         if self.tp_world_size == 1:
             if (bias is not None and bias.requires_grad and torch.is_grad_enabled() and optional_function_ok()
@@ -484,7 +499,8 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
     Raises:
         RuntimeError: sequence_parallel without input_is_parallel (Megatron's rule), or as
             :class:`ColumnParallelLinear`.
-        ValueError, NotImplementedError: as :class:`ColumnParallelLinear`.
+        ValueError, NotImplementedError: as :class:`ColumnParallelLinear` (the input's width:
+            input_size / p with input_is_parallel and p > 1, else input_size).
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``RowParallelLinear``).
     """
@@ -514,6 +530,11 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
 
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(x·Wᵀ + b, None)``, or ``(x·Wᵀ, b)`` with skip_bias_add; reduced over the ranks."""
+        if self.input_is_parallel and self.tp_world_size > 1:
+            _check_input("RowParallelLinear", input_, self.input_size_per_partition, self.weight,
+                         f"input_size / p: input_is_parallel, p = {self.tp_world_size}")
+        else:
+            _check_input("RowParallelLinear", input_, self.input_size, self.weight, "input_size")
         if self.tp_world_size == 1:
             output_ = F.linear(input_, self.weight)  # [..., in] -> [..., out]
         else:

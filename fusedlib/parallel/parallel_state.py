@@ -115,7 +115,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, *, backend: O
         backend: for :func:`init_distributed` ("nccl", "gloo" or None: NCCL when CUDA is available).
 
     Raises:
-        ValueError: p not an int >= 1, or not a divisor of the world size.
+        ValueError: p not an int >= 1, or not a divisor of the world size; an unknown backend.
         RuntimeError: already initialized (call :func:`destroy_model_parallel` first), or p > 1
             in a process started without ``torchrun`` or :func:`spawn`.
 
@@ -125,6 +125,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, *, backend: O
     p = tensor_model_parallel_size
     if isinstance(p, bool) or not isinstance(p, numbers.Integral) or p < 1:
         raise ValueError(f"tensor_model_parallel_size must be an int >= 1, got {p!r}")
+    if backend not in (None, "nccl", "gloo"):  # (checked here too: a one-process world never reaches init_distributed)
+        raise ValueError(f"backend must be 'nccl', 'gloo' or None, got {backend!r}")
     if _INITIALIZED:
         raise RuntimeError("model parallel groups are already initialized: call destroy_model_parallel() first")
     single = not (dist.is_available() and dist.is_initialized()) and "WORLD_SIZE" not in os.environ
@@ -273,11 +275,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, tensor_model_para
         The return values of ranks 0 .. world_size - 1.
 
     Raises:
-        ValueError: as :func:`fusedlib.parallel.demo.run_tp`.
+        ValueError: world_size not an int >= 1; as :func:`fusedlib.parallel.demo.run_tp`.
         torch.multiprocessing.ProcessRaisedException: a rank raised (the others are stopped).
     """
     from .demo import run_tp
 
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
     p = world_size if tensor_model_parallel_size is None else tensor_model_parallel_size

@@ -191,6 +191,10 @@ def model_parallel_cuda_manual_seed(seed: int, tp_rank: Optional[int] = None) ->
         tp_rank: this rank's tensor-parallel rank (None: from :mod:`parallel_state`, 0 when
             model parallelism is not initialized).
 
+    Raises:
+        ValueError: ``seed`` not an int in [0, 2^63 - 2718 - tp_rank) (torch's seeds are below
+            2^63, and the tracker's is seed + 2718 + tp_rank), or ``tp_rank`` not an int >= 0.
+
     Source: Megatron-LM ``megatron/core/tensor_parallel/random.py`` (``model_parallel_cuda_manual_seed``;
     2718 is Megatron's offset).
     """
@@ -199,6 +203,11 @@ def model_parallel_cuda_manual_seed(seed: int, tp_rank: Optional[int] = None) ->
     if tp_rank is None:
         tp_rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() \
             else 0
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank < 0:
+        raise ValueError(f"tp_rank must be an int >= 0 or None, got {tp_rank!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63 - 2718 - tp_rank:
+        raise ValueError(f"seed must be an int in [0, 2^63 - 2718 - tp_rank) (the model-parallel seed is "
+                         f"seed + 2718 + tp_rank, and torch's seeds are below 2^63), got {seed!r}")
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     torch.manual_seed(seed)
