@@ -659,6 +659,25 @@ def test_cli_a_diverged_run_is_one_error_line_and_status_1(tmp_path, stdlib_root
     assert "error: step " in err and "the run diverged" in err and "Traceback" not in err
 
 
+def test_cli_a_step_out_of_memory_is_one_error_line_and_status_1(tmp_path, stdlib_root, capsys, monkeypatch):
+    # a --batch too large for the device ended in the allocator's traceback
+    monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
+
+    def run(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(Trainer, "run", run)
+    argv = ["--model", "plain", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",
+            "--steps", "2", "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--device", "cpu"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert ("error: step 1 does not fit in the cpu memory (--batch 2, --seq 16; a smaller --batch may fit): CUDA out "
+            "of memory. Tried to allocate 20.00 GiB") in err and "Traceback" not in err
+    monkeypatch.setattr(Trainer, "run", lambda self: (_ for _ in ()).throw(RuntimeError("another failure")))
+    with pytest.raises(RuntimeError, match="another failure"):  # other errors are not disguised
+        cli.main(argv)
+
+
 def test_cli_bench_writes_records(tmp_path, stdlib_root, monkeypatch):
     monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
     argv = ["--bench", "--bench-runs", "fusedlib-unfused", "torch.compile", "--layers", "1", "--hidden", "32",

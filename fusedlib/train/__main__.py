@@ -21,8 +21,9 @@ fused GPTModel with tp = p and, on rank 0, with tp = 1, and writes ``<out>/train
 (:func:`fusedlib.train.bench.run_tp_bench`).
 
 Exit status: 0; 1 when a ``--bench`` or ``--bench-profile`` run failed (the others are still
-measured and written), or when the training loss became non-finite (the run diverged: one
-``error:`` line; the metrics before it are written, the last checkpoint is kept);
+measured and written), or when the training loss became non-finite (the run diverged) or a
+step did not fit in memory (one ``error:`` line; the metrics before it are written, the last
+checkpoint is kept);
 2 for a bad flag (argparse's, with a message naming the flag), and for a run that cannot start: a
 ``--resume`` without a checkpoint, or with one of another configuration, another corpus or not a
 checkpoint at all; a corpus split shorter than ``--seq`` + 1 (one ``error:`` line, no traceback).
@@ -37,6 +38,8 @@ import math
 import os
 import sys
 from typing import Optional
+
+import torch
 
 from ..transformer.enums import AttnBackend
 from .model import MODELS, SPECS
@@ -299,6 +302,13 @@ def _main(config, args) -> int:
         trainer.run()
     except FloatingPointError as err:  # diverged: the metrics up to it are written, the last checkpoint kept
         print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 1
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if not isinstance(err, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in text:
+            raise
+        print(f"{PROG}: error: step {trainer.step_count + 1} does not fit in the {trainer.device.type} memory "
+              f"(--batch {config.batch}, --seq {config.seq}; a smaller --batch may fit): {text}", file=sys.stderr)
         return 1
     if args.sample:
         text = trainer.sample(args.prompt, args.sample, args.temperature, args.top_k)  # (every rank draws)
