@@ -818,20 +818,22 @@ def test_launch_and_seed_arguments_are_checked(seed):
 def test_parallel_linears_name_a_wrong_input(seed):
     # torch's "mat1 and mat2 shapes cannot be multiplied (6x6 and 8x4)" named neither the layer
     # nor the width it expected
+    from conftest import DEVICE
+
     cfg = fp_config(num_layers=1, hidden_size=8, num_attention_heads=2)
-    col = fp.ColumnParallelLinear(8, 6, config=cfg, init_method=torch.nn.init.zeros_)
+    col = fp.ColumnParallelLinear(8, 6, config=cfg, init_method=torch.nn.init.zeros_).to(DEVICE)
     row = fp.RowParallelLinear(8, 6, config=cfg, init_method=torch.nn.init.zeros_, bias=True, input_is_parallel=True,
-                               skip_bias_add=False)
+                               skip_bias_add=False).to(DEVICE)
     for layer, name in ((col, "ColumnParallelLinear"), (row, "RowParallelLinear")):
         with pytest.raises(ValueError, match=rf"{name}: input_ must be \[\.\.\., 8\] \(input_size\), got shape \[3, 2, 6\]"):
-            layer(torch.randn(3, 2, 6))
+            layer(torch.randn(3, 2, 6, device=DEVICE))
         with pytest.raises(ValueError, match=rf"{name}: input_ must have the weight's dtype torch.float32 .*float64"):
-            layer(torch.randn(3, 2, 8, dtype=torch.float64))
+            layer(torch.randn(3, 2, 8, device=DEVICE, dtype=torch.float64))
         with pytest.raises(ValueError, match=rf"{name}: input_ must be a tensor \[\.\.\., 8\], got list"):
             layer([1.0] * 8)
-        x = torch.randn(3, 2, 8)
+        x = torch.randn(3, 2, 8, device=DEVICE)
         assert layer(x)[0].shape == (3, 2, 6)
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: a bf16 input meets float32 weights
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):  # autocast casts: a bf16 input meets float32 weights
             assert layer(x.bfloat16())[0].shape == (3, 2, 6)
 
 
