@@ -400,6 +400,10 @@ def _damage(ckpt: dict, how: str) -> str:
     if how == "empty scheduler":
         ckpt["scheduler"] = {}
         return "scheduler does not have this run's entries"
+    if how == "other groups":
+        groups = ckpt["optimizer"]["param_groups"]
+        groups[0]["params"], groups[1]["params"] = groups[0]["params"][:-1], groups[1]["params"] + groups[0]["params"][-1:]
+        return r"its optimizer's parameter groups hold \[\d+, \d+\] parameters, this run's"
     if how == "negative step":
         ckpt["step"] = -5
         return "its step is -5"
@@ -407,7 +411,7 @@ def _damage(ckpt: dict, how: str) -> str:
 
 
 @pytest.mark.parametrize("how", ["nan weight", "cut weight", "inf moment", "no optimizer", "short data_rng",
-                                 "corpus without sha256", "empty scheduler", "negative step"])
+                                 "corpus without sha256", "empty scheduler", "other groups", "negative step"])
 def test_resume_refuses_a_checkpoint_it_cannot_restore(how, corpus, tmp_path):
     # each damage loaded (torch.load does not check the archive's CRCs) and then trained to NaN,
     # or raised KeyError / RuntimeError from inside load_state_dict; the CLI printed a traceback

@@ -756,10 +756,11 @@ class Trainer:
         if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
                 and isinstance(opt.get("param_groups"), list)):
             return "its optimizer entry is not an optimizer's state dict"
-        why = same_kind([len(g.get("params", ())) if isinstance(g, dict) else None for g in opt["param_groups"]],
-                        [len(g["params"]) for g in my_opt["param_groups"]], "optimizer's parameter groups")
-        if why:
-            return why
+        sizes = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
+                 for g in opt["param_groups"]]
+        my_sizes = [len(g["params"]) for g in my_opt["param_groups"]]
+        if sizes != my_sizes:
+            return f"its optimizer's parameter groups hold {sizes} parameters, this run's {my_sizes}"
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         for index, state in opt["state"].items():
             if not (isinstance(index, int) and 0 <= index < len(params) and isinstance(state, dict)):
