@@ -402,7 +402,8 @@ def _damage(ckpt: dict, how: str) -> str:
         return "scheduler does not have this run's entries"
     if how == "other groups":
         groups = ckpt["optimizer"]["param_groups"]
-        groups[0]["params"], groups[1]["params"] = groups[0]["params"][:-1], groups[1]["params"] + groups[0]["params"][-1:]
+        moved = groups[0]["params"][-1:]
+        groups[0]["params"], groups[1]["params"] = groups[0]["params"][:-1], groups[1]["params"] + moved
         return r"its optimizer's parameter groups hold \[\d+, \d+\] parameters, this run's"
     if how == "negative step":
         ckpt["step"] = -5
