@@ -114,6 +114,49 @@ def test_gpt_names_bad_labels(labels, error, match):
         model(ids, None, None, labels=bad.to(DEVICE) if isinstance(bad, torch.Tensor) else bad)
 
 
+@pytest.mark.parametrize("case, error, match", [
+    # each failed inside torch with a message naming neither argument ("index out of range in
+    # self", "Expected tensor for argument #1 'indices'", a size mismatch deep in a later op)
+    ("float ids", TypeError, "input_ids must be int64 or int32, got torch.float32"),
+    ("1-D ids", ValueError, rf"input_ids must be \[b, s\] with b, s >= 1, got shape \[{S}\]"),
+    ("3-D ids", ValueError, rf"input_ids must be \[b, s\] with b, s >= 1, got shape \[{B}, {S}, 1\]"),
+    ("id = V", ValueError, rf"input_ids must lie in \[0, vocab_size = {V}\), got values in \[0, {V}\]"),
+    ("id = -1", ValueError, rf"input_ids must lie in \[0, vocab_size = {V}\), got values in \[-1, "),
+    ("short positions", ValueError,
+     rf"position_ids must be \[b or 1, s\] = \[{B} or 1, {S}\] .* got shape \[1, {S - 1}\]"),
+    ("position past the table", ValueError, rf"position_ids must lie in \[0, max_sequence_length = {S + 3}\)"),
+    ("float positions", TypeError, "position_ids must be int64 or int32, got torch.float32"),
+])
+def test_gpt_names_bad_input_and_position_ids(case, error, match):
+    model = _model(make_config(num_layers=1), get_gpt_layer_unfused_spec())  # learned positions: S + 3 rows
+    ids, _ = _ids()
+    positions = None
+    if case == "float ids":
+        ids = ids.float()
+    elif case == "1-D ids":
+        ids = ids[0]
+    elif case == "3-D ids":
+        ids = ids[..., None]
+    elif case == "id = V":
+        ids = ids.clone()
+        ids[0, 0] = V
+        ids[1, 0] = 0
+    elif case == "id = -1":
+        ids = ids.clone()
+        ids[1, 2] = -1
+    elif case == "short positions":
+        positions = torch.arange(S - 1, device=DEVICE)[None]
+    elif case == "position past the table":
+        positions = torch.arange(S, device=DEVICE)[None] + 4
+    else:
+        positions = torch.arange(S, device=DEVICE)[None].float()
+    if DEVICE.type == "cuda" and case in ("id = V", "id = -1", "position past the table"):
+        pytest.skip("the range is checked on the host for CPU tensors only (a check of CUDA ids would sync)")
+    with pytest.raises(error, match=match):
+        model(ids, positions, None)
+    assert model(_ids()[0], torch.arange(S, device=DEVICE)[None], None).shape == (B, S, V)  # a good call still runs
+
+
 def test_gpt_refuses_more_positions_than_its_table():
     cfg = make_config(num_layers=1)
     model = _model(cfg, get_gpt_layer_unfused_spec())  # learned positions: S + 3 rows

@@ -1303,6 +1303,35 @@ def test_transformer_layer_names_a_bad_hidden_states_shape(shape):
         layer(torch.randn(shape, device=DEVICE))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_layer_and_block_refuse_hidden_states_that_are_not_floating_point(dtype):
+    # the residual stream kept the input's dtype: an int64 input came out rounded to ints, a
+    # block's final norm cast it back to float32 and hid it; complex ran with a warning
+    cfg = make_config(num_layers=1)
+    layer = TransformerLayer(cfg, get_gpt_layer_local_spec().submodules).to(DEVICE)
+    block = TransformerBlock(cfg, get_gpt_layer_local_spec()).to(DEVICE)
+    x = torch.ones(S, B, H, device=DEVICE).to(dtype)
+    for module, name in ((layer, "TransformerLayer"), (block, "TransformerBlock")):
+        with pytest.raises(TypeError, match=f"{name}: hidden_states must be a floating-point tensor, got {dtype}"):
+            module(x, None)
+    for bad in (np.ones((S, B, H), dtype=np.float32), [[0.0] * H]):  # AttributeError '_base' before
+        with pytest.raises(ValueError, match=f"TransformerBlock: hidden_states must be a tensor .* got "
+                                             f"{type(bad).__name__}"):
+            block(bad, None)
+
+
+def test_config_takes_numpy_ints_for_its_sizes_as_ints():
+    # the derived num_query_groups and kv_channels stayed numpy ints, and SDPA then refused
+    # enable_gqa=numpy.bool at the first forward
+    cfg = make_config(num_layers=np.int64(1), hidden_size=np.int64(H), num_attention_heads=np.int64(2),
+                      attention_backend=AttnBackend.auto)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                 "ffn_hidden_size"):
+        assert type(getattr(cfg, name)) is int, name
+    out = TransformerBlock(cfg, get_gpt_layer_local_spec()).to(DEVICE)(torch.randn(S, B, H, device=DEVICE), None)
+    assert out.shape == (S, B, H)
+
+
 def test_mask_helpers_check_their_arguments():
     from fusedlib.transformer.utils import get_default_causal_mask, get_sliding_window_causal_mask
     for bad, error in ((3.0, TypeError), ("3", TypeError), (True, TypeError), (-1, ValueError)):

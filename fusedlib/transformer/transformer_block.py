@@ -55,7 +55,7 @@ from .identity_op import IdentityOp
 from .module import MegatronModule
 from .spec_utils import ModuleSpec, build_module, get_module
 from .transformer_config import TransformerConfig
-from .transformer_layer import BaseTransformerLayer, _norm
+from .transformer_layer import BaseTransformerLayer, _norm, check_hidden_states
 from .utils import param_device
 
 __all__ = ["TransformerBlockSubmodules", "TransformerBlock"]
@@ -118,9 +118,9 @@ class TransformerBlock(MegatronModule):
     Raises:
         NotImplementedError: a left-out feature asked for (with CUDA graphs: a cross-attention
             context, or a mask, rotary embedding or attention bias that is not a tensor).
-        TypeError: a bad spec (see :func:`_get_block_submodules`).
-        ValueError: ``cuda_graph_impl="local"`` in training with hidden states not on a CUDA
-            device.
+        TypeError: a bad spec (see :func:`_get_block_submodules`); hidden states not floating point.
+        ValueError: hidden states not a tensor [s, b, hidden_size] (s, b >= 1);
+            ``cuda_graph_impl="local"`` in training with hidden states not on a CUDA device.
         NotImplementedError: with CUDA graphs, also a module hook on a layer, on the final norm
             or on one of their submodules, a global module hook, a tensor hook on one of their
             parameters, or (set after construction) recomputation or sequence parallelism.
@@ -234,6 +234,7 @@ class TransformerBlock(MegatronModule):
         """The layers (checkpointed with full recomputation in training), then the final norm."""
         if inference_context is not None or packed_seq_params is not None:
             raise NotImplementedError("TransformerBlock: inference_context and packed_seq_params are left out")
+        check_hidden_states("TransformerBlock", hidden_states, self.config.hidden_size)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         manager = self.cudagraph_manager
         if manager is not None and manager.applies(self, hidden_states):

@@ -380,6 +380,7 @@ class TransformerConfig:
                 raise ArgumentTypeError(f"{name} must be an int >= 0, got {type_name(v)} {v!r}")
             if v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+            setattr(self, name, int(v))  # numpy's int64 as a Python int (the sizes derived from it too)
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}")
         if not isinstance(self.attention_backend, AttnBackend):

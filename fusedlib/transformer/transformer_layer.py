@@ -60,7 +60,7 @@ from .spec_utils import ModuleSpec, build_module
 from .transformer_config import TransformerConfig
 from .utils import param_device
 
-__all__ = ["TransformerLayerSubmodules", "BaseTransformerLayer", "TransformerLayer"]
+__all__ = ["TransformerLayerSubmodules", "BaseTransformerLayer", "TransformerLayer", "check_hidden_states"]
 
 Spec = Union[ModuleSpec, type]
 
@@ -118,6 +118,24 @@ def _norm_and_residual(norm: torch.nn.Module, x: torch.Tensor,
     return norm_with_residual(norm, x)
 
 
+def check_hidden_states(owner: str, hidden_states: object, h: int) -> None:
+    """The hidden states a layer or a block takes: a floating-point tensor [s, b, h], s, b >= 1.
+
+    Raises:
+        ValueError: not a tensor of that shape (``owner`` names the module).
+        TypeError: a tensor that is not floating point (an integer, bool or complex residual
+            stream would be rounded to its dtype at every addition: wrong answers, no error).
+    """
+    if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
+            and hidden_states.shape[2] == h and hidden_states.shape[0] > 0 and hidden_states.shape[1] > 0):
+        got = (f"shape {list(hidden_states.shape)}" if isinstance(hidden_states, torch.Tensor)
+               else type(hidden_states).__name__)
+        raise ValueError(f"{owner}: hidden_states must be a tensor [s, b, h] with s, b >= 1 and h = "
+                         f"hidden_size = {h}, got {got}")
+    if not hidden_states.is_floating_point():
+        raise TypeError(f"{owner}: hidden_states must be a floating-point tensor, got {hidden_states.dtype}")
+
+
 class TransformerLayer(MegatronModule, BaseTransformerLayer):
     """One transformer layer: [s, b, h] -> ``(output [s, b, h], context)``.
 
@@ -142,6 +160,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
     Raises:
         NotImplementedError: pg_collection, vp_stage, inference_context or packed_seq_params given.
         ValueError: hidden_states not a tensor [s, b, h] with s, b >= 1 and h = hidden_size.
+        TypeError: hidden_states not floating point (:func:`check_hidden_states`).
         Errors of the submodules, naming the module that failed.
 
     Source: Megatron-LM ``megatron/core/transformer/transformer_layer.py`` (``TransformerLayer``).
@@ -189,13 +208,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         """``(output [s, b, h], context)``: the attention part, then the MLP part."""
         if inference_context is not None or packed_seq_params is not None:
             raise NotImplementedError("TransformerLayer: inference_context and packed_seq_params are left out")
-        h = self.config.hidden_size
-        if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
-                and hidden_states.shape[2] == h and hidden_states.shape[0] > 0 and hidden_states.shape[1] > 0):
-            got = (f"shape {list(hidden_states.shape)}" if isinstance(hidden_states, torch.Tensor)
-                   else type(hidden_states).__name__)
-            raise ValueError(f"TransformerLayer: hidden_states must be a tensor [s, b, h] with s, b >= 1 and h = "
-                             f"hidden_size = {h}, got {got}")
+        check_hidden_states("TransformerLayer", hidden_states, self.config.hidden_size)
         if self._bda_into_pre_mlp_norm():
             # nothing between the attention's bias-dropout-add and the MLP's norm: one op for both
             attention_output_with_bias, residual = self._self_attention(hidden_states, attention_mask,

@@ -27,6 +27,26 @@ from ....transformer.utils import param_device
 __all__ = ["LanguageModelEmbedding"]
 
 
+def _check_ids(name: str, ids: object, like: Optional[torch.Size], bound: int, bound_name: str) -> None:
+    """Token ids [b, s] (``like`` None) or positions [b or 1, s] (``like`` = the ids' shape):
+    int32 / int64; on the CPU also in [0, bound) (a host check there costs no sync; on CUDA the
+    table lookup's own check applies)."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be an int64 tensor [b, s], got {type(ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must be int64 or int32, got {ids.dtype}")
+    if like is None:
+        if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise ValueError(f"{name} must be [b, s] with b, s >= 1, got shape {list(ids.shape)}")
+    elif ids.dim() != 2 or ids.shape[1] != like[1] or ids.shape[0] not in (1, like[0]):
+        raise ValueError(f"{name} must be [b or 1, s] = [{like[0]} or 1, {like[1]}] (input_ids' shape), got shape "
+                         f"{list(ids.shape)}")
+    if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= bound:
+            raise ValueError(f"{name} must lie in [0, {bound_name} = {bound}), got values in [{low}, {high}]")
+
+
 class LanguageModelEmbedding(MegatronModule):
     """word_embeddings(ids) + position_embeddings(positions), transposed to [s, b, h], then dropout.
 
@@ -48,7 +68,10 @@ class LanguageModelEmbedding(MegatronModule):
     Raises:
         NotImplementedError: num_tokentypes > 0 or tokentype_ids given.
         ValueError: an unknown position_embedding_type; input_ids longer than
-            max_sequence_length (learned positions, position_ids None).
+            max_sequence_length (learned positions, position_ids None); input_ids not a 2-D
+            [b, s] tensor (b, s >= 1), position_ids not [b or 1, s]; on the CPU, an id outside
+            [0, vocab_size) or a position outside [0, max_sequence_length).
+        TypeError: input_ids or position_ids not int32 / int64.
 
     Source: Megatron-LM ``megatron/core/models/common/embeddings/language_model_embedding.py``.
     """
@@ -93,6 +116,9 @@ class LanguageModelEmbedding(MegatronModule):
         """Embeddings [s, b, h] (see the class docstring)."""
         if tokentype_ids is not None:
             raise NotImplementedError("LanguageModelEmbedding: tokentype_ids are left out of fusedlib")
+        _check_ids("input_ids", input_ids, None, self.vocab_size, "vocab_size")
+        if position_ids is not None and self.add_position_embedding:
+            _check_ids("position_ids", position_ids, input_ids.shape, self.max_sequence_length, "max_sequence_length")
         embeddings = self.word_embeddings(input_ids)  # [b, s] -> [b, s, h] (reduce-scattered: [s/p, b, h])
         if self.add_position_embedding:
             if position_ids is None:
