@@ -309,9 +309,12 @@ def test_bad_mscale_raises_on_the_unfused_path_too(name, fusion):
 
 
 @pytest.mark.parametrize("fusion", (False, True))
-@pytest.mark.parametrize("name", ["rot_dim > d", "rot_dim odd", "rot_dim 0"])
-def test_bad_rot_dim_raises_on_the_unfused_path_too(name, fusion):
-    # the unfused formula took an odd rot_dim and returned a tensor of the input's shape
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_inputs_raise_on_the_unfused_path_too(name, fusion):
+    # the unfused formula took an odd rot_dim and returned a tensor of the input's shape; it
+    # broadcast freqs of other shapes (per head: no error), took integer angles, and failed on
+    # others inside torch ("The size of tensor a (6) must match ...", "'list' object has no
+    # attribute 'shape'")
     make, exc, match = BAD[name]
     t, freqs = make()
     with pytest.raises(exc, match=match):

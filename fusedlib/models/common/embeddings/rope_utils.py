@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ....checks import FLOAT32_MAX
-from ....fusions.fused_rope import _check_mscale, fused_apply_rotary_pos_emb
+from ....fusions.fused_rope import _check_mscale, check_rope_inputs, fused_apply_rotary_pos_emb
 from ....unfused import apply_rotary_pos_emb_bshd as _apply_rotary_pos_emb_bshd
 from ....unfused import rotate_half as _rotate_half
 
@@ -63,9 +63,10 @@ def apply_rotary_pos_emb(
         TypeError: ``config`` lacks ``apply_rope_fusion`` or ``rotary_interleaved``.
         NotImplementedError: ``cu_seqlens`` given (packed sequences), or
             ``multi_latent_attention`` with ``apply_rope_fusion``.
-        TypeError, ValueError: from :func:`fused_apply_rotary_pos_emb` for bad tensors; mscale
-            not a real number (TypeError) or not finite in float32 (ValueError), on either path;
-            an odd rot_dim, or one outside [2, d], on either path (ValueError).
+        TypeError, ValueError: bad tensors, on either path (without multi_latent_attention:
+            :func:`~fusedlib.fusions.fused_rope.check_rope_inputs`); mscale not a real number
+            (TypeError) or not finite in float32 (ValueError), on either path; an odd rot_dim,
+            or one outside [2, d], on either path (ValueError).
 
     Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``
     (``apply_rotary_pos_emb``).
@@ -88,7 +89,9 @@ def apply_rotary_pos_emb(
                 "set apply_rope_fusion=False"
             )
         return fused_apply_rotary_pos_emb(t, freqs, interleaved=config.rotary_interleaved, mscale=mscale)
-    if isinstance(t, torch.Tensor) and isinstance(freqs, torch.Tensor) and t.dim() >= 1 and freqs.dim() >= 1:
+    if not mla:  # the fused path's checks on the unfused one too (it broadcast wrong shapes, took int angles)
+        check_rope_inputs(t, freqs)
+    elif isinstance(t, torch.Tensor) and isinstance(freqs, torch.Tensor) and t.dim() >= 1 and freqs.dim() >= 1:
         rot_dim = freqs.shape[-1]
         if rot_dim % 2 or not 2 <= rot_dim <= t.shape[-1]:  # the fused path's rule, on the unfused path too
             raise ValueError(f"freqs.shape[-1] = rot_dim must be even and 2 <= rot_dim <= d = t.shape[-1] = "
