@@ -1320,6 +1320,25 @@ def test_layer_and_block_refuse_hidden_states_that_are_not_floating_point(dtype)
             block(bad, None)
 
 
+def test_misspelt_knobs_are_refused_whatever_else_is_set():
+    # a recompute_modules typo passed unless the granularity was "selective"; a bad
+    # cuda_graph_warmup_steps unless cuda_graph_impl was "local"; a truthy str built the q/k norms
+    for granularity in (None, "full", "selective"):
+        kw = dict(recompute_method="uniform", recompute_num_layers=1) if granularity == "full" else {}
+        with pytest.raises(ValueError, match=r"recompute_modules \['mpl'\] are not module names"):
+            make_config(recompute_granularity=granularity, recompute_modules=["mpl"], **kw)
+    assert make_config(recompute_modules=["layernorm"]).recompute_modules == ["layernorm"]  # Megatron's: kept
+    with pytest.raises(ValueError, match=r"recompute_modules \['layernorm'\] are not implemented in fusedlib"):
+        make_config(recompute_granularity="selective", recompute_modules=["layernorm"])
+    for bad in ("x", 0, True):
+        with pytest.raises(ValueError, match="cuda_graph_warmup_steps must be an int >= 1"):
+            make_config(cuda_graph_warmup_steps=bad)
+    for spec in (get_gpt_layer_local_spec, get_gpt_layer_unfused_spec):
+        with pytest.raises(TypeError, match="qk_layernorm must be a bool .* got str 'no'"):
+            spec(qk_layernorm="no")
+        assert spec(qk_layernorm=None).submodules.self_attention.submodules.q_layernorm is IdentityOp
+
+
 def test_config_takes_numpy_ints_for_its_sizes_as_ints():
     # the derived num_query_groups and kv_channels stayed numpy ints, and SDPA then refused
     # enable_gqa=numpy.bool at the first forward

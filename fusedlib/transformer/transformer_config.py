@@ -60,6 +60,7 @@ NORMALIZATIONS: tuple[str, ...] = ("LayerNorm", "RMSNorm")
 #: ``recompute_modules`` fusedlib implements (Megatron-core also has "layernorm", "moe", "moe_act",
 #: "mla_up_proj", "shared_experts": features left out here).
 RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "mlp")
+_MEGATRON_RECOMPUTE_MODULES = RECOMPUTE_MODULES + ("layernorm", "moe", "moe_act", "mla_up_proj", "shared_experts")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: Optional size fields: an int >= 1 when set; what None means, for the messages.
 _OPTIONAL_SIZES: dict[str, str] = {
@@ -498,6 +499,11 @@ class TransformerConfig:
                 raise ValueError(f'With recompute_granularity "selective", recompute_num_layers must be None, got {n}')
         if self.recompute_modules is None:
             self.recompute_modules = ["core_attn"]
+        unknown = sorted(set(self.recompute_modules) - set(_MEGATRON_RECOMPUTE_MODULES))
+        if unknown:  # a misspelling, whatever the granularity (Megatron-core's other names pass unless selective)
+            raise ValueError(f"recompute_modules {unknown} are not module names (fusedlib implements "
+                             f"{', '.join(RECOMPUTE_MODULES)}; Megatron-core also names "
+                             f"{', '.join(_MEGATRON_RECOMPUTE_MODULES[len(RECOMPUTE_MODULES):])})")
         bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
         if g == "selective" and bad:
             raise ValueError(f"recompute_modules {bad} are not implemented in fusedlib (choices: "
@@ -518,12 +524,12 @@ class TransformerConfig:
         if self.cuda_graph_impl not in ("none", "local"):
             raise ValueError(f"cuda_graph_impl must be 'none' or 'local' (fusedlib has no Transformer Engine), "
                              f"got {self.cuda_graph_impl!r}")
-        if self.cuda_graph_impl == "none":
-            return
-        w = self.cuda_graph_warmup_steps
+        w = self.cuda_graph_warmup_steps  # (checked without graphs too: a bad value was kept unnoticed)
         if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 1:
             raise ValueError(f"cuda_graph_warmup_steps must be an int >= 1 (the kernels are compiled and the libraries "
                              f"initialised in an eager iteration before the capture), got {w!r}")
+        if self.cuda_graph_impl == "none":
+            return
         if self.recompute_granularity is not None:
             raise ValueError(f"cuda_graph_impl='local' is implemented without activation recomputation "
                              f"(got recompute_granularity={self.recompute_granularity!r}): turn one of the two off")

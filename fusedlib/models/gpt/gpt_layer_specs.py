@@ -79,6 +79,7 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
 
     Raises:
         NotImplementedError: a left-out feature asked for.
+        TypeError: qk_layernorm neither a bool nor None.
 
     Source: Megatron-LM ``megatron/core/models/gpt/gpt_layer_specs.py`` (``get_gpt_layer_local_spec``).
     """
@@ -151,6 +152,9 @@ def get_gpt_layer_unfused_spec(qk_layernorm: bool = False) -> ModuleSpec:
 
     Returns:
         ``ModuleSpec(TransformerLayer, ...)``, causal self-attention.
+
+    Raises:
+        TypeError: qk_layernorm neither a bool nor None.
     """
     return _layer_spec(UnfusedNorm, UnfusedSelfAttention, UnfusedMLP, get_bias_dropout_add_unfused, qk_layernorm)
 
@@ -159,6 +163,9 @@ def _layer_spec(norm: type, attention: type, mlp: type, bda: Callable, qk_layern
     """A causal GPT layer's spec from its parts (the local and the unfused specs differ only in
     these): ``norm`` for the two pre-norms (and the q/k norms with ``qk_layernorm``), the
     self-attention and MLP classes, and the bias-dropout-add factory."""
+    if qk_layernorm is not None and not isinstance(qk_layernorm, bool):  # (a truthy "no" built the norms)
+        raise TypeError(f"qk_layernorm must be a bool (or None: False), got {type(qk_layernorm).__name__} "
+                        f"{qk_layernorm!r}")
     qk_norm = norm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
