@@ -1339,6 +1339,21 @@ def test_misspelt_knobs_are_refused_whatever_else_is_set():
         assert spec(qk_layernorm=None).submodules.self_attention.submodules.q_layernorm is IdentityOp
 
 
+def test_rotary_pos_emb_that_is_neither_angles_nor_a_pair_is_named():
+    # a list failed with "'list' object has no attribute 'shape'" inside RoPE, a 3-tuple with
+    # "too many values to unpack"
+    cfg = make_config(num_layers=1)
+    layer = TransformerLayer(cfg, get_gpt_layer_local_spec().submodules).to(DEVICE)
+    x = torch.randn(S, B, H, device=DEVICE)
+    freqs = torch.zeros(S, 1, 1, H // NP, device=DEVICE)
+    with pytest.raises(TypeError, match="SelfAttention: rotary_pos_emb must be a tensor of angles, a pair .* got list"):
+        layer(x, None, rotary_pos_emb=[freqs, freqs])
+    with pytest.raises(ValueError, match="SelfAttention: rotary_pos_emb as a tuple must be a pair .* got 3 entries"):
+        layer(x, None, rotary_pos_emb=(freqs,) * 3)
+    out, _ = layer(x, None, rotary_pos_emb=(freqs, freqs))  # angles 0: the identity rotation
+    assert torch.equal(out, layer(x, None)[0])
+
+
 def test_config_takes_numpy_ints_for_its_sizes_as_ints():
     # the derived num_query_groups and kv_channels stayed numpy ints, and SDPA then refused
     # enable_gqa=numpy.bool at the first forward

@@ -185,7 +185,9 @@ class Attention(MegatronModule):
     Raises:
         NotImplementedError: a left-out argument given.
         ValueError: num_attention_heads or num_query_groups not divisible by
-            config.tensor_model_parallel_size.
+            config.tensor_model_parallel_size; in the forward a rotary_pos_emb tuple that is not a
+            pair.
+        TypeError: in the forward a rotary_pos_emb neither a tensor, a tuple nor None.
 
     Source: Megatron-LM ``megatron/core/transformer/attention.py`` (``Attention``).
     """
@@ -251,7 +253,13 @@ class Attention(MegatronModule):
             raise NotImplementedError(f"{type(self).__name__}: inference_context, attention_bias and "
                                       "packed_seq_params are left out of fusedlib")
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
+            if not isinstance(rotary_pos_emb, torch.Tensor):  # (a list failed at .shape, deep in RoPE)
+                raise TypeError(f"{type(self).__name__}: rotary_pos_emb must be a tensor of angles, a pair "
+                                f"(query angles, key angles) as a tuple, or None; got {type(rotary_pos_emb).__name__}")
             rotary_pos_emb = (rotary_pos_emb,) * 2  # the same angles for queries and keys
+        elif rotary_pos_emb is not None and len(rotary_pos_emb) != 2:  # ("too many values to unpack")
+            raise ValueError(f"{type(self).__name__}: rotary_pos_emb as a tuple must be a pair (query angles, key "
+                             f"angles), got {len(rotary_pos_emb)} entries")
 
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
 
