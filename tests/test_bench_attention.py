@@ -250,3 +250,34 @@ def test_plot_draws_tflops_from_zero_with_the_ceiling(monkeypatch):
         plt.close(fig)
     with pytest.raises(ValueError, match="no attention record"):
         at.plot([recs[0]])
+
+
+def test_kernel_calls_launch_each_form_on_the_case_inputs():
+    # the calls tools/attention_loads.py and tools/attention_order.py time (they built these
+    # inputs and launches each, line for line)
+    import fusedlib.kernels.flash_attention as kfa
+    from fusedlib.kernels.bias_dropout_add import philox_seed
+
+    shape, causal = (1, 2, 24, 16), True
+    forms = [("forward", 0.0, True), ("forward_dropout", 0.25, True), ("backward", 0.0, True),
+             ("backward_dropout", 0.25, False)]
+    calls = at.kernel_calls(shape, causal, forms, device=DEVICE, dtype=torch.float32)
+    assert [c[:3] for c in calls] == forms
+    b, h, s, d = shape
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, s, h, d, device=DEVICE) for _ in range(4))
+    seed = philox_seed(q.device)
+    band = kfa.attention_band(s, s, causal, None)
+    for form, p, deterministic, call in calls:
+        drop = dict(seed=seed, dropout_p=p) if p else {}
+        o, lse = kfa.flash_attn_fwd(q, k, v, d ** -0.5, band, **drop)
+        expected = (o, lse) if form.startswith("forward") else \
+            kfa.flash_attn_bwd(do, q, k, v, o, lse, d ** -0.5, band, deterministic=deterministic, **drop)
+        got = call()
+        assert len(got) == len(expected)
+        # bit for bit, the atomic dQ too: s = 24 spans at most two key tiles, and a sum of two
+        # float32 terms added into zero is the same in either order
+        for x, y in zip(got, expected):
+            assert (x is None and y is None) or torch.equal(x, y), form
+    with pytest.raises(ValueError, match="shape must be"):
+        at.kernel_calls((1, 2, 24), causal, forms, device=DEVICE)

@@ -38,8 +38,7 @@ import torch
 
 import fusedlib.kernels.flash_attention as kfa
 from fusedlib.bench.core import environment, time_ms
-from fusedlib.bench.ops.attention import CASES, SHAPE_NAMES
-from fusedlib.kernels.bias_dropout_add import philox_seed
+from fusedlib.bench.ops.attention import CASES, SHAPE_NAMES, kernel_calls
 
 DROPOUT_P = 0.1
 ORDERS = ("grid", "8", "16", "all")
@@ -76,21 +75,8 @@ def measure(warm: Optional[int] = None) -> list[dict]:
         for i, ((b, h, s, d), causal) in enumerate(CASES):
             if warm is not None and i != warm:
                 continue
-            torch.manual_seed(0)
-            q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            scale = d ** -0.5
-            band = kfa.attention_band(s, s, causal, None)
-            seed = philox_seed(q.device)
-            for form, p, deterministic in _forms(d):
-                drop = dict(seed=seed, dropout_p=p) if p > 0 else {}
-                o, lse = kfa.flash_attn_fwd(q, k, v, scale, band, **drop)
-                if form.startswith("forward"):
-                    def call(drop=drop):
-                        return kfa.flash_attn_fwd(q, k, v, scale, band, **drop)
-                else:
-                    def call(drop=drop, o=o, lse=lse, deterministic=deterministic):
-                        return kfa.flash_attn_bwd(do, q, k, v, o, lse, scale, band, deterministic=deterministic,
-                                                  **drop)
+            band = kfa.attention_band(s, s, causal, None)  # (the group the table would take, recorded)
+            for form, p, deterministic, call in kernel_calls((b, h, s, d), causal, _forms(d)):
                 ref, line = None, []
                 for name in ORDERS:
                     kfa.program_order = _order(name, b * h)

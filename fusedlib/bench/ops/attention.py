@@ -79,7 +79,7 @@ from .baselines import compile_impl
 __all__ = [
     "SHAPE_NAMES", "DEFAULT_SHAPE", "CASES", "IMPLS", "SDPA_BACKENDS", "MATERIALISED_IMPLS",
     "BYTES_PER_SCORE", "MEMORY_FRACTION", "GOAL_FLASH", "GOAL_CUDNN", "attention_flops",
-    "materialised_peak_bytes", "screen", "case", "cases", "table", "goal_lines", "plot",
+    "materialised_peak_bytes", "kernel_calls", "screen", "case", "cases", "table", "goal_lines", "plot",
 ]
 
 #: Record shape: batch, heads, sequence (sq = sk), head dim.
@@ -182,6 +182,53 @@ def materialised_peak_bytes(b: int, h: int, sq: int, sk: int) -> int:
 def _heads_first(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """[b, s, h, d] -> [b, h, s, d] views."""
     return tuple(t.transpose(1, 2) for t in ts)
+
+
+def kernel_calls(shape: Sequence[int], causal: bool, forms: Sequence[tuple[str, float, bool]],
+                 device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
+                 ) -> list[tuple[str, float, bool, Callable]]:
+    """FlashAttention's kernel launchers alone (no autograd) at one case of :data:`CASES`, once
+    per form: the calls that ``tools/attention_loads.py`` and ``tools/attention_order.py`` time.
+
+    Args:
+        shape: [b, h, s, d] (sq = sk = s); q, k, v and dO are [b, s, h, d] random normal
+            (``torch.manual_seed(0)``), scale 1/sqrt(d).
+        causal: the causal band, else none.
+        forms: (form, dropout_p, deterministic) each; a form named ``forward...`` launches
+            ``flash_attn_fwd``, any other ``flash_attn_bwd`` on the output and LSE of one
+            forward with the same dropout (0: none; else one Philox seed for the case).
+        device, dtype: of the inputs.
+
+    Returns:
+        ``(form, dropout_p, deterministic, call)`` per form; ``call()`` returns the launcher's
+        outputs. The launchers are looked up in their module at every call, so a tool that
+        swaps a module-level setting of ``fusedlib.kernels.flash_attention`` times its effect.
+
+    Raises:
+        ValueError: ``shape`` not four ints >= 1.
+    """
+    from ...kernels import flash_attention as kfa
+    from ...kernels.bias_dropout_add import philox_seed
+
+    b, h, s, d = _check_shape(shape)
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, s, h, d, device=device, dtype=dtype) for _ in range(4))
+    scale = d ** -0.5
+    band = kfa.attention_band(s, s, causal, None)
+    seed = philox_seed(q.device)
+    calls = []
+    for form, p, deterministic in forms:
+        drop = dict(seed=seed, dropout_p=p) if p > 0 else {}
+        if form.startswith("forward"):
+            def call(drop=drop):
+                return kfa.flash_attn_fwd(q, k, v, scale, band, **drop)
+        else:
+            o, lse = kfa.flash_attn_fwd(q, k, v, scale, band, **drop)
+
+            def call(drop=drop, o=o, lse=lse, deterministic=deterministic):
+                return kfa.flash_attn_bwd(do, q, k, v, o, lse, scale, band, deterministic=deterministic, **drop)
+        calls.append((form, p, deterministic, call))
+    return calls
 
 
 def _fusedlib(causal: bool, scale: float, deterministic: bool = False) -> Callable:
