@@ -286,7 +286,7 @@ def _main(config, args) -> int:
         print(f"wrote {out}/train.json")
         asked = args.bench_runs or DEFAULT_BENCH_RUNS
         return 0 if len(records) == len(asked) else 1
-    from .loop import Trainer
+    from .loop import Trainer, _out_of_memory
 
     try:
         trainer = Trainer(config)
@@ -304,8 +304,8 @@ def _main(config, args) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if not isinstance(err, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in text:
+        text = _out_of_memory(err)
+        if text is None:
             raise
         print(f"{PROG}: error: step {trainer.step_count + 1} does not fit in the {trainer.device.type} memory "
               f"(--batch {config.batch}, --seq {config.seq}; a smaller --batch may fit): {text}", file=sys.stderr)

@@ -103,6 +103,16 @@ FULL_ITERATION_WARMUP = 3
 _GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 
+def _out_of_memory(err: BaseException) -> Optional[str]:
+    """The first line of ``err``'s message if it says an allocation failed (torch's
+    OutOfMemoryError, Python's MemoryError, or the CPU allocator's RuntimeError "can't allocate
+    memory"), else None: the other errors are not to be disguised as a lack of memory."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (isinstance(err, RuntimeError) and "allocate" in text):
+        return text
+    return None
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Everything a training run depends on (the command line's flags, one to one).
@@ -504,8 +514,8 @@ class Trainer:
             self.model = build_model(cfg.model, cfg.shape(), cfg.seed, cfg.spec, cfg.attention_backend, dtype,
                                      self.device, cfg.tp, cfg.sequence_parallel, cfg.cuda_graph)
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
-            text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            if not isinstance(err, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in text:
+            text = _out_of_memory(err)
+            if text is None:
                 raise
             raise ValueError(f"the model (layers {cfg.layers}, hidden {cfg.hidden}, ffn {cfg.ffn or 4 * cfg.hidden}) "
                              f"does not fit in the {self.device.type} memory: {text}") from None
