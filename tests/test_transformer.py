@@ -1376,3 +1376,25 @@ def test_mask_helpers_check_their_arguments():
     with pytest.raises(ValueError, match="window_size must be a pair .* got None"):
         get_sliding_window_causal_mask(4, 4, None, device=DEVICE)
     assert torch.equal(get_default_causal_mask(np.int64(3), device=DEVICE), get_default_causal_mask(3, device=DEVICE))
+
+
+@pytest.mark.parametrize("bad, exc", [("1", TypeError), (1.0, TypeError), (True, TypeError), (0, ValueError),
+                                      (-2, ValueError)])
+def test_layer_number_must_be_an_int_from_one(bad, exc):
+    # a str once failed in max(1, "1") naming neither module nor argument; 0 and negatives
+    # were taken (a negative number then indexed window_attn_skip_freq from its end)
+    cfg = make_config()
+    with pytest.raises(exc, match=r"TransformerLayer: layer_number must be an int >= 1"):
+        TransformerLayer(cfg, get_gpt_layer_local_spec().submodules, layer_number=bad)
+    with pytest.raises(exc, match=r"DotProductAttention: layer_number must be an int >= 1"):
+        DotProductAttention(cfg, layer_number=bad, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    layer = TransformerLayer(cfg, get_gpt_layer_local_spec().submodules, layer_number=np.int64(2))
+    assert type(layer.layer_number) is int and layer.self_attention.core_attention.layer_number == 2
+
+
+def test_layer_number_beyond_the_window_list_is_named():
+    cfg = make_config(window_size=(4, 0), window_attn_skip_freq=[1, 0])
+    assert DotProductAttention(cfg, 1, AttnMaskType.causal, "self").window_size == (4, 0)
+    assert DotProductAttention(cfg, 2, AttnMaskType.causal, "self").window_size is None
+    with pytest.raises(ValueError, match=r"layer_number 3 has no entry in window_attn_skip_freq"):
+        DotProductAttention(cfg, 3, AttnMaskType.causal, "self")

@@ -63,7 +63,7 @@ from ..fusions.fused_softmax import FusedScaleMaskSoftmax
 from .enums import AttnBackend, AttnMaskType
 from .module import MegatronModule
 from .transformer_config import TransformerConfig
-from .utils import attention_mask_func, heads_per_partition, is_layer_window_attention
+from .utils import attention_mask_func, check_layer_number, heads_per_partition, is_layer_window_attention
 
 __all__ = ["DotProductAttention", "SDPA_BACKENDS", "FLASH_BACKENDS"]
 
@@ -148,7 +148,7 @@ class DotProductAttention(MegatronModule):
             masked_softmax_fusion, attention_softmax_in_fp32, apply_query_key_layer_scaling,
             attention_dropout, window_size, window_attn_skip_freq and (at each forward)
             attention_backend.
-        layer_number: 1-based; the query-key layer scaling divides by it.
+        layer_number: 1-based (an int >= 1); the query-key layer scaling divides by it.
         attn_mask_type: an :class:`AttnMaskType` (causal types add the causal mask).
         attention_type: "self" or "cross" (unused, as in Megatron-core).
         attention_dropout: overrides config.attention_dropout.
@@ -162,6 +162,7 @@ class DotProductAttention(MegatronModule):
 
     Raises:
         NotImplementedError: cp_comm_type, pg_collection, attention_bias or packed_seq_params given.
+        TypeError / ValueError: layer_number not an int / < 1 (:func:`check_layer_number`).
         TypeError: attention_mask not a bool tensor (e.g. an additive float mask), whatever the backend.
         ValueError: query, key or value not 4-D or off [sq, b, np, hn] / [sk, b, ng, hn] with
             this module's np, ng and hn = kv_channels (the message gives them), whatever the
@@ -183,7 +184,7 @@ class DotProductAttention(MegatronModule):
         if cp_comm_type is not None or pg_collection is not None:
             raise NotImplementedError("DotProductAttention: context parallelism (cp_comm_type) and process-group "
                                       "collections (pg_collection) are left out of fusedlib")
-        self.layer_number = max(1, layer_number)
+        self.layer_number = check_layer_number("DotProductAttention", layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type  # unused, as in Megatron-core
         self.hidden_size_per_attention_head = config.kv_channels  # hn
@@ -200,7 +201,7 @@ class DotProductAttention(MegatronModule):
             coeff = self.layer_number
             self.softmax_scale /= coeff
         self.window_size = config.window_size if is_layer_window_attention(
-            config.window_size, config.window_attn_skip_freq, layer_number) else None
+            config.window_size, config.window_attn_skip_freq, self.layer_number) else None
         self.scale_mask_softmax = FusedScaleMaskSoftmax(
             input_in_fp16=config.fp16,
             input_in_bf16=config.bf16,

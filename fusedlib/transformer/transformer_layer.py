@@ -58,7 +58,7 @@ from .identity_op import IdentityFuncOp, IdentityOp
 from .module import MegatronModule
 from .spec_utils import ModuleSpec, build_module
 from .transformer_config import TransformerConfig
-from .utils import param_device
+from .utils import check_layer_number, param_device
 
 __all__ = ["TransformerLayerSubmodules", "BaseTransformerLayer", "TransformerLayer", "check_hidden_states"]
 
@@ -144,7 +144,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
             settings, and at each forward bias_dropout_fusion and
             apply_residual_connection_post_layernorm.
         submodules: :class:`TransformerLayerSubmodules`.
-        layer_number: 1-based, passed to the attentions.
+        layer_number: 1-based (an int >= 1), passed to the attentions.
         hidden_dropout: overrides config.hidden_dropout.
         pg_collection, vp_stage: must be None (process groups, virtual pipeline: left out).
 
@@ -159,6 +159,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
 
     Raises:
         NotImplementedError: pg_collection, vp_stage, inference_context or packed_seq_params given.
+        TypeError / ValueError: layer_number not an int / < 1 (:func:`check_layer_number`).
         ValueError: hidden_states not a tensor [s, b, h] with s, b >= 1 and h = hidden_size.
         TypeError: hidden_states not floating point (:func:`check_hidden_states`).
         Errors of the submodules, naming the module that failed.
@@ -173,7 +174,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         if pg_collection is not None or vp_stage is not None:
             raise NotImplementedError("TransformerLayer: pg_collection and vp_stage are left out of fusedlib")
         self.submodules_config = submodules
-        self.layer_number = layer_number
+        self.layer_number = check_layer_number("TransformerLayer", layer_number)
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         norm_kwargs = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon,
                            device=param_device(config), dtype=config.params_dtype)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -65,6 +66,26 @@ def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float =
     return functools.partial(torch.nn.init.normal_, mean=0.0, std=sigma / math.sqrt(multiplier * num_layers))
 
 
+def check_layer_number(owner: str, layer_number: object) -> int:
+    """``layer_number`` as a Python int, checked: an integer (not a bool) >= 1.
+
+    Layers are numbered from 1 (Megatron-core's ``TransformerBlock`` builds layer i as
+    ``layer_number=i + 1``); the number picks a layer's sliding-window setting
+    (:func:`is_layer_window_attention`) and the query-key layer scaling's coefficient.
+
+    Raises:
+        TypeError: not an integer (a str, a float, a bool), naming ``owner``.
+        ValueError: < 1, naming ``owner``.
+    """
+    if isinstance(layer_number, bool) or not isinstance(layer_number, numbers.Integral):
+        raise TypeError(f"{owner}: layer_number must be an int >= 1 (layers are numbered from 1), "
+                        f"got {type(layer_number).__name__} {layer_number!r}")
+    if layer_number < 1:
+        raise ValueError(f"{owner}: layer_number must be an int >= 1 (layers are numbered from 1), "
+                         f"got {layer_number}")
+    return int(layer_number)
+
+
 def is_layer_window_attention(window_size: Optional[Tuple[int, int]],
                               window_attn_skip_freq: Union[int, List[int], None], layer_number: int) -> bool:
     """Does layer ``layer_number`` (1-based) use the sliding window?
@@ -73,7 +94,8 @@ def is_layer_window_attention(window_size: Optional[Tuple[int, int]],
     skips it; with a list, the layer's entry (1: window, 0: full attention).
 
     Raises:
-        ValueError: window_attn_skip_freq of another type.
+        ValueError: window_attn_skip_freq of another type; a list without an entry for
+            ``layer_number`` (1-based).
 
     Source: Megatron-LM ``megatron/core/transformer/utils.py`` (``is_layer_window_attention``).
     """
@@ -84,6 +106,9 @@ def is_layer_window_attention(window_size: Optional[Tuple[int, int]],
     if isinstance(window_attn_skip_freq, int):
         return layer_number % window_attn_skip_freq != 0
     if isinstance(window_attn_skip_freq, list):
+        if not 1 <= layer_number <= len(window_attn_skip_freq):
+            raise ValueError(f"layer_number {layer_number} has no entry in window_attn_skip_freq (one per layer, "
+                             f"{len(window_attn_skip_freq)} entries: layers 1 to {len(window_attn_skip_freq)})")
         return bool(window_attn_skip_freq[layer_number - 1])
     raise ValueError(f"Invalid `window_attn_skip_freq`: {type(window_attn_skip_freq)}, {window_attn_skip_freq}")
 
