@@ -952,6 +952,11 @@ class Trainer:
         return decode(ids)
 
 
+#: float32's least subnormal, 2^-149: the least temperature the sampler divides by (a float below it
+#: rounds to 0 in float32).
+_F32_LEAST = 2.0 ** -149
+
+
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
            generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -1013,8 +1018,10 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
                 kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [b, 1]
                 logits = logits.masked_fill(logits < kth, -math.inf)
             # the largest logit subtracted first: logit / temperature overflows for a temperature
-            # near 0 (inf - inf = NaN), the differences are <= 0 and give 0 or -inf, never NaN
-            probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
+            # near 0 (inf - inf = NaN), the differences are <= 0 and give 0 or -inf, never NaN; a
+            # temperature below float32's least subnormal would round to 0 in the division (0 / 0)
+            probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, _F32_LEAST),
+                                  dim=-1)
             where = generator.device if generator is not None else device
             nxt = torch.multinomial(probs.to(where), 1, generator=generator).to(device)  # [b, 1]
             ids = torch.cat([ids, nxt], dim=1)
