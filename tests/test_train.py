@@ -556,6 +556,7 @@ def test_sample_shapes_and_determinism():
 
 
 @pytest.mark.parametrize("kw, match", [(dict(prompt=""), "prompt"), (dict(prompt=torch.zeros(1, 2, 2)), "prompt"),
+                                       (dict(prompt=torch.zeros(0, 3, dtype=torch.int64)), r"prompt.*\[0, 3\]"),
                                        (dict(prompt=torch.ones(3)), "integer"), (dict(n_tokens=-1), "n_tokens"),
                                        (dict(temperature=0.0), "temperature"), (dict(top_k=0), "top_k"),
                                        (dict(top_k=257), "top_k")])

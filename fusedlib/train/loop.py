@@ -972,7 +972,7 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
             ``max_sequence_length`` whose ``model(ids, None, None)`` gives logits [b, t, V]); a
             tensor-parallel ``GPTModel`` gathers its logits, and every rank draws the same tokens
             (the same generator state on every rank).
-        prompt: a str (UTF-8 bytes), or int token ids [t] or [b, t] (t >= 1).
+        prompt: a str (UTF-8 bytes), or int token ids [t] or [b, t] (b, t >= 1).
         n_tokens: tokens to generate, >= 0.
         temperature: > 0; lower is greedier.
         top_k: keep the k most likely tokens (1 <= k <= V), or None for all.
@@ -989,8 +989,9 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
     """
     if isinstance(prompt, str):
         prompt = encode(prompt)
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() not in (1, 2) or prompt.shape[-1] < 1:
-        raise ValueError("prompt must be a non-empty str or an int tensor [t] or [b, t] with t >= 1")
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() not in (1, 2) or prompt.numel() < 1:
+        raise ValueError("prompt must be a non-empty str or an int tensor [t] or [b, t] with b, t >= 1"
+                         + (f", got shape {list(prompt.shape)}" if isinstance(prompt, torch.Tensor) else ""))
     if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
         raise ValueError(f"prompt must hold integer token ids, got {prompt.dtype}")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
