@@ -567,6 +567,13 @@ def test_sample_bad_arguments(kw, match):
         sample(model, **args)
 
 
+@pytest.mark.parametrize("generator", [0, "cpu", torch.device("cpu")])
+def test_sample_refuses_a_generator_that_is_not_one(generator):
+    model = build_model("plain", ModelShape(layers=1, hidden=32, heads=2, seq=8), seed=0)
+    with pytest.raises(TypeError, match="generator must be None or a torch.Generator"):
+        sample(model, "a", 2, generator=generator)
+
+
 def test_sample_at_extreme_temperatures_and_its_checks_before_the_first_token():
     model = build_model("plain", ModelShape(layers=1, hidden=32, heads=2, seq=8), seed=0)
     greedy = sample(model, "ab", 3, top_k=1)

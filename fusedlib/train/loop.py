@@ -986,6 +986,7 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
     Raises:
         ValueError: an empty or ill-shaped prompt, ids outside [0, V), n_tokens < 0, temperature
             not a finite number > 0, a bad top_k (each checked before the first token).
+        TypeError: a generator that is not a ``torch.Generator``.
     """
     if isinstance(prompt, str):
         prompt = encode(prompt)
@@ -999,6 +1000,8 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
     if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
             and math.isfinite(real_to_float("temperature", temperature, "a finite number > 0"))):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
     vocab_size = getattr(model, "vocab_size", VOCAB_SIZE)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab_size):
         raise ValueError(f"top_k must be None or an int in [1, {vocab_size}], got {top_k!r}")
