@@ -146,6 +146,18 @@ def test_get_batch(corpus):
         get_batch(corpus.train.long(), 2, 4, g1)
 
 
+def test_get_batch_refuses_data_generators_and_devices_that_are_not_ones(corpus):
+    g = torch.Generator().manual_seed(0)
+    for data in (corpus.train.tolist()[:100], corpus.train[:100].numpy()):
+        with pytest.raises(TypeError, match="data must be a 1-D uint8 tensor"):
+            get_batch(data, 2, 4, g)
+    for generator in (None, 0):
+        with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+            get_batch(corpus.train, 2, 4, generator)
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        get_batch(corpus.train, 2, 4, g, device="gpu0")
+
+
 # ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------

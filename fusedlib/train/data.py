@@ -292,17 +292,25 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
         in the data.
 
     Raises:
-        ValueError: b or s < 1, data not 1-D uint8, fewer than s + 1 tokens, or data on
-            another device than the CPU and ``device``.
+        TypeError: data not a tensor, generator not a ``torch.Generator``.
+        ValueError: b or s < 1, data not 1-D uint8, fewer than s + 1 tokens, a device name torch
+            does not know, or data on another device than the CPU and ``device``.
     """
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"data must be a 1-D uint8 tensor, got {type(data).__name__}")
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if data.dim() != 1 or data.dtype != torch.uint8:
         raise ValueError(f"data must be a 1-D uint8 tensor, got {data.dtype} of shape {list(data.shape)}")
     if data.numel() < seq_len + 1:
         raise ValueError(f"data has {data.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device or its name, got {device!r}") from None
     if device.type == "cuda" and device.index is None:  # "cuda": the current device, as .to() reads it
         device = torch.device("cuda", torch.cuda.current_device())
     if data.device.type != "cpu" and (data.device.type != device.type
