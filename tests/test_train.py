@@ -124,6 +124,13 @@ def test_encode_decode():
         encode(b"bytes")
 
 
+def test_decode_refuses_ids_that_are_not_ints():
+    assert decode(b"AB") == decode((65, 66)) == decode(torch.tensor([65, 66], dtype=torch.uint8)) == "AB"
+    for ids in (torch.tensor([65.0]), torch.tensor([True]), [65.5], [65.0], [True], "AB", None, 65):
+        with pytest.raises(TypeError, match="ids must be"):
+            decode(ids)
+
+
 def test_get_batch(corpus):
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     x, y = get_batch(corpus.train, 5, 17, g1)

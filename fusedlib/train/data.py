@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 import platform
 import re
@@ -51,7 +52,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -135,13 +136,21 @@ def decode(ids: Union[torch.Tensor, Sequence[int]]) -> str:
     """Token ids [n] (values 0..255) -> text; bytes that are not valid UTF-8 become U+FFFD.
 
     Raises:
+        TypeError: ids not a sequence of ints (a str, floats, bools, a float tensor).
         ValueError: an id outside [0, 256) or a tensor that is not 1-D.
     """
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1:
             raise ValueError(f"ids must be 1-D, got shape {list(ids.shape)}")
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"ids must be integer token ids, got a {ids.dtype} tensor")
         ids = ids.tolist()
+    if isinstance(ids, str) or not isinstance(ids, Iterable):
+        raise TypeError(f"ids must be a tensor or a sequence of int token ids, got {type(ids).__name__}")
     ids = list(ids)
+    bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral)), None)
+    if bad is not None:
+        raise TypeError(f"ids must be int token ids, got {type(bad).__name__} {bad!r}")
     if any(not 0 <= i < VOCAB_SIZE for i in ids):
         raise ValueError(f"ids must lie in [0, {VOCAB_SIZE}) (bytes)")
     return bytes(ids).decode("utf-8", errors="replace")
