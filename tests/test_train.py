@@ -78,6 +78,14 @@ def test_corpus_files_and_split(stdlib_root, corpus):
     assert corpus.train.dtype == torch.uint8 and corpus.val.dtype == torch.uint8
 
 
+def test_a_corpus_root_that_is_a_file_is_named_so(tmp_path):
+    (tmp_path / "x.py").write_text("X = 1\n")
+    with pytest.raises(FileNotFoundError, match="x.py is a file, not a directory"):
+        load_corpus(tmp_path / "cache", root=tmp_path / "x.py")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_corpus(tmp_path / "cache", root=tmp_path / "nothing")
+
+
 def test_split_depends_on_the_path_only():
     # 5% of paths by hash: the same answer whatever else exists; about 5% of many paths
     paths = [f"pkg{i}/mod{j}.py" for i in range(40) for j in range(50)]

@@ -91,7 +91,8 @@ def stdlib_files(root: Optional[Union[str, Path]] = None) -> list[Path]:
     """
     root = Path(root) if root is not None else stdlib_dir()
     if not root.is_dir():
-        raise FileNotFoundError(f"root: the standard-library directory {root} does not exist")
+        raise FileNotFoundError(f"root: the standard-library directory {root} "
+                                f"{'is a file, not a directory' if root.exists() else 'does not exist'}")
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS]  # prune: never walk site-packages
