@@ -211,6 +211,18 @@ def test_measure_host_records_round_trip(tmp_path, monkeypatch):
         host_mod.measure_host("no_such_op", "cpu")
 
 
+def test_measure_host_refuses_arguments_that_would_time_nothing():
+    # calls = 0 returned no records (every implementation "skipped"), repeats = 0 raised
+    # statistics' StatisticsError, an unknown pass or implementation name timed nothing
+    for kw, match in ((dict(calls=0), "calls and repeats"), (dict(repeats=0), "calls and repeats"),
+                      (dict(warmup=-1), "warmup"), (dict(passes=("bwd",)), "passes must be"),
+                      (dict(passes="fwd"), "passes must be"), (dict(impls=("no_such_impl",)), "impls must be"),
+                      (dict(impls="eager"), "impls must be")):
+        args = dict(calls=1, repeats=1, warmup=0, impls=("eager",), shape=(2, 8), dtype=torch.float32) | kw
+        with pytest.raises(ValueError, match=match):
+            host_mod.measure_host("bias_gelu", "cpu", **args)
+
+
 def test_measure_host_keeps_going_when_an_impl_fails(monkeypatch):
     def broken(*_):
         raise RuntimeError("baseline broke")

@@ -255,12 +255,22 @@ def measure_host(op: str, device: torch.device | str = "cuda", calls: int = CALL
 
     Raises:
         KeyError: for an unknown op.
+        ValueError: calls or repeats below 1, warmup below 0, an unknown pass, or an
+            implementation name the op's case does not have (each would time nothing).
     """
     if op not in OP_MODULES:
         raise KeyError(f"unknown op {op!r}; known ops: {', '.join(OP_MODULES)}")
+    if calls < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"calls and repeats must be >= 1 and warmup >= 0, got calls={calls}, repeats={repeats}, "
+                         f"warmup={warmup}")
+    if isinstance(passes, str) or any(p not in PASSES for p in passes):
+        raise ValueError(f"passes must be a sequence of {PASSES}, got {passes!r}")
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     case = get_case(op)(tuple(shape or HOST_SHAPES[op]), dtype)
+    known = [i.name for i in case.impls]
+    if isinstance(impls, str) or any(name not in known for name in impls):
+        raise ValueError(f"impls must be a sequence of {op}'s implementation names {known}, got {impls!r}")
     wanted = set(impls)
     records, skipped = [], {}
     for pas in passes:
