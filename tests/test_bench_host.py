@@ -329,6 +329,14 @@ def test_cli_parsing():
             parse_args(bad)
 
 
+def test_cli_help_gives_every_default(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: all)" in text and "(default chapters/data/bench)" in text
+    assert f"(default {host_mod.CALLS})" in text and f"(default {host_mod.REPEATS})" in text
+
+
 def test_cli_host_refuses_without_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["--host"]) == 2

@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m fusedlib.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--op", nargs="+", choices=sorted(OP_MODULES), default=None,
                         help="ops to time (default: all)")
-    parser.add_argument("--out", default="chapters/data/bench", help="folder for <op>.json / host.json")
+    parser.add_argument("--out", default="chapters/data/bench",
+                        help="folder for <op>.json / host.json (default chapters/data/bench)")
     parser.add_argument("--sweep", action="store_true", help="also time each op's sweep shapes")
     parser.add_argument("--host", action="store_true",
                         help="host cost per call at tiny shapes (fusedlib, eager, torch.compile) into host.json")
