@@ -337,6 +337,21 @@ def test_cli_help_gives_every_default(capsys):
     assert f"(default {host_mod.CALLS})" in text and f"(default {host_mod.REPEATS})" in text
 
 
+def test_cli_out_that_is_a_file_is_refused_before_any_timing(tmp_path, capsys, monkeypatch):
+    # it was found at the first write, after the copy and matmul ceilings were measured on the GPU
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    bench_main = sys.modules["fusedlib.bench.__main__"]
+    monkeypatch.setattr(bench_main, "copy_record", lambda **kw: pytest.fail("timed before --out was checked"))
+    monkeypatch.setattr(host_mod, "measure_host", lambda *a, **kw: pytest.fail("timed before --out was checked"))
+    for out in ("f", "f/bench"):
+        for host in ([], ["--host"]):
+            with pytest.raises(SystemExit):
+                main(["--out", str(tmp_path / out), "--op", "bias_gelu"] + host)
+            err = capsys.readouterr().err
+            assert "--out must be a folder" in err and "is a file" in err
+
+
 def test_cli_host_refuses_without_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["--host"]) == 2

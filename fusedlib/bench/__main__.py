@@ -36,7 +36,8 @@ from .core import load_records, matmul_record
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (see the module docstring); ``--sweep`` with ``--host`` is an error."""
+    """The command line (see the module docstring); ``--sweep`` with ``--host``, and an ``--out``
+    that is a file or lies under one, are errors."""
     parser = argparse.ArgumentParser(prog="python -m fusedlib.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--op", nargs="+", choices=sorted(OP_MODULES), default=None,
                         help="ops to time (default: all)")
@@ -55,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("calls", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    out = Path(args.out)  # refused before any timing: a file there would stop the run at its first write
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        parser.error(f"--out must be a folder, got {args.out!r}: {str(blocked)!r} is a file")
     return args
 
 
