@@ -352,6 +352,11 @@ def test_cli_out_that_is_a_file_is_refused_before_any_timing(tmp_path, capsys, m
             assert "--out must be a folder" in err and "is a file" in err
 
 
+def test_cli_an_op_named_twice_is_timed_once():
+    # it was timed twice: --host wrote two sets of its records into host.json
+    assert parse_args(["--op", "swiglu", "bias_gelu", "swiglu", "--host"]).op == ["swiglu", "bias_gelu"]
+
+
 def test_cli_host_refuses_without_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["--host"]) == 2

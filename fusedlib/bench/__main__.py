@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         parser.error(f"--out must be a folder, got {args.out!r}: {str(blocked)!r} is a file")
+    if args.op is not None:
+        args.op = list(dict.fromkeys(args.op))  # an op named twice is timed once (not two sets of records)
     return args
 
 
