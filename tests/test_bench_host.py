@@ -393,6 +393,21 @@ def test_cli_host_writes_and_merges_host_json(tmp_path, monkeypatch, capsys):
     assert "host floor: fwd: launch (C launcher) not timed: not here" in out
 
 
+@pytest.mark.parametrize("content", ["", "[{\"op\": ", "{\"op\": \"host\"}", "[1, 2]", None])
+def test_cli_host_a_host_json_it_cannot_merge_into_is_one_error_before_any_timing(content, tmp_path, monkeypatch,
+                                                                                   capsys):
+    # a truncated file raised JSONDecodeError, a directory IsADirectoryError, a JSON object or a list
+    # of non-records an AttributeError after every op had been timed
+    monkeypatch.setattr(host_mod, "measure_host", lambda *a, **kw: pytest.fail("timed before host.json was read"))
+    if content is None:
+        (tmp_path / "host.json").mkdir()
+    else:
+        (tmp_path / "host.json").write_text(content)
+    assert main_host(["swiglu"], str(tmp_path), 3, 2) == 2
+    err = capsys.readouterr().err
+    assert "host.json" in err and err.count("\n") == 1
+
+
 def test_cli_host_times_an_op_s_extra_implementations(tmp_path, monkeypatch):
     # fused_dense's host shape takes its kernel path; the epilogue path (cuBLASLt through ctypes,
     # what training sizes take) is timed beside it

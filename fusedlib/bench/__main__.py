@@ -107,14 +107,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_host(ops: list[str], out: str, calls: int | None, repeats: int | None) -> int:
-    """``--host``: measure ``ops`` on the current CUDA device, merge into ``out/host.json``."""
+    """``--host``: measure ``ops`` on the current CUDA device, merge into ``out/host.json``.
+
+    Returns 0, or 2 (one line on stderr, nothing timed) when an existing ``out/host.json`` cannot
+    be read as a JSON list of records."""
     from .host import (CALLS, HOST_EXTRA_IMPLS, HOST_IMPLS, REPEATS, floor_table, host_table, measure_floor,
                        measure_host, merge_host_records)
 
     calls, repeats = calls or CALLS, repeats or REPEATS
     records = []
     path = Path(out) / "host.json"
-    old = load_records(path) if path.exists() else []
+    try:  # read before any timing: a file that cannot be merged into would stop the run after it
+        old = load_records(path) if path.exists() else []
+    except (OSError, ValueError) as err:  # JSON errors are ValueErrors
+        print(f"fusedlib.bench: cannot read {path} to merge the new records into: {err}", file=sys.stderr)
+        return 2
+    if not (isinstance(old, list) and all(isinstance(r, dict) for r in old)):
+        print(f"fusedlib.bench: {path} is not a JSON list of records; move it away or fix it", file=sys.stderr)
+        return 2
     impls = {op: HOST_IMPLS + HOST_EXTRA_IMPLS.get(op, ()) for op in ops}
     with tqdm(total=2 * sum(len(i) for i in impls.values()), desc="host", unit="timing") as bar:
         for op in ops:
