@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 
 import pytest
@@ -562,6 +563,25 @@ def test_tune_cli_parsing():
                 ["--op", "bias_gelu", "--shape", "0,4"], ["--op", "bias_gelu", "--limit", "0"]):
         with pytest.raises(SystemExit):
             tune_mod.parse_args(bad)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--op", "bias_gelu", "--shape", "4"], r"bias_gelu shape is \[rows, h\]: 2 sizes"),
+    (["--op", "masked_softmax", "--shape", "4,8"], r"\[b, np, sq, sk\]: 4 sizes"),
+    (["--op", "cross_entropy", "--shape", "1,2,3"], r"\[rows, V\]"),
+    (["--op", "swiglu", "--shape", "4,7"], "must be even"),
+    (["--op", "layer_norm", "--shape", "8,1000000"], "past the tile table's last bound"),
+    (["--op", "attention", "--shape", "1,2,64,1000"], "head dim 1000 is past the attention tile table"),
+])
+def test_tune_refuses_a_shape_the_op_cannot_be_tuned_at(argv, match, capsys, monkeypatch):
+    # --list printed candidates for a [4] bias_gelu; on a GPU the shape failed in _setup after the
+    # copy ceiling, with a traceback (an unpacking error, a StopIteration for attention)
+    with pytest.raises(SystemExit):
+        tune_mod.parse_args(argv + ["--list"])
+    assert re.search(match, capsys.readouterr().err)
+    with pytest.raises(ValueError, match=match):
+        tune_mod.tune(argv[1], [tuple(int(n) for n in argv[3].split(","))], device="cpu", timer=lambda *a, **k: 1.0,
+                      emit=lambda line: None)
 
 
 def test_tune_candidates_cover_the_current_tables():

@@ -48,6 +48,8 @@ __all__ = [
     "candidates",
     "current_tile",
     "tile_label",
+    "LAYOUTS",
+    "check_shape",
     "tune",
     "main",
 ]
@@ -198,8 +200,15 @@ def _attention_candidates(pass_: str, d: int) -> list[dict]:
 
 
 def _attention_table_tile(table, d: int) -> Tile:
-    """The GPU table's tile for head dim d (also where kernels are interpreted here)."""
-    return next(t for bound, t in table if d <= bound)
+    """The GPU table's tile for head dim d (also where kernels are interpreted here).
+
+    Raises:
+        ValueError: d past the table's last bound.
+    """
+    tile = next((t for bound, t in table if d <= bound), None)
+    if tile is None:
+        raise ValueError(f"head dim {d} is past the attention tile table's last bound, {table[-1][0]}")
+    return tile
 
 
 def candidates(op: str, pass_: str, shape: Sequence[int]) -> list[dict]:
@@ -252,6 +261,38 @@ def candidates(op: str, pass_: str, shape: Sequence[int]) -> list[dict]:
     v = shape[-1]
     return [_tile(n, max(1, TILE_ELEMENTS // n) if pass_ == "bwd" or n >= v else 1, w)
             for n, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))]
+
+
+#: Each op's shape layout (the module docstring), as :func:`check_shape`'s errors name it.
+LAYOUTS: dict[str, str] = {"bias_gelu": "[rows, h]", "bias_dropout_add": "[rows, h]", "geglu": "[rows, 2h]",
+                           "swiglu": "[rows, 2h]", "layer_norm": "[rows, h]", "rms_norm": "[rows, h]",
+                           "causal_softmax": "[b·np, sq, sk]", "masked_softmax": "[b, np, sq, sk]",
+                           "cross_entropy": "[rows, V]", "attention": "[b, heads, s, head dim]"}
+
+
+def check_shape(op: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` as a tuple, checked for ``op``: its layout's number of sizes (:data:`LAYOUTS`),
+    each an int >= 1, an even width for the GLUs ([rows, 2h]), and a row (attention: a head dim)
+    that the op's tile tables cover.
+
+    Raises:
+        KeyError: for an op :data:`TUNE_OPS` does not know; ValueError: for a shape it cannot be tuned at.
+    """
+    _check(op, "fwd")
+    shape = tuple(shape)
+    layout = LAYOUTS[op]
+    if len(shape) != len(TUNE_OPS[op].shapes[0]) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                                        for n in shape):
+        raise ValueError(f"a {op} shape is {layout}: {len(TUNE_OPS[op].shapes[0])} sizes >= 1, got {list(shape)}")
+    if op in ("geglu", "swiglu") and shape[-1] % 2:
+        raise ValueError(f"a {op} shape is {layout}: its last size must be even, got {list(shape)}")
+    for pass_ in TUNE_PASSES:
+        try:
+            current_tile(op, pass_, shape)
+            candidates(op, pass_, shape)
+        except ValueError as err:
+            raise ValueError(f"{op} cannot be tuned at {list(shape)} ({layout}): {err}") from None
+    return shape
 
 
 def tile_label(tile: dict) -> str:
@@ -489,7 +530,8 @@ def tune(op: str, shapes: Sequence[Sequence[int]] | None = None, passes: Sequenc
         emit: where lines go.
 
     Raises:
-        KeyError, ValueError: for an unknown op or pass (:func:`candidates`).
+        KeyError, ValueError: for an unknown op or pass (:func:`candidates`), or a shape
+            :func:`check_shape` refuses (each checked before the first timing).
 
     Returns:
         One record per candidate that ran: ``{"op", "pass", "shape", "dtype", "tile", "ms"
@@ -500,10 +542,11 @@ def tune(op: str, shapes: Sequence[Sequence[int]] | None = None, passes: Sequenc
     for pass_ in passes:
         _check(op, pass_)
     spec = TUNE_OPS[op]
+    shapes = [check_shape(op, s) for s in (shapes or spec.shapes)]
     device = torch.device(device)
     records = []
     env = environment()
-    for shape in [tuple(s) for s in (shapes or spec.shapes)]:
+    for shape in shapes:
         inp = _setup(op, shape, dtype, device)
         for pass_ in passes:
             nbytes = kernel_bytes(op, pass_, shape, dtype)
@@ -555,7 +598,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=_positive, default=None, help="only the first N candidates")
     parser.add_argument("--list", action="store_true", help="print the candidates and the current tiles, no timing")
     parser.add_argument("--out", default=None, help="also write the records to this JSON file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for shape in args.shape or ():
+        try:
+            check_shape(args.op, shape)
+        except ValueError as err:
+            parser.error(f"--shape: {err}")
+    return args
 
 
 def _shape_arg(text: str) -> tuple[int, ...]:
