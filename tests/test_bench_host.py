@@ -584,6 +584,18 @@ def test_tune_refuses_a_shape_the_op_cannot_be_tuned_at(argv, match, capsys, mon
                       emit=lambda line: None)
 
 
+def test_tune_help_documents_every_flag_and_its_default(capsys):
+    with pytest.raises(SystemExit):
+        tune_mod.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--op", "--shape", "--pass", "--dtype", "--repeat", "--rep", "--limit", "--list", "--out"):
+        line = text[text.index(f"  {flag} "):].split("\n  -")[0]
+        assert len(" ".join(line.split()).split(" ")) > 3, f"{flag} has no help: {line!r}"
+    text = " ".join(text.split())
+    for default in ("default: the op's)", "(default: fwd bwd)", "(default bfloat16)", "(default 2)", "(default 100)"):
+        assert default in text
+
+
 def test_tune_candidates_cover_the_current_tables():
     for op, spec in tune_mod.TUNE_OPS.items():
         for shape in spec.shapes:

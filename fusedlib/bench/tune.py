@@ -592,7 +592,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a shape in the op's layout, comma-separated (repeatable; default: the op's)")
     parser.add_argument("--pass", dest="passes", nargs="+", choices=TUNE_PASSES, default=list(TUNE_PASSES),
                         help="kernels to tune (default: fwd bwd)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="the inputs' dtype (default bfloat16)")
     parser.add_argument("--repeat", type=_positive, default=2, help="timings per candidate (default 2)")
     parser.add_argument("--rep", type=_positive, default=100, help="do_bench's budget per timing, ms (default 100)")
     parser.add_argument("--limit", type=_positive, default=None, help="only the first N candidates")
