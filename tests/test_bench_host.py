@@ -596,6 +596,17 @@ def test_tune_help_documents_every_flag_and_its_default(capsys):
         assert default in text
 
 
+def test_tune_out_that_cannot_be_written_is_refused_before_any_timing(tmp_path, capsys):
+    # a folder or a file on the way failed at the write, after every candidate had been timed
+    (tmp_path / "f").write_text("x")
+    for out, match in ((tmp_path, "a folder"), (tmp_path / "f" / "t.json", "on its way is a file")):
+        with pytest.raises(SystemExit):
+            tune_mod.parse_args(["--op", "bias_gelu", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert "--out must be a JSON file's path" in err and match in err
+    assert tune_mod.parse_args(["--op", "bias_gelu", "--out", str(tmp_path / "new" / "t.json")]).out
+
+
 def test_tune_candidates_cover_the_current_tables():
     for op, spec in tune_mod.TUNE_OPS.items():
         for shape in spec.shapes:

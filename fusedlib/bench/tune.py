@@ -600,6 +600,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--list", action="store_true", help="print the candidates and the current tiles, no timing")
     parser.add_argument("--out", default=None, help="also write the records to this JSON file")
     args = parser.parse_args(argv)
+    if args.out is not None:  # refused before any timing: the records are written at the end of the run
+        out = Path(args.out)
+        blocked = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        if out.is_dir() or blocked is not None:
+            parser.error(f"--out must be a JSON file's path, got {args.out!r}: "
+                         f"{'a folder' if blocked is None else repr(str(blocked)) + ' on its way is a file'}")
     for shape in args.shape or ():
         try:
             check_shape(args.op, shape)
