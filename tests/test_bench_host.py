@@ -607,6 +607,16 @@ def test_tune_out_that_cannot_be_written_is_refused_before_any_timing(tmp_path, 
     assert tune_mod.parse_args(["--op", "bias_gelu", "--out", str(tmp_path / "new" / "t.json")]).out
 
 
+@pytest.mark.parametrize("flags", [["--repeat", "3"], ["--rep", "50"], ["--limit", "2"], ["--out", "t.json"]])
+def test_tune_list_refuses_the_timing_flags(flags, capsys):
+    # --list ignored them: --out wrote no file, --limit did not shorten the list
+    with pytest.raises(SystemExit):
+        tune_mod.parse_args(["--op", "bias_gelu", "--list"] + flags)
+    assert f"{flags[0]}: --list prints the candidates and times nothing" in capsys.readouterr().err
+    a = tune_mod.parse_args(["--op", "bias_gelu"] + flags)
+    assert (a.repeat, a.rep) == (3 if flags[0] == "--repeat" else 2, 50 if flags[0] == "--rep" else 100)
+
+
 def test_tune_candidates_cover_the_current_tables():
     for op, spec in tune_mod.TUNE_OPS.items():
         for shape in spec.shapes:

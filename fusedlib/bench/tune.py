@@ -584,7 +584,9 @@ def tune(op: str, shapes: Sequence[Sequence[int]] | None = None, passes: Sequenc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (module docstring)."""
+    """The command line (module docstring); ``--repeat``, ``--rep``, ``--limit`` or ``--out`` with
+    ``--list`` (which times nothing), a shape :func:`check_shape` refuses, and an ``--out`` that
+    is a folder or lies under a file are errors."""
     parser = argparse.ArgumentParser(prog="python -m fusedlib.bench.tune",
                                      description="Time each op kernel's candidate tiles alone, on a GPU.")
     parser.add_argument("--op", required=True, choices=sorted(TUNE_OPS), help="the op to tune")
@@ -594,12 +596,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="kernels to tune (default: fwd bwd)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="the inputs' dtype (default bfloat16)")
-    parser.add_argument("--repeat", type=_positive, default=2, help="timings per candidate (default 2)")
-    parser.add_argument("--rep", type=_positive, default=100, help="do_bench's budget per timing, ms (default 100)")
+    parser.add_argument("--repeat", type=_positive, default=None, help="timings per candidate (default 2)")
+    parser.add_argument("--rep", type=_positive, default=None, help="do_bench's budget per timing, ms (default 100)")
     parser.add_argument("--limit", type=_positive, default=None, help="only the first N candidates")
     parser.add_argument("--list", action="store_true", help="print the candidates and the current tiles, no timing")
     parser.add_argument("--out", default=None, help="also write the records to this JSON file")
     args = parser.parse_args(argv)
+    if args.list:  # --list times nothing: the timing flags would be ignored
+        given = [f for f, v in (("--repeat", args.repeat), ("--rep", args.rep), ("--limit", args.limit),
+                                ("--out", args.out)) if v is not None]
+        if given:
+            parser.error(f"{', '.join(given)}: --list prints the candidates and times nothing; leave them out")
+    args.repeat = 2 if args.repeat is None else args.repeat
+    args.rep = 100 if args.rep is None else args.rep
     if args.out is not None:  # refused before any timing: the records are written at the end of the run
         out = Path(args.out)
         blocked = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
