@@ -601,6 +601,15 @@ def test_sample_refuses_a_generator_that_is_not_one(generator):
         sample(model, "a", 2, generator=generator)
 
 
+def test_trainer_sample_names_a_bad_seed(corpus):
+    # a str or a float seed was torch's RuntimeError from manual_seed, 2^64 an "Overflow when unpacking long long"
+    tr = Trainer(TrainConfig(**dict(TINY, steps=1, model="plain", device="cpu")), corpus=corpus)
+    assert tr.sample("a", 2, seed=-1) == tr.sample("a", 2, seed=-1)
+    for seed in ("1", 1.5, True, 2 ** 64, -2 ** 63 - 1):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            tr.sample("a", 2, seed=seed)
+
+
 def test_sample_at_extreme_temperatures_and_its_checks_before_the_first_token():
     model = build_model("plain", ModelShape(layers=1, hidden=32, heads=2, seq=8), seed=0)
     greedy = sample(model, "ab", 3, top_k=1)
