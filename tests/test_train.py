@@ -610,6 +610,15 @@ def test_trainer_sample_names_a_bad_seed(corpus):
             tr.sample("a", 2, seed=seed)
 
 
+def test_trainer_sample_refuses_a_batch_of_prompts_before_generating(corpus, monkeypatch):
+    # a [b, t] prompt was generated in full, then decode refused the result ("ids must be 1-D")
+    tr = Trainer(TrainConfig(**dict(TINY, steps=1, model="plain", device="cpu")), corpus=corpus)
+    assert tr.sample(torch.tensor([97, 98]), 2) == tr.sample("ab", 2)
+    monkeypatch.setattr(tr.model, "forward", lambda *a, **k: pytest.fail("generated before the check"))
+    with pytest.raises(ValueError, match=r"prompt must be a str or 1-D token ids.*\[2, 2\]"):
+        tr.sample(torch.tensor([[97, 98], [99, 100]]), 2)
+
+
 def test_sample_at_extreme_temperatures_and_its_checks_before_the_first_token():
     model = build_model("plain", ModelShape(layers=1, hidden=32, heads=2, seq=8), seed=0)
     greedy = sample(model, "ab", 3, top_k=1)

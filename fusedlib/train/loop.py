@@ -950,9 +950,12 @@ class Trainer:
         with ``seed``; torch's random state is left as it was).
 
         Raises:
-            ValueError: as :func:`sample`; a seed that is not an int in ``torch.Generator.manual_seed``'s
+            ValueError: as :func:`sample`; a prompt of token ids that is not 1-D (one text: :func:`sample`
+                itself takes [b, t]); a seed that is not an int in ``torch.Generator.manual_seed``'s
                 range [-2^63, 2^64).
         """
+        if isinstance(prompt, torch.Tensor) and prompt.dim() != 1:  # (refused before the tokens, not by decode after)
+            raise ValueError(f"prompt must be a str or 1-D token ids (one text), got shape {list(prompt.shape)}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not -2 ** 63 <= seed < 2 ** 64:
             raise ValueError(f"seed must be an int in [-2^63, 2^64) (torch.Generator.manual_seed's range), "
                              f"got {seed!r}")
