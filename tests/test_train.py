@@ -549,6 +549,16 @@ def test_seq_longer_than_a_split_is_refused_before_training(corpus):
         Trainer(TrainConfig(**dict(TINY, steps=2, model="plain", device="cpu")), corpus=short)
 
 
+def test_trainer_refuses_a_corpus_that_is_not_one_before_training(corpus):
+    # a str was an AttributeError; int64 splits trained until get_batch refused them at the first step
+    cfg = TrainConfig(**dict(TINY, steps=2, model="plain", device="cpu"))
+    with pytest.raises(TypeError, match="corpus must be a Corpus"):
+        Trainer(cfg, corpus="stdlib")
+    with pytest.raises(ValueError, match=r"corpus: its train split must be a 1-D uint8 tensor of tokens, got "
+                                         r"torch.int64"):
+        Trainer(cfg, corpus=dataclasses.replace(corpus, train=corpus.train.long()))
+
+
 def test_schedule():
     from fusedlib.train import CosineSchedule
 

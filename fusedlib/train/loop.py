@@ -481,7 +481,9 @@ class Trainer:
 
     Raises:
         FileNotFoundError: ``resume`` without a checkpoint in ``out``.
-        ValueError: ``resume`` with a checkpoint of another configuration or corpus; ``tp``
+        TypeError: a corpus that is not a :class:`~fusedlib.train.data.Corpus`.
+        ValueError: a corpus split that is not 1-D uint8 or is shorter than ``seq`` + 1 tokens;
+            ``resume`` with a checkpoint of another configuration or corpus; ``tp``
             different from the tensor-parallel size of the process groups, or from the number
             of processes (no data parallelism).
         RuntimeError: ``tp`` > 1 in a process started alone (from ``initialize_model_parallel``).
@@ -508,6 +510,8 @@ class Trainer:
         self.device = cfg.resolved_device()
         self.bf16 = cfg.use_bf16()
         self.log = (log or print) if self.is_main else (lambda line: None)
+        if corpus is not None and not isinstance(corpus, Corpus):
+            raise TypeError(f"corpus must be a Corpus (fusedlib.train.load_corpus) or None, got {type(corpus).__name__}")
         self.corpus = corpus if corpus is not None else load_corpus(cfg.cache_dir)
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         try:
@@ -557,6 +561,10 @@ class Trainer:
                 raise ValueError(f"out: cannot make the directory {str(self.out)!r}: {err.strerror or err}") from None
             self.checkpoint_path = self.out / (CHECKPOINT if cfg.tp == 1 else f"checkpoint-tp{self.rank}.pt")
         for name, split in (("train", self.corpus.train), ("val", self.corpus.val)):
+            if not isinstance(split, torch.Tensor) or split.dim() != 1 or split.dtype != torch.uint8:
+                raise ValueError(f"corpus: its {name} split must be a 1-D uint8 tensor of tokens, got "
+                                 + (f"{split.dtype} of shape {list(split.shape)}" if isinstance(split, torch.Tensor)
+                                    else type(split).__name__))
             if split.numel() < cfg.seq + 1:
                 raise ValueError(f"seq ({cfg.seq}) needs at least seq + 1 tokens in the corpus' {name} split, which "
                                  f"has {split.numel()}")
