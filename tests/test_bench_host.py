@@ -353,6 +353,13 @@ def test_cli_out_that_is_a_file_is_refused_before_any_timing(tmp_path, capsys, m
             assert "--out must be a folder" in err and "is a file" in err
 
 
+def test_cli_empty_out_is_refused(capsys):
+    # the records went to f"{out}/{op}.json": /bias_gelu.json, at the file system's root
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "", "--op", "bias_gelu"])
+    assert "--out must be a folder's path, got ''" in capsys.readouterr().err
+
+
 def test_cli_an_op_named_twice_is_timed_once():
     # it was timed twice: --host wrote two sets of its records into host.json
     assert parse_args(["--op", "swiglu", "bias_gelu", "swiglu", "--host"]).op == ["swiglu", "bias_gelu"]

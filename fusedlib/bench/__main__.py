@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("calls", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not args.out:  # f"{args.out}/{op}.json" would be /<op>.json, at the file system's root
+        parser.error("--out must be a folder's path, got '' (for the current folder: --out .)")
     out = Path(args.out)  # refused before any timing: a file there would stop the run at its first write
     blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:
