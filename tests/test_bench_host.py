@@ -624,6 +624,12 @@ def test_tune_list_refuses_the_timing_flags(flags, capsys):
     assert (a.repeat, a.rep) == (3 if flags[0] == "--repeat" else 2, 50 if flags[0] == "--rep" else 100)
 
 
+def test_tune_a_shape_or_pass_named_twice_is_timed_once():
+    a = tune_mod.parse_args(["--op", "bias_gelu", "--shape", "16,8", "--shape", "4,4", "--shape", "16,8",
+                             "--pass", "bwd", "fwd", "bwd"])
+    assert (a.shape, a.passes) == ([(16, 8), (4, 4)], ["bwd", "fwd"])
+
+
 def test_tune_candidates_cover_the_current_tables():
     for op, spec in tune_mod.TUNE_OPS.items():
         for shape in spec.shapes:

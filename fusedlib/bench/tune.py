@@ -620,6 +620,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             check_shape(args.op, shape)
         except ValueError as err:
             parser.error(f"--shape: {err}")
+    # a shape or pass named twice is timed once (not two sets of records)
+    args.passes = list(dict.fromkeys(args.passes))
+    args.shape = list(dict.fromkeys(args.shape)) if args.shape else args.shape
     return args
 
 
