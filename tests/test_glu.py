@@ -505,6 +505,19 @@ def test_weighted_squared_relu_clamp_scale_large_against_the_input(dtype, clamp_
     _check_squared_relu(x, w, clamp_scale)
 
 
+@pytest.mark.parametrize("clamp_scale", [1.5, 4.0])  # outputs O(1): float64 tolerances are absolute too
+def test_weighted_squared_relu_soft_clamp_float64_both_branches(clamp_scale):
+    # float64 inputs compute in float64, so the soft clamp must hold float64's accuracy on both
+    # sides of its switch at r/s = SOFT_CLAMP_SERIES_BELOW = 0.125: the Taylor series of
+    # tanh(z)/z below (every coefficient matters: its z^6 term alone is ~2e-7 at z = 0.125,
+    # under float32's tolerance) and tanh above. Inputs z = x/s in [-0.05, 0.25).
+    x = (clamp_scale * (0.3 * torch.rand(9, 40, device=DEVICE, dtype=torch.float64) - 0.05)).requires_grad_(True)
+    z = x.detach() / clamp_scale
+    assert ((z > 0.06) & (z < 0.125)).any() and (z > 0.125).any() and (z < 0).any()
+    w = torch.rand(9, 1, device=DEVICE, dtype=torch.float64).requires_grad_(True)
+    _check_squared_relu(x, w, clamp_scale)
+
+
 def test_weighted_squared_relu_clamp_keeps_inf_inputs_at_the_clamp():
     x = torch.tensor([[-1.0, 0.0, 0.5, float("inf")]], device=DEVICE)
     out = weighted_squared_relu_impl(x, torch.ones(1, 1, device=DEVICE), 3.0)
