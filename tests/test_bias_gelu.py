@@ -44,6 +44,14 @@ def test_forward_backward_2d(dtype, h):
     _check_fwd_bwd(*_inputs((rows, h), dtype))
 
 
+@pytest.mark.parametrize("h", (7, 1300))
+def test_forward_backward_float64(h):
+    # float64 inputs compute in float64 (ACC), so the kernels' constants (c0, c1, c2 = 3·c0·c1)
+    # must match the reference to float64's accuracy: a c2 off by 2e-6 relative moves dy by
+    # ~1e-7, hidden under float32's tolerance, and gradcheck's finite differences miss it too
+    _check_fwd_bwd(*_inputs((33, h), torch.float64))
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_forward_backward_3d_bias_grad_over_s_b(dtype):
     # [s, b, h]: the bias gradient sums over both s and b

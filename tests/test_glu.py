@@ -112,6 +112,17 @@ def test_glu_forward_backward_2d(glu, dtype, h, with_bias):
 
 
 @pytest.mark.parametrize("glu", GLUS)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_glu_forward_backward_float64(glu, with_bias):
+    # float64 inputs compute in float64 (both backward kernels), so the activation and its
+    # derivative, constants included (GEGLU's c0, c1, c2 = 3·c0·c1), must hold float64's accuracy:
+    # a c2 off by 2e-6 relative moves dy by ~1e-7, hidden under float32's tolerance
+    y = _randn((17, 2 * 300), torch.float64).requires_grad_(True)
+    b = _randn((2 * 300,), torch.float64, 1.0).requires_grad_(True) if with_bias else None
+    _check_glu(glu, y, b)
+
+
+@pytest.mark.parametrize("glu", GLUS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_glu_3d_bias_grad_over_s_and_b(glu, dtype):
     y = _randn((5, 3, 2 * 48), dtype).requires_grad_(True)  # [s, b, 2h]
