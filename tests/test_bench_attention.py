@@ -252,6 +252,41 @@ def test_plot_draws_tflops_from_zero_with_the_ceiling(monkeypatch):
         at.plot([recs[0]])
 
 
+def test_plot_gives_every_implementation_its_own_colour_and_a_legend_entry(monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.colors as mcolors
+    import matplotlib.pyplot as plt
+
+    assert len(set(at.PLOT_COLORS.values())) == len(at.PLOT_COLORS)
+    assert set(at.IMPLS) <= set(at.PLOT_COLORS)
+    recs = _fake_records(monkeypatch)
+    # a series drawn in one panel only (fusedlib-deterministic times fwd+bwd alone)
+    recs += [dict(r, impl="fusedlib-deterministic", ms=r["ms"] * 1.2, TFLOPs=r["TFLOPs"] / 1.2)
+             for r in recs if r.get("op") == "attention" and r["impl"] == "fusedlib" and r["pass"] == "fwd+bwd"]
+    fig = at.plot(recs, {"op": "matmul", "TFLOPs": 700.0})
+    try:
+        drawn = {}  # impl -> the colour of its bars, over both panels
+        for ax in fig.axes[:2]:
+            for bars in ax.containers:
+                colours = {mcolors.to_hex(p.get_facecolor()) for p in bars.patches}
+                assert len(colours) == 1  # one colour for a series' bars
+                colour = colours.pop()
+                assert drawn.setdefault(bars.get_label(), colour) == colour  # the same in both panels
+        impls = {r["impl"] for r in recs if r.get("op") == "attention"}
+        assert set(drawn) == impls and "fusedlib-deterministic" in drawn
+        assert not any(c.get_label() == "fusedlib-deterministic" for c in fig.axes[0].containers)
+        assert len(set(drawn.values())) == len(drawn)  # one colour per implementation
+        legend = fig.legends[0]
+        entries = {t.get_text(): h for t, h in zip(legend.get_texts(), legend.legend_handles)}
+        for impl, colour in drawn.items():  # every series in the legend, its swatch its bars' colour
+            assert mcolors.to_hex(entries[impl].get_facecolor()) == colour
+        assert any(text.startswith("bf16 matmul ceiling 700") for text in entries)
+    finally:
+        plt.close(fig)
+
+
 def test_kernel_calls_launch_each_form_on_the_case_inputs():
     # the calls tools/attention_loads.py and tools/attention_order.py time (they built these
     # inputs and launches each, line for line)

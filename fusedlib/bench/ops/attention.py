@@ -79,7 +79,8 @@ from .baselines import compile_impl
 __all__ = [
     "SHAPE_NAMES", "DEFAULT_SHAPE", "CASES", "IMPLS", "SDPA_BACKENDS", "MATERIALISED_IMPLS",
     "BYTES_PER_SCORE", "MEMORY_FRACTION", "GOAL_FLASH", "GOAL_CUDNN", "attention_flops",
-    "materialised_peak_bytes", "kernel_calls", "screen", "case", "cases", "table", "goal_lines", "plot",
+    "materialised_peak_bytes", "kernel_calls", "screen", "case", "cases", "table", "goal_lines", "PLOT_COLORS",
+    "plot",
 ]
 
 #: Record shape: batch, heads, sequence (sq = sk), head dim.
@@ -523,6 +524,25 @@ def goal_lines(records: Sequence[dict]) -> list[str]:
     return lines
 
 
+#: The plot's colour of each implementation, one colour each (fusedlib's red as in every chapter).
+PLOT_COLORS: dict[str, str] = {
+    "fusedlib": "#d62728",
+    "fusedlib-deterministic": "#8c1c1c",
+    "sdpa-cudnn": "#1f77b4",
+    "sdpa-flash": "#17becf",
+    "sdpa-efficient": "#9575cd",
+    "sdpa-math": "#bcaaa4",
+    "fusedlib-materialised": "#f4a6a6",
+    "eager": "#9e9e9e",
+    "torch.compile": "#5c6bc0",
+}
+
+
+def _color(impl: str) -> str:
+    """``impl``'s colour in :func:`plot` (an implementation not in :data:`PLOT_COLORS`: slate)."""
+    return PLOT_COLORS.get(impl, "#607d8b")
+
+
 def plot(records: Sequence[dict], ceiling: Optional[dict] = None, axes=None):
     """Bar chart of TFLOP/s per implementation, one group of bars per case, one panel per pass
     (fwd, fwd+bwd), with the bf16 matmul ceiling (``ceiling``: the ``"matmul"`` record of
@@ -535,16 +555,14 @@ def plot(records: Sequence[dict], ceiling: Optional[dict] = None, axes=None):
         ValueError: when no attention record has ``TFLOPs``.
     """
     import matplotlib.pyplot as plt
-
-    from ...book import IMPL_COLORS
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     rows = [r for r in _rows(records) if r.get("TFLOPs") is not None]
     if not rows:
         raise ValueError("records: no attention record with TFLOPs")
     groups = _cases_of(rows)
     impls = sorted({r["impl"] for r in rows}, key=_order)
-    colors = dict(IMPL_COLORS, **{"sdpa-cudnn": "#1f77b4", "sdpa-flash": "#5c6bc0", "sdpa-efficient": "#9575cd",
-                                  "sdpa-math": "#bdbdbd", "fusedlib-materialised": "#f4a6a6"})
     if axes is None:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     fig = axes[0].figure
@@ -558,18 +576,23 @@ def plot(records: Sequence[dict], ceiling: Optional[dict] = None, axes=None):
                 if r is not None:
                     xs.append(j + (k - (len(impls) - 1) / 2) * width)
                     ys.append(r["TFLOPs"])
-            ax.bar(xs, ys, width, label=impl, color=colors.get(impl, "#607d8b"))
+            if xs:  # fusedlib-deterministic has no forward of its own
+                ax.bar(xs, ys, width, label=impl, color=_color(impl))
             top = max([top] + ys)
         if ceiling is not None and ceiling.get("TFLOPs"):
-            ax.axhline(ceiling["TFLOPs"], color="k", ls="--", lw=1,
-                       label=f"bf16 matmul ceiling {ceiling['TFLOPs']:.0f} TFLOP/s")
+            ax.axhline(ceiling["TFLOPs"], color="k", ls="--", lw=1)
             top = max(top, ceiling["TFLOPs"])
         ax.set_xticks(range(len(groups)), [f"{list(s)}\n{v}" for s, v in groups], fontsize=8)
         ax.set_title(f"attention {pas}, {rows[0]['dtype']}, {rows[0]['device']}", fontsize=10)
         ax.set_xlabel("[b, h, s, d]")
     axes[0].set_ylim(0, 1.08 * top)
     axes[0].set_ylabel("TFLOP/s (higher is better)")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=min(5, len(labels)), frameon=False)
+    # the legend from proxies, one per implementation drawn in either panel (a panel's own
+    # handles would miss an implementation it has no bars of), and the ceiling's line
+    handles = [Patch(facecolor=_color(impl), label=impl) for impl in impls]
+    if ceiling is not None and ceiling.get("TFLOPs"):
+        handles.append(Line2D([], [], color="k", ls="--", lw=1,
+                              label=f"bf16 matmul ceiling {ceiling['TFLOPs']:.0f} TFLOP/s"))
+    fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=min(5, len(handles)), frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))  # the bottom strip holds the legend
     return fig
