@@ -390,3 +390,71 @@ def test_the_compiled_block_compiles_one_layer_graph_per_shape():
         assert all(isinstance(d, int) for ex in graphs for t in ex if isinstance(t, torch.Tensor) for d in t.shape)
     finally:
         torch._dynamo.reset()
+
+
+def test_power_state_needs_cuda_and_its_table_reads_a_stored_state(tmp_path):
+    if DEVICE.type != "cuda":
+        with pytest.raises(ValueError, match="device must be CUDA"):
+            tl.power_state("cpu", TINY)
+    state = {"device": "NVIDIA H200", "shape": list(TINY), "dtype": "bfloat16",
+             "sampler": {"fields": None, "error": "nvidia-smi not found"}, "skipped": {"torch.compile": "boom"},
+             "phases": [
+                 {"impl": "fusedlib-sdpa", "round": 0, "timer": "do_bench", "window_ms": 200, "ms": 19.52,
+                  "samples": 17, "sm_mhz": 1680.0, "power_w": 593.9, "reasons": {"power cap": 0.8}},
+                 {"impl": "fusedlib-sdpa", "round": 0, "timer": "do_bench", "window_ms": 3000, "ms": 19.81,
+                  "samples": 0},
+                 {"impl": "fusedlib-sdpa", "timer": "profile", "steps": 3, "kernel_ms": 17.92, "span_ms": 19.1,
+                  "samples": 38, "sm_mhz": 1965.0, "power_w": 215.1, "reasons": {}}]}
+    text = tl.power_table(state).splitlines()
+    assert "no clock samples: nvidia-smi not found" in text[1]
+    assert text[3].split()[-6:] == ["19.52", "1680", "594", "power", "cap", "80%"]
+    assert text[4].split()[-3:] == ["19.81", "-", "-"]
+    assert text[5].split()[-3:] == ["17.92", "1965", "215"] and "profile, 3 steps" in text[5]
+    assert text[6] == "  torch.compile: not timed: boom"
+    (tmp_path / tl.POWER_FILE).write_text(json.dumps(state))
+    assert tl.load_power_state(tmp_path / tl.POWER_FILE) == state
+    assert tl.load_power_state(tmp_path / "missing.json") is None
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="power_state times CUDA kernels")
+def test_power_state_on_the_gpu(tmp_path):
+    from fusedlib.bench import clocks
+
+    for kw, match in ((dict(impls=("nope",)), "unknown"), (dict(rounds=0), "rounds"),
+                      (dict(windows_ms=(200, 0)), "windows_ms"), (dict(rest_s=-1.0), "rest_s")):
+        with pytest.raises(ValueError, match=match):
+            tl.power_state(DEVICE, TINY, **kw)
+    state = tl.power_state(DEVICE, TINY, impls=("fusedlib-sdpa", "fusedlib"), rounds=2, windows_ms=(5, 20),
+                           rest_s=0.0, profile_steps=2, warmup=1, dtype=torch.float32)
+    assert state["skipped"] == {} and state["op"] == "transformer_layer_power"
+    timed = [p for p in state["phases"] if p["timer"] == "do_bench"]
+    assert [(p["impl"], p["round"], p["window_ms"]) for p in timed] == [
+        (i, r, w) for r in (0, 1) for i in ("fusedlib", "fusedlib-sdpa") for w in (5, 20)]
+    assert all(p["ms"] > 0 for p in timed)
+    profiled = [p for p in state["phases"] if p["timer"] == "profile"]
+    assert [p["impl"] for p in profiled] == ["fusedlib", "fusedlib-sdpa"]
+    assert all(p["kernel_ms"] > 0 and p["launches"] > 0 for p in profiled)
+    if state["sampler"]["error"] is None:  # nvidia-smi there: the long windows hold samples
+        assert any(p["samples"] > 0 and 100 < p["sm_mhz"] < 5000 for p in timed)
+    # a sampler that records nothing leaves the timings whole
+    class Silent:
+        fields, error = None, "stand-in"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def samples(self):
+            return []
+
+    state = tl.power_state(DEVICE, TINY, impls=("fusedlib-sdpa",), rounds=1, windows_ms=(5,), rest_s=0.0,
+                           profile_steps=1, warmup=1, dtype=torch.float32, sampler=Silent)
+    assert state["sampler"] == {"fields": None, "error": "stand-in"}
+    assert [p["samples"] for p in state["phases"]] == [0, 0] and "no clock samples" in tl.power_table(state)
+    assert isinstance(clocks.summarize([], 0.0, 1.0), dict)
+    path = tl.write_power_state(DEVICE, tmp_path, log=lambda s: None, shape=TINY, impls=("fusedlib-sdpa",),
+                                rounds=1, windows_ms=(5,), rest_s=0.0, profile_steps=1, warmup=1,
+                                dtype=torch.float32)
+    assert path == tmp_path / tl.POWER_FILE and tl.load_power_state(path)["phases"]

@@ -93,11 +93,17 @@ The profile (:func:`profile`, written by :func:`extra_files` as
 steps of :data:`PROFILE_IMPLS` at :data:`DEFAULT_SHAPE`, summed by kernel name and by
 category (:func:`kernel_category`), per step: where the step's time goes.
 
+The clock under load (:func:`power_state`, written by :func:`extra_files` on a CUDA device as
+``transformer_layer_power.json``): :data:`POWER_IMPLS` at :data:`DEFAULT_SHAPE`, timed over the
+benchmark's 200 ms window and over 3 s of back-to-back steps, and profiled, with the SM clock
+and board power ``nvidia-smi`` reports during each (:mod:`fusedlib.bench.clocks`): whether
+two timings ran at the same clock, and what a long, power-limited run gets.
+
 Time: about 25 steps per implementation and timer (triton's ``do_bench``: five to estimate,
 a warm-up, then as many as fit in 200 ms), one layer's ``torch.compile`` per shape, Triton's
 kernels compiled once per shape, megatron-core's ``torch.compile``d fusions, the profile's
-handful of steps: the whole run is meant to stay within about 150 s on an H200 (compiling
-dominates it).
+handful of steps and the clock's timings (about 50 s): the whole run is meant to stay within
+about 220 s on an H200 (compiling dominates it).
 
 Source: Megatron-LM ``megatron/core/models/gpt/gpt_layer_specs.py``,
 ``megatron/core/transformer/transformer_block.py``; the step as Megatron's training loop runs it
@@ -126,6 +132,7 @@ __all__ = [
     "PROFILE_IMPLS", "PROFILE_FILE", "FUSIONS_ON", "param_count", "gemm_flops", "fusedlib_block",
     "megatron_block", "init_megatron", "PlainGPTLayer", "PlainGPTBlock", "case", "cases", "table",
     "kernel_category", "kernel_summary", "device_span", "profile", "profile_table", "extra_files", "load_profile",
+    "POWER_IMPLS", "POWER_FILE", "power_state", "power_table", "write_power_state", "load_power_state",
 ]
 
 #: [s, b, h, heads, ffn, layers]: the headline (2048 tokens x 4 sequences, hidden 2048, 16 heads of 128)
@@ -720,6 +727,34 @@ def profiler_setup(device: torch.device) -> tuple[list, torch.autograd.DeviceTyp
     return [ProfilerActivity.CPU], torch.autograd.DeviceType.CPU, lambda: None
 
 
+def _training_step(im: Impl, c: BenchCase, device: torch.device) -> tuple[Callable[[], None], list]:
+    """``(step, leaves)`` for implementation ``im`` of case ``c``: a step of the benchmark's
+    fwd+bwd pass (gradients set to None first) and the tensors whose gradients it writes."""
+    (x,) = c.make_inputs(device, True)
+    g = torch.randn_like(im.fn(x))  # (the first call builds the module)
+    leaves = [x] + list(im.params())
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        im.fn(x).backward(g)
+
+    return step, leaves
+
+
+def _profile_steps(step: Callable[[], None], device: torch.device, steps: int, top: int) -> dict:
+    """:func:`kernel_summary` of ``steps`` calls of ``step`` under ``torch.profiler``."""
+    from torch.profiler import profile as torch_profile
+
+    activities, kind, sync = profiler_setup(device)
+    sync()
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    return kernel_summary(device_events(prof, kind), steps, top, device_span(prof, kind))
+
+
 def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_SHAPE,
             impls: Sequence[str] = PROFILE_IMPLS, steps: int = 3, warmup: int = 2, top: int = 12,
             dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -740,36 +775,21 @@ def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_
     Raises:
         ValueError: an unknown implementation name.
     """
-    from torch.profiler import profile as torch_profile
-
     unknown = [n for n in impls if n not in IMPLS]
     if unknown:
         raise ValueError(f"impls: unknown {unknown}; known: {', '.join(IMPLS)}")
     device = torch.device(device)
     c = case(shape, dtype)
-    activities, kind, sync = profiler_setup(device)
     out = {"op": "transformer_layer", "shape": list(c.shape), "shape_names": list(SHAPE_NAMES),
            "dtype": str(dtype).replace("torch.", ""), "steps": steps, **environment(), "impls": {}, "skipped": {}}
     for im in c.impls:
         if im.name not in impls:
             continue
         try:
-            (x,) = c.make_inputs(device, True)
-            g = torch.randn_like(im.fn(x))
-
-            def step():
-                for t in [x] + list(im.params()):
-                    t.grad = None
-                im.fn(x).backward(g)
-
+            step, _ = _training_step(im, c, device)
             for _ in range(warmup):
                 step()
-            sync()
-            with torch_profile(activities=activities) as prof:
-                for _ in range(steps):
-                    step()
-                sync()
-            out["impls"][im.name] = kernel_summary(device_events(prof, kind), steps, top, device_span(prof, kind))
+            out["impls"][im.name] = _profile_steps(step, device, steps, top)
         except Exception as exc:  # one failing implementation must not lose the others
             out["skipped"][im.name] = f"{type(exc).__name__}: {exc}"[:300]
         finally:
@@ -808,14 +828,18 @@ def kernel_summary_lines(name: str, summary: dict, top: int = 8) -> list[str]:
 
 
 def extra_files(device: torch.device, out_dir: str | Path, log: Callable[[str], object] = print) -> list[Path]:
-    """Write :func:`profile` on ``device`` to ``out_dir/transformer_layer_profile.json`` and pass its
-    table to ``log`` (the CLI gives ``tqdm.write``). Returns the written paths."""
+    """Write :func:`profile` on ``device`` to ``out_dir/transformer_layer_profile.json`` and, on a
+    CUDA device, :func:`power_state` to ``out_dir/transformer_layer_power.json``, passing their
+    tables to ``log`` (the CLI gives ``tqdm.write``). Returns the written paths."""
     prof = profile(device)
     path = Path(out_dir) / PROFILE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(prof, indent=1) + "\n")
     log(profile_table(prof))
-    return [path]
+    paths = [path]
+    if torch.device(device).type == "cuda":
+        paths.append(write_power_state(device, out_dir, log))
+    return paths
 
 
 def load_profile(path: Optional[str | Path] = None) -> Optional[dict]:
@@ -825,5 +849,157 @@ def load_profile(path: Optional[str | Path] = None) -> Optional[dict]:
         from ...book import bench_dir
 
         path = bench_dir() / PROFILE_FILE
+    path = Path(path)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The clock under load
+# ---------------------------------------------------------------------------------------------
+
+#: The implementations :func:`power_state` times: the two pairs of the chapter's goals (every fusion
+#: on against megatron-core's local spec; the SDPA block against the compiled plain block).
+POWER_IMPLS = ("fusedlib", "megatron-core", "fusedlib-sdpa", "torch.compile")
+POWER_FILE = "transformer_layer_power.json"
+
+
+def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_SHAPE,
+                impls: Sequence[str] = POWER_IMPLS, rounds: int = 2, windows_ms: Sequence[int] = (200, 3000),
+                rest_s: float = 1.0, profile_steps: int = 3, warmup: int = 5,
+                dtype: torch.dtype = torch.bfloat16, sampler: Optional[Callable[[], object]] = None) -> dict:
+    """Each implementation's training step timed over a short and a long window of back-to-back
+    steps, and profiled over a few steps, with the SM clock and board power during each
+    (:mod:`fusedlib.bench.clocks`).
+
+    The short window is the benchmark's own (``time_ms``'s default 200 ms of steps: the table's
+    plain-launch timings); the long one keeps the GPU loaded for seconds, as training does, long
+    enough for the board to reach its power limit. ``rounds`` rounds go through the
+    implementations in turn, ``rest_s`` of idle before each timing, so that no implementation
+    always follows another; then each is profiled as :func:`profile` does (``profile_steps``
+    steps after a rest), which shows the clock the profile's kernel times were measured at.
+
+    Args:
+        device: a CUDA device.
+        shape, dtype: the case's.
+        impls: names of :data:`IMPLS`.
+        rounds: >= 1.
+        windows_ms: do_bench's repetition budgets (ms), each >= 1.
+        rest_s: idle seconds before each timing (>= 0).
+        profile_steps, warmup: steps profiled; untimed steps first (compiles), each >= 1.
+        sampler: a factory of a :class:`~fusedlib.bench.clocks.ClockSampler`-like context
+            manager (``samples()``, ``fields``, ``error``); None: ``nvidia-smi`` on ``device``'s
+            index.
+
+    Returns:
+        ``{"op": "transformer_layer_power", "shape", "shape_names", "dtype", device and versions,
+        "sampler": {"fields", "error"}, "phases": [...], "skipped": {...}}``; each phase
+        ``{"impl", "round", "timer": "do_bench", "window_ms", "ms", clocks...}`` or ``{"impl",
+        "timer": "profile", "steps", "kernel_ms", "span_ms", "idle_ms", "launches", clocks...}``
+        with :func:`~fusedlib.bench.clocks.summarize`'s fields for the phase's wall-clock window.
+        An implementation that fails is left out and named in ``"skipped"``.
+
+    Raises:
+        ValueError: a device other than CUDA; an unknown implementation name; a count or
+            window out of range.
+    """
+    import time
+
+    from ..clocks import ClockSampler, summarize
+    from ..core import time_ms
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"power_state times CUDA kernels and samples the GPU's clock: device must be CUDA, "
+                         f"got {device}")
+    unknown = [n for n in impls if n not in IMPLS]
+    if unknown:
+        raise ValueError(f"impls: unknown {unknown}; known: {', '.join(IMPLS)}")
+    for name, v in (("rounds", rounds), ("profile_steps", profile_steps), ("warmup", warmup), *(
+            ("windows_ms", w) for w in windows_ms)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be ints >= 1, got {v!r}")
+    if not (isinstance(rest_s, (int, float)) and math.isfinite(rest_s) and rest_s >= 0):
+        raise ValueError(f"rest_s must be a finite number >= 0, got {rest_s!r}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    c = case(shape, dtype)
+    out = {"op": "transformer_layer_power", "shape": list(c.shape), "shape_names": list(SHAPE_NAMES),
+           "dtype": str(dtype).replace("torch.", ""), **environment(), "sampler": None, "phases": [], "skipped": {}}
+    out["skipped"].update({n: why for n, why in c.skipped.items() if n in impls})  # (megatron-core not importable)
+    steps = {}
+    for im in c.impls:
+        if im.name in impls:
+            try:
+                step, leaves = _training_step(im, c, device)
+                for _ in range(warmup):
+                    step()
+                torch.cuda.synchronize(device)
+                steps[im.name] = (step, leaves)
+            except Exception as exc:  # one failing implementation must not lose the others
+                out["skipped"][im.name] = f"{type(exc).__name__}: {exc}"[:300]
+    with (sampler or (lambda: ClockSampler(index)))() as smp:
+        out["sampler"] = {"fields": list(smp.fields) if smp.fields else None, "error": smp.error}
+        spans = []
+        for rnd in range(rounds):
+            for name, (step, leaves) in steps.items():
+                for w in windows_ms:
+                    time.sleep(rest_s)
+                    t0 = time.time()
+                    ms = time_ms(step, grad_to_none=leaves, rep=w)
+                    spans.append((len(out["phases"]), t0, time.time()))
+                    out["phases"].append({"impl": name, "round": rnd, "timer": "do_bench", "window_ms": w,
+                                          "ms": round(ms, 4)})
+        for name, (step, _) in steps.items():
+            time.sleep(rest_s)
+            t0 = time.time()
+            summary = _profile_steps(step, device, profile_steps, top=0)
+            spans.append((len(out["phases"]), t0, time.time()))
+            out["phases"].append({"impl": name, "timer": "profile", "steps": profile_steps,
+                                  **{k: v for k, v in summary.items() if k not in ("top", "categories")}})
+        time.sleep(0.2)  # (the last samples of the last phase)
+        samples = smp.samples()
+    for i, t0, t1 in spans:
+        out["phases"][i].update(summarize(samples, t0, t1))
+    return out
+
+
+def power_table(state: dict) -> str:
+    """Text table of a :func:`power_state` result: per phase, the time and the clock."""
+    lines = [f"the clock under load, {state['device']}, shape {state['shape']} ({state['dtype']})"]
+    smp = state.get("sampler") or {}
+    if smp.get("error"):
+        lines.append(f"  no clock samples: {smp['error']}")
+    lines.append(f"  {'implementation':<16}{'timer':<22}{'ms':>8}{'SM MHz':>8}{'W':>7}  clock held down by")
+    for ph in state["phases"]:
+        timer = (f"do_bench {ph['window_ms']} ms (r{ph['round']})" if ph["timer"] == "do_bench"
+                 else f"profile, {ph['steps']} steps")
+        ms = ph["ms"] if ph["timer"] == "do_bench" else ph["kernel_ms"]
+        clock = (f"{ph['sm_mhz']:>8.0f}{ph['power_w']:>7.0f}  "
+                 + ", ".join(f"{k} {100 * v:.0f}%" for k, v in ph["reasons"].items())) if ph.get("samples") else \
+            f"{'-':>8}{'-':>7}"
+        lines.append(f"  {ph['impl']:<16}{timer:<22}{ms:>8.2f}{clock}")
+    for name, why in state.get("skipped", {}).items():
+        lines.append(f"  {name}: not timed: {why}")
+    return "\n".join(lines)
+
+
+def write_power_state(device: torch.device | str, out_dir: str | Path, log: Callable[[str], object] = print,
+                      **kwargs) -> Path:
+    """Write :func:`power_state` (``kwargs`` passed on) to ``out_dir/transformer_layer_power.json``
+    and pass its table to ``log``. Returns the path."""
+    state = power_state(device, **kwargs)
+    path = Path(out_dir) / POWER_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state, indent=1) + "\n")
+    log(power_table(state))
+    return path
+
+
+def load_power_state(path: Optional[str | Path] = None) -> Optional[dict]:
+    """The stored :func:`power_state` (default: ``transformer_layer_power.json`` in
+    :func:`fusedlib.book.bench_dir`), or None when it has not been written yet."""
+    if path is None:
+        from ...book import bench_dir
+
+        path = bench_dir() / POWER_FILE
     path = Path(path)
     return json.loads(path.read_text()) if path.exists() else None

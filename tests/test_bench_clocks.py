@@ -1,0 +1,119 @@
+"""fusedlib.bench.clocks: nvidia-smi's lines parsed, windows summarised, the sampler's life cycle
+(against a stand-in nvidia-smi script, so that it runs on any machine)."""
+from __future__ import annotations
+
+import datetime
+import os
+import stat
+import time
+
+import pytest
+
+from fusedlib.bench import clocks
+
+
+def _line(t: float, sm: float, w: float, temp: float, mask: int) -> str:
+    stamp = datetime.datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    return f"{stamp}, {sm:g}, {w:.2f}, {temp:g}, 0x{mask:016x}"
+
+
+def test_parse_line_reads_nvidia_smi_and_refuses_the_rest():
+    t = 1_796_296_204.25
+    s = clocks.parse_line(_line(t, 1620, 690.32, 63, 0x4))
+    assert s == clocks.ClockSample(pytest.approx(t, abs=1e-3), 1620.0, 690.32, 63.0, 4)
+    for bad in ("timestamp, clocks.sm [MHz], power.draw [W], temperature.gpu, reasons",  # a header
+                "Field \"power.draw.instant\" is not a valid field to query.",
+                _line(t, 1620, 690, 63, 4).replace("690.00", "[N/A]"),
+                _line(t, 1620, 690, 63, 4).replace("690.00", "nan"),
+                _line(t, 1620, 690, 63, 4) + ", 1", ""):
+        assert clocks.parse_line(bad) is None, bad
+
+
+def test_decode_reasons_names_each_bit():
+    assert clocks.decode_reasons(0) == []
+    assert clocks.decode_reasons(0x4) == ["power cap"]
+    assert clocks.decode_reasons(0x1 | 0x4 | 0x40) == ["idle", "power cap", "thermal (hardware)"]
+    assert clocks.decode_reasons(0x4 | 0x1000) == ["power cap", "0x1000"]
+
+
+def test_summarize_takes_the_window_only():
+    t = 1000.0
+    samples = [clocks.ClockSample(t + i * 0.1, sm, w, 50 + i, mask) for i, (sm, w, mask) in enumerate(
+        [(1980, 200, 0x0), (1700, 500, 0x4), (1620, 690, 0x4), (1650, 700, 0x4), (1980, 90, 0x1)])]
+    got = clocks.summarize(samples, t + 0.05, t + 0.35)  # the three middle samples
+    assert got == {"samples": 3, "sm_mhz": 1650, "sm_mhz_min": 1620, "sm_mhz_max": 1700, "power_w": 690.0,
+                   "power_w_max": 700.0, "temperature_c_max": 53, "reasons": {"power cap": 1.0}}
+    got = clocks.summarize(samples, t, t + 0.4)
+    assert got["samples"] == 5 and got["reasons"] == {"power cap": 0.6, "idle": 0.2}
+    assert clocks.summarize(samples, t + 5, t + 6) == {"samples": 0}
+    for t0, t1 in ((2.0, 1.0), (float("nan"), 1.0), (0.0, float("inf"))):
+        with pytest.raises(ValueError, match="window"):
+            clocks.summarize(samples, t0, t1)
+
+
+@pytest.fixture
+def fake_smi(tmp_path):
+    """A stand-in nvidia-smi: refuses the first query (as a driver without power.draw.instant
+    does), answers the others once, and with -lms prints a line every 10 ms until killed."""
+    path = tmp_path / "nvidia-smi"
+    path.write_text("""#!/usr/bin/env python3
+import sys, time, datetime
+args = " ".join(sys.argv[1:])
+if "power.draw.instant" in args:
+    print('Field "power.draw.instant" is not a valid field to query.'); sys.exit(2)
+def line():
+    t = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    return f"{t}, 1620, 690.50, 63, 0x0000000000000004"
+if "-lms" not in args:
+    print(line()); sys.exit(0)
+while True:
+    print(line(), flush=True); time.sleep(0.01)
+""")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_sampler_samples_with_the_first_accepted_query(fake_smi):
+    t0 = time.time()
+    with clocks.ClockSampler(0, interval_ms=10, command=fake_smi) as smp:
+        time.sleep(0.5)
+        inside = smp.samples()
+    t1 = time.time()
+    assert smp.error is None and list(smp.fields) == list(clocks.QUERIES[1])
+    assert smp._proc is None  # the background process is gone
+    assert len(inside) >= 5 and all(s.sm_mhz == 1620 and s.power_w == 690.5 and s.reasons == 4 for s in inside)
+    got = clocks.summarize(smp.samples(), t0 - 1, t1 + 1)
+    assert got["samples"] >= len(inside) and got["reasons"] == {"power cap": 1.0}
+
+
+def test_sampler_without_nvidia_smi_samples_nothing_and_says_why(tmp_path):
+    with clocks.ClockSampler(command=str(tmp_path / "no-such-smi")) as smp:
+        assert smp.samples() == []
+    assert smp.fields is None and "not found" in smp.error
+    refusing = tmp_path / "refusing-smi"
+    refusing.write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    refusing.chmod(0o755)
+    with clocks.ClockSampler(command=str(refusing)) as smp:
+        assert smp.samples() == []
+    assert smp.fields is None and "No devices were found" in smp.error
+
+
+@pytest.mark.parametrize("kw", [dict(index=-1), dict(index=True), dict(interval_ms=5), dict(interval_ms=20.0)])
+def test_sampler_refuses_bad_arguments(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        clocks.ClockSampler(**kw)
+
+
+def test_sampler_never_runs_a_command_that_changes_the_gpu(fake_smi, monkeypatch):
+    # only queries: no -pl, -lgc, -ac, -r, -pm ... (the card's settings are left alone)
+    import subprocess
+
+    seen = []
+    real_run, real_popen = subprocess.run, subprocess.Popen
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: seen.append(args) or real_run(args, **kw))
+    monkeypatch.setattr(subprocess, "Popen", lambda args, **kw: seen.append(args) or real_popen(args, **kw))
+    with clocks.ClockSampler(command=fake_smi):
+        pass
+    assert seen and all(a[1].startswith("--query-gpu=") and set(a[2:]) <= {"--format=csv,noheader,nounits", "-i", "0",
+                                                                           "-lms", "20"} for a in seen)
+    assert os.path.basename(seen[0][0]) == "nvidia-smi"
