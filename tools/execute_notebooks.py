@@ -1,4 +1,8 @@
-"""Execute chapter notebooks in place with nbclient (how the committed H200 outputs are made).
+"""Execute chapter notebooks in place with nbclient, on this machine's device.
+
+This is how the committed outputs are made: run on a CPU, where the kernels run in Triton's
+interpreter and the benchmark cells load the H200 records stored in chapters/data/bench/. On a
+CUDA GPU the same command compiles the kernels and the benchmark cells measure live.
 
 Usage: python tools/execute_notebooks.py [chapters/NN_name.ipynb ...]   (default: every chapter)
 
