@@ -144,7 +144,10 @@ MAX_HEAD_DIM: int = 256
 # ``python -m fusedlib.bench.tune --op attention``'s winner on the H200 (causal [4, 16, 2048,
 # 128], bf16, kernel only; NOTES.md): forward [64, 64] at 4 warps, 3 stages, 0.191 ms against
 # 0.213 for [128, 64] at 8 warps; backward [64, 64] at 4 warps, 2 stages (dQ the same square
-# tile), 0.667 ms against 0.962 for [32, 128] at 8 warps. The d <= 64 row: the same sweep at
+# tile), 0.667 ms against 0.962 for [32, 128] at 8 warps. The forward's [64, 64] tile (4 warps,
+# 3 stages; the d <= 64 row's too) was then compared with ten other tiles at each of the
+# benchmark's four cases (pointer loads, kernel only; NOTES.md) and was the fastest at every one
+# (causal [4, 16, 2048, 128]: 0.190 ms against 0.207-0.303). The d <= 64 row: the same sweep at
 # causal [64, 6, 512, 64] (chapter 9's model) and [8, 32, 1024, 64], bf16, kernel only, each
 # kernel's tile swept with the others at the table's (ms; tools: NOTES.md): forward [64, 64]
 # 0.0671 / 0.1267 against 0.0793 / 0.1452 for the earlier [128, 64]; dK/dV 32 queries per step
