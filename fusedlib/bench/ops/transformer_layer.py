@@ -603,7 +603,10 @@ def table(records: Sequence[dict]) -> str:
                 ratio = f"{plain_ms / fused.get('ms_eager', fused['ms']):.2f}x"
             out.append(f"{r['impl']:<23}{plain_ms:>10.2f}{g_ms:>10}{p_tps:>13}{g_tps:>13}{peak:>9}{ratio:>13}")
             if r.get("graph_error"):
-                notes.append(f"  {r['impl']}: no CUDA graph ({r['graph_error'][:120]})")
+                why = r["graph_error"]
+                if len(why) > 120:  # cut at a word's end
+                    why = why[:120].rsplit(" ", 1)[0] + " ..."
+                notes.append(f"  {r['impl']}: no CUDA graph ({why})")
         out += notes
         out.append("")
     return "\n".join(out).rstrip()
