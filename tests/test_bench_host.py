@@ -336,6 +336,7 @@ def test_cli_help_gives_every_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: all)" in text and "(default chapters/data/bench)" in text
     assert f"(default {host_mod.CALLS})" in text and f"(default {host_mod.REPEATS})" in text
+    assert "``" not in text  # (the docstring's markup stays in the docstring)
 
 
 def test_cli_out_that_is_a_file_is_refused_before_any_timing(tmp_path, capsys, monkeypatch):

@@ -38,7 +38,7 @@ from .core import load_records, matmul_record
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring); ``--sweep`` with ``--host``, and an ``--out``
     that is a file or lies under one, are errors."""
-    parser = argparse.ArgumentParser(prog="python -m fusedlib.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fusedlib.bench", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--op", nargs="+", choices=sorted(OP_MODULES), default=None,
                         help="ops to time (default: all)")
     parser.add_argument("--out", default="chapters/data/bench",

@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     from .loop import TrainConfig
 
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].replace("``", ""),
+                                formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=MODELS, default=d.model, help="gpt: fusedlib's GPTModel; plain: nanoGPT-style")
     m.add_argument("--spec", choices=SPECS, default=argparse.SUPPRESS,
