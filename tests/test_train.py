@@ -84,6 +84,10 @@ def test_a_corpus_root_that_is_a_file_is_named_so(tmp_path):
         load_corpus(tmp_path / "cache", root=tmp_path / "x.py")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_corpus(tmp_path / "cache", root=tmp_path / "nothing")
+    # neither a path nor None: named (pathlib's "argument should be a str or an os.PathLike" named neither)
+    for kw, name in ((dict(root=5), "root"), (dict(root=[str(tmp_path)]), "root"), (dict(cache_dir=3.5), "cache_dir")):
+        with pytest.raises(TypeError, match=rf"load_corpus: {name} must be a path"):
+            load_corpus(**{"cache_dir": tmp_path / "cache", **kw})
 
 
 def test_split_depends_on_the_path_only():

@@ -247,7 +247,11 @@ def load_corpus(cache_dir: Optional[Union[str, Path]] = None, root: Optional[Uni
 
     Raises:
         FileNotFoundError: no such directory or no file in it; ValueError: a split is empty.
+        TypeError: cache_dir or root neither a str nor an os.PathLike (nor None).
     """
+    for name, v in (("cache_dir", cache_dir), ("root", root)):
+        if v is not None and not isinstance(v, (str, os.PathLike)):
+            raise TypeError(f"load_corpus: {name} must be a path (str or os.PathLike) or None, got {type(v).__name__} {v!r}")
     root = Path(root) if root is not None else stdlib_dir()
     files = stdlib_files(root)
     python = platform.python_version()
