@@ -941,6 +941,9 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
                 out["skipped"][im.name] = f"{type(exc).__name__}: {exc}"[:300]
     with (sampler or (lambda: ClockSampler(index)))() as smp:
         out["sampler"] = {"fields": list(smp.fields) if smp.fields else None, "error": smp.error}
+        started = time.time()
+        while smp.fields and not smp.samples() and time.time() - started < 5.0:
+            time.sleep(0.02)  # the first timing only once the samples flow
         spans = []
         for rnd in range(rounds):
             for name, (step, leaves) in steps.items():
