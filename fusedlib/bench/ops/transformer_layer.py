@@ -835,11 +835,8 @@ def extra_files(device: torch.device, out_dir: str | Path, log: Callable[[str], 
     CUDA device, :func:`power_state` to ``out_dir/transformer_layer_power.json``, passing their
     tables to ``log`` (the CLI gives ``tqdm.write``). Returns the written paths."""
     prof = profile(device)
-    path = Path(out_dir) / PROFILE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(prof, indent=1) + "\n")
+    paths = [_write_stored(out_dir, PROFILE_FILE, prof)]
     log(profile_table(prof))
-    paths = [path]
     if torch.device(device).type == "cuda":
         paths.append(write_power_state(device, out_dir, log))
     return paths
@@ -848,10 +845,24 @@ def extra_files(device: torch.device, out_dir: str | Path, log: Callable[[str], 
 def load_profile(path: Optional[str | Path] = None) -> Optional[dict]:
     """The stored profile (default: ``transformer_layer_profile.json`` in
     :func:`fusedlib.book.bench_dir`), or None when it has not been written yet."""
+    return _load_stored(path, PROFILE_FILE)
+
+
+def _write_stored(out_dir: str | Path, name: str, data: dict) -> Path:
+    """``data`` as JSON in ``out_dir/name`` (folders made as needed); the path."""
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def _load_stored(path: Optional[str | Path], name: str) -> Optional[dict]:
+    """The JSON at ``path`` (None: ``name`` in :func:`fusedlib.book.bench_dir`), or None when
+    there is no such file."""
     if path is None:
         from ...book import bench_dir
 
-        path = bench_dir() / PROFILE_FILE
+        path = bench_dir() / name
     path = Path(path)
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -993,9 +1004,7 @@ def write_power_state(device: torch.device | str, out_dir: str | Path, log: Call
     """Write :func:`power_state` (``kwargs`` passed on) to ``out_dir/transformer_layer_power.json``
     and pass its table to ``log``. Returns the path."""
     state = power_state(device, **kwargs)
-    path = Path(out_dir) / POWER_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(state, indent=1) + "\n")
+    path = _write_stored(out_dir, POWER_FILE, state)
     log(power_table(state))
     return path
 
@@ -1003,9 +1012,4 @@ def write_power_state(device: torch.device | str, out_dir: str | Path, log: Call
 def load_power_state(path: Optional[str | Path] = None) -> Optional[dict]:
     """The stored :func:`power_state` (default: ``transformer_layer_power.json`` in
     :func:`fusedlib.book.bench_dir`), or None when it has not been written yet."""
-    if path is None:
-        from ...book import bench_dir
-
-        path = bench_dir() / POWER_FILE
-    path = Path(path)
-    return json.loads(path.read_text()) if path.exists() else None
+    return _load_stored(path, POWER_FILE)
