@@ -8,6 +8,7 @@ import stat
 import time
 
 import pytest
+import torch
 
 from fusedlib.bench import clocks
 
@@ -98,7 +99,8 @@ def test_sampler_without_nvidia_smi_samples_nothing_and_says_why(tmp_path):
     assert smp.fields is None and "No devices were found" in smp.error
 
 
-@pytest.mark.parametrize("kw", [dict(index=-1), dict(index=True), dict(interval_ms=5), dict(interval_ms=20.0)])
+@pytest.mark.parametrize("kw", [dict(index=-1), dict(index=True), dict(index=1.0), dict(index=""), dict(index="0,1"),
+                                dict(interval_ms=5), dict(interval_ms=20.0)])
 def test_sampler_refuses_bad_arguments(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         clocks.ClockSampler(**kw)
@@ -117,3 +119,23 @@ def test_sampler_never_runs_a_command_that_changes_the_gpu(fake_smi, monkeypatch
     assert seen and all(a[1].startswith("--query-gpu=") and set(a[2:]) <= {"--format=csv,noheader,nounits", "-i", "0",
                                                                            "-lms", "20"} for a in seen)
     assert os.path.basename(seen[0][0]) == "nvidia-smi"
+
+
+def test_sampler_names_the_gpu_by_uuid(fake_smi, monkeypatch):
+    import subprocess
+
+    seen = []
+    real_run, real_popen = subprocess.run, subprocess.Popen
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: seen.append(args) or real_run(args, **kw))
+    monkeypatch.setattr(subprocess, "Popen", lambda args, **kw: seen.append(args) or real_popen(args, **kw))
+    with clocks.ClockSampler("GPU-6d1d3c56-0000-1111-2222-333344445555", command=fake_smi) as smp:
+        pass
+    assert smp.error is None and seen
+    assert all(a[a.index("-i") + 1] == "GPU-6d1d3c56-0000-1111-2222-333344445555" for a in seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device's id")
+def test_gpu_id_of_a_cuda_device():
+    got = clocks.gpu_id(torch.device("cuda", 0))
+    assert (isinstance(got, str) and got.startswith("GPU-") and len(got) > 10) or got == 0
+    assert clocks.gpu_id(0) == got

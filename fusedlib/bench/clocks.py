@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-__all__ = ["ClockSample", "ClockSampler", "QUERIES", "REASONS", "decode_reasons", "parse_line", "summarize"]
+__all__ = ["ClockSample", "ClockSampler", "QUERIES", "REASONS", "decode_reasons", "gpu_id", "parse_line", "summarize"]
 
 #: The queries tried in order: the first that ``nvidia-smi`` accepts is used. Each lists the
 #: timestamp, the SM clock (MHz), the board power (W), the temperature (C) and the active
@@ -128,6 +128,21 @@ def summarize(samples: Iterable[ClockSample], t0: float, t1: float) -> dict:
     }
 
 
+def gpu_id(device) -> int | str:
+    """The CUDA device ``device`` (a ``torch.device`` or index) as ``nvidia-smi -i`` takes it:
+    "GPU-<uuid>" where torch reports the device's UUID (the same GPU whatever
+    ``CUDA_VISIBLE_DEVICES`` says), else its CUDA index."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    if uuid is None:
+        return torch.device(device).index if isinstance(device, torch.device) and device.index is not None else \
+            (device if isinstance(device, int) else torch.cuda.current_device())
+    text = str(uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
 class ClockSampler:
     """``nvidia-smi`` sampling one GPU in the background, as a context manager.
 
@@ -136,8 +151,9 @@ class ClockSampler:
     ``nvidia-smi`` is missing or accepts none of :data:`QUERIES`.
 
     Args:
-        index: the GPU's index as ``nvidia-smi`` counts them (the CUDA device's index, unless
-            ``CUDA_VISIBLE_DEVICES`` renumbers them).
+        index: the GPU as ``nvidia-smi -i`` takes it: its index as ``nvidia-smi`` counts them
+            (which ``CUDA_VISIBLE_DEVICES`` can make differ from the CUDA device's), or its
+            UUID ("GPU-..."), which names the same GPU everywhere (:func:`gpu_id`).
         interval_ms: the sampling interval (``-lms``), an int >= 10.
         command: the ``nvidia-smi`` executable.
 
@@ -146,13 +162,15 @@ class ClockSampler:
         error: why nothing is sampled (None when sampling).
 
     Raises:
-        ValueError: index < 0 or interval_ms < 10 (not ints).
+        ValueError: index neither an int >= 0 nor a non-empty str; interval_ms not an int >= 10.
     """
 
-    def __init__(self, index: int = 0, interval_ms: int = 20, command: str = "nvidia-smi") -> None:
-        for name, v, least in (("index", index, 0), ("interval_ms", interval_ms, 10)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"ClockSampler: {name} must be an int >= {least}, got {v!r}")
+    def __init__(self, index: int | str = 0, interval_ms: int = 20, command: str = "nvidia-smi") -> None:
+        if not ((isinstance(index, int) and not isinstance(index, bool) and index >= 0)
+                or (isinstance(index, str) and index.strip() and "," not in index)):
+            raise ValueError(f"ClockSampler: index must be an int >= 0 or one GPU's UUID, got {index!r}")
+        if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms < 10:
+            raise ValueError(f"ClockSampler: interval_ms must be an int >= 10, got {interval_ms!r}")
         self.index, self.interval_ms, self.command = index, interval_ms, command
         self.fields: Optional[Sequence[str]] = None
         self.error: Optional[str] = None

@@ -902,7 +902,7 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
         profile_steps, warmup: steps profiled; untimed steps first (compiles), each >= 1.
         sampler: a factory of a :class:`~fusedlib.bench.clocks.ClockSampler`-like context
             manager (``samples()``, ``fields``, ``error``); None: ``nvidia-smi`` on ``device``'s
-            index.
+            GPU (by its UUID: :func:`~fusedlib.bench.clocks.gpu_id`).
 
     Returns:
         ``{"op": "transformer_layer_power", "shape", "shape_names", "dtype", device and versions,
@@ -918,7 +918,7 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
     """
     import time
 
-    from ..clocks import ClockSampler, summarize
+    from ..clocks import ClockSampler, gpu_id, summarize
     from ..core import time_ms
 
     device = torch.device(device)
@@ -934,7 +934,8 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
             raise ValueError(f"{name} must be ints >= 1, got {v!r}")
     if not (isinstance(rest_s, (int, float)) and math.isfinite(rest_s) and rest_s >= 0):
         raise ValueError(f"rest_s must be a finite number >= 0, got {rest_s!r}")
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     c = case(shape, dtype)
     out = {"op": "transformer_layer_power", "shape": list(c.shape), "shape_names": list(SHAPE_NAMES),
            "dtype": str(dtype).replace("torch.", ""), **environment(), "sampler": None, "phases": [], "skipped": {}}
@@ -950,7 +951,7 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
                 steps[im.name] = (step, leaves)
             except Exception as exc:  # one failing implementation must not lose the others
                 out["skipped"][im.name] = f"{type(exc).__name__}: {exc}"[:300]
-    with (sampler or (lambda: ClockSampler(index)))() as smp:
+    with (sampler or (lambda: ClockSampler(gpu_id(device))))() as smp:
         out["sampler"] = {"fields": list(smp.fields) if smp.fields else None, "error": smp.error}
         started = time.time()
         while smp.fields and not smp.samples() and time.time() - started < 5.0:
