@@ -60,6 +60,8 @@ def fake_smi(tmp_path):
     path.write_text("""#!/usr/bin/env python3
 import sys, time, datetime
 args = " ".join(sys.argv[1:])
+if "enforced.power.limit" in args:
+    print("700.00, 1980"); sys.exit(0)
 if "power.draw.instant" in args:
     print('Field "power.draw.instant" is not a valid field to query.'); sys.exit(2)
 def line():
@@ -81,6 +83,7 @@ def test_sampler_samples_with_the_first_accepted_query(fake_smi):
         inside = smp.samples()
     t1 = time.time()
     assert smp.error is None and list(smp.fields) == list(clocks.QUERIES[1])
+    assert smp.limits == {"power_limit_w": 700.0, "sm_max_mhz": 1980.0}
     assert smp._proc is None  # the background process is gone
     assert len(inside) >= 5 and all(s.sm_mhz == 1620 and s.power_w == 690.5 and s.reasons == 4 for s in inside)
     got = clocks.summarize(smp.samples(), t0 - 1, t1 + 1)
@@ -96,7 +99,7 @@ def test_sampler_without_nvidia_smi_samples_nothing_and_says_why(tmp_path):
     refusing.chmod(0o755)
     with clocks.ClockSampler(command=str(refusing)) as smp:
         assert smp.samples() == []
-    assert smp.fields is None and "No devices were found" in smp.error
+    assert smp.fields is None and "No devices were found" in smp.error and smp.limits == {}
 
 
 @pytest.mark.parametrize("kw", [dict(index=-1), dict(index=True), dict(index=1.0), dict(index=""), dict(index="0,1"),

@@ -406,11 +406,11 @@ def test_power_state_needs_cuda_and_its_table_reads_a_stored_state(tmp_path):
                  {"impl": "fusedlib-sdpa", "timer": "profile", "steps": 3, "kernel_ms": 17.92, "span_ms": 19.1,
                   "samples": 38, "sm_mhz": 1965.0, "power_w": 215.1, "reasons": {}}]}
     text = tl.power_table(state).splitlines()
-    assert "no clock samples: nvidia-smi not found" in text[1]
-    assert text[3].split()[-6:] == ["19.52", "1680", "594", "power", "cap", "80%"]
-    assert text[4].split()[-3:] == ["19.81", "-", "-"]
-    assert text[5].split()[-3:] == ["17.92", "1965", "215"] and "profile, 3 steps" in text[5]
-    assert text[6] == "  torch.compile: not timed: boom"
+    assert "no clock samples: nvidia-smi not found" in text[1] and "medians" in text[2]
+    assert text[4].split()[-6:] == ["19.52", "1680", "594", "power", "cap", "80%"]
+    assert text[5].split()[-3:] == ["19.81", "-", "-"]
+    assert text[6].split()[-3:] == ["17.92", "1965", "215"] and "profile, 3 steps" in text[6]
+    assert text[7] == "  torch.compile: not timed: boom"
     (tmp_path / tl.POWER_FILE).write_text(json.dumps(state))
     assert tl.load_power_state(tmp_path / tl.POWER_FILE) == state
     assert tl.load_power_state(tmp_path / "missing.json") is None
@@ -427,6 +427,7 @@ def test_power_state_on_the_gpu(tmp_path):
     state = tl.power_state(DEVICE, TINY, impls=("fusedlib-sdpa", "fusedlib"), rounds=2, windows_ms=(5, 20),
                            rest_s=0.0, profile_steps=2, warmup=1, dtype=torch.float32)
     assert state["skipped"] == {} and state["op"] == "transformer_layer_power"
+    assert (state["rounds"], state["windows_ms"], state["rest_s"], state["profile_steps"]) == (2, [5, 20], 0.0, 2)
     timed = [p for p in state["phases"] if p["timer"] == "do_bench"]
     assert [(p["impl"], p["round"], p["window_ms"]) for p in timed] == [
         (i, r, w) for r in (0, 1) for i in ("fusedlib", "fusedlib-sdpa") for w in (5, 20)]
@@ -451,7 +452,7 @@ def test_power_state_on_the_gpu(tmp_path):
 
     state = tl.power_state(DEVICE, TINY, impls=("fusedlib-sdpa",), rounds=1, windows_ms=(5,), rest_s=0.0,
                            profile_steps=1, warmup=1, dtype=torch.float32, sampler=Silent)
-    assert state["sampler"] == {"fields": None, "error": "stand-in"}
+    assert state["sampler"] == {"fields": None, "error": "stand-in", "interval_ms": None}
     assert [p["samples"] for p in state["phases"]] == [0, 0] and "no clock samples" in tl.power_table(state)
     assert isinstance(clocks.summarize([], 0.0, 1.0), dict)
     path = tl.write_power_state(DEVICE, tmp_path, log=lambda s: None, shape=TINY, impls=("fusedlib-sdpa",),

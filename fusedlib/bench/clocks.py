@@ -160,6 +160,8 @@ class ClockSampler:
     Attributes:
         fields: the query in use (None when nothing is sampled).
         error: why nothing is sampled (None when sampling).
+        limits: ``{"power_limit_w", "sm_max_mhz"}``, the board's enforced power limit and top
+            SM clock, read once at the start (empty where they cannot be read).
 
     Raises:
         ValueError: index neither an int >= 0 nor a non-empty str; interval_ms not an int >= 10.
@@ -174,6 +176,7 @@ class ClockSampler:
         self.index, self.interval_ms, self.command = index, interval_ms, command
         self.fields: Optional[Sequence[str]] = None
         self.error: Optional[str] = None
+        self.limits: dict = {}
         self._proc: Optional[subprocess.Popen] = None
         self._out = None
 
@@ -196,6 +199,14 @@ class ClockSampler:
         else:
             self.error = f"{self.command} accepted none of the queries: {probe.stdout.strip() or probe.stderr.strip()}"[:300]
             return self
+        try:
+            probe = subprocess.run([self.command, "--query-gpu=enforced.power.limit,clocks.max.sm",
+                                    "--format=csv,noheader,nounits", "-i", str(self.index)],
+                                   capture_output=True, text=True, timeout=30)
+            power, sm = (float(v) for v in probe.stdout.strip().splitlines()[0].split(","))
+            self.limits = {"power_limit_w": power, "sm_max_mhz": sm}
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            pass  # (the samples do not need them)
         self._out = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen(self._args(self.fields) + ["-lms", str(self.interval_ms)],
                                       stdout=self._out, stderr=subprocess.DEVNULL, text=True)

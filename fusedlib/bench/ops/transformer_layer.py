@@ -745,16 +745,25 @@ def _training_step(im: Impl, c: BenchCase, device: torch.device) -> tuple[Callab
     return step, leaves
 
 
-def _profile_steps(step: Callable[[], None], device: torch.device, steps: int, top: int) -> dict:
-    """:func:`kernel_summary` of ``steps`` calls of ``step`` under ``torch.profiler``."""
+def _profile_steps(step: Callable[[], None], device: torch.device, steps: int, top: int,
+                   window: Optional[list] = None) -> dict:
+    """:func:`kernel_summary` of ``steps`` calls of ``step`` under ``torch.profiler``; ``window``
+    (a list) gets ``(t0, t1)``, the ``time.time()`` seconds from the first step's launch to the
+    last one's end (the profiler's start-up and the trace's parsing left out)."""
+    import time
+
     from torch.profiler import profile as torch_profile
 
     activities, kind, sync = profiler_setup(device)
     sync()
     with torch_profile(activities=activities) as prof:
+        t0 = time.time()
         for _ in range(steps):
             step()
         sync()
+        t1 = time.time()
+    if window is not None:
+        window.append((t0, t1))
     return kernel_summary(device_events(prof, kind), steps, top, device_span(prof, kind))
 
 
@@ -906,10 +915,14 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
 
     Returns:
         ``{"op": "transformer_layer_power", "shape", "shape_names", "dtype", device and versions,
-        "sampler": {"fields", "error"}, "phases": [...], "skipped": {...}}``; each phase
-        ``{"impl", "round", "timer": "do_bench", "window_ms", "ms", clocks...}`` or ``{"impl",
-        "timer": "profile", "steps", "kernel_ms", "span_ms", "idle_ms", "launches", clocks...}``
-        with :func:`~fusedlib.bench.clocks.summarize`'s fields for the phase's wall-clock window.
+        "rounds", "windows_ms", "rest_s", "profile_steps", "sampler": {"fields", "error",
+        "interval_ms", and the sampler's ``limits``: "power_limit_w", "sm_max_mhz"}, "phases":
+        [...], "skipped": {...}}``; each phase ``{"impl", "round", "timer": "do_bench",
+        "window_ms", "ms", clocks...}`` or ``{"impl", "timer": "profile", "steps", "kernel_ms",
+        "span_ms", "idle_ms", "launches", clocks...}`` with
+        :func:`~fusedlib.bench.clocks.summarize`'s fields over the phase's wall-clock window: a
+        timing's whole ``time_ms`` call (its estimate and warm-up steps included), a profile's
+        steps alone (from the first one's launch to the last one's end).
         An implementation that fails is left out and named in ``"skipped"``.
 
     Raises:
@@ -938,7 +951,9 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
         device = torch.device("cuda", torch.cuda.current_device())
     c = case(shape, dtype)
     out = {"op": "transformer_layer_power", "shape": list(c.shape), "shape_names": list(SHAPE_NAMES),
-           "dtype": str(dtype).replace("torch.", ""), **environment(), "sampler": None, "phases": [], "skipped": {}}
+           "dtype": str(dtype).replace("torch.", ""), **environment(), "rounds": rounds,
+           "windows_ms": list(windows_ms), "rest_s": rest_s, "profile_steps": profile_steps, "sampler": None,
+           "phases": [], "skipped": {}}
     out["skipped"].update({n: why for n, why in c.skipped.items() if n in impls})  # (megatron-core not importable)
     steps = {}
     for im in c.impls:
@@ -952,7 +967,8 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
             except Exception as exc:  # one failing implementation must not lose the others
                 out["skipped"][im.name] = f"{type(exc).__name__}: {exc}"[:300]
     with (sampler or (lambda: ClockSampler(gpu_id(device))))() as smp:
-        out["sampler"] = {"fields": list(smp.fields) if smp.fields else None, "error": smp.error}
+        out["sampler"] = {"fields": list(smp.fields) if smp.fields else None, "error": smp.error,
+                          "interval_ms": getattr(smp, "interval_ms", None), **(getattr(smp, "limits", None) or {})}
         started = time.time()
         while smp.fields and not smp.samples() and time.time() - started < 5.0:
             time.sleep(0.02)  # the first timing only once the samples flow
@@ -968,13 +984,17 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
                                           "ms": round(ms, 4)})
         for name, (step, _) in steps.items():
             time.sleep(rest_s)
-            t0 = time.time()
-            summary = _profile_steps(step, device, profile_steps, top=0)
-            spans.append((len(out["phases"]), t0, time.time()))
+            window = []
+            summary = _profile_steps(step, device, profile_steps, top=0, window=window)
+            spans.append((len(out["phases"]), *window[0]))
             out["phases"].append({"impl": name, "timer": "profile", "steps": profile_steps,
                                   **{k: v for k, v in summary.items() if k not in ("top", "categories")}})
-        time.sleep(0.2)  # (the last samples of the last phase)
+        last = max((t1 for _, _, t1 in spans), default=0.0)
+        started = time.time()
         samples = smp.samples()
+        while smp.fields and not any(x.t > last for x in samples) and time.time() - started < 5.0:
+            time.sleep(0.02)  # the last phase's samples: nvidia-smi's output may lag
+            samples = smp.samples()
     for i, t0, t1 in spans:
         out["phases"][i].update(summarize(samples, t0, t1))
     return out
@@ -986,6 +1006,8 @@ def power_table(state: dict) -> str:
     smp = state.get("sampler") or {}
     if smp.get("error"):
         lines.append(f"  no clock samples: {smp['error']}")
+    lines.append("  ms: a step's time (do_bench), or a step's kernel time (profile); SM MHz and W: medians of "
+                 "the samples")
     lines.append(f"  {'implementation':<16}{'timer':<22}{'ms':>8}{'SM MHz':>8}{'W':>7}  clock held down by")
     for ph in state["phases"]:
         timer = (f"do_bench {ph['window_ms']} ms (r{ph['round']})" if ph["timer"] == "do_bench"
