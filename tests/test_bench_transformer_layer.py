@@ -411,6 +411,10 @@ def test_power_state_needs_cuda_and_its_table_reads_a_stored_state(tmp_path):
     assert text[5].split()[-3:] == ["19.81", "-", "-"]
     assert text[6].split()[-3:] == ["17.92", "1965", "215"] and "profile, 3 steps" in text[6]
     assert text[7] == "  torch.compile: not timed: boom"
+    state2 = dict(state, sampler={"fields": ["timestamp"], "error": None, "interval_ms": 20, "power_limit_w": 700.0,
+                                  "sm_max_mhz": 1980.0}, skipped={})
+    assert tl.power_table(state2).splitlines()[1] == ("  the board's power limit 700 W, its top SM clock 1980 MHz; "
+                                                      "a sample every 20 ms")
     (tmp_path / tl.POWER_FILE).write_text(json.dumps(state))
     assert tl.load_power_state(tmp_path / tl.POWER_FILE) == state
     assert tl.load_power_state(tmp_path / "missing.json") is None

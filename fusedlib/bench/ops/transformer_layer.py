@@ -1006,6 +1006,9 @@ def power_table(state: dict) -> str:
     smp = state.get("sampler") or {}
     if smp.get("error"):
         lines.append(f"  no clock samples: {smp['error']}")
+    elif smp.get("power_limit_w") is not None:
+        lines.append(f"  the board's power limit {smp['power_limit_w']:.0f} W, its top SM clock "
+                     f"{smp['sm_max_mhz']:.0f} MHz; a sample every {smp.get('interval_ms')} ms")
     lines.append("  ms: a step's time (do_bench), or a step's kernel time (profile); SM MHz and W: medians of "
                  "the samples")
     lines.append(f"  {'implementation':<16}{'timer':<22}{'ms':>8}{'SM MHz':>8}{'W':>7}  clock held down by")
