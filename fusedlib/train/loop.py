@@ -994,7 +994,8 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
         prompt: a str (UTF-8 bytes), or int token ids [t] or [b, t] (b, t >= 1).
         n_tokens: tokens to generate, >= 0.
         temperature: > 0; lower is greedier.
-        top_k: keep the k most likely tokens (1 <= k <= V), or None for all.
+        top_k: keep the k most likely tokens (1 <= k <= V), or None for all; tokens whose logit
+            ties the k-th largest are kept too (nanoGPT's cut: logits below the k-th are dropped).
         generator: the draws' ``torch.Generator`` (its device is where the draw happens: a CPU
             generator gives the same draws on every device for the same logits).
 
