@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import stat
+import sys
 import time
 
 import pytest
@@ -57,7 +58,7 @@ def fake_smi(tmp_path):
     """A stand-in nvidia-smi: refuses the first query (as a driver without power.draw.instant
     does), answers the others once, and with -lms prints a line every 10 ms until killed."""
     path = tmp_path / "nvidia-smi"
-    path.write_text("""#!/usr/bin/env python3
+    path.write_text(f"""#!{sys.executable}
 import sys, time, datetime
 args = " ".join(sys.argv[1:])
 if "enforced.power.limit" in args:
@@ -66,7 +67,7 @@ if "power.draw.instant" in args:
     print('Field "power.draw.instant" is not a valid field to query.'); sys.exit(2)
 def line():
     t = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
-    return f"{t}, 1620, 690.50, 63, 0x0000000000000004"
+    return f"{{t}}, 1620, 690.50, 63, 0x0000000000000004"
 if "-lms" not in args:
     print(line()); sys.exit(0)
 while True:
@@ -104,11 +105,30 @@ def test_sampler_without_nvidia_smi_samples_nothing_and_says_why(tmp_path):
     assert smp.fields is None and "No devices were found" in smp.error and smp.limits == {}
 
 
-@pytest.mark.parametrize("kw", [dict(index=-1), dict(index=True), dict(index=1.0), dict(index=""), dict(index="0,1"),
-                                dict(interval_ms=5), dict(interval_ms=20.0)])
-def test_sampler_refuses_bad_arguments(kw):
-    with pytest.raises(ValueError, match=next(iter(kw))):
+@pytest.mark.parametrize("kw, exc", [(dict(index=-1), ValueError), (dict(index=True), TypeError),
+                                     (dict(index=1.0), TypeError), (dict(index=""), ValueError),
+                                     (dict(index="0,1"), ValueError), (dict(interval_ms=5), ValueError),
+                                     (dict(interval_ms=20.0), TypeError)])
+def test_sampler_refuses_bad_arguments(kw, exc):
+    with pytest.raises(exc, match=next(iter(kw))):
         clocks.ClockSampler(**kw)
+    import numpy as np
+
+    smp = clocks.ClockSampler(np.int64(1), interval_ms=np.int32(50))  # numpy ints are ints
+    assert (smp.index, smp.interval_ms) == (1, 50) and type(smp.index) is int
+
+
+def test_samples_are_whole_lines_read_without_moving_the_writer(fake_smi):
+    # the stand-in writes every 10 ms while samples() is read in a tight loop: a read that moved the
+    # file's offset made nvidia-smi overwrite the file's start (lost and garbled samples)
+    with clocks.ClockSampler(0, interval_ms=10, command=fake_smi) as smp:
+        deadline = time.time() + 30
+        while len(smp.samples()) < 40 and time.time() < deadline:
+            smp.samples()
+        got = smp.samples()
+    after = smp.samples()  # (kept after the block; the file is closed)
+    assert len(got) >= 40 and after[:len(got)] == got and smp._out is None
+    assert all(b.t >= a.t for a, b in zip(after, after[1:]))  # in order: none overwritten
 
 
 def test_sampler_never_runs_a_command_that_changes_the_gpu(fake_smi, monkeypatch):
@@ -117,8 +137,10 @@ def test_sampler_never_runs_a_command_that_changes_the_gpu(fake_smi, monkeypatch
 
     seen = []
     real_run, real_popen = subprocess.run, subprocess.Popen
-    monkeypatch.setattr(subprocess, "run", lambda args, **kw: seen.append(args) or real_run(args, **kw))
-    monkeypatch.setattr(subprocess, "Popen", lambda args, **kw: seen.append(args) or real_popen(args, **kw))
+    monkeypatch.setattr(subprocess, "run", lambda args, *a, **kw: (args[0] == fake_smi and seen.append(args))
+                        or real_run(args, *a, **kw))
+    monkeypatch.setattr(subprocess, "Popen", lambda args, *a, **kw: (args[0] == fake_smi and seen.append(args))
+                        or real_popen(args, *a, **kw))
     with clocks.ClockSampler(command=fake_smi):
         pass
     assert seen and all(a[1].startswith("--query-gpu=") and set(a[2:]) <= {"--format=csv,noheader,nounits", "-i", "0",
@@ -131,8 +153,10 @@ def test_sampler_names_the_gpu_by_uuid(fake_smi, monkeypatch):
 
     seen = []
     real_run, real_popen = subprocess.run, subprocess.Popen
-    monkeypatch.setattr(subprocess, "run", lambda args, **kw: seen.append(args) or real_run(args, **kw))
-    monkeypatch.setattr(subprocess, "Popen", lambda args, **kw: seen.append(args) or real_popen(args, **kw))
+    monkeypatch.setattr(subprocess, "run", lambda args, *a, **kw: (args[0] == fake_smi and seen.append(args))
+                        or real_run(args, *a, **kw))
+    monkeypatch.setattr(subprocess, "Popen", lambda args, *a, **kw: (args[0] == fake_smi and seen.append(args))
+                        or real_popen(args, *a, **kw))
     with clocks.ClockSampler("GPU-6d1d3c56-0000-1111-2222-333344445555", command=fake_smi) as smp:
         pass
     assert smp.error is None and seen

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import numbers
+import os
 import shutil
 import statistics
 import subprocess
@@ -131,7 +133,11 @@ def summarize(samples: Iterable[ClockSample], t0: float, t1: float) -> dict:
 def gpu_id(device) -> int | str:
     """The CUDA device ``device`` (a ``torch.device`` or index) as ``nvidia-smi -i`` takes it:
     "GPU-<uuid>" where torch reports the device's UUID (the same GPU whatever
-    ``CUDA_VISIBLE_DEVICES`` says), else its CUDA index."""
+    ``CUDA_VISIBLE_DEVICES`` says), else its CUDA index.
+
+    Raises:
+        RuntimeError / AssertionError: from ``torch.cuda.get_device_properties`` (no CUDA, an
+            index out of range)."""
     import torch
 
     props = torch.cuda.get_device_properties(device)
@@ -164,21 +170,32 @@ class ClockSampler:
             SM clock, read once at the start (empty where they cannot be read).
 
     Raises:
-        ValueError: index neither an int >= 0 nor a non-empty str; interval_ms not an int >= 10.
+        TypeError: index neither an int nor a str; interval_ms not an int.
+        ValueError: index < 0, or an empty str or one with a comma (one GPU only); interval_ms
+            < 10.
     """
 
     def __init__(self, index: int | str = 0, interval_ms: int = 20, command: str = "nvidia-smi") -> None:
-        if not ((isinstance(index, int) and not isinstance(index, bool) and index >= 0)
-                or (isinstance(index, str) and index.strip() and "," not in index)):
+        if isinstance(index, bool) or not isinstance(index, (numbers.Integral, str)):
+            raise TypeError(f"ClockSampler: index must be an int >= 0 or one GPU's UUID, got "
+                            f"{type(index).__name__} {index!r}")
+        if isinstance(index, str) and (not index.strip() or "," in index) or (
+                isinstance(index, numbers.Integral) and index < 0):
             raise ValueError(f"ClockSampler: index must be an int >= 0 or one GPU's UUID, got {index!r}")
-        if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms < 10:
+        if isinstance(interval_ms, bool) or not isinstance(interval_ms, numbers.Integral):
+            raise TypeError(f"ClockSampler: interval_ms must be an int >= 10, got {type(interval_ms).__name__} "
+                            f"{interval_ms!r}")
+        if interval_ms < 10:
             raise ValueError(f"ClockSampler: interval_ms must be an int >= 10, got {interval_ms!r}")
+        index = index if isinstance(index, str) else int(index)
+        interval_ms = int(interval_ms)
         self.index, self.interval_ms, self.command = index, interval_ms, command
         self.fields: Optional[Sequence[str]] = None
         self.error: Optional[str] = None
         self.limits: dict = {}
         self._proc: Optional[subprocess.Popen] = None
         self._out = None
+        self._final: Optional[list] = None
 
     def _args(self, fields: Sequence[str]) -> list[str]:
         return [self.command, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", str(self.index)]
@@ -207,20 +224,23 @@ class ClockSampler:
             self.limits = {"power_limit_w": power, "sm_max_mhz": sm}
         except (OSError, subprocess.SubprocessError, ValueError, IndexError):
             pass  # (the samples do not need them)
-        self._out = tempfile.TemporaryFile(mode="w+")
+        self._out = tempfile.TemporaryFile(mode="w+b")
         self._proc = subprocess.Popen(self._args(self.fields) + ["-lms", str(self.interval_ms)],
                                       stdout=self._out, stderr=subprocess.DEVNULL, text=True)
         return self
 
     def samples(self) -> list[ClockSample]:
-        """The samples written so far, in order."""
+        """The samples written so far, in order (complete lines only)."""
+        if self._final is not None:
+            return list(self._final)
         if self._out is None:
             return []
-        self._out.flush()
-        self._out.seek(0)
-        lines = self._out.read().splitlines()
-        self._out.seek(0, 2)  # (back to the end: nvidia-smi keeps appending)
-        return [s for s in map(parse_line, lines) if s is not None]
+        # read by position, without moving the file's offset, which nvidia-smi writes at: a seek
+        # here would make its next line overwrite the start of the file
+        fd = self._out.fileno()
+        data = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+        complete = data[:data.rfind("\n") + 1]  # (a line still being written is left for later)
+        return [s for s in map(parse_line, complete.splitlines()) if s is not None]
 
     def __exit__(self, *exc) -> None:
         if self._proc is not None:
@@ -231,3 +251,7 @@ class ClockSampler:
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
+        if self._out is not None:
+            self._final = self.samples()  # (kept: the samples stay readable after the block)
+            self._out.close()
+            self._out = None
