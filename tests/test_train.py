@@ -653,9 +653,10 @@ def test_sample_at_extreme_temperatures_and_its_checks_before_the_first_token():
 def test_sample_below_float32_s_least_temperature_is_greedy():
     # 1e-300 is a finite number > 0, but it rounds to 0 in float32: the division gave 0 / 0 = NaN
     # and torch.multinomial refused the probabilities
-    model = build_model("plain", ModelShape(layers=1, hidden=32, heads=2, seq=8), seed=0)
+    # (on CUDA the division is a product with the reciprocal: inf below 2^-128 gave 0 · inf = NaN)
+    model = build_model("plain", ModelShape(layers=1, hidden=32, heads=2, seq=8), seed=0, device=DEVICE)
     greedy = sample(model, "ab", 3, top_k=1)
-    for t in (1e-46, 1e-300, 5e-324):
+    for t in (1e-39, 2.0 ** -127, 1e-46, 1e-300, 5e-324):
         assert torch.equal(sample(model, "ab", 3, temperature=t, generator=torch.Generator().manual_seed(0)), greedy)
 
 

@@ -971,9 +971,10 @@ class Trainer:
         return decode(ids)
 
 
-#: float32's least subnormal, 2^-149: the least temperature the sampler divides by (a float below it
-#: rounds to 0 in float32).
-_F32_LEAST = 2.0 ** -149
+#: float32's least normal, 2^-126: the least temperature the sampler divides by. A float below
+#: 2^-149 rounds to 0 in float32 (0 / 0 = NaN), and CUDA divides by a scalar as a product with its
+#: reciprocal, which is inf in float32 below 2^-128 (0 · inf = NaN); 2^126 is finite.
+_F32_LEAST = 2.0 ** -126
 
 
 @torch.no_grad()
