@@ -218,10 +218,19 @@ def test_measure_host_refuses_arguments_that_would_time_nothing():
     for kw, match in ((dict(calls=0), "calls and repeats"), (dict(repeats=0), "calls and repeats"),
                       (dict(warmup=-1), "warmup"), (dict(passes=("bwd",)), "passes must be"),
                       (dict(passes="fwd"), "passes must be"), (dict(impls=("no_such_impl",)), "impls must be"),
-                      (dict(impls="eager"), "impls must be")):
+                      (dict(impls="eager"), "impls must be"), (dict(calls=1.5), "calls must be an int"),
+                      (dict(repeats=True), "repeats must be an int")):
         args = dict(calls=1, repeats=1, warmup=0, impls=("eager",), shape=(2, 8), dtype=torch.float32) | kw
         with pytest.raises(ValueError, match=match):
             host_mod.measure_host("bias_gelu", "cpu", **args)
+
+
+def test_measure_host_takes_names_and_passes_from_a_generator():
+    # the checks used a generator up, and set(impls) was then empty: nothing timed, no error
+    records, skipped = host_mod.measure_host("bias_gelu", "cpu", calls=1, repeats=1, warmup=0,
+                                             impls=(n for n in ["eager"]), passes=(p for p in ["fwd"]),
+                                             shape=(2, 8), dtype=torch.float32)
+    assert skipped == {} and [(r["impl"], r["pass"]) for r in records] == [("eager", "fwd")]
 
 
 def test_measure_host_keeps_going_when_an_impl_fails(monkeypatch):

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import statistics
 import time
 from typing import Callable, Iterable, Sequence
@@ -255,14 +256,22 @@ def measure_host(op: str, device: torch.device | str = "cuda", calls: int = CALL
 
     Raises:
         KeyError: for an unknown op.
-        ValueError: calls or repeats below 1, warmup below 0, an unknown pass, or an
-            implementation name the op's case does not have (each would time nothing).
+        ValueError: calls, repeats or warmup not an int; calls or repeats below 1, warmup below 0,
+            an unknown pass, or an implementation name the op's case does not have (each would
+            time nothing).
     """
     if op not in OP_MODULES:
         raise KeyError(f"unknown op {op!r}; known ops: {', '.join(OP_MODULES)}")
+    for name, v in (("calls", calls), ("repeats", repeats), ("warmup", warmup)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"{name} must be an int, got {type(v).__name__} {v!r}")
     if calls < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"calls and repeats must be >= 1 and warmup >= 0, got calls={calls}, repeats={repeats}, "
                          f"warmup={warmup}")
+    if not isinstance(passes, str):
+        passes = list(passes)  # (a generator would be used up by the check)
+    if not isinstance(impls, str):
+        impls = list(impls)
     if isinstance(passes, str) or any(p not in PASSES for p in passes):
         raise ValueError(f"passes must be a sequence of {PASSES}, got {passes!r}")
     device = torch.device(device)
