@@ -421,7 +421,7 @@ def test_power_state_needs_cuda_and_its_table_reads_a_stored_state(tmp_path):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="power_state times CUDA kernels")
-def test_power_state_on_the_gpu(tmp_path):
+def test_power_state_on_the_gpu(tmp_path, monkeypatch):
     from fusedlib.bench import clocks
 
     for kw, match in ((dict(impls=("nope",)), "unknown"), (dict(rounds=0), "rounds"),
@@ -459,6 +459,25 @@ def test_power_state_on_the_gpu(tmp_path):
     assert state["sampler"] == {"fields": None, "error": "stand-in", "interval_ms": None}
     assert [p["samples"] for p in state["phases"]] == [0, 0] and "no clock samples" in tl.power_table(state)
     assert isinstance(clocks.summarize([], 0.0, 1.0), dict)
+    # a timing that fails leaves that implementation out from there on, the others whole
+    from fusedlib.bench import core
+
+    real_time_ms = core.time_ms
+
+    def failing_long_windows(fn, *args, rep=200, **kw):
+        if rep == 20 and calls.append(rep) is None and len(calls) == 1:
+            raise RuntimeError("out of memory (stand-in)")
+        return real_time_ms(fn, *args, rep=rep, **kw)
+
+    calls = []
+    monkeypatch.setattr(core, "time_ms", failing_long_windows)
+    state = tl.power_state(DEVICE, TINY, impls=("fusedlib-sdpa", "fusedlib"), rounds=2, windows_ms=(5, 20),
+                           rest_s=0.0, profile_steps=1, warmup=1, dtype=torch.float32, sampler=Silent)
+    assert state["skipped"] == {"fusedlib": "RuntimeError: out of memory (stand-in)"}
+    assert [(p["impl"], p["timer"]) for p in state["phases"]] == [
+        ("fusedlib", "do_bench"), ("fusedlib-sdpa", "do_bench"), ("fusedlib-sdpa", "do_bench"),
+        ("fusedlib-sdpa", "do_bench"), ("fusedlib-sdpa", "do_bench"), ("fusedlib-sdpa", "profile")]
+    monkeypatch.setattr(core, "time_ms", real_time_ms)
     path = tl.write_power_state(DEVICE, tmp_path, log=lambda s: None, shape=TINY, impls=("fusedlib-sdpa",),
                                 rounds=1, windows_ms=(5,), rest_s=0.0, profile_steps=1, warmup=1,
                                 dtype=torch.float32)

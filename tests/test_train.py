@@ -88,6 +88,8 @@ def test_a_corpus_root_that_is_a_file_is_named_so(tmp_path):
     for kw, name in ((dict(root=5), "root"), (dict(root=[str(tmp_path)]), "root"), (dict(cache_dir=3.5), "cache_dir")):
         with pytest.raises(TypeError, match=rf"load_corpus: {name} must be a path"):
             load_corpus(**{"cache_dir": tmp_path / "cache", **kw})
+    with pytest.raises(TypeError, match=r"stdlib_files: root must be a path"):
+        data_mod.stdlib_files(5)
 
 
 def test_split_depends_on_the_path_only():

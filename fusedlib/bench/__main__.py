@@ -11,8 +11,9 @@ Writes ``DIR/<op>.json`` (a list of records, DESIGN.md section 4) and prints a t
 ms (CUDA-graph replays), plain-launch ms, GB/s, the fraction of the copy ceiling, and
 fusedlib's speed-up over each baseline. An op module may add its own outputs: a ``table``
 function (records -> text, printed after that table) and an ``extra_files`` function
-(device, DIR, log -> written paths), e.g. ``transformer_layer``'s tokens/s table and its kernel
-profile ``DIR/transformer_layer_profile.json``. ``--host`` writes ``DIR/host.json`` instead
+(device, DIR, log -> written paths), e.g. ``transformer_layer``'s tokens/s table, its kernel
+profile ``DIR/transformer_layer_profile.json`` and, on a GPU, the clock under load
+``DIR/transformer_layer_power.json``. ``--host`` writes ``DIR/host.json`` instead
 (:mod:`fusedlib.bench.host`): microseconds per call at tiny shapes, fusedlib against eager
 PyTorch and torch.compile, and the floor of that cost (``"host_floor"`` records: LayerNorm's host
 work without LayerNorm, :func:`fusedlib.bench.host.measure_floor`); with ``--op`` it replaces

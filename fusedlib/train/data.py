@@ -82,13 +82,22 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def _check_path(owner: str, name: str, value: object) -> None:
+    """TypeError naming ``name`` unless ``value`` is None, a str or an os.PathLike."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{owner}: {name} must be a path (str or os.PathLike) or None, got "
+                        f"{type(value).__name__} {value!r}")
+
+
 def stdlib_files(root: Optional[Union[str, Path]] = None) -> list[Path]:
     """The corpus's files: ``*.py`` under ``root`` (default :func:`stdlib_dir`) outside
     :data:`EXCLUDED_DIRS`, as paths relative to ``root``, sorted.
 
     Raises:
         FileNotFoundError: ``root`` is not a directory, or holds no such file.
+        TypeError: ``root`` neither a str nor an os.PathLike (nor None).
     """
+    _check_path("stdlib_files", "root", root)
     root = Path(root) if root is not None else stdlib_dir()
     if not root.is_dir():
         raise FileNotFoundError(f"root: the standard-library directory {root} "
@@ -249,9 +258,8 @@ def load_corpus(cache_dir: Optional[Union[str, Path]] = None, root: Optional[Uni
         FileNotFoundError: no such directory or no file in it; ValueError: a split is empty.
         TypeError: cache_dir or root neither a str nor an os.PathLike (nor None).
     """
-    for name, v in (("cache_dir", cache_dir), ("root", root)):
-        if v is not None and not isinstance(v, (str, os.PathLike)):
-            raise TypeError(f"load_corpus: {name} must be a path (str or os.PathLike) or None, got {type(v).__name__} {v!r}")
+    _check_path("load_corpus", "cache_dir", cache_dir)
+    _check_path("load_corpus", "root", root)
     root = Path(root) if root is not None else stdlib_dir()
     files = stdlib_files(root)
     python = platform.python_version()

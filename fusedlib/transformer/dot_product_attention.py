@@ -149,6 +149,8 @@ class DotProductAttention(MegatronModule):
             attention_dropout, window_size, window_attn_skip_freq and (at each forward)
             attention_backend.
         layer_number: 1-based (an int >= 1); the query-key layer scaling divides by it.
+            (Megatron-core takes ``max(1, layer_number)``, so 0 and negatives pass there; here
+            they are refused, as is a layer number beyond a ``window_attn_skip_freq`` list.)
         attn_mask_type: an :class:`AttnMaskType` (causal types add the causal mask).
         attention_type: "self" or "cross" (unused, as in Megatron-core).
         attention_dropout: overrides config.attention_dropout.

@@ -182,13 +182,14 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         # [Module 1: Input Layernorm]
         self.input_layernorm = build_module(submodules.input_layernorm, **norm_kwargs)
         # [Module 2: SelfAttention]
-        self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number)
+        self.self_attention = build_module(submodules.self_attention, config=config, layer_number=self.layer_number)
         # [Module 3: BiasDropoutFusion] a function selector, called at each forward
         self.self_attn_bda = build_module(submodules.self_attn_bda)
         # [Module 4: Pre CrossAttention Layernorm]
         self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, **norm_kwargs)
         # [Module 5: CrossAttention]
-        self.cross_attention = build_module(submodules.cross_attention, config=config, layer_number=layer_number)
+        self.cross_attention = build_module(submodules.cross_attention, config=config,
+                                            layer_number=self.layer_number)
         # [Module 6: BiasDropoutFusion]
         self.cross_attn_bda = build_module(submodules.cross_attn_bda, config=config)
         # [Module 7: Pre MLP Layernorm]

@@ -29,6 +29,7 @@ from ..unfused import attention_mask_func
 
 __all__ = [
     "attention_mask_func",
+    "check_layer_number",
     "get_default_causal_mask",
     "get_sliding_window_causal_mask",
     "is_layer_window_attention",

@@ -115,6 +115,7 @@ import atexit
 import importlib.util
 import json
 import math
+import numbers
 import socket
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
@@ -923,7 +924,9 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
         :func:`~fusedlib.bench.clocks.summarize`'s fields over the phase's wall-clock window: a
         timing's whole ``time_ms`` call (its estimate and warm-up steps included), a profile's
         steps alone (from the first one's launch to the last one's end).
-        An implementation that fails is left out and named in ``"skipped"``.
+        An implementation that fails (in its set-up, a timing or its profile) is named in
+        ``"skipped"`` with its error and left out from there on; its phases before the failure
+        stay.
 
     Raises:
         ValueError: a device other than CUDA; an unknown implementation name; a count or
@@ -941,11 +944,13 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
     unknown = [n for n in impls if n not in IMPLS]
     if unknown:
         raise ValueError(f"impls: unknown {unknown}; known: {', '.join(IMPLS)}")
+    impls, windows_ms = list(impls), list(windows_ms)  # (a generator would be used up by the checks)
     for name, v in (("rounds", rounds), ("profile_steps", profile_steps), ("warmup", warmup), *(
             ("windows_ms", w) for w in windows_ms)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be ints >= 1, got {v!r}")
-    if not (isinstance(rest_s, (int, float)) and math.isfinite(rest_s) and rest_s >= 0):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1 (windows_ms: each of them), got {v!r}")
+    rounds, profile_steps, warmup, windows_ms = int(rounds), int(profile_steps), int(warmup), [int(w) for w in windows_ms]
+    if isinstance(rest_s, bool) or not (isinstance(rest_s, numbers.Real) and math.isfinite(rest_s) and rest_s >= 0):
         raise ValueError(f"rest_s must be a finite number >= 0, got {rest_s!r}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -956,6 +961,15 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
            "phases": [], "skipped": {}}
     out["skipped"].update({n: why for n, why in c.skipped.items() if n in impls})  # (megatron-core not importable)
     steps = {}
+
+    def drop(im: Impl, exc: Exception) -> None:
+        """Leave ``im`` out from here on, with its error (one failing implementation must not lose
+        the others), and free its weights."""
+        out["skipped"][im.name] = f"{type(exc).__name__}: {exc}"[:300]
+        steps.pop(im.name, None)
+        if isinstance(im.fn, _Model):
+            im.fn.module = None
+
     for im in c.impls:
         if im.name in impls:
             try:
@@ -963,9 +977,9 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
                 for _ in range(warmup):
                     step()
                 torch.cuda.synchronize(device)
-                steps[im.name] = (step, leaves)
-            except Exception as exc:  # one failing implementation must not lose the others
-                out["skipped"][im.name] = f"{type(exc).__name__}: {exc}"[:300]
+                steps[im.name] = (im, step, leaves)
+            except Exception as exc:
+                drop(im, exc)
     with (sampler or (lambda: ClockSampler(gpu_id(device))))() as smp:
         out["sampler"] = {"fields": list(smp.fields) if smp.fields else None, "error": smp.error,
                           "interval_ms": getattr(smp, "interval_ms", None), **(getattr(smp, "limits", None) or {})}
@@ -974,18 +988,26 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
             time.sleep(0.02)  # the first timing only once the samples flow
         spans = []
         for rnd in range(rounds):
-            for name, (step, leaves) in steps.items():
+            for name, (im, step, leaves) in list(steps.items()):
                 for w in windows_ms:
                     time.sleep(rest_s)
                     t0 = time.time()
-                    ms = time_ms(step, grad_to_none=leaves, rep=w)
+                    try:
+                        ms = time_ms(step, grad_to_none=leaves, rep=w)
+                    except Exception as exc:  # (out of memory over a long window, ...)
+                        drop(im, exc)
+                        break
                     spans.append((len(out["phases"]), t0, time.time()))
                     out["phases"].append({"impl": name, "round": rnd, "timer": "do_bench", "window_ms": w,
                                           "ms": round(ms, 4)})
-        for name, (step, _) in steps.items():
+        for name, (im, step, _) in list(steps.items()):
             time.sleep(rest_s)
             window = []
-            summary = _profile_steps(step, device, profile_steps, top=0, window=window)
+            try:
+                summary = _profile_steps(step, device, profile_steps, top=0, window=window)
+            except Exception as exc:
+                drop(im, exc)
+                continue
             spans.append((len(out["phases"]), *window[0]))
             out["phases"].append({"impl": name, "timer": "profile", "steps": profile_steps,
                                   **{k: v for k, v in summary.items() if k not in ("top", "categories")}})
