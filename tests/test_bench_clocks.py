@@ -131,8 +131,9 @@ def test_samples_are_whole_lines_read_without_moving_the_writer(fake_smi):
     assert all(b.t >= a.t for a, b in zip(after, after[1:]))  # in order: none overwritten
 
 
-def test_sampler_never_runs_a_command_that_changes_the_gpu(fake_smi, monkeypatch):
-    # only queries: no -pl, -lgc, -ac, -r, -pm ... (the card's settings are left alone)
+@pytest.fixture
+def smi_calls(fake_smi, monkeypatch):
+    """The argument lists of every run of the stand-in nvidia-smi (subprocess.run and Popen)."""
     import subprocess
 
     seen = []
@@ -141,6 +142,12 @@ def test_sampler_never_runs_a_command_that_changes_the_gpu(fake_smi, monkeypatch
                         or real_run(args, *a, **kw))
     monkeypatch.setattr(subprocess, "Popen", lambda args, *a, **kw: (args[0] == fake_smi and seen.append(args))
                         or real_popen(args, *a, **kw))
+    return seen
+
+
+def test_sampler_never_runs_a_command_that_changes_the_gpu(fake_smi, smi_calls):
+    # only queries: no -pl, -lgc, -ac, -r, -pm ... (the card's settings are left alone)
+    seen = smi_calls
     with clocks.ClockSampler(command=fake_smi):
         pass
     assert seen and all(a[1].startswith("--query-gpu=") and set(a[2:]) <= {"--format=csv,noheader,nounits", "-i", "0",
@@ -148,15 +155,8 @@ def test_sampler_never_runs_a_command_that_changes_the_gpu(fake_smi, monkeypatch
     assert os.path.basename(seen[0][0]) == "nvidia-smi"
 
 
-def test_sampler_names_the_gpu_by_uuid(fake_smi, monkeypatch):
-    import subprocess
-
-    seen = []
-    real_run, real_popen = subprocess.run, subprocess.Popen
-    monkeypatch.setattr(subprocess, "run", lambda args, *a, **kw: (args[0] == fake_smi and seen.append(args))
-                        or real_run(args, *a, **kw))
-    monkeypatch.setattr(subprocess, "Popen", lambda args, *a, **kw: (args[0] == fake_smi and seen.append(args))
-                        or real_popen(args, *a, **kw))
+def test_sampler_names_the_gpu_by_uuid(fake_smi, smi_calls):
+    seen = smi_calls
     with clocks.ClockSampler("GPU-6d1d3c56-0000-1111-2222-333344445555", command=fake_smi) as smp:
         pass
     assert smp.error is None and seen
