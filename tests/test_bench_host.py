@@ -582,9 +582,17 @@ def test_tune_cli_parsing():
             tune_mod.parse_args(bad)
 
 
+def test_tune_check_shape_takes_numpy_ints():
+    import numpy as np
+
+    got = tune_mod.check_shape("bias_gelu", (np.int64(8), np.int32(64)))
+    assert got == (8, 64) and all(type(n) is int for n in got)
+
+
 @pytest.mark.parametrize("argv, match", [
-    (["--op", "bias_gelu", "--shape", "4"], r"bias_gelu shape is \[rows, h\]: 2 sizes"),
-    (["--op", "masked_softmax", "--shape", "4,8"], r"\[b, np, sq, sk\]: 4 sizes"),
+    (["--op", "bias_gelu", "--shape", "4"], r"a bias_gelu shape is \[rows, h\]: 2 ints"),
+    (["--op", "masked_softmax", "--shape", "4,8"], r"\[b, np, sq, sk\]: 4 ints"),
+    (["--op", "attention", "--shape", "1,2,64"], r"an attention shape is \[b, heads, s, head dim\]: 4 ints"),
     (["--op", "cross_entropy", "--shape", "1,2,3"], r"\[rows, V\]"),
     (["--op", "swiglu", "--shape", "4,7"], "must be even"),
     (["--op", "layer_norm", "--shape", "8,1000000"], "past the tile table's last bound"),

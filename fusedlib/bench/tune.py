@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import numbers
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,11 +282,14 @@ def check_shape(op: str, shape: Sequence[int]) -> tuple[int, ...]:
     _check(op, "fwd")
     shape = tuple(shape)
     layout = LAYOUTS[op]
-    if len(shape) != len(TUNE_OPS[op].shapes[0]) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
-                                                        for n in shape):
-        raise ValueError(f"a {op} shape is {layout}: {len(TUNE_OPS[op].shapes[0])} sizes >= 1, got {list(shape)}")
+    article = "an" if op[0] in "aeiou" else "a"
+    if len(shape) != len(TUNE_OPS[op].shapes[0]) or any(isinstance(n, bool) or not isinstance(n, numbers.Integral)
+                                                        or n < 1 for n in shape):
+        raise ValueError(f"{article} {op} shape is {layout}: {len(TUNE_OPS[op].shapes[0])} ints >= 1, "
+                         f"got {list(shape)}")
+    shape = tuple(int(n) for n in shape)  # (numpy's ints as Python ints)
     if op in ("geglu", "swiglu") and shape[-1] % 2:
-        raise ValueError(f"a {op} shape is {layout}: its last size must be even, got {list(shape)}")
+        raise ValueError(f"{article} {op} shape is {layout}: its last size must be even, got {list(shape)}")
     for pass_ in TUNE_PASSES:
         try:
             current_tile(op, pass_, shape)
