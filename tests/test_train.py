@@ -565,6 +565,18 @@ def test_trainer_refuses_a_corpus_that_is_not_one_before_training(corpus):
         Trainer(cfg, corpus=dataclasses.replace(corpus, train=corpus.train.long()))
 
 
+def test_trainer_checks_the_corpus_before_it_builds_or_writes_anything(corpus, tmp_path, monkeypatch):
+    # the check ran after the model was built, the seeds set and --out made
+    from fusedlib.train import loop as loop_mod
+
+    built = []
+    monkeypatch.setattr(loop_mod, "build_model", lambda *a, **k: built.append(a) or pytest.fail("model built"))
+    cfg = TrainConfig(**dict(TINY, steps=2, model="plain", device="cpu", out=str(tmp_path / "run")))
+    with pytest.raises(ValueError, match="corpus' val split"):
+        Trainer(cfg, corpus=dataclasses.replace(corpus, val=corpus.val[:3]))
+    assert built == [] and not (tmp_path / "run").exists()
+
+
 def test_schedule():
     from fusedlib.train import CosineSchedule
 

@@ -513,6 +513,15 @@ class Trainer:
         if corpus is not None and not isinstance(corpus, Corpus):
             raise TypeError(f"corpus must be a Corpus (fusedlib.train.load_corpus) or None, got {type(corpus).__name__}")
         self.corpus = corpus if corpus is not None else load_corpus(cfg.cache_dir)
+        # the corpus checked before anything is built, seeded or written
+        for name, split in (("train", self.corpus.train), ("val", self.corpus.val)):
+            if not isinstance(split, torch.Tensor) or split.dim() != 1 or split.dtype != torch.uint8:
+                raise ValueError(f"corpus: its {name} split must be a 1-D uint8 tensor of tokens, got "
+                                 + (f"{split.dtype} of shape {list(split.shape)}" if isinstance(split, torch.Tensor)
+                                    else type(split).__name__))
+            if split.numel() < cfg.seq + 1:
+                raise ValueError(f"seq ({cfg.seq}) needs at least seq + 1 tokens in the corpus' {name} split, which "
+                                 f"has {split.numel()}")
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         try:
             self.model = build_model(cfg.model, cfg.shape(), cfg.seed, cfg.spec, cfg.attention_backend, dtype,
@@ -560,14 +569,6 @@ class Trainer:
             except OSError as err:  # a file on the way, no permission, a file system that refuses
                 raise ValueError(f"out: cannot make the directory {str(self.out)!r}: {err.strerror or err}") from None
             self.checkpoint_path = self.out / (CHECKPOINT if cfg.tp == 1 else f"checkpoint-tp{self.rank}.pt")
-        for name, split in (("train", self.corpus.train), ("val", self.corpus.val)):
-            if not isinstance(split, torch.Tensor) or split.dim() != 1 or split.dtype != torch.uint8:
-                raise ValueError(f"corpus: its {name} split must be a 1-D uint8 tensor of tokens, got "
-                                 + (f"{split.dtype} of shape {list(split.shape)}" if isinstance(split, torch.Tensor)
-                                    else type(split).__name__))
-            if split.numel() < cfg.seq + 1:
-                raise ValueError(f"seq ({cfg.seq}) needs at least seq + 1 tokens in the corpus' {name} split, which "
-                                 f"has {split.numel()}")
         # the token splits on the device (uint8: a few MB): a batch is gathered there from offsets
         # drawn on the CPU (the same batches as on the CPU), so the host neither gathers nor copies
         # windows at every step
