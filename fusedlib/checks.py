@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import numbers
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 __all__ = [
     "SUPPORTED_FLOAT_DTYPES",
+    "file_on_the_way",
     "FLOAT_DTYPES",
     "KERNEL_DEVICE_TYPES",
     "FLOAT32_MAX",
@@ -290,3 +292,17 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     if dev.type not in KERNEL_DEVICE_TYPES:
         raise ValueError(f"fusedlib kernels run on 'cuda' or 'cpu' tensors, got {dev}")
     return dev
+
+
+def file_on_the_way(path: "str | Path", include_self: bool = False) -> Optional[Path]:
+    """The first existing file (not a folder) among ``path``'s parents (and ``path`` itself with
+    ``include_self``), or None: where one is, no folder can be made at ``path``, so an output
+    folder there would fail at its first write, after the work that was to be written.
+
+    Args:
+        path: a file system path (nothing is created).
+        include_self: also look at ``path`` itself.
+    """
+    path = Path(path)
+    return next((p for p in ((path,) if include_self else ()) + tuple(path.parents)
+                 if p.exists() and not p.is_dir()), None)

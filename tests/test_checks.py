@@ -74,3 +74,13 @@ def test_small_ints_are_still_accepted_where_a_real_number_is():
     torch.testing.assert_close(fused_layer_norm(x, w, b, 1), fused_layer_norm(x, w, b, 1.0))
     assert _glu.check_clamp_value(7) == 7.0 and fused_rope._check_mscale(2) == 2.0
     assert _config(init_method_std=0).init_method_std == 0 and TrainConfig(lr=1).lr == 1
+
+
+def test_file_on_the_way(tmp_path):
+    from fusedlib.checks import file_on_the_way
+
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "d").mkdir()
+    assert file_on_the_way(tmp_path / "f" / "a" / "b") == tmp_path / "f"
+    assert file_on_the_way(tmp_path / "f") is None and file_on_the_way(tmp_path / "f", include_self=True) == tmp_path / "f"
+    assert file_on_the_way(tmp_path / "d" / "new") is None and file_on_the_way(str(tmp_path / "d"), include_self=True) is None

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..checks import file_on_the_way
 from . import OP_MODULES, copy_record, get_cases, measure_case, write_records
 from .ops import get_op_module
 from .core import load_records, matmul_record
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.out:  # f"{args.out}/{op}.json" would be /<op>.json, at the file system's root
         parser.error("--out must be a folder's path, got '' (for the current folder: --out .)")
     out = Path(args.out)  # refused before any timing: a file there would stop the run at its first write
-    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    blocked = file_on_the_way(out, include_self=True)
     if blocked is not None:
         parser.error(f"--out must be a folder, got {args.out!r}: {str(blocked)!r} is a file")
     if args.op is not None:

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..checks import file_on_the_way
 from ..kernels.launch import Tile, next_power_of_2, pick
 from .core import environment, time_ms
 
@@ -615,7 +616,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rep = 100 if args.rep is None else args.rep
     if args.out is not None:  # refused before any timing: the records are written at the end of the run
         out = Path(args.out)
-        blocked = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        blocked = file_on_the_way(out)
         if out.is_dir() or blocked is not None:
             parser.error(f"--out must be a JSON file's path, got {args.out!r}: "
                          f"{'a folder' if blocked is None else repr(str(blocked)) + ' on its way is a file'}")

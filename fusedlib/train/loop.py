@@ -73,7 +73,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import runtime
-from ..checks import real_to_float
+from ..checks import file_on_the_way, real_to_float
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..parallel.utils import all_reduce
 from ..transformer.enums import AttnBackend
@@ -268,7 +268,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a directory path or None, got {str(getattr(self, name))!r}, a file")
             if getattr(self, name) is not None:  # a file on the way: no directory can be made there
                 path = Path(getattr(self, name))
-                blocked = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+                blocked = file_on_the_way(path)
                 if blocked is not None:
                     raise ValueError(f"{name} must be a directory path or None, got {str(getattr(self, name))!r}: "
                                      f"{str(blocked)!r} on its way is a file")
