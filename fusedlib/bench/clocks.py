@@ -130,22 +130,16 @@ def summarize(samples: Iterable[ClockSample], t0: float, t1: float) -> dict:
     }
 
 
-def gpu_id(device) -> int | str:
+def gpu_id(device) -> str:
     """The CUDA device ``device`` (a ``torch.device`` or index) as ``nvidia-smi -i`` takes it:
-    "GPU-<uuid>" where torch reports the device's UUID (the same GPU whatever
-    ``CUDA_VISIBLE_DEVICES`` says), else its CUDA index.
+    "GPU-<uuid>", the same GPU whatever ``CUDA_VISIBLE_DEVICES`` says (its index may not be).
 
     Raises:
         RuntimeError / AssertionError: from ``torch.cuda.get_device_properties`` (no CUDA, an
             index out of range)."""
     import torch
 
-    props = torch.cuda.get_device_properties(device)
-    uuid = getattr(props, "uuid", None)
-    if uuid is None:
-        return torch.device(device).index if isinstance(device, torch.device) and device.index is not None else \
-            (device if isinstance(device, int) else torch.cuda.current_device())
-    text = str(uuid)
+    text = str(torch.cuda.get_device_properties(device).uuid)
     return text if text.startswith("GPU-") else f"GPU-{text}"
 
 

@@ -731,9 +731,9 @@ def profiler_setup(device: torch.device) -> tuple[list, torch.autograd.DeviceTyp
     return [ProfilerActivity.CPU], torch.autograd.DeviceType.CPU, lambda: None
 
 
-def _training_step(im: Impl, c: BenchCase, device: torch.device) -> tuple[Callable[[], None], list]:
-    """``(step, leaves)`` for implementation ``im`` of case ``c``: a step of the benchmark's
-    fwd+bwd pass (gradients set to None first) and the tensors whose gradients it writes."""
+def _training_step(im: Impl, c: BenchCase, device: torch.device) -> Callable[[], None]:
+    """A step of implementation ``im`` of case ``c``: the benchmark's fwd+bwd pass, the input's
+    and the parameters' gradients set to None first."""
     (x,) = c.make_inputs(device, True)
     g = torch.randn_like(im.fn(x))  # (the first call builds the module)
     leaves = [x] + list(im.params())
@@ -743,7 +743,7 @@ def _training_step(im: Impl, c: BenchCase, device: torch.device) -> tuple[Callab
             t.grad = None
         im.fn(x).backward(g)
 
-    return step, leaves
+    return step
 
 
 def _profile_steps(step: Callable[[], None], device: torch.device, steps: int, top: int,
@@ -799,7 +799,7 @@ def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_
         if im.name not in impls:
             continue
         try:
-            step, _ = _training_step(im, c, device)
+            step = _training_step(im, c, device)
             for _ in range(warmup):
                 step()
             out["impls"][im.name] = _profile_steps(step, device, steps, top)
@@ -973,11 +973,11 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
     for im in c.impls:
         if im.name in impls:
             try:
-                step, leaves = _training_step(im, c, device)
+                step = _training_step(im, c, device)
                 for _ in range(warmup):
                     step()
                 torch.cuda.synchronize(device)
-                steps[im.name] = (im, step, leaves)
+                steps[im.name] = (im, step)
             except Exception as exc:
                 drop(im, exc)
     with (sampler or (lambda: ClockSampler(gpu_id(device))))() as smp:
@@ -988,19 +988,19 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
             time.sleep(0.02)  # the first timing only once the samples flow
         spans = []
         for rnd in range(rounds):
-            for name, (im, step, leaves) in list(steps.items()):
+            for name, (im, step) in list(steps.items()):
                 for w in windows_ms:
                     time.sleep(rest_s)
                     t0 = time.time()
                     try:
-                        ms = time_ms(step, grad_to_none=leaves, rep=w)
+                        ms = time_ms(step, rep=w)  # (step sets the gradients to None itself)
                     except Exception as exc:  # (out of memory over a long window, ...)
                         drop(im, exc)
                         break
                     spans.append((len(out["phases"]), t0, time.time()))
                     out["phases"].append({"impl": name, "round": rnd, "timer": "do_bench", "window_ms": w,
                                           "ms": round(ms, 4)})
-        for name, (im, step, _) in list(steps.items()):
+        for name, (im, step) in list(steps.items()):
             time.sleep(rest_s)
             window = []
             try:
