@@ -15,7 +15,7 @@ from fusedlib.bench import clocks
 
 
 def _line(t: float, sm: float, w: float, temp: float, mask: int) -> str:
-    stamp = datetime.datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    stamp = datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
     return f"{stamp}, {sm:g}, {w:.2f}, {temp:g}, 0x{mask:016x}"
 
 
@@ -29,6 +29,30 @@ def test_parse_line_reads_nvidia_smi_and_refuses_the_rest():
                 _line(t, 1620, 690, 63, 4).replace("690.00", "nan"),
                 _line(t, 1620, 690, 63, 4) + ", 1", ""):
         assert clocks.parse_line(bad) is None, bad
+
+
+@pytest.mark.skipif(not hasattr(time, "tzset"), reason="time.tzset (POSIX)")
+def test_parse_line_reads_utc_whatever_the_local_zone(monkeypatch):
+    # local time names 01:30 twice on 2026-11-01 in New York (daylight saving time ends): the
+    # sampler has nvidia-smi print UTC, and parse_line reads UTC under any local zone
+    first, second = 1_793_511_000.0, 1_793_514_600.0  # 05:30 and 06:30 UTC, both 01:30 in New York
+    try:
+        for zone in ("America/New_York", "UTC0", "Asia/Kolkata"):
+            monkeypatch.setenv("TZ", zone)
+            time.tzset()
+            a, b = clocks.parse_line(_line(first, 1, 1, 1, 0)), clocks.parse_line(_line(second, 1, 1, 1, 0))
+            assert (a.t, b.t) == (pytest.approx(first, abs=1e-3), pytest.approx(second, abs=1e-3)), zone
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def test_nvidia_smi_runs_in_utc(monkeypatch):
+    monkeypatch.setenv("TZ", "America/New_York")
+    monkeypatch.setenv("FUSEDLIB_PROBE", "kept")
+    env = clocks.smi_env()
+    assert env["TZ"] == "UTC0" and env["FUSEDLIB_PROBE"] == "kept"
+    assert os.environ["TZ"] == "America/New_York"  # (this process's zone is left alone)
 
 
 def test_decode_reasons_names_each_bit():
@@ -133,16 +157,30 @@ def test_samples_are_whole_lines_read_without_moving_the_writer(fake_smi):
 
 @pytest.fixture
 def smi_calls(fake_smi, monkeypatch):
-    """The argument lists of every run of the stand-in nvidia-smi (subprocess.run and Popen)."""
+    """The argument lists of every run of the stand-in nvidia-smi (subprocess.run and Popen);
+    ``.envs``: the environment each run was given."""
     import subprocess
 
-    seen = []
+    seen = _Seen()
     real_run, real_popen = subprocess.run, subprocess.Popen
-    monkeypatch.setattr(subprocess, "run", lambda args, *a, **kw: (args[0] == fake_smi and seen.append(args))
-                        or real_run(args, *a, **kw))
-    monkeypatch.setattr(subprocess, "Popen", lambda args, *a, **kw: (args[0] == fake_smi and seen.append(args))
-                        or real_popen(args, *a, **kw))
+
+    def spy(real):
+        def call(args, *a, **kw):
+            if args[0] == fake_smi:
+                seen.append(args)
+                seen.envs.append(kw.get("env"))
+            return real(args, *a, **kw)
+        return call
+
+    monkeypatch.setattr(subprocess, "run", spy(real_run))
+    monkeypatch.setattr(subprocess, "Popen", spy(real_popen))
     return seen
+
+
+class _Seen(list):
+    def __init__(self):
+        super().__init__()
+        self.envs = []
 
 
 def test_sampler_never_runs_a_command_that_changes_the_gpu(fake_smi, smi_calls):
@@ -153,6 +191,7 @@ def test_sampler_never_runs_a_command_that_changes_the_gpu(fake_smi, smi_calls):
     assert seen and all(a[1].startswith("--query-gpu=") and set(a[2:]) <= {"--format=csv,noheader,nounits", "-i", "0",
                                                                            "-lms", "20"} for a in seen)
     assert os.path.basename(seen[0][0]) == "nvidia-smi"
+    assert len(seen.envs) == len(seen) and all(e is not None and e["TZ"] == "UTC0" for e in seen.envs)
 
 
 def test_sampler_names_the_gpu_by_uuid(fake_smi, smi_calls):

@@ -14,6 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -633,8 +634,12 @@ def test_trainer_sample_names_a_bad_seed(corpus):
     # a str or a float seed was torch's RuntimeError from manual_seed, 2^64 an "Overflow when unpacking long long"
     tr = Trainer(TrainConfig(**dict(TINY, steps=1, model="plain", device="cpu")), corpus=corpus)
     assert tr.sample("a", 2, seed=-1) == tr.sample("a", 2, seed=-1)
-    for seed in ("1", 1.5, True, 2 ** 64, -2 ** 63 - 1):
-        with pytest.raises(ValueError, match="seed must be an int"):
+    assert tr.sample("a", 2, seed=np.int64(7)) == tr.sample("a", 2, seed=7)
+    for seed in ("1", 1.5, True, np.float64(1.0), None):
+        with pytest.raises(TypeError, match="seed must be an int, got"):
+            tr.sample("a", 2, seed=seed)
+    for seed in (2 ** 64, -2 ** 63 - 1):
+        with pytest.raises(ValueError, match=r"seed must be an int in \[-2\^63, 2\^64\)"):
             tr.sample("a", 2, seed=seed)
 
 

@@ -34,7 +34,14 @@ import subprocess
 import tempfile
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-__all__ = ["ClockSample", "ClockSampler", "QUERIES", "REASONS", "decode_reasons", "gpu_id", "parse_line", "summarize"]
+__all__ = ["ClockSample", "ClockSampler", "QUERIES", "REASONS", "decode_reasons", "gpu_id", "parse_line", "smi_env",
+           "summarize"]
+
+def smi_env() -> dict:
+    """The environment ``nvidia-smi`` runs in: this process's, with ``TZ=UTC0``, so that its
+    timestamps are UTC (:func:`parse_line` reads them so)."""
+    return {**os.environ, "TZ": "UTC0"}
+
 
 #: The queries tried in order: the first that ``nvidia-smi`` accepts is used. Each lists the
 #: timestamp, the SM clock (MHz), the board power (W), the temperature (C) and the active
@@ -72,13 +79,15 @@ class ClockSample(NamedTuple):
 def parse_line(line: str) -> Optional[ClockSample]:
     """A :class:`ClockSample` from one line of ``nvidia-smi --format=csv,noheader,nounits`` with
     one of :data:`QUERIES`' field lists, or None for a line that is not one (a header, an error
-    message, "[N/A]" values). The timestamp is the machine's local time, as ``nvidia-smi``
-    prints it ("2026/12/03 11:09:15.712")."""
+    message, "[N/A]" values). The timestamp is read as UTC ("2026/12/03 11:09:15.712"):
+    :class:`ClockSampler` runs ``nvidia-smi`` with ``TZ=UTC0`` (:func:`smi_env`), since local
+    time names one hour twice where daylight saving time ends."""
     parts = [p.strip() for p in line.split(",")]
     if len(parts) != 5:
         return None
     try:
-        t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+        t = stamp.replace(tzinfo=datetime.timezone.utc).timestamp()
         sm, power, temp = float(parts[1]), float(parts[2]), float(parts[3])
         reasons = int(parts[4], 16)
     except ValueError:
@@ -200,7 +209,8 @@ class ClockSampler:
             return self
         for fields in QUERIES:
             try:
-                probe = subprocess.run(self._args(fields), capture_output=True, text=True, timeout=30)
+                probe = subprocess.run(self._args(fields), capture_output=True, text=True, timeout=30,
+                                       env=smi_env())
             except (OSError, subprocess.SubprocessError) as exc:
                 self.error = f"{self.command} failed: {type(exc).__name__}: {exc}"
                 return self
@@ -213,14 +223,14 @@ class ClockSampler:
         try:
             probe = subprocess.run([self.command, "--query-gpu=enforced.power.limit,clocks.max.sm",
                                     "--format=csv,noheader,nounits", "-i", str(self.index)],
-                                   capture_output=True, text=True, timeout=30)
+                                   capture_output=True, text=True, timeout=30, env=smi_env())
             power, sm = (float(v) for v in probe.stdout.strip().splitlines()[0].split(","))
             self.limits = {"power_limit_w": power, "sm_max_mhz": sm}
         except (OSError, subprocess.SubprocessError, ValueError, IndexError):
             pass  # (the samples do not need them)
         self._out = tempfile.TemporaryFile(mode="w+b")
         self._proc = subprocess.Popen(self._args(self.fields) + ["-lms", str(self.interval_ms)],
-                                      stdout=self._out, stderr=subprocess.DEVNULL, text=True)
+                                      stdout=self._out, stderr=subprocess.DEVNULL, text=True, env=smi_env())
         return self
 
     def samples(self) -> list[ClockSample]:

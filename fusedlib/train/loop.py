@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import time
 from pathlib import Path
@@ -960,15 +961,20 @@ class Trainer:
 
         Raises:
             ValueError: as :func:`sample`; a prompt of token ids that is not 1-D (one text: :func:`sample`
-                itself takes [b, t]); a seed that is not an int in ``torch.Generator.manual_seed``'s
-                range [-2^63, 2^64).
+                itself takes [b, t]); a seed outside ``torch.Generator.manual_seed``'s range
+                [-2^63, 2^64).
+            TypeError: as :func:`sample`; a seed that is not an int (a bool, a float, a str; numpy's
+                ints are ints here).
         """
         if isinstance(prompt, torch.Tensor) and prompt.dim() != 1:  # (refused before the tokens, not by decode after)
             raise ValueError(f"prompt must be a str or 1-D token ids (one text), got shape {list(prompt.shape)}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not -2 ** 63 <= seed < 2 ** 64:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        if not -2 ** 63 <= int(seed) < 2 ** 64:
             raise ValueError(f"seed must be an int in [-2^63, 2^64) (torch.Generator.manual_seed's range), "
                              f"got {seed!r}")
-        ids = sample(self.model, prompt, n_tokens, temperature, top_k, torch.Generator(device="cpu").manual_seed(seed))
+        ids = sample(self.model, prompt, n_tokens, temperature, top_k,
+                     torch.Generator(device="cpu").manual_seed(int(seed)))
         return decode(ids)
 
 
