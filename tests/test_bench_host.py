@@ -346,6 +346,10 @@ def test_cli_help_gives_every_default(capsys):
     assert "(default: all)" in text and "(default chapters/data/bench)" in text
     assert f"(default {host_mod.CALLS})" in text and f"(default {host_mod.REPEATS})" in text
     assert "``" not in text  # (the docstring's markup stays in the docstring)
+    # every op named once in --op's help, none in the usage line (it listed all 17 twice)
+    usage = text[:text.index("options:")]
+    assert "--op OP [OP ...]" in usage and "bias_gelu" not in usage
+    assert "(default: all): " + ", ".join(sorted(OP_MODULES)) in text
 
 
 def test_cli_out_that_is_a_file_is_refused_before_any_timing(tmp_path, capsys, monkeypatch):
