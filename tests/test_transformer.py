@@ -294,6 +294,17 @@ def test_config_derives_megatrons_defaults():
     assert TransformerConfig(window_size=[4, 0]).window_size == (4, 0)
 
 
+@pytest.mark.parametrize("groups", [None, 2])
+def test_attention_of_a_norms_only_config_is_named(groups):
+    # num_attention_heads = 0 (the norms-only default) reached "unsupported operand type(s) for *:
+    # 'NoneType' and 'int'" in SelfAttention's projection sizes
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_query_groups=groups)
+    for build in (lambda: TransformerBlock(config, get_gpt_layer_local_spec()),
+                  lambda: DotProductAttention(config, 1, AttnMaskType.causal, "self")):
+        with pytest.raises(ValueError, match=r"num_attention_heads must be >= 1 to build attention, got 0"):
+            build()
+
+
 class _ForeignBackend(enum.Enum):  # another library's enum with the same member names (Megatron-core's)
     local = 4
 

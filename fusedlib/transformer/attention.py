@@ -184,9 +184,9 @@ class Attention(MegatronModule):
 
     Raises:
         NotImplementedError: a left-out argument given.
-        ValueError: num_attention_heads or num_query_groups not divisible by
-            config.tensor_model_parallel_size; in the forward a rotary_pos_emb tuple that is not a
-            pair.
+        ValueError: num_attention_heads 0 (a norms-only config), or num_attention_heads or
+            num_query_groups not divisible by config.tensor_model_parallel_size; in the forward a
+            rotary_pos_emb tuple that is not a pair.
         TypeError: in the forward a rotary_pos_emb neither a tensor, a tuple nor None.
 
     Source: Megatron-LM ``megatron/core/transformer/attention.py`` (``Attention``).
@@ -201,11 +201,11 @@ class Attention(MegatronModule):
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
+        # tensor parallelism: each of the p ranks holds np/p query heads and ng/p key/value groups
+        self.num_attention_heads_per_partition, self.num_query_groups_per_partition = heads_per_partition(config)
         self.query_projection_size = config.kv_channels * config.num_attention_heads  # np·hn
         self.kv_projection_size = config.kv_channels * config.num_query_groups  # ng·hn
         self.hidden_size_per_attention_head = config.kv_channels  # hn
-        # tensor parallelism: each of the p ranks holds np/p query heads and ng/p key/value groups
-        self.num_attention_heads_per_partition, self.num_query_groups_per_partition = heads_per_partition(config)
         self.world_size = config.tensor_model_parallel_size
 
         # [Module 1: core attention] (the subclass then builds its input projections and norms)

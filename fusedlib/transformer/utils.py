@@ -144,11 +144,14 @@ def heads_per_partition(config: TransformerConfig) -> Tuple[int, int]:
 
     Raises:
         ValueError: np or ng not divisible by p (Megatron-core also replicates key/value groups
-            when ng < p; fusedlib does not).
+            when ng < p; fusedlib does not); np = 0 (a norms-only config has no heads to split).
 
     Source: Megatron-LM ``megatron/core/transformer/attention.py`` (``Attention.__init__``).
     """
     p, np_, ng = config.tensor_model_parallel_size, config.num_attention_heads, config.num_query_groups
+    if np_ < 1:
+        raise ValueError(f"num_attention_heads must be >= 1 to build attention, got {np_} (TransformerConfig's "
+                         "default 0 configures only the norms)")
     if np_ % p or ng % p:
         raise ValueError(f"num_attention_heads ({np_}) and num_query_groups ({ng}) must both be divisible by "
                          f"tensor_model_parallel_size ({p}): each rank holds whole heads and whole key/value groups")
