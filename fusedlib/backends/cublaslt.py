@@ -359,7 +359,7 @@ def matmul_dgelu(grad: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> t
     The backward of ``linear(gelu_tanh(z), W)`` with respect to z: fc2's input-gradient GEMM
     with the activation's derivative in its epilogue (z, the aux input, read once there).
     fc1's bias gradient, the column sums of dz, is left to the caller: cuBLASLt's
-    ``CUBLASLT_EPILOGUE_DGELU_BGRAD``, which sums it in the same GEMM, took 2.4-4.0x this
+    ``CUBLASLT_EPILOGUE_DGELU_BGRAD``, which sums it in the same GEMM, took 2.5-4.0x this
     epilogue's time on the H200 at the MLP shapes of chapters 7 and 9 (bf16: 0.476 against
     0.120 ms at [32768, 384] x [384, 1536]; 0.976 against 0.398 at [8192, 2048] x [2048, 8192];
     the heuristic's first algorithm with a 4 MiB workspace, CUDA-graph replays), and fusedlib's
