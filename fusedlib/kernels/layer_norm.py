@@ -504,7 +504,8 @@ FWD_TILES: TileTable = (
     (4096, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=8, num_stages=1, programs_per_sm=0)),
     (8192, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=8, num_stages=1, programs_per_sm=0)),
     # h = 12288 and 16384, bf16 on the H200: 0.164 / 0.142 ms at 8 warps, one row per
-    # program, against 0.172 / 0.152 for a persistent grid of 16 warps (tools/tune_layer_norm.py)
+    # program, against 0.172 / 0.152 for a persistent grid of 16 warps (measured with the
+    # tuner that `python -m fusedlib.bench.tune --op layer_norm` replaced)
     (16384, Tile(BLOCK_M=1, BLOCK_N=0, num_warps=8, num_stages=1, programs_per_sm=0)),
     # 32 Ki: a persistent grid that loads the next row (192 KiB of shared memory) while
     # reducing this one keeps the memory busy with one program per SM
@@ -525,7 +526,8 @@ BWD_TILES: TileTable = (
     # layer), CUDA-graph replays on the H200: 0.0388 ms at 2 warps and 3 stages, against 0.0564
     # for 4 warps and 3 stages and 0.042 for [8 rows, 4 warps] at 2 per SM
     (512, Tile(BLOCK_M=4, BLOCK_N=0, num_warps=2, num_stages=3, programs_per_sm=4)),
-    # measured, bf16 on the H200, kernel alone (tools/tune_layer_norm.py), LayerNorm / RMSNorm:
+    # measured, bf16 on the H200, kernel alone (the tuner that `python -m fusedlib.bench.tune
+    # --op layer_norm` replaced), LayerNorm / RMSNorm:
     # h = 1024: 0.230 / 0.213 ms (2 stages: 0.265 / 0.241)
     (1024, Tile(BLOCK_M=2, BLOCK_N=0, num_warps=4, num_stages=3, programs_per_sm=4)),
     # h = 2048: 0.213 / 0.214 ms (2 stages: 0.260 / 0.240)
