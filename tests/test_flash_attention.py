@@ -262,6 +262,18 @@ def test_dropout_against_float64_with_the_replayed_mask(tiles):
     _check(torch.float32, b, sq, sk, hq, hkv, d, dropout_p=0.3, causal=True, attention_mask=mask, sinks=sinks)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 32)])
+def test_dropout_with_tiles_of_unequal_sides(block_m, block_n, deterministic, tiles):
+    # every other dropout test runs square tiles, where a key tile's index taken as
+    # start_n // BLOCK_M instead of start_n // BLOCK_N gives the same mask; the GPU's dropout
+    # forward runs [64, 32] (FWD_DROPOUT_TILES). The mask must be the replayed one whatever the
+    # tiles: in the forward, the deterministic dQ kernel and the atomic backward (d = 16 with
+    # dropout takes the atomic dQ when not deterministic)
+    tiles(block_m, block_n)
+    _check(torch.float32, 1, 37, 45, 2, 1, 16, dropout_p=0.3, causal=True, deterministic=deterministic)
+
+
 def test_dropout_statistics_from_the_output(tiles):
     # v = one-hot rows (d >= sk): o[b, i, h, :sk] is the dropped probability row itself. Where a
     # probability is dropped o is exactly 0, where kept it is P/(1 - p'); the dropped fraction

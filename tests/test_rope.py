@@ -156,6 +156,13 @@ def test_per_sample_positions():
                                    atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+def test_one_position_of_angles_broadcasts_over_the_sequence(interleaved):
+    # freqs [1, 1, 1, rot] (a size-1 s broadcasts, as check_rope_inputs allows): every token is
+    # rotated by the same angles, as Megatron's broadcasting formula does
+    _check(_randn(4, 2, 2, 40), _angles(1, 1, 24, interleaved), interleaved)
+
+
 def test_non_contiguous_inputs():
     s, b, n_heads, d, rot = 5, 3, 2, 40, 24
     # t: the query slice of a fused [s, b, np, 3d] QKV tensor (last-dim slice, larger strides)

@@ -920,6 +920,11 @@ ATTENTION_CASES = {
     "window": dict(mask_type=AttnMaskType.causal, window=(2, 0)),
     "cross-sq-ne-sk": dict(mask_type=AttnMaskType.no_mask, sk=5, ng=NP),
     "causal-sq-gt-sk": dict(mask_type=AttnMaskType.causal, sk=4),
+    # a window open to later keys (i - 2 <= j <= i + 1) replaces the causal mask on every backend
+    "window-open-right": dict(mask_type=AttnMaskType.causal, window=(2, 1)),
+    # query-key layer scaling at layer 3: scores at scale/3, multiplied by 3 inside the softmax,
+    # so every backend gives the probabilities of the plain scale 1/sqrt(hn)
+    "layer-scaling-layer-3": dict(mask_type=AttnMaskType.causal, layer_number=3),
 }
 
 
@@ -929,7 +934,8 @@ ATTENTION_CASES = {
 def test_sdpa_backend_equals_the_materialised_attention(case, dtype, fusion):
     c = ATTENTION_CASES[case]
     sk, ng = c.get("sk", S), c.get("ng", NG)
-    cfg = make_config(dtype, masked_softmax_fusion=fusion, num_query_groups=ng, window_size=c.get("window"))
+    cfg = make_config(dtype, masked_softmax_fusion=fusion, num_query_groups=ng, window_size=c.get("window"),
+                      apply_query_key_layer_scaling="layer_number" in c)
     q, k, v = _attention_inputs(dtype, sk=sk, ng=ng, requires_grad=True)
     mask = None
     if c.get("padding"):  # sample 0 masks keys 1..2; sample 1 masks every key of query row 2
@@ -950,7 +956,7 @@ def test_sdpa_backend_equals_the_materialised_attention(case, dtype, fusion):
     atol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
     for backend in (AttnBackend.local, AttnBackend.fused, AttnBackend.flash):
         cfg.attention_backend = backend
-        attn = DotProductAttention(cfg, 1, c["mask_type"], "self")
+        attn = DotProductAttention(cfg, c.get("layer_number", 1), c["mask_type"], "self")
         q.grad = k.grad = v.grad = None
         out = attn(q, k, v, mask)
         assert out.shape == (S, B, NP * (H // NP)) and out.dtype == dtype
@@ -961,6 +967,53 @@ def test_sdpa_backend_equals_the_materialised_attention(case, dtype, fusion):
             out.backward(g.to(dtype))
             for t, t64 in ((q, q64), (k, k64), (v, v64)):
                 torch.testing.assert_close(t.grad.double(), t64.grad, atol=atol, rtol=0)
+
+
+def test_window_attn_skip_freq_as_an_int_skips_every_nth_layer():
+    # Megatron-core's is_layer_window_attention: with an int n, layers n, 2n, ... attend to every
+    # key, the others take the window
+    cfg = make_config(num_layers=4, window_size=(4, 0), window_attn_skip_freq=2)
+    got = [DotProductAttention(cfg, i, AttnMaskType.causal, "self").window_size for i in (1, 2, 3, 4)]
+    assert got == [(4, 0), None, (4, 0), None]
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_rope_pair_rotates_queries_and_keys_by_their_own_angles(fusion):
+    # rotary_pos_emb = (query angles, key angles): queries at positions 5.., keys at 0.., against
+    # the float64 reference (angles given in float64, so the only differences are float64 roundings)
+    hn, per = H // NP, NP // NG
+    cfg = make_config(torch.float64, attention_backend=AttnBackend.unfused, apply_rope_fusion=fusion)
+    attn = randomize(SelfAttention(cfg, get_gpt_layer_local_spec().submodules.self_attention.submodules, 1,
+                                   AttnMaskType.causal))
+    pos_q, pos_k = torch.arange(S, device=DEVICE) + 5, torch.arange(S, device=DEVICE)
+    inv = 10000.0 ** (-2 * torch.arange(hn // 2, dtype=torch.float64, device=DEVICE) / hn)
+
+    def angles(pos):
+        theta = pos.double()[:, None] * inv
+        return torch.cat((theta, theta), dim=-1)[:, None, None, :]  # [s, 1, 1, hn], half-split layout
+
+    x = hidden(torch.float64)
+    out, bias = attn(x, None, rotary_pos_emb=(angles(pos_q), angles(pos_k)))
+    sd = {k: v for k, v in attn.state_dict().items() if isinstance(v, torch.Tensor)}
+    qkv = R.linear(x, sd, "linear_qkv").view(S, B, NG, (per + 2) * hn)
+    q, k, v = torch.split(qkv, [per * hn, hn, hn], dim=-1)
+    q, k = R.rope(q.reshape(S, B, NP, hn), pos_q, hn), R.rope(k, pos_k, hn)
+    ref = R.attention(q, k.repeat_interleave(per, 2), v.repeat_interleave(per, 2), R.keep_mask(S, S, device=DEVICE),
+                      1 / math.sqrt(hn))
+    torch.testing.assert_close(out + bias, R.linear(ref, sd, "linear_proj"), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.fused, AttnBackend.flash])
+def test_attention_dropout_is_off_in_eval_mode(backend):
+    # attention_dropout = 0.5 in eval mode: no dropout on any backend, the float64 reference's output
+    # (a convex combination of rows of v: a few float32 roundings, as in the test above)
+    cfg = make_config(attention_dropout=0.5, attention_backend=backend)
+    attn = DotProductAttention(cfg, 1, AttnMaskType.causal, "self").eval()
+    q, k, v = _attention_inputs()
+    per = NP // NG
+    ref = R.attention(q.double(), k.double().repeat_interleave(per, 2), v.double().repeat_interleave(per, 2),
+                      R.keep_mask(S, S, device=DEVICE), 1 / math.sqrt(H // NP))
+    torch.testing.assert_close(attn(q, k, v, None).double(), ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("backend", [AttnBackend.unfused, AttnBackend.fused])
