@@ -37,9 +37,11 @@ def test_parse_line_reads_utc_whatever_the_local_zone(monkeypatch):
     # sampler has nvidia-smi print UTC, and parse_line reads UTC under any local zone
     first, second = 1_793_511_000.0, 1_793_514_600.0  # 05:30 and 06:30 UTC, both 01:30 in New York
     try:
-        for zone in ("America/New_York", "UTC0", "Asia/Kolkata"):
+        # POSIX rule strings (no tz database needed): New York's, UTC, and India's
+        for zone, offset in (("EST5EDT,M3.2.0,M11.1.0", 5 * 3600), ("UTC0", 0), ("IST-5:30", -19800)):
             monkeypatch.setenv("TZ", zone)
             time.tzset()
+            assert time.timezone == offset, zone  # (the zone took effect)
             a, b = clocks.parse_line(_line(first, 1, 1, 1, 0)), clocks.parse_line(_line(second, 1, 1, 1, 0))
             assert (a.t, b.t) == (pytest.approx(first, abs=1e-3), pytest.approx(second, abs=1e-3)), zone
     finally:

@@ -37,6 +37,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 __all__ = ["ClockSample", "ClockSampler", "QUERIES", "REASONS", "decode_reasons", "gpu_id", "parse_line", "smi_env",
            "summarize"]
 
+
 def smi_env() -> dict:
     """The environment ``nvidia-smi`` runs in: this process's, with ``TZ=UTC0``, so that its
     timestamps are UTC (:func:`parse_line` reads them so)."""

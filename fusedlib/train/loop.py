@@ -963,8 +963,8 @@ class Trainer:
             ValueError: as :func:`sample`; a prompt of token ids that is not 1-D (one text: :func:`sample`
                 itself takes [b, t]); a seed outside ``torch.Generator.manual_seed``'s range
                 [-2^63, 2^64).
-            TypeError: as :func:`sample`; a seed that is not an int (a bool, a float, a str; numpy's
-                ints are ints here).
+            TypeError: a seed that is not an int (a bool, a float, a str; numpy's ints are ints
+                here).
         """
         if isinstance(prompt, torch.Tensor) and prompt.dim() != 1:  # (refused before the tokens, not by decode after)
             raise ValueError(f"prompt must be a str or 1-D token ids (one text), got shape {list(prompt.shape)}")

@@ -165,6 +165,9 @@ class DotProductAttention(MegatronModule):
     Raises:
         NotImplementedError: cp_comm_type, pg_collection, attention_bias or packed_seq_params given.
         TypeError / ValueError: layer_number not an int / < 1 (:func:`check_layer_number`).
+        ValueError: config.num_attention_heads 0 (a norms-only config), or num_attention_heads or
+            num_query_groups not divisible by config.tensor_model_parallel_size
+            (:func:`~fusedlib.transformer.utils.heads_per_partition`).
         TypeError: attention_mask not a bool tensor (e.g. an additive float mask), whatever the backend.
         ValueError: query, key or value not 4-D or off [sq, b, np, hn] / [sk, b, ng, hn] with
             this module's np, ng and hn = kv_channels (the message gives them), whatever the
