@@ -301,6 +301,22 @@ def test_clip_grad_norm_matches_torch_on_one_rank(norm_type, seed):
         torch.testing.assert_close(p.grad, rp.grad, rtol=1e-12, atol=1e-15)
 
 
+def test_clip_grad_norm_below_max_norm_leaves_the_gradients_as_they_are(seed):
+    # the coefficient is min(1, max_norm / (norm + 1e-6)): a norm below max_norm must not scale the
+    # gradients up. The clamp gives exactly 1.0, and g * 1.0 == g, so the gradients stay bit for bit
+    # (without the clamp they grow by max_norm / norm = 2 here).
+    from fusedlib.parallel.check_tp import _inputs, build_gpt
+
+    model = build_gpt(CASES["unfused/gelu/learned/qk-norm/fused-ce"], 1, torch.float64, seed)
+    ids, labels, grad = _inputs(seed, next(model.parameters()).device)
+    model(ids, None, None, labels=labels).backward(grad)
+    before = [p.grad.clone() for p in model.parameters()]
+    exact = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in before]))  # float64
+    norm = fp.clip_grad_norm(model, 2 * float(exact))
+    torch.testing.assert_close(norm, exact, rtol=1e-12, atol=0)  # (as the test above)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
+
+
 # ----------------------------------------------------------------------------------- mappings
 def _rank_input(q: int, shape, seed: int, device) -> torch.Tensor:
     """Rank q's input: the same on every process that asks, non-contiguous ([b, s, n] transposed)."""

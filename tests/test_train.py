@@ -586,6 +586,87 @@ def test_schedule():
     assert s(4) == 1.0 and math.isclose(s(9), 0.55) and math.isclose(s(14), 0.1) and math.isclose(s(99), 0.1)
 
 
+def test_logged_learning_rates_are_the_ones_used_and_decay_to_lr_over_10(corpus):
+    # warm-up over 2 steps, then the half cosine from lr to min_lr = lr/10 (the default) at `steps`;
+    # each step's record holds the rate its optimizer step used
+    lr, steps, warmup = 1e-3, 6, 2
+    tr = Trainer(TrainConfig(**dict(TINY, steps=steps, lr=lr, model="plain", device="cpu", bf16=False)), corpus=corpus,
+                 log=lambda s: None)
+    used = []
+    tr.optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append([g["lr"] for g in opt.param_groups]))
+    tr.run()
+    logged = [r["lr"] for r in tr.history if "loss" in r]
+    assert [u[0] for u in used] == logged and all(len(set(u)) == 1 for u in used)
+
+    def rate(i):  # the rate of 0-based step i, in float64
+        if i < warmup:
+            return lr * (i + 1) / warmup
+        return lr / 10 + (lr - lr / 10) * 0.5 * (1 + math.cos(math.pi * (i - warmup) / (steps - warmup)))
+
+    # a few float64 operations apart: 1e-12 relative is ~1e4 ulp, far below the O(1e-2) a wrong step shifts
+    assert all(math.isclose(got, rate(i), rel_tol=1e-12) for i, got in enumerate(logged)), logged
+    assert all(math.isclose(g["lr"], lr / 10, rel_tol=1e-12) for g in tr.optimizer.param_groups)  # at `steps`
+
+
+def test_adamw_decays_only_the_matrices_with_the_configured_betas_and_eps(corpus):
+    # Two optimizer steps on chosen gradients, against AdamW written out in float64 (Loshchilov and
+    # Hutter: p <- p·(1 - lr·wd) - lr·m̂/(sqrt(v̂) + eps)); weight decay on the matrices only, not on
+    # the biases and the LayerNorms' weights. Gradients of ~1e-6 make eps = 1e-8 visible, and two
+    # different gradients make beta1 and beta2 visible (one step's bias correction cancels them).
+    lr, wd, b1, b2, eps = 1e-2, 0.1, 0.9, 0.95, 1e-8
+    tr = Trainer(TrainConfig(**dict(TINY, steps=10, lr=lr, weight_decay=wd, beta1=b1, beta2=b2, model="plain",
+                                    device="cpu", bf16=False)), corpus=corpus)
+    named = list(tr.model.named_parameters())
+    assert [p for _, p in named] == tr.master  # (float32: the parameters are the master weights)
+    gen = torch.Generator().manual_seed(11)
+    grads = [[1e-6 * torch.randn(p.shape, generator=gen) for _, p in named] for _ in range(2)]
+    ref = [p.detach().double().clone() for _, p in named]
+    m = [torch.zeros_like(r) for r in ref]
+    v = [torch.zeros_like(r) for r in ref]
+    for t in (1, 2):
+        rate = lr * t / 2  # warm-up over 2 steps
+        for p, g in zip(tr.master, grads[t - 1]):
+            p.grad = g.clone()
+        tr.optimizer.step()
+        tr.scheduler.step()
+        for i, (name, _) in enumerate(named):
+            g = grads[t - 1][i].double()
+            decay = wd if not (name.endswith("bias") or ".ln_" in name or name.startswith("ln_")) else 0.0
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            ref[i] = ref[i] * (1 - rate * decay) - rate * (m[i] / (1 - b1 ** t)) / ((v[i] / (1 - b2 ** t)).sqrt() + eps)
+    # float32 AdamW: a few roundings of |p| <= 1 (u = 2^-24) per step, and of updates of ~lr;
+    # decay of a bias or norm weight moves it by lr·wd·|p| ~ 1e-3·|p|, eps 1e-6 or swapped betas by >= 1e-4
+    for (name, p), r in zip(named, ref):
+        torch.testing.assert_close(p.detach().double(), r, rtol=8 * 2 ** -24, atol=1e-8, msg=name)
+
+
+def test_evaluate_averages_its_batches_in_evaluation_mode(corpus, monkeypatch):
+    # the mean of eval_batches batch losses, with dropout off (the model in evaluation mode), and
+    # the model back in training mode after; the batches are recorded as evaluate draws them
+    from fusedlib.train import loop
+
+    tr = Trainer(TrainConfig(**dict(TINY, steps=2, dropout=0.5, eval_batches=3, model="plain", device="cpu",
+                                    bf16=False)), corpus=corpus)
+    drawn = []
+
+    def recording_get_batch(*args, **kwargs):
+        drawn.append(get_batch(*args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(loop, "get_batch", recording_get_batch)
+    val = tr.evaluate()
+    assert tr.model.training and len(drawn) == 3
+    tr.model.eval()
+    with torch.no_grad():
+        losses = [tr.model(x, None, None, labels=y).double().mean() for x, y in drawn]
+    tr.model.train()
+    # float32 means of 2·16 losses, and of 3: ~10 roundings of values ~5.6 (u = 6e-8); a single batch's
+    # loss, or dropout's, differs by O(0.01) or more
+    assert math.isclose(val, float(torch.stack(losses).mean()), rel_tol=1e-6)
+    assert max(losses) - min(losses) > 1e-3  # (so that one batch alone would not pass)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------------------------
@@ -888,6 +969,36 @@ def test_tensor_parallel_training_matches_one_rank_and_resumes(stdlib_root, corp
     one.run()
     assert len(one.losses()) == 4
     assert max(abs(a - b) for a, b in zip(no_dropout, one.losses())) < 1e-4
+
+
+def _tp_sequence_parallel_worker(rank: int, world_size: int, device: torch.device, kw: dict, root: str, cache: str):
+    """One rank of a sequence-parallel run: its losses, its state dict and the model's layout."""
+    from fusedlib.parallel import get_tensor_parallel_layout
+
+    tr = Trainer(TrainConfig(tp=world_size, sequence_parallel=True, **kw), corpus=load_corpus(cache, root=root))
+    tr.run()
+    return tr.losses(), {k: v for k, v in tr.model.state_dict().items() if isinstance(v, torch.Tensor)}, \
+        get_tensor_parallel_layout(tr.model)
+
+
+def test_tensor_parallel_training_with_sequence_parallelism_keeps_the_replicas_equal(stdlib_root, corpus, tmp_path):
+    # Under sequence parallelism each rank's LayerNorm weights (replicated) see only its s/p tokens:
+    # the trainer must sum their gradients over the ranks (finalize_model_grads) before AdamW, or
+    # the replicas drift apart at the first step. After 2 steps every replicated entry is equal
+    # bit for bit on both ranks, and the losses are the one-rank run's within rounding (as in the
+    # test above: float32 sums of ~100 terms, ~1e-6 relative; the first loss is exact up to that).
+    from fusedlib.parallel import spawn, unshard_state_dict
+
+    cache = str(tmp_path / "cache")
+    load_corpus(cache, root=stdlib_root)
+    kw = dict(TINY, steps=2, spec="unfused", device="cpu", bf16=False, heads=2)
+    (l0, sd0, layout), (l1, sd1, _) = spawn(_tp_sequence_parallel_worker, 2, kw, str(stdlib_root), cache,
+                                            backend="gloo")
+    assert l0 == l1 and len(l0) == 2
+    unshard_state_dict([sd0, sd1], layout, check_replicas=True)  # raises naming a replica that differs
+    one = Trainer(TrainConfig(**kw), corpus=corpus)
+    one.run()
+    assert max(abs(a - b) for a, b in zip(l0, one.losses())) < 1e-4
 
 
 def test_tensor_parallel_flags():
