@@ -28,6 +28,9 @@ from fusedlib.fusions.fused_weighted_squared_relu import (
     weighted_squared_relu_impl,
 )
 
+from fusedlib.kernels.glu import BIAS_BWD_TILES
+from fusedlib.kernels.launch import FOLD_TILES, cdiv, persistent_grid, pick
+
 from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
 
 #: name -> (fused entry point taking (input, bias), float64 reference of the unbiased unit)
@@ -174,6 +177,20 @@ def test_glu_multi_program_bias_reduction(glu):
     # many more rows than one backward program holds: the two-stage bias reduction is exercised
     y = _randn((1031, 2 * 12), torch.float32).requires_grad_(True)
     _check_glu(glu, y, _randn((24,), torch.float32).requires_grad_(True))
+
+
+@pytest.mark.parametrize("glu", GLUS)
+def test_glu_bias_backward_on_several_row_programs(glu):
+    # h = 20 (tiles of 32 rows): 1031 rows are 33 tiles, more than FOLD_TILES, so the persistent
+    # grid has several row programs on the CPU too (7 of 160 rows; h = 12's tiles of 256 rows
+    # fold into one): each program's first row and the second stage (sum_partials) are exercised
+    h, n_rows = 20, 1031
+    tile = pick(BIAS_BWD_TILES, h)
+    row_programs, _ = persistent_grid(n_rows, tile.BLOCK_M, tile.programs_per_sm, torch.device(DEVICE),
+                                      cdiv(h, tile.BLOCK_N), fold_tiles=FOLD_TILES)
+    assert row_programs > 1
+    y = _randn((n_rows, 2 * h), torch.float32).requires_grad_(True)
+    _check_glu(glu, y, _randn((2 * h,), torch.float32).requires_grad_(True))
 
 
 def test_glu_large_values_do_not_overflow():
