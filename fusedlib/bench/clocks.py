@@ -222,9 +222,8 @@ class ClockSampler:
             self.error = f"{self.command} accepted none of the queries: {probe.stdout.strip() or probe.stderr.strip()}"[:300]
             return self
         try:
-            probe = subprocess.run([self.command, "--query-gpu=enforced.power.limit,clocks.max.sm",
-                                    "--format=csv,noheader,nounits", "-i", str(self.index)],
-                                   capture_output=True, text=True, timeout=30, env=smi_env())
+            probe = subprocess.run(self._args(("enforced.power.limit", "clocks.max.sm")), capture_output=True,
+                                   text=True, timeout=30, env=smi_env())
             power, sm = (float(v) for v in probe.stdout.strip().splitlines()[0].split(","))
             self.limits = {"power_limit_w": power, "sm_max_mhz": sm}
         except (OSError, subprocess.SubprocessError, ValueError, IndexError):

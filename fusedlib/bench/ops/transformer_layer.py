@@ -957,7 +957,7 @@ def power_state(device: torch.device | str = "cuda", shape: Sequence[int] = DEFA
     c = case(shape, dtype)
     out = {"op": "transformer_layer_power", "shape": list(c.shape), "shape_names": list(SHAPE_NAMES),
            "dtype": str(dtype).replace("torch.", ""), **environment(), "rounds": rounds,
-           "windows_ms": list(windows_ms), "rest_s": rest_s, "profile_steps": profile_steps, "sampler": None,
+           "windows_ms": windows_ms, "rest_s": rest_s, "profile_steps": profile_steps, "sampler": None,
            "phases": [], "skipped": {}}
     out["skipped"].update({n: why for n, why in c.skipped.items() if n in impls})  # (megatron-core not importable)
     steps = {}
