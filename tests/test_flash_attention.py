@@ -38,6 +38,7 @@ import pytest
 import torch
 
 import fusedlib.kernels.flash_attention as kfa
+import fusedlib.runtime as rt
 from fusedlib import unfused
 from fusedlib.fusions.fused_attention import flash_attention
 from fusedlib.kernels.bias_dropout_add import KEEP_BITS, drop_threshold, philox_seed
@@ -56,6 +57,7 @@ def tiles(monkeypatch):
     """Set every kernel's tile in the interpreter (on a GPU the tables' tiles run)."""
     def set_tile(block_m: int, block_n: int) -> None:
         monkeypatch.setattr(kfa, "INTERPRETER_TILE", Tile(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
+        rt.clear_plans()  # plans keep the tile they were made with
     return set_tile
 
 
@@ -386,13 +388,13 @@ def test_backward_is_bitwise_reproducible(deterministic, tiles):
 def _launched_kernels(monkeypatch):
     """Names of the kernels the FlashAttention launchers start, in order."""
     names = []
-    real = kfa.launch
+    real = rt.launch
 
     def spy(kernel, *args, **kwargs):
         names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
         return real(kernel, *args, **kwargs)
 
-    monkeypatch.setattr(kfa, "launch", spy)
+    monkeypatch.setattr(rt, "launch", spy)  # a new plan's first launch comes here
     return names
 
 
@@ -532,6 +534,33 @@ def test_packed_qkv_gradients_land_in_one_buffer(layout, dtype, deterministic, t
             torch.testing.assert_close(a, w, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
 
 
+def test_packed_and_separate_views_of_one_signature_get_their_own_plans(tiles):
+    # q, k and v with the packed views' shapes, strides, offsets and alignment, but cut from three
+    # buffers: their gradients are new dense tensors, not views laid out as a base, so the
+    # backward's plan (its dq, dk, dv strides) must not be the packed call's
+    tiles(16, 16)
+    torch.manual_seed(12)
+    b, s, h, d = 2, 21, 3, 24
+    base, views = _packed_views("megatron", b, s, h, d, torch.float32)
+    # the same values in three copies of the base, one piece taken from each
+    apart = [base.detach().clone().view(s, b, h, 3 * d)[..., i * d:(i + 1) * d].transpose(0, 1).requires_grad_(True)
+             for i in range(3)]
+    assert all(a.stride() == v.stride() and a.storage_offset() == v.storage_offset() for a, v in zip(apart, views))
+    g = torch.randn(b, s, h, d, device=DEVICE)
+
+    def grads(qkv):
+        return torch.autograd.grad(flash_attention(*qkv, causal=True, deterministic=True), qkv, g)
+
+    rt.clear_plans()
+    want = grads(apart)  # made with its own plans
+    rt.clear_plans()
+    packed = grads(views)
+    assert getattr(packed[0]._base, kfa.PACKED_GRADS_ATTR, False)
+    got = grads(apart)  # after the packed call's plans
+    assert got[0]._base is None and all(torch.equal(a, w) for a, w in zip(got, want))
+    assert all(torch.equal(a, w) for a, w in zip(packed, want))
+
+
 def test_packed_grads_only_for_views_that_tile_their_base():
     b, s, h, d = 2, 5, 2, 16
     base, (q, k, v) = _packed_views("megatron", b, s, h, d, torch.float32)
@@ -658,14 +687,14 @@ def test_gpu_atomic_dq_both_ways(by_tma, d, dropout_p, monkeypatch):
     # dK/dV launch takes the way asked for (TMA only on compute capability 9.0 or newer)
     monkeypatch.setattr(kfa, "DQ_BY_TMA", by_tma)
     seen = []
-    real = kfa.launch
+    real = rt.launch
 
     def spy(kernel, *args, **kwargs):
         if "DQ_TMA" in kwargs:
             seen.append((kwargs["ATOMIC_DQ"], kwargs["DQ_TMA"]))
         return real(kernel, *args, **kwargs)
 
-    monkeypatch.setattr(kfa, "launch", spy)
+    monkeypatch.setattr(rt, "launch", spy)  # a new plan's first launch comes here
     _check(torch.bfloat16, 2, 333, 400, 8, 2, d, dropout_p=dropout_p, causal=True, deterministic=False)
     assert seen == [(True, by_tma and torch.cuda.get_device_capability()[0] >= 9)]
 
@@ -681,7 +710,7 @@ def test_gpu_tile_loads_both_ways(by_tma, deterministic, dropout_p, monkeypatch)
     monkeypatch.setattr(kfa, "LOADS_BY_TMA", by_tma)
     monkeypatch.setattr(kfa, "TMA_LOADS", {form: (64, 128) for form in kfa.TMA_LOADS})
     seen = []
-    real = kfa.launch
+    real = rt.launch
 
     def spy(kernel, *args, **kwargs):
         for flag in ("KV_TMA", "QDO_TMA"):
@@ -689,7 +718,7 @@ def test_gpu_tile_loads_both_ways(by_tma, deterministic, dropout_p, monkeypatch)
                 seen.append((kernel.__name__, flag, kwargs[flag]))
         return real(kernel, *args, **kwargs)
 
-    monkeypatch.setattr(kfa, "launch", spy)
+    monkeypatch.setattr(rt, "launch", spy)  # a new plan's first launch comes here
     hopper = torch.cuda.get_device_capability()[0] >= 9
     for d in (128, 64):
         seen.clear()
@@ -735,6 +764,7 @@ def test_gpu_tile_loads_read_the_block_s_packed_views(causal, monkeypatch):
         g = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
         for by_tma in (True, False):
             monkeypatch.setattr(kfa, "LOADS_BY_TMA", by_tma)
+            rt.clear_plans()  # plans keep the loads they were made with
             qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
             o = flash_attention(qq, kk, vv, causal=causal, deterministic=True)
             o.backward(g)
@@ -789,7 +819,7 @@ def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):
     def record(kernel, grid, device, *args, **kwargs):
         seen.append((kernel.__name__, args, kwargs))
 
-    monkeypatch.setattr(kfa, "launch", record)
+    monkeypatch.setattr(rt, "launch", record)  # each new plan's first launch
     fwd_t = Tile(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)
     bwd_t = Tile(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2)
     dq_t = Tile(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)
@@ -800,6 +830,7 @@ def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):
 
     def launches(q, kv, on):
         monkeypatch.setattr(kfa, "tma_loads", lambda t, d, form: on and form in ("forward", "backward"))
+        rt.clear_plans()  # plans keep the loads they were made with
         k, v = kv[:, :, :2], kv[:, :, 2:]
         seen.clear()
         kfa.flash_attn_fwd(q, k, v, 1.0, (-50, 0), tile=fwd_t)
@@ -822,6 +853,7 @@ def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):
                 else:
                     assert args[i] is t
     monkeypatch.setattr(kfa, "tma_loads", lambda t, d, form: form in ("forward", "backward"))
+    rt.clear_plans()
     q, k, v = aligned, aligned[:, :, :2], aligned[:, :, 2:]
     seen.clear()
     seed = torch.zeros(1, dtype=torch.int64)
@@ -864,7 +896,7 @@ def test_forward_takes_the_dropout_table_with_a_seed(monkeypatch):
     def record(kernel, grid, device, *args, **kwargs):
         seen.append((kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]))
 
-    monkeypatch.setattr(kfa, "launch", record)
+    monkeypatch.setattr(rt, "launch", record)  # each new plan's first launch
     for d in (40, 64, 96, 128, 256):
         q = torch.zeros(1, 5, 2, d, dtype=torch.bfloat16)
         for seed, table in ((None, kfa.FWD_TILES), (torch.zeros(1, dtype=torch.int64), kfa.FWD_DROPOUT_TILES)):
@@ -1002,6 +1034,7 @@ def test_program_order_changes_no_bits(group, reverse, tiles, monkeypatch):
 
     def run(order):
         monkeypatch.setattr(kfa, "program_order", order)
+        rt.clear_plans()  # plans keep the order they were made with
         o, lse = kfa.flash_attn_fwd(q, k, v, scale, band, sinks=sinks)
         det = kfa.flash_attn_bwd(do, q, k, v, o, lse, scale, band, sinks=sinks, deterministic=True)
         atomic = kfa.flash_attn_bwd(do, q, k, v, o, lse, scale, band, sinks=sinks, deterministic=False)

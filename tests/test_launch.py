@@ -829,6 +829,7 @@ def _plan_cases():
     from fusedlib import (bias_dropout_add_fused_train, bias_geglu_impl, bias_gelu_impl, bias_swiglu_impl,
                           fused_layer_norm, fused_rms_norm, fused_vocab_parallel_cross_entropy,
                           weighted_bias_swiglu_impl)
+    from fusedlib.fusions.fused_attention import flash_attention
     from fusedlib.fusions.fused_layer_norm import BiasDropoutAddNormFunction, FusedLayerNormAffineFunction
 
     def r(*shape, scale=1.0, grad=True, dtype=torch.float32):
@@ -863,6 +864,17 @@ def _plan_cases():
                           lambda x, t: fused_vocab_parallel_cross_entropy(x, t), False),
         "cross_entropy_smoothing": (lambda: (r(n, 50, scale=3.0), torch.randint(0, 50, (n,), device=DEVICE)),
                                     lambda x, t: fused_vocab_parallel_cross_entropy(x, t, label_smoothing=0.1), False),
+        # FlashAttention: GQA, sq != sk, a head dim padded to 32; the deterministic backward (three
+        # kernels), and dQ by atomics (dropout at d <= 64) with a key-padding mask and sinks
+        "flash_attention_causal_gqa": (lambda: (r(2, 9, 4, 24), r(2, 11, 2, 24), r(2, 11, 2, 24)),
+                                       lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=True),
+                                       False),
+        "flash_attention_mask_sinks_dropout": (
+            lambda: (r(2, 9, 4, 24), r(2, 11, 2, 24), r(2, 11, 2, 24), r(4),
+                     torch.arange(11, device=DEVICE).expand(2, 11) >= torch.tensor([[8], [11]], device=DEVICE)),
+            lambda q, k, v, s, m: flash_attention(q, k, v, sinks=s, attention_mask=m, dropout_p=0.2,
+                                                  window_size=(4, -1)),
+            True),
     }
 
 
@@ -877,6 +889,10 @@ def _variant(t: torch.Tensor, how: str) -> torch.Tensor:
         wide = torch.zeros(t.shape[0], 2 * t.shape[1], dtype=t.dtype, device=t.device)
         wide[:, ::2] = t.detach()
         return wide[:, ::2].detach().requires_grad_(t.requires_grad)
+    if how == "strided" and t.dim() == 4:  # attention's [b, s, h, d]: rows of 2d elements, unit last stride
+        wide = torch.zeros(*t.shape[:3], 2 * t.shape[3], dtype=t.dtype, device=t.device)
+        wide[..., :t.shape[3]] = t.detach()
+        return wide[..., :t.shape[3]].detach().requires_grad_(t.requires_grad)
     return t.detach().clone().requires_grad_(t.requires_grad)
 
 

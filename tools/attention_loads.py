@@ -36,6 +36,7 @@ import json
 import torch
 
 import fusedlib.kernels.flash_attention as kfa
+import fusedlib.runtime
 from fusedlib.bench.core import environment, time_ms
 from fusedlib.bench.ops.attention import CASES, SHAPE_NAMES, kernel_calls
 
@@ -58,7 +59,7 @@ def measure() -> list[dict]:
         raise SystemExit("attention_loads: needs a CUDA GPU")
     env = environment()
     records = []
-    table, flag, launch = dict(kfa.TMA_LOADS), kfa.LOADS_BY_TMA, kfa.launch
+    table, flag, launch = dict(kfa.TMA_LOADS), kfa.LOADS_BY_TMA, fusedlib.runtime.launch
     try:
         for (b, h, s, d), causal in CASES:
             for form, p, deterministic, call in kernel_calls((b, h, s, d), causal, _forms(d)):
@@ -66,15 +67,17 @@ def measure() -> list[dict]:
                 for loads in ("pointer", "tma"):
                     kfa.LOADS_BY_TMA = loads == "tma"
                     kfa.TMA_LOADS = {**table, form: (d,)}
+                    fusedlib.runtime.clear_plans()  # plans keep the settings they were made with
                     seen = []
 
                     def spy(kernel, *args, **kwargs):
                         seen.append(bool(kwargs.get("KV_TMA") or kwargs.get("QDO_TMA")))
                         return launch(kernel, *args, **kwargs)
 
-                    kfa.launch = spy
+                    # a new plan's first launch goes through fusedlib.runtime.launch, with its keywords
+                    fusedlib.runtime.launch = spy
                     outs[loads] = [t for t in call() if t is not None]
-                    kfa.launch = launch
+                    fusedlib.runtime.launch = launch
                     taken[loads] = any(seen)
                     ms[loads] = time_ms(call, cuda_graph=True)
                 if deterministic:
@@ -90,7 +93,8 @@ def measure() -> list[dict]:
                 print(f"[{b}, {h}, {s}, {d}] {'causal' if causal else 'non-causal':10s} {form:17s} p={p:<4} "
                       f"pointer {ms['pointer']:.4f} ms  tma {ms['tma']:.4f} ms  {check}", flush=True)
     finally:
-        kfa.TMA_LOADS, kfa.LOADS_BY_TMA, kfa.launch = table, flag, launch
+        kfa.TMA_LOADS, kfa.LOADS_BY_TMA, fusedlib.runtime.launch = table, flag, launch
+        fusedlib.runtime.clear_plans()
     return records
 
 

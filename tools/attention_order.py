@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 import fusedlib.kernels.flash_attention as kfa
+import fusedlib.runtime
 from fusedlib.bench.core import environment, time_ms
 from fusedlib.bench.ops.attention import CASES, SHAPE_NAMES, kernel_calls
 
@@ -80,6 +81,7 @@ def measure(warm: Optional[int] = None) -> list[dict]:
                 ref, line = None, []
                 for name in ORDERS:
                     kfa.program_order = _order(name, b * h)
+                    fusedlib.runtime.clear_plans()  # plans keep the order they were made with
                     group = kfa.program_order(band, s, s, d, False)[0]
                     out = [t for t in call() if t is not None]
                     if warm is not None:
@@ -103,6 +105,7 @@ def measure(warm: Optional[int] = None) -> list[dict]:
                           + "  ".join(line), flush=True)
     finally:
         kfa.program_order = program_order
+        fusedlib.runtime.clear_plans()
     return records
 
 

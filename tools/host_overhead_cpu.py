@@ -6,9 +6,9 @@ Usage: python tools/host_overhead_cpu.py [--op NAME ...] [--calls N] [--repeats 
 On a machine without a GPU the kernels run in Triton's interpreter, which swamps everything
 else; but the host code around them (argument checks, launch-setting lookups, allocations,
 ``autograd.Function``) is the same Python that runs before every launch on a GPU. This tool
-replaces the module-level ``launch`` name of every ``fusedlib.kernels`` module with a no-op
-(the outputs stay uninitialised: nothing reads them), then times each op of
-``python -m fusedlib.bench --host`` at its host shape (:data:`fusedlib.bench.host.HOST_SHAPES`,
+replaces the module-level ``launch`` name of every ``fusedlib.kernels`` module, and
+``fusedlib.runtime.launch`` (which the ops' launch plans call), with a no-op (the outputs stay
+uninitialised: nothing reads them), then times each op of ``python -m fusedlib.bench --host`` at its host shape (:data:`fusedlib.bench.host.HOST_SHAPES`,
 bf16), fusedlib beside the eager unfused op, in both passes of :func:`fusedlib.bench.host.host_step`:
 
 * ``fwd``: the forward under ``torch.no_grad()``;
@@ -22,7 +22,9 @@ column runs the real (tiny) CPU kernels, as a GPU's eager op enqueues real kerne
 ``--launch-key``: each stubbed launch does the Python of a direct launch instead of nothing
 (:func:`fusedlib.kernels.launch.launch_key` over the launch's arguments, a dict lookup, a call
 of a no-op launcher with every argument), so the table includes what fusedlib's launch layer
-costs on the GPU minus the C launch itself.
+costs on the GPU minus the C launch itself; a launch plan's launch (every op whose launches
+are planned, :class:`fusedlib.runtime.LaunchPlan`) calls the no-op launcher without the key,
+as a bound plan does on the GPU.
 
 ``--profile OP`` prints cProfile's table (by own time) of fusedlib's fwd and fwd+bwd calls.
 ``--compile`` checks that each op's fusedlib forward traces in
@@ -79,15 +81,29 @@ def _key_launch(kernel, grid, device, *args, **kwargs) -> None:
     fn(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, 0, function, *head, *args, *tail)
 
 
+def _plan_launch(kernel, grid, device, *args, **kwargs) -> None:
+    """What a bound LaunchPlan's call costs past its checks: a no-op launcher called with the
+    grid and every argument (no key, no lookup; fusedlib.runtime.LaunchPlan)."""
+    n = len(grid)
+    _noop(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, 0, None, False, False, None, None, (4, 1, 0),
+          None, None, None, *args, *kwargs.values())
+
+
 def stub_launches(keyed: bool = False) -> list[str]:
     """Set ``launch`` to a no-op (``keyed``: :func:`_key_launch`) in every ``fusedlib.kernels``
-    module that has one; returns their names."""
+    module that has one, and ``fusedlib.runtime.launch``, which the ops' launch plans call on the
+    CPU, to a no-op (``keyed``: :func:`_plan_launch`, a bound plan's launch: no key); returns
+    the modules' names."""
+    import fusedlib.runtime
+
     stubbed = []
     for info in pkgutil.iter_modules(fusedlib.kernels.__path__):
         mod = importlib.import_module(f"fusedlib.kernels.{info.name}")
         if callable(getattr(mod, "launch", None)) and not isinstance(getattr(mod, "launch"), type(sys)):
             mod.launch = _key_launch if keyed else _no_launch
             stubbed.append(mod.__name__)
+    fusedlib.runtime.launch = _plan_launch if keyed else _no_launch
+    stubbed.append(fusedlib.runtime.__name__)
     return stubbed
 
 

@@ -85,13 +85,16 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ..runtime import INTERPRET_ON_CPU, launch
+from ..runtime import (
+    INTERPRET_ON_CPU, Planned, find_plan, launch_planned, param_key, plan_cache, planned, remember_plan,
+    spec_key, tensor_key,
+)
 from .bias_dropout_add import KEEP_BITS, _keep_mask_joined, drop_threshold, dropout_scale
 from .launch import Tile, TileTable, _TensorDescriptor as _HostDescriptor, cdiv, next_power_of_2, pick
 from .softmax import softmax_dropout_mask
@@ -894,18 +897,26 @@ def _mask_args(mask: Optional[torch.Tensor], shape: tuple[int, int, int, int],
                dummy: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int], int]:
     """(mask tensor, its four [b, hq, sq, sk] strides, MASK_KIND).
 
-    ``mask``: bool [b, sk] (key padding) or 4-D, broadcastable to ``shape``. Expanded (zero
-    strides, no copy) and read as bytes; kind 1 when it does not vary along the queries."""
+    ``mask``: bool [b, sk] (key padding) or 4-D, broadcastable to ``shape``. Read through the
+    strides of its expansion to ``shape`` (zero strides, no copy), from its own address: the
+    tensor returned is ``mask`` itself, as bytes (:func:`_mask_bytes`). Kind 1 when it does not
+    vary along the queries, 2 when it does, 0 without a mask (``dummy`` is returned then)."""
     if mask is None:
         return dummy, (0, 0, 0, 0), 0
     B, H, SQ, SK = shape
     m4 = mask[:, None, None, :] if mask.dim() == 2 else mask  # [b, sk] -> [b, 1, 1, sk] (a view)
-    m4 = m4.expand(B, H, SQ, SK)
-    if not torch.compiler.is_compiling():
-        m4 = m4.view(torch.uint8)  # bool -> bytes, same strides (traced: the bool tensor itself)
-    strides = m4.stride()
+    strides = m4.expand(B, H, SQ, SK).stride()
     kind = 1 if (strides[2] == 0 or SQ == 1) else 2
-    return m4, strides, kind
+    return _mask_bytes(mask), strides, kind
+
+
+def _mask_bytes(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A bool mask as the kernels read it: its bytes (``view(torch.uint8)``: the same memory and
+    strides), or the bool tensor itself inside a ``torch.compile`` trace; None for None. The
+    kernels take its address and the strides of its expansion (:func:`_mask_args`)."""
+    if mask is None or torch.compiler.is_compiling():
+        return mask
+    return mask.view(torch.uint8)
 
 
 def _dropout_args(seed: Optional[torch.Tensor], dropout_p: float, device: torch.device) -> tuple[int, float]:
@@ -969,29 +980,63 @@ def flash_attn_fwd(
             the op's to check (:func:`~fusedlib.fusions.fused_attention.flash_attention`).
     """
     B, SQ, HQ, D = q.shape
-    SK, HKV = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty((B, HQ, SQ), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
+    key, p = find_plan(_FWD_PLANS, _fwd_key, q, k, v, mask, sinks, seed, dropout_p, band, tile)
+    if p is None:
+        p = remember_plan(_FWD_PLANS, key, _fwd_plan(q, k, v, o, mask, sinks, seed, dropout_p, band, tile))
+    ka, va = (k, v) if p.kv_boxes is None else (_HostDescriptor(k, *p.kv_boxes[0]), _HostDescriptor(v, *p.kv_boxes[1]))
+    launch_planned(_flash_fwd_kernel, p.launch, q.device,
+                   q, ka, va, o, lse, q if mask is None else _mask_bytes(mask), lse if sinks is None else sinks,
+                   lse if seed is None else seed, *p.ints, softmax_scale * LOG2E, *p.tail)
+    return o, lse
+
+
+class _FwdPlan(NamedTuple):
+    """:func:`flash_attn_fwd`'s launch for one input signature: the kernel's launch, its int
+    arguments before the scale (strides, heads, lengths) and after it (the band, the dropout
+    threshold and scale), and k's and v's TMA descriptor boxes (``(shape, strides, box)`` each,
+    :func:`_desc_box`) or None (pointer loads)."""
+
+    launch: Planned
+    ints: tuple
+    tail: tuple
+    kv_boxes: Optional[tuple]
+
+
+# flash_attn_fwd's and flash_attn_bwd's plans by input signature (fusedlib.runtime.remember_plan)
+_FWD_PLANS: dict = plan_cache()
+_BWD_PLANS: dict = plan_cache()
+
+
+def _fwd_key(q, k, v, mask, sinks, seed, dropout_p, band, tile) -> tuple:
+    """:func:`flash_attn_fwd`'s plan key: q's, k's and v's signatures, q's device, the mask's
+    (its strides decide the kernel's), the sinks' and the seed's (the seed's check reads its
+    dtype, shape and device), the dropout probability where a seed is given, the band (ints the
+    kernel specializes) and the tile. The scale is a float argument of every call."""
+    return (tensor_key(q), tensor_key(k), tensor_key(v), q.device, None if mask is None else tensor_key(mask),
+            spec_key(sinks), None if seed is None else (param_key(seed), dropout_p), band, tile)
+
+
+def _fwd_plan(q, k, v, o, mask, sinks, seed, dropout_p, band, tile) -> _FwdPlan:
+    B, SQ, HQ, D = q.shape
+    SK, HKV = k.shape[1], k.shape[2]
     if tile is None:
         tile = _float32_tile(attention_tile(FWD_TILES if seed is None else FWD_DROPOUT_TILES, D), q.dtype)
-    m4, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
+    _, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
     T, keep_scale = _dropout_args(seed, dropout_p, q.device)
     dot, precision = _dot_settings(q.dtype)
-    grid = (cdiv(SQ, tile.BLOCK_M), HQ, B)
-    form = "forward" if seed is None else "forward_dropout"
-    ka, va = _tile_descs(k, v, tile.BLOCK_N) if tma_loads(q, D, form) else (k, v)
+    boxes = _desc_boxes(k, v, tile.BLOCK_N) if tma_loads(q, D, "forward" if seed is None else "forward_dropout") else None
     group_heads, reverse = program_order(band, SQ, SK, D, False)
-    launch(_flash_fwd_kernel, grid, q.device,
-           q, ka, va, o, lse, m4, sinks if sinks is not None else lse, seed if seed is not None else lse,
-           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms,
-           HQ, HQ // HKV, SQ, SK, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
-           HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, MASK_KIND=kind,
-           HAS_SINK=sinks is not None, DROPOUT=seed is not None, DOT=dot, PRECISION=precision,
-           KV_TMA=ka is not k, GROUP_HEADS=group_heads, REVERSE_BLOCKS=reverse,
-           num_warps=tile.num_warps, num_stages=tile.num_stages)
-    return o, lse
+    fwd = planned(_flash_fwd_kernel, (cdiv(SQ, tile.BLOCK_M), HQ, B), q.device, dict(
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, MASK_KIND=kind,
+        HAS_SINK=sinks is not None, DROPOUT=seed is not None, DOT=dot, PRECISION=precision,
+        KV_TMA=boxes is not None, GROUP_HEADS=group_heads, REVERSE_BLOCKS=reverse,
+        num_warps=tile.num_warps, num_stages=tile.num_stages))
+    ints = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms, HQ, HQ // HKV, SQ, SK)
+    return _FwdPlan(fwd, ints, (band[0], band[1], T, keep_scale), boxes)
 
 
 #: The attribute :func:`packed_grads` sets on the buffer it allocates (the gradients' ``_base``).
@@ -1138,12 +1183,13 @@ def tma_loads(q: torch.Tensor, head_dim: int, form: str) -> bool:
     return LOADS_BY_TMA and _HostDescriptor is not None and head_dim in TMA_LOADS[form] and _tma_usable(q, head_dim)
 
 
-def _tile_desc(t: torch.Tensor, rows: int) -> Optional[object]:
-    """t ([b, s, h, d], unit last stride) as a TMA descriptor of [1, rows, 1, d] boxes (rows
-    past s read as zeros), or None where the copy engine cannot address it: a base address or a
-    stride (of a dim longer than 1) that is not a multiple of 16 bytes, a zero stride, a last
-    stride other than 1, or no elements. A dim of length 1 is only ever read at index 0: its
-    stride is given as 16 bytes."""
+def _desc_box(t: torch.Tensor, rows: int) -> Optional[tuple[list, list, list]]:
+    """``(shape, strides, box)`` of t ([b, s, h, d], unit last stride) as a TMA descriptor of
+    [1, rows, 1, d] boxes (rows past s read as zeros), or None where the copy engine cannot
+    address it: a base address or a stride (of a dim longer than 1) that is not a multiple of 16
+    bytes, a zero stride, a last stride other than 1, or no elements. A dim of length 1 is only
+    ever read at index 0: its stride is given as 16 bytes. What it reads (shape, strides,
+    ``data_ptr() % 16``, dtype) is part of every plan key, so a plan keeps the boxes."""
     if t.data_ptr() % 16 or t.numel() == 0 or t.stride(3) != 1:
         return None
     es = t.element_size()
@@ -1153,15 +1199,28 @@ def _tile_desc(t: torch.Tensor, rows: int) -> Optional[object]:
             strides[i] = 16 // es
         elif strides[i] == 0 or (strides[i] * es) % 16:
             return None
-    return _HostDescriptor(t, list(t.shape), strides, [1, rows, 1, t.shape[3]])
+    return list(t.shape), strides, [1, rows, 1, t.shape[3]]
+
+
+def _desc_boxes(a: torch.Tensor, b: torch.Tensor, rows: int) -> Optional[tuple]:
+    """(a's box, b's box) (:func:`_desc_box`) when both can be described, else None: the kernel
+    takes both or neither."""
+    da = _desc_box(a, rows)
+    db = _desc_box(b, rows) if da is not None else None
+    return (da, db) if db is not None else None
+
+
+def _tile_desc(t: torch.Tensor, rows: int) -> Optional[object]:
+    """t as a TMA descriptor of [1, rows, 1, d] boxes (:func:`_desc_box`), or None."""
+    box = _desc_box(t, rows)
+    return None if box is None else _HostDescriptor(t, *box)
 
 
 def _tile_descs(a: torch.Tensor, b: torch.Tensor, rows: int) -> tuple:
     """(a, b) as descriptors of [1, rows, 1, d] boxes (:func:`_tile_desc`) when both can be,
     else (a, b) themselves: the kernel takes both or neither."""
-    da = _tile_desc(a, rows)
-    db = _tile_desc(b, rows) if da is not None else None
-    return (da, db) if db is not None else (a, b)
+    boxes = _desc_boxes(a, b, rows)
+    return (a, b) if boxes is None else (_HostDescriptor(a, *boxes[0]), _HostDescriptor(b, *boxes[1]))
 
 
 def flash_attn_bwd(
@@ -1208,7 +1267,6 @@ def flash_attn_bwd(
         ValueError: as :func:`flash_attn_fwd` for ``seed`` and ``dropout_p``.
     """
     B, SQ, HQ, D = q.shape
-    SK, HKV = k.shape[1], k.shape[2]
     grads = packed_grads(q, k, v)
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     dsink = None
@@ -1217,63 +1275,117 @@ def flash_attn_bwd(
         if sinks is not None:
             dsink = torch.zeros((HQ,), dtype=torch.float32, device=q.device)
         return dq, dk, dv, dsink
+    key, p = find_plan(_BWD_PLANS, _bwd_key, do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, tile,
+                       dq_tile, deterministic)
+    if p is None:
+        p = remember_plan(_BWD_PLANS, key, _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band,
+                                                     tile, dq_tile, deterministic))
+    device = q.device
+    delta = torch.empty((B, HQ, SQ), dtype=torch.float32, device=device)
+    dsink_rows = torch.empty((B, HQ, SQ), dtype=torch.float32, device=device) if sinks is not None else None
+    dq_acc = torch.empty((B, HQ, SQ, D), dtype=torch.float32, device=device) if p.atomic else delta
+    launch_planned(_flash_bwd_preprocess_kernel, p.pre, device,
+                   o, do, lse, lse if sinks is None else sinks, delta, delta if dsink_rows is None else dsink_rows,
+                   dq_acc, *p.pre_ints)
+    if dsink_rows is not None:
+        dsink = dsink_rows.sum(dim=(0, 2))
+    m4 = q if mask is None else _mask_bytes(mask)
+    seed_arg = lse if seed is None else seed
+    scales = (softmax_scale, softmax_scale * LOG2E)
+    # the accumulator as [b·hq, sq, d] rows for the bulk reductions: a tile's rows past sq are
+    # outside the descriptor's bounds, so the copy engine drops them
+    dq_arg = dq_acc if p.dq_box is None else _TensorDescriptor(dq_acc, *p.dq_box)
+    qa, doa = (q, do) if p.qdo_boxes is None else (_HostDescriptor(q, *p.qdo_boxes[0]),
+                                                    _HostDescriptor(do, *p.qdo_boxes[1]))
+    launch_planned(_flash_bwd_dkdv_kernel, p.main, device,
+                   qa, k, v, doa, lse, delta, dk, dv, dq_arg, m4, seed_arg, *p.main_ints, *scales, *p.tail)
+    if p.atomic:
+        launch_planned(_flash_bwd_dq_convert_kernel, p.last, device, dq_acc, dq, *p.last_ints, softmax_scale)
+        return dq, dk, dv, dsink
+    ka, va = (k, v) if p.kv_boxes is None else (_HostDescriptor(k, *p.kv_boxes[0]), _HostDescriptor(v, *p.kv_boxes[1]))
+    launch_planned(_flash_bwd_dq_kernel, p.last, device,
+                   q, ka, va, do, lse, delta, dq, m4, seed_arg, *p.last_ints, *scales, *p.tail)
+    return dq, dk, dv, dsink
+
+
+class _BwdPlan(NamedTuple):
+    """:func:`flash_attn_bwd`'s launches for one input signature: the preprocess, the dK/dV
+    kernel and the last one (the dQ kernel, or with ``atomic`` the accumulator's conversion), each
+    with its int arguments (``*_ints``: strides, heads, lengths; ``tail``: the band and the
+    dropout threshold and scale, after the two scales), and the TMA boxes (:func:`_desc_box`)
+    of the dQ accumulator, of q and dO, and of k and v for the dQ kernel (None: not by TMA)."""
+
+    atomic: bool
+    pre: Planned
+    pre_ints: tuple
+    main: Planned
+    main_ints: tuple
+    last: Planned
+    last_ints: tuple
+    tail: tuple
+    dq_box: Optional[tuple]
+    qdo_boxes: Optional[tuple]
+    kv_boxes: Optional[tuple]
+
+
+def _bwd_key(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, tile, dq_tile, deterministic) -> tuple:
+    """:func:`flash_attn_bwd`'s plan key: :func:`_fwd_key`'s items, dO's, o's and the three
+    gradient buffers' signatures (their strides and alignment: :func:`packed_grads`'s views or
+    new tensors), the two tiles and ``deterministic``."""
+    return (tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(do), tensor_key(o), tensor_key(dq),
+            tensor_key(dk), tensor_key(dv), q.device, None if mask is None else tensor_key(mask), spec_key(sinks),
+            None if seed is None else (param_key(seed), dropout_p), band, tile, dq_tile, deterministic)
+
+
+def _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, tile, dq_tile,
+              deterministic) -> _BwdPlan:
+    B, SQ, HQ, D = q.shape
+    SK, HKV = k.shape[1], k.shape[2]
+    device = q.device
     block_d = _block_d(D)
-    # each kernel's strides, read once (a .stride(i) call per argument costs the host more)
+    # each kernel's strides, read once
     q_s, k_s, v_s, do_s = q.stride()[:3], k.stride()[:3], v.stride()[:3], do.stride()[:3]
-    delta = torch.empty((B, HQ, SQ), dtype=torch.float32, device=q.device)
-    dsink_rows = torch.empty((B, HQ, SQ), dtype=torch.float32, device=q.device) if sinks is not None else None
     pre_m = 64 if block_d <= 128 else 32  # rows per program: [64, 128] float32 products, 32 per thread at 8 warps
     if INTERPRET_ON_CPU:
         pre_m = max(pre_m, min(256, next_power_of_2(SQ)))
     atomic = not deterministic and use_atomic_dq(D, seed is not None)
-    dq_acc = torch.empty((B, HQ, SQ, D), dtype=torch.float32, device=q.device) if atomic else delta
     pre_warps = 8 if block_d > 64 else 4
-    launch(_flash_bwd_preprocess_kernel, (cdiv(SQ, pre_m), HQ, B), q.device,
-           o, do, lse, sinks if sinks is not None else lse, delta, dsink_rows if dsink_rows is not None else delta,
-           dq_acc, *o.stride()[:3], *do_s, HQ, SQ,
-           HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_SINK=sinks is not None, ZERO_DQACC=atomic,
-           num_warps=pre_warps)
-    if dsink_rows is not None:
-        dsink = dsink_rows.sum(dim=(0, 2))
-    m4, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
-    T, keep_scale = _dropout_args(seed, dropout_p, q.device)
+    pre = planned(_flash_bwd_preprocess_kernel, (cdiv(SQ, pre_m), HQ, B), device, dict(
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_SINK=sinks is not None, ZERO_DQACC=atomic,
+        num_warps=pre_warps))
+    pre_ints = (*o.stride()[:3], *do_s, HQ, SQ)
+    _, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
+    T, keep_scale = _dropout_args(seed, dropout_p, device)
     dot, precision = _dot_settings(q.dtype)
-    seed_arg = seed if seed is not None else lse
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, MASK_KIND=kind, DROPOUT=seed is not None, DOT=dot,
                   PRECISION=precision)
     if tile is None:
         tile = _float32_tile(attention_tile(BWD_ATOMIC_TILES if atomic else BWD_DKDV_TILES, D), q.dtype)
-    tma = atomic and dq_by_tma(q, D)
-    # the accumulator as [b·hq, sq, d] rows for the bulk reductions: a tile's rows past sq are
-    # outside the descriptor's bounds, so the copy engine drops them
-    dq_arg = _TensorDescriptor(dq_acc, (B * HQ, SQ, D), (SQ * D, D, 1), [1, tile.BLOCK_M, D]) if tma else dq_acc
+    dq_box = ([B * HQ, SQ, D], [SQ * D, D, 1], [1, tile.BLOCK_M, D]) if atomic and dq_by_tma(q, D) else None
     loads = tma_loads(q, D, "backward_atomic" if atomic else "backward" if seed is None else "backward_dropout")
-    qa, doa = _tile_descs(q, do, tile.BLOCK_M) if loads else (q, do)
+    qdo_boxes = _desc_boxes(q, do, tile.BLOCK_M) if loads else None
     group_heads, reverse = program_order(band, SQ, SK, D, True)
-    launch(_flash_bwd_dkdv_kernel, (cdiv(SK, tile.BLOCK_N), HKV, B), q.device,
-           qa, k, v, doa, lse, delta, dk, dv, dq_arg, m4, seed_arg,
-           *q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], *ms,
-           HQ, HQ // HKV, SQ, SK, softmax_scale, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
-           BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, num_warps=tile.num_warps, num_stages=tile.num_stages,
-           ATOMIC_DQ=atomic, DQ_TMA=tma, QDO_TMA=qa is not q, GROUP_HEADS=group_heads, REVERSE_BLOCKS=reverse,
-           **common)
+    main = planned(_flash_bwd_dkdv_kernel, (cdiv(SK, tile.BLOCK_N), HKV, B), device, dict(
+        BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        ATOMIC_DQ=atomic, DQ_TMA=dq_box is not None, QDO_TMA=qdo_boxes is not None, GROUP_HEADS=group_heads,
+        REVERSE_BLOCKS=reverse, **common))
+    main_ints = (*q_s, *k_s, *v_s, *do_s, *dk.stride()[:3], *dv.stride()[:3], *ms, HQ, HQ // HKV, SQ, SK)
+    tail = (band[0], band[1], T, keep_scale)
     if atomic:
-        launch(_flash_bwd_dq_convert_kernel, (cdiv(SQ, pre_m), HQ, B), q.device,
-               dq_acc, dq, *dq.stride()[:3], HQ, SQ, softmax_scale,
-               HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, num_warps=pre_warps)
-        return dq, dk, dv, dsink
+        last = planned(_flash_bwd_dq_convert_kernel, (cdiv(SQ, pre_m), HQ, B), device, dict(
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, num_warps=pre_warps))
+        return _BwdPlan(True, pre, pre_ints, main, main_ints, last, (*dq.stride()[:3], HQ, SQ), tail, dq_box,
+                        qdo_boxes, None)
     if dq_tile is None:
         dq_tile = _float32_tile(attention_tile(BWD_DQ_TILES, D), q.dtype)
-    ka, va = _tile_descs(k, v, dq_tile.BLOCK_N) if loads else (k, v)
+    kv_boxes = _desc_boxes(k, v, dq_tile.BLOCK_N) if loads else None
     group_heads, reverse = program_order(band, SQ, SK, D, False)
-    launch(_flash_bwd_dq_kernel, (cdiv(SQ, dq_tile.BLOCK_M), HQ, B), q.device,
-           q, ka, va, do, lse, delta, dq, m4, seed_arg,
-           *q_s, *k_s, *v_s, *do_s, *dq.stride()[:3], *ms,
-           HQ, HQ // HKV, SQ, SK, softmax_scale, softmax_scale * LOG2E, band[0], band[1], T, keep_scale,
-           BLOCK_M=dq_tile.BLOCK_M, BLOCK_N=dq_tile.BLOCK_N, num_warps=dq_tile.num_warps,
-           num_stages=dq_tile.num_stages, KV_TMA=ka is not k, GROUP_HEADS=group_heads, REVERSE_BLOCKS=reverse,
-           **common)
-    return dq, dk, dv, dsink
+    last = planned(_flash_bwd_dq_kernel, (cdiv(SQ, dq_tile.BLOCK_M), HQ, B), device, dict(
+        BLOCK_M=dq_tile.BLOCK_M, BLOCK_N=dq_tile.BLOCK_N, num_warps=dq_tile.num_warps,
+        num_stages=dq_tile.num_stages, KV_TMA=kv_boxes is not None, GROUP_HEADS=group_heads,
+        REVERSE_BLOCKS=reverse, **common))
+    last_ints = (*q_s, *k_s, *v_s, *do_s, *dq.stride()[:3], *ms, HQ, HQ // HKV, SQ, SK)
+    return _BwdPlan(False, pre, pre_ints, main, main_ints, last, last_ints, tail, dq_box, qdo_boxes, kv_boxes)
 
 
 def flash_attn_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], p: float) -> torch.Tensor:
