@@ -94,7 +94,7 @@ def stub_launches(keyed: bool = False) -> list[str]:
     module that has one, and ``fusedlib.runtime.launch``, which the ops' launch plans call on the
     CPU, to a no-op (``keyed``: :func:`_plan_launch`, a bound plan's launch: no key); returns
     the modules' names."""
-    import fusedlib.runtime
+    from fusedlib import runtime
 
     stubbed = []
     for info in pkgutil.iter_modules(fusedlib.kernels.__path__):
@@ -102,8 +102,8 @@ def stub_launches(keyed: bool = False) -> list[str]:
         if callable(getattr(mod, "launch", None)) and not isinstance(getattr(mod, "launch"), type(sys)):
             mod.launch = _key_launch if keyed else _no_launch
             stubbed.append(mod.__name__)
-    fusedlib.runtime.launch = _plan_launch if keyed else _no_launch
-    stubbed.append(fusedlib.runtime.__name__)
+    runtime.launch = _plan_launch if keyed else _no_launch
+    stubbed.append(runtime.__name__)
     return stubbed
 
 
