@@ -464,8 +464,10 @@ def plan_cache() -> dict:
 
 def clear_plans() -> None:
     """Forget every op's plans: the next call of each op makes its plan again from the launch
-    settings as they are then (needed after changing a module's tile table or
-    ``FOLD_TILES`` at run time: a plan keeps the settings it was made with)."""
+    settings as they are then (needed after changing a launch setting at run time: a module's
+    tile table, ``FOLD_TILES``, FlashAttention's ``INTERPRETER_TILE``, ``LOADS_BY_TMA``,
+    ``TMA_LOADS``, ``DQ_BY_TMA`` or ``program_order``; a plan keeps the settings it was made
+    with)."""
     for cache in _PLAN_CACHES:
         cache.clear()
 

@@ -356,6 +356,15 @@ def test_kernel_launchers_check_seed_and_dropout_p():
     with pytest.raises(ValueError, match="dropout_p"):
         kfa.flash_attn_bwd(do, q, k, v, o, lse, 0.25, band, seed=seed, dropout_p=-0.5)
     assert torch.equal(flash_attn_fwd(q, k, v, 0.25, band, dropout_p=0.5)[0], flash_attn_fwd(q, k, v, 0.25, band)[0])
+    # a value equal to an accepted one (False == 0.0, True == 1) is still checked when a plan
+    # exists for the accepted one: the plans are keyed by dropout_p's type too
+    flash_attn_fwd(q, k, v, 0.25, band, seed=seed, dropout_p=0.0)
+    kfa.flash_attn_bwd(do, q, k, v, o, lse, 0.25, band, seed=seed, dropout_p=0.0)
+    for bad in (False, np.False_):
+        with pytest.raises(ValueError, match="dropout_p"):
+            flash_attn_fwd(q, k, v, 0.25, band, seed=seed, dropout_p=bad)
+        with pytest.raises(ValueError, match="dropout_p"):
+            kfa.flash_attn_bwd(do, q, k, v, o, lse, 0.25, band, seed=seed, dropout_p=bad)
 
 
 def test_dropout_p0_draws_no_random_numbers():

@@ -972,6 +972,30 @@ def test_a_check_without_its_word_is_not_compiled_in_and_gets_its_own_plan(op, e
     assert emulated_plans and emulated_plans[0].startswith("plain "), "a call without the word gets its own plan"
 
 
+def test_flash_attention_plans_take_the_scale_and_lse_as_triton_specializes_them(emulated_plans):
+    """FlashAttention's backward, planned for one call, called again with what its key does not
+    hold as a signature: an int scale of 1 (a constant to Triton) then a float one, and an LSE
+    4 bytes off a 16-byte boundary (a pointer Triton specializes by alignment). The emulated C
+    launcher checks every call's launch key against the one its plan was bound with, and each
+    result equals the same call's on fresh plans, bitwise."""
+    import fusedlib.kernels.flash_attention as kfa
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, do = (torch.randn(1, 9, 2, 16, generator=gen).to(DEVICE) for _ in range(4))
+    band = kfa.attention_band(9, 9, True, None)
+    o, lse = kfa.flash_attn_fwd(q, k, v, 1.0, band)
+    shifted = torch.empty(lse.numel() + 1, device=DEVICE)[1:].view(lse.shape).copy_(lse)
+    calls = [(1, lse), (0.5, lse), (0.5, shifted), (1, shifted)]
+    want = []
+    for scale, l in calls:
+        fusedlib.runtime.clear_plans()
+        want.append(kfa.flash_attn_bwd(do, q, k, v, o, l, scale, band)[:3])
+    fusedlib.runtime.clear_plans()
+    for (scale, l), w in zip(calls, want):
+        _same(list(kfa.flash_attn_bwd(do, q, k, v, o, l, scale, band)[:3]), list(w))
+    assert any(not c.startswith("plain ") for c in emulated_plans), "no call went through a bound plan"
+
+
 def test_a_tensor_subclass_gets_its_own_plan(emulated_plans):
     """A tensor subclass (here a Parameter subclass) is keyed apart from a plain tensor, as the
     launch layer's key tells them apart: a plan bound for one is not called with the other."""

@@ -162,6 +162,11 @@ MAX_HEAD_DIM: int = 256
 # memory: K and V tiles, BLOCK_N·d·2 bytes each per stage: 3 stages of [64, 128] bf16 = 96 KB
 # of the H200's 227 KB. dK/dV: two [BLOCK_N, d] float32 accumulators plus K and V in
 # registers: 128 keys at d = 128 needs 8 warps; d = 256 halves the keys.
+#
+# The launchers' plans (flash_attn_fwd, flash_attn_bwd: one per input signature) keep what they
+# read from the module settings here and below (the tile tables, INTERPRETER_TILE, SCHEDULE_HEADS
+# and program_order, DQ_BY_TMA, LOADS_BY_TMA, TMA_LOADS): after changing one at run time, call
+# fusedlib.runtime.clear_plans().
 # ---------------------------------------------------------------------------------------------
 
 #: Forward: one program per BLOCK_M queries of one head, walking BLOCK_N keys at a time.
@@ -212,7 +217,8 @@ BWD_DQ_TILES: TileTable = (
 
 #: Every kernel's tile in Triton's CPU interpreter, which runs programs one at a time at a
 #: fixed cost per operation (large tiles: few programs, few loop steps; numpy does the
-#: products). Tests lower it to 16 to run many tiles, the band's edges and partial tiles.
+#: products). Tests lower it to 16 to run many tiles, the band's edges and partial tiles (and
+#: then clear the launchers' plans, ``fusedlib.runtime.clear_plans()``, which keep the tile).
 INTERPRETER_TILE: Tile = Tile(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
 
 
@@ -957,6 +963,13 @@ def flash_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel.
 
+    Through a launch plan per input signature (:class:`~fusedlib.runtime.LaunchPlan`): the tile,
+    grid, constexprs, the mask's strides, the dropout threshold, the TMA boxes and every int
+    argument are worked out on the first call with a signature (:func:`_fwd_key`), and a later
+    call builds the key, allocates its outputs and launches. The plan keeps the module settings it
+    read (the tile tables, :data:`LOADS_BY_TMA`, ...): ``fusedlib.runtime.clear_plans()`` after
+    changing one.
+
     Args:
         q: [b, sq, hq, d], float16/bfloat16/float32, unit last stride (any other strides).
         k, v: [b, sk, hkv, d], q's dtype and device, unit last stride; hq % hkv == 0.
@@ -990,7 +1003,7 @@ def flash_attn_fwd(
     ka, va = (k, v) if p.kv_boxes is None else (_HostDescriptor(k, *p.kv_boxes[0]), _HostDescriptor(v, *p.kv_boxes[1]))
     launch_planned(_flash_fwd_kernel, p.launch, q.device,
                    q, ka, va, o, lse, q if mask is None else _mask_bytes(mask), lse if sinks is None else sinks,
-                   lse if seed is None else seed, *p.ints, softmax_scale * LOG2E, *p.tail)
+                   lse if seed is None else seed, *p.ints, float(softmax_scale) * LOG2E, *p.tail)
     return o, lse
 
 
@@ -1014,10 +1027,12 @@ _BWD_PLANS: dict = plan_cache()
 def _fwd_key(q, k, v, mask, sinks, seed, dropout_p, band, tile) -> tuple:
     """:func:`flash_attn_fwd`'s plan key: q's, k's and v's signatures, q's device, the mask's
     (its strides decide the kernel's), the sinks' and the seed's (the seed's check reads its
-    dtype, shape and device), the dropout probability where a seed is given, the band (ints the
-    kernel specializes) and the tile. The scale is a float argument of every call."""
+    dtype, shape and device), the dropout probability's type and value where a seed is given (a
+    value equal to an accepted one but of another type, ``False`` for 0.0, gets its own plan and so
+    its own check), the band (ints the kernel specializes) and the tile. The scale is a float
+    argument of every call."""
     return (tensor_key(q), tensor_key(k), tensor_key(v), q.device, None if mask is None else tensor_key(mask),
-            spec_key(sinks), None if seed is None else (param_key(seed), dropout_p), band, tile)
+            spec_key(sinks), None if seed is None else (param_key(seed), dropout_p.__class__, dropout_p), band, tile)
 
 
 def _fwd_plan(q, k, v, o, mask, sinks, seed, dropout_p, band, tile) -> _FwdPlan:
@@ -1104,7 +1119,8 @@ def packed_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 #: :func:`dq_by_tma` allows. Measured on the H200 (bf16, whole backward, kernel only, ms,
 #: NOTES.md), element atomics against the bulk reduction at the same [64, 128] tile, 8 warps,
 #: 3 stages: causal [4, 16, 2048, 128] 0.669 / 0.612, non-causal 1.026 / 0.953, causal
-#: [2, 16, 8192, 128] 3.955 / 3.626. Tests set it False to run the element atomics on a GPU.
+#: [2, 16, 8192, 128] 3.955 / 3.626. Tests set it False to run the element atomics on a GPU
+#: (the launchers' plans keep it: ``fusedlib.runtime.clear_plans()`` after a change).
 DQ_BY_TMA: bool = True
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -1144,7 +1160,9 @@ def _tma_usable(q: torch.Tensor, head_dim: int) -> bool:
 #: from a descriptor while the warps compute: the forward's loop, whose pointer loads Triton
 #: 3.6 compiles for sm_90 without cp.async (each tile waited for), is then pipelined over its
 #: stages, and it keeps no addresses in registers (compiled for sm_90: no spill, 79 local
-#: memory instructions with pointer loads). Tests set it False to run the pointer loads on a GPU.
+#: memory instructions with pointer loads). Tests set it False to run the pointer loads on a GPU
+#: (the launchers' plans keep it, and :data:`TMA_LOADS`: ``fusedlib.runtime.clear_plans()`` after
+#: a change of either).
 LOADS_BY_TMA: bool = True
 
 #: Where the kernels take the TMA loads: for each form of launch, the head dims at which they
@@ -1243,7 +1261,8 @@ def flash_attn_bwd(
     """Launch the backward: preprocess, dK/dV, dQ (three kernels, no atomics); or, with
     ``deterministic=False`` where :func:`use_atomic_dq` says so, preprocess (which also zeroes
     a float32 [b, hq, sq, d] dQ accumulator), dK/dV adding dQ by atomics, and a kernel that
-    scales and casts the accumulator into dq.
+    scales and casts the accumulator into dq. Planned per input signature as
+    :func:`flash_attn_fwd` (:func:`_bwd_key`).
 
     Args:
         do: the gradient of o, o's shape and dtype, unit last stride; read, never written.
@@ -1275,8 +1294,8 @@ def flash_attn_bwd(
         if sinks is not None:
             dsink = torch.zeros((HQ,), dtype=torch.float32, device=q.device)
         return dq, dk, dv, dsink
-    key, p = find_plan(_BWD_PLANS, _bwd_key, do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, tile,
-                       dq_tile, deterministic)
+    key, p = find_plan(_BWD_PLANS, _bwd_key, do, q, k, v, o, lse, dq, dk, dv, mask, sinks, seed, dropout_p, band,
+                       tile, dq_tile, deterministic)
     if p is None:
         p = remember_plan(_BWD_PLANS, key, _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band,
                                                      tile, dq_tile, deterministic))
@@ -1291,6 +1310,7 @@ def flash_attn_bwd(
         dsink = dsink_rows.sum(dim=(0, 2))
     m4 = q if mask is None else _mask_bytes(mask)
     seed_arg = lse if seed is None else seed
+    softmax_scale = float(softmax_scale)  # passed as given, an int 1 would be a constant to Triton
     scales = (softmax_scale, softmax_scale * LOG2E)
     # the accumulator as [b·hq, sq, d] rows for the bulk reductions: a tile's rows past sq are
     # outside the descriptor's bounds, so the copy engine drops them
@@ -1328,13 +1348,16 @@ class _BwdPlan(NamedTuple):
     kv_boxes: Optional[tuple]
 
 
-def _bwd_key(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, tile, dq_tile, deterministic) -> tuple:
+def _bwd_key(do, q, k, v, o, lse, dq, dk, dv, mask, sinks, seed, dropout_p, band, tile, dq_tile,
+             deterministic) -> tuple:
     """:func:`flash_attn_bwd`'s plan key: :func:`_fwd_key`'s items, dO's, o's and the three
     gradient buffers' signatures (their strides and alignment: :func:`packed_grads`'s views or
-    new tensors), the two tiles and ``deterministic``."""
+    new tensors), the LSE's dtype and alignment (a pointer argument, and the placeholder for
+    absent sinks), the two tiles and ``deterministic``."""
     return (tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(do), tensor_key(o), tensor_key(dq),
             tensor_key(dk), tensor_key(dv), q.device, None if mask is None else tensor_key(mask), spec_key(sinks),
-            None if seed is None else (param_key(seed), dropout_p), band, tile, dq_tile, deterministic)
+            spec_key(lse), None if seed is None else (param_key(seed), dropout_p.__class__, dropout_p), band, tile,
+            dq_tile, deterministic)
 
 
 def _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, tile, dq_tile,
