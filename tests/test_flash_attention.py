@@ -356,7 +356,7 @@ def test_kernel_launchers_check_seed_and_dropout_p():
     with pytest.raises(ValueError, match="dropout_p"):
         kfa.flash_attn_bwd(do, q, k, v, o, lse, 0.25, band, seed=seed, dropout_p=-0.5)
     assert torch.equal(flash_attn_fwd(q, k, v, 0.25, band, dropout_p=0.5)[0], flash_attn_fwd(q, k, v, 0.25, band)[0])
-    # a value equal to an accepted one (False == 0.0, True == 1) is still checked when a plan
+    # a value equal to an accepted one (False == 0.0) is still checked when a plan
     # exists for the accepted one: the plans are keyed by dropout_p's type too
     flash_attn_fwd(q, k, v, 0.25, band, seed=seed, dropout_p=0.0)
     kfa.flash_attn_bwd(do, q, k, v, o, lse, 0.25, band, seed=seed, dropout_p=0.0)
