@@ -769,7 +769,7 @@ def test_gpu_tile_loads_read_the_block_s_packed_views(causal, monkeypatch):
         q = mixed[..., :per * d].reshape(s_, b_, groups * per, d).transpose(0, 1)
         k = mixed[..., per * d:(per + 1) * d].transpose(0, 1)
         v = mixed[..., (per + 1) * d:].transpose(0, 1)
-        assert (kfa._tile_desc(k, 64) is None) == (offset == 1)
+        assert (kfa._desc_box(k, 64) is None) == (offset == 1)
         g = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
         for by_tma in (True, False):
             monkeypatch.setattr(kfa, "LOADS_BY_TMA", by_tma)
@@ -784,31 +784,34 @@ def test_gpu_tile_loads_read_the_block_s_packed_views(causal, monkeypatch):
 
 
 def test_tile_descriptors_only_where_the_copy_engine_can_read(monkeypatch):
-    """_tile_desc describes [b, s, h, d] as [1, rows, 1, d] boxes with the tensor's strides (a
+    """_desc_box describes [b, s, h, d] as [1, rows, 1, d] boxes with the tensor's strides (a
     dim of length 1 given 16 bytes), and refuses a base or a stride the copy engine cannot
-    address; _tile_descs gives both tensors or neither. Host-side only (no kernel runs)."""
+    address; _desc_boxes describes both tensors or neither, and _descs makes the descriptors of
+    its boxes. Host-side only (no kernel runs)."""
     if kfa._HostDescriptor is None:
         pytest.skip("this Triton has no host-side tensor descriptors")
     x = torch.zeros(2, 40, 6, 64, dtype=torch.bfloat16)
-    d = kfa._tile_desc(x, 32)
-    assert list(d.shape) == [2, 40, 6, 64] and list(d.strides) == list(x.stride()) and list(d.block_shape) == [1, 32, 1, 64]
+    shape, strides, box = kfa._desc_box(x, 32)
+    assert shape == [2, 40, 6, 64] and strides == list(x.stride()) and box == [1, 32, 1, 64]
     view = x.transpose(0, 1).contiguous().transpose(0, 1)  # [s, b] memory: a batch stride below the sequence's
-    assert list(kfa._tile_desc(view, 64).strides) == list(view.stride())
+    assert kfa._desc_box(view, 64)[1] == list(view.stride())
     one = torch.zeros(1, 40, 1, 64, dtype=torch.bfloat16)[:, :, :, :]
-    assert list(kfa._tile_desc(one.as_strided(one.shape, (7, 64, 3, 1)), 16).strides) == [8, 64, 8, 1]
+    assert kfa._desc_box(one.as_strided(one.shape, (7, 64, 3, 1)), 16)[1] == [8, 64, 8, 1]
     flat = torch.zeros(2 * 40 * 6 * 64 + 8, dtype=torch.bfloat16)
-    assert kfa._tile_desc(flat[1:1 + x.numel()].view(x.shape), 32) is None  # base 2 bytes off
-    assert kfa._tile_desc(flat[8:8 + x.numel()].view(x.shape), 32) is not None  # 16 bytes off
+    assert kfa._desc_box(flat[1:1 + x.numel()].view(x.shape), 32) is None  # base 2 bytes off
+    assert kfa._desc_box(flat[8:8 + x.numel()].view(x.shape), 32) is not None  # 16 bytes off
     odd = torch.zeros(2, 40, 6 * 72, dtype=torch.bfloat16)[..., :6 * 68].unflatten(-1, (6, 68))[..., :64]
-    assert kfa._tile_desc(odd, 32) is None  # head stride 68 elements = 136 bytes
-    assert kfa._tile_desc(x[:1].expand(2, 40, 6, 64), 32) is None  # a zero batch stride
-    assert kfa._tile_desc(x[:, :0], 32) is None  # no rows: a descriptor needs every dim >= 1
-    assert kfa._tile_desc(torch.zeros(2, 40, 6, 128, dtype=torch.bfloat16)[..., ::2], 32) is None  # last stride 2
+    assert kfa._desc_box(odd, 32) is None  # head stride 68 elements = 136 bytes
+    assert kfa._desc_box(x[:1].expand(2, 40, 6, 64), 32) is None  # a zero batch stride
+    assert kfa._desc_box(x[:, :0], 32) is None  # no rows: a descriptor needs every dim >= 1
+    assert kfa._desc_box(torch.zeros(2, 40, 6, 128, dtype=torch.bfloat16)[..., ::2], 32) is None  # last stride 2
     with pytest.raises(ValueError, match="form must be one of"):
         kfa.tma_loads(x, 64, "fwd")
-    assert kfa._tile_descs(x, odd, 32) == (x, odd) and kfa._tile_descs(odd, x, 32) == (odd, x)
-    a, b = kfa._tile_descs(x, view, 16)
+    assert kfa._desc_boxes(x, odd, 32) is None and kfa._desc_boxes(odd, x, 32) is None
+    assert kfa._descs(x, odd, None) == (x, odd)
+    a, b = kfa._descs(x, view, kfa._desc_boxes(x, view, 16))
     assert a.base is x and b.base is view
+    assert list(a.block_shape) == [1, 16, 1, 64] and list(b.strides) == list(view.stride())
 
 
 def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):

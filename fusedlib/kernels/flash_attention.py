@@ -899,30 +899,30 @@ def _block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def _mask_args(mask: Optional[torch.Tensor], shape: tuple[int, int, int, int],
-               dummy: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int], int]:
-    """(mask tensor, its four [b, hq, sq, sk] strides, MASK_KIND).
+def _mask_strides(mask: Optional[torch.Tensor], shape: tuple[int, int, int, int]
+                  ) -> tuple[tuple[int, int, int, int], int]:
+    """(the mask's four strides as [b, hq, sq, sk], MASK_KIND).
 
-    ``mask``: bool [b, sk] (key padding) or 4-D, broadcastable to ``shape``. Read through the
-    strides of its expansion to ``shape`` (zero strides, no copy), from its own address: the
-    tensor returned is ``mask`` itself, as bytes (:func:`_mask_bytes`). Kind 1 when it does not
-    vary along the queries, 2 when it does, 0 without a mask (``dummy`` is returned then)."""
+    ``mask``: bool [b, sk] (key padding) or 4-D, broadcastable to ``shape``: the strides of its
+    expansion to ``shape`` (zero strides, no copy), through which the kernels read it from its
+    own address (:func:`_mask_bytes`). Kind 1 when it does not vary along the queries, 2 when it
+    does, 0 without a mask (strides 0)."""
     if mask is None:
-        return dummy, (0, 0, 0, 0), 0
+        return (0, 0, 0, 0), 0
     B, H, SQ, SK = shape
     m4 = mask[:, None, None, :] if mask.dim() == 2 else mask  # [b, sk] -> [b, 1, 1, sk] (a view)
     strides = m4.expand(B, H, SQ, SK).stride()
-    kind = 1 if (strides[2] == 0 or SQ == 1) else 2
-    return _mask_bytes(mask), strides, kind
+    return strides, (1 if (strides[2] == 0 or SQ == 1) else 2)
 
 
-def _mask_bytes(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _mask_bytes(mask: Optional[torch.Tensor], dummy: torch.Tensor) -> torch.Tensor:
     """A bool mask as the kernels read it: its bytes (``view(torch.uint8)``: the same memory and
-    strides), or the bool tensor itself inside a ``torch.compile`` trace; None for None. The
-    kernels take its address and the strides of its expansion (:func:`_mask_args`)."""
-    if mask is None or torch.compiler.is_compiling():
-        return mask
-    return mask.view(torch.uint8)
+    strides), or the bool tensor itself inside a ``torch.compile`` trace; ``dummy`` (a pointer
+    the kernels never read) for None. The kernels take its address and the strides of its
+    expansion (:func:`_mask_strides`)."""
+    if mask is None:
+        return dummy
+    return mask if torch.compiler.is_compiling() else mask.view(torch.uint8)
 
 
 def _dropout_args(seed: Optional[torch.Tensor], dropout_p: float, device: torch.device) -> tuple[int, float]:
@@ -1000,9 +1000,9 @@ def flash_attn_fwd(
     key, p = find_plan(_FWD_PLANS, _fwd_key, q, k, v, mask, sinks, seed, dropout_p, band, tile)
     if p is None:
         p = remember_plan(_FWD_PLANS, key, _fwd_plan(q, k, v, o, mask, sinks, seed, dropout_p, band, tile))
-    ka, va = (k, v) if p.kv_boxes is None else (_HostDescriptor(k, *p.kv_boxes[0]), _HostDescriptor(v, *p.kv_boxes[1]))
+    ka, va = _descs(k, v, p.kv_boxes)
     launch_planned(_flash_fwd_kernel, p.launch, q.device,
-                   q, ka, va, o, lse, q if mask is None else _mask_bytes(mask), lse if sinks is None else sinks,
+                   q, ka, va, o, lse, _mask_bytes(mask, q), lse if sinks is None else sinks,
                    lse if seed is None else seed, *p.ints, float(softmax_scale) * LOG2E, *p.tail)
     return o, lse
 
@@ -1040,7 +1040,7 @@ def _fwd_plan(q, k, v, o, mask, sinks, seed, dropout_p, band, tile) -> _FwdPlan:
     SK, HKV = k.shape[1], k.shape[2]
     if tile is None:
         tile = _float32_tile(attention_tile(FWD_TILES if seed is None else FWD_DROPOUT_TILES, D), q.dtype)
-    _, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
+    ms, kind = _mask_strides(mask, (B, HQ, SQ, SK))
     T, keep_scale = _dropout_args(seed, dropout_p, q.device)
     dot, precision = _dot_settings(q.dtype)
     boxes = _desc_boxes(k, v, tile.BLOCK_N) if tma_loads(q, D, "forward" if seed is None else "forward_dropout") else None
@@ -1191,7 +1191,7 @@ def tma_loads(q: torch.Tensor, head_dim: int, form: str) -> bool:
     :data:`TMA_LOADS` lists for the form (powers of two: the box is the whole head), with a
     Triton that has host-side tensor descriptors. The tensors themselves are not looked at
     here: the launchers then pass descriptors only for a pair the copy engine can address
-    (:func:`_tile_descs`), and the kernel's flag follows what they passed.
+    (:func:`_desc_boxes`), and the kernel's flag follows what they passed.
 
     Raises:
         ValueError: ``form`` not a key of :data:`TMA_LOADS`.
@@ -1228,16 +1228,9 @@ def _desc_boxes(a: torch.Tensor, b: torch.Tensor, rows: int) -> Optional[tuple]:
     return (da, db) if db is not None else None
 
 
-def _tile_desc(t: torch.Tensor, rows: int) -> Optional[object]:
-    """t as a TMA descriptor of [1, rows, 1, d] boxes (:func:`_desc_box`), or None."""
-    box = _desc_box(t, rows)
-    return None if box is None else _HostDescriptor(t, *box)
-
-
-def _tile_descs(a: torch.Tensor, b: torch.Tensor, rows: int) -> tuple:
-    """(a, b) as descriptors of [1, rows, 1, d] boxes (:func:`_tile_desc`) when both can be,
-    else (a, b) themselves: the kernel takes both or neither."""
-    boxes = _desc_boxes(a, b, rows)
+def _descs(a: torch.Tensor, b: torch.Tensor, boxes: Optional[tuple]) -> tuple:
+    """(a, b) as TMA descriptors of the plan's ``boxes`` (:func:`_desc_boxes`), or (a, b)
+    themselves for None (pointer loads)."""
     return (a, b) if boxes is None else (_HostDescriptor(a, *boxes[0]), _HostDescriptor(b, *boxes[1]))
 
 
@@ -1308,21 +1301,20 @@ def flash_attn_bwd(
                    dq_acc, *p.pre_ints)
     if dsink_rows is not None:
         dsink = dsink_rows.sum(dim=(0, 2))
-    m4 = q if mask is None else _mask_bytes(mask)
+    m4 = _mask_bytes(mask, q)
     seed_arg = lse if seed is None else seed
     softmax_scale = float(softmax_scale)  # passed as given, an int 1 would be a constant to Triton
     scales = (softmax_scale, softmax_scale * LOG2E)
     # the accumulator as [b·hq, sq, d] rows for the bulk reductions: a tile's rows past sq are
     # outside the descriptor's bounds, so the copy engine drops them
     dq_arg = dq_acc if p.dq_box is None else _TensorDescriptor(dq_acc, *p.dq_box)
-    qa, doa = (q, do) if p.qdo_boxes is None else (_HostDescriptor(q, *p.qdo_boxes[0]),
-                                                    _HostDescriptor(do, *p.qdo_boxes[1]))
+    qa, doa = _descs(q, do, p.qdo_boxes)
     launch_planned(_flash_bwd_dkdv_kernel, p.main, device,
                    qa, k, v, doa, lse, delta, dk, dv, dq_arg, m4, seed_arg, *p.main_ints, *scales, *p.tail)
     if p.atomic:
         launch_planned(_flash_bwd_dq_convert_kernel, p.last, device, dq_acc, dq, *p.last_ints, softmax_scale)
         return dq, dk, dv, dsink
-    ka, va = (k, v) if p.kv_boxes is None else (_HostDescriptor(k, *p.kv_boxes[0]), _HostDescriptor(v, *p.kv_boxes[1]))
+    ka, va = _descs(k, v, p.kv_boxes)
     launch_planned(_flash_bwd_dq_kernel, p.last, device,
                    q, ka, va, do, lse, delta, dq, m4, seed_arg, *p.last_ints, *scales, *p.tail)
     return dq, dk, dv, dsink
@@ -1377,7 +1369,7 @@ def _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, ti
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_SINK=sinks is not None, ZERO_DQACC=atomic,
         num_warps=pre_warps))
     pre_ints = (*o.stride()[:3], *do_s, HQ, SQ)
-    _, ms, kind = _mask_args(mask, (B, HQ, SQ, SK), q)
+    ms, kind = _mask_strides(mask, (B, HQ, SQ, SK))
     T, keep_scale = _dropout_args(seed, dropout_p, device)
     dot, precision = _dot_settings(q.dtype)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, MASK_KIND=kind, DROPOUT=seed is not None, DOT=dot,
