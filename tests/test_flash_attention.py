@@ -411,6 +411,8 @@ ATOMIC_CASES = {  # the atomic dQ's reach: head dims 65-128, or dropout at any h
     "d80-gqa-causal-sq<sk-sinks": dict(shape=(2, 19, 33, 4, 2, 80), causal=True, sinks=True),
     "d16-dropout-key-padding": dict(shape=(2, 21, 26, 4, 2, 16), dropout_p=0.3, padding="keys"),
     "d128-window-4d-mask": dict(shape=(1, 23, 23, 2, 1, 128), window_size=(6, 2), padding="4d"),
+    # a head dim above 64 with dropout, as the block runs it (d = 128, dropout 0.1): its atomic kernel
+    "d96-dropout-gqa-causal-sq<sk": dict(shape=(2, 19, 30, 4, 2, 96), dropout_p=0.2, causal=True),
 }
 
 
