@@ -59,6 +59,61 @@ def test_measure_case_runs_implementations_and_records_failures(monkeypatch):
     assert "baseline broke" in case.skipped["liger"]
 
 
+def _round_case(plain_rounds, tokens=None, nbytes=None):
+    impls = [core.Impl(n, lambda t: t) for n in ("a", "b", "c")]
+    return core.BenchCase("bias_gelu", (4, 8), torch.float32, lambda d, rg: (), {"fwd+bwd": nbytes}, impls,
+                          tokens=tokens, plain_rounds=plain_rounds)
+
+
+def test_plain_rounds_take_turns_and_keep_each_median(monkeypatch):
+    calls = []
+    plain_ms = {"a": iter([30.0, 10.0, 20.0]), "b": iter([5.0, 50.0, 6.0]), "c": iter([7.0, 8.0])}
+
+    def fake_time_pass(case, impl, pas, device, peak=False, cuda_graph=False):
+        calls.append((impl.name, "graph" if cuda_graph else "plain"))
+        if cuda_graph:
+            if impl.name == "b":
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return 1.0, None
+        if impl.name == "c" and len([c for c in calls if c == ("c", "plain")]) == 3:
+            raise RuntimeError("out of memory")  # c's third round fails: its first two are kept
+        return next(plain_ms[impl.name]), None
+
+    monkeypatch.setattr(core, "_time_pass", fake_time_pass)
+    recs = {r["impl"]: r for r in core.measure_case(_round_case(3, tokens=1000), torch.device("cuda"), ["fwd+bwd"])}
+    assert calls == [("a", "plain"), ("a", "graph"), ("b", "plain"), ("b", "graph"), ("c", "plain"), ("c", "graph"),
+                     ("a", "plain"), ("b", "plain"), ("c", "plain"), ("a", "plain"), ("b", "plain"), ("c", "plain")]
+    a, b, c = recs["a"], recs["b"], recs["c"]
+    assert a["ms_plain_rounds"] == [30.0, 10.0, 20.0] and a["ms_eager"] == 20.0 and a["ms"] == 1.0
+    assert a["tokens_per_s_eager"] == round(1000 / 20e-3) and a["tokens_per_s"] == round(1000 / 1e-3)
+    # no graph: its "ms" is the median of its plain launches too
+    assert b["timer"] == "do_bench" and b["ms"] == b["ms_eager"] == 6.0 and b["tokens_per_s"] == round(1000 / 6e-3)
+    assert c["ms_plain_rounds"] == [7.0, 8.0] and c["ms_eager"] == 7.5
+
+
+def test_plain_rounds_on_a_device_without_graphs_set_ms_and_bandwidth(monkeypatch):
+    times = iter([4.0, 2.0, 3.0, 9.0, 9.0, 1.0, 5.0, 5.0, 5.0])
+    monkeypatch.setattr(core, "_time_pass", lambda case, impl, pas, device, peak=False, cuda_graph=False:
+                        (next(times), None))
+    recs = core.measure_case(_round_case(3, nbytes=10**9), torch.device("cpu"), ["fwd+bwd"])
+    # rounds in turns: a 4, b 2, c 3 | a 9, b 9, c 1 | a 5, b 5, c 5
+    assert [r["ms_plain_rounds"] for r in recs] == [[4.0, 9.0, 5.0], [2.0, 9.0, 5.0], [3.0, 1.0, 5.0]]
+    assert [r["ms"] for r in recs] == [5.0, 5.0, 3.0] and "ms_eager" not in recs[0]
+    assert recs[2]["GBps"] == round(10**9 / 3e-3 / 1e9, 1)
+
+
+def test_one_plain_round_keeps_the_records_as_they_were(monkeypatch):
+    monkeypatch.setattr(core, "_time_pass", lambda case, impl, pas, device, peak=False, cuda_graph=False: (2.0, None))
+    recs = core.measure_case(_round_case(1), torch.device("cpu"), ["fwd+bwd"])
+    assert all("ms_plain_rounds" not in r and r["ms"] == 2.0 for r in recs)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "3", None])
+def test_plain_rounds_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="plain_rounds must be an int >= 1"):
+        core.measure_case(_round_case(bad), torch.device("cpu"))
+
+
 def test_write_and_load_records(tmp_path):
     recs = _records()
     path = core.write_records(recs, tmp_path / "a" / "bias_gelu.json")

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bf16 matmul ceiling: {matmul['TFLOPs']:.0f} TFLOP/s")
     write_records([copy, matmul], f"{args.out}/ceilings.json")
     all_cases = [(op, get_cases(op)(device, sweep=args.sweep)) for op in ops]
-    total = sum(len(i.passes) for _, cs in all_cases for c in cs for i in c.impls)
+    total = sum(len(i.passes) * c.plain_rounds for _, cs in all_cases for c in cs for i in c.impls)
     with tqdm(total=total, desc="bench", unit="timing") as bar:
         for op, cases in all_cases:
             records = [copy]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -127,6 +128,12 @@ class BenchCase:
         all_outputs: the "fwd+bwd" pass sends a random gradient into every output of a tuple
             (an op whose two outputs both feed the model, as a norm's output and the next
             residual), not only the first (default False).
+        plain_rounds: time the plain launches in this many rounds, the implementations taking
+            turns (each timed once per round, in the case's order), and keep each one's median
+            (default 1: one timing). For cases whose plain-launch time is the host's (a small
+            model's training step): the host's speed moves over seconds, so one timing per
+            implementation would give each a different host. Records then also carry
+            ``"ms_plain_rounds"``, the rounds' times in order.
     """
 
     op: str
@@ -142,6 +149,7 @@ class BenchCase:
     flops: dict[str, int] | None = None
     info: dict = field(default_factory=dict)
     all_outputs: bool = False
+    plain_rounds: int = 1
 
     def backward_outputs(self, out: object) -> tuple[torch.Tensor, ...]:
         """The outputs the "fwd+bwd" pass sends gradients into: the first item of a tuple
@@ -276,10 +284,19 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
         (:class:`BenchCase`); the token counts of a case with ``tokens``, the FLOP counts of
         a case with ``flops``; the case's and the
         implementation's ``info`` fields. An implementation that raises is logged with its error and
-        left out, so one broken baseline does not lose the others.
+        left out, so one broken baseline does not lose the others. With
+        :attr:`BenchCase.plain_rounds` > 1 the later rounds' plain-launch timings follow the
+        first pass over the implementations; an implementation whose later round raises keeps
+        the rounds it finished (logged).
+
+    Raises:
+        ValueError: ``case.plain_rounds`` not an int >= 1.
     """
+    if isinstance(case.plain_rounds, bool) or not isinstance(case.plain_rounds, int) or case.plain_rounds < 1:
+        raise ValueError(f"plain_rounds must be an int >= 1, got {case.plain_rounds!r}")
     records = []
     for pas in passes:
+        plain = {}  # impl name -> (impl, its record, its plain-launch times)
         for impl in case.impls:
             if pas not in impl.passes:
                 continue
@@ -308,6 +325,7 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
                     records[-1]["ms_eager"] = round(ms, 5)
                     if graph_error is not None:
                         records[-1]["graph_error"] = graph_error
+                plain[impl.name] = (impl, records[-1], [ms])
                 if peak is not None:
                     records[-1]["peak_bytes"] = int(peak)
                 if case.tokens is not None:
@@ -317,7 +335,43 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
                 records[-1].update({**case.info, **impl.info})
             if progress:
                 progress(label)
+        if case.plain_rounds > 1 and plain:
+            _plain_rounds(case, pas, device, plain, progress)
     return records
+
+
+def _plain_rounds(case: BenchCase, pas: str, device: torch.device, plain: dict,
+                  progress: Callable[[str], None] | None) -> None:
+    """Rounds 2 to :attr:`BenchCase.plain_rounds` of a pass's plain-launch timings, the
+    implementations in turns (``plain``: name -> (impl, its record, [its first timing])), then
+    each record's plain-launch time set to the median of its rounds: ``"ms_eager"``, and ``"ms"``
+    where no CUDA graph was timed, with the token and FLOP fields that follow from them. An
+    implementation whose round raises takes no further rounds and keeps those it finished."""
+    done = set()
+    for _ in range(case.plain_rounds - 1):
+        for name, (impl, _, times) in plain.items():
+            if name in done:
+                continue
+            try:
+                times.append(_time_pass(case, impl, pas, device)[0])
+            except Exception as exc:  # keep the rounds it finished
+                logger.warning("%s %s %s: a plain-launch round failed (%s: %s); its %d earlier kept",
+                               case.op, pas, name, type(exc).__name__, exc, len(times))
+                done.add(name)
+            if progress:
+                progress(f"{case.op} {pas} {name} (plain launches, in turns)")
+    for name, (impl, rec, times) in plain.items():
+        ms = statistics.median(times)
+        rec["ms_plain_rounds"] = [round(t, 5) for t in times]
+        if "ms_eager" in rec:
+            rec["ms_eager"] = round(ms, 5)
+        if rec.get("timer", "do_bench") == "do_bench":  # no graph timed: "ms" is the plain time too
+            plain_rec = _record(case.op, pas, name, case.shape, case.dtype, ms, case.bytes[pas])
+            rec["ms"], rec["GBps"] = plain_rec["ms"], plain_rec["GBps"]
+        if case.tokens is not None:
+            rec.update(_token_fields(case.tokens, rec))
+        if case.flops is not None and case.flops.get(pas) is not None:
+            rec.update(_flop_fields(case.flops[pas], rec))
 
 
 def _token_fields(tokens: int, record: dict) -> dict:

@@ -77,7 +77,8 @@ leaves them out.
 * ``"ms"``: the step as a CUDA-graph replay (``"timer": "cuda_graph"``), or plain launches
   where it could not be captured (``"timer": "do_bench"`` and the reason in
   ``"graph_error"``; megatron-core's RNG tracker, which saves and restores the CUDA generator's
-  state around its attention dropout, is a likely one); ``"ms_eager"``: the step as plain launches, what an eager training step pays;
+  state around its attention dropout, is a likely one); ``"ms_eager"``: the step as plain launches, what an eager training step pays,
+  the median of :data:`PLAIN_ROUNDS` timings with the implementations in turns (``"ms_plain_rounds"``);
 * ``"tokens"`` (s·b), ``"tokens_per_s"`` (from ``ms``), ``"tokens_per_s_eager"`` (from
   ``ms_eager``);
 * ``"peak_bytes"``: the most memory the step allocates beyond what was allocated before it
@@ -134,6 +135,7 @@ __all__ = [
     "megatron_block", "init_megatron", "PlainGPTLayer", "PlainGPTBlock", "case", "cases", "table",
     "kernel_category", "kernel_summary", "device_span", "profile", "profile_table", "extra_files", "load_profile",
     "POWER_IMPLS", "POWER_FILE", "power_state", "power_table", "write_power_state", "load_power_state",
+    "PLAIN_ROUNDS",
 ]
 
 #: [s, b, h, heads, ffn, layers]: the headline (2048 tokens x 4 sequences, hidden 2048, 16 heads of 128)
@@ -159,6 +161,14 @@ IMPLS: dict[str, str] = {
     "eager-graphs": "the plain PyTorch block, its layers' forward and backward as CUDA graphs (the same manager)",
     "torch.compile": "the plain PyTorch block, each layer torch.compile(dynamic=False)d, once per shape",
 }
+
+#: Rounds of plain-launch timings (:attr:`fusedlib.bench.core.BenchCase.plain_rounds`), every
+#: implementation once per round, in turns; the median is kept. At the two smaller shapes the
+#: host sets a plain-launch step's pace, and its speed moves over seconds: on the H200 machine
+#: the GPT-2-small fusedlib block's 20-step windows in one process ranged from 16.3 to 18.0 ms,
+#: and one benchmark run measured 27.8 ms for it where another had 17.0 (NOTES.md). Each round
+#: adds one plain-launch timing (a 200 ms window) per implementation and shape.
+PLAIN_ROUNDS: int = 5
 
 #: The implementations that run their layers as CUDA graphs (CUDA only).
 GRAPH_IMPLS = ("fusedlib-sdpa-graphs", "eager-graphs")
@@ -549,7 +559,7 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
             "attention_dropout": ATTENTION_DROPOUT, "params": param_count(shape),
             "weight_bytes": param_count(shape) * elem}
     return BenchCase("transformer_layer", shape, dtype, make_inputs, {"fwd+bwd": None}, impls, skipped,
-                     peak_memory=True, tokens=s * b, info=info)
+                     peak_memory=True, tokens=s * b, info=info, plain_rounds=PLAIN_ROUNDS)
 
 
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
