@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,7 +112,38 @@ def test_one_plain_round_keeps_the_records_as_they_were(monkeypatch):
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "3", None])
 def test_plain_rounds_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="plain_rounds must be an int >= 1"):
-        core.measure_case(_round_case(bad), torch.device("cpu"))
+        _round_case(bad)
+    case = _round_case(2)
+    case.plain_rounds = bad  # set after the case was made: the harness checks it again
+    with pytest.raises(ValueError, match="plain_rounds must be an int >= 1"):
+        core.measure_case(case, torch.device("cpu"))
+
+
+def test_plain_rounds_take_numpy_ints():
+    case = _round_case(np.int64(3))
+    assert case.plain_rounds == 3 and type(case.plain_rounds) is int
+
+
+def test_progress_ticks_once_per_round_whatever_fails(monkeypatch):
+    seen = {"b": 0}
+
+    def fake_time_pass(case, impl, pas, device, peak=False, cuda_graph=False):
+        if impl.name == "a":
+            raise RuntimeError("broken from the start")
+        if impl.name == "b" and not cuda_graph:
+            seen["b"] += 1
+            if seen["b"] == 2:
+                raise RuntimeError("out of memory in round 2")
+        return 3.0, None
+
+    monkeypatch.setattr(core, "_time_pass", fake_time_pass)
+    case = _round_case(4)
+    ticks = []
+    recs = {r["impl"]: r for r in core.measure_case(case, torch.device("cuda"), ["fwd+bwd"], progress=ticks.append)}
+    assert len(ticks) == 3 * 4  # the CLI's bar counts every implementation's passes times the rounds
+    assert "a" not in recs and "broken from the start" in case.skipped["a"]
+    assert recs["b"]["ms_plain_rounds"] == [3.0] and "out of memory in round 2" in recs["b"]["plain_rounds_error"]
+    assert recs["c"]["ms_plain_rounds"] == [3.0] * 4 and "plain_rounds_error" not in recs["c"]
 
 
 def test_write_and_load_records(tmp_path):

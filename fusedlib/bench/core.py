@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -134,6 +135,9 @@ class BenchCase:
             model's training step): the host's speed moves over seconds, so one timing per
             implementation would give each a different host. Records then also carry
             ``"ms_plain_rounds"``, the rounds' times in order.
+
+    Raises:
+        ValueError: ``plain_rounds`` not an int >= 1.
     """
 
     op: str
@@ -151,12 +155,26 @@ class BenchCase:
     all_outputs: bool = False
     plain_rounds: int = 1
 
+    def __post_init__(self) -> None:
+        self.plain_rounds = _checked_rounds(self.plain_rounds)
+
     def backward_outputs(self, out: object) -> tuple[torch.Tensor, ...]:
         """The outputs the "fwd+bwd" pass sends gradients into: the first item of a tuple
         output (or the output itself), or with :attr:`all_outputs` every item of the tuple."""
         if not isinstance(out, tuple):
             return (out,)
         return tuple(out) if self.all_outputs else (out[0],)
+
+
+def _checked_rounds(value: object) -> int:
+    """``value`` as an int >= 1 (numpy's ints taken), else a ValueError naming plain_rounds."""
+    try:  # not a bool, a float or a string
+        rounds = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        rounds = None
+    if rounds is None or rounds < 1:
+        raise ValueError(f"plain_rounds must be an int >= 1, got {value!r}")
+    return rounds
 
 
 def environment() -> dict[str, str | bool]:
@@ -275,7 +293,9 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
         case: the op, shape, inputs, bytes and implementations.
         device: where to run (a CUDA device for real numbers).
         passes: subset of ("fwd", "fwd+bwd").
-        progress: called with a label after each timing (the CLI's progress bar).
+        progress: called with a label after each timing (the CLI's progress bar): once per
+            implementation and pass, and once more per later round of plain launches
+            (:attr:`BenchCase.plain_rounds`), for an implementation that failed too.
 
     Returns:
         One record per (impl, pass) that ran: DESIGN.md's fields, plus ``"compile"`` for a
@@ -286,17 +306,18 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
         implementation's ``info`` fields. An implementation that raises is logged with its error and
         left out, so one broken baseline does not lose the others. With
         :attr:`BenchCase.plain_rounds` > 1 the later rounds' plain-launch timings follow the
-        first pass over the implementations; an implementation whose later round raises keeps
-        the rounds it finished (logged).
+        first pass over the implementations: the records' plain-launch time is then the median
+        of the rounds (``"ms_eager"``, and ``"ms"`` and ``"GBps"`` where no graph was timed), the
+        rounds in ``"ms_plain_rounds"``; an implementation whose later round raises keeps the
+        rounds it finished, and its record says why in ``"plain_rounds_error"``.
 
     Raises:
         ValueError: ``case.plain_rounds`` not an int >= 1.
     """
-    if isinstance(case.plain_rounds, bool) or not isinstance(case.plain_rounds, int) or case.plain_rounds < 1:
-        raise ValueError(f"plain_rounds must be an int >= 1, got {case.plain_rounds!r}")
+    case.plain_rounds = _checked_rounds(case.plain_rounds)  # also when set after the case was made
     records = []
     for pas in passes:
-        plain = {}  # impl name -> (impl, its record, its plain-launch times)
+        plain = {}  # position in case.impls -> (impl, its record, its plain-launch times)
         for impl in case.impls:
             if pas not in impl.passes:
                 continue
@@ -315,6 +336,9 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
             except Exception as exc:  # a baseline that fails must not stop the run
                 logger.warning("%s failed: %s: %s", label, type(exc).__name__, exc)
                 case.skipped[impl.name] = f"{type(exc).__name__}: {exc}"
+                if progress:  # the rounds it will not take
+                    for _ in range(case.plain_rounds - 1):
+                        progress(label)
             else:
                 records.append(_record(case.op, pas, impl.name, case.shape, case.dtype,
                                        ms_graph if ms_graph is not None else ms, case.bytes[pas]))
@@ -325,7 +349,7 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
                     records[-1]["ms_eager"] = round(ms, 5)
                     if graph_error is not None:
                         records[-1]["graph_error"] = graph_error
-                plain[impl.name] = (impl, records[-1], [ms])
+                plain[len(plain)] = (impl, records[-1], [ms])
                 if peak is not None:
                     records[-1]["peak_bytes"] = int(peak)
                 if case.tokens is not None:
@@ -343,30 +367,33 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
 def _plain_rounds(case: BenchCase, pas: str, device: torch.device, plain: dict,
                   progress: Callable[[str], None] | None) -> None:
     """Rounds 2 to :attr:`BenchCase.plain_rounds` of a pass's plain-launch timings, the
-    implementations in turns (``plain``: name -> (impl, its record, [its first timing])), then
-    each record's plain-launch time set to the median of its rounds: ``"ms_eager"``, and ``"ms"``
-    where no CUDA graph was timed, with the token and FLOP fields that follow from them. An
-    implementation whose round raises takes no further rounds and keeps those it finished."""
-    done = set()
+    implementations in turns (``plain``: position -> (impl, its record, [its first timing])),
+    then each record's plain-launch time set to the median of its rounds: ``"ms_eager"``, and
+    ``"ms"`` and ``"GBps"`` where no CUDA graph was timed, with the token and FLOP fields that
+    follow from them. An implementation whose round raises takes no further rounds, keeps
+    those it finished and gets ``"plain_rounds_error"``; ``progress`` is called once per
+    implementation and round all the same."""
+    errors = {}
     for _ in range(case.plain_rounds - 1):
-        for name, (impl, _, times) in plain.items():
-            if name in done:
-                continue
-            try:
-                times.append(_time_pass(case, impl, pas, device)[0])
-            except Exception as exc:  # keep the rounds it finished
-                logger.warning("%s %s %s: a plain-launch round failed (%s: %s); its %d earlier kept",
-                               case.op, pas, name, type(exc).__name__, exc, len(times))
-                done.add(name)
+        for key, (impl, _, times) in plain.items():
+            label = f"{case.op} {pas} {impl.name} (plain launches, in turns)"
+            if key not in errors:
+                try:
+                    times.append(_time_pass(case, impl, pas, device)[0])
+                except Exception as exc:  # keep the rounds it finished
+                    errors[key] = f"{type(exc).__name__}: {exc}"[:300]
+                    logger.warning("%s: a round failed (%s); its %d earlier kept", label, errors[key], len(times))
             if progress:
-                progress(f"{case.op} {pas} {name} (plain launches, in turns)")
-    for name, (impl, rec, times) in plain.items():
+                progress(label)
+    for key, (impl, rec, times) in plain.items():
         ms = statistics.median(times)
         rec["ms_plain_rounds"] = [round(t, 5) for t in times]
+        if key in errors:
+            rec["plain_rounds_error"] = errors[key]
         if "ms_eager" in rec:
             rec["ms_eager"] = round(ms, 5)
         if rec.get("timer", "do_bench") == "do_bench":  # no graph timed: "ms" is the plain time too
-            plain_rec = _record(case.op, pas, name, case.shape, case.dtype, ms, case.bytes[pas])
+            plain_rec = _record(case.op, pas, impl.name, case.shape, case.dtype, ms, case.bytes[pas])
             rec["ms"], rec["GBps"] = plain_rec["ms"], plain_rec["GBps"]
         if case.tokens is not None:
             rec.update(_token_fields(case.tokens, rec))
@@ -417,10 +444,10 @@ def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device,
         torch.autograd.backward(case.backward_outputs(impl.fn(*inputs)), grads)
 
     ms = time_ms(step, grad_to_none=leaves, cuda_graph=cuda_graph)
+    for t in leaves:  # no gradients kept past the timing, while the other implementations run
+        t.grad = None
     if not peak:
         return ms, None
-    for t in leaves:
-        t.grad = None
     return ms, peak_extra_bytes(step, device)
 
 
