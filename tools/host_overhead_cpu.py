@@ -8,8 +8,9 @@ else; but the host code around them (argument checks, launch-setting lookups, al
 ``autograd.Function``) is the same Python that runs before every launch on a GPU. This tool
 replaces the module-level ``launch`` name of every ``fusedlib.kernels`` module, and
 ``fusedlib.runtime.launch`` (which the ops' launch plans call), with a no-op (the outputs stay
-uninitialised: nothing reads them), then times each op of ``python -m fusedlib.bench --host`` at its host shape (:data:`fusedlib.bench.host.HOST_SHAPES`,
-bf16), fusedlib beside the eager unfused op, in both passes of :func:`fusedlib.bench.host.host_step`:
+uninitialised: nothing reads them), then times each op of ``python -m fusedlib.bench --host``
+at its host shape (:data:`fusedlib.bench.host.HOST_SHAPES`, bf16), fusedlib beside the eager
+unfused op, in both passes of :func:`fusedlib.bench.host.host_step`:
 
 * ``fwd``: the forward under ``torch.no_grad()``;
 * ``fwd+bwd``: ``.grad = None``, the forward, ``out.float().sum().backward()``.

@@ -352,10 +352,7 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
                 plain[len(plain)] = (impl, records[-1], [ms])
                 if peak is not None:
                     records[-1]["peak_bytes"] = int(peak)
-                if case.tokens is not None:
-                    records[-1].update(_token_fields(case.tokens, records[-1]))
-                if case.flops is not None and case.flops.get(pas) is not None:
-                    records[-1].update(_flop_fields(case.flops[pas], records[-1]))
+                _rate_fields(case, pas, records[-1])
                 records[-1].update({**case.info, **impl.info})
             if progress:
                 progress(label)
@@ -395,10 +392,16 @@ def _plain_rounds(case: BenchCase, pas: str, device: torch.device, plain: dict,
         if rec.get("timer", "do_bench") == "do_bench":  # no graph timed: "ms" is the plain time too
             plain_rec = _record(case.op, pas, impl.name, case.shape, case.dtype, ms, case.bytes[pas])
             rec["ms"], rec["GBps"] = plain_rec["ms"], plain_rec["GBps"]
-        if case.tokens is not None:
-            rec.update(_token_fields(case.tokens, rec))
-        if case.flops is not None and case.flops.get(pas) is not None:
-            rec.update(_flop_fields(case.flops[pas], rec))
+        _rate_fields(case, pas, rec)
+
+
+def _rate_fields(case: BenchCase, pas: str, record: dict) -> None:
+    """Add a case's token fields (with :attr:`BenchCase.tokens`) and FLOP fields (with
+    :attr:`BenchCase.flops` for the pass) to ``record``, from its ``"ms"`` and ``"ms_eager"``."""
+    if case.tokens is not None:
+        record.update(_token_fields(case.tokens, record))
+    if case.flops is not None and case.flops.get(pas) is not None:
+        record.update(_flop_fields(case.flops[pas], record))
 
 
 def _token_fields(tokens: int, record: dict) -> dict:

@@ -1346,10 +1346,8 @@ def _bwd_key(do, q, k, v, o, lse, dq, dk, dv, mask, sinks, seed, dropout_p, band
     gradient buffers' signatures (their strides and alignment: :func:`packed_grads`'s views or
     new tensors), the LSE's dtype and alignment (a pointer argument, and the placeholder for
     absent sinks), the two tiles and ``deterministic``."""
-    return (tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(do), tensor_key(o), tensor_key(dq),
-            tensor_key(dk), tensor_key(dv), q.device, None if mask is None else tensor_key(mask), spec_key(sinks),
-            spec_key(lse), None if seed is None else (param_key(seed), dropout_p.__class__, dropout_p), band, tile,
-            dq_tile, deterministic)
+    return (*_fwd_key(q, k, v, mask, sinks, seed, dropout_p, band, tile), tensor_key(do), tensor_key(o),
+            tensor_key(dq), tensor_key(dk), tensor_key(dv), spec_key(lse), dq_tile, deterministic)
 
 
 def _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, tile, dq_tile,
