@@ -614,6 +614,16 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < sq
+        if DROPOUT and ATOMIC_DQ and HEAD_DIM > 64:
+            # the keep mask drawn first in the step: the last step's dK and dV products, which
+            # run asynchronously, are still in flight, and the draw's integer work overlaps them.
+            # Drawn after dP's product (below), where nothing is in flight, this backward took
+            # 8-9 % longer on the H200 (dropout 0.1, causal [4, 16, 2048, 128] 0.875 against
+            # 0.809 ms, [2, 16, 8192, 128] 5.763 against 5.242; the same bits; NOTES.md). Only
+            # this form was timed so; the others draw it below, as before (drawn first, their
+            # sm_90 code spills more: the deterministic d = 128 kernel's local loads and stores
+            # 815 -> 1083, the atomic d = 64 one's 355 -> 391).
+            keepT = tl.trans(_keep_mask_joined(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
         if QDO_TMA:
             qT = tl.trans(tl.reshape(q_base.load([b, start_m, h, 0]), [BLOCK_M, HEAD_DIM])).to(DOT)
         else:
@@ -642,7 +652,8 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
                          other=0.0)
         dpT = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]: (dO·vᵀ)ᵀ
         if DROPOUT:  # dV takes the dropped P, dP the gradient through the dropout
-            keepT = tl.trans(_keep_mask_joined(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
+            if not (ATOMIC_DQ and HEAD_DIM > 64):
+                keepT = tl.trans(_keep_mask_joined(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
             # the kept P, unscaled: dV takes 1/(1 - p') once, in float32, at the end (the caller),
             # so no P·scale is rounded to 16 bits (float16 overflows at P·65536 for p' = 1 - 2^-16)
             pdT = tl.where(keepT, pT, 0.0)
