@@ -615,14 +615,14 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < sq
         if DROPOUT and ATOMIC_DQ and HEAD_DIM > 64:
-            # the keep mask drawn first in the step: the last step's dK and dV products, which
-            # run asynchronously, are still in flight, and the draw's integer work overlaps them.
-            # Drawn after dP's product (below), where nothing is in flight, this backward took
-            # 8-9 % longer on the H200 (dropout 0.1, causal [4, 16, 2048, 128] 0.875 against
-            # 0.809 ms, [2, 16, 8192, 128] 5.763 against 5.242; the same bits; NOTES.md). Only
-            # this form was timed so; the others draw it below, as before (drawn first, their
-            # sm_90 code spills more: the deterministic d = 128 kernel's local loads and stores
-            # 815 -> 1083, the atomic d = 64 one's 355 -> 391).
+            # the keep mask drawn here, first in the step, while the last step's dK and dV
+            # products (asynchronous) are still running: the draw's integer work overlaps them.
+            # Drawn after dP's product (below), where nothing is in flight, this backward takes
+            # 8-9 % longer on an H200 (dropout 0.1, kernel alone: causal [4, 16, 2048, 128]
+            # 0.875 against 0.809 ms, [2, 16, 8192, 128] 5.763 against 5.242; the same bits).
+            # The other forms draw it below, after dP: drawn first, their sm_90 code spills
+            # more (the deterministic d = 128 kernel's local loads and stores 815 -> 1083, the
+            # atomic d = 64 one's 355 -> 391).
             keepT = tl.trans(_keep_mask_joined(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
         if QDO_TMA:
             qT = tl.trans(tl.reshape(q_base.load([b, start_m, h, 0]), [BLOCK_M, HEAD_DIM])).to(DOT)
