@@ -317,7 +317,7 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
     case.plain_rounds = _checked_rounds(case.plain_rounds)  # also when set after the case was made
     records = []
     for pas in passes:
-        plain = {}  # position in case.impls -> (impl, its record, its plain-launch times)
+        plain = []  # (impl, its record, its plain-launch times), in the case's order
         for impl in case.impls:
             if pas not in impl.passes:
                 continue
@@ -349,7 +349,7 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
                     records[-1]["ms_eager"] = round(ms, 5)
                     if graph_error is not None:
                         records[-1]["graph_error"] = graph_error
-                plain[len(plain)] = (impl, records[-1], [ms])
+                plain.append((impl, records[-1], [ms]))
                 if peak is not None:
                     records[-1]["peak_bytes"] = int(peak)
                 _rate_fields(case, pas, records[-1])
@@ -361,10 +361,10 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
     return records
 
 
-def _plain_rounds(case: BenchCase, pas: str, device: torch.device, plain: dict,
+def _plain_rounds(case: BenchCase, pas: str, device: torch.device, plain: list,
                   progress: Callable[[str], None] | None) -> None:
     """Rounds 2 to :attr:`BenchCase.plain_rounds` of a pass's plain-launch timings, the
-    implementations in turns (``plain``: position -> (impl, its record, [its first timing])),
+    implementations in turns (``plain``: (impl, its record, [its first timing]) in the case's order),
     then each record's plain-launch time set to the median of its rounds: ``"ms_eager"``, and
     ``"ms"`` and ``"GBps"`` where no CUDA graph was timed, with the token and FLOP fields that
     follow from them. An implementation whose round raises takes no further rounds, keeps
@@ -372,7 +372,7 @@ def _plain_rounds(case: BenchCase, pas: str, device: torch.device, plain: dict,
     implementation and round all the same."""
     errors = {}
     for _ in range(case.plain_rounds - 1):
-        for key, (impl, _, times) in plain.items():
+        for key, (impl, _, times) in enumerate(plain):
             label = f"{case.op} {pas} {impl.name} (plain launches, in turns)"
             if key not in errors:
                 try:
@@ -382,7 +382,7 @@ def _plain_rounds(case: BenchCase, pas: str, device: torch.device, plain: dict,
                     logger.warning("%s: a round failed (%s); its %d earlier kept", label, errors[key], len(times))
             if progress:
                 progress(label)
-    for key, (impl, rec, times) in plain.items():
+    for key, (impl, rec, times) in enumerate(plain):
         ms = statistics.median(times)
         rec["ms_plain_rounds"] = [round(t, 5) for t in times]
         if key in errors:
