@@ -24,7 +24,6 @@ from fusedlib.fusions.fused_bias_dropout import (
 from fusedlib.kernels.bias_dropout_add import (
     KEEP_BITS,
     _keep_mask,
-    _keep_mask_joined,
     drop_threshold,
     dropout_mask,
     dropout_scale,
@@ -353,24 +352,20 @@ def test_mask_is_philox_as_documented(h):
 
 
 @triton.jit
-def _write_keep_masks(OUT_ptr, OUT_J_ptr, SEED_ptr, row0, pid_n, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _write_keep_mask(OUT_ptr, SEED_ptr, row0, pid_n, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = row0 + tl.arange(0, BLOCK_M)
     seed = tl.load(SEED_ptr)
     r, c = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
     tl.store(OUT_ptr + r[:, None] * BLOCK_N + c[None, :], _keep_mask(seed, rows, pid_n, T, BLOCK_M, BLOCK_N).to(tl.int8))
-    tl.store(OUT_J_ptr + r[:, None] * BLOCK_N + c[None, :],
-             _keep_mask_joined(seed, rows, pid_n, T, BLOCK_M, BLOCK_N).to(tl.int8))
 
 
 @pytest.mark.parametrize("block_m, block_n, row0, pid_n", [(16, 16, 0, 0), (1, 64, 5, 3), (32, 128, 70, 2)])
-def test_tile_masks_are_philox_as_documented(block_m, block_n, row0, pid_n):
-    # the kernels' two tile generators, _keep_mask (selects) and _keep_mask_joined (joins, for
-    # FlashAttention), against the same pure-Python Philox, element by element
+def test_tile_mask_is_philox_as_documented(block_m, block_n, row0, pid_n):
+    # the kernels' tile generator _keep_mask against a pure-Python Philox, element by element
     seed, p = philox_seed(DEVICE), 0.37
     t = drop_threshold(p)
     out = torch.full((block_m, block_n), -1, dtype=torch.int8, device=DEVICE)
-    out_j = torch.full((block_m, block_n), -1, dtype=torch.int8, device=DEVICE)
-    launch(_write_keep_masks, (1,), out.device, out, out_j, seed, row0, pid_n, t, BLOCK_M=block_m, BLOCK_N=block_n)
+    launch(_write_keep_mask, (1,), out.device, out, seed, row0, pid_n, t, BLOCK_M=block_m, BLOCK_N=block_n)
     s = int(seed.item())
     expected = torch.zeros(block_m, block_n, dtype=torch.int8)
     for i in range(block_m):
@@ -379,7 +374,6 @@ def test_tile_masks_are_philox_as_documented(block_m, block_n, row0, pid_n):
             word = _philox_4x32_10(col // 8, row0 + i, 0, 0, s & 0xFFFFFFFF, s >> 32)[(col % 8) // 2]
             expected[i, j] = ((word >> 16) if col % 2 else (word & 0xFFFF)) >= t
     assert torch.equal(out.cpu(), expected)
-    assert torch.equal(out_j.cpu(), expected)
 
 
 def test_mask_depends_on_row_and_column_only():

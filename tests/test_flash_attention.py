@@ -276,6 +276,41 @@ def test_dropout_with_tiles_of_unequal_sides(block_m, block_n, deterministic, ti
     _check(torch.float32, 1, 37, 45, 2, 1, 16, dropout_p=0.3, causal=True, deterministic=deterministic)
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 37, 45), (2, 1, 19, 70), (1, 1, 1, 1)])
+def test_dropout_mask_is_philox_as_documented(shape):
+    # query i, key j of the head whose rows start at r0 = (b·hq + h)·sq: Philox call
+    # (j & ~8, r0 + (i & ~9), 0, 0) of the seed, word 2·bit3(i) + bit3(j), its low half for even
+    # i and high half for odd i, kept iff >= round(p·2^16); against a pure-Python Philox
+    from test_bias_dropout_add import _philox_4x32_10
+
+    b, hq, sq, sk = shape
+    p = 0.37
+    seed = philox_seed(DEVICE)
+    mask = flash_attn_dropout_mask(seed, shape, p).cpu()
+    s, t = int(seed.item()), drop_threshold(p)
+    calls: dict = {}
+    expected = torch.zeros(shape, dtype=torch.bool)
+    for bh in range(b * hq):
+        for i in range(sq):
+            for j in range(sk):
+                counter = (j & ~8, bh * sq + (i & ~9))
+                if counter not in calls:
+                    calls[counter] = _philox_4x32_10(*counter, 0, 0, s & 0xFFFFFFFF, s >> 32)
+                word = calls[counter][2 * ((i >> 3) & 1) + ((j >> 3) & 1)]
+                expected[bh // hq, bh % hq, i, j] = ((word >> 16) if i % 2 else (word & 0xFFFF)) >= t
+    assert torch.equal(mask, expected)
+    if expected.numel() > 100:  # p' = 0.37: neither all kept nor all dropped
+        assert 0.5 < expected.float().mean() < 0.75
+
+
+@pytest.mark.parametrize("shape, match", [((1, 2, 3), "shape"), ((1, 2, -3, 4), "shape"), ((1, 2, 3.0, 4), "shape")])
+def test_dropout_mask_bad_shape(shape, match):
+    with pytest.raises(ValueError, match=match):
+        flash_attn_dropout_mask(philox_seed(DEVICE), shape, 0.1)
+    with pytest.raises(ValueError, match="seed"):
+        flash_attn_dropout_mask(torch.zeros(2, dtype=torch.int64, device=DEVICE), (1, 1, 2, 2), 0.1)
+
+
 def test_dropout_statistics_from_the_output(tiles):
     # v = one-hot rows (d >= sk): o[b, i, h, :sk] is the dropped probability row itself. Where a
     # probability is dropped o is exactly 0, where kept it is P/(1 - p'); the dropped fraction

@@ -38,12 +38,16 @@ A row that sees no key (and has no sink) keeps m = -inf and l = 0: its output is
 LSE -inf, never NaN (the max subtracted is taken as 0 while it is -inf, so nothing computes
 -inf - (-inf)).
 
-Attention dropout (chapter 2's Philox, :func:`~fusedlib.kernels.bias_dropout_add._keep_mask_joined`):
-the probability of key j for query i of head h in batch b is kept iff the 16 bits of row
-(b·hq + h)·sq + i, column j are >= T: the mask of
-:func:`~fusedlib.kernels.softmax.softmax_dropout_mask` on scores [b, hq, sq, sk], whatever
-the tiles. The denominator l sums the probabilities before dropout; acc only the kept ones,
-scaled by 1/(1 - p') once at the end. The backward regenerates the mask from the seed.
+Attention dropout (chapter 2's Philox-4x32-10 and threshold, :func:`_attention_keep_mask`):
+the probability of key j for query i of head h in batch b is kept iff its 16 bits are >= T
+(T = round(p·2^16)). One Philox call draws the bits of 8 scores, queries {i, i+1, i+8, i+9} x
+keys {j, j+8} (i with bits 0 and 3 clear, j with bit 3 clear): the scores one thread of the
+backward's tensor-core tiles holds, so no kernel moves mask bits between threads there. The
+same mask whatever the tiles (:func:`flash_attn_dropout_mask` writes it), but not chapter 2's
+column order (8 neighbouring columns per call), so not the mask the materialised path
+(:func:`~fusedlib.kernels.softmax.softmax_dropout_mask`) draws for the same seed. The
+denominator l sums the probabilities before dropout; acc only the kept ones, scaled by
+1/(1 - p') once at the end. The backward regenerates the mask from the seed.
 
 Backward (FlashAttention-2, Algorithm 2), with dO the output's gradient, deterministic form
 in three kernels and without atomics (so bitwise reproducible):
@@ -92,12 +96,11 @@ import triton
 import triton.language as tl
 
 from ..runtime import (
-    INTERPRET_ON_CPU, Planned, find_plan, launch_planned, param_key, plan_cache, planned, remember_plan,
+    INTERPRET_ON_CPU, Planned, find_plan, launch, launch_planned, param_key, plan_cache, planned, remember_plan,
     spec_key, tensor_key,
 )
-from .bias_dropout_add import KEEP_BITS, _keep_mask_joined, drop_threshold, dropout_scale
+from .bias_dropout_add import KEEP_BITS, drop_threshold, dropout_scale
 from .launch import Tile, TileTable, _TensorDescriptor as _HostDescriptor, cdiv, next_power_of_2, pick
-from .softmax import softmax_dropout_mask
 
 #: Triton's host-side descriptor class (the launch layer's import: None in a Triton without one)
 #: where Triton's device-side descriptors have bulk reductions (``atomic_add``), else None.
@@ -181,6 +184,8 @@ FWD_TILES: TileTable = (
 #: 0.392; non-causal 0.555 against 0.659; causal [8, 32, 1024, 64] 0.252 against 0.256;
 #: [128, *] at 8 warps 0.360-0.407 at the first. The backward's tiles, timed with dropout at
 #: the same shapes, stayed. Head dims above 128 keep FWD_TILES's tile (not measured with dropout).
+#: These timings, and the other tables' with dropout, drew chapter 2's mask order (a Philox call
+#: per 8 neighbouring keys); the tiles were not timed again with :func:`_attention_keep_mask`'s.
 FWD_DROPOUT_TILES: TileTable = (
     (64, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)),
     (128, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)),
@@ -346,13 +351,73 @@ def program_order(band: tuple[int, int], sq: int, sk: int, head_dim: int, by_key
 
 
 # ---------------------------------------------------------------------------------------------
+# The dropout mask
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attention_keep_mask(seed, row0, m0, n0, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask, bool [BLOCK_M, BLOCK_N], of queries m0 + [0, BLOCK_M) and keys
+    n0 + [0, BLOCK_N) of the head whose first row is ``row0`` = (b·hq + h)·sq (m0 and n0
+    multiples of 16; BLOCK_M and BLOCK_N too, as every tile of a product is).
+
+    Philox-4x32-10 call (counter (j & ~8, row0 + (i & ~9), 0, 0), key ``seed``) gives the 16
+    bits of the 8 scores (i ^ {0, 1, 8, 9}, j ^ {0, 8}): word 2·bit3(i) + bit3(j), its low half
+    for even i, its high half for odd i; kept iff the bits are >= T.
+
+    Why these 8: the dK/dV kernel holds its tiles transposed, [keys, queries], in Hopper's
+    tensor-core accumulator layout, where one thread holds the query pairs (2c, 2c + 1) at
+    steps of 8 of the key rows r and r + 8: bits 0 and 3 of the query and bit 3 of the key
+    are a thread's own, so the draw needs no value from another thread (no shared memory,
+    no barrier). Chapter 2's order (8 neighbouring keys per call) put each call's values in
+    8 threads there. The forward and the dQ kernel hold [queries, keys] tiles, where i and
+    i + 1 sit in neighbouring rows of threads: their masks cross threads once per tile.
+    Measured on the H200 (bf16, dropout 0.1, kernels alone, CUDA-graph replays, ms, forward /
+    backward), chapter 2's order against this one: causal [4, 16, 2048, 128] 0.306 / 0.809
+    against 0.322 / 0.706, non-causal 0.556 / 1.399 against 0.615 / 1.190, causal
+    [2, 16, 8192, 128] 2.156 / 5.240 against 2.292 / 4.466, causal [8, 12, 1024, 64] 0.111 /
+    0.241 against 0.118 / 0.217 (the backward with atomic dQ; the deterministic one at the
+    first shape 0.920 against 0.850).
+    """
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "the mask's tiles are multiples of 16")
+    a = tl.arange(0, BLOCK_M // 4)  # the calls' queries: i with bits 0 and 3 clear
+    c = tl.arange(0, BLOCK_N // 2)  # their keys: j with bit 3 clear
+    i = m0 + (a // 4) * 16 + (a % 4) * 2
+    j = n0 + (c // 8) * 16 + c % 8
+    c0 = j[None, :] + tl.zeros_like(i)[:, None]  # [BM/4, BN/2]
+    c1 = (row0 + i).to(tl.int32)[:, None] + tl.zeros_like(j)[None, :]
+    zero = tl.zeros_like(c0)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero, zero)
+    w = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [BM/4, BN/2, bit3(i), bit3(j)]: word 2·bit3(i) + bit3(j)
+    bits16 = tl.join(w & 0xFFFF, w >> 16)  # [..., bit0(i)]: the low half for even i
+    keep = bits16.to(tl.int32) >= T  # compared as int32 (see _keep_mask)
+    # [i // 16, (i // 2) % 4, j // 16, j % 8, bit3(i), bit3(j), bit0(i)] -> [i, j]
+    keep = tl.reshape(keep, [BLOCK_M // 16, 4, BLOCK_N // 16, 8, 2, 2, 2])
+    keep = tl.permute(keep, [0, 4, 1, 6, 2, 5, 3])
+    return tl.reshape(keep, [BLOCK_M, BLOCK_N])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _flash_dropout_mask_kernel(SEED_ptr, OUT_ptr, sq, sk, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT (int8 [b·hq, sq, sk], contiguous) = the keep mask: one program per tile
+    (query tile, key tile, b·hq)."""
+    pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row0 = bh.to(tl.int64) * sq
+    m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+    keep = _attention_keep_mask(tl.load(SEED_ptr), row0, m0, n0, T, BLOCK_M, BLOCK_N)
+    offs_m, offs_n = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N)
+    tl.store(OUT_ptr + (row0 + offs_m)[:, None] * sk + offs_n[None, :], keep.to(tl.int8),
+             mask=(offs_m < sq)[:, None] & (offs_n < sk)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
-               seed, rows, offs_m, offs_d, m_ok, lo, hi, sk, band_lo, band_hi, qk_scale, T, b, hk,
+               seed, row0, m0, offs_m, offs_d, m_ok, lo, hi, sk, band_lo, band_hi, qk_scale, T, b, hk,
                KV_TMA: tl.constexpr, EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                PRECISION: tl.constexpr):
@@ -391,7 +456,7 @@ def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:  # l keeps every probability; acc only the kept ones (rescaled at the end)
-            keep = _keep_mask_joined(seed, rows, start_n // BLOCK_N, T, BLOCK_M, BLOCK_N)
+            keep = _attention_keep_mask(seed, row0, m0, start_n, T, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         if KV_TMA:
             v = tl.reshape(v_base.load([b, start_n, hk, 0]), [BLOCK_N, HEAD_DIM])
@@ -524,21 +589,24 @@ def _flash_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     seed = 0
-    rows = (b64 * n_heads + h) * sq + offs_m  # the dropout mask's rows: (b·hq + h)·sq + i
+    row0 = (b64 * n_heads + h) * sq  # the dropout mask's first row: (b·hq + h)·sq
     if DROPOUT:
         seed = tl.load(SEED_ptr)
 
     m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
     lo, a, bb, hi = _tile_ranges(m0, m_last, band_lo, band_hi, sk, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq,
-                               stride_mk, seed, rows, offs_m, offs_d, m_ok, lo, a, sk, band_lo, band_hi, qk_scale, T,
-                               b, hk, KV_TMA, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                               stride_mk, seed, row0, m0, offs_m, offs_d, m_ok, lo, a, sk, band_lo, band_hi,
+                               qk_scale, T, b, hk, KV_TMA, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
+                               PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq,
-                               stride_mk, seed, rows, offs_m, offs_d, m_ok, a, bb, sk, band_lo, band_hi, qk_scale, T,
-                               b, hk, KV_TMA, False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                               stride_mk, seed, row0, m0, offs_m, offs_d, m_ok, a, bb, sk, band_lo, band_hi,
+                               qk_scale, T, b, hk, KV_TMA, False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
+                               PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq,
-                               stride_mk, seed, rows, offs_m, offs_d, m_ok, bb, hi, sk, band_lo, band_hi, qk_scale, T,
-                               b, hk, KV_TMA, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
+                               stride_mk, seed, row0, m0, offs_m, offs_d, m_ok, bb, hi, sk, band_lo, band_hi,
+                               qk_scale, T, b, hk, KV_TMA, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT,
+                               PRECISION)
 
     empty = l_i == 0.0  # nothing visible and no sink: output 0, LSE -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -614,16 +682,15 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < sq
-        if DROPOUT and ATOMIC_DQ and HEAD_DIM > 64:
+        if DROPOUT and ATOMIC_DQ:
             # the keep mask drawn here, first in the step, while the last step's dK and dV
             # products (asynchronous) are still running: the draw's integer work overlaps them.
-            # Drawn after dP's product (below), where nothing is in flight, this backward takes
-            # 8-9 % longer on an H200 (dropout 0.1, kernel alone: causal [4, 16, 2048, 128]
-            # 0.875 against 0.809 ms, [2, 16, 8192, 128] 5.763 against 5.242; the same bits).
-            # The other forms draw it below, after dP: drawn first, their sm_90 code spills
-            # more (the deterministic d = 128 kernel's local loads and stores 815 -> 1083, the
-            # atomic d = 64 one's 355 -> 391).
-            keepT = tl.trans(_keep_mask_joined(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
+            # Measured on an H200 (dropout 0.1, kernel alone, ms), drawn first against drawn
+            # after dP's product (below): causal [4, 16, 2048, 128] 0.706 against 0.712,
+            # [2, 16, 8192, 128] 4.466 against 4.530, causal [8, 12, 1024, 64] 0.215 against
+            # 0.217. The deterministic form draws it after dP: drawn first, it took 0.869
+            # against 0.847 ms at the first shape.
+            keepT = tl.trans(_attention_keep_mask(seed, row0, start_m, n_tile * BLOCK_N, T, BLOCK_M, BLOCK_N))
         if QDO_TMA:
             qT = tl.trans(tl.reshape(q_base.load([b, start_m, h, 0]), [BLOCK_M, HEAD_DIM])).to(DOT)
         else:
@@ -652,8 +719,8 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
                          other=0.0)
         dpT = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]: (dO·vᵀ)ᵀ
         if DROPOUT:  # dV takes the dropped P, dP the gradient through the dropout
-            if not (ATOMIC_DQ and HEAD_DIM > 64):
-                keepT = tl.trans(_keep_mask_joined(seed, row0 + offs_m, n_tile, T, BLOCK_M, BLOCK_N))
+            if not ATOMIC_DQ:
+                keepT = tl.trans(_attention_keep_mask(seed, row0, start_m, n_tile * BLOCK_N, T, BLOCK_M, BLOCK_N))
             # the kept P, unscaled: dV takes 1/(1 - p') once, in float32, at the end (the caller),
             # so no P·scale is rounded to 16 bits (float16 overflows at P·65536 for p' = 1 - 2^-16)
             pdT = tl.where(keepT, pT, 0.0)
@@ -765,7 +832,7 @@ def _flash_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
-              seed, rows, offs_m, offs_d, m_ok, lo, hi, sk, band_lo, band_hi, qk_scale, T, keep_scale, b, hk,
+              seed, row0, m0, offs_m, offs_d, m_ok, lo, hi, sk, band_lo, band_hi, qk_scale, T, keep_scale, b, hk,
               KV_TMA: tl.constexpr, EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
               PRECISION: tl.constexpr):
@@ -799,7 +866,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, vT.to(DOT), input_precision=PRECISION)
         if DROPOUT:
-            keep = _keep_mask_joined(seed, rows, start_n // BLOCK_N, T, BLOCK_M, BLOCK_N)
+            keep = _attention_keep_mask(seed, row0, m0, start_n, T, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kT.dtype).to(DOT), tl.trans(kT.to(DOT)), dq, input_precision=PRECISION)
@@ -840,7 +907,8 @@ def _flash_bwd_dq_kernel(
                 mask=ld, other=0.0).to(DOT)
     do = tl.load(DO_ptr + b64 * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dos
                  + offs_d[None, :], mask=ld, other=0.0).to(DOT)
-    rows = (b64 * n_heads + h) * sq + offs_m
+    row0 = (b64 * n_heads + h) * sq  # the dropout mask's first row
+    rows = row0 + offs_m
     lse = tl.load(LSE_ptr + rows, mask=m_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # an empty row: P = 0
     delta = tl.load(DELTA_ptr + rows, mask=m_ok, other=0.0)
@@ -858,13 +926,13 @@ def _flash_bwd_dq_kernel(
     m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
     lo, a, bb, hi = _tile_ranges(m0, m_last, band_lo, band_hi, sk, BLOCK_N)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
-                   seed, rows, offs_m, offs_d, m_ok, lo, a, sk, band_lo, band_hi, qk_scale, T, keep_scale,
+                   seed, row0, m0, offs_m, offs_d, m_ok, lo, a, sk, band_lo, band_hi, qk_scale, T, keep_scale,
                    b, hk, KV_TMA, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
-                   seed, rows, offs_m, offs_d, m_ok, a, bb, sk, band_lo, band_hi, qk_scale, T, keep_scale,
+                   seed, row0, m0, offs_m, offs_d, m_ok, a, bb, sk, band_lo, band_hi, qk_scale, T, keep_scale,
                    b, hk, KV_TMA, False, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, mask_base, stride_mq, stride_mk,
-                   seed, rows, offs_m, offs_d, m_ok, bb, hi, sk, band_lo, band_hi, qk_scale, T, keep_scale,
+                   seed, row0, m0, offs_m, offs_d, m_ok, bb, hi, sk, band_lo, band_hi, qk_scale, T, keep_scale,
                    b, hk, KV_TMA, True, MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ_ptr + b64 * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
@@ -1414,13 +1482,30 @@ def _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, ti
 
 def flash_attn_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], p: float) -> torch.Tensor:
     """The keep mask the kernels draw for ``seed``, as bool [b, hq, sq, sk] (True = kept):
-    for tests and the book (the kernels never write it). Element (b, h, i, j) is row
-    (b·hq + h)·sq + i, column j of chapter 2's mask: the same as
-    :func:`~fusedlib.kernels.softmax.softmax_dropout_mask` on scores of that shape.
+    for tests and the book (the kernels never write it). Element (b, h, i, j) is query i, key j
+    of row block (b·hq + h)·sq in :func:`_attention_keep_mask`'s order, drawn by that same
+    function, so the bits are the kernels' by construction.
 
     Args:
         seed: int64 [1] Philox key on the device to run on.
-        shape: (b, hq, sq, sk).
-        p: the dropout probability.
+        shape: (b, hq, sq, sk), each >= 0.
+        p: the dropout probability in [0, 1].
+
+    Returns:
+        bool [b, hq, sq, sk] on ``seed``'s device.
+
+    Raises:
+        ValueError: ``shape`` not four non-negative ints, or ``seed`` not an int64 tensor of one
+            element.
     """
-    return softmax_dropout_mask(seed, tuple(shape), p)
+    if len(shape) != 4 or any(not isinstance(n, numbers.Integral) or n < 0 for n in shape):
+        raise ValueError(f"shape must be four non-negative ints (b, hq, sq, sk), got {tuple(shape)!r}")
+    if not (isinstance(seed, torch.Tensor) and seed.dtype == torch.int64 and seed.numel() == 1):
+        raise ValueError(f"seed must be an int64 tensor of one element, got {seed!r}")
+    B, H, SQ, SK = (int(n) for n in shape)
+    out = torch.empty((B * H, SQ, SK), dtype=torch.int8, device=seed.device)
+    if out.numel() > 0:
+        block = 64
+        launch(_flash_dropout_mask_kernel, (cdiv(SQ, block), cdiv(SK, block), B * H), seed.device, seed, out, SQ, SK,
+               drop_threshold(p), BLOCK_M=block, BLOCK_N=block, num_warps=4)
+    return out.view(B, H, SQ, SK).bool()
