@@ -304,11 +304,14 @@ def test_dropout_mask_is_philox_as_documented(shape):
 
 
 @pytest.mark.parametrize("shape, match", [((1, 2, 3), "shape"), ((1, 2, -3, 4), "shape"), ((1, 2, 3.0, 4), "shape")])
-def test_dropout_mask_bad_shape(shape, match):
+def test_dropout_mask_bad_input(shape, match):
     with pytest.raises(ValueError, match=match):
         flash_attn_dropout_mask(philox_seed(DEVICE), shape, 0.1)
     with pytest.raises(ValueError, match="seed"):
         flash_attn_dropout_mask(torch.zeros(2, dtype=torch.int64, device=DEVICE), (1, 1, 2, 2), 0.1)
+    for p in (1.5, -0.1, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match="p must be"):
+            flash_attn_dropout_mask(philox_seed(DEVICE), (1, 1, 2, 2), p)
 
 
 def test_dropout_statistics_from_the_output(tiles):
