@@ -306,12 +306,14 @@ def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[i
 #: taken where the band makes the blocks' costs differ (:func:`program_order`). Timed on the
 #: H200 (bf16, kernel ms, CUDA-graph replays; ``tools/attention_order.py`` ->
 #: ``attention_order.json``, the grid's order against groups of 8 / 16 / every pair): causal
-#: [4, 16, 2048, 128] forward 0.183 against 0.176 / 0.176 / 0.191, with dropout 0.337 against 0.307 / 0.306 / 0.311, deterministic
-#: backward 0.660 against 0.611 / 0.611 / 0.643, atomic 0.614 against 0.567 / 0.565 / 0.578,
-#: atomic with dropout 0.973 against 0.874 / 0.873 / 0.887; causal [2, 16, 8192, 128] groups of 8
-#: 2-5 % faster in every form, 16 and every pair slower than 8 (forward 1.218 against 1.360 and
-#: 1.372, the grid's 1.241). At causal [8, 32, 1024, 64] groups of 8 were slower in three forms
-#: of four (deterministic backward 0.471 against 0.414): d <= 64 keeps the grid's order, as
+#: [4, 16, 2048, 128] forward 0.181 against 0.172 / 0.174 / 0.189, with dropout 0.367 against
+#: 0.325 / 0.325 / 0.324, deterministic backward 0.654 against 0.599 / 0.601 / 0.642, atomic 0.615
+#: against 0.568 / 0.565 / 0.572, atomic with dropout 0.767 against 0.707 / 0.704 / 0.708; causal
+#: [2, 16, 8192, 128] groups of 8 3-8 % faster in four forms, 3 % slower in the forward without
+#: dropout (1.274 against the grid's 1.241; 16 and every pair 1.333 and 1.294). At causal
+#: [8, 32, 1024, 64] groups of 8 were slower in two forms of four (deterministic backward 0.470
+#: against 0.407, forward 0.134 against 0.125), level in the forward with dropout, 3 % faster in
+#: the atomic backward with dropout (0.500 against 0.519): d <= 64 keeps the grid's order, as
 #: d = 256 (not measured).
 SCHEDULE_HEADS: tuple[tuple[int, int], ...] = ((64, 1), (128, 8), (256, 1))
 
