@@ -1249,12 +1249,13 @@ LOADS_BY_TMA: bool = True
 #: Where the kernels take the TMA loads: for each form of launch, the head dims at which they
 #: measured faster on the H200 (``python tools/attention_loads.py``, stored as
 #: ``chapters/data/bench/attention_loads.json``; bf16, kernel only, CUDA-graph replays, ms,
-#: pointer / TMA loads at causal [4, 16, 2048, 128]): the forward without dropout (0.191 /
-#: 0.182), the deterministic backward (0.681 / 0.658; with dropout 1.039 / 1.016), at d = 128,
+#: pointer / TMA loads at causal [4, 16, 2048, 128]): the forward without dropout (0.183 /
+#: 0.173), the deterministic backward (0.616 / 0.596; with dropout 0.876 / 0.853), at d = 128,
 #: faster at every d = 128 case. Slower, so left on pointer loads: the forward with dropout
-#: (0.333 / 0.359), the backward with atomic dQ (0.615 / 0.769: compiled for sm_90 its q and dO
-#: stages take 210 KB of shared memory instead of 129) and every form at d = 64. d = 256: not
-#: measured.
+#: (0.326 / 0.339), the backward with atomic dQ (0.567 / 0.717: compiled for sm_90 its q and dO
+#: stages take 210 KB of shared memory instead of 129) and four forms of five at d = 64 (the
+#: fifth, the atomic backward with dropout, 1 % faster by TMA at the one d = 64 case, 0.515 /
+#: 0.508, is not taken). d = 256: not measured.
 TMA_LOADS: dict[str, tuple[int, ...]] = {
     "forward": (128,),  # without dropout
     "forward_dropout": (),
