@@ -309,7 +309,7 @@ def test_dropout_mask_bad_input(shape, match):
         flash_attn_dropout_mask(philox_seed(DEVICE), shape, 0.1)
     with pytest.raises(ValueError, match="seed"):
         flash_attn_dropout_mask(torch.zeros(2, dtype=torch.int64, device=DEVICE), (1, 1, 2, 2), 0.1)
-    for p in (1.5, -0.1, float("nan"), "0.1"):
+    for p in (1.5, -0.1, float("nan"), "0.1", True):
         with pytest.raises(ValueError, match="p must be"):
             flash_attn_dropout_mask(philox_seed(DEVICE), (1, 1, 2, 2), p)
 

@@ -1503,7 +1503,7 @@ def flash_attn_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int]
     """
     if len(shape) != 4 or any(not isinstance(n, numbers.Integral) or n < 0 for n in shape):
         raise ValueError(f"shape must be four non-negative ints (b, hq, sq, sk), got {tuple(shape)!r}")
-    if not (isinstance(p, numbers.Real) and 0.0 <= p <= 1.0):
+    if not (isinstance(p, numbers.Real) and not isinstance(p, bool) and 0.0 <= p <= 1.0):
         raise ValueError(f"p must be a number in [0, 1], got {p!r}")
     if not (isinstance(seed, torch.Tensor) and seed.dtype == torch.int64 and seed.numel() == 1):
         raise ValueError(f"seed must be an int64 tensor of one element, got {seed!r}")
