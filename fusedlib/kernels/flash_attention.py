@@ -670,7 +670,7 @@ def _flash_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
-                mask_base, stride_mq, stride_mk, seed, row0, n_tile, offs_n, offs_d, lo, hi, sq, band_lo, band_hi,
+                mask_base, stride_mq, stride_mk, seed, row0, n0, offs_n, offs_d, lo, hi, sq, band_lo, band_hi,
                 qk_scale, T, keep_scale, dqacc_base, bh, b, h,
                 QDO_TMA: tl.constexpr, EDGE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -692,7 +692,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
             # [2, 16, 8192, 128] 4.466 against 4.530, causal [8, 12, 1024, 64] 0.215 against
             # 0.217. The deterministic form draws it after dP: drawn first, it took 0.869
             # against 0.847 ms at the first shape.
-            keepT = tl.trans(_attention_keep_mask(seed, row0, start_m, n_tile * BLOCK_N, T, BLOCK_M, BLOCK_N))
+            keepT = tl.trans(_attention_keep_mask(seed, row0, start_m, n0, T, BLOCK_M, BLOCK_N))
         if QDO_TMA:
             qT = tl.trans(tl.reshape(q_base.load([b, start_m, h, 0]), [BLOCK_M, HEAD_DIM])).to(DOT)
         else:
@@ -722,7 +722,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, 
         dpT = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]: (dO·vᵀ)ᵀ
         if DROPOUT:  # dV takes the dropped P, dP the gradient through the dropout
             if not ATOMIC_DQ:
-                keepT = tl.trans(_attention_keep_mask(seed, row0, start_m, n_tile * BLOCK_N, T, BLOCK_M, BLOCK_N))
+                keepT = tl.trans(_attention_keep_mask(seed, row0, start_m, n0, T, BLOCK_M, BLOCK_N))
             # the kept P, unscaled: dV takes 1/(1 - p') once, in float32, at the end (the caller),
             # so no P·scale is rounded to 16 bits (float16 overflows at P·65536 for p' = 1 - 2^-16)
             pdT = tl.where(keepT, pT, 0.0)
@@ -814,15 +814,15 @@ def _flash_bwd_dkdv_kernel(
         if MASK_KIND == 1:  # the same for every query: read once per head
             kmask = tl.load(mask_base + offs_n * stride_mk, mask=n_ok, other=1).to(tl.int8)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
-                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, lo, a, sq, band_lo,
+                             mask_base, stride_mq, stride_mk, seed, row0, n0, offs_n, offs_d, lo, a, sq, band_lo,
                              band_hi, qk_scale, T, keep_scale, dqacc_base, bh, b, h, QDO_TMA, True, ATOMIC_DQ, DQ_TMA,
                              MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
-                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, a, bb, sq, band_lo,
+                             mask_base, stride_mq, stride_mk, seed, row0, n0, offs_n, offs_d, a, bb, sq, band_lo,
                              band_hi, qk_scale, T, keep_scale, dqacc_base, bh, b, h, QDO_TMA, False, ATOMIC_DQ, DQ_TMA,
                              MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, stride_qs, stride_dos, lse_base, delta_base, kmask,
-                             mask_base, stride_mq, stride_mk, seed, row0, pid_n, offs_n, offs_d, bb, hi, sq, band_lo,
+                             mask_base, stride_mq, stride_mk, seed, row0, n0, offs_n, offs_d, bb, hi, sq, band_lo,
                              band_hi, qk_scale, T, keep_scale, dqacc_base, bh, b, h, QDO_TMA, True, ATOMIC_DQ, DQ_TMA,
                              MASK_KIND, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT, PRECISION)
     dk = dk * sm_scale
@@ -1483,7 +1483,7 @@ def _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, ti
     return _BwdPlan(False, pre, pre_ints, main, main_ints, last, last_ints, tail, dq_box, qdo_boxes, kv_boxes)
 
 
-def flash_attn_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], p: float) -> torch.Tensor:
+def flash_attn_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], dropout_p: float) -> torch.Tensor:
     """The keep mask the kernels draw for ``seed``, as bool [b, hq, sq, sk] (True = kept):
     for tests and the book (the kernels never write it). Element (b, h, i, j) is query i, key j
     of row block (b·hq + h)·sq in :func:`_attention_keep_mask`'s order, drawn by that same
@@ -1492,25 +1492,22 @@ def flash_attn_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int]
     Args:
         seed: int64 [1] Philox key on the device to run on.
         shape: (b, hq, sq, sk), each >= 0.
-        p: the dropout probability in [0, 1].
+        dropout_p: the dropout probability, as the kernels take it (:func:`_dropout_args`).
 
     Returns:
         bool [b, hq, sq, sk] on ``seed``'s device.
 
     Raises:
-        ValueError: ``shape`` not four non-negative ints, ``seed`` not an int64 tensor of one
-            element, or ``p`` not a number in [0, 1].
+        ValueError: ``shape`` not four non-negative ints; ``seed`` or ``dropout_p`` not what the
+            kernels take (:func:`_dropout_args`).
     """
     if len(shape) != 4 or any(not isinstance(n, numbers.Integral) or n < 0 for n in shape):
         raise ValueError(f"shape must be four non-negative ints (b, hq, sq, sk), got {tuple(shape)!r}")
-    if not (isinstance(p, numbers.Real) and not isinstance(p, bool) and 0.0 <= p <= 1.0):
-        raise ValueError(f"p must be a number in [0, 1], got {p!r}")
-    if not (isinstance(seed, torch.Tensor) and seed.dtype == torch.int64 and seed.numel() == 1):
-        raise ValueError(f"seed must be an int64 tensor of one element, got {seed!r}")
+    T, _ = _dropout_args(seed, dropout_p, getattr(seed, "device", None))
     B, H, SQ, SK = (int(n) for n in shape)
     out = torch.empty((B * H, SQ, SK), dtype=torch.int8, device=seed.device)
     if out.numel() > 0:
         block = 64
         launch(_flash_dropout_mask_kernel, (cdiv(SQ, block), cdiv(SK, block), B * H), seed.device, seed, out, SQ, SK,
-               drop_threshold(p), BLOCK_M=block, BLOCK_N=block, num_warps=4)
+               T, BLOCK_M=block, BLOCK_N=block, num_warps=4)
     return out.view(B, H, SQ, SK).bool()
