@@ -184,8 +184,13 @@ FWD_TILES: TileTable = (
 #: 0.392; non-causal 0.555 against 0.659; causal [8, 32, 1024, 64] 0.252 against 0.256;
 #: [128, *] at 8 warps 0.360-0.407 at the first. The backward's tiles, timed with dropout at
 #: the same shapes, stayed. Head dims above 128 keep FWD_TILES's tile (not measured with dropout).
-#: These timings, and the other tables' with dropout, drew chapter 2's mask order (a Philox call
-#: per 8 neighbouring keys); the tiles were not timed again with :func:`_attention_keep_mask`'s.
+#: These timings drew chapter 2's mask order (a Philox call per 8 neighbouring keys). With
+#: :func:`_attention_keep_mask`'s order, 9 tiles timed again (same timer): [64, 32] at 4 warps and
+#: 3 stages 0.325 ms at causal [4, 16, 2048, 128] (the next, [64, 64] at 2 stages, 0.329;
+#: [128, 64] at 8 warps 0.343), 0.615 non-causal ([64, 64] at 2 stages 0.586, 5 % less), 0.118
+#: at causal [8, 12, 1024, 64] ([64, 64] at 3 stages 0.117) and 0.274 at [8, 32, 1024, 64]
+#: ([64, 64] at 3 stages 0.278): no tile faster at every case, the table kept. The backward
+#: tables' dropout rows were timed with chapter 2's order only.
 FWD_DROPOUT_TILES: TileTable = (
     (64, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)),
     (128, Tile(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)),
@@ -306,14 +311,14 @@ def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[i
 #: taken where the band makes the blocks' costs differ (:func:`program_order`). Timed on the
 #: H200 (bf16, kernel ms, CUDA-graph replays; ``tools/attention_order.py`` ->
 #: ``attention_order.json``, the grid's order against groups of 8 / 16 / every pair): causal
-#: [4, 16, 2048, 128] forward 0.181 against 0.172 / 0.174 / 0.189, with dropout 0.367 against
-#: 0.325 / 0.325 / 0.324, deterministic backward 0.654 against 0.599 / 0.601 / 0.642, atomic 0.615
-#: against 0.568 / 0.565 / 0.572, atomic with dropout 0.767 against 0.707 / 0.704 / 0.708; causal
-#: [2, 16, 8192, 128] groups of 8 3-8 % faster in four forms, 3 % slower in the forward without
-#: dropout (1.274 against the grid's 1.241; 16 and every pair 1.333 and 1.294). At causal
-#: [8, 32, 1024, 64] groups of 8 were slower in two forms of four (deterministic backward 0.470
-#: against 0.407, forward 0.134 against 0.125), level in the forward with dropout, 3 % faster in
-#: the atomic backward with dropout (0.500 against 0.519): d <= 64 keeps the grid's order, as
+#: [4, 16, 2048, 128] forward 0.180 against 0.170 / 0.172 / 0.185, with dropout 0.366 against
+#: 0.324 / 0.325 / 0.324, deterministic backward 0.654 against 0.596 / 0.600 / 0.628, atomic 0.616
+#: against 0.567 / 0.565 / 0.570, atomic with dropout 0.768 against 0.706 / 0.702 / 0.708; causal
+#: [2, 16, 8192, 128] groups of 8 3-8 % faster in four forms, 2 % slower in the forward without
+#: dropout (1.250 against the grid's 1.226; 16 and every pair 1.306 and 1.298). At causal
+#: [8, 32, 1024, 64] groups of 8 were slower in two forms of four (deterministic backward 0.466
+#: against 0.404, forward 0.133 against 0.125), level in the forward with dropout, 3 % faster in
+#: the atomic backward with dropout (0.500 against 0.515): d <= 64 keeps the grid's order, as
 #: d = 256 (not measured).
 SCHEDULE_HEADS: tuple[tuple[int, int], ...] = ((64, 1), (128, 8), (256, 1))
 
@@ -1249,13 +1254,13 @@ LOADS_BY_TMA: bool = True
 #: Where the kernels take the TMA loads: for each form of launch, the head dims at which they
 #: measured faster on the H200 (``python tools/attention_loads.py``, stored as
 #: ``chapters/data/bench/attention_loads.json``; bf16, kernel only, CUDA-graph replays, ms,
-#: pointer / TMA loads at causal [4, 16, 2048, 128]): the forward without dropout (0.183 /
-#: 0.173), the deterministic backward (0.616 / 0.596; with dropout 0.876 / 0.853), at d = 128,
+#: pointer / TMA loads at causal [4, 16, 2048, 128]): the forward without dropout (0.181 /
+#: 0.171), the deterministic backward (0.609 / 0.597; with dropout 0.875 / 0.850), at d = 128,
 #: faster at every d = 128 case. Slower, so left on pointer loads: the forward with dropout
-#: (0.326 / 0.339), the backward with atomic dQ (0.567 / 0.717: compiled for sm_90 its q and dO
+#: (0.326 / 0.339), the backward with atomic dQ (0.568 / 0.717: compiled for sm_90 its q and dO
 #: stages take 210 KB of shared memory instead of 129) and four forms of five at d = 64 (the
 #: fifth, the atomic backward with dropout, 1 % faster by TMA at the one d = 64 case, 0.515 /
-#: 0.508, is not taken). d = 256: not measured.
+#: 0.509, is not taken). d = 256: not measured.
 TMA_LOADS: dict[str, tuple[int, ...]] = {
     "forward": (128,),  # without dropout
     "forward_dropout": (),
