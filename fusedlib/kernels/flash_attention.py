@@ -315,7 +315,7 @@ def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[i
 #: 0.324 / 0.325 / 0.324, deterministic backward 0.654 against 0.596 / 0.600 / 0.628, atomic 0.616
 #: against 0.567 / 0.565 / 0.570, atomic with dropout 0.768 against 0.706 / 0.702 / 0.708; causal
 #: [2, 16, 8192, 128] groups of 8 3-8 % faster in four forms, 2 % slower in the forward without
-#: dropout (1.250 against the grid's 1.226; 16 and every pair 1.306 and 1.298). At causal
+#: dropout (1.250 against the grid's 1.226; 16 and every pair 1.305 and 1.298). At causal
 #: [8, 32, 1024, 64] groups of 8 were slower in two forms of four (deterministic backward 0.466
 #: against 0.404, forward 0.133 against 0.125), level in the forward with dropout, 3 % faster in
 #: the atomic backward with dropout (0.500 against 0.515): d <= 64 keeps the grid's order, as
@@ -1255,9 +1255,9 @@ LOADS_BY_TMA: bool = True
 #: measured faster on the H200 (``python tools/attention_loads.py``, stored as
 #: ``chapters/data/bench/attention_loads.json``; bf16, kernel only, CUDA-graph replays, ms,
 #: pointer / TMA loads at causal [4, 16, 2048, 128]): the forward without dropout (0.181 /
-#: 0.171), the deterministic backward (0.609 / 0.597; with dropout 0.875 / 0.850), at d = 128,
+#: 0.171), the deterministic backward (0.609 / 0.597; with dropout 0.875 / 0.849), at d = 128,
 #: faster at every d = 128 case. Slower, so left on pointer loads: the forward with dropout
-#: (0.326 / 0.339), the backward with atomic dQ (0.568 / 0.717: compiled for sm_90 its q and dO
+#: (0.326 / 0.339), the backward with atomic dQ (0.567 / 0.717: compiled for sm_90 its q and dO
 #: stages take 210 KB of shared memory instead of 129) and four forms of five at d = 64 (the
 #: fifth, the atomic backward with dropout, 1 % faster by TMA at the one d = 64 case, 0.515 /
 #: 0.509, is not taken). d = 256: not measured.
