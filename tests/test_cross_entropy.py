@@ -537,3 +537,65 @@ def test_a_bool_label_smoothing_and_an_ignore_index_beyond_int64_are_named(path)
         fn(logits, target, label_smoothing=False)  # read as 0 before (True was refused as >= 1)
     with pytest.raises(ValueError, match=r"ignore_index must be an int in \[-2\^63, 2\^63\)"):
         fn(logits, target, ignore_index=2 ** 70)  # Triton's OverflowError before
+
+
+class _TwoRankStandIn:
+    """Rank 0 of a group of two, in one process: with ``torch.distributed.all_reduce`` patched to
+    the identity the collectives add nothing, so the loss of a target in this rank's shard
+    [0, V) is the cross entropy of the shard alone, computed by the multi-rank code path."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("ranks", (1, 2))
+def test_an_int32_target_with_an_ignore_index_beyond_int32_ignores_nothing(path, ranks, monkeypatch):
+    # No int32 id equals ignore_index = 2**32 + 3, but torch wraps a Python int to the tensor's
+    # dtype when it compares (t != 2**32 + 3 is t != 3): the loss of every target 3 was zero,
+    # silently, on the unfused path and on the fused path with several ranks (its gradient
+    # was not: the kernels compare in int64).
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: None)
+    x, t = _inputs((4, 3), 7, torch.float32, n_ignored=0)
+    t.view(-1)[::2] = 3
+    t32 = t.int()
+    loss = ce(path, x, t32, ignore_index=2 ** 32 + 3, tp_group=None if ranks == 1 else _TwoRankStandIn())
+    x64 = x.detach().double()
+    assert_close(loss, unfused.cross_entropy(x64, t, 0.0, -100), torch.float32, scale=math.log(7))
+    g = torch.randn(t.shape, device=DEVICE)
+    loss.backward(g)
+    assert_close(x.grad, unfused.cross_entropy_grad(x64, t, g.double(), 0.0, -100), torch.float32)
+    assert t32.dtype == torch.int32 and torch.equal(t32, t.int())  # the caller's target: untouched
+
+
+def test_an_int32_target_with_an_ignore_index_beyond_int32_reads_no_row_past_the_end(seed):
+    # The kernels load the target with other=ignore_index, which Triton casts to the target's
+    # int32: 2**32 + 1 became id 1, so the padding rows of the last program counted as active
+    # and read the logits (and grad_output) past the tensor's end. One row with a row stride
+    # of 10**11 elements puts those reads at unmapped addresses: a segmentation fault on the
+    # CPU before the fix (an illegal address or garbage reads on CUDA), hence a subprocess.
+    code = textwrap.dedent("""
+        import torch, fusedlib, torch.nn.functional as F
+        from fusedlib.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+        from fusedlib.parallel import vocab_parallel_cross_entropy
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.manual_seed(SEED)  # this test's seed (conftest), handed to the subprocess
+        base = torch.randn(6, device=dev)
+        x = base.as_strided((1, 6), (10**11, 1)).requires_grad_(True)  # one row: any row stride is valid
+        t = torch.tensor([1], dtype=torch.int32, device=dev)
+        ref = F.cross_entropy(base.double()[None], t.long(), reduction="none")
+        for fn in (fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy):
+            x.grad = None
+            loss = fn(x, t, ignore_index=2**32 + 1)
+            loss.backward(torch.ones_like(loss))
+            assert torch.allclose(loss.double(), ref, atol=1e-5), (fn.__name__, loss, ref)
+            assert torch.isfinite(x.grad).all()
+        print("no read past the end")
+    """).replace("SEED", str(seed))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and "no read past the end" in res.stdout, (res.returncode, res.stdout,
+                                                                          res.stderr[-3000:])

@@ -616,6 +616,22 @@ def _fsm(**kw):
         (lambda: SoftmaxOne(1, 0.0)(torch.randn(2, 3, 4, device=DEVICE)), ValueError, "works over the last dim"),
         (lambda: SoftmaxOne(-1, torch.zeros(3, device=DEVICE))(torch.randn(3, 4, device=DEVICE)), ValueError,
          "per-head denominator_offset needs x of shape"),
+        # SoftmaxOne's offset is named as SoftmaxOne names it (the messages said softmax_offset)
+        (lambda: SoftmaxOne(-1, torch.zeros(3, device=DEVICE))(torch.randn(1, 2, 3, 4, device=DEVICE)), ValueError,
+         r"^denominator_offset must have 1 or np = 2 elements"),
+        (lambda: SoftmaxOne(-1, torch.zeros(0, device=DEVICE))(torch.randn(3, 4, device=DEVICE)), ValueError,
+         r"^denominator_offset must have 1 or np = 1 elements"),
+        (lambda: SoftmaxOne(-1, torch.zeros(2, dtype=torch.long, device=DEVICE))(
+            torch.randn(1, 2, 3, 4, device=DEVICE)), TypeError, r"^denominator_offset must have dtype in"),
+        (lambda: SoftmaxOne(-1, "0.5")(torch.randn(3, 4, device=DEVICE)), TypeError,
+         r"^denominator_offset must be a real number, a floating tensor or None, got str"),
+        (lambda: SoftmaxOne(-1, math.nan)(torch.randn(3, 4, device=DEVICE)), ValueError,
+         r"^denominator_offset must be a finite number"),
+        (lambda: fused_scale_mask_softmax(torch.randn(1, 2, 3, 4, device=DEVICE), softmax_offset=True), TypeError,
+         r"^softmax_offset must be a real number, a floating tensor or None, got bool"),
+        # SoftmaxOne's dim: True passed as dim 1 of a 2-D input, 1.0 as well
+        (lambda: SoftmaxOne(True), TypeError, r"^dim must be an int \(the last dim: -1\) or None, got bool True"),
+        (lambda: SoftmaxOne(1.0), TypeError, r"^dim must be an int \(the last dim: -1\) or None, got float 1.0"),
         # causal: a non-bool was read as its truth value ("no" as True, None as False)
         (lambda: fused_scale_mask_softmax(torch.randn(1, 2, 3, 3, device=DEVICE), causal="no"), TypeError,
          "causal must be a bool, got str"),
@@ -728,3 +744,96 @@ def test_a_float_offset_out_of_range_is_named(offset, match):
     # -inf is no sink: the plain softmax
     assert_close(fused_scale_mask_softmax(x, None, softmax_offset=-math.inf), torch.softmax(x.double(), -1),
                  torch.float32)
+
+
+@pytest.mark.parametrize("window", [(2 ** 70, 0), (1, 2 ** 64 - 1), (2 ** 63 - 1, 2 ** 70)],
+                         ids=["left", "right", "both"])
+def test_a_window_wider_than_int64_is_unbounded_on_that_side(window):
+    # A side at least as wide as the sequence keeps every key on that side, whatever the int:
+    # before, a side beyond int64 raised Triton's OverflowError ("integer to be specialized too
+    # large to represent") from the kernels and torch's ("Overflow when unpacking long long")
+    # from the fallback and get_sliding_window_causal_mask, naming nothing; 2**63 - 1 with
+    # sq > sk overflowed the kernels' band (sk - sq - left < -2**63).
+    sq, sk = 7, 5
+    capped = tuple(w if w < sq + sk else -1 for w in window)
+    expected_mask = unfused.sliding_window_causal_mask(sq, sk, capped, device=DEVICE)
+    assert torch.equal(get_sliding_window_causal_mask(sq, sk, window, device=DEVICE), expected_mask)
+    x = _scores((1, 2, sq, sk), torch.float32)
+    g = _grad_like(x)
+    p64, dx64, _ = _reference(x, expected_mask, SCALE, g)
+    for fusion in (True, False):
+        x.grad = None
+        sm = _fsm(attn_mask_type=AttnMaskType.causal, scaled_masked_softmax_fusion=fusion, scale=SCALE,
+                  window_size=window)
+        p = sm(x, None)
+        p.backward(g)
+        assert_close(p, p64, torch.float32)
+        assert_close(x.grad, dx64, torch.float32)
+    assert_close(fused_scale_mask_softmax(x, None, SCALE, window_size=window), p64, torch.float32)
+
+
+@pytest.mark.parametrize("mask_type, window", [(AttnMaskType.causal, None), (AttnMaskType.padding, (1, 0))])
+def test_fallback_mask_on_another_device_raises_naming_it(mask_type, window):
+    # the fallback or-ed the caller's mask with the causal / window mask first: torch's
+    # "Tensor on device cpu is not on the expected device meta!", naming no argument
+    other = "cpu" if DEVICE.type == "cuda" else "meta"
+    x = torch.randn(1, 1, 3, 4, device=DEVICE)
+    mask = torch.zeros(1, 1, 3, 4, dtype=torch.bool, device=other)
+    with pytest.raises(ValueError, match=f"^mask must be on input's device .*, got mask on {other}"):
+        _fsm(attn_mask_type=mask_type, window_size=window, scaled_masked_softmax_fusion=False)(x, mask)
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_attributes_assigned_after_construction_apply_and_are_checked(fusion):
+    # Megatron-core's forward reads attn_mask_type, scale and window_size at every call; here
+    # the mask type's name was cached at construction, so a causal type assigned later was
+    # ignored (no causal mask, silently), and a NaN scale assigned later made the fallback NaN.
+    x = _scores((1, 2, 4, 4), torch.float32, requires_grad=False)
+    sm = _fsm(scaled_masked_softmax_fusion=fusion)
+    sm.attn_mask_type = AttnMaskType.causal
+    causal = unfused.causal_mask(4, 4, device=DEVICE)
+    assert sm.attn_mask_type is AttnMaskType.causal
+    assert_close(sm(x, None), unfused.masked_softmax_reference(x.double(), causal), torch.float32)
+    sm.scale, sm.window_size = 0.5, (1, 0)
+    assert (sm.scale, sm.window_size) == (0.5, (1, 0))
+    window = unfused.sliding_window_causal_mask(4, 4, (1, 0), device=DEVICE)
+    assert_close(sm(x, None), unfused.masked_softmax_reference(x.double(), window, 0.5), torch.float32)
+    with pytest.raises(TypeError, match="attn_mask_type must be an AttnMaskType"):
+        sm.attn_mask_type = "causal"
+    with pytest.raises(ValueError, match="scale must be finite"):
+        sm.scale = math.nan
+    with pytest.raises(TypeError, match="scale must be a real number or None"):
+        sm.scale = "2"
+    with pytest.raises(ValueError, match="window_size must be None or a pair"):
+        sm.window_size = (-5, 0)
+    assert (sm.attn_mask_type, sm.scale, sm.window_size) == (AttnMaskType.causal, 0.5, (1, 0))  # unchanged
+
+
+def test_offset_gradient_with_no_heads():
+    # np = 0 heads and a softmax_offset of 0 elements (one per head): the backward summed it to
+    # one scalar and failed to reshape it ("shape '[0]' is invalid for input of size 1")
+    x = torch.randn(2, 0, 3, 4, device=DEVICE, requires_grad=True)
+    off = torch.zeros(0, device=DEVICE, requires_grad=True)
+    p = fused_scale_mask_softmax(x, None, 1.0, softmax_offset=off)
+    p.sum().backward()
+    assert p.shape == x.shape and x.grad.shape == x.shape and off.grad.shape == (0,)
+
+
+@pytest.mark.parametrize("sink", ["inf", "float64_beyond_float32"])
+def test_an_infinite_sink_logit_takes_the_whole_row(sink):
+    # p_j = e^{x_j} / (e^o + sum_k e^{x_k}) -> 0 as o -> +inf, with zero gradients. The kernels
+    # subtracted the row's max, the sink's included, and computed inf - inf: the head's rows
+    # were NaN, forward and backward (a float64 sink of 1e300 for float32 scores too, inf once
+    # in the compute dtype). The other head is unaffected.
+    x = _scores((2, 2, 3, 5), torch.float32)
+    big = math.inf if sink == "inf" else 1e300
+    off = torch.tensor([big, 0.3], device=DEVICE, dtype=torch.float64).requires_grad_(True)
+    g = _grad_like(x)
+    p = fused_scale_mask_softmax(x, None, SCALE, softmax_offset=off)
+    p.backward(g)
+    assert torch.equal(p[:, 0], torch.zeros_like(p[:, 0])) and torch.equal(x.grad[:, 0], torch.zeros_like(p[:, 0]))
+    assert off.grad[0].item() == 0.0
+    p64, dx64, doff64 = _reference(x[:, 1:], None, SCALE, g[:, 1:], off[1:])
+    assert_close(p[:, 1:], p64, torch.float32)
+    assert_close(x.grad[:, 1:], dx64, torch.float32)
+    assert_close(off.grad[1:], doff64, torch.float32, scale=10.0)  # a sum over 2·3 rows

@@ -323,6 +323,16 @@ def test_empty_inputs():
     assert not torch.equal(_generator_state(), before)  # a non-empty input draws its key
 
 
+def test_offset_gradient_with_no_heads():
+    # np = 0 heads and a softmax_offset of 0 elements (one per head): the backward summed it to
+    # one scalar and failed to reshape it ("shape '[0]' is invalid for input of size 1")
+    x = torch.randn(2, 0, 3, 4, device=DEVICE, requires_grad=True)
+    off = torch.zeros(0, device=DEVICE, requires_grad=True)
+    z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, 1.0, 0.1, softmax_offset=off)
+    z.sum().backward()
+    assert z.shape == x.shape and x.grad.shape == x.shape and off.grad.shape == (0,)
+
+
 def test_saves_the_scores_and_row_statistics_not_probabilities_or_a_mask():
     # what autograd keeps for the backward: x itself, the seed and 2 floats a row
     x = torch.randn(1, 2, 3, 16, device=DEVICE, requires_grad=True)
@@ -438,3 +448,14 @@ def test_bench_case_builds_and_its_implementations_agree_in_distribution():
             assert x.grad.shape == shape
             x.grad = None
     assert bench_op.cases(torch.device("cpu"), sweep=True)[-1].shape == (1, 1, 32768, 32768)
+
+
+def test_an_infinite_sink_logit_takes_the_whole_row():
+    # as the plain softmax's (tests/test_softmax.py): a +inf sink gave NaN rows (inf - inf)
+    x = torch.randn(2, 2, 3, 5, device=DEVICE, requires_grad=True)
+    off = torch.tensor([math.inf, 0.3], device=DEVICE, requires_grad=True)
+    z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.padding, 1.0, 0.25, softmax_offset=off)
+    z.backward(torch.randn_like(z))
+    assert torch.equal(z[:, 0], torch.zeros_like(z[:, 0])) and torch.equal(x.grad[:, 0], torch.zeros_like(z[:, 0]))
+    assert off.grad[0].item() == 0.0
+    assert torch.isfinite(z).all() and torch.isfinite(x.grad).all() and torch.isfinite(off.grad).all()

@@ -27,6 +27,7 @@ from ..parallel.cross_entropy import (
     prepare_inputs,
     shard_range,
     target_check_message,
+    widen_target,
 )
 from ..runtime import DeviceCheck
 from ..parallel.utils import all_reduce, check_tp_group, tp_rank_and_size
@@ -89,6 +90,7 @@ class _VocabParallelCrossEntropy(_UnfusedVocabParallelCrossEntropy):
 
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, tp_group=None, label_smoothing=0.0, ignore_index=-100):
+        target = widen_target(target, ignore_index)
         # The forward kernel checks the target ids: a bad id's row gets NaN and, on the CPU,
         # a ValueError here, before any collective; on CUDA later, with no host sync (TARGET_CHECK).
         if tp_group is None and not (dist.is_available() and dist.is_initialized()):
@@ -147,7 +149,9 @@ def fused_vocab_parallel_cross_entropy(
             group if torch.distributed is initialized, else one rank and no communication).
         label_smoothing: Megatron's epsilon in [0, 1) (Megatron's fused path has none); the
             mean of the logits rides in the same SUM all-reduce.
-        ignore_index: targets equal to it give zero loss and zero gradient.
+        ignore_index: targets equal to it give zero loss and zero gradient. Any int64: one
+            outside int32's range with an int32 target ignores nothing (that target is read
+            as an int64 copy, [s, b]).
 
     Returns:
         The per-token loss, [s, b], float32 (float64 for float64 logits). Its gradient w.r.t.

@@ -144,7 +144,8 @@ def get_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, in
 
     Args:
         sq, skv: query and key lengths.
-        window_size: ``(left, right)``; -1 means unbounded on that side.
+        window_size: ``(left, right)``; -1 means unbounded on that side. Any int >= -1 (a
+            side at least as wide as the sequence is unbounded: ``2**70`` too).
         device: default: CUDA when present, else the CPU.
 
     Returns:
@@ -161,7 +162,7 @@ def get_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, in
     if window_size is None:
         raise ValueError("window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got None "
                          "(for no window, use get_default_causal_mask)")
-    window_size = _check_window(window_size)
+    window_size = _window_for(_check_window(window_size), sq, skv)
     return unfused.sliding_window_causal_mask(sq, skv, window_size,
                                               device=default_device() if device is None else device)
 
@@ -333,6 +334,19 @@ def _check_window(window_size: object) -> Optional[tuple[int, int]]:
     return int(window_size[0]), int(window_size[1])
 
 
+def _window_for(window: tuple[int, int], sq: int, sk: int) -> tuple[int, int]:
+    """A checked window for scores [.., sq, sk], with a side that spans the whole sequence as -1.
+
+    Query q keeps keys with sk - sq - left <= j - q <= sk - sq + right: from left >= sk - 1 on, the
+    lower limit keeps every key of every row, from right >= sq - 1 on, the upper one. So a wider
+    side is unbounded (-1) and gives the same mask; as -1, a side beyond int64 (``2**70``) never
+    reaches the kernels' int64 band arithmetic (Triton's OverflowError, naming nothing) or
+    ``torch.triu``'s diagonal (an OverflowError too).
+    """
+    left, right = window
+    return (-1 if left >= sk else left), (-1 if right >= sq else right)
+
+
 def _check_mask(mask: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
     if mask is None:
         return None
@@ -345,26 +359,45 @@ def _check_mask(mask: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch
     return mask
 
 
-def _check_offset(offset: object, x4: torch.Tensor) -> Optional[torch.Tensor]:
-    """The sink logit(s) as a tensor [1] or [np]; a float becomes a constant tensor."""
+def _check_offset(offset: object, x4: torch.Tensor, name: str = "softmax_offset") -> Optional[torch.Tensor]:
+    """The sink logit(s) as a tensor [1] or [np]; a float becomes a constant tensor. ``name``:
+    the argument's name in the caller's signature, for the messages."""
     if offset is None:
         return None
     if isinstance(offset, numbers.Real) and not isinstance(offset, bool):
-        value = real_to_float("softmax_offset", offset, "a finite number, -inf (no sink) or a tensor")
+        value = real_to_float(name, offset, "a finite number, -inf (no sink) or a tensor")
         dtype = torch.promote_types(x4.dtype, torch.float32)
         limit = FLOAT32_MAX if dtype == torch.float32 else math.inf
         if not (value == -math.inf or (math.isfinite(value) and abs(value) <= limit)):
-            raise ValueError(f"softmax_offset must be a finite number within {dtype}'s range (the sink logit is "
+            raise ValueError(f"{name} must be a finite number within {dtype}'s range (the sink logit is "
                              f"held in it), or -inf for no sink, got {offset!r}")
         # torch.full, not torch.tensor([offset], device=...): a host-to-device copy of a Python
         # list synchronises the host, which a CUDA graph capture cannot contain
         return torch.full((1,), value, device=x4.device, dtype=dtype)
     if not _is_float_tensor(offset, 0):
-        check_tensor("softmax_offset", offset, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+        if not isinstance(offset, Tensor):  # (check_tensor would say "a torch.Tensor": a number is fine too)
+            raise TypeError(f"{name} must be a real number, a floating tensor or None, got {type_name(offset)}")
+        check_tensor(name, offset, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
     if offset.numel() not in (1, x4.shape[1]):
-        raise ValueError(f"softmax_offset must have 1 or np = {x4.shape[1]} elements (one sink logit per head), "
+        raise ValueError(f"{name} must have 1 or np = {x4.shape[1]} elements (one sink logit per head), "
                          f"got shape {list(offset.shape)}")
     return offset
+
+
+def _sink_logits(offset: torch.Tensor, x4: torch.Tensor) -> torch.Tensor:
+    """The sink logits for the kernels: [1] or [np], contiguous, in the compute dtype, at most
+    its largest finite value.
+
+    The kernels subtract the row's max, the sink's included: a sink of +inf (or one beyond the
+    compute dtype, a float64 1e300 for float32 scores) became inf - inf = NaN for its whole
+    row, where the softmax's limit is p = 0 (the sink takes everything) with zero gradients.
+    At the dtype's max the kernels compute exactly that: e^{x - max} = 0, p_sink = 1. A NaN
+    stays NaN (clamp propagates it), -inf stays no sink. A device op, no host sync.
+    """
+    acc = acc_dtype(x4.dtype)
+    off = offset.to(acc)
+    off = off if off.dim() == 1 else off.reshape(-1)
+    return off.clamp(max=torch.finfo(acc).max).contiguous()
 
 
 def _as_4d(x: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -391,8 +424,7 @@ class _ScaleMaskSoftmaxFunction(torch.autograd.Function):
     def forward(ctx, x4, mask, scale, band, offset):
         off = None
         if offset is not None:  # sink logits in the compute dtype, [1] or [np] (no graph: forward runs without grad)
-            off = offset.to(acc_dtype(x4.dtype))
-            off = (off if off.dim() == 1 else off.reshape(-1)).contiguous()
+            off = _sink_logits(offset, x4)
         p, sink = softmax_fwd(x4, scale, mask, band, off)
         ctx.save_for_backward(p, sink)
         ctx.scale, ctx.band = scale, band
@@ -411,7 +443,8 @@ class _ScaleMaskSoftmaxFunction(torch.autograd.Function):
             shape, dtype, numel = ctx.offset_meta
             B, H, SQ, _ = p.shape
             rows = doff_rows.view(B, H, SQ)  # [b·np·sq] -> [b, np, sq]
-            d_offset = (rows.sum(dim=(0, 2)) if numel > 1 else rows.sum()).reshape(shape).to(dtype)
+            # one per head ([np], np = 0 included), or one shared
+            d_offset = (rows.sum(dim=(0, 2)) if numel != 1 else rows.sum()).reshape(shape).to(dtype)
         return dx, None, None, None, d_offset
 
 
@@ -439,11 +472,14 @@ def fused_scale_mask_softmax(
     Returns:
         Probabilities of ``input``'s shape and dtype (contiguous). A row with every key
         masked (and no sink) is all zeros, with zero gradient. A NaN score in a kept column,
-        or a NaN sink logit, makes its whole row NaN (and its gradients), as torch.softmax.
+        or a NaN sink logit, makes its whole row NaN (and its gradients), as torch.softmax. A
+        sink logit of +inf (or beyond the compute dtype's range) takes the whole row: zeros,
+        with zero gradients (the limit; torch.softmax over the row and the sink gives NaN).
 
     Raises:
         TypeError: non-tensor input, unsupported dtype, non-bool mask, non-real scale, causal
-            not a bool (numpy's bool is accepted).
+            not a bool (numpy's bool is accepted), a softmax_offset that is neither a real
+            number, a floating tensor nor None.
         ValueError: input not 3-D/4-D, a scale that is not finite or beyond float32's range,
             a mask that does not broadcast, an offset of the wrong size, a bad window, or
             tensors on different devices.
@@ -465,7 +501,8 @@ def fused_scale_mask_softmax(
     if not on_one_kernel_device(*present):
         check_same_device(input=input, mask=mask, softmax_offset=offset)
     sq, sk = x4.shape[-2:]
-    band = window_band(sq, sk, window) if window is not None else (causal_band(sq, sk) if causal else None)
+    band = (window_band(sq, sk, _window_for(window, sq, sk)) if window is not None
+            else (causal_band(sq, sk) if causal else None))
     p4 = apply(_ScaleMaskSoftmaxFunction, x4, mask4, scale_f, band, offset)
     return p4 if input.dim() == 4 else p4.view(input.shape)  # [b, 1, sq, sk] -> [b, sq, sk]
 
@@ -496,8 +533,7 @@ class ScaledMaskedSoftmaxDropout(torch.autograd.Function):
     def forward(ctx, x4, mask, scale, band, offset, dropout_p):
         off = None
         if offset is not None:  # sink logits in the compute dtype, [1] or [np] (no graph: forward runs without grad)
-            off = offset.to(acc_dtype(x4.dtype))
-            off = (off if off.dim() == 1 else off.reshape(-1)).contiguous()
+            off = _sink_logits(offset, x4)
         # an empty x4 drops nothing and launches nothing: a placeholder key, no random numbers
         # drawn (as torch's dropout for an empty input)
         seed = philox_seed(x4.device) if x4.numel() else torch.zeros(1, dtype=torch.int64, device=x4.device)
@@ -520,7 +556,8 @@ class ScaledMaskedSoftmaxDropout(torch.autograd.Function):
             shape, dtype, numel = ctx.offset_meta
             B, H, SQ, _ = x4.shape
             rows = doff_rows.view(B, H, SQ)  # [b·np·sq] -> [b, np, sq]
-            d_offset = (rows.sum(dim=(0, 2)) if numel > 1 else rows.sum()).reshape(shape).to(dtype)
+            # one per head ([np], np = 0 included), or one shared
+            d_offset = (rows.sum(dim=(0, 2)) if numel != 1 else rows.sum()).reshape(shape).to(dtype)
         return dx, None, None, None, d_offset, None
 
 
@@ -577,7 +614,8 @@ def fused_scale_mask_softmax_dropout(
 
     Raises:
         TypeError: input not a float tensor, a non-bool mask, attn_mask_type not an
-            AttnMaskType, scale or dropout_p not a real number, softmax_in_fp32 not a bool.
+            AttnMaskType, scale or dropout_p not a real number, softmax_in_fp32 not a bool, a
+            softmax_offset that is neither a real number, a floating tensor nor None.
         ValueError: input not 4-D, dropout_p outside [0, 1) or >= 1 - 2^-17 (it would round
             to 1 at the kernels' 16-bit resolution), a scale that is not finite or beyond
             float32's range, a mask that does not broadcast, a bad window or offset, tensors
@@ -601,7 +639,7 @@ def fused_scale_mask_softmax_dropout(
         check_same_device(input=input, mask=mask, softmax_offset=offset)
     sq, sk = input.shape[-2:]
     if window is not None:
-        band = window_band(sq, sk, window)
+        band = window_band(sq, sk, _window_for(window, sq, sk))
     else:
         band = causal_band(sq, sk) if mask_type in _CAUSAL_TYPES else None
     if p == 0.0:  # exactly the softmax: its Function, its kernels (DROPOUT off), no seed drawn
@@ -751,8 +789,11 @@ class SoftmaxOne(nn.Module):
     float32/float16/bfloat16. Returns a tensor like x.
 
     Raises:
-        ValueError: dim not the last, an offset of the wrong size, x not 4-D with a per-head
-            offset. TypeError: as :func:`fused_scale_mask_softmax`.
+        ValueError: dim not the last, a denominator_offset of the wrong size (or a number that
+            is NaN, +inf or beyond the compute dtype's range), x not 4-D with a per-head
+            offset. TypeError: dim not an int or None (a bool, a float); denominator_offset not
+            a real number, a floating tensor or None; x as :func:`fused_scale_mask_softmax`'s
+            input. The messages name ``dim``, ``denominator_offset`` and ``x``.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``SoftmaxOne``); Miller,
     "Attention is off by one" (2023), https://www.evanmiller.org/attention-is-off-by-one.html.
@@ -760,6 +801,9 @@ class SoftmaxOne(nn.Module):
 
     def __init__(self, dim: Optional[int] = None, denominator_offset: Union[torch.Tensor, float] = 0.0) -> None:
         super().__init__()
+        # an int (numpy's too) or None: True passed for dim=1 on a 2-D input, 1.0 as well
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, numbers.Integral)):
+            raise TypeError(f"dim must be an int (the last dim: -1) or None, got {type_name(dim)} {dim!r}")
         self.dim = dim
         self.denominator_offset = denominator_offset
 
@@ -772,8 +816,10 @@ class SoftmaxOne(nn.Module):
         if per_head or x.dim() == 4:
             if x.dim() != 4:
                 raise ValueError(f"a per-head denominator_offset needs x of shape [b, np, sq, sk], got {list(x.shape)}")
-            return fused_scale_mask_softmax(x, softmax_offset=off)
+            # checked here under its own name (fused_scale_mask_softmax would say softmax_offset)
+            return fused_scale_mask_softmax(x, softmax_offset=_check_offset(off, x, "denominator_offset"))
         x4 = x.reshape(1, 1, math.prod(x.shape[:-1]), x.shape[-1])  # [..., sk] -> [1, 1, rows, sk]
+        off = _check_offset(off, x4, "denominator_offset")
         return fused_scale_mask_softmax(x4, softmax_offset=off).view(x.shape)
 
 
@@ -813,6 +859,10 @@ class FusedScaleMaskSoftmax(nn.Module):
             (input_in_fp16, input_in_bf16, scaled_masked_softmax_fusion, softmax_in_fp32) not
             a bool (numpy's bool is accepted), a non-real scale.
 
+    ``attn_mask_type``, ``scale`` and ``window_size`` may be assigned after construction, as in
+    Megatron-core (whose forward reads them at every call): the next call uses the new value,
+    checked on assignment with the errors above.
+
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``FusedScaleMaskSoftmax``).
     """
 
@@ -837,8 +887,7 @@ class FusedScaleMaskSoftmax(nn.Module):
         self.input_in_fp16 = input_in_fp16
         self.input_in_bf16 = input_in_bf16
         self.input_in_float16 = self.input_in_fp16 or self.input_in_bf16
-        self.attn_mask_type = attn_mask_type
-        self._mask_type = _mask_type_name(attn_mask_type)
+        self.attn_mask_type = attn_mask_type  # (checked: the property's setter)
         self.scaled_masked_softmax_fusion = scaled_masked_softmax_fusion
         if not callable(mask_func):
             raise TypeError(f"mask_func must be callable, got {type(mask_func).__name__}")
@@ -846,9 +895,42 @@ class FusedScaleMaskSoftmax(nn.Module):
         self.softmax_in_fp32 = softmax_in_fp32
         if scale is not None and not softmax_in_fp32:
             raise ValueError("softmax should be in fp32 when scaled (scale given, softmax_in_fp32=False)")
-        _check_scale(scale)
-        self.scale = scale
-        self.window_size = _check_window(window_size)
+        self.scale = scale  # (checked: the property's setter)
+        self.window_size = window_size
+
+    # attn_mask_type, scale and window_size are Megatron-core's public attributes, which its
+    # forward reads at every call: one assigned after construction takes effect (and is checked)
+    # here too; the mask type's name was cached at construction, and a later causal type ignored.
+
+    @property
+    def attn_mask_type(self) -> AttnMaskType:
+        """The mask type; assigning one checks it (TypeError) and applies it from the next call."""
+        return self._attn_mask_type
+
+    @attn_mask_type.setter
+    def attn_mask_type(self, value: AttnMaskType) -> None:
+        self._mask_type = _mask_type_name(value)
+        self._attn_mask_type = value
+
+    @property
+    def scale(self) -> Optional[float]:
+        """The scores' scale or None; assigning one checks it as the constructor does (the
+        fallback would multiply by a NaN or inf scale without a word)."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: Optional[float]) -> None:
+        _check_scale(value)
+        self._scale = value
+
+    @property
+    def window_size(self) -> Optional[tuple[int, int]]:
+        """The sliding window ``(left, right)`` or None; assigning one checks it (ValueError)."""
+        return self._window_size
+
+    @window_size.setter
+    def window_size(self, value: Optional[tuple[int, int]]) -> None:
+        self._window_size = _check_window(value)
 
     def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor],  # noqa: A002
                 softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -886,21 +968,23 @@ class FusedScaleMaskSoftmax(nn.Module):
         ``mask_func``, softmax (or the sink softmax), zero the fully masked rows, cast back.
         The masks: the caller's, or-ed with the causal or sliding-window mask."""
         mask = _check_mask(mask, input)
+        if softmax_offset is not None:
+            _check_offset(softmax_offset, input)
+        # devices first, before the caller's mask meets the causal one: torch's own error for a
+        # mismatch names no argument ("Tensor on device cpu is not on the expected device meta!"
+        # from mask | structural; "Cannot copy out of meta tensor" for a 'meta' offset)
+        for name, t in (("mask", mask), ("softmax_offset", softmax_offset)):
+            if isinstance(t, torch.Tensor) and t.device != input.device:
+                raise ValueError(f"{name} must be on input's device ({input.device}), got {name} on {t.device}")
         sq, sk = input.shape[-2:]
         structural = None
         if self.window_size is not None:
-            structural = unfused.sliding_window_causal_mask(sq, sk, self.window_size, device=input.device)
+            structural = unfused.sliding_window_causal_mask(sq, sk, _window_for(self.window_size, sq, sk),
+                                                            device=input.device)
         elif self._is_causal():
             structural = unfused.causal_mask(sq, sk, device=input.device)
         if structural is not None:
             mask = structural if mask is None else (mask | structural)
-        if softmax_offset is not None:
-            _check_offset(softmax_offset, input)
-        # devices first: torch's own error for a mismatch names no argument (a 'meta' offset
-        # gives "Cannot copy out of meta tensor")
-        for name, t in (("mask", mask), ("softmax_offset", softmax_offset)):
-            if isinstance(t, torch.Tensor) and t.device != input.device:
-                raise ValueError(f"{name} must be on input's device ({input.device}), got {name} on {t.device}")
         return unfused.scale_mask_softmax(input, mask, self.scale, self.softmax_in_fp32, softmax_offset,
                                           mask_func=self.mask_func)
 

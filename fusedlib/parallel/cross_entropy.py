@@ -64,6 +64,7 @@ __all__ = [
     "prepare_inputs",
     "check_label_smoothing",
     "target_check_message",
+    "widen_target",
     "TARGET_CHECK",
 ]
 
@@ -72,6 +73,26 @@ TARGET_DTYPES = (torch.int64, torch.int32)
 
 #: 2^63: ignore_index is an int64 in the kernels (a larger Python int cannot be passed to them).
 _INT64_LIMIT = 2 ** 63
+
+#: 2^31: an int32 target holds ids in [-2^31, 2^31).
+_INT32_LIMIT = 2 ** 31
+
+
+def widen_target(target: Any, ignore_index: Any) -> Any:
+    """``target`` as int64 when it is an int32 tensor and ``ignore_index`` an int outside int32's
+    range, else ``target`` itself (anything else: the argument checks judge it).
+
+    No int32 id equals such an ignore_index, but two places would make one: a comparison of an
+    int32 tensor with a Python int wraps the int to int32 (``t != 2**32`` is ``t != 0``: the
+    loss of every target 0 was zeroed, silently), and the kernels load the target with
+    ``other=ignore_index``, cast to int32 too, so the padding rows of the last program became
+    active and read logits past the tensor's end (a segmentation fault in the CPU interpreter).
+    As int64 (a copy of [rows] ids), ignore_index is held exactly everywhere.
+    """
+    if (isinstance(target, torch.Tensor) and target.dtype == torch.int32 and isinstance(ignore_index, int)
+            and not -_INT32_LIMIT <= ignore_index < _INT32_LIMIT):
+        return target.long()
+    return target
 
 
 def prepare_inputs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
@@ -288,6 +309,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None, ignore_index=-100):
+        target = widen_target(target, ignore_index)  # an int32 target and an ignore_index beyond int32
         x2d, t1d = prepare_inputs(vocab_parallel_logits, target, label_smoothing, ignore_index)
         vocab_start_index, vocab_size = shard_range(x2d, tp_group)
         check_label_smoothing(vocab_size, label_smoothing)
@@ -341,6 +363,7 @@ def vocab_parallel_cross_entropy(
         tp_group: the tensor-parallel group; None: the default group if torch.distributed is
             initialized, else a single rank (no communication).
         ignore_index: targets equal to it give zero loss and zero gradient (PyTorch's -100).
+            Any int64: one outside int32's range with an int32 target ignores nothing.
 
     Returns:
         The per-token loss, [s, b], float32 (float64 for float64 logits); its gradient w.r.t.
