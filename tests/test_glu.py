@@ -566,6 +566,34 @@ def test_weighted_squared_relu_3d_non_contiguous_and_empty():
     assert w0.grad.shape == (0, 1)
 
 
+def test_squared_relu_clamp_scale_takes_numpy_numbers_and_the_clamped_functions_refuse_none():
+    # numpy's float32 and int64 are real numbers (clamp_value, eps and mscale take them): the
+    # check took only Python's int and float; the clamped plain functions passed None to float(),
+    # an unnamed TypeError
+    x = _randn((5, 12), torch.float32)
+    w = torch.rand(5, 1, device=DEVICE)
+    g = _randn((5, 12), torch.float32, 1.0)
+    want = weighted_squared_relu_impl(x, w, 2.0)
+    for s in (np.float32(2.0), np.int64(2), np.float64(2.0), 2):
+        assert torch.equal(weighted_squared_relu_impl(x, w, s), want), type(s)
+        assert torch.equal(weighted_clamped_squared_relu(x, w, s), want), type(s)
+        dx, dw = weighted_clamped_squared_relu_back(g, x, w, s)
+        want_dx, want_dw = weighted_clamped_squared_relu_back(g, x, w, 2.0)
+        assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
+    for call in (lambda: weighted_clamped_squared_relu(x, w, None),
+                 lambda: weighted_clamped_squared_relu_back(g, x, w, None)):
+        with pytest.raises(TypeError, match="clamp_scale must be a float > 0 .*got NoneType"):
+            call()
+    for bad, err, match in (("2", TypeError, "clamp_scale must be a float > 0, got str"),
+                            (np.bool_(True), TypeError, "clamp_scale must be a float > 0, got numpy.bool"),
+                            (np.float32("nan"), ValueError, "clamp_scale must be a number in float32's normal range"),
+                            (10**400, ValueError, "clamp_scale must be a number in float32's normal range")):
+        with pytest.raises(err, match=match):
+            weighted_clamped_squared_relu(x, w, bad)
+    with pytest.raises(TypeError, match="clamp_scale must be a float or None, got numpy.bool"):
+        weighted_squared_relu_impl(x, w, np.bool_(False))
+
+
 def test_squared_relu_plain_functions_match_reference():
     x = _randn((6, 50), torch.float32)
     w = torch.rand(6, 1, device=DEVICE)

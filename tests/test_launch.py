@@ -949,7 +949,9 @@ def test_a_check_without_its_word_is_not_compiled_in_and_gets_its_own_plan(op, e
             return fused_vocab_parallel_cross_entropy(x, target)
     else:
         check = LAYER_NORM_GAMMA_CHECK
-        x = torch.randn(4, 10, generator=gen).to(DEVICE)
+        # x requires grad: the gamma check is compiled in only for a call autograd records (a
+        # backward may divide by gamma); without one it is not (tests/test_layer_norm.py)
+        x = torch.randn(4, 10, generator=gen).to(DEVICE).requires_grad_(True)
         w, b = 1 + torch.rand(10, generator=gen).to(DEVICE), torch.randn(10, generator=gen).to(DEVICE)
 
         def call(target):

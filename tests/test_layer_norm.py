@@ -278,6 +278,34 @@ def test_memory_efficient_with_a_zero_gamma_raises(norm, zero_centered):
 
 
 @pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("zero_centered", (False, True))
+def test_memory_efficient_with_a_zero_gamma_is_fine_where_no_backward_runs(norm, zero_centered):
+    # the check exists for the backward's division by gamma: a forward autograd does not record
+    # (torch.no_grad(), inference_mode, no input requiring grad: an evaluation with the config's
+    # memory_efficient_layer_norm on) saves nothing and divides by nothing. It raised there, for
+    # a valid input whose y is right.
+    w, b = _params(33, torch.float32, norm, zero_centered=zero_centered, requires_grad=False)
+    w[5] = -1.0 if zero_centered else 0.0
+    x = _x((4, 33), torch.float32).detach()
+    want = _apply(norm, x, w, b, zero_centered_gamma=zero_centered)  # the normal mode: no check, same kernel
+    ref = _reference(norm, x.double(), w.double(), None if b is None else b.double(), torch.zeros(4, 33).double(),
+                     zero_centered)[0]
+    assert_close(want, ref, torch.float32)
+    leaf = x.clone().requires_grad_(True)
+    for context in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        with context():
+            got = _apply(norm, leaf if context is not torch.enable_grad else x, w, b, memory_efficient=True,
+                         zero_centered_gamma=zero_centered)
+        fusedlib.runtime.check_errors()  # nothing stored for a later call either
+        assert torch.equal(got, want), context.__name__
+    # a recorded forward still raises (test_memory_efficient_with_a_zero_gamma_raises)
+    with pytest.raises(ValueError, match="memory_efficient=True needs every gamma != 0"):
+        _apply(norm, leaf, w, b, memory_efficient=True, zero_centered_gamma=zero_centered)
+        fusedlib.runtime.check_errors()
+    fusedlib.runtime.check_errors()
+
+
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_non_contiguous_input_and_grad(norm, dtype):
     x = (2 * torch.randn(48, 20, device=DEVICE)).to(dtype).t().requires_grad_(True)  # [20, 48], strides (1, 20)
@@ -593,6 +621,65 @@ def test_module_bad_arguments_raise_clear_errors(make, error, match):
         make()
 
 
+@pytest.mark.parametrize("hidden_size, got", [([8.7], r"float 8.7 in \[8.7\]"), (("8",), r"str '8' in \('8',\)"),
+                                              ([True], r"bool True in \[True\]"), ([None], "NoneType None"),
+                                              (8.0, "float 8.0"), (True, "bool True")])
+def test_module_hidden_size_must_be_an_int(hidden_size, got):
+    # a 1-element shape's element went through int(): [8.7] made a module of 8 columns, ("8",)
+    # one of 8, [True] one of 1; [None] raised int()'s unnamed TypeError
+    with pytest.raises(TypeError, match=f"hidden_size must be an int .*got {got}"):
+        FusedLayerNorm(TransformerConfig(), hidden_size)
+    with pytest.raises(ValueError):  # an ArgumentTypeError: still the ValueError it raised before
+        FusedRMSNorm(TransformerConfig(normalization="RMSNorm"), hidden_size)
+    import numpy as np
+
+    for ok in (8, np.int64(8), [8], (np.int32(8),), torch.Size([8])):
+        assert FusedLayerNorm(TransformerConfig(), ok).weight.shape == (8,)
+
+
+@pytest.mark.parametrize("field", ["layernorm_zero_centered_gamma", "persist_layer_norm", "sequence_parallel",
+                                   "memory_efficient_layer_norm"])
+def test_config_switches_must_be_bools(field):
+    # an object with the config's fields need not validate them, and bool() read a str "False"
+    # as True: layernorm_zero_centered_gamma="False" made gamma = weight + 1 (a checkpoint's
+    # weight of ~1 then scaled by ~2)
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    fields = dict(normalization="LayerNorm", layernorm_zero_centered_gamma=False, persist_layer_norm=False,
+                  sequence_parallel=False, memory_efficient_layer_norm=False)
+    x = torch.randn(3, 8, device=DEVICE)
+    want = FusedLayerNorm(SimpleNamespace(**fields), 8).to(DEVICE)(x)
+    for cls, norm in ((FusedLayerNorm, "LayerNorm"), (FusedRMSNorm, "RMSNorm")):
+        if cls is FusedRMSNorm and field == "persist_layer_norm":
+            continue  # FusedRMSNorm does not read it
+        for bad, got in (("False", "str"), (0, "int"), (None, "NoneType")):
+            cfg = SimpleNamespace(**{**fields, "normalization": norm, field: bad})
+            with pytest.raises(TypeError, match=f"config.{field} must be a bool, got {got}"):
+                m = cls(cfg, 8).to(DEVICE)
+                m(x)  # memory_efficient_layer_norm: read at each forward
+            if field == "memory_efficient_layer_norm":
+                with pytest.raises(TypeError, match=f"config.{field} must be a bool, got {got}"):
+                    fusedlib.norm_with_residual(m, x)
+        m = cls(SimpleNamespace(**{**fields, "normalization": norm, field: np.bool_(False)}), 8).to(DEVICE)
+        if cls is FusedLayerNorm:
+            assert torch.equal(m(x), want)
+        assert m.zero_centered_gamma is False
+
+
+def test_unknown_normalization_is_named_as_such():
+    # an object with the config's fields need not validate them: "rmsnorm" was told to use
+    # FusedLayerNorm by FusedLayerNorm itself
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(normalization="rmsnorm", layernorm_zero_centered_gamma=False, persist_layer_norm=False,
+                          sequence_parallel=False, memory_efficient_layer_norm=False)
+    for cls in (FusedLayerNorm, FusedRMSNorm, FusedNorm):
+        with pytest.raises(ValueError, match="config.normalization must be 'LayerNorm' or 'RMSNorm', got 'rmsnorm'"):
+            cls(cfg, 8)
+
+
 # ---------------------------------------------------------------------------------------
 # The optional Apex backend
 # ---------------------------------------------------------------------------------------
@@ -688,6 +775,20 @@ def test_bad_eps_and_mixed_devices_raise():
         fused_layer_norm(x, torch.randn(8, device=other), None)
     with pytest.raises(ValueError, match="past the tile table's last bound, 65536"):
         pick(FWD_TILES, 70000)
+
+
+@pytest.mark.parametrize("eps, got", [("1e-5", "str"), (None, "NoneType"), (True, "bool"),
+                                      (torch.tensor(1e-5), "torch.Tensor"), ([1e-5], "list")])
+def test_eps_of_another_type_raises_a_type_error_naming_it(eps, got):
+    # the house rule: a TypeError for a wrong type (an ArgumentTypeError: also the ValueError
+    # raised before, which callers may catch); a str eps was "must be a finite number" alone
+    x, w = torch.randn(4, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+    for call in (lambda: fused_layer_norm(x, w, None, eps), lambda: fused_rms_norm(x, w, eps),
+                 lambda: FusedLayerNorm(TransformerConfig(), 8, eps)):
+        with pytest.raises(TypeError, match=f"eps must be a finite number >= 0 .*got {got}"):
+            call()
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            call()
 
 
 @pytest.mark.parametrize("norm", NORMS)

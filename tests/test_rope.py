@@ -425,6 +425,24 @@ def test_switch_errors():
         apply_rotary_pos_emb(t, freqs, _config(True, multi_latent_attention=True))
 
 
+@pytest.mark.parametrize("field", ["apply_rope_fusion", "rotary_interleaved", "multi_latent_attention"])
+@pytest.mark.parametrize("fusion", (False, True))
+def test_switch_fields_must_be_bools_on_both_paths(field, fusion):
+    # config may be any object with the fields: with rotary_interleaved="False" the fused path
+    # refused it, the unfused one rotated interleaved pairs; apply_rope_fusion="False" took the
+    # fused path, multi_latent_attention="False" the MLA reordering
+    import numpy as np
+
+    t, freqs = _randn(3, 2, 1, 8), _angles(3, 1, 8)
+    fields = dict(apply_rope_fusion=fusion, rotary_interleaved=False, multi_latent_attention=False)
+    for bad, got in (("False", "str"), (0, "int"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=f"config.{field} must be a bool, got {got}"):
+            apply_rotary_pos_emb(t, freqs, SimpleNamespace(**{**fields, field: bad}))
+    want = apply_rotary_pos_emb(t, freqs, SimpleNamespace(**fields))
+    numpy_fields = {**fields, field: np.bool_(fields[field])}
+    assert torch.equal(apply_rotary_pos_emb(t, freqs, SimpleNamespace(**numpy_fields)), want)
+
+
 def test_unfused_multi_latent_attention_reorders_then_rotates():
     # MLA: channels [even | odd] first, then half-split rotation (Megatron's unfused path)
     t, freqs = _randn(3, 2, 2, 12, dtype=torch.float64), _angles(3, 1, 8).double()
@@ -489,6 +507,28 @@ def test_rotary_embedding_module_behaviour():
     assert seq_len == 6
     assert emb.get_rotary_seq_len(None, None, torch.empty(6, 2, 4, device=DEVICE),
                                   SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2)) == 12
+
+
+def test_rotary_embedding_cache_is_keyed_by_the_positions_computed():
+    # the cache keyed int(offset) and int(max_seq_len): forward(4, offset=0.5) was cached as
+    # (4, 0), and forward(4) then returned the angles of positions 0.5 .. 3.5; forward(2.5)
+    # (3 positions, torch.arange's length) was cached as 2
+    emb = RotaryEmbedding(16, 1.0, device=DEVICE)
+    half = emb(4, offset=0.5)
+    assert torch.equal(half, _megatron_freqs(16, 1.0, 4, offset=0.5))
+    assert torch.equal(emb(4), _megatron_freqs(16, 1.0, 4))
+    assert torch.equal(emb(4, offset=0.5), half)
+    import numpy as np
+
+    assert emb(np.int64(4)) is emb(4) and emb(torch.tensor(4), offset=np.int32(0)) is emb(4)  # one key: ints
+    for args, exc, match in (((2.5,), TypeError, "max_seq_len must be an int"),
+                             ((True,), TypeError, "max_seq_len must be an int"),
+                             ((-1,), ValueError, "max_seq_len must be >= 0"),
+                             ((4, "1"), TypeError, "offset must be an int"),
+                             ((4, float("nan")), ValueError, "offset must be finite")):
+        with pytest.raises(exc, match=match):
+            emb(*args)
+    assert emb(0).shape == (0, 1, 1, 16)
 
 
 def test_rotary_embedding_rope_scaling_is_llama3s():

@@ -34,9 +34,11 @@ What the ``TransformerConfig`` switches do here:
   device (:data:`LAYER_NORM_GAMMA_CHECK`, :data:`RMS_NORM_GAMMA_CHECK`) without a host
   sync: a ValueError at once on the CPU (and with ``FUSEDLIB_SYNC_CHECKS=1``); on CUDA at a
   later fusedlib call or :func:`fusedlib.runtime.check_errors`; under ``torch.compile`` the
-  NaN is the signal. The recovered x_hat carries y's rounding divided by |gamma|: where a
-  gamma is tiny next to beta (LayerNorm), its dgamma and dx lose accuracy (chapter 4
-  measures it).
+  NaN is the signal. Only a forward that autograd records is checked: under
+  ``torch.no_grad()`` / ``torch.inference_mode()``, or with no input requiring grad, no
+  backward will run, nothing is divided by gamma, and a gamma of 0 is fine. The recovered
+  x_hat carries y's rounding divided by |gamma|: where a gamma is tiny next to beta
+  (LayerNorm), its dgamma and dx lose accuracy (chapter 4 measures it).
 * ``sequence_parallel``: set as an attribute on weight and bias, for the gradient
   all-reduce across the tensor-parallel group (:func:`fusedlib.parallel.finalize_model_grads`,
   Megatron's ``finalize_model_grads``).
@@ -66,12 +68,14 @@ from ..backends import apex as apex_backend
 from ..checks import (
     FLOAT32_MAX,
     FLOAT_DTYPES,
+    ArgumentTypeError,
     check_bool,
     check_same_device,
     check_tensor,
     on_one_kernel_device,
     real_to_float,
     resolve_neg_grads,
+    type_name,
 )
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd, dropout_key
 from ..kernels.layer_norm import (
@@ -155,11 +159,25 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 def _check_eps(eps: object) -> None:
     """eps: a real number >= 0 whose float32 is finite (the kernels add it in float32: 1e39
-    would be inf there, and every output 0 or NaN)."""
-    if (isinstance(eps, bool) or not isinstance(eps, numbers.Real)
-            or not math.isfinite(real_to_float("eps", eps, "a finite number >= 0")) or eps < 0 or eps > FLOAT32_MAX):
+    would be inf there, and every output 0 or NaN). A value of another type (a str, None, a
+    bool, a tensor) raises an :class:`~fusedlib.checks.ArgumentTypeError`: a TypeError, as the
+    house rule has it, that is also the ValueError this check has always raised."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        why = (" (reading a tensor's value would synchronise with its device: pass float(eps))"
+               if isinstance(eps, torch.Tensor) else "")
+        raise ArgumentTypeError(f"eps must be a finite number >= 0 (a Python float), got {type_name(eps)} "
+                                f"{_short(eps)}{why}")
+    if not math.isfinite(real_to_float("eps", eps, "a finite number >= 0")) or eps < 0 or eps > FLOAT32_MAX:
         raise ValueError(f"eps must be a finite number >= 0, at most float32's max ({FLOAT32_MAX:.4g}: the "
                          f"kernels add it in float32), got {eps!r}")
+
+
+def _short(value: object) -> str:
+    """``repr(value)`` for a message, cut at 40 characters (a tensor's repr has no end)."""
+    if isinstance(value, torch.Tensor):
+        return f"of shape {list(value.shape)}"
+    r = repr(value)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def _check_flags(memory_efficient: object, zero_centered_gamma: object,
@@ -232,10 +250,13 @@ class FusedLayerNormAffineFunction(torch.autograd.Function):
         memory_efficient, zero_centered_gamma, residual_out = _check_flags(memory_efficient, zero_centered_gamma,
                                                                            residual_out)
         # _check_inputs runs unless this call's signature passed it before (the plan's key)
+        backward_ahead = type(ctx) is not InferenceCtx  # InferenceCtx: no backward will run
+        # gamma is checked only where a backward may divide by it: with no backward ahead, a gamma
+        # of 0 makes no NaN (y is right), and refusing the call would refuse a valid inference
         y, mean, rstd, _, weight_c, bias_c = _norm_fwd(
             input, weight, bias, eps, False, zero_centered_gamma, None,
-            LAYER_NORM_GAMMA_CHECK if memory_efficient else None,
-            type(ctx) is not InferenceCtx, check=_check_inputs)  # InferenceCtx: no backward will run
+            LAYER_NORM_GAMMA_CHECK if memory_efficient and backward_ahead else None,
+            backward_ahead, check=_check_inputs)
         ctx.memory_efficient = memory_efficient
         ctx.zero_centered_gamma = zero_centered_gamma
         if ctx.memory_efficient:
@@ -282,9 +303,10 @@ class FusedRMSNormAffineFunction(torch.autograd.Function):
                 memory_efficient: bool = False, zero_centered_gamma: bool = False, residual_out: bool = False):
         memory_efficient, zero_centered_gamma, residual_out = _check_flags(memory_efficient, zero_centered_gamma,
                                                                            residual_out)
+        backward_ahead = type(ctx) is not InferenceCtx  # gamma checked only then: see the LayerNorm's
         y, _, rstd, _, weight_c, _ = _norm_fwd(input, weight, None, eps, True, zero_centered_gamma, None,
-                                               RMS_NORM_GAMMA_CHECK if memory_efficient else None,
-                                               type(ctx) is not InferenceCtx, check=_check_inputs)
+                                               RMS_NORM_GAMMA_CHECK if memory_efficient and backward_ahead else None,
+                                               backward_ahead, check=_check_inputs)
         ctx.memory_efficient = memory_efficient
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.save_for_backward(y if ctx.memory_efficient else input, weight_c, rstd)
@@ -320,7 +342,10 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
             any strides; 1 <= h <= 65536.
         weight: [h], x's dtype and device.
         bias: [h], x's dtype and device, or None.
-        eps: added to the variance, >= 0 and finite in float32 (<= 3.4e38).
+        eps: added to the variance, >= 0 and finite in float32 (<= 3.4e38). With eps = 0 a
+            row of equal values (every row when h = 1) is 0 / 0: its y and dx are NaN, as
+            torch's layer_norm gives (an eps under float32's smallest subnormal, 1.4e-45, is 0
+            in the kernels' float32 too).
         zero_centered_gamma: gamma = weight + 1 (Megatron's ``layernorm_zero_centered_gamma``).
         memory_efficient: save y instead of x for the backward (Megatron's
             ``memory_efficient_layer_norm``); x_hat = (y - beta) / gamma then carries an
@@ -335,12 +360,16 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
     Raises:
         TypeError: a non-tensor, an unsupported dtype, or weight/bias dtype != x dtype;
-            zero_centered_gamma or memory_efficient not a bool (numpy's bool is accepted).
+            zero_centered_gamma or memory_efficient not a bool (numpy's bool is accepted);
+            eps not a real number (a str, None, a bool, a tensor: an
+            :class:`~fusedlib.checks.ArgumentTypeError`, also a ValueError).
         ValueError: weight/bias not of shape [h], h outside 1..65536, eps < 0, not finite or
             above float32's max, tensors on different devices. With ``memory_efficient``, a gamma of
             exactly 0 (its dgamma and dx would be NaN): checked by the forward kernel, so
             raised at once on the CPU (and with ``FUSEDLIB_SYNC_CHECKS=1``), on CUDA at a
-            later fusedlib call or :func:`fusedlib.runtime.check_errors` (no host sync).
+            later fusedlib call or :func:`fusedlib.runtime.check_errors` (no host sync); only
+            when autograd records the call (not under ``torch.no_grad()``, nor with no input
+            requiring grad: no backward will divide by gamma then).
 
     Source: Megatron-LM ``megatron/core/fusions/fused_layer_norm.py``.
     """
@@ -354,7 +383,8 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
     Args:
         x: [..., h], as :func:`fused_layer_norm`.
         weight: [h], x's dtype and device.
-        eps: added to the mean square, >= 0 and finite in float32.
+        eps: added to the mean square, >= 0 and finite in float32. With eps = 0 an all-zero
+            row is 0 / 0: its y and dx are NaN, as torch's rms_norm gives.
         zero_centered_gamma, memory_efficient: as :func:`fused_layer_norm`.
 
     Returns:
@@ -373,13 +403,34 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
 # ----------------------------------------------------------------------------------------
 
 
+def _config_flag(config, name: str) -> bool:
+    """``config.<name>`` as a bool. ``bool()`` read a str "False" as True (an object with the
+    config's fields need not validate them): ``layernorm_zero_centered_gamma="False"`` made gamma
+    = weight + 1. numpy's bool is accepted.
+
+    Raises:
+        TypeError: the field is not a bool.
+    """
+    value = getattr(config, name)
+    if value is True or value is False:
+        return value
+    return check_bool(f"config.{name}", value)
+
+
 def _hidden_size(hidden_size: Union[int, Sequence[int], torch.Size]) -> int:
-    if isinstance(hidden_size, numbers.Integral) and not isinstance(hidden_size, bool):
-        h = int(hidden_size)
-    elif isinstance(hidden_size, (tuple, list, torch.Size)) and len(hidden_size) == 1:
-        h = int(hidden_size[0])
-    else:
-        raise ValueError(f"hidden_size must be an int (or a 1-element shape), got {hidden_size!r}")
+    """h from an int or a 1-element shape whose element is an int (numpy's too). Anything else
+    raises: a float (8.7) or a str ("8") in a shape was converted by ``int()`` (8.7 silently
+    became 8), a bool was read as 1."""
+    value = hidden_size
+    if isinstance(hidden_size, (tuple, list, torch.Size)) and len(hidden_size) == 1:
+        value = hidden_size[0]
+    elif isinstance(hidden_size, (tuple, list, torch.Size)):
+        raise ValueError(f"hidden_size must be an int (or a 1-element shape), got {_short(hidden_size)}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"hidden_size must be an int (or a 1-element shape of one), got "
+                                f"{type_name(value)} {_short(value)}"
+                                + (f" in {_short(hidden_size)}" if value is not hidden_size else ""))
+    h = int(value)
     if not 1 <= h <= MAX_HIDDEN_SIZE:
         raise ValueError(
             f"hidden_size must be in 1..{MAX_HIDDEN_SIZE} (fusedlib's norm kernels hold one row in registers), got {h}"
@@ -395,6 +446,9 @@ class _FusedNormBase(torch.nn.Module):
     def __init__(self, config, hidden_size, eps: float, backend: str, has_bias: bool,
                  device: Optional[Union[torch.device, str]] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"config.normalization must be 'LayerNorm' or 'RMSNorm', got "
+                             f"{_short(config.normalization)}")
         if config.normalization != self._normalization:
             other = "FusedRMSNorm" if config.normalization == "RMSNorm" else "FusedLayerNorm"
             raise ValueError(
@@ -407,7 +461,7 @@ class _FusedNormBase(torch.nn.Module):
         _check_eps(eps)
         self.config = config
         self.backend = backend
-        self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
+        self.zero_centered_gamma = _config_flag(config, "layernorm_zero_centered_gamma")
         h = _hidden_size(hidden_size)
         self.hidden_size = torch.Size((h,))
         self.eps = float(eps)
@@ -416,7 +470,7 @@ class _FusedNormBase(torch.nn.Module):
         self.weight = Parameter(torch.empty(h, device=device, dtype=dtype))
         self.bias = Parameter(torch.empty(h, device=device, dtype=dtype)) if has_bias else None
         self.reset_parameters()
-        self.sequence_parallel = bool(config.sequence_parallel)
+        self.sequence_parallel = _config_flag(config, "sequence_parallel")
         # Megatron all-reduces the gradients of parameters marked sequence_parallel across
         # the tensor-parallel group: each rank saw only its slice of the sequence.
         setattr(self.weight, "sequence_parallel", self.sequence_parallel)
@@ -467,8 +521,14 @@ class FusedLayerNorm(_FusedNormBase):
     parameters must have the input's dtype (``dtype=``, or ``module.to(torch.bfloat16)``).
 
     Raises:
-        ValueError: config.normalization != "LayerNorm", hidden_size outside 1..65536,
-            eps < 0, not finite or above float32's max, an unknown backend.
+        ValueError: config.normalization != "LayerNorm" (or neither "LayerNorm" nor "RMSNorm"),
+            hidden_size outside 1..65536 or a shape of more than one element, eps < 0, not
+            finite or above float32's max, an unknown backend.
+        TypeError: hidden_size (or its one element) not an int (a float, a str, a bool), eps not
+            a real number (each an :class:`~fusedlib.checks.ArgumentTypeError`, also a ValueError);
+            one of the config's switches it reads (``layernorm_zero_centered_gamma``,
+            ``persist_layer_norm``, ``sequence_parallel``; ``memory_efficient_layer_norm`` at
+            each forward) not a bool (numpy's bool is accepted).
 
     Source: Megatron-LM ``megatron/core/fusions/fused_layer_norm.py`` (``FusedLayerNorm``).
     """
@@ -480,7 +540,7 @@ class FusedLayerNorm(_FusedNormBase):
                  normalization: str = "LayerNorm", *, backend: str = "fusedlib",
                  device: Optional[Union[torch.device, str]] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(config, hidden_size, eps, backend, has_bias=True, device=device, dtype=dtype)
-        persist = bool(config.persist_layer_norm)
+        persist = _config_flag(config, "persist_layer_norm")
         if backend == "apex":
             persist = (persist and self.hidden_size[0] in apex_backend.PERSIST_LN_HIDDEN_SIZES
                        and apex_backend.apex_available("FastLayerNormFN"))
@@ -490,7 +550,7 @@ class FusedLayerNorm(_FusedNormBase):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
         """y = LayerNorm(input): [..., h] -> [..., h], never a view."""
-        memory_efficient = bool(self.config.memory_efficient_layer_norm)
+        memory_efficient = _config_flag(self.config, "memory_efficient_layer_norm")
         if self.backend == "apex":
             weight = self.weight + 1 if self.zero_centered_gamma else self.weight
             return apex_backend.apex_layer_norm(input, weight, self.bias, self.eps,
@@ -505,7 +565,7 @@ class FusedLayerNorm(_FusedNormBase):
         if self.backend == "apex":
             return self.forward(input), input
         return apply(FusedLayerNormAffineFunction, input, self.weight, self.bias, self.eps,
-                     bool(self.config.memory_efficient_layer_norm), self.zero_centered_gamma, True)
+                     _config_flag(self.config, "memory_efficient_layer_norm"), self.zero_centered_gamma, True)
 
 
 class FusedRMSNorm(_FusedNormBase):
@@ -528,6 +588,7 @@ class FusedRMSNorm(_FusedNormBase):
 
     Raises:
         ValueError: config.normalization != "RMSNorm", and as :class:`FusedLayerNorm`.
+        TypeError: as :class:`FusedLayerNorm`.
 
     Source: Zhang & Sennrich 2019, arXiv:1910.07467; Megatron-core's RMSNorm through
     ``TENorm`` (``megatron/core/extensions/transformer_engine.py``).
@@ -545,7 +606,7 @@ class FusedRMSNorm(_FusedNormBase):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
         """y = RMSNorm(input): [..., h] -> [..., h], never a view."""
-        memory_efficient = bool(self.config.memory_efficient_layer_norm)
+        memory_efficient = _config_flag(self.config, "memory_efficient_layer_norm")
         if self.backend == "apex":
             weight = self.weight + 1 if self.zero_centered_gamma else self.weight
             return apex_backend.apex_rms_norm(input, weight, self.eps, memory_efficient=memory_efficient)
@@ -558,7 +619,7 @@ class FusedRMSNorm(_FusedNormBase):
         if self.backend == "apex":
             return self.forward(input), input
         return apply(FusedRMSNormAffineFunction, input, self.weight, self.eps,
-                     bool(self.config.memory_efficient_layer_norm), self.zero_centered_gamma, True)
+                     _config_flag(self.config, "memory_efficient_layer_norm"), self.zero_centered_gamma, True)
 
 
 def norm_with_residual(norm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

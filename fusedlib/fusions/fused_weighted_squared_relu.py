@@ -15,9 +15,20 @@ Sources: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``; S
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-from ..checks import FLOAT32_MAX, FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device, resolve_neg_grads
+from ..checks import (
+    FLOAT32_MAX,
+    FLOAT_DTYPES,
+    check_same_device,
+    check_tensor,
+    on_one_kernel_device,
+    real_to_float,
+    resolve_neg_grads,
+    type_name,
+)
 from ..kernels.squared_relu import weighted_squared_relu_bwd, weighted_squared_relu_fwd
 from ._glu import check_row_weights
 from ._apply import apply, once_differentiable
@@ -37,18 +48,26 @@ Tensor = torch.Tensor
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
 
 
-def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input") -> torch.Tensor:
+def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input",
+           allow_none: bool = True) -> tuple[torch.Tensor, float | None]:
+    """Check the arguments; returns ``(weights, float(clamp_scale) or None)``. clamp_scale: None
+    (where ``allow_none``) or a real number (numpy's too; not a bool) in float32's normal range."""
     if not (isinstance(x, Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1):
         check_tensor(x_name, x, min_ndim=1)
     weights = check_row_weights(weights, x, x_name)
-    if clamp_scale is not None:
-        if isinstance(clamp_scale, bool) or not isinstance(clamp_scale, (int, float)):
-            raise TypeError(f"clamp_scale must be a float or None, got {type(clamp_scale).__name__}")
-        if not (_FLOAT32_TINY <= clamp_scale <= FLOAT32_MAX):  # also False for nan
-            raise ValueError(f"clamp_scale must be a number in float32's normal range "
-                             f"[{_FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the kernels divide by it in float32), "
-                             f"got {clamp_scale}")
-    return weights
+    if clamp_scale is None:
+        if not allow_none:  # the clamped functions: float(None) raised an unnamed TypeError
+            raise TypeError("clamp_scale must be a float > 0 (the soft clamp's scale s), got NoneType None")
+        return weights, None
+    if isinstance(clamp_scale, bool) or not isinstance(clamp_scale, numbers.Real):
+        kind = "a float or None" if allow_none else "a float > 0"
+        raise TypeError(f"clamp_scale must be {kind}, got {type_name(clamp_scale)}")
+    s = real_to_float("clamp_scale", clamp_scale, "a number in float32's normal range")
+    if not (_FLOAT32_TINY <= s <= FLOAT32_MAX):  # also False for nan
+        raise ValueError(f"clamp_scale must be a number in float32's normal range "
+                         f"[{_FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the kernels divide by it in float32), "
+                         f"got {clamp_scale}")
+    return weights, s
 
 
 def _check_grad(g: object, x: torch.Tensor) -> None:
@@ -86,7 +105,7 @@ def weighted_squared_relu(x: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
 
     Source: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``.
     """
-    return _fwd(x, _check(x, weights, None, "x"), None)
+    return _fwd(x, _check(x, weights, None, "x")[0], None)
 
 
 def weighted_squared_relu_back(g: torch.Tensor, x: torch.Tensor,
@@ -106,7 +125,7 @@ def weighted_squared_relu_back(g: torch.Tensor, x: torch.Tensor,
 
     Source: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``.
     """
-    weights = _check(x, weights, None, "x")
+    weights, _ = _check(x, weights, None, "x")
     _check_grad(g, x)
     return _bwd(g, x, weights, None)
 
@@ -114,11 +133,14 @@ def weighted_squared_relu_back(g: torch.Tensor, x: torch.Tensor,
 def weighted_clamped_squared_relu(x: torch.Tensor, weights: torch.Tensor, clamp_scale: float) -> torch.Tensor:
     """Fused ``(s·tanh(relu(x)/s))²·weights`` (s = ``clamp_scale`` > 0), without autograd.
 
-    Args, Returns, Raises: as :func:`weighted_squared_relu`; also ValueError for s <= 0.
+    Args, Returns, Raises: as :func:`weighted_squared_relu`; clamp_scale s a real number
+    (numpy's too) in float32's normal range [1.18e-38, 3.40e38]. Also TypeError for an s that
+    is not a real number (None, a str, a bool), ValueError for one outside that range (nan, <= 0).
 
     Source: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``.
     """
-    return _fwd(x, _check(x, weights, clamp_scale, "x"), float(clamp_scale))
+    weights, s = _check(x, weights, clamp_scale, "x", allow_none=False)
+    return _fwd(x, weights, s)
 
 
 def weighted_clamped_squared_relu_back(g: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
@@ -128,11 +150,15 @@ def weighted_clamped_squared_relu_back(g: torch.Tensor, x: torch.Tensor, weights
     Returns:
         ``(dx, dweights)``: dx = 2·c·(1 - tanh²(relu(x)/s))·g·w, dweights = the sum over h of c²·g.
 
+    Raises:
+        TypeError, ValueError: as :func:`weighted_squared_relu_back` and
+        :func:`weighted_clamped_squared_relu` (clamp_scale).
+
     Source: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``.
     """
-    weights = _check(x, weights, clamp_scale, "x")
+    weights, s = _check(x, weights, clamp_scale, "x", allow_none=False)
     _check_grad(g, x)
-    return _bwd(g, x, weights, float(clamp_scale))
+    return _bwd(g, x, weights, s)
 
 
 class WeightedSquaredReLUFunction(torch.autograd.Function):
@@ -148,8 +174,7 @@ class WeightedSquaredReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: torch.Tensor, weights: torch.Tensor,  # noqa: A002
                 clamp_scale: float | None) -> torch.Tensor:
-        weights = _check(input, weights, clamp_scale)
-        clamp_scale = float(clamp_scale) if clamp_scale is not None else None
+        weights, clamp_scale = _check(input, weights, clamp_scale)
         ctx.save_for_backward(input, weights)
         ctx.clamp_scale = clamp_scale
         return _fwd(input, weights, clamp_scale)
@@ -180,7 +205,8 @@ def weighted_squared_relu_impl(input: torch.Tensor, weights: torch.Tensor,  # no
         c²·grad, [n, 1] in weights' dtype (summed in float32).
 
     Raises:
-        TypeError: non-tensor argument, unsupported dtype, non-numeric clamp_scale.
+        TypeError: non-tensor argument, unsupported dtype, clamp_scale neither None nor a real
+            number (a str, a bool; numpy's numbers are accepted).
         ValueError: input not 2-D or 3-D, weights not [n, 1], clamp_scale not in float32's
             normal range [1.18e-38, 3.40e38] (nan, <= 0, or 0 / inf once in float32), tensors
             on different devices.

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ....checks import FLOAT32_MAX
+from ....checks import FLOAT32_MAX, check_bool
 from ....fusions.fused_rope import _check_mscale, check_rope_inputs, fused_apply_rotary_pos_emb
 from ....unfused import apply_rotary_pos_emb_bshd as _apply_rotary_pos_emb_bshd
 from ....unfused import rotate_half as _rotate_half
@@ -60,7 +60,8 @@ def apply_rotary_pos_emb(
         A new [s, b, np, d] tensor of t's dtype.
 
     Raises:
-        TypeError: ``config`` lacks ``apply_rope_fusion`` or ``rotary_interleaved``.
+        TypeError: ``config`` lacks ``apply_rope_fusion`` or ``rotary_interleaved``, or one of
+            them (or ``multi_latent_attention``) is not a bool (numpy's bool is accepted).
         NotImplementedError: ``cu_seqlens`` given (packed sequences), or
             ``multi_latent_attention`` with ``apply_rope_fusion``.
         TypeError, ValueError: bad tensors, on either path (without multi_latent_attention:
@@ -81,14 +82,21 @@ def apply_rotary_pos_emb(
         )
     if not (type(mscale) is float and -FLOAT32_MAX <= mscale <= FLOAT32_MAX):  # the happy case; NaN fails too
         mscale = _check_mscale(mscale)  # both paths: the unfused formula took None, nan or a str as well
-    mla = bool(getattr(config, "multi_latent_attention", False))
-    if config.apply_rope_fusion:
+    # the switches as bools, on both paths: a str "False" was read as True (the fused path
+    # refused it for rotary_interleaved; the unfused one rotated interleaved pairs)
+    fusion, interleaved = config.apply_rope_fusion, config.rotary_interleaved
+    mla = getattr(config, "multi_latent_attention", False)
+    if not all(v is True or v is False for v in (fusion, interleaved, mla)):
+        fusion = check_bool("config.apply_rope_fusion", fusion)
+        interleaved = check_bool("config.rotary_interleaved", interleaved)
+        mla = check_bool("config.multi_latent_attention", mla)
+    if fusion:
         if mla:
             raise NotImplementedError(
                 "apply_rope_fusion with multi_latent_attention is not supported by fusedlib's RoPE kernel: "
                 "set apply_rope_fusion=False"
             )
-        return fused_apply_rotary_pos_emb(t, freqs, interleaved=config.rotary_interleaved, mscale=mscale)
+        return fused_apply_rotary_pos_emb(t, freqs, interleaved=interleaved, mscale=mscale)
     if not mla:  # the fused path's checks on the unfused one too (it broadcast wrong shapes, took int angles)
         check_rope_inputs(t, freqs)
     elif isinstance(t, torch.Tensor) and isinstance(freqs, torch.Tensor) and t.dim() >= 1 and freqs.dim() >= 1:
@@ -97,5 +105,5 @@ def apply_rotary_pos_emb(
             raise ValueError(f"freqs.shape[-1] = rot_dim must be even and 2 <= rot_dim <= d = t.shape[-1] = "
                              f"{t.shape[-1]}, got {rot_dim} (apply_rope_fusion=False)")
     return _apply_rotary_pos_emb_bshd(
-        t, freqs, rotary_interleaved=config.rotary_interleaved, multi_latent_attention=mla, mscale=mscale
+        t, freqs, rotary_interleaved=interleaved, multi_latent_attention=mla, mscale=mscale
     )

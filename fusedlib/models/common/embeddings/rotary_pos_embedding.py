@@ -15,6 +15,8 @@ Language Models via Positional Interpolation", arXiv:2306.15595
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -166,9 +168,15 @@ class RotaryEmbedding(nn.Module):
 
         Raises:
             NotImplementedError: a cp_group of more than one rank.
+            TypeError: max_seq_len not an int (numpy's and a 0-d integer tensor's too), or
+                offset not a real number.
+            ValueError: max_seq_len < 0, or offset not finite.
         """
         _check_cp_group(cp_group)
-        key = (int(max_seq_len), int(offset), self.inv_freq.device)
+        max_seq_len, offset = _check_positions(max_seq_len, offset)
+        # the key holds the values the angles are computed from (int(offset) keyed an offset of
+        # 0.5 as 0: the next call with offset 0 got the 0.5 angles)
+        key = (max_seq_len, offset, self.inv_freq.device)
         emb = self._cache.get(key)
         if emb is None:
             emb = self.get_emb(max_seq_len, offset)
@@ -222,6 +230,39 @@ class RotaryEmbedding(nn.Module):
                 rotary_seq_len *= getattr(transformer_config, "tensor_model_parallel_size", 1)
         rotary_seq_len *= getattr(transformer_config, "context_parallel_size", 1)
         return rotary_seq_len
+
+
+def _check_positions(max_seq_len: Any, offset: Any) -> tuple[int, int | float]:
+    """:meth:`RotaryEmbedding.forward`'s positions as the cache keys them: max_seq_len an int
+    >= 0 (anything ``operator.index`` takes: numpy's ints, a 0-d integer tensor), offset an int
+    likewise, or a finite real number (a float offset shifts every position by it).
+
+    Raises:
+        TypeError: max_seq_len not an int (a float, whose ``torch.arange`` has another length
+            than its ``int``), offset not a real number (bools refused for both).
+        ValueError: max_seq_len < 0, offset not finite.
+    """
+    if isinstance(max_seq_len, bool):
+        raise TypeError("max_seq_len must be an int (the number of positions), got bool")
+    try:
+        n = operator.index(max_seq_len)
+    except TypeError:
+        raise TypeError(f"max_seq_len must be an int (the number of positions), got "
+                        f"{type(max_seq_len).__name__} {max_seq_len!r}") from None
+    if n < 0:
+        raise ValueError(f"max_seq_len must be >= 0 (the number of positions), got {n}")
+    if isinstance(offset, bool):
+        raise TypeError("offset must be an int (the first position), got bool")
+    try:
+        return n, operator.index(offset)
+    except TypeError:
+        pass
+    if not isinstance(offset, numbers.Real):
+        raise TypeError(f"offset must be an int (the first position) or a real number, got {type(offset).__name__}")
+    o = float(offset)
+    if not math.isfinite(o):
+        raise ValueError(f"offset must be finite, got {offset!r}")
+    return n, o
 
 
 def _check_cp_group(cp_group: Any) -> None:
