@@ -25,8 +25,8 @@ $(STAMP): pyproject.toml tools/pick_torch.py tools/install_browser.sh
 	$(PY) -c "import fusedlib, torch, triton; print('fusedlib', fusedlib.__version__, '| torch', torch.__version__, '| triton', triton.__version__)"
 	touch $@
 
-# Executes every chapter here (jupyter-cache under _build, the committed notebooks are
-# left as they are) and builds the HTML book, warnings as errors.
+# Executes every chapter here, every time (book.yml: execute_notebooks: force; the committed
+# notebooks are left as they are) and builds the HTML book, warnings as errors.
 book: setup
 	$(VENV)/bin/jupyter-book build . --config book.yml --toc toc.yml -W -n --keep-going
 	@echo "open _build/html/index.html"

@@ -680,6 +680,20 @@ def test_unknown_normalization_is_named_as_such():
             cls(cfg, 8)
 
 
+@pytest.mark.parametrize("config", (None, {"normalization": "LayerNorm"}))
+def test_a_config_without_the_fields_is_named(config):
+    # None reached config.normalization: an AttributeError that named no argument
+    for cls in (FusedLayerNorm, FusedRMSNorm, FusedNorm):
+        with pytest.raises(TypeError, match=r"^config must be a TransformerConfig .* got (NoneType|dict)"):
+            cls(config, 8)
+
+
+def test_a_parameter_of_another_dtype_says_how_to_match_it():
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"weight dtype torch.float32 must match input dtype torch.bfloat16 .*cast"):
+        fused_layer_norm(x, torch.ones(8), torch.zeros(8, dtype=torch.bfloat16), 1e-5)
+
+
 # ---------------------------------------------------------------------------------------
 # The optional Apex backend
 # ---------------------------------------------------------------------------------------

@@ -372,6 +372,9 @@ def test_resume_refuses_another_configuration(corpus, tmp_path):
     Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus).run()
     with pytest.raises(ValueError, match="lr"):
         Trainer(TrainConfig(resume=True, **(kw | dict(lr=2e-3))), corpus=corpus)
+    # more steps is another run (the schedule depends on them), and the message says what to do
+    with pytest.raises(ValueError, match=r"steps \(checkpoint 4, now 9\); a resumed run continues .* new run"):
+        Trainer(TrainConfig(resume=True, **(kw | dict(steps=9))), corpus=corpus)
     with pytest.raises(FileNotFoundError, match="checkpoint"):
         Trainer(TrainConfig(resume=True, **(kw | dict(out=str(tmp_path / "empty")))), corpus=corpus)
 

@@ -45,7 +45,8 @@ def bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
     Args:
         bias: [h], same dtype and device as ``y``.
-        y: [..., h], float32 / float16 / bfloat16, CUDA or CPU, any strides.
+        y: [..., h], float32 / float16 / bfloat16 (float64 too, for gradcheck), CUDA or CPU, any
+            strides.
 
     Returns:
         A new contiguous tensor of ``y``'s shape and dtype.
@@ -127,7 +128,8 @@ def bias_gelu_impl(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # 
     """``GeLUFunction.apply``: fused ``gelu_tanh(input + bias)`` with autograd.
 
     Args:
-        input: [..., h], float32 / float16 / bfloat16, CUDA or CPU, any strides.
+        input: [..., h], float32 / float16 / bfloat16 (float64 too, for gradcheck), CUDA or CPU,
+            any strides.
         bias: [h], same dtype and device.
 
     Returns:

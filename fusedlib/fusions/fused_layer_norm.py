@@ -121,7 +121,9 @@ def _check_param(name: str, p: Optional[torch.Tensor], x: torch.Tensor, x_name: 
             f"{name} must have shape [h] with h = {x_name}.shape[-1] = {x.shape[-1]}, got {list(p.shape)}"
         )
     if p.dtype != x.dtype:
-        raise TypeError(f"{name} dtype {p.dtype} must match {x_name} dtype {x.dtype}")
+        raise TypeError(f"{name} dtype {p.dtype} must match {x_name} dtype {x.dtype} (the kernels read both in "
+                        f"one dtype: cast one of them; a FusedLayerNorm / FusedRMSNorm module takes dtype= for its "
+                        f"parameters, or .to({x.dtype}))")
     return p.contiguous()  # [h]: a copy only for a strided parameter (h elements)
 
 
@@ -446,6 +448,9 @@ class _FusedNormBase(torch.nn.Module):
     def __init__(self, config, hidden_size, eps: float, backend: str, has_bias: bool,
                  device: Optional[Union[torch.device, str]] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
+        if not hasattr(config, "normalization"):  # None, a dict...: an AttributeError naming no argument before
+            raise TypeError(f"config must be a TransformerConfig (or an object with its normalization fields), got "
+                            f"{type_name(config)}")
         if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"config.normalization must be 'LayerNorm' or 'RMSNorm', got "
                              f"{_short(config.normalization)}")
@@ -524,7 +529,8 @@ class FusedLayerNorm(_FusedNormBase):
         ValueError: config.normalization != "LayerNorm" (or neither "LayerNorm" nor "RMSNorm"),
             hidden_size outside 1..65536 or a shape of more than one element, eps < 0, not
             finite or above float32's max, an unknown backend.
-        TypeError: hidden_size (or its one element) not an int (a float, a str, a bool), eps not
+        TypeError: config without a normalization field (None, a dict); hidden_size (or its one
+            element) not an int (a float, a str, a bool), eps not
             a real number (each an :class:`~fusedlib.checks.ArgumentTypeError`, also a ValueError);
             one of the config's switches it reads (``layernorm_zero_centered_gamma``,
             ``persist_layer_norm``, ``sequence_parallel``; ``memory_efficient_layer_norm`` at
@@ -851,7 +857,8 @@ class FusedNorm:
     ``LayerNorm`` or ``RMSNorm``; put it in a layer spec's norm slot.
 
     Raises:
-        ValueError: as the class it builds.
+        ValueError, TypeError: as the class it builds (a config without a normalization field:
+            a TypeError naming config).
 
     Source: Megatron-LM ``megatron/core/extensions/transformer_engine.py`` (``TENorm``).
     """
@@ -859,6 +866,6 @@ class FusedNorm:
     def __new__(cls, config, hidden_size: Union[int, Sequence[int]], eps: float = 1e-5, *,
                 backend: str = "fusedlib", device: Optional[Union[torch.device, str]] = None,
                 dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
-        if config.normalization == "RMSNorm":
+        if getattr(config, "normalization", None) == "RMSNorm":  # (no field: FusedLayerNorm names config)
             return FusedRMSNorm(config, hidden_size, eps, backend=backend, device=device, dtype=dtype)
         return FusedLayerNorm(config, hidden_size, eps, backend=backend, device=device, dtype=dtype)

@@ -717,7 +717,9 @@ class Trainer:
                 if k not in RESUMABLE_CHANGES and theirs.get(k) != v}
         if diff:
             raise ValueError("resume: the checkpoint's configuration differs in "
-                             + ", ".join(f"{k} (checkpoint {a!r}, now {b!r})" for k, (a, b) in diff.items()))
+                             + ", ".join(f"{k} (checkpoint {a!r}, now {b!r})" for k, (a, b) in diff.items())
+                             + "; a resumed run continues the checkpoint's run with its flags (to train for "
+                               "more steps, start a new run with the larger --steps)")
         problem = self._unrestorable(ckpt)
         if problem is not None:
             raise ValueError(f"resume: {path} cannot be restored into this run: {problem}")
