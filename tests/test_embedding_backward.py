@@ -188,3 +188,20 @@ def test_programs_per_piece_and_run_or_bound(host_runs, grids, monkeypatch):
     out = emb._embedding_backward(ids, torch.ones(37, 2, device=DEVICE), 4, None, host_runs=host_runs)
     assert seen == grids
     assert out[:, 0].tolist() == [1.0, 1.0, 0.0, 35.0]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_vocab_parallel_embedding_refuses_ids_on_another_device(deterministic):
+    """F.embedding of meta ids and a CPU (or CUDA) weight returned a tensor of uninitialized
+    memory on the weight's device, without an error: the layer names the ids' device."""
+    from fusedlib.parallel import layers
+    from fusedlib.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=2, deterministic_mode=deterministic)
+    torch.manual_seed(0)
+    layer = layers.VocabParallelEmbedding(5, 4, init_method=torch.nn.init.normal_, config=cfg).to(DEVICE)
+    with pytest.raises(ValueError, match=rf"VocabParallelEmbedding: input_ids must be on the weight's device "
+                                         rf"{DEVICE.type}(:\d+)?, got meta"):
+        layer(torch.tensor([[1, 7]], device="meta"))
+    ids = torch.tensor([[1, 4]], device=DEVICE)
+    assert torch.equal(layer(ids), F.embedding(ids, layer.weight))  # ids on the weight's device: as before

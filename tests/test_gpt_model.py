@@ -126,6 +126,10 @@ def test_gpt_names_bad_labels(labels, error, match):
      rf"position_ids must be \[b or 1, s\] = \[{B} or 1, {S}\] .* got shape \[1, {S - 1}\]"),
     ("position past the table", ValueError, rf"position_ids must lie in \[0, max_sequence_length = {S + 3}\)"),
     ("float positions", TypeError, "position_ids must be int64 or int32, got torch.float32"),
+    # a lookup of meta ids in a CPU table returned a CPU tensor of uninitialized memory, no error
+    ("meta ids", ValueError, rf"input_ids must be on the embedding tables' device {DEVICE.type}(:\d+)?, got meta"),
+    ("meta positions", ValueError,
+     rf"position_ids must be on the embedding tables' device {DEVICE.type}(:\d+)?, got meta"),
 ])
 def test_gpt_names_bad_input_and_position_ids(case, error, match):
     model = _model(make_config(num_layers=1), get_gpt_layer_unfused_spec())  # learned positions: S + 3 rows
@@ -148,6 +152,10 @@ def test_gpt_names_bad_input_and_position_ids(case, error, match):
         positions = torch.arange(S - 1, device=DEVICE)[None]
     elif case == "position past the table":
         positions = torch.arange(S, device=DEVICE)[None] + 4
+    elif case == "meta ids":
+        ids = ids.to("meta")
+    elif case == "meta positions":
+        positions = torch.arange(S, device="meta")[None]
     else:
         positions = torch.arange(S, device=DEVICE)[None].float()
     if DEVICE.type == "cuda" and case in ("id = V", "id = -1", "position past the table"):

@@ -525,6 +525,16 @@ def _layers_worker(rank, world_size, device, seed):
             fusedlib.runtime.check_errors()
     emb(torch.tensor([[0, 9]], device=device))  # in range: nothing reported
     fusedlib.runtime.check_errors()
+    # strided and expanded ids (views that reshape keeps): the check reads their own elements, not
+    # the memory after the first one (which missed the 10 here, and reported the 10s in between)
+    with pytest.raises(ValueError, match=r"VocabParallelEmbedding: input_ids must hold vocabulary ids in \[0, 10\), "
+                                         r"got 10"):
+        emb(torch.tensor([[0, 1, 2, 3, 10, 5]], device=device)[:, ::2])
+        fusedlib.runtime.check_errors()
+    emb(torch.tensor([[0, 10, 1, 10]], device=device)[:, ::2])  # [[0, 1]]: in range
+    emb(torch.tensor([[3]], device=device).expand(2, 4))  # stride 0: one element, in range
+    emb(torch.tensor([[0, 10], [4, 10]], device=device)[:, :1])  # [[0], [4]]: a column, in range
+    fusedlib.runtime.check_errors()
     # the process groups: a size that does not divide the world, and a second initialization
     parallel_state.destroy_model_parallel()
     with pytest.raises(ValueError, match=rf"tensor_model_parallel_size=3 must divide the world size {p}"):

@@ -601,7 +601,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     Raises:
         RuntimeError, ValueError: as :class:`ColumnParallelLinear` (V not divisible by p); ValueError
-            for an id outside [0, V) at p > 1 (above).
+            for an id outside [0, V) at p > 1 (above), and for ids on another device than the weight.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``VocabParallelEmbedding``).
     """
@@ -626,12 +626,19 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Rows of the weight: [b, s] ids -> [b, s, h] (see the class docstring)."""
+        if isinstance(input_, torch.Tensor) and input_.device != self.weight.device:
+            # (F.embedding of meta ids and a CPU weight returns a CPU tensor of uninitialized memory)
+            raise ValueError(f"VocabParallelEmbedding: input_ids must be on the weight's device "
+                             f"{self.weight.device}, got {input_.device}")
         if self.tp_world_size == 1:
             if self.deterministic and torch.is_grad_enabled() and self.weight.requires_grad:
                 return _EmbeddingDeterministicGrad.apply(input_, self.weight)
             return F.embedding(input_, self.weight)
         input_ = input_.resolve_neg()  # (a lazy negation view: the range check's kernel reads memory)
-        check_ids_in_range(input_, self.num_embeddings)  # else a bad id is a zero row on every rank
+        # else a bad id is a zero row on every rank; the kernel reads the ids as one contiguous row
+        # (a strided or expanded view, which ``reshape`` keeps as a view, would be read past its
+        # elements: ids missed, others reported, memory outside the tensor read), hence a copy of those
+        check_ids_in_range(input_.contiguous(), self.num_embeddings)
         input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)  # ids of other ranks
         masked_input = (input_ - self.vocab_start_index).masked_fill_(input_mask, 0)  # local ids, 0 for others
         output_parallel = F.embedding(masked_input, self.weight)  # [b, s] -> [b, s, h]

@@ -27,14 +27,18 @@ from ....transformer.utils import param_device
 __all__ = ["LanguageModelEmbedding"]
 
 
-def _check_ids(name: str, ids: object, like: Optional[torch.Size], bound: int, bound_name: str) -> None:
+def _check_ids(name: str, ids: object, like: Optional[torch.Size], bound: int, bound_name: str,
+               device: torch.device) -> None:
     """Token ids [b, s] (``like`` None) or positions [b or 1, s] (``like`` = the ids' shape):
-    int32 / int64; on the CPU also in [0, bound) (a host check there costs no sync; on CUDA the
-    table lookup's own check applies)."""
+    int32 / int64, on ``device`` (the table's: a lookup of meta ids in a CPU table returns
+    uninitialized memory); on the CPU also in [0, bound) (a host check there costs no sync; on
+    CUDA the table lookup's own check applies)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be an int64 tensor [b, s], got {type(ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{name} must be int64 or int32, got {ids.dtype}")
+    if ids.device != device:
+        raise ValueError(f"{name} must be on the embedding tables' device {device}, got {ids.device}")
     if like is None:
         if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
             raise ValueError(f"{name} must be [b, s] with b, s >= 1, got shape {list(ids.shape)}")
@@ -70,7 +74,8 @@ class LanguageModelEmbedding(MegatronModule):
         ValueError: an unknown position_embedding_type; input_ids longer than
             max_sequence_length (learned positions, position_ids None); input_ids not a 2-D
             [b, s] tensor (b, s >= 1), position_ids not [b or 1, s]; on the CPU, an id outside
-            [0, vocab_size) or a position outside [0, max_sequence_length).
+            [0, vocab_size) or a position outside [0, max_sequence_length); input_ids or
+            position_ids on another device than the embedding tables.
         TypeError: input_ids or position_ids not int32 / int64.
 
     Source: Megatron-LM ``megatron/core/models/common/embeddings/language_model_embedding.py``.
@@ -116,9 +121,10 @@ class LanguageModelEmbedding(MegatronModule):
         """Embeddings [s, b, h] (see the class docstring)."""
         if tokentype_ids is not None:
             raise NotImplementedError("LanguageModelEmbedding: tokentype_ids are left out of fusedlib")
-        _check_ids("input_ids", input_ids, None, self.vocab_size, "vocab_size")
+        _check_ids("input_ids", input_ids, None, self.vocab_size, "vocab_size", self.word_embeddings.weight.device)
         if position_ids is not None and self.add_position_embedding:
-            _check_ids("position_ids", position_ids, input_ids.shape, self.max_sequence_length, "max_sequence_length")
+            _check_ids("position_ids", position_ids, input_ids.shape, self.max_sequence_length, "max_sequence_length",
+                       self.position_embeddings.weight.device)
         embeddings = self.word_embeddings(input_ids)  # [b, s] -> [b, s, h] (reduce-scattered: [s/p, b, h])
         if self.add_position_embedding:
             if position_ids is None:
