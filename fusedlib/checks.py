@@ -30,6 +30,7 @@ __all__ = [
     "resolve_neg_grads",
     "check_same_device",
     "check_bool",
+    "short_repr",
     "is_numpy_bool",
     "on_one_kernel_device",
     "real_to_float",
@@ -92,7 +93,7 @@ def check_bool(name: str, value: object) -> bool:
         return value
     if is_numpy_bool(value):
         return bool(value)
-    raise TypeError(f"{name} must be a bool, got {type_name(value)} {_short_repr(value)}")
+    raise TypeError(f"{name} must be a bool, got {type_name(value)} {short_repr(value)}")
 
 
 def real_to_float(name: str, value: numbers.Real, expected: str) -> float:
@@ -113,10 +114,10 @@ def real_to_float(name: str, value: numbers.Real, expected: str) -> float:
         return float(value)
     except OverflowError:
         raise ValueError(f"{name} must be {expected}, got an int too large for a float: "
-                         f"{_short_repr(value)}") from None
+                         f"{short_repr(value)}") from None
 
 
-def _short_repr(value: object) -> str:
+def short_repr(value: object) -> str:
     """``repr(value)`` for a message, cut at 40 characters (a tensor's repr has no end)."""
     if isinstance(value, torch.Tensor):
         return f"of shape {list(value.shape)}"

@@ -75,6 +75,7 @@ from ..checks import (
     on_one_kernel_device,
     real_to_float,
     resolve_neg_grads,
+    short_repr,
     type_name,
 )
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd, dropout_key
@@ -168,18 +169,10 @@ def _check_eps(eps: object) -> None:
         why = (" (reading a tensor's value would synchronise with its device: pass float(eps))"
                if isinstance(eps, torch.Tensor) else "")
         raise ArgumentTypeError(f"eps must be a finite number >= 0 (a Python float), got {type_name(eps)} "
-                                f"{_short(eps)}{why}")
+                                f"{short_repr(eps)}{why}")
     if not math.isfinite(real_to_float("eps", eps, "a finite number >= 0")) or eps < 0 or eps > FLOAT32_MAX:
         raise ValueError(f"eps must be a finite number >= 0, at most float32's max ({FLOAT32_MAX:.4g}: the "
                          f"kernels add it in float32), got {eps!r}")
-
-
-def _short(value: object) -> str:
-    """``repr(value)`` for a message, cut at 40 characters (a tensor's repr has no end)."""
-    if isinstance(value, torch.Tensor):
-        return f"of shape {list(value.shape)}"
-    r = repr(value)
-    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def _check_flags(memory_efficient: object, zero_centered_gamma: object,
@@ -427,11 +420,11 @@ def _hidden_size(hidden_size: Union[int, Sequence[int], torch.Size]) -> int:
     if isinstance(hidden_size, (tuple, list, torch.Size)) and len(hidden_size) == 1:
         value = hidden_size[0]
     elif isinstance(hidden_size, (tuple, list, torch.Size)):
-        raise ValueError(f"hidden_size must be an int (or a 1-element shape), got {_short(hidden_size)}")
+        raise ValueError(f"hidden_size must be an int (or a 1-element shape), got {short_repr(hidden_size)}")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"hidden_size must be an int (or a 1-element shape of one), got "
-                                f"{type_name(value)} {_short(value)}"
-                                + (f" in {_short(hidden_size)}" if value is not hidden_size else ""))
+                                f"{type_name(value)} {short_repr(value)}"
+                                + (f" in {short_repr(hidden_size)}" if value is not hidden_size else ""))
     h = int(value)
     if not 1 <= h <= MAX_HIDDEN_SIZE:
         raise ValueError(
@@ -453,7 +446,7 @@ class _FusedNormBase(torch.nn.Module):
                             f"{type_name(config)}")
         if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"config.normalization must be 'LayerNorm' or 'RMSNorm', got "
-                             f"{_short(config.normalization)}")
+                             f"{short_repr(config.normalization)}")
         if config.normalization != self._normalization:
             other = "FusedRMSNorm" if config.normalization == "RMSNorm" else "FusedLayerNorm"
             raise ValueError(
