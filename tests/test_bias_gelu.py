@@ -93,6 +93,24 @@ def test_empty_input(dtype):
     assert torch.equal(b.grad, torch.zeros_like(b))
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + (torch.float64,))
+def test_saturated_inputs_give_the_limits(dtype):
+    # Past |x| of about 20, tanh is +-1 in every dtype: gelu(x) is x (x > 0) or 0, its gradient
+    # 1 or 0. Past 1.8e19 (float32 compute) x² overflows: the gradient's (1 - t²)·(c0 + c2·x²)
+    # was 0·inf = NaN there, and the interpreter warned of the overflow in the forward too.
+    big = torch.finfo(dtype).max
+    vals = [v for v in (20.0, 1e4, 1e5, 2e19, 1e30, 1e200, big) if v <= big]
+    x = torch.tensor([[-v for v in vals] + vals] * 3, dtype=torch.float64).to(dtype)
+    y = x.to(DEVICE).requires_grad_(True)
+    b = torch.zeros(x.shape[1], device=DEVICE, dtype=dtype, requires_grad=True)
+    out = bias_gelu_impl(y, b)
+    pos = y.detach() > 0
+    assert torch.equal(out, torch.where(pos, y.detach(), torch.zeros_like(out)))
+    out.backward(torch.full_like(out, 3.0))
+    assert torch.equal(y.grad, torch.where(pos, 3.0, 0.0).to(dtype))
+    assert torch.equal(b.grad, torch.where(pos[0], 9.0, 0.0).to(dtype))
+
+
 def test_larger_multi_program_bias_reduction():
     # more rows than one backward program holds, so the two-stage bias reduction is exercised
     _check_fwd_bwd(*_inputs((1031, 24), torch.float32))

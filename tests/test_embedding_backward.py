@@ -205,3 +205,30 @@ def test_vocab_parallel_embedding_refuses_ids_on_another_device(deterministic):
         layer(torch.tensor([[1, 7]], device="meta"))
     ids = torch.tensor([[1, 4]], device=DEVICE)
     assert torch.equal(layer(ids), F.embedding(ids, layer.weight))  # ids on the weight's device: as before
+
+
+# ---------------------------------------------------------------- check_ids_in_range
+
+
+def test_check_ids_in_range_reads_views_as_their_elements():
+    # The kernel reads one contiguous row; a strided or expanded view reshaped without a copy
+    # was read as memory: a bad id at the view's second element was missed, values between
+    # its elements were reported, and an expanded [1, 1] read past the tensor.
+    base = torch.tensor([1, 99, 10, 99, 2, 99], device=DEVICE)  # V = 5: 99 and 10 out of range
+    with pytest.raises(ValueError, match="10"):
+        emb.check_ids_in_range(base[::2], 5)  # [1, 10, 2]: the 10 is the view's second element
+    emb.check_ids_in_range(torch.tensor([[1, 99], [3, 99]], device=DEVICE)[:, 0], 5)  # [1, 3]: in range
+    emb.check_ids_in_range(torch.tensor([4], device=DEVICE).expand(3, 4), 5)
+    emb.check_ids_in_range(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32, device=DEVICE).t(), 5)
+    with pytest.raises(ValueError, match="7"):
+        emb.check_ids_in_range(torch.tensor([[1, 2], [7, 4]], dtype=torch.int32, device=DEVICE).t(), 5)
+
+
+@pytest.mark.parametrize("ids, match", [
+    (torch.tensor([1.0, 2.0]), "ids must have dtype"),
+    (torch.tensor([True, False]), "ids must have dtype"),
+    ([1, 2], "ids must be a torch.Tensor"),
+])
+def test_check_ids_in_range_refuses_other_dtypes(ids, match):
+    with pytest.raises(TypeError, match=match):
+        emb.check_ids_in_range(ids, 5)

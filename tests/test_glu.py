@@ -201,6 +201,21 @@ def test_glu_large_values_do_not_overflow():
         _check_glu(glu, y)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_glu_saturated_values_give_the_limits(dtype):
+    # Past |x| = 1.8e19 x² overflows in float32: GeGLU's gradient (1 - t²)·(c0 + c2·x²) was
+    # 0·inf = NaN where its limit is 1 (x > 0) or 0, and the interpreter warned in the forward.
+    # y2 = 1 and g = 0.5 keep every product finite; the float64 reference needs no overflow.
+    big = torch.finfo(dtype).max
+    x1 = [-big, -1e30, -2e19, -1e5, 1e5, 2e19, 1e30, big]
+    y = torch.tensor([x1 + [1.0] * len(x1)] * 3, dtype=torch.float64).to(dtype).to(DEVICE).requires_grad_(True)
+    for glu in GLUS:
+        y.grad = None
+        _check_glu(glu, y, g=torch.full((3, len(x1)), 0.5, device=DEVICE, dtype=dtype))
+        pos = y.detach()[:, : len(x1)] > 0
+        assert torch.equal(y.grad[:, : len(x1)], torch.where(pos, 0.5, 0.0).to(dtype)), glu
+
+
 # ------------------------------------------------------------------ weighted SwiGLU (MoE)
 
 

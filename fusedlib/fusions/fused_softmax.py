@@ -385,19 +385,18 @@ def _check_offset(offset: object, x4: torch.Tensor, name: str = "softmax_offset"
 
 
 def _sink_logits(offset: torch.Tensor, x4: torch.Tensor) -> torch.Tensor:
-    """The sink logits for the kernels: [1] or [np], contiguous, in the compute dtype, at most
-    its largest finite value.
+    """The sink logits for the kernels: [1] or [np], contiguous, in the compute dtype.
 
-    The kernels subtract the row's max, the sink's included: a sink of +inf (or one beyond the
-    compute dtype, a float64 1e300 for float32 scores) became inf - inf = NaN for its whole
-    row, where the softmax's limit is p = 0 (the sink takes everything) with zero gradients.
-    At the dtype's max the kernels compute exactly that: e^{x - max} = 0, p_sink = 1. A NaN
-    stays NaN (clamp propagates it), -inf stays no sink. A device op, no host sync.
+    A sink of +inf (or one beyond the compute dtype, a float64 1e300 for float32 scores, inf
+    once converted) takes the whole row: the kernels hold it at the dtype's largest value
+    (``_finite_sink`` in :mod:`fusedlib.kernels.softmax`), where they compute the limit,
+    p = 0 with zero gradients. No device op when the logits are already [np] in the compute
+    dtype, contiguous.
     """
     acc = acc_dtype(x4.dtype)
     off = offset.to(acc)
     off = off if off.dim() == 1 else off.reshape(-1)
-    return off.clamp(max=torch.finfo(acc).max).contiguous()
+    return off.contiguous()
 
 
 def _as_4d(x: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

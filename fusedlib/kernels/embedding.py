@@ -75,22 +75,25 @@ def check_ids_in_range(ids: torch.Tensor, vocab_size: int) -> None:
     """Check that every id of ``ids`` lies in [0, ``vocab_size``), without a host sync on CUDA.
 
     Args:
-        ids: token ids, any shape, int32 or int64 (a non-contiguous tensor is copied once).
+        ids: token ids, any shape, int32 or int64 (a non-contiguous tensor, an expanded or
+            strided view included, is copied once: the kernel reads one contiguous row).
         vocab_size: V, the whole vocabulary (not one rank's part).
 
     Raises:
+        TypeError: ids not a tensor of int32 or int64.
         ValueError: on the CPU, and on CUDA with ``FUSEDLIB_SYNC_CHECKS=1``, when an id is out
             of range (naming it and V); on CUDA otherwise, at a later fusedlib call or at
             :func:`fusedlib.runtime.check_errors`. Nothing is checked while ``torch.compile``
             traces (the word is then None).
     """
+    check_tensor("ids", ids, dtypes=(torch.int32, torch.int64))
     n = ids.numel()
     if n == 0:
         return
     err = IDS_CHECK.word(ids)
     if err is None:
         return
-    flat = ids.reshape(n)
+    flat = ids.contiguous().reshape(n)  # reshape alone keeps a strided view: the kernel would read between its elements
     launch(_ids_in_range_kernel, (cdiv(n, BLOCK),), ids.device, flat, err, n, vocab_size, BLOCK=BLOCK, num_warps=4)
     IDS_CHECK.launched(ids, vocab_size)
 

@@ -38,3 +38,27 @@ def soft_clamp(r, s):
     small = z < SOFT_CLAMP_SERIES_BELOW
     t = tl.where(small, z * ratio, tanh(z))
     return tl.where(small, r * ratio, s * t), t
+
+
+#: Past |x| = 1e4 GeLU's tanh is ±1 in float32 and float64 alike (its argument passes 3.6e10,
+#: e^{-7e10} = 0), so :func:`gelu_tanh_t` holds x there: x² could overflow otherwise (float32
+#: past |x| = 1.8e19), and the gradient would become (1 - t²)·inf = 0·inf = NaN where its limit
+#: is 1 (x > 0) or 0 (x < 0).
+GELU_SATURATED: tl.constexpr = tl.constexpr(1e4)
+
+
+@triton.jit
+def gelu_tanh_t(x, c0, c1):
+    """(t, xs): t = tanh(c0·xs·(1 + c1·xs²)) of GeLU's tanh approximation, xs = x held to
+    ±:data:`GELU_SATURATED` (the same t, no overflow). A NaN x stays NaN in both."""
+    big = tl.abs(x) > GELU_SATURATED
+    xs = tl.where(big, tl.where(x > 0, GELU_SATURATED, -GELU_SATURATED), x)
+    return tanh(xs * c0 * (1.0 + xs * xs * c1)), xs
+
+
+@triton.jit
+def gelu_tanh_derivative(xs, t, c0, c2):
+    """d/dx of 0.5·x·(1 + t): 0.5·xs·(1 - t²)·(c0 + c2·xs²) + 0.5·(1 + t), c2 = 3·c0·c1, from
+    :func:`gelu_tanh_t`'s (t, xs). Past the saturation 1 - t² is exactly 0, and so is the first
+    term: the gradient is exactly its limit, 1 or 0."""
+    return 0.5 * xs * ((1.0 - t * t) * (xs * xs * c2 + c0)) + 0.5 * (1.0 + t)

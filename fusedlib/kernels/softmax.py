@@ -253,6 +253,22 @@ def _finite_or_zero(m):
     return tl.where(m == float("-inf"), 0.0, m)
 
 
+@triton.jit
+def _finite_sink(o):
+    """The sink logit, a +inf held at the compute dtype's largest value.
+
+    The row's max includes the sink, so a sink of +inf (or a float64 one beyond float32's range,
+    inf once in float32) made e^{o - M} = e^{inf - inf} = NaN for the whole row, where the
+    softmax's limit is p_sink = 1 and p = 0 with zero gradients. At the largest finite value the
+    kernels compute exactly that: M = o, e^{s - M} = 0 for every finite score. NaN stays NaN;
+    -inf stays no sink."""
+    if o.dtype == tl.float32:
+        big = 3.4028234663852886e38  # float32's max
+    else:
+        big = 1.7976931348623157e308  # float64's max
+    return tl.where(o == float("inf"), big, o)
+
+
 # ---------------------------------------------------------------------------------------------
 # Rows held in registers
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +328,7 @@ def _softmax_fwd_kernel(
     # [3] max, exponentials, denominator (plus the sink's e^{o - M})
     row_max = tl.max(s, axis=1)
     if HAS_OFFSET:
-        o = tl.load(OFFSET_ptr + h * OFFSET_head_stride, mask=row_ok, other=0.0).to(ACC)
+        o = _finite_sink(tl.load(OFFSET_ptr + h * OFFSET_head_stride, mask=row_ok, other=0.0).to(ACC))
         row_max = tl.maximum(row_max, o)
     m = _finite_or_zero(row_max)
     e = tl.exp(s - m[:, None])
@@ -445,8 +461,8 @@ def _softmax_fwd_online_kernel(
     VEC: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    # This kernel spells out _row_layout, _band_masks, _scores, _finite_or_zero and
-    # _safe_reciprocal inline: the same arithmetic, but Triton's CPU interpreter pays
+    # This kernel spells out _row_layout, _band_masks, _scores, _finite_or_zero, _finite_sink
+    # and _safe_reciprocal inline: the same arithmetic, but Triton's CPU interpreter pays
     # milliseconds for each call of a nested @triton.jit function.
     row = tl.program_id(0).to(tl.int64)  # one row per program
     q = row % sq
@@ -484,6 +500,10 @@ def _softmax_fwd_online_kernel(
         M = M_new
     if HAS_OFFSET:  # the sink is one more logit in the row
         o = tl.load(OFFSET_ptr + h * OFFSET_head_stride).to(ACC)
+        if ACC == tl.float32:  # _finite_sink: +inf held at the dtype's max
+            o = tl.where(o == float("inf"), 3.4028234663852886e38, o)
+        else:
+            o = tl.where(o == float("inf"), 1.7976931348623157e308, o)
         M_new = tl.maximum(M, o)
         m = tl.where(M_new == float("-inf"), 0.0, M_new)
         D = D * tl.exp(M - m) + tl.exp(o - m)
