@@ -201,10 +201,13 @@ def test_glu_large_values_do_not_overflow():
         _check_glu(glu, y)
 
 
+# Triton's interpreter runs the kernels in NumPy, which warns of the float32 overflow of x² that a
+# GPU performs silently (inf, as IEEE): the kernels take that inf into account.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_glu_saturated_values_give_the_limits(dtype):
     # Past |x| = 1.8e19 x² overflows in float32: GeGLU's gradient (1 - t²)·(c0 + c2·x²) was
-    # 0·inf = NaN where its limit is 1 (x > 0) or 0, and the interpreter warned in the forward.
+    # 0·inf = NaN where its limit is 1 (x > 0) or 0.
     # y2 = 1 and g = 0.5 keep every product finite; the float64 reference needs no overflow.
     big = torch.finfo(dtype).max
     x1 = [-big, -1e30, -2e19, -1e5, 1e5, 2e19, 1e30, big]

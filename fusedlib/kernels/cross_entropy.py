@@ -90,7 +90,7 @@ def _cross_entropy_fwd_kernel(
     row_mask = rows < n_rows
     x_rows_ptr = X_ptr + rows * X_row_stride  # [BLOCK_M] pointers to the rows
     target = tl.load(TARGET_ptr + rows * target_stride, mask=row_mask, other=ignore_index).to(tl.int64)
-    active = (target != ignore_index) & row_mask  # rows past n_rows are inactive, whatever ignore_index is
+    active = target != ignore_index  # (rows past n_rows count as ignored)
     cols = tl.arange(0, BLOCK_N)
 
     # Online softmax, per row: m is the running max, s_vec[:, i] the running sum of e^{x - m}
@@ -175,7 +175,7 @@ def _cross_entropy_bwd_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
     target = tl.load(TARGET_ptr + rows * target_stride, mask=row_mask, other=ignore_index).to(tl.int64)
-    active = (target != ignore_index) & row_mask
+    active = target != ignore_index
     lse = tl.load(LSE_ptr + rows, mask=row_mask, other=0.0)
     g = tl.load(G_ptr + rows * g_stride, mask=active, other=0.0).to(ACC)  # ignored rows: g = 0
     x_ptrs = X_ptr + rows[:, None] * X_row_stride + cols.to(tl.int64)[None, :] * X_col_stride

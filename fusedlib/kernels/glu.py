@@ -53,7 +53,7 @@ from .launch import (
     FOLD_TILES, HUGE, TL_DTYPE, Tile, TileTable, acc_dtype, as_rows, cdiv, empty_contiguous_like,
     persistent_grid, pick,
 )
-from .math import gelu_tanh_derivative, gelu_tanh_t
+from .math import gelu_tanh_derivative, tanh
 from .reduce import finish_partials, partials_buffer
 
 __all__ = ["glu_fwd", "glu_bwd", "TILES", "BIAS_BWD_TILES"]
@@ -79,7 +79,7 @@ def _act_fwd(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == "silu":
         a = x * _sigmoid(x)
     else:
-        t, _ = gelu_tanh_t(x, SQRT_2_OVER_PI, GELU_COEF)
+        t = tanh(x * SQRT_2_OVER_PI * (1.0 + x * x * GELU_COEF))
         a = 0.5 * x * (1.0 + t)
     return a
 
@@ -92,9 +92,10 @@ def _act_fwd_and_grad(x, ACTIVATION: tl.constexpr):
         a = x * s
         da = s * (1.0 + x * (1.0 - s))  # silu'(x) = σ(x)·(1 + x·(1 - σ(x)))
     else:
-        t, xs = gelu_tanh_t(x, SQRT_2_OVER_PI, GELU_COEF)
+        x2 = x * x
+        t = tanh(x * SQRT_2_OVER_PI * (1.0 + x2 * GELU_COEF))
         a = 0.5 * x * (1.0 + t)
-        da = gelu_tanh_derivative(xs, t, SQRT_2_OVER_PI, GELU_DERIV_COEF)
+        da = gelu_tanh_derivative(x, x2, t, SQRT_2_OVER_PI, GELU_DERIV_COEF)  # no NaN past |x| = 1.8e19
     return a, da
 
 

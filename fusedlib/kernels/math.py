@@ -40,25 +40,16 @@ def soft_clamp(r, s):
     return tl.where(small, r * ratio, s * t), t
 
 
-#: Past |x| = 1e4 GeLU's tanh is ±1 in float32 and float64 alike (its argument passes 3.6e10,
-#: e^{-7e10} = 0), so :func:`gelu_tanh_t` holds x there: x² could overflow otherwise (float32
-#: past |x| = 1.8e19), and the gradient would become (1 - t²)·inf = 0·inf = NaN where its limit
-#: is 1 (x > 0) or 0 (x < 0).
-GELU_SATURATED: tl.constexpr = tl.constexpr(1e4)
-
-
 @triton.jit
-def gelu_tanh_t(x, c0, c1):
-    """(t, xs): t = tanh(c0·xs·(1 + c1·xs²)) of GeLU's tanh approximation, xs = x held to
-    ±:data:`GELU_SATURATED` (the same t, no overflow). A NaN x stays NaN in both."""
-    big = tl.abs(x) > GELU_SATURATED
-    xs = tl.where(big, tl.where(x > 0, GELU_SATURATED, -GELU_SATURATED), x)
-    return tanh(xs * c0 * (1.0 + xs * xs * c1)), xs
+def gelu_tanh_derivative(x, x2, t, c0, c2):
+    """d/dx of GeLU's tanh form 0.5·x·(1 + t): 0.5·x·(1 - t²)·(c0 + c2·x²) + 0.5·(1 + t), from x,
+    x2 = x·x (as computed for t) and t = tanh(c0·x·(1 + c1·x²)); c2 = 3·c0·c1.
 
-
-@triton.jit
-def gelu_tanh_derivative(xs, t, c0, c2):
-    """d/dx of 0.5·x·(1 + t): 0.5·xs·(1 - t²)·(c0 + c2·xs²) + 0.5·(1 + t), c2 = 3·c0·c1, from
-    :func:`gelu_tanh_t`'s (t, xs). Past the saturation 1 - t² is exactly 0, and so is the first
-    term: the gradient is exactly its limit, 1 or 0."""
-    return 0.5 * xs * ((1.0 - t * t) * (xs * xs * c2 + c0)) + 0.5 * (1.0 + t)
+    x² is held at 1e30 inside: past |x| = 1.8e19 it overflows in float32, where t = ±1 and
+    1 - t² = 0, and (1 - t²)·(c0 + c2·x²) would be 0·inf = NaN where its limit is 0 (the
+    gradient is then exactly 1 for x > 0 and 0 for x < 0). Below |x| = 1e15 nothing changes;
+    above it 1 - t² is 0 in float32 and float64 alike. A NaN x keeps a NaN t: a NaN gradient.
+    One instruction more than the plain formula, in the backward only: the forward is
+    unchanged, since tanh(±inf) = ±1 gives its limit already. (Triton's interpreter runs the
+    kernels in NumPy, which warns of that overflow where the GPU gives inf silently.)"""
+    return 0.5 * x * ((1.0 - t * t) * (tl.minimum(x2, 1e30) * c2 + c0)) + 0.5 * (1.0 + t)
