@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEVICE
+from fusedlib import runtime
 from fusedlib.kernels import embedding as emb
 from fusedlib.kernels.embedding import embedding_backward
 
@@ -213,15 +214,21 @@ def test_vocab_parallel_embedding_refuses_ids_on_another_device(deterministic):
 def test_check_ids_in_range_reads_views_as_their_elements():
     # The kernel reads one contiguous row; a strided or expanded view reshaped without a copy
     # was read as memory: a bad id at the view's second element was missed, values between
-    # its elements were reported, and an expanded [1, 1] read past the tensor.
+    # its elements were reported, and an expanded [1, 1] read past the tensor. A bad id raises
+    # at once on the CPU, on CUDA at check_errors (the check is lazy there).
+    def check(ids, v=5):
+        emb.check_ids_in_range(ids, v)
+        runtime.check_errors()
+
     base = torch.tensor([1, 99, 10, 99, 2, 99], device=DEVICE)  # V = 5: 99 and 10 out of range
-    with pytest.raises(ValueError, match="10"):
-        emb.check_ids_in_range(base[::2], 5)  # [1, 10, 2]: the 10 is the view's second element
-    emb.check_ids_in_range(torch.tensor([[1, 99], [3, 99]], device=DEVICE)[:, 0], 5)  # [1, 3]: in range
-    emb.check_ids_in_range(torch.tensor([4], device=DEVICE).expand(3, 4), 5)
-    emb.check_ids_in_range(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32, device=DEVICE).t(), 5)
-    with pytest.raises(ValueError, match="7"):
-        emb.check_ids_in_range(torch.tensor([[1, 2], [7, 4]], dtype=torch.int32, device=DEVICE).t(), 5)
+    with pytest.raises(ValueError, match="got 10"):
+        check(base[::2])  # [1, 10, 2]: the 10 is the view's second element
+    check(torch.tensor([[1, 99], [3, 99]], device=DEVICE)[:, 0])  # [1, 3]: in range
+    check(torch.tensor([4], device=DEVICE).expand(3, 4))
+    check(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32, device=DEVICE).t())
+    with pytest.raises(ValueError, match="got 7"):
+        check(torch.tensor([[1, 2], [7, 4]], dtype=torch.int32, device=DEVICE).t())
+    runtime.check_errors()  # nothing left pending
 
 
 @pytest.mark.parametrize("ids, match", [
