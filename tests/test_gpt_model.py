@@ -182,3 +182,65 @@ def test_gpt_model_checks_its_sizes(name, value, error):
     kw[name] = value
     with pytest.raises(error, match=f"GPTModel: {name} must be an int >= 1"):
         GPTModel(make_config(num_layers=1), get_gpt_layer_local_spec(), **kw)
+
+
+@pytest.mark.parametrize("position", ["rope", "none"])
+def test_gpt_checks_position_ids_it_does_not_read(position):
+    # with RoPE (or no positions) position_ids is not read, as in Megatron-core; a wrong argument
+    # (a str, a float tensor, a wrong shape) was silently ignored, it is now refused by name
+    model = _model(make_config(num_layers=1), get_gpt_layer_unfused_spec(), position_embedding_type=position).eval()
+    ids, _ = _ids()
+    with pytest.raises(TypeError, match="position_ids must be an int64 tensor"):
+        model(ids, "0..s-1", None)
+    with pytest.raises(TypeError, match="position_ids must be int64 or int32, got torch.float32"):
+        model(ids, torch.arange(S, device=DEVICE)[None].float(), None)
+    with pytest.raises(ValueError, match=rf"position_ids must be \[b or 1, s\] = \[{B} or 1, {S}\]"):
+        model(ids, torch.arange(3, device=DEVICE), None)
+    with torch.no_grad():  # good positions are not read: the logits of positions 0..s-1
+        assert torch.equal(model(ids, torch.arange(S, device=DEVICE)[None], None), model(ids, None, None))
+
+
+def test_gpt_checks_decoder_input_against_input_ids():
+    # a [b, s, h] decoder_input was read as s = b, b = s: logits of the wrong shape, no error; one
+    # of another length got a labels message quoting the wrong input_ids shape
+    model = _model(make_config(num_layers=1), get_gpt_layer_unfused_spec()).eval()
+    ids, labels = _ids()
+    with pytest.raises(ValueError, match=rf"decoder_input must be \[s, b, h\] = \[{S}, {B}, {H}\] .*got shape "
+                                         rf"\[{B}, {S}, {H}\] \(transposed\?"):
+        model(ids, None, None, decoder_input=torch.randn(B, S, H, device=DEVICE))
+    with pytest.raises(ValueError, match=rf"got shape \[{S - 1}, {B}, {H}\]$"):
+        model(ids, None, None, decoder_input=torch.randn(S - 1, B, H, device=DEVICE), labels=labels)
+    with pytest.raises(ValueError, match=rf"got shape \[{S}, {B}, {H + 1}\]$"):
+        model(ids, None, None, decoder_input=torch.randn(S, B, H + 1, device=DEVICE))
+    with torch.no_grad():  # the embedding's own output as decoder_input: the same logits
+        emb = model.embedding(input_ids=ids, position_ids=None)
+        assert torch.equal(model(ids, None, None, decoder_input=emb), model(ids, None, None))
+
+
+def test_gpt_names_other_bad_arguments():
+    with pytest.raises(TypeError, match="GPTModel: config must be a TransformerConfig, got None"):
+        _model(None, get_gpt_layer_unfused_spec())
+    model = _model(make_config(num_layers=1), get_gpt_layer_unfused_spec())
+    ids, labels = _ids()
+    with pytest.raises(TypeError, match="extra_block_kwargs must be a dict"):
+        model(ids, None, None, extra_block_kwargs=[1])
+    with pytest.raises(ValueError, match=f"labels must be on the model's device {DEVICE.type}.*, got meta"):
+        model(ids, None, None, labels=labels.to("meta"))
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(rope_scaling=True, rope_scaling_factor=0.0), ValueError, "rope_scaling_factor must be a finite number > 0"),
+    (dict(rope_scaling=True, rope_scaling_factor=float("nan")), ValueError, "rope_scaling_factor must be a finite"),
+    (dict(rope_scaling=True, rope_scaling_factor=-8.0), ValueError, "rope_scaling_factor must be a finite"),
+    (dict(rope_scaling=True, rope_scaling_factor="8"), TypeError, "rope_scaling_factor must be a number > 0"),
+    (dict(rotary_base="10000"), TypeError, "rotary_base must be a number > 0, got str"),
+    (dict(rotary_base=float("inf")), ValueError, "rotary_base must be a finite number > 0"),
+    (dict(seq_len_interpolation_factor=float("inf")), ValueError,
+     r"seq_len_interpolation_factor must be a finite number > 0 \(or None\)"),
+    (dict(rotary_percent="1"), TypeError, r"rotary_percent must be a number in \(0, 1\]"),
+])
+def test_gpt_refuses_bad_rope_settings(kw, error, match):
+    # a rope_scaling_factor of 0 or NaN made every angle inf or NaN: NaN logits on every
+    # backend but torch's CPU SDPA, which gave finite ones (NaN queries hidden)
+    with pytest.raises(error, match=match):
+        _model(make_config(num_layers=1), get_gpt_layer_local_spec(), position_embedding_type="rope", **kw)

@@ -389,6 +389,27 @@ def test_a_fresh_run_into_a_checkpointed_directory_starts_it_over(corpus, tmp_pa
     assert not (tmp_path / "checkpoint.pt").exists() and (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+@pytest.mark.parametrize("name", ["checkpoint.pt", "metrics.jsonl"])
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_directory_where_the_run_keeps_a_file_is_named(corpus, tmp_path, name, resume):
+    # the run failed with an IsADirectoryError traceback when it first wrote the file (mid-run on a resume)
+    kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path))
+    if resume:
+        Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus).run()
+        (tmp_path / name).unlink()
+    (tmp_path / name).mkdir()
+    with pytest.raises(ValueError, match=f"out: '{re.escape(str(tmp_path / name))}' is a directory where the run "
+                                         f"keeps a file"):
+        Trainer(TrainConfig(resume=resume, **kw), corpus=corpus)
+
+
+def test_cli_names_heads_when_they_do_not_divide_hidden(capsys):
+    # the message began with "hidden", so the command line blamed --hidden
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--hidden", "32", "--heads", "3"])
+    assert "error: --heads: heads (3) must divide hidden (32)" in capsys.readouterr().err
+
+
 def test_resume_names_a_damaged_checkpoint_and_compares_resolved_settings(corpus, tmp_path):
     kw = dict(TINY, steps=4, model="plain", out=str(tmp_path))
     first = Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus)  # device and bf16 left to their defaults

@@ -199,6 +199,9 @@ def test_bad_specs_raise_naming_the_module():
         TransformerBlock(cfg, spec)
     with pytest.raises(TypeError, match="missing .* required positional argument"):
         SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear)  # the required slots have no default
+    # an import path to a constant failed while formatting its own error (AttributeError: __name__)
+    with pytest.raises(TypeError, match=r"import path must name a class or a function, got \('math', 'pi'\)"):
+        build_module(ModuleSpec(("math", "pi")))
     with pytest.raises(TypeError, match="spec must be a TransformerBlockSubmodules or a ModuleSpec"):
         TransformerBlock(cfg, get_gpt_layer_local_spec().submodules)
     with pytest.raises(TypeError, match="neither a TransformerBlock nor a transformer layer"):
@@ -209,6 +212,39 @@ def test_bad_specs_raise_naming_the_module():
     with pytest.raises(RuntimeError, match="tensor_model_parallel_size=2, but model parallelism is not initialized"
                                            ".*while building RowParallelLinear"):
         TransformerBlock(make_config(num_layers=1, tensor_model_parallel_size=2), get_gpt_layer_local_spec())
+
+
+class _Undecodable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        b"\xff".decode()  # UnicodeDecodeError: its constructor takes five arguments
+
+
+class _Unopenable(torch.nn.Module):
+    def __init__(self, path):
+        super().__init__()
+        open(path)
+
+
+def test_build_module_keeps_the_errors_fields(tmp_path):
+    # a type that cannot be made from a message became a RuntimeError; an OSError lost errno and filename
+    with pytest.raises(UnicodeDecodeError) as info:
+        build_module(ModuleSpec(_Undecodable))
+    assert info.value.__notes__ == ["[while building _Undecodable]"]
+    missing = str(tmp_path / "no_such_file")
+    with pytest.raises(FileNotFoundError, match=r"\[while building _Unopenable\]") as info:
+        build_module(ModuleSpec(_Unopenable), missing)
+    assert (info.value.errno, info.value.filename) == (2, missing)
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, float("nan"), "0.1", True])
+def test_layer_checks_its_hidden_dropout_when_built(value):
+    # an override of 1.5 or "0.1" was accepted and failed at the first forward, naming "prob"
+    with pytest.raises(ValueError, match=r"TransformerLayer: hidden_dropout must be None \(config.hidden_dropout\) "
+                                         r"or a probability in \[0, 1\]"):
+        TransformerLayer(make_config(num_layers=1), get_gpt_layer_local_spec().submodules, hidden_dropout=value)
+    assert TransformerLayer(make_config(num_layers=1), get_gpt_layer_local_spec().submodules,
+                            hidden_dropout=0).hidden_dropout == 0.0
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
@@ -411,6 +447,11 @@ def test_config_bool_fields_are_many_and_accept_numpy_bools():
     (dict(layernorm_epsilon=math.nan), ValueError, "layernorm_epsilon must be a finite number > 0"),
     (dict(layernorm_epsilon=1e39), ValueError, "layernorm_epsilon must be a finite number > 0, at most float32's max"),
     (dict(layernorm_epsilon="1e-5"), TypeError, "layernorm_epsilon must be a finite number > 0, got str"),
+    # 1e-50 is 0 in float32, where the norms add it: a constant row (padding) gave 0/0 = NaN
+    (dict(layernorm_epsilon=1e-50), ValueError, "layernorm_epsilon must be a finite number > 0 that float32 holds"),
+    # the flash kernels take no float64: refused at the first forward, naming the kernel's q
+    (dict(attention_backend=AttnBackend.flash, params_dtype=torch.float64), ValueError,
+     "attention_backend flash runs float16, bfloat16 or float32, got params_dtype float64"),
     (dict(init_method_std=-1.0), ValueError, "init_method_std must be a finite number >= 0"),
     (dict(init_method_std=math.nan), ValueError, "init_method_std must be a finite number >= 0"),
     (dict(init_method_std=math.inf), ValueError, "init_method_std must be a finite number >= 0"),
@@ -451,6 +492,7 @@ def test_config_rejects_bad_field_types_and_values(kwargs, error, match):
 
 
 def test_config_accepts_the_boundaries():
+    assert TransformerConfig(layernorm_epsilon=1e-44).layernorm_epsilon == 1e-44  # a float32 subnormal: not 0
     assert TransformerConfig(hidden_dropout=1.0).hidden_dropout == 1.0  # residual dropout: [0, 1]
     assert TransformerConfig(attention_dropout=0.999).attention_dropout == 0.999
     assert TransformerConfig(init_method_std=0.0).init_method_std == 0.0  # all-zero init: torch's normal_ takes std 0

@@ -570,6 +570,10 @@ class Trainer:
             except OSError as err:  # a file on the way, no permission, a file system that refuses
                 raise ValueError(f"out: cannot make the directory {str(self.out)!r}: {err.strerror or err}") from None
             self.checkpoint_path = self.out / (CHECKPOINT if cfg.tp == 1 else f"checkpoint-tp{self.rank}.pt")
+            for path in (self.checkpoint_path, self.out / METRICS):  # (else an IsADirectoryError mid-run)
+                if path.is_dir():
+                    raise ValueError(f"out: {str(path)!r} is a directory where the run keeps a file; remove it or "
+                                     f"choose another out")
         # the token splits on the device (uint8: a few MB): a batch is gathered there from offsets
         # drawn on the CPU (the same batches as on the CPU), so the host neither gathers nor copies
         # windows at every step

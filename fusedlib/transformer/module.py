@@ -23,11 +23,16 @@ __all__ = ["MegatronModule", "Float16Module", "fp32_to_float16", "float16_to_fp3
 class MegatronModule(torch.nn.Module):
     """A ``torch.nn.Module`` that keeps the ``TransformerConfig`` it was built from as ``self.config``.
 
+    Raises:
+        TypeError: config is None.
+
     Source: Megatron-LM ``megatron/core/transformer/module.py`` (``MegatronModule``).
     """
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
+        if config is None:  # (else an AttributeError about the first field a subclass reads)
+            raise TypeError(f"{type(self).__name__}: config must be a TransformerConfig, got None")
         self.config = config
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:

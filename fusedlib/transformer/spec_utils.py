@@ -14,6 +14,7 @@ Source: Megatron-LM ``megatron/core/transformer/spec_utils.py``.
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import types
 from dataclasses import dataclass, field
@@ -75,7 +76,11 @@ def _resolve(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]]) -> Any
     if isinstance(target, (type,) + _FUNCTION_TYPES):
         return target
     if isinstance(target, tuple):
-        return import_module(target)
+        found = import_module(target)
+        if not isinstance(found, (type,) + _FUNCTION_TYPES):
+            raise TypeError(f"a module spec's import path must name a class or a function, got {target!r}: "
+                            f"{type(found).__name__} {found!r}")
+        return found
     raise TypeError(f"a module spec must name a class, a function or an import path (module, name), "
                     f"got {type(target).__name__}: {target!r}")
 
@@ -107,12 +112,15 @@ def build_module(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]], *a
         The built module, or the function.
 
     Raises:
-        TypeError: the spec names neither a class, a function nor an import path, a spec's
+        TypeError: the spec names neither a class, a function nor an import path (or the
+            import path names something else), a spec's
             ``params`` is not a dict, or repeats one of the parent's keyword arguments.
         ImportError: an import path that does not import.
         Any error of the module's constructor, re-raised with the same type and
             ``[while building <Class>]`` appended, so a failure deep in a layer spec names
-            the path down to the module that failed.
+            the path down to the module that failed (an OSError keeps its errno and filename,
+            the text in its strerror; an error whose type cannot be made from a message is
+            re-raised itself, the path in its notes).
 
     Source: Megatron-LM ``megatron/core/transformer/spec_utils.py`` (``build_module``).
     """
@@ -133,9 +141,16 @@ def build_module(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]], *a
     try:
         return module(*args, **params, **kwargs)
     except Exception as e:  # name the module in the error, keeping its type
-        message = f"{e} [while building {module.__name__}]"
-        try:
-            error = type(e)(message)
-        except Exception:  # an exception type whose constructor takes other arguments
-            raise RuntimeError(f"{type(e).__name__}: {message}") from e
+        where = f"[while building {module.__name__}]"
+        if isinstance(e, OSError) and e.errno is not None:  # keep errno and filename: name it in strerror
+            error = copy.copy(e)
+            error.strerror = f"{e.strerror} {where}"
+        else:
+            try:
+                error = type(e)(f"{e} {where}")
+            except Exception:  # a type whose constructor takes other arguments
+                error = None
+            if error is None:  # the error itself, the module named in its notes
+                e.add_note(where)
+                raise
         raise error.with_traceback(e.__traceback__) from None  # the traceback keeps the original frames

@@ -35,6 +35,13 @@ Differences from Megatron-core, each deliberate:
   and ``attention_dropout`` < 1 (dropping every attention probability: the flash and fused
   softmax+dropout kernels refuse it; ``hidden_dropout`` may be 1).
 
+Derived fields, as in Megatron-core: ``__post_init__`` fills ``ffn_hidden_size``,
+``kv_channels``, ``num_query_groups`` and the init methods only where they are None. So
+``dataclasses.replace(config, hidden_size=...)`` (or ``num_layers=``, ``num_attention_heads=``,
+``init_method_std=``) keeps the values derived from the old shape: pass the derived fields as
+None in the same call to derive them again, e.g. ``replace(config, hidden_size=64,
+ffn_hidden_size=None, kv_channels=None)``.
+
 Source: Megatron-LM ``megatron/core/transformer/transformer_config.py`` and
 ``megatron/core/model_parallel_config.py``.
 """
@@ -43,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import struct
 import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
@@ -93,7 +101,8 @@ class TransformerConfig:
         number, recompute_modules not a list of str: each an
         :class:`~fusedlib.checks.ArgumentTypeError`, a TypeError that is also a ValueError;
         fp16 and bf16 both set; normalization not LayerNorm/RMSNorm; layernorm_epsilon not a
-        finite number > 0 within float32's range; init_method_std or embedding_init_method_std
+        finite number > 0 within float32's range (nor one that rounds to 0 in float32);
+        init_method_std or embedding_init_method_std
         not finite or < 0; softmax_scale not None or finite (with |softmax_scale|·log2(e)
         within float32's range); hidden_dropout outside [0, 1], attention_dropout outside
         [0, 1); kv_channels, ffn_hidden_size, num_query_groups, recompute_num_layers < 1 when
@@ -110,7 +119,8 @@ class TransformerConfig:
         (recompute_method not "uniform"/"block"/None, with or without recompute_granularity); a bad
         CUDA-graph setting (an unknown ``cuda_graph_impl``, ``enable_cuda_graph`` not a bool,
         ``cuda_graph_warmup_steps`` < 1 with "local",
-        "local" with recomputation or with tensor_model_parallel_size > 1);
+        "local" with recomputation or with tensor_model_parallel_size > 1); attention_backend
+        flash with params_dtype float64;
         TypeError for params_dtype not a float dtype or attention_backend not an AttnBackend.
 
     Source: Megatron-LM ``megatron/core/transformer/transformer_config.py``.
@@ -345,6 +355,9 @@ class TransformerConfig:
         if not 0.0 < eps <= FLOAT32_MAX:  # NaN fails this too
             raise ValueError(f"layernorm_epsilon must be a finite number > 0, at most float32's max "
                              f"({FLOAT32_MAX:.4g}: the norms add it in float32), got {eps!r}")
+        if struct.unpack("f", struct.pack("f", eps))[0] == 0.0:  # a constant row would then give 0/0
+            raise ValueError(f"layernorm_epsilon must be a finite number > 0 that float32 holds (the norms add "
+                             f"it in float32, where {eps!r} rounds to 0; float32's smallest is about 1.4e-45)")
         for name in ("init_method_std", "embedding_init_method_std"):
             std = getattr(self, name)
             if std is None and name == "embedding_init_method_std":
@@ -390,6 +403,10 @@ class TransformerConfig:
             except (AttributeError, KeyError):
                 raise TypeError(f"attention_backend must be an AttnBackend ({', '.join(AttnBackend.__members__)}), "
                                 f"got {self.attention_backend!r}") from None
+        if self.attention_backend is AttnBackend.flash and self.params_dtype == torch.float64 and not (
+                self.bf16 or self.fp16):  # (else refused at the first forward, naming the kernel's q)
+            raise ValueError("attention_backend flash runs float16, bfloat16 or float32, got params_dtype float64: "
+                             "choose attention_backend local or unfused for float64")
         if self.window_size is not None:
             w = self.window_size
             if not (isinstance(w, (tuple, list)) and len(w) == 2

@@ -45,6 +45,7 @@ Source: Megatron-LM ``megatron/core/transformer/transformer_layer.py``.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple, Union
 
@@ -160,7 +161,8 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
     Raises:
         NotImplementedError: pg_collection, vp_stage, inference_context or packed_seq_params given.
         TypeError / ValueError: layer_number not an int / < 1 (:func:`check_layer_number`).
-        ValueError: hidden_states not a tensor [s, b, h] with s, b >= 1 and h = hidden_size.
+        ValueError: hidden_states not a tensor [s, b, h] with s, b >= 1 and h = hidden_size;
+            hidden_dropout not None nor a number in [0, 1].
         TypeError: hidden_states not floating point (:func:`check_hidden_states`).
         Errors of the submodules, naming the module that failed.
 
@@ -175,7 +177,11 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
             raise NotImplementedError("TransformerLayer: pg_collection and vp_stage are left out of fusedlib")
         self.submodules_config = submodules
         self.layer_number = check_layer_number("TransformerLayer", layer_number)
-        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+        if hidden_dropout is not None and (isinstance(hidden_dropout, bool) or not isinstance(hidden_dropout, numbers.Real)
+                                           or not 0.0 <= hidden_dropout <= 1.0):  # NaN fails too
+            raise ValueError(f"TransformerLayer: hidden_dropout must be None (config.hidden_dropout) or a probability "
+                             f"in [0, 1], got {type(hidden_dropout).__name__} {hidden_dropout!r}")
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else float(hidden_dropout)
         norm_kwargs = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon,
                            device=param_device(config), dtype=config.params_dtype)
 

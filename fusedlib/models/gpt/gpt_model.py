@@ -1,7 +1,7 @@
 """``GPTModel``: embedding, transformer block, output layer, and the per-token loss.
 
     input_ids [b, s] -> embedding [s, b, h] -> TransformerBlock [s, b, h] -> output_layer
-    logits [s, b, V] -> cross entropy against labels [b, s] -> loss [b, s] (float32)
+    logits [s, b, V] -> cross entropy against labels [b, s] -> loss [b, s] (float32; float64 for float64 logits)
 
 Positions: ``"learned_absolute"`` adds a learned table to the token embeddings; ``"rope"`` rotates
 queries and keys in every attention (``RotaryEmbedding`` makes the angles once per forward,
@@ -61,6 +61,8 @@ def _check_labels(labels: object, logits: torch.Tensor) -> None:
         hint = " (transposed? labels are [b, s], as input_ids)" if tuple(labels.shape) == (s, b) else ""
         raise ValueError(f"labels must have shape [b, s] = [{b}, {s}] (input_ids' shape), got "
                          f"{list(labels.shape)}{hint}")
+    if labels.device != logits.device:
+        raise ValueError(f"labels must be on the model's device {logits.device}, got {labels.device}")
 
 
 def _rotary_embedding_class() -> type:
@@ -78,7 +80,7 @@ class GPTModel(MegatronModule):
         vocab_size: V.
         max_sequence_length: rows of the learned position table.
         pre_process, post_process: must be True (pipeline stages left out).
-        fp16_lm_cross_entropy: accepted, no effect (the loss is float32 whatever the logits' dtype).
+        fp16_lm_cross_entropy: accepted, no effect (the loss is float32 for 16-bit logits).
         parallel_output: keep logits split across tensor-parallel ranks, [b, s, V/p] (False:
             gather them, [b, s, V]; one rank: no effect). The loss always uses the split logits.
         share_embeddings_and_output_weights: tie the output layer to the word embeddings.
@@ -92,11 +94,14 @@ class GPTModel(MegatronModule):
 
     ``forward(input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
     inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
-    runtime_gather_output=None)``: input_ids, position_ids [b, s] int (position_ids None: 0..s-1);
+    runtime_gather_output=None)``: input_ids, position_ids [b, s] int (position_ids None: 0..s-1;
+    with "rope" or "none" it is checked but not read, as in Megatron-core: RoPE rotates by the
+    positions 0..s-1);
     attention_mask bool [b or 1, 1, s, s] True = masked, or None (the layer spec's attention is
     causal anyway); decoder_input [s, b, h] ([s/p, b, h] under sequence parallelism) replaces the
     embedding. Returns logits [b, s, V] ([b, s, V/p] with p > 1 and parallel_output) without
-    labels, else the per-token loss [b, s] (float32), the same on every tensor-parallel rank.
+    labels, else the per-token loss [b, s] (float32; float64 for float64 logits; a label of -100,
+    the cross entropy's ignore_index, gives loss 0), the same on every tensor-parallel rank.
 
     Raises:
         NotImplementedError: a left-out feature asked for, or scatter_embedding_sequence_parallel
@@ -104,9 +109,11 @@ class GPTModel(MegatronModule):
         TypeError: vocab_size or max_sequence_length not an int.
         ValueError: vocab_size or max_sequence_length < 1; an unknown position_embedding_type;
             input_ids longer than max_sequence_length
-            (learned positions); labels not of input_ids' shape [b, s]; label ids outside
-            [0, V) (the cross entropy); V, heads or widths not divisible by p (the layers).
-        TypeError: labels not an int64/int32 tensor.
+            (learned positions); decoder_input not [s, b, h] for input_ids [b, s] (under sequence
+            parallelism [s/p, b, h]); labels not of input_ids' shape [b, s]; label ids outside
+            [0, V) other than -100 (the cross entropy); V, heads or widths not divisible by p (the layers).
+        TypeError: labels not an int64/int32 tensor; extra_block_kwargs not a dict (or None).
+        ValueError: labels on another device than the model.
         RuntimeError: p > 1 before :func:`fusedlib.parallel.initialize_model_parallel`.
 
     Source: Megatron-LM ``megatron/core/models/gpt/gpt_model.py`` (``GPTModel``).
@@ -180,16 +187,18 @@ class GPTModel(MegatronModule):
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy: labels [b, s], logits [s, b, V] ([s, b, V/p], split over the
-        tensor-parallel ranks) -> loss [b, s], float32.
+        tensor-parallel ranks) -> loss [b, s], float32 (float64 for float64 logits).
 
         Raises:
             TypeError: labels not an int64/int32 tensor.
-            ValueError: labels not of shape [b, s] (input_ids' shape: the logits' [s, b] transposed).
+            ValueError: labels not of shape [b, s] (input_ids' shape: the logits' [s, b] transposed)
+                or not on the logits' device.
 
         Source: Megatron-LM ``language_module.py`` (``compute_language_model_loss``).
         """
         if not (isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.shape[0] == logits.shape[1]
-                and labels.shape[1] == logits.shape[0] and labels.dtype in TARGET_DTYPES):
+                and labels.shape[1] == logits.shape[0] and labels.dtype in TARGET_DTYPES
+                and labels.device == logits.device):
             _check_labels(labels, logits)
         labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
         if self.config.cross_entropy_loss_fusion:
@@ -197,6 +206,22 @@ class GPTModel(MegatronModule):
         else:
             loss = vocab_parallel_cross_entropy(logits, labels, 0.0, self._loss_group)
         return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
+
+    def _check_decoder_input(self, x: object, input_ids: object) -> None:
+        """decoder_input [s, b, h] ([s/p, b, h] under sequence parallelism) against input_ids [b, s]
+        (a [b, s, h] tensor would otherwise be read as s = b: logits of the wrong shape, no error)."""
+        check_tensor("decoder_input", x, ndim=3)
+        h, p = self.config.hidden_size, self._rotary_seq_len_factor
+        want = [None, None, h]
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            b, s = input_ids.shape
+            want[:2] = [s // p if s % p == 0 else None, b]
+        if x.shape[2] != h or any(w is not None and w != n for w, n in zip(want[:2], x.shape[:2])):
+            where = "[s/p, b, h]" if p > 1 else "[s, b, h]"
+            hint = " (transposed? decoder_input is [s, b, h])" if (
+                isinstance(input_ids, torch.Tensor) and tuple(x.shape[:2]) == tuple(input_ids.shape)) else ""
+            raise ValueError(f"decoder_input must be {where} = {['?' if w is None else w for w in want]} "
+                             f"(input_ids [b, s] and hidden_size), got shape {list(x.shape)}{hint}")
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
                 attention_mask: Optional[torch.Tensor], decoder_input: Optional[torch.Tensor] = None,
@@ -208,10 +233,15 @@ class GPTModel(MegatronModule):
             raise NotImplementedError("GPTModel: inference_context and packed_seq_params are left out of fusedlib")
         if decoder_input is None:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
+        else:
+            self._check_decoder_input(decoder_input, input_ids)
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
             rotary_seq_len = decoder_input.size(0) * self._rotary_seq_len_factor  # s (s/p·p under SP)
             rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len).to(decoder_input.device)  # [s, 1, 1, rot]
+        if extra_block_kwargs is not None and not isinstance(extra_block_kwargs, dict):
+            raise TypeError(f"extra_block_kwargs must be a dict of the block's keyword arguments or None, got "
+                            f"{type(extra_block_kwargs).__name__}")
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                                      rotary_pos_emb=rotary_pos_emb, **(extra_block_kwargs or {}))
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None

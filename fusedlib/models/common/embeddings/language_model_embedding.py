@@ -27,12 +27,12 @@ from ....transformer.utils import param_device
 __all__ = ["LanguageModelEmbedding"]
 
 
-def _check_ids(name: str, ids: object, like: Optional[torch.Size], bound: int, bound_name: str,
+def _check_ids(name: str, ids: object, like: Optional[torch.Size], bound: Optional[int], bound_name: str,
                device: torch.device) -> None:
     """Token ids [b, s] (``like`` None) or positions [b or 1, s] (``like`` = the ids' shape):
     int32 / int64, on ``device`` (the table's: a lookup of meta ids in a CPU table returns
     uninitialized memory); on the CPU also in [0, bound) (a host check there costs no sync; on
-    CUDA the table lookup's own check applies)."""
+    CUDA the table lookup's own check applies), unless ``bound`` is None (ids not read)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be an int64 tensor [b, s], got {type(ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32):
@@ -45,7 +45,7 @@ def _check_ids(name: str, ids: object, like: Optional[torch.Size], bound: int, b
     elif ids.dim() != 2 or ids.shape[1] != like[1] or ids.shape[0] not in (1, like[0]):
         raise ValueError(f"{name} must be [b or 1, s] = [{like[0]} or 1, {like[1]}] (input_ids' shape), got shape "
                          f"{list(ids.shape)}")
-    if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
+    if bound is not None and ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= bound:
             raise ValueError(f"{name} must lie in [0, {bound_name} = {bound}), got values in [{low}, {high}]")
@@ -66,7 +66,8 @@ class LanguageModelEmbedding(MegatronModule):
         tp_group: the tensor-parallel group (None: parallel_state's when p > 1).
 
     ``forward(input_ids, position_ids, tokentype_ids=None)``: input_ids [b, s] int; position_ids
-    [b, s] or [1, s] int (None: 0..s-1). Returns [s, b, h] ([s/p, b, h] under sequence
+    [b, s] or [1, s] int (None: 0..s-1); with "rope" or "none" position_ids is checked (dtype,
+    shape, device) but not read, as in Megatron-core. Returns [s, b, h] ([s/p, b, h] under sequence
     parallelism) in params dtype (fp32 with fp32_residual_connection).
 
     Raises:
@@ -125,6 +126,8 @@ class LanguageModelEmbedding(MegatronModule):
         if position_ids is not None and self.add_position_embedding:
             _check_ids("position_ids", position_ids, input_ids.shape, self.max_sequence_length, "max_sequence_length",
                        self.position_embeddings.weight.device)
+        elif position_ids is not None:  # "rope" / "none": not read, but a wrong argument is still refused
+            _check_ids("position_ids", position_ids, input_ids.shape, None, "", self.word_embeddings.weight.device)
         embeddings = self.word_embeddings(input_ids)  # [b, s] -> [b, s, h] (reduce-scattered: [s/p, b, h])
         if self.add_position_embedding:
             if position_ids is None:

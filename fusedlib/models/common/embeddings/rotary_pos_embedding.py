@@ -32,6 +32,21 @@ __all__ = ["RotaryEmbedding"]
 FORWARD_CACHE_SIZE = 32
 
 
+def _real(name: str, value: object, expected: str) -> float:
+    """``float(value)`` for a real number (not a bool), else a TypeError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number {expected}, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _finite_positive(name: str, value: object, alternative: str = "") -> float:
+    """A real number > 0 and finite, as a float; else a TypeError or ValueError naming it."""
+    v = _real(name, value, f"> 0{alternative}")
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number > 0{alternative}, got {value!r}")
+    return v
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary embedding angles for a language model, Megatron-core's ``RotaryEmbedding``.
 
@@ -58,8 +73,11 @@ class RotaryEmbedding(nn.Module):
     follows the module's device.
 
     Raises:
+        TypeError: rotary_percent, seq_len_interpolation_factor, rotary_base or
+            rope_scaling_factor not a number.
         ValueError: kv_channels < 1, rotary_percent not in (0, 1], a rotary dim that rounds
-            to 0, a non-positive seq_len_interpolation_factor or rotary_base.
+            to 0, a seq_len_interpolation_factor, rotary_base or (with rope_scaling)
+            rope_scaling_factor that is not a finite number > 0.
         NotImplementedError: a cp_group of more than one rank.
 
     Source: Megatron-LM ``megatron/core/models/common/embeddings/rotary_pos_embedding.py``.
@@ -82,12 +100,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if not isinstance(kv_channels, int) or kv_channels < 1:
             raise ValueError(f"kv_channels must be a positive int, got {kv_channels!r}")
-        if not 0.0 < rotary_percent <= 1.0:
+        if not 0.0 < _real("rotary_percent", rotary_percent, "in (0, 1]") <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
-        if seq_len_interpolation_factor is not None and not seq_len_interpolation_factor > 0:
-            raise ValueError(f"seq_len_interpolation_factor must be > 0 (or None), got {seq_len_interpolation_factor!r}")
-        if not rotary_base > 0:
-            raise ValueError(f"rotary_base must be > 0, got {rotary_base!r}")
+        if seq_len_interpolation_factor is not None:
+            _finite_positive("seq_len_interpolation_factor", seq_len_interpolation_factor, " (or None)")
+        _finite_positive("rotary_base", rotary_base)
+        if rope_scaling:  # a factor of 0, NaN or inf made the angles inf or NaN, so the logits NaN
+            _finite_positive("rope_scaling_factor", rope_scaling_factor)
         _check_cp_group(cp_group)
         dim = kv_channels
         if rotary_percent < 1.0:
