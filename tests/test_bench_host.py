@@ -334,6 +334,8 @@ def test_cli_parsing():
     assert (a.host, a.op, a.out, a.calls, a.repeats, a.sweep) == (True, ["bias_gelu", "layer_norm"], "x/y", 7, None, False)
     a = parse_args([])
     assert (a.host, a.op, a.out) == (False, None, "chapters/data/bench")
+    # --op given twice adds up (the second replaced the first: only rope was timed)
+    assert parse_args(["--op", "attention", "--op", "rope", "attention"]).op == ["attention", "rope"]
     for bad in (["--host", "--sweep"], ["--calls", "5"], ["--host", "--repeats", "0"], ["--op", "no_such_op"]):
         with pytest.raises(SystemExit):
             parse_args(bad)

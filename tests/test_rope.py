@@ -625,3 +625,16 @@ def test_rope_bytes_are_the_floor():
     n = 10 * 3 * 4 * 8
     assert b["fwd"] == 2 * n * 2 + 10 * 8 * 4  # read t, write out; the float32 angles once
     assert b["fwd+bwd"] == 2 * b["fwd"]  # read g, write dt; the angles once more
+
+
+def test_unfused_multi_latent_attention_checks_its_tensors():
+    # this path skipped the checks of the others: an int t came back as int zeros (cos and sin
+    # cast to t's dtype), fp16 or int angles were taken, wrong shapes failed deep in torch
+    cfg = _config(False, multi_latent_attention=True)
+    t, freqs = _randn(3, 2, 2, 8), _angles(3, 1, 8)
+    with pytest.raises(TypeError, match="t must have dtype"):
+        apply_rotary_pos_emb(torch.randint(-5, 5, (3, 2, 2, 8), device=DEVICE), freqs, cfg)
+    with pytest.raises(TypeError, match="freqs must be float32"):
+        apply_rotary_pos_emb(t, freqs.half(), cfg)
+    with pytest.raises(ValueError, match=r"freqs must have shape \[s, 1, 1, rot_dim\] or \[s, b, 1, rot_dim\]"):
+        apply_rotary_pos_emb(t, _angles(3, 1, 8).reshape(3, 1, 1, 8).expand(3, 1, 2, 8), cfg)

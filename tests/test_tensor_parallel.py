@@ -878,3 +878,40 @@ def test_the_group_left_by_the_test_above_is_gone():
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_one_rank_layers_name_bad_arguments(seed):
+    # a supplied weight or an input on another device (meta) was multiplied as unwritten memory or
+    # reached torch's autocast ("unknown device type"); a list weight gave an AttributeError; a
+    # float64 weight torch's dtype message; sizes of -6 or 6.0 failed inside torch.empty; float ids
+    # reached F.embedding's message at p = 1
+    from conftest import DEVICE
+
+    cfg = _layer_config(1, False, DEVICE)
+    col = fp.ColumnParallelLinear(6, 4, config=cfg, init_method=_normal, bias=True)
+    row = fp.RowParallelLinear(6, 4, config=cfg, init_method=_normal, bias=True, input_is_parallel=True,
+                               skip_bias_add=False)
+    x = torch.randn(3, 6, device=DEVICE, dtype=torch.float64)
+    for layer in (col, row):
+        with pytest.raises(ValueError, match=f"{type(layer).__name__}: input_ must be on the weight's device"):
+            layer(x.to("meta"))
+    with pytest.raises(TypeError, match=r"weight must be a tensor \[output_size / p, input_size\] or None, got list"):
+        col(x, weight=[[0.0] * 6] * 4)
+    with pytest.raises(ValueError, match="the supplied weight must be floating point, of the layer's dtype and on its "
+                                         "device .* got torch.float32 on"):
+        col(x, weight=torch.randn(4, 6, device=DEVICE))
+    with pytest.raises(ValueError, match="got torch.float64 on meta"):
+        col(x, weight=torch.randn(4, 6, device="meta", dtype=torch.float64))
+    torch.testing.assert_close(col(x, weight=col.weight.detach().clone())[0], col(x)[0], rtol=0, atol=0)
+    for make in (fp.ColumnParallelLinear, fp.RowParallelLinear):
+        kw = dict(config=cfg, init_method=_normal, bias=False)
+        if make is fp.RowParallelLinear:
+            kw.update(input_is_parallel=True, skip_bias_add=False)
+        with pytest.raises(ValueError, match=f"{make.__name__}: input_size must be an int >= 0, got -6"):
+            make(-6, 4, **kw)
+        with pytest.raises(TypeError, match=f"{make.__name__}: output_size must be an int >= 0, got float 4.0"):
+            make(6, 4.0, **kw)
+    emb = fp.VocabParallelEmbedding(10, 4, init_method=_normal, config=cfg)
+    for ids in (torch.tensor([[1.0, 2.0]], device=DEVICE), torch.tensor([[True]], device=DEVICE), [[1, 2]]):
+        with pytest.raises(TypeError, match="VocabParallelEmbedding: input_ids must be an int64 or int32 tensor"):
+            emb(ids)

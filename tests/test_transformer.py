@@ -1504,3 +1504,22 @@ def test_layer_number_beyond_the_window_list_is_named():
     assert DotProductAttention(cfg, 2, AttnMaskType.causal, "self").window_size is None
     with pytest.raises(ValueError, match=r"layer_number 3 has no entry in window_attn_skip_freq"):
         DotProductAttention(cfg, 3, AttnMaskType.causal, "self")
+
+
+@pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.unfused, AttnBackend.fused, AttnBackend.flash])
+def test_core_attention_refuses_mixed_dtypes_and_devices_on_every_backend(backend):
+    # the materialised paths failed in baddbmm ("expected scalar type Float but found Half") or
+    # read a key or query on meta as unwritten memory: a context of garbage, no error
+    attn = DotProductAttention(make_config(attention_backend=backend), 1, AttnMaskType.causal, "self")
+    hn = H // NP
+    q = torch.randn(S, B, NP, hn, device=DEVICE)
+    kv = torch.randn(S, B, NG, hn, device=DEVICE)
+    with pytest.raises(TypeError, match="query, key and value must have one floating dtype .* got float32, "
+                                        "float16, float32"):
+        attn(q, kv.half(), kv, None)
+    with pytest.raises(TypeError, match="got int64, int64, int64"):
+        attn(q.long(), kv.long(), kv.long(), None)
+    for meta in ("query", "key", "value"):
+        args = [t.to("meta") if name == meta else t for name, t in (("query", q), ("key", kv), ("value", kv))]
+        with pytest.raises(ValueError, match="query, key and value must be on one device"):
+            attn(*args, None)

@@ -68,6 +68,7 @@ Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py``.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -210,14 +211,26 @@ def _init_weight_and_bias(layer: torch.nn.Module, config, init_method: Optional[
             layer.bias.zero_()  # Megatron-core: the bias always starts at zero
 
 
+def _check_sizes(layer: str, **sizes: object) -> None:
+    """Sizes are ints >= 0 (0: an empty layer, as torch.nn.Linear; a negative one failed in
+    torch.empty, a float in its argument parsing)."""
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{layer}: {name} must be an int >= 0, got {type(v).__name__} {v!r}")
+        if v < 0:
+            raise ValueError(f"{layer}: {name} must be an int >= 0, got {v!r}")
+
+
 def _check_input(layer: str, input_: object, width: int, weight: torch.Tensor, what: str) -> None:
-    """A linear layer's input: a tensor [..., width] of the weight's dtype (any dtype under
-    autocast), else a ValueError naming the layer and what it expected (torch's own error names
-    neither: "mat1 and mat2 shapes cannot be multiplied")."""
+    """A linear layer's input: a tensor [..., width] on the weight's device, of the weight's dtype
+    (any dtype under autocast), else a ValueError naming the layer and what it expected (torch's
+    own error names neither: "mat1 and mat2 shapes cannot be multiplied")."""
     if not isinstance(input_, torch.Tensor):
         raise ValueError(f"{layer}: input_ must be a tensor [..., {width}], got {type(input_).__name__}")
     if input_.dim() == 0 or input_.shape[-1] != width:
         raise ValueError(f"{layer}: input_ must be [..., {width}] ({what}), got shape {list(input_.shape)}")
+    if input_.device != weight.device:  # (meta against CPU: a matmul of unwritten memory, or torch's errors)
+        raise ValueError(f"{layer}: input_ must be on the weight's device {weight.device}, got {input_.device}")
     if input_.dtype != weight.dtype and not torch.is_autocast_enabled(input_.device.type):
         raise ValueError(f"{layer}: input_ must have the weight's dtype {weight.dtype} (or run under autocast), "
                          f"got {input_.dtype}")
@@ -403,9 +416,12 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         RuntimeError: p > 1 before :func:`fusedlib.parallel.initialize_model_parallel`; no weight
             (skip_weight_param_allocation) and none passed, or a passed weight of the wrong
             shape (Megatron-core's messages).
-        ValueError: output_size not divisible by p, a group of the wrong size, init_method None
-            while initializing; in the forward an ``input_`` that is not [..., input_size], or
-            not of the weight's dtype outside autocast.
+        TypeError: input_size or output_size not an int; a passed weight that is not a tensor.
+        ValueError: input_size or output_size < 0, output_size not divisible by p, a group of the
+            wrong size, init_method None while initializing; in the forward an ``input_`` that is
+            not [..., input_size], not on the weight's device, or not of the weight's dtype
+            outside autocast; a passed weight not floating point or not of the bias's dtype and
+            device.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``ColumnParallelLinear``).
     """
@@ -423,6 +439,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         if embedding_activation_buffer is not None or grad_output_buffer is not None:
             raise NotImplementedError("ColumnParallelLinear: deferred embedding weight gradients are left out")
         p = self.tp_world_size
+        _check_sizes("ColumnParallelLinear", input_size=input_size, output_size=output_size)
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, p, "ColumnParallelLinear: output_size")
         if p > 1 and self.output_size_per_partition % stride:
@@ -450,9 +467,17 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
                 raise RuntimeError("weight was not supplied to ColumnParallelLinear forward pass "
                                    "and skip_weight_param_allocation is True.")
             weight = self.weight
+        elif not isinstance(weight, torch.Tensor):
+            raise TypeError(f"ColumnParallelLinear: weight must be a tensor [output_size / p, input_size] or None, "
+                            f"got {type(weight).__name__}")
         elif weight.shape != (self.output_size_per_partition, self.input_size):
             raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, "
                                f"not {(self.output_size_per_partition, self.input_size)} as expected")
+        elif not weight.is_floating_point() or (self.bias is not None and (weight.dtype, weight.device) != (
+                self.bias.dtype, self.bias.device)):  # (else torch's messages, or a matmul of meta memory)
+            where = f" (the layer's bias: {self.bias.dtype} on {self.bias.device})" if self.bias is not None else ""
+            raise ValueError(f"ColumnParallelLinear: the supplied weight must be floating point, of the layer's dtype "
+                             f"and on its device{where}, got {weight.dtype} on {weight.device}")
         _check_input("ColumnParallelLinear", input_, self.input_size, weight, "input_size")
         bias = self.bias if not self.skip_bias_add else None
         if self.tp_world_size == 1:
@@ -517,6 +542,7 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         if self.sequence_parallel and not input_is_parallel:
             raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
         self.input_size, self.output_size = input_size, output_size
+        _check_sizes("RowParallelLinear", input_size=input_size, output_size=output_size)
         self.input_size_per_partition = divide(input_size, p, "RowParallelLinear: input_size")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.config = config
@@ -602,6 +628,7 @@ class VocabParallelEmbedding(torch.nn.Module):
     Raises:
         RuntimeError, ValueError: as :class:`ColumnParallelLinear` (V not divisible by p); ValueError
             for an id outside [0, V) at p > 1 (above), and for ids on another device than the weight.
+        TypeError: ids not an int64 or int32 tensor.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``VocabParallelEmbedding``).
     """
@@ -626,7 +653,10 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Rows of the weight: [b, s] ids -> [b, s, h] (see the class docstring)."""
-        if isinstance(input_, torch.Tensor) and input_.device != self.weight.device:
+        if not isinstance(input_, torch.Tensor) or input_.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"VocabParallelEmbedding: input_ids must be an int64 or int32 tensor, got "
+                            f"{input_.dtype if isinstance(input_, torch.Tensor) else type(input_).__name__}")
+        if input_.device != self.weight.device:
             # (F.embedding of meta ids and a CPU weight returns a CPU tensor of uninitialized memory)
             raise ValueError(f"VocabParallelEmbedding: input_ids must be on the weight's device "
                              f"{self.weight.device}, got {input_.device}")

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import unfused
-from ..checks import check_tensor
+from ..checks import FLOAT_DTYPES, check_tensor
 from ..fusions import fused_attention, fused_softmax
 from ..fusions.fused_softmax import FusedScaleMaskSoftmax
 from .enums import AttnBackend, AttnMaskType
@@ -119,8 +119,10 @@ def _check_qkv(query: object, key: object, value: object, np_: int, ng: int, hn:
 
     Raises:
         TypeError: one of them not a tensor.
+        TypeError: dtypes that differ or are not floating point.
         ValueError: a rank other than 4, or a shape off the module's np, ng, hn (their
-            values given), or key and value of different shapes, or another b."""
+            values given), or key and value of different shapes, or another b, or tensors on
+            different devices."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"DotProductAttention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -138,6 +140,16 @@ def _check_qkv(query: object, key: object, value: object, np_: int, ng: int, hn:
     if key.shape[1] != query.shape[1]:
         raise ValueError(f"DotProductAttention: query, key and value must have one batch size b (dim 1), got "
                          f"{query.shape[1]} and {key.shape[1]}")
+    # every backend alike: the materialised paths read a key of another dtype in a matmul
+    # ("expected scalar type Float but found Half"), and one on another device (meta) as
+    # unwritten memory, returning a context of garbage without an error
+    dtypes = (query.dtype, key.dtype, value.dtype)
+    if dtypes[0] not in FLOAT_DTYPES or len(set(dtypes)) > 1:
+        raise TypeError(f"DotProductAttention: query, key and value must have one floating dtype (float16, "
+                        f"bfloat16, float32 or float64), got {', '.join(str(d).replace('torch.', '') for d in dtypes)}")
+    if not query.device == key.device == value.device:
+        raise ValueError(f"DotProductAttention: query, key and value must be on one device, got {query.device}, "
+                         f"{key.device} and {value.device}")
 
 
 class DotProductAttention(MegatronModule):
@@ -168,8 +180,9 @@ class DotProductAttention(MegatronModule):
         ValueError: config.num_attention_heads 0 (a norms-only config), or num_attention_heads or
             num_query_groups not divisible by config.tensor_model_parallel_size
             (:func:`~fusedlib.transformer.utils.heads_per_partition`).
-        TypeError: attention_mask not a bool tensor (e.g. an additive float mask), whatever the backend.
-        ValueError: query, key or value not 4-D or off [sq, b, np, hn] / [sk, b, ng, hn] with
+        TypeError: attention_mask not a bool tensor (e.g. an additive float mask); query, key and
+            value not of one floating dtype; whatever the backend.
+        ValueError: query, key and value on different devices; query, key or value not 4-D or off [sq, b, np, hn] / [sk, b, ng, hn] with
             this module's np, ng and hn = kv_channels (the message gives them), whatever the
             backend; attention_mask not broadcastable to [b, np, sq, sk] (the message gives the
             shape passed) or not on query's device, whatever the backend; as
@@ -232,7 +245,8 @@ class DotProductAttention(MegatronModule):
         ok = (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
               and query.dim() == 4 and key.dim() == 4 and key.shape == value.shape and query.shape[2] == np_
               and key.shape[2] == ng and query.shape[3] == hn and key.shape[3] == hn
-              and key.shape[1] == query.shape[1])
+              and key.shape[1] == query.shape[1] and query.dtype == key.dtype == value.dtype
+              and query.dtype in FLOAT_DTYPES and query.device == key.device == value.device)
         if not ok:
             _check_qkv(query, key, value, np_, ng, hn)
         if attention_mask is not None:

@@ -64,8 +64,8 @@ def apply_rotary_pos_emb(
             them (or ``multi_latent_attention``) is not a bool (numpy's bool is accepted).
         NotImplementedError: ``cu_seqlens`` given (packed sequences), or
             ``multi_latent_attention`` with ``apply_rope_fusion``.
-        TypeError, ValueError: bad tensors, on either path (without multi_latent_attention:
-            :func:`~fusedlib.fusions.fused_rope.check_rope_inputs`); mscale not a real number
+        TypeError, ValueError: bad tensors, on either path
+            (:func:`~fusedlib.fusions.fused_rope.check_rope_inputs`); mscale not a real number
             (TypeError) or not finite in float32 (ValueError), on either path; an odd rot_dim,
             or one outside [2, d], on either path (ValueError).
 
@@ -97,13 +97,9 @@ def apply_rotary_pos_emb(
                 "set apply_rope_fusion=False"
             )
         return fused_apply_rotary_pos_emb(t, freqs, interleaved=interleaved, mscale=mscale)
-    if not mla:  # the fused path's checks on the unfused one too (it broadcast wrong shapes, took int angles)
-        check_rope_inputs(t, freqs)
-    elif isinstance(t, torch.Tensor) and isinstance(freqs, torch.Tensor) and t.dim() >= 1 and freqs.dim() >= 1:
-        rot_dim = freqs.shape[-1]
-        if rot_dim % 2 or not 2 <= rot_dim <= t.shape[-1]:  # the fused path's rule, on the unfused path too
-            raise ValueError(f"freqs.shape[-1] = rot_dim must be even and 2 <= rot_dim <= d = t.shape[-1] = "
-                             f"{t.shape[-1]}, got {rot_dim} (apply_rope_fusion=False)")
+    # the fused path's checks on the unfused one too, multi_latent_attention's included (it broadcast
+    # wrong shapes, took int angles; an int t came back as zeros: cos and sin cast to its dtype)
+    check_rope_inputs(t, freqs)
     return _apply_rotary_pos_emb_bshd(
         t, freqs, rotary_interleaved=interleaved, multi_latent_attention=mla, mscale=mscale
     )
