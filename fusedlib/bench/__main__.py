@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     that is a file or lies under one, are errors."""
     parser = argparse.ArgumentParser(prog="python -m fusedlib.bench", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--op", nargs="+", action="extend", choices=sorted(OP_MODULES), default=None, metavar="OP",
-                        help=f"ops to time (default: all); a second --op adds to the first: {', '.join(sorted(OP_MODULES))}")
+                        help=f"ops to time (default: all): {', '.join(sorted(OP_MODULES))} "
+                             f"(a second --op adds to the first)")
     parser.add_argument("--out", default="chapters/data/bench",
                         help="folder for <op>.json / host.json (default chapters/data/bench)")
     parser.add_argument("--sweep", action="store_true", help="also time each op's sweep shapes")
