@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -91,6 +92,20 @@ def test_a_corpus_root_that_is_a_file_is_named_so(tmp_path):
             load_corpus(**{"cache_dir": tmp_path / "cache", **kw})
     with pytest.raises(TypeError, match=r"stdlib_files: root must be a path"):
         data_mod.stdlib_files(5)
+
+
+def test_corpus_cache_follows_an_edit_that_keeps_the_size(stdlib_root, tmp_path):
+    # the key held the file list and sizes only: "x =" edited to "y =" gave the old tokens back
+    root = tmp_path / "root"
+    shutil.copytree(stdlib_root, root)
+    first = load_corpus(tmp_path / "cache", root=root)
+    path = root / "copy.py"
+    text = path.read_bytes()
+    i = text.index(b"import")
+    path.write_bytes(text[:i] + b"IMPORT" + text[i + 6:])  # the same size, newer contents
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10 ** 9))
+    edited = load_corpus(tmp_path / "cache", root=root)
+    assert edited.sha256 != first.sha256 and b"IMPORT" in bytes(edited.train.tolist() + edited.val.tolist())
 
 
 def test_split_depends_on_the_path_only():
@@ -774,6 +789,18 @@ def test_sample_at_extreme_temperatures_and_its_checks_before_the_first_token():
         encode("\ud800")
 
 
+def test_sample_above_float32_s_max_temperature_with_top_k_draws_among_the_kept():
+    # 1e39 passed the check, was inf in float32, and with top_k the masked -inf / inf made NaN
+    # probabilities (torch.multinomial's error); numpy's float was refused as "not a number"
+    model = build_model("plain", ModelShape(layers=1, hidden=32, heads=2, seq=8), seed=0, device=DEVICE)
+    for t in (1e39, 1e300, np.float64(1e300)):
+        out = sample(model, "ab", 4, temperature=t, top_k=5, generator=torch.Generator().manual_seed(0))
+        assert out.shape == (6,) and ((out >= 0) & (out < 256)).all()
+    greedy = sample(model, "ab", 3, top_k=1)
+    assert torch.equal(sample(model, "ab", 3, temperature=np.float32(1e-40), generator=torch.Generator().manual_seed(0)),
+                       greedy)
+
+
 def test_sample_below_float32_s_least_temperature_is_greedy():
     # 1e-300 is a finite number > 0, but it rounds to 0 in float32: the division gave 0 / 0 = NaN
     # and torch.multinomial refused the probabilities
@@ -789,7 +816,7 @@ def test_sample_below_float32_s_least_temperature_is_greedy():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, flag", [
-    (["--lr", "-1"], "--lr"), (["--layers", "0"], "--layers"), (["--hidden", "30", "--heads", "4"], "--hidden"),
+    (["--lr", "-1"], "--lr"), (["--layers", "0"], "--layers"), (["--hidden", "30", "--heads", "4"], "--heads"),
     (["--spec", "partly"], "--spec"), (["--model", "llama"], "--model"), (["--resume"], "--resume"),
     (["--stop-at", "9", "--steps", "5", "--out", "x"], "--stop-at"), (["--dropout", "1.5"], "--dropout"),
     (["--bench-runs", "fusedlib"], "--bench-runs"), (["--bench", "--bench-runs", "nope"], "--bench-runs"),
@@ -812,7 +839,9 @@ def test_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.parse_args(argv)
     assert exc.value.code == 2
-    assert flag in capsys.readouterr().err
+    # the error line itself (the usage line above it names every flag: a test of the whole text
+    # passed whichever flag the message blamed)
+    assert flag in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("world, argv", [("2", []), ("4", ["--tp", "2"]), ("1", ["--tp", "2", "--heads", "2"])])

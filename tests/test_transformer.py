@@ -7,6 +7,7 @@ hn = 6, ffn = 20): on a CPU every fused kernel runs in Triton's interpreter.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -1314,6 +1315,45 @@ def test_float16_module_casts_at_the_edges():
     half = Float16Module(make_config(torch.float32, fp16=True), TransformerBlock(make_config(),
                                                                                  get_gpt_layer_unfused_spec()))
     assert all(p.dtype == torch.float16 for p in half.parameters())
+
+
+class _PairOut(torch.nn.Module):
+    Out = collections.namedtuple("Out", "logits size")
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x, pair):
+        return self.Out(self.lin(x) + pair.shift, x.shape)
+
+
+def test_float16_module_inside_another_module_round_trips_and_keeps_named_tuples():
+    # its state_dict / load_state_dict overrides served calls on the Float16Module only: a parent's
+    # state dict could not be loaded back (strict=False loaded nothing); named tuples and torch.Size
+    # came back as plain tuples (out.logits failed); a lambda convertor could not be pickled
+    cfg = make_config(bf16=True)
+
+    def parent():
+        p = torch.nn.Module()
+        p.f16, p.other = Float16Module(cfg, _PairOut()), torch.nn.Linear(2, 2)
+        return p.to(DEVICE)
+
+    a, b = parent(), parent()
+    state = a.state_dict()
+    assert list(state) == ["f16.lin.weight", "f16.lin.bias", "other.weight", "other.bias"]
+    assert not b.load_state_dict(state).missing_keys
+    assert all(torch.equal(x, y) for x, y in zip(b.state_dict().values(), state.values()))
+    state["f16.lin.bias"] = state["f16.lin.bias"] + 1
+    b.load_state_dict(state, strict=False)
+    assert torch.equal(b.f16.module.lin.bias, state["f16.lin.bias"])
+    Pair = collections.namedtuple("Pair", "shift")
+    out = a.f16(torch.randn(2, 4, device=DEVICE), Pair(torch.zeros(3, device=DEVICE)))
+    assert type(out) is _PairOut.Out and out.logits.dtype == torch.float32 and type(out.size) is torch.Size
+    buffer = io.BytesIO()
+    torch.save(a.f16, buffer)  # pickles the module (the convertor included)
+    with pytest.raises(TypeError, match="Float16Module: module must be a torch.nn.Module, got NoneType"):
+        Float16Module(cfg, None)
 
 
 def test_state_dict_save_and_load_round_trip():

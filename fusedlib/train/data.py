@@ -33,8 +33,8 @@ files exist (it is the same for 3.11's and 3.12's ``json/decoder.py``).
 
 Cache: the two token arrays are written once to ``<cache_dir>/stdlib-<python>-<key>.{train,val}.bin``
 (raw uint8) with a JSON of :meth:`Corpus.info`, and read back into memory (about 15 MB): ``key``
-hashes the file list and sizes, so a changed stdlib makes a new cache; a cache whose SHA-256 does
-not match is rebuilt. ``cache_dir`` defaults to ``$FUSEDLIB_CACHE`` or ``~/.cache/fusedlib``.
+hashes the file list, sizes and modification times, so a changed stdlib makes a new cache; a
+cache whose SHA-256 does not match is rebuilt. ``cache_dir`` defaults to ``$FUSEDLIB_CACHE`` or ``~/.cache/fusedlib``.
 
 Batches (:func:`get_batch`): ``b`` windows of ``s + 1`` consecutive tokens at offsets drawn
 uniformly from a seeded ``torch.Generator`` (on the CPU: its state is saved with a checkpoint),
@@ -263,7 +263,10 @@ def load_corpus(cache_dir: Optional[Union[str, Path]] = None, root: Optional[Uni
     root = Path(root) if root is not None else stdlib_dir()
     files = stdlib_files(root)
     python = platform.python_version()
-    listing = "\n".join(f"{f.as_posix()}\t{(root / f).stat().st_size}" for f in files)
+    # sizes and modification times: an edit that keeps a file's size (x = -> y =) made no new cache,
+    # and the stale tokens came back (the SHA-256 below checks a cache against itself only)
+    stats = [(root / f).stat() for f in files]
+    listing = "\n".join(f"{f.as_posix()}\t{st.st_size}\t{st.st_mtime_ns}" for f, st in zip(files, stats))
     key = hashlib.sha256(f"{_FORMAT}\n{root}\n{listing}".encode()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     stem = cache / f"stdlib-{python}-{key}"

@@ -74,7 +74,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import runtime
-from ..checks import file_on_the_way, real_to_float
+from ..checks import FLOAT32_MAX, file_on_the_way, real_to_float
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..parallel.utils import all_reduce
 from ..transformer.enums import AttnBackend
@@ -1031,9 +1031,13 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
         raise ValueError(f"prompt must hold integer token ids, got {prompt.dtype}")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
         raise ValueError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
-            and math.isfinite(real_to_float("temperature", temperature, "a finite number > 0"))):
+    if not (isinstance(temperature, numbers.Real) and not isinstance(temperature, bool) and temperature > 0
+            and math.isfinite(real_to_float("temperature", temperature, "a finite number > 0"))):  # numpy's too
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    # divided in float32: held in [2^-126, float32's max] (above it 1e39 was inf in float32, and with
+    # top_k the masked -inf / inf gave NaN probabilities: torch.multinomial's error; every temperature
+    # above about 1e38 draws uniformly among the kept ids either way)
+    t = min(max(float(temperature), _F32_LEAST), FLOAT32_MAX)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
     vocab_size = getattr(model, "vocab_size", VOCAB_SIZE)
@@ -1058,8 +1062,7 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
             # the largest logit subtracted first: logit / temperature overflows for a temperature
             # near 0 (inf - inf = NaN), the differences are <= 0 and give 0 or -inf, never NaN; a
             # temperature below float32's least subnormal would round to 0 in the division (0 / 0)
-            probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, _F32_LEAST),
-                                  dim=-1)
+            probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / t, dim=-1)
             where = generator.device if generator is not None else device
             nxt = torch.multinomial(probs.to(where), 1, generator=generator).to(device)  # [b, 1]
             ids = torch.cat([ids, nxt], dim=1)

@@ -11,6 +11,7 @@ Source: Megatron-LM ``megatron/core/transformer/module.py``.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -45,11 +46,35 @@ class MegatronModule(torch.nn.Module):
 
 
 def _convert(val: Any, conversion) -> Any:
-    """Apply ``conversion`` to ``val``, or to each element of a (nested) tuple or list."""
+    """Apply ``conversion`` to ``val``, or to each element of a (nested) tuple or list. A container
+    whose elements all come back as they were is returned itself (a torch.Size stays one); a
+    named tuple stays a named tuple of its type (it became a plain tuple: ``out.logits`` failed)."""
     if isinstance(val, (tuple, list)):
         out = [_convert(v, conversion) for v in val]
-        return tuple(out) if isinstance(val, tuple) else out
+        if all(o is v for o, v in zip(out, val)):
+            return val
+        if isinstance(val, tuple):
+            return type(val)(*out) if hasattr(type(val), "_fields") else tuple(out)
+        return out
     return conversion(val)
+
+
+def _drop_module_prefix(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A state-dict hook: ``<prefix>module.<name>`` -> ``<prefix><name>``, in place, order kept."""
+    inner = prefix + "module."
+    if any(k.startswith(inner) for k in state_dict):
+        items = list(state_dict.items())
+        state_dict.clear()
+        for k, v in items:
+            state_dict[prefix + k[len(inner):] if k.startswith(inner) else k] = v
+
+
+def _add_module_prefix(state_dict: dict, prefix: str, *args: Any) -> None:
+    """A load pre-hook: ``<prefix><name>`` -> ``<prefix>module.<name>`` (keys already under
+    ``module.`` are left); torch passes a copy of the caller's dict."""
+    inner = prefix + "module."
+    for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
 
 
 def fp32_to_float16(val: Any, float16_convertor) -> Any:
@@ -86,23 +111,32 @@ class Float16Module(MegatronModule):
 
     Raises:
         ValueError: neither config.fp16 nor config.bf16 is set.
+        TypeError: module not a torch.nn.Module.
 
-    ``state_dict``/``load_state_dict`` are the wrapped module's (no ``module.`` prefix).
+    ``state_dict``/``load_state_dict`` use the wrapped module's names (no ``module.`` prefix),
+    also when the Float16Module is itself inside another module.
 
     Source: Megatron-LM ``megatron/core/transformer/module.py`` (``Float16Module``).
     """
 
     def __init__(self, config: TransformerConfig, module: torch.nn.Module) -> None:
         super().__init__(config)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"Float16Module: module must be a torch.nn.Module, got {type(module).__name__}")
         self.fp16, self.bf16 = config.fp16, config.bf16
         if self.fp16:
             self.add_module("module", module.half())
-            self.float16_convertor = lambda val: val.half()
+            self.float16_convertor = operator.methodcaller("half")  # (a lambda could not be pickled)
         elif self.bf16:
             self.add_module("module", module.bfloat16())
-            self.float16_convertor = lambda val: val.bfloat16()
+            self.float16_convertor = operator.methodcaller("bfloat16")
         else:
             raise ValueError("Float16Module needs config.fp16 or config.bf16 to be True.")
+        # the wrapped module's names, without "module.", also where this module sits inside another
+        # (overriding state_dict / load_state_dict served a call on this module only: its parent's
+        # state dict could not be loaded back, and with strict=False nothing loaded)
+        self._register_state_dict_hook(_drop_module_prefix)
+        self._register_load_state_dict_pre_hook(_add_module_prefix)
 
     def forward(self, *inputs: Any, fp32_output: bool = True, **kwargs: Any) -> Any:
         """``module(*half(inputs), **kwargs)``, with its fp16/bf16 outputs cast to float32 if ``fp32_output``."""
@@ -110,13 +144,7 @@ class Float16Module(MegatronModule):
         outputs = self.module(*inputs, **kwargs)
         return float16_to_fp32(outputs) if fp32_output else outputs
 
-    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):  # noqa: D102
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """The wrapped module's state dict to save."""
         save = getattr(self.module, "state_dict_for_save_checkpoint", self.module.state_dict)
         return save(prefix=prefix, keep_vars=keep_vars)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # noqa: D102
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
