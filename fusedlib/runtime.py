@@ -822,7 +822,7 @@ def device_banner() -> str:
 
     Returns:
         e.g. ``"NVIDIA H200 | torch 2.11.0 | triton 3.6.0 | kernels compiled"`` or
-        ``"CPU (no CUDA GPU) | torch 2.13.0 | triton 3.9.0 | kernels interpreted"``.
+        ``"CPU (no CUDA GPU) | torch 2.13.0 | triton 3.9.0 | kernels interpreted by Triton's interpreter"``.
     """
     if CUDA_AVAILABLE:
         name = torch.cuda.get_device_name()

@@ -820,6 +820,33 @@ def test_state_dict_helpers_refuse_what_does_not_join():
     assert torch.equal(unshard_state_dict(shards, layout)["w"], full["w"])  # and the good ones still join
 
 
+def test_state_dict_helpers_on_complex_devices_plain_values_and_containers():
+    # two equal complex NaN replicas were called different, and an imaginary-only difference was
+    # reported as 0.0; int64 replicas differing above 2^53 as 0.0; non-tensor replicas were never
+    # compared; mixed devices reached torch's own errors; a dict for the list of shards gave
+    # KeyError: 0; a Parameter's shard kept a grad_fn
+    full = {"w": torch.nn.Parameter(torch.arange(8.0).reshape(4, 2)), "c": torch.tensor([complex("nan"), 1j]),
+            "i": torch.tensor([2 ** 60]), "e": 1}
+    layout = {"w": PartitionSpec(0)}
+    shards = [shard_state_dict(full, layout, r, 2) for r in range(2)]
+    assert shards[0]["w"].grad_fn is None and not shards[0]["w"].requires_grad
+    assert unshard_state_dict(shards, layout)["c"] is full["c"]  # equal complex NaNs are equal
+    with pytest.raises(ValueError, match=r"replicated entry 'c' differs .*\(max \|difference\| 1.0\)"):
+        unshard_state_dict([shards[0], {**shards[1], "c": torch.tensor([complex("nan"), 2j])}], layout)
+    with pytest.raises(ValueError, match=r"replicated entry 'i' differs .*\(max \|difference\| 1\)"):
+        unshard_state_dict([shards[0], {**shards[1], "i": torch.tensor([2 ** 60 + 1])}], layout)
+    with pytest.raises(ValueError, match="replicated entry 'e' is 1 on rank 0 and 2 on rank 1"):
+        unshard_state_dict([shards[0], {**shards[1], "e": 2}], layout)
+    with pytest.raises(ValueError, match=r"w: the shards' devices differ: \['cpu', 'meta'\]"):
+        unshard_state_dict([shards[0], {**shards[1], "w": shards[1]["w"].to("meta")}], layout)
+    with pytest.raises(ValueError, match="replicated entry 'i' is on cpu on rank 0 and on meta on rank 1"):
+        unshard_state_dict([shards[0], {**shards[1], "i": shards[1]["i"].to("meta")}], layout)
+    with pytest.raises(TypeError, match="shards must be a list of the ranks' state dicts .* got dict"):
+        unshard_state_dict(shards[0], layout)
+    with pytest.raises(TypeError, match="shard_state_dict: layout must be a dict, got list"):
+        shard_state_dict(full, list(layout.items()), 0, 2)
+
+
 def _noop_rank(rank, world_size, device):
     return rank
 

@@ -799,6 +799,9 @@ def test_sample_above_float32_s_max_temperature_with_top_k_draws_among_the_kept(
     greedy = sample(model, "ab", 3, top_k=1)
     assert torch.equal(sample(model, "ab", 3, temperature=np.float32(1e-40), generator=torch.Generator().manual_seed(0)),
                        greedy)
+    prompt = torch.tensor([97, 98], device=DEVICE)
+    same = sample(model, prompt, 0)  # no token: a new tensor all the same (it was the prompt itself)
+    assert torch.equal(same, prompt) and same.data_ptr() != prompt.data_ptr()
 
 
 def test_sample_below_float32_s_least_temperature_is_greedy():

@@ -108,7 +108,7 @@ def shard_tensor(full: torch.Tensor, spec: PartitionSpec, rank: int, world_size:
     if n % (world_size * stride):
         raise ValueError(f"{name}: dim {dim} of shape {list(full.shape)} ({n}) must be divisible by "
                          f"world_size·stride = {world_size}·{stride}")
-    chunks = torch.chunk(full, world_size * stride, dim=dim)
+    chunks = torch.chunk(full.detach(), world_size * stride, dim=dim)  # (a Parameter's shard kept a grad_fn)
     return torch.cat(chunks[rank::world_size], dim=dim).contiguous()
 
 
@@ -116,8 +116,8 @@ def unshard_tensors(shards: Sequence[torch.Tensor], spec: PartitionSpec, name: s
     """The full tensor from the ranks' shards, in rank order (inverse of :func:`shard_tensor`).
 
     Raises:
-        ValueError: a shard that is not a tensor, shards of different shapes or dtypes, a dim out
-            of range, a stride < 1, or a dim not divisible by the stride.
+        ValueError: a shard that is not a tensor, shards of different shapes, dtypes or devices, a
+            dim out of range, a stride < 1, or a dim not divisible by the stride.
     """
     dim, stride = _check_spec(spec, name)
     p = len(shards)
@@ -129,6 +129,9 @@ def unshard_tensors(shards: Sequence[torch.Tensor], spec: PartitionSpec, name: s
         raise ValueError(f"{name}: the shards' shapes differ: {[list(s.shape) for s in shards]}")
     if any(s.dtype != shards[0].dtype for s in shards):
         raise ValueError(f"{name}: the shards' dtypes differ: {[str(s.dtype) for s in shards]}")
+    if any(s.device != shards[0].device for s in shards):  # (else torch's "not on the expected device")
+        raise ValueError(f"{name}: the shards' devices differ: {[str(s.device) for s in shards]} (move the state "
+                         f"dicts to one device, e.g. the CPU, first)")
     if not -shards[0].dim() <= dim < shards[0].dim():
         raise ValueError(f"{name}: partition_dim {dim} out of range for the shards' shape {list(shards[0].shape)}")
     if shards[0].shape[dim] % stride:
@@ -151,9 +154,13 @@ def shard_state_dict(state_dict: Mapping[str, object], layout: Layout, rank: int
         in ``state_dict`` (nothing is modified).
 
     Raises:
+        TypeError: state_dict or layout not a dict (a Mapping).
         ValueError: a bad rank, a layout entry missing from ``state_dict``, or a size not divisible.
     """
     _check_rank(rank, world_size)
+    for arg, value in (("state_dict", state_dict), ("layout", layout)):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"shard_state_dict: {arg} must be a dict, got {type(value).__name__}")
     missing = sorted(set(layout) - set(state_dict))
     if missing:
         raise ValueError(f"shard_state_dict: the layout's entries {missing} are not in the state dict")
@@ -161,12 +168,30 @@ def shard_state_dict(state_dict: Mapping[str, object], layout: Layout, rank: int
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise-equal values (NaN where the other is NaN), same shape and dtype."""
+    """Equal values (NaN where the other is NaN; complex numbers part by part), same shape and dtype."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if a.is_complex():  # (torch.equal called two equal complex NaNs different)
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
     if not a.is_floating_point():
         return torch.equal(a, b)
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """How two replicas of one shape and dtype differ, for the message."""
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if not a.is_floating_point():  # exact in int64 (a float64 difference rounded ints above 2^53 to 0)
+        return f"max |difference| {(b.to(torch.int64) - a.to(torch.int64)).abs().max().item()}"
+    nan = a.isnan() ^ b.isnan()
+    if nan.any():
+        return f"NaN on one rank at {int(nan.sum())} element(s)"
+    both = a.isnan() & b.isnan()  # (equal there: left out of the maximum)
+    return f"max |difference| {(b.double() - a.double()).abs().masked_fill(both, 0).max().item()}"
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)  # non-tensor values compared by ==
 
 
 def unshard_state_dict(shards: Sequence[Mapping[str, object]], layout: Layout, check_replicas: bool = True
@@ -176,19 +201,27 @@ def unshard_state_dict(shards: Sequence[Mapping[str, object]], layout: Layout, c
     Args:
         shards: p dicts with the same keys, rank 0 first.
         layout: from :func:`get_tensor_parallel_layout`.
-        check_replicas: require replicated tensors to be equal on every rank (bitwise; NaN
-            equals NaN). A difference means a missing gradient all-reduce
+        check_replicas: require replicated tensors to be equal on every rank (by value: NaN
+            equals NaN, -0.0 equals 0.0; complex numbers part by part). A difference means a missing gradient all-reduce
             (:func:`fusedlib.parallel.finalize_model_grads`) or ranks that drifted apart.
 
     Returns:
         A new dict: split entries joined, replicated ones taken from rank 0.
 
     Raises:
+        TypeError: shards not a list of dicts, or layout not a dict.
         ValueError: no shards, different keys, a layout entry missing from the state dicts, split
             entries that do not join (:func:`unshard_tensors`), or (``check_replicas``) replicas
-            that differ (in value, shape, dtype, or a tensor on one rank and not on another),
-            naming the entry and the difference.
+            that differ (in value, shape, dtype, device, or a tensor on one rank and not on
+            another; non-tensor values of plain types by ``==``), naming the entry and the
+            difference.
     """
+    if isinstance(shards, Mapping) or not all(isinstance(sd, Mapping) for sd in shards):
+        raise TypeError("unshard_state_dict: shards must be a list of the ranks' state dicts (one dict per rank), got "
+                        + (type(shards).__name__ if isinstance(shards, Mapping) else
+                           f"a list holding {sorted({type(sd).__name__ for sd in shards})}"))
+    if not isinstance(layout, Mapping):
+        raise TypeError(f"unshard_state_dict: layout must be a dict of name -> PartitionSpec, got {type(layout).__name__}")
     if not shards:
         raise ValueError("unshard_state_dict: no shards")
     keys = list(shards[0])
@@ -211,14 +244,22 @@ def unshard_state_dict(shards: Sequence[Mapping[str, object]], layout: Layout, c
                 if isinstance(v, torch.Tensor) != isinstance(first, torch.Tensor):
                     raise ValueError(f"unshard_state_dict: the replicated entry {k!r} is "
                                      f"{type(first).__name__} on rank 0 and {type(v).__name__} on rank {r}")
-                if not isinstance(first, torch.Tensor) or _same(v, first):
+                if not isinstance(first, torch.Tensor):
+                    if isinstance(first, _PLAIN) and isinstance(v, _PLAIN) and v != first:
+                        raise ValueError(f"unshard_state_dict: the replicated entry {k!r} is {first!r} on rank 0 "
+                                         f"and {v!r} on rank {r}")
+                    continue
+                if v.device != first.device:  # (torch's "not on the expected device" otherwise)
+                    raise ValueError(f"unshard_state_dict: the replicated entry {k!r} is on {first.device} on rank 0 "
+                                     f"and on {v.device} on rank {r} (move the state dicts to one device first)")
+                if _same(v, first):
                     continue
                 if v.shape != first.shape:
                     diff = f"shape {list(first.shape)} against {list(v.shape)}"
                 elif v.dtype != first.dtype:
                     diff = f"dtype {first.dtype} against {v.dtype}"
                 else:
-                    diff = f"max |difference| {(v.double() - first.double()).abs().max().item()}"
+                    diff = _difference(first, v)
                 raise ValueError(f"unshard_state_dict: the replicated entry {k!r} differs between rank 0 and "
                                  f"rank {r} ({diff}); were its gradients all-reduced "
                                  "(fusedlib.parallel.finalize_model_grads)?")

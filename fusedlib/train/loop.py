@@ -1046,7 +1046,8 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
     if int(prompt.min()) < 0 or int(prompt.max()) >= vocab_size:  # (the prompt: a few ids, read once)
         raise ValueError(f"prompt ids must lie in [0, {vocab_size}), got {int(prompt.min())}..{int(prompt.max())}")
     device = next(model.parameters()).device
-    ids = (prompt if prompt.dim() == 2 else prompt[None]).to(device=device, dtype=torch.int64)  # [b, t]
+    # [b, t], a new tensor even when no token follows (n_tokens = 0 returned the caller's prompt itself)
+    ids = (prompt if prompt.dim() == 2 else prompt[None]).to(device=device, dtype=torch.int64, copy=True)
     max_seq = model.max_sequence_length
     # a tensor-parallel GPTModel returns its rank's slice of the vocabulary unless asked to gather
     tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1)
