@@ -221,7 +221,8 @@ def unshard_state_dict(shards: Sequence[Mapping[str, object]], layout: Layout, c
                         + (type(shards).__name__ if isinstance(shards, Mapping) else
                            f"a list holding {sorted({type(sd).__name__ for sd in shards})}"))
     if not isinstance(layout, Mapping):
-        raise TypeError(f"unshard_state_dict: layout must be a dict of name -> PartitionSpec, got {type(layout).__name__}")
+        raise TypeError(f"unshard_state_dict: layout must be a dict of name -> PartitionSpec, got "
+                        f"{type(layout).__name__}")
     if not shards:
         raise ValueError("unshard_state_dict: no shards")
     keys = list(shards[0])

@@ -79,7 +79,8 @@ class ModelShape:
         if self.ffn is not None and (not isinstance(self.ffn, int) or self.ffn < 1):
             raise ValueError(f"ffn must be an int >= 1 or None, got {self.ffn!r}")
         if self.hidden % self.heads:
-            raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden}): hidden must be divisible by heads")
+            raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden}): hidden must be divisible "
+                             f"by heads")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
 
