@@ -847,6 +847,25 @@ def test_state_dict_helpers_on_complex_devices_plain_values_and_containers():
         shard_state_dict(full, list(layout.items()), 0, 2)
 
 
+def test_layout_is_named_as_the_state_dict():
+    # from named_parameters: a Float16Module's entries were named "module.*" (not in its state dict:
+    # shard_state_dict refused the pair) and a tied parameter's second name was left out (its full
+    # weight then sat beside the shards as if replicated)
+    from fusedlib.transformer import Float16Module
+
+    cfg = fp_config(use_cpu_initialization=True)
+    wrapped = Float16Module(fp_config(bf16=True), fp.ColumnParallelLinear(4, 8, config=cfg, init_method=_normal))
+    layout = get_tensor_parallel_layout(wrapped)
+    assert set(layout) == {"weight", "bias"}
+    shards = [shard_state_dict(wrapped.state_dict(), layout, r, 2) for r in range(2)]
+    assert torch.equal(unshard_state_dict(shards, layout)["weight"], wrapped.state_dict()["weight"])
+    tied = torch.nn.Module()
+    tied.a = fp.ColumnParallelLinear(4, 8, config=cfg, init_method=_normal, bias=False)
+    tied.b = fp.ColumnParallelLinear(4, 8, config=cfg, init_method=_normal, bias=False)
+    tied.b.weight = tied.a.weight
+    assert set(get_tensor_parallel_layout(tied)) == {"a.weight", "b.weight"}
+
+
 def _noop_rank(rank, world_size, device):
     return rank
 

@@ -58,10 +58,14 @@ def get_tensor_parallel_layout(model: torch.nn.Module) -> Dict[str, PartitionSpe
         model: a model built from fusedlib's parallel layers, with any tensor-parallel size.
 
     Returns:
-        A dict over the split parameters' names (the others are replicated).
+        A dict over the split parameters' names (the others are replicated), named as in
+        ``model.state_dict()``: a tied parameter under each of its names, a Float16Module's
+        without ``module.`` (``named_parameters`` lists a tied parameter once and names the
+        wrapped module's with ``module.``: their shards did not match the state dict).
     """
     return {name: PartitionSpec(int(p.partition_dim), int(getattr(p, "partition_stride", 1)))
-            for name, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+            for name, p in model.state_dict(keep_vars=True).items()
+            if isinstance(p, torch.Tensor) and getattr(p, "tensor_model_parallel", False)}
 
 
 def _check_spec(spec: object, name: str) -> tuple[int, int]:
