@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from ....checks import real_to_float, short_repr, type_name
 from ....runtime import default_device
 from .rope_utils import _apply_rotary_pos_emb_bshd, _rotate_half, apply_rotary_pos_emb  # noqa: F401 (Megatron re-exports them)
 
@@ -33,10 +34,11 @@ FORWARD_CACHE_SIZE = 32
 
 
 def _real(name: str, value: object, expected: str) -> float:
-    """``float(value)`` for a real number (not a bool), else a TypeError naming the argument."""
+    """``float(value)`` for a real number (not a bool), else a TypeError naming the argument (an
+    int beyond a float's range: a ValueError, :func:`~fusedlib.checks.real_to_float`)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number {expected}, got {type(value).__name__} {value!r}")
-    return float(value)
+        raise TypeError(f"{name} must be a number {expected}, got {type_name(value)} {short_repr(value)}")
+    return real_to_float(name, value, f"a number {expected}")
 
 
 def _finite_positive(name: str, value: object, alternative: str = "") -> float:
