@@ -571,6 +571,25 @@ def test_weighted_squared_relu_clamp_keeps_inf_inputs_at_the_clamp():
     assert torch.allclose(out.double(), expected, rtol=1e-6, atol=0.0)
 
 
+@pytest.mark.parametrize("clamp_scale", [None, 3.0])
+def test_weighted_squared_relu_keeps_nan_inputs(clamp_scale):
+    # torch.relu(NaN) is NaN; tl.maximum(NaN, 0) is 0 (fmax), so the kernels once returned 0
+    # output and gradients where the reference gives NaN
+    x = torch.tensor([[float("nan"), 1.0, -2.0], [0.5, float("nan"), 0.0]], device=DEVICE, requires_grad=True)
+    w = torch.tensor([[1.0], [2.0]], device=DEVICE, requires_grad=True)
+    out = weighted_squared_relu_impl(x, w, clamp_scale)
+    out.sum().backward()
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    c = torch.relu(x64) if clamp_scale is None else clamp_scale * torch.tanh(torch.relu(x64) / clamp_scale)
+    (c * c * w64).sum().backward()
+    nan = torch.isnan(x.detach())
+    assert torch.equal(torch.isnan(out), nan) and torch.equal(torch.isnan(x.grad), nan)
+    assert torch.isnan(w.grad).all() and torch.isnan(w64.grad).all()  # every row holds a NaN
+    assert torch.allclose(out[~nan].double(), (c * c * w64)[~nan].detach(), rtol=1e-6, atol=0.0)
+    assert torch.allclose(x.grad[~nan].double(), x64.grad[~nan], rtol=1e-6, atol=0.0)
+
+
 def test_weighted_squared_relu_3d_non_contiguous_and_empty():
     x = _randn((4, 3, 30), torch.bfloat16).permute(1, 0, 2).requires_grad_(True)  # [3, 4, 30]
     w = torch.rand(12, 1, device=DEVICE).to(torch.bfloat16).requires_grad_(True)

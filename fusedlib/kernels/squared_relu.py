@@ -65,7 +65,7 @@ def _weighted_squared_relu_fwd_kernel(
 
     x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :] * X_col_stride, mask=mask, other=0.0).to(ACC)
     w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
-    c = tl.maximum(x, 0.0)  # relu
+    c = tl.where(x < 0.0, 0.0, x)  # relu, NaN kept (tl.maximum(NaN, 0) is 0; torch.relu(NaN) is NaN)
     if CLAMP:
         c, _ = soft_clamp(c, clamp_scale)  # s·tanh(c/s), accurate for c/s near 0 too
     out = c * c * w[:, None]
@@ -102,7 +102,7 @@ def _weighted_squared_relu_bwd_kernel(
     x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :] * X_col_stride, mask=mask, other=0.0).to(ACC)
     g = tl.load(G_ptr + rows[:, None] * G_row_stride + cols[None, :] * G_col_stride, mask=mask, other=0.0).to(ACC)
     w = tl.load(W_ptr + rows * W_row_stride, mask=row_mask, other=0.0).to(ACC)
-    c = tl.maximum(x, 0.0)
+    c = tl.where(x < 0.0, 0.0, x)  # NaN kept, as the forward
     if CLAMP:
         c, t = soft_clamp(c, clamp_scale)
         dc = 2.0 * c * (1.0 - t * t)  # d(c²)/dx for x > 0; c = 0 (so dc = 0) for x <= 0
