@@ -454,6 +454,47 @@ def test_inference_mixed_dtypes_not_in_place():
     assert_close(out, x.double() + b.double() + r.double(), torch.float32)
 
 
+def test_inference_not_in_place_where_x_shares_memory_with_a_read_operand():
+    # a residual that is x's transpose, or a bias that is a row of x, would be read after the
+    # kernel overwrote it (max error 4.5 once): such calls return a new tensor, x untouched
+    x = torch.randn(33, 33, device=DEVICE)
+    x_before = x.clone()
+    out = bias_dropout_add_fused_inference((x, None), x.t(), 0.0)
+    assert out is not x and torch.equal(x, x_before)
+    assert_close(out, x_before.double() + x_before.t().double(), torch.float32)
+    r = torch.randn(33, 33, device=DEVICE)
+    out = bias_dropout_add_fused_inference((x, x[3]), r, 0.0)
+    assert out is not x and torch.equal(x, x_before)
+    assert_close(out, x_before.double() + x_before[3].double() + r.double(), torch.float32)
+    out = bias_dropout_add_fused_inference((x, None), x, 0.0)  # the very same view: in place is exact
+    assert out is x and torch.equal(x, x_before + x_before)
+
+
+def test_inference_tensor_outside_inference_mode_is_not_written():
+    # torch forbids writing an inference tensor outside inference mode; the fused path wrote it
+    with torch.inference_mode():
+        x, b, r = _inputs((6, 40), torch.float32, requires_grad=False)
+    x_before = x.clone()
+    out = bias_dropout_add_fused_inference((x, b), r, 0.1)
+    assert out is not x and torch.equal(x, x_before)
+    assert_close(out, x.double() + b.double() + r.double(), torch.float32)
+
+
+@pytest.mark.parametrize("dual", ("x", "residual", "bias"))
+def test_inference_refuses_forward_ad_tangents(dual):
+    # the in-place write dropped every tangent but x's (a residual tangent of 1 came back None);
+    # the Function refuses forward AD by name, as in training
+    import torch.autograd.forward_ad as fwAD
+    x, b, r = _inputs((4, 8), torch.float32, requires_grad=False)
+    x_before = x.clone()
+    with fwAD.dual_level():
+        args = {"x": x, "bias": b, "residual": r}
+        args[dual] = fwAD.make_dual(args[dual], torch.ones_like(args[dual]))
+        with pytest.raises(NotImplementedError, match=f"{dual} carries a forward-mode AD tangent"):
+            bias_dropout_add_fused_inference((args["x"], args["bias"]), args["residual"], 0.1)
+    assert torch.equal(x, x_before)
+
+
 def test_expanded_x_in_place_raises():
     x = torch.randn(1, 8, device=DEVICE).expand(4, 8)
     with pytest.raises(ValueError, match="x is written in place in inference"):

@@ -164,6 +164,26 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         return dx, db, (grad_output if need_dr else None), None, None
 
 
+def _writable_in_place(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> bool:
+    """Whether inference may write the sum into x itself: not inside a ``torch.func`` transform
+    or a forward-AD level (a write through the kernel would drop the tangents), not an
+    inference tensor outside inference mode (torch forbids writing it), and no read operand in
+    x's memory but the residual as the very same view (elementwise, each element read before
+    it is written; a bias row of x, or x's transpose as the residual, would be read after the
+    kernel overwrote it)."""
+    if in_transform() or (x.is_inference() and not torch.is_inference_mode_enabled()):
+        return False
+    if x.numel() == 0:
+        return True
+    x_mem = x.untyped_storage().data_ptr()
+    if bias is not None and bias.numel() and bias.untyped_storage().data_ptr() == x_mem:
+        return False
+    if residual.untyped_storage().data_ptr() != x_mem:
+        return True
+    return (residual.data_ptr() == x.data_ptr() and residual.shape == x.shape
+            and residual.stride() == x.stride())
+
+
 def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training: bool) -> torch.Tensor:
     if training and isinstance(x_with_bias, (tuple, list)) and len(x_with_bias) == 2 and not in_transform():
         # never in place: the Function's forward checks the arguments (once per signature); inside
@@ -171,7 +191,8 @@ def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training
         return apply(BiasDropoutAddFunction, x_with_bias[0], x_with_bias[1], residual, prob, True)
     x, bias, residual, p = _check(x_with_bias, residual, prob)
     inplace = (not training and not x.requires_grad and not residual.requires_grad
-               and (bias is None or not bias.requires_grad) and x.dtype == residual.dtype)
+               and (bias is None or not bias.requires_grad) and x.dtype == residual.dtype
+               and _writable_in_place(x, bias, residual))
     if not inplace:
         return apply(BiasDropoutAddFunction, x, bias, residual, p, training)
     # Inference, nothing needs grad: write the result into x and return x itself, as
@@ -234,7 +255,10 @@ def bias_dropout_add_fused_inference(x_with_bias: XWithBias, residual: torch.Ten
     Returns:
         When no input requires grad and x has the residual's dtype: **x itself**, overwritten
         with the result (no new memory; Megatron's in-place inference path). Otherwise a new
-        tensor of x's shape and the residual's dtype, with autograd.
+        tensor of x's shape and the residual's dtype, with autograd; also, x left unchanged,
+        where x cannot be written in place: inside a ``torch.func`` transform or a forward-AD
+        level, for an inference tensor outside ``torch.inference_mode``, and when the bias
+        lies in x's memory or the residual does as anything but x's very view.
 
     Raises:
         TypeError, ValueError: as :func:`bias_dropout_add_fused_train`, and ValueError for an
