@@ -50,6 +50,9 @@ KERNEL_DEVICE_TYPES: frozenset[str] = frozenset(("cuda", "cpu"))
 #: The largest finite float32 (3.4028e38). The kernels take Python floats (scales, eps, clamps)
 #: as float32 arguments: a larger value becomes inf there, so checks reject it.
 FLOAT32_MAX: float = torch.finfo(torch.float32).max
+#: The smallest normal float32 (1.1755e-38): below it a kernel's float32 argument is
+#: subnormal (flushed to 0 where the GPU flushes) or 0.
+FLOAT32_TINY: float = torch.finfo(torch.float32).tiny
 
 _STRIDED = torch.strided
 _is_compiling = torch.compiler.is_compiling

@@ -418,7 +418,9 @@ def _bad_clamp_cases():
         (math.inf, ValueError, "clamp_value must be a finite number > 0"),
         (math.nan, ValueError, "clamp_value must be a finite number > 0"),
         # finite in float64, inf in the kernels' float32: the clamp was silently no clamp
-        (1e39, ValueError, "clamp_value must be a finite number > 0, at most float32's max"),
+        (1e39, ValueError, r"clamp_value must be a finite number > 0 in float32's normal range .* is inf"),
+        # > 0 in float64, 0 in the kernels' float32: everything was clamped to 0
+        (1e-46, ValueError, r"clamp_value must be a finite number > 0 in float32's normal range .* subnormal or 0"),
         (-1e39, ValueError, "clamp_value must be a finite number > 0"),
         ("7", TypeError, "clamp_value must be a float > 0"),
         (True, TypeError, "clamp_value must be a float > 0"),
@@ -441,6 +443,18 @@ def test_clamp_value_accepts_an_int_and_numpy_float():
     ref = bias_swiglu_impl(y, None, clamp_value=2.0)
     assert torch.equal(bias_swiglu_impl(y, None, clamp_value=2), ref)
     assert torch.equal(bias_swiglu_impl(y, None, clamp_value=np.float32(2.0)), ref)
+
+
+def test_clamp_value_is_the_float32_number_on_every_backend():
+    # the GPU passes c as a float32 argument; the interpreter once kept the float64 0.1, so a
+    # float64 input was clamped at 0.1 there and at float32(0.1) on the GPU
+    from fusedlib.fusions._glu import check_clamp_value
+    c32 = float(np.float32(0.1))
+    assert check_clamp_value(0.1) == c32 and check_clamp_value(np.float64(0.1)) == c32 and check_clamp_value(1) == 1.0
+    y = torch.full((2, 4), 5.0, device=DEVICE, dtype=torch.float64)  # both halves above c: clamped to c
+    out = bias_swiglu_impl(y, None, clamp_value=0.1)
+    expected = torch.nn.functional.silu(torch.tensor(c32, dtype=torch.float64)) * c32
+    assert torch.allclose(out, torch.full_like(out, expected.item()), rtol=1e-14, atol=0.0)
 
 
 def test_clamped_plain_functions_match_reference():

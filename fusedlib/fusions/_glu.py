@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 
 import torch
 
 from ..checks import (
     FLOAT32_MAX,
+    FLOAT32_TINY,
     FLOAT_DTYPES,
     SUPPORTED_FLOAT_DTYPES,
     check_bool,
@@ -118,31 +120,39 @@ def check_flag(name: str, value: object) -> bool:
 
 
 def check_clamp_value(value: object, allow_none: bool = True) -> float | None:
-    """Check Megatron's ``clamp_value``: None (no clamp) or a finite number c > 0, finite in
-    float32 (the kernels clamp in float32: a c above float32's max would be inf there).
+    """Check Megatron's ``clamp_value``: None (no clamp) or a finite number c > 0 that is a
+    normal float32 number once rounded (the kernels clamp in float32: a c above float32's max
+    would be inf there, one below 1.2e-38 subnormal or 0, a clamp of everything to 0).
 
     Returns:
-        ``float(value)``, or None.
+        c rounded to the nearest float32 (as a Python float), or None: the kernels receive
+        exactly that number on the GPU and in the interpreter alike.
 
     Raises:
         TypeError: not a real number (a bool, a str, a tensor), or None where a clamp is required.
-        ValueError: not finite, <= 0, or above float32's max (3.4e38). (Megatron-core treats
-            ``clamp_value <= 0`` silently as no clamp; here it is an error, since no clamp is ``None``.)
+        ValueError: not finite, <= 0, or outside float32's normal range [1.2e-38, 3.4e38].
+            (Megatron-core treats ``clamp_value <= 0`` silently as no clamp; here it is an
+            error, since no clamp is ``None``.)
     """
     if value is None and allow_none:
         return None
-    if type(value) is float and 0.0 < value <= FLOAT32_MAX:  # the happy case in one test
-        return value
+    if type(value) is float and FLOAT32_TINY <= value <= FLOAT32_MAX:  # the happy case in one test
+        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         kind = "a float > 0 or None" if allow_none else "a float > 0"
         raise TypeError(f"clamp_value must be {kind}, got {type(value).__name__} {value!r}")
     value = real_to_float("clamp_value", value, "a finite number > 0")
     if not (math.isfinite(value) and value > 0.0):
         raise ValueError(f"clamp_value must be a finite number > 0 (None for no clamp), got {value!r}")
-    if value > FLOAT32_MAX:
-        raise ValueError(f"clamp_value must be a finite number > 0, at most float32's max ({FLOAT32_MAX:.4g}: the "
-                         f"kernels clamp in float32, where {value!r} is inf), got {value!r}")
-    return value
+    if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+        raise ValueError(f"clamp_value must be a finite number > 0 in float32's normal range [{FLOAT32_TINY:.4g}, "
+                         f"{FLOAT32_MAX:.4g}] (the kernels clamp in float32, where {value!r} is "
+                         f"{'inf' if value > FLOAT32_MAX else 'subnormal or 0'}), got {value!r}")
+    return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+
+
+#: packs a Python float as the nearest float32 (round to nearest even), and back
+_FLOAT32 = struct.Struct("f")
 
 
 def glu_apply(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,

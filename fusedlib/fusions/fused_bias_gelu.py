@@ -133,9 +133,9 @@ def bias_gelu_impl(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # 
         bias: [h], same dtype and device.
 
     Returns:
-        A new tensor of ``input``'s shape and dtype. Where |input + bias| exceeds ~2e19 the
-        derivative's float32 terms overflow and the gradient is NaN (1e19 gives 1 and 0, 3e19
-        NaN, in float32 and bfloat16; the forward stays right), as with torch's tanh GeLU.
+        A new tensor of ``input``'s shape and dtype. Its gradient keeps its limits, 1 and 0,
+        up to each dtype's largest value (:func:`fusedlib.kernels.math.gelu_tanh_derivative`
+        holds x² finite), where torch's tanh GeLU gives NaN past |input + bias| = ~2e19.
 
     Raises:
         TypeError: non-tensor argument, unsupported dtype, or mismatched dtypes.

@@ -21,6 +21,7 @@ import torch
 
 from ..checks import (
     FLOAT32_MAX,
+    FLOAT32_TINY,
     FLOAT_DTYPES,
     check_same_device,
     check_tensor,
@@ -45,9 +46,6 @@ __all__ = [
 
 Tensor = torch.Tensor
 
-_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
-
-
 def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input",
            allow_none: bool = True) -> tuple[torch.Tensor, float | None]:
     """Check the arguments; returns ``(weights, float(clamp_scale) or None)``. clamp_scale: None
@@ -63,9 +61,9 @@ def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input
         kind = "a float or None" if allow_none else "a float > 0"
         raise TypeError(f"clamp_scale must be {kind}, got {type_name(clamp_scale)}")
     s = real_to_float("clamp_scale", clamp_scale, "a number in float32's normal range")
-    if not (_FLOAT32_TINY <= s <= FLOAT32_MAX):  # also False for nan
+    if not (FLOAT32_TINY <= s <= FLOAT32_MAX):  # also False for nan
         raise ValueError(f"clamp_scale must be a number in float32's normal range "
-                         f"[{_FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the kernels divide by it in float32), "
+                         f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the kernels divide by it in float32), "
                          f"got {clamp_scale}")
     return weights, s
 

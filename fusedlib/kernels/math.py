@@ -1,8 +1,12 @@
 """Device functions shared by fusedlib's kernels.
 
 Written with ``tl.exp`` and arithmetic only, so they run in Triton's interpreter (which
-cannot call libdevice) and never overflow there: an overflow in the interpreter is a
-NumPy RuntimeWarning on stderr, which a notebook would show.
+cannot call libdevice). :func:`tanh` and :func:`soft_clamp` never overflow inside for any
+argument (an overflow in the interpreter is a NumPy RuntimeWarning on stderr, which a notebook
+would show); an argument that has itself overflowed to ±inf gives their limits. The kernels'
+own arithmetic around them can overflow for inputs near a dtype's largest value: GeLU's
+c0·x·(1 + c1·x²) past |x| = ~1e13 in float32, which the interpreter warns of, and whose inf
+tanh takes to its limit ±1, as the GPU does without a word.
 """
 from __future__ import annotations
 

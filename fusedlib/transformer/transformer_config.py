@@ -21,7 +21,7 @@ Differences from Megatron-core, each deliberate:
 * ``bias_activation_fusion`` is checked against what fusedlib can fuse (tanh-GeLU, GeGLU,
   SwiGLU) when the config is made; Megatron-core lets SiLU without GLU through and fails at the
   first forward.
-* ``activation_func_clamp_value``: must be finite and > 0, needs MoE (``num_moe_experts``), a
+* ``activation_func_clamp_value``: must be > 0 and a normal float32 number, needs MoE (``num_moe_experts``), a
   gated linear unit and ``glu_linear_offset = 0``, and with ``bias_activation_fusion`` SwiGLU
   (the only fused unit with a clamp). Megatron-LM's main branch rejects a SwiGLU clamp
   without MoE; megatron-core 0.16 ignores the clamp where it cannot apply it.
@@ -58,7 +58,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..checks import FLOAT32_MAX, ArgumentTypeError, is_numpy_bool, real_to_float, type_name
+from ..checks import FLOAT32_MAX, FLOAT32_TINY, ArgumentTypeError, is_numpy_bool, real_to_float, type_name
 from .enums import AttnBackend
 
 __all__ = ["TransformerConfig", "NORMALIZATIONS", "RECOMPUTE_MODULES"]
@@ -474,9 +474,9 @@ class TransformerConfig:
         if (isinstance(c, bool) or not isinstance(c, numbers.Real)
                 or not math.isfinite(real_to_float("activation_func_clamp_value", c, "a finite number > 0")) or c <= 0):
             raise ValueError(f"activation_func_clamp_value must be a finite number > 0 (or None), got {c!r}")
-        if c > FLOAT32_MAX:
-            raise ValueError(f"activation_func_clamp_value must be a finite number > 0, at most float32's max "
-                             f"({FLOAT32_MAX:.4g}: the kernels clamp in float32), got {c!r}")
+        if not FLOAT32_TINY <= c <= FLOAT32_MAX:
+            raise ValueError(f"activation_func_clamp_value must be a finite number > 0 in float32's normal range "
+                             f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the kernels clamp in float32), got {c!r}")
         if self.num_moe_experts is None:
             raise ValueError("activation_func_clamp_value is only supported with MoE (set num_moe_experts)")
         if not glu:
