@@ -1052,7 +1052,7 @@ def test_tensor_parallel_training_with_sequence_parallelism_keeps_the_replicas_e
                                             backend="gloo")
     assert l0 == l1 and len(l0) == 2
     unshard_state_dict([sd0, sd1], layout, check_replicas=True)  # raises naming a replica that differs
-    one = Trainer(TrainConfig(**kw), corpus=corpus)
+    one = Trainer(TrainConfig(**dict(kw, device=str(DEVICE))), corpus=corpus)  # (CUDA's float32 where there is one)
     one.run()
     assert max(abs(a - b) for a, b in zip(l0, one.losses())) < 1e-4
 

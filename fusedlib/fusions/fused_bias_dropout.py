@@ -171,10 +171,15 @@ def _writable_in_place(x: torch.Tensor, bias: torch.Tensor | None, residual: tor
     x's memory but the residual as the very same view (elementwise, each element read before
     it is written; a bias row of x, or x's transpose as the residual, would be read after the
     kernel overwrote it)."""
-    if in_transform() or (x.is_inference() and not torch.is_inference_mode_enabled()):
+    if in_transform():
         return False
-    if x.numel() == 0:
+    if x.numel() == 0 or torch.compiler.is_compiling():
+        # (under torch.compile the kernel's write to x is functionalized: the graph computes
+        # from its inputs' values and copies the result into x after; Dynamo can trace
+        # neither is_inference nor storage pointers)
         return True
+    if x.is_inference() and not torch.is_inference_mode_enabled():
+        return False
     x_mem = x.untyped_storage().data_ptr()
     if bias is not None and bias.numel() and bias.untyped_storage().data_ptr() == x_mem:
         return False
