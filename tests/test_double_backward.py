@@ -16,6 +16,7 @@ from fusedlib.fusions.fused_bias_geglu import bias_geglu_impl
 from fusedlib.fusions.fused_bias_gelu import bias_gelu_impl
 from fusedlib.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_swiglu_impl
 from fusedlib.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+from fusedlib.fusions.fused_dense import fused_dense_gelu_dense
 from fusedlib.fusions.fused_layer_norm import fused_layer_norm, fused_rms_norm
 from fusedlib.fusions.fused_rope import fused_apply_rotary_pos_emb
 from fusedlib.fusions.fused_softmax import ScaledSoftmax, fused_scale_mask_softmax
@@ -44,6 +45,7 @@ OPS = {
     "weighted_bias_swiglu_impl": lambda: (_r(4, 16), (torch.rand(4, 1, device=DEVICE),),
                                           lambda x, w: weighted_bias_swiglu_impl(x, None, w)),
     "weighted_squared_relu_impl": lambda: (_r(4, 16), (torch.rand(4, 1, device=DEVICE),), weighted_squared_relu_impl),
+    "fused_dense_gelu_dense": lambda: (_r(4, 16), (_r(24, 16), _r(24), _r(8, 24), _r(8)), fused_dense_gelu_dense),
     "fused_layer_norm": lambda: (_r(4, 16), (_r(16), _r(16)), fused_layer_norm),
     "fused_rms_norm": lambda: (_r(4, 16), (_r(16),), fused_rms_norm),
     "fused_apply_rotary_pos_emb": lambda: (_r(3, 2, 2, 8), (_r(3, 1, 1, 8),), fused_apply_rotary_pos_emb),
