@@ -454,6 +454,25 @@ def test_inference_mixed_dtypes_not_in_place():
     assert_close(out, x.double() + b.double() + r.double(), torch.float32)
 
 
+def test_dropped_non_finite_values_are_zero_as_documented():
+    # the kernels select 0 for a dropped element (torch multiplies by the mask: 0·NaN = NaN);
+    # bias_dropout_add_fused_train's docstring says so. Kept NaN / inf pass as torch's.
+    torch.manual_seed(1234)
+    x = torch.full((16, 64), float("nan"), device=DEVICE)
+    x[:, 1::3] = float("inf")
+    x[:, 2::3] = 1.0
+    x.requires_grad_(True)
+    out = bias_dropout_add_fused_train((x, None), torch.zeros(16, 64, device=DEVICE), 0.5)
+    kept = out.detach()[:, 2::3] != 0  # the finite column's mask: 2.0 where kept
+    assert kept.any() and (~kept).any() and torch.equal(out.detach()[:, 2::3][kept], torch.full_like(out[:, 2::3][kept], 2.0))
+    nan_cols, inf_cols = out.detach()[:, 0::3], out.detach()[:, 1::3]
+    assert ((nan_cols == 0) | nan_cols.isnan()).all() and (nan_cols == 0).any() and nan_cols.isnan().any()
+    assert ((inf_cols == 0) | (inf_cols == float("inf"))).all() and (inf_cols == 0).any()
+    out.backward(torch.full_like(out, float("nan")))
+    assert ((x.grad == 0) | x.grad.isnan()).all() and (x.grad == 0).any()  # dropped: 0 even for a NaN gradient
+    assert torch.equal((x.grad == 0)[:, 2::3], ~kept)  # the backward regenerates the forward's mask
+
+
 def test_inference_not_in_place_where_x_shares_memory_with_a_read_operand():
     # a residual that is x's transpose, or a bias that is a row of x, would be read after the
     # kernel overwrote it (max error 4.5 once): such calls return a new tensor, x untouched

@@ -239,7 +239,9 @@ def flash_attention(
             is. The mask comes from Philox keyed by one draw of torch's generator on q's
             device per call (``torch.manual_seed`` reproduces it;
             :func:`~fusedlib.kernels.flash_attention.flash_attn_dropout_mask` of the replayed
-            key gives it as a tensor).
+            key gives it as a tensor). A dropped probability counts as exactly 0 even in a
+            row of NaN scores (torch's dropout, multiplying by the mask, keeps the NaN; the
+            row's output is NaN either way unless every key is dropped).
         deterministic: True: a bitwise reproducible backward (dK/dV and dQ in separate
             kernels, the GQA sum in registers, no atomics). False (FlashAttention's default):
             where it is faster (head dims 65-128, or any head dim up to 64 with dropout:
