@@ -335,3 +335,183 @@ def test_fwd_bwd_pass_sends_gradients_into_the_outputs_it_names(monkeypatch, all
                           [core.Impl("fusedlib", two, passes=("fwd+bwd",))], all_outputs=all_outputs)
     core.measure_case(case, torch.device("cpu"))
     assert bool(seen) is all_outputs
+
+
+# ---------------------------------------------------------------------------------------------
+# eager_traffic: operands in lists, views, several results
+# ---------------------------------------------------------------------------------------------
+
+def test_eager_traffic_reads_the_tensors_of_list_operands():
+    a, b = torch.empty(4, 8, device="meta"), torch.empty(2, 8, device="meta")
+    assert eager_traffic(lambda a, b: torch.cat([a, b]), a, b) == [{"op": "cat", "read_bytes": 192, "write_bytes": 192}]
+
+
+def test_eager_traffic_charges_no_view_and_no_attribute_read():
+    x = torch.empty(10, 20, device="meta")
+    views = lambda x: (x.view(200).reshape(10, 20).unsqueeze(0).squeeze(0).transpose(0, 1).permute(1, 0).t().t()
+                       .expand(10, 20).narrow(0, 0, 10).flatten().unflatten(0, (10, 20)).contiguous()) + x.shape[0]
+    assert eager_traffic(views, x) == [{"op": "add", "read_bytes": 800, "write_bytes": 800}]
+    assert eager_traffic(lambda x: getattr(x, "shape"), x) == []
+    assert eager_traffic(lambda x: x.float().to(torch.float32).detach(), x) == []  # already float32
+    # a reshape that must copy (of a transposed tensor) is a kernel
+    assert eager_traffic(lambda x: x.t().reshape(200), x) == [{"op": "reshape", "read_bytes": 800, "write_bytes": 800}]
+    # an expanded operand is read once per distinct element
+    b = torch.empty(20, device="meta")
+    assert eager_traffic(lambda x, b: x + b.expand(10, 20), x, b) == [{"op": "add", "read_bytes": 880, "write_bytes": 800}]
+
+
+def test_eager_traffic_counts_ops_with_several_results_and_their_views():
+    y = torch.randn(2, 8)
+    rows = eager_traffic(lambda y: unfused.swiglu(y), y)  # chunk -> two views, then silu and the product
+    assert rows == [{"op": "silu", "read_bytes": 32, "write_bytes": 32}, {"op": "mul", "read_bytes": 64, "write_bytes": 32}]
+    x = torch.empty(10, 20, device="meta")
+    assert eager_traffic(lambda x: torch.split(x, [5, 15], -1)[1].sum(), x) == [
+        {"op": "sum", "read_bytes": 600, "write_bytes": 4}]
+    assert eager_traffic(lambda x: x.max(dim=-1), x) == [{"op": "max", "read_bytes": 800, "write_bytes": 40 + 80}]
+
+
+def test_eager_traffic_names_reflected_and_in_place_operators():
+    def fn(x):
+        y = 0.5 * x + 1.0
+        y += x
+        return y
+    x = torch.empty(4, 8, device="meta")
+    assert [r["op"] for r in eager_traffic(fn, x)] == ["mul", "add", "add_"]
+
+
+def test_eager_traffic_runs_functions_that_check_shapes():
+    def checked(x, w):
+        if x.shape[-1] != w.shape[0]:  # Python control flow on a shape
+            raise ValueError("shapes")
+        return x * w
+    x, w = torch.empty(4, 8, device="meta"), torch.empty(8, device="meta")
+    assert eager_traffic(checked, x, w) == [{"op": "mul", "read_bytes": 128 + 32, "write_bytes": 128}]
+
+
+# ---------------------------------------------------------------------------------------------
+# clear errors on malformed records
+# ---------------------------------------------------------------------------------------------
+
+def test_bandwidth_tables_refuse_empty_or_copy_only_records():
+    copy_only = [{"impl": "copy", "GBps": 100}]
+    for fn in (speedup_table, backward_table):
+        with pytest.raises(ValueError, match=f"{fn.__name__}: no records"):
+            fn([])
+        with pytest.raises(ValueError, match=f"{fn.__name__}: no fusedlib record"):
+            fn(copy_only)
+    with pytest.raises(ValueError, match="speedup_table: records: no copy record"):
+        speedup_table(_records()[1:])
+    with pytest.raises(ValueError, match="plot_bandwidth: no records"):
+        plot_bandwidth([], "t")
+    with pytest.raises(ValueError, match="sweep_table: no implementation to show"):
+        sweep_table(copy_only)
+    with pytest.raises(ValueError, match="sweep_table: no implementation to show"):
+        sweep_table(_sweep_records(), impls=[])
+
+
+def test_bandwidth_tables_name_the_record_and_its_missing_key():
+    recs = _records()
+    del recs[2]["ms"]  # torch.compile fwd
+    with pytest.raises(ValueError, match=r"speedup_table: records\[2\] \(op 'bias_gelu', impl 'torch.compile', "
+                                         r"pass 'fwd', shape \[8192, 16384\]\) has no 'ms'"):
+        speedup_table(recs)
+    with pytest.raises(ValueError, match=r"backward_table: records\[0\] .* has no 'impl'"):
+        backward_table([{"GBps": 1.0}])
+    with pytest.raises(ValueError, match=r"speedup_table: records is a dict, expected a list"):
+        speedup_table({"impl": "copy"})
+
+
+@pytest.fixture
+def bench_files(tmp_path, monkeypatch):
+    import fusedlib.book as book
+
+    monkeypatch.setattr(book, "bench_dir", lambda: tmp_path)
+    monkeypatch.setattr(book, "CUDA_AVAILABLE", False)
+    return tmp_path
+
+
+@pytest.mark.parametrize("content, match", [
+    ("[]", "holds an empty list"),
+    ('{"a": 1}', "holds one dict"),
+    ('[{"op": "x", "torch": "2", "triton": "3"}]', r"\[0\] \(op 'x'\) has no 'device'"),
+    ("[1, 2]", r"\[0\] is a int, expected a bench record"),
+    ('"text"', "is a str, expected a list"),
+    ("[{", "is not valid JSON"),
+])
+def test_bench_or_stored_names_the_file_of_bad_records(bench_files, content, match):
+    from fusedlib.book import bench_or_stored
+
+    (bench_files / "op.json").write_text(content)
+    with pytest.raises(ValueError, match=match) as err:
+        bench_or_stored("op")
+    assert str(bench_files / "op.json") in str(err.value)
+
+
+def test_load_bench_keeps_lists_of_records_and_profile_dicts(bench_files):
+    from fusedlib.book import load_bench
+
+    (bench_files / "a.json").write_text('[{"impl": "copy"}]')
+    (bench_files / "b_profile.json").write_text('{"shape": [1]}')
+    assert load_bench("a") == [{"impl": "copy"}] and load_bench("b_profile") == {"shape": [1]}
+
+
+def test_host_and_throughput_tables_name_the_missing_key():
+    import matplotlib
+
+    from fusedlib.book import host_table, plot_host, plot_throughput, profile_table, throughput_table
+
+    matplotlib.use("Agg")
+    host = [{"op": "host", "pass": "fwd+bwd", "impl": "fusedlib", "us": 3.0, "device": "d"}]
+    with pytest.raises(ValueError, match=r"plot_host: records\[0\] \(op 'host', impl 'fusedlib', pass 'fwd\+bwd'\) "
+                                         r"has no 'measured_op'"):
+        plot_host(host)
+    with pytest.raises(ValueError, match=r"host_table: records\[0\] .* has no 'measured_op'"):
+        host_table(host)
+    host[0]["measured_op"] = "bias_gelu"
+    del host[0]["us"]
+    with pytest.raises(ValueError, match=r"host_table: .* has no 'us'"):
+        host_table(host)
+    layer = [{"op": "transformer_layer", "impl": "fusedlib", "dtype": "bf16", "device": "d", "tokens_per_s": 1}]
+    with pytest.raises(ValueError, match=r"throughput_table: records\[0\] .* has no 'shape', 'ms'"):
+        throughput_table(layer)
+    with pytest.raises(ValueError, match=r"plot_throughput: records\[0\] .* has no 'shape'"):
+        plot_throughput([{"op": "transformer_layer", "device": "d", "tokens_per_s": 1}])
+    with pytest.raises(ValueError, match=r"profile_table: the profile has no 'shape', 'steps', 'dtype', 'device', 'impls'"):
+        profile_table({})
+    with pytest.raises(ValueError, match=r"profile_table: the profile's impls\['fusedlib'\] has no 'top'"):
+        profile_table({"shape": [1], "steps": 1, "dtype": "bf16", "device": "d",
+                       "impls": {"fusedlib": {"kernel_ms": 1.0, "launches": 1, "categories": {}}}})
+
+
+# ---------------------------------------------------------------------------------------------
+# check: infinities, shapes, arguments
+# ---------------------------------------------------------------------------------------------
+
+def test_check_treats_equal_infinities_as_equal_and_nan_as_a_failure(capsys):
+    inf = float("inf")
+    assert check("inf", torch.tensor([inf, -inf, 1.0]), torch.tensor([inf, -inf, 1.0]), atol=0.0)
+    assert not check("sign", torch.tensor([inf]), torch.tensor([-inf]), atol=1.0)
+    assert not check("finite vs inf", torch.tensor([1e30]), torch.tensor([inf]), atol=1.0, rtol=1.0)
+    assert not check("nan", torch.tensor([float("nan")]), torch.tensor([float("nan")]), atol=1.0)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "inf: max |fused - reference| <= 0: True"
+
+
+def test_check_says_shape_on_a_shape_mismatch_and_refuses_non_tensors(capsys):
+    assert not check("x", torch.ones(2, 3), torch.ones(3, 2), atol=1.0)
+    assert capsys.readouterr().out == "x: shape [2, 3] vs reference [3, 2]: False\n"
+    with pytest.raises(TypeError, match="check: actual must be a torch.Tensor, got list"):
+        check("x", [1.0], torch.ones(1), atol=1.0)
+    with pytest.raises(TypeError, match="check: expected must be a torch.Tensor, got float"):
+        check("x", torch.ones(1), 1.0, atol=1.0)
+
+
+def test_book_functions_document_args_returns_and_raises():
+    import fusedlib.book as book
+
+    for name in book.__all__:
+        doc = getattr(book, name).__doc__ or ""
+        if name == "device_banner":
+            continue  # fusedlib.runtime's, re-exported
+        assert "Returns:" in doc or "Yields:" in doc, name
+        assert "Raises:" in doc or name in ("show_source", "bench_dir"), name

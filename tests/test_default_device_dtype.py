@@ -1046,8 +1046,6 @@ LEGACY = frozenset({"Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "BFlo
 
 #: (file under fusedlib/, the call's source) -> why it may stay as it is. Keep it short.
 ALLOWED = {
-    ("book/__init__.py", "torch.empty((), dtype=meta.dtype)"):
-        "a 0-d probe read for its element_size() only: where it lands does not matter",
     ("bench/ops/masked_softmax.py",
      "torch.tensor([max(1, sk - i % 8 * sk // 8) for i in range(b)], device=device)"):
         "benchmark input built from Python ints: int64 whatever the default dtype",

@@ -465,3 +465,38 @@ def write_records(records: list[dict], path: str | os.PathLike) -> Path:
 def load_records(path: str | os.PathLike) -> list[dict]:
     """Read a JSON list of records written by :func:`write_records`."""
     return json.loads(Path(path).read_text())
+
+
+def require_fields(func: str, records: object, fields: Sequence[str] = (), where: str = "records",
+                   when: Callable[[dict], bool] | None = None) -> None:
+    """Check that ``records`` is a list of dicts (bench records), each with every key in ``fields``.
+
+    The tables and plots of :mod:`fusedlib.book` call it before reading a record, so a malformed
+    record raises one clear error instead of a ``KeyError`` from deep inside a table.
+
+    Args:
+        func: the calling function's name, put first in the message.
+        records: what the caller was given (a list or tuple of dicts).
+        fields: the keys every record must have.
+        where: what ``records`` is, for the message (e.g. the JSON file it came from).
+        when: only the records for which it is true need ``fields`` (default: all); it may
+            read the keys an earlier call required.
+
+    Raises:
+        ValueError: ``"<func>: <where>[i] (<its op, impl, pass, shape>) has no 'key'"``, or
+            ``"<func>: <where> ..., expected ..."`` for something that is not a list of dicts.
+
+    Source: fusedlib (the benchmark's record schema, :func:`_record`).
+    """
+    if isinstance(records, (str, bytes, dict)) or not isinstance(records, Sequence):
+        raise ValueError(f"{func}: {where} is a {type(records).__name__}, expected a list of bench records (dicts)")
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"{func}: {where}[{i}] is a {type(r).__name__}, expected a bench record (a dict)")
+        if when is not None and not when(r):
+            continue
+        missing = [k for k in fields if k not in r]
+        if missing:
+            label = ", ".join(f"{k} {r[k]!r}" for k in ("op", "measured_op", "impl", "pass", "shape") if k in r)
+            raise ValueError(f"{func}: {where}[{i}] ({label or 'no op, impl, pass or shape'}) has no "
+                             + ", ".join(repr(k) for k in missing))

@@ -76,7 +76,7 @@ from ..fusions._apply import InferenceCtx
 from ..fusions._apply import apply as _fused_apply
 from ..fusions.fused_layer_norm import fused_layer_norm
 from ..runtime import launch
-from .core import PASSES, BenchCase, Impl, environment
+from .core import PASSES, BenchCase, Impl, environment, require_fields
 from .ops import OP_MODULES, get_case
 
 __all__ = [
@@ -381,11 +381,17 @@ def host_table(records: Sequence[dict], field: str = "us") -> str:
         The table; a missing measurement shows as ``-``.
 
     Raises:
-        ValueError: for another field.
+        ValueError: for another field, or naming the record, when a host record lacks
+            ``measured_op``, ``pass``, ``impl`` or ``field`` (or the first one ``device``,
+            ``torch`` or ``triton``).
+
+    Source: fusedlib's host protocol (:func:`measure_host`).
     """
     if field not in ("us", "enqueue_us", "cpu_us"):
         raise ValueError(f"field must be 'us', 'enqueue_us' or 'cpu_us', got {field!r}")
+    require_fields("host_table", records, ("measured_op", "pass", "impl", field), when=lambda r: r.get("op") == "host")
     rows = [r for r in records if r.get("op") == "host"]
+    require_fields("host_table", rows[:1], ("device", "torch", "triton"), where="host records")
     value = {(r["measured_op"], r["pass"], r["impl"]): r[field] for r in rows}
     ops = [op for op in OP_MODULES if any(r["measured_op"] == op for r in rows)]
     ops += sorted({r["measured_op"] for r in rows} - set(ops))

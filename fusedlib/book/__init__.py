@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..bench.core import require_fields
 from ..bench.host import floor_table, host_table  # noqa: F401  (re-exported for chapters: host.json's tables)
 from ..bench.ops.transformer_layer import profile_table  # noqa: F401  (re-exported: the block's kernel profile)
 from ..bench.ops.transformer_layer import table as throughput_table  # noqa: F401  (the block's tokens/s)
@@ -68,6 +69,10 @@ def show_source(obj: Any):
         text/plain) are the same on every machine, so nbval compares the code the reader
         sees. (``IPython.display.Code`` would add Pygments' HTML, which changes between
         Pygments versions.)
+
+    Raises:
+        TypeError, OSError: from ``inspect.getsource``, for an object without Python source
+            (a builtin, a C extension).
     """
     from IPython.display import Markdown
 
@@ -76,24 +81,49 @@ def show_source(obj: Any):
 
 
 def check(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> bool:
-    """Print one device-independent line: ``name: max |actual - expected| <= tol: True``.
+    """Print one device-independent line: ``name: max |fused - reference| <= tol: True``.
 
-    The error itself is not printed (it differs between GPU and CPU); whether it is
-    within ``atol + rtol·|expected|`` is. NaN fails.
+    The error itself is not printed (it differs between GPU and CPU); whether every element
+    is within ``atol + rtol·|expected|`` is. An infinity passes only against the same
+    infinity (``inf`` vs ``inf``; ``inf`` vs a finite number fails whatever the tolerance); a
+    NaN in either tensor fails, also NaN against NaN. Tensors of different shapes fail, and
+    the line says so: ``name: shape [2, 3] vs reference [3, 2]: False`` (no broadcasting).
+
+    Args:
+        name: what is checked, printed first.
+        actual: the fused result (any device and float or int dtype; compared in float64).
+        expected: the reference, of the same shape.
+        atol: the absolute tolerance.
+        rtol: the relative tolerance, times ``|expected|`` (default 0).
 
     Returns:
         The verdict.
+
+    Raises:
+        TypeError: ``actual`` or ``expected`` is not a ``torch.Tensor`` (named in the message).
     """
+    for arg, value in (("actual", actual), ("expected", expected)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"check: {arg} must be a torch.Tensor, got {type(value).__name__}")
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
-    ok = bool(a.shape == e.shape and not torch.isnan(a).any()
-              and ((a - e).abs() <= atol + rtol * e.abs()).all())
+    if a.shape != e.shape:
+        print(f"{name}: shape {list(a.shape)} vs reference {list(e.shape)}: False")
+        return False
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    close = torch.where(finite, (a - e).abs() <= atol + rtol * e.abs(), a == e)  # NaN == NaN is False
+    ok = bool(close.all())
     tol = f"{atol:g}" + (f" + {rtol:g}·|ref|" if rtol else "")
     print(f"{name}: max |fused - reference| <= {tol}: {ok}")
     return ok
 
 
 def bench_dir() -> Path:
-    """``chapters/data/bench``: next to the running notebook, or in the source checkout."""
+    """The folder of the stored records.
+
+    Returns:
+        ``data/bench`` under the working directory when it exists (a notebook running in
+        ``chapters/``), else ``chapters/data/bench`` of the source checkout.
+    """
     here = Path.cwd() / "data" / "bench"
     if here.is_dir():
         return here
@@ -103,13 +133,31 @@ def bench_dir() -> Path:
 def load_bench(op: str) -> list[dict]:
     """The stored H200 records of ``op`` (``chapters/data/bench/<op>.json``).
 
+    Args:
+        op: the file's name without ``.json`` (an op of ``python -m fusedlib.bench``, or a
+            stored file such as ``ceilings`` or ``transformer_layer_profile``).
+
+    Returns:
+        The records: a list of dicts, as ``python -m fusedlib.bench`` writes them. A profile
+        or power file (``*_profile.json``, ``*_power.json``) holds one dict, returned as it is.
+
     Raises:
         FileNotFoundError: naming the file and the command that makes it.
+        ValueError: naming the file, when it is not JSON, or its JSON is neither a list of
+            dicts nor one dict.
+
+    Source: the JSON files of ``python -m fusedlib.bench`` (:func:`fusedlib.bench.write_records`).
     """
     path = bench_dir() / f"{op}.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: run `python -m fusedlib.bench --op {op}` on a GPU")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"load_bench: {path} is not valid JSON ({err})") from err
+    if not isinstance(data, dict):
+        require_fields("load_bench", data, where=str(path))
+    return data
 
 
 def bench_or_stored(op: str, sweep: bool = False) -> list[dict]:
@@ -121,18 +169,39 @@ def bench_or_stored(op: str, sweep: bool = False) -> list[dict]:
     the device time is not spent twice. Prints which it did, and the device the numbers
     come from.
 
+    Args:
+        op: an op of ``python -m fusedlib.bench`` (``bias_gelu``, ``layer_norm``, ...).
+        sweep: measure the op's sweep of shapes too (live measurements only; the stored
+            file holds whatever was measured).
+
+    Returns:
+        The records (a list of dicts).
+
     Raises:
         FileNotFoundError: when the records are to be loaded and do not exist.
+        ValueError: naming the file (or the live run), when there are no records, the file
+            holds no list of records, or its first record lacks ``device``, ``torch`` or
+            ``triton``.
+
+    Source: the benchmark protocol of :mod:`fusedlib.bench` (``python -m fusedlib.bench``).
     """
     if CUDA_AVAILABLE and os.environ.get("FUSEDLIB_BENCH_STORED") != "1":
         from ..bench import run_op
 
         records, skipped = run_op(op, sweep=sweep)
+        if not records:
+            raise ValueError(f"bench_or_stored: measuring {op!r} gave no records (skipped: {skipped})")
+        require_fields("bench_or_stored", records[:1], ("device",), where=f"the measured {op!r} records")
         print(f"measured now on {records[0]['device']}")
         for name, why in skipped.items():
             print(f"  {name} not measured: {why}")
         return records
     records = load_bench(op)
+    path = bench_dir() / f"{op}.json"
+    if isinstance(records, dict) or not records:
+        raise ValueError(f"bench_or_stored: {path} holds "
+                         f"{'one dict' if isinstance(records, dict) else 'an empty list'}, expected a list of bench records")
+    require_fields("bench_or_stored", records[:1], ("device", "torch", "triton"), where=str(path))
     where = "no GPU here" if not CUDA_AVAILABLE else "FUSEDLIB_BENCH_STORED=1"
     print(f"{where}: loaded the stored results measured on {records[0]['device']} "
           f"(torch {records[0]['torch']}, triton {records[0]['triton']})")
@@ -142,6 +211,29 @@ def bench_or_stored(op: str, sweep: bool = False) -> list[dict]:
 def _headline(records: Sequence[dict]) -> tuple[int, ...] | None:
     rows = [r for r in records if r.get("impl") == "fusedlib"]
     return tuple(rows[0]["shape"]) if rows else None
+
+
+def _ceiling_and_shape(func: str, records: Sequence[dict], shape: Sequence[int] | None,
+                       fields: Sequence[str]) -> tuple[dict, tuple[int, ...]]:
+    """The copy record and the table's shape (``shape``, else the headline shape) of a bandwidth
+    table or plot, after checking the records: each has an ``impl``, the copy record a ``GBps``,
+    every other a ``shape``, and those at the shape ``fields``. Raises ValueError naming ``func``."""
+    require_fields(func, records, ("impl",))
+    if not records:
+        raise ValueError(f"{func}: no records (expected bench records with a copy record, the ceiling)")
+    copy = next((r for r in records if r["impl"] == "copy"), None)
+    if copy is None:
+        raise ValueError(f"{func}: records: no copy record (the ceiling)")
+    if not isinstance(copy.get("GBps"), (int, float)):
+        raise ValueError(f"{func}: the copy record has no GBps (the ceiling), got {copy.get('GBps')!r}")
+    require_fields(func, records, ("shape",), when=lambda r: r["impl"] != "copy")
+    if shape is None:
+        shape = _headline(records)
+        if shape is None:
+            raise ValueError(f"{func}: no fusedlib record to take the headline shape from; pass shape=")
+    shape = tuple(shape)
+    require_fields(func, records, fields, when=lambda r: r["impl"] != "copy" and tuple(r["shape"]) == shape)
+    return copy, shape
 
 
 def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -> str:
@@ -157,9 +249,22 @@ def speedup_table(records: Sequence[dict], shape: Sequence[int] | None = None) -
     A torch.compile compiled once for several shapes (``"compile": "dynamic"``) is marked
     ``(dynamic)``. Records without a byte count (``"GBps": None``) show ``-`` for GB/s and
     % copy.
+
+    Args:
+        records: bench records of one op, with its copy record (the ceiling).
+        shape: the shape to show (default: the first fusedlib record's).
+
+    Returns:
+        The table, one line per pass and implementation.
+
+    Raises:
+        ValueError: naming the record, when there are no records, no copy record, no
+            fusedlib record to take the default shape from, or a record lacks a key the table
+            reads (``impl``; ``shape``; at the shape ``pass``, ``ms``, ``dtype``).
+
+    Source: the benchmark protocol of :mod:`fusedlib.bench` (its records and copy ceiling).
     """
-    shape = tuple(shape) if shape is not None else _headline(records)
-    copy = next(r for r in records if r["impl"] == "copy")
+    copy, shape = _ceiling_and_shape("speedup_table", records, shape, ("pass", "ms", "dtype"))
     rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
     fused = {r["pass"]: r for r in rows if r["impl"] == "fusedlib"}
     plain = any("ms_eager" in r for r in rows)
@@ -214,13 +319,21 @@ def backward_table(records: Sequence[dict], shape: Sequence[int] | None = None) 
     The fwd+bwd time is one training step as the benchmark times it (autograd included), so
     the backward's share holds whatever that step adds beyond its kernels.
 
+    Args:
+        records: bench records of one op, with its copy record (the ceiling).
+        shape: the shape to show (default: the first fusedlib record's).
+
+    Returns:
+        The table, one line per implementation with both passes and byte counts.
+
     Raises:
-        ValueError: when ``records`` has no copy record.
+        ValueError: naming the record, when there are no records, no copy record, no
+            fusedlib record to take the default shape from, or a record lacks a key the table
+            reads (``impl``; ``shape``; at the shape ``pass``, ``ms``).
+
+    Source: the benchmark protocol of :mod:`fusedlib.bench` (its records and copy ceiling).
     """
-    shape = tuple(shape) if shape is not None else _headline(records)
-    copy = next((r for r in records if r["impl"] == "copy"), None)
-    if copy is None:
-        raise ValueError("records: no copy record (the ceiling)")
+    copy, shape = _ceiling_and_shape("backward_table", records, shape, ("pass", "ms"))
     rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape]
     order = {n: i for i, n in enumerate(IMPL_ORDER)}
     out = [f"shape {list(shape)}, copy ceiling {copy['GBps']:.0f} GB/s; bwd = fwd+bwd - fwd",
@@ -246,12 +359,22 @@ def sweep_table(records: Sequence[dict], impls: Sequence[str] | None = None) -> 
     where it was not measured at that shape. torch.compile is abbreviated "compile",
     megatron-core "mcore".
 
+    Args:
+        records: bench records of one op's sweep, with its copy record (the ceiling).
+        impls: the implementations to show, in this order.
+
+    Returns:
+        The table: a title, two header lines, then one line per shape.
+
     Raises:
-        ValueError: when ``records`` has no copy record.
+        ValueError: naming the record, when there are no records, no copy record, no
+            implementation to show (none measured at more than one shape, or ``impls``
+            empty), or a record lacks a key the table reads (``impl``; ``shape``, ``pass``).
+
+    Source: the sweep of ``python -m fusedlib.bench --sweep`` (its records and copy ceiling).
     """
-    copy = next((r for r in records if r["impl"] == "copy"), None)
-    if copy is None:
-        raise ValueError("records: no copy record (the ceiling)")
+    copy, _ = _ceiling_and_shape("sweep_table", records, (), ())
+    require_fields("sweep_table", records, ("pass",), when=lambda r: r["impl"] != "copy")
     rows = [r for r in records if r["impl"] != "copy"]
     if impls is None:
         n_shapes = {}
@@ -259,9 +382,12 @@ def sweep_table(records: Sequence[dict], impls: Sequence[str] | None = None) -> 
             n_shapes.setdefault(r["impl"], set()).add(tuple(r["shape"]))
         impls = [i for i in IMPL_ORDER if len(n_shapes.get(i, ())) > 1]
         impls += sorted(i for i in n_shapes if i not in IMPL_ORDER and len(n_shapes[i]) > 1)
+    if not impls:
+        raise ValueError("sweep_table: no implementation to show (impls is empty, or none was measured "
+                         "at more than one shape)")
     shapes = sorted({tuple(r["shape"]) for r in rows}, key=lambda s: s[-1])
     cols = [(p, i) for p in ("fwd", "fwd+bwd") for i in impls]
-    width = max(10, *(len(SHORT_NAMES.get(i, i)) + 2 for i in impls))
+    width = max([10] + [len(SHORT_NAMES.get(i, i)) + 2 for i in impls])
     out = [f"% of the copy ceiling ({copy['GBps']:.0f} GB/s)",
            f"{'':<20}" + "".join(f"{p:>{width}}" for p, _ in cols),
            f"{'shape':<20}" + "".join(f"{SHORT_NAMES.get(i, i):>{width}}" for _, i in cols)]
@@ -281,17 +407,30 @@ def plot_bandwidth(records: Sequence[dict], title: str, shape: Sequence[int] | N
     The y axis starts at 0 and ends above the copy ceiling; the legend sits under the axes,
     clear of the bars.
 
+    Args:
+        records: bench records of one op, with its copy record (the ceiling).
+        title: the axes' title, followed by the shape, dtype and device.
+        shape: the shape to draw (default: the first fusedlib record's).
+        ax: an Axes to draw into (default: a new figure).
+
     Returns:
         The matplotlib Axes.
 
     Raises:
         ValueError: when no record at ``shape`` has a byte count (a model-level op such as
-            ``transformer_layer``: plot its tokens/s with :func:`plot_throughput`).
+            ``transformer_layer``: plot its tokens/s with :func:`plot_throughput`); naming the
+            record, when there are no records, no copy record, no fusedlib record to take the
+            default shape from, or a record lacks a key the plot reads (``impl``; ``shape``; at
+            the shape ``pass``, ``dtype``; the copy record's ``device``).
+
+    Source: the roofline view (Williams, Waterman & Patterson, "Roofline", CACM 2009) of the
+    benchmark's records; drawn with matplotlib.
     """
     import matplotlib.pyplot as plt
 
-    shape = tuple(shape) if shape is not None else _headline(records)
-    copy = next(r for r in records if r["impl"] == "copy")
+    copy, shape = _ceiling_and_shape("plot_bandwidth", records, shape, ("pass", "dtype"))
+    if "device" not in copy:
+        raise ValueError("plot_bandwidth: the copy record has no 'device' (the title names it)")
     rows = [r for r in records if r["impl"] != "copy" and tuple(r["shape"]) == shape and r.get("GBps") is not None]
     if not rows:
         raise ValueError(f"records: none at shape {list(shape) if shape else shape} has a byte count (GBps); "
@@ -337,16 +476,21 @@ def plot_sweep(records: Sequence[dict], title: str, impls: Sequence[str] | None 
         marks: x values to mark with a dotted vertical line (e.g. a kernel's limit).
 
     Both panels share a y axis from 0 to above the copy ceiling; the legend sits under the
-    panels. Returns the matplotlib Figure.
+    panels.
+
+    Returns:
+        The matplotlib Figure.
 
     Raises:
-        ValueError: when ``records`` has no copy record or no sweep (one shape per impl).
+        ValueError: when ``records`` has no copy record or no sweep (one shape per impl), or
+            a record lacks a key the plot reads (``impl``; ``shape``, ``pass``, ``GBps``).
+
+    Source: the sweep of ``python -m fusedlib.bench --sweep``; drawn with matplotlib.
     """
     import matplotlib.pyplot as plt
 
-    copy = next((r for r in records if r["impl"] == "copy"), None)
-    if copy is None:
-        raise ValueError("records: no copy record (the ceiling)")
+    copy, _ = _ceiling_and_shape("plot_sweep", records, (), ())
+    require_fields("plot_sweep", records, ("pass", "GBps"), when=lambda r: r["impl"] != "copy")
     rows = [r for r in records if r["impl"] != "copy"]
     shapes = {}
     for r in rows:
@@ -382,38 +526,117 @@ def plot_sweep(records: Sequence[dict], title: str, impls: Sequence[str] | None 
     return fig
 
 
-def eager_traffic(fn: Any, *example_inputs: torch.Tensor) -> list[dict]:
-    """Kernels and bytes of ``fn`` run eagerly, one kernel per PyTorch operator.
+#: Names of calls that return an alias of an operand without launching a kernel, which
+#: ``Tensor._is_view`` does not flag, or that allocate without writing.
+_NO_KERNEL = frozenset({"detach", "empty", "empty_like", "empty_strided", "new_empty", "requires_grad_",
+                        "retain_grad", "register_hook"})
+#: Python's in-place operators on tensors (``x += y``): kernels that return their operand.
+_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
+                                                        "matmul", "and", "or", "xor", "lshift", "rshift"))
+#: Reflected operators (``0.5 * x`` calls ``x.__rmul__``), listed under the operator's name.
+_REFLECTED = frozenset({"radd", "rsub", "rmul", "rtruediv", "rdiv", "rfloordiv", "rmod", "rpow", "rmatmul",
+                        "rand", "ror", "rxor", "rlshift", "rrshift"})
 
-    Traces ``fn`` with ``torch.fx`` and propagates the example inputs' shapes, then
-    charges each operator node the bytes of its tensor operands (read once) and of its
-    result (written once), the way eager PyTorch moves them.
+
+def eager_traffic(fn: Any, *example_inputs: torch.Tensor) -> list[dict]:
+    """Kernels and bytes of ``fn`` run eagerly: one row per PyTorch call that launches a kernel.
+
+    Runs ``fn`` on the example inputs (``meta`` tensors: no memory is touched, nothing is
+    computed) under a ``TorchFunctionMode`` that sees each PyTorch call ``fn`` makes, and
+    charges each call that launches a kernel the bytes of its tensor operands (each read
+    once) and of its results (each written once), the way eager PyTorch moves them. A
+    ``torch.nn.functional`` call is one row, whatever it runs inside (one kernel for the
+    elementwise, norm and dropout functions). What is counted:
+
+    * operands: every tensor among the call's arguments, also inside lists and tuples
+      (``torch.cat([a, b])`` reads ``a`` and ``b``) and keyword arguments; a tensor passed
+      twice (``x * x``) is charged twice, once per operand;
+    * results: every tensor the call returns, also of a call with several results;
+    * a tensor's bytes are its distinct elements' (a broadcast, stride-0 dim of an
+      ``expand`` counts once) times its element size.
+
+    Not charged, and not listed (they launch no kernel): views of an operand (``view``,
+    ``reshape``/``flatten``/``contiguous`` where they return a view or the operand itself,
+    ``unsqueeze``, ``squeeze``, ``transpose``, ``permute``, ``t``, ``expand``, ``narrow``,
+    ``select`` and basic indexing, ``chunk``, ``split``, ``unbind``, ``detach``, and indexing
+    their tuple of results), ``.to``/``.float()`` to the tensor's own dtype, and calls that
+    return no tensor (``x.shape``, ``size``, ``dim``). Whether a call returns a view is seen on
+    the example inputs, so a ``reshape`` that must copy (of a transposed tensor) is a kernel,
+    charged its read and its write. In-place ops (``add_``, ``x += y``) are kernels, charged
+    their operands and their result; ``x[i] = v`` reads ``v`` and writes ``x[i]``.
+
+    Limits: it is a model of eager PyTorch, not a profile. Every operand is charged whole
+    (``gather`` reads only what it indexes), an op's side outputs (dropout's mask) and a
+    reduction's partials are not counted, caches are ignored, and a composite
+    ``torch.nn.functional`` call (``multi_head_attention_forward``) counts as one row. Python
+    control flow on shapes is fine; on values it cannot run on ``meta`` tensors (pass real
+    ones).
 
     Args:
-        fn: a function of tensors made of PyTorch operators (no data-dependent control flow).
+        fn: a function (or module) of tensors made of PyTorch calls.
         *example_inputs: tensors of the shapes and dtypes to count for.
 
     Returns:
-        One dict per operator: ``{"op", "read_bytes", "write_bytes"}``.
+        One dict per kernel, in call order: ``{"op", "read_bytes", "write_bytes"}`` (``op``:
+        the call's name, ``"add"`` for ``a + b`` and ``0.5 + a`` alike, ``"getitem"`` for an
+        indexing copy, ``"gelu"``, ``"float"``).
+
+    Raises:
+        Whatever ``fn`` raises on the example inputs.
+
+    Source: the operator-by-operator traffic count of eager PyTorch (one kernel per operator);
+    ``torch.overrides.TorchFunctionMode`` (the ``__torch_function__`` protocol).
     """
-    import torch.fx as fx
-    from torch.fx.passes.shape_prop import ShapeProp
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
 
-    gm = fx.symbolic_trace(fn)
-    ShapeProp(gm).propagate(*example_inputs)
+    def tensors(value: Any) -> list[torch.Tensor]:
+        return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
-    def nbytes(node: Any) -> int:
-        meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
-        if meta is None:
+    def nbytes(t: torch.Tensor) -> int:
+        if t.numel() == 0:
             return 0
-        return int(torch.Size(meta.shape).numel()) * torch.empty((), dtype=meta.dtype).element_size()
+        distinct = 1
+        for size, stride in zip(t.shape, t.stride()):
+            distinct *= 1 if stride == 0 else size
+        return distinct * t.element_size()
+
+    def base(t: torch.Tensor) -> torch.Tensor:
+        return t._base if t._base is not None else t
+
+    def op_name(raw: str) -> str:
+        name = raw[2:-2] if raw.startswith("__") and raw.endswith("__") and len(raw) > 4 else raw
+        if raw in _IN_PLACE_DUNDERS:
+            return name[1:] + "_"  # __iadd__ -> add_
+        return name[1:] if name in _REFLECTED else name
 
     rows = []
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method"):
-            target = getattr(node.target, "__name__", str(node.target))
-            rows.append({"op": target, "read_bytes": sum(nbytes(a) for a in node.args),
-                         "write_bytes": nbytes(node)})
+
+    class Counter(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            result = func(*args, **kwargs)  # the mode is off inside: calls made by func are not seen
+            raw = getattr(func, "__name__", str(func))
+            name = op_name(raw)
+            if raw == "__setitem__":
+                value = args[2] if len(args) > 2 and isinstance(args[2], torch.Tensor) else None
+                rows.append({"op": "setitem", "read_bytes": nbytes(value) if value is not None else 0,
+                             "write_bytes": nbytes(args[0][args[1]])})
+                return result
+            ins, outs = tensors((args, kwargs)), tensors(result)
+            in_place = name.endswith("_") and not name.startswith("_")
+            if name in _NO_KERNEL or not outs:
+                return result
+            if not in_place:
+                bases = {id(base(t)) for t in ins} | {id(t) for t in ins}
+                if all(id(t) in bases or (t._is_view() and id(base(t)) in bases) for t in outs):
+                    return result  # a view of an operand, or the operand itself: no kernel
+            rows.append({"op": name, "read_bytes": sum(nbytes(t) for t in ins),
+                         "write_bytes": sum(nbytes(t) for t in outs)})
+            return result
+
+    with Counter():
+        fn(*example_inputs)
     return rows
 
 
@@ -436,7 +659,12 @@ def plot_host(records: Sequence[dict], pass_: str = "fwd+bwd", field: str = "us"
         The matplotlib Axes. The x axis starts at 0; the legend sits under the axes.
 
     Raises:
-        ValueError: for another pass or field, or when no record has that pass.
+        ValueError: for another pass or field, when no record has that pass, or naming the
+            record, when a host record lacks ``pass``, ``measured_op`` or ``impl``, or one of
+            the pass lacks ``field`` or ``device``.
+
+    Source: the host protocol of :mod:`fusedlib.bench.host` (``python -m fusedlib.bench
+    --host``); drawn with matplotlib.
     """
     import matplotlib.pyplot as plt
 
@@ -444,6 +672,9 @@ def plot_host(records: Sequence[dict], pass_: str = "fwd+bwd", field: str = "us"
         raise ValueError(f"pass_ must be 'fwd' or 'fwd+bwd', got {pass_!r}")
     if field not in ("us", "enqueue_us", "cpu_us"):
         raise ValueError(f"field must be 'us', 'enqueue_us' or 'cpu_us', got {field!r}")
+    require_fields("plot_host", records, ("pass", "measured_op", "impl"), when=lambda r: r.get("op") == "host")
+    require_fields("plot_host", records, (field, "device"),
+                   when=lambda r: r.get("op") == "host" and r["pass"] == pass_ and r["measured_op"] not in exclude)
     rows = [r for r in records if r.get("op") == "host" and r["pass"] == pass_
             and r["measured_op"] not in exclude]
     if not rows:
@@ -489,10 +720,16 @@ def plot_throughput(records: Sequence[dict], title: str = "one training step", a
         The matplotlib Figure. Each x axis starts at 0; the legend sits under the panels.
 
     Raises:
-        ValueError: when no record has ``tokens_per_s``.
+        ValueError: when no record has ``tokens_per_s``, or naming the record, when one with
+            ``tokens_per_s`` lacks ``shape``, ``impl`` or ``device``.
+
+    Source: the benchmark's ``transformer_layer`` records (:mod:`fusedlib.bench.ops.transformer_layer`);
+    drawn with matplotlib.
     """
     import matplotlib.pyplot as plt
 
+    require_fields("plot_throughput", records, ("shape", "impl", "device"),
+                   when=lambda r: r.get("tokens_per_s") is not None)
     rows = [r for r in records if r.get("tokens_per_s") is not None]
     if not rows:
         raise ValueError("records: none has tokens_per_s (a model-level op's records do)")

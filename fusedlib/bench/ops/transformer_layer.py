@@ -126,7 +126,7 @@ import torch.nn.functional as F
 
 from ...transformer.cuda_graphs import CudaGraphManager
 from ...transformer.enums import AttnBackend
-from ..core import BenchCase, Impl, environment
+from ..core import BenchCase, Impl, environment, require_fields
 from .baselines import compile_impl, try_import
 
 __all__ = [
@@ -586,7 +586,21 @@ def table(records: Sequence[dict]) -> str:
 
     A graph time that could not be measured (the capture failed) shows ``-``, its reason below
     the table. Records of other ops (the copy ceiling) are ignored.
+
+    Args:
+        records: bench records (only ``"op": "transformer_layer"`` ones are read).
+
+    Returns:
+        The table (``"no transformer_layer records"`` when there is none).
+
+    Raises:
+        ValueError: naming the record, when a ``transformer_layer`` record lacks ``shape``,
+            ``impl``, ``ms``, ``dtype`` or ``device``.
+
+    Source: the benchmark protocol of :mod:`fusedlib.bench` (its ``transformer_layer`` records).
     """
+    require_fields("throughput_table", records, ("shape", "impl", "ms", "dtype", "device"),
+                   when=lambda r: r.get("op") == "transformer_layer")
     rows = [r for r in records if r.get("op") == "transformer_layer"]
     if not rows:
         return "no transformer_layer records"
@@ -823,7 +837,36 @@ def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_
 
 def profile_table(prof: dict, top: int = 8) -> str:
     """Text table of a :func:`profile` result: per implementation, the kernel time per step and
-    its split by category (ms and share), then its ``top`` kernels (names cut to 70 characters)."""
+    its split by category (ms and share), then its ``top`` kernels (names cut to 70 characters).
+
+    Args:
+        prof: a :func:`profile` result (a dict, as ``transformer_layer_profile.json`` holds it).
+        top: how many of each implementation's kernels to list.
+
+    Returns:
+        The table.
+
+    Raises:
+        ValueError: when ``prof`` is not a dict with ``shape``, ``steps``, ``dtype``, ``device``
+            and ``impls``, or an implementation's summary lacks ``kernel_ms``, ``launches``,
+            ``categories`` or ``top`` (the message names the missing keys).
+
+    Source: fusedlib's profile of one training step (:func:`profile`, torch.profiler's kernels).
+    """
+    if not isinstance(prof, dict):
+        raise ValueError(f"profile_table: prof is a {type(prof).__name__}, expected a profile() result (a dict)")
+    missing = [k for k in ("shape", "steps", "dtype", "device", "impls") if k not in prof]
+    if missing:
+        raise ValueError(f"profile_table: the profile has no {', '.join(map(repr, missing))} "
+                         "(expected a profile() result)")
+    if not isinstance(prof["impls"], dict):
+        raise ValueError(f"profile_table: the profile's 'impls' is a {type(prof['impls']).__name__}, expected a dict")
+    for name, summary in prof["impls"].items():
+        missing = [k for k in ("kernel_ms", "launches", "categories", "top")
+                   if not isinstance(summary, dict) or k not in summary]
+        if missing:
+            raise ValueError(f"profile_table: the profile's impls[{name!r}] has no {', '.join(map(repr, missing))} "
+                             "(expected a kernel_summary() result)")
     shape = ", ".join(f"{n} {v}" for n, v in zip(prof.get("shape_names", SHAPE_NAMES), prof["shape"]))
     out = [f"kernels of one training step (plain launches, {prof['steps']} steps profiled), {shape}, "
            f"{prof['dtype']}, {prof['device']}"]
