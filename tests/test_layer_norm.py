@@ -288,7 +288,7 @@ def test_memory_efficient_with_a_zero_gamma_is_fine_where_no_backward_runs(norm,
     w[5] = -1.0 if zero_centered else 0.0
     x = _x((4, 33), torch.float32).detach()
     want = _apply(norm, x, w, b, zero_centered_gamma=zero_centered)  # the normal mode: no check, same kernel
-    ref = _reference(norm, x.double(), w.double(), None if b is None else b.double(), torch.zeros(4, 33).double(),
+    ref = _reference(norm, x.double(), w.double(), None if b is None else b.double(), torch.zeros(4, 33, device=DEVICE).double(),
                      zero_centered)[0]
     assert_close(want, ref, torch.float32)
     leaf = x.clone().requires_grad_(True)
