@@ -12,6 +12,7 @@ lists every stderr output of a cell that nbval compares (those must not exist).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -49,4 +50,6 @@ def main(paths: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", help="chapter notebooks to execute in place (default: every chapter)")
+    sys.exit(main(parser.parse_args().notebooks))

@@ -7,7 +7,7 @@ Usage::
     python -m fusedlib.bench --op bias_gelu --sweep   # plus the op's sweep shapes
     python -m fusedlib.bench --host                   # host cost per call -> DIR/host.json
 
-Writes ``DIR/<op>.json`` (a list of records, DESIGN.md section 4) and prints a table of
+Writes ``DIR/<op>.json`` (a list of records, the benchmark protocol of :mod:`fusedlib.bench.core`) and prints a table of
 ms (CUDA-graph replays), plain-launch ms, GB/s, the fraction of the copy ceiling, and
 fusedlib's speed-up over each baseline. An op module may add its own outputs: a ``table``
 function (records -> text, printed after that table) and an ``extra_files`` function

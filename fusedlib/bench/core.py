@@ -1,4 +1,4 @@
-"""The benchmark protocol of DESIGN.md section 4, as a small library.
+"""fusedlib's benchmark protocol, as a small library.
 
 A benchmark *case* is one op at one shape and dtype: a function that makes fresh random
 inputs, the fewest bytes each pass must move, and a set of implementations. Each
@@ -67,7 +67,7 @@ class Impl:
     """One implementation of an op, as the benchmark sees it.
 
     Attributes:
-        name: one of DESIGN.md's impl names ("fusedlib", "eager", "torch.compile",
+        name: one of the benchmark's impl names ("fusedlib", "eager", "torch.compile",
             "megatron-core", "liger", "apex").
         fn: called with the case's inputs, returns the output tensor (or a tuple whose
             first item is timed in backward); must support autograd for "fwd+bwd".
@@ -98,7 +98,7 @@ class BenchCase:
     """One op at one shape and dtype.
 
     Attributes:
-        op: the op's file name in DESIGN.md ("bias_gelu", ...).
+        op: the op's record file name ("bias_gelu", ...).
         shape: the headline shape, as recorded.
         dtype: the input dtype.
         make_inputs: ``(device, requires_grad) -> tuple of tensors``; random data, never zeros.
@@ -242,7 +242,7 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
 
 def _record(op: str, pas: str, impl: str, shape: Sequence[int], dtype: torch.dtype, ms: float,
             nbytes: int | None) -> dict:
-    """One record (DESIGN.md section 4); ``nbytes`` None (a model-level case) gives
+    """One record (:mod:`fusedlib.bench.core`); ``nbytes`` None (a model-level case) gives
     ``"bytes": None`` and ``"GBps": None``."""
     return {
         "op": op, "pass": pas, "impl": impl, "shape": list(shape),
@@ -298,7 +298,7 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
             (:attr:`BenchCase.plain_rounds`), for an implementation that failed too.
 
     Returns:
-        One record per (impl, pass) that ran: DESIGN.md's fields, plus ``"compile"`` for a
+        One record per (impl, pass) that ran: the benchmark records' fields (:mod:`fusedlib.bench.core`), plus ``"compile"`` for a
         ``torch.compile`` baseline (:attr:`Impl.compile`) and, for a ``cuda_graph`` case on
         CUDA, ``"timer"``, ``"ms_eager"`` and (when the capture failed) ``"graph_error"``
         (:class:`BenchCase`); the token counts of a case with ``tokens``, the FLOP counts of

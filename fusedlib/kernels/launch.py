@@ -28,7 +28,8 @@ This module holds each of those once:
   the same launch with everything but Triton's C launcher done once (what the benchmark's
   host floor times).
 
-The host side is part of the op (DESIGN.md): an eager training step pays for every line
+The host side is part of the op (the benchmark counts it: the plain-launch ``ms_eager`` of its
+records): an eager training step pays for every line
 here on every call, so everything that depends only on the row length or the dtype is a
 dict lookup after the first call, and nothing here imports inside a function or syncs.
 

@@ -11,7 +11,7 @@ Splits [8192, 128256] bf16 logits (the full vocabulary, the bench op's default s
 Each rank runs the same fixed number of iterations (do_bench picks its own count, which would
 leave ranks waiting in different collectives), each after flushing the L2 cache and a barrier,
 timed with CUDA events; a record's ``ms`` is the largest of the ranks' medians. Records follow
-``cross_entropy.json`` (DESIGN.md section 4) with ``"tp": p``; ``bytes`` is the same count as the
+``cross_entropy.json`` (:mod:`fusedlib.bench.core`) with ``"tp": p``; ``bytes`` is the same count as the
 single-GPU op (the whole [8192, 128256] problem), so ``GBps`` is the aggregate over the p GPUs;
 ``peak_bytes`` is rank 0's. Writes ``DIR/cross_entropy_tp<p>.json``; merge it into
 ``cross_entropy.json`` if the chapter should plot it with the single-GPU records.

@@ -40,7 +40,7 @@ Timing: wall time of logging windows (the device synchronised at their ends, eva
 outside them); the first ``bench_warmup`` steps (compilation, Triton's autotuning, the
 allocator's growth) are left out. ``tokens_per_s`` = timed steps x b x s / timed seconds.
 
-A record (DESIGN.md's fields where they apply): ``op`` "train", ``impl``, ``label``,
+A record (the fields of :mod:`fusedlib.bench.core`'s records where they apply): ``op`` "train", ``impl``, ``label``,
 ``device``, ``torch``, ``triton``, ``python``, ``corpus`` (:meth:`Corpus.info`), ``config``
 (the run's :class:`TrainConfig`), ``params``, ``tokens_per_step``, ``warmup_steps``,
 ``timed_steps``, ``timed_s``, ``tokens_per_s``, ``ms_per_step``, ``window_tokens_per_s`` (each

@@ -151,6 +151,7 @@ def build_module(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]], *a
             except Exception:  # a type whose constructor takes other arguments
                 error = None
             if error is None:  # the error itself, the module named in its notes
-                e.add_note(where)
+                if hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(where)
                 raise
         raise error.with_traceback(e.__traceback__) from None  # the traceback keeps the original frames

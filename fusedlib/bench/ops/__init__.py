@@ -1,4 +1,4 @@
-"""Benchmark cases, one module per op (file names as in DESIGN.md section 4).
+"""Benchmark cases, one module per op (file names as the records': ``<op>.json``).
 
 Each module defines ``cases(device, sweep=False) -> list[BenchCase]``: the headline case
 at the default shape first, then (with ``sweep``) the same op at other shapes; and

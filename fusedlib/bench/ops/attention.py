@@ -46,7 +46,7 @@ their scores could not fit: where :func:`materialised_peak_bytes` exceeds
 :data:`MEMORY_FRACTION` of the GPU's memory. Both kinds of omission are in every record of
 the case, as ``"not_timed": {impl: reason}``, and in the case's ``skipped``.
 
-Records: DESIGN.md's fields, with ``"bytes"`` and ``"GBps"`` None (attention is
+Records: the benchmark records' fields (:mod:`fusedlib.bench.core`), with ``"bytes"`` and ``"GBps"`` None (attention is
 compute-bound: its fewest bytes, q, k, v and o once, grow as s while its arithmetic grows as
 s²), plus ``"flops"`` and ``"TFLOPs"`` (:func:`attention_flops`, the same count for every
 implementation; ``"TFLOPs_eager"`` from the plain-launch time), ``"peak_bytes"`` (the most

@@ -65,7 +65,7 @@ and ``skipped`` says why.
 
 Records (one per implementation and shape, pass ``"fwd+bwd"``; the case is timed as every case
 of the harness, :func:`fusedlib.bench.core.measure_case`): a transformer block is not
-memory-bound, so ``"bytes"`` and ``"GBps"`` are None. Its fields beyond DESIGN.md's:
+memory-bound, so ``"bytes"`` and ``"GBps"`` are None. Its fields beyond the benchmark records' usual ones:
 
 The two ``-graphs`` implementations capture their layers and final norm at their first call;
 under the harness's own capture of a whole step (the ``"ms"`` timer) they run them eagerly (a
