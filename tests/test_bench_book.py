@@ -1,6 +1,7 @@
 """The benchmark harness's CPU-testable parts and the book helpers."""
 from __future__ import annotations
 
+import inspect
 import json
 
 import numpy as np
@@ -514,4 +515,5 @@ def test_book_functions_document_args_returns_and_raises():
         if name == "device_banner":
             continue  # fusedlib.runtime's, re-exported
         assert "Returns:" in doc or "Yields:" in doc, name
+        assert "Args:" in doc or not inspect.signature(getattr(book, name)).parameters, name
         assert "Raises:" in doc or name in ("show_source", "bench_dir"), name

@@ -456,8 +456,8 @@ def test_inference_mixed_dtypes_not_in_place():
 
 def test_dropped_non_finite_values_are_zero_as_documented():
     # the kernels select 0 for a dropped element (torch multiplies by the mask: 0·NaN = NaN);
-    # bias_dropout_add_fused_train's docstring says so. Kept NaN / inf pass as torch's.
-    torch.manual_seed(1234)
+    # bias_dropout_add_fused_train's docstring says so. Kept NaN / inf pass as torch's. (About
+    # 330 draws at p = 0.5 per column group: some kept and some dropped under any seed.)
     x = torch.full((16, 64), float("nan"), device=DEVICE)
     x[:, 1::3] = float("inf")
     x[:, 2::3] = 1.0

@@ -2,7 +2,9 @@
 
 Each test pins one defect of a break-it pass: a wrong shape that broadcast silently, a scalar
 that gave NaN or garbage, a float16 statistic that overflowed, an empty dim that raised from
-deep inside torch. Numbers are compared with float64 computations written out here.
+deep inside torch. Numbers are compared with float64 computations written out here. The
+references are plain PyTorch and device-agnostic, so these tests build CPU tensors on purpose
+(also on a GPU machine: no fusedlib kernel runs here).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def test_rms_norm_large_values_in_half_precision(dtype):
     dx, dw = U.rms_norm_back(dy, x, w)
     assert dx.dtype == dtype and dw.dtype == dtype
     assert_close(dx, want[0], dtype)
-    assert_close(dw, want[1], dtype, scale=2.0)
+    assert_close(dw, want[1], dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -65,7 +67,7 @@ def test_layer_norm_large_deviation_in_half_precision(dtype):
     got = U.layer_norm_back(dy, x, w)
     for g, e in zip(got, want):
         assert g.dtype == dtype
-        assert_close(g, e, dtype, scale=2.0)
+        assert_close(g, e, dtype)
 
 
 def test_norm_result_dtype_is_the_promoted_dtype():
@@ -82,14 +84,14 @@ def test_norm_eps_must_be_positive(eps):
     x, w = torch.ones(2, 4), torch.ones(4)
     for call in (lambda: U.layer_norm(x, w, None, eps), lambda: U.rms_norm(x, w, eps),
                  lambda: U.layer_norm_back(x, x, w, eps), lambda: U.rms_norm_back(x, x, w, eps)):
-        with pytest.raises(ValueError, match="eps"):
+        with pytest.raises(ValueError, match="eps must be a finite number > 0"):
             call()
 
 
 def test_norm_weight_shape_checked():
-    with pytest.raises(ValueError, match="weight"):
+    with pytest.raises(ValueError, match=r"weight must have shape \[h\]"):
         U.rms_norm(torch.ones(2, 4), torch.ones(2, 4))
-    with pytest.raises(ValueError, match="bias"):
+    with pytest.raises(ValueError, match=r"bias must have shape \[h\]"):
         U.layer_norm(torch.ones(2, 4), torch.ones(4), torch.ones(3))
 
 
@@ -176,13 +178,13 @@ def test_attention_per_batch_mask_is_per_batch():
 @pytest.mark.parametrize("p", [-0.1, 1.5, math.nan])
 def test_dropout_probability_range(p):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="dropout_p"):
+    with pytest.raises(ValueError, match=r"dropout_p must be a dropout probability in \[0, 1\]"):
         U.attention_reference(q, k, v, dropout_p=p)
     x = torch.randn(1, 1, 2, 3, dtype=F64)
     keep = torch.ones_like(x, dtype=torch.bool)
-    with pytest.raises(ValueError, match="dropout_p"):
+    with pytest.raises(ValueError, match=r"dropout_p must be a dropout probability in \[0, 1\]"):
         U.masked_softmax_dropout_reference(x, None, 1.0, keep, p)
-    with pytest.raises(ValueError, match="prob"):
+    with pytest.raises(ValueError, match=r"prob must be a dropout probability in \[0, 1\]"):
         U.bias_dropout_add_masked(x, None, x, keep, p)
 
 
@@ -209,20 +211,20 @@ def test_cross_entropy_target_checks():
         U.cross_entropy(logits, torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="target must have shape"):
         U.cross_entropy_grad(logits, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=F64))
-    with pytest.raises(TypeError, match="target"):
+    with pytest.raises(TypeError, match="target must hold integer vocabulary ids"):
         U.cross_entropy(logits, torch.ones(2, 3) * 1.7)
-    with pytest.raises(TypeError, match="target"):
+    with pytest.raises(TypeError, match="target must hold integer vocabulary ids"):
         U.cross_entropy_grad(logits, torch.ones(2, 3), torch.ones(2, 3, dtype=F64))
 
 
 def test_label_smoothing_range():
     logits, t = torch.randn(4, 5, dtype=F64), torch.tensor([0, 1, 2, 3])
     for eps in (-0.1, 1.0, 1.5, math.nan):
-        with pytest.raises(ValueError, match="label_smoothing"):
+        with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\)"):
             U.cross_entropy(logits, t, eps)
-        with pytest.raises(ValueError, match="label_smoothing"):
+        with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\)"):
             U.cross_entropy_grad(logits, t, torch.ones(4, dtype=F64), eps)
-        with pytest.raises(ValueError, match="label_smoothing"):
+        with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\)"):
             U.megatron_smoothing_to_torch(eps, 5)
     with pytest.raises(ValueError, match="label_smoothing.*at least 2"):
         U.cross_entropy(torch.randn(3, 1, dtype=F64), torch.zeros(3, dtype=torch.long), 0.1)
