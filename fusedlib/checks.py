@@ -298,6 +298,31 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     return dev
 
 
+def check_window_size(window_size: object, allow_none: bool = True) -> Optional[tuple[int, int]]:
+    """Check a sliding window ``(left, right)``: ints >= -1, -1 meaning unbounded on that side.
+
+    Args:
+        window_size: the pair, or None (no window) where ``allow_none``.
+        allow_none: whether None is accepted.
+
+    Returns:
+        ``(left, right)`` as Python ints, or None.
+
+    Raises:
+        ValueError: anything else (another negative value is not "unbounded"; a bool is no int).
+
+    Source: Megatron-core's ``TransformerConfig.window_size`` (``(-1, -1)``: no window).
+    """
+    if window_size is None and allow_none:
+        return None
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window_size)):
+        kind = "None or a pair" if allow_none else "a pair"
+        raise ValueError(f"window_size must be {kind} (left, right) of ints >= -1 (-1: unbounded side), "
+                         f"got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
 def file_on_the_way(path: "str | Path", include_self: bool = False) -> Optional[Path]:
     """The first existing file (not a folder) among ``path``'s parents (and ``path`` itself with
     ``include_self``), or None: where one is, no folder can be made at ``path``, so an output

@@ -20,6 +20,8 @@ import numbers
 
 import torch
 
+from .checks import check_window_size
+
 __all__ = [
     "SQRT_2_OVER_PI",
     "GELU_COEF",
@@ -904,12 +906,7 @@ def sliding_window_causal_mask(sq: int, sk: int, window_size: tuple[int, int],
     """
     _check_size("sq", sq)
     _check_size("sk", sk)
-    ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-          and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window_size))
-    if not ok:
-        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1 = unbounded side), "
-                         f"got {window_size!r}")
-    left, right = window_size
+    left, right = check_window_size(window_size, allow_none=False)
     keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if left >= 0:
         keep = keep.triu(diagonal=sk - sq - left)

@@ -55,7 +55,8 @@ from ..checks import (
 )
 from ..kernels.bias_dropout_add import philox_seed
 from ..kernels.flash_attention import LOG2E, MAX_HEAD_DIM, attention_band, flash_attn_bwd, flash_attn_fwd
-from .fused_softmax import _check_dropout_p, _check_window  # the softmax's argument rules, shared
+from ..checks import check_window_size
+from .fused_softmax import _check_dropout_p  # the softmax's argument rules, shared
 from ._apply import once_differentiable
 
 __all__ = ["FlashAttentionFunction", "flash_attention", "ATTENTION_DTYPES"]
@@ -292,7 +293,7 @@ def flash_attention(
         deterministic = check_bool("deterministic", deterministic)
     sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
     scale = _check_scale(softmax_scale, d)
-    window = _check_window(window_size)
+    window = check_window_size(window_size)
     p = 0.0 if (type(dropout_p) is float and dropout_p == 0.0) else _check_dropout_p(dropout_p)
     if attention_mask is not None:
         _check_mask(attention_mask, q, sk)

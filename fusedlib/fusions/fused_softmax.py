@@ -55,6 +55,7 @@ from ..checks import (
     check_bool,
     check_same_device,
     check_tensor,
+    check_window_size,
     is_dense,
     on_one_kernel_device,
     real_to_float,
@@ -162,7 +163,7 @@ def get_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, in
     if window_size is None:
         raise ValueError("window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got None "
                          "(for no window, use get_default_causal_mask)")
-    window_size = _window_for(_check_window(window_size), sq, skv)
+    window_size = _window_for(check_window_size(window_size), sq, skv)
     return unfused.sliding_window_causal_mask(sq, skv, window_size,
                                               device=default_device() if device is None else device)
 
@@ -324,16 +325,6 @@ def _check_dropout_p(dropout_p: object) -> float:
     return p
 
 
-def _check_window(window_size: object) -> Optional[tuple[int, int]]:
-    if window_size is None:
-        return None
-    ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-          and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window_size))
-    if not ok:
-        raise ValueError(f"window_size must be None or a pair (left, right) of ints >= -1, got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
-
-
 def _window_for(window: tuple[int, int], sq: int, sk: int) -> tuple[int, int]:
     """A checked window for scores [.., sq, sk], with a side that spans the whole sequence as -1.
 
@@ -491,7 +482,7 @@ def fused_scale_mask_softmax(
         causal = check_bool("causal", causal)
     scale_f = _check_scale(scale)
     mask = _check_mask(mask, input)
-    window = _check_window(window_size)
+    window = check_window_size(window_size)
     x4, mask4 = _as_4d(input, mask)
     offset = _check_offset(softmax_offset, x4)
     if offset is not None and offset.numel() > 1 and input.dim() != 4:
@@ -633,7 +624,7 @@ def fused_scale_mask_softmax_dropout(
     if softmax_in_fp32 is not True and softmax_in_fp32 is not False:
         check_bool("softmax_in_fp32", softmax_in_fp32)
     mask = _check_mask(mask, input)
-    window = _check_window(window_size)
+    window = check_window_size(window_size)
     offset = _check_offset(softmax_offset, input)
     if not on_one_kernel_device(*[t for t in (input, mask, offset) if t is not None]):
         check_same_device(input=input, mask=mask, softmax_offset=offset)
@@ -930,7 +921,7 @@ class FusedScaleMaskSoftmax(nn.Module):
 
     @window_size.setter
     def window_size(self, value: Optional[tuple[int, int]]) -> None:
-        self._window_size = _check_window(value)
+        self._window_size = check_window_size(value)
 
     def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor],  # noqa: A002
                 softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:

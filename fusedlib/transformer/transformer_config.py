@@ -58,7 +58,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..checks import FLOAT32_MAX, FLOAT32_TINY, ArgumentTypeError, is_numpy_bool, real_to_float, type_name
+from ..checks import (FLOAT32_MAX, FLOAT32_TINY, ArgumentTypeError, check_window_size, is_numpy_bool, real_to_float,
+                      type_name)
 from .enums import AttnBackend
 
 __all__ = ["TransformerConfig", "NORMALIZATIONS", "RECOMPUTE_MODULES"]
@@ -407,12 +408,7 @@ class TransformerConfig:
                 self.bf16 or self.fp16):  # (else refused at the first forward, naming the kernel's q)
             raise ValueError("attention_backend flash runs float16, bfloat16 or float32, got params_dtype float64: "
                              "choose attention_backend local or unfused for float64")
-        if self.window_size is not None:
-            w = self.window_size
-            if not (isinstance(w, (tuple, list)) and len(w) == 2
-                    and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= -1 for x in w)):
-                raise ValueError(f"window_size must be None or a pair (left, right) of ints >= -1, got {w!r}")
-            self.window_size = (int(w[0]), int(w[1]))
+        self.window_size = check_window_size(self.window_size)
         if self.num_moe_experts is not None and self.num_moe_experts <= 0:
             raise ValueError(f"num_moe_experts must be positive (or None for no MoE), got {self.num_moe_experts}")
         if self.cross_entropy_fusion_impl != "native":
