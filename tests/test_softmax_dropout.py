@@ -281,6 +281,48 @@ def test_manual_seed_reproduces_and_each_call_draws_a_new_mask():
 
 
 @pytest.mark.parametrize("path", ["register", "online"])
+def test_nan_stays_nan_through_the_dropout_as_in_torch(path, monkeypatch):
+    # torch's dropout multiplies by the mask (0·NaN = NaN): a NaN score makes its whole row NaN,
+    # dropped positions included (a select of 0 for dropped elements would put zeros in it);
+    # and (the next test) a NaN gradient at a dropped position reaches its row of dx.
+    if path == "online":
+        monkeypatch.setattr(ksoftmax, "MAX_REGISTER_BLOCK", ONLINE_BLOCK)
+    shape = (1, 2, 6, 40)
+    x = _scores(shape, torch.float32, requires_grad=False)
+    x[0, 1, 4, 0] = float("nan")  # key 0 is visible to every row under the causal mask
+    torch.manual_seed(SEED)
+    z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, SCALE, 0.5)
+    torch.manual_seed(SEED)
+    keep = softmax_dropout_mask(philox_seed(DEVICE), shape, 0.5)
+    assert (~keep[0, 1, 4]).any(), "the NaN row has dropped positions (p = 0.5, 40 keys)"
+    assert z[0, 1, 4].isnan().all()
+    others = torch.ones(shape, dtype=torch.bool, device=DEVICE)
+    others[0, 1, 4] = False
+    assert not z[others].isnan().any()
+
+
+@pytest.mark.parametrize("path", ["register", "online"])
+def test_a_nan_gradient_at_a_dropped_position_reaches_dx_as_in_torch(path, monkeypatch):
+    if path == "online":
+        monkeypatch.setattr(ksoftmax, "MAX_REGISTER_BLOCK", ONLINE_BLOCK)
+    shape = (1, 2, 6, 40)
+    x = _scores(shape, torch.float32)
+    torch.manual_seed(SEED)
+    keep = softmax_dropout_mask(philox_seed(DEVICE), shape, 0.5)
+    row, col = next((q, int((~keep[0, 0, q, :q + 1]).nonzero()[0])) for q in range(6)
+                    if (~keep[0, 0, q, :q + 1]).any())  # rows of 1-6 visible keys: some drop at p = 0.5
+    g = torch.randn(shape, device=DEVICE)
+    g[0, 0, row, col] = float("nan")
+    torch.manual_seed(SEED)
+    z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, SCALE, 0.5)
+    z.backward(g)
+    assert x.grad[0, 0, row].isnan().all()
+    others = torch.ones(shape, dtype=torch.bool, device=DEVICE)
+    others[0, 0, row] = False
+    assert not x.grad[others].isnan().any()
+
+
+@pytest.mark.parametrize("path", ["register", "online"])
 def test_fully_masked_rows_give_zeros_and_zero_gradient(path, monkeypatch):
     if path == "online":
         monkeypatch.setattr(ksoftmax, "MAX_REGISTER_BLOCK", ONLINE_BLOCK)

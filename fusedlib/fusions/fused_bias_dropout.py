@@ -236,10 +236,10 @@ def bias_dropout_add_fused_train(x_with_bias: XWithBias, residual: torch.Tensor,
     Dropout resolution: the drop probability is applied with 16-bit resolution, p' =
     round(p·2^16)/2^16 (exact for p = 0, 0.5, 1; within 2^-17 = 7.6e-6 of p otherwise;
     every p > 1 - 2^-17 drops everything), and kept values are scaled by 1/(1 - p'), so
-    that E[out] = residual + x + bias exactly (torch's dropout: p and 1/(1 - p)). A dropped
-    element is exactly 0, also where x + bias is NaN or ±inf there, and its gradient is 0 even
-    for a NaN grad_output (torch's dropout multiplies by the mask, 0·NaN = NaN, so it keeps
-    them); a kept one carries the NaN or inf as torch's does.
+    that E[out] = residual + x + bias exactly (torch's dropout: p and 1/(1 - p)). As in
+    torch's dropout the value is multiplied by the mask, so a dropped element is 0 where
+    x + bias is finite and NaN where it is NaN or ±inf (0·inf = NaN), and a NaN grad_output
+    gives a NaN gradient whether the element was kept or dropped: a NaN is never hidden.
 
     Raises:
         TypeError: non-tensor, unsupported dtype, or x_with_bias not a pair; prob not a real

@@ -586,8 +586,9 @@ def fused_scale_mask_softmax_dropout(
             numbers drawn). Otherwise applied with 16-bit resolution, p' = round(p·2^16)/2^16
             (within 2^-17 of p), and kept probabilities are scaled by 1/(1 - p'), so the
             expectation is the softmax exactly (chapter 2). A p >= 1 - 2^-17 rounds to p' = 1
-            and is refused, as 1 is. A dropped probability is exactly 0 even in a NaN row
-            (torch's dropout, multiplying by the mask, keeps the NaN there).
+            and is refused, as 1 is. The probabilities and their gradient are multiplied
+            by the mask, as torch's dropout does: a NaN row stays NaN in every element, and
+            a NaN gradient at a dropped position reaches dx.
         softmax_in_fp32: Megatron-core's flag; the kernel computes in float32 whatever it says.
         window_size: ``(left, right)`` sliding window (-1: unbounded side), replacing the
             causal band; or None.

@@ -188,15 +188,18 @@ def _norm_fwd_kernel(
         x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :] * X_col_stride,
                     mask=mask, other=0.0).to(ACC)
         if ADD_IN:
-            # the bias-dropout-add kernel's arithmetic, in its order (the same bits): v = x + lb,
-            # dropped or scaled, h = residual + v rounded to the residual's dtype, stored; the
-            # norm then takes h as it was stored, as the next kernel would have read it
+            # the bias-dropout-add kernel's arithmetic, in its order: v = x + lb, dropped or scaled,
+            # h = residual + v rounded to the residual's dtype, stored (the same bits interpreted;
+            # compiled, that kernel's v·scale + residual may be one fused multiply-add); the norm
+            # then takes h as it was stored, as the next kernel would have read it
             res = tl.load(R_ptr + rows[:, None] * R_row_stride + cols[None, :] * R_col_stride, mask=mask, other=0.0)
             if HAS_LB:
                 x += tl.load(LB_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
             if DROPOUT:
                 keep = _keep_mask(tl.load(SEED_ptr), rows, 0, T, BLOCK_M, BLOCK_N)
-                x = tl.where(keep, x * scale, 0.0).to(ACC)  # ACC even for a float64 scale (Inductor)
+                # dropped: x - x, 0 for a finite x and NaN for a NaN or inf one (torch: x·mask); the
+                # form that timed like a select of 0 in this kernel. ACC even for a float64 scale (Inductor)
+                x = tl.where(keep, x * scale, x - x).to(ACC)
             h = (res.to(ACC) + x).to(H_ptr.dtype.element_ty)
             tl.store(H_ptr + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
             x = h.to(ACC)  # 0 in the padding columns (every load there gave 0); padding rows are never stored
@@ -418,7 +421,9 @@ def _norm_bwd_kernel(
                 keep = _keep_mask(seed, rows, tl.program_id(1), T, BLOCK_M, BLOCK_N)  # the forward's mask
                 # .to(ACC): Inductor passes scale as a float64 constant, which would make dxin, and
                 # the loop-carried dlb_acc, float64
-                dxin = tl.where(keep, dxin * scale, 0.0).to(ACC)
+                # dropped: dxin·0 (NaN for a NaN or inf dxin, as torch's dropout); of the forms
+                # timed, the one that cost this kernel least against a select of 0
+                dxin = (tl.where(keep, dxin, dxin * 0.0) * scale).to(ACC)
             if STORE_DXIN:
                 tl.store(DXIN_ptr + rows[:, None] * n_cols + cols[None, :], dxin.to(DXIN_ptr.dtype.element_ty),
                          mask=mask)

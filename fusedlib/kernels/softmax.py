@@ -343,7 +343,8 @@ def _softmax_fwd_kernel(
     # recomputes p from x and (m, 1/D), saved here
     if DROPOUT:
         kept = _keep_mask(tl.load(SEED_ptr), rows, 0, T, BLOCK_M, BLOCK_N)
-        e = tl.where(kept, e * keep_scale, 0.0)
+        # dropped: e - e, 0 for a finite e and NaN for a NaN one (torch's dropout multiplies by the mask)
+        e = tl.where(kept, e * keep_scale, e - e)
         tl.store(STATS_ptr + rows, m, mask=row_ok)
         tl.store(STATS_ptr + n_rows + rows, inv, mask=row_ok)
 
@@ -411,7 +412,7 @@ def _softmax_bwd_kernel(
         p = tl.exp(s - m[:, None]) * inv[:, None]
         # g becomes the gradient of p: g·k/(1 - p'), with the forward's mask k regenerated
         kept = _keep_mask(tl.load(SEED_ptr), rows, 0, T, BLOCK_M, BLOCK_N)
-        g = tl.where(kept, g * keep_scale, 0.0)
+        g = tl.where(kept, g * keep_scale, g - g)
     else:
         p = tl.load(P_ptr + rows[:, None] * n_cols + cols, mask=load_ok, other=0.0).to(ACC)
     gp = g * p
@@ -540,7 +541,7 @@ def _softmax_fwd_online_kernel(
             p = tl.exp(s - m) * inv
             if DROPOUT:  # the tile's mask: Philox of (row, column), as in the register kernel
                 kept = tl.reshape(_keep_mask(seed, row_1, start // BLOCK_N, T, 1, BLOCK_N), [BLOCK_N])
-                p = tl.where(kept, p * keep_scale, 0.0)
+                p = tl.where(kept, p * keep_scale, p - p)
             tl.store(y_row + cols, p.to(Y_ptr.dtype.element_ty), mask=in_range)
     if HAS_OFFSET:
         tl.store(SINK_ptr + row, tl.exp(o - m) * inv)
@@ -620,7 +621,7 @@ def _softmax_bwd_online_kernel(
             p = tl.exp(tl.where(keep, x.to(ACC) * scale, float("-inf")) - m) * inv
             tile = tl.cast(start // BLOCK_N, tl.int32)  # int32: Philox's counters are 32-bit (start is int64 here)
             kept = tl.reshape(_keep_mask(seed, row_1, tile, T, 1, BLOCK_N), [BLOCK_N])
-            g = tl.where(kept, g * keep_scale, 0.0)
+            g = tl.where(kept, g * keep_scale, g - g)
         else:
             p = tl.load(p_row + cols, mask=load_ok, other=0.0).to(ACC)
         c += tl.sum(g * p, axis=0)
@@ -642,7 +643,7 @@ def _softmax_bwd_online_kernel(
                     keep = keep & (masked == 0)
                 p = tl.exp(tl.where(keep, x.to(ACC) * scale, float("-inf")) - m) * inv
                 kept = tl.reshape(_keep_mask(seed, row_1, start // BLOCK_N, T, 1, BLOCK_N), [BLOCK_N])
-                g = tl.where(kept, g * keep_scale, 0.0)
+                g = tl.where(kept, g * keep_scale, g - g)
             else:
                 p = tl.load(p_row + cols, mask=load_ok, other=0.0).to(ACC)
             tl.store(dx_row + cols, (scale * (g * p - p * c)).to(DX_ptr.dtype.element_ty), mask=in_range)
