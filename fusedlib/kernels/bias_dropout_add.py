@@ -265,8 +265,8 @@ def _bias_dropout_add_fwd_kernel(
         v += tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
     # 2. Dropout: the keep mask from Philox, in registers; kept values scaled by 1/(1-p). A dropped
     #    v is multiplied by 0, as torch's v·mask: 0 for a finite v, NaN for a NaN or inf one. Forms
-    #    equal in arithmetic compile differently (here v·where(keep, scale, 0) and a select of
-    #    v·scale or v - v each timed slower than a select of 0; this one did not).
+    #    equal in arithmetic compile differently (here a select of v·scale or v - v timed slower
+    #    than a select of 0; this one did not).
     if DROPOUT:
         keep = _keep_mask(tl.load(SEED_ptr), rows, pid_n, T, BLOCK_M, BLOCK_N)
         v = tl.where(keep, v, v * 0.0) * scale
