@@ -1471,26 +1471,25 @@ def test_bias_dropout_add_norm_without_a_bias_gradient_at_every_row_length(bias)
 
 
 @pytest.mark.parametrize("h", (300, 4096))  # x's gradient from the bias-dropout-add kernel, then from the norm's
-def test_bias_dropout_add_norm_keeps_nan_through_the_dropout_as_in_torch(h):
+def test_bias_dropout_add_norm_keeps_nan_through_the_dropout_as_in_torch(h, seed):
     # torch's dropout multiplies by the mask (0·NaN = NaN): a NaN in x + bias is NaN in h where
     # it was dropped too, and a NaN gradient of h reaches x's gradient at dropped elements too
     from fusedlib.kernels.bias_dropout_add import dropout_mask, philox_seed
 
     m = _module("layer", h, torch.float32)
     rows = 64
-    x = torch.randn(rows, h, device=DEVICE)
-    x[:, 0] = float("nan")
-    r = torch.randn(rows, h, device=DEVICE)
-    torch.manual_seed(5)
-    _, hidden = fusedlib.bias_dropout_add_norm(m, (x, None), r, 0.5, True)
-    torch.manual_seed(5)
+    x_nan, r, x = (torch.randn(rows, h, device=DEVICE) for _ in range(3))  # fresh inputs first
+    x_nan[:, 0] = float("nan")
+    x.requires_grad_(True)
+    lb = torch.randn(h, device=DEVICE, requires_grad=True)
+    torch.manual_seed(seed)  # the op's key, replayed below
+    _, hidden = fusedlib.bias_dropout_add_norm(m, (x_nan, None), r, 0.5, True)
+    torch.manual_seed(seed)
     keep = dropout_mask(philox_seed(DEVICE), rows, h, 0.5)
     assert (~keep[:, 0]).any(), "64 rows at p = 0.5: some drop column 0"
     assert hidden[:, 0].isnan().all() and not hidden[:, 1:].isnan().any()
     # the backward: finite x, h's gradient NaN in column 0, y's zero (the norm adds nothing)
-    x = torch.randn(rows, h, device=DEVICE, requires_grad=True)
-    lb = torch.randn(h, device=DEVICE, requires_grad=True)
-    torch.manual_seed(5)
+    torch.manual_seed(seed)  # the same mask
     y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), r, 0.5, True)
     dh = torch.ones_like(hidden)
     dh[:, 0] = float("nan")

@@ -307,11 +307,11 @@ def test_a_nan_gradient_at_a_dropped_position_reaches_dx_as_in_torch(path, monke
         monkeypatch.setattr(ksoftmax, "MAX_REGISTER_BLOCK", ONLINE_BLOCK)
     shape = (1, 2, 6, 40)
     x = _scores(shape, torch.float32)
+    g = torch.randn(shape, device=DEVICE)  # fresh inputs first, then the replayed key
     torch.manual_seed(SEED)
     keep = softmax_dropout_mask(philox_seed(DEVICE), shape, 0.5)
     row, col = next((q, int((~keep[0, 0, q, :q + 1]).nonzero()[0])) for q in range(6)
                     if (~keep[0, 0, q, :q + 1]).any())  # rows of 1-6 visible keys: some drop at p = 0.5
-    g = torch.randn(shape, device=DEVICE)
     g[0, 0, row, col] = float("nan")
     torch.manual_seed(SEED)
     z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, SCALE, 0.5)
