@@ -1,6 +1,6 @@
 """The benchmark harness: ``python -m fusedlib.bench [--op NAME ...] [--out DIR] [--sweep | --host]``.
 
-See :mod:`fusedlib.bench.core` for the protocol (:mod:`fusedlib.bench.core`),
+See :mod:`fusedlib.bench.core` for the protocol,
 :mod:`fusedlib.bench.ops` for the cases, :mod:`fusedlib.bench.host` for the host cost per
 call (``--host``), and :mod:`fusedlib.bench.tune` for the kernels' tile tuning
 (``python -m fusedlib.bench.tune --op NAME``). Run them on a GPU; results are JSON lists

@@ -242,7 +242,7 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
 
 def _record(op: str, pas: str, impl: str, shape: Sequence[int], dtype: torch.dtype, ms: float,
             nbytes: int | None) -> dict:
-    """One record (:mod:`fusedlib.bench.core`); ``nbytes`` None (a model-level case) gives
+    """One record: op, pass, impl, shape, dtype, ms, bytes, GBps and :func:`environment`; ``nbytes`` None (a model-level case) gives
     ``"bytes": None`` and ``"GBps": None``."""
     return {
         "op": op, "pass": pas, "impl": impl, "shape": list(shape),
@@ -298,7 +298,7 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
             (:attr:`BenchCase.plain_rounds`), for an implementation that failed too.
 
     Returns:
-        One record per (impl, pass) that ran: the benchmark records' fields (:mod:`fusedlib.bench.core`), plus ``"compile"`` for a
+        One record per (impl, pass) that ran: the fields of :func:`_record`, plus ``"compile"`` for a
         ``torch.compile`` baseline (:attr:`Impl.compile`) and, for a ``cuda_graph`` case on
         CUDA, ``"timer"``, ``"ms_eager"`` and (when the capture failed) ``"graph_error"``
         (:class:`BenchCase`); the token counts of a case with ``tokens``, the FLOP counts of

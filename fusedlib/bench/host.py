@@ -5,7 +5,7 @@ training step pays, for every op, the host's time to check arguments, pick launc
 run ``autograd.Function`` and launch the kernels. Below a few hundred microseconds of GPU
 work per op, that time, not the kernels, decides the step's speed. This module measures it.
 
-Method (:mod:`fusedlib.bench.core`): each op at a tiny shape (:data:`HOST_SHAPES`: a few thousand
+Method (the protocol of :mod:`fusedlib.bench.core`): each op at a tiny shape (:data:`HOST_SHAPES`: a few thousand
 elements, so the GPU work per call is a few microseconds and the GPU waits on the host),
 for fusedlib, eager unfused PyTorch and ``torch.compile`` of it (compiled statically for that
 shape, :func:`fusedlib.bench.ops.baselines.compile_impl`), in two passes:

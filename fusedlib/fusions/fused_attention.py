@@ -49,13 +49,13 @@ from ..checks import (
     check_bool,
     check_same_device,
     check_tensor,
+    check_window_size,
     on_one_kernel_device,
     real_to_float,
     resolve_neg_grads,
 )
 from ..kernels.bias_dropout_add import philox_seed
 from ..kernels.flash_attention import LOG2E, MAX_HEAD_DIM, attention_band, flash_attn_bwd, flash_attn_fwd
-from ..checks import check_window_size
 from .fused_softmax import _check_dropout_p  # the softmax's argument rules, shared
 from ._apply import once_differentiable
 

@@ -1,7 +1,7 @@
 """Benchmark cases for the causal softmax: fusedlib against eager, torch.compile, Apex and
 Megatron-core's FusedScaleMaskSoftmax.
 
-Scores [b·np, sq, sk] = [4·32, 2048, 2048] bf16, scale 1/sqrt(128) (:mod:`fusedlib.bench.core`);
+Scores [b·np, sq, sk] = [4·32, 2048, 2048] bf16, scale 1/sqrt(128);
 the sweep runs sk = sq from 128 to 32768 at 2^29 elements (Apex's kernel and Megatron-core's
 fused path stop at 4096; above it Megatron-core runs its PyTorch path).
 Bytes: :func:`causal_softmax_bytes` (kept band read, outputs written whole).
