@@ -52,10 +52,12 @@ triton-lang/triton#1197.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import sys
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -83,6 +85,7 @@ __all__ = [
     "DeviceCheck",
     "check_errors",
     "reset_generators_after_failed_capture",
+    "collector_paused_for_capture",
     "optional_function_ok",
 ]
 
@@ -849,6 +852,32 @@ def reset_generators_after_failed_capture() -> None:
     """
     for gen in torch.cuda.default_generators:
         gen.graphsafe_set_state(gen.clone_state())
+
+
+@contextlib.contextmanager
+def collector_paused_for_capture() -> Iterator[None]:
+    """Run Python's garbage collector now, and keep it off inside the ``with`` block (a CUDA
+    graph capture); on exit it is enabled again if it was enabled before.
+
+    A graphed module is a reference cycle (``make_graphed_callables`` gives it a ``forward``
+    that holds the module), so the graphs of an earlier capture are freed only when the cyclic
+    collector runs, which could be in the middle of a later capture, where destroying a CUDA
+    graph can invalidate that capture. ``torch.cuda.graph`` used to collect before every capture;
+    it now does so only with ``torch.compiler.config.force_cudagraph_gc``. Megatron-core's
+    capture runs ``gc.collect()`` and freezes the collector (``gc.freeze()``) in the same way.
+    Costs one full collection of host time per capture.
+
+    Source: PyTorch ``torch/cuda/graphs.py`` (``graph.__enter__``, ``make_graphed_callables``);
+    Megatron-LM ``megatron/core/transformer/cuda_graphs.py``.
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def optional_function_ok() -> bool:

@@ -10,6 +10,7 @@ the eager block's for exact equality, dropout included.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
 
 import pytest
@@ -546,6 +547,44 @@ def test_bookkeeping_one_graph_pair_holds_the_layers_and_the_final_norm(seed):
     y = managed(x.clone().requires_grad_(True), None)
     assert y.grad_fn.name() == "CloneBackward0"
     y.backward(g)
+
+
+def test_bookkeeping_collects_garbage_before_a_capture_and_none_during_it(seed, monkeypatch):
+    """An earlier capture's graphs are cyclic garbage (a graphed module's forward holds the
+    module), freed whenever the collector runs: the manager collects before a capture and keeps
+    the collector off during it, then restores it as it was, after a failed capture too."""
+    events = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append("collect") or collect(*a))
+
+    def recording(calls, samples, num_warmup_iters=3):
+        events.append(("capture", gc.isenabled()))
+        return _eager_stand_in(calls, samples, num_warmup_iters)
+
+    def failing(calls, samples, num_warmup_iters=3):
+        events.append(("capture", gc.isenabled()))
+        raise MemoryError("a capture that fails")
+
+    eager, managed = stand_in_pair()
+    managed.cudagraph_manager = CudaGraphManager(3, capture=recording)
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    assert gc.isenabled()
+    close(step(eager, x, g, seed), step(managed, x, g, seed))
+    assert events == ["collect", ("capture", False)] and gc.isenabled()
+    events.clear()
+    managed.cudagraph_manager = CudaGraphManager(3, capture=failing)
+    with pytest.raises(RuntimeError, match="capturing the layers as CUDA graphs failed: MemoryError"):
+        step(managed, x, g, seed)
+    assert events == ["collect", ("capture", False)] and gc.isenabled()
+    events.clear()
+    gc.disable()  # a caller's choice stays
+    try:
+        managed.cudagraph_manager = CudaGraphManager(3, capture=recording)
+        close(step(eager, x, g, seed), step(managed, x, g, seed))
+        assert events == ["collect", ("capture", False)] and not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_bookkeeping_replaced_modules_recapture(seed):

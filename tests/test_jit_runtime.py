@@ -83,3 +83,30 @@ def test_triton_imported_before_fusedlib_gives_a_clear_error_on_a_cpu_only_machi
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.startswith("has a GPU") or ("imported before fusedlib" in out and "Import fusedlib first" in out)
+
+
+def test_collector_paused_for_capture_collects_first_and_restores_the_collector(monkeypatch):
+    """A collection before the block, none inside it, the collector's state as it was after it
+    (also when the block raises, and when the caller had turned the collector off)."""
+    import gc
+
+    from fusedlib.runtime import collector_paused_for_capture
+
+    calls = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(gc.isenabled()) or collect(*a))
+    assert gc.isenabled()
+    with collector_paused_for_capture():
+        assert calls == [True] and not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError):
+        with collector_paused_for_capture():
+            raise KeyError("inside the capture")
+    assert gc.isenabled() and len(calls) == 2
+    gc.disable()
+    try:
+        with collector_paused_for_capture():
+            assert not gc.isenabled()
+        assert not gc.isenabled() and len(calls) == 3
+    finally:
+        gc.enable()

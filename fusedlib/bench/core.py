@@ -39,7 +39,7 @@ import torch
 import triton
 
 from ..kernels import launch as _launch
-from ..runtime import reset_generators_after_failed_capture
+from ..runtime import collector_paused_for_capture, reset_generators_after_failed_capture
 
 __all__ = [
     "Impl",
@@ -200,7 +200,8 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
             ``fn`` must not synchronize with the host. ``grad_to_none`` is then cleared
             before the warm-up calls and the capture, so the captured backward writes fresh
             gradient buffers, which every replay overwrites (no accumulation), and once more
-            at the end.
+            at the end. Python's garbage collector runs before the capture and stays off
+            during it (:func:`fusedlib.runtime.collector_paused_for_capture`).
 
     Returns:
         The median, in ms. do_bench flushes the L2 cache between calls.
@@ -228,7 +229,7 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
     graph = torch.cuda.CUDAGraph()
     try:
         try:
-            with torch.cuda.graph(graph):
+            with collector_paused_for_capture(), torch.cuda.graph(graph):
                 call()
         except Exception:
             reset_generators_after_failed_capture()

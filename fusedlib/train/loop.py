@@ -388,7 +388,9 @@ class _FullIterationGraph:
     ``body`` on them into a ``torch.cuda.CUDAGraph`` and replays it; later calls copy the batch
     and replay. Each call returns a fresh copy of the loss (the graph's own is overwritten by
     the next replay). Torch's CUDA generator is registered with the graph by
-    ``torch.cuda.graph``, so dropout draws new numbers at every replay.
+    ``torch.cuda.graph``, so dropout draws new numbers at every replay. Python's garbage
+    collector runs before the capture and stays off during it
+    (:func:`fusedlib.runtime.collector_paused_for_capture`).
 
     Source: PyTorch's CUDA semantics notes, "Whole-network capture"; Megatron-core
     ``megatron/core/full_cuda_graph.py`` (``FullCudaGraphWrapper``).
@@ -418,7 +420,7 @@ class _FullIterationGraph:
             self._load(x, y)
             torch.cuda.synchronize(x.device)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with runtime.collector_paused_for_capture(), torch.cuda.graph(self.graph):
                 self.loss = self.body(*self.static)
         else:
             self._load(x, y)

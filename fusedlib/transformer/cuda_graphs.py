@@ -71,6 +71,14 @@ What a graph fixes at capture, and what the manager does about it:
 * a failed capture leaves PyTorch's CUDA generators in capture mode, after which every random
   draw of the process fails: the manager takes them out of it
   (:func:`fusedlib.runtime.reset_generators_after_failed_capture`) before raising.
+* Python's garbage collector: a graphed callable is a reference cycle (its module's replaced
+  ``forward`` holds the module), so an earlier capture's graphs are freed only by the cyclic
+  collector, whenever it next runs, which could be inside a later capture, where destroying a
+  CUDA graph can invalidate the capture. ``torch.cuda.graph`` used to collect before every
+  capture and now does so only with ``torch.compiler.config.force_cudagraph_gc``; the manager
+  runs ``gc.collect()`` before each capture and keeps the collector off during it
+  (:func:`fusedlib.runtime.collector_paused_for_capture`), as Megatron-core's capture does. The
+  collection costs host time once per capture (per signature), not per step.
 
 On torch 2.11 autograd warns, at the first backward after a capture, that "the
 AccumulateGrad node's stream does not match the stream of the node that produced the incoming
@@ -107,7 +115,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from ..runtime import reset_generators_after_failed_capture
+from ..runtime import collector_paused_for_capture, reset_generators_after_failed_capture
 from .transformer_layer import _norm
 
 __all__ = ["CudaGraphManager", "GRAPHABLE_KWARGS", "MAX_SIGNATURES"]
@@ -433,7 +441,9 @@ class CudaGraphManager:
         # graphed run draws the same random numbers as an eager one (and a resumed run as an
         # uninterrupted one)
         capture = self._capture_fn or torch.cuda.make_graphed_callables
-        with torch.random.fork_rng(devices=[hidden_states.device] if hidden_states.is_cuda else []):
+        # earlier captures' graphs are freed by the cyclic collector: now, not inside the capture
+        with collector_paused_for_capture(), \
+                torch.random.fork_rng(devices=[hidden_states.device] if hidden_states.is_cuda else []):
             try:
                 graphed = capture((call,), (sample,), num_warmup_iters=self.warmup_steps)
             except Exception as exc:  # a kernel that cannot be captured, out of memory...
