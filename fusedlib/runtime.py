@@ -855,9 +855,10 @@ def reset_generators_after_failed_capture() -> None:
 
 
 @contextlib.contextmanager
-def collector_paused_for_capture() -> Iterator[None]:
-    """Run Python's garbage collector now, and keep it off inside the ``with`` block (a CUDA
-    graph capture); on exit it is enabled again if it was enabled before.
+def collector_paused_for_capture(collect: bool = True) -> Iterator[None]:
+    """Run Python's garbage collector now (unless ``collect`` is False), and keep it off inside
+    the ``with`` block (a CUDA graph capture); on exit it is enabled again if it was enabled
+    before.
 
     A graphed module is a reference cycle (``make_graphed_callables`` gives it a ``forward``
     that holds the module), so the graphs of an earlier capture are freed only when the cyclic
@@ -865,12 +866,19 @@ def collector_paused_for_capture() -> Iterator[None]:
     graph can invalidate that capture. ``torch.cuda.graph`` used to collect before every capture;
     it now does so only with ``torch.compiler.config.force_cudagraph_gc``. Megatron-core's
     capture runs ``gc.collect()`` and freezes the collector (``gc.freeze()``) in the same way.
-    Costs one full collection of host time per capture.
+    The collection costs host time (tens of ms with torch loaded); keeping the collector off is
+    what keeps it out of the capture, so a caller that captures often and makes no graphed
+    modules itself (a benchmark timer) can pass ``collect=False``.
+
+    Args:
+        collect: run ``gc.collect()`` before the block (frees what earlier captures left in
+            reference cycles, their memory pools included).
 
     Source: PyTorch ``torch/cuda/graphs.py`` (``graph.__enter__``, ``make_graphed_callables``);
     Megatron-LM ``megatron/core/transformer/cuda_graphs.py``.
     """
-    gc.collect()
+    if collect:
+        gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -110,3 +110,6 @@ def test_collector_paused_for_capture_collects_first_and_restores_the_collector(
         assert not gc.isenabled() and len(calls) == 3
     finally:
         gc.enable()
+    with collector_paused_for_capture(collect=False):  # the collector off, no collection
+        assert not gc.isenabled()
+    assert gc.isenabled() and len(calls) == 3

@@ -200,8 +200,9 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
             ``fn`` must not synchronize with the host. ``grad_to_none`` is then cleared
             before the warm-up calls and the capture, so the captured backward writes fresh
             gradient buffers, which every replay overwrites (no accumulation), and once more
-            at the end. Python's garbage collector runs before the capture and stays off
-            during it (:func:`fusedlib.runtime.collector_paused_for_capture`).
+            at the end. Python's garbage collector stays off during the capture
+            (:func:`fusedlib.runtime.collector_paused_for_capture`, without the collection
+            before it: the timer's own graph is freed when it returns).
 
     Returns:
         The median, in ms. do_bench flushes the L2 cache between calls.
@@ -229,7 +230,7 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
     graph = torch.cuda.CUDAGraph()
     try:
         try:
-            with collector_paused_for_capture(), torch.cuda.graph(graph):
+            with collector_paused_for_capture(collect=False), torch.cuda.graph(graph):
                 call()
         except Exception:
             reset_generators_after_failed_capture()
