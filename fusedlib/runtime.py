@@ -854,36 +854,52 @@ def reset_generators_after_failed_capture() -> None:
         gen.graphsafe_set_state(gen.clone_state())
 
 
+#: How many :func:`collector_paused_for_capture` blocks are open (nested ones do nothing).
+_PAUSE_DEPTH: int = 0
+
+
 @contextlib.contextmanager
 def collector_paused_for_capture(collect: bool = True) -> Iterator[None]:
     """Run Python's garbage collector now (unless ``collect`` is False), and keep it off inside
     the ``with`` block (a CUDA graph capture); on exit it is enabled again if it was enabled
-    before.
+    before. A block nested in another does nothing (the outer one collected and restores).
 
-    A graphed module is a reference cycle (``make_graphed_callables`` gives it a ``forward``
-    that holds the module), so the graphs of an earlier capture are freed only when the cyclic
-    collector runs, which could be in the middle of a later capture, where destroying a CUDA
-    graph can invalidate that capture. ``torch.cuda.graph`` used to collect before every capture;
-    it now does so only with ``torch.compiler.config.force_cudagraph_gc``. Megatron-core's
-    capture runs ``gc.collect()`` and freezes the collector (``gc.freeze()``) in the same way.
-    The collection costs host time (tens of ms with torch loaded); keeping the collector off is
-    what keeps it out of the capture, so a caller that captures often and makes no graphed
-    modules itself (a benchmark timer) can pass ``collect=False``.
+    ``torch.cuda.make_graphed_callables`` defines a new ``torch.autograd.Function`` class per
+    call, whose methods hold the captured graphs; a class is always part of a reference cycle,
+    so those graphs, and their memory pools, are freed only when the cyclic collector runs,
+    which could be in the middle of a later capture. Destroying a CUDA graph during a capture
+    is a likely (not proven) cause of captures that failed, rarely, under the GPU tests.
+    ``torch.cuda.graph`` used to collect before every capture (to free memory), and now does so
+    only with ``torch.compiler.config.force_cudagraph_gc``; Megatron-core collects before its
+    captures begin. The collection costs host time (tens of ms with torch loaded); keeping the
+    collector off is what keeps it out of the capture, so a caller that captures often and
+    leaves no ``make_graphed_callables`` results behind (a benchmark timer) can pass
+    ``collect=False``.
 
     Args:
         collect: run ``gc.collect()`` before the block (frees what earlier captures left in
-            reference cycles, their memory pools included).
+            reference cycles).
+
+    Raises:
+        Nothing of its own; an exception from the block propagates after the collector's
+        state is restored.
 
     Source: PyTorch ``torch/cuda/graphs.py`` (``graph.__enter__``, ``make_graphed_callables``);
-    Megatron-LM ``megatron/core/transformer/cuda_graphs.py``.
+    Megatron-LM ``megatron/core/transformer/cuda_graphs.py`` (``_start_capturing``).
     """
+    global _PAUSE_DEPTH
+    if _PAUSE_DEPTH:
+        yield
+        return
     if collect:
         gc.collect()
     enabled = gc.isenabled()
-    gc.disable()
+    _PAUSE_DEPTH += 1
     try:
+        gc.disable()  # inside the try: an interrupt right after it still restores the collector
         yield
     finally:
+        _PAUSE_DEPTH -= 1
         if enabled:
             gc.enable()
 

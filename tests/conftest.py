@@ -21,6 +21,7 @@ it over, so those inputs follow the offset too.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import zlib
@@ -171,6 +172,17 @@ def spy_launches(monkeypatch):
         if getattr(mod, "launch", None) is real:
             monkeypatch.setattr(mod, "launch", spy)
     return calls
+
+
+@pytest.fixture(autouse=True)
+def _collector_restored():
+    """A test that fails inside a block with Python's garbage collector off (the captures'
+    :func:`fusedlib.runtime.collector_paused_for_capture`) does not leave it off for the tests
+    after it in the same worker."""
+    enabled = gc.isenabled()
+    yield
+    if enabled and not gc.isenabled():
+        gc.enable()
 
 
 @pytest.fixture(autouse=True)

@@ -67,6 +67,7 @@ from fusedlib.kernels.bias_dropout_add import drop_threshold, dropout_scale
 from fusedlib.kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from fusedlib.kernels.layer_norm import norm_bwd, norm_fwd
 from fusedlib.parallel.layers import _EmbeddingDeterministicGrad
+from fusedlib.runtime import collector_paused_for_capture
 from fusedlib.transformer.enums import AttnMaskType
 
 from conftest import DEVICE  # noqa: I001
@@ -373,7 +374,7 @@ def _capture(step, warmups=3):
             step()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with collector_paused_for_capture(), torch.cuda.graph(g):
         result = step()
     return g, result
 

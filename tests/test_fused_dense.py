@@ -14,6 +14,7 @@ from fusedlib.backends import cublaslt
 from fusedlib.checks import is_dense
 from fusedlib.fusions import fused_dense
 from fusedlib.fusions.fused_dense import fused_dense_gelu_dense
+from fusedlib.runtime import collector_paused_for_capture
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
 
@@ -295,7 +296,7 @@ def test_epilogue_path_replays_in_a_cuda_graph():
         fused_dense_gelu_dense(xs, *params, epilogue=True)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_paused_for_capture(), torch.cuda.graph(graph):
         out = fused_dense_gelu_dense(xs, *params, epilogue=True)
     xs.copy_(torch.randn_like(xs))
     graph.replay()

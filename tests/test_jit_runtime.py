@@ -87,7 +87,8 @@ def test_triton_imported_before_fusedlib_gives_a_clear_error_on_a_cpu_only_machi
 
 def test_collector_paused_for_capture_collects_first_and_restores_the_collector(monkeypatch):
     """A collection before the block, none inside it, the collector's state as it was after it
-    (also when the block raises, and when the caller had turned the collector off)."""
+    (also when the block raises, a KeyboardInterrupt included, and when the caller had turned
+    the collector off); a nested block neither collects nor restores."""
     import gc
 
     from fusedlib.runtime import collector_paused_for_capture
@@ -98,18 +99,76 @@ def test_collector_paused_for_capture_collects_first_and_restores_the_collector(
     assert gc.isenabled()
     with collector_paused_for_capture():
         assert calls == [True] and not gc.isenabled()
+        with collector_paused_for_capture():  # nested: no collection inside the outer block
+            assert not gc.isenabled()
+        assert calls == [True] and not gc.isenabled()
     assert gc.isenabled()
-    with pytest.raises(KeyError):
-        with collector_paused_for_capture():
-            raise KeyError("inside the capture")
-    assert gc.isenabled() and len(calls) == 2
+    for exc in (KeyError("inside the capture"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)):
+            with collector_paused_for_capture():
+                raise exc
+        assert gc.isenabled()
+    assert len(calls) == 3
     gc.disable()
     try:
         with collector_paused_for_capture():
             assert not gc.isenabled()
-        assert not gc.isenabled() and len(calls) == 3
+        assert not gc.isenabled() and len(calls) == 4
     finally:
         gc.enable()
     with collector_paused_for_capture(collect=False):  # the collector off, no collection
         assert not gc.isenabled()
-    assert gc.isenabled() and len(calls) == 3
+    assert gc.isenabled() and len(calls) == 4
+
+
+class _FakeStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def _fake_cuda_graphs(monkeypatch, events: list) -> None:
+    """torch.cuda's streams and graphs as no-ops that record the collector's state at capture
+    (CPU: the captures' host code runs, the work runs eagerly)."""
+    import contextlib
+    import gc
+
+    import triton
+
+    class FakeGraph:
+        def replay(self) -> None:
+            events.append("replay")
+
+    @contextlib.contextmanager
+    def graph(g, **kw):
+        events.append(("capture", gc.isenabled()))
+        yield
+
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append("collect") or collect(*a))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **k: fn() or 1.0)
+
+
+def test_the_trainers_and_the_bench_timers_captures_run_with_the_collector_off(monkeypatch):
+    """The full-iteration graph of the trainer collects and captures with the collector off;
+    the bench's graph timer captures with it off without collecting; both leave it on."""
+    import gc
+
+    from fusedlib.bench.core import time_ms
+    from fusedlib.train.loop import _FullIterationGraph
+
+    events = []
+    _fake_cuda_graphs(monkeypatch, events)
+    step = _FullIterationGraph(lambda x, y: (x.float() - y.float()).sum(), warmup=0)
+    window = torch.arange(8).reshape(2, 4)  # x and y as get_batch makes them: y is x shifted by one
+    x, y = window[:, :-1], window[:, 1:]
+    assert float(step(x, y)) == -6.0 and float(step(x, y)) == -6.0
+    assert events == ["collect", ("capture", False), "replay", "replay"] and gc.isenabled()
+    events.clear()
+    assert time_ms(lambda: None, cuda_graph=True) == 1.0
+    assert events == [("capture", False), "replay"] and gc.isenabled()

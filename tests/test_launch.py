@@ -35,6 +35,7 @@ import fusedlib  # noqa: F401  (first)
 import triton
 import triton.language as tl
 from fusedlib.kernels import launch as kl
+from fusedlib.runtime import collector_paused_for_capture
 
 from conftest import DEVICE  # noqa: I001
 
@@ -577,7 +578,7 @@ def test_cuda_graph_capture_through_the_direct_path(monkeypatch):
     torch.cuda.current_stream().wait_stream(s)
     kl.launch_stats().reset()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with collector_paused_for_capture(), torch.cuda.graph(g):
         out = step()
     assert kl.launch_stats().hits > 0 and kl.launch_stats().misses == 0
     g.replay()

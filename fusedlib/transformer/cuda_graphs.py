@@ -71,14 +71,15 @@ What a graph fixes at capture, and what the manager does about it:
 * a failed capture leaves PyTorch's CUDA generators in capture mode, after which every random
   draw of the process fails: the manager takes them out of it
   (:func:`fusedlib.runtime.reset_generators_after_failed_capture`) before raising.
-* Python's garbage collector: a graphed callable is a reference cycle (its module's replaced
-  ``forward`` holds the module), so an earlier capture's graphs are freed only by the cyclic
-  collector, whenever it next runs, which could be inside a later capture, where destroying a
-  CUDA graph can invalidate the capture. ``torch.cuda.graph`` used to collect before every
-  capture and now does so only with ``torch.compiler.config.force_cudagraph_gc``; the manager
-  runs ``gc.collect()`` before each capture and keeps the collector off during it
-  (:func:`fusedlib.runtime.collector_paused_for_capture`), as Megatron-core's capture does. The
-  collection costs host time once per capture (per signature), not per step.
+* Python's garbage collector: ``make_graphed_callables`` holds the graphs in an
+  ``autograd.Function`` class it defines per call, and a class is part of a reference cycle,
+  so an earlier capture's graphs are freed only by the cyclic collector, whenever it next
+  runs, which could be inside a later capture (a likely, not proven, cause of rare capture
+  failures under the GPU tests). ``torch.cuda.graph`` used to collect before every capture and
+  now does so only with ``torch.compiler.config.force_cudagraph_gc``; the manager runs
+  ``gc.collect()`` before each capture and keeps the collector off during it
+  (:func:`fusedlib.runtime.collector_paused_for_capture`). The collection costs host time once
+  per capture (per signature), not per step.
 
 On torch 2.11 autograd warns, at the first backward after a capture, that "the
 AccumulateGrad node's stream does not match the stream of the node that produced the incoming
