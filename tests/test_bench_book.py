@@ -517,3 +517,58 @@ def test_book_functions_document_args_returns_and_raises():
         assert "Returns:" in doc or "Yields:" in doc, name
         assert "Args:" in doc or not inspect.signature(getattr(book, name)).parameters, name
         assert "Raises:" in doc or name in ("show_source", "bench_dir"), name
+
+
+def test_each_chapter_was_executed_after_the_records_it_reads():
+    """A chapter's stored outputs and prose come from the records it reads (the cells that
+    print them are tagged ``nbval-ignore-output``, since a GPU measures afresh, so nbval cannot
+    tell stale ones): the commit that last changed each record it names must be an ancestor of
+    the commit that last changed the chapter, i.e. a re-stored record is followed by the
+    chapter re-executed and committed. Records are found by name: a quoted ``"name"`` or
+    ``"name.json"`` of a file in chapters/data/bench in the chapter's code cells."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    bench = root / "chapters" / "data" / "bench"
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+    if shutil.which("git") is None or git("rev-parse", "--git-dir").returncode != 0:
+        pytest.skip("not a git checkout: the records' and chapters' commits are unknown")
+    if git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("a shallow clone: every file's last commit may be the same one")
+    # changed in the working tree, not yet committed: a changed record needs its chapters changed too
+    dirty = {line[3:].strip() for line in git("status", "--porcelain").stdout.splitlines()}
+
+    def last_commit(path: Path) -> str:
+        return git("log", "-1", "--format=%H", "--", str(path.relative_to(root))).stdout.strip()
+
+    names = sorted(p.stem for p in bench.glob("*.json"))
+    assert names, bench
+    stale, checked = [], 0
+    for chapter in sorted((root / "chapters").glob("*.ipynb")):
+        chapter_commit = last_commit(chapter)
+        if not chapter_commit:
+            pytest.skip(f"{chapter.name} has no commit in this checkout's history (a shallow clone?)")
+        nb = json.loads(chapter.read_text())
+        code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+        for name in names:
+            if not re.search(rf"[\"']{re.escape(name)}(\.json)?[\"']", code):
+                continue
+            record_commit = last_commit(bench / f"{name}.json")
+            checked += 1
+            record_path = f"chapters/data/bench/{name}.json"
+            if f"chapters/{chapter.name}" in dirty:  # re-executed since its last commit
+                continue
+            if record_path in dirty:
+                stale.append(f"{chapter.name} reads {name}.json, changed in the working tree")
+                continue
+            if record_commit and git("merge-base", "--is-ancestor", record_commit, chapter_commit).returncode != 0:
+                stale.append(f"{chapter.name} (last committed {chapter_commit[:9]}) reads {name}.json, "
+                             f"re-stored after it ({record_commit[:9]})")
+    assert checked > 0
+    assert not stale, "re-execute these chapters on the stored records: " + "; ".join(stale)
