@@ -82,6 +82,24 @@ def test_second_derivative_raises(name):
 LINEAR = {"bias_dropout_add", "fused_apply_rotary_pos_emb", "embedding_deterministic_grad"}
 
 
+@pytest.mark.parametrize("through", ["leaf", "non-leaf"])
+@pytest.mark.parametrize("allow_unused", [False, True])
+@pytest.mark.parametrize("name", sorted(set(OPS) - LINEAR))
+def test_second_derivative_by_autograd_grad_raises(name, allow_unused, through):
+    # torch.autograd.grad(penalty, x) runs only the nodes on a path to x: the raising node, whose
+    # inputs were stand-in leaves, was skipped (x "not used in the graph", or None with
+    # allow_unused: a silent zero second derivative). "non-leaf": the op gets x·1, a tensor
+    # with a node of its own between the op and x
+    torch.manual_seed(zlib.crc32(name.encode()))
+    x, others, fn = OPS[name]()
+    x.requires_grad_(True)
+    arg = x if through == "leaf" else x * 1.0
+    (gx,) = torch.autograd.grad(fn(arg, *others).float().pow(2).sum(), x, create_graph=True)
+    assert gx.shape == x.shape and torch.isfinite(gx).all()
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(gx.pow(2).sum(), x, allow_unused=allow_unused)
+
+
 @pytest.mark.parametrize("name", sorted(set(OPS) - LINEAR))
 def test_second_derivative_raises_with_a_constant_incoming_gradient(name):
     # torch's once_differentiable only guards a backward whose incoming gradient requires grad:

@@ -242,6 +242,37 @@ def test_lse_is_the_rows_logsumexp_and_minus_inf_for_empty_rows(tiles):
     torch.testing.assert_close(lse[:, :, sq - sk:].double(), want[:, :, sq - sk:], atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("empty_by", ["causal sq>sk", "key padding"])
+def test_minus_inf_sink_on_rows_that_see_no_key(tiles, empty_by):
+    # -inf is no sink: a row that sees no key then has LSE -inf as well, and its P_sink =
+    # e^(sink - LSE) was e^(-inf + inf) = NaN, which made d sinks NaN although every row's
+    # share of it is 0 (P_sink = 0 on every row); the outputs and dq, dk, dv were clean
+    tiles(16, 16)
+    torch.manual_seed(4242)
+    b, sq, sk, hq, hkv, d = 2, 20, 12, 2, 1, 16
+    q, k, v = (t.requires_grad_(True) for t in _inputs(b, sq, sk, hq, hkv, d, torch.float32))
+    sinks = torch.tensor([float("-inf"), 0.5], device=DEVICE, requires_grad=True)
+    kw = dict(causal=True) if empty_by == "causal sq>sk" else dict(attention_mask=torch.tensor(
+        [[True] * sk, [False] * (sk - 3) + [True] * 3], device=DEVICE))  # batch 0: every key masked
+    out = flash_attention(q, k, v, sinks=sinks, **kw)
+    g = torch.randn_like(out)
+    out.backward(g)
+    assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert sinks.grad[0].item() == 0.0  # no sink: no probability, no gradient
+    # the finite sink's gradient against float64: -sum over (b, rows) of P_sink·rowsum(dO∘O)
+    ref = sinks.detach().double().requires_grad_(True)
+    x = torch.einsum("bqhd,bkhd->bhqk", q.detach().double(), k.detach().double().repeat_interleave(hq // hkv, 2))
+    x = x / math.sqrt(d)
+    masked = (unfused.causal_mask(sq, sk, device=DEVICE) if empty_by == "causal sq>sk"
+              else kw["attention_mask"][:, None, None, :])
+    x = x.masked_fill(masked, float("-inf"))
+    s_col = ref.view(1, hq, 1, 1).expand(b, hq, sq, 1)
+    p = torch.softmax(torch.cat([x, s_col], -1), -1)[..., :sk]
+    o = torch.einsum("bhqk,bkhd->bqhd", p, v.detach().double().repeat_interleave(hq // hkv, 2))
+    (o * g.double()).sum().backward()
+    torch.testing.assert_close(sinks.grad[1].double(), ref.grad[1], atol=1e-5, rtol=1e-5)
+
+
 def test_non_contiguous_inputs_megatron_layout(tiles):
     # q, k, v as Megatron's [s, b, heads, d] tensors seen through transpose(0, 1); k with a
     # strided last dim (copied once by the op); the gradient non-contiguous too
@@ -303,15 +334,24 @@ def test_dropout_mask_is_philox_as_documented(shape):
         assert 0.5 < expected.float().mean() < 0.75
 
 
-@pytest.mark.parametrize("shape, match", [((1, 2, 3), "shape"), ((1, 2, -3, 4), "shape"), ((1, 2, 3.0, 4), "shape")])
+@pytest.mark.parametrize("shape, match", [((1, 2, 3), "shape"), ((1, 2, -3, 4), "shape"), ((1, 2, 3.0, 4), "shape"),
+                                          (4, "shape"), ((True, 1, 2, 2), "shape"), (None, "shape")])
 def test_dropout_mask_bad_input(shape, match):
     with pytest.raises(ValueError, match=match):
         flash_attn_dropout_mask(philox_seed(DEVICE), shape, 0.1)
-    with pytest.raises(ValueError, match="seed"):
-        flash_attn_dropout_mask(torch.zeros(2, dtype=torch.int64, device=DEVICE), (1, 1, 2, 2), 0.1)
+    for seed in (torch.zeros(2, dtype=torch.int64, device=DEVICE), None, 7):
+        with pytest.raises(ValueError, match="seed must be an int64 tensor"):
+            flash_attn_dropout_mask(seed, (1, 1, 2, 2), 0.1)
     for p in (1.5, -0.1, float("nan"), "0.1", True):
         with pytest.raises(ValueError, match="p must be"):
             flash_attn_dropout_mask(philox_seed(DEVICE), (1, 1, 2, 2), p)
+
+
+@pytest.mark.parametrize("head_dim", [0, -1, 257, 1000, 64.0, True])
+def test_attention_tile_refuses_a_head_dim_off_its_table(head_dim):
+    # on the CPU it returned the interpreter's tile for any head dim
+    with pytest.raises(ValueError, match="head_dim must be an int in \\[1, 256\\]"):
+        kfa.attention_tile(kfa.FWD_TILES, head_dim)
 
 
 def test_dropout_statistics_from_the_output(tiles):

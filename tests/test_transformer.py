@@ -1420,6 +1420,60 @@ def test_a_non_positive_softmax_scale_gives_one_answer_on_every_backend(scale):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{backend}: {m}")
 
 
+@pytest.mark.parametrize("backend", list(AttnBackend))
+@pytest.mark.parametrize("scale, error, match", [
+    (float("nan"), ValueError, "softmax_scale must be finite"), (float("inf"), ValueError, "softmax_scale must be finite"),
+    (1e39, ValueError, "softmax_scale must be finite"), ("0.5", TypeError, "softmax_scale must be a real number"),
+    (True, TypeError, "softmax_scale must be a real number")])
+def test_dot_product_attention_checks_its_softmax_scale_on_every_backend(backend, scale, error, match):
+    # only the flash backend checked it: the others gave an all-NaN context for a NaN or inf
+    # scale, took True as 1, and failed deep inside baddbmm or a multiplication for a string
+    with pytest.raises(error, match=match):
+        DotProductAttention(make_config(attention_backend=backend), 1, AttnMaskType.causal, "self",
+                            softmax_scale=scale)
+
+
+@pytest.mark.parametrize("backend", list(AttnBackend))
+def test_a_window_side_beyond_int64_gives_the_unbounded_answer_on_every_backend(backend):
+    # the SDPA backends built the window mask with the side as given: torch.triu's diagonal
+    # overflowed ("Overflow when unpacking long long"); a side past the sequence is unbounded
+    torch.manual_seed(1717)
+    q, k, v = _attention_inputs(ng=NP)
+    out = {}
+    for left in (2 ** 70, -1):
+        attn = DotProductAttention(make_config(num_query_groups=NP, attention_backend=backend, window_size=(left, 0)),
+                                   1, AttnMaskType.causal, "self")
+        out[left] = attn(q, k, v, None)
+    torch.testing.assert_close(out[2 ** 70], out[-1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", list(AttnBackend))
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_sparse_attention_mask_is_refused_by_name_on_every_backend(backend, layout):
+    # it passed the mask check (a bool tensor) and failed inside: "expand is unsupported for
+    # Sparse tensors" (flash), aten::all on SparseCPU (SDPA)
+    q, k, v = _attention_inputs()
+    dense = torch.zeros(1, 1, S, S, dtype=torch.bool, device=DEVICE)
+    mask = dense.to_sparse() if layout == "coo" else dense[0, 0].to_sparse_csr()
+    attn = DotProductAttention(make_config(attention_backend=backend), 1, AttnMaskType.causal, "self")
+    with pytest.raises(TypeError, match=r"attention_mask must be a dense \(strided\) tensor"):
+        attn(q, k, v, mask)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_the_softmax_dtype_flags_are_checked_in_training_and_evaluation_alike(training):
+    # with masked_softmax_fusion and attention dropout the training path (the softmax+dropout
+    # kernel) skipped FusedScaleMaskSoftmax's check: config.bf16 with float32 scores ran in
+    # training and raised in evaluation
+    cfg = make_config(attention_backend=AttnBackend.local, masked_softmax_fusion=True, attention_dropout=0.1)
+    cfg.bf16 = True  # float32 parameters and inputs, the flag saying bf16 (a config built by hand)
+    attn = DotProductAttention(cfg, 1, AttnMaskType.causal, "self").train(training)
+    q, k, v = _attention_inputs()
+    with pytest.raises(ValueError, match="input_in_bf16=True but input has dtype float32"):
+        attn(q, k, v, None)
+
+
 BAD_QKV = {
     # query [sq, b, np, hn], key/value [sk, b, ng, hn] with np = 4, ng = 2, hn = 6
     "k, v with np heads": ((S, B, NP, 6), (S, B, NP, 6), (S, B, NP, 6), r"key and value must be \[sk, b, ng, hn\] with "

@@ -151,6 +151,43 @@ def _refuse_nested(fn_cls: type, args: tuple) -> None:
             check_dense(_param_name(fn_cls, i), a)
 
 
+class _SavedCtx:
+    """A backward's ``ctx`` whose ``saved_tensors`` were unpacked already: attribute reads and
+    writes go to the real ``ctx``."""
+
+    __slots__ = ("_ctx", "saved_tensors")
+
+    def __init__(self, ctx: Any, saved: tuple) -> None:
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "saved_tensors", saved)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_ctx"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_ctx"), name, value)
+
+
+def _graph_tensors(ctx: Any, saved: tuple) -> list:
+    """Tensors through which a backward node ``ctx`` is reachable from its op's inputs: the saved
+    tensors in the graph (inputs, or outputs, whose node is ``ctx``), the bases of saved views (a
+    view made in the forward, ``x.reshape(...)`` under its no_grad, has no node of its own), and
+    the leaf inputs (``ctx.next_functions``' AccumulateGrad nodes)."""
+    found: dict[int, Tensor] = {}
+    for t in saved:
+        if isinstance(t, Tensor) and t.requires_grad:
+            base = t._base
+            if base is None or t.grad_fn is not None:  # a leaf, or a tensor with its node
+                found.setdefault(id(t), t)
+            if base is not None and base.requires_grad:  # (a view made under no_grad has no node)
+                found.setdefault(id(base), base)
+    for node, _ in getattr(ctx, "next_functions", ()):
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf tensor
+        if isinstance(leaf, Tensor):
+            found.setdefault(id(leaf), leaf)
+    return list(found.values())
+
+
 _TWICE = (b"trying to differentiate twice a function that was marked with @once_differentiable: a fusedlib "
           b"op, whose backward runs Triton kernels that autograd cannot differentiate (a second derivative "
           b"through it is not implemented)")
@@ -164,9 +201,15 @@ def once_differentiable(fn: Callable[..., Any]) -> Callable[..., Any]:
     gradient requires grad. With ``create_graph=True`` and an incoming gradient that does not
     (``torch.autograd.grad((out * w).sum(), x, create_graph=True)`` for a constant ``w``), the
     gradient it returns has no graph at all, and a penalty on it then silently contributes
-    nothing to the second backward, although the op's second derivative is not zero. This
-    version attaches the node whenever grad mode is on during the backward (that is,
-    ``create_graph=True``), so any use of the gradient in a later backward raises
+    nothing to the second backward, although the op's second derivative is not zero. And the
+    node's inputs are stand-in leaves, so ``torch.autograd.grad(penalty, x)``, which runs only
+    the nodes on a path to x, never reaches it (x "unused", or None with ``allow_unused``).
+    This version attaches the node whenever grad mode is on during the backward (that is,
+    ``create_graph=True``), with tensors of the graph that lead to the op among its inputs (the
+    saved inputs or outputs, the inputs of saved views, the leaf inputs), so any use of the
+    gradient in a later backward raises, through ``.backward()`` always and through
+    ``torch.autograd.grad(..., inputs)`` for inputs the op saved, saved a view of, or that are
+    leaves
     ``RuntimeError: trying to differentiate twice a function that was marked with
     @once_differentiable: a fusedlib op ...``; a gradient that is only read
     keeps working. Under ``torch.compile`` tracing it is torch's decorator, unchanged.
@@ -186,10 +229,12 @@ def once_differentiable(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(ctx, *args)
         if torch.compiler.is_compiling():
             return torch_wrapped(ctx, *args)
+        # the saved tensors, unpacked once (a checkpoint's unpack hook refuses a second
+        # unpack) and handed to fn through a stand-in ctx
+        saved = ctx.saved_tensors
         with torch.no_grad():
-            outputs = fn(ctx, *args)
+            outputs = fn(_SavedCtx(ctx, saved), *args)
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
-        err_fn = torch._C._functions.DelayedError(_TWICE, len(outs))
 
         def fake_requires_grad(var: Any) -> Any:  # as torch's: an alias that requires grad
             if var is not None:
@@ -197,6 +242,14 @@ def once_differentiable(fn: Callable[..., Any]) -> Callable[..., Any]:
                 var.requires_grad = True
             return var
 
-        return err_fn(*[fake_requires_grad(v) for v in outs])
+        # tensors that lead to the op join the raising node's inputs: torch.autograd.grad(...,
+        # inputs) runs only the nodes on a path to its inputs, and without these edges it
+        # skipped the raising node (an "unused" input, or None with allow_unused=True)
+        linked = _graph_tensors(ctx, saved)
+        err_fn = torch._C._functions.DelayedError(_TWICE, len(outs) + len(linked))
+        results = err_fn(*[fake_requires_grad(v) for v in outs], *linked)
+        if not isinstance(results, tuple):
+            results = (results,)
+        return results[:len(outs)] if isinstance(outputs, tuple) else results[0]
 
     return wrapper

@@ -50,6 +50,7 @@ from ..checks import (
     check_same_device,
     check_tensor,
     check_window_size,
+    is_dense,
     on_one_kernel_device,
     real_to_float,
     resolve_neg_grads,
@@ -162,8 +163,8 @@ def _check_scale(softmax_scale: object, d: int) -> float:
 
 
 def _check_mask(mask: object, q: Tensor, sk: int) -> None:
-    if not (isinstance(mask, Tensor) and mask.dtype == torch.bool):
-        check_tensor("attention_mask", mask, dtypes=(torch.bool,))
+    if not (isinstance(mask, Tensor) and mask.dtype == torch.bool and is_dense(mask)):
+        check_tensor("attention_mask", mask, dtypes=(torch.bool,))  # (sparse: check_dense's TypeError)
     b, sq, hq, _ = q.shape
     if mask.dim() == 2:
         if tuple(mask.shape) != (b, sk):

@@ -929,12 +929,18 @@ class FusedScaleMaskSoftmax(nn.Module):
         """Probabilities [b, np, sq, sk]: the fused kernel when available, else PyTorch."""
         if not _is_float_tensor(input, 4):
             check_tensor("input", input, ndim=4)
-        for flag, dtype in (("input_in_fp16", torch.float16), ("input_in_bf16", torch.bfloat16)):
-            if getattr(self, flag) and input.dtype != dtype:
-                raise ValueError(f"{flag}=True but input has dtype {str(input.dtype).replace('torch.', '')}")
+        self.check_input_dtype(input)
         if self.is_kernel_available(mask, *input.size()):
             return self.forward_fused_softmax(input, mask, softmax_offset)
         return self.forward_torch_softmax(input, mask, softmax_offset)
+
+    def check_input_dtype(self, input: torch.Tensor) -> None:  # noqa: A002
+        """Raise ValueError when ``input_in_fp16`` / ``input_in_bf16`` names a dtype other than
+        ``input``'s (the flags say what the scores are; fusedlib refuses a mismatch rather than
+        compute in another precision than the one asked for)."""
+        for flag, dtype in (("input_in_fp16", torch.float16), ("input_in_bf16", torch.bfloat16)):
+            if getattr(self, flag) and input.dtype != dtype:
+                raise ValueError(f"{flag}=True but input has dtype {str(input.dtype).replace('torch.', '')}")
 
     def is_kernel_available(self, mask: Optional[torch.Tensor], b: int, np: int, sq: int, sk: int) -> bool:
         """fusedlib's rule: the fused kernel runs whenever ``scaled_masked_softmax_fusion`` is on.

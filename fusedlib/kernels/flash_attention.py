@@ -264,6 +264,9 @@ def attention_tile(table: TileTable, head_dim: int) -> Tile:
     Raises:
         ValueError: head_dim < 1 or > the table's last bound.
     """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or not 1 <= head_dim <= table[-1][0]:
+        raise ValueError(f"head_dim must be an int in [1, {table[-1][0]}] (the tile table's last bound), "
+                         f"got {head_dim!r}")
     if INTERPRET_ON_CPU:
         return INTERPRETER_TILE
     return pick(table, head_dim, resolve_block_n=False)
@@ -669,7 +672,10 @@ def _flash_bwd_preprocess_kernel(
                  mask=ok)
     if HAS_SINK:
         lse = tl.load(LSE_ptr + row, mask=offs_m < sq, other=0.0)
-        p_sink = tl.exp(tl.load(SINK_ptr + h).to(tl.float32) - lse)
+        # a -inf sink (no sink) on a row that sees no key has LSE -inf too: its P_sink is 0, not
+        # e^(-inf + inf) = NaN
+        no_key = lse == float("-inf")
+        p_sink = tl.where(no_key, 0.0, tl.exp(tl.load(SINK_ptr + h).to(tl.float32) - tl.where(no_key, 0.0, lse)))
         tl.store(DSINK_ptr + row, -p_sink * delta, mask=offs_m < sq)
 
 
@@ -1506,9 +1512,12 @@ def flash_attn_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int]
         ValueError: ``shape`` not four non-negative ints; ``seed`` or ``dropout_p`` not what the
             kernels take (:func:`_dropout_args`).
     """
-    if len(shape) != 4 or any(not isinstance(n, numbers.Integral) or n < 0 for n in shape):
-        raise ValueError(f"shape must be four non-negative ints (b, hq, sq, sk), got {tuple(shape)!r}")
-    T, _ = _dropout_args(seed, dropout_p, getattr(seed, "device", None))
+    if (not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 4
+            or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in shape)):
+        raise ValueError(f"shape must be four non-negative ints (b, hq, sq, sk), got {shape!r}")
+    if not isinstance(seed, torch.Tensor):  # (_dropout_args reads no dropout into a None seed)
+        raise ValueError(f"seed must be an int64 tensor of one element (philox_seed), got {type(seed).__name__}")
+    T, _ = _dropout_args(seed, dropout_p, seed.device)
     B, H, SQ, SK = (int(n) for n in shape)
     out = torch.empty((B * H, SQ, SK), dtype=torch.int8, device=seed.device)
     if out.numel() > 0:

@@ -57,9 +57,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import unfused
-from ..checks import FLOAT_DTYPES, check_tensor
+from ..checks import FLOAT_DTYPES, check_tensor, is_dense
 from ..fusions import fused_attention, fused_softmax
-from ..fusions.fused_softmax import FusedScaleMaskSoftmax
+from ..fusions.fused_softmax import FusedScaleMaskSoftmax, _window_for
 from .enums import AttnBackend, AttnMaskType
 from .module import MegatronModule
 from .transformer_config import TransformerConfig
@@ -94,7 +94,7 @@ def _check_attention_mask(mask: object, query: torch.Tensor, key: torch.Tensor, 
     sq, b, sk = q_shape[0], q_shape[1], key.shape[0]
     # the happy case in one test: a 4-D mask (Megatron's [b or 1, 1, sq, sk]) dim by dim, inline
     # (a generator over the dims costs ~1.5 us a call), other broadcastable shapes by _broadcasts
-    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.device == query.device:
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.device == query.device and is_dense(mask):
         m_shape = mask.shape
         if len(m_shape) == 4:
             m0, m1, m2, m3 = m_shape
@@ -103,7 +103,7 @@ def _check_attention_mask(mask: object, query: torch.Tensor, key: torch.Tensor, 
                 return
         elif _broadcasts(m_shape, (b, np_, sq, sk)):
             return
-    check_tensor("attention_mask", mask, dtypes=(torch.bool,))
+    check_tensor("attention_mask", mask, dtypes=(torch.bool,))  # (sparse: check_dense's TypeError)
     if not _broadcasts(mask.shape, (b, np_, sq, sk)):
         raise ValueError(f"attention_mask must broadcast to the scores' shape [b, np, sq, sk] = {[b, np_, sq, sk]} "
                          f"(Megatron-core's layout [b or 1, 1, sq, sk], True = masked; a 2-D mask is read as [sq, sk], "
@@ -185,8 +185,13 @@ class DotProductAttention(MegatronModule):
         ValueError: query, key and value on different devices; query, key or value not 4-D or off [sq, b, np, hn] / [sk, b, ng, hn] with
             this module's np, ng and hn = kv_channels (the message gives them), whatever the
             backend; attention_mask not broadcastable to [b, np, sq, sk] (the message gives the
-            shape passed) or not on query's device, whatever the backend; as
+            shape passed) or not on query's device, whatever the backend; with the
+            materialised backends (local, unfused), in training and evaluation alike, as
             FusedScaleMaskSoftmax (e.g. config.bf16 with float32 scores).
+        TypeError / ValueError: softmax_scale not a real number / not finite or with
+            |softmax_scale|·log2(e) beyond float32's range, whatever the backend (as
+            :func:`~fusedlib.fusions.fused_attention.flash_attention` checks it); attention_mask
+            sparse (TypeError: pass ``attention_mask.to_dense()``).
         TypeError / ValueError: with ``attention_backend`` flash, as
             :func:`~fusedlib.fusions.fused_attention.flash_attention` (e.g. float64 tensors, or a
             head dim above 256).
@@ -211,8 +216,9 @@ class DotProductAttention(MegatronModule):
         self.hidden_size_per_partition = config.kv_channels * self.num_attention_heads_per_partition  # np/p·hn
 
         coeff = None
-        self.softmax_scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head) if softmax_scale is None \
-            else softmax_scale
+        # checked as flash_attention checks it, whatever the backend (the materialised and SDPA
+        # paths multiplied by a NaN or inf scale without a word)
+        self.softmax_scale = fused_attention._check_scale(softmax_scale, self.hidden_size_per_attention_head)
         if config.apply_query_key_layer_scaling:
             # scores are computed at scale/layer_number and multiplied back by layer_number inside
             # the fp32 softmax: the same probabilities, a smaller fp16 range for the GEMM's output
@@ -287,6 +293,7 @@ class DotProductAttention(MegatronModule):
         fused_dropout = getattr(fused_softmax, "fused_scale_mask_softmax_dropout", None)
         if self.training and p > 0 and self.config.masked_softmax_fusion:
             if fused_dropout is not None:  # one kernel: scale, mask, softmax, dropout
+                self.scale_mask_softmax.check_input_dtype(scores)  # as the softmax's own forward
                 return fused_dropout(scores, attention_mask, self.attn_mask_type, self.scale_mask_softmax.scale, p,
                                      softmax_in_fp32=self.config.attention_softmax_in_fp32,
                                      window_size=self.window_size)
@@ -337,6 +344,6 @@ class DotProductAttention(MegatronModule):
 
     def _structural_mask(self, sq: int, sk: int, causal: bool, device: torch.device) -> Optional[torch.Tensor]:
         """The causal or sliding-window mask [sq, sk] (True = masked), as FusedScaleMaskSoftmax builds it."""
-        if self.window_size is not None:
-            return unfused.sliding_window_causal_mask(sq, sk, self.window_size, device=device)
+        if self.window_size is not None:  # (a side past the sequence as -1: 2**70 passes torch.triu)
+            return unfused.sliding_window_causal_mask(sq, sk, _window_for(self.window_size, sq, sk), device=device)
         return unfused.causal_mask(sq, sk, device=device) if causal else None
