@@ -50,7 +50,6 @@ Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py``.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
