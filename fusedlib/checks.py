@@ -30,6 +30,7 @@ __all__ = [
     "resolve_neg_grads",
     "check_same_device",
     "check_bool",
+    "check_bools",
     "short_repr",
     "is_numpy_bool",
     "on_one_kernel_device",
@@ -97,6 +98,16 @@ def check_bool(name: str, value: object) -> bool:
     if is_numpy_bool(value):
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {type_name(value)} {short_repr(value)}")
+
+
+def check_bools(owner: str, **flags: object) -> tuple[bool, ...]:
+    """:func:`check_bool` for each keyword, named ``"{owner}: {keyword}"``; returns the flags
+    as Python bools, in the order given (a constructor's on/off arguments in one call).
+
+    Raises:
+        TypeError: a flag that is neither a bool nor a numpy bool (a str "False" was read as True).
+    """
+    return tuple(v if v is True or v is False else check_bool(f"{owner}: {k}", v) for k, v in flags.items())
 
 
 def real_to_float(name: str, value: numbers.Real, expected: str) -> float:

@@ -419,6 +419,13 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
         kernel[tuple(grid)](*args, **kwargs)
         return
     if tensors_device.type != "cuda":
+        if not CUDA_AVAILABLE:  # (TRITON_INTERPRET=0 set on a machine without a GPU)
+            raise ValueError(
+                f"got tensors on {tensors_device}, but fusedlib's Triton kernels in this process are compiled "
+                "for CUDA (TRITON_INTERPRET is set to a false value) and this machine has no CUDA device: "
+                "unset TRITON_INTERPRET, or set TRITON_INTERPRET=1, before starting Python, to run every kernel in "
+                "Triton's (slow) CPU interpreter"
+            )
         raise ValueError(
             f"got tensors on {tensors_device}, but fusedlib's Triton kernels in this process are compiled "
             "for CUDA: move the tensors to a CUDA device, or set TRITON_INTERPRET=1 before importing "

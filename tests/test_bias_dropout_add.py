@@ -539,6 +539,23 @@ def test_get_bias_dropout_add_selects_megatrons_functions():
     assert out is x and torch.equal(out, expected)  # Megatron's unfused inference is in place too
 
 
+@pytest.mark.parametrize("training", ["False", 1, None])
+def test_unfused_selector_checks_training_when_called(training):
+    # any value was accepted, and a wrong one failed only when the returned function ran
+    with pytest.raises(TypeError, match="training must be a bool"):
+        bias_dropout_add_unfused(training)
+
+
+def test_numpy_bool_training_is_accepted_by_both_selectors():
+    # get_bias_dropout_add took numpy's bool, bias_dropout_add_unfused's function then refused it
+    # with "training must be a bool, got bool"
+    np = pytest.importorskip("numpy")
+    x, b, r = _inputs((6, 20), torch.float32, requires_grad=False)
+    want = x + b + r
+    for f in (bias_dropout_add_unfused(np.True_), get_bias_dropout_add(np.True_, False)):
+        assert torch.equal(f((x, b), r, 0.0), want)
+
+
 def test_unfused_fp32_residual_connection():
     x, b, r = _inputs((6, 20), torch.bfloat16, r_dtype=torch.float32)
     torch.manual_seed(0)

@@ -184,6 +184,23 @@ def test_gpt_model_checks_its_sizes(name, value, error):
         GPTModel(make_config(num_layers=1), get_gpt_layer_local_spec(), **kw)
 
 
+@pytest.mark.parametrize("name", ["fp16_lm_cross_entropy", "parallel_output", "share_embeddings_and_output_weights",
+                                  "rope_scaling", "scatter_embedding_sequence_parallel", "pre_process",
+                                  "post_process"])
+@pytest.mark.parametrize("value", ["False", "no", 0, None])
+def test_gpt_model_refuses_switches_that_are_not_bools(name, value):
+    # by truthiness "False" tied the weights or turned on Llama 3's frequency scaling
+    with pytest.raises(TypeError, match=f"GPTModel: {name} must be a bool"):
+        _model(make_config(num_layers=1), get_gpt_layer_local_spec(), position_embedding_type="rope", **{name: value})
+
+
+def test_gpt_model_with_rope_refuses_an_odd_kv_channels_when_built():
+    # it was built, and the first forward failed naming the op's internal freqs and t
+    cfg = make_config(num_layers=1, kv_channels=7)
+    with pytest.raises(ValueError, match="rotary dim must be even: kv_channels = 7"):
+        _model(cfg, get_gpt_layer_local_spec(), position_embedding_type="rope")
+
+
 @pytest.mark.parametrize("position", ["rope", "none"])
 def test_gpt_checks_position_ids_it_does_not_read(position):
     # with RoPE (or no positions) position_ids is not read, as in Megatron-core; a wrong argument

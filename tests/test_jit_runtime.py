@@ -68,6 +68,11 @@ def test_compiled_mode_refuses_cpu_tensors_clearly():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "TRITON_INTERPRET": "0"}).stdout
     assert "compiled for CUDA" in out and "TRITON_INTERPRET=1" in out
+    # without a GPU, moving the tensors to one is no advice: the message says there is none
+    if torch.cuda.is_available():
+        assert "move the tensors to a CUDA device" in out
+    else:
+        assert "this machine has no CUDA device" in out and "move the tensors" not in out
 
 
 def test_triton_imported_before_fusedlib_gives_a_clear_error_on_a_cpu_only_machine():

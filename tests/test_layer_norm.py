@@ -268,8 +268,9 @@ def test_memory_efficient_with_a_zero_gamma_raises(norm, zero_centered):
     x = _x((4, 33), torch.float32)
     op = "fused_layer_norm" if norm == "layer" else "fused_rms_norm"
     gamma = r"weight\[5\] \+ 1" if zero_centered else r"weight\[5\]"
-    with pytest.raises(ValueError, match=rf"^{op}: memory_efficient=True needs every gamma != 0 \(x_hat = \(y - beta\) "
-                                         rf"/ gamma\), got gamma = {gamma} = 0 or subnormal .*: its dgamma and dx are NaN"):
+    x_hat = r"\(y - beta\) / gamma" if norm == "layer" else r"y / gamma"  # (RMSNorm has no beta)
+    with pytest.raises(ValueError, match=rf"^{op}: memory_efficient=True needs every gamma != 0 \(x_hat = {x_hat}\), "
+                                         rf"got gamma = {gamma} = 0 or subnormal .*: its dgamma and dx are NaN"):
         _apply(norm, x, w, b, memory_efficient=True, zero_centered_gamma=zero_centered)
         fusedlib.runtime.check_errors()
     fusedlib.runtime.check_errors()  # reported once

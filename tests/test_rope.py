@@ -638,3 +638,25 @@ def test_unfused_multi_latent_attention_checks_its_tensors():
         apply_rotary_pos_emb(t, freqs.half(), cfg)
     with pytest.raises(ValueError, match=r"freqs must have shape \[s, 1, 1, rot_dim\] or \[s, b, 1, rot_dim\]"):
         apply_rotary_pos_emb(t, _angles(3, 1, 8).reshape(3, 1, 1, 8).expand(3, 1, 2, 8), cfg)
+
+
+@pytest.mark.parametrize("kv, pct", [(7, 1.0), (10, 0.5), (81, 1.0)])
+def test_rotary_embedding_refuses_an_odd_rotary_dim(kv, pct):
+    # RoPE rotates pairs: an odd dim got dim + 1 angles, refused only at the first forward by the
+    # op, naming freqs and t, which the user never passed
+    with pytest.raises(ValueError, match=r"RoPE rotates pairs of channels, so its rotary dim must be even: "
+                                         rf"kv_channels = {kv}"):
+        RotaryEmbedding(kv, pct, device=DEVICE)
+
+
+def test_rotary_embedding_checks_its_int_and_bool_arguments():
+    np = pytest.importorskip("numpy")
+    emb = RotaryEmbedding(np.int64(16), 1.0, device=DEVICE)  # numpy ints, as TransformerConfig takes them
+    assert torch.equal(emb(5), RotaryEmbedding(16, 1.0, device=DEVICE)(5))
+    with pytest.raises(TypeError, match="kv_channels must be an int >= 1, got bool"):
+        RotaryEmbedding(True, 1.0, device=DEVICE)
+    with pytest.raises(TypeError, match="kv_channels must be an int >= 1, got float"):
+        RotaryEmbedding(16.0, 1.0, device=DEVICE)
+    for name in ("rotary_interleaved", "rope_scaling", "use_cpu_initialization"):
+        with pytest.raises(TypeError, match=f"{name} must be a bool, got str 'False'"):
+            RotaryEmbedding(16, 1.0, **{name: "False"}, device=DEVICE)  # was read as True

@@ -317,6 +317,83 @@ def test_clip_grad_norm_below_max_norm_leaves_the_gradients_as_they_are(seed):
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
 
 
+@pytest.mark.parametrize("max_norm, error, match", [
+    (-1.0, ValueError, "max_norm must be > 0"), (0.0, ValueError, "max_norm must be > 0"),
+    (float("nan"), ValueError, "max_norm must be > 0"), ("1.0", TypeError, "max_norm must be a real number"),
+    (None, TypeError, "max_norm must be a real number"), (True, TypeError, "max_norm must be a real number")])
+def test_clip_grad_norm_refuses_a_bad_max_norm_and_leaves_the_gradients(max_norm, error, match):
+    # a negative max_norm flipped every gradient's sign, NaN made every gradient NaN, 0 zeroed them;
+    # a str or None failed inside torch's division
+    torch.manual_seed(2024)
+    m = torch.nn.Linear(3, 2)
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    before = [p.grad.clone() for p in m.parameters()]
+    with pytest.raises(error, match=match):
+        fp.clip_grad_norm(m, max_norm)
+    from fusedlib.parallel.clip_grads import clip_grad_by_total_norm_fp32
+    with pytest.raises(error, match=match):
+        clip_grad_by_total_norm_fp32(list(m.parameters()), max_norm, torch.tensor(1.0))
+    assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), before))
+
+
+def test_clip_grad_norm_refuses_a_model_that_is_not_a_module():
+    m = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module .* got list"):
+        fp.clip_grad_norm([m], 1.0)
+
+
+@pytest.mark.parametrize("layer, flags", [
+    ("ColumnParallelLinear", ("bias", "gather_output", "skip_bias_add", "skip_weight_param_allocation",
+                              "keep_master_weight_for_test", "is_expert", "disable_grad_reduce")),
+    ("RowParallelLinear", ("bias", "input_is_parallel", "skip_bias_add", "keep_master_weight_for_test", "is_expert")),
+    ("VocabParallelEmbedding", ("reduce_scatter_embeddings",)),
+])
+def test_parallel_layers_refuse_switches_that_are_not_bools(layer, flags):
+    # by truthiness bias="False" made a bias
+    cfg = fp_config(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True)
+    base = {"ColumnParallelLinear": dict(bias=True), "VocabParallelEmbedding": {},
+            "RowParallelLinear": dict(bias=True, input_is_parallel=False, skip_bias_add=False)}[layer]
+    for flag in flags:
+        kw = {**base, flag: "False"}
+        with pytest.raises(TypeError, match=f"{layer}: {flag} must be a bool, got str 'False'"):
+            getattr(fp, layer)(8, 6, config=cfg, init_method=_normal, **kw)
+
+
+@pytest.mark.parametrize("args, error, match", [
+    ((10.0, 0, 2), TypeError, "global_vocab_size must be an int, got float"),
+    (("10", 0, 2), TypeError, "global_vocab_size must be an int, got str"),
+    ((10, True, 2), TypeError, "rank must be an int, got bool"),
+    ((10, 0, 2.0), TypeError, "world_size must be an int, got float"),
+    ((10, 0, 0), ValueError, "must be divisible by world_size=0"),
+    ((10, 2, 2), ValueError, r"rank must be in \[0, world_size=2\)"),
+])
+def test_vocab_utility_checks_its_ints(args, error, match):
+    # a float vocabulary gave float bounds (5.0, 10.0); a str failed in a %-format
+    with pytest.raises(error, match=match):
+        fp.VocabUtility.vocab_range_from_global_vocab_size(*args)
+
+
+def test_vocab_utility_per_partition_checks_its_ints():
+    with pytest.raises(TypeError, match="rank must be an int, got float"):
+        fp.VocabUtility.vocab_range_from_per_partition_vocab_size(5, 0.5, 2)
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        fp.VocabUtility.vocab_range_from_per_partition_vocab_size(5, 0, 0)
+    np = pytest.importorskip("numpy")
+    assert fp.VocabUtility.vocab_range_from_per_partition_vocab_size(np.int64(5), np.int32(1), 2) == (5, 10)
+
+
+@pytest.mark.parametrize("bad", [10, -1, 1000])
+def test_one_rank_embedding_names_an_id_outside_the_vocabulary_on_the_cpu(bad):
+    # F.embedding's bare "IndexError: index out of range in self" named nothing
+    cfg = fp_config(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True)
+    emb = fp.VocabParallelEmbedding(10, 8, init_method=torch.nn.init.zeros_, config=cfg)
+    ids = torch.full((2, 3), 3)
+    ids[1, 2] = bad
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, num_embeddings = 10\), got values in "):
+        emb(ids)
+
+
 # ----------------------------------------------------------------------------------- mappings
 def _rank_input(q: int, shape, seed: int, device) -> torch.Tensor:
     """Rank q's input: the same on every process that asks, non-contiguous ([b, s, n] transposed)."""

@@ -1474,6 +1474,13 @@ def test_the_softmax_dtype_flags_are_checked_in_training_and_evaluation_alike(tr
         attn(q, k, v, None)
 
 
+@pytest.mark.parametrize("name", ["post_layer_norm", "pre_process", "post_process"])
+def test_transformer_block_refuses_switches_that_are_not_bools(name):
+    # by truthiness post_layer_norm="False" still built the final norm
+    with pytest.raises(TypeError, match=f"TransformerBlock: {name} must be a bool, got str 'False'"):
+        TransformerBlock(make_config(num_layers=1), get_gpt_layer_local_spec(), **{name: "False"})
+
+
 BAD_QKV = {
     # query [sq, b, np, hn], key/value [sk, b, ng, hn] with np = 4, ng = 2, hn = 6
     "k, v with np heads": ((S, B, NP, 6), (S, B, NP, 6), (S, B, NP, 6), r"key and value must be \[sk, b, ng, hn\] with "

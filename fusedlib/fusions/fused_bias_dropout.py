@@ -317,8 +317,8 @@ def _bias_dropout_add_func(x_with_bias: XWithBias, residual: torch.Tensor, prob:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if not isinstance(training, bool):
-        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    if training is not True and training is not False:
+        training = check_bool("training", training)  # (numpy's bool accepted, as get_bias_dropout_add)
     return unfused.bias_dropout_add((x, bias), residual, _check_prob(prob), training)
 
 
@@ -326,14 +326,19 @@ def bias_dropout_add_unfused(training: bool) -> Callable[[XWithBias, torch.Tenso
     """Plain-PyTorch bias-dropout-add for ``training`` mode: three eager kernels.
 
     Args:
-        training: dropout on (True) or the identity (False).
+        training: dropout on (True) or the identity (False); a bool (numpy's bool accepted).
 
     Returns:
         ``f(x_with_bias, residual, prob)`` calling :func:`_bias_dropout_add_func` (in place in
         inference without grads).
 
+    Raises:
+        TypeError: training not a bool, here rather than at the returned function's first call.
+
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``bias_dropout_add_unfused``).
     """
+    if training is not True and training is not False:
+        training = check_bool("training", training)
 
     def _bias_dropout_add(x_with_bias: XWithBias, residual: torch.Tensor, prob: float) -> torch.Tensor:
         return _bias_dropout_add_func(x_with_bias, residual, prob, training)

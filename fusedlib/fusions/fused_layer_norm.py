@@ -189,7 +189,8 @@ def _gamma_check_message(op: str):
     def message(code: int, zero_centered_gamma) -> str:
         col = code - 1
         gamma = f"weight[{col}] + 1" if zero_centered_gamma else f"weight[{col}]"
-        return (f"{op}: memory_efficient=True needs every gamma != 0 (x_hat = (y - beta) / gamma), got gamma = "
+        x_hat = "y / gamma" if op == "fused_rms_norm" else "(y - beta) / gamma"  # RMSNorm has no beta
+        return (f"{op}: memory_efficient=True needs every gamma != 0 (x_hat = {x_hat}), got gamma = "
                 f"{gamma} = 0 or subnormal (|gamma| < 1.18e-38, float32's smallest normal: 1 / gamma is not "
                 "finite): its dgamma and dx are NaN; use memory_efficient=False (the config's "
                 "memory_efficient_layer_norm=False) with this weight")

@@ -647,9 +647,11 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
     zeros. Returns probabilities of the same shape and dtype. backward returns
     ``(d inputs, None)``: scale·p·(g - sum(g·p)), zeros above the diagonal.
 
+    ``scale`` None is taken as 1.
+
     Raises:
-        TypeError / ValueError: not a 3-D floating tensor, or a scale that is not a real
-        number, not finite, or beyond float32's range.
+        TypeError / ValueError: not a 3-D floating tensor, or a scale (other than None) that is
+        not a real number, not finite, or beyond float32's range.
 
     Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` (``ScaledUpperTriangMaskedSoftmax``).
     """

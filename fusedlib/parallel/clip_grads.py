@@ -24,6 +24,7 @@ Source: Megatron-LM ``megatron/core/optimizer/clip_grads.py`` (``get_grad_norm_f
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable, List, Optional, Union
 
 import torch
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from . import parallel_state
 from .layers import param_is_not_tensor_parallel_duplicate
+from ..checks import real_to_float, type_name
 from .utils import _record
 
 __all__ = ["get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "clip_grad_norm"]
@@ -78,17 +80,32 @@ def get_grad_norm_fp32(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], 
     return total if norm_type == math.inf else total ** (1.0 / norm_type)
 
 
+def _check_max_norm(max_norm: object) -> float:
+    """max_norm as a float > 0 (``math.inf`` allowed); a scale of 0, a negative one or NaN would
+    zero, flip or poison every gradient without a word."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(f"max_norm must be a real number > 0 (math.inf: measure only), got {type_name(max_norm)}")
+    value = real_to_float("max_norm", max_norm, "a real number > 0 (math.inf: measure only)")
+    if not value > 0:  # NaN fails this too
+        raise ValueError(f"max_norm must be > 0 (math.inf: measure only), got {max_norm!r}")
+    return value
+
+
 def clip_grad_by_total_norm_fp32(parameters: Iterable[torch.nn.Parameter], max_norm: float,
                                  total_norm: torch.Tensor) -> None:
     """Scale every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))`` (no host sync).
 
     Args:
         parameters: the parameters whose ``.grad`` to scale (None gradients are skipped).
-        max_norm: the largest norm allowed.
+        max_norm: the largest norm allowed (> 0).
         total_norm: from :func:`get_grad_norm_fp32`.
+
+    Raises:
+        TypeError / ValueError: max_norm not a real number / not > 0 (NaN included).
 
     Source: Megatron-LM ``megatron/core/optimizer/clip_grads.py`` (``clip_grad_by_total_norm_fp32``).
     """
+    max_norm = _check_max_norm(max_norm)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return
@@ -114,8 +131,17 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, norm_type: float = 2
         The total norm before clipping, a 0-dim tensor (float32; float64 for float64
         gradients), the same on every rank.
 
+    Raises:
+        TypeError: model not a ``torch.nn.Module``; max_norm not a real number.
+        ValueError: max_norm not > 0 (NaN included: a negative one flipped every gradient, NaN
+            made them NaN); norm_type <= 0 (:func:`get_grad_norm_fp32`).
+
     Source: Megatron-LM ``megatron/core/optimizer/optimizer.py`` (``MegatronOptimizer.clip_grad_norm``).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (its parameters' gradients are clipped), got "
+                        f"{type_name(model)}")
+    max_norm = _check_max_norm(max_norm)
     config = getattr(model, "config", None)
     split = config is not None and config.tensor_model_parallel_size > 1
     if split and tp_group is None:

@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.parameter import Parameter
 
-from ..checks import resolve_neg_grads
+from ..checks import check_bools, resolve_neg_grads
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.embedding import check_ids_in_range, embedding_backward
 from ..kernels.launch import as_rows
@@ -416,7 +416,8 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         RuntimeError: p > 1 before :func:`fusedlib.parallel.initialize_model_parallel`; no weight
             (skip_weight_param_allocation) and none passed, or a passed weight of the wrong
             shape (Megatron-core's messages).
-        TypeError: input_size or output_size not an int; a passed weight that is not a tensor.
+        TypeError: input_size or output_size not an int; a passed weight that is not a tensor; an
+            on/off argument (bias, gather_output, skip_bias_add, ...) not a bool.
         ValueError: input_size or output_size < 0, output_size not divisible by p, a group of the
             wrong size, init_method None while initializing; in the forward an ``input_`` that is
             not [..., input_size], not on the weight's device, or not of the weight's dtype
@@ -435,6 +436,12 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
                  tp_comm_buffer_name: Optional[str] = None, disable_grad_reduce: bool = False,
                  tp_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         super().__init__()
+        (bias, gather_output, keep_master_weight_for_test, skip_bias_add, skip_weight_param_allocation, is_expert,
+         disable_grad_reduce) = check_bools(
+            "ColumnParallelLinear", bias=bias, gather_output=gather_output,
+            keep_master_weight_for_test=keep_master_weight_for_test, skip_bias_add=skip_bias_add,
+            skip_weight_param_allocation=skip_weight_param_allocation, is_expert=is_expert,
+            disable_grad_reduce=disable_grad_reduce)
         self.tp_group, self.tp_rank, self.tp_world_size = _tp_group("ColumnParallelLinear", config, tp_group, is_expert)
         if embedding_activation_buffer is not None or grad_output_buffer is not None:
             raise NotImplementedError("ColumnParallelLinear: deferred embedding weight gradients are left out")
@@ -524,7 +531,7 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
     Raises:
         RuntimeError: sequence_parallel without input_is_parallel (Megatron's rule), or as
             :class:`ColumnParallelLinear`.
-        ValueError, NotImplementedError: as :class:`ColumnParallelLinear` (the input's width:
+        TypeError, ValueError, NotImplementedError: as :class:`ColumnParallelLinear` (the input's width:
             input_size / p with input_is_parallel and p > 1, else input_size).
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``RowParallelLinear``).
@@ -536,6 +543,9 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
                  tp_comm_buffer_name: Optional[str] = None,
                  tp_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         super().__init__()
+        bias, input_is_parallel, skip_bias_add, keep_master_weight_for_test, is_expert = check_bools(
+            "RowParallelLinear", bias=bias, input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add,
+            keep_master_weight_for_test=keep_master_weight_for_test, is_expert=is_expert)
         self.tp_group, self.tp_rank, self.tp_world_size = _tp_group("RowParallelLinear", config, tp_group, is_expert)
         p = self.tp_world_size
         self.sequence_parallel = bool(config.sequence_parallel) and p > 1
@@ -619,7 +629,9 @@ class VocabParallelEmbedding(torch.nn.Module):
     With ``config.deterministic_mode`` (p = 1) the weight's gradient comes from fusedlib's
     deterministic kernel (:func:`fusedlib.kernels.embedding.embedding_backward`): PyTorch's CUDA
     kernel adds it with atomics, in an order that changes from run to run.
-    An id outside [0, V): on one rank ``F.embedding`` raises; with p > 1 every rank would mask it
+    An id outside [0, V): on one rank a ValueError on the CPU (a host check) and the lookup's own
+    device-side check on CUDA (as :class:`~fusedlib.models.common.embeddings.LanguageModelEmbedding`);
+    with p > 1 every rank would mask it
     into a zero row (Megatron-core accepts it), so a small kernel checks the ids on the device
     (:func:`fusedlib.kernels.embedding.check_ids_in_range`, no host sync) and fusedlib reports a
     ValueError: at once on the CPU, on CUDA at a later fusedlib call or at
@@ -627,8 +639,9 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     Raises:
         RuntimeError, ValueError: as :class:`ColumnParallelLinear` (V not divisible by p); ValueError
-            for an id outside [0, V) at p > 1 (above), and for ids on another device than the weight.
-        TypeError: ids not an int64 or int32 tensor.
+            for an id outside [0, V) at p > 1 and on one rank on the CPU (above), and for ids on
+            another device than the weight.
+        TypeError: ids not an int64 or int32 tensor; reduce_scatter_embeddings not a bool.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``VocabParallelEmbedding``).
     """
@@ -637,6 +650,8 @@ class VocabParallelEmbedding(torch.nn.Module):
                  reduce_scatter_embeddings: bool = False, config,
                  tp_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         super().__init__()
+        (reduce_scatter_embeddings,) = check_bools("VocabParallelEmbedding",
+                                                   reduce_scatter_embeddings=reduce_scatter_embeddings)
         self.tp_group, self.tp_rank, self.tp_world_size = _tp_group("VocabParallelEmbedding", config, tp_group)
         p = self.tp_world_size
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -661,6 +676,13 @@ class VocabParallelEmbedding(torch.nn.Module):
             raise ValueError(f"VocabParallelEmbedding: input_ids must be on the weight's device "
                              f"{self.weight.device}, got {input_.device}")
         if self.tp_world_size == 1:
+            if input_.device.type == "cpu" and input_.numel() and not torch.compiler.is_compiling():
+                # a host check costs no sync here (F.embedding's IndexError named nothing); on CUDA
+                # the lookup's own device-side check applies, as in LanguageModelEmbedding
+                low, high = int(input_.min()), int(input_.max())
+                if low < 0 or high >= self.num_embeddings:
+                    raise ValueError(f"VocabParallelEmbedding: input_ids must lie in [0, num_embeddings = "
+                                     f"{self.num_embeddings}), got values in [{low}, {high}]")
             if self.deterministic and torch.is_grad_enabled() and self.weight.requires_grad:
                 return _EmbeddingDeterministicGrad.apply(input_, self.weight)
             return F.embedding(input_, self.weight)

@@ -12,6 +12,7 @@ needs no communication: :func:`all_reduce` returns at once and records nothing.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -31,8 +32,22 @@ __all__ = [
 ]
 
 
+def _vocab_int(name: str, value: object) -> int:
+    """An int argument of :class:`VocabUtility` (numpy ints too; a bool or a float refused: a
+    float vocabulary gave float bounds, ``(5.0, 10.0)``)."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"VocabUtility: {name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
 class VocabUtility:
     """Split the vocabulary into ``world_size`` equal shards: rank r holds ids [first, last).
+
+    Raises (both methods):
+        TypeError: an argument that is not an int (a bool or a float neither).
+        ValueError: see each method.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/utils.py`` (``VocabUtility``).
     """
@@ -43,14 +58,19 @@ class VocabUtility:
         """``(rank·n, (rank+1)·n)`` for shards of ``n = per_partition_vocab_size`` ids.
 
         Raises:
-            ValueError: for a shard size < 1 or a rank outside [0, world_size).
+            TypeError: an argument that is not an int.
+            ValueError: for a shard size < 1, a world_size < 1 or a rank outside [0, world_size).
         """
-        if per_partition_vocab_size < 1:
-            raise ValueError(f"per_partition_vocab_size must be >= 1, got {per_partition_vocab_size}")
+        n = _vocab_int("per_partition_vocab_size", per_partition_vocab_size)
+        rank, world_size = _vocab_int("rank", rank), _vocab_int("world_size", world_size)
+        if n < 1:
+            raise ValueError(f"per_partition_vocab_size must be >= 1, got {n}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        first = rank * per_partition_vocab_size
-        return first, first + per_partition_vocab_size
+        first = rank * n
+        return first, first + n
 
     @staticmethod
     def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int,
@@ -58,13 +78,16 @@ class VocabUtility:
         """The shard of ``rank`` when ``global_vocab_size`` ids are split over ``world_size`` ranks.
 
         Raises:
+            TypeError: an argument that is not an int.
             ValueError: if ``global_vocab_size`` is not divisible by ``world_size`` (Megatron
-                pads the vocabulary to a multiple of the tensor-parallel size).
+                pads the vocabulary to a multiple of the tensor-parallel size), world_size < 1,
+                or as :meth:`vocab_range_from_per_partition_vocab_size`.
         """
-        if world_size < 1 or global_vocab_size % world_size:
-            raise ValueError(f"global_vocab_size={global_vocab_size} must be divisible by world_size={world_size}")
-        return VocabUtility.vocab_range_from_per_partition_vocab_size(
-            global_vocab_size // world_size, rank, world_size)
+        v = _vocab_int("global_vocab_size", global_vocab_size)
+        world_size = _vocab_int("world_size", world_size)
+        if world_size < 1 or v % world_size:
+            raise ValueError(f"global_vocab_size={v} must be divisible by world_size={world_size} (>= 1)")
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(v // world_size, rank, world_size)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from typing import List, Optional, Union
 
 import torch
 
+from ..checks import check_bools
 from ..fusions.fused_layer_norm import FusedNorm
 from ..parallel.random import checkpoint as tensor_parallel_checkpoint
 from ..parallel.random import get_cuda_rng_tracker
@@ -118,7 +119,8 @@ class TransformerBlock(MegatronModule):
     Raises:
         NotImplementedError: a left-out feature asked for (with CUDA graphs: a cross-attention
             context, or a mask, rotary embedding or attention bias that is not a tensor).
-        TypeError: a bad spec (see :func:`_get_block_submodules`); hidden states not floating point.
+        TypeError: a bad spec (see :func:`_get_block_submodules`); hidden states not floating point;
+            post_layer_norm, pre_process or post_process not a bool (a str "False" is not False).
         ValueError: hidden states not a tensor [s, b, hidden_size] (s, b >= 1);
             ``cuda_graph_impl="local"`` in training with hidden states not on a CUDA device.
         NotImplementedError: with CUDA graphs, also a module hook on a layer, on the final norm
@@ -136,6 +138,8 @@ class TransformerBlock(MegatronModule):
                  post_layer_norm: bool = True, pre_process: bool = True, post_process: bool = True,
                  pg_collection: object = None, vp_stage: Optional[int] = None) -> None:
         super().__init__(config=config)
+        post_layer_norm, pre_process, post_process = check_bools(
+            "TransformerBlock", post_layer_norm=post_layer_norm, pre_process=pre_process, post_process=post_process)
         if not pre_process or pg_collection is not None or vp_stage is not None:
             raise NotImplementedError("TransformerBlock: pipeline stages (pre_process=False), pg_collection and "
                                       "vp_stage are left out of fusedlib")

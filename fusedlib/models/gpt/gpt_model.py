@@ -36,7 +36,7 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from ...checks import check_tensor
+from ...checks import check_bools, check_tensor
 from ...fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from ...parallel.cross_entropy import TARGET_DTYPES, vocab_parallel_cross_entropy
 from ...parallel.layers import ColumnParallelLinear
@@ -106,7 +106,11 @@ class GPTModel(MegatronModule):
     Raises:
         NotImplementedError: a left-out feature asked for, or scatter_embedding_sequence_parallel
             False under sequence parallelism.
-        TypeError: vocab_size or max_sequence_length not an int.
+        TypeError: vocab_size or max_sequence_length not an int; an on/off argument (pre_process,
+            post_process, fp16_lm_cross_entropy, parallel_output, share_embeddings_and_output_weights,
+            rope_scaling, scatter_embedding_sequence_parallel) not a bool; kv_channels, with RoPE,
+            as :class:`~fusedlib.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding` refuses
+            it (an odd rotary dim: ValueError).
         ValueError: vocab_size or max_sequence_length < 1; an unknown position_embedding_type;
             input_ids longer than max_sequence_length
             (learned positions); decoder_input not [s, b, h] for input_ids [b, s] (under sequence
@@ -129,6 +133,12 @@ class GPTModel(MegatronModule):
                  seq_len_interpolation_factor: Optional[float] = None, mtp_block_spec: Optional[ModuleSpec] = None,
                  pg_collection: object = None, vp_stage: Optional[int] = None) -> None:
         super().__init__(config=config)
+        (pre_process, post_process, fp16_lm_cross_entropy, parallel_output, share_embeddings_and_output_weights,
+         rope_scaling, scatter_embedding_sequence_parallel) = check_bools(
+            "GPTModel", pre_process=pre_process, post_process=post_process,
+            fp16_lm_cross_entropy=fp16_lm_cross_entropy, parallel_output=parallel_output,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights, rope_scaling=rope_scaling,
+            scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel)
         if (not pre_process or not post_process or mtp_block_spec is not None
                 or pg_collection is not None or vp_stage is not None):
             raise NotImplementedError("GPTModel: pipeline stages (pre_process/post_process False), multi-token "

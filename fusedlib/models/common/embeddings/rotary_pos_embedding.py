@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ....checks import real_to_float, short_repr, type_name
+from ....checks import check_bool, real_to_float, short_repr, type_name
 from ....runtime import default_device
 from .rope_utils import _apply_rotary_pos_emb_bshd, _rotate_half, apply_rotary_pos_emb  # noqa: F401 (Megatron re-exports them)
 
@@ -75,10 +75,11 @@ class RotaryEmbedding(nn.Module):
     follows the module's device.
 
     Raises:
-        TypeError: rotary_percent, seq_len_interpolation_factor, rotary_base or
-            rope_scaling_factor not a number.
+        TypeError: kv_channels not an int (a bool neither); rotary_percent,
+            seq_len_interpolation_factor, rotary_base or rope_scaling_factor not a number;
+            rotary_interleaved, rope_scaling or use_cpu_initialization not a bool.
         ValueError: kv_channels < 1, rotary_percent not in (0, 1], a rotary dim that rounds
-            to 0, a seq_len_interpolation_factor, rotary_base or (with rope_scaling)
+            to 0 or is odd (RoPE rotates pairs of channels), a seq_len_interpolation_factor, rotary_base or (with rope_scaling)
             rope_scaling_factor that is not a finite number > 0.
         NotImplementedError: a cp_group of more than one rank.
 
@@ -100,8 +101,17 @@ class RotaryEmbedding(nn.Module):
         device: Optional[torch.device | str] = None,
     ) -> None:
         super().__init__()
-        if not isinstance(kv_channels, int) or kv_channels < 1:
-            raise ValueError(f"kv_channels must be a positive int, got {kv_channels!r}")
+        if isinstance(kv_channels, bool) or not isinstance(kv_channels, numbers.Integral):
+            raise TypeError(f"kv_channels must be an int >= 1, got {type_name(kv_channels)} {short_repr(kv_channels)}")
+        if kv_channels < 1:
+            raise ValueError(f"kv_channels must be an int >= 1, got {kv_channels!r}")
+        kv_channels = int(kv_channels)
+        for name, flag in (("rotary_interleaved", rotary_interleaved), ("rope_scaling", rope_scaling),
+                           ("use_cpu_initialization", use_cpu_initialization)):
+            if flag is not True and flag is not False:
+                check_bool(name, flag)  # a str "False" was read as True
+        rotary_interleaved, rope_scaling = bool(rotary_interleaved), bool(rope_scaling)
+        use_cpu_initialization = bool(use_cpu_initialization)
         if not 0.0 < _real("rotary_percent", rotary_percent, "in (0, 1]") <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
         if seq_len_interpolation_factor is not None:
@@ -116,6 +126,12 @@ class RotaryEmbedding(nn.Module):
         if dim < 1:
             raise ValueError(
                 f"kv_channels * rotary_percent = {kv_channels} * {rotary_percent} rounds to {dim} rotary channels"
+            )
+        if dim % 2:  # RoPE rotates pairs of channels: an odd dim got dim + 1 angles, refused by the op later
+            raise ValueError(
+                f"RoPE rotates pairs of channels, so its rotary dim must be even: kv_channels = {kv_channels}"
+                + (f" (times rotary_percent = {rotary_percent}, rounded down)" if rotary_percent < 1.0 else "")
+                + f" gives {dim}"
             )
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
