@@ -143,7 +143,9 @@ def fused_vocab_parallel_cross_entropy(
 
     Args:
         vocab_parallel_logits: this rank's shard, [s, b, V/p] (any [..., V/p]), float32 /
-            float16 / bfloat16 / float64, CUDA or CPU, any strides. Never modified.
+            float16 / bfloat16 / float64, CUDA or CPU, any strides. Never modified. Every
+            rank's shard must have the same width V/p (not checked: see
+            :mod:`fusedlib.parallel.cross_entropy`).
         target: [s, b] int64/int32 ids in the global vocabulary [0, V); the same on every rank.
         tp_group: the tensor-parallel group (Megatron requires it; here None means the default
             group if torch.distributed is initialized, else one rank and no communication).

@@ -1,7 +1,10 @@
 """Vocab-parallel cross entropy, the unfused way: three all-reduces (four with label smoothing).
 
 With tensor parallelism the output layer's logits are split along the vocabulary: rank r of
-p holds ``logits[s, b, V/p]``, columns ``[r·V/p, (r+1)·V/p)`` of the full vocabulary. The
+p holds ``logits[s, b, V/p]``, columns ``[r·V/p, (r+1)·V/p)`` of the full vocabulary (every
+rank's shard of one width, as the vocab-parallel output layer makes them: each rank derives its
+columns from its own width, and shards of different widths are not detected, as in Megatron-core;
+checking them would cost a host synchronisation or one more collective per call). The
 loss of a token with target t is ``lse - x_t`` with ``lse = M + log sum_j e^{x_j - M}`` over
 ALL V columns, M the global max. Each rank computes statistics of its own shard; collectives
 combine them:
@@ -355,7 +358,8 @@ def vocab_parallel_cross_entropy(
 
     Args:
         vocab_parallel_logits: this rank's shard, [s, b, V/p] (any [..., V/p]), float32 / float16 /
-            bfloat16 / float64, CUDA or CPU, any strides. Never modified.
+            bfloat16 / float64, CUDA or CPU, any strides. Never modified. Every rank's shard must
+            have the same width V/p (not checked: see the module docstring).
         target: [s, b] int64/int32 ids in the GLOBAL vocabulary [0, V), V = p·V/p; the same on
             every rank.
         label_smoothing: Megatron's epsilon in [0, 1): probability epsilon spread over the V - 1
