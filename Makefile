@@ -1,4 +1,6 @@
-# fusedlib: two commands do everything on a fresh machine (Python 3.10+, GPU optional).
+# fusedlib: two commands do everything on a fresh machine (GPU optional). The package needs
+# Python 3.10+ (pyproject.toml's requires-python); make test needs 3.11+ (tests/test_packaging.py
+# imports tomllib), so, as README.md says, use Python 3.11+ for both.
 #   make book   set up .venv, execute every chapter on this machine's device, build _build/html
 #   make test   set up .venv, run the unit tests (the built book in a browser included) and nbval
 #               over every chapter
@@ -31,7 +33,9 @@ book: setup
 	$(VENV)/bin/jupyter-book build . --config book.yml --toc toc.yml -W -n --keep-going
 	@echo "open _build/html/index.html"
 
+# (on 3.10 one line says so, instead of an ImportError in the middle of the collection)
 test: setup
+	@$(PY) -c "import sys; sys.exit(0 if sys.version_info >= (3, 11) else 'make test needs Python 3.11+ (tomllib) in $(VENV), got ' + sys.version.split()[0] + ': remove $(VENV), then PYTHON=python3.11 make test')"
 	$(PY) -m pytest tests chapters --nbval --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider
 
 # On a GPU: time every op and its baselines, write chapters/data/bench/<op>.json, and the

@@ -284,7 +284,7 @@ def test_resume_is_bit_exact(kind, steps, corpus, tmp_path):
 def test_bf16_master_weights(corpus):
     # bf16 parameters, float32 master weights: after a step the parameters are the master
     # weights rounded to bf16, and the master weights moved by less than bf16 can represent
-    tr = Trainer(TrainConfig(**dict(TINY, steps=2, model="plain", bf16=True, device="cpu")), corpus=corpus)
+    tr = Trainer(TrainConfig(**dict(TINY, steps=2, warmup=1, model="plain", bf16=True, device="cpu")), corpus=corpus)
     before = [m.clone() for m in tr.master]
     tr.step()
     assert all(p.dtype == torch.bfloat16 for p in tr.params) and all(m.dtype == torch.float32 for m in tr.master)
@@ -297,7 +297,7 @@ def test_bf16_master_weights(corpus):
 def test_master_gradients_are_the_bf16_gradients_in_float32(corpus, missing):
     # one float32 buffer and one multi-tensor copy: each master gradient is its parameter's
     # gradient exactly, of its shape; a parameter without a gradient leaves its master without one
-    tr = Trainer(TrainConfig(**dict(TINY, steps=2, model="plain", bf16=True, device="cpu")), corpus=corpus)
+    tr = Trainer(TrainConfig(**dict(TINY, steps=2, warmup=1, model="plain", bf16=True, device="cpu")), corpus=corpus)
     torch.manual_seed(5)
     for p in tr.params:
         p.grad = torch.randn(p.shape, dtype=torch.float32).to(torch.bfloat16)
@@ -374,7 +374,7 @@ def test_get_batch_gathers_on_the_device_the_batches_of_the_cpu(corpus):
 
 
 def test_a_resumed_run_that_is_done_says_so(corpus, tmp_path):
-    kw = dict(TINY, steps=2, model="plain", device="cpu", out=str(tmp_path), progress=False)
+    kw = dict(TINY, steps=2, warmup=1, model="plain", device="cpu", out=str(tmp_path), progress=False)
     Trainer(TrainConfig(**kw), corpus=corpus, log=lambda line: None).run()
     lines = []
     again = Trainer(TrainConfig(resume=True, **kw), corpus=corpus, log=lines.append)
@@ -550,6 +550,79 @@ def test_train_config_refuses_bools_and_strs_for_numbers(field):
             TrainConfig(**dict(TINY, **{field: value}))
 
 
+#: TrainConfig's on/off fields: a new one must be added here (and is then checked below).
+BOOL_FIELDS = ("bf16", "compile", "cuda_graph", "full_iteration_graph", "sequence_parallel", "resume", "progress")
+
+
+def test_train_config_on_off_fields_are_the_bool_annotated_ones():
+    assert tuple(f.name for f in dataclasses.fields(TrainConfig) if f.type in ("bool", "Optional[bool]")) == BOOL_FIELDS
+
+
+@pytest.mark.parametrize("field", BOOL_FIELDS)
+def test_train_config_on_off_fields_refuse_what_is_not_a_bool(field, tmp_path):
+    # read by truth value, bf16="False" trained in bfloat16 and resume="False" looked for a checkpoint
+    for value in ("False", "True", 0, 1, np.int64(0)) + (() if field == "bf16" else (None,)):
+        with pytest.raises(TypeError, match=rf"^{field} must be a bool.*, got \S*{re.escape(type(value).__name__)} "):
+            TrainConfig(**dict(TINY, out=str(tmp_path), **{field: value}))
+    with pytest.raises(ValueError, match=f"^{field} must be a bool"):  # (every other refused field is a ValueError)
+        TrainConfig(**dict(TINY, out=str(tmp_path), **{field: "False"}))
+    cfg = TrainConfig(**dict(TINY, **{field: np.bool_(False)}))  # numpy's bool, as the rest of fusedlib takes it
+    assert getattr(cfg, field) is False
+    assert dataclasses.asdict(cfg)[field] is False  # (a checkpoint stores the fields: torch.load refuses numpy's)
+
+
+def test_train_config_bf16_takes_none_and_numpy_s_true(corpus):
+    assert TrainConfig(**dict(TINY, bf16=None)).bf16 is None
+    cfg = TrainConfig(**dict(TINY, steps=2, warmup=1, model="plain", device="cpu", bf16=np.bool_(True)))
+    assert cfg.bf16 is True and cfg.use_bf16() is True
+    with pytest.raises(TypeError, match=r"bf16 must be a bool or None \(None: on CUDA\), got str 'False'"):
+        TrainConfig(**dict(TINY, model="plain", device="cpu", bf16="False"))
+    assert Trainer(dataclasses.replace(cfg, bf16=False), corpus=corpus).params[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("steps, warmup", [(2, 2), (2, 10), (1, 1), (1500, 1500)])
+def test_train_config_refuses_a_warmup_of_steps_or_more(steps, warmup):
+    # the rate rose to warmup/steps of lr and never decayed (Megatron-LM asserts warmup < decay steps)
+    with pytest.raises(ValueError, match=rf"^warmup \({warmup}\) must be less than steps \({steps}\)"):
+        TrainConfig(**dict(TINY, steps=steps, warmup=warmup))
+
+
+def test_train_config_takes_a_warmup_below_steps_and_none():
+    d = TrainConfig()
+    assert d.warmup < d.steps  # the defaults pass (chapter 9's run)
+    assert TrainConfig(**dict(TINY, steps=1, warmup=0)).warmup == 0  # no warm-up: the cosine from the first step
+    assert TrainConfig(**dict(TINY, steps=2, warmup=1)).warmup == 1
+
+
+def test_train_config_refuses_a_save_interval_without_out(tmp_path):
+    # nothing was saved: no directory to save into
+    with pytest.raises(ValueError, match=r"^save_interval \(1\) needs out"):
+        TrainConfig(**dict(TINY, steps=4, save_interval=1))
+    assert TrainConfig(**dict(TINY, steps=4, save_interval=1, out=str(tmp_path))).save_interval == 1
+    assert TrainConfig(**dict(TINY, steps=4, save_interval=0)).out is None  # 0: none but at the end
+
+
+def test_bench_runs_of_a_base_with_out_and_save_interval_save_nothing(tmp_path, stdlib_root, monkeypatch):
+    # each run trains with out=None: the base's save interval must not make it refused
+    from fusedlib.train import bench
+
+    monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
+    seen = []
+
+    def fake_run(name, cfg, corpus, warmup, sample_tokens, log):
+        seen.append(cfg)
+        return {"op": "train", "impl": name, "tokens_per_s": 1.0, "ms_per_step": 1.0, "losses": [1.0], "val": [],
+                "wall_s": 0.0}
+
+    monkeypatch.setattr(bench, "_one_run", fake_run)
+    base = TrainConfig(**dict(TINY, steps=4, device="cpu", out=str(tmp_path / "run"), save_interval=2,
+                              cache_dir=str(tmp_path / "cache")))
+    lines = []
+    records = bench.run_bench(base, None, ["fusedlib", "torch.compile"], warmup=2, log=lines.append)
+    assert [r["impl"] for r in records] == ["fusedlib", "torch.compile"], lines
+    assert all(c.out is None and c.save_interval == 0 for c in seen)
+
+
 def test_resume_names_a_damaged_metrics_file(corpus, tmp_path):
     kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path))
     Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus).run()
@@ -592,12 +665,12 @@ def test_seq_longer_than_a_split_is_refused_before_training(corpus):
     short = dataclasses.replace(corpus, val=corpus.val[:10])
     with pytest.raises(ValueError, match=r"seq \(16\) needs at least seq \+ 1 tokens in the corpus' val split, "
                                          r"which has 10"):
-        Trainer(TrainConfig(**dict(TINY, steps=2, model="plain", device="cpu")), corpus=short)
+        Trainer(TrainConfig(**dict(TINY, steps=2, warmup=1, model="plain", device="cpu")), corpus=short)
 
 
 def test_trainer_refuses_a_corpus_that_is_not_one_before_training(corpus):
     # a str was an AttributeError; int64 splits trained until get_batch refused them at the first step
-    cfg = TrainConfig(**dict(TINY, steps=2, model="plain", device="cpu"))
+    cfg = TrainConfig(**dict(TINY, steps=2, warmup=1, model="plain", device="cpu"))
     with pytest.raises(TypeError, match="corpus must be a Corpus"):
         Trainer(cfg, corpus="stdlib")
     with pytest.raises(ValueError, match=r"corpus: its train split must be a 1-D uint8 tensor of tokens, got "
@@ -611,7 +684,7 @@ def test_trainer_checks_the_corpus_before_it_builds_or_writes_anything(corpus, t
 
     built = []
     monkeypatch.setattr(loop_mod, "build_model", lambda *a, **k: built.append(a) or pytest.fail("model built"))
-    cfg = TrainConfig(**dict(TINY, steps=2, model="plain", device="cpu", out=str(tmp_path / "run")))
+    cfg = TrainConfig(**dict(TINY, steps=2, warmup=1, model="plain", device="cpu", out=str(tmp_path / "run")))
     with pytest.raises(ValueError, match="corpus' val split"):
         Trainer(cfg, corpus=dataclasses.replace(corpus, val=corpus.val[:3]))
     assert built == [] and not (tmp_path / "run").exists()
@@ -645,6 +718,32 @@ def test_logged_learning_rates_are_the_ones_used_and_decay_to_lr_over_10(corpus)
     # a few float64 operations apart: 1e-12 relative is ~1e4 ulp, far below the O(1e-2) a wrong step shifts
     assert all(math.isclose(got, rate(i), rel_tol=1e-12) for i, got in enumerate(logged)), logged
     assert all(math.isclose(g["lr"], lr / 10, rel_tol=1e-12) for g in tr.optimizer.param_groups)  # at `steps`
+
+
+def test_the_schedule_is_the_one_its_docstrings_state(corpus):
+    # the module docstring said the cosine reaches min_lr "at steps": it reaches it at step index
+    # `steps`, one past the last step run; the documented example values are computed here
+    from fusedlib.train import CosineSchedule, loop
+
+    doc = " ".join(CosineSchedule.__doc__.split())
+    m = re.search(r"steps (\d+), warmup (\d+), r ([\d.]+): ([\d., ]+); then ([\d.]+)", doc)
+    assert m, doc
+    steps, warmup, r = int(m[1]), int(m[2]), float(m[3])
+    s = CosineSchedule(warmup=warmup, steps=steps, min_ratio=r)
+    assert [float(v) for v in m[4].split(", ")] == [round(s(i), 2) for i in range(steps)]
+    assert float(m[5]) == r == s(steps) and s(steps - 1) > r
+    doc = " ".join(loop.__doc__.split())
+    assert "``min_lr`` (default lr/10) at ``steps``" not in doc
+    m = re.search(r"with steps (\d+), warmup (\d+), lr ([\d.e-]+): at ([\d.e-]+) against min_lr ([\d.e-]+)", doc)
+    assert m and "reaches ``min_lr`` at index ``steps``, one past the last step run" in doc, doc
+    lr, min_lr = float(m[3]), float(m[5])
+    tr = Trainer(TrainConfig(**dict(TINY, steps=int(m[1]), warmup=int(m[2]), lr=lr, min_lr=min_lr, model="plain",
+                                    device="cpu", bf16=False)), corpus=corpus, log=lambda line: None)
+    tr.run()
+    logged = [r["lr"] for r in tr.history if "loss" in r]
+    assert len(logged) == int(m[1]) and float(f"{logged[-1]:.3g}") == float(m[4]) > min_lr  # the last step
+    assert logged[:3] == [lr / 2, lr, lr]  # warm-up k/warmup·lr, then the peak at the cosine's start
+    assert all(math.isclose(g["lr"], min_lr, rel_tol=1e-12) for g in tr.optimizer.param_groups)  # index `steps`
 
 
 def test_adamw_decays_only_the_matrices_with_the_configured_betas_and_eps(corpus):
@@ -685,7 +784,7 @@ def test_evaluate_averages_its_batches_in_evaluation_mode(corpus, monkeypatch):
     # the model back in training mode after; the batches are recorded as evaluate draws them
     from fusedlib.train import loop
 
-    tr = Trainer(TrainConfig(**dict(TINY, steps=2, dropout=0.5, eval_batches=3, model="plain", device="cpu",
+    tr = Trainer(TrainConfig(**dict(TINY, steps=2, warmup=1, dropout=0.5, eval_batches=3, model="plain", device="cpu",
                                     bf16=False)), corpus=corpus)
     drawn = []
 
@@ -752,7 +851,7 @@ def test_sample_refuses_a_generator_that_is_not_one(generator):
 
 def test_trainer_sample_names_a_bad_seed(corpus):
     # a str or a float seed was torch's RuntimeError from manual_seed, 2^64 an "Overflow when unpacking long long"
-    tr = Trainer(TrainConfig(**dict(TINY, steps=1, model="plain", device="cpu")), corpus=corpus)
+    tr = Trainer(TrainConfig(**dict(TINY, steps=1, warmup=0, model="plain", device="cpu")), corpus=corpus)
     assert tr.sample("a", 2, seed=-1) == tr.sample("a", 2, seed=-1)
     assert tr.sample("a", 2, seed=np.int64(7)) == tr.sample("a", 2, seed=7)
     for seed in ("1", 1.5, True, np.float64(1.0), None):
@@ -765,7 +864,7 @@ def test_trainer_sample_names_a_bad_seed(corpus):
 
 def test_trainer_sample_refuses_a_batch_of_prompts_before_generating(corpus, monkeypatch):
     # a [b, t] prompt was generated in full, then decode refused the result ("ids must be 1-D")
-    tr = Trainer(TrainConfig(**dict(TINY, steps=1, model="plain", device="cpu")), corpus=corpus)
+    tr = Trainer(TrainConfig(**dict(TINY, steps=1, warmup=0, model="plain", device="cpu")), corpus=corpus)
     assert tr.sample(torch.tensor([97, 98]), 2) == tr.sample("ab", 2)
     monkeypatch.setattr(tr.model, "forward", lambda *a, **k: pytest.fail("generated before the check"))
     with pytest.raises(ValueError, match=r"prompt must be a str or 1-D token ids.*\[2, 2\]"):
@@ -821,7 +920,8 @@ def test_sample_below_float32_s_least_temperature_is_greedy():
 @pytest.mark.parametrize("argv, flag", [
     (["--lr", "-1"], "--lr"), (["--layers", "0"], "--layers"), (["--hidden", "30", "--heads", "4"], "--heads"),
     (["--spec", "partly"], "--spec"), (["--model", "llama"], "--model"), (["--resume"], "--resume"),
-    (["--stop-at", "9", "--steps", "5", "--out", "x"], "--stop-at"), (["--dropout", "1.5"], "--dropout"),
+    (["--stop-at", "9", "--steps", "5", "--warmup", "1", "--out", "x"], "--stop-at"),
+    (["--dropout", "1.5"], "--dropout"),
     (["--bench-runs", "fusedlib"], "--bench-runs"), (["--bench", "--bench-runs", "nope"], "--bench-runs"),
     (["--top-k", "0"], "--top-k"), (["--attention-backend", "magic"], "--attention-backend"),
     # flags the chosen model would ignore
@@ -836,7 +936,8 @@ def test_sample_below_float32_s_least_temperature_is_greedy():
     (["--tp", "2", "--sequence-parallel", "--seq", "15"], "--sequence-parallel: "),
     # sizes torch cannot index, a seed beyond torch.manual_seed's range: OverflowError tracebacks before
     (["--layers", str(10 ** 28)], "--layers"), (["--ffn", str(2 ** 31)], "--ffn"),
-    (["--seed", str(2 ** 64 - 1)], "--seed"), (["--bench-tp", "--bench-warmup", "0", "--steps", "4"], "--bench-tp"),
+    (["--seed", str(2 ** 64 - 1)], "--seed"),
+    (["--bench-tp", "--bench-warmup", "0", "--steps", "4", "--warmup", "1"], "--bench-tp"),
 ])
 def test_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -845,6 +946,34 @@ def test_bad_flags(argv, flag, capsys):
     # the error line itself (the usage line above it names every flag: a test of the whole text
     # passed whichever flag the message blamed)
     assert flag in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    # accepted and ignored: --bench-warmup without a benchmark, --save-interval without --out
+    (["--bench-warmup", "-5"], "--bench-warmup needs --bench, --bench-tp or --bench-profile"),
+    (["--bench-warmup", "5"], "--bench-warmup needs --bench, --bench-tp or --bench-profile"),
+    (["--save-interval", "1"], "--save-interval: save_interval (1) needs out"),
+    (["--bench", "--save-interval", "2", "--out", "x"], "--save-interval: --bench trains from scratch"),
+    (["--bench-profile", "--save-interval", "2"], "--save-interval: --bench-profile trains from scratch"),
+    (["--bench-tp", "--save-interval", "2"], "--save-interval: --bench-tp trains from scratch"),
+    # a warm-up the run cannot finish: the rate stopped at a fraction of --lr and never decayed
+    (["--warmup", "10", "--steps", "2"], "--warmup: warmup (10) must be less than steps (2)"),
+    (["--warmup", "2", "--steps", "2"], "--warmup: warmup (2) must be less than steps (2)"),
+    (["--steps", "50"], "--warmup: warmup (100) must be less than steps (50)"),
+])
+def test_cli_refuses_flags_it_would_ignore_or_cannot_honour(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2 and flag in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_cli_takes_those_flags_where_they_apply(tmp_path):
+    assert cli.parse_args([])[0].warmup == TrainConfig().warmup  # the defaults
+    assert cli.parse_args(["--bench", "--bench-warmup", "5"])[1].bench_warmup == 5
+    assert cli.parse_args(["--bench-profile", "--bench-warmup", "5"])[1].bench_warmup == 5
+    assert cli.parse_args(["--save-interval", "1", "--out", str(tmp_path)])[0].save_interval == 1
+    assert cli.parse_args(["--warmup", "0", "--steps", "1"])[0].warmup == 0
+    assert cli.parse_args(["--warmup", "1", "--steps", "2"])[0].warmup == 1
 
 
 @pytest.mark.parametrize("world, argv", [("2", []), ("4", ["--tp", "2"]), ("1", ["--tp", "2", "--heads", "2"])])
@@ -880,11 +1009,58 @@ def test_cli_trains_writes_metrics_and_samples(tmp_path, stdlib_root, capsys, mo
 def test_cli_resume_problems_are_one_error_line(tmp_path, stdlib_root, capsys, monkeypatch):
     monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
     argv = ["--model", "plain", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",
-            "--steps", "2", "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--device", "cpu", "--resume",
+            "--steps", "2", "--warmup", "1", "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--device", "cpu",
+            "--resume",
             "--out", str(tmp_path / "none")]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "error: resume: no checkpoint at" in err and "Traceback" not in err
+
+
+def test_resume_with_another_tp_names_the_checkpoints_there_and_the_tp_they_need(tmp_path, stdlib_root, capsys,
+                                                                                 monkeypatch, corpus):
+    # a folder of a tp = 2 run holds checkpoint-tp0.pt and checkpoint-tp1.pt: a resume at tp = 1
+    # said only "no checkpoint at .../checkpoint.pt"
+    run = tmp_path / "tp2"
+    run.mkdir()
+    for rank in (0, 1):
+        (run / f"checkpoint-tp{rank}.pt").write_bytes(b"")
+    monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
+    argv = ["--model", "gpt", "--spec", "unfused", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16",
+            "--batch", "2", "--steps", "2", "--warmup", "1", "--cache-dir", str(tmp_path / "cache"), "--no-progress",
+            "--device", "cpu", "--resume", "--out", str(run)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert (f"error: resume: no checkpoint at {run / 'checkpoint.pt'}; {run} holds the tensor-parallel checkpoints "
+            f"checkpoint-tp0.pt, checkpoint-tp1.pt, one per rank of a run with tp = 2: resume them with tp = 2 "
+            f"(--tp 2, under torchrun --nproc-per-node 2)") in err and "Traceback" not in err
+    (run / "checkpoint-tp0.pt").unlink()  # a rank's file missing: no tp to name
+    cfg = TrainConfig(**dict(TINY, steps=2, warmup=1, model="plain", device="cpu", out=str(run), resume=True))
+    with pytest.raises(FileNotFoundError, match=r"holds the tensor-parallel checkpoints checkpoint-tp1\.pt, of a run "
+                                                r"with tp > 1 whose other ranks' files are missing$"):
+        Trainer(cfg, corpus=corpus)
+    (run / "checkpoint-tp1.pt").unlink()  # nothing of another tp: the message as before
+    with pytest.raises(FileNotFoundError, match=rf"^resume: no checkpoint at {re.escape(str(run / 'checkpoint.pt'))}$"):
+        Trainer(cfg, corpus=corpus)
+    # and the other way: a tp = 2 rank finds a tp = 1 run's checkpoint.pt (ranks need torchrun: the
+    # message's part alone, for this config)
+    (run / "checkpoint.pt").write_bytes(b"")
+    tp2 = TrainConfig(**dict(TINY, tp=2, steps=2, warmup=1, device="cpu", out=str(run), resume=True))
+    hint = Trainer._other_tp_checkpoints(type("T", (), {"config": tp2})(), run)
+    assert hint == f"; {run} holds checkpoint.pt, the checkpoint of a run with tp = 1: resume it with tp = 1 (--tp 1)"
+
+
+def test_cli_help_and_readme_name_the_tensor_parallel_checkpoints(capsys, monkeypatch):
+    # both said --resume continues from <out>/checkpoint.pt, which a run with --tp > 1 never writes
+    monkeypatch.setenv("COLUMNS", "1000")  # (argparse wraps at hyphens)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--resume continue from <out>/checkpoint\.pt \(a run with --tp > 1: from its "
+                     r"<out>/checkpoint-tp<rank>\.pt, with the same --tp\)", text), text
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert ("`--resume` with the same flags continues it from `<out>/checkpoint.pt` (a run with `--tp N`, N > 1, "
+            "keeps one `<out>/checkpoint-tp<rank>.pt` per rank and resumes with the same `--tp N`)") in readme
 
 
 def test_cli_a_diverged_run_is_one_error_line_and_status_1(tmp_path, stdlib_root, capsys, monkeypatch):
@@ -906,7 +1082,7 @@ def test_cli_a_step_out_of_memory_is_one_error_line_and_status_1(tmp_path, stdli
 
     monkeypatch.setattr(Trainer, "run", run)
     argv = ["--model", "plain", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",
-            "--steps", "2", "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--device", "cpu"]
+            "--steps", "2", "--warmup", "1", "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--device", "cpu"]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert ("error: step 1 does not fit in the cpu memory (--batch 2, --seq 16; a smaller --batch may fit): CUDA out "
@@ -1047,7 +1223,7 @@ def test_tensor_parallel_training_with_sequence_parallelism_keeps_the_replicas_e
 
     cache = str(tmp_path / "cache")
     load_corpus(cache, root=stdlib_root)
-    kw = dict(TINY, steps=2, spec="unfused", device="cpu", bf16=False, heads=2)
+    kw = dict(TINY, steps=2, warmup=1, spec="unfused", device="cpu", bf16=False, heads=2)
     (l0, sd0, layout), (l1, sd1, _) = spawn(_tp_sequence_parallel_worker, 2, kw, str(stdlib_root), cache,
                                             backend="gloo")
     assert l0 == l1 and len(l0) == 2
@@ -1063,7 +1239,7 @@ def test_tensor_parallel_flags():
     with pytest.raises(ValueError, match="divide"):
         TrainConfig(tp=4, heads=6)
     with pytest.raises(RuntimeError, match="torchrun"):
-        Trainer(TrainConfig(**dict(TINY, tp=2, steps=2, device="cpu")))
+        Trainer(TrainConfig(**dict(TINY, tp=2, steps=2, warmup=1, device="cpu")))
     with pytest.raises(ValueError, match="sequence_parallel needs tp > 1"):  # as Megatron-core's config
         TrainConfig(sequence_parallel=True)
 
@@ -1077,7 +1253,7 @@ def test_trainer_refuses_data_parallel_copies(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda: 2)
     with pytest.raises(ValueError, match=r"tp \(2\) must equal the number of processes \(4\)"):
-        Trainer(TrainConfig(**dict(TINY, tp=2, steps=2, device="cpu")))
+        Trainer(TrainConfig(**dict(TINY, tp=2, steps=2, warmup=1, device="cpu")))
 
 
 def test_compile_of_the_fused_model_needs_compiled_kernels(monkeypatch):
@@ -1094,7 +1270,8 @@ def test_compile_of_the_fused_model_needs_compiled_kernels(monkeypatch):
 
 
 def test_bench_with_too_few_steps_names_steps_and_log_interval(capsys):
-    for argv in (["--bench", "--steps", "1"], ["--bench", "--steps", "10", "--log-interval", "10"]):
+    for argv in (["--bench", "--steps", "1", "--warmup", "0"],
+                 ["--bench", "--steps", "10", "--warmup", "1", "--log-interval", "10"]):
         with pytest.raises(SystemExit):
             cli.main(argv + ["--device", "cpu"])
         err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -1139,8 +1316,9 @@ def test_bench_keeps_the_runs_that_finish(tmp_path, stdlib_root, monkeypatch):
     assert any("fusedlib-unfused: FAILED" in line and "no graph today" in line for line in lines)
     # the command line's exit status: 1 when a run failed (here fake_run's; fusedlib-compile would
     # fail on the CPU alone)
-    argv = ["--bench", "--bench-runs", "fusedlib", "fusedlib-unfused", "--steps", "4", "--log-interval", "2",
-            "--bench-warmup", "2", "--out", str(tmp_path / "cli"), "--cache-dir", str(tmp_path / "cache")]
+    argv = ["--bench", "--bench-runs", "fusedlib", "fusedlib-unfused", "--steps", "4", "--warmup", "1",
+            "--log-interval", "2", "--bench-warmup", "2", "--out", str(tmp_path / "cli"),
+            "--cache-dir", str(tmp_path / "cache")]
     monkeypatch.setattr(bench, "bench_table", lambda records: "")
     assert cli.main(argv) == 1
 
@@ -1335,7 +1513,7 @@ def test_profile_steps_writes_each_runs_summary(corpus, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv, flag", [(["--bench-profile", "--bench"], "--bench-profile"),
                                         (["--bench-profile", "--bench-runs", "fusedlib-graphs"], "fusedlib-graphs"),
-                                        (["--bench-profile", "--steps", "10"], "--steps"),
+                                        (["--bench-profile", "--steps", "10", "--warmup", "1"], "--steps"),
                                         (["--bench-profile", "--cuda-graph"], "--cuda-graph"),
                                         (["--bench-runs", "fusedlib"], "--bench-runs"),
                                         (["--bench-profile", "--bench-warmup", "-5"], "--bench-warmup"),
@@ -1345,3 +1523,19 @@ def test_bench_profile_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.parse_args(argv)
     assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_makefile_states_the_python_versions_of_pyproject_and_readme():
+    # its header said the two commands work on Python 3.10+, but the tests import tomllib (3.11+)
+    root = Path(__file__).resolve().parents[1]
+    lines = (root / "Makefile").read_text().splitlines()
+    header = " ".join(" ".join(line.lstrip("#").split()) for line in lines[:next(i for i, line in enumerate(lines)
+                                                                                  if not line.startswith("#"))])
+    library = re.search(r'^requires-python = ">=(3\.\d+)"', (root / "pyproject.toml").read_text(), re.M)[1]
+    readme = " ".join((root / "README.md").read_text().split())
+    assert "On a fresh machine with Python 3.11+" in readme and f"the package itself imports on {library}" in readme
+    assert f"The package needs Python {library}+ (pyproject.toml's requires-python)" in header, header
+    assert "make test needs 3.11+ (tests/test_packaging.py imports tomllib)" in header, header
+    assert "Python 3.10+, GPU optional" not in header
+    recipe = (root / "Makefile").read_text().split("\ntest: setup\n", 1)[1].split("\n\n", 1)[0]
+    assert "sys.version_info >= (3, 11)" in recipe.splitlines()[0]  # checked before pytest runs

@@ -80,8 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
     o.add_argument("--steps", type=int, default=d.steps, help="training steps")
     o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    o.add_argument("--min-lr", type=float, default=d.min_lr, help="final learning rate (default lr/10)")
-    o.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
+    o.add_argument("--min-lr", type=float, default=d.min_lr,
+                   help="the rate the half cosine falls to at step index --steps, one past the last step "
+                        "(default lr/10)")
+    o.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps (fewer than --steps)")
     o.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's, on the matrices")
     o.add_argument("--beta1", type=float, default=d.beta1, help="AdamW's first-moment decay")
     o.add_argument("--beta2", type=float, default=d.beta2, help="AdamW's second-moment decay")
@@ -106,13 +108,16 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--cache-dir", default=d.cache_dir,
                    help="corpus cache (default $FUSEDLIB_CACHE or ~/.cache/fusedlib)")
     w = p.add_argument_group("output")
-    w.add_argument("--out", default=None, help="directory for metrics.jsonl and checkpoint.pt (--bench: train.json)")
+    w.add_argument("--out", default=None, help="directory for metrics.jsonl and checkpoint.pt (with --tp > 1, "
+                                              "checkpoint-tp<rank>.pt per rank; --bench: train.json)")
     w.add_argument("--log-interval", type=int, default=d.log_interval, help="steps per metrics window")
     w.add_argument("--eval-interval", type=int, default=d.eval_interval, help="0: only at the end")
     w.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
-    w.add_argument("--save-interval", type=int, default=d.save_interval, help="0: only at the end")
+    w.add_argument("--save-interval", type=int, default=d.save_interval, help="0: only at the end (else needs --out)")
     w.add_argument("--stop-at", type=int, default=d.stop_at, help="stop (and save) after this step")
-    w.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    w.add_argument("--resume", action="store_true",
+                   help="continue from <out>/checkpoint.pt (a run with --tp > 1: from its "
+                        "<out>/checkpoint-tp<rank>.pt, with the same --tp)")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     s = p.add_argument_group("sampling")
     s.add_argument("--sample", type=int, default=0, metavar="N", help="print N sampled tokens after training")
@@ -153,6 +158,13 @@ def parse_args(argv: Optional[list[str]] = None):
         if spec == "unfused" and backend is not None:
             parser.error("--attention-backend applies to --spec fused: the unfused spec runs the materialised "
                          "attention with torch's softmax")
+    bench = next((flag for flag, on in (("--bench", args.bench), ("--bench-tp", args.bench_tp),
+                                         ("--bench-profile", args.bench_profile)) if on), None)
+    if bench is None and args.bench_warmup is not None:
+        parser.error("--bench-warmup needs --bench, --bench-tp or --bench-profile: it sets the steps they leave out "
+                     "of their timing")
+    if bench is not None and args.save_interval:  # (its runs train with out=None: it would be ignored)
+        parser.error(f"--save-interval: {bench} trains from scratch and writes no checkpoint: leave it out")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
     values["progress"] = not args.no_progress

@@ -163,7 +163,7 @@ def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[s
     records = []
     for name in runs:
         try:
-            cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None)
+            cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None, save_interval=0)
             record = _one_run(name, cfg, corpus, warmup, sample_tokens, log)
         except Exception as exc:  # noqa: BLE001  (reported, and the other runs go on)
             log(f"{name}: FAILED, left out: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -243,7 +243,8 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
     for name in runs:
         trainer = None
         try:
-            cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None, progress=False)
+            cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None, save_interval=0,
+                                      progress=False)
             trainer = Trainer(cfg, corpus=corpus, log=lambda line: None)
             for _ in range(warmup):
                 trainer.step()
@@ -319,7 +320,7 @@ def run_tp_bench(base: TrainConfig, out_dir: Optional[str | Path], warmup: int =
     corpus = load_corpus(base.cache_dir)
     records = []
     for tp in (p, 1):
-        cfg = dataclasses.replace(base, model="gpt", tp=tp, out=None, resume=False, stop_at=None,
+        cfg = dataclasses.replace(base, model="gpt", tp=tp, out=None, resume=False, stop_at=None, save_interval=0,
                                   sequence_parallel=base.sequence_parallel and tp > 1)
         if tp == 1 and rank != 0:
             dist.barrier()

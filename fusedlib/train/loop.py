@@ -17,9 +17,17 @@ optimizer updates a float32 copy of every parameter (its "master weights"), as M
 added to a bf16 weight (8 bits of mantissa) directly. Every model of a comparison runs the same
 scheme.
 
-Schedule: the learning rate rises linearly over ``warmup`` steps to ``lr``, then falls along a
-half cosine to ``min_lr`` (default lr/10) at ``steps`` (Loshchilov and Hutter, SGDR, 2017; the
-schedule of GPT-3 and nanoGPT). Weight decay applies to the matrices (2-D parameters) only.
+Schedule (:class:`CosineSchedule`): the learning rate rises linearly over ``warmup`` steps to
+``lr`` (step k of them, 1-based, runs at lr·k/warmup), then falls along a half cosine towards
+``min_lr`` (default lr/10): the step of 0-based index i >= warmup runs at
+``min_lr + (lr - min_lr)·(1 + cos(π·(i - warmup)/(steps - warmup)))/2``, which reaches
+``min_lr`` at index ``steps``, one past the last step run. So the last step (index steps - 1)
+runs a little above ``min_lr`` (with steps 6, warmup 2, lr 1e-3: at 2.32e-4 against min_lr
+1e-4; with the defaults, 1500 steps and warmup 100, 1.1e-5 relative above it), and the
+optimizer holds ``min_lr`` after it, the rate a further step would take (Loshchilov and Hutter,
+SGDR, 2017; the schedule of GPT-3 and nanoGPT). ``warmup`` must be less than ``steps``, as
+Megatron-LM asserts of its warm-up and decay steps: else the rate would stop at a fraction of
+``lr`` and never decay. Weight decay applies to the matrices (2-D parameters) only.
 
 The token splits live on the training device (uint8, a few MB): a batch's offsets are drawn
 on the CPU and the windows gathered on the device, the same batches on every device.
@@ -67,6 +75,7 @@ import json
 import math
 import numbers
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -74,7 +83,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import runtime
-from ..checks import FLOAT32_MAX, file_on_the_way, real_to_float
+from ..checks import FLOAT32_MAX, ArgumentTypeError, check_bool, file_on_the_way, real_to_float
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..parallel.utils import all_reduce
 from ..transformer.enums import AttnBackend
@@ -123,8 +132,9 @@ class TrainConfig:
     for the fused spec), ``layers``, ``hidden``, ``heads``, ``ffn`` (None: 4·hidden), ``seq``
     (tokens per sequence), ``dropout``.
     Optimisation: ``batch`` (sequences per step), ``steps``, ``lr`` (peak), ``min_lr`` (None:
-    lr/10), ``warmup`` (steps), ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip`` (max global
-    norm; 0: none).
+    lr/10; the schedule reaches it at step index ``steps``, one past the last step), ``warmup``
+    (steps, fewer than ``steps``; 0: none), ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip``
+    (max global norm; 0: none).
     Execution: ``device`` (None: CUDA when present; with ``tp`` > 1 this rank's GPU), ``bf16``
     (None: on CUDA), ``compile`` (``torch.compile`` the model; the fused "gpt" model only where
     fusedlib's kernels are compiled for CUDA, not in Triton's interpreter), ``compile_mode`` (its ``mode``,
@@ -137,9 +147,15 @@ class TrainConfig:
     ``fusedlib.parallel.spawn``), ``sequence_parallel``, ``seed`` (weights, data order, dropout).
     Output: ``out`` (directory for metrics and checkpoints; None: none written),
     ``log_interval``, ``eval_interval`` (0: only at the end), ``eval_batches``,
-    ``save_interval`` (0: only at the end), ``stop_at`` (stop after this step and save, as an
-    interruption would; the schedule still runs to ``steps``), ``resume`` (continue from
-    ``out``'s checkpoint), ``progress`` (a tqdm bar), ``cache_dir`` (the corpus cache).
+    ``save_interval`` (0: only at the end; else needs ``out``), ``stop_at`` (stop after this step
+    and save, as an interruption would; the schedule still runs to ``steps``), ``resume``
+    (continue from ``out``'s checkpoint: ``checkpoint.pt``, with ``tp`` > 1 one
+    ``checkpoint-tp<rank>.pt`` per rank), ``progress`` (a tqdm bar), ``cache_dir`` (the corpus
+    cache).
+
+    The on/off fields (``bf16``, which may also be None, ``compile``, ``cuda_graph``,
+    ``full_iteration_graph``, ``sequence_parallel``, ``resume``, ``progress``) must be bools
+    (numpy's bool is converted): a str ``"False"`` would otherwise be read as True.
 
     The defaults are the book's GPU run: 6 layers of hidden size 384 in 6 heads (10.9 M
     parameters), 64 sequences of 512 bytes per step (32,768 tokens), 1500 steps (49 M tokens,
@@ -147,6 +163,8 @@ class TrainConfig:
 
     Raises:
         ValueError: a field out of range, naming it.
+        ArgumentTypeError: an on/off field that is not a bool, naming it (a TypeError, and a
+            ValueError as every other field's refusal is).
     """
 
     model: str = "gpt"
@@ -187,6 +205,7 @@ class TrainConfig:
     cache_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
+        self._check_bools()  # first: the checks below read them by truth value
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
         if self.spec not in SPECS:
@@ -205,6 +224,9 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_INT:
                 raise ValueError(f"{name} must be an int in [0, 2^31 - 1], got {v!r}")
+        if self.warmup >= self.steps:  # (Megatron-LM asserts lr_warmup_steps < lr_decay_steps)
+            raise ValueError(f"warmup ({self.warmup}) must be less than steps ({self.steps}): the learning rate would "
+                             f"stop at a fraction of lr and never decay (0: no warm-up)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be an int in [0, 2^63) (torch.manual_seed's range), got {self.seed!r}")
         for name in ("lr", "min_lr", "beta1", "beta2", "weight_decay", "grad_clip", "dropout"):
@@ -240,8 +262,6 @@ class TrainConfig:
                              "torch.compile's own)")
         if self.cuda_graph and self.tp > 1:
             raise ValueError(f"cuda_graph needs tp = 1, got {self.tp}")
-        if not isinstance(self.full_iteration_graph, bool):
-            raise ValueError(f"full_iteration_graph must be a bool, got {self.full_iteration_graph!r}")
         if self.full_iteration_graph and self.cuda_graph:
             raise ValueError("full_iteration_graph and cuda_graph exclude each other: the step's graph holds the "
                              "layers already (a graph cannot be captured inside another)")
@@ -261,6 +281,9 @@ class TrainConfig:
             raise ValueError(f"sequence_parallel: tp ({self.tp}) must divide seq ({self.seq})")
         if (self.resume or self.stop_at is not None) and self.out is None:
             raise ValueError(f"{'resume' if self.resume else 'stop_at'} needs out: the directory of the checkpoint")
+        if self.save_interval and self.out is None:  # (else no checkpoint would be written at all)
+            raise ValueError(f"save_interval ({self.save_interval}) needs out: the directory of the checkpoints "
+                             f"(0: none but at the end, where out is set)")
         for name in ("out", "cache_dir"):
             if getattr(self, name) is not None and str(getattr(self, name)) == "":
                 raise ValueError(f"{name} must be a directory path or None, got '' (which would mean the current "
@@ -291,6 +314,27 @@ class TrainConfig:
             raise ValueError("compile with model 'gpt' needs fusedlib's kernels compiled for CUDA: in Triton's "
                              "interpreter (this process runs them there: no GPU, or TRITON_INTERPRET=1) "
                              "torch.compile cannot trace them; the plain model compiles anywhere")
+
+    def _check_bools(self) -> None:
+        """Every field annotated ``bool`` (``bf16``: ``Optional[bool]``) a bool, numpy's converted:
+        read by truth value, a str ``"False"`` switched bf16 on and a resume started.
+
+        Raises:
+            ArgumentTypeError: naming the field and the type it got.
+        """
+        for f in dataclasses.fields(self):
+            # (the annotations are strs under this module's __future__ import, types without it)
+            optional = f.type in ("Optional[bool]", Optional[bool])
+            if not (optional or f.type in ("bool", bool)):
+                continue
+            v = getattr(self, f.name)
+            if v is True or v is False or (v is None and optional):
+                continue
+            try:
+                setattr(self, f.name, check_bool(f.name, v))
+            except TypeError as err:
+                none = " or None (None: on CUDA)" if optional else ""
+                raise ArgumentTypeError(str(err).replace(" must be a bool", f" must be a bool{none}", 1)) from None
 
     def shape(self) -> ModelShape:
         """The model's :class:`ModelShape`."""
@@ -347,6 +391,10 @@ class CosineSchedule:
     """Multiplier of the peak learning rate at step ``i`` (0-based, as ``LambdaLR`` counts):
     ``(i + 1)/warmup`` while ``i < warmup``, then ``r + (1 - r)·(1 + cos(π·t))/2`` with
     ``t = (i - warmup)/(steps - warmup)`` (clamped to 1) and ``r = min_lr/lr``.
+
+    A run of ``steps`` steps uses ``i`` = 0 to steps - 1, so ``t`` < 1 at its last step: the
+    multiplier reaches ``r`` at ``i = steps``, the rate the optimizer holds after the last step,
+    not within the run (steps 6, warmup 2, r 0.1: 0.5, 1, 1, 0.87, 0.55, 0.23; then 0.1).
 
     A callable object, not a function, so ``LambdaLR.state_dict()`` saves its fields.
     """
@@ -698,7 +746,7 @@ class Trainer:
     def _read_checkpoint(self, path: Path) -> dict:
         """This rank's checkpoint, checked against this run (see :meth:`load`'s Raises)."""
         if not path.exists():
-            raise FileNotFoundError(f"resume: no checkpoint at {path}")
+            raise FileNotFoundError(f"resume: no checkpoint at {path}{self._other_tp_checkpoints(path.parent)}")
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
             if not (isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict) and isinstance(ckpt.get("step"), int)
@@ -734,6 +782,25 @@ class Trainer:
                              f"{ckpt['corpus']['python']}, sha256 {ckpt['corpus']['sha256'][:12]}), this is Python "
                              f"{self.corpus.python}'s ({self.corpus.sha256[:12]})")
         return ckpt
+
+    def _other_tp_checkpoints(self, folder: Path) -> str:
+        """For the message of a missing checkpoint: the checkpoints in ``folder`` of another
+        tensor-parallel size and the ``tp`` they resume with ('' where there are none). A run
+        with tp = 1 keeps ``checkpoint.pt``, one with tp > 1 ``checkpoint-tp<rank>.pt`` per rank,
+        so a resume with the other tp looked for a file that was never written."""
+        ranks = sorted(int(m.group(1)) for p in folder.glob("checkpoint-tp*.pt")
+                       if (m := re.fullmatch(r"checkpoint-tp(\d+)\.pt", p.name)))
+        if ranks:
+            names = ", ".join(f"checkpoint-tp{r}.pt" for r in ranks)
+            n = ranks[-1] + 1
+            if n >= 2 and ranks == list(range(n)):
+                return (f"; {folder} holds the tensor-parallel checkpoints {names}, one per rank of a run with "
+                        f"tp = {n}: resume them with tp = {n} (--tp {n}, under torchrun --nproc-per-node {n})")
+            return (f"; {folder} holds the tensor-parallel checkpoints {names}, of a run with tp > 1 whose other "
+                    f"ranks' files are missing")
+        if self.config.tp > 1 and (folder / CHECKPOINT).is_file():
+            return f"; {folder} holds {CHECKPOINT}, the checkpoint of a run with tp = 1: resume it with tp = 1 (--tp 1)"
+        return ""
 
     def _unrestorable(self, ckpt: dict) -> Optional[str]:
         """Why ``ckpt`` (a dict with the config, step and corpus entries) cannot be restored into
