@@ -917,6 +917,30 @@ def test_sample_below_float32_s_least_temperature_is_greedy():
 # The command line
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("argv, match", [
+    (["--temperature", "0.5"], "--temperature: sets the samples of --sample N"),
+    (["--temp", "0.5", "--top-k", "3"], "--temperature, --top-k: set the samples of --sample N"),  # abbreviated too
+    (["--prompt", "x", "--sample", "0"], "--prompt: sets the samples of --sample N"),
+    (["--bench", "--sample", "3", "--prompt", "x"], "--prompt: --bench samples with fixed settings"),
+    (["--bench-profile", "--sample", "3"], "--sample: --bench-profile writes no sample"),
+    (["--bench-tp", "--sample", "3"], "--sample: --bench-tp writes no sample"),
+])
+def test_cli_refuses_sampling_flags_that_would_be_ignored(argv, match, capsys):
+    # they were accepted and ignored: no sample was drawn, or the bench's fixed settings used
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv + ["--steps", "4", "--warmup", "1"])
+    assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_cli_takes_the_sampling_flags_with_sample():
+    _, args = cli.parse_args(["--sample", "3", "--prompt", "x", "--temperature", "0.5", "--top-k", "3", "--steps", "4",
+                              "--warmup", "1"])
+    assert (args.sample, args.prompt, args.temperature, args.top_k) == (3, "x", 0.5, 3)
+    _, args = cli.parse_args(["--bench", "--sample", "5", "--steps", "4", "--warmup", "1", "--log-interval", "2",
+                              "--bench-warmup", "0"])  # (--sample: the length of --bench's samples)
+    assert args.sample == 5 and (args.prompt, args.temperature, args.top_k) == ("def ", 0.8, 40)
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--lr", "-1"], "--lr"), (["--layers", "0"], "--layers"), (["--hidden", "30", "--heads", "4"], "--heads"),
     (["--spec", "partly"], "--spec"), (["--model", "llama"], "--model"), (["--resume"], "--resume"),

@@ -121,9 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     s = p.add_argument_group("sampling")
     s.add_argument("--sample", type=int, default=0, metavar="N", help="print N sampled tokens after training")
-    s.add_argument("--prompt", default="def ", help="the text the samples continue")
-    s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
-    s.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens")
+    s.add_argument("--prompt", default="def ", help="the text the samples continue (with --sample)")
+    s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (with --sample)")
+    s.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens (with --sample)")
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="train each of --bench-runs, write <out>/train.json")
     b.add_argument("--bench-runs", nargs="+", default=None,
@@ -138,6 +138,15 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--bench-tp", action="store_true",
                    help="under torchrun with p processes: tp = p and tp = 1, write <out>/train_tp<p>.json")
     return p
+
+
+def _given(argv: Optional[list[str]], names: tuple[str, ...]) -> set[str]:
+    """Which of the destinations ``names`` the command line set itself (not by their defaults):
+    the parser again, every default suppressed (abbreviated flags count, as argparse reads them)."""
+    quiet = _parser()
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(quiet.parse_args(argv))) & set(names)
 
 
 def parse_args(argv: Optional[list[str]] = None):
@@ -165,6 +174,19 @@ def parse_args(argv: Optional[list[str]] = None):
                      "of their timing")
     if bench is not None and args.save_interval:  # (its runs train with out=None: it would be ignored)
         parser.error(f"--save-interval: {bench} trains from scratch and writes no checkpoint: leave it out")
+    # the sampling flags given on the command line (their defaults stay in --help): the settings
+    # shape the samples of a training run's --sample only (--bench samples with fixed settings,
+    # --bench-tp and --bench-profile write none)
+    given = _given(argv, ("sample", "prompt", "temperature", "top_k"))
+    settings = [f"--{name.replace('_', '-')}" for name in ("prompt", "temperature", "top_k") if name in given]
+    it = "them" if len(settings) > 1 else "it"
+    if settings and bench is not None:
+        parser.error(f"{', '.join(settings)}: {bench} samples with fixed settings, or not at all: leave {it} out")
+    if settings and not args.sample:
+        parser.error(f"{', '.join(settings)}: {'set' if len(settings) > 1 else 'sets'} the samples of --sample N "
+                     f"(N > 0), and none is asked for: add --sample N or leave {it} out")
+    if "sample" in given and (args.bench_tp or args.bench_profile):
+        parser.error(f"--sample: {'--bench-tp' if args.bench_tp else '--bench-profile'} writes no sample: leave it out")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
     values["progress"] = not args.no_progress
