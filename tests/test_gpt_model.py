@@ -194,10 +194,17 @@ def test_gpt_model_refuses_switches_that_are_not_bools(name, value):
         _model(make_config(num_layers=1), get_gpt_layer_local_spec(), position_embedding_type="rope", **{name: value})
 
 
+def test_language_model_embedding_refuses_a_scatter_switch_that_is_not_a_bool():
+    from fusedlib.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+    with pytest.raises(TypeError, match="LanguageModelEmbedding: scatter_to_sequence_parallel must be a bool"):
+        LanguageModelEmbedding(make_config(num_layers=1), V, S, scatter_to_sequence_parallel="False")
+
+
 def test_gpt_model_with_rope_refuses_an_odd_kv_channels_when_built():
     # it was built, and the first forward failed naming the op's internal freqs and t
     cfg = make_config(num_layers=1, kv_channels=7)
-    with pytest.raises(ValueError, match="rotary dim must be even: kv_channels = 7"):
+    with pytest.raises(ValueError, match="RoPE rotates pairs of channels: kv_channels = 7 with rotary_percent = 1.0"):
         _model(cfg, get_gpt_layer_local_spec(), position_embedding_type="rope")
 
 

@@ -640,13 +640,27 @@ def test_unfused_multi_latent_attention_checks_its_tensors():
         apply_rotary_pos_emb(t, _angles(3, 1, 8).reshape(3, 1, 1, 8).expand(3, 1, 2, 8), cfg)
 
 
-@pytest.mark.parametrize("kv, pct", [(7, 1.0), (10, 0.5), (81, 1.0)])
-def test_rotary_embedding_refuses_an_odd_rotary_dim(kv, pct):
-    # RoPE rotates pairs: an odd dim got dim + 1 angles, refused only at the first forward by the
-    # op, naming freqs and t, which the user never passed
-    with pytest.raises(ValueError, match=r"RoPE rotates pairs of channels, so its rotary dim must be even: "
-                                         rf"kv_channels = {kv}"):
-        RotaryEmbedding(kv, pct, device=DEVICE)
+@pytest.mark.parametrize("kv", [7, 81])
+def test_rotary_embedding_refuses_an_odd_head_rotated_whole(kv):
+    # RoPE rotates pairs: an odd dim gets dim + 1 angles, more than an odd head has, refused only at
+    # the first forward by the op, naming freqs and t, which the user never passed
+    with pytest.raises(ValueError, match=rf"RoPE rotates pairs of channels: kv_channels = {kv} with rotary_percent "
+                                         rf"= 1.0 gives {kv} rotary channels, whose {(kv + 1) // 2} pairs need "
+                                         rf"{kv + 1} > {kv} channels"):
+        RotaryEmbedding(kv, 1.0, device=DEVICE)
+
+
+@pytest.mark.parametrize("kv, pct", [(10, 0.5), (14, 0.5)])
+def test_rotary_embedding_takes_an_odd_partial_rotary_dim_as_megatron(kv, pct):
+    # int(kv·pct) odd below rotary_percent 1: dim + 1 angles (Megatron-core's arange(0, dim, 2)),
+    # which fit the head; the channels past them pass through the op unrotated
+    torch.manual_seed(77)
+    freqs = RotaryEmbedding(kv, pct, device=DEVICE)(4)
+    dim = int(kv * pct)
+    assert freqs.shape == (4, 1, 1, dim + 1) and torch.equal(freqs, _megatron_freqs(kv, pct, 4))
+    t = torch.randn(4, 1, 2, kv, device=DEVICE)
+    out = fused_apply_rotary_pos_emb(t, freqs)
+    assert torch.equal(out[..., dim + 1:], t[..., dim + 1:])
 
 
 def test_rotary_embedding_checks_its_int_and_bool_arguments():

@@ -1424,7 +1424,8 @@ def test_a_non_positive_softmax_scale_gives_one_answer_on_every_backend(scale):
 @pytest.mark.parametrize("scale, error, match", [
     (float("nan"), ValueError, "softmax_scale must be finite"), (float("inf"), ValueError, "softmax_scale must be finite"),
     (1e39, ValueError, "softmax_scale must be finite"), ("0.5", TypeError, "softmax_scale must be a real number"),
-    (True, TypeError, "softmax_scale must be a real number")])
+    (True, TypeError, "softmax_scale must be a real number"),
+    (torch.tensor(0.3), TypeError, "softmax_scale must be a real number")])
 def test_dot_product_attention_checks_its_softmax_scale_on_every_backend(backend, scale, error, match):
     # only the flash backend checked it: the others gave an all-NaN context for a NaN or inf
     # scale, took True as 1, and failed deep inside baddbmm or a multiplication for a string

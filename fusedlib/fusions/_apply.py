@@ -206,13 +206,17 @@ def once_differentiable(fn: Callable[..., Any]) -> Callable[..., Any]:
     the nodes on a path to x, never reaches it (x "unused", or None with ``allow_unused``).
     This version attaches the node whenever grad mode is on during the backward (that is,
     ``create_graph=True``), with tensors of the graph that lead to the op among its inputs (the
-    saved inputs or outputs, the inputs of saved views, the leaf inputs), so any use of the
-    gradient in a later backward raises, through ``.backward()`` always and through
-    ``torch.autograd.grad(..., inputs)`` for inputs the op saved, saved a view of, or that are
-    leaves
-    ``RuntimeError: trying to differentiate twice a function that was marked with
-    @once_differentiable: a fusedlib op ...``; a gradient that is only read
-    keeps working. Under ``torch.compile`` tracing it is torch's decorator, unchanged.
+    saved inputs or outputs, the inputs of saved views, the leaf inputs), so that a use of the
+    gradient in a later backward raises ``RuntimeError: trying to differentiate twice a
+    function that was marked with @once_differentiable: a fusedlib op ...``: through
+    ``.backward()`` always, and through ``torch.autograd.grad(..., inputs)`` wherever the node
+    is on a path to ``inputs``: inputs the op saved or saved a view of, the op's own leaf
+    inputs, and what leads to those. Not where the op saves only a copy it made of a non-leaf
+    input (a non-contiguous input of ``fused_dense_gelu_dense`` or of the cross entropies,
+    SwiGLU's ``fp8_input_store``): there ``torch.autograd.grad`` with respect to tensors before
+    that input still skips the node (an "unused" input, or None with ``allow_unused=True``), as
+    with torch's decorator. A gradient that is only read keeps working. Under
+    ``torch.compile`` tracing it is torch's decorator, unchanged.
 
     For the nonlinear ops (activations, norms, softmaxes, attention, cross entropy); the
     linear ones (bias-dropout-add, RoPE), whose second derivative is zero, keep torch's.

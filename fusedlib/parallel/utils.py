@@ -19,6 +19,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from ..checks import short_repr, type_name
+
 __all__ = [
     "VocabUtility",
     "CollectiveCall",
@@ -38,7 +40,7 @@ def _vocab_int(name: str, value: object) -> int:
     if type(value) is int:
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"VocabUtility: {name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"VocabUtility: {name} must be an int, got {type_name(value)} {short_repr(value)}")
     return int(value)
 
 

@@ -187,7 +187,8 @@ class DotProductAttention(MegatronModule):
             shape passed) or not on query's device, whatever the backend; with the
             materialised backends (local, unfused), in training and evaluation alike, as
             FusedScaleMaskSoftmax (e.g. config.bf16 with float32 scores).
-        TypeError / ValueError: softmax_scale not a real number / not finite or with
+        TypeError / ValueError: softmax_scale not a real number (a tensor neither: pass
+            ``float(t)``) / not finite or with
             |softmax_scale|·log2(e) beyond float32's range, whatever the backend (as
             :func:`~fusedlib.fusions.fused_attention.flash_attention` checks it); attention_mask
             sparse (TypeError: pass ``attention_mask.to_dense()``).

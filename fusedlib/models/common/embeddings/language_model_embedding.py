@@ -17,6 +17,7 @@ from typing import Literal, Optional
 
 import torch
 
+from ....checks import check_bools
 from ....parallel.layers import VocabParallelEmbedding
 from ....parallel.mappings import scatter_to_sequence_parallel_region
 from ....parallel.random import get_cuda_rng_tracker
@@ -77,7 +78,8 @@ class LanguageModelEmbedding(MegatronModule):
             [b, s] tensor (b, s >= 1), position_ids not [b or 1, s]; on the CPU, an id outside
             [0, vocab_size) or a position outside [0, max_sequence_length); input_ids or
             position_ids on another device than the embedding tables.
-        TypeError: input_ids or position_ids not int32 / int64.
+        TypeError: input_ids or position_ids not int32 / int64; scatter_to_sequence_parallel not
+            a bool.
 
     Source: Megatron-LM ``megatron/core/models/common/embeddings/language_model_embedding.py``.
     """
@@ -87,6 +89,8 @@ class LanguageModelEmbedding(MegatronModule):
                  num_tokentypes: int = 0, scatter_to_sequence_parallel: bool = True,
                  tp_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         super().__init__(config=config)
+        (scatter_to_sequence_parallel,) = check_bools("LanguageModelEmbedding",
+                                                      scatter_to_sequence_parallel=scatter_to_sequence_parallel)
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(f"position_embedding_type must be 'learned_absolute', 'rope' or 'none', "
                              f"got {position_embedding_type!r}")

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ....checks import check_bool, real_to_float, short_repr, type_name
+from ....checks import check_bools, real_to_float, short_repr, type_name
 from ....runtime import default_device
 from .rope_utils import _apply_rotary_pos_emb_bshd, _rotate_half, apply_rotary_pos_emb  # noqa: F401 (Megatron re-exports them)
 
@@ -79,7 +79,8 @@ class RotaryEmbedding(nn.Module):
             seq_len_interpolation_factor, rotary_base or rope_scaling_factor not a number;
             rotary_interleaved, rope_scaling or use_cpu_initialization not a bool.
         ValueError: kv_channels < 1, rotary_percent not in (0, 1], a rotary dim that rounds
-            to 0 or is odd (RoPE rotates pairs of channels), a seq_len_interpolation_factor, rotary_base or (with rope_scaling)
+            to 0, or an odd one at rotary_percent 1 (its pairs need kv_channels + 1 channels), a
+            seq_len_interpolation_factor, rotary_base or (with rope_scaling)
             rope_scaling_factor that is not a finite number > 0.
         NotImplementedError: a cp_group of more than one rank.
 
@@ -106,12 +107,9 @@ class RotaryEmbedding(nn.Module):
         if kv_channels < 1:
             raise ValueError(f"kv_channels must be an int >= 1, got {kv_channels!r}")
         kv_channels = int(kv_channels)
-        for name, flag in (("rotary_interleaved", rotary_interleaved), ("rope_scaling", rope_scaling),
-                           ("use_cpu_initialization", use_cpu_initialization)):
-            if flag is not True and flag is not False:
-                check_bool(name, flag)  # a str "False" was read as True
-        rotary_interleaved, rope_scaling = bool(rotary_interleaved), bool(rope_scaling)
-        use_cpu_initialization = bool(use_cpu_initialization)
+        rotary_interleaved, rope_scaling, use_cpu_initialization = check_bools(  # (a str "False" was True)
+            "RotaryEmbedding", rotary_interleaved=rotary_interleaved, rope_scaling=rope_scaling,
+            use_cpu_initialization=use_cpu_initialization)
         if not 0.0 < _real("rotary_percent", rotary_percent, "in (0, 1]") <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent!r}")
         if seq_len_interpolation_factor is not None:
@@ -127,11 +125,14 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"kv_channels * rotary_percent = {kv_channels} * {rotary_percent} rounds to {dim} rotary channels"
             )
-        if dim % 2:  # RoPE rotates pairs of channels: an odd dim got dim + 1 angles, refused by the op later
+        if dim + dim % 2 > kv_channels:
+            # RoPE rotates pairs: an odd dim gets (dim + 1) / 2 frequencies, so dim + 1 angles (as in
+            # Megatron-core), which fit a head below rotary_percent 1 but not all of an odd head,
+            # refused then only at the first forward, by the op, naming its freqs and t
             raise ValueError(
-                f"RoPE rotates pairs of channels, so its rotary dim must be even: kv_channels = {kv_channels}"
-                + (f" (times rotary_percent = {rotary_percent}, rounded down)" if rotary_percent < 1.0 else "")
-                + f" gives {dim}"
+                f"RoPE rotates pairs of channels: kv_channels = {kv_channels} with rotary_percent = "
+                f"{rotary_percent} gives {dim} rotary channels, whose {(dim + 1) // 2} pairs need {dim + 1} > "
+                f"{kv_channels} channels (an even kv_channels, or rotary_percent < 1)"
             )
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
