@@ -630,9 +630,10 @@ class VocabParallelEmbedding(torch.nn.Module):
     deterministic kernel (:func:`fusedlib.kernels.embedding.embedding_backward`): PyTorch's CUDA
     kernel adds it with atomics, in an order that changes from run to run.
     An id outside [0, V): on one rank a ValueError on the CPU (a host check) and the lookup's own
-    device-side check on CUDA (as :class:`~fusedlib.models.common.embeddings.language_model_embedding.LanguageModelEmbedding`);
-    with p > 1 every rank would mask it
-    into a zero row (Megatron-core accepts it), so a small kernel checks the ids on the device
+    device-side check on CUDA (as in
+    :class:`~fusedlib.models.common.embeddings.language_model_embedding.LanguageModelEmbedding`);
+    with p > 1 every rank would mask it into a zero row (Megatron-core accepts it), so a small
+    kernel checks the ids on the device
     (:func:`fusedlib.kernels.embedding.check_ids_in_range`, no host sync) and fusedlib reports a
     ValueError: at once on the CPU, on CUDA at a later fusedlib call or at
     :func:`fusedlib.runtime.check_errors`, on every rank.
