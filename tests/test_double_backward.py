@@ -42,6 +42,8 @@ OPS = {
                                  lambda x, b, res: get_bias_dropout_add(True, True)((x, b), res, 0.1)),
     "bias_geglu_impl": lambda: (_r(4, 16), (_r(16),), bias_geglu_impl),
     "bias_swiglu_impl": lambda: (_r(4, 16), (_r(16),), bias_swiglu_impl),
+    # the input saved as a float8 copy (Megatron's fp8_input_store), no tensor of the graph
+    "bias_swiglu_impl_fp8_input_store": lambda: (_r(4, 16), (_r(16),), lambda x, b: bias_swiglu_impl(x, b, True)),
     "weighted_bias_swiglu_impl": lambda: (_r(4, 16), (torch.rand(4, 1, device=DEVICE),),
                                           lambda x, w: weighted_bias_swiglu_impl(x, None, w)),
     "weighted_squared_relu_impl": lambda: (_r(4, 16), (torch.rand(4, 1, device=DEVICE),), weighted_squared_relu_impl),
@@ -82,18 +84,21 @@ def test_second_derivative_raises(name):
 LINEAR = {"bias_dropout_add", "fused_apply_rotary_pos_emb", "embedding_deterministic_grad"}
 
 
-@pytest.mark.parametrize("through", ["leaf", "non-leaf"])
+@pytest.mark.parametrize("through", ["leaf", "non-leaf", "non-contiguous non-leaf"])
 @pytest.mark.parametrize("allow_unused", [False, True])
 @pytest.mark.parametrize("name", sorted(set(OPS) - LINEAR))
 def test_second_derivative_by_autograd_grad_raises(name, allow_unused, through):
     # torch.autograd.grad(penalty, x) runs only the nodes on a path to x: the raising node, whose
     # inputs were stand-in leaves, was skipped (x "not used in the graph", or None with
     # allow_unused: a silent zero second derivative). "non-leaf": the op gets x·1, a tensor
-    # with a node of its own between the op and x
+    # with a node of its own between the op and x; "non-contiguous": a copy of its rows is what
+    # fused_dense_gelu_dense and the cross entropies save (no tensor of the graph)
     torch.manual_seed(zlib.crc32(name.encode()))
     x, others, fn = OPS[name]()
     x.requires_grad_(True)
-    arg = x if through == "leaf" else x * 1.0
+    arg = {"leaf": x, "non-leaf": x * 1.0,
+           "non-contiguous non-leaf": (x * 1.0).transpose(-2, -1).contiguous().transpose(-2, -1)}[through]
+    assert arg.is_contiguous() == (through != "non-contiguous non-leaf")
     (gx,) = torch.autograd.grad(fn(arg, *others).float().pow(2).sum(), x, create_graph=True)
     assert gx.shape == x.shape and torch.isfinite(gx).all()
     with pytest.raises(RuntimeError, match="differentiate twice"):

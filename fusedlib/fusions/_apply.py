@@ -34,7 +34,8 @@ from torch.autograd.function import once_differentiable as _torch_once_different
 
 from ..checks import check_dense
 
-__all__ = ["apply", "needs_autograd", "in_transform", "InferenceCtx", "once_differentiable"]
+__all__ = ["apply", "needs_autograd", "in_transform", "InferenceCtx", "once_differentiable", "graph_anchor",
+           "keep_graph_anchor"]
 
 Tensor = torch.Tensor
 
@@ -168,6 +169,31 @@ class _SavedCtx:
         setattr(object.__getattribute__(self, "_ctx"), name, value)
 
 
+def graph_anchor(t: object) -> Any:
+    """A tensor of no elements whose node leads to ``t``'s, or None where none is needed (``t``
+    not a tensor that requires grad, or a leaf, which ``ctx.next_functions`` reaches, or inside a
+    ``torch.compile`` trace). It holds none of ``t``'s memory (``as_strided``'s backward keeps
+    the geometry, not the data).
+
+    Source: fusedlib (for :func:`once_differentiable`'s raising node).
+    """
+    if not isinstance(t, Tensor) or not t.requires_grad or t.grad_fn is None or torch.compiler.is_compiling():
+        return None
+    with torch.enable_grad():  # (a Function's forward runs without grad)
+        return t.as_strided((0,), (1,)).clone()
+
+
+def keep_graph_anchor(ctx: Any, t: Tensor, saved: Tensor) -> None:
+    """In a Function's ``forward`` that saves ``saved`` for its input ``t``: where ``saved`` is a
+    copy of ``t`` (not ``t`` and no view), keep :func:`graph_anchor` (t) as ``ctx.graph_anchor``,
+    so that :func:`once_differentiable`'s raising node is reachable from tensors before ``t``.
+    Nothing is made where ``t`` is a leaf or needs no grad."""
+    if saved is t or torch.compiler.is_compiling():  # (the common case first: one identity test)
+        return
+    if saved._base is None and t.requires_grad and t.grad_fn is not None:
+        ctx.graph_anchor = graph_anchor(t)
+
+
 def _graph_tensors(ctx: Any, saved: tuple) -> list:
     """Tensors through which a backward node ``ctx`` is reachable from its op's inputs: the saved
     tensors in the graph (inputs, or outputs, whose node is ``ctx``), the bases of saved views (a
@@ -181,6 +207,9 @@ def _graph_tensors(ctx: Any, saved: tuple) -> list:
                 found.setdefault(id(t), t)
             if base is not None and base.requires_grad:  # (a view made under no_grad has no node)
                 found.setdefault(id(base), base)
+    anchor = getattr(ctx, "graph_anchor", None)  # (keep_graph_anchor's, for an input saved as a copy)
+    if isinstance(anchor, Tensor):
+        found.setdefault(id(anchor), anchor)
     for node, _ in getattr(ctx, "next_functions", ()):
         leaf = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf tensor
         if isinstance(leaf, Tensor):
@@ -206,16 +235,16 @@ def once_differentiable(fn: Callable[..., Any]) -> Callable[..., Any]:
     the nodes on a path to x, never reaches it (x "unused", or None with ``allow_unused``).
     This version attaches the node whenever grad mode is on during the backward (that is,
     ``create_graph=True``), with tensors of the graph that lead to the op among its inputs (the
-    saved inputs or outputs, the inputs of saved views, the leaf inputs), so that a use of the
+    saved inputs or outputs, the inputs of saved views, the leaf inputs, an anchor kept for an
+    input saved as a copy), so that a use of the
     gradient in a later backward raises ``RuntimeError: trying to differentiate twice a
     function that was marked with @once_differentiable: a fusedlib op ...``: through
     ``.backward()`` always, and through ``torch.autograd.grad(..., inputs)`` wherever the node
     is on a path to ``inputs``: inputs the op saved or saved a view of, the op's own leaf
-    inputs, and what leads to those. Not where the op saves only a copy it made of a non-leaf
-    input (a non-contiguous input of ``fused_dense_gelu_dense`` or of the cross entropies,
-    SwiGLU's ``fp8_input_store``): there ``torch.autograd.grad`` with respect to tensors before
-    that input still skips the node (an "unused" input, or None with ``allow_unused=True``), as
-    with torch's decorator. A gradient that is only read keeps working. Under
+    inputs, and what leads to those. An op that saves only a copy it made of a non-leaf input (a
+    non-contiguous input of ``fused_dense_gelu_dense`` or of the cross entropies, the GLUs'
+    ``fp8_input_store``) keeps a :func:`graph_anchor` of it for the node
+    (:func:`keep_graph_anchor`). A gradient that is only read keeps working. Under
     ``torch.compile`` tracing it is torch's decorator, unchanged.
 
     For the nonlinear ops (activations, norms, softmaxes, attention, cross entropy); the

@@ -25,6 +25,7 @@ from ..checks import (
     real_to_float,
 )
 from ..kernels.glu import glu_bwd, glu_fwd
+from ._apply import keep_graph_anchor
 
 __all__ = ["check_glu_input", "check_glu_bias", "check_row_weights", "check_glu_grad", "check_flag",
            "check_clamp_value", "glu_apply", "glu_backward_apply", "glu_forward", "glu_backward", "FP8_STORE_DTYPE"]
@@ -186,6 +187,7 @@ def glu_forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, weights: torch.
         if bias is not None:
             bias.activation_offloading = True
     ctx.save_for_backward(saved, bias, weights)
+    keep_graph_anchor(ctx, y, saved)  # (the fp8 copy is no tensor of the graph)
     ctx.ori_input_dtype = y.dtype
     ctx.fp8_input_store = fp8_input_store
     ctx.activation = activation

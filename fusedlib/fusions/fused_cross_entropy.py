@@ -31,7 +31,7 @@ from ..parallel.cross_entropy import (
 )
 from ..runtime import DeviceCheck
 from ..parallel.utils import all_reduce, check_tp_group, tp_rank_and_size
-from ._apply import apply
+from ._apply import apply, keep_graph_anchor
 
 __all__ = [
     "calculate_logits_max",
@@ -118,6 +118,7 @@ class _VocabParallelCrossEntropy(_UnfusedVocabParallelCrossEntropy):
                                                          label_smoothing)
 
         ctx.save_for_backward(x2d, t1d, lse)
+        keep_graph_anchor(ctx, vocab_parallel_logits, x2d)  # (x2d: a copy where the logits were not one view)
         ctx.args = (vocab_start_index, vocab_size, ignore_index, label_smoothing, vocab_parallel_logits.shape)
         return loss if target.dim() == 1 else loss.view(target.shape)  # [rows] is target's shape already
 

@@ -38,7 +38,7 @@ from ..checks import FLOAT_DTYPES, KERNEL_DEVICE_TYPES, check_bool, check_same_d
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.bias_gelu import bias_gelu_bwd, bias_gelu_fwd
 from ..runtime import find_plan, param_key, plan_cache, remember_plan
-from ._apply import apply, once_differentiable
+from ._apply import apply, keep_graph_anchor, once_differentiable
 
 __all__ = ["EPILOGUE_MIN_ELEMENTS", "FusedDenseGeluDenseFunction", "fused_dense_gelu_dense"]
 
@@ -124,6 +124,7 @@ class FusedDenseGeluDenseFunction(torch.autograd.Function):
         else:
             torch.addmm(bias2, y, weight2.t(), out=out2d)  # F.linear's GEMM with its bias
         ctx.save_for_backward(x, weight1, bias1, weight2, y, z)
+        keep_graph_anchor(ctx, input, x)  # (x: a copy where input's rows were not one view)
         ctx.has_bias2 = bias2 is not None
         ctx.in_shape = input.shape
         return out

@@ -54,7 +54,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..fusions._apply import once_differentiable
+from ..fusions._apply import keep_graph_anchor, once_differentiable
 from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device, resolve_neg_grads
 from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from ..kernels.launch import as_rows
@@ -332,6 +332,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                                                       t1d, vocab_size, ignore_index, label_smoothing)
 
         ctx.save_for_backward(x2d, t1d, lse)
+        keep_graph_anchor(ctx, vocab_parallel_logits, x2d)  # (x2d: a copy where the logits were not one view)
         ctx.args = (vocab_start_index, vocab_size, ignore_index, label_smoothing, vocab_parallel_logits.shape)
         return loss.view(target.shape)
 
