@@ -34,8 +34,7 @@ from torch.autograd.function import once_differentiable as _torch_once_different
 
 from ..checks import check_dense
 
-__all__ = ["apply", "needs_autograd", "in_transform", "InferenceCtx", "once_differentiable", "graph_anchor",
-           "keep_graph_anchor"]
+__all__ = ["apply", "needs_autograd", "in_transform", "InferenceCtx", "once_differentiable", "keep_graph_anchor"]
 
 Tensor = torch.Tensor
 
@@ -169,29 +168,22 @@ class _SavedCtx:
         setattr(object.__getattribute__(self, "_ctx"), name, value)
 
 
-def graph_anchor(t: object) -> Any:
-    """A tensor of no elements whose node leads to ``t``'s, or None where none is needed (``t``
-    not a tensor that requires grad, or a leaf, which ``ctx.next_functions`` reaches, or inside a
-    ``torch.compile`` trace). It holds none of ``t``'s memory (``as_strided``'s backward keeps
-    the geometry, not the data).
+def keep_graph_anchor(ctx: Any, t: Tensor, saved: Tensor) -> None:
+    """In a Function's ``forward`` that saves ``saved`` for its input ``t``: where ``saved`` is a
+    copy of a non-leaf ``t`` that requires grad (not ``t`` and no view), keep as
+    ``ctx.graph_anchor`` a tensor of no elements whose node leads to ``t``'s, so that
+    :func:`once_differentiable`'s raising node is reachable from tensors before ``t``. A leaf
+    needs none (``ctx.next_functions`` reaches it); nothing is made inside a ``torch.compile``
+    trace. The anchor holds none of ``t``'s memory (``as_strided``'s backward keeps the
+    geometry, not the data).
 
     Source: fusedlib (for :func:`once_differentiable`'s raising node).
     """
-    if not isinstance(t, Tensor) or not t.requires_grad or t.grad_fn is None or torch.compiler.is_compiling():
-        return None
-    with torch.enable_grad():  # (a Function's forward runs without grad)
-        return t.as_strided((0,), (1,)).clone()
-
-
-def keep_graph_anchor(ctx: Any, t: Tensor, saved: Tensor) -> None:
-    """In a Function's ``forward`` that saves ``saved`` for its input ``t``: where ``saved`` is a
-    copy of ``t`` (not ``t`` and no view), keep :func:`graph_anchor` (t) as ``ctx.graph_anchor``,
-    so that :func:`once_differentiable`'s raising node is reachable from tensors before ``t``.
-    Nothing is made where ``t`` is a leaf or needs no grad."""
     if saved is t or torch.compiler.is_compiling():  # (the common case first: one identity test)
         return
     if saved._base is None and t.requires_grad and t.grad_fn is not None:
-        ctx.graph_anchor = graph_anchor(t)
+        with torch.enable_grad():  # (a Function's forward runs without grad)
+            ctx.graph_anchor = t.as_strided((0,), (1,)).clone()
 
 
 def _graph_tensors(ctx: Any, saved: tuple) -> list:
@@ -243,9 +235,9 @@ def once_differentiable(fn: Callable[..., Any]) -> Callable[..., Any]:
     is on a path to ``inputs``: inputs the op saved or saved a view of, the op's own leaf
     inputs, and what leads to those. An op that saves only a copy it made of a non-leaf input (a
     non-contiguous input of ``fused_dense_gelu_dense`` or of the cross entropies, the GLUs'
-    ``fp8_input_store``) keeps a :func:`graph_anchor` of it for the node
-    (:func:`keep_graph_anchor`). A gradient that is only read keeps working. Under
-    ``torch.compile`` tracing it is torch's decorator, unchanged.
+    ``fp8_input_store``) keeps an anchor of it for the node (:func:`keep_graph_anchor`). A
+    gradient that is only read keeps working. Under ``torch.compile`` tracing it is torch's
+    decorator, unchanged.
 
     For the nonlinear ops (activations, norms, softmaxes, attention, cross entropy); the
     linear ones (bias-dropout-add, RoPE), whose second derivative is zero, keep torch's.
