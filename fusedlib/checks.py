@@ -31,6 +31,7 @@ __all__ = [
     "check_same_device",
     "check_bool",
     "check_bools",
+    "check_ids_below_on_cpu",
     "short_repr",
     "is_numpy_bool",
     "on_one_kernel_device",
@@ -108,6 +109,22 @@ def check_bools(owner: str, **flags: object) -> tuple[bool, ...]:
         TypeError: a flag that is neither a bool nor a numpy bool (a str "False" was read as True).
     """
     return tuple(v if v is True or v is False else check_bool(f"{owner}: {k}", v) for k, v in flags.items())
+
+
+def check_ids_below_on_cpu(name: str, ids: torch.Tensor, bound: int, bound_name: str) -> None:
+    """Raise ValueError when CPU ``ids`` (an int tensor) hold a value outside [0, ``bound``).
+
+    A host check costs no synchronisation on the CPU (``F.embedding``'s own IndexError there
+    names nothing); on CUDA it would, so nothing is checked there (a table lookup's device-side
+    check applies), nor inside a ``torch.compile`` trace, nor for an empty tensor.
+
+    Raises:
+        ValueError: ``"{name} must lie in [0, {bound_name} = {bound}), got values in [low, high]"``.
+    """
+    if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= bound:
+            raise ValueError(f"{name} must lie in [0, {bound_name} = {bound}), got values in [{low}, {high}]")
 
 
 def real_to_float(name: str, value: numbers.Real, expected: str) -> float:

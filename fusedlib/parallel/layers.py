@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.parameter import Parameter
 
-from ..checks import check_bools, resolve_neg_grads
+from ..checks import check_bools, check_ids_below_on_cpu, resolve_neg_grads
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.embedding import check_ids_in_range, embedding_backward
 from ..kernels.launch import as_rows
@@ -677,13 +677,8 @@ class VocabParallelEmbedding(torch.nn.Module):
             raise ValueError(f"VocabParallelEmbedding: input_ids must be on the weight's device "
                              f"{self.weight.device}, got {input_.device}")
         if self.tp_world_size == 1:
-            if input_.device.type == "cpu" and input_.numel() and not torch.compiler.is_compiling():
-                # a host check costs no sync here (F.embedding's IndexError named nothing); on CUDA
-                # the lookup's own device-side check applies, as in LanguageModelEmbedding
-                low, high = int(input_.min()), int(input_.max())
-                if low < 0 or high >= self.num_embeddings:
-                    raise ValueError(f"VocabParallelEmbedding: input_ids must lie in [0, num_embeddings = "
-                                     f"{self.num_embeddings}), got values in [{low}, {high}]")
+            check_ids_below_on_cpu("VocabParallelEmbedding: input_ids", input_, self.num_embeddings,
+                                   "num_embeddings")  # (on CUDA the lookup's own device-side check)
             if self.deterministic and torch.is_grad_enabled() and self.weight.requires_grad:
                 return _EmbeddingDeterministicGrad.apply(input_, self.weight)
             return F.embedding(input_, self.weight)

@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 import torch
 
-from ....checks import check_bools
+from ....checks import check_bools, check_ids_below_on_cpu
 from ....parallel.layers import VocabParallelEmbedding
 from ....parallel.mappings import scatter_to_sequence_parallel_region
 from ....parallel.random import get_cuda_rng_tracker
@@ -46,10 +46,8 @@ def _check_ids(name: str, ids: object, like: Optional[torch.Size], bound: Option
     elif ids.dim() != 2 or ids.shape[1] != like[1] or ids.shape[0] not in (1, like[0]):
         raise ValueError(f"{name} must be [b or 1, s] = [{like[0]} or 1, {like[1]}] (input_ids' shape), got shape "
                          f"{list(ids.shape)}")
-    if bound is not None and ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= bound:
-            raise ValueError(f"{name} must lie in [0, {bound_name} = {bound}), got values in [{low}, {high}]")
+    if bound is not None:
+        check_ids_below_on_cpu(name, ids, bound, bound_name)
 
 
 class LanguageModelEmbedding(MegatronModule):
