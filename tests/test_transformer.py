@@ -49,7 +49,7 @@ from fusedlib.transformer.attention import (
 from fusedlib.transformer.dot_product_attention import DotProductAttention
 from fusedlib.transformer.mlp import MLP, MLPSubmodules
 from fusedlib.transformer.torch_norm import WrappedTorchNorm
-from fusedlib.transformer.transformer_block import TransformerBlock
+from fusedlib.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from fusedlib.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from conftest import DEVICE, assert_close  # noqa: I001
@@ -209,6 +209,33 @@ def test_bad_specs_raise_naming_the_module():
         TransformerBlock(cfg, ModuleSpec(MLP))
     with pytest.raises(NotImplementedError, match="num_experts=4"):
         get_gpt_layer_local_spec(num_experts=4)
+    # submodules or a config of the wrong kind failed with a bare AttributeError on the first field read
+    with pytest.raises(TypeError, match=r"TransformerBlock: submodules must be TransformerBlockSubmodules \(or have "
+                                        r"its fields\), got NoneType without layer_specs, layer_norm"):
+        TransformerBlock(cfg, ModuleSpec(module=TransformerBlock))
+    with pytest.raises(TypeError, match="TransformerBlock: submodules must be TransformerBlockSubmodules .*got dict"):
+        TransformerBlock(cfg, ModuleSpec(module=TransformerBlock, submodules={"layer_specs": []}))
+    with pytest.raises(TypeError, match="TransformerBlock: layer_specs must be a list of layer specs .*got ModuleSpec"):
+        TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=get_gpt_layer_local_spec()))
+    with pytest.raises(TypeError, match=r"TransformerLayer: submodules must be TransformerLayerSubmodules .*got dict "
+                                        r"without input_layernorm, .*\[while building TransformerLayer\]"):
+        build_module(ModuleSpec(module=TransformerLayer, submodules={"mlp": MLP}), config=cfg)
+    with pytest.raises(TypeError, match=r"TransformerLayer: config must be a TransformerConfig, got dict"):
+        build_module(get_gpt_layer_local_spec(), config={"hidden_size": H})
+    attn_subs = get_gpt_layer_local_spec().submodules.self_attention.submodules
+    mlp_subs = get_gpt_layer_local_spec().submodules.mlp.submodules
+    with pytest.raises(TypeError, match=r"MLP: submodules must be MLPSubmodules .*got SelfAttentionSubmodules "
+                                        r"without linear_fc1, activation_func, linear_fc2"):
+        MLP(cfg, attn_subs)
+    with pytest.raises(TypeError, match=r"SelfAttention: submodules must be SelfAttentionSubmodules .*got "
+                                        r"MLPSubmodules without linear_qkv"):
+        SelfAttention(cfg, mlp_subs, 1)
+    with pytest.raises(TypeError, match=r"CrossAttention: submodules must be CrossAttentionSubmodules .*got "
+                                        r"SelfAttentionSubmodules without linear_q, linear_kv"):
+        CrossAttention(make_config(num_query_groups=NP), attn_subs, 1)
+    # any object with the fields serves, as Megatron-core reads them by name
+    duck = types.SimpleNamespace(**{f.name: getattr(mlp_subs, f.name) for f in dataclasses.fields(MLPSubmodules)})
+    assert isinstance(MLP(cfg, duck).linear_fc2, RowParallelLinear)
     # tensor parallelism needs its process groups first (tests/test_tensor_parallel.py runs it)
     with pytest.raises(RuntimeError, match="tensor_model_parallel_size=2, but model parallelism is not initialized"
                                            ".*while building RowParallelLinear"):
@@ -246,6 +273,47 @@ def test_layer_checks_its_hidden_dropout_when_built(value):
         TransformerLayer(make_config(num_layers=1), get_gpt_layer_local_spec().submodules, hidden_dropout=value)
     assert TransformerLayer(make_config(num_layers=1), get_gpt_layer_local_spec().submodules,
                             hidden_dropout=0).hidden_dropout == 0.0
+
+
+@pytest.mark.parametrize("value, error", [(1.0, ValueError), (1.5, ValueError), (-0.1, ValueError),
+                                          (float("nan"), ValueError), ("0.1", TypeError), (True, TypeError)])
+def test_core_attention_checks_its_attention_dropout_when_built(value, error):
+    # 1.0 gave an all-zero context in training on three backends (flash refused it at the forward);
+    # "0.1" and NaN failed at the first forward with messages naming no argument; True was p = True
+    with pytest.raises(error, match=r"DotProductAttention: attention_dropout must be None \(config.attention_dropout\) "
+                                    r"or a probability in \[0, 1\)"):
+        DotProductAttention(make_config(), 1, AttnMaskType.causal, "self", attention_dropout=value)
+    with pytest.raises(error, match=r"attention_dropout must be .*\[while building DotProductAttention\]"):
+        build_module(ModuleSpec(DotProductAttention, params={"attention_dropout": value}), config=make_config(),
+                     layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    made = DotProductAttention(make_config(), 1, AttnMaskType.causal, "self", attention_dropout=np.float32(0.25))
+    assert type(made.attention_dropout.p) is float and made.attention_dropout.p == 0.25
+
+
+@pytest.mark.parametrize("name", ["input_size", "ffn_hidden_size"])
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-4, ValueError), (8.0, TypeError), (True, TypeError)])
+def test_mlp_checks_its_sizes(name, value, error):
+    # a zero size built an MLP that returned zeros (the config refuses a zero ffn_hidden_size)
+    subs = get_gpt_layer_local_spec().submodules.mlp.submodules
+    with pytest.raises(error, match=f"MLP: {name} must be None \\(the config's\\) or an int >= 1"):
+        MLP(make_config(), subs, **{name: value})
+    mlp = MLP(make_config(), subs, **{name: np.int64(8)})
+    assert (mlp.input_size if name == "input_size" else mlp.linear_fc2.weight.shape[1]) == 8
+
+
+def test_modules_pickle_whole():
+    # torch.save(model) failed: the linear layers' load pre-hook was a lambda
+    block = randomize(TransformerBlock(make_config(), get_gpt_layer_local_spec()))
+    buf = io.BytesIO()
+    torch.save(block, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    x = hidden(torch.float32)
+    assert torch.equal(block(x, None), again(x, None))
+    # the hook still does its work: a state dict without the _extra_state keys loads strictly
+    state = {k: v for k, v in block.state_dict().items() if not k.endswith("_extra_state")}
+    assert len(state) < len(block.state_dict())
+    assert not again.load_state_dict(state, strict=True).missing_keys
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
@@ -1105,6 +1173,18 @@ def test_cross_attention_against_the_reference():
         CrossAttention(make_config(), subs, 1)
     with pytest.raises(ValueError, match="key_value_states cannot be None"):
         attn(x, None)
+    # a context of the wrong rank was reported as a "key" of a shape derived after the projection;
+    # an empty one gave zero attention where an empty hidden_states is refused
+    for bad, what in ((torch.zeros(5, H, dtype=torch.float64), f"shape \\[5, {H}\\]"),
+                      (hidden(torch.float64, s=0), f"shape \\[0, {B}, {H}\\]"),
+                      (hidden(torch.float64, s=5)[:, :1], f"shape \\[5, 1, {H}\\]"),
+                      ([[0.0]], "list")):
+        with pytest.raises(ValueError, match=r"CrossAttention: key_value_states \(the layer's context\) must be a "
+                                             r"tensor \[sk, b, h\] with sk >= 1, b = hidden_states' batch "
+                                             f"\\({B}\\) and h = hidden_size = {H}, got {what}"):
+            attn(x, None, key_value_states=bad)
+    with pytest.raises(TypeError, match="key_value_states .* must be floating point, got torch.int64"):
+        attn(x, None, key_value_states=torch.zeros(5, B, H, dtype=torch.int64))
 
 
 def test_decoder_layer_with_cross_attention_follows_megatrons_order():

@@ -248,8 +248,14 @@ class _ExtraStateMixin:
         """Ignored, as in Megatron-core."""
 
     def _register_extra_state_default(self) -> None:
-        self._register_load_state_dict_pre_hook(
-            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
+        # a module-level function, not a lambda: a module holding the hook must pickle (torch.save(model))
+        self._register_load_state_dict_pre_hook(_default_extra_state)
+
+
+def _default_extra_state(state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+    """Load pre-hook: a state dict without this layer's ``_extra_state`` (one saved by torch's
+    modules, or before the key existed) loads as if it had Megatron-core's empty value."""
+    state_dict.setdefault(f"{prefix}_extra_state")
 
 
 # ---------------------------------------------------------------------------- the column-parallel GEMM

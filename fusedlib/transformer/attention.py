@@ -50,7 +50,7 @@ from ..runtime import optional_function_ok
 from .enums import AttnMaskType
 from .identity_op import IdentityOp
 from .module import MegatronModule
-from .spec_utils import ModuleSpec, build_module
+from .spec_utils import ModuleSpec, build_module, check_submodules
 from .transformer_config import TransformerConfig
 from .utils import heads_per_partition, param_device
 
@@ -291,6 +291,8 @@ class SelfAttention(Attention):
 
     Raises:
         NotImplementedError: as :class:`Attention`.
+        TypeError: submodules lacking a :class:`SelfAttentionSubmodules` field
+            (:func:`~fusedlib.transformer.spec_utils.check_submodules`).
         Errors of the submodules, naming the one that failed (build_module).
 
     Source: Megatron-LM ``megatron/core/transformer/attention.py`` (``SelfAttention``).
@@ -299,6 +301,7 @@ class SelfAttention(Attention):
     def __init__(self, config: TransformerConfig, submodules: SelfAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.padding, cp_comm_type: Optional[str] = None,
                  pg_collection: object = None) -> None:
+        check_submodules("SelfAttention", submodules, SelfAttentionSubmodules)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, attention_type="self", cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection)
@@ -340,6 +343,8 @@ class CrossAttention(Attention):
 
     Raises:
         ValueError: num_query_groups != num_attention_heads (Megatron-core's rule).
+        TypeError: submodules lacking a :class:`CrossAttentionSubmodules` field
+            (:func:`~fusedlib.transformer.spec_utils.check_submodules`).
         NotImplementedError: as :class:`Attention`.
 
     Source: Megatron-LM ``megatron/core/transformer/attention.py`` (``CrossAttention``).
@@ -348,7 +353,8 @@ class CrossAttention(Attention):
     def __init__(self, config: TransformerConfig, submodules: CrossAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.padding, cp_comm_type: Optional[str] = None,
                  pg_collection: object = None) -> None:
-        if config.num_query_groups != config.num_attention_heads:
+        check_submodules("CrossAttention", submodules, CrossAttentionSubmodules)
+        if isinstance(config, TransformerConfig) and config.num_query_groups != config.num_attention_heads:
             raise ValueError("Group query attention is not currently supported in cross attention.")
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, attention_type="cross", cp_comm_type=cp_comm_type,
@@ -365,10 +371,22 @@ class CrossAttention(Attention):
         """query [sq, b, np, hn] from hidden_states; key, value [sk, b, np, hn] from key_value_states.
 
         Raises:
-            ValueError: key_value_states is None.
+            ValueError: key_value_states is None, or not a tensor [sk, b, h] with sk >= 1, b
+                hidden_states' batch and h = hidden_size (the layer's ``context``).
+            TypeError: key_value_states not floating point.
         """
         if key_value_states is None:
             raise ValueError("key_value_states cannot be None for CrossAttention")
+        h, b = self.config.hidden_size, hidden_states.shape[1] if hidden_states.dim() == 3 else None
+        kv = key_value_states
+        if not (isinstance(kv, torch.Tensor) and kv.dim() == 3 and kv.shape[0] > 0 and kv.shape[1] == b
+                and kv.shape[2] == h):
+            got = f"shape {list(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise ValueError(f"CrossAttention: key_value_states (the layer's context) must be a tensor [sk, b, h] "
+                             f"with sk >= 1, b = hidden_states' batch ({b}) and h = hidden_size = {h}, got {got}")
+        if not kv.is_floating_point():
+            raise TypeError(f"CrossAttention: key_value_states (the layer's context) must be floating point, got "
+                            f"{kv.dtype}")
         np_, hn = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
         mixed_kv, _ = self.linear_kv(key_value_states)  # [sk, b, h] -> [sk, b, np·2·hn]
         mixed_kv = mixed_kv.view(*mixed_kv.shape[:-1], np_, 2 * hn)  # -> [sk, b, np, 2·hn]

@@ -50,13 +50,14 @@ Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py``.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import unfused
-from ..checks import FLOAT_DTYPES, check_tensor, is_dense
+from ..checks import FLOAT_DTYPES, ArgumentTypeError, check_tensor, is_dense, short_repr, type_name
 from ..fusions import fused_attention, fused_softmax
 from ..fusions.fused_softmax import FusedScaleMaskSoftmax, _window_for
 from .enums import AttnBackend, AttnMaskType
@@ -164,7 +165,8 @@ class DotProductAttention(MegatronModule):
             they are refused, as is a layer number beyond a ``window_attn_skip_freq`` list.)
         attn_mask_type: an :class:`AttnMaskType` (causal types add the causal mask).
         attention_type: "self" or "cross" (unused, as in Megatron-core).
-        attention_dropout: overrides config.attention_dropout.
+        attention_dropout: overrides config.attention_dropout; None or a probability in [0, 1)
+            (as the config's field; numpy floats accepted).
         softmax_scale: the scores' scale; None: 1/sqrt(hn).
         cp_comm_type, pg_collection: must be None (context parallelism, process groups: left out).
 
@@ -175,7 +177,9 @@ class DotProductAttention(MegatronModule):
 
     Raises:
         NotImplementedError: cp_comm_type, pg_collection, attention_bias or packed_seq_params given.
-        TypeError / ValueError: layer_number not an int / < 1 (:func:`check_layer_number`).
+        TypeError / ValueError: layer_number not an int / < 1 (:func:`check_layer_number`);
+            attention_dropout neither None nor a real number, a bool included
+            (:class:`~fusedlib.checks.ArgumentTypeError`, a TypeError) / outside [0, 1), NaN included.
         ValueError: config.num_attention_heads 0 (a norms-only config), or num_attention_heads or
             num_query_groups not divisible by config.tensor_model_parallel_size
             (:func:`~fusedlib.transformer.utils.heads_per_partition`).
@@ -236,8 +240,18 @@ class DotProductAttention(MegatronModule):
             scale=coeff,
             window_size=self.window_size,
         )
+        if attention_dropout is not None:  # checked as TransformerConfig checks config.attention_dropout
+            if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, numbers.Real):
+                raise ArgumentTypeError(f"DotProductAttention: attention_dropout must be None "
+                                        f"(config.attention_dropout) or a probability in [0, 1), got "
+                                        f"{type_name(attention_dropout)} {short_repr(attention_dropout)}")
+            if not 0.0 <= attention_dropout < 1.0:  # NaN fails too
+                raise ValueError(f"DotProductAttention: attention_dropout must be None (config.attention_dropout) or "
+                                 f"a probability in [0, 1) (1 would drop every attention probability: the context "
+                                 f"would be zeros; the flash and fused softmax+dropout kernels refuse it), got "
+                                 f"{short_repr(attention_dropout)}")
         self.attention_dropout = torch.nn.Dropout(config.attention_dropout if attention_dropout is None
-                                                  else attention_dropout)
+                                                  else float(attention_dropout))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,

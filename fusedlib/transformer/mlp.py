@@ -40,12 +40,14 @@ Source: Megatron-LM ``megatron/core/transformer/mlp.py``.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
+from ..checks import short_repr, type_name
 from ..fusions.fused_bias_geglu import bias_geglu_impl
 from ..fusions.fused_bias_gelu import bias_gelu_impl
 from ..fusions.fused_bias_swiglu import bias_swiglu_impl
@@ -53,7 +55,7 @@ from ..fusions.fused_dense import fused_dense_gelu_dense
 from ..fusions.fused_layer_norm import _has_hooks
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .module import MegatronModule
-from .spec_utils import ModuleSpec, build_module
+from .spec_utils import ModuleSpec, build_module, check_submodules
 from .transformer_config import TransformerConfig
 
 __all__ = ["MLPSubmodules", "MLP"]
@@ -90,7 +92,10 @@ class MLP(MegatronModule):
         tp_group: None or a one-rank group.
 
     Raises:
-        ValueError: a missing linear slot.
+        ValueError: a missing linear slot; input_size or ffn_hidden_size below 1.
+        TypeError: submodules lacking an :class:`MLPSubmodules` field
+            (:func:`~fusedlib.transformer.spec_utils.check_submodules`); input_size or
+            ffn_hidden_size neither None nor an int (numpy ints accepted, bools not).
         NotImplementedError: is_expert, a submodules.activation_func, or per_token_scale.
 
     Source: Megatron-LM ``megatron/core/transformer/mlp.py`` (``MLP``).
@@ -100,14 +105,23 @@ class MLP(MegatronModule):
                  input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None,
                  tp_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         super().__init__(config=config)
+        check_submodules("MLP", submodules, MLPSubmodules)
         if is_expert or submodules.activation_func is not None:
             raise NotImplementedError("MLP: MoE experts (is_expert) and Transformer Engine activations "
                                       "(MLPSubmodules.activation_func) are left out of fusedlib")
         for slot in ("linear_fc1", "linear_fc2"):
             if getattr(submodules, slot) is None:
                 raise ValueError(f"MLPSubmodules.{slot} is None: give it a linear layer (e.g. ColumnParallelLinear)")
-        self.input_size = input_size if input_size is not None else config.hidden_size
-        ffn = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
+        for name, size in (("input_size", input_size), ("ffn_hidden_size", ffn_hidden_size)):
+            if size is None:
+                continue
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+                raise TypeError(f"MLP: {name} must be None (the config's) or an int >= 1, got "
+                                f"{type_name(size)} {short_repr(size)}")
+            if size < 1:  # (the config refuses a zero ffn_hidden_size too: an MLP of zeros)
+                raise ValueError(f"MLP: {name} must be None (the config's) or an int >= 1, got {size}")
+        self.input_size = int(input_size) if input_size is not None else config.hidden_size
+        ffn = int(ffn_hidden_size) if ffn_hidden_size is not None else config.ffn_hidden_size
         # [Module 1: fc1] h -> ffn (2·ffn with a gated linear unit: both halves in one GEMM)
         # (a gated unit's two halves are split over tensor-parallel ranks separately, stride 2: each
         # rank holds [x1_r; x2_r], so the activation pairs the right halves on every rank)

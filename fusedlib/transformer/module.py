@@ -25,15 +25,15 @@ class MegatronModule(torch.nn.Module):
     """A ``torch.nn.Module`` that keeps the ``TransformerConfig`` it was built from as ``self.config``.
 
     Raises:
-        TypeError: config is None.
+        TypeError: config is not a :class:`TransformerConfig` (None, a dict of its fields...).
 
     Source: Megatron-LM ``megatron/core/transformer/module.py`` (``MegatronModule``).
     """
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        if config is None:  # (else an AttributeError about the first field a subclass reads)
-            raise TypeError(f"{type(self).__name__}: config must be a TransformerConfig, got None")
+        if not isinstance(config, TransformerConfig):  # (else an AttributeError about the first field read)
+            raise TypeError(f"{type(self).__name__}: config must be a TransformerConfig, got {type(config).__name__}")
         self.config = config
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import copy
 import importlib
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Tuple, Union
 
-__all__ = ["ModuleSpec", "import_module", "get_module", "build_module"]
+__all__ = ["ModuleSpec", "import_module", "get_module", "build_module", "check_submodules"]
 
 #: What build_module returns as it is, uncalled: functions (Megatron-core: ``types.FunctionType``).
 _FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType)
@@ -155,3 +155,34 @@ def build_module(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]], *a
                     e.add_note(where)
                 raise
         raise error.with_traceback(e.__traceback__) from None  # the traceback keeps the original frames
+
+
+def check_submodules(owner: str, submodules: Any, expected: type) -> Any:
+    """Return ``submodules`` if it can serve as ``expected``'s submodules, else raise.
+
+    A module that builds its children from a submodules dataclass (``MLPSubmodules``,
+    ``SelfAttentionSubmodules``...) reads its fields by name; anything else failed there with a
+    bare ``AttributeError`` about the first field read. Accepted: an ``expected`` instance, or any
+    object with all of ``expected``'s fields as attributes (Megatron-core reads them by name too).
+
+    Args:
+        owner: the module's name, for the message.
+        submodules: what the module was given.
+        expected: the submodules dataclass.
+
+    Returns:
+        ``submodules``, unchanged.
+
+    Raises:
+        TypeError: ``submodules`` lacks some of ``expected``'s fields (None, a dict, another
+            module's submodules...), naming what it got and the fields missing.
+
+    Source: fusedlib (Megatron-LM reads the same fields without a check).
+    """
+    if isinstance(submodules, expected):
+        return submodules
+    missing = [f.name for f in fields(expected) if not hasattr(submodules, f.name)]
+    if missing:
+        raise TypeError(f"{owner}: submodules must be {expected.__name__} (or have its fields), got {type(submodules).__name__} "
+                        f"without {', '.join(missing)}")
+    return submodules

@@ -54,7 +54,7 @@ from ..utils import make_viewless_tensor
 from .cuda_graphs import GRAPHABLE_KWARGS, CudaGraphManager
 from .identity_op import IdentityOp
 from .module import MegatronModule
-from .spec_utils import ModuleSpec, build_module, get_module
+from .spec_utils import ModuleSpec, build_module, check_submodules, get_module
 from .transformer_config import TransformerConfig
 from .transformer_layer import BaseTransformerLayer, _norm, check_hidden_states
 from .utils import param_device
@@ -83,20 +83,26 @@ def _get_block_submodules(config: TransformerConfig, spec: Union[TransformerBloc
     """The block's submodules from any of the three kinds of spec (see the module docstring).
 
     Raises:
-        TypeError: a spec of neither kind, naming what it got.
+        TypeError: a spec of neither kind, naming what it got; a block's ModuleSpec whose
+            submodules are not a TransformerBlockSubmodules (None, a dict...); layer_specs
+            neither None nor a list or tuple of specs.
     """
-    if isinstance(spec, TransformerBlockSubmodules):
-        return spec
     if isinstance(spec, ModuleSpec):
         module = get_module(spec)
         if isinstance(module, type) and issubclass(module, TransformerBlock):
-            return spec.submodules
-        if isinstance(module, type) and issubclass(module, BaseTransformerLayer):
+            spec = check_submodules("TransformerBlock", spec.submodules, TransformerBlockSubmodules)
+        elif isinstance(module, type) and issubclass(module, BaseTransformerLayer):
             return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=_final_norm_of(spec))
-        raise TypeError(f"TransformerBlock: a ModuleSpec of {getattr(module, '__name__', module)!r} is neither a "
-                        "TransformerBlock nor a transformer layer")
-    raise TypeError(f"TransformerBlock: spec must be a TransformerBlockSubmodules or a ModuleSpec, "
-                    f"got {type(spec).__name__}")
+        else:
+            raise TypeError(f"TransformerBlock: a ModuleSpec of {getattr(module, '__name__', module)!r} is neither a "
+                            "TransformerBlock nor a transformer layer")
+    elif not isinstance(spec, TransformerBlockSubmodules):
+        raise TypeError(f"TransformerBlock: spec must be a TransformerBlockSubmodules or a ModuleSpec, "
+                        f"got {type(spec).__name__}")
+    if spec.layer_specs is not None and not isinstance(spec.layer_specs, (list, tuple)):
+        raise TypeError(f"TransformerBlock: layer_specs must be a list of layer specs (or None), got "
+                        f"{type(spec.layer_specs).__name__}")
+    return spec
 
 
 class TransformerBlock(MegatronModule):

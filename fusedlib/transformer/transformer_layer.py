@@ -58,7 +58,7 @@ from ..parallel.random import checkpoint as tensor_parallel_checkpoint
 from ..utils import make_viewless_tensor
 from .identity_op import IdentityFuncOp, IdentityOp
 from .module import MegatronModule
-from .spec_utils import ModuleSpec, build_module
+from .spec_utils import ModuleSpec, build_module, check_submodules
 from .transformer_config import TransformerConfig
 from .utils import check_layer_number, param_device
 
@@ -159,8 +159,17 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
     attention_mask bool [b or 1, 1, s, s], True = masked (or None); context, context_mask: the
     cross attention's key/value states and mask. Returns the output (not a view) and context.
 
+    hidden_states may have another floating dtype than the parameters (an fp32 residual stream
+    with bf16 weights, ``fp32_residual_connection``'s case): each norm casts its input to its
+    weight's dtype, the residual stream keeps hidden_states' dtype through the layer, and the
+    output has it. So bf16 hidden states through an fp32 layer give a bf16 residual stream (the
+    sublayers still compute in fp32): pass hidden states of the parameters' dtype for a
+    computation wholly in that dtype.
+
     Raises:
         NotImplementedError: pg_collection, vp_stage, inference_context or packed_seq_params given.
+        TypeError: submodules lacking a :class:`TransformerLayerSubmodules` field
+            (:func:`~fusedlib.transformer.spec_utils.check_submodules`); config not a TransformerConfig.
         TypeError / ValueError: layer_number not an int / < 1 (:func:`check_layer_number`).
         ValueError: hidden_states not a tensor [s, b, h] with s, b >= 1 and h = hidden_size;
             hidden_dropout not None nor a number in [0, 1].
@@ -176,7 +185,8 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         super().__init__(config=config)
         if pg_collection is not None or vp_stage is not None:
             raise NotImplementedError("TransformerLayer: pg_collection and vp_stage are left out of fusedlib")
-        self.submodules_config = submodules
+        self.submodules_config = submodules = check_submodules("TransformerLayer", submodules,
+                                                               TransformerLayerSubmodules)
         self.layer_number = check_layer_number("TransformerLayer", layer_number)
         if hidden_dropout is not None and (isinstance(hidden_dropout, bool) or not isinstance(hidden_dropout, numbers.Real)
                                            or not 0.0 <= hidden_dropout <= 1.0):  # NaN fails too
