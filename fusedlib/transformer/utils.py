@@ -19,13 +19,16 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Callable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, Union
 
 import torch
 
 from ..fusions.fused_softmax import get_default_causal_mask, get_sliding_window_causal_mask
 from ..runtime import default_device
 from ..unfused import attention_mask_func
+
+if TYPE_CHECKING:  # (an annotation only: transformer_config imports this module's neighbours)
+    from .transformer_config import TransformerConfig
 
 __all__ = [
     "attention_mask_func",
