@@ -343,6 +343,82 @@ def test_clip_grad_norm_refuses_a_model_that_is_not_a_module():
         fp.clip_grad_norm([m], 1.0)
 
 
+@pytest.mark.parametrize("norm_type", [True, "2", None])
+def test_clip_grad_norm_refuses_a_norm_type_that_is_not_a_number(norm_type):
+    # True was the 1-norm, "2" the 2-norm
+    m = torch.nn.Linear(2, 2)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(TypeError, match="norm_type must be a real number > 0"):
+        fp.clip_grad_norm(m, 1.0, norm_type=norm_type)
+
+
+def _default_groups_worker(rank: int, world_size: int, device: torch.device, seed: int) -> dict:
+    """Two processes. With tp = 1 (data-parallel 2): the cross entropies of whole logits with
+    tp_group None. With tp = 2: the norm of a model of parallel layers that has no config."""
+    torch.manual_seed(seed)
+    out = {}
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        from fusedlib.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+        x = torch.randn(3, 2, 8, dtype=torch.float64, device=device)
+        t = torch.randint(0, 8, (3, 2), device=device)
+        want = F.cross_entropy(x.reshape(-1, 8), t.reshape(-1), reduction="none").reshape(3, 2)
+        out["ce"] = [float((fn(x, t) - want).abs().max())
+                     for fn in (fp.vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy)]
+        return out
+    cfg = _layer_config(2, False, device)
+    model = torch.nn.Sequential(fp.ColumnParallelLinear(6, 10, config=cfg, init_method=_normal, gather_output=False),
+                                fp.RowParallelLinear(10, 6, config=cfg, init_method=_normal, bias=True,
+                                                    input_is_parallel=True, skip_bias_add=False))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    # the whole model's norm: the split weights' squares summed over both ranks, the replicated
+    # bias (RowParallelLinear's) counted once
+    shards = [p.grad.square().sum() for p in model.parameters() if getattr(p, "tensor_model_parallel", False)]
+    total = torch.stack(shards).sum()
+    torch.distributed.all_reduce(total)
+    total += sum(p.grad.square().sum() for p in model.parameters() if not getattr(p, "tensor_model_parallel", False))
+    out["want"] = float(total.sqrt())
+    out["default"] = float(fp.clip_grad_norm(model, math.inf))
+    out["explicit"] = float(fp.clip_grad_norm(model, math.inf, tp_group=parallel_state.get_tensor_model_parallel_group()))
+    return out
+
+
+def test_default_groups_are_the_tensor_parallel_group(seed):
+    # tp_group None in the cross entropies meant the whole world: with tp = 1 and two processes
+    # each holding whole logits, the loss was log 2 too large; clip_grad_norm on a model of
+    # parallel layers without a config (and even with an explicit tp_group) returned each rank's
+    # own shards' norm, different on the two ranks
+    for res in fp.spawn(_default_groups_worker, 2, seed, tensor_model_parallel_size=1, backend="gloo"):
+        assert max(res["ce"]) < 1e-12, res
+    ranks = fp.spawn(_default_groups_worker, 2, seed, backend="gloo")
+    for res in ranks:
+        # float64 sums of ~100 squares: a few roundings
+        assert abs(res["default"] - res["want"]) <= 1e-12 * res["want"], res
+        assert abs(res["explicit"] - res["want"]) <= 1e-12 * res["want"], res
+    assert ranks[0]["default"] == ranks[1]["default"]
+
+
+@pytest.mark.parametrize("fn", ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+                                "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+                                "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+                                "reduce_scatter_to_sequence_parallel_region"])
+def test_mappings_name_a_bad_argument(fn):
+    # a list failed with "'list' object has no attribute 'clone'", a group's name with "'str' object
+    # has no attribute 'size'", a 0-dim tensor to split or gather with an IndexError
+    f = getattr(fp, fn)
+    with pytest.raises(TypeError, match=f"{fn}: input_ must be a torch.Tensor, got list"):
+        f([1.0, 2.0])
+    with pytest.raises(TypeError, match=f"{fn}: group must be None .* or a torch.distributed.ProcessGroup, got "
+                                        "str 'tp'"):
+        f(torch.zeros(2, 2), group="tp")
+    if fn.startswith(("copy", "reduce_from")):
+        return
+    with pytest.raises(ValueError, match=f"{fn}: input_ must have at least 1 dim"):
+        f(torch.tensor(1.0))
+
+
 @pytest.mark.parametrize("layer, flags", [
     ("ColumnParallelLinear", ("bias", "gather_output", "skip_bias_add", "skip_weight_param_allocation",
                               "keep_master_weight_for_test", "is_expert", "disable_grad_reduce")),
@@ -824,6 +900,9 @@ def test_shard_and_unshard_state_dict_round_trip(world_size, seed):
     shards = [shard_state_dict(full, layout, r, world_size) for r in range(world_size)]
     back = unshard_state_dict(shards, layout)
     assert list(back) == list(full)
+    # any iterable of the shards (a generator failed: the type check consumed it, then indexing failed)
+    again = unshard_state_dict((sd for sd in shards), layout)
+    assert list(again) == list(full) and all(v is None or torch.equal(v, back[k]) for k, v in again.items())
     for k, v in full.items():
         assert (v is None and back[k] is None) or torch.equal(back[k], v), k
         if k not in layout and isinstance(v, torch.Tensor):

@@ -1186,6 +1186,16 @@ def _tp_train_worker(rank: int, world_size: int, device: torch.device, kw: dict,
         mixed = "resumed"
     except ValueError as err:
         mixed = str(err)
+    # rank 0's file in rank 1's place (same step, same shapes): resumed silently with rank 0's shards
+    torch.distributed.barrier()
+    if rank == 1:
+        shutil.copy(f"{out}/mixed/checkpoint-tp0.pt", f"{out}/mixed/checkpoint-tp1.pt")
+    torch.distributed.barrier()
+    try:
+        Trainer(TrainConfig(tp=world_size, out=f"{out}/mixed", resume=True, **kw), corpus=corpus)
+        swapped = "resumed"
+    except ValueError as err:
+        swapped = str(err)
     # one rank's file damaged: every rank refuses (the others used to wait in a collective)
     torch.distributed.barrier()
     if rank == 1:
@@ -1196,7 +1206,7 @@ def _tp_train_worker(rank: int, world_size: int, device: torch.device, kw: dict,
         damaged = "resumed"
     except ValueError as err:
         damaged = str(err)
-    return whole.losses(), resumed.losses(), files, mixed, damaged
+    return whole.losses(), resumed.losses(), files, mixed, damaged, swapped
 
 
 def test_tensor_parallel_training_matches_one_rank_and_resumes(stdlib_root, corpus, tmp_path):
@@ -1214,11 +1224,13 @@ def test_tensor_parallel_training_matches_one_rank_and_resumes(stdlib_root, corp
     # (gloo: CPU processes, kernels interpreted, on any machine)
     ranks = spawn(_tp_train_worker, 2, dict(kw, dropout=0.1), str(stdlib_root), cache, str(tmp_path / "tp"),
                   backend="gloo")
-    for whole, resumed, files, mixed, _ in ranks:
+    for whole, resumed, files, mixed, _, _ in ranks:
         assert resumed == whole
         assert files == ["checkpoint-tp0.pt", "checkpoint-tp1.pt", "metrics.jsonl"]
         assert "the ranks' checkpoints in" in mixed and "are of different steps (1 to 4)" in mixed
     assert "another rank's checkpoint" in ranks[0][4] and "is not a checkpoint of this trainer" in ranks[1][4]
+    assert "another rank's checkpoint" in ranks[0][5]
+    assert "it is tensor-parallel rank 0's checkpoint, and this is rank 1" in ranks[1][5]
     assert ranks[0][0] == ranks[1][0]  # every rank computes the same (all-reduced) loss
     no_dropout = spawn(_tp_train_worker, 2, kw, str(stdlib_root), cache, str(tmp_path / "tp0"), backend="gloo")[0][0]
     one = Trainer(TrainConfig(**dict(kw, device=str(DEVICE))), corpus=corpus)  # (CUDA's float32 where there is one)
@@ -1233,8 +1245,10 @@ def _tp_sequence_parallel_worker(rank: int, world_size: int, device: torch.devic
 
     tr = Trainer(TrainConfig(tp=world_size, sequence_parallel=True, **kw), corpus=load_corpus(cache, root=root))
     tr.run()
+    # contexts of every length (3, 4, 5...) through the sequence split: padded to a multiple of tp
+    text = tr.sample("def", n_tokens=5, top_k=1)
     return tr.losses(), {k: v for k, v in tr.model.state_dict().items() if isinstance(v, torch.Tensor)}, \
-        get_tensor_parallel_layout(tr.model)
+        get_tensor_parallel_layout(tr.model), text
 
 
 def test_tensor_parallel_training_with_sequence_parallelism_keeps_the_replicas_equal(stdlib_root, corpus, tmp_path):
@@ -1248,13 +1262,16 @@ def test_tensor_parallel_training_with_sequence_parallelism_keeps_the_replicas_e
     cache = str(tmp_path / "cache")
     load_corpus(cache, root=stdlib_root)
     kw = dict(TINY, steps=2, warmup=1, spec="unfused", device="cpu", bf16=False, heads=2)
-    (l0, sd0, layout), (l1, sd1, _) = spawn(_tp_sequence_parallel_worker, 2, kw, str(stdlib_root), cache,
-                                            backend="gloo")
+    (l0, sd0, layout, text0), (l1, sd1, _, text1) = spawn(_tp_sequence_parallel_worker, 2, kw, str(stdlib_root),
+                                                          cache, backend="gloo")
     assert l0 == l1 and len(l0) == 2
     unshard_state_dict([sd0, sd1], layout, check_replicas=True)  # raises naming a replica that differs
     one = Trainer(TrainConfig(**dict(kw, device=str(DEVICE))), corpus=corpus)  # (CUDA's float32 where there is one)
     one.run()
     assert max(abs(a - b) for a, b in zip(l0, one.losses())) < 1e-4
+    # greedy sampling (top_k=1) read at the last real token of each padded context: the one-rank
+    # model's tokens (a logit read at a padded position would follow the pad id, not the text)
+    assert text0 == text1 == one.sample("def", n_tokens=5, top_k=1)
 
 
 def test_tensor_parallel_flags():
@@ -1262,6 +1279,12 @@ def test_tensor_parallel_flags():
         TrainConfig(tp=2, model="plain")
     with pytest.raises(ValueError, match="divide"):
         TrainConfig(tp=4, heads=6)
+    # these failed when the model was built, naming a layer's output_size or the embedding's rows
+    with pytest.raises(ValueError, match=r"tp \(2\) must divide ffn \(33\)"):
+        TrainConfig(tp=2, heads=2, hidden=16, ffn=33)
+    with pytest.raises(ValueError, match=r"tp \(3\) must divide the vocabulary \(256 byte values\)"):
+        TrainConfig(tp=3, heads=6, hidden=48)
+    assert TrainConfig(tp=2, heads=2, hidden=16, ffn=34).ffn == 34
     with pytest.raises(RuntimeError, match="torchrun"):
         Trainer(TrainConfig(**dict(TINY, tp=2, steps=2, warmup=1, device="cpu")))
     with pytest.raises(ValueError, match="sequence_parallel needs tp > 1"):  # as Megatron-core's config

@@ -30,7 +30,7 @@ from ..parallel.cross_entropy import (
     widen_target,
 )
 from ..runtime import DeviceCheck
-from ..parallel.utils import all_reduce, check_tp_group, tp_rank_and_size
+from ..parallel.utils import all_reduce, resolve_tp_group, tp_rank_and_size
 from ._apply import apply, keep_graph_anchor
 
 __all__ = [
@@ -148,8 +148,10 @@ def fused_vocab_parallel_cross_entropy(
             rank's shard must have the same width V/p (not checked: see
             :mod:`fusedlib.parallel.cross_entropy`).
         target: [s, b] int64/int32 ids in the global vocabulary [0, V); the same on every rank.
-        tp_group: the tensor-parallel group (Megatron requires it; here None means the default
-            group if torch.distributed is initialized, else one rank and no communication).
+        tp_group: the tensor-parallel group (Megatron requires it; here None means
+            :mod:`~fusedlib.parallel.parallel_state`'s when model parallelism is initialized,
+            else the default group if torch.distributed is initialized, else one rank and no
+            communication).
         label_smoothing: Megatron's epsilon in [0, 1) (Megatron's fused path has none); the
             mean of the logits rides in the same SUM all-reduce.
         ignore_index: targets equal to it give zero loss and zero gradient. Any int64: one
@@ -175,5 +177,5 @@ def fused_vocab_parallel_cross_entropy(
     Source: Megatron-LM ``megatron/core/fusions/fused_cross_entropy.py``
     (``fused_vocab_parallel_cross_entropy``).
     """
-    check_tp_group(tp_group)
+    tp_group = resolve_tp_group(tp_group)
     return apply(_VocabParallelCrossEntropy, vocab_parallel_logits, target, tp_group, label_smoothing, ignore_index)

@@ -32,7 +32,7 @@ the strided split) and ``megatron/core/transformer/utils.py`` (``make_sharded_te
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, NamedTuple, Sequence
+from typing import Dict, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -203,7 +203,7 @@ def unshard_state_dict(shards: Sequence[Mapping[str, object]], layout: Layout, c
     """The full state dict from the p ranks' state dicts (or gradient dicts), in rank order.
 
     Args:
-        shards: p dicts with the same keys, rank 0 first.
+        shards: p dicts with the same keys, rank 0 first (a list, a tuple, or any iterable of them).
         layout: from :func:`get_tensor_parallel_layout`.
         check_replicas: require replicated tensors to be equal on every rank (by value: NaN
             equals NaN, -0.0 equals 0.0; complex numbers part by part). A difference means a missing gradient all-reduce
@@ -220,6 +220,8 @@ def unshard_state_dict(shards: Sequence[Mapping[str, object]], layout: Layout, c
             another; non-tensor values of plain types by ``==``), naming the entry and the
             difference.
     """
+    if not isinstance(shards, (Mapping, str, bytes)) and isinstance(shards, Iterable) and not isinstance(shards, Sequence):
+        shards = list(shards)  # a generator of the ranks' dicts (the check below consumed it, then indexing failed)
     if isinstance(shards, Mapping) or not all(isinstance(sd, Mapping) for sd in shards):
         raise TypeError("unshard_state_dict: shards must be a list of the ranks' state dicts (one dict per rank), got "
                         + (type(shards).__name__ if isinstance(shards, Mapping) else

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from . import parallel_state
 from .layers import param_is_not_tensor_parallel_duplicate
-from ..checks import real_to_float, type_name
+from ..checks import real_to_float, short_repr, type_name
 from .utils import _record
 
 __all__ = ["get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "clip_grad_norm"]
@@ -53,11 +53,15 @@ def get_grad_norm_fp32(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], 
         gradient is float64: fusedlib's float64 checks).
 
     Raises:
-        ValueError: norm_type <= 0.
+        TypeError: norm_type not a real number (a bool or a str neither).
+        ValueError: norm_type <= 0 or NaN.
 
     Source: Megatron-LM ``megatron/core/optimizer/clip_grads.py`` (``get_grad_norm_fp32``).
     """
     grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):  # (True was the 1-norm, "2" the 2-norm)
+        raise TypeError(f"norm_type must be a real number > 0 (or math.inf), got {type_name(norm_type)} "
+                        f"{short_repr(norm_type)}")
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 (or math.inf), got {norm_type}")
@@ -121,8 +125,12 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, norm_type: float = 2
     Call it after :func:`~fusedlib.parallel.finalize_model_grads`, on every rank.
 
     Args:
-        model: a module; with ``config.tensor_model_parallel_size > 1`` the norm is reduced over
-            ``tp_group`` (None: :mod:`parallel_state`'s group).
+        model: a module; the norm is reduced over ``tp_group`` when one is given, else over
+            :mod:`parallel_state`'s tensor-parallel group when the model's
+            ``config.tensor_model_parallel_size`` is above 1 or, for a model without a config,
+            when one of its parameters is marked tensor-parallel (``tensor_model_parallel``, as
+            fusedlib's and Megatron-core's parallel layers mark theirs) and that group has more
+            than one rank.
         max_norm: the largest total norm allowed (``math.inf``: measure only).
         norm_type: as :func:`get_grad_norm_fp32`.
         tp_group: see ``model``.
@@ -132,7 +140,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, norm_type: float = 2
         gradients), the same on every rank.
 
     Raises:
-        TypeError: model not a ``torch.nn.Module``; max_norm not a real number.
+        TypeError: model not a ``torch.nn.Module``; max_norm or norm_type not a real number.
         ValueError: max_norm not > 0 (NaN included: a negative one flipped every gradient, NaN
             made them NaN); norm_type <= 0 (:func:`get_grad_norm_fp32`).
 
@@ -143,10 +151,18 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, norm_type: float = 2
                         f"{type_name(model)}")
     max_norm = _check_max_norm(max_norm)
     config = getattr(model, "config", None)
-    split = config is not None and config.tensor_model_parallel_size > 1
-    if split and tp_group is None:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
     params = [p for p in model.parameters() if p.grad is not None]
+    if tp_group is None:
+        if config is not None:
+            split = config.tensor_model_parallel_size > 1
+        else:  # (an explicit tp_group, or a model of parallel layers without a config, was ignored:
+            # every rank returned its own shards' norm)
+            split = (any(getattr(p, "tensor_model_parallel", False) for p in params)
+                     and parallel_state.model_parallel_is_initialized()
+                     and parallel_state.get_tensor_model_parallel_world_size() > 1)
+        if split:
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+    split = tp_group is not None and dist.get_world_size(tp_group) > 1
     group = tp_group if split else None
     # replicated parameters are counted on rank 0 of the group only
     grads_for_norm = [p.grad for p in params if not split or param_is_not_tensor_parallel_duplicate(p, group)]

@@ -59,7 +59,7 @@ from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kerne
 from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from ..kernels.launch import as_rows
 from ..runtime import DeviceCheck
-from .utils import VocabUtility, all_reduce, check_tp_group, tp_rank_and_size
+from .utils import VocabUtility, all_reduce, resolve_tp_group, tp_rank_and_size
 
 __all__ = [
     "VocabParallelCrossEntropy",
@@ -365,8 +365,9 @@ def vocab_parallel_cross_entropy(
             every rank.
         label_smoothing: Megatron's epsilon in [0, 1): probability epsilon spread over the V - 1
             wrong ids, i.e. ``F.cross_entropy(label_smoothing=epsilon·V/(V-1))``.
-        tp_group: the tensor-parallel group; None: the default group if torch.distributed is
-            initialized, else a single rank (no communication).
+        tp_group: the tensor-parallel group; None: :mod:`parallel_state`'s when model parallelism
+            is initialized (Megatron-core's group), else the default group if torch.distributed
+            is initialized, else a single rank (no communication).
         ignore_index: targets equal to it give zero loss and zero gradient (PyTorch's -100).
             Any int64: one outside int32's range with an int32 target ignores nothing.
 
@@ -388,5 +389,5 @@ def vocab_parallel_cross_entropy(
     Source: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py``
     (``vocab_parallel_cross_entropy``); the fixes are listed in this module's docstring.
     """
-    check_tp_group(tp_group)
+    tp_group = resolve_tp_group(tp_group)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, tp_group, ignore_index)

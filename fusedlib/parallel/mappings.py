@@ -34,7 +34,12 @@ Differences from Megatron-core, each deliberate:
   :mod:`fusedlib.parallel.layers` reduce their own fresh GEMM outputs in place instead);
 * tensors may live on the CPU (gloo) as well as on a GPU (NCCL): buffers are allocated on the
   input's device, not on ``torch.cuda.current_device()``;
-* a first or last dim not divisible by the group size is a ValueError naming both;
+* a first or last dim not divisible by the group size is a ValueError naming both; an input
+  that is not a tensor, or a group that is not a process group, a TypeError naming it (each
+  map's ``Raises`` says "as copy_to_tensor_model_parallel_region" for these);
+* as in Megatron-core, every rank of the group must pass a tensor of the same shape and dtype:
+  a mismatch is not detected (it would take one more collective per call); the all-gathers
+  then fail inside the backend, the all-reduce waits until the group's timeout;
 * every collective is recorded for :func:`fusedlib.parallel.count_collectives`.
 
 Left out: uneven splits (``output_split_sizes``, ``input_split_sizes``), the global memory
@@ -50,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state
-from .utils import all_gather, all_reduce, reduce_scatter
+from ..checks import short_repr, type_name
+from .utils import _has_rank_and_size, _is_process_group, all_gather, all_reduce, reduce_scatter
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -68,6 +74,21 @@ Group = Optional[dist.ProcessGroup]
 def _group_or_default(group: Group) -> Group:
     """``group``, or the tensor-parallel group of :mod:`parallel_state` when it is None."""
     return group if group is not None else parallel_state.get_tensor_model_parallel_group()
+
+
+def _checked(what: str, input_: object, group: object, min_ndim: int = 0) -> Group:
+    """The group a map runs over, after checking its arguments: ``input_`` a tensor of at least
+    ``min_ndim`` dims, ``group`` None or a process group (a list, a group's name or a 0-dim
+    tensor to split failed inside with an AttributeError or an IndexError naming neither)."""
+    if not isinstance(input_, torch.Tensor):
+        raise TypeError(f"{what}: input_ must be a torch.Tensor, got {type_name(input_)}")
+    if input_.dim() < min_ndim:
+        raise ValueError(f"{what}: input_ must have at least {min_ndim} dim(s) (the one it splits or gathers), got "
+                         f"shape {list(input_.shape)}")
+    if not (group is None or _is_process_group(group) or _has_rank_and_size(group)):
+        raise TypeError(f"{what}: group must be None (parallel_state's tensor-parallel group) or a "
+                        f"torch.distributed.ProcessGroup, got {type_name(group)} {short_repr(group)}")
+    return _group_or_default(group)
 
 
 def _size(group: Group) -> int:
@@ -267,10 +288,11 @@ def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group: Group = No
 
     Raises:
         RuntimeError: ``group`` None and model parallelism not initialized.
+        TypeError: input_ not a tensor; group neither None nor a ProcessGroup.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
-    group = _group_or_default(group)
+    group = _checked("copy_to_tensor_model_parallel_region", input_, group)
     if _size(group) == 1:
         return input_  # one rank: the identity, forward and backward
     return _CopyToModelParallelRegion.apply(input_, group)
@@ -292,7 +314,7 @@ def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group: Group 
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
-    group = _group_or_default(group)
+    group = _checked("reduce_from_tensor_model_parallel_region", input_, group)
     if _size(group) == 1:
         return input_  # one rank: the identity, forward and backward
     return _ReduceFromModelParallelRegion.apply(input_, group, False)
@@ -311,7 +333,7 @@ def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group: Group =
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
-    group = _group_or_default(group)
+    group = _checked("scatter_to_tensor_model_parallel_region", input_, group, 1)
     if _size(group) == 1:
         return input_  # one rank: the identity, forward and backward
     return _ScatterToModelParallelRegion.apply(input_, group)
@@ -330,7 +352,7 @@ def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group: Group 
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
-    group = _group_or_default(group)
+    group = _checked("gather_from_tensor_model_parallel_region", input_, group, 1)
     if _size(group) == 1:
         return input_  # one rank: the identity, forward and backward
     return _GatherFromModelParallelRegion.apply(input_, group)
@@ -349,7 +371,7 @@ def scatter_to_sequence_parallel_region(input_: torch.Tensor, group: Group = Non
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
-    group = _group_or_default(group)
+    group = _checked("scatter_to_sequence_parallel_region", input_, group, 1)
     if _size(group) == 1:
         return input_  # one rank: the identity, forward and backward
     return _ScatterToSequenceParallelRegion.apply(input_, group)
@@ -371,7 +393,7 @@ def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_o
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
-    group = _group_or_default(group)
+    group = _checked("gather_from_sequence_parallel_region", input_, group, 1)
     if _size(group) == 1:
         return input_  # one rank: the identity, forward and backward
     return _GatherFromSequenceParallelRegion.apply(input_, group, tensor_parallel_output_grad)
@@ -391,7 +413,7 @@ def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group: Grou
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
-    group = _group_or_default(group)
+    group = _checked("reduce_scatter_to_sequence_parallel_region", input_, group, 1)
     if _size(group) == 1:
         return input_  # one rank: the identity, forward and backward
     return _ReduceScatterToSequenceParallelRegion.apply(input_, group)

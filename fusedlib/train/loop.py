@@ -275,6 +275,12 @@ class TrainConfig:
             raise ValueError(f"tp > 1 needs model 'gpt' (fusedlib's GPTModel), got {self.model!r}")
         if self.tp > 1 and (self.heads % self.tp or self.hidden % self.tp):
             raise ValueError(f"tp ({self.tp}) must divide heads ({self.heads}) and hidden ({self.hidden})")
+        # (both failed at the model's build, naming a layer's output_size / the embedding's rows)
+        if self.tp > 1 and self.ffn is not None and self.ffn % self.tp:
+            raise ValueError(f"tp ({self.tp}) must divide ffn ({self.ffn}): fc1 and fc2 are split over the ranks")
+        if self.tp > 1 and VOCAB_SIZE % self.tp:
+            raise ValueError(f"tp ({self.tp}) must divide the vocabulary ({VOCAB_SIZE} byte values): the embedding "
+                             f"and the output layer are split over the ranks")
         if self.sequence_parallel and self.tp == 1:  # Megatron-core's ModelParallelConfig refuses it too
             raise ValueError("sequence_parallel needs tp > 1: cannot use sequence parallelism without tensor parallelism")
         if self.sequence_parallel and self.seq % self.tp:
@@ -811,6 +817,11 @@ class Trainer:
         Checked before anything is restored, so that with ``tp`` > 1 every rank knows in time."""
         if ckpt["step"] < 0:
             return f"its step is {ckpt['step']}, not a step count"
+        # every rank's file holds the same shapes: only the rank it stores tells another rank's apart
+        # (a copied or swapped file resumed silently with the other rank's weight shards)
+        if ckpt.get("tp_rank", self.rank) != self.rank:
+            return (f"it is tensor-parallel rank {ckpt['tp_rank']!r}'s checkpoint, and this is rank {self.rank} "
+                    f"(each rank resumes from its own checkpoint-tp<rank>.pt)")
         corpus = ckpt["corpus"]
         if not (isinstance(corpus.get("sha256"), str) and isinstance(corpus.get("python"), str)):
             return "its corpus entry has no sha256 and python strings"
@@ -1071,9 +1082,12 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
 
     Args:
         model: a ``GPTModel`` or :class:`~fusedlib.train.plain_gpt.PlainGPT` (anything with
-            ``max_sequence_length`` whose ``model(ids, None, None)`` gives logits [b, t, V]); a
-            tensor-parallel ``GPTModel`` gathers its logits, and every rank draws the same tokens
-            (the same generator state on every rank).
+            ``max_sequence_length`` whose ``model(ids, None, None)`` gives logits [b, t, V] of a
+            causal model); a tensor-parallel ``GPTModel`` gathers its logits, and every rank
+            draws the same tokens (the same generator state on every rank). Under sequence
+            parallelism each context is padded on the right to a multiple of the
+            tensor-parallel size and read at its last real token; the window is then the
+            largest such multiple up to ``max_sequence_length``.
         prompt: a str (UTF-8 bytes), or int token ids [t] or [b, t] (b, t >= 1).
         n_tokens: tokens to generate, >= 0.
         temperature: > 0; lower is greedier.
@@ -1119,13 +1133,24 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
     ids = (prompt if prompt.dim() == 2 else prompt[None]).to(device=device, dtype=torch.int64, copy=True)
     max_seq = model.max_sequence_length
     # a tensor-parallel GPTModel returns its rank's slice of the vocabulary unless asked to gather
-    tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1)
+    config = getattr(model, "config", None)
+    tp = getattr(config, "tensor_model_parallel_size", 1)
     gather = {"runtime_gather_output": True} if tp > 1 else {}
+    # under sequence parallelism the model splits the sequence over the ranks: a context whose
+    # length tp does not divide is padded on the right with id 0 and the logits are read at its
+    # last real token (the model is causal: no position sees a later one), within a window of
+    # whole multiples of tp (the contexts of every length failed at the embedding's split)
+    pad_to = tp if tp > 1 and getattr(config, "sequence_parallel", False) else 1
+    window = max_seq - max_seq % pad_to
     was_training = model.training
     model.eval()
     try:
         for _ in range(n_tokens):
-            logits = model(ids[:, -max_seq:], None, None, **gather)[:, -1, :].float()  # [b, V]
+            context = ids[:, -window:]
+            last = context.shape[1] - 1
+            if context.shape[1] % pad_to:
+                context = torch.nn.functional.pad(context, (0, pad_to - context.shape[1] % pad_to))
+            logits = model(context, None, None, **gather)[:, last, :].float()  # [b, V]
             if top_k is not None:
                 kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [b, 1]
                 logits = logits.masked_fill(logits < kth, -math.inf)
