@@ -111,7 +111,6 @@ if not CUDA_AVAILABLE and os.environ.get("TRITON_INTERPRET") is None:
         "fusedlib: no CUDA GPU found; Triton kernels run in Triton's interpreter on the CPU "
         "(correct but slow: use small inputs)."
     )
-INTERPRET_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _env_flag(name: str) -> bool:
@@ -127,6 +126,10 @@ SYNC_CHECKS: bool = _env_flag("FUSEDLIB_SYNC_CHECKS")
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
 
 from .kernels import launch as _launch_layer  # noqa: E402  (direct launches; imports no fusedlib module)
+
+#: Whether Triton interprets the kernels: ``TRITON_INTERPRET`` true as Triton reads it ("1",
+#: "true", "yes", "on", "y"; see :data:`fusedlib.kernels.launch.TRITON_TRUE_VALUES`).
+INTERPRET_ON_CPU: bool = _launch_layer.TRITON_INTERPRET
 
 
 def _fix_interpreter_index() -> None:
@@ -477,7 +480,9 @@ def clear_plans() -> None:
     settings as they are then (needed after changing a launch setting at run time: a module's
     tile table, ``FOLD_TILES``, FlashAttention's ``INTERPRETER_TILE``, ``LOADS_BY_TMA``,
     ``TMA_LOADS``, ``DQ_BY_TMA`` or ``program_order``; a plan keeps the settings it was made
-    with)."""
+    with). Each setting is read from the module that uses it: ``FOLD_TILES`` is imported by
+    each kernel module (``fusedlib.kernels.layer_norm.FOLD_TILES``...), so set it there;
+    ``fusedlib.kernels.launch.FOLD_TILES`` is only their default."""
     for cache in _PLAN_CACHES:
         cache.clear()
 

@@ -6,9 +6,41 @@ Source: Megatron-LM ``megatron/core/utils.py``.
 """
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 
-__all__ = ["make_viewless_tensor"]
+__all__ = ["make_viewless_tensor", "KeepParameterAttributes"]
+
+
+class KeepParameterAttributes:
+    """Mixin for a module: ``copy.deepcopy`` keeps the Python attributes of its own parameters.
+
+    Tensor parallelism marks parameters with attributes (``sequence_parallel``,
+    ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``) that
+    :func:`~fusedlib.parallel.finalize_model_grads` and the checkpoint helpers read. torch's
+    ``Parameter.__deepcopy__`` makes a new Parameter from the data alone, so a deep-copied model
+    lost them silently (under sequence parallelism its norms' gradients were then no longer
+    summed over the ranks). Megatron-core's modules have the same quirk; fusedlib's keep them.
+
+    Source: fusedlib.
+    """
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():  # what copy.deepcopy does for a module, field by field
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        for name, param in self._parameters.items():
+            twin = new._parameters.get(name)
+            if param is None or twin is None:
+                continue
+            for attr, value in vars(param).items():  # the attributes torch's Parameter.__deepcopy__ drops
+                if attr not in vars(twin):
+                    setattr(twin, attr, copy.deepcopy(value, memo))
+        return new
 
 
 def _kernel_make_viewless_tensor(inp: torch.Tensor, requires_grad: bool) -> torch.Tensor:

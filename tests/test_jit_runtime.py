@@ -58,6 +58,22 @@ def test_interpreter_is_set_before_kernels_on_a_cpu_only_machine():
         assert out[1] == "False"
 
 
+@pytest.mark.parametrize("value", ["true", "Yes", "on"])
+def test_triton_interpret_is_read_as_triton_reads_it(value):
+    # "true" made Triton interpret the kernels while fusedlib (which took only "1") treated them
+    # as compiled: CPU tensors were refused with "TRITON_INTERPRET is set to a false value", and
+    # on a GPU machine the interpreter's bf16 rounding fix would have been skipped
+    code = ("import torch, fusedlib, triton\n"
+            "from fusedlib.kernels import launch\n"
+            "y = fusedlib.bias_gelu_impl(torch.ones(2, 4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64))\n"
+            "print(fusedlib.runtime.INTERPRET_ON_CPU, launch.DIRECT_LAUNCH, fusedlib.runtime.kernel_mode('cpu'), "
+            "float(y[0, 0]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "TRITON_INTERPRET": value}).stdout.split()
+    # gelu_tanh(1) in float64: 0.5·(1 + tanh(sqrt(2/pi)·(1 + 0.044715)))
+    assert out[:3] == ["True", "False", "interpreted"] and abs(float(out[3]) - 0.8411919906082768) < 1e-12, out
+
+
 def test_compiled_mode_refuses_cpu_tensors_clearly():
     # With TRITON_INTERPRET=0 the kernels are compiled (for CUDA); CPU tensors get a clear error.
     code = ("import torch, fusedlib\n"

@@ -422,6 +422,37 @@ def test_zero_variance_rows(norm, dtype, zero_centered):
         assert torch.equal(paths["memory-efficient"][0], paths["one kernel"][0]), f"h={h}: x_hat from y is not 0"
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN and inf on purpose (numpy's, in the interpreter)
+def test_layer_norm_of_one_element_keeps_nan_in_its_input_gradient(dtype):
+    # h = 1: dx is 0 for a finite row, and the kernel wrote zeros for every row, so a NaN or inf
+    # in x or dy (or eps = 0: 0 / 0) gave dx = 0 where torch's layer_norm gives NaN
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0], [nan], [inf], [-2.0], [3.0]], device=DEVICE).to(dtype)
+    dy = torch.tensor([[0.5], [1.0], [1.0], [nan], [2.0]], device=DEVICE).to(dtype)
+    w, b = torch.full((1,), 1.5, device=DEVICE, dtype=dtype), torch.full((1,), -0.25, device=DEVICE, dtype=dtype)
+    split = Tile(BLOCK_M=2, BLOCK_N=4, num_warps=4, programs_per_sm=2, num_stages=2)
+    for eps in (EPS, 0.0):
+        kw = dict(rms_norm=False, zero_centered_gamma=False)
+        y, mean, rstd = norm_fwd(x, w, b, eps, **kw)
+        want = torch.tensor([0.0, nan, nan, nan, 0.0] if eps else [nan] * 5, device=DEVICE)
+        paths = {"one kernel": norm_bwd(dy, x, w, b, mean, rstd, **kw)[0],
+                 "split": norm_bwd(dy, x, w, b, mean, rstd, tile=split, **kw)[0],
+                 "memory-efficient": norm_bwd(dy, y, w, b, mean, rstd, memory_efficient=True, **kw)[0]}
+        for path, dx in paths.items():
+            got = dx.float().flatten()
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), \
+                (eps, path, got)
+        # torch's layer_norm agrees, row for row
+        xt = x.double().requires_grad_(True)
+        torch.nn.functional.layer_norm(xt, (1,), w.double(), b.double(), eps).backward(dy.double())
+        assert torch.equal(xt.grad.isnan().flatten(), want.isnan()), (eps, xt.grad)
+    # through the autograd Function
+    xl = x.clone().requires_grad_(True)
+    fusedlib.fused_layer_norm(xl, w, b, EPS).backward(dy)
+    assert torch.equal(xl.grad.float().flatten().isnan(), torch.tensor([False, True, True, True, False], device=DEVICE))
+
+
 def test_tile_block_n_must_be_a_power_of_two_and_the_forward_whole_rows():
     x, w = torch.randn(3, 100, device=DEVICE), torch.randn(100, device=DEVICE)
     y, mean, rstd = norm_fwd(x, w, None, 1e-5, rms_norm=True)

@@ -921,6 +921,26 @@ def test_shard_and_unshard_state_dict_round_trip(world_size, seed):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in full.items() if isinstance(v, torch.Tensor))
 
 
+def test_deepcopy_keeps_the_parameters_tensor_parallel_attributes(seed):
+    # torch's Parameter.__deepcopy__ drops Python attributes: a deep-copied model lost
+    # sequence_parallel / tensor_model_parallel / partition_dim, which finalize_model_grads and
+    # the checkpoint helpers read (silently: the norms' gradients were no longer summed)
+    import copy
+
+    from fusedlib.parallel.check_tp import build_gpt
+
+    model = build_gpt(CASES["fused/swiglu/learned/tied/sp/fused-ce"], 1, torch.float32, seed)
+    marked = {n: dict(vars(p)) for n, p in model.named_parameters() if vars(p)}
+    assert any("sequence_parallel" in a for a in marked.values()) and any("partition_dim" in a for a in marked.values())
+    twin = copy.deepcopy(model)
+    copied = dict(twin.named_parameters())
+    for name, attrs in marked.items():
+        assert dict(vars(copied[name])) == attrs, name
+        assert copied[name] is not dict(model.named_parameters())[name]
+    assert get_tensor_parallel_layout(twin) == get_tensor_parallel_layout(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
 def test_state_dict_helpers_raise_clear_errors():
     full = {"w": torch.arange(12.0).reshape(6, 2), "n": torch.ones(2)}
     layout = {"w": PartitionSpec(0, 1)}

@@ -301,6 +301,33 @@ def test_mlp_checks_its_sizes(name, value, error):
     assert (mlp.input_size if name == "input_size" else mlp.linear_fc2.weight.shape[1]) == 8
 
 
+def test_wrapped_torch_norm_checks_what_it_builds_from():
+    # an unknown normalization built a LayerNorm, a negative eps a norm whose forward gave NaN,
+    # a str "False" sequence_parallel marked the parameters True; None as config, a float size
+    # failed inside with errors naming neither
+    cfg = make_config()
+    wrong = make_config()
+    wrong.normalization = "rmsnorm"
+    with pytest.raises(ValueError, match="WrappedTorchNorm: config.normalization must be 'LayerNorm' or 'RMSNorm', "
+                                         "got 'rmsnorm'"):
+        WrappedTorchNorm(wrong, H)
+    for eps, error in ((-1.0, ValueError), (float("nan"), ValueError), ("1e-5", TypeError), (None, TypeError)):
+        with pytest.raises(error, match="eps must be a finite number >= 0"):
+            WrappedTorchNorm(cfg, H, eps=eps)
+    for size, error in ((0, ValueError), (8.0, TypeError), (True, TypeError), ([4, 8], ValueError)):
+        with pytest.raises(error, match="hidden_size must be"):
+            WrappedTorchNorm(cfg, size)
+    with pytest.raises(TypeError, match="WrappedTorchNorm: config must be a TransformerConfig .* got NoneType"):
+        WrappedTorchNorm(None, H)
+    duck = types.SimpleNamespace(normalization="LayerNorm", layernorm_zero_centered_gamma=False,
+                                 persist_layer_norm=False, memory_efficient_layer_norm=False, sequence_parallel="False")
+    with pytest.raises(TypeError, match="config.sequence_parallel must be a bool"):
+        WrappedTorchNorm(duck, H)
+    norm = WrappedTorchNorm(cfg, np.int64(H), eps=np.float32(1e-5))
+    assert isinstance(norm, torch.nn.LayerNorm) and norm.normalized_shape == (H,) and type(norm.eps) is float
+    assert all(p.sequence_parallel is False for p in norm.parameters())
+
+
 def test_modules_pickle_whole():
     # torch.save(model) failed: the linear layers' load pre-hook was a lambda
     block = randomize(TransformerBlock(make_config(), get_gpt_layer_local_spec()))

@@ -83,6 +83,7 @@ from ..kernels.layer_norm import (
     MAX_HIDDEN_SIZE, bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd, _norm_fwd, norm_bwd,
 )
 from ..runtime import DeviceCheck
+from ..utils import KeepParameterAttributes
 from ._apply import InferenceCtx, apply, once_differentiable
 from .fused_bias_dropout import _check as _check_bda
 from .fused_bias_dropout import _check_prob
@@ -413,10 +414,11 @@ def _config_flag(config, name: str) -> bool:
     return check_bool(f"config.{name}", value)
 
 
-def _hidden_size(hidden_size: Union[int, Sequence[int], torch.Size]) -> int:
+def _hidden_size(hidden_size: Union[int, Sequence[int], torch.Size], kernels: bool = True) -> int:
     """h from an int or a 1-element shape whose element is an int (numpy's too). Anything else
     raises: a float (8.7) or a str ("8") in a shape was converted by ``int()`` (8.7 silently
-    became 8), a bool was read as 1."""
+    became 8), a bool was read as 1. ``kernels``: h also at most :data:`MAX_HIDDEN_SIZE`
+    (False: torch's norms, any h >= 1)."""
     value = hidden_size
     if isinstance(hidden_size, (tuple, list, torch.Size)) and len(hidden_size) == 1:
         value = hidden_size[0]
@@ -427,14 +429,16 @@ def _hidden_size(hidden_size: Union[int, Sequence[int], torch.Size]) -> int:
                                 f"{type_name(value)} {short_repr(value)}"
                                 + (f" in {short_repr(hidden_size)}" if value is not hidden_size else ""))
     h = int(value)
-    if not 1 <= h <= MAX_HIDDEN_SIZE:
+    if not kernels and h < 1:
+        raise ValueError(f"hidden_size must be >= 1, got {h}")
+    if kernels and not 1 <= h <= MAX_HIDDEN_SIZE:
         raise ValueError(
             f"hidden_size must be in 1..{MAX_HIDDEN_SIZE} (fusedlib's norm kernels hold one row in registers), got {h}"
         )
     return h
 
 
-class _FusedNormBase(torch.nn.Module):
+class _FusedNormBase(KeepParameterAttributes, torch.nn.Module):
     """What FusedLayerNorm and FusedRMSNorm share: config switches, weight, backend."""
 
     _normalization = ""  # the config.normalization this class implements

@@ -404,19 +404,29 @@ def _env_flag(name: str, default: bool) -> bool:
     return value not in ("0", "false", "no", "off")
 
 
+#: What Triton reads as true in a boolean environment variable (``triton.knobs``' env_bool):
+#: ``TRITON_INTERPRET`` is read here as Triton reads it ("true" made Triton interpret the
+#: kernels while fusedlib, which took only "1", treated them as compiled).
+TRITON_TRUE_VALUES: tuple[str, ...] = ("1", "true", "yes", "on", "y")
+
+#: Whether Triton interprets the kernels in this process (``TRITON_INTERPRET`` true as Triton
+#: reads it, at import; :mod:`fusedlib.runtime` settles the variable before importing this).
+TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_TRUE_VALUES
+
+
 def _direct_launch_possible(version: str, interpret: bool) -> bool:
     """Whether direct launches can be used: compiled kernels and a verified Triton version."""
     return not interpret and ".".join(version.split(".")[:2]) in DIRECT_LAUNCH_VERSIONS
 
 
 #: True when :func:`fusedlib.runtime.launch` launches compiled kernels through
-#: :func:`direct_launch`: kernels are compiled (``TRITON_INTERPRET`` is not ``1``), the
+#: :func:`direct_launch`: kernels are compiled (``TRITON_INTERPRET`` is not true), the
 #: Triton version is in :data:`DIRECT_LAUNCH_VERSIONS`, and ``FUSEDLIB_DIRECT_LAUNCH`` is not
 #: ``0`` (the switch back to ``kernel[grid]`` for every launch). On the H200 the direct
 #: path's own tests (``tests/test_launch.py``: every public op's outputs and gradients
 #: bitwise equal to ``kernel[grid]``'s, checked against Triton's own kernel choice) pass.
 #: Read on every launch, so tests may set it to compare both paths.
-DIRECT_LAUNCH: bool = (_direct_launch_possible(triton.__version__, os.environ.get("TRITON_INTERPRET") == "1")
+DIRECT_LAUNCH: bool = (_direct_launch_possible(triton.__version__, TRITON_INTERPRET)
                        and _env_flag("FUSEDLIB_DIRECT_LAUNCH", True))
 
 #: ``FUSEDLIB_CHECK_LAUNCH=1`` (a debug mode; tests may set the attribute): every direct

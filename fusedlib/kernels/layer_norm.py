@@ -406,8 +406,9 @@ def _norm_bwd_kernel(
                 # formula gives g - c2 = 0 only if g is rounded once: compiled, gamma * dy may
                 # be contracted into the subtraction (fma(gamma, dy, -c2), the exact product
                 # minus the rounded one), and rstd = 1 / sqrt(eps) magnified that rounding
-                # error (seen on the H200)
-                dx = tl.zeros_like(dx)
+                # error (seen on the H200). Times 0, not zeros: a NaN or inf in x or dy (or
+                # eps = 0, rstd = inf) stays NaN, as torch's layer_norm gives
+                dx = dx * 0.0
         if HAS_DRES:  # x's two gradients summed in ACC, rounded once (autograd would round twice)
             dx += tl.load(DRES_ptr + rows[:, None] * DRES_row_stride + cols[None, :] * DRES_col_stride,
                           mask=mask, other=0.0).to(ACC)

@@ -82,6 +82,7 @@ from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.embedding import check_ids_in_range, embedding_backward
 from ..kernels.launch import as_rows
 from ..runtime import optional_function_ok
+from ..utils import KeepParameterAttributes
 from . import parallel_state
 from .mappings import (
     _ReduceFromModelParallelRegion,
@@ -388,7 +389,7 @@ def linear_with_grad_accumulation_and_async_allreduce(
 
 
 # ---------------------------------------------------------------------------- the layers
-class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
+class ColumnParallelLinear(_ExtraStateMixin, KeepParameterAttributes, torch.nn.Module):
     """Y = X·Wᵀ + b, W of shape [output_size, input_size], split along the output over p ranks.
 
     Args:
@@ -516,7 +517,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
                 f"TP={self.tp_world_size}")
 
 
-class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
+class RowParallelLinear(_ExtraStateMixin, KeepParameterAttributes, torch.nn.Module):
     """Y = X·Wᵀ + b, W of shape [output_size, input_size], split along the input over p ranks.
 
     Args:
@@ -617,7 +618,7 @@ class _EmbeddingDeterministicGrad(torch.autograd.Function):
         return None, embedding_backward(ids, grad_output, ctx.num_embeddings, ctx.weight_dtype)
 
 
-class VocabParallelEmbedding(torch.nn.Module):
+class VocabParallelEmbedding(KeepParameterAttributes, torch.nn.Module):
     """Token embedding, weight [num_embeddings, embedding_dim], split along the vocabulary over p ranks.
 
     Rank r holds the rows of ids ``[r·V/p, (r+1)·V/p)``, looks those up, writes zeros for the

@@ -10,6 +10,8 @@ from typing import Optional, Union
 
 import torch
 
+from ..checks import short_repr, type_name
+from ..fusions.fused_layer_norm import _check_eps, _config_flag, _hidden_size
 from .transformer_config import TransformerConfig
 
 __all__ = ["WrappedTorchNorm"]
@@ -29,9 +31,19 @@ class WrappedTorchNorm:
     sequence parallelism: a norm is per token, so it runs on a sequence shard unchanged.
     Megatron-core rejects sequence_parallel here.
 
+    A deep copy of the module loses the parameters' ``sequence_parallel`` (torch's
+    ``Parameter.__deepcopy__`` keeps no attribute; fusedlib's own norms keep theirs): mark them
+    again after ``copy.deepcopy`` under sequence parallelism.
+
     Raises:
         ValueError: a config switch torch's norms do not have (layernorm_zero_centered_gamma,
             persist_layer_norm, memory_efficient_layer_norm); Megatron-core asserts.
+            config.normalization neither "LayerNorm" nor "RMSNorm" (Megatron-core raises too;
+            anything else built a LayerNorm); eps negative, NaN or inf; hidden_size below 1 or a
+            shape of more than one dim.
+        TypeError: config without the normalization fields (None, a dict); a switch or
+            config.sequence_parallel that is not a bool (a str "False" was True); eps or
+            hidden_size not a number (a bool neither).
 
     Source: Megatron-LM ``megatron/core/transformer/torch_norm.py`` (``WrappedTorchNorm``).
     """
@@ -40,11 +52,20 @@ class WrappedTorchNorm:
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm", *,
                 device: Optional[Union[torch.device, str]] = None, dtype: Optional[torch.dtype] = None
                 ) -> torch.nn.Module:
+        if not hasattr(config, "normalization"):  # (an AttributeError naming a switch before)
+            raise TypeError(f"WrappedTorchNorm: config must be a TransformerConfig (or an object with its "
+                            f"normalization fields), got {type_name(config)}")
         for switch in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
-            if getattr(config, switch):
+            if _config_flag(config, switch):
                 raise ValueError(f"{switch} is not supported by torch's LayerNorm/RMSNorm (WrappedTorchNorm)")
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"WrappedTorchNorm: config.normalization must be 'LayerNorm' or 'RMSNorm', got "
+                             f"{short_repr(config.normalization)}")
+        _check_eps(eps)  # (a negative eps gave NaN at the forward, a str failed inside torch)
+        h = _hidden_size(hidden_size, kernels=False)
+        sequence_parallel = _config_flag(config, "sequence_parallel")
         norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
-        norm = norm_cls(normalized_shape=hidden_size, eps=eps, device=device, dtype=dtype)
+        norm = norm_cls(normalized_shape=h, eps=float(eps), device=device, dtype=dtype)
         for param in norm.parameters():  # as FusedNorm: the gradient all-reduce of sequence parallelism
-            param.sequence_parallel = bool(config.sequence_parallel)
+            param.sequence_parallel = sequence_parallel
         return norm
