@@ -58,6 +58,12 @@ def test_interpreter_is_set_before_kernels_on_a_cpu_only_machine():
         assert out[1] == "False"
 
 
+def _python_with(code: str, **env: str) -> str:
+    """The standard output of a fresh Python process running ``code`` with ``env`` added."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**__import__("os").environ, **env}).stdout
+
+
 @pytest.mark.parametrize("value", ["true", "Yes", "on"])
 def test_triton_interpret_is_read_as_triton_reads_it(value):
     # "true" made Triton interpret the kernels while fusedlib (which took only "1") treated them
@@ -68,8 +74,7 @@ def test_triton_interpret_is_read_as_triton_reads_it(value):
             "y = fusedlib.bias_gelu_impl(torch.ones(2, 4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64))\n"
             "print(fusedlib.runtime.INTERPRET_ON_CPU, launch.DIRECT_LAUNCH, fusedlib.runtime.kernel_mode('cpu'), "
             "float(y[0, 0]))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "TRITON_INTERPRET": value}).stdout.split()
+    out = _python_with(code, TRITON_INTERPRET=value).split()
     # gelu_tanh(1) in float64: 0.5·(1 + tanh(sqrt(2/pi)·(1 + 0.044715)))
     assert out[:3] == ["True", "False", "interpreted"] and abs(float(out[3]) - 0.8411919906082768) < 1e-12, out
 
@@ -81,8 +86,7 @@ def test_compiled_mode_refuses_cpu_tensors_clearly():
             "    fusedlib.bias_gelu_impl(torch.randn(2, 4), torch.randn(4))\n"
             "except ValueError as e:\n"
             "    print('ValueError:', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "TRITON_INTERPRET": "0"}).stdout
+    out = _python_with(code, TRITON_INTERPRET="0")
     assert "compiled for CUDA" in out and "TRITON_INTERPRET=1" in out
     # without a GPU, moving the tensors to one is no advice: the message says there is none
     if torch.cuda.is_available():

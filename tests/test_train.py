@@ -1175,37 +1175,26 @@ def _tp_train_worker(rank: int, world_size: int, device: torch.device, kw: dict,
     resumed.run()
     torch.distributed.barrier()  # every rank's checkpoint written
     files = sorted(p.name for p in Path(f"{out}/cut").iterdir())
-    # the ranks' checkpoints of two runs mixed in one directory (step 1 and step `steps`): refused
     Trainer(TrainConfig(tp=world_size, out=f"{out}/mixed", stop_at=1, **kw), corpus=corpus).run()
-    torch.distributed.barrier()
-    if rank == 1:
-        shutil.copy(f"{out}/cut/checkpoint-tp1.pt", f"{out}/mixed/checkpoint-tp1.pt")
-    torch.distributed.barrier()
-    try:
-        Trainer(TrainConfig(tp=world_size, out=f"{out}/mixed", resume=True, **kw), corpus=corpus)
-        mixed = "resumed"
-    except ValueError as err:
-        mixed = str(err)
+
+    def resume_after(change_rank_1s_file) -> str:
+        """Rank 1 changes its checkpoint file, then every rank resumes: "resumed" or the error."""
+        torch.distributed.barrier()
+        if rank == 1:
+            change_rank_1s_file(Path(f"{out}/mixed/checkpoint-tp1.pt"))
+        torch.distributed.barrier()
+        try:
+            Trainer(TrainConfig(tp=world_size, out=f"{out}/mixed", resume=True, **kw), corpus=corpus)
+            return "resumed"
+        except ValueError as err:
+            return str(err)
+
+    # the ranks' checkpoints of two runs mixed in one directory (step 1 and step `steps`): refused
+    mixed = resume_after(lambda path: shutil.copy(f"{out}/cut/checkpoint-tp1.pt", path))
     # rank 0's file in rank 1's place (same step, same shapes): resumed silently with rank 0's shards
-    torch.distributed.barrier()
-    if rank == 1:
-        shutil.copy(f"{out}/mixed/checkpoint-tp0.pt", f"{out}/mixed/checkpoint-tp1.pt")
-    torch.distributed.barrier()
-    try:
-        Trainer(TrainConfig(tp=world_size, out=f"{out}/mixed", resume=True, **kw), corpus=corpus)
-        swapped = "resumed"
-    except ValueError as err:
-        swapped = str(err)
+    swapped = resume_after(lambda path: shutil.copy(f"{out}/mixed/checkpoint-tp0.pt", path))
     # one rank's file damaged: every rank refuses (the others used to wait in a collective)
-    torch.distributed.barrier()
-    if rank == 1:
-        Path(f"{out}/mixed/checkpoint-tp1.pt").write_bytes(b"damaged")
-    torch.distributed.barrier()
-    try:
-        Trainer(TrainConfig(tp=world_size, out=f"{out}/mixed", resume=True, **kw), corpus=corpus)
-        damaged = "resumed"
-    except ValueError as err:
-        damaged = str(err)
+    damaged = resume_after(lambda path: path.write_bytes(b"damaged"))
     return whole.losses(), resumed.losses(), files, mixed, damaged, swapped
 
 
