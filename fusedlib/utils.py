@@ -15,14 +15,17 @@ __all__ = ["make_viewless_tensor", "KeepParameterAttributes"]
 
 
 class KeepParameterAttributes:
-    """Mixin for a module: ``copy.deepcopy`` keeps the Python attributes of its own parameters.
+    """Mixin for a module: ``copy.deepcopy`` keeps the Python attributes of its parameters and of
+    its submodules' (torch's own modules inside it included: the unfused spec's norms).
 
     Tensor parallelism marks parameters with attributes (``sequence_parallel``,
     ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``) that
     :func:`~fusedlib.parallel.finalize_model_grads` and the checkpoint helpers read. torch's
     ``Parameter.__deepcopy__`` makes a new Parameter from the data alone, so a deep-copied model
     lost them silently (under sequence parallelism its norms' gradients were then no longer
-    summed over the ranks). Megatron-core's modules have the same quirk; fusedlib's keep them.
+    summed over the ranks). Megatron-core's modules have the same quirk; fusedlib's keep them
+    (:class:`~fusedlib.transformer.MegatronModule`, the fused norms, the parallel layers). A
+    torch module copied on its own (a lone ``WrappedTorchNorm``) still loses them.
 
     Source: fusedlib.
     """
@@ -33,11 +36,11 @@ class KeepParameterAttributes:
         memo[id(self)] = new
         for key, value in self.__dict__.items():  # what copy.deepcopy does for a module, field by field
             new.__dict__[key] = copy.deepcopy(value, memo)
-        for name, param in self._parameters.items():
-            twin = new._parameters.get(name)
-            if param is None or twin is None:
+        for param in self.parameters():  # the attributes torch's Parameter.__deepcopy__ drops
+            twin = memo.get(id(param))  # (the copy of a parameter, tied ones once, is in memo)
+            if twin is None or twin is param:
                 continue
-            for attr, value in vars(param).items():  # the attributes torch's Parameter.__deepcopy__ drops
+            for attr, value in vars(param).items():
                 if attr not in vars(twin):
                     setattr(twin, attr, copy.deepcopy(value, memo))
         return new

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 import fusedlib.parallel as fp
 import fusedlib.runtime
 from fusedlib.parallel import parallel_state
+from fusedlib.parallel.utils import SINGLE_RANK
 from fusedlib.parallel.check_tp import CASES, close, gpt_tp_check, grad_scale_floor
 from fusedlib.parallel.checkpointing import (
     PartitionSpec, get_tensor_parallel_layout, shard_state_dict, shard_tensor, unshard_state_dict,
@@ -351,6 +353,8 @@ def test_clip_grad_norm_refuses_a_norm_type_that_is_not_a_number(norm_type):
         p.grad = torch.ones_like(p)
     with pytest.raises(TypeError, match="norm_type must be a real number > 0"):
         fp.clip_grad_norm(m, 1.0, norm_type=norm_type)
+    # a one-element float tensor is its value (Megatron-core's float(norm_type))
+    assert torch.equal(fp.clip_grad_norm(m, math.inf, norm_type=torch.tensor(2.0)), fp.clip_grad_norm(m, math.inf))
 
 
 def _default_groups_worker(rank: int, world_size: int, device: torch.device, seed: int) -> dict:
@@ -382,6 +386,12 @@ def _default_groups_worker(rank: int, world_size: int, device: torch.device, see
     out["want"] = float(total.sqrt())
     out["default"] = float(fp.clip_grad_norm(model, math.inf))
     out["explicit"] = float(fp.clip_grad_norm(model, math.inf, tp_group=parallel_state.get_tensor_model_parallel_group()))
+    # finalize_model_grads cannot tell which gradients to sum without a config: it said nothing
+    try:
+        fp.finalize_model_grads(model)
+        out["finalize"] = "done"
+    except ValueError as err:
+        out["finalize"] = str(err)
     return out
 
 
@@ -398,6 +408,8 @@ def test_default_groups_are_the_tensor_parallel_group(seed):
         assert abs(res["default"] - res["want"]) <= 1e-12 * res["want"], res
         assert abs(res["explicit"] - res["want"]) <= 1e-12 * res["want"], res
     assert ranks[0]["default"] == ranks[1]["default"]
+    assert all("finalize_model_grads: a module without a config (Sequential) in a tensor-parallel run"
+               in res["finalize"] for res in ranks), ranks
 
 
 @pytest.mark.parametrize("fn", ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
@@ -415,8 +427,11 @@ def test_mappings_name_a_bad_argument(fn):
         f(torch.zeros(2, 2), group="tp")
     if fn.startswith(("copy", "reduce_from")):
         return
+    two_ranks = types.SimpleNamespace(rank=lambda: 0, size=lambda: 2)  # refused before any collective
     with pytest.raises(ValueError, match=f"{fn}: input_ must have at least 1 dim"):
-        f(torch.tensor(1.0))
+        f(torch.tensor(1.0), group=two_ranks)
+    scalar = torch.tensor(1.0)
+    assert f(scalar, group=SINGLE_RANK) is scalar  # one rank: the identity, as before (and Megatron-core's)
 
 
 @pytest.mark.parametrize("layer, flags", [

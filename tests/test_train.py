@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
@@ -828,6 +829,21 @@ def test_sample_shapes_and_determinism():
     assert sample(model, "xy", 0).tolist() == list(b"xy")
     fused = build_model("gpt", shape, seed=0, device=DEVICE)  # longer than seq: the context slides
     assert sample(fused, "q", 10, generator=torch.Generator().manual_seed(0)).shape == (11,)
+
+
+def test_sample_of_a_sequence_parallel_model_shorter_than_tp_is_refused():
+    # the window (max_sequence_length rounded down to a multiple of tp) was 0: the whole, growing
+    # context went into the model
+    class TwoRankSequenceParallel(torch.nn.Module):
+        max_sequence_length, vocab_size = 1, 256
+        config = types.SimpleNamespace(tensor_model_parallel_size=2, sequence_parallel=True)
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+    with pytest.raises(ValueError, match=r"needs max_sequence_length \(1\) >= the tensor-parallel size \(2\)"):
+        sample(TwoRankSequenceParallel(), "ab", 2)
 
 
 @pytest.mark.parametrize("kw, match", [(dict(prompt=""), "prompt"), (dict(prompt=torch.zeros(1, 2, 2)), "prompt"),

@@ -220,8 +220,16 @@ def test_bad_specs_raise_naming_the_module():
     with pytest.raises(TypeError, match=r"TransformerLayer: submodules must be TransformerLayerSubmodules .*got dict "
                                         r"without input_layernorm, .*\[while building TransformerLayer\]"):
         build_module(ModuleSpec(module=TransformerLayer, submodules={"mlp": MLP}), config=cfg)
-    with pytest.raises(TypeError, match=r"TransformerLayer: config must be a TransformerConfig, got dict"):
+    with pytest.raises(TypeError, match=r"TransformerLayer: config must be a TransformerConfig \(or an object with "
+                                        r"its fields\), got dict"):
         build_module(get_gpt_layer_local_spec(), config={"hidden_size": H})
+    # an object with the config's fields serves (Megatron-core's own config among them), as do
+    # submodules without the fields the layer never reads
+    duck_cfg = types.SimpleNamespace(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    layer_subs = get_gpt_layer_local_spec().submodules
+    duck_subs = types.SimpleNamespace(**{f.name: getattr(layer_subs, f.name) for f in dataclasses.fields(layer_subs)
+                                         if f.name != "sharded_state_dict_keys_map"})
+    assert TransformerLayer(duck_cfg, duck_subs)(hidden(torch.float32), None)[0].shape == (S, B, H)
     attn_subs = get_gpt_layer_local_spec().submodules.self_attention.submodules
     mlp_subs = get_gpt_layer_local_spec().submodules.mlp.submodules
     with pytest.raises(TypeError, match=r"MLP: submodules must be MLPSubmodules .*got SelfAttentionSubmodules "
@@ -314,9 +322,11 @@ def test_wrapped_torch_norm_checks_what_it_builds_from():
     for eps, error in ((-1.0, ValueError), (float("nan"), ValueError), ("1e-5", TypeError), (None, TypeError)):
         with pytest.raises(error, match="eps must be a finite number >= 0"):
             WrappedTorchNorm(cfg, H, eps=eps)
-    for size, error in ((0, ValueError), (8.0, TypeError), (True, TypeError), ([4, 8], ValueError)):
+    for size, error in ((0, ValueError), (8.0, TypeError), (True, TypeError), ([4, 0], ValueError),
+                        ((4, 8.0), TypeError)):
         with pytest.raises(error, match="hidden_size must be"):
             WrappedTorchNorm(cfg, size)
+    assert WrappedTorchNorm(cfg, [4, 8]).normalized_shape == (4, 8)  # torch's shape of several dims, as before
     with pytest.raises(TypeError, match="WrappedTorchNorm: config must be a TransformerConfig .* got NoneType"):
         WrappedTorchNorm(None, H)
     duck = types.SimpleNamespace(normalization="LayerNorm", layernorm_zero_centered_gamma=False,
@@ -1204,12 +1214,14 @@ def test_cross_attention_against_the_reference():
     # an empty one gave zero attention where an empty hidden_states is refused
     for bad, what in ((torch.zeros(5, H, dtype=torch.float64), f"shape \\[5, {H}\\]"),
                       (hidden(torch.float64, s=0), f"shape \\[0, {B}, {H}\\]"),
-                      (hidden(torch.float64, s=5)[:, :1], f"shape \\[5, 1, {H}\\]"),
-                      ([[0.0]], "list")):
+                      (hidden(torch.float64, s=5)[:, :1], f"shape \\[5, 1, {H}\\]")):
         with pytest.raises(ValueError, match=r"CrossAttention: key_value_states \(the layer's context\) must be a "
                                              r"tensor \[sk, b, h\] with sk >= 1, b = hidden_states' batch "
                                              f"\\({B}\\) and h = hidden_size = {H}, got {what}"):
             attn(x, None, key_value_states=bad)
+    with pytest.raises(TypeError, match=r"key_value_states \(the layer's context\) must be a tensor \[sk, b, h\], "
+                                        r"got list"):
+        attn(x, None, key_value_states=[[0.0]])
     with pytest.raises(TypeError, match="key_value_states .* must be floating point, got torch.int64"):
         attn(x, None, key_value_states=torch.zeros(5, B, H, dtype=torch.int64))
 

@@ -53,12 +53,15 @@ def get_grad_norm_fp32(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], 
         gradient is float64: fusedlib's float64 checks).
 
     Raises:
-        TypeError: norm_type not a real number (a bool or a str neither).
+        TypeError: norm_type not a real number (a bool or a str neither; a one-element floating
+            tensor is read as its value).
         ValueError: norm_type <= 0 or NaN.
 
     Source: Megatron-LM ``megatron/core/optimizer/clip_grads.py`` (``get_grad_norm_fp32``).
     """
     grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
+    if isinstance(norm_type, torch.Tensor) and norm_type.numel() == 1 and norm_type.is_floating_point():
+        norm_type = float(norm_type)  # (Megatron-core's float(norm_type) takes a one-element tensor)
     if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):  # (True was the 1-norm, "2" the 2-norm)
         raise TypeError(f"norm_type must be a real number > 0 (or math.inf), got {type_name(norm_type)} "
                         f"{short_repr(norm_type)}")

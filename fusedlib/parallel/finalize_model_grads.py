@@ -117,12 +117,22 @@ def finalize_model_grads(model: Union[torch.nn.Module, Iterable[torch.nn.Module]
         dp_group: the data-parallel group (None: :mod:`parallel_state`'s).
 
     Raises:
-        ValueError: a module without a config.
+        ValueError: a module without a config where the run is tensor-parallel (``tp_group`` of
+            more than one rank, or parallel_state's tensor-parallel size above 1).
 
     Source: Megatron-LM ``megatron/core/distributed/finalize_model_grads.py``.
     """
     initialized = parallel_state.model_parallel_is_initialized()
-    split = any(_config_of(m) is not None and _config_of(m).tensor_model_parallel_size > 1 for m in _modules(model))
+    modules = _modules(model)
+    tensor_parallel_run = (tp_group is not None and tp_group.size() > 1) or (
+        initialized and parallel_state.get_tensor_model_parallel_world_size() > 1)
+    if tensor_parallel_run and any(_config_of(m) is None for m in modules):
+        # (a model of parallel layers without a config got no tensor-parallel all-reduce, silently)
+        bad = next(m for m in modules if _config_of(m) is None)
+        raise ValueError(f"finalize_model_grads: a module without a config ({type(bad).__name__}) in a "
+                         f"tensor-parallel run: its tensor_model_parallel_size decides which gradients are summed "
+                         f"over the ranks (give the model a TransformerConfig as .config)")
+    split = any(_config_of(m) is not None and _config_of(m).tensor_model_parallel_size > 1 for m in modules)
     if tp_group is None and initialized and split:
         tp_group = parallel_state.get_tensor_model_parallel_group()
     if dp_group is None and initialized:

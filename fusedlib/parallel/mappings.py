@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from . import parallel_state
 from ..checks import short_repr, type_name
-from .utils import _has_rank_and_size, _is_process_group, all_gather, all_reduce, reduce_scatter
+from .utils import all_gather, all_reduce, check_tp_group, reduce_scatter
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -77,18 +77,22 @@ def _group_or_default(group: Group) -> Group:
 
 
 def _checked(what: str, input_: object, group: object, min_ndim: int = 0) -> Group:
-    """The group a map runs over, after checking its arguments: ``input_`` a tensor of at least
-    ``min_ndim`` dims, ``group`` None or a process group (a list, a group's name or a 0-dim
-    tensor to split failed inside with an AttributeError or an IndexError naming neither)."""
+    """The group a map runs over, after checking its arguments: ``input_`` a tensor (of at least
+    ``min_ndim`` dims where the group has more than one rank: on one rank every map returns its
+    input), ``group`` None or a process group (a list, a group's name or a 0-dim tensor to split
+    failed inside with an AttributeError or an IndexError naming neither)."""
     if not isinstance(input_, torch.Tensor):
         raise TypeError(f"{what}: input_ must be a torch.Tensor, got {type_name(input_)}")
-    if input_.dim() < min_ndim:
+    try:
+        check_tp_group(group)
+    except TypeError:
+        raise TypeError(f"{what}: group must be None (parallel_state's tensor-parallel group) or a "
+                        f"torch.distributed.ProcessGroup, got {type_name(group)} {short_repr(group)}") from None
+    group = _group_or_default(group)
+    if _size(group) > 1 and input_.dim() < min_ndim:
         raise ValueError(f"{what}: input_ must have at least {min_ndim} dim(s) (the one it splits or gathers), got "
                          f"shape {list(input_.shape)}")
-    if not (group is None or _is_process_group(group) or _has_rank_and_size(group)):
-        raise TypeError(f"{what}: group must be None (parallel_state's tensor-parallel group) or a "
-                        f"torch.distributed.ProcessGroup, got {type_name(group)} {short_repr(group)}")
-    return _group_or_default(group)
+    return group
 
 
 def _size(group: Group) -> int:
@@ -310,7 +314,7 @@ def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group: Group 
         A new tensor, the sum over ranks (``input_`` itself on one rank).
 
     Raises:
-        RuntimeError: as :func:`copy_to_tensor_model_parallel_region`.
+        RuntimeError, TypeError: as :func:`copy_to_tensor_model_parallel_region`.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
@@ -328,8 +332,8 @@ def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group: Group =
         group: as :func:`copy_to_tensor_model_parallel_region`.
 
     Raises:
-        ValueError: n not divisible by p.
-        RuntimeError: as :func:`copy_to_tensor_model_parallel_region`.
+        ValueError: n not divisible by p; input_ 0-dim (more than one rank).
+        RuntimeError, TypeError: as :func:`copy_to_tensor_model_parallel_region`.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
@@ -348,7 +352,8 @@ def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group: Group 
         group: as :func:`copy_to_tensor_model_parallel_region`.
 
     Raises:
-        RuntimeError: as :func:`copy_to_tensor_model_parallel_region`.
+        ValueError: input_ 0-dim (more than one rank).
+        RuntimeError, TypeError: as :func:`copy_to_tensor_model_parallel_region`.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
@@ -366,8 +371,8 @@ def scatter_to_sequence_parallel_region(input_: torch.Tensor, group: Group = Non
         group: as :func:`copy_to_tensor_model_parallel_region`.
 
     Raises:
-        ValueError: s not divisible by p.
-        RuntimeError: as :func:`copy_to_tensor_model_parallel_region`.
+        ValueError: s not divisible by p; input_ 0-dim (more than one rank).
+        RuntimeError, TypeError: as :func:`copy_to_tensor_model_parallel_region`.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
@@ -389,7 +394,8 @@ def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_o
         group: as :func:`copy_to_tensor_model_parallel_region`.
 
     Raises:
-        RuntimeError: as :func:`copy_to_tensor_model_parallel_region`.
+        ValueError: input_ 0-dim (more than one rank).
+        RuntimeError, TypeError: as :func:`copy_to_tensor_model_parallel_region`.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """
@@ -408,8 +414,8 @@ def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group: Grou
         group: as :func:`copy_to_tensor_model_parallel_region`.
 
     Raises:
-        ValueError: s not divisible by p.
-        RuntimeError: as :func:`copy_to_tensor_model_parallel_region`.
+        ValueError: s not divisible by p; input_ 0-dim (more than one rank).
+        RuntimeError, TypeError: as :func:`copy_to_tensor_model_parallel_region`.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/mappings.py``.
     """

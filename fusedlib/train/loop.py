@@ -1142,6 +1142,9 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
     # whole multiples of tp (the contexts of every length failed at the embedding's split)
     pad_to = tp if tp > 1 and getattr(config, "sequence_parallel", False) else 1
     window = max_seq - max_seq % pad_to
+    if window < 1:  # (a window of 0 took the whole, growing context)
+        raise ValueError(f"sampling a sequence-parallel model needs max_sequence_length ({max_seq}) >= the "
+                         f"tensor-parallel size ({tp})")
     was_training = model.training
     model.eval()
     try:

@@ -43,6 +43,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ..checks import ArgumentTypeError, type_name
 from ..kernels.flash_attention import PACKED_GRADS_ATTR
 from ..parallel.random import checkpoint as tensor_parallel_checkpoint
 from ..parallel.random import get_cuda_rng_tracker
@@ -354,7 +355,7 @@ class CrossAttention(Attention):
                  attn_mask_type: AttnMaskType = AttnMaskType.padding, cp_comm_type: Optional[str] = None,
                  pg_collection: object = None) -> None:
         check_submodules("CrossAttention", submodules, CrossAttentionSubmodules)
-        if isinstance(config, TransformerConfig) and config.num_query_groups != config.num_attention_heads:
+        if getattr(config, "num_query_groups", None) != getattr(config, "num_attention_heads", None):
             raise ValueError("Group query attention is not currently supported in cross attention.")
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, attention_type="cross", cp_comm_type=cp_comm_type,
@@ -373,15 +374,19 @@ class CrossAttention(Attention):
         Raises:
             ValueError: key_value_states is None, or not a tensor [sk, b, h] with sk >= 1, b
                 hidden_states' batch and h = hidden_size (the layer's ``context``).
-            TypeError: key_value_states not floating point.
+            TypeError: key_value_states not a tensor (an ArgumentTypeError, also a ValueError) or
+                not floating point.
         """
         if key_value_states is None:
             raise ValueError("key_value_states cannot be None for CrossAttention")
         h, b = self.config.hidden_size, hidden_states.shape[1] if hidden_states.dim() == 3 else None
         kv = key_value_states
-        if not (isinstance(kv, torch.Tensor) and kv.dim() == 3 and kv.shape[0] > 0 and kv.shape[1] == b
+        if not isinstance(kv, torch.Tensor):  # (an ArgumentTypeError: a TypeError, and a ValueError as below)
+            raise ArgumentTypeError(f"CrossAttention: key_value_states (the layer's context) must be a tensor "
+                                    f"[sk, b, h], got {type_name(kv)}")
+        if not (kv.dim() == 3 and kv.shape[0] > 0 and kv.shape[1] == b
                 and kv.shape[2] == h):
-            got = f"shape {list(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv).__name__
+            got = f"shape {list(kv.shape)}"
             raise ValueError(f"CrossAttention: key_value_states (the layer's context) must be a tensor [sk, b, h] "
                              f"with sk >= 1, b = hidden_states' batch ({b}) and h = hidden_size = {h}, got {got}")
         if not kv.is_floating_point():

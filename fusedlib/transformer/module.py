@@ -12,28 +12,34 @@ Source: Megatron-LM ``megatron/core/transformer/module.py``.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ..utils import KeepParameterAttributes
 from .transformer_config import TransformerConfig
 
 __all__ = ["MegatronModule", "Float16Module", "fp32_to_float16", "float16_to_fp32"]
 
 
-class MegatronModule(torch.nn.Module):
+class MegatronModule(KeepParameterAttributes, torch.nn.Module):
     """A ``torch.nn.Module`` that keeps the ``TransformerConfig`` it was built from as ``self.config``.
 
     Raises:
-        TypeError: config is not a :class:`TransformerConfig` (None, a dict of its fields...).
+        TypeError: config neither a :class:`TransformerConfig` nor an object with its fields (None,
+            a dict of them...).
 
     Source: Megatron-LM ``megatron/core/transformer/module.py`` (``MegatronModule``).
     """
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        if not isinstance(config, TransformerConfig):  # (else an AttributeError about the first field read)
-            raise TypeError(f"{type(self).__name__}: config must be a TransformerConfig, got {type(config).__name__}")
+        # (else an AttributeError about the first field read; an object with the config's fields
+        # serves, as in Megatron-core, which reads them by name)
+        if isinstance(config, Mapping) or not hasattr(config, "hidden_size"):
+            raise TypeError(f"{type(self).__name__}: config must be a TransformerConfig (or an object with its "
+                            f"fields), got {type(config).__name__}")
         self.config = config
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:

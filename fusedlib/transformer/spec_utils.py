@@ -157,18 +157,20 @@ def build_module(spec_or_module: Union[ModuleSpec, type, Callable[..., Any]], *a
         raise error.with_traceback(e.__traceback__) from None  # the traceback keeps the original frames
 
 
-def check_submodules(owner: str, submodules: Any, expected: type) -> Any:
+def check_submodules(owner: str, submodules: Any, expected: type, unused: Tuple[str, ...] = ()) -> Any:
     """Return ``submodules`` if it can serve as ``expected``'s submodules, else raise.
 
     A module that builds its children from a submodules dataclass (``MLPSubmodules``,
     ``SelfAttentionSubmodules``...) reads its fields by name; anything else failed there with a
     bare ``AttributeError`` about the first field read. Accepted: an ``expected`` instance, or any
-    object with all of ``expected``'s fields as attributes (Megatron-core reads them by name too).
+    object with the fields of ``expected`` that the module reads as attributes (Megatron-core
+    reads them by name too).
 
     Args:
         owner: the module's name, for the message.
         submodules: what the module was given.
         expected: the submodules dataclass.
+        unused: its fields the module never reads (not asked of a stand-in).
 
     Returns:
         ``submodules``, unchanged.
@@ -181,7 +183,7 @@ def check_submodules(owner: str, submodules: Any, expected: type) -> Any:
     """
     if isinstance(submodules, expected):
         return submodules
-    missing = [f.name for f in fields(expected) if not hasattr(submodules, f.name)]
+    missing = [f.name for f in fields(expected) if f.name not in unused and not hasattr(submodules, f.name)]
     if missing:
         raise TypeError(f"{owner}: submodules must be {expected.__name__} (or have its fields), got {type(submodules).__name__} "
                         f"without {', '.join(missing)}")

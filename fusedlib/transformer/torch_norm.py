@@ -31,9 +31,9 @@ class WrappedTorchNorm:
     sequence parallelism: a norm is per token, so it runs on a sequence shard unchanged.
     Megatron-core rejects sequence_parallel here.
 
-    A deep copy of the module loses the parameters' ``sequence_parallel`` (torch's
-    ``Parameter.__deepcopy__`` keeps no attribute; fusedlib's own norms keep theirs): mark them
-    again after ``copy.deepcopy`` under sequence parallelism.
+    A deep copy of this torch module on its own loses the parameters' ``sequence_parallel``
+    (torch's ``Parameter.__deepcopy__`` keeps no attribute); inside a fusedlib module (a layer,
+    a block, a GPTModel: :class:`~fusedlib.utils.KeepParameterAttributes`) the copy keeps them.
 
     Raises:
         ValueError: a config switch torch's norms do not have (layernorm_zero_centered_gamma,
@@ -62,7 +62,11 @@ class WrappedTorchNorm:
             raise ValueError(f"WrappedTorchNorm: config.normalization must be 'LayerNorm' or 'RMSNorm', got "
                              f"{short_repr(config.normalization)}")
         _check_eps(eps)  # (a negative eps gave NaN at the forward, a str failed inside torch)
-        h = _hidden_size(hidden_size, kernels=False)
+        if isinstance(hidden_size, (tuple, list, torch.Size)) and len(hidden_size) > 1:
+            # torch's norms take a shape of several dims (the last ones, normalised together)
+            h = torch.Size(_hidden_size(n, kernels=False) for n in hidden_size)
+        else:
+            h = _hidden_size(hidden_size, kernels=False)
         sequence_parallel = _config_flag(config, "sequence_parallel")
         norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
         norm = norm_cls(normalized_shape=h, eps=float(eps), device=device, dtype=dtype)

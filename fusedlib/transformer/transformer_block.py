@@ -165,8 +165,10 @@ class TransformerBlock(MegatronModule):
         self.num_layers_per_pipeline_rank = len(self.layers)
         self._fork_rng = config.sequence_parallel and config.tensor_model_parallel_size > 1
         # (without dropout nothing draws random numbers: no fork, and no tracker needed)
+        # (a DotProductAttention's attention_dropout may override the config's through its spec)
         self._draws_random_numbers = config.attention_dropout > 0 or any(
-            getattr(layer, "hidden_dropout", config.hidden_dropout) > 0 for layer in self.layers)
+            getattr(layer, "hidden_dropout", config.hidden_dropout) > 0 for layer in self.layers) or any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.modules())
         self.cudagraph_manager = (CudaGraphManager(config.cuda_graph_warmup_steps)
                                   if config.cuda_graph_impl == "local" else None)
 

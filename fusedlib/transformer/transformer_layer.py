@@ -51,7 +51,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from ..checks import short_repr, type_name
+from ..checks import ArgumentTypeError, short_repr, type_name
 from ..fusions.fused_bias_dropout import get_bias_dropout_add
 from ..fusions.fused_layer_norm import bias_dropout_add_norm, norm_with_residual
 from ..parallel.random import checkpoint as tensor_parallel_checkpoint
@@ -185,13 +185,16 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         super().__init__(config=config)
         if pg_collection is not None or vp_stage is not None:
             raise NotImplementedError("TransformerLayer: pg_collection and vp_stage are left out of fusedlib")
-        self.submodules_config = submodules = check_submodules("TransformerLayer", submodules,
-                                                               TransformerLayerSubmodules)
+        self.submodules_config = submodules = check_submodules(
+            "TransformerLayer", submodules, TransformerLayerSubmodules, unused=("sharded_state_dict_keys_map",))
         self.layer_number = check_layer_number("TransformerLayer", layer_number)
         if hidden_dropout is not None and (isinstance(hidden_dropout, bool) or not isinstance(hidden_dropout, numbers.Real)
                                            or not 0.0 <= hidden_dropout <= 1.0):  # NaN fails too
-            raise ValueError(f"TransformerLayer: hidden_dropout must be None (config.hidden_dropout) or a probability "
-                             f"in [0, 1], got {type_name(hidden_dropout)} {short_repr(hidden_dropout)}")
+            # a wrong type: an ArgumentTypeError, a TypeError and the ValueError this always raised
+            error = (ArgumentTypeError if isinstance(hidden_dropout, bool) or not isinstance(hidden_dropout, numbers.Real)
+                     else ValueError)
+            raise error(f"TransformerLayer: hidden_dropout must be None (config.hidden_dropout) or a probability "
+                        f"in [0, 1], got {type_name(hidden_dropout)} {short_repr(hidden_dropout)}")
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else float(hidden_dropout)
         norm_kwargs = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon,
                            device=param_device(config), dtype=config.params_dtype)
