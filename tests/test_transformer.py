@@ -220,8 +220,8 @@ def test_bad_specs_raise_naming_the_module():
     with pytest.raises(TypeError, match=r"TransformerLayer: submodules must be TransformerLayerSubmodules .*got dict "
                                         r"without input_layernorm, .*\[while building TransformerLayer\]"):
         build_module(ModuleSpec(module=TransformerLayer, submodules={"mlp": MLP}), config=cfg)
-    with pytest.raises(TypeError, match=r"TransformerLayer: config must be a TransformerConfig \(or an object with "
-                                        r"its fields\), got dict"):
+    with pytest.raises(TypeError, match=r"TransformerLayer: config must be a TransformerConfig, got dict \(an object "
+                                        r"with its fields serves too\)"):
         build_module(get_gpt_layer_local_spec(), config={"hidden_size": H})
     # an object with the config's fields serves (Megatron-core's own config among them), as do
     # submodules without the fields the layer never reads

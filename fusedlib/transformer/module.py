@@ -38,8 +38,8 @@ class MegatronModule(KeepParameterAttributes, torch.nn.Module):
         # (else an AttributeError about the first field read; an object with the config's fields
         # serves, as in Megatron-core, which reads them by name)
         if isinstance(config, Mapping) or not hasattr(config, "hidden_size"):
-            raise TypeError(f"{type(self).__name__}: config must be a TransformerConfig (or an object with its "
-                            f"fields), got {type(config).__name__}")
+            raise TypeError(f"{type(self).__name__}: config must be a TransformerConfig, got {type(config).__name__} "
+                            f"(an object with its fields serves too)")
         self.config = config
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
