@@ -50,20 +50,20 @@ Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py``.
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import unfused
-from ..checks import FLOAT_DTYPES, ArgumentTypeError, check_tensor, is_dense, short_repr, type_name
+from ..checks import FLOAT_DTYPES, check_tensor, is_dense
 from ..fusions import fused_attention, fused_softmax
 from ..fusions.fused_softmax import FusedScaleMaskSoftmax, _window_for
 from .enums import AttnBackend, AttnMaskType
 from .module import MegatronModule
 from .transformer_config import TransformerConfig
-from .utils import attention_mask_func, check_layer_number, heads_per_partition, is_layer_window_attention
+from .utils import (attention_mask_func, check_dropout_override, check_layer_number, heads_per_partition,
+                    is_layer_window_attention)
 
 __all__ = ["DotProductAttention", "SDPA_BACKENDS", "FLASH_BACKENDS"]
 
@@ -240,18 +240,12 @@ class DotProductAttention(MegatronModule):
             scale=coeff,
             window_size=self.window_size,
         )
-        if attention_dropout is not None:  # checked as TransformerConfig checks config.attention_dropout
-            if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, numbers.Real):
-                raise ArgumentTypeError(f"DotProductAttention: attention_dropout must be None "
-                                        f"(config.attention_dropout) or a probability in [0, 1), got "
-                                        f"{type_name(attention_dropout)} {short_repr(attention_dropout)}")
-            if not 0.0 <= attention_dropout < 1.0:  # NaN fails too
-                raise ValueError(f"DotProductAttention: attention_dropout must be None (config.attention_dropout) or "
-                                 f"a probability in [0, 1) (1 would drop every attention probability: the context "
-                                 f"would be zeros; the flash and fused softmax+dropout kernels refuse it), got "
-                                 f"{short_repr(attention_dropout)}")
+        attention_dropout = check_dropout_override(
+            "DotProductAttention", "attention_dropout", attention_dropout, below_one=True,
+            why=" (1 would drop every attention probability: the context would be zeros; the flash and fused "
+                "softmax+dropout kernels refuse it)")
         self.attention_dropout = torch.nn.Dropout(config.attention_dropout if attention_dropout is None
-                                                  else float(attention_dropout))
+                                                  else attention_dropout)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,

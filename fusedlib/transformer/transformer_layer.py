@@ -45,13 +45,11 @@ Source: Megatron-LM ``megatron/core/transformer/transformer_layer.py``.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from ..checks import ArgumentTypeError, short_repr, type_name
 from ..fusions.fused_bias_dropout import get_bias_dropout_add
 from ..fusions.fused_layer_norm import bias_dropout_add_norm, norm_with_residual
 from ..parallel.random import checkpoint as tensor_parallel_checkpoint
@@ -60,7 +58,7 @@ from .identity_op import IdentityFuncOp, IdentityOp
 from .module import MegatronModule
 from .spec_utils import ModuleSpec, build_module, check_submodules
 from .transformer_config import TransformerConfig
-from .utils import check_layer_number, param_device
+from .utils import check_dropout_override, check_layer_number, param_device
 
 __all__ = ["TransformerLayerSubmodules", "BaseTransformerLayer", "TransformerLayer", "check_hidden_states"]
 
@@ -188,14 +186,8 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.submodules_config = submodules = check_submodules(
             "TransformerLayer", submodules, TransformerLayerSubmodules, unused=("sharded_state_dict_keys_map",))
         self.layer_number = check_layer_number("TransformerLayer", layer_number)
-        if hidden_dropout is not None and (isinstance(hidden_dropout, bool) or not isinstance(hidden_dropout, numbers.Real)
-                                           or not 0.0 <= hidden_dropout <= 1.0):  # NaN fails too
-            # a wrong type: an ArgumentTypeError, a TypeError and the ValueError this always raised
-            error = (ArgumentTypeError if isinstance(hidden_dropout, bool) or not isinstance(hidden_dropout, numbers.Real)
-                     else ValueError)
-            raise error(f"TransformerLayer: hidden_dropout must be None (config.hidden_dropout) or a probability "
-                        f"in [0, 1], got {type_name(hidden_dropout)} {short_repr(hidden_dropout)}")
-        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else float(hidden_dropout)
+        hidden_dropout = check_dropout_override("TransformerLayer", "hidden_dropout", hidden_dropout)
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         norm_kwargs = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon,
                            device=param_device(config), dtype=config.params_dtype)
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, Union
 
 import torch
 
+from ..checks import ArgumentTypeError, short_repr, type_name
 from ..fusions.fused_softmax import get_default_causal_mask, get_sliding_window_causal_mask
 from ..runtime import default_device
 from ..unfused import attention_mask_func
@@ -88,6 +89,34 @@ def check_layer_number(owner: str, layer_number: object) -> int:
         raise ValueError(f"{owner}: layer_number must be an int >= 1 (layers are numbered from 1), "
                          f"got {layer_number}")
     return int(layer_number)
+
+
+def check_dropout_override(owner: str, name: str, value: object, below_one: bool = False,
+                           why: str = "") -> Optional[float]:
+    """A module's override of ``config.<name>``: None (the config's), or the probability as a
+    Python float, checked as the config checks its field.
+
+    Args:
+        owner, name: the module and the argument, for the message.
+        value: what was passed.
+        below_one: the range is [0, 1) (attention dropout: 1 would zero every context), else [0, 1].
+        why: said of the upper bound in the range error.
+
+    Raises:
+        ArgumentTypeError: not a real number, a bool included (a TypeError, and the ValueError
+            these checks have always raised).
+        ValueError: outside the range, NaN included.
+    """
+    if value is None:
+        return None
+    interval = "[0, 1)" if below_one else "[0, 1]"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{owner}: {name} must be None (config.{name}) or a probability in {interval}, "
+                                f"got {type_name(value)} {short_repr(value)}")
+    if not (0.0 <= value < 1.0 if below_one else 0.0 <= value <= 1.0):  # NaN fails too
+        raise ValueError(f"{owner}: {name} must be None (config.{name}) or a probability in {interval}{why}, got "
+                         f"{type_name(value)} {short_repr(value)}")
+    return float(value)
 
 
 def is_layer_window_attention(window_size: Optional[Tuple[int, int]],
