@@ -23,7 +23,8 @@ from conftest import DEVICE  # noqa: I001
 #: [s, b, h, heads, ffn, layers]: odd sequence and ffn, heads of 6 channels, 2 layers
 TINY = (7, 2, 24, 4, 20, 2)
 #: what runs without megatron-core (it needs CUDA and Python >= 3.12)
-LOCAL_IMPLS = ["fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash", "eager", "torch.compile"]
+LOCAL_IMPLS = ["fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash", "fusedlib-fused-layer", "eager",
+               "torch.compile"]
 
 
 def _cpu_case(dtype=torch.float32):
@@ -85,6 +86,10 @@ def test_the_three_fusedlib_blocks_have_the_documented_switches():
     assert type(unfused.layers[0].input_layernorm).__name__ == "LayerNorm"  # torch's
     assert type(fused.layers[0].input_layernorm).__name__ == "FusedLayerNorm"
     assert fused.training and len(fused.layers) == TINY[-1]
+    one_node = tl.fusedlib_block(TINY, True, tl.AttnBackend.flash, fused_layer=True)
+    assert [type(layer).__name__ for layer in one_node.layers] == ["FusedTransformerLayer"] * TINY[-1]
+    assert {type(layer).__name__ for layer in flash.layers} == {"TransformerLayer"}
+    assert one_node.state_dict().keys() == flash.state_dict().keys()
 
 
 def test_param_count_and_gemm_flops_against_the_built_blocks():
@@ -144,6 +149,7 @@ def test_records_have_tokens_and_no_bytes(monkeypatch):
     assert by["fusedlib"]["fusions"] == list(tl.FUSIONS_ON) and by["fusedlib-unfused"]["fusions"] == []
     assert by["fusedlib-sdpa"]["attention"] == "sdpa" and by["torch.compile"]["compile"] == "static"
     assert by["fusedlib-flash"]["attention"] == "flash"
+    assert by["fusedlib-fused-layer"]["attention"] == "flash" and by["fusedlib-fused-layer"]["layer"] == "FusedTransformerLayer"
     json.dumps(recs)  # plain JSON
 
 

@@ -8,7 +8,8 @@ switches), :mod:`~fusedlib.transformer.module` (``MegatronModule``, ``Float16Mod
 :mod:`~fusedlib.transformer.dot_product_attention`, :mod:`~fusedlib.transformer.mlp`,
 :mod:`~fusedlib.transformer.transformer_layer`, :mod:`~fusedlib.transformer.transformer_block`,
 :mod:`~fusedlib.transformer.torch_norm`, :mod:`~fusedlib.transformer.cuda_graphs`
-(``CudaGraphManager``: the layers as CUDA graphs).
+(``CudaGraphManager``: the layers as CUDA graphs), :mod:`~fusedlib.transformer.fused_layer`
+(``FusedTransformerLayer``: a GPT layer's training step as one autograd node).
 
 The layer classes are imported on first use (``fusedlib.transformer.TransformerLayer``): they
 import the fused ops, and the fused softmax imports this package's enums.
@@ -27,7 +28,8 @@ _LAZY = {
     "MLP": "mlp", "MLPSubmodules": "mlp", "TransformerLayer": "transformer_layer",
     "TransformerLayerSubmodules": "transformer_layer", "TransformerBlock": "transformer_block",
     "TransformerBlockSubmodules": "transformer_block", "WrappedTorchNorm": "torch_norm",
-    "CudaGraphManager": "cuda_graphs",
+    "CudaGraphManager": "cuda_graphs", "FusedTransformerLayer": "fused_layer",
+    "FusedTransformerLayerFunction": "fused_layer",
 }
 
 __all__ = ["AttnBackend", "AttnMaskType", "AttnType", "ModelType", "IdentityOp", "IdentityFuncOp",

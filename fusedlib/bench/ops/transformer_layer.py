@@ -31,6 +31,9 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
                            ``scaled_dot_product_attention`` (no scores in memory)
 ``fusedlib-flash``         the same, ``attention_backend`` flash: fusedlib's FlashAttention-2
                            kernel in Triton (chapter 8)
+``fusedlib-fused-layer``   ``fusedlib-flash`` with each layer a ``FusedTransformerLayer``: the
+                           same kernels, each layer's training step one autograd node
+                           (:mod:`fusedlib.transformer.fused_layer`)
 ``fusedlib-sdpa-graphs``   ``fusedlib-sdpa`` with ``cuda_graph_impl="local"``: the layers'
                            and the final norm's forward and backward replayed as two CUDA
                            graphs (:mod:`fusedlib.transformer.cuda_graphs`)
@@ -154,6 +157,7 @@ IMPLS: dict[str, str] = {
     "fusedlib": "fusedlib's local spec, every fusion on, materialised attention with the softmax+dropout kernel",
     "fusedlib-sdpa": "fusedlib's local spec, every fusion on, attention_backend auto (scaled_dot_product_attention)",
     "fusedlib-flash": "fusedlib's local spec, every fusion on, attention_backend flash (fusedlib's Triton FlashAttention)",
+    "fusedlib-fused-layer": "fusedlib-flash with FusedTransformerLayer: each layer's training step one autograd node",
     "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
     "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
     "fusedlib-sdpa-graphs": "fusedlib-sdpa, cuda_graph_impl='local': the block's forward and backward as CUDA graphs",
@@ -241,7 +245,7 @@ def gemm_flops(shape: Sequence[int], causal_half: bool = False) -> int:
 
 def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = AttnBackend.local,
                    dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                   cuda_graph: bool = False) -> torch.nn.Module:
+                   cuda_graph: bool = False, fused_layer: bool = False) -> torch.nn.Module:
     """fusedlib's ``TransformerBlock`` at ``shape`` (its parameters random from the config's inits).
 
     Args:
@@ -253,6 +257,8 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
         dtype: the parameters' dtype (bf16: ``config.bf16`` too).
         device: where the parameters live.
         cuda_graph: ``cuda_graph_impl="local"`` (the layers as CUDA graphs; needs CUDA).
+        fused_layer: with ``fused``, the local spec's submodules in a
+            :class:`~fusedlib.transformer.fused_layer.FusedTransformerLayer` (``backend`` flash).
 
     Returns:
         The block in training mode; call it as ``block(hidden_states, None)``.
@@ -269,7 +275,12 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
                             add_bias_linear=True, use_cpu_initialization=device.type == "cpu",
                             attention_backend=backend, cuda_graph_impl="local" if cuda_graph else "none",
                             **{k: True for k in FUSIONS_ON})
-    if fused:
+    if fused and fused_layer:
+        from ...transformer.fused_layer import FusedTransformerLayer
+        from ...transformer.spec_utils import ModuleSpec
+
+        block = TransformerBlock(cfg, ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec().submodules))
+    elif fused:
         block = TransformerBlock(cfg, get_gpt_layer_local_spec())
     else:
         block = TransformerBlock(without_fusions(cfg), get_gpt_layer_unfused_spec())
@@ -523,6 +534,9 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
              fusions=fused_on, attention="sdpa"),
         impl("fusedlib-flash", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.flash, t, d), _block_call),
              fusions=fused_on, attention="flash"),
+        impl("fusedlib-fused-layer", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.flash, t, d,
+                                                                        fused_layer=True), _block_call),
+             fusions=fused_on, attention="flash", layer="FusedTransformerLayer"),
     ]
     if cuda_graphs:
         impls.append(impl("fusedlib-sdpa-graphs",

@@ -1,0 +1,270 @@
+"""FusedTransformerLayer: a GPT layer's training step as one autograd node.
+
+The oracle is :class:`TransformerLayer` itself: the one-node layer calls the same fused ops'
+Function forwards and backwards in the same order, with the Philox keys drawn in the same order,
+so with the same seed its outputs and gradients must be the module path's bit for bit, dropout
+on, in fp32 and bf16; and against the float64 block of ``transformer_reference`` (dropout 0) it
+must be as accurate as the unfused block. Sizes are small and odd (s = 7, h = 24, 4 heads of
+hn = 6, ffn = 20); on a CPU the kernels run in Triton's interpreter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformer_reference as R
+from fusedlib.fusions import fused_dense
+from fusedlib.models.gpt import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
+from fusedlib.transformer import AttnBackend, ModuleSpec, TransformerConfig
+from fusedlib.transformer.fused_layer import FusedTransformerLayer, FusedTransformerLayerFunction
+from fusedlib.transformer.transformer_block import TransformerBlock
+from fusedlib.transformer.transformer_layer import TransformerLayer
+
+from conftest import DEVICE  # noqa: I001
+from test_transformer import U, assert_as_accurate, hidden, randomize, tensor_errors
+
+S, B, H, NP, FFN = 7, 2, 24, 4, 20  # hn = 6
+FUSED = dict(bias_activation_fusion=True, gemm_gelu_fusion=True, masked_softmax_fusion=True, bias_dropout_fusion=True,
+             persist_layer_norm=True, attention_backend=AttnBackend.flash)
+
+
+def make_config(dtype=torch.float32, **kw) -> TransformerConfig:
+    base = dict(num_layers=2, hidden_size=H, num_attention_heads=NP, ffn_hidden_size=FFN, hidden_dropout=0.2,
+                attention_dropout=0.15, activation_func=F.gelu, add_bias_linear=True, params_dtype=dtype,
+                bf16=dtype is torch.bfloat16, use_cpu_initialization=DEVICE.type == "cpu", **FUSED)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def fused_spec(qk_layernorm: bool = False) -> ModuleSpec:
+    return ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec(qk_layernorm=qk_layernorm).submodules)
+
+
+def blocks(cfg: TransformerConfig) -> tuple[TransformerBlock, TransformerBlock]:
+    """(the local spec's block with random parameters, the one-node block with the same state)."""
+    module = randomize(TransformerBlock(cfg, get_gpt_layer_local_spec()).to(DEVICE))
+    one = TransformerBlock(cfg, fused_spec()).to(DEVICE)
+    one.load_state_dict(module.state_dict())
+    return module.train(), one.train()
+
+
+def step(block, x, seed, g=None, frozen=()):
+    """(output, input gradient or None, parameter gradients by name) of one step from ``seed``."""
+    for name, p in block.named_parameters():
+        p.grad = None
+        p.requires_grad_(name not in frozen)
+    x = x.detach().clone().requires_grad_("x" not in frozen)
+    torch.manual_seed(seed)
+    y = block(x, None)
+    y.backward(torch.ones_like(y) + y.detach() if g is None else g)  # a gradient that is not uniform
+    return y, x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
+def assert_same_bits(a, b):
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+    if a[1] is None or b[1] is None:
+        assert a[1] is None and b[1] is None
+    else:
+        torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+    assert a[2].keys() == b[2].keys()
+    for name in a[2]:
+        if a[2][name] is None or b[2][name] is None:
+            assert a[2][name] is None and b[2][name] is None, name
+        else:
+            torch.testing.assert_close(a[2][name], b[2][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The same results as TransformerLayer
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centered_gamma", [False, True])
+def test_one_node_equals_the_layer_bit_for_bit_with_dropout(normalization, dtype, zero_centered_gamma, seed):
+    cfg = make_config(dtype, normalization=normalization, layernorm_zero_centered_gamma=zero_centered_gamma)
+    module, one = blocks(cfg)
+    x = hidden(dtype)  # [s, b, h], not contiguous
+    x_before = x.detach().clone()
+    assert all(layer.fused_path_applies(x) for layer in one.layers)
+    got = step(one, x, seed)
+    assert_same_bits(got, step(module, x, seed))
+    assert torch.equal(x.detach(), x_before)  # the input is never modified
+    assert got[0].dtype == dtype and got[0].shape == (S, B, H)
+
+
+def test_one_node_path_runs_and_the_submodules_do_not(monkeypatch, seed):
+    module, one = blocks(make_config())
+    calls = []
+    for name in ("forward",):
+        for cls in {type(m) for m in one.layers[0].modules()} - {FusedTransformerLayer, TransformerLayer}:
+            original = getattr(cls, name)
+            monkeypatch.setattr(cls, name, lambda self, *a, _o=original, **k: (calls.append(type(self).__name__),
+                                                                                _o(self, *a, **k))[1])
+    applied = []
+    original_apply = FusedTransformerLayerFunction.apply
+    monkeypatch.setattr(FusedTransformerLayerFunction, "apply",
+                        lambda *a: (applied.append(1), original_apply(*a))[1])
+    x = hidden()
+    out, _ = one.layers[0](x)
+    assert type(out.grad_fn).__name__ == "FusedTransformerLayerFunctionBackward"
+    assert applied == [1] and calls == []  # no submodule's forward ran
+    assert one.layers[0].fused_path_applies(x)
+
+
+def test_as_accurate_as_the_unfused_block_against_float64(seed):
+    # dropout 0: the one-node block and the unfused block against the float64 block (as
+    # test_transformer's every-fusion-on check; GeLU's tanh form in the unfused block and the reference)
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = make_config(dtype, hidden_dropout=0.0, attention_dropout=0.0)
+        _, one = blocks(cfg)
+        tanh_gelu = functools.partial(F.gelu, approximate="tanh")
+        plain_cfg = make_config(dtype, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+                                gemm_gelu_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+                                persist_layer_norm=False, attention_backend=AttnBackend.local,
+                                activation_func=tanh_gelu)
+        plain = TransformerBlock(plain_cfg, get_gpt_layer_unfused_spec()).to(DEVICE)
+        plain.load_state_dict(one.state_dict())
+        x = hidden(dtype)
+        g = torch.randn(S, B, H, device=DEVICE, dtype=torch.float32).to(dtype)
+        sd = {k: v.detach().double().requires_grad_(True) for k, v in one.state_dict().items()
+              if isinstance(v, torch.Tensor)}
+        x64 = x.detach().double().requires_grad_(True)
+        y64 = R.block(x64, sd, cfg, act=tanh_gelu)
+        y64.backward(g.double())
+        refs = {"y": y64.detach(), "dx": x64.grad, **{n: sd[n].grad for n in sd}}
+        errors = {}
+        for name, block in (("one node", one), ("plain", plain)):
+            y, dx, grads = step(block, x, 0, g)
+            errors[name] = tensor_errors({"y": y, "dx": dx, **grads}, refs, dtype)
+        agg = assert_as_accurate(errors, "plain", dtype)
+        assert agg["one node"] <= 64 * U[dtype]
+
+
+@pytest.mark.parametrize("frozen", [
+    {"x"},
+    {"layers.0.input_layernorm.weight", "layers.0.input_layernorm.bias", "layers.0.self_attention.linear_qkv.weight"},
+    "all but layers.1.pre_mlp_layernorm.weight",
+    "all but layers.0.mlp.linear_fc2.bias",
+    "all but layers.0.self_attention.linear_proj.weight",
+])
+def test_frozen_inputs_get_no_gradient_and_the_rest_are_the_layers(frozen, seed):
+    module, one = blocks(make_config())
+    if isinstance(frozen, str):
+        keep = frozen.removeprefix("all but ")
+        frozen = {"x", *(n for n, _ in one.named_parameters() if n != keep)}
+    x = hidden()
+    got, want = step(one, x, seed, frozen=frozen), step(module, x, seed, frozen=frozen)
+    assert_same_bits(got, want)
+    assert all((g is None) == (n in frozen) for n, g in got[2].items())
+
+
+def test_state_dict_and_parameters_are_the_layers():
+    module, one = blocks(make_config())
+    assert list(module.state_dict()) == list(one.state_dict())
+    assert [n for n, _ in module.named_parameters()] == [n for n, _ in one.named_parameters()]
+    assert all(isinstance(layer, FusedTransformerLayer) for layer in one.layers)
+
+
+def test_a_double_backward_raises():
+    _, one = blocks(make_config(hidden_dropout=0.0, attention_dropout=0.0))
+    x = hidden()
+    out, _ = one.layers[0](x)
+    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|backward"):
+        gx.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the one-node path does not apply, the layer's forward runs
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["eval", "no_grad", "mask", "hook", "rotary"])
+def test_other_calls_take_the_layers_forward_with_its_results(case, seed):
+    module, one = blocks(make_config())
+    layer, ref = one.layers[0], module.layers[0]
+    x = hidden()
+    kwargs = {}
+    hooked = []
+    if case == "eval":
+        layer.eval(), ref.eval()
+    if case == "mask":  # padding: sample 1's last two keys masked, with the causal mask
+        kwargs["attention_mask"] = torch.zeros(B, 1, S, S, dtype=torch.bool, device=DEVICE)
+        kwargs["attention_mask"][1, ..., -2:] = True
+    if case == "hook":
+        layer.mlp.linear_fc1.register_forward_hook(lambda m, i, o: hooked.append(1))
+    if case == "rotary":
+        kwargs["rotary_pos_emb"] = torch.randn(S, 1, 1, H // NP, device=DEVICE)
+    with torch.no_grad() if case == "no_grad" else torch.enable_grad():
+        assert not layer.fused_path_applies(x, **kwargs)
+    results = []
+    for lay in (layer, ref):
+        torch.manual_seed(seed)
+        if case == "no_grad":
+            with torch.no_grad():
+                results.append(lay(x, **kwargs)[0])
+        else:
+            out, _ = lay(x, **kwargs)
+            assert out.grad_fn is None or type(out.grad_fn).__name__ != "FusedTransformerLayerFunctionBackward"
+            results.append(out)
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    if case == "hook":
+        assert hooked == [1]  # the hook ran: the layer took the module path
+
+
+# ---------------------------------------------------------------------------------------------
+# The layers it refuses to build
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, spec, match", [
+    (dict(attention_backend=AttnBackend.local), None, "attention_backend must be flash"),
+    (dict(attention_backend=AttnBackend.auto), None, "attention_backend must be flash"),
+    (dict(bias_dropout_fusion=False), None, "bias_dropout_fusion"),
+    (dict(gemm_gelu_fusion=False), None, "gemm_gelu_fusion"),
+    (dict(recompute_granularity="selective"), None, "recompute_granularity"),
+    (dict(fp32_residual_connection=True), None, "fp32_residual_connection"),
+    (dict(apply_residual_connection_post_layernorm=True), None, "apply_residual_connection_post_layernorm"),
+    (dict(memory_efficient_layer_norm=True), None, "memory_efficient_layer_norm"),
+    (dict(num_query_groups=2), None, "grouped-query"),
+    (dict(window_size=(3, 0)), None, "sliding window"),
+    (dict(), "qk_layernorm", "query/key norms"),
+    (dict(), "unfused", "FusedLayerNorm or FusedRMSNorm"),
+])
+def test_layers_it_does_not_run_are_refused_naming_why(kwargs, spec, match):
+    cfg = make_config(**kwargs)
+    if spec == "qk_layernorm":
+        submodules = get_gpt_layer_local_spec(qk_layernorm=True).submodules
+    elif spec == "unfused":
+        submodules = get_gpt_layer_unfused_spec().submodules
+    else:
+        submodules = get_gpt_layer_local_spec().submodules
+    with pytest.raises(ValueError, match=match):
+        FusedTransformerLayer(cfg, submodules)
+    if spec is None:  # the same config builds a TransformerLayer
+        TransformerLayer(cfg, submodules)
+
+
+def test_the_gemm_epilogue_path_takes_the_same_route(monkeypatch, seed):
+    # where cuBLASLt's epilogues run (CUDA, ffn a multiple of 8), both paths take them
+    monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_ELEMENTS", 1)
+    cfg = make_config(torch.bfloat16, ffn_hidden_size=32)
+    module, one = blocks(cfg)
+    x = hidden(torch.bfloat16)
+    assert_same_bits(step(one, x, seed), step(module, x, seed))
+
+
+def test_config_replaced_after_the_build_is_read_at_the_call():
+    # the path reads the dropouts and the scale from the modules at each call: a layer whose
+    # dropout was changed afterwards (a hidden_dropout override) still matches the module path
+    module, one = blocks(make_config())
+    for block in (module, one):
+        for layer in block.layers:
+            layer.hidden_dropout = 0.0
+            layer.self_attention.core_attention.attention_dropout.p = 0.0
+    x = hidden()
+    assert_same_bits(step(one, x, 3), step(module, x, 3))
+    assert dataclasses.is_dataclass(one.config)
