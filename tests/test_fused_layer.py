@@ -179,6 +179,35 @@ def test_a_double_backward_raises():
         gx.sum().backward()
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="peak memory is measured on a CUDA device")
+def test_peak_memory_of_a_step_is_the_layers(seed):
+    # the backward releases each op's saved tensors after its backward, as autograd frees a
+    # node's: a step's peak is the module path's (a few allocator blocks of slack)
+    cfg = make_config(torch.bfloat16, num_layers=3, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024)
+    module, one = blocks(cfg)
+    x = torch.randn(256, 4, 256, device=DEVICE, dtype=torch.bfloat16)
+    peaks = []
+    for block in (module, one, module, one):
+        step(block, x, seed)  # warm: kernels compiled, gradients allocated once
+        for p in block.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(block, x, seed)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    assert max(peaks[1], peaks[3]) <= min(peaks[0], peaks[2]) + 4 * 2**20, peaks
+
+
+def test_a_second_backward_raises_naming_retain_graph():
+    _, one = blocks(make_config())
+    out, _ = one.layers[0](hidden())
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        out.sum().backward()
+
+
 # ---------------------------------------------------------------------------------------------
 # Where the one-node path does not apply, the layer's forward runs
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,11 @@ class _StandInCtx:
         pass  # (the layer's own node decides what is differentiable)
 
 
+def _release(op_ctx: _StandInCtx) -> None:
+    """Drop what an op's forward saved, once its backward has run."""
+    op_ctx.__dict__.clear()
+
+
 #: The positions of the tensors in :meth:`FusedTransformerLayerFunction.forward`'s arguments.
 _X, _LN1_W, _LN1_B, _QKV_W, _QKV_B, _PROJ_W, _PROJ_B, _LN2_W, _LN2_B, _FC1_W, _FC1_B, _FC2_W, _FC2_B = range(13)
 
@@ -110,7 +115,10 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     :func:`~fusedlib.fusions.fused_dense.fused_dense_gelu_dense` and
     :func:`~fusedlib.fusions.fused_bias_dropout.bias_dropout_add_fused_train`, called in that
     order through their Functions' ``forward``; the backward returns the gradients of the
-    13 tensors (None for those that need none). Differentiable once (a double backward raises).
+    13 tensors (None for those that need none). Differentiable once (a double backward raises);
+    its backward releases each op's saved tensors once that op's backward has run (the peak
+    memory of the module path), so a second backward through the node (``retain_graph=True``)
+    raises a RuntimeError.
 
     The arguments are not checked here: :class:`FusedTransformerLayer` builds them from a
     checked layer (the fused ops' own checks still run inside their forwards).
@@ -165,29 +173,48 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     @once_differentiable  # the ops' backwards are not themselves differentiable: say so, not silently
     @resolve_neg_grads  # a gradient with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_out):
+        if ctx.ops is None:
+            raise RuntimeError("FusedTransformerLayer: a second backward through a layer's node (retain_graph=True) "
+                               "is not supported: its first backward released the fused ops' saved tensors, as "
+                               "each op's own node would have freed them; run the forward again, or use "
+                               "TransformerLayer")
         c_norm, c_attn, c_bdan, c_mlp, c_bda = ctx.ops
-        y1, core, qkv_weight, proj_weight = ctx.saved_tensors
+        y1, core, qkv_weight, proj_weight = ctx.saved_tensors  # (core: a view of the attention's output)
         s, b, h, heads, hn = ctx.dims
         need = ctx.needs_input_grad
         need_qkv, need_a, need_h1, need_y2, need_m = ctx.needs
+        # Each op's saved tensors and each gradient are released as soon as the next op no longer
+        # needs them (``_release``, ``del``), as autograd frees a node's after its backward: else
+        # the MLP's [s·b, ffn] activations would live through the attention's backward.
         grads = [None] * 13
         dm, grads[_FC2_B], dh1 = BiasDropoutAddFunction.backward(c_bda, grad_out)[:3]
+        _release(c_bda)
+        dy2 = None
         if need_m:
             dy2, grads[_FC1_W], grads[_FC1_B], grads[_FC2_W] = FusedDenseGeluDenseFunction.backward(c_mlp, dm)[:4]
+        del dm
+        _release(c_mlp)
         if need_y2:  # (need_m covers need_y2, and need_y2 need_h1: dy2 is there, dh1 where needed)
             da, grads[_PROJ_B], dres, grads[_LN2_W], grads[_LN2_B] = BiasDropoutAddNormFunction.backward(
                 c_bdan, dy2, dh1)[:5]
+            del dy2, dh1
+            _release(c_bdan)
             if need[_PROJ_W]:
                 grads[_PROJ_W] = da.reshape(s * b, h).t().matmul(core.reshape(s * b, h))  # [h, h]
+            del core
             if need_qkv:
                 dcore = da.reshape(s * b, h).matmul(proj_weight)  # [s·b, h]
+                del da
                 do = dcore.view(s, b, heads, hn).transpose(0, 1)  # [b, s, np, hn], as o
                 dq, dk, dv = FlashAttentionFunction.backward(c_attn, do)[:3]
+                del dcore, do
+                _release(c_attn)
                 buf = dq._base  # the kernel writes the three into one buffer laid out as mixed (packed_grads)
                 if buf is not None and getattr(buf, PACKED_GRADS_ATTR, False) and buf.numel() == 3 * s * b * h:
                     dmixed = buf.view(s * b, 3 * h)
                 else:
                     dmixed = torch.cat([t.transpose(0, 1) for t in (dq, dk, dv)], dim=-1).reshape(s * b, 3 * h)
+                del dq, dk, dv, buf
                 if need[_QKV_W]:
                     grads[_QKV_W] = dmixed.t().matmul(y1.reshape(s * b, h))  # [3h, h]
                 if need[_QKV_B]:
@@ -196,8 +223,10 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                     dy1 = dmixed.matmul(qkv_weight).view(s, b, h)
                     norm = FusedRMSNormAffineFunction if ctx.rms_norm else FusedLayerNormAffineFunction
                     # x's gradient: the norm's, plus the residual's (dres) added inside its kernel
+                    del dmixed
                     dx, grads[_LN1_W], grads[_LN1_B] = norm.backward(c_norm, dy1, dres)[:3]
                     grads[_X] = dx if need[_X] else None
+        ctx.ops = None
         return (*grads, *(None,) * 8)
 
 
