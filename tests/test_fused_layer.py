@@ -200,6 +200,23 @@ def test_peak_memory_of_a_step_is_the_layers(seed):
     assert max(peaks[1], peaks[3]) <= min(peaks[0], peaks[2]) + 4 * 2**20, peaks
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_the_layers_capture_in_cuda_graphs_and_replay_the_eager_steps():
+    # cuda_graph_impl="local": the one-node layers inside the manager's graphs give the eager
+    # one-node block's steps bit for bit (the Philox keys drawn on the device, in the same order)
+    cfg = make_config(torch.bfloat16)
+    _, eager = blocks(cfg)
+    graphed = TransformerBlock(dataclasses.replace(cfg, cuda_graph_impl="local"), fused_spec()).to(DEVICE).train()
+    graphed.load_state_dict(eager.state_dict())
+    x = hidden(torch.bfloat16).contiguous()
+    runs = []
+    for block in (eager, graphed):
+        runs.append([step(block, x, 5 + i) for i in range(3)])
+    for a, b in zip(*runs):
+        assert_same_bits(a, b)
+    assert graphed.cudagraph_manager.captures == 1
+
+
 def test_a_second_backward_raises_naming_retain_graph():
     _, one = blocks(make_config())
     out, _ = one.layers[0](hidden())
