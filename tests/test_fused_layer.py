@@ -9,17 +9,19 @@ hn = 6, ffn = 20); on a CPU the kernels run in Triton's interpreter.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import transformer_reference as R
 from fusedlib.fusions import fused_dense
 from fusedlib.models.gpt import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
-from fusedlib.transformer import AttnBackend, ModuleSpec, TransformerConfig
+from fusedlib.transformer import AttnBackend, AttnMaskType, ModuleSpec, TransformerConfig
 from fusedlib.transformer.fused_layer import FusedTransformerLayer, FusedTransformerLayerFunction
 from fusedlib.transformer.transformer_block import TransformerBlock
 from fusedlib.transformer.transformer_layer import TransformerLayer
@@ -260,6 +262,110 @@ def test_other_calls_take_the_layers_forward_with_its_results(case, seed):
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
     if case == "hook":
         assert hooked == [1]  # the hook ran: the layer took the module path
+
+
+def _checkpoint_layer(layer, x):
+    return torch.utils.checkpoint.checkpoint(lambda t: layer(t)[0], x, use_reentrant=False)
+
+
+# Changes after the build, and call conditions, where the module path computes something else or
+# checks something: the one-node path must step aside (or follow the change) and give the
+# module path's results or its error. Each is applied to both layers alike.
+AFTER_BUILD = {
+    "attention in eval": lambda layer: layer.self_attention.core_attention.eval(),
+    "post-norm residual": lambda layer: setattr(layer.config, "apply_residual_connection_post_layernorm", True),
+    "bias-dropout fusion off": lambda layer: setattr(layer.config, "bias_dropout_fusion", False),
+    "materialised backend": lambda layer: setattr(layer.config, "attention_backend", AttnBackend.local),
+    "memory-efficient norms": lambda layer: setattr(layer.config, "memory_efficient_layer_norm", True),
+    "config heads changed": lambda layer: setattr(layer.config, "num_attention_heads", 8),
+    "mlp norm eps": lambda layer: setattr(layer.pre_mlp_layernorm, "eps", 0.5),
+    "mlp norm zero-centered": lambda layer: setattr(layer.pre_mlp_layernorm, "zero_centered_gamma", True),
+    "non-causal mask type": lambda layer: setattr(layer.self_attention.core_attention, "attn_mask_type",
+                                                   AttnMaskType.no_mask),
+    "hook on a new mlp": lambda layer: (setattr(layer, "mlp", copy.deepcopy(layer.mlp)),
+                                        layer.mlp.linear_fc1.register_forward_hook(lambda m, i, o: o * 2)),
+    "softmax scale nan": lambda layer: setattr(layer.self_attention.core_attention, "softmax_scale", float("nan")),
+    "attention dropout negative": lambda layer: setattr(layer.self_attention.core_attention.attention_dropout, "p",
+                                                        -0.5),
+    "deterministic_mode a str": lambda layer: setattr(layer.config, "deterministic_mode", "yes"),
+    "fc1 weight bf16": lambda layer: setattr(layer.mlp.linear_fc1, "weight",
+                                             torch.nn.Parameter(layer.mlp.linear_fc1.weight.detach().bfloat16())),
+    "fc1 bias None": lambda layer: setattr(layer.mlp.linear_fc1, "bias", None),
+    "float64 layer": lambda layer: layer.double(),
+}
+
+
+def _outcome(layer, x, case, seed):
+    torch.manual_seed(seed)
+    try:
+        if case == "autocast":
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                out, _ = layer(x)
+        elif case == "checkpointed":
+            out = _checkpoint_layer(layer, x)
+        else:
+            out, _ = layer(x)
+        out.backward(torch.ones_like(out))
+    except (TypeError, ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {str(err).replace('FusedTransformerLayer', 'TransformerLayer')}"
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("case", [*AFTER_BUILD, "autocast", "checkpointed"])
+def test_after_the_build_the_layer_follows_what_the_module_path_does(case, seed):
+    module, one = blocks(make_config(num_layers=1))
+    layer, ref = one.layers[0], module.layers[0]
+    if case in AFTER_BUILD:
+        for lay in (layer, ref):  # (a config change reaches both: the two blocks share their config)
+            AFTER_BUILD[case](lay)
+    x = hidden()
+    got = _outcome(layer, x.detach().clone().requires_grad_(True), case, seed)
+    want = _outcome(ref, x.detach().clone().requires_grad_(True), case, seed)
+    if isinstance(want, str):
+        assert got == want
+        return
+    assert not isinstance(got, str), got
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("what", ["x", "fc1 weight", "input norm weight", "mlp norm bias", "qkv weight"])
+def test_an_input_changed_in_place_before_the_backward_raises_as_for_the_module_path(what):
+    for block in blocks(make_config(num_layers=1)):
+        layer = block.layers[0]
+        x = hidden()
+        out, _ = layer(x)
+        tensor = {"x": x, "fc1 weight": layer.mlp.linear_fc1.weight,
+                  "input norm weight": layer.input_layernorm.weight, "mlp norm bias": layer.pre_mlp_layernorm.bias,
+                  "qkv weight": layer.self_attention.linear_qkv.weight}[what]
+        with torch.no_grad():
+            tensor.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+def test_conditions_of_a_call_that_the_path_steps_aside_for():
+    _, one = blocks(make_config(num_layers=1))
+    layer = one.layers[0]
+    x = hidden()
+    assert layer.fused_path_applies(x)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not layer.fused_path_applies(x)  # checkpointing and offloading reach the module path's tensors
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        assert not layer.fused_path_applies(x)
+    with torch.inference_mode():
+        x_inference = torch.randn(S, B, H, device=DEVICE)
+    assert not layer.fused_path_applies(x_inference)
+    with pytest.raises(ValueError, match="FusedTransformerLayer: hidden_states"):
+        layer([1.0])
+
+
+def test_sequence_parallel_on_one_rank_is_taken(seed):
+    module, one = blocks(make_config(sequence_parallel=True))
+    x = hidden()
+    assert all(layer.fused_path_applies(x) for layer in one.layers)
+    assert_same_bits(step(one, x, seed), step(module, x, seed))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,20 +15,29 @@ same order) are the module path's: with the same seed the outputs and every grad
 :class:`TransformerLayer`'s bit for bit, dropout on.
 
 The layer it takes (checked when it is built, a ValueError naming what differs): fusedlib's
-local GPT spec (``get_gpt_layer_local_spec()``'s submodules: fusedlib's LayerNorm or RMSNorm
-on the fusedlib backend, self-attention with one QKV GEMM and a causal
+local GPT spec (``get_gpt_layer_local_spec()``'s submodules: fusedlib's LayerNorm or RMSNorm,
+one kind for both norms, on the fusedlib backend, self-attention with one QKV GEMM and a causal
 ``DotProductAttention``, the MLP, ``get_bias_dropout_add``) with ``attention_backend="flash"``
 (fusedlib's FlashAttention kernel, whose backward is fusedlib's), ``bias_dropout_fusion`` and
-``gemm_gelu_fusion`` on, one rank (no tensor or sequence parallelism), no grouped-query
+``gemm_gelu_fusion`` on, one rank (``tensor_model_parallel_size`` 1), heads of
+``kv_channels = hidden_size / num_attention_heads`` channels (at most 256), no grouped-query
 attention, query/key norms, sliding window, activation recomputation, fp32 residual stream,
 post-norm residuals or memory-efficient norms.
 
-Each call takes the one-node path when it can: in training, with grad on, hidden states of
-the parameters' dtype, no attention mask (the causal mask is the kernel's), no rotary
-embeddings, attention bias or cross-attention context, no module hooks on the layer's
-submodules (the path calls none of them: their hooks would not run), not under
-``torch.compile`` or a ``torch.func`` transform. Otherwise it is :class:`TransformerLayer`'s
-forward (evaluation, inference, masks...), with the same results.
+Each call takes the one-node path only when the module path would compute the same thing with
+the same checks passing, else it is :class:`TransformerLayer`'s forward (the same results, and
+the same errors): in training (the layer and every submodule the path replaces), with grad on,
+no autocast, no saved-tensor hooks (activation checkpointing or offloading: the path's
+activations are not saved through autograd, so those hooks could not reach them), not under
+``torch.compile`` or a ``torch.func`` transform; no attention mask (the causal mask is the
+kernel's), rotary embeddings, attention bias or cross-attention context; no module hooks on the
+submodules (the path calls none of them: their hooks would not run); the layer as built checks
+again (its config and submodules may have changed since: the check above runs at every call);
+its parameters of the hidden states' dtype (float16, bfloat16 or float32) and shapes; a valid
+softmax scale and attention dropout.
+
+Autograd still checks the layer's inputs (hidden states and parameters) for in-place changes
+between the forward and the backward, as for the module path, with its own error.
 
 Prior art: DeepSpeed's ``DeepSpeedTransformerLayer`` (``deepspeed/ops/transformer/
 transformer.py``), a whole BERT layer as one ``torch.autograd.Function`` over its CUDA kernels.
@@ -41,17 +50,22 @@ from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as _nn_module
 
 from ..fusions._apply import in_transform, once_differentiable
-from ..fusions.fused_attention import FlashAttentionFunction
+from ..fusions.fused_attention import FlashAttentionFunction, _check_dropout_p, _check_scale
 from ..fusions.fused_bias_dropout import BiasDropoutAddFunction, get_bias_dropout_add
 from ..fusions.fused_dense import FusedDenseGeluDenseFunction, _column_sum
 from ..fusions.fused_layer_norm import (BiasDropoutAddNormFunction, FusedLayerNorm, FusedLayerNormAffineFunction,
-                                        FusedRMSNorm, FusedRMSNormAffineFunction, _has_hooks)
+                                        FusedRMSNorm, FusedRMSNormAffineFunction)
 from ..checks import resolve_neg_grads
 from ..kernels.flash_attention import MAX_HEAD_DIM, PACKED_GRADS_ATTR, attention_band
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
+from .attention import SelfAttention
+from .dot_product_attention import _CAUSAL, DotProductAttention
 from .enums import AttnBackend
-from .identity_op import IdentityFuncOp, IdentityOp
+from .identity_op import IdentityOp
+from .mlp import MLP
 from .transformer_config import TransformerConfig
 from .transformer_layer import TransformerLayer, TransformerLayerSubmodules, check_hidden_states
 
@@ -90,8 +104,9 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     """A pre-norm GPT layer with FlashAttention as one autograd node (see the module docstring).
 
     ``apply(x, ln1_weight, ln1_bias, qkv_weight, qkv_bias, proj_weight, proj_bias, ln2_weight,
-    ln2_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, heads, rms_norm, zero_centered_gamma,
-    eps, softmax_scale, hidden_dropout, attention_dropout, deterministic)``:
+    ln2_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, heads, rms_norm, ln1_zero_centered_gamma,
+    ln1_eps, ln2_zero_centered_gamma, ln2_eps, softmax_scale, hidden_dropout, attention_dropout,
+    deterministic)``:
 
     - x [s, b, h] (float16, bfloat16 or float32, on a device fusedlib's kernels run on);
     - the norms' weight [h] and bias [h] (None for RMSNorm, ``rms_norm=True``);
@@ -99,9 +114,9 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
       rows together), qkv_bias [3h] or None; proj_weight [h, h], proj_bias [h] or None;
       fc1_weight [ffn, h], fc1_bias [ffn]; fc2_weight [h, ffn], fc2_bias [h] or None; every
       parameter of x's dtype;
-    - heads (h divisible by it, head dim h / heads at most 256), eps (both norms'),
-      softmax_scale (a float), hidden_dropout and attention_dropout in [0, 1), deterministic
-      (FlashAttention's backward without atomic additions).
+    - heads (h divisible by it, head dim h / heads at most 256), each norm's zero-centered gamma
+      and eps, softmax_scale (a float), hidden_dropout and attention_dropout in [0, 1),
+      deterministic (FlashAttention's backward without atomic additions).
 
     Returns out [s, b, h], a new tensor of x's dtype::
 
@@ -129,8 +144,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ln1_weight, ln1_bias, qkv_weight, qkv_bias, proj_weight, proj_bias, ln2_weight, ln2_bias,
-                fc1_weight, fc1_bias, fc2_weight, fc2_bias, heads, rms_norm, zero_centered_gamma, eps, softmax_scale,
-                hidden_dropout, attention_dropout, deterministic):
+                fc1_weight, fc1_bias, fc2_weight, fc2_bias, heads, rms_norm, ln1_zero_centered_gamma, ln1_eps,
+                ln2_zero_centered_gamma, ln2_eps, softmax_scale, hidden_dropout, attention_dropout, deterministic):
         need = ctx.needs_input_grad
         s, b, h = x.shape
         hn = h // heads
@@ -148,9 +163,10 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         c_bda = _StandInCtx((need_m, need[_FC2_B], need_h1, False, False))
 
         if rms_norm:
-            y1 = FusedRMSNormAffineFunction.forward(c_norm, x, ln1_weight, eps, False, zero_centered_gamma)
+            y1 = FusedRMSNormAffineFunction.forward(c_norm, x, ln1_weight, ln1_eps, False, ln1_zero_centered_gamma)
         else:
-            y1 = FusedLayerNormAffineFunction.forward(c_norm, x, ln1_weight, ln1_bias, eps, False, zero_centered_gamma)
+            y1 = FusedLayerNormAffineFunction.forward(c_norm, x, ln1_weight, ln1_bias, ln1_eps, False,
+                                                      ln1_zero_centered_gamma)
         # [s, b, h] -> [s, b, 3h] -> [s, b, np, 3·hn] (Megatron-core's per-head q, k, v) -> three views
         mixed = F.linear(y1, qkv_weight, qkv_bias).view(s, b, heads, 3 * hn)
         q, k, v = (t.transpose(0, 1) for t in torch.split(mixed, [hn, hn, hn], dim=-1))  # [b, s, np, hn] views
@@ -158,12 +174,16 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                                            attention_dropout, deterministic)
         core = o.transpose(0, 1).reshape(s, b, h)  # o follows q's [s, b] memory order: a view
         a = F.linear(core, proj_weight)  # the bias goes to the bias-dropout-add
-        y2, h1 = BiasDropoutAddNormFunction.forward(c_bdan, a, proj_bias, x, ln2_weight, ln2_bias, eps,
-                                                    hidden_dropout, True, rms_norm, zero_centered_gamma)
+        y2, h1 = BiasDropoutAddNormFunction.forward(c_bdan, a, proj_bias, x, ln2_weight, ln2_bias, ln2_eps,
+                                                    hidden_dropout, True, rms_norm, ln2_zero_centered_gamma)
         m = FusedDenseGeluDenseFunction.forward(c_mlp, y2, fc1_weight, fc1_bias, fc2_weight, None, None, None)
         out = BiasDropoutAddFunction.forward(c_bda, m, fc2_bias, h1, hidden_dropout, True)
         ctx.ops = (c_norm, c_attn, c_bdan, c_mlp, c_bda)
-        ctx.save_for_backward(y1 if need[_QKV_W] else None, core if need[_PROJ_W] else None, qkv_weight, proj_weight)
+        # the inputs the ops saved go through save_for_backward too, so that autograd checks them
+        # for in-place changes before the backward, as it would each op's node (the ops' own
+        # stand-ins hold them for their backwards)
+        ctx.save_for_backward(y1 if need[_QKV_W] else None, core if need[_PROJ_W] else None, qkv_weight, proj_weight,
+                              x, ln1_weight, ln1_bias, ln2_weight, ln2_bias, fc1_weight, fc1_bias, fc2_weight)
         ctx.dims = (s, b, h, heads, hn)
         ctx.rms_norm = rms_norm
         ctx.needs = (need_qkv, need_a, need_h1, need_y2, need_m)
@@ -179,7 +199,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                                "each op's own node would have freed them; run the forward again, or use "
                                "TransformerLayer")
         c_norm, c_attn, c_bdan, c_mlp, c_bda = ctx.ops
-        y1, core, qkv_weight, proj_weight = ctx.saved_tensors  # (core: a view of the attention's output)
+        # (core: a view of the attention's output; the rest: autograd's in-place checks of the inputs)
+        y1, core, qkv_weight, proj_weight = ctx.saved_tensors[:4]
         s, b, h, heads, hn = ctx.dims
         need = ctx.needs_input_grad
         need_qkv, need_a, need_h1, need_y2, need_m = ctx.needs
@@ -227,7 +248,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                     dx, grads[_LN1_W], grads[_LN1_B] = norm.backward(c_norm, dy1, dres)[:3]
                     grads[_X] = dx if need[_X] else None
         ctx.ops = None
-        return (*grads, *(None,) * 8)
+        return (*grads, *(None,) * 10)
 
 
 class FusedTransformerLayer(TransformerLayer):
@@ -244,8 +265,9 @@ class FusedTransformerLayer(TransformerLayer):
         as :class:`TransformerLayer`.
 
     ``forward``: as :class:`TransformerLayer`'s, ``(output [s, b, h], context)``; the one-node
-    path where it applies (the module docstring), else :class:`TransformerLayer`'s forward.
-    :meth:`fused_path_applies` says which a call takes.
+    path where :meth:`fused_path_applies` (the module docstring lists when), else
+    :class:`TransformerLayer`'s forward. A second backward through the one-node path
+    (``retain_graph=True``) raises a RuntimeError (:class:`FusedTransformerLayerFunction`).
 
     Raises:
         ValueError: at construction, naming the field or submodule the one-node layer does not
@@ -264,78 +286,143 @@ class FusedTransformerLayer(TransformerLayer):
         if why:
             raise ValueError(f"FusedTransformerLayer runs one kind of layer as one autograd node (see "
                              f"fusedlib.transformer.fused_layer); this one differs: {why}")
-        attn = self.self_attention
-        dpa = attn.core_attention
-        self._modules_called = (self.input_layernorm, attn, attn.linear_qkv, attn.q_layernorm, attn.k_layernorm,
-                                dpa, attn.linear_proj, self.pre_mlp_layernorm, self.mlp, self.mlp.linear_fc1,
-                                self.mlp.linear_fc2)
+
+    def _parts(self) -> Optional[tuple]:
+        """(norm1, attention, qkv, proj, core attention, norm2, mlp, fc1, fc2) as the layer holds them
+        now, read from the modules' own dicts (a call reads them every time, cheaply), or None
+        where a slot is not a module with the children the one-node layer reads."""
+        try:
+            m = self._modules
+            attn, mlp = m["self_attention"], m["mlp"]
+            am, mm = attn._modules, mlp._modules
+            return (m["input_layernorm"], attn, am["linear_qkv"], am["linear_proj"], am["core_attention"],
+                    m["pre_mlp_layernorm"], mlp, mm["linear_fc1"], mm["linear_fc2"])
+        except (KeyError, AttributeError, TypeError):
+            return None
 
     def _unsupported(self) -> str:
-        """Why this layer cannot run as one node ('' when it can)."""
-        from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
-        from .attention import SelfAttention
-        from .dot_product_attention import _CAUSAL, DotProductAttention
-        from .mlp import MLP
-
+        """Why this layer, as its config and submodules are now, cannot run as one node ('' when it can)."""
         cfg = self.config
         checks = (
             (cfg.attention_backend == AttnBackend.flash, f"attention_backend must be flash, got {cfg.attention_backend}"),
-            (cfg.bias_dropout_fusion, "bias_dropout_fusion must be on"),
-            (cfg.gemm_gelu_fusion, "gemm_gelu_fusion must be on (the MLP as one fused op)"),
-            (cfg.tensor_model_parallel_size == 1 and not cfg.sequence_parallel,
-             "tensor_model_parallel_size must be 1 and sequence_parallel off"),
+            (cfg.bias_dropout_fusion is True, "bias_dropout_fusion must be on"),
+            (cfg.gemm_gelu_fusion is True, "gemm_gelu_fusion must be on (the MLP as one fused op)"),
+            (cfg.tensor_model_parallel_size == 1, "tensor_model_parallel_size must be 1"),
             (cfg.recompute_granularity is None, f"recompute_granularity must be None, got {cfg.recompute_granularity!r}"),
             (not cfg.fp32_residual_connection, "fp32_residual_connection must be off"),
             (not cfg.apply_residual_connection_post_layernorm, "apply_residual_connection_post_layernorm must be off"),
             (not cfg.memory_efficient_layer_norm, "memory_efficient_layer_norm must be off"),
-            (cfg.num_query_groups == cfg.num_attention_heads, "grouped-query attention (num_query_groups "
-             f"{cfg.num_query_groups} != num_attention_heads {cfg.num_attention_heads}) is not taken"),
-            (cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size and cfg.kv_channels <= MAX_HEAD_DIM,
-             f"kv_channels ({cfg.kv_channels}) x heads must be hidden_size with a head dim <= {MAX_HEAD_DIM}"),
         )
         for ok, why in checks:
             if not ok:
                 return why
-        norms = (self.input_layernorm, self.pre_mlp_layernorm)
-        if not all(type(n) in (FusedLayerNorm, FusedRMSNorm) and n.backend == "fusedlib" for n in norms) \
-                or type(norms[0]) is not type(norms[1]) or norms[0].eps != norms[1].eps:
+        parts = self._parts()
+        if parts is None:
+            return "the layer must have the local spec's submodules (self_attention, mlp and their children)"
+        norm1, attn, qkv, proj, dpa, norm2, mlp, _, _ = parts
+        kind = type(norm1)
+        if not (kind in _FUSED_NORMS and type(norm2) is kind and norm1.backend == "fusedlib"
+                and norm2.backend == "fusedlib"):
             return ("input_layernorm and pre_mlp_layernorm must be fusedlib's FusedLayerNorm or FusedRMSNorm (one "
-                    f"kind, one eps, backend 'fusedlib'), got {type(norms[0]).__name__} and {type(norms[1]).__name__}")
-        attn = self.self_attention
+                    f"kind, backend 'fusedlib'), got {kind.__name__} and {type(norm2).__name__}")
         if type(attn) is not SelfAttention:
             return f"self_attention must be SelfAttention, got {type(attn).__name__}"
-        qkv, proj, dpa = attn.linear_qkv, attn.linear_proj, attn.core_attention
+        am = attn._modules
         if not (type(qkv) is ColumnParallelLinear and not qkv.skip_bias_add and type(proj) is RowParallelLinear
-                and proj.skip_bias_add and isinstance(attn.q_layernorm, IdentityOp)
-                and isinstance(attn.k_layernorm, IdentityOp)):
+                and proj.skip_bias_add and isinstance(am.get("q_layernorm"), IdentityOp)
+                and isinstance(am.get("k_layernorm"), IdentityOp)):
             return ("the self-attention must have fusedlib's ColumnParallelLinear QKV (its bias in the GEMM), "
                     "RowParallelLinear projection (skip_bias_add) and no query/key norms")
         if type(dpa) is not DotProductAttention or dpa.attn_mask_type not in _CAUSAL or dpa.window_size is not None:
             return "core_attention must be a causal DotProductAttention without a sliding window"
+        heads, groups, hn = (dpa.num_attention_heads_per_partition, dpa.num_query_groups_per_partition,
+                             dpa.hidden_size_per_attention_head)
+        if heads != groups:
+            return f"grouped-query attention ({groups} query groups for {heads} heads) is not taken"
+        if heads * hn != cfg.hidden_size or hn > MAX_HEAD_DIM:
+            return (f"the heads must split hidden_size {cfg.hidden_size}: {heads} heads of kv_channels {hn} "
+                    f"(at most {MAX_HEAD_DIM})")
         if not (self._bda_into_pre_mlp_norm() and self.mlp_bda is get_bias_dropout_add):
             return ("the bias-dropout-adds must be get_bias_dropout_add, with no cross attention "
                     "(IdentityOp / IdentityFuncOp slots) between the attention's and the MLP's norm")
-        if not (type(self.mlp) is MLP and self.mlp._gemm_gelu_applies()):
+        if not (type(mlp) is MLP and mlp._gemm_gelu_applies()):
             return "mlp must be an MLP that gemm_gelu_fusion takes (GeLU, fc1 with a bias, one rank, no hooks)"
-        if not isinstance(self.cross_attn_bda, IdentityFuncOp):
-            return "cross_attn_bda must be IdentityFuncOp"
         return ""
+
+    def _plan(self, x: torch.Tensor, attention_mask, context, context_mask, rotary_pos_emb,
+              attention_bias) -> Optional[tuple]:
+        """The arguments of :class:`FusedTransformerLayerFunction` after x for this call, or None
+        where the call takes :class:`TransformerLayer`'s forward (see the module docstring)."""
+        if not (self.training and torch.is_grad_enabled() and attention_mask is None and context is None
+                and context_mask is None and rotary_pos_emb is None and attention_bias is None
+                and isinstance(x, torch.Tensor)):
+            return None
+        if (torch.compiler.is_compiling() or in_transform() or x.is_inference()
+                or _autocast_on(x.device.type) or _saved_tensors_hooks_on()):
+            return None
+        if self._unsupported():  # (the parts below exist once this passed)
+            return None
+        norm1, attn, qkv, proj, dpa, norm2, mlp, fc1, fc2 = self._parts()
+        am, dm = attn._modules, dpa._modules
+        modules = (norm1, attn, qkv, am["q_layernorm"], am["k_layernorm"], dpa, dm["scale_mask_softmax"],
+                   dm["attention_dropout"], proj, norm2, mlp, fc1, fc2)
+        if any(not m.training or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+               or m._backward_pre_hooks for m in modules) or _global_module_hooks():
+            return None  # a submodule in evaluation (its dropout is off), or hooks the path would not run
+        deterministic = self.config.deterministic_mode
+        if (deterministic is not True and deterministic is not False) or not self._parameters_fit(x):
+            return None
+        try:  # checked as flash_attention checks them: the module path raises where they fail
+            scale = _check_scale(dpa.softmax_scale * (dm["scale_mask_softmax"].scale or 1.0),
+                                 dpa.hidden_size_per_attention_head)
+            p = dm["attention_dropout"].p
+            p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
+        except (TypeError, ValueError):
+            return None
+        n1, qp, pp, n2, f1, f2 = (norm1._parameters, qkv._parameters, proj._parameters, norm2._parameters,
+                                  fc1._parameters, fc2._parameters)
+        return (n1["weight"], n1.get("bias"), qp["weight"], qp.get("bias"), pp["weight"], pp.get("bias"),
+                n2["weight"], n2.get("bias"), f1["weight"], f1["bias"], f2["weight"], f2.get("bias"),
+                dpa.num_attention_heads_per_partition, type(norm1) is FusedRMSNorm, norm1.zero_centered_gamma,
+                norm1.eps, norm2.zero_centered_gamma, norm2.eps, scale, self.hidden_dropout, p, deterministic)
+
+    def _parameters_fit(self, x: torch.Tensor) -> bool:
+        """The parameters the path reads: tensors of x's dtype (float16, bfloat16 or float32) and
+        device with the layer's shapes ([3h, h] and [3h] for the QKV, [h, h] and [h] the
+        projection, [ffn, h] and [ffn] fc1, [h, ffn] and [h] fc2, [h] the norms; the optional
+        biases may be None, the norms' as their kind says)."""
+        dtype, device = x.dtype, x.device
+        if dtype not in _DTYPES:
+            return False
+        h = x.shape[-1]
+        norm1, _, qkv, proj, _, norm2, _, fc1, fc2 = self._parts()
+        w1 = fc1._parameters.get("weight")
+        if w1 is None:
+            return False
+        ffn = w1.shape[0]
+        rms = type(norm1) is FusedRMSNorm
+        for module, wshape, bshape, optional in ((norm1, (h,), (h,), rms), (qkv, (3 * h, h), (3 * h,), True),
+                                                 (proj, (h, h), (h,), True), (norm2, (h,), (h,), rms),
+                                                 (fc1, (ffn, h), (ffn,), False), (fc2, (h, ffn), (h,), True)):
+            params = module._parameters
+            w, b = params.get("weight"), params.get("bias")
+            if w is None or w.dtype != dtype or w.shape != wshape or w.device != device:
+                return False
+            if b is None:
+                if not optional:
+                    return False
+            elif b.dtype != dtype or b.shape != bshape or b.device != device:
+                return False
+        return (norm1._parameters.get("bias") is None) == rms and (norm2._parameters.get("bias") is None) == rms
 
     def fused_path_applies(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                            context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
                            rotary_pos_emb: Optional[torch.Tensor] = None,
                            attention_bias: Optional[torch.Tensor] = None) -> bool:
-        """Whether a call with these arguments runs as one node (else as :class:`TransformerLayer`):
-        training, grad on, hidden states of the parameters' dtype, none of the other inputs,
-        no hooks on the submodules the path skips, not under torch.compile or a transform."""
-        if not (self.training and torch.is_grad_enabled() and attention_mask is None and context is None
-                and context_mask is None and rotary_pos_emb is None and attention_bias is None):
-            return False
-        if torch.compiler.is_compiling() or in_transform():
-            return False
-        if hidden_states.dtype != self.input_layernorm.weight.dtype:
-            return False
-        return not any(_has_hooks(m) for m in self._modules_called)
+        """Whether a call with these arguments runs as one node (else as :class:`TransformerLayer`);
+        see the module docstring for the conditions."""
+        return self._plan(hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
+                          attention_bias) is not None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
@@ -344,21 +431,37 @@ class FusedTransformerLayer(TransformerLayer):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(output [s, b, h], context)``: one node where :meth:`fused_path_applies`, else
         :class:`TransformerLayer`'s forward."""
-        if inference_context is not None or packed_seq_params is not None \
-                or not isinstance(hidden_states, torch.Tensor) \
-                or not self.fused_path_applies(hidden_states, attention_mask, context, context_mask,
-                                               rotary_pos_emb, attention_bias):
+        check_hidden_states("FusedTransformerLayer", hidden_states, self.config.hidden_size)
+        plan = None
+        if inference_context is None and packed_seq_params is None:
+            plan = self._plan(hidden_states, attention_mask, context, context_mask, rotary_pos_emb, attention_bias)
+        if plan is None:
             return super().forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
                                    attention_bias, inference_context, packed_seq_params)
-        check_hidden_states("FusedTransformerLayer", hidden_states, self.config.hidden_size)
-        attn, mlp = self.self_attention, self.mlp
-        dpa = attn.core_attention
-        ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
-        out = FusedTransformerLayerFunction.apply(
-            hidden_states, ln1.weight, ln1.bias, attn.linear_qkv.weight, attn.linear_qkv.bias,
-            attn.linear_proj.weight, attn.linear_proj.bias, ln2.weight, ln2.bias, mlp.linear_fc1.weight,
-            mlp.linear_fc1.bias, mlp.linear_fc2.weight, mlp.linear_fc2.bias, self.config.num_attention_heads,
-            type(ln1) is FusedRMSNorm, ln1.zero_centered_gamma, ln1.eps,
-            dpa.softmax_scale * (dpa.scale_mask_softmax.scale or 1.0), self.hidden_dropout, dpa.attention_dropout.p,
-            self.config.deterministic_mode)
-        return out, context
+        return FusedTransformerLayerFunction.apply(hidden_states, *plan), context
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FUSED_NORMS = (FusedLayerNorm, FusedRMSNorm)
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (the module path's GEMMs would run in its dtype)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except (TypeError, RuntimeError):  # a torch whose is_autocast_enabled takes no device type
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+def _global_module_hooks() -> bool:
+    """Whether PyTorch's global module hooks are registered (they would run around every submodule)."""
+    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
+                or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
+
+
+def _saved_tensors_hooks_on() -> bool:
+    """Whether ``torch.autograd.graph.saved_tensors_hooks`` are active (activation checkpointing,
+    offloading): the one-node path keeps its activations outside autograd's saved tensors, where
+    such hooks cannot reach them, so it steps aside for them."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
