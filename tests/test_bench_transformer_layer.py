@@ -90,6 +90,8 @@ def test_the_three_fusedlib_blocks_have_the_documented_switches():
     assert [type(layer).__name__ for layer in one_node.layers] == ["FusedTransformerLayer"] * TINY[-1]
     assert {type(layer).__name__ for layer in flash.layers} == {"TransformerLayer"}
     assert one_node.state_dict().keys() == flash.state_dict().keys()
+    with pytest.raises(ValueError, match="fused_layer"):
+        tl.fusedlib_block(TINY, False, fused_layer=True)
 
 
 def test_param_count_and_gemm_flops_against_the_built_blocks():

@@ -85,10 +85,11 @@ def assert_same_bits(a, b):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("zero_centered_gamma", [False, True])
 def test_one_node_equals_the_layer_bit_for_bit_with_dropout(normalization, dtype, zero_centered_gamma, seed):
-    cfg = make_config(dtype, normalization=normalization, layernorm_zero_centered_gamma=zero_centered_gamma)
+    cfg = make_config(dtype, normalization=normalization, layernorm_zero_centered_gamma=zero_centered_gamma,
+                      fp16=dtype is torch.float16)
     module, one = blocks(cfg)
     x = hidden(dtype)  # [s, b, h], not contiguous
     x_before = x.detach().clone()
@@ -277,7 +278,6 @@ AFTER_BUILD = {
     "bias-dropout fusion off": lambda layer: setattr(layer.config, "bias_dropout_fusion", False),
     "materialised backend": lambda layer: setattr(layer.config, "attention_backend", AttnBackend.local),
     "memory-efficient norms": lambda layer: setattr(layer.config, "memory_efficient_layer_norm", True),
-    "config heads changed": lambda layer: setattr(layer.config, "num_attention_heads", 8),
     "mlp norm eps": lambda layer: setattr(layer.pre_mlp_layernorm, "eps", 0.5),
     "mlp norm zero-centered": lambda layer: setattr(layer.pre_mlp_layernorm, "zero_centered_gamma", True),
     "non-causal mask type": lambda layer: setattr(layer.self_attention.core_attention, "attn_mask_type",
@@ -361,6 +361,23 @@ def test_conditions_of_a_call_that_the_path_steps_aside_for():
         layer([1.0])
 
 
+def test_global_module_hooks_do_not_stop_the_build_and_run_at_the_call(seed):
+    # a tool that registers PyTorch's global module hooks (FlopCounterMode, profilers) while the
+    # model is built: the layer builds; its calls under such hooks take the module path, hooks run
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    try:
+        module, one = blocks(make_config(num_layers=1))
+        x = hidden()
+        assert not one.layers[0].fused_path_applies(x)
+        got = step(one, x, seed)
+        assert "MLP" in seen
+    finally:
+        handle.remove()
+    assert one.layers[0].fused_path_applies(x)
+    assert_same_bits(got, step(module, x, seed))
+
+
 def test_sequence_parallel_on_one_rank_is_taken(seed):
     module, one = blocks(make_config(sequence_parallel=True))
     x = hidden()
@@ -409,7 +426,7 @@ def test_the_gemm_epilogue_path_takes_the_same_route(monkeypatch, seed):
     assert_same_bits(step(one, x, seed), step(module, x, seed))
 
 
-def test_config_replaced_after_the_build_is_read_at_the_call():
+def test_dropouts_changed_after_the_build_are_read_at_the_call():
     # the path reads the dropouts and the scale from the modules at each call: a layer whose
     # dropout was changed afterwards (a hidden_dropout override) still matches the module path
     module, one = blocks(make_config())

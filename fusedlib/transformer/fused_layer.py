@@ -3,10 +3,11 @@ autograd node.
 
 Where a training step waits for the host (a small model launched from Python: chapter 7's
 GPT-2-small block), much of the host's time per layer is not the kernels' launches but the
-Python around them: each submodule's ``__call__``, each fused op's ``Function.apply`` (seven
-per layer), each op's argument checks, and autograd's bookkeeping for the views and GEMMs
-between the fused ops. :class:`FusedTransformerLayer` is a :class:`TransformerLayer` (the
-same submodules, parameters, state dict and results) whose training forward runs as one
+Python around them: each submodule's ``__call__`` (seven per layer), each autograd Function's
+``apply`` (seven: five fused ops, the QKV projection's GEMM and the QKV split), each op's
+argument checks, and autograd's bookkeeping for the views and GEMMs between the fused ops.
+:class:`FusedTransformerLayer` is a :class:`TransformerLayer` (the same submodules,
+parameters, state dict and results) whose training forward runs as one
 :class:`FusedTransformerLayerFunction`: its ``forward`` calls the fused ops' own Function
 forwards in the layer's order, each with a stand-in ``ctx``, and the GEMMs and views between
 them without autograd; its ``backward`` calls their backwards in the reverse order and writes
@@ -55,15 +56,14 @@ from torch.nn.modules import module as _nn_module
 from ..fusions._apply import in_transform, once_differentiable
 from ..fusions.fused_attention import FlashAttentionFunction, _check_dropout_p, _check_scale
 from ..fusions.fused_bias_dropout import BiasDropoutAddFunction, get_bias_dropout_add
-from ..fusions.fused_dense import FusedDenseGeluDenseFunction, _column_sum
+from ..fusions.fused_dense import FusedDenseGeluDenseFunction, _checked_path, _column_sum
 from ..fusions.fused_layer_norm import (BiasDropoutAddNormFunction, FusedLayerNorm, FusedLayerNormAffineFunction,
                                         FusedRMSNorm, FusedRMSNormAffineFunction)
 from ..checks import resolve_neg_grads
 from ..kernels.flash_attention import MAX_HEAD_DIM, PACKED_GRADS_ATTR, attention_band
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .attention import SelfAttention
-from .dot_product_attention import _CAUSAL, DotProductAttention
-from .enums import AttnBackend
+from .dot_product_attention import _CAUSAL, FLASH_BACKENDS, DotProductAttention
 from .identity_op import IdentityOp
 from .mlp import MLP
 from .transformer_config import TransformerConfig
@@ -85,7 +85,7 @@ class _StandInCtx:
         self.saved_tensors = tensors
 
     def set_materialize_grads(self, value: bool) -> None:
-        pass  # the layer's backward hands every op its gradients, never None where one is read
+        pass  # (the layer's backward hands the ops None only where their backwards take None)
 
     def mark_non_differentiable(self, *tensors: Any) -> None:
         pass  # (the layer's own node decides what is differentiable)
@@ -115,7 +115,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
       fc1_weight [ffn, h], fc1_bias [ffn]; fc2_weight [h, ffn], fc2_bias [h] or None; every
       parameter of x's dtype;
     - heads (h divisible by it, head dim h / heads at most 256), each norm's zero-centered gamma
-      and eps, softmax_scale (a float), hidden_dropout and attention_dropout in [0, 1),
+      and eps, softmax_scale (a float), hidden_dropout in [0, 1], attention_dropout in [0, 1),
       deterministic (FlashAttention's backward without atomic additions).
 
     Returns out [s, b, h], a new tensor of x's dtype::
@@ -176,14 +176,19 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         a = F.linear(core, proj_weight)  # the bias goes to the bias-dropout-add
         y2, h1 = BiasDropoutAddNormFunction.forward(c_bdan, a, proj_bias, x, ln2_weight, ln2_bias, ln2_eps,
                                                     hidden_dropout, True, rms_norm, ln2_zero_centered_gamma)
-        m = FusedDenseGeluDenseFunction.forward(c_mlp, y2, fc1_weight, fc1_bias, fc2_weight, None, None, None)
+        # the MLP's route (cuBLASLt's epilogues or the kernels) as fused_dense_gelu_dense chooses it
+        # for the module path: checked once per signature, then taken from its plan
+        path = _checked_path(y2, fc1_weight, fc1_bias, fc2_weight, None, None)
+        m = FusedDenseGeluDenseFunction.forward(c_mlp, y2, fc1_weight, fc1_bias, fc2_weight, None, None, path)
         out = BiasDropoutAddFunction.forward(c_bda, m, fc2_bias, h1, hidden_dropout, True)
         ctx.ops = (c_norm, c_attn, c_bdan, c_mlp, c_bda)
         # the inputs the ops saved go through save_for_backward too, so that autograd checks them
         # for in-place changes before the backward, as it would each op's node (the ops' own
         # stand-ins hold them for their backwards)
-        ctx.save_for_backward(y1 if need[_QKV_W] else None, core if need[_PROJ_W] else None, qkv_weight, proj_weight,
-                              x, ln1_weight, ln1_bias, ln2_weight, ln2_bias, fc1_weight, fc1_bias, fc2_weight)
+        ctx.save_for_backward(qkv_weight, proj_weight, x, ln1_weight, ln1_bias, ln2_weight, ln2_bias, fc1_weight,
+                              fc1_bias, fc2_weight)
+        # internal tensors (no caller can change them): held here, each dropped once its GEMM has read it
+        ctx.y1, ctx.core = (y1 if need[_QKV_W] else None), (core if need[_PROJ_W] else None)
         ctx.dims = (s, b, h, heads, hn)
         ctx.rms_norm = rms_norm
         ctx.needs = (need_qkv, need_a, need_h1, need_y2, need_m)
@@ -199,8 +204,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                                "each op's own node would have freed them; run the forward again, or use "
                                "TransformerLayer")
         c_norm, c_attn, c_bdan, c_mlp, c_bda = ctx.ops
-        # (core: a view of the attention's output; the rest: autograd's in-place checks of the inputs)
-        y1, core, qkv_weight, proj_weight = ctx.saved_tensors[:4]
+        qkv_weight, proj_weight = ctx.saved_tensors[:2]  # (the rest: autograd's in-place checks of the inputs)
         s, b, h, heads, hn = ctx.dims
         need = ctx.needs_input_grad
         need_qkv, need_a, need_h1, need_y2, need_m = ctx.needs
@@ -220,9 +224,9 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                 c_bdan, dy2, dh1)[:5]
             del dy2, dh1
             _release(c_bdan)
-            if need[_PROJ_W]:
-                grads[_PROJ_W] = da.reshape(s * b, h).t().matmul(core.reshape(s * b, h))  # [h, h]
-            del core
+            if need[_PROJ_W]:  # (core: a view of the attention's output)
+                grads[_PROJ_W] = da.reshape(s * b, h).t().matmul(ctx.core.reshape(s * b, h))  # [h, h]
+            ctx.core = None
             if need_qkv:
                 dcore = da.reshape(s * b, h).matmul(proj_weight)  # [s·b, h]
                 del da
@@ -237,7 +241,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                     dmixed = torch.cat([t.transpose(0, 1) for t in (dq, dk, dv)], dim=-1).reshape(s * b, 3 * h)
                 del dq, dk, dv, buf
                 if need[_QKV_W]:
-                    grads[_QKV_W] = dmixed.t().matmul(y1.reshape(s * b, h))  # [3h, h]
+                    grads[_QKV_W] = dmixed.t().matmul(ctx.y1.reshape(s * b, h))  # [3h, h]
+                ctx.y1 = None
                 if need[_QKV_B]:
                     grads[_QKV_B] = _column_sum(dmixed, qkv_weight.dtype)
                 if need[_X] or need[_LN1_W] or need[_LN1_B]:
@@ -272,6 +277,8 @@ class FusedTransformerLayer(TransformerLayer):
     Raises:
         ValueError: at construction, naming the field or submodule the one-node layer does not
             take (the module docstring lists what it takes).
+        RuntimeError: a second backward through a one-node call (``retain_graph=True``, e.g. two
+            losses backpropagated through one forward), which :class:`TransformerLayer` allows.
         As :class:`TransformerLayer`.
 
     Source: Megatron-LM ``megatron/core/transformer/transformer_layer.py``; the one-node layer after
@@ -303,19 +310,17 @@ class FusedTransformerLayer(TransformerLayer):
     def _unsupported(self) -> str:
         """Why this layer, as its config and submodules are now, cannot run as one node ('' when it can)."""
         cfg = self.config
-        checks = (
-            (cfg.attention_backend == AttnBackend.flash, f"attention_backend must be flash, got {cfg.attention_backend}"),
-            (cfg.bias_dropout_fusion is True, "bias_dropout_fusion must be on"),
-            (cfg.gemm_gelu_fusion is True, "gemm_gelu_fusion must be on (the MLP as one fused op)"),
-            (cfg.tensor_model_parallel_size == 1, "tensor_model_parallel_size must be 1"),
-            (cfg.recompute_granularity is None, f"recompute_granularity must be None, got {cfg.recompute_granularity!r}"),
-            (not cfg.fp32_residual_connection, "fp32_residual_connection must be off"),
-            (not cfg.apply_residual_connection_post_layernorm, "apply_residual_connection_post_layernorm must be off"),
-            (not cfg.memory_efficient_layer_norm, "memory_efficient_layer_norm must be off"),
-        )
-        for ok, why in checks:
-            if not ok:
-                return why
+        if cfg.attention_backend not in FLASH_BACKENDS:
+            return f"config.attention_backend must be flash, got {cfg.attention_backend}"
+        for name, want in (("bias_dropout_fusion", True), ("gemm_gelu_fusion", True),
+                           ("fp32_residual_connection", False), ("apply_residual_connection_post_layernorm", False),
+                           ("memory_efficient_layer_norm", False)):
+            if getattr(cfg, name) is not want:
+                return f"config.{name} must be {want}, got {getattr(cfg, name)!r}"
+        if cfg.tensor_model_parallel_size != 1:
+            return f"config.tensor_model_parallel_size must be 1, got {cfg.tensor_model_parallel_size}"
+        if cfg.recompute_granularity is not None:
+            return f"config.recompute_granularity must be None, got {cfg.recompute_granularity!r}"
         parts = self._parts()
         if parts is None:
             return "the layer must have the local spec's submodules (self_attention, mlp and their children)"
@@ -345,8 +350,13 @@ class FusedTransformerLayer(TransformerLayer):
         if not (self._bda_into_pre_mlp_norm() and self.mlp_bda is get_bias_dropout_add):
             return ("the bias-dropout-adds must be get_bias_dropout_add, with no cross attention "
                     "(IdentityOp / IdentityFuncOp slots) between the attention's and the MLP's norm")
-        if not (type(mlp) is MLP and mlp._gemm_gelu_applies()):
-            return "mlp must be an MLP that gemm_gelu_fusion takes (GeLU, fc1 with a bias, one rank, no hooks)"
+        # (the MLP's structure as MLP._gemm_gelu_applies reads it; hooks are a call's matter: _plan)
+        fc1, fc2 = mlp._modules.get("linear_fc1"), mlp._modules.get("linear_fc2")
+        if not (type(mlp) is MLP and type(fc1) is ColumnParallelLinear and type(fc2) is RowParallelLinear):
+            return "mlp must be an MLP of fusedlib's ColumnParallelLinear fc1 and RowParallelLinear fc2"
+        if not (fc1.tp_world_size == 1 and fc2.tp_world_size == 1 and fc1.skip_bias_add and fc2.skip_bias_add
+                and fc1.weight is not None and fc1.bias is not None):
+            return "mlp's fc1 and fc2 must be on one rank, return their biases (skip_bias_add), fc1 with a bias"
         return ""
 
     def _plan(self, x: torch.Tensor, attention_mask, context, context_mask, rotary_pos_emb,
@@ -431,9 +441,9 @@ class FusedTransformerLayer(TransformerLayer):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(output [s, b, h], context)``: one node where :meth:`fused_path_applies`, else
         :class:`TransformerLayer`'s forward."""
-        check_hidden_states("FusedTransformerLayer", hidden_states, self.config.hidden_size)
         plan = None
         if inference_context is None and packed_seq_params is None:
+            check_hidden_states("FusedTransformerLayer", hidden_states, self.config.hidden_size)
             plan = self._plan(hidden_states, attention_mask, context, context_mask, rotary_pos_emb, attention_bias)
         if plan is None:
             return super().forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
@@ -447,10 +457,7 @@ _FUSED_NORMS = (FusedLayerNorm, FusedRMSNorm)
 
 def _autocast_on(device_type: str) -> bool:
     """Whether autocast is on for ``device_type`` (the module path's GEMMs would run in its dtype)."""
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except (TypeError, RuntimeError):  # a torch whose is_autocast_enabled takes no device type
-        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+    return torch.is_autocast_enabled(device_type)
 
 
 def _global_module_hooks() -> bool:

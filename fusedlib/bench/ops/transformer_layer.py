@@ -262,12 +262,17 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
 
     Returns:
         The block in training mode; call it as ``block(hidden_states, None)``.
+
+    Raises:
+        ValueError: a bad ``shape``; ``fused_layer`` without ``fused``.
     """
     from ...models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec, without_fusions
     from ...transformer.transformer_block import TransformerBlock
     from ...transformer.transformer_config import TransformerConfig
 
     _, _, h, heads, ffn, layers = _check_shape(shape)
+    if fused_layer and not fused:
+        raise ValueError("fused_layer: FusedTransformerLayer runs the fused local spec; pass fused=True with it")
     device = torch.device(device)
     cfg = TransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn,
                             hidden_dropout=HIDDEN_DROPOUT, attention_dropout=ATTENTION_DROPOUT, params_dtype=dtype,
