@@ -836,15 +836,24 @@ class BiasDropoutAddNormFunction(torch.autograd.Function):
         return dx, dlb, dres, dweight, dbias, *none5
 
 
+def _has_own_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has forward (pre-)hooks or backward (pre-)hooks of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def _global_module_hooks() -> bool:
+    """Whether PyTorch's global module hooks are registered (they run around every module's call)."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+                or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
+
+
 def _has_hooks(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` would run hooks: its own forward (pre-)hooks or backward
     (pre-)hooks, or PyTorch's global module hooks."""
-    from torch.nn.modules import module as nn_module
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or nn_module._global_forward_hooks
-                or nn_module._global_forward_pre_hooks or nn_module._global_backward_hooks
-                or nn_module._global_backward_pre_hooks)
+    return _has_own_hooks(module) or _global_module_hooks()
 
 
 class FusedNorm:

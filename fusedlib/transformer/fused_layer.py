@@ -51,18 +51,18 @@ from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules import module as _nn_module
 
 from ..fusions._apply import in_transform, once_differentiable
 from ..fusions.fused_attention import FlashAttentionFunction, _check_dropout_p, _check_scale
 from ..fusions.fused_bias_dropout import BiasDropoutAddFunction, get_bias_dropout_add
 from ..fusions.fused_dense import FusedDenseGeluDenseFunction, _checked_path, _column_sum
 from ..fusions.fused_layer_norm import (BiasDropoutAddNormFunction, FusedLayerNorm, FusedLayerNormAffineFunction,
-                                        FusedRMSNorm, FusedRMSNormAffineFunction)
+                                        FusedRMSNorm, FusedRMSNormAffineFunction, _global_module_hooks,
+                                        _has_own_hooks)
 from ..checks import resolve_neg_grads
-from ..kernels.flash_attention import MAX_HEAD_DIM, PACKED_GRADS_ATTR, attention_band
+from ..kernels.flash_attention import MAX_HEAD_DIM, attention_band
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
-from .attention import SelfAttention
+from .attention import SelfAttention, SplitLastDim
 from .dot_product_attention import _CAUSAL, FLASH_BACKENDS, DotProductAttention
 from .identity_op import IdentityOp
 from .mlp import MLP
@@ -169,7 +169,9 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                                                       ln1_zero_centered_gamma)
         # [s, b, h] -> [s, b, 3h] -> [s, b, np, 3·hn] (Megatron-core's per-head q, k, v) -> three views
         mixed = F.linear(y1, qkv_weight, qkv_bias).view(s, b, heads, 3 * hn)
-        q, k, v = (t.transpose(0, 1) for t in torch.split(mixed, [hn, hn, hn], dim=-1))  # [b, s, np, hn] views
+        # the module path's split (SplitLastDim), whose backward takes FlashAttention's packed gradient whole
+        c_split = _StandInCtx(())
+        q, k, v = (t.transpose(0, 1) for t in SplitLastDim.forward(c_split, mixed, [hn, hn, hn]))  # [b, s, np, hn]
         o = FlashAttentionFunction.forward(c_attn, q, k, v, None, None, softmax_scale, attention_band(s, s, True, None),
                                            attention_dropout, deterministic)
         core = o.transpose(0, 1).reshape(s, b, h)  # o follows q's [s, b] memory order: a view
@@ -181,7 +183,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         path = _checked_path(y2, fc1_weight, fc1_bias, fc2_weight, None, None)
         m = FusedDenseGeluDenseFunction.forward(c_mlp, y2, fc1_weight, fc1_bias, fc2_weight, None, None, path)
         out = BiasDropoutAddFunction.forward(c_bda, m, fc2_bias, h1, hidden_dropout, True)
-        ctx.ops = (c_norm, c_attn, c_bdan, c_mlp, c_bda)
+        ctx.ops = (c_norm, c_split, c_attn, c_bdan, c_mlp, c_bda)
         # the inputs the ops saved go through save_for_backward too, so that autograd checks them
         # for in-place changes before the backward, as it would each op's node (the ops' own
         # stand-ins hold them for their backwards)
@@ -203,7 +205,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                                "is not supported: its first backward released the fused ops' saved tensors, as "
                                "each op's own node would have freed them; run the forward again, or use "
                                "TransformerLayer")
-        c_norm, c_attn, c_bdan, c_mlp, c_bda = ctx.ops
+        c_norm, c_split, c_attn, c_bdan, c_mlp, c_bda = ctx.ops
         qkv_weight, proj_weight = ctx.saved_tensors[:2]  # (the rest: autograd's in-place checks of the inputs)
         s, b, h, heads, hn = ctx.dims
         need = ctx.needs_input_grad
@@ -234,12 +236,11 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                 dq, dk, dv = FlashAttentionFunction.backward(c_attn, do)[:3]
                 del dcore, do
                 _release(c_attn)
-                buf = dq._base  # the kernel writes the three into one buffer laid out as mixed (packed_grads)
-                if buf is not None and getattr(buf, PACKED_GRADS_ATTR, False) and buf.numel() == 3 * s * b * h:
-                    dmixed = buf.view(s * b, 3 * h)
-                else:
-                    dmixed = torch.cat([t.transpose(0, 1) for t in (dq, dk, dv)], dim=-1).reshape(s * b, 3 * h)
-                del dq, dk, dv, buf
+                # [s, b, np, 3·hn] as the split's backward gives it: FlashAttention's packed buffer whole
+                # where the kernel wrote one, else the three concatenated
+                dmixed = SplitLastDim.backward(c_split, *(t.transpose(0, 1) for t in (dq, dk, dv)))[0]
+                dmixed = dmixed.reshape(s * b, 3 * h)
+                del dq, dk, dv
                 if need[_QKV_W]:
                     grads[_QKV_W] = dmixed.t().matmul(ctx.y1.reshape(s * b, h))  # [3h, h]
                 ctx.y1 = None
@@ -307,8 +308,9 @@ class FusedTransformerLayer(TransformerLayer):
         except (KeyError, AttributeError, TypeError):
             return None
 
-    def _unsupported(self) -> str:
-        """Why this layer, as its config and submodules are now, cannot run as one node ('' when it can)."""
+    def _unsupported(self, parts: Optional[tuple] = None) -> str:
+        """Why this layer, as its config and submodules are now, cannot run as one node ('' when it
+        can); ``parts``: :meth:`_parts`, read here when None."""
         cfg = self.config
         if cfg.attention_backend not in FLASH_BACKENDS:
             return f"config.attention_backend must be flash, got {cfg.attention_backend}"
@@ -321,7 +323,7 @@ class FusedTransformerLayer(TransformerLayer):
             return f"config.tensor_model_parallel_size must be 1, got {cfg.tensor_model_parallel_size}"
         if cfg.recompute_granularity is not None:
             return f"config.recompute_granularity must be None, got {cfg.recompute_granularity!r}"
-        parts = self._parts()
+        parts = self._parts() if parts is None else parts
         if parts is None:
             return "the layer must have the local spec's submodules (self_attention, mlp and their children)"
         norm1, attn, qkv, proj, dpa, norm2, mlp, _, _ = parts
@@ -368,19 +370,19 @@ class FusedTransformerLayer(TransformerLayer):
                 and isinstance(x, torch.Tensor)):
             return None
         if (torch.compiler.is_compiling() or in_transform() or x.is_inference()
-                or _autocast_on(x.device.type) or _saved_tensors_hooks_on()):
+                or torch.is_autocast_enabled(x.device.type) or _saved_tensors_hooks_on()):
             return None
-        if self._unsupported():  # (the parts below exist once this passed)
+        parts = self._parts()
+        if self._unsupported(parts):  # (the parts exist once this passed)
             return None
-        norm1, attn, qkv, proj, dpa, norm2, mlp, fc1, fc2 = self._parts()
+        norm1, attn, qkv, proj, dpa, norm2, mlp, fc1, fc2 = parts
         am, dm = attn._modules, dpa._modules
         modules = (norm1, attn, qkv, am["q_layernorm"], am["k_layernorm"], dpa, dm["scale_mask_softmax"],
                    dm["attention_dropout"], proj, norm2, mlp, fc1, fc2)
-        if any(not m.training or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-               or m._backward_pre_hooks for m in modules) or _global_module_hooks():
+        if any(not m.training or _has_own_hooks(m) for m in modules) or _global_module_hooks():
             return None  # a submodule in evaluation (its dropout is off), or hooks the path would not run
         deterministic = self.config.deterministic_mode
-        if (deterministic is not True and deterministic is not False) or not self._parameters_fit(x):
+        if (deterministic is not True and deterministic is not False) or not self._parameters_fit(x, parts):
             return None
         try:  # checked as flash_attention checks them: the module path raises where they fail
             scale = _check_scale(dpa.softmax_scale * (dm["scale_mask_softmax"].scale or 1.0),
@@ -396,16 +398,16 @@ class FusedTransformerLayer(TransformerLayer):
                 dpa.num_attention_heads_per_partition, type(norm1) is FusedRMSNorm, norm1.zero_centered_gamma,
                 norm1.eps, norm2.zero_centered_gamma, norm2.eps, scale, self.hidden_dropout, p, deterministic)
 
-    def _parameters_fit(self, x: torch.Tensor) -> bool:
+    def _parameters_fit(self, x: torch.Tensor, parts: tuple) -> bool:
         """The parameters the path reads: tensors of x's dtype (float16, bfloat16 or float32) and
         device with the layer's shapes ([3h, h] and [3h] for the QKV, [h, h] and [h] the
         projection, [ffn, h] and [ffn] fc1, [h, ffn] and [h] fc2, [h] the norms; the optional
-        biases may be None, the norms' as their kind says)."""
+        biases may be None, the norms' as their kind says). ``parts``: :meth:`_parts`."""
         dtype, device = x.dtype, x.device
         if dtype not in _DTYPES:
             return False
         h = x.shape[-1]
-        norm1, _, qkv, proj, _, norm2, _, fc1, fc2 = self._parts()
+        norm1, _, qkv, proj, _, norm2, _, fc1, fc2 = parts
         w1 = fc1._parameters.get("weight")
         if w1 is None:
             return False
@@ -453,17 +455,6 @@ class FusedTransformerLayer(TransformerLayer):
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FUSED_NORMS = (FusedLayerNorm, FusedRMSNorm)
-
-
-def _autocast_on(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (the module path's GEMMs would run in its dtype)."""
-    return torch.is_autocast_enabled(device_type)
-
-
-def _global_module_hooks() -> bool:
-    """Whether PyTorch's global module hooks are registered (they would run around every submodule)."""
-    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
-                or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
 
 
 def _saved_tensors_hooks_on() -> bool:
