@@ -23,8 +23,8 @@ from conftest import DEVICE  # noqa: I001
 #: [s, b, h, heads, ffn, layers]: odd sequence and ffn, heads of 6 channels, 2 layers
 TINY = (7, 2, 24, 4, 20, 2)
 #: what runs without megatron-core (it needs CUDA and Python >= 3.12)
-LOCAL_IMPLS = ["fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash", "fusedlib-fused-layer", "eager",
-               "torch.compile"]
+LOCAL_IMPLS = ["fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash", "fusedlib-fused-layer",
+               "fusedlib-fused-layer-local", "eager", "torch.compile"]
 
 
 def _cpu_case(dtype=torch.float32):
@@ -90,6 +90,9 @@ def test_the_three_fusedlib_blocks_have_the_documented_switches():
     assert [type(layer).__name__ for layer in one_node.layers] == ["FusedTransformerLayer"] * TINY[-1]
     assert {type(layer).__name__ for layer in flash.layers} == {"TransformerLayer"}
     assert one_node.state_dict().keys() == flash.state_dict().keys()
+    local_node = tl.fusedlib_block(TINY, True, tl.AttnBackend.local, fused_layer=True)
+    assert [type(layer).__name__ for layer in local_node.layers] == ["FusedTransformerLayer"] * TINY[-1]
+    assert local_node.config.attention_backend is tl.AttnBackend.local
     with pytest.raises(ValueError, match="fused_layer"):
         tl.fusedlib_block(TINY, False, fused_layer=True)
 
@@ -152,6 +155,8 @@ def test_records_have_tokens_and_no_bytes(monkeypatch):
     assert by["fusedlib-sdpa"]["attention"] == "sdpa" and by["torch.compile"]["compile"] == "static"
     assert by["fusedlib-flash"]["attention"] == "flash"
     assert by["fusedlib-fused-layer"]["attention"] == "flash" and by["fusedlib-fused-layer"]["layer"] == "FusedTransformerLayer"
+    local = by["fusedlib-fused-layer-local"]
+    assert local["attention"] == "materialised" and local["layer"] == "FusedTransformerLayer"
     json.dumps(recs)  # plain JSON
 
 

@@ -4,8 +4,10 @@ The oracle is :class:`TransformerLayer` itself: the one-node layer calls the sam
 Function forwards and backwards in the same order, with the Philox keys drawn in the same order,
 so with the same seed its outputs and gradients must be the module path's bit for bit, dropout
 on, in fp32 and bf16; and against the float64 block of ``transformer_reference`` (dropout 0) it
-must be as accurate as the unfused block. Sizes are small and odd (s = 7, h = 24, 4 heads of
-hn = 6, ffn = 20); on a CPU the kernels run in Triton's interpreter.
+must be as accurate as the unfused block. Most tests run with both attentions the layer takes
+(the ``backend`` fixture): FlashAttention and the materialised path (``local``). Sizes are small
+and odd (s = 7, h = 24, 4 heads of hn = 6, ffn = 20); on a CPU the kernels run in Triton's
+interpreter.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import transformer_reference as R
-from fusedlib.fusions import fused_dense
+from fusedlib.fusions import fused_dense, fused_softmax
 from fusedlib.models.gpt import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
 from fusedlib.transformer import AttnBackend, AttnMaskType, ModuleSpec, TransformerConfig
 from fusedlib.transformer.fused_layer import FusedTransformerLayer, FusedTransformerLayerFunction
@@ -32,6 +34,12 @@ from test_transformer import U, assert_as_accurate, hidden, randomize, tensor_er
 S, B, H, NP, FFN = 7, 2, 24, 4, 20  # hn = 6
 FUSED = dict(bias_activation_fusion=True, gemm_gelu_fusion=True, masked_softmax_fusion=True, bias_dropout_fusion=True,
              persist_layer_norm=True, attention_backend=AttnBackend.flash)
+
+
+@pytest.fixture(params=[AttnBackend.flash, AttnBackend.local], ids=["flash", "local"])
+def backend(request) -> AttnBackend:
+    """The attention backends the one-node layer takes: FlashAttention, the materialised path."""
+    return request.param
 
 
 def make_config(dtype=torch.float32, **kw) -> TransformerConfig:
@@ -67,17 +75,18 @@ def step(block, x, seed, g=None, frozen=()):
 
 
 def assert_same_bits(a, b):
-    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0, equal_nan=True)
     if a[1] is None or b[1] is None:
         assert a[1] is None and b[1] is None
     else:
-        torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+        torch.testing.assert_close(a[1], b[1], rtol=0, atol=0, equal_nan=True)
     assert a[2].keys() == b[2].keys()
     for name in a[2]:
         if a[2][name] is None or b[2][name] is None:
             assert a[2][name] is None and b[2][name] is None, name
         else:
-            torch.testing.assert_close(a[2][name], b[2][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(a[2][name], b[2][name], rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,9 +96,9 @@ def assert_same_bits(a, b):
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("zero_centered_gamma", [False, True])
-def test_one_node_equals_the_layer_bit_for_bit_with_dropout(normalization, dtype, zero_centered_gamma, seed):
+def test_one_node_equals_the_layer_bit_for_bit_with_dropout(normalization, dtype, zero_centered_gamma, backend, seed):
     cfg = make_config(dtype, normalization=normalization, layernorm_zero_centered_gamma=zero_centered_gamma,
-                      fp16=dtype is torch.float16)
+                      fp16=dtype is torch.float16, attention_backend=backend)
     module, one = blocks(cfg)
     x = hidden(dtype)  # [s, b, h], not contiguous
     x_before = x.detach().clone()
@@ -100,8 +109,8 @@ def test_one_node_equals_the_layer_bit_for_bit_with_dropout(normalization, dtype
     assert got[0].dtype == dtype and got[0].shape == (S, B, H)
 
 
-def test_one_node_path_runs_and_the_submodules_do_not(monkeypatch, seed):
-    module, one = blocks(make_config())
+def test_one_node_path_runs_and_the_submodules_do_not(monkeypatch, backend, seed):
+    module, one = blocks(make_config(attention_backend=backend))
     calls = []
     for name in ("forward",):
         for cls in {type(m) for m in one.layers[0].modules()} - {FusedTransformerLayer, TransformerLayer}:
@@ -119,11 +128,11 @@ def test_one_node_path_runs_and_the_submodules_do_not(monkeypatch, seed):
     assert one.layers[0].fused_path_applies(x)
 
 
-def test_as_accurate_as_the_unfused_block_against_float64(seed):
+def test_as_accurate_as_the_unfused_block_against_float64(backend, seed):
     # dropout 0: the one-node block and the unfused block against the float64 block (as
     # test_transformer's every-fusion-on check; GeLU's tanh form in the unfused block and the reference)
     for dtype in (torch.float32, torch.bfloat16):
-        cfg = make_config(dtype, hidden_dropout=0.0, attention_dropout=0.0)
+        cfg = make_config(dtype, hidden_dropout=0.0, attention_dropout=0.0, attention_backend=backend)
         _, one = blocks(cfg)
         tanh_gelu = functools.partial(F.gelu, approximate="tanh")
         plain_cfg = make_config(dtype, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
@@ -155,8 +164,8 @@ def test_as_accurate_as_the_unfused_block_against_float64(seed):
     "all but layers.0.mlp.linear_fc2.bias",
     "all but layers.0.self_attention.linear_proj.weight",
 ])
-def test_frozen_inputs_get_no_gradient_and_the_rest_are_the_layers(frozen, seed):
-    module, one = blocks(make_config())
+def test_frozen_inputs_get_no_gradient_and_the_rest_are_the_layers(frozen, backend, seed):
+    module, one = blocks(make_config(attention_backend=backend))
     if isinstance(frozen, str):
         keep = frozen.removeprefix("all but ")
         frozen = {"x", *(n for n, _ in one.named_parameters() if n != keep)}
@@ -173,8 +182,8 @@ def test_state_dict_and_parameters_are_the_layers():
     assert all(isinstance(layer, FusedTransformerLayer) for layer in one.layers)
 
 
-def test_a_double_backward_raises():
-    _, one = blocks(make_config(hidden_dropout=0.0, attention_dropout=0.0))
+def test_a_double_backward_raises(backend):
+    _, one = blocks(make_config(hidden_dropout=0.0, attention_dropout=0.0, attention_backend=backend))
     x = hidden()
     out, _ = one.layers[0](x)
     (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
@@ -183,10 +192,11 @@ def test_a_double_backward_raises():
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="peak memory is measured on a CUDA device")
-def test_peak_memory_of_a_step_is_the_layers(seed):
+def test_peak_memory_of_a_step_is_the_layers(backend, seed):
     # the backward releases each op's saved tensors after its backward, as autograd frees a
     # node's: a step's peak is the module path's (a few allocator blocks of slack)
-    cfg = make_config(torch.bfloat16, num_layers=3, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024)
+    cfg = make_config(torch.bfloat16, num_layers=3, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
+                      attention_backend=backend)
     module, one = blocks(cfg)
     x = torch.randn(256, 4, 256, device=DEVICE, dtype=torch.bfloat16)
     peaks = []
@@ -204,10 +214,10 @@ def test_peak_memory_of_a_step_is_the_layers(seed):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
-def test_the_layers_capture_in_cuda_graphs_and_replay_the_eager_steps():
+def test_the_layers_capture_in_cuda_graphs_and_replay_the_eager_steps(backend):
     # cuda_graph_impl="local": the one-node layers inside the manager's graphs give the eager
     # one-node block's steps bit for bit (the Philox keys drawn on the device, in the same order)
-    cfg = make_config(torch.bfloat16)
+    cfg = make_config(torch.bfloat16, attention_backend=backend)
     _, eager = blocks(cfg)
     graphed = TransformerBlock(dataclasses.replace(cfg, cuda_graph_impl="local"), fused_spec()).to(DEVICE).train()
     graphed.load_state_dict(eager.state_dict())
@@ -220,8 +230,8 @@ def test_the_layers_capture_in_cuda_graphs_and_replay_the_eager_steps():
     assert graphed.cudagraph_manager.captures == 1
 
 
-def test_a_second_backward_raises_naming_retain_graph():
-    _, one = blocks(make_config())
+def test_a_second_backward_raises_naming_retain_graph(backend):
+    _, one = blocks(make_config(attention_backend=backend))
     out, _ = one.layers[0](hidden())
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
@@ -233,8 +243,8 @@ def test_a_second_backward_raises_naming_retain_graph():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["eval", "no_grad", "mask", "hook", "rotary"])
-def test_other_calls_take_the_layers_forward_with_its_results(case, seed):
-    module, one = blocks(make_config())
+def test_other_calls_take_the_layers_forward_with_its_results(case, backend, seed):
+    module, one = blocks(make_config(attention_backend=backend))
     layer, ref = one.layers[0], module.layers[0]
     x = hidden()
     kwargs = {}
@@ -276,7 +286,16 @@ AFTER_BUILD = {
     "attention in eval": lambda layer: layer.self_attention.core_attention.eval(),
     "post-norm residual": lambda layer: setattr(layer.config, "apply_residual_connection_post_layernorm", True),
     "bias-dropout fusion off": lambda layer: setattr(layer.config, "bias_dropout_fusion", False),
-    "materialised backend": lambda layer: setattr(layer.config, "attention_backend", AttnBackend.local),
+    "the other backend": lambda layer: setattr(layer.config, "attention_backend", (
+        AttnBackend.flash if layer.config.attention_backend == AttnBackend.local else AttnBackend.local)),
+    "masked softmax fusion off": lambda layer: setattr(layer.config, "masked_softmax_fusion", False),
+    "softmax flag bf16": lambda layer: setattr(layer.self_attention.core_attention.scale_mask_softmax,
+                                               "input_in_bf16", True),
+    "softmax window": lambda layer: setattr(layer.self_attention.core_attention.scale_mask_softmax, "window_size",
+                                            (2, 0)),
+    "attention dropout 0, softmax kernel off": lambda layer: (
+        setattr(layer.self_attention.core_attention.attention_dropout, "p", 0.0),
+        setattr(layer.self_attention.core_attention.scale_mask_softmax, "scaled_masked_softmax_fusion", False)),
     "memory-efficient norms": lambda layer: setattr(layer.config, "memory_efficient_layer_norm", True),
     "mlp norm eps": lambda layer: setattr(layer.pre_mlp_layernorm, "eps", 0.5),
     "mlp norm zero-centered": lambda layer: setattr(layer.pre_mlp_layernorm, "zero_centered_gamma", True),
@@ -312,8 +331,8 @@ def _outcome(layer, x, case, seed):
 
 
 @pytest.mark.parametrize("case", [*AFTER_BUILD, "autocast", "checkpointed"])
-def test_after_the_build_the_layer_follows_what_the_module_path_does(case, seed):
-    module, one = blocks(make_config(num_layers=1))
+def test_after_the_build_the_layer_follows_what_the_module_path_does(case, backend, seed):
+    module, one = blocks(make_config(num_layers=1, attention_backend=backend))
     layer, ref = one.layers[0], module.layers[0]
     if case in AFTER_BUILD:
         for lay in (layer, ref):  # (a config change reaches both: the two blocks share their config)
@@ -327,12 +346,12 @@ def test_after_the_build_the_layer_follows_what_the_module_path_does(case, seed)
     assert not isinstance(got, str), got
     assert len(got) == len(want)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("what", ["x", "fc1 weight", "input norm weight", "mlp norm bias", "qkv weight"])
-def test_an_input_changed_in_place_before_the_backward_raises_as_for_the_module_path(what):
-    for block in blocks(make_config(num_layers=1)):
+def test_an_input_changed_in_place_before_the_backward_raises_as_for_the_module_path(what, backend):
+    for block in blocks(make_config(num_layers=1, attention_backend=backend)):
         layer = block.layers[0]
         x = hidden()
         out, _ = layer(x)
@@ -378,8 +397,8 @@ def test_global_module_hooks_do_not_stop_the_build_and_run_at_the_call(seed):
     assert_same_bits(got, step(module, x, seed))
 
 
-def test_sequence_parallel_on_one_rank_is_taken(seed):
-    module, one = blocks(make_config(sequence_parallel=True))
+def test_sequence_parallel_on_one_rank_is_taken(backend, seed):
+    module, one = blocks(make_config(sequence_parallel=True, attention_backend=backend))
     x = hidden()
     assert all(layer.fused_path_applies(x) for layer in one.layers)
     assert_same_bits(step(one, x, seed), step(module, x, seed))
@@ -390,8 +409,9 @@ def test_sequence_parallel_on_one_rank_is_taken(seed):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, spec, match", [
-    (dict(attention_backend=AttnBackend.local), None, "attention_backend must be flash"),
-    (dict(attention_backend=AttnBackend.auto), None, "attention_backend must be flash"),
+    (dict(attention_backend=AttnBackend.local, masked_softmax_fusion=False), None, "masked_softmax_fusion"),
+    (dict(attention_backend=AttnBackend.auto), None, "attention_backend must be flash, local or unfused"),
+    (dict(attention_backend=AttnBackend.fused), None, "attention_backend must be flash, local or unfused"),
     (dict(bias_dropout_fusion=False), None, "bias_dropout_fusion"),
     (dict(gemm_gelu_fusion=False), None, "gemm_gelu_fusion"),
     (dict(recompute_granularity="selective"), None, "recompute_granularity"),
@@ -417,19 +437,20 @@ def test_layers_it_does_not_run_are_refused_naming_why(kwargs, spec, match):
         TransformerLayer(cfg, submodules)
 
 
-def test_the_gemm_epilogue_path_takes_the_same_route(monkeypatch, seed):
+def test_the_gemm_epilogue_path_takes_the_same_route(monkeypatch, backend, seed):
     # where cuBLASLt's epilogues run (CUDA, ffn a multiple of 8), both paths take them
     monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_ELEMENTS", 1)
-    cfg = make_config(torch.bfloat16, ffn_hidden_size=32)
+    cfg = make_config(torch.bfloat16, ffn_hidden_size=32, attention_backend=backend)
     module, one = blocks(cfg)
     x = hidden(torch.bfloat16)
     assert_same_bits(step(one, x, seed), step(module, x, seed))
 
 
-def test_dropouts_changed_after_the_build_are_read_at_the_call():
+def test_dropouts_changed_after_the_build_are_read_at_the_call(backend):
     # the path reads the dropouts and the scale from the modules at each call: a layer whose
     # dropout was changed afterwards (a hidden_dropout override) still matches the module path
-    module, one = blocks(make_config())
+    # (the materialised path's softmax without dropout: the softmax's own Function)
+    module, one = blocks(make_config(attention_backend=backend))
     for block in (module, one):
         for layer in block.layers:
             layer.hidden_dropout = 0.0
@@ -437,3 +458,50 @@ def test_dropouts_changed_after_the_build_are_read_at_the_call():
     x = hidden()
     assert_same_bits(step(one, x, 3), step(module, x, 3))
     assert dataclasses.is_dataclass(one.config)
+
+
+# ---------------------------------------------------------------------------------------------
+# The materialised attention
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dropout", [0.15, 0.0])
+def test_the_materialised_path_runs_the_module_paths_kernels(monkeypatch, dropout, seed):
+    # the dispatch, not only the numbers: per layer one baddbmm for the scores, the softmax and
+    # dropout kernel's Function with dropout (the plain softmax's without), one bmm for the context
+    cfg = make_config(attention_backend=AttnBackend.local, attention_dropout=dropout)
+    _, one = blocks(cfg)
+    calls = []
+    for owner, name, label in ((torch, "baddbmm", "baddbmm"), (torch, "bmm", "bmm"),
+                               (fused_softmax.ScaledMaskedSoftmaxDropout, "forward", "softmax+dropout"),
+                               (fused_softmax._ScaleMaskSoftmaxFunction, "forward", "softmax")):
+        def wrapped(*a, _o=getattr(owner, name), _label=label, **k):
+            calls.append(_label)
+            return _o(*a, **k)
+        monkeypatch.setattr(owner, name, staticmethod(wrapped) if isinstance(owner, type) else wrapped)
+    out, _ = one.layers[0](hidden())
+    assert type(out.grad_fn).__name__ == "FusedTransformerLayerFunctionBackward"
+    assert calls == ["baddbmm", "softmax+dropout" if dropout else "softmax", "bmm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_query_key_layer_scaling_is_the_layers(backend, dtype, seed):
+    # the scores at softmax_scale / layer_number, the softmax multiplying back by layer_number
+    # (FusedScaleMaskSoftmax's scale): the module path's two scales, each where it applies
+    cfg = make_config(dtype, fp16=dtype is torch.float16, apply_query_key_layer_scaling=True, num_layers=3,
+                      attention_backend=backend)
+    module, one = blocks(cfg)
+    assert [layer.self_attention.core_attention.scale_mask_softmax.scale for layer in one.layers] == [1, 2, 3]
+    x = hidden(dtype)
+    assert all(layer.fused_path_applies(x) for layer in one.layers)
+    assert_same_bits(step(one, x, seed), step(module, x, seed))
+
+
+def test_the_materialised_path_takes_head_dims_flash_refuses(seed):
+    # hn = 264 > FlashAttention's 256: the flash layer is refused, the materialised one runs
+    kw = dict(hidden_size=528, num_attention_heads=2, ffn_hidden_size=40, num_layers=1)
+    with pytest.raises(ValueError, match="at most 256 with the flash backend"):
+        FusedTransformerLayer(make_config(**kw), get_gpt_layer_local_spec().submodules)
+    module, one = blocks(make_config(attention_backend=AttnBackend.local, **kw))
+    x = torch.randn(5, 1, 528, device=DEVICE)
+    assert one.layers[0].fused_path_applies(x)
+    assert_same_bits(step(one, x, seed), step(module, x, seed))

@@ -18,12 +18,16 @@ same order) are the module path's: with the same seed the outputs and every grad
 The layer it takes (checked when it is built, a ValueError naming what differs): fusedlib's
 local GPT spec (``get_gpt_layer_local_spec()``'s submodules: fusedlib's LayerNorm or RMSNorm,
 one kind for both norms, on the fusedlib backend, self-attention with one QKV GEMM and a causal
-``DotProductAttention``, the MLP, ``get_bias_dropout_add``) with ``attention_backend="flash"``
-(fusedlib's FlashAttention kernel, whose backward is fusedlib's), ``bias_dropout_fusion`` and
+``DotProductAttention``, the MLP, ``get_bias_dropout_add``) with ``attention_backend`` either
+``flash`` (fusedlib's FlashAttention kernel, whose backward is fusedlib's; heads of at most 256
+channels) or ``local`` / ``unfused`` with ``masked_softmax_fusion`` on (DotProductAttention's
+materialised path: the scores by ``torch.baddbmm``, the probabilities and their dropout by
+fusedlib's softmax kernel, the context by ``torch.bmm``; the layer computes the two products'
+gradients itself by autograd's own formulas, on the same operands), ``bias_dropout_fusion`` and
 ``gemm_gelu_fusion`` on, one rank (``tensor_model_parallel_size`` 1), heads of
-``kv_channels = hidden_size / num_attention_heads`` channels (at most 256), no grouped-query
-attention, query/key norms, sliding window, activation recomputation, fp32 residual stream,
-post-norm residuals or memory-efficient norms.
+``kv_channels = hidden_size / num_attention_heads`` channels, no grouped-query attention,
+query/key norms, sliding window, activation recomputation, fp32 residual stream, post-norm
+residuals or memory-efficient norms.
 
 Each call takes the one-node path only when the module path would compute the same thing with
 the same checks passing, else it is :class:`TransformerLayer`'s forward (the same results, and
@@ -35,7 +39,8 @@ kernel's), rotary embeddings, attention bias or cross-attention context; no modu
 submodules (the path calls none of them: their hooks would not run); the layer as built checks
 again (its config and submodules may have changed since: the check above runs at every call);
 its parameters of the hidden states' dtype (float16, bfloat16 or float32) and shapes; a valid
-softmax scale and attention dropout.
+softmax scale and attention dropout; on the materialised path, the softmax's fp16 / bf16 flags
+matching that dtype, and with attention dropout 0 the softmax module's fused kernel, causal.
 
 Autograd still checks the layer's inputs (hidden states and parameters) for in-place changes
 between the forward and the backward, as for the module path, with its own error.
@@ -59,11 +64,16 @@ from ..fusions.fused_dense import FusedDenseGeluDenseFunction, _checked_path, _c
 from ..fusions.fused_layer_norm import (BiasDropoutAddNormFunction, FusedLayerNorm, FusedLayerNormAffineFunction,
                                         FusedRMSNorm, FusedRMSNormAffineFunction, _global_module_hooks,
                                         _has_own_hooks)
+from ..fusions.fused_softmax import ScaledMaskedSoftmaxDropout, _ScaleMaskSoftmaxFunction
+from ..fusions.fused_softmax import _check_dropout_p as _softmax_check_dropout_p
+from ..fusions.fused_softmax import _check_scale as _softmax_check_scale
 from ..checks import resolve_neg_grads
 from ..kernels.flash_attention import MAX_HEAD_DIM, attention_band
+from ..kernels.softmax import causal_band
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .attention import SelfAttention, SplitLastDim
 from .dot_product_attention import _CAUSAL, FLASH_BACKENDS, DotProductAttention
+from .enums import AttnBackend
 from .identity_op import IdentityOp
 from .mlp import MLP
 from .transformer_config import TransformerConfig
@@ -96,17 +106,67 @@ def _release(op_ctx: _StandInCtx) -> None:
     op_ctx.__dict__.clear()
 
 
+def _materialised_attention(c_softmax: _StandInCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: float,
+                            coeff: float, dropout_p: float) -> torch.Tensor:
+    """DotProductAttention's materialised causal attention, its steps and tensors as the module
+    path makes them: q, k, v [s, b, np, hn] (views of the QKV projection) -> the context
+    [s, b, np·hn]. The softmax (and its dropout, one kernel when ``dropout_p`` > 0) is the
+    Function ``fused_scale_mask_softmax_dropout`` calls, run with the stand-in ``c_softmax``,
+    which also keeps what the products' gradients read."""
+    s, b, np_, hn = q.shape
+    q2 = q.reshape(s, b * np_, hn).transpose(0, 1)  # [b·np, s, hn] (views)
+    k2 = k.reshape(s, b * np_, hn).transpose(0, 1)
+    v2 = v.reshape(s, b * np_, hn).transpose(0, 1)
+    # beta=0: the buffer is never read, it receives the scores [b·np, s, s] = alpha · q·kᵀ
+    buffer = torch.empty((b * np_, s, s), device=q.device, dtype=q.dtype)
+    scores = torch.baddbmm(buffer, q2, k2.transpose(1, 2), beta=0.0, alpha=alpha).view(b, np_, s, s)
+    if dropout_p > 0:
+        probs = ScaledMaskedSoftmaxDropout.forward(c_softmax, scores, None, coeff, causal_band(s, s), None, dropout_p)
+    else:
+        probs = _ScaleMaskSoftmaxFunction.forward(c_softmax, scores, None, coeff, causal_band(s, s), None)
+    p3 = probs.view(b * np_, s, s)
+    context = torch.bmm(p3, v2)  # [b·np, s, hn] -> [b, np, s, hn] -> [s, b, np, hn], contiguous
+    c_softmax.function = ScaledMaskedSoftmaxDropout if dropout_p > 0 else _ScaleMaskSoftmaxFunction
+    c_softmax.products = (q2, k2, v2, p3, alpha)
+    return context.view(b, np_, s, hn).permute(2, 0, 1, 3).contiguous().view(s, b, np_ * hn)
+
+
+def _materialised_attention_backward(c_softmax: _StandInCtx,
+                                     dcore: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k and v [s, b, np, hn] from the context's, dcore [s, b, np, hn]
+    (contiguous), as autograd computes them through the module path's graph: the products'
+    gradients by the formulas of PyTorch's ``derivatives.yaml`` for ``bmm`` and ``baddbmm``, on
+    the same strided operands, around the softmax's own backward. ``c_softmax``: the stand-in
+    :func:`_materialised_attention` ran with; what it holds is released as soon as it is read."""
+    q2, k2, v2, p3, alpha = c_softmax.products
+    c_softmax.products = None
+    s, b, np_, hn = dcore.shape
+    dctx = dcore.permute(1, 2, 0, 3).reshape(b * np_, s, hn)  # the context's views undone: a view
+    dp = dctx.bmm(v2.transpose(1, 2))  # bmm: self's gradient, grad · mat2ᵀ
+    dv2 = p3.transpose(1, 2).bmm(dctx)  # ... mat2's, selfᵀ · grad
+    del p3, v2, dctx
+    ds = c_softmax.function.backward(c_softmax, dp.view(b, np_, s, s))[0].view(b * np_, s, s)
+    del dp
+    c_softmax.saved_tensors = ()  # the scores
+    dq2 = ds.bmm(k2).mul_(alpha)  # baddbmm: batch1's gradient, grad · batch2ᵀ · alpha
+    dk2t = q2.transpose(1, 2).bmm(ds).mul_(alpha)  # ... batch2's, batch1ᵀ · grad · alpha, [b·np, hn, s]
+    # [b·np, s, hn] -> [s, b·np, hn] -> [s, b, np, hn]: views
+    return (dq2.transpose(0, 1).reshape(s, b, np_, hn), dk2t.transpose(1, 2).transpose(0, 1).reshape(s, b, np_, hn),
+            dv2.transpose(0, 1).reshape(s, b, np_, hn))
+
+
 #: The positions of the tensors in :meth:`FusedTransformerLayerFunction.forward`'s arguments.
 _X, _LN1_W, _LN1_B, _QKV_W, _QKV_B, _PROJ_W, _PROJ_B, _LN2_W, _LN2_B, _FC1_W, _FC1_B, _FC2_W, _FC2_B = range(13)
 
 
 class FusedTransformerLayerFunction(torch.autograd.Function):
-    """A pre-norm GPT layer with FlashAttention as one autograd node (see the module docstring).
+    """A pre-norm GPT layer as one autograd node, its attention FlashAttention or the materialised
+    path (see the module docstring).
 
     ``apply(x, ln1_weight, ln1_bias, qkv_weight, qkv_bias, proj_weight, proj_bias, ln2_weight,
     ln2_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, heads, rms_norm, ln1_zero_centered_gamma,
     ln1_eps, ln2_zero_centered_gamma, ln2_eps, softmax_scale, hidden_dropout, attention_dropout,
-    deterministic)``:
+    deterministic, materialised=False, softmax_coeff=1.0)``:
 
     - x [s, b, h] (float16, bfloat16 or float32, on a device fusedlib's kernels run on);
     - the norms' weight [h] and bias [h] (None for RMSNorm, ``rms_norm=True``);
@@ -114,26 +174,35 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
       rows together), qkv_bias [3h] or None; proj_weight [h, h], proj_bias [h] or None;
       fc1_weight [ffn, h], fc1_bias [ffn]; fc2_weight [h, ffn], fc2_bias [h] or None; every
       parameter of x's dtype;
-    - heads (h divisible by it, head dim h / heads at most 256), each norm's zero-centered gamma
-      and eps, softmax_scale (a float), hidden_dropout in [0, 1], attention_dropout in [0, 1),
-      deterministic (FlashAttention's backward without atomic additions).
+    - heads (h divisible by it; head dim h / heads at most 256 with FlashAttention), each norm's
+      zero-centered gamma and eps, hidden_dropout in [0, 1], attention_dropout in [0, 1),
+      deterministic (FlashAttention's backward without atomic additions; unused when
+      materialised);
+    - materialised: False for FlashAttention, whose softmax_scale (a float) multiplies the scores;
+      True for DotProductAttention's materialised path: scores = softmax_scale · q·kᵀ by
+      ``torch.baddbmm``, then the causal softmax of softmax_coeff · scores (a float;
+      ``FusedScaleMaskSoftmax``'s ``scale``, the query-key layer scaling's factor) with its
+      dropout (:func:`~fusedlib.fusions.fused_softmax.fused_scale_mask_softmax_dropout`'s
+      Functions), the context by ``torch.bmm``.
 
     Returns out [s, b, h], a new tensor of x's dtype::
 
         y1 = norm1(x); q, k, v = split(y1 · qkv_weightᵀ + qkv_bias)
-        h1 = x + dropout(flash_attention(q, k, v, causal) · proj_weightᵀ + proj_bias, hidden_dropout)
+        h1 = x + dropout(attention(q, k, v, causal) · proj_weightᵀ + proj_bias, hidden_dropout)
         out = h1 + dropout(gelu_tanh(norm2(h1) · fc1_weightᵀ + fc1_bias) · fc2_weightᵀ + fc2_bias, hidden_dropout)
 
     with the kernels of :func:`~fusedlib.fusions.fused_layer_norm.fused_layer_norm`,
-    :func:`~fusedlib.fusions.fused_attention.flash_attention`,
+    :func:`~fusedlib.fusions.fused_attention.flash_attention` (or the materialised attention's
+    GEMMs and :func:`~fusedlib.fusions.fused_softmax.fused_scale_mask_softmax_dropout`),
     :func:`~fusedlib.fusions.fused_layer_norm.bias_dropout_add_norm`,
     :func:`~fusedlib.fusions.fused_dense.fused_dense_gelu_dense` and
     :func:`~fusedlib.fusions.fused_bias_dropout.bias_dropout_add_fused_train`, called in that
     order through their Functions' ``forward``; the backward returns the gradients of the
-    13 tensors (None for those that need none). Differentiable once (a double backward raises);
-    its backward releases each op's saved tensors once that op's backward has run (the peak
-    memory of the module path), so a second backward through the node (``retain_graph=True``)
-    raises a RuntimeError.
+    13 tensors (None for those that need none), the materialised attention's products' by the
+    formulas autograd uses for them (the module path's gradients bit for bit). Differentiable
+    once (a double backward raises); its backward releases each op's saved tensors once that
+    op's backward has run (the peak memory of the module path), so a second backward through
+    the node (``retain_graph=True``) raises a RuntimeError.
 
     The arguments are not checked here: :class:`FusedTransformerLayer` builds them from a
     checked layer (the fused ops' own checks still run inside their forwards).
@@ -145,7 +214,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln1_weight, ln1_bias, qkv_weight, qkv_bias, proj_weight, proj_bias, ln2_weight, ln2_bias,
                 fc1_weight, fc1_bias, fc2_weight, fc2_bias, heads, rms_norm, ln1_zero_centered_gamma, ln1_eps,
-                ln2_zero_centered_gamma, ln2_eps, softmax_scale, hidden_dropout, attention_dropout, deterministic):
+                ln2_zero_centered_gamma, ln2_eps, softmax_scale, hidden_dropout, attention_dropout, deterministic,
+                materialised=False, softmax_coeff=1.0):
         need = ctx.needs_input_grad
         s, b, h = x.shape
         hn = h // heads
@@ -157,7 +227,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         need_y2 = need_h1 or need[_LN2_W] or need[_LN2_B]
         need_m = need_y2 or need[_FC1_W] or need[_FC1_B] or need[_FC2_W]
         c_norm = _StandInCtx((need[_X], need[_LN1_W], need[_LN1_B]) + (False,) * 4)
-        c_attn = _StandInCtx((need_qkv,) * 3 + (False,) * 6)
+        c_attn = _StandInCtx((need_qkv,) * 3 + (False,) * 6)  # (the softmax's backward reads [4]: False)
         c_bdan = _StandInCtx((need_a, need[_PROJ_B], need[_X], need[_LN2_W], need[_LN2_B]) + (False,) * 5)
         c_mlp = _StandInCtx((need_y2, need[_FC1_W], need[_FC1_B], need[_FC2_W]) + (False,) * 3)
         c_bda = _StandInCtx((need_m, need[_FC2_B], need_h1, False, False))
@@ -171,10 +241,14 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         mixed = F.linear(y1, qkv_weight, qkv_bias).view(s, b, heads, 3 * hn)
         # the module path's split (SplitLastDim), whose backward takes FlashAttention's packed gradient whole
         c_split = _StandInCtx(())
-        q, k, v = (t.transpose(0, 1) for t in SplitLastDim.forward(c_split, mixed, [hn, hn, hn]))  # [b, s, np, hn]
-        o = FlashAttentionFunction.forward(c_attn, q, k, v, None, None, softmax_scale, attention_band(s, s, True, None),
-                                           attention_dropout, deterministic)
-        core = o.transpose(0, 1).reshape(s, b, h)  # o follows q's [s, b] memory order: a view
+        q, k, v = SplitLastDim.forward(c_split, mixed, [hn, hn, hn])  # [s, b, np, hn] views
+        if materialised:  # the scores and probabilities in memory (DotProductAttention's local path)
+            core = _materialised_attention(c_attn, q, k, v, softmax_scale, softmax_coeff, attention_dropout)
+        else:  # [s, b, np, hn] seen as [b, s, np, hn]: views, read through their strides
+            o = FlashAttentionFunction.forward(c_attn, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None,
+                                               None, softmax_scale, attention_band(s, s, True, None),
+                                               attention_dropout, deterministic)
+            core = o.transpose(0, 1).reshape(s, b, h)  # o follows q's [s, b] memory order: a view
         a = F.linear(core, proj_weight)  # the bias goes to the bias-dropout-add
         y2, h1 = BiasDropoutAddNormFunction.forward(c_bdan, a, proj_bias, x, ln2_weight, ln2_bias, ln2_eps,
                                                     hidden_dropout, True, rms_norm, ln2_zero_centered_gamma)
@@ -192,7 +266,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         # internal tensors (no caller can change them): held here, each dropped once its GEMM has read it
         ctx.y1, ctx.core = (y1 if need[_QKV_W] else None), (core if need[_PROJ_W] else None)
         ctx.dims = (s, b, h, heads, hn)
-        ctx.rms_norm = rms_norm
+        ctx.rms_norm, ctx.materialised = rms_norm, materialised
         ctx.needs = (need_qkv, need_a, need_h1, need_y2, need_m)
         return out
 
@@ -230,15 +304,18 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                 grads[_PROJ_W] = da.reshape(s * b, h).t().matmul(ctx.core.reshape(s * b, h))  # [h, h]
             ctx.core = None
             if need_qkv:
-                dcore = da.reshape(s * b, h).matmul(proj_weight)  # [s·b, h]
+                dcore = da.reshape(s * b, h).matmul(proj_weight).view(s, b, heads, hn)  # [s, b, np, hn]
                 del da
-                do = dcore.view(s, b, heads, hn).transpose(0, 1)  # [b, s, np, hn], as o
-                dq, dk, dv = FlashAttentionFunction.backward(c_attn, do)[:3]
-                del dcore, do
+                if ctx.materialised:
+                    dq, dk, dv = _materialised_attention_backward(c_attn, dcore)
+                else:
+                    dq, dk, dv = (t.transpose(0, 1)  # [b, s, np, hn] -> [s, b, np, hn]
+                                  for t in FlashAttentionFunction.backward(c_attn, dcore.transpose(0, 1))[:3])
+                del dcore
                 _release(c_attn)
                 # [s, b, np, 3·hn] as the split's backward gives it: FlashAttention's packed buffer whole
                 # where the kernel wrote one, else the three concatenated
-                dmixed = SplitLastDim.backward(c_split, *(t.transpose(0, 1) for t in (dq, dk, dv)))[0]
+                dmixed = SplitLastDim.backward(c_split, dq, dk, dv)[0]
                 dmixed = dmixed.reshape(s * b, 3 * h)
                 del dq, dk, dv
                 if need[_QKV_W]:
@@ -254,7 +331,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                     dx, grads[_LN1_W], grads[_LN1_B] = norm.backward(c_norm, dy1, dres)[:3]
                     grads[_X] = dx if need[_X] else None
         ctx.ops = None
-        return (*grads, *(None,) * 10)
+        return (*grads, *(None,) * 12)
 
 
 class FusedTransformerLayer(TransformerLayer):
@@ -264,8 +341,9 @@ class FusedTransformerLayer(TransformerLayer):
 
     Build it from fusedlib's local GPT spec with this class as the module, e.g.
     ``ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec().submodules)``, and a
-    config with ``attention_backend="flash"``; a :class:`~fusedlib.transformer.transformer_block.
-    TransformerBlock` repeats it as any layer spec.
+    config with ``attention_backend`` flash, or local / unfused with ``masked_softmax_fusion``;
+    a :class:`~fusedlib.transformer.transformer_block.TransformerBlock` repeats it as any layer
+    spec.
 
     Args:
         as :class:`TransformerLayer`.
@@ -312,8 +390,12 @@ class FusedTransformerLayer(TransformerLayer):
         """Why this layer, as its config and submodules are now, cannot run as one node ('' when it
         can); ``parts``: :meth:`_parts`, read here when None."""
         cfg = self.config
-        if cfg.attention_backend not in FLASH_BACKENDS:
-            return f"config.attention_backend must be flash, got {cfg.attention_backend}"
+        flash = cfg.attention_backend in FLASH_BACKENDS
+        if not (flash or cfg.attention_backend in MATERIALISED_BACKENDS):
+            return f"config.attention_backend must be flash, local or unfused, got {cfg.attention_backend}"
+        if not flash and cfg.masked_softmax_fusion is not True:
+            return ("config.masked_softmax_fusion must be True with the materialised attention (local or unfused: "
+                    f"fusedlib's softmax and dropout kernel), got {cfg.masked_softmax_fusion!r}")
         for name, want in (("bias_dropout_fusion", True), ("gemm_gelu_fusion", True),
                            ("fp32_residual_connection", False), ("apply_residual_connection_post_layernorm", False),
                            ("memory_efficient_layer_norm", False)):
@@ -346,9 +428,9 @@ class FusedTransformerLayer(TransformerLayer):
                              dpa.hidden_size_per_attention_head)
         if heads != groups:
             return f"grouped-query attention ({groups} query groups for {heads} heads) is not taken"
-        if heads * hn != cfg.hidden_size or hn > MAX_HEAD_DIM:
-            return (f"the heads must split hidden_size {cfg.hidden_size}: {heads} heads of kv_channels {hn} "
-                    f"(at most {MAX_HEAD_DIM})")
+        if heads * hn != cfg.hidden_size or (flash and hn > MAX_HEAD_DIM):
+            return (f"the heads must split hidden_size {cfg.hidden_size}: {heads} heads of kv_channels {hn}"
+                    + (f" (at most {MAX_HEAD_DIM} with the flash backend)" if flash else ""))
         if not (self._bda_into_pre_mlp_norm() and self.mlp_bda is get_bias_dropout_add):
             return ("the bias-dropout-adds must be get_bias_dropout_add, with no cross attention "
                     "(IdentityOp / IdentityFuncOp slots) between the attention's and the MLP's norm")
@@ -384,19 +466,40 @@ class FusedTransformerLayer(TransformerLayer):
         deterministic = self.config.deterministic_mode
         if (deterministic is not True and deterministic is not False) or not self._parameters_fit(x, parts):
             return None
-        try:  # checked as flash_attention checks them: the module path raises where they fail
-            scale = _check_scale(dpa.softmax_scale * (dm["scale_mask_softmax"].scale or 1.0),
-                                 dpa.hidden_size_per_attention_head)
-            p = dm["attention_dropout"].p
-            p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
+        softmax, p = dm["scale_mask_softmax"], dm["attention_dropout"].p
+        materialised = self.config.attention_backend not in FLASH_BACKENDS
+        try:  # checked as the module path's attention checks them: it raises where they fail
+            if materialised:  # scores = softmax_scale · q·kᵀ, then the softmax's own scale
+                scale, coeff = dpa.softmax_scale, _softmax_check_scale(softmax.scale)
+                p = 0.0 if (type(p) is float and p == 0.0) else _softmax_check_dropout_p(p)
+            else:
+                scale, coeff = _check_scale(dpa.softmax_scale * (softmax.scale or 1.0),
+                                            dpa.hidden_size_per_attention_head), 1.0
+                p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
         except (TypeError, ValueError):
+            return None
+        if materialised and not self._softmax_fits(x, softmax, p):
             return None
         n1, qp, pp, n2, f1, f2 = (norm1._parameters, qkv._parameters, proj._parameters, norm2._parameters,
                                   fc1._parameters, fc2._parameters)
         return (n1["weight"], n1.get("bias"), qp["weight"], qp.get("bias"), pp["weight"], pp.get("bias"),
                 n2["weight"], n2.get("bias"), f1["weight"], f1["bias"], f2["weight"], f2.get("bias"),
                 dpa.num_attention_heads_per_partition, type(norm1) is FusedRMSNorm, norm1.zero_centered_gamma,
-                norm1.eps, norm2.zero_centered_gamma, norm2.eps, scale, self.hidden_dropout, p, deterministic)
+                norm1.eps, norm2.zero_centered_gamma, norm2.eps, scale, self.hidden_dropout, p, deterministic,
+                materialised, coeff)
+
+    def _softmax_fits(self, x: torch.Tensor, softmax: torch.nn.Module, p: float) -> bool:
+        """Whether the materialised path's softmax, as the module path would run it, is the
+        Function the one-node path calls: a float scores dtype its fp16 / bf16 flags accept
+        (else ``check_input_dtype`` raises there), a bool ``attention_softmax_in_fp32``; with
+        dropout 0 (``FusedScaleMaskSoftmax`` then torch's dropout) the module's fused kernel,
+        causal, without a window."""
+        dtype = x.dtype
+        if ((softmax.input_in_fp16 and dtype != torch.float16) or (softmax.input_in_bf16 and dtype != torch.bfloat16)
+                or type(self.config.attention_softmax_in_fp32) is not bool):
+            return False
+        return p > 0 or (softmax.scaled_masked_softmax_fusion is True and softmax._is_causal()
+                         and softmax.window_size is None)
 
     def _parameters_fit(self, x: torch.Tensor, parts: tuple) -> bool:
         """The parameters the path reads: tensors of x's dtype (float16, bfloat16 or float32) and
@@ -454,6 +557,9 @@ class FusedTransformerLayer(TransformerLayer):
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: attention_backend values whose attention the one-node layer computes as DotProductAttention's
+#: materialised path (the scores and probabilities in memory).
+MATERIALISED_BACKENDS = (AttnBackend.local, AttnBackend.unfused)
 _FUSED_NORMS = (FusedLayerNorm, FusedRMSNorm)
 
 

@@ -20,38 +20,40 @@ adds :data:`SMALL_SHAPE` (seq 512, batch 8, hidden 512, 8 heads, ffn 2048, 4 lay
 
 Implementations (record ``impl``; :data:`IMPLS` says the same):
 
-=========================  ===================================================================
-``fusedlib-unfused``       fusedlib's ``TransformerBlock`` from ``get_gpt_layer_unfused_spec``:
-                           torch's LayerNorm, softmax and dropout, bias add then GeLU, unfused
-                           bias-dropout-add; the materialised attention
-``fusedlib``               ``get_gpt_layer_local_spec`` with every fusion on: fused LayerNorm,
-                           bias-GeLU, bias-dropout-add, and the materialised attention's
-                           softmax with its dropout in one kernel (``attention_backend`` local)
-``fusedlib-sdpa``          the same, ``attention_backend`` auto: torch's
-                           ``scaled_dot_product_attention`` (no scores in memory)
-``fusedlib-flash``         the same, ``attention_backend`` flash: fusedlib's FlashAttention-2
-                           kernel in Triton (chapter 8)
-``fusedlib-fused-layer``   ``fusedlib-flash`` with each layer a ``FusedTransformerLayer``: the
-                           same kernels, each layer's training step one autograd node
-                           (:mod:`fusedlib.transformer.fused_layer`)
-``fusedlib-sdpa-graphs``   ``fusedlib-sdpa`` with ``cuda_graph_impl="local"``: the layers'
-                           and the final norm's forward and backward replayed as two CUDA
-                           graphs (:mod:`fusedlib.transformer.cuda_graphs`)
-``megatron-core-unfused``  megatron-core's ``TransformerBlock`` from its
-                           ``get_gpt_layer_local_spec``, fusions off
-``megatron-core``          the same with ``bias_activation_fusion`` and ``bias_dropout_fusion``
-                           (``torch.compile``d in megatron-core), and ``masked_softmax_fusion``
-                           / ``persist_layer_norm`` only where their CUDA extensions (Apex's)
-                           import: each record lists its ``fusions`` and, in
-                           ``fusions_unavailable``, why the others are off
-``eager``                  a plain PyTorch pre-LN GPT block (:class:`PlainGPTBlock`:
-                           ``torch.nn`` layers, ``scaled_dot_product_attention``), eager
-``eager-graphs``           the plain PyTorch block with its layers and final norm through the
-                           same graph manager (:class:`GraphedPlainGPTBlock`): one forward
-                           and one backward graph, as ``fusedlib-sdpa-graphs``
-``torch.compile``          the same block with each layer's forward ``torch.compile``d
-                           (``dynamic=False``: static shapes), the final norm eager
-=========================  ===================================================================
+================================  ===================================================================
+``fusedlib-unfused``              fusedlib's ``TransformerBlock`` from ``get_gpt_layer_unfused_spec``:
+                                  torch's LayerNorm, softmax and dropout, bias add then GeLU, unfused
+                                  bias-dropout-add; the materialised attention
+``fusedlib``                      ``get_gpt_layer_local_spec`` with every fusion on: fused LayerNorm,
+                                  bias-GeLU, bias-dropout-add, and the materialised attention's
+                                  softmax with its dropout in one kernel (``attention_backend`` local)
+``fusedlib-sdpa``                 the same, ``attention_backend`` auto: torch's
+                                  ``scaled_dot_product_attention`` (no scores in memory)
+``fusedlib-flash``                the same, ``attention_backend`` flash: fusedlib's FlashAttention-2
+                                  kernel in Triton (chapter 8)
+``fusedlib-fused-layer``          ``fusedlib-flash`` with each layer a ``FusedTransformerLayer``: the
+                                  same kernels, each layer's training step one autograd node
+                                  (:mod:`fusedlib.transformer.fused_layer`)
+``fusedlib-fused-layer-local``    ``fusedlib`` (the materialised attention) with each layer a
+                                  ``FusedTransformerLayer``
+``fusedlib-sdpa-graphs``          ``fusedlib-sdpa`` with ``cuda_graph_impl="local"``: the layers'
+                                  and the final norm's forward and backward replayed as two CUDA
+                                  graphs (:mod:`fusedlib.transformer.cuda_graphs`)
+``megatron-core-unfused``         megatron-core's ``TransformerBlock`` from its
+                                  ``get_gpt_layer_local_spec``, fusions off
+``megatron-core``                 the same with ``bias_activation_fusion`` and ``bias_dropout_fusion``
+                                  (``torch.compile``d in megatron-core), and ``masked_softmax_fusion``
+                                  / ``persist_layer_norm`` only where their CUDA extensions (Apex's)
+                                  import: each record lists its ``fusions`` and, in
+                                  ``fusions_unavailable``, why the others are off
+``eager``                         a plain PyTorch pre-LN GPT block (:class:`PlainGPTBlock`:
+                                  ``torch.nn`` layers, ``scaled_dot_product_attention``), eager
+``eager-graphs``                  the plain PyTorch block with its layers and final norm through the
+                                  same graph manager (:class:`GraphedPlainGPTBlock`): one forward
+                                  and one backward graph, as ``fusedlib-sdpa-graphs``
+``torch.compile``                 the same block with each layer's forward ``torch.compile``d
+                                  (``dynamic=False``: static shapes), the final norm eager
+================================  ===================================================================
 
 torch.compile is applied per layer, as torchtitan compiles each transformer block: the layers
 are identical, so Dynamo traces one layer's forward and reuses the compiled graph for the
@@ -158,6 +160,7 @@ IMPLS: dict[str, str] = {
     "fusedlib-sdpa": "fusedlib's local spec, every fusion on, attention_backend auto (scaled_dot_product_attention)",
     "fusedlib-flash": "fusedlib's local spec, every fusion on, attention_backend flash (fusedlib's Triton FlashAttention)",
     "fusedlib-fused-layer": "fusedlib-flash with FusedTransformerLayer: each layer's training step one autograd node",
+    "fusedlib-fused-layer-local": "fusedlib (materialised attention) with FusedTransformerLayer, one node per layer",
     "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
     "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
     "fusedlib-sdpa-graphs": "fusedlib-sdpa, cuda_graph_impl='local': the block's forward and backward as CUDA graphs",
@@ -258,7 +261,8 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
         device: where the parameters live.
         cuda_graph: ``cuda_graph_impl="local"`` (the layers as CUDA graphs; needs CUDA).
         fused_layer: with ``fused``, the local spec's submodules in a
-            :class:`~fusedlib.transformer.fused_layer.FusedTransformerLayer` (``backend`` flash).
+            :class:`~fusedlib.transformer.fused_layer.FusedTransformerLayer` (``backend`` flash or
+            local).
 
     Returns:
         The block in training mode; call it as ``block(hidden_states, None)``.
@@ -542,6 +546,9 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
         impl("fusedlib-fused-layer", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.flash, t, d,
                                                                         fused_layer=True), _block_call),
              fusions=fused_on, attention="flash", layer="FusedTransformerLayer"),
+        impl("fusedlib-fused-layer-local", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.local, t, d,
+                                                                              fused_layer=True), _block_call),
+             fusions=fused_on, attention="materialised", layer="FusedTransformerLayer"),
     ]
     if cuda_graphs:
         impls.append(impl("fusedlib-sdpa-graphs",
