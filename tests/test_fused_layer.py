@@ -194,11 +194,12 @@ def test_a_double_backward_raises(backend):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="peak memory is measured on a CUDA device")
 def test_peak_memory_of_a_step_is_the_layers(backend, seed):
     # the backward releases each op's saved tensors after its backward, as autograd frees a
-    # node's: a step's peak is the module path's (a few allocator blocks of slack)
-    cfg = make_config(torch.bfloat16, num_layers=3, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
+    # node's: a step's peak is the module path's (a few allocator blocks of slack, less than one
+    # [s, b, h] tensor: 8 MiB here, so a gradient or activation held too long fails the test)
+    cfg = make_config(torch.bfloat16, num_layers=3, hidden_size=512, num_attention_heads=4, ffn_hidden_size=1024,
                       attention_backend=backend)
     module, one = blocks(cfg)
-    x = torch.randn(256, 4, 256, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(1024, 8, 512, device=DEVICE, dtype=torch.bfloat16)
     peaks = []
     for block in (module, one, module, one):
         step(block, x, seed)  # warm: kernels compiled, gradients allocated once

@@ -127,21 +127,20 @@ def _materialised_attention(c_softmax: _StandInCtx, q: torch.Tensor, k: torch.Te
     p3 = probs.view(b * np_, s, s)
     context = torch.bmm(p3, v2)  # [b·np, s, hn] -> [b, np, s, hn] -> [s, b, np, hn], contiguous
     c_softmax.function = ScaledMaskedSoftmaxDropout if dropout_p > 0 else _ScaleMaskSoftmaxFunction
-    c_softmax.products = (q2, k2, v2, p3, alpha)
+    c_softmax.products = (q2, k2, v2, p3, alpha, (s, b, np_, hn))
     return context.view(b, np_, s, hn).permute(2, 0, 1, 3).contiguous().view(s, b, np_ * hn)
 
 
-def _materialised_attention_backward(c_softmax: _StandInCtx,
-                                     dcore: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of q, k and v [s, b, np, hn] from the context's, dcore [s, b, np, hn]
-    (contiguous), as autograd computes them through the module path's graph: the products'
-    gradients by the formulas of PyTorch's ``derivatives.yaml`` for ``bmm`` and ``baddbmm``, on
-    the same strided operands, around the softmax's own backward. ``c_softmax``: the stand-in
-    :func:`_materialised_attention` ran with; what it holds is released as soon as it is read."""
-    q2, k2, v2, p3, alpha = c_softmax.products
-    c_softmax.products = None
-    s, b, np_, hn = dcore.shape
-    dctx = dcore.permute(1, 2, 0, 3).reshape(b * np_, s, hn)  # the context's views undone: a view
+def _materialised_attention_backward(c_softmax: _StandInCtx) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k and v [s, b, np, hn] from the context's, as autograd computes them
+    through the module path's graph: the products' gradients by the formulas of PyTorch's
+    ``derivatives.yaml`` for ``bmm`` and ``baddbmm``, on the same strided operands, around the
+    softmax's own backward. ``c_softmax``: the stand-in :func:`_materialised_attention` ran with,
+    holding the context's gradient as ``dctx`` [b·np, s, hn] (the [s, b, np, hn] gradient seen
+    through the context's views); what it holds is released as soon as it is read."""
+    q2, k2, v2, p3, alpha, (s, b, np_, hn) = c_softmax.products
+    dctx = c_softmax.dctx
+    c_softmax.products = c_softmax.dctx = None
     dp = dctx.bmm(v2.transpose(1, 2))  # bmm: self's gradient, grad · mat2ᵀ
     dv2 = p3.transpose(1, 2).bmm(dctx)  # ... mat2's, selfᵀ · grad
     del p3, v2, dctx
@@ -306,8 +305,9 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
             if need_qkv:
                 dcore = da.reshape(s * b, h).matmul(proj_weight).view(s, b, heads, hn)  # [s, b, np, hn]
                 del da
-                if ctx.materialised:
-                    dq, dk, dv = _materialised_attention_backward(c_attn, dcore)
+                if ctx.materialised:  # (the stand-in carries the gradient in, so that the backward frees it)
+                    c_attn.dctx, dcore = dcore.permute(1, 2, 0, 3).reshape(b * heads, s, hn), None  # a view
+                    dq, dk, dv = _materialised_attention_backward(c_attn)
                 else:
                     dq, dk, dv = (t.transpose(0, 1)  # [b, s, np, hn] -> [s, b, np, hn]
                                   for t in FlashAttentionFunction.backward(c_attn, dcore.transpose(0, 1))[:3])
