@@ -201,9 +201,13 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     formulas autograd uses for them (the module path's gradients bit for bit). Differentiable
     once (a double backward raises); its backward releases each op's saved tensors once that
     op's backward has run, so a second backward through the node (``retain_graph=True``) raises
-    a RuntimeError. Peak memory: the module path's with FlashAttention; with the materialised
-    attention one [s, b, h] tensor more in the backward (measured on an H200 at s 2048, b 4,
-    h 2048: 32 MiB over 3402 MiB; which tensor it is has not been found).
+    a RuntimeError. Peak memory: autograd holds the gradient it hands the node, grad_out
+    [s, b, h], until the node's backward returns, where the module path's graph frees it after
+    the MLP's bias-dropout-add; so the node's backward holds one [s, b, h] tensor longer. Where
+    a step's peak falls inside the attention's backward (the materialised attention: its
+    [b, np, s, s] gradients) that is one [s, b, h] more at the peak (32 MiB on an H200 at s 2048,
+    b 4, h 2048: 3434 against 3402 MiB); with FlashAttention the peak falls elsewhere and is the
+    module path's.
 
     The arguments are not checked here: :class:`FusedTransformerLayer` builds them from a
     checked layer (the fused ops' own checks still run inside their forwards).
