@@ -194,8 +194,10 @@ def test_a_double_backward_raises(backend):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="peak memory is measured on a CUDA device")
 def test_peak_memory_of_a_step_is_the_layers(backend, seed):
     # the backward releases each op's saved tensors after its backward, as autograd frees a
-    # node's: a step's peak is the module path's (a few allocator blocks of slack, less than one
-    # [s, b, h] tensor: 8 MiB here, so a gradient or activation held too long fails the test)
+    # node's: at this size a step's peak is the module path's (a few allocator blocks of slack,
+    # less than one [s, b, h] tensor, 8 MiB here). (The node's incoming gradient, which autograd
+    # holds until the node's backward returns, is one [s, b, h] more where a step's peak falls in
+    # the attention's backward: the materialised block at chapter 7's headline size, not here.)
     cfg = make_config(torch.bfloat16, num_layers=3, hidden_size=512, num_attention_heads=4, ffn_hidden_size=1024,
                       attention_backend=backend)
     module, one = blocks(cfg)
@@ -280,6 +282,13 @@ def _checkpoint_layer(layer, x):
     return torch.utils.checkpoint.checkpoint(lambda t: layer(t)[0], x, use_reentrant=False)
 
 
+class _SoftmaxWithoutKernel(fused_softmax.FusedScaleMaskSoftmax):
+    """A softmax module of another type: Megatron-core's kernel-availability rule says no here."""
+
+    def is_kernel_available(self, mask, b, np, sq, sk):
+        return False
+
+
 # Changes after the build, and call conditions, where the module path computes something else or
 # checks something: the one-node path must step aside (or follow the change) and give the
 # module path's results or its error. Each is applied to both layers alike.
@@ -297,6 +306,17 @@ AFTER_BUILD = {
     "attention dropout 0, softmax kernel off": lambda layer: (
         setattr(layer.self_attention.core_attention.attention_dropout, "p", 0.0),
         setattr(layer.self_attention.core_attention.scale_mask_softmax, "scaled_masked_softmax_fusion", False)),
+    # with dropout 0 the module path runs the softmax module itself: its window and mask type count
+    "attention dropout 0, softmax window": lambda layer: (
+        setattr(layer.self_attention.core_attention.attention_dropout, "p", 0.0),
+        setattr(layer.self_attention.core_attention.scale_mask_softmax, "window_size", (2, 0))),
+    "attention dropout 0, softmax mask type padding": lambda layer: (
+        setattr(layer.self_attention.core_attention.attention_dropout, "p", 0.0),
+        setattr(layer.self_attention.core_attention.scale_mask_softmax, "attn_mask_type", AttnMaskType.padding)),
+    "attention dropout 0, a softmax subclass without the kernel": lambda layer: (
+        setattr(layer.self_attention.core_attention.attention_dropout, "p", 0.0),
+        setattr(layer.self_attention.core_attention.scale_mask_softmax, "__class__", _SoftmaxWithoutKernel)),
+    "softmax_in_fp32 None": lambda layer: setattr(layer.config, "attention_softmax_in_fp32", None),
     "memory-efficient norms": lambda layer: setattr(layer.config, "memory_efficient_layer_norm", True),
     "mlp norm eps": lambda layer: setattr(layer.pre_mlp_layernorm, "eps", 0.5),
     "mlp norm zero-centered": lambda layer: setattr(layer.pre_mlp_layernorm, "zero_centered_gamma", True),
@@ -508,3 +528,30 @@ def test_the_materialised_path_takes_head_dims_flash_refuses(seed):
     x = torch.randn(5, 1, 528, device=DEVICE)
     assert one.layers[0].fused_path_applies(x)
     assert_same_bits(step(one, x, seed), step(module, x, seed))
+
+
+def test_the_unfused_backend_is_the_materialised_path(seed):
+    # attention_backend "unfused" runs DotProductAttention's materialised path too: taken, bit for bit
+    module, one = blocks(make_config(attention_backend=AttnBackend.unfused))
+    x = hidden()
+    assert all(layer.fused_path_applies(x) for layer in one.layers)
+    assert_same_bits(step(one, x, seed), step(module, x, seed))
+
+
+@pytest.mark.parametrize("backend_", [AttnBackend.local, AttnBackend.flash])
+def test_what_no_backward_reads_is_not_kept(backend_):
+    # x, the first norm and the QKV projection frozen: the module path builds no node for the
+    # attention's inputs, so it keeps neither the scores nor the probabilities; nor does the node
+    cfg = make_config(attention_backend=backend_)
+    _, one = blocks(cfg)
+    for name in ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.weight",
+                 "self_attention.linear_qkv.bias"):
+        one.layers[0].get_parameter(name).requires_grad_(False)
+    out, _ = one.layers[0](hidden().detach())
+    node = out.grad_fn
+    assert type(node).__name__ == "FusedTransformerLayerFunctionBackward"
+    c_norm, _, c_attn = node.ops[:3]
+    assert vars(c_attn) == {} and vars(c_norm) == {}  # released in the forward
+    out.sum().backward()  # the rest of the layer still trains
+    assert one.layers[0].mlp.linear_fc1.weight.grad is not None
+    assert one.layers[0].self_attention.linear_qkv.weight.grad is None

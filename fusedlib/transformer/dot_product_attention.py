@@ -65,12 +65,14 @@ from .transformer_config import TransformerConfig
 from .utils import (attention_mask_func, check_dropout_override, check_layer_number, heads_per_partition,
                     is_layer_window_attention)
 
-__all__ = ["DotProductAttention", "SDPA_BACKENDS", "FLASH_BACKENDS"]
+__all__ = ["DotProductAttention", "SDPA_BACKENDS", "FLASH_BACKENDS", "MATERIALISED_BACKENDS"]
 
 #: attention_backend values that run torch's scaled_dot_product_attention.
 SDPA_BACKENDS = (AttnBackend.fused, AttnBackend.auto)
-#: attention_backend values that run fusedlib's FlashAttention kernel (chapter 8); the rest materialise.
+#: attention_backend values that run fusedlib's FlashAttention kernel (chapter 8).
 FLASH_BACKENDS = (AttnBackend.flash,)
+#: attention_backend values that run the materialised path (the scores and probabilities in memory).
+MATERIALISED_BACKENDS = (AttnBackend.local, AttnBackend.unfused)
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
 
@@ -150,6 +152,47 @@ def _check_qkv(query: object, key: object, value: object, np_: int, ng: int, hn:
     if not query.device == key.device == value.device:
         raise ValueError(f"DotProductAttention: query, key and value must be on one device, got {query.device}, "
                          f"{key.device} and {value.device}")
+
+
+def materialised_scores(query: torch.Tensor, key: torch.Tensor,
+                        alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The materialised path's scores, Megatron-core's steps: query [sq, b, np, hn] and key
+    [sk, b, np, hn] (one key head per query head) -> ``(q2, k2, scores)``, q2 [b·np, sq, hn] and
+    k2 [b·np, sk, hn] the views the GEMM reads (their strides are the ones autograd's gradients
+    of ``torch.baddbmm`` see), scores [b, np, sq, sk] = alpha · q·kᵀ by one ``torch.baddbmm``
+    into an empty buffer (beta 0: never read, NaN-safe; freed before the softmax runs). Any float
+    dtype, query's device.
+
+    Raises:
+        RuntimeError: from ``torch.baddbmm``, for shapes that do not multiply.
+
+    Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py`` (the raw scores).
+    """
+    sq, b, np_, hn = query.shape
+    sk = key.size(0)
+    q2 = query.reshape(sq, b * np_, hn).transpose(0, 1)  # [sq, b, np, hn] -> [b·np, sq, hn]
+    k2 = key.reshape(sk, b * np_, hn).transpose(0, 1)  # [sk, b, np, hn] -> [b·np, sk, hn]
+    buffer = torch.empty((b * np_, sq, sk), device=query.device, dtype=query.dtype)
+    scores = torch.baddbmm(buffer, q2, k2.transpose(1, 2), beta=0.0, alpha=alpha)  # [b·np, sq, sk]
+    return q2, k2, scores.view(b, np_, sq, sk)
+
+
+def materialised_context(probs: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The materialised path's context: probabilities [b, np, sq, sk] and value [sk, b, np, hn]
+    -> ``(p3, v2, context)``, p3 [b·np, sq, sk] and v2 [b·np, sk, hn] the views ``torch.bmm``
+    reads, context [sq, b, np·hn] (contiguous), probs' dtype.
+
+    Raises:
+        RuntimeError: from ``torch.bmm``, for shapes that do not multiply.
+
+    Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py`` (the context).
+    """
+    b, np_, sq, sk = probs.shape
+    hn = value.size(-1)
+    p3 = probs.view(b * np_, sq, sk)
+    v2 = value.reshape(sk, b * np_, hn).transpose(0, 1)  # [sk, b, np, hn] -> [b·np, sk, hn]
+    context = torch.bmm(p3, v2)  # [b·np, sq, hn] -> [b, np, sq, hn] -> [sq, b, np, hn]
+    return p3, v2, context.view(b, np_, sq, hn).permute(2, 0, 1, 3).contiguous().view(sq, b, np_ * hn)
 
 
 class DotProductAttention(MegatronModule):
@@ -279,22 +322,30 @@ class DotProductAttention(MegatronModule):
             # [sk, b, ng, hn] -> [sk, b, np, hn]: each key/value head once per query head it serves
             key = key.repeat_interleave(np_ // ng, dim=2)
             value = value.repeat_interleave(np_ // ng, dim=2)
-        sq, b, _, hn = query.shape
-        sk = key.size(0)
-        query = query.reshape(sq, b * np_, hn)  # [sq, b, np, hn] -> [sq, b·np, hn]
-        key = key.reshape(sk, b * np_, hn)  # [sk, b, np, hn] -> [sk, b·np, hn]
-        # beta=0: the buffer's contents are ignored (never read, NaN-safe), it only receives the result
-        buffer = torch.empty((b * np_, sq, sk), device=query.device, dtype=query.dtype)
-        scores = torch.baddbmm(buffer, query.transpose(0, 1), key.transpose(0, 1).transpose(1, 2),
-                               beta=0.0, alpha=self.softmax_scale)  # [b·np, sq, hn] @ [b·np, hn, sk]
-        scores = scores.view(b, np_, sq, sk)  # [b·np, sq, sk] -> [b, np, sq, sk]
-
+        scores = materialised_scores(query, key, self.softmax_scale)[2]
         probs = self._softmax_dropout(scores, attention_mask)
+        return materialised_context(probs, value)[2]
 
-        value = value.reshape(sk, b * np_, hn)  # [sk, b, np, hn] -> [sk, b·np, hn]
-        context = torch.bmm(probs.view(b * np_, sq, sk), value.transpose(0, 1))  # [b·np, sq, hn]
-        context = context.view(b, np_, sq, hn).permute(2, 0, 1, 3).contiguous()  # -> [sq, b, np, hn]
-        return context.view(sq, b, self.hidden_size_per_partition)  # -> [sq, b, np·hn]
+    def softmax_function(self, dropout_p: float) -> Optional[type]:
+        """The autograd Function the materialised path's softmax runs as, on causal scores without a
+        caller's mask, in training with attention dropout ``dropout_p`` (a float checked by the
+        caller): :class:`~fusedlib.fusions.fused_softmax.ScaledMaskedSoftmaxDropout` (the softmax
+        and its dropout in one kernel) or, with dropout 0, the fused softmax's own Function; None
+        where the module would run torch's softmax or dropout instead, or another mask or window
+        (``_softmax_dropout`` and ``FusedScaleMaskSoftmax.forward`` decide the same way).
+        :class:`~fusedlib.transformer.fused_layer.FusedTransformerLayer` calls it to run the
+        same Function. Raises nothing."""
+        softmax = self.scale_mask_softmax
+        if type(softmax) is not FusedScaleMaskSoftmax or type(self.attention_dropout) is not torch.nn.Dropout:
+            return None
+        if dropout_p > 0:
+            if not (self.config.masked_softmax_fusion and self.attn_mask_type in _CAUSAL and self.window_size is None
+                    and getattr(fused_softmax, "fused_scale_mask_softmax_dropout", None) is not None):
+                return None
+            return fused_softmax.ScaledMaskedSoftmaxDropout
+        if not (softmax.scaled_masked_softmax_fusion and softmax._is_causal() and softmax.window_size is None):
+            return None
+        return fused_softmax._ScaleMaskSoftmaxFunction
 
     def _softmax_dropout(self, scores: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         p = self.attention_dropout.p

@@ -39,8 +39,11 @@ kernel's), rotary embeddings, attention bias or cross-attention context; no modu
 submodules (the path calls none of them: their hooks would not run); the layer as built checks
 again (its config and submodules may have changed since: the check above runs at every call);
 its parameters of the hidden states' dtype (float16, bfloat16 or float32) and shapes; a valid
-softmax scale and attention dropout; on the materialised path, the softmax's fp16 / bf16 flags
-matching that dtype, and with attention dropout 0 the softmax module's fused kernel, causal.
+attention dropout; with FlashAttention a valid softmax scale; on the materialised path the
+attention's softmax and dropout modules of their built types (``FusedScaleMaskSoftmax``,
+``torch.nn.Dropout``), the softmax module's scale valid, its fp16 / bf16 flags matching that
+dtype, a bool ``attention_softmax_in_fp32``, and fusedlib's fused softmax kernel on the causal
+band, without a window, being what the module path would run (``DotProductAttention.softmax_function``).
 
 Autograd still checks the layer's inputs (hidden states and parameters) for in-place changes
 between the forward and the backward, as for the module path, with its own error.
@@ -64,16 +67,15 @@ from ..fusions.fused_dense import FusedDenseGeluDenseFunction, _checked_path, _c
 from ..fusions.fused_layer_norm import (BiasDropoutAddNormFunction, FusedLayerNorm, FusedLayerNormAffineFunction,
                                         FusedRMSNorm, FusedRMSNormAffineFunction, _global_module_hooks,
                                         _has_own_hooks)
-from ..fusions.fused_softmax import ScaledMaskedSoftmaxDropout, _ScaleMaskSoftmaxFunction
-from ..fusions.fused_softmax import _check_dropout_p as _softmax_check_dropout_p
+from ..fusions.fused_softmax import ScaledMaskedSoftmaxDropout
 from ..fusions.fused_softmax import _check_scale as _softmax_check_scale
 from ..checks import resolve_neg_grads
 from ..kernels.flash_attention import MAX_HEAD_DIM, attention_band
 from ..kernels.softmax import causal_band
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .attention import SelfAttention, SplitLastDim
-from .dot_product_attention import _CAUSAL, FLASH_BACKENDS, DotProductAttention
-from .enums import AttnBackend
+from .dot_product_attention import (_CAUSAL, FLASH_BACKENDS, MATERIALISED_BACKENDS, DotProductAttention,
+                                    materialised_context, materialised_scores)
 from .identity_op import IdentityOp
 from .mlp import MLP
 from .transformer_config import TransformerConfig
@@ -106,29 +108,25 @@ def _release(op_ctx: _StandInCtx) -> None:
     op_ctx.__dict__.clear()
 
 
-def _materialised_attention(c_softmax: _StandInCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: float,
-                            coeff: float, dropout_p: float) -> torch.Tensor:
-    """DotProductAttention's materialised causal attention, its steps and tensors as the module
-    path makes them: q, k, v [s, b, np, hn] (views of the QKV projection) -> the context
-    [s, b, np·hn]. The softmax (and its dropout, one kernel when ``dropout_p`` > 0) is the
-    Function ``fused_scale_mask_softmax_dropout`` calls, run with the stand-in ``c_softmax``,
-    which also keeps what the products' gradients read."""
-    s, b, np_, hn = q.shape
-    q2 = q.reshape(s, b * np_, hn).transpose(0, 1)  # [b·np, s, hn] (views)
-    k2 = k.reshape(s, b * np_, hn).transpose(0, 1)
-    v2 = v.reshape(s, b * np_, hn).transpose(0, 1)
-    # beta=0: the buffer is never read, it receives the scores [b·np, s, s] = alpha · q·kᵀ
-    buffer = torch.empty((b * np_, s, s), device=q.device, dtype=q.dtype)
-    scores = torch.baddbmm(buffer, q2, k2.transpose(1, 2), beta=0.0, alpha=alpha).view(b, np_, s, s)
-    if dropout_p > 0:
-        probs = ScaledMaskedSoftmaxDropout.forward(c_softmax, scores, None, coeff, causal_band(s, s), None, dropout_p)
+def _materialised_attention(c_softmax: _StandInCtx, function: type, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, alpha: float, coeff: float, dropout_p: float) -> torch.Tensor:
+    """DotProductAttention's materialised causal attention through its own steps
+    (:func:`~fusedlib.transformer.dot_product_attention.materialised_scores` and
+    ``materialised_context``): q, k, v [s, b, np, hn] (views of the QKV projection) -> the
+    context [s, b, np·hn]. The softmax (and its dropout, one kernel when ``dropout_p`` > 0) is
+    ``function``, the Function the module path would run
+    (:meth:`~fusedlib.transformer.dot_product_attention.DotProductAttention.softmax_function`),
+    run with the stand-in ``c_softmax``, which also keeps what the products' gradients read."""
+    s = q.shape[0]
+    q2, k2, scores = materialised_scores(q, k, alpha)
+    if function is ScaledMaskedSoftmaxDropout:
+        probs = function.forward(c_softmax, scores, None, coeff, causal_band(s, s), None, dropout_p)
     else:
-        probs = _ScaleMaskSoftmaxFunction.forward(c_softmax, scores, None, coeff, causal_band(s, s), None)
-    p3 = probs.view(b * np_, s, s)
-    context = torch.bmm(p3, v2)  # [b·np, s, hn] -> [b, np, s, hn] -> [s, b, np, hn], contiguous
-    c_softmax.function = ScaledMaskedSoftmaxDropout if dropout_p > 0 else _ScaleMaskSoftmaxFunction
-    c_softmax.products = (q2, k2, v2, p3, alpha, (s, b, np_, hn))
-    return context.view(b, np_, s, hn).permute(2, 0, 1, 3).contiguous().view(s, b, np_ * hn)
+        probs = function.forward(c_softmax, scores, None, coeff, causal_band(s, s), None)
+    p3, v2, context = materialised_context(probs, v)
+    c_softmax.function = function
+    c_softmax.products = (q2, k2, v2, p3, alpha, q.shape)
+    return context
 
 
 def _materialised_attention_backward(c_softmax: _StandInCtx) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,8 +145,10 @@ def _materialised_attention_backward(c_softmax: _StandInCtx) -> Tuple[torch.Tens
     ds = c_softmax.function.backward(c_softmax, dp.view(b, np_, s, s))[0].view(b * np_, s, s)
     del dp
     c_softmax.saved_tensors = ()  # the scores
-    dq2 = ds.bmm(k2).mul_(alpha)  # baddbmm: batch1's gradient, grad · batch2ᵀ · alpha
-    dk2t = q2.transpose(1, 2).bmm(ds).mul_(alpha)  # ... batch2's, batch1ᵀ · grad · alpha, [b·np, hn, s]
+    dq2 = ds.bmm(k2)  # baddbmm: batch1's gradient, grad · batch2ᵀ · alpha
+    dk2t = q2.transpose(1, 2).bmm(ds)  # ... batch2's, batch1ᵀ · grad · alpha, [b·np, hn, s]
+    if alpha != 1:  # (autograd's maybe_multiply: no multiply by 1)
+        dq2.mul_(alpha), dk2t.mul_(alpha)
     # [b·np, s, hn] -> [s, b·np, hn] -> [s, b, np, hn]: views
     return (dq2.transpose(0, 1).reshape(s, b, np_, hn), dk2t.transpose(1, 2).transpose(0, 1).reshape(s, b, np_, hn),
             dv2.transpose(0, 1).reshape(s, b, np_, hn))
@@ -165,7 +165,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     ``apply(x, ln1_weight, ln1_bias, qkv_weight, qkv_bias, proj_weight, proj_bias, ln2_weight,
     ln2_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, heads, rms_norm, ln1_zero_centered_gamma,
     ln1_eps, ln2_zero_centered_gamma, ln2_eps, softmax_scale, hidden_dropout, attention_dropout,
-    deterministic, materialised=False, softmax_coeff=1.0)``:
+    deterministic, materialised=None, softmax_coeff=1.0)``:
 
     - x [s, b, h] (float16, bfloat16 or float32, on a device fusedlib's kernels run on);
     - the norms' weight [h] and bias [h] (None for RMSNorm, ``rms_norm=True``);
@@ -177,12 +177,13 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
       zero-centered gamma and eps, hidden_dropout in [0, 1], attention_dropout in [0, 1),
       deterministic (FlashAttention's backward without atomic additions; unused when
       materialised);
-    - materialised: False for FlashAttention, whose softmax_scale (a float) multiplies the scores;
-      True for DotProductAttention's materialised path: scores = softmax_scale · q·kᵀ by
-      ``torch.baddbmm``, then the causal softmax of softmax_coeff · scores (a float;
-      ``FusedScaleMaskSoftmax``'s ``scale``, the query-key layer scaling's factor) with its
-      dropout (:func:`~fusedlib.fusions.fused_softmax.fused_scale_mask_softmax_dropout`'s
-      Functions), the context by ``torch.bmm``.
+    - materialised: None for FlashAttention, whose softmax_scale (a float) multiplies the
+      scores; for DotProductAttention's materialised path the softmax's autograd Function
+      (:meth:`~fusedlib.transformer.dot_product_attention.DotProductAttention.softmax_function`:
+      the softmax with its dropout, or without dropout the softmax alone): scores =
+      softmax_scale · q·kᵀ by ``torch.baddbmm``, then that causal softmax of softmax_coeff ·
+      scores (a float; ``FusedScaleMaskSoftmax``'s ``scale``, the query-key layer scaling's
+      factor) with its dropout, the context by ``torch.bmm``.
 
     Returns out [s, b, h], a new tensor of x's dtype::
 
@@ -220,7 +221,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     def forward(ctx, x, ln1_weight, ln1_bias, qkv_weight, qkv_bias, proj_weight, proj_bias, ln2_weight, ln2_bias,
                 fc1_weight, fc1_bias, fc2_weight, fc2_bias, heads, rms_norm, ln1_zero_centered_gamma, ln1_eps,
                 ln2_zero_centered_gamma, ln2_eps, softmax_scale, hidden_dropout, attention_dropout, deterministic,
-                materialised=False, softmax_coeff=1.0):
+                materialised=None, softmax_coeff=1.0):
         need = ctx.needs_input_grad
         s, b, h = x.shape
         hn = h // heads
@@ -247,8 +248,9 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         # the module path's split (SplitLastDim), whose backward takes FlashAttention's packed gradient whole
         c_split = _StandInCtx(())
         q, k, v = SplitLastDim.forward(c_split, mixed, [hn, hn, hn])  # [s, b, np, hn] views
-        if materialised:  # the scores and probabilities in memory (DotProductAttention's local path)
-            core = _materialised_attention(c_attn, q, k, v, softmax_scale, softmax_coeff, attention_dropout)
+        if materialised is not None:  # the scores and probabilities in memory (DotProductAttention's local path)
+            core = _materialised_attention(c_attn, materialised, q, k, v, softmax_scale, softmax_coeff,
+                                           attention_dropout)
         else:  # [s, b, np, hn] seen as [b, s, np, hn]: views, read through their strides
             o = FlashAttentionFunction.forward(c_attn, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None,
                                                None, softmax_scale, attention_band(s, s, True, None),
@@ -271,7 +273,14 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         # internal tensors (no caller can change them): held here, each dropped once its GEMM has read it
         ctx.y1, ctx.core = (y1 if need[_QKV_W] else None), (core if need[_PROJ_W] else None)
         ctx.dims = (s, b, h, heads, hn)
-        ctx.rms_norm, ctx.materialised = rms_norm, materialised
+        ctx.rms_norm, ctx.materialised = rms_norm, materialised is not None
+        # what no backward will read is not kept (the module path builds no node for it): the
+        # attention's saved tensors where nothing before it needs a gradient, the first norm's
+        # where neither x nor its parameters do
+        if not need_qkv:
+            _release(c_attn)
+        if not (need[_X] or need[_LN1_W] or need[_LN1_B]):
+            _release(c_norm)
         ctx.needs = (need_qkv, need_a, need_h1, need_y2, need_m)
         return out
 
@@ -472,19 +481,19 @@ class FusedTransformerLayer(TransformerLayer):
         deterministic = self.config.deterministic_mode
         if (deterministic is not True and deterministic is not False) or not self._parameters_fit(x, parts):
             return None
-        softmax, p = dm["scale_mask_softmax"], dm["attention_dropout"].p
-        materialised = self.config.attention_backend not in FLASH_BACKENDS
+        softmax, function = dm["scale_mask_softmax"], None
         try:  # checked as the module path's attention checks them: it raises where they fail
-            if materialised:  # scores = softmax_scale · q·kᵀ, then the softmax's own scale
-                scale, coeff = dpa.softmax_scale, _softmax_check_scale(softmax.scale)
-                p = 0.0 if (type(p) is float and p == 0.0) else _softmax_check_dropout_p(p)
-            else:
+            p = dm["attention_dropout"].p
+            p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
+            if self.config.attention_backend in FLASH_BACKENDS:
                 scale, coeff = _check_scale(dpa.softmax_scale * (softmax.scale or 1.0),
                                             dpa.hidden_size_per_attention_head), 1.0
-                p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
-        except (TypeError, ValueError):
-            return None
-        if materialised and not self._softmax_fits(x, softmax, p):
+            else:  # the Function the module path's softmax would run; scores = softmax_scale · q·kᵀ
+                function = dpa.softmax_function(p)
+                if function is None or not self._softmax_input_fits(x, softmax):
+                    return None
+                scale, coeff = dpa.softmax_scale, _softmax_check_scale(softmax.scale)
+        except (TypeError, ValueError, AttributeError):
             return None
         n1, qp, pp, n2, f1, f2 = (norm1._parameters, qkv._parameters, proj._parameters, norm2._parameters,
                                   fc1._parameters, fc2._parameters)
@@ -492,20 +501,16 @@ class FusedTransformerLayer(TransformerLayer):
                 n2["weight"], n2.get("bias"), f1["weight"], f1["bias"], f2["weight"], f2.get("bias"),
                 dpa.num_attention_heads_per_partition, type(norm1) is FusedRMSNorm, norm1.zero_centered_gamma,
                 norm1.eps, norm2.zero_centered_gamma, norm2.eps, scale, self.hidden_dropout, p, deterministic,
-                materialised, coeff)
+                function, coeff)
 
-    def _softmax_fits(self, x: torch.Tensor, softmax: torch.nn.Module, p: float) -> bool:
-        """Whether the materialised path's softmax, as the module path would run it, is the
-        Function the one-node path calls: a float scores dtype its fp16 / bf16 flags accept
-        (else ``check_input_dtype`` raises there), a bool ``attention_softmax_in_fp32``; with
-        dropout 0 (``FusedScaleMaskSoftmax`` then torch's dropout) the module's fused kernel,
-        causal, without a window."""
+    def _softmax_input_fits(self, x: torch.Tensor, softmax: torch.nn.Module) -> bool:
+        """Whether the materialised path's softmax takes this call's scores without an error:
+        a dtype its fp16 / bf16 flags accept (else ``check_input_dtype`` raises there) and a bool
+        ``attention_softmax_in_fp32`` (else the fused softmax+dropout raises)."""
         dtype = x.dtype
-        if ((softmax.input_in_fp16 and dtype != torch.float16) or (softmax.input_in_bf16 and dtype != torch.bfloat16)
-                or type(self.config.attention_softmax_in_fp32) is not bool):
-            return False
-        return p > 0 or (softmax.scaled_masked_softmax_fusion is True and softmax._is_causal()
-                         and softmax.window_size is None)
+        return not ((softmax.input_in_fp16 and dtype != torch.float16)
+                    or (softmax.input_in_bf16 and dtype != torch.bfloat16)
+                    or type(self.config.attention_softmax_in_fp32) is not bool)
 
     def _parameters_fit(self, x: torch.Tensor, parts: tuple) -> bool:
         """The parameters the path reads: tensors of x's dtype (float16, bfloat16 or float32) and
@@ -563,9 +568,6 @@ class FusedTransformerLayer(TransformerLayer):
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: attention_backend values whose attention the one-node layer computes as DotProductAttention's
-#: materialised path (the scores and probabilities in memory).
-MATERIALISED_BACKENDS = (AttnBackend.local, AttnBackend.unfused)
 _FUSED_NORMS = (FusedLayerNorm, FusedRMSNorm)
 
 
