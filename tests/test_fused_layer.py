@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 
 import transformer_reference as R
 from fusedlib.fusions import fused_dense, fused_softmax
-from fusedlib.models.gpt import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
+from fusedlib.models.gpt import get_gpt_fused_layer_spec, get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
 from fusedlib.transformer import AttnBackend, AttnMaskType, ModuleSpec, TransformerConfig
 from fusedlib.transformer.fused_layer import FusedTransformerLayer, FusedTransformerLayerFunction
 from fusedlib.transformer.transformer_block import TransformerBlock
@@ -51,6 +51,8 @@ def make_config(dtype=torch.float32, **kw) -> TransformerConfig:
 
 
 def fused_spec(qk_layernorm: bool = False) -> ModuleSpec:
+    if not qk_layernorm:
+        return get_gpt_fused_layer_spec()
     return ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec(qk_layernorm=qk_layernorm).submodules)
 
 

@@ -552,7 +552,8 @@ def test_train_config_refuses_bools_and_strs_for_numbers(field):
 
 
 #: TrainConfig's on/off fields: a new one must be added here (and is then checked below).
-BOOL_FIELDS = ("bf16", "compile", "cuda_graph", "full_iteration_graph", "sequence_parallel", "resume", "progress")
+BOOL_FIELDS = ("bf16", "compile", "cuda_graph", "full_iteration_graph", "fused_layer",
+               "sequence_parallel", "resume", "progress")
 
 
 def test_train_config_on_off_fields_are_the_bool_annotated_ones():
@@ -1426,6 +1427,110 @@ def test_cuda_graph_training_equals_eager_training_and_resumes(corpus, tmp_path)
                       log=lambda s: None)
     resumed.run()
     assert resumed.losses() == graphed.losses()
+
+
+# ---------------------------------------------------------------------------------------------
+# One autograd node per layer (fused_layer: FusedTransformerLayer)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["flash", "local"])
+def test_fused_layer_training_is_the_module_paths_bit_for_bit_and_resumes_across_it(backend, corpus, tmp_path,
+                                                                                    monkeypatch):
+    """The fused model with each layer a FusedTransformerLayer takes the one-node path at every
+    training call and trains exactly as the module path (losses, validation and weights bit for
+    bit, dropout on: the same kernels and Philox keys in the same order); a checkpoint of one
+    resumes in the other (fused_layer changes no arithmetic) and continues the same run."""
+    from fusedlib.transformer.fused_layer import FusedTransformerLayer, FusedTransformerLayerFunction
+
+    applied = []
+    original = FusedTransformerLayerFunction.apply
+    monkeypatch.setattr(FusedTransformerLayerFunction, "apply", lambda *a: (applied.append(1), original(*a))[1])
+    kw = dict(TINY, layers=2, steps=4, dropout=0.1, device=str(DEVICE), bf16=False, eval_interval=2, model="gpt",
+              spec="fused", attention_backend=backend)
+    module = Trainer(TrainConfig(**kw), corpus=corpus, log=lambda s: None)
+    module.run()
+    assert applied == []
+    one = Trainer(TrainConfig(fused_layer=True, out=str(tmp_path / "one"), stop_at=2, **kw), corpus=corpus,
+                  log=lambda s: None)
+    assert [type(layer) for layer in one.model.decoder.layers] == [FusedTransformerLayer] * 2
+    one.run()
+    assert len(applied) == 2 * 2  # two layers, two training steps (evaluation runs the module path)
+    assert one.losses() == module.losses()[:2]
+    resumed = Trainer(TrainConfig(out=str(tmp_path / "one"), resume=True, **kw), corpus=corpus, log=lambda s: None)
+    resumed.run()
+    assert resumed.losses() == module.losses()
+    assert [v for v in resumed.history if "val_loss" in v] and \
+        [r["val_loss"] for r in resumed.history if "val_loss" in r] == \
+        [r["val_loss"] for r in module.history if "val_loss" in r]
+    whole = Trainer(TrainConfig(fused_layer=True, **kw), corpus=corpus, log=lambda s: None)
+    whole.run()
+    assert whole.losses() == module.losses()
+    for name, t in module.model.state_dict().items():
+        if not name.endswith("_extra_state"):
+            assert torch.equal(t, whole.model.state_dict()[name]), name
+            assert torch.equal(t, resumed.model.state_dict()[name]), name
+    assert whole.config.label() == f"fused{'' if backend == 'flash' else f' ({backend})'} + one node per layer"
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(model="plain"), "fused_layer needs model 'gpt'"),
+    (dict(spec="unfused"), "fused_layer needs spec 'fused'"),
+    (dict(attention_backend="auto"), "fused_layer takes attention_backend flash, local, unfused .*got 'auto'"),
+    (dict(attention_backend="fused"), "fused_layer takes attention_backend .*got 'fused'"),
+    (dict(tp=2), "fused_layer needs tp = 1"),
+    (dict(compile=True, model="gpt"), "fused_layer and compile exclude each other"),
+    (dict(cuda_graph=True), "fused_layer and cuda_graph exclude each other"),
+    (dict(full_iteration_graph=True), "fused_layer and full_iteration_graph exclude each other"),
+])
+def test_fused_layer_refuses_what_it_would_not_change_or_cannot_run(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**dict(TINY, fused_layer=True, **kw))
+    TrainConfig(**dict(TINY, fused_layer=True, attention_backend="unfused"))  # the materialised path, fused spec
+
+
+def test_fused_layer_builders_refuse_the_models_without_it():
+    shape = ModelShape(layers=1, hidden=32, heads=2, seq=16)
+    with pytest.raises(ValueError, match="fused_layer needs spec 'fused'"):
+        build_gpt(shape, "unfused", fused_layer=True)
+    with pytest.raises(ValueError, match="the plain model has none"):
+        build_model("plain", shape, 0, fused_layer=True)
+    with pytest.raises(ValueError, match="FusedTransformerLayer .*attention_backend must be flash, local or unfused"):
+        build_gpt(shape, "fused", "auto", fused_layer=True)
+
+
+@pytest.mark.parametrize("argv, flag", [(["--fused-layer", "--model", "plain"], "--fused-layer"),
+                                        (["--fused-layer", "--attention-backend", "auto"], "--fused-layer"),
+                                        (["--bench", "--fused-layer", "--device", "cpu"], "--fused-layer"),
+                                        (["--bench-profile", "--fused-layer", "--device", "cpu"], "--fused-layer"),
+                                        (["--bench-tp", "--fused-layer"], "--fused-layer")])
+def test_fused_layer_bad_flags(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_every_bench_run_has_its_colour_and_line_style_and_plots():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fusedlib.train import bench
+
+    assert set(bench.RUN_COLORS) == set(bench.BENCH_RUNS) == set(bench.RUN_STYLES)
+    records = [dict(impl=name, label=name, losses=[5.0 - 0.1 * i for i in range(30)], val=[[10, 4.0]])
+               for name in bench.BENCH_RUNS]
+    ax = bench.plot_losses(records, window=5, skip=2)
+    assert len(ax.get_legend().get_texts()) == len(bench.BENCH_RUNS)
+
+
+def test_fused_layer_flag_and_bench_run():
+    from fusedlib.train import bench
+
+    config, _ = cli.parse_args(["--fused-layer", "--attention-backend", "local"])
+    assert config.fused_layer is True and config.attention_backend == "local"
+    assert cli.parse_args([])[0].fused_layer is False
+    assert bench.BENCH_RUNS["fusedlib-fused-layer"]["fused_layer"] is True
+    assert [name for name, run in bench.BENCH_RUNS.items() if run.get("fused_layer")] == ["fusedlib-fused-layer"]
+    assert all("fused_layer" in run for run in bench.BENCH_RUNS.values())  # the base's value never leaks into a run
 
 
 # ---------------------------------------------------------------------------------------------

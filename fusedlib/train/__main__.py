@@ -5,6 +5,7 @@ Usage::
     python -m fusedlib.train --steps 2000 --out runs/fused            # fusedlib's fused GPT
     python -m fusedlib.train --spec unfused --out runs/unfused        # the unfused spec
     python -m fusedlib.train --model plain --compile --out runs/plain # nanoGPT-style, compiled
+    python -m fusedlib.train --fused-layer --out runs/one-node        # each layer one autograd node
     python -m fusedlib.train --out runs/fused --resume                # continue from the checkpoint
     python -m fusedlib.train --sample 300 --prompt "class "           # print a sample at the end
     python -m fusedlib.train --bench --out chapters/data/bench        # three runs -> train.json
@@ -101,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--full-iteration-graph", action="store_true",
                    help="the whole training step (forward, backward, clipping, AdamW) as one CUDA graph, "
                         "captured after a few eager steps (CUDA only)")
+    e.add_argument("--fused-layer", action="store_true",
+                   help="each layer a FusedTransformerLayer: its training forward and backward one autograd "
+                        "node (the same results, less host time; fused spec, attention backend flash, local or "
+                        "unfused)")
     e.add_argument("--tp", type=int, default=d.tp,
                    help="tensor-parallel ranks (start with torchrun --nproc-per-node TP)")
     e.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (with --tp > 1)")
@@ -127,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="train each of --bench-runs, write <out>/train.json")
     b.add_argument("--bench-runs", nargs="+", default=None,
-                   help="default: fusedlib fusedlib-unfused torch.compile (also: fusedlib-local, fusedlib-compile, "
+                   help="default: fusedlib fusedlib-unfused torch.compile (also: fusedlib-local, "
+                        "fusedlib-fused-layer, fusedlib-compile, "
                         "fusedlib-graphs, torch.compile-graphs, fusedlib-full-iteration, "
                         "torch.compile-full-iteration)")
     b.add_argument("--bench-warmup", type=int, default=None,
@@ -214,9 +220,10 @@ def parse_args(argv: Optional[list[str]] = None):
         what = "--bench" if args.bench else "--bench-profile"
         if args.resume or args.stop_at is not None:
             parser.error(f"{what} trains from scratch: --resume and --stop-at do not apply")
-        if args.cuda_graph or args.full_iteration_graph or args.compile_mode is not None:
-            parser.error(f"--cuda-graph, --full-iteration-graph, --compile-mode: {what} sets them per run (choose the "
-                         f"runs with --bench-runs, e.g. fusedlib-graphs, torch.compile-graphs): leave them out")
+        if args.cuda_graph or args.full_iteration_graph or args.compile_mode is not None or args.fused_layer:
+            parser.error(f"--cuda-graph, --full-iteration-graph, --compile-mode, --fused-layer: {what} sets them per "
+                         f"run (choose the runs with --bench-runs, e.g. fusedlib-graphs, torch.compile-graphs, "
+                         f"fusedlib-fused-layer): leave them out")
     if args.bench_profile:
         from .bench import DEFAULT_PROFILE_RUNS, PROFILE_STEPS, PROFILE_WARMUP
 
@@ -240,7 +247,8 @@ def parse_args(argv: Optional[list[str]] = None):
     if args.bench_tp:
         if args.resume or args.stop_at is not None:
             parser.error("--bench-tp trains from scratch: --resume and --stop-at do not apply")
-        for flag, on in (("--cuda-graph", config.cuda_graph), ("--full-iteration-graph", config.full_iteration_graph)):
+        for flag, on in (("--cuda-graph", config.cuda_graph), ("--full-iteration-graph", config.full_iteration_graph),
+                         ("--fused-layer", config.fused_layer)):
             if on:
                 parser.error(f"--bench-tp trains with tp > 1, which {flag} does not support: leave {flag} out")
         if config.tp != 1 or config.model != "gpt":

@@ -13,6 +13,10 @@ batches in the same order, with the same optimizer and schedule (the command lin
 ``fusedlib-local``    (only when asked for) fusedlib's fused GPTModel with the materialised
                       attention and its softmax kernels: the same attention algorithm as
                       ``fusedlib-unfused``, so the two differ by the fusions alone
+``fusedlib-fused-layer``  (only when asked for) ``fusedlib``'s model with each layer a
+                      ``FusedTransformerLayer`` (``fused_layer``): the same kernels and losses,
+                      bit for bit, each layer's training forward and backward one autograd node
+                      (less host time per layer); eager
 ``fusedlib-compile``  (only when asked for) ``fusedlib``'s model, ``torch.compile``d as a whole
                       (Inductor fuses what fusedlib leaves unfused and traces fusedlib's
                       kernels into its graph)
@@ -75,12 +79,13 @@ __all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "GRAPH_RUNS", "BENCH_FILE", "SAMP
            "load_train_bench", "smooth", "plot_losses"]
 
 #: impl -> the TrainConfig fields that make it.
-_PLAIN_RUN = dict(compile_mode=None, cuda_graph=False, full_iteration_graph=False)
+_PLAIN_RUN = dict(compile_mode=None, cuda_graph=False, full_iteration_graph=False, fused_layer=False)
 BENCH_RUNS: dict[str, dict] = {
     "fusedlib": dict(model="gpt", spec="fused", compile=False, **_PLAIN_RUN),
     "fusedlib-unfused": dict(model="gpt", spec="unfused", compile=False, **_PLAIN_RUN),
     "torch.compile": dict(model="plain", compile=True, **_PLAIN_RUN),
     "fusedlib-local": dict(model="gpt", spec="fused", compile=False, attention_backend="local", **_PLAIN_RUN),
+    "fusedlib-fused-layer": dict(model="gpt", spec="fused", compile=False, **{**_PLAIN_RUN, "fused_layer": True}),
     "fusedlib-compile": dict(model="gpt", spec="fused", compile=True, **_PLAIN_RUN),
     "fusedlib-graphs": dict(model="gpt", spec="fused", compile=False, **{**_PLAIN_RUN, "cuda_graph": True}),
     "torch.compile-graphs": dict(model="plain", compile=True, **{**_PLAIN_RUN, "compile_mode": "reduce-overhead"}),
@@ -415,11 +420,13 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
 
 #: Line colours of the runs (fusedlib's chapters' colours).
 RUN_COLORS = {"fusedlib": "#d62728", "fusedlib-unfused": "#f4a6a6", "torch.compile": "#5c6bc0",
-              "fusedlib-local": "#8c1c1c", "fusedlib-compile": "#ff7f0e", "fusedlib-graphs": "#2ca02c",
+              "fusedlib-local": "#8c1c1c", "fusedlib-fused-layer": "#ffbb78", "fusedlib-compile": "#ff7f0e",
+              "fusedlib-graphs": "#2ca02c",
               "torch.compile-graphs": "#17becf", "fusedlib-full-iteration": "#9467bd",
               "torch.compile-full-iteration": "#1f3a93"}
-#: Line styles, so that curves lying on each other stay visible.
+#: Line styles (matplotlib's ``linestyle``), so that curves lying on each other stay visible.
 RUN_STYLES = {"fusedlib": "-", "fusedlib-unfused": "--", "torch.compile": ":", "fusedlib-local": "-.",
+              "fusedlib-fused-layer": (0, (1, 3)),
               "fusedlib-compile": "-", "fusedlib-graphs": "-", "torch.compile-graphs": ":",
               "fusedlib-full-iteration": "-", "torch.compile-full-iteration": ":"}
 
@@ -443,7 +450,7 @@ def plot_losses(records: Sequence[dict], window: int = 25, ax=None, skip: int = 
         color = RUN_COLORS.get(r["impl"])
         steps = list(range(1, len(r["losses"]) + 1))[skip:]
         ax.plot(steps, r["losses"][skip:], color=color, alpha=0.15, linewidth=0.6)
-        ax.plot(steps, smooth(r["losses"], window)[skip:], RUN_STYLES.get(r["impl"], "-"), color=color,
+        ax.plot(steps, smooth(r["losses"], window)[skip:], linestyle=RUN_STYLES.get(r["impl"], "-"), color=color,
                 linewidth=1.6, label=f"{r['impl']} ({r['label']})")
         val = [(s, v) for s, v in r["val"] if s > skip]
         if val:

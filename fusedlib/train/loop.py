@@ -86,6 +86,7 @@ from .. import runtime
 from ..checks import FLOAT32_MAX, ArgumentTypeError, check_bool, file_on_the_way, real_to_float
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..parallel.utils import all_reduce
+from ..transformer.dot_product_attention import FLASH_BACKENDS, MATERIALISED_BACKENDS
 from ..transformer.enums import AttnBackend
 from .data import VOCAB_SIZE, Corpus, decode, encode, get_batch, load_corpus
 from .model import MODELS, SPECS, ModelShape, build_model
@@ -105,7 +106,7 @@ _MAX_LR = float(torch.finfo(torch.float32).max)
 #: Config fields a resumed run may change: they do not touch the training's arithmetic.
 RESUMABLE_CHANGES = frozenset({"out", "resume", "stop_at", "save_interval", "log_interval", "eval_interval",
                                "eval_batches", "progress", "cache_dir", "compile", "compile_mode",
-                               "cuda_graph", "full_iteration_graph"})
+                               "cuda_graph", "full_iteration_graph", "fused_layer"})
 #: Eager steps before the full-iteration graph is captured (Megatron-core's
 #: ``cuda_graph_warmup_steps`` default): they compile the kernels and create AdamW's state.
 FULL_ITERATION_WARMUP = 3
@@ -142,7 +143,11 @@ class TrainConfig:
     ``cuda_graph`` (fusedlib's GPTModel with ``cuda_graph_impl="local"``: in training its
     layers and final norm run as CUDA graphs; CUDA only), ``full_iteration_graph`` (the
     whole step as one CUDA graph, see the module docstring; CUDA only, tp = 1, not with
-    ``cuda_graph`` or a compile mode that makes its own graphs), ``tp`` (tensor-parallel ranks:
+    ``cuda_graph`` or a compile mode that makes its own graphs), ``fused_layer`` (fusedlib's
+    GPTModel with each layer a ``FusedTransformerLayer``: a layer's training forward and
+    backward one autograd node, the same kernels and results bit for bit, less host time per
+    layer; the fused spec with attention backend flash, local or unfused, eager, tp = 1, no
+    CUDA graphs), ``tp`` (tensor-parallel ranks:
     the process must be one of ``tp`` ranks started by ``torchrun`` or
     ``fusedlib.parallel.spawn``), ``sequence_parallel``, ``seed`` (weights, data order, dropout).
     Output: ``out`` (directory for metrics and checkpoints; None: none written),
@@ -154,7 +159,7 @@ class TrainConfig:
     cache).
 
     The on/off fields (``bf16``, which may also be None, ``compile``, ``cuda_graph``,
-    ``full_iteration_graph``, ``sequence_parallel``, ``resume``, ``progress``) must be bools
+    ``full_iteration_graph``, ``fused_layer``, ``sequence_parallel``, ``resume``, ``progress``) must be bools
     (numpy's bool is converted): a str ``"False"`` would otherwise be read as True.
 
     The defaults are the book's GPU run: 6 layers of hidden size 384 in 6 heads (10.9 M
@@ -191,6 +196,7 @@ class TrainConfig:
     compile_mode: Optional[str] = None
     cuda_graph: bool = False
     full_iteration_graph: bool = False
+    fused_layer: bool = False
     tp: int = 1
     sequence_parallel: bool = False
     seed: int = 1234
@@ -271,6 +277,8 @@ class TrainConfig:
                              f"'max-autotune-no-cudagraphs')")
         if self.full_iteration_graph and self.tp > 1:
             raise ValueError(f"full_iteration_graph needs tp = 1, got {self.tp}")
+        if self.fused_layer:
+            self._check_fused_layer()
         if self.tp > 1 and self.model != "gpt":
             raise ValueError(f"tp > 1 needs model 'gpt' (fusedlib's GPTModel), got {self.model!r}")
         if self.tp > 1 and (self.heads % self.tp or self.hidden % self.tp):
@@ -320,6 +328,33 @@ class TrainConfig:
             raise ValueError("compile with model 'gpt' needs fusedlib's kernels compiled for CUDA: in Triton's "
                              "interpreter (this process runs them there: no GPU, or TRITON_INTERPRET=1) "
                              "torch.compile cannot trace them; the plain model compiles anywhere")
+
+    def _check_fused_layer(self) -> None:
+        """``fused_layer``'s combinations: FusedTransformerLayer is fusedlib's GPT layer of the
+        fused spec, on one rank (it refuses the rest when built); it saves host time per layer,
+        which a CUDA graph's replay does not spend and under torch.compile it steps aside (the
+        compiled code traces TransformerLayer's forward): with either it would change nothing.
+
+        Raises:
+            ValueError: naming the field that does not go with it.
+        """
+        if self.model != "gpt":
+            raise ValueError(f"fused_layer needs model 'gpt' (fusedlib's GPTModel), got {self.model!r}")
+        if self.spec != "fused":
+            raise ValueError(f"fused_layer needs spec 'fused' (FusedTransformerLayer runs the fused local spec), "
+                             f"got {self.spec!r}")
+        backends = tuple(b.name for b in FLASH_BACKENDS + MATERIALISED_BACKENDS)
+        if self.attention_backend not in backends:
+            raise ValueError(f"fused_layer takes attention_backend {', '.join(backends)} (FusedTransformerLayer's "
+                             f"attentions), got {self.attention_backend!r}")
+        if self.tp > 1:
+            raise ValueError(f"fused_layer needs tp = 1 (FusedTransformerLayer runs on one rank), got {self.tp}")
+        for name in ("compile", "cuda_graph", "full_iteration_graph"):
+            if getattr(self, name):
+                why = ("under torch.compile the layer runs TransformerLayer's forward, traced" if name == "compile"
+                       else "a CUDA graph's replay spends none")
+                raise ValueError(f"fused_layer and {name} exclude each other: the one-node layer saves host time "
+                                 f"per layer, and {why}")
 
     def _check_bools(self) -> None:
         """Every field annotated ``bool`` (``bf16``: ``Optional[bool]``) a bool, numpy's converted:
@@ -378,6 +413,7 @@ class TrainConfig:
 
     def label(self) -> str:
         """A short name: "fused", "unfused", "fused (local)", "plain", with "+ CUDA graphs",
+        "+ one node per layer" (``fused_layer``),
         "+ compile" (and its mode) and "+ full-iteration graph" where they apply."""
         name = "plain" if self.model == "plain" else self.spec
         if self.uses_attention_backend() and self.attention_backend != "flash":
@@ -386,6 +422,8 @@ class TrainConfig:
             name += f", tp = {self.tp}" + (" + SP" if self.sequence_parallel else "")
         if self.cuda_graph:
             name += " + CUDA graphs"
+        if self.fused_layer:
+            name += " + one node per layer"
         if self.compile:
             name += " + compile" + (f" ({self.compile_mode})" if self.compile_mode else "")
         if self.full_iteration_graph:
@@ -582,7 +620,7 @@ class Trainer:
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         try:
             self.model = build_model(cfg.model, cfg.shape(), cfg.seed, cfg.spec, cfg.attention_backend, dtype,
-                                     self.device, cfg.tp, cfg.sequence_parallel, cfg.cuda_graph)
+                                     self.device, cfg.tp, cfg.sequence_parallel, cfg.cuda_graph, cfg.fused_layer)
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
             text = _out_of_memory(err)
             if text is None:

@@ -17,6 +17,10 @@ All three compute the same function from the same weights (up to rounding):
   switch off (``without_fusions``): torch's norms, softmax and dropout, the materialised
   attention, the unfused cross entropy. The activation is torch's tanh GeLU, the function the
   fused bias-GeLU kernel computes.
+* ``gpt`` with ``spec="fused"`` and ``fused_layer``: the same model with its layers from
+  ``get_gpt_fused_layer_spec``: each layer a ``FusedTransformerLayer``, whose training forward
+  and backward are one autograd node (the same kernels, results bit for bit, less host time
+  per layer).
 * ``plain``: :class:`~fusedlib.train.plain_gpt.PlainGPT` (nanoGPT-style).
 
 Initial weights (:func:`initial_state`): one ``GPTModel`` built on the CPU in float32 from the
@@ -36,7 +40,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..models.gpt import GPTModel, get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
+from ..models.gpt import GPTModel, get_gpt_fused_layer_spec, get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
 from ..models.gpt.gpt_layer_specs import without_fusions
 from ..transformer.enums import AttnBackend
 from ..transformer.transformer_config import TransformerConfig
@@ -133,18 +137,28 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
 
 def build_gpt(shape: ModelShape, spec: str = "fused", attention_backend: str = "flash",
               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: int = 1,
-              sequence_parallel: bool = False, cuda_graph: bool = False) -> GPTModel:
+              sequence_parallel: bool = False, cuda_graph: bool = False, fused_layer: bool = False) -> GPTModel:
     """fusedlib's ``GPTModel`` of ``shape`` (learned positions, tied output layer), its weights
     from Megatron-core's init with torch's current RNG, on ``device`` in ``dtype``; with ``tp`` > 1
     this rank's part of the tensor-parallel model (``fusedlib.parallel``'s groups must exist).
+    ``fused_layer``: the layers from ``get_gpt_fused_layer_spec`` (``FusedTransformerLayer``, the
+    fused spec only).
 
     Raises:
-        ValueError: as :func:`gpt_config`.
+        ValueError: as :func:`gpt_config`; ``fused_layer`` with the unfused spec; as
+            ``FusedTransformerLayer`` for a config it does not take (e.g. ``attention_backend``
+            "auto", ``tp`` > 1), naming the field.
     """
     device = torch.device(device)
+    if fused_layer and spec != "fused":
+        raise ValueError(f"fused_layer needs spec 'fused' (FusedTransformerLayer runs the fused local spec), "
+                         f"got {spec!r}")
     cfg = gpt_config(shape, spec, attention_backend, dtype, cpu_init=device.type == "cpu", tp=tp,
                      sequence_parallel=sequence_parallel, cuda_graph=cuda_graph)
-    layer_spec = get_gpt_layer_local_spec() if spec == "fused" else get_gpt_layer_unfused_spec()
+    if fused_layer:
+        layer_spec = get_gpt_fused_layer_spec()
+    else:
+        layer_spec = get_gpt_layer_local_spec() if spec == "fused" else get_gpt_layer_unfused_spec()
     model = GPTModel(cfg, layer_spec, vocab_size=shape.vocab, max_sequence_length=shape.seq,
                      share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
     return model.to(device=device, dtype=dtype)
@@ -161,28 +175,33 @@ def initial_state(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
 
 def build_model(kind: str, shape: ModelShape, seed: int, spec: str = "fused", attention_backend: str = "flash",
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: int = 1,
-                sequence_parallel: bool = False, cuda_graph: bool = False) -> torch.nn.Module:
+                sequence_parallel: bool = False, cuda_graph: bool = False,
+                fused_layer: bool = False) -> torch.nn.Module:
     """A model of ``kind`` ("gpt" or "plain") and ``shape`` holding :func:`initial_state` (``seed``),
     on ``device`` in ``dtype``, in training mode. ``spec``, ``attention_backend``, ``tp``,
-    ``sequence_parallel`` and ``cuda_graph`` (the block as CUDA graphs) apply to "gpt"; with
+    ``sequence_parallel``, ``cuda_graph`` (the block as CUDA graphs) and ``fused_layer`` (each
+    layer one autograd node: :func:`build_gpt`) apply to "gpt"; with
     ``tp`` > 1 the model is this tensor-parallel rank's part and holds its shard of the same
     initial state (``fusedlib.parallel.shard_state_dict``), so every ``tp`` starts from the same
     weights.
 
     Raises:
-        ValueError: an unknown kind, spec or backend, a bad shape, or ``tp`` > 1 or ``cuda_graph``
-            with "plain".
+        ValueError: an unknown kind, spec or backend, a bad shape, or ``tp`` > 1, ``cuda_graph``
+            or ``fused_layer`` with "plain"; as :func:`build_gpt`.
     """
     if kind not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
     if kind == "plain" and cuda_graph:
         raise ValueError("cuda_graph is fusedlib's GPTModel's (config.cuda_graph_impl); the plain model has none")
+    if kind == "plain" and fused_layer:
+        raise ValueError("fused_layer is fusedlib's GPTModel's (FusedTransformerLayer); the plain model has none")
     if kind == "plain" and tp != 1:
         raise ValueError(f"tp must be 1 for the plain model (tensor parallelism is fusedlib's GPTModel's), got {tp}")
     state = initial_state(shape, seed)
     device = torch.device(device)
     if kind == "gpt":
-        model = build_gpt(shape, spec, attention_backend, dtype, device, tp, sequence_parallel, cuda_graph)
+        model = build_gpt(shape, spec, attention_backend, dtype, device, tp, sequence_parallel, cuda_graph,
+                          fused_layer)
         if tp > 1:
             from ..parallel import get_tensor_model_parallel_rank, get_tensor_parallel_layout, shard_state_dict
 

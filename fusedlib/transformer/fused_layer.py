@@ -355,7 +355,8 @@ class FusedTransformerLayer(TransformerLayer):
     parameters and state dict, the same outputs and gradients, less host time per step.
 
     Build it from fusedlib's local GPT spec with this class as the module, e.g.
-    ``ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec().submodules)``, and a
+    ``ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec().submodules)``
+    (``fusedlib.models.gpt.get_gpt_fused_layer_spec()``), and a
     config with ``attention_backend`` flash, or local / unfused with ``masked_softmax_fusion``;
     a :class:`~fusedlib.transformer.transformer_block.TransformerBlock` repeats it as any layer
     spec.

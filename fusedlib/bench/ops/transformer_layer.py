@@ -270,7 +270,8 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
     Raises:
         ValueError: a bad ``shape``; ``fused_layer`` without ``fused``.
     """
-    from ...models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec, without_fusions
+    from ...models.gpt.gpt_layer_specs import (get_gpt_fused_layer_spec, get_gpt_layer_local_spec,
+                                               get_gpt_layer_unfused_spec, without_fusions)
     from ...transformer.transformer_block import TransformerBlock
     from ...transformer.transformer_config import TransformerConfig
 
@@ -285,10 +286,7 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
                             attention_backend=backend, cuda_graph_impl="local" if cuda_graph else "none",
                             **{k: True for k in FUSIONS_ON})
     if fused and fused_layer:
-        from ...transformer.fused_layer import FusedTransformerLayer
-        from ...transformer.spec_utils import ModuleSpec
-
-        block = TransformerBlock(cfg, ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec().submodules))
+        block = TransformerBlock(cfg, get_gpt_fused_layer_spec())
     elif fused:
         block = TransformerBlock(cfg, get_gpt_layer_local_spec())
     else:

@@ -19,6 +19,10 @@
                                                                          gemm_gelu_fusion
   ==========================  =========================================  ===========================
 
+* :func:`get_gpt_fused_layer_spec`: the local spec's submodules in a
+  :class:`~fusedlib.transformer.fused_layer.FusedTransformerLayer`: the same layer, its training
+  step one autograd node (less host time per layer where the host decides).
+
 * :func:`get_gpt_layer_unfused_spec`: every slot plain PyTorch whatever the switches say:
   torch's LayerNorm/RMSNorm, the materialised attention with torch's softmax and dropout, the
   activation after a separate bias add, an unfused bias-dropout-add and RoPE: the baseline the
@@ -40,6 +44,7 @@ from ...parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ...transformer.attention import SelfAttention, SelfAttentionSubmodules
 from ...transformer.dot_product_attention import DotProductAttention
 from ...transformer.enums import AttnBackend, AttnMaskType
+from ...transformer.fused_layer import FusedTransformerLayer
 from ...transformer.identity_op import IdentityOp
 from ...transformer.mlp import MLP, MLPSubmodules
 from ...transformer.spec_utils import ModuleSpec
@@ -47,7 +52,7 @@ from ...transformer.torch_norm import WrappedTorchNorm
 from ...transformer.transformer_config import TransformerConfig
 from ...transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-__all__ = ["get_gpt_layer_local_spec", "get_gpt_layer_unfused_spec", "without_fusions",
+__all__ = ["get_gpt_layer_local_spec", "get_gpt_fused_layer_spec", "get_gpt_layer_unfused_spec", "without_fusions",
            "UnfusedNorm", "UnfusedSelfAttention", "UnfusedMLP", "get_bias_dropout_add_unfused"]
 
 
@@ -87,6 +92,27 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
             fp8=fp8, moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm, qk_l2_norm=qk_l2_norm,
             use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention)
     return _layer_spec(FusedNorm, SelfAttention, MLP, get_bias_dropout_add, qk_layernorm)
+
+
+def get_gpt_fused_layer_spec() -> ModuleSpec:
+    """:func:`get_gpt_layer_local_spec`'s layer as a
+    :class:`~fusedlib.transformer.fused_layer.FusedTransformerLayer`: the same submodules,
+    parameters, state-dict names and results (bit for bit), each training call of a layer one
+    autograd node. fusedlib's own (Megatron-core has no such layer).
+
+    The config must be one the one-node layer takes (``attention_backend`` flash, or local /
+    unfused with ``masked_softmax_fusion``; ``bias_dropout_fusion`` and ``gemm_gelu_fusion`` on;
+    one rank; no query/key norms, recomputation or grouped-query attention: the list is
+    :mod:`fusedlib.transformer.fused_layer`'s); the layer's build raises a ValueError naming what
+    differs.
+
+    Returns:
+        ``ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec().submodules)``.
+
+    Source: Megatron-LM ``megatron/core/models/gpt/gpt_layer_specs.py`` (``get_gpt_layer_local_spec``,
+    the submodules); the one-node layer after DeepSpeed's ``DeepSpeedTransformerLayer``.
+    """
+    return ModuleSpec(module=FusedTransformerLayer, submodules=get_gpt_layer_local_spec().submodules)
 
 
 # ---------------------------------------------------------------------------------------------
