@@ -6,7 +6,7 @@ batches in the same order, with the same optimizer and schedule (the command lin
 
 ====================  =======================================================================
 ``fusedlib``          fusedlib's GPTModel, every fusion on, the attention backend of the flags
-                      (SDPA by default), eager
+                      (fusedlib's FlashAttention by default), eager
 ``fusedlib-unfused``  fusedlib's GPTModel from the unfused spec: torch's norms, softmax,
                       dropout, the materialised attention, the unfused cross entropy; eager
 ``torch.compile``     the nanoGPT-style plain PyTorch GPT (SDPA), ``torch.compile``d as a whole
