@@ -456,6 +456,49 @@ def test_load_bench_keeps_lists_of_records_and_profile_dicts(bench_files):
     assert load_bench("a") == [{"impl": "copy"}] and load_bench("b_profile") == {"shape": [1]}
 
 
+def test_every_record_reader_notes_the_records_it_read(bench_files, monkeypatch):
+    # what tools/execute_notebooks.py stores in a chapter's metadata for the staleness test below
+    import fusedlib.book as book
+    from fusedlib.bench.ops import transformer_layer as tl
+    from fusedlib.train.bench import load_train_bench
+
+    monkeypatch.setattr(book, "RECORDS_READ", set())
+    (bench_files / "a.json").write_text('[{"impl": "copy"}]')
+    (bench_files / "t.json").write_text("[]")
+    (bench_files / tl.PROFILE_FILE).write_text('{"impls": {}}')
+    book.load_bench("a")
+    load_train_bench("t.json")
+    tl.load_profile()
+    assert book.RECORDS_READ == {"a", "t", tl.PROFILE_FILE.removesuffix(".json")}
+    with pytest.raises(FileNotFoundError):
+        book.load_bench("missing")
+    (bench_files / "elsewhere").mkdir()
+    (bench_files / "elsewhere" / "u.json").write_text("[]")
+    load_train_bench("u.json", directory=bench_files / "elsewhere")  # not the book's records: not noted
+    assert book.RECORDS_READ == {"a", "t", tl.PROFILE_FILE.removesuffix(".json")}
+
+
+def test_execute_notebooks_reads_the_records_cell_or_says_what_it_printed():
+    import importlib.util
+    from pathlib import Path
+
+    import nbformat
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "execute_notebooks.py"
+    spec = importlib.util.spec_from_file_location("execute_notebooks", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cell = nbformat.v4.new_code_cell(tool.RECORDS_CELL)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text='["ceilings", "train"]\n')]
+    assert tool.records_read(cell) == ["ceilings", "train"]
+    for outputs in ([], [nbformat.v4.new_output("error", ename="NameError", evalue="x", traceback=[])],
+                    [nbformat.v4.new_output("stream", name="stdout", text='{"a": 1}\n')],
+                    [nbformat.v4.new_output("stream", name="stdout", text="a warning\n")]):
+        cell.outputs = outputs
+        with pytest.raises(ValueError, match="not a JSON list of names"):
+            tool.records_read(cell)
+
+
 def test_host_and_throughput_tables_name_the_missing_key():
     import matplotlib
 
@@ -524,8 +567,10 @@ def test_each_chapter_was_executed_after_the_records_it_reads():
     print them are tagged ``nbval-ignore-output``, since a GPU measures afresh, so nbval cannot
     tell stale ones): the commit that last changed each record it names must be an ancestor of
     the commit that last changed the chapter, i.e. a re-stored record is followed by the
-    chapter re-executed and committed. Records are found by name: a quoted ``"name"`` or
-    ``"name.json"`` of a file in chapters/data/bench in the chapter's code cells."""
+    chapter re-executed and committed. The records a chapter reads: those its last execution
+    read (``metadata.fusedlib.records_read``, which ``tools/execute_notebooks.py`` stores from
+    ``fusedlib.book.RECORDS_READ``: reads through helpers and loops included), and any quoted
+    ``"name"`` or ``"name.json"`` of a file in chapters/data/bench in its code cells."""
     import re
     import shutil
     import subprocess
@@ -556,8 +601,13 @@ def test_each_chapter_was_executed_after_the_records_it_reads():
             pytest.skip(f"{chapter.name} has no commit in this checkout's history (a shallow clone?)")
         nb = json.loads(chapter.read_text())
         code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+        read = nb["metadata"].get("fusedlib", {}).get("records_read")
+        assert isinstance(read, list), (f"{chapter.name} has no metadata.fusedlib.records_read: execute it with "
+                                        f"tools/execute_notebooks.py")
+        unknown = set(read) - set(names)
+        assert not unknown, f"{chapter.name} read records that chapters/data/bench does not hold: {sorted(unknown)}"
         for name in names:
-            if not re.search(rf"[\"']{re.escape(name)}(\.json)?[\"']", code):
+            if name not in read and not re.search(rf"[\"']{re.escape(name)}(\.json)?[\"']", code):
                 continue
             record_commit = last_commit(bench / f"{name}.json")
             checked += 1

@@ -7,18 +7,43 @@ CUDA GPU the same command compiles the kernels and the benchmark cells measure l
 Usage: python tools/execute_notebooks.py [chapters/NN_name.ipynb ...]   (default: every chapter)
 
 Each notebook runs top to bottom in a fresh python3 kernel with chapters/ as its working
-directory; the executed notebook replaces the file. Exits non-zero if a cell raised, and
-lists every stderr output of a cell that nbval compares (those must not exist).
+directory; the executed notebook replaces the file. The names of the stored records the run
+read (``fusedlib.book.RECORDS_READ``, asked of the kernel by one more cell, which is then
+removed) go into the notebook's metadata, ``fusedlib.records_read``: tests/test_bench_book.py
+checks that each chapter was executed after every record it read. Exits non-zero if a cell
+raised, and lists every stderr output of a cell that nbval compares (those must not exist).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+
+
+#: The cell appended for the run and removed after it: the records the chapter read, as JSON.
+RECORDS_CELL = ("import json as _json, fusedlib.book as _book\n"
+                "print(_json.dumps(sorted(_book.RECORDS_READ)))")
+
+
+def records_read(cell: nbformat.NotebookNode) -> list[str]:
+    """The record names :data:`RECORDS_CELL` printed.
+
+    Raises:
+        ValueError: the cell printed no JSON list of names (it raised, or printed something else).
+    """
+    text = "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+    try:
+        names = json.loads(text.strip().splitlines()[-1]) if text.strip() else None
+    except ValueError:  # (printed, but not JSON)
+        names = None
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"the records cell printed {text!r}, not a JSON list of names")
+    return names
 
 
 def main(paths: list[str]) -> int:
@@ -28,13 +53,16 @@ def main(paths: list[str]) -> int:
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
         t0 = time.time()
+        nb.cells.append(nbformat.v4.new_code_cell(RECORDS_CELL))
         try:
             NotebookClient(nb, timeout=1800, kernel_name="python3",
                            resources={"metadata": {"path": str(path.parent)}}).execute()
+            read = records_read(nb.cells.pop())
         except Exception as exc:  # report and go on with the other chapters
             failed += 1
             print(f"FAILED {path}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
             continue
+        nb.metadata.setdefault("fusedlib", {})["records_read"] = read
         nbformat.write(nb, path)
         problems = []
         for i, cell in enumerate(nb.cells):

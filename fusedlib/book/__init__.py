@@ -32,6 +32,8 @@ __all__ = [
     "show_source",
     "device_banner",
     "bench_dir",
+    "RECORDS_READ",
+    "note_record_read",
     "load_bench",
     "bench_or_stored",
     "plot_bandwidth",
@@ -133,6 +135,21 @@ def bench_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "chapters" / "data" / "bench"
 
 
+#: The stored records this process has read from :func:`bench_dir`, by name (the file's stem):
+#: ``tools/execute_notebooks.py`` keeps them in each executed chapter's metadata
+#: (``fusedlib.records_read``), so that a test can tell that a chapter was executed after every
+#: record it read, those read through a helper or a loop included.
+RECORDS_READ: set[str] = set()
+
+
+def note_record_read(path: str | Path) -> None:
+    """Add ``path``'s stem to :data:`RECORDS_READ` when it is a file of :func:`bench_dir` (a
+    record read from another folder is not the book's)."""
+    path = Path(path)
+    if path.parent.resolve() == bench_dir().resolve():
+        RECORDS_READ.add(path.stem)
+
+
 def load_bench(op: str) -> list[dict]:
     """The stored H200 records of ``op`` (``chapters/data/bench/<op>.json``).
 
@@ -154,6 +171,7 @@ def load_bench(op: str) -> list[dict]:
     path = bench_dir() / f"{op}.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: run `python -m fusedlib.bench --op {op}` on a GPU")
+    note_record_read(path)
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:

@@ -951,7 +951,12 @@ def _load_stored(path: Optional[str | Path], name: str) -> Optional[dict]:
 
         path = bench_dir() / name
     path = Path(path)
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    from ...book import note_record_read
+
+    note_record_read(path)
+    return json.loads(path.read_text())
 
 
 # ---------------------------------------------------------------------------------------------
