@@ -32,8 +32,6 @@ __all__ = [
     "show_source",
     "device_banner",
     "bench_dir",
-    "RECORDS_READ",
-    "note_record_read",
     "load_bench",
     "bench_or_stored",
     "plot_bandwidth",
