@@ -1492,13 +1492,26 @@ def test_fused_layer_builders_refuse_the_models_without_it():
     shape = ModelShape(layers=1, hidden=32, heads=2, seq=16)
     with pytest.raises(ValueError, match="fused_layer needs spec 'fused'"):
         build_gpt(shape, "unfused", fused_layer=True)
+    with pytest.raises(ValueError, match="spec must be one of"):  # the spec's own error first
+        build_gpt(shape, "bogus", fused_layer=True)
+    for name in ("fused_layer", "cuda_graph"):  # read by truth value, "False" built one-node layers
+        with pytest.raises(TypeError, match=f"build_gpt: {name} must be a bool, got str 'False'"):
+            build_gpt(shape, **{name: "False"})
+        with pytest.raises(TypeError, match=f"build_model: {name} must be a bool, got str 'False'"):
+            build_model("plain", shape, 0, **{name: "False"})
     with pytest.raises(ValueError, match="the plain model has none"):
         build_model("plain", shape, 0, fused_layer=True)
     with pytest.raises(ValueError, match="FusedTransformerLayer .*attention_backend must be flash, local or unfused"):
         build_gpt(shape, "fused", "auto", fused_layer=True)
 
 
-@pytest.mark.parametrize("argv, flag", [(["--fused-layer", "--model", "plain"], "--fused-layer"),
+@pytest.mark.parametrize("argv, flag", [(["--bench", "--bench-runs", "fusedlib", "fusedlib-fused-layer",
+                                          "--attention-backend", "auto", "--device", "cpu"],
+                                         "fusedlib-fused-layer cannot run with these flags: fused_layer takes"),
+                                        (["--bench-profile", "--bench-runs", "fusedlib-fused-layer",
+                                          "--attention-backend", "fused", "--device", "cpu"],
+                                         "fusedlib-fused-layer cannot run with these flags"),
+                                        (["--fused-layer", "--model", "plain"], "--fused-layer"),
                                         (["--fused-layer", "--attention-backend", "auto"], "--fused-layer"),
                                         (["--bench", "--fused-layer", "--device", "cpu"], "--fused-layer"),
                                         (["--bench-profile", "--fused-layer", "--device", "cpu"], "--fused-layer"),
@@ -1520,6 +1533,32 @@ def test_every_bench_run_has_its_colour_and_line_style_and_plots():
                for name in bench.BENCH_RUNS]
     ax = bench.plot_losses(records, window=5, skip=2)
     assert len(ax.get_legend().get_texts()) == len(bench.BENCH_RUNS)
+
+
+def test_bench_runs_that_cannot_start_are_refused_before_any_trains(monkeypatch, capsys):
+    # the check runs each chosen run's configuration: a refused one stops the command line
+    from fusedlib.train import bench
+
+    ran = []
+    monkeypatch.setattr(bench, "_one_run", lambda *a, **k: ran.append(a[0]))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--bench", "--bench-runs", "fusedlib", "fusedlib-compile", "--device", "cpu", "--steps", "4",
+                  "--warmup", "1", "--log-interval", "2", "--bench-warmup", "2"])
+    assert exc.value.code == 2 and ran == []
+    assert "--bench-runs: fusedlib-compile cannot run with these flags: compile with model 'gpt'" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend, ok", [("flash", False), ("local", True), ("auto", True)])
+def test_flash_heads_of_more_than_256_channels_are_refused_naming_heads(backend, ok):
+    kw = dict(TINY, hidden=288, heads=1, attention_backend=backend)
+    if ok:
+        assert TrainConfig(**kw).hidden == 288
+        return
+    with pytest.raises(ValueError, match=r"^heads \(1\) too few for attention_backend 'flash': .* at most 256 .*= 288"):
+        TrainConfig(**kw)
+    assert TrainConfig(**dict(kw, heads=2, hidden=512)).heads == 2  # 256 channels: taken
+    assert TrainConfig(**dict(kw, model="plain")).model == "plain"  # the plain model has its own attention
 
 
 def test_fused_layer_flag_and_bench_run():

@@ -104,8 +104,10 @@ def _parser() -> argparse.ArgumentParser:
                         "captured after a few eager steps (CUDA only)")
     e.add_argument("--fused-layer", action="store_true",
                    help="each layer a FusedTransformerLayer: its training forward and backward one autograd "
-                        "node (the same results, less host time; fused spec, attention backend flash, local or "
-                        "unfused)")
+                        "node (the same results, less host time; --model gpt --spec fused, attention backend "
+                        "flash, local or unfused, --tp 1; not with --compile, --cuda-graph, "
+                        "--full-iteration-graph; --bench and --bench-profile take it as the run "
+                        "fusedlib-fused-layer)")
     e.add_argument("--tp", type=int, default=d.tp,
                    help="tensor-parallel ranks (start with torchrun --nproc-per-node TP)")
     e.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (with --tp > 1)")
@@ -153,6 +155,18 @@ def _given(argv: Optional[list[str]], names: tuple[str, ...]) -> set[str]:
     for action in quiet._actions:
         action.default = argparse.SUPPRESS
     return set(vars(quiet.parse_args(argv))) & set(names)
+
+
+def _refuse_runs_that_cannot_start(parser: argparse.ArgumentParser, config, runs: list[str], bench_runs: dict) -> None:
+    """A benchmark run whose configuration (``config`` with the run's fields) is refused is an
+    error of the command line, before any run trains (e.g. ``fusedlib-fused-layer`` with
+    ``--attention-backend auto``), not a failure found when its turn comes."""
+    for name in runs:
+        try:
+            dataclasses.replace(config, **bench_runs[name], out=None, resume=False, stop_at=None, save_interval=0,
+                                progress=False)
+        except ValueError as err:  # (ArgumentTypeError is one too)
+            parser.error(f"--bench-runs: {name} cannot run with these flags: {err}")
 
 
 def parse_args(argv: Optional[list[str]] = None):
@@ -233,6 +247,7 @@ def parse_args(argv: Optional[list[str]] = None):
             parser.error(f"--bench-runs: {bad} cannot be profiled; choices: "
                          f"{', '.join(r for r in BENCH_RUNS if r not in GRAPH_RUNS)} (a graph run replays the "
                          f"same kernels)")
+        _refuse_runs_that_cannot_start(parser, config, runs, BENCH_RUNS)
         if args.bench_warmup is None:
             args.bench_warmup = PROFILE_WARMUP
         if not 0 <= args.bench_warmup <= config.steps - PROFILE_STEPS:
@@ -276,6 +291,7 @@ def parse_args(argv: Optional[list[str]] = None):
         if graphs and config.resolved_device().type != "cuda":
             parser.error(f"--bench-runs: {graphs} replay CUDA graphs and need a CUDA device, got "
                          f"{config.resolved_device()}")
+        _refuse_runs_that_cannot_start(parser, config, runs, BENCH_RUNS)
         if not 0 <= args.bench_warmup <= config.steps - config.log_interval:
             parser.error(f"--bench-warmup must be in [0, steps - log_interval = {config.steps - config.log_interval}], "
                          f"got {args.bench_warmup}")

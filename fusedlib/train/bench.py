@@ -16,7 +16,8 @@ batches in the same order, with the same optimizer and schedule (the command lin
 ``fusedlib-fused-layer``  (only when asked for) ``fusedlib``'s model with each layer a
                       ``FusedTransformerLayer`` (``fused_layer``): the same kernels and losses,
                       bit for bit, each layer's training forward and backward one autograd node
-                      (less host time per layer); eager
+                      (less host time per layer); eager; attention backend flash, local or
+                      unfused (the command line refuses it with another)
 ``fusedlib-compile``  (only when asked for) ``fusedlib``'s model, ``torch.compile``d as a whole
                       (Inductor fuses what fusedlib leaves unfused and traces fusedlib's
                       kernels into its graph)
@@ -306,7 +307,9 @@ def run_tp_bench(base: TrainConfig, out_dir: Optional[str | Path], warmup: int =
     and ``backend`` (NCCL or gloo). Returns them on rank 0, an empty list on the others.
 
     Raises:
-        ValueError: p < 2, or a warmup that leaves no timed window.
+        ValueError: p < 2, a warmup that leaves no timed window, or a ``base`` that cannot run with
+            tp = p (e.g. ``fused_layer``, ``cuda_graph`` or ``full_iteration_graph``: one rank
+            only), naming the field.
     """
     import torch.distributed as dist
 

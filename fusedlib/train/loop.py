@@ -86,6 +86,7 @@ from .. import runtime
 from ..checks import FLOAT32_MAX, ArgumentTypeError, check_bool, file_on_the_way, real_to_float
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..parallel.utils import all_reduce
+from ..kernels.flash_attention import MAX_HEAD_DIM
 from ..transformer.dot_product_attention import FLASH_BACKENDS, MATERIALISED_BACKENDS
 from ..transformer.enums import AttnBackend
 from .data import VOCAB_SIZE, Corpus, decode, encode, get_batch, load_corpus
@@ -321,6 +322,12 @@ class TrainConfig:
             if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r}: no CUDA device here (torch.cuda.is_available() is False)")
         self.shape()  # checks the model's shape
+        head_dim = self.hidden // self.heads
+        if self.uses_attention_backend() and self.attention_backend == "flash" and head_dim > MAX_HEAD_DIM:
+            # (else the build or the first step failed, naming the kernel's head dim, not the flags)
+            raise ValueError(f"heads ({self.heads}) too few for attention_backend 'flash': fusedlib's FlashAttention "
+                             f"takes heads of at most {MAX_HEAD_DIM} channels, and hidden / heads = {self.hidden} / "
+                             f"{self.heads} = {head_dim}; take more heads, or attention_backend 'local'")
         for name in ("cuda_graph", "full_iteration_graph"):
             if getattr(self, name) and self.resolved_device().type != "cuda":
                 raise ValueError(f"{name} needs a CUDA device, got {self.resolved_device()}")

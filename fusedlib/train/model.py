@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.gpt import GPTModel, get_gpt_fused_layer_spec, get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
+from ..checks import check_bools
 from ..models.gpt.gpt_layer_specs import without_fusions
 from ..transformer.enums import AttnBackend
 from ..transformer.transformer_config import TransformerConfig
@@ -147,14 +148,17 @@ def build_gpt(shape: ModelShape, spec: str = "fused", attention_backend: str = "
     Raises:
         ValueError: as :func:`gpt_config`; ``fused_layer`` with the unfused spec; as
             ``FusedTransformerLayer`` for a config it does not take (e.g. ``attention_backend``
-            "auto", ``tp`` > 1), naming the field.
+            "auto", ``tp`` > 1), naming the TransformerConfig field
+            (``config.attention_backend``, ``config.tensor_model_parallel_size``).
+        TypeError: ``cuda_graph`` or ``fused_layer`` not a bool.
     """
     device = torch.device(device)
+    cuda_graph, fused_layer = check_bools("build_gpt", cuda_graph=cuda_graph, fused_layer=fused_layer)
+    cfg = gpt_config(shape, spec, attention_backend, dtype, cpu_init=device.type == "cpu", tp=tp,
+                     sequence_parallel=sequence_parallel, cuda_graph=cuda_graph)
     if fused_layer and spec != "fused":
         raise ValueError(f"fused_layer needs spec 'fused' (FusedTransformerLayer runs the fused local spec), "
                          f"got {spec!r}")
-    cfg = gpt_config(shape, spec, attention_backend, dtype, cpu_init=device.type == "cpu", tp=tp,
-                     sequence_parallel=sequence_parallel, cuda_graph=cuda_graph)
     if fused_layer:
         layer_spec = get_gpt_fused_layer_spec()
     else:
@@ -188,7 +192,9 @@ def build_model(kind: str, shape: ModelShape, seed: int, spec: str = "fused", at
     Raises:
         ValueError: an unknown kind, spec or backend, a bad shape, or ``tp`` > 1, ``cuda_graph``
             or ``fused_layer`` with "plain"; as :func:`build_gpt`.
+        TypeError: ``cuda_graph`` or ``fused_layer`` not a bool.
     """
+    cuda_graph, fused_layer = check_bools("build_model", cuda_graph=cuda_graph, fused_layer=fused_layer)
     if kind not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
     if kind == "plain" and cuda_graph:
