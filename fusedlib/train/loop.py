@@ -84,9 +84,9 @@ import torch
 
 from .. import runtime
 from ..checks import FLOAT32_MAX, ArgumentTypeError, check_bool, file_on_the_way, real_to_float
+from ..kernels.flash_attention import MAX_HEAD_DIM
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..parallel.utils import all_reduce
-from ..kernels.flash_attention import MAX_HEAD_DIM
 from ..transformer.dot_product_attention import FLASH_BACKENDS, MATERIALISED_BACKENDS
 from ..transformer.enums import AttnBackend
 from .data import VOCAB_SIZE, Corpus, decode, encode, get_batch, load_corpus

@@ -40,8 +40,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..models.gpt import GPTModel, get_gpt_fused_layer_spec, get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
 from ..checks import check_bools
+from ..models.gpt import GPTModel, get_gpt_fused_layer_spec, get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
 from ..models.gpt.gpt_layer_specs import without_fusions
 from ..transformer.enums import AttnBackend
 from ..transformer.transformer_config import TransformerConfig
