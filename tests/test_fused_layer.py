@@ -235,12 +235,48 @@ def test_the_layers_capture_in_cuda_graphs_and_replay_the_eager_steps(backend):
     assert graphed.cudagraph_manager.captures == 1
 
 
-def test_a_second_backward_raises_naming_retain_graph(backend):
+def test_a_second_backward_after_one_that_released_the_graph_raises_naming_retain_graph(backend):
     _, one = blocks(make_config(attention_backend=backend))
     out, _ = one.layers[0](hidden())
-    out.sum().backward(retain_graph=True)
+    out.sum().backward()
     with pytest.raises(RuntimeError, match="retain_graph"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_a_backward_that_retains_the_graph_keeps_it_as_the_module_path_does(how, backend, seed):
+    # retain_graph=True: the node keeps every op's saved tensors (as autograd keeps each node's),
+    # so the next backward gives the same gradients again, bit for bit the module path's; the
+    # backward that does not retain the graph releases them, and one more raises
+    module, one = blocks(make_config(attention_backend=backend))
+    x = hidden()
+    grads = []
+    for block in (module, one):
+        for p in block.parameters():
+            p.grad = None
+        torch.manual_seed(seed)
+        y = block(x, None)
+        g = torch.ones_like(y) + y.detach()
+        params = list(block.parameters())
+        if how == "backward":
+            y.backward(g, retain_graph=True)
+            first = [p.grad.clone() for p in params]
+            y.backward(g, retain_graph=True)
+            y.backward(g)
+            grads.append((first, [p.grad for p in params]))
+        else:
+            first = torch.autograd.grad(y, params, g, retain_graph=True)
+            grads.append((first, torch.autograd.grad(y, params, g)))
+        with pytest.raises(RuntimeError, match="retain_graph|second time"):
+            y.backward(g)
+    (first_m, last_m), (first_o, last_o) = grads
+    for a, b_, c, d in zip(first_m, first_o, last_m, last_o):
+        torch.testing.assert_close(b_, a, rtol=0, atol=0)
+        torch.testing.assert_close(d, c, rtol=0, atol=0)
+        if how == "backward":  # three equal backwards accumulated: 3 · the first (exact for these sums)
+            torch.testing.assert_close(d, a + a + a, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(d, a, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,9 +103,21 @@ class _StandInCtx:
         pass  # (the layer's own node decides what is differentiable)
 
 
-def _release(op_ctx: _StandInCtx) -> None:
-    """Drop what an op's forward saved, once its backward has run."""
-    op_ctx.__dict__.clear()
+def _release(op_ctx: _StandInCtx, keep: bool = False) -> None:
+    """Drop what an op's forward saved, once its backward has run (``keep``: a backward that
+    retains the graph, ``retain_graph=True``: nothing is dropped)."""
+    if not keep:
+        op_ctx.__dict__.clear()
+
+
+def _keeps_graph() -> bool:
+    """Whether the backward running now retains the graph (``retain_graph=True``, or
+    ``create_graph``): autograd keeps every node's saved tensors then, and so must the one node.
+    Read from autograd's current graph task, as PyTorch's own compiled backward reads it
+    (``torch/_functorch/_aot_autograd/runtime_wrappers.py``); False where this torch has no such
+    query (the node then releases, and a second backward raises)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(query()) if query is not None else False
 
 
 def _materialised_attention(c_softmax: _StandInCtx, function: type, q: torch.Tensor, k: torch.Tensor,
@@ -129,22 +141,28 @@ def _materialised_attention(c_softmax: _StandInCtx, function: type, q: torch.Ten
     return context
 
 
-def _materialised_attention_backward(c_softmax: _StandInCtx) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _materialised_attention_backward(c_softmax: _StandInCtx,
+                                     keep: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of q, k and v [s, b, np, hn] from the context's, as autograd computes them
     through the module path's graph: the products' gradients by the formulas of PyTorch's
     ``derivatives.yaml`` for ``bmm`` and ``baddbmm``, on the same strided operands, around the
     softmax's own backward. ``c_softmax``: the stand-in :func:`_materialised_attention` ran with,
     holding the context's gradient as ``dctx`` [b·np, s, hn] (the [s, b, np, hn] gradient seen
-    through the context's views); what it holds is released as soon as it is read."""
+    through the context's views); what it holds is released as soon as it is read, but for the
+    operands of the products and the softmax's saved tensors when ``keep`` (a backward that
+    retains the graph)."""
     q2, k2, v2, p3, alpha, (s, b, np_, hn) = c_softmax.products
     dctx = c_softmax.dctx
-    c_softmax.products = c_softmax.dctx = None
+    c_softmax.dctx = None
+    if not keep:
+        c_softmax.products = None
     dp = dctx.bmm(v2.transpose(1, 2))  # bmm: self's gradient, grad · mat2ᵀ
     dv2 = p3.transpose(1, 2).bmm(dctx)  # ... mat2's, selfᵀ · grad
     del p3, v2, dctx
     ds = c_softmax.function.backward(c_softmax, dp.view(b, np_, s, s))[0].view(b * np_, s, s)
     del dp
-    c_softmax.saved_tensors = ()  # the scores
+    if not keep:
+        c_softmax.saved_tensors = ()  # the scores
     dq2 = ds.bmm(k2)  # baddbmm: batch1's gradient, grad · batch2ᵀ · alpha
     dk2t = q2.transpose(1, 2).bmm(ds)  # ... batch2's, batch1ᵀ · grad · alpha, [b·np, hn, s]
     if alpha != 1:  # (autograd's maybe_multiply: no multiply by 1)
@@ -201,8 +219,11 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     13 tensors (None for those that need none), the materialised attention's products' by the
     formulas autograd uses for them (the module path's gradients bit for bit). Differentiable
     once (a double backward raises); its backward releases each op's saved tensors once that
-    op's backward has run, so a second backward through the node (``retain_graph=True``) raises
-    a RuntimeError. Peak memory: autograd holds the gradient it hands the node, grad_out
+    op's backward has run, as autograd frees each node's, except in a backward that retains the
+    graph (``retain_graph=True``, read from autograd's current graph task), which keeps them all,
+    as autograd keeps every node's: the next backward gives the same gradients again. A
+    backward after one that released them raises a RuntimeError, as the module path's graph
+    does. Peak memory: autograd holds the gradient it hands the node, grad_out
     [s, b, h], until the node's backward returns, where the module path's graph frees it after
     the MLP's bias-dropout-add; so the node's backward holds one [s, b, h] tensor longer. Where
     a step's peak falls inside the attention's backward (the materialised attention: its
@@ -289,10 +310,11 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     @resolve_neg_grads  # a gradient with the negative bit, resolved (checks.check_dense)
     def backward(ctx, grad_out):
         if ctx.ops is None:
-            raise RuntimeError("FusedTransformerLayer: a second backward through a layer's node (retain_graph=True) "
-                               "is not supported: its first backward released the fused ops' saved tensors, as "
-                               "each op's own node would have freed them; run the forward again, or use "
-                               "TransformerLayer")
+            raise RuntimeError("FusedTransformerLayer: a second backward through a layer's node after a backward "
+                               "that did not retain the graph (retain_graph=True keeps it): the first backward "
+                               "released the fused ops' saved tensors, as each op's own node would have freed "
+                               "them; run the forward again")
+        keep = _keeps_graph()  # retain_graph: release nothing, as autograd then frees no node's tensors
         c_norm, c_split, c_attn, c_bdan, c_mlp, c_bda = ctx.ops
         qkv_weight, proj_weight = ctx.saved_tensors[:2]  # (the rest: autograd's in-place checks of the inputs)
         s, b, h, heads, hn = ctx.dims
@@ -303,31 +325,32 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         # the MLP's [s·b, ffn] activations would live through the attention's backward.
         grads = [None] * 13
         dm, grads[_FC2_B], dh1 = BiasDropoutAddFunction.backward(c_bda, grad_out)[:3]
-        _release(c_bda)
+        _release(c_bda, keep)
         dy2 = None
         if need_m:
             dy2, grads[_FC1_W], grads[_FC1_B], grads[_FC2_W] = FusedDenseGeluDenseFunction.backward(c_mlp, dm)[:4]
         del dm
-        _release(c_mlp)
+        _release(c_mlp, keep)
         if need_y2:  # (need_m covers need_y2, and need_y2 need_h1: dy2 is there, dh1 where needed)
             da, grads[_PROJ_B], dres, grads[_LN2_W], grads[_LN2_B] = BiasDropoutAddNormFunction.backward(
                 c_bdan, dy2, dh1)[:5]
             del dy2, dh1
-            _release(c_bdan)
+            _release(c_bdan, keep)
             if need[_PROJ_W]:  # (core: a view of the attention's output)
                 grads[_PROJ_W] = da.reshape(s * b, h).t().matmul(ctx.core.reshape(s * b, h))  # [h, h]
-            ctx.core = None
+            if not keep:
+                ctx.core = None
             if need_qkv:
                 dcore = da.reshape(s * b, h).matmul(proj_weight).view(s, b, heads, hn)  # [s, b, np, hn]
                 del da
                 if ctx.materialised:  # (the stand-in carries the gradient in, so that the backward frees it)
                     c_attn.dctx, dcore = dcore.permute(1, 2, 0, 3).reshape(b * heads, s, hn), None  # a view
-                    dq, dk, dv = _materialised_attention_backward(c_attn)
+                    dq, dk, dv = _materialised_attention_backward(c_attn, keep)
                 else:
                     dq, dk, dv = (t.transpose(0, 1)  # [b, s, np, hn] -> [s, b, np, hn]
                                   for t in FlashAttentionFunction.backward(c_attn, dcore.transpose(0, 1))[:3])
                 del dcore
-                _release(c_attn)
+                _release(c_attn, keep)
                 # [s, b, np, 3·hn] as the split's backward gives it: FlashAttention's packed buffer whole
                 # where the kernel wrote one, else the three concatenated
                 dmixed = SplitLastDim.backward(c_split, dq, dk, dv)[0]
@@ -335,7 +358,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                 del dq, dk, dv
                 if need[_QKV_W]:
                     grads[_QKV_W] = dmixed.t().matmul(ctx.y1.reshape(s * b, h))  # [3h, h]
-                ctx.y1 = None
+                if not keep:
+                    ctx.y1 = None
                 if need[_QKV_B]:
                     grads[_QKV_B] = _column_sum(dmixed, qkv_weight.dtype)
                 if need[_X] or need[_LN1_W] or need[_LN1_B]:
@@ -345,7 +369,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                     del dmixed
                     dx, grads[_LN1_W], grads[_LN1_B] = norm.backward(c_norm, dy1, dres)[:3]
                     grads[_X] = dx if need[_X] else None
-        ctx.ops = None
+        if not keep:
+            ctx.ops = None
         return (*grads, *(None,) * 12)
 
 
@@ -366,14 +391,16 @@ class FusedTransformerLayer(TransformerLayer):
 
     ``forward``: as :class:`TransformerLayer`'s, ``(output [s, b, h], context)``; the one-node
     path where :meth:`fused_path_applies` (the module docstring lists when), else
-    :class:`TransformerLayer`'s forward. A second backward through the one-node path
-    (``retain_graph=True``) raises a RuntimeError (:class:`FusedTransformerLayerFunction`).
+    :class:`TransformerLayer`'s forward. A backward with ``retain_graph=True`` keeps the node's
+    saved tensors, as the module path keeps its nodes' (two losses backpropagated through one
+    forward work as with :class:`TransformerLayer`); a backward after one without it raises a
+    RuntimeError (:class:`FusedTransformerLayerFunction`), as the module path's graph does.
 
     Raises:
         ValueError: at construction, naming the field or submodule the one-node layer does not
             take (the module docstring lists what it takes).
-        RuntimeError: a second backward through a one-node call (``retain_graph=True``, e.g. two
-            losses backpropagated through one forward), which :class:`TransformerLayer` allows.
+        RuntimeError: a backward through a one-node call after a backward that did not retain the
+            graph (as :class:`TransformerLayer`'s graph raises, with PyTorch's own message).
         As :class:`TransformerLayer`.
 
     Source: Megatron-LM ``megatron/core/transformer/transformer_layer.py``; the one-node layer after
