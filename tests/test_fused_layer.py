@@ -238,8 +238,13 @@ def test_the_layers_capture_in_cuda_graphs_and_replay_the_eager_steps(backend):
 def test_a_second_backward_after_one_that_released_the_graph_raises_naming_retain_graph(backend):
     _, one = blocks(make_config(attention_backend=backend))
     out, _ = one.layers[0](hidden())
+    node = out.grad_fn
+    assert type(node).__name__ == "FusedTransformerLayerFunctionBackward" and node.ops is not None
+    out.sum().backward(retain_graph=True)
+    assert node.ops is not None and node.core is not None  # kept for the next backward
     out.sum().backward()
-    with pytest.raises(RuntimeError, match="retain_graph"):
+    assert node.ops is None and node.core is None and node.y1 is None  # an ordinary backward releases them
+    with pytest.raises(RuntimeError, match="^FusedTransformerLayer: a second backward .*retain_graph=True keeps it"):
         out.sum().backward()
 
 
