@@ -1550,15 +1550,29 @@ def test_bench_runs_that_cannot_start_are_refused_before_any_trains(monkeypatch,
 
 
 @pytest.mark.parametrize("backend, ok", [("flash", False), ("local", True), ("auto", True)])
-def test_flash_heads_of_more_than_256_channels_are_refused_naming_heads(backend, ok):
+def test_flash_heads_of_more_than_256_channels_are_refused_naming_heads(backend, ok, corpus, capsys):
     kw = dict(TINY, hidden=288, heads=1, attention_backend=backend)
+    argv = ["--hidden", "288", "--heads", "1", "--attention-backend", backend, "--device", "cpu"]
     if ok:
-        assert TrainConfig(**kw).hidden == 288
+        TrainConfig(**kw).check_model()
+        assert cli.parse_args(argv)[0].hidden == 288
         return
-    with pytest.raises(ValueError, match=r"^heads \(1\) too few for attention_backend 'flash': .* at most 256 .*= 288"):
-        TrainConfig(**kw)
-    assert TrainConfig(**dict(kw, heads=2, hidden=512)).heads == 2  # 256 channels: taken
-    assert TrainConfig(**dict(kw, model="plain")).model == "plain"  # the plain model has its own attention
+    match = r"heads \(1\) too few for attention_backend 'flash': .* at most 256 .*= 288"
+    with pytest.raises(ValueError, match="^" + match):
+        TrainConfig(**kw).check_model()
+    with pytest.raises(ValueError, match="^" + match):  # before anything is built
+        Trainer(TrainConfig(**kw), corpus=corpus)
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2 and re.search("--heads: " + match, capsys.readouterr().err)
+    TrainConfig(**dict(kw, heads=2, hidden=512)).check_model()  # 256 channels: taken
+    TrainConfig(**dict(kw, model="plain")).check_model()  # the plain model has its own attention
+    # a --bench base that no chosen run builds with flash: the runs are checked, not the base
+    config, _ = cli.parse_args(argv + ["--bench", "--bench-runs", "fusedlib-unfused", "torch.compile"])
+    assert config.heads == 1
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv + ["--bench", "--bench-runs", "fusedlib", "fusedlib-unfused"])
+    assert "--bench-runs: fusedlib cannot run with these flags: heads (1) too few" in capsys.readouterr().err
 
 
 def test_fused_layer_flag_and_bench_run():

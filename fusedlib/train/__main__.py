@@ -157,14 +157,16 @@ def _given(argv: Optional[list[str]], names: tuple[str, ...]) -> set[str]:
     return set(vars(quiet.parse_args(argv))) & set(names)
 
 
-def _refuse_runs_that_cannot_start(parser: argparse.ArgumentParser, config, runs: list[str], bench_runs: dict) -> None:
-    """A benchmark run whose configuration (``config`` with the run's fields) is refused is an
-    error of the command line, before any run trains (e.g. ``fusedlib-fused-layer`` with
-    ``--attention-backend auto``), not a failure found when its turn comes."""
+def _refuse_runs_that_cannot_start(parser: argparse.ArgumentParser, config, runs: list[str]) -> None:
+    """A benchmark run whose configuration (:func:`~fusedlib.train.bench.run_config`: ``config``
+    with the run's fields) is refused is an error of the command line, before any run trains
+    (e.g. ``fusedlib-fused-layer`` with ``--attention-backend auto``), not a failure found when
+    its turn comes."""
+    from .bench import run_config
+
     for name in runs:
         try:
-            dataclasses.replace(config, **bench_runs[name], out=None, resume=False, stop_at=None, save_interval=0,
-                                progress=False)
+            run_config(config, name)
         except ValueError as err:  # (ArgumentTypeError is one too)
             parser.error(f"--bench-runs: {name} cannot run with these flags: {err}")
 
@@ -212,6 +214,8 @@ def parse_args(argv: Optional[list[str]] = None):
     values["progress"] = not args.no_progress
     try:
         config = TrainConfig(**values)
+        if not (args.bench or args.bench_profile):  # (their runs are checked one by one below)
+            config.check_model()
     except ValueError as err:
         parser.error(f"--{str(err).split(' ', 1)[0].rstrip(':').replace('_', '-')}: {err}")
     if args.sample < 0:
@@ -247,7 +251,7 @@ def parse_args(argv: Optional[list[str]] = None):
             parser.error(f"--bench-runs: {bad} cannot be profiled; choices: "
                          f"{', '.join(r for r in BENCH_RUNS if r not in GRAPH_RUNS)} (a graph run replays the "
                          f"same kernels)")
-        _refuse_runs_that_cannot_start(parser, config, runs, BENCH_RUNS)
+        _refuse_runs_that_cannot_start(parser, config, runs)
         if args.bench_warmup is None:
             args.bench_warmup = PROFILE_WARMUP
         if not 0 <= args.bench_warmup <= config.steps - PROFILE_STEPS:
@@ -291,7 +295,7 @@ def parse_args(argv: Optional[list[str]] = None):
         if graphs and config.resolved_device().type != "cuda":
             parser.error(f"--bench-runs: {graphs} replay CUDA graphs and need a CUDA device, got "
                          f"{config.resolved_device()}")
-        _refuse_runs_that_cannot_start(parser, config, runs, BENCH_RUNS)
+        _refuse_runs_that_cannot_start(parser, config, runs)
         if not 0 <= args.bench_warmup <= config.steps - config.log_interval:
             parser.error(f"--bench-warmup must be in [0, steps - log_interval = {config.steps - config.log_interval}], "
                          f"got {args.bench_warmup}")

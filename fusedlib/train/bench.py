@@ -72,7 +72,7 @@ from .data import Corpus, load_corpus
 from .loop import TrainConfig, Trainer
 from .model import count_parameters
 
-__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "GRAPH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table",
+__all__ = ["BENCH_RUNS", "DEFAULT_BENCH_RUNS", "run_config", "GRAPH_RUNS", "BENCH_FILE", "SAMPLE_PROMPT", "run_bench", "bench_table",
            "window_median",
            "PROFILE_FILE", "DEFAULT_PROFILE_RUNS", "PROFILE_STEPS", "PROFILE_WARMUP", "profile_steps",
            "profile_steps_table",
@@ -103,6 +103,21 @@ BENCH_FILE = "train.json"
 SAMPLE_PROMPT = "def "
 #: The sample's temperature and top-k (a CPU generator seeded with 0 draws it).
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40
+
+
+def run_config(base: TrainConfig, name: str, **overrides) -> TrainConfig:
+    """The configuration of the run ``name`` (:data:`BENCH_RUNS`) on ``base``: the run's fields,
+    no output, checkpoint or resume (a benchmark trains from scratch), then ``overrides``.
+
+    Raises:
+        KeyError: an unknown run.
+        ValueError: the run's configuration refused by :class:`TrainConfig` or
+            :meth:`TrainConfig.check_model`, naming the field.
+    """
+    cfg = dataclasses.replace(base, **{**BENCH_RUNS[name], "out": None, "resume": False, "stop_at": None,
+                                       "save_interval": 0, **overrides})
+    cfg.check_model()
+    return cfg
 
 
 def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_tokens: int,
@@ -169,7 +184,7 @@ def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[s
     records = []
     for name in runs:
         try:
-            cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None, save_interval=0)
+            cfg = run_config(base, name)
             record = _one_run(name, cfg, corpus, warmup, sample_tokens, log)
         except Exception as exc:  # noqa: BLE001  (reported, and the other runs go on)
             log(f"{name}: FAILED, left out: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -249,8 +264,7 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
     for name in runs:
         trainer = None
         try:
-            cfg = dataclasses.replace(base, **BENCH_RUNS[name], out=None, resume=False, stop_at=None, save_interval=0,
-                                      progress=False)
+            cfg = run_config(base, name, progress=False)
             trainer = Trainer(cfg, corpus=corpus, log=lambda line: None)
             for _ in range(warmup):
                 trainer.step()

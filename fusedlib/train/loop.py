@@ -322,12 +322,6 @@ class TrainConfig:
             if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r}: no CUDA device here (torch.cuda.is_available() is False)")
         self.shape()  # checks the model's shape
-        head_dim = self.hidden // self.heads
-        if self.uses_attention_backend() and self.attention_backend == "flash" and head_dim > MAX_HEAD_DIM:
-            # (else the build or the first step failed, naming the kernel's head dim, not the flags)
-            raise ValueError(f"heads ({self.heads}) too few for attention_backend 'flash': fusedlib's FlashAttention "
-                             f"takes heads of at most {MAX_HEAD_DIM} channels, and hidden / heads = {self.hidden} / "
-                             f"{self.heads} = {head_dim}; take more heads, or attention_backend 'local'")
         for name in ("cuda_graph", "full_iteration_graph"):
             if getattr(self, name) and self.resolved_device().type != "cuda":
                 raise ValueError(f"{name} needs a CUDA device, got {self.resolved_device()}")
@@ -335,6 +329,23 @@ class TrainConfig:
             raise ValueError("compile with model 'gpt' needs fusedlib's kernels compiled for CUDA: in Triton's "
                              "interpreter (this process runs them there: no GPU, or TRITON_INTERPRET=1) "
                              "torch.compile cannot trace them; the plain model compiles anywhere")
+
+    def check_model(self) -> None:
+        """What the model's build would refuse, checked before anything is built and named by
+        its field: with the fused spec's ``attention_backend`` flash, heads of more than
+        fusedlib's FlashAttention's 256 channels (else the build or the first step failed,
+        naming the kernel's head dim, not the flags). Not part of ``__post_init__``: a
+        ``--bench`` base configuration need not describe a model that any chosen run builds
+        (``Trainer`` and the command line call it for the runs that do).
+
+        Raises:
+            ValueError: naming ``heads``.
+        """
+        head_dim = self.hidden // self.heads
+        if self.uses_attention_backend() and self.attention_backend == "flash" and head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"heads ({self.heads}) too few for attention_backend 'flash': fusedlib's FlashAttention "
+                             f"takes heads of at most {MAX_HEAD_DIM} channels, and hidden / heads = {self.hidden} / "
+                             f"{self.heads} = {head_dim}; take more heads, or attention_backend 'local'")
 
     def _check_fused_layer(self) -> None:
         """``fused_layer``'s combinations: FusedTransformerLayer is fusedlib's GPT layer of the
@@ -584,8 +595,8 @@ class Trainer:
     Raises:
         FileNotFoundError: ``resume`` without a checkpoint in ``out``.
         TypeError: a corpus that is not a :class:`~fusedlib.train.data.Corpus`.
-        ValueError: a corpus split that is not 1-D uint8 or is shorter than ``seq`` + 1 tokens;
-            ``resume`` with a checkpoint of another configuration or corpus; ``tp``
+        ValueError: what :meth:`TrainConfig.check_model` refuses; a corpus split that is not 1-D
+            uint8 or is shorter than ``seq`` + 1 tokens; ``resume`` with a checkpoint of another configuration or corpus; ``tp``
             different from the tensor-parallel size of the process groups, or from the number
             of processes (no data parallelism).
         RuntimeError: ``tp`` > 1 in a process started alone (from ``initialize_model_parallel``).
@@ -594,6 +605,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, corpus: Optional[Corpus] = None,
                  log: Optional[Callable[[str], Any]] = None) -> None:
         self.config = cfg = config
+        cfg.check_model()
         self.rank = 0
         if cfg.tp > 1:
             from ..parallel import parallel_state
