@@ -458,24 +458,31 @@ def test_load_bench_keeps_lists_of_records_and_profile_dicts(bench_files):
 
 def test_every_record_reader_notes_the_records_it_read(bench_files, monkeypatch):
     # what tools/execute_notebooks.py stores in a chapter's metadata for the staleness test below
+    import hashlib
+
     import fusedlib.book as book
     from fusedlib.bench.ops import transformer_layer as tl
     from fusedlib.train.bench import load_train_bench
 
-    monkeypatch.setattr(book, "RECORDS_READ", set())
+    monkeypatch.setattr(book, "RECORDS_READ", {})
     (bench_files / "a.json").write_text('[{"impl": "copy"}]')
     (bench_files / "t.json").write_text("[]")
     (bench_files / tl.PROFILE_FILE).write_text('{"impls": {}}')
     book.load_bench("a")
     load_train_bench("t.json")
     tl.load_profile()
-    assert book.RECORDS_READ == {"a", "t", tl.PROFILE_FILE.removesuffix(".json")}
+    digest = {name: hashlib.sha256((bench_files / f"{name}.json").read_bytes()).hexdigest()
+              for name in ("a", "t", tl.PROFILE_FILE.removesuffix(".json"))}
+    assert book.RECORDS_READ == digest
     with pytest.raises(FileNotFoundError):
         book.load_bench("missing")
     (bench_files / "elsewhere").mkdir()
     (bench_files / "elsewhere" / "u.json").write_text("[]")
     load_train_bench("u.json", directory=bench_files / "elsewhere")  # not the book's records: not noted
-    assert book.RECORDS_READ == {"a", "t", tl.PROFILE_FILE.removesuffix(".json")}
+    assert book.RECORDS_READ == digest
+    (bench_files / "a.json").write_text('[{"impl": "copy2"}]')  # read again after a change: the new digest
+    book.load_bench("a")
+    assert book.RECORDS_READ["a"] == hashlib.sha256(b'[{"impl": "copy2"}]').hexdigest()
 
 
 def test_execute_notebooks_reads_the_records_cell_or_says_what_it_printed():
@@ -489,13 +496,25 @@ def test_execute_notebooks_reads_the_records_cell_or_says_what_it_printed():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     cell = nbformat.v4.new_code_cell(tool.RECORDS_CELL)
-    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text='["ceilings", "train"]\n')]
-    assert tool.records_read(cell) == ["ceilings", "train"]
+    # the cell itself, run here: a JSON object of what this process read
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(tool.RECORDS_CELL, {})
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=printed.getvalue())]
+    got = tool.records_read(cell)
+    assert set(got) == {"records_read", "measured_live"} and isinstance(got["measured_live"], bool)
+    good = '{"records_read": {"ceilings": "ab12"}, "measured_live": false}\n'
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=good)]
+    assert tool.records_read(cell) == {"records_read": {"ceilings": "ab12"}, "measured_live": False}
     for outputs in ([], [nbformat.v4.new_output("error", ename="NameError", evalue="x", traceback=[])],
-                    [nbformat.v4.new_output("stream", name="stdout", text='{"a": 1}\n')],
+                    [nbformat.v4.new_output("stream", name="stdout", text='["ceilings"]\n')],
+                    [nbformat.v4.new_output("stream", name="stdout", text='{"records_read": {}}\n')],
                     [nbformat.v4.new_output("stream", name="stdout", text="a warning\n")]):
         cell.outputs = outputs
-        with pytest.raises(ValueError, match="not a JSON list of names"):
+        with pytest.raises(ValueError, match="not its JSON object of records read"):
             tool.records_read(cell)
 
 
@@ -565,12 +584,15 @@ def test_book_functions_document_args_returns_and_raises():
 def test_each_chapter_was_executed_after_the_records_it_reads():
     """A chapter's stored outputs and prose come from the records it reads (the cells that
     print them are tagged ``nbval-ignore-output``, since a GPU measures afresh, so nbval cannot
-    tell stale ones): the commit that last changed each record it names must be an ancestor of
-    the commit that last changed the chapter, i.e. a re-stored record is followed by the
-    chapter re-executed and committed. The records a chapter reads: those its last execution
-    read (``metadata.fusedlib.records_read``, which ``tools/execute_notebooks.py`` stores from
-    ``fusedlib.book.RECORDS_READ``: reads through helpers and loops included), and any quoted
-    ``"name"`` or ``"name.json"`` of a file in chapters/data/bench in its code cells."""
+    tell stale ones). The records its last execution read (``metadata.fusedlib.records_read``,
+    which ``tools/execute_notebooks.py`` stores from ``fusedlib.book.RECORDS_READ``: reads
+    through helpers and loops included) must be the stored files byte for byte (their SHA-256),
+    and that execution must not have measured live. Any other quoted ``"name"`` or
+    ``"name.json"`` of a file in chapters/data/bench in its code cells (a branch that run did
+    not take): the commit that last changed that record must be an ancestor of the commit that
+    last changed the chapter. Chapters read records only through the loaders (no
+    ``bench_dir()`` of their own)."""
+    import hashlib
     import re
     import shutil
     import subprocess
@@ -601,13 +623,23 @@ def test_each_chapter_was_executed_after_the_records_it_reads():
             pytest.skip(f"{chapter.name} has no commit in this checkout's history (a shallow clone?)")
         nb = json.loads(chapter.read_text())
         code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
-        read = nb["metadata"].get("fusedlib", {}).get("records_read")
-        assert isinstance(read, list), (f"{chapter.name} has no metadata.fusedlib.records_read: execute it with "
+        meta = nb["metadata"].get("fusedlib", {})
+        read = meta.get("records_read")
+        assert isinstance(read, dict), (f"{chapter.name} has no metadata.fusedlib.records_read: execute it with "
                                         f"tools/execute_notebooks.py")
+        assert meta.get("measured_live") is False, (
+            f"{chapter.name} was executed measuring live (a GPU without FUSEDLIB_BENCH_STORED=1): its outputs are "
+            f"not the stored records'")
+        assert "bench_dir()" not in code, (f"{chapter.name} reads bench_dir() itself: read records through the "
+                                           f"loaders (fusedlib.book.load_bench...), which note them")
         unknown = set(read) - set(names)
         assert not unknown, f"{chapter.name} read records that chapters/data/bench does not hold: {sorted(unknown)}"
-        for name in names:
-            if name not in read and not re.search(rf"[\"']{re.escape(name)}(\.json)?[\"']", code):
+        for name, digest in read.items():  # the records its last execution read, as they were then
+            checked += 1
+            if hashlib.sha256((bench / f"{name}.json").read_bytes()).hexdigest() != digest:
+                stale.append(f"{chapter.name} was executed on another {name}.json than the stored one")
+        for name in names:  # and those its code names that the execution did not read (a branch not taken)
+            if name in read or not re.search(rf"[\"']{re.escape(name)}(\.json)?[\"']", code):
                 continue
             record_commit = last_commit(bench / f"{name}.json")
             checked += 1

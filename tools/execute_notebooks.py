@@ -7,11 +7,14 @@ CUDA GPU the same command compiles the kernels and the benchmark cells measure l
 Usage: python tools/execute_notebooks.py [chapters/NN_name.ipynb ...]   (default: every chapter)
 
 Each notebook runs top to bottom in a fresh python3 kernel with chapters/ as its working
-directory; the executed notebook replaces the file. The names of the stored records the run
-read (``fusedlib.book.RECORDS_READ``, asked of the kernel by one more cell, which is then
-removed) go into the notebook's metadata, ``fusedlib.records_read``: tests/test_bench_book.py
-checks that each chapter was executed after every record it read. Exits non-zero if a cell
-raised, and lists every stderr output of a cell that nbval compares (those must not exist).
+directory; the executed notebook replaces the file. The stored records the run read
+(``fusedlib.book.RECORDS_READ``: each name with the SHA-256 of its bytes), and whether its
+benchmark cells measured live (a GPU without ``FUSEDLIB_BENCH_STORED=1``), asked of the kernel
+by one more cell, which is then removed, go into the notebook's metadata
+(``fusedlib.records_read``, ``fusedlib.measured_live``): tests/test_bench_book.py checks that
+each chapter's outputs come from the records as they are now, and from no live run. Exits
+non-zero if a cell raised, and lists every stderr output of a cell that nbval compares (those
+must not exist).
 """
 from __future__ import annotations
 
@@ -25,25 +28,31 @@ import nbformat
 from nbclient import NotebookClient
 
 
-#: The cell appended for the run and removed after it: the records the chapter read, as JSON.
-RECORDS_CELL = ("import json as _json, fusedlib.book as _book\n"
-                "print(_json.dumps(sorted(_book.RECORDS_READ)))")
+#: The cell appended for the run and removed after it: the records the chapter read (name ->
+#: SHA-256) and whether its benchmark cells measured live, as one JSON object.
+RECORDS_CELL = ("import json as _json, os as _os, fusedlib.book as _book\n"
+                "print(_json.dumps({'records_read': dict(sorted(_book.RECORDS_READ.items())),\n"
+                "                   'measured_live': bool(_book.CUDA_AVAILABLE)\n"
+                "                   and _os.environ.get('FUSEDLIB_BENCH_STORED') != '1'}))")
 
 
-def records_read(cell: nbformat.NotebookNode) -> list[str]:
-    """The record names :data:`RECORDS_CELL` printed.
+def records_read(cell: nbformat.NotebookNode) -> dict:
+    """What :data:`RECORDS_CELL` printed: ``{"records_read": {name: sha256}, "measured_live": bool}``.
 
     Raises:
-        ValueError: the cell printed no JSON list of names (it raised, or printed something else).
+        ValueError: the cell printed no such JSON object (it raised, or printed something else).
     """
     text = "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")
     try:
-        names = json.loads(text.strip().splitlines()[-1]) if text.strip() else None
+        got = json.loads(text.strip().splitlines()[-1]) if text.strip() else None
     except ValueError:  # (printed, but not JSON)
-        names = None
-    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-        raise ValueError(f"the records cell printed {text!r}, not a JSON list of names")
-    return names
+        got = None
+    if not (isinstance(got, dict) and set(got) == {"records_read", "measured_live"}
+            and isinstance(got["records_read"], dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in got["records_read"].items())
+            and isinstance(got["measured_live"], bool)):
+        raise ValueError(f"the records cell printed {text!r}, not its JSON object of records read")
+    return got
 
 
 def main(paths: list[str]) -> int:
@@ -62,7 +71,7 @@ def main(paths: list[str]) -> int:
             failed += 1
             print(f"FAILED {path}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
             continue
-        nb.metadata.setdefault("fusedlib", {})["records_read"] = read
+        nb.metadata.setdefault("fusedlib", {}).update(read)
         nbformat.write(nb, path)
         problems = []
         for i, cell in enumerate(nb.cells):

@@ -14,6 +14,7 @@ tokens/s with :func:`plot_throughput`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import json
 import os
@@ -133,19 +134,22 @@ def bench_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "chapters" / "data" / "bench"
 
 
-#: The stored records this process has read from :func:`bench_dir`, by name (the file's stem):
-#: ``tools/execute_notebooks.py`` keeps them in each executed chapter's metadata
-#: (``fusedlib.records_read``), so that a test can tell that a chapter was executed after every
-#: record it read, those read through a helper or a loop included.
-RECORDS_READ: set[str] = set()
+#: The stored records this process has read from :func:`bench_dir`: name (the file's stem) ->
+#: the SHA-256 of the bytes read. ``tools/execute_notebooks.py`` keeps them in each executed
+#: chapter's metadata (``fusedlib.records_read``), so that a test can tell that a chapter's
+#: outputs come from the records as they are now, those read through a helper or a loop
+#: included. The chapters read records only through the loaders that note them
+#: (:func:`load_bench`, ``fusedlib.train.bench.load_train_bench``, the block benchmark's
+#: ``load_profile`` / ``load_power_state``).
+RECORDS_READ: dict[str, str] = {}
 
 
 def note_record_read(path: str | Path) -> None:
-    """Add ``path``'s stem to :data:`RECORDS_READ` when it is a file of :func:`bench_dir` (a
-    record read from another folder is not the book's)."""
+    """Note ``path`` (its stem and the SHA-256 of its bytes) in :data:`RECORDS_READ` when it is a
+    file of :func:`bench_dir` (a record read from another folder is not the book's)."""
     path = Path(path)
     if path.parent.resolve() == bench_dir().resolve():
-        RECORDS_READ.add(path.stem)
+        RECORDS_READ[path.stem] = hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load_bench(op: str) -> list[dict]:
