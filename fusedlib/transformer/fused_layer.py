@@ -69,7 +69,7 @@ from ..fusions.fused_layer_norm import (BiasDropoutAddNormFunction, FusedLayerNo
                                         _has_own_hooks)
 from ..fusions.fused_softmax import ScaledMaskedSoftmaxDropout
 from ..fusions.fused_softmax import _check_scale as _softmax_check_scale
-from ..checks import resolve_neg_grads
+from ..checks import check_bool, resolve_neg_grads
 from ..kernels.flash_attention import MAX_HEAD_DIM, attention_band
 from ..kernels.softmax import causal_band
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -518,8 +518,10 @@ class FusedTransformerLayer(TransformerLayer):
                                             dpa.hidden_size_per_attention_head), 1.0
             else:  # the Function the module path's softmax would run; scores = softmax_scale · q·kᵀ
                 function = dpa.softmax_function(p)
-                if function is None or not self._softmax_input_fits(x, softmax):
+                if function is None:
                     return None
+                softmax.check_input_dtype(x)  # the scores' dtype: a ValueError where the module path raises it
+                check_bool("attention_softmax_in_fp32", self.config.attention_softmax_in_fp32)  # as the kernel's op
                 scale, coeff = dpa.softmax_scale, _softmax_check_scale(softmax.scale)
         except (TypeError, ValueError, AttributeError):
             return None
@@ -530,15 +532,6 @@ class FusedTransformerLayer(TransformerLayer):
                 dpa.num_attention_heads_per_partition, type(norm1) is FusedRMSNorm, norm1.zero_centered_gamma,
                 norm1.eps, norm2.zero_centered_gamma, norm2.eps, scale, self.hidden_dropout, p, deterministic,
                 function, coeff)
-
-    def _softmax_input_fits(self, x: torch.Tensor, softmax: torch.nn.Module) -> bool:
-        """Whether the materialised path's softmax takes this call's scores without an error:
-        a dtype its fp16 / bf16 flags accept (else ``check_input_dtype`` raises there) and a bool
-        ``attention_softmax_in_fp32`` (else the fused softmax+dropout raises)."""
-        dtype = x.dtype
-        return not ((softmax.input_in_fp16 and dtype != torch.float16)
-                    or (softmax.input_in_bf16 and dtype != torch.bfloat16)
-                    or type(self.config.attention_softmax_in_fp32) is not bool)
 
     def _parameters_fit(self, x: torch.Tensor, parts: tuple) -> bool:
         """The parameters the path reads: tensors of x's dtype (float16, bfloat16 or float32) and
