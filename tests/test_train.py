@@ -979,6 +979,16 @@ def test_cli_takes_the_sampling_flags_with_sample():
     (["--layers", str(10 ** 28)], "--layers"), (["--ffn", str(2 ** 31)], "--ffn"),
     (["--seed", str(2 ** 64 - 1)], "--seed"),
     (["--bench-tp", "--bench-warmup", "0", "--steps", "4", "--warmup", "1"], "--bench-tp"),
+    # one autograd node per layer (--fused-layer) where it cannot run
+    (["--bench", "--bench-runs", "fusedlib", "fusedlib-fused-layer", "--attention-backend", "auto", "--device", "cpu"],
+     "fusedlib-fused-layer cannot run with these flags: fused_layer takes"),
+    (["--bench-profile", "--bench-runs", "fusedlib-fused-layer", "--attention-backend", "fused", "--device", "cpu"],
+     "fusedlib-fused-layer cannot run with these flags"),
+    (["--fused-layer", "--model", "plain"], "--fused-layer"),
+    (["--fused-layer", "--attention-backend", "auto"], "--fused-layer"),
+    (["--bench", "--fused-layer", "--device", "cpu"], "--fused-layer"),
+    (["--bench-profile", "--fused-layer", "--device", "cpu"], "--fused-layer"),
+    (["--bench-tp", "--fused-layer"], "--fused-layer"),
 ])
 def test_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -1503,23 +1513,6 @@ def test_fused_layer_builders_refuse_the_models_without_it():
         build_model("plain", shape, 0, fused_layer=True)
     with pytest.raises(ValueError, match="FusedTransformerLayer .*attention_backend must be flash, local or unfused"):
         build_gpt(shape, "fused", "auto", fused_layer=True)
-
-
-@pytest.mark.parametrize("argv, flag", [(["--bench", "--bench-runs", "fusedlib", "fusedlib-fused-layer",
-                                          "--attention-backend", "auto", "--device", "cpu"],
-                                         "fusedlib-fused-layer cannot run with these flags: fused_layer takes"),
-                                        (["--bench-profile", "--bench-runs", "fusedlib-fused-layer",
-                                          "--attention-backend", "fused", "--device", "cpu"],
-                                         "fusedlib-fused-layer cannot run with these flags"),
-                                        (["--fused-layer", "--model", "plain"], "--fused-layer"),
-                                        (["--fused-layer", "--attention-backend", "auto"], "--fused-layer"),
-                                        (["--bench", "--fused-layer", "--device", "cpu"], "--fused-layer"),
-                                        (["--bench-profile", "--fused-layer", "--device", "cpu"], "--fused-layer"),
-                                        (["--bench-tp", "--fused-layer"], "--fused-layer")])
-def test_fused_layer_bad_flags(argv, flag, capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.parse_args(argv)
-    assert exc.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_every_bench_run_has_its_colour_and_line_style_and_plots():
