@@ -138,18 +138,26 @@ def bench_dir() -> Path:
 #: the SHA-256 of the bytes read. ``tools/execute_notebooks.py`` keeps them in each executed
 #: chapter's metadata (``fusedlib.records_read``), so that a test can tell that a chapter's
 #: outputs come from the records as they are now, those read through a helper or a loop
-#: included. The chapters read records only through the loaders that note them
-#: (:func:`load_bench`, ``fusedlib.train.bench.load_train_bench``, the block benchmark's
-#: ``load_profile`` / ``load_power_state``).
+#: included. The chapters read records only through the loaders, which read them with
+#: :func:`read_record` (:func:`load_bench`, ``fusedlib.train.bench.load_train_bench``, the
+#: block benchmark's ``load_profile`` / ``load_power_state``).
 RECORDS_READ: dict[str, str] = {}
 
 
-def note_record_read(path: str | Path) -> None:
-    """Note ``path`` (its stem and the SHA-256 of its bytes) in :data:`RECORDS_READ` when it is a
-    file of :func:`bench_dir` (a record read from another folder is not the book's)."""
+def read_record(path: str | Path) -> Any:
+    """The JSON of the file ``path``, read once; a file of :func:`bench_dir` is noted in
+    :data:`RECORDS_READ` with the SHA-256 of those bytes (a record read from another folder is
+    not the book's).
+
+    Raises:
+        FileNotFoundError: no such file.
+        json.JSONDecodeError: not JSON.
+    """
     path = Path(path)
+    data = path.read_bytes()
     if path.parent.resolve() == bench_dir().resolve():
-        RECORDS_READ[path.stem] = hashlib.sha256(path.read_bytes()).hexdigest()
+        RECORDS_READ[path.stem] = hashlib.sha256(data).hexdigest()
+    return json.loads(data)
 
 
 def load_bench(op: str) -> list[dict]:
@@ -173,9 +181,8 @@ def load_bench(op: str) -> list[dict]:
     path = bench_dir() / f"{op}.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: run `python -m fusedlib.bench --op {op}` on a GPU")
-    note_record_read(path)
     try:
-        data = json.loads(path.read_text())
+        data = read_record(path)
     except json.JSONDecodeError as err:
         raise ValueError(f"load_bench: {path} is not valid JSON ({err})") from err
     if not isinstance(data, dict):

@@ -415,10 +415,9 @@ def load_train_bench(name: str = BENCH_FILE, directory: Optional[str | Path] = N
         how = (f": `python -m fusedlib.train --bench --out {Path(directory)}` writes it on a GPU"
                if name == BENCH_FILE else "")
         raise FileNotFoundError(f"{path} not found{how}")
-    from ..book import note_record_read
+    from ..book import read_record
 
-    note_record_read(path)
-    return json.loads(path.read_text())
+    return read_record(path)
 
 
 def smooth(values: Sequence[float], window: int) -> list[float]:

@@ -953,10 +953,9 @@ def _load_stored(path: Optional[str | Path], name: str) -> Optional[dict]:
     path = Path(path)
     if not path.exists():
         return None
-    from ...book import note_record_read
+    from ...book import read_record
 
-    note_record_read(path)
-    return json.loads(path.read_text())
+    return read_record(path)
 
 
 # ---------------------------------------------------------------------------------------------
