@@ -24,7 +24,7 @@ from conftest import DEVICE  # noqa: I001
 TINY = (7, 2, 24, 4, 20, 2)
 #: what runs without megatron-core (it needs CUDA and Python >= 3.12)
 LOCAL_IMPLS = ["fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash", "fusedlib-fused-layer",
-               "fusedlib-fused-layer-local", "eager", "torch.compile"]
+               "fusedlib-fused-layer-local", "fusedlib-fused-layer-sdpa", "eager", "torch.compile"]
 
 
 def _cpu_case(dtype=torch.float32):
@@ -157,6 +157,8 @@ def test_records_have_tokens_and_no_bytes(monkeypatch):
     assert by["fusedlib-fused-layer"]["attention"] == "flash" and by["fusedlib-fused-layer"]["layer"] == "FusedTransformerLayer"
     local = by["fusedlib-fused-layer-local"]
     assert local["attention"] == "materialised" and local["layer"] == "FusedTransformerLayer"
+    node_sdpa = by["fusedlib-fused-layer-sdpa"]
+    assert node_sdpa["attention"] == "sdpa" and node_sdpa["layer"] == "FusedTransformerLayer"
     json.dumps(recs)  # plain JSON
 
 

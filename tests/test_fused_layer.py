@@ -4,13 +4,15 @@ The oracle is :class:`TransformerLayer` itself: the one-node layer calls the sam
 Function forwards and backwards in the same order, with the Philox keys drawn in the same order,
 so with the same seed its outputs and gradients must be the module path's bit for bit, dropout
 on, in fp32 and bf16; and against the float64 block of ``transformer_reference`` (dropout 0) it
-must be as accurate as the unfused block. Most tests run with both attentions the layer takes
-(the ``backend`` fixture): FlashAttention and the materialised path (``local``). Sizes are small
+must be as accurate as the unfused block. Most tests run with the three attentions the layer takes
+(the ``backend`` fixture): FlashAttention, the materialised path (``local``) and torch's SDPA
+(``auto``). Sizes are small
 and odd (s = 7, h = 24, 4 heads of hn = 6, ffn = 20); on a CPU the kernels run in Triton's
 interpreter.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -19,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_reference as R
 from fusedlib.fusions import fused_dense, fused_softmax
@@ -36,10 +39,22 @@ FUSED = dict(bias_activation_fusion=True, gemm_gelu_fusion=True, masked_softmax_
              persist_layer_norm=True, attention_backend=AttnBackend.flash)
 
 
-@pytest.fixture(params=[AttnBackend.flash, AttnBackend.local], ids=["flash", "local"])
-def backend(request) -> AttnBackend:
-    """The attention backends the one-node layer takes: FlashAttention, the materialised path."""
-    return request.param
+def deterministic_sdpa(backend: AttnBackend):
+    """For SDPA on a CUDA device, torch's math kernel pinned: its other CUDA kernels may sum the
+    backward's gradients with atomic additions, in whatever order the thread blocks finish, so
+    two runs (the module path's, the one node's) could not compare bit for bit. Elsewhere (and on
+    the CPU, whose kernels are deterministic) nothing is pinned."""
+    if backend in (AttnBackend.auto, AttnBackend.fused) and DEVICE.type == "cuda":
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
+
+
+@pytest.fixture(params=[AttnBackend.flash, AttnBackend.local, AttnBackend.auto], ids=["flash", "local", "sdpa"])
+def backend(request):
+    """The attention backends the one-node layer takes: FlashAttention, the materialised path, SDPA
+    (:func:`deterministic_sdpa` for the test's length)."""
+    with deterministic_sdpa(request.param):
+        yield request.param
 
 
 def make_config(dtype=torch.float32, **kw) -> TransformerConfig:
@@ -194,6 +209,8 @@ def test_a_double_backward_raises(backend):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="peak memory is measured on a CUDA device")
+@pytest.mark.parametrize("backend", [AttnBackend.flash, AttnBackend.local, AttnBackend.auto],
+                         ids=["flash", "local", "sdpa"])  # (SDPA's kernel torch's choice: no bits compared)
 def test_peak_memory_of_a_step_is_the_layers(backend, seed):
     # the backward releases each op's saved tensors after its backward, as autograd frees a
     # node's: at this size a step's peak is the module path's (a few allocator blocks of slack,
@@ -368,6 +385,12 @@ AFTER_BUILD = {
     "hook on a new mlp": lambda layer: (setattr(layer, "mlp", copy.deepcopy(layer.mlp)),
                                         layer.mlp.linear_fc1.register_forward_hook(lambda m, i, o: o * 2)),
     "softmax scale nan": lambda layer: setattr(layer.self_attention.core_attention, "softmax_scale", float("nan")),
+    # (SDPA's module path takes an explicit causal mask for a scale <= 0: torch's is_causal kernels
+    # give NaN there; on the CPU its math kernel, taken with dropout, does not)
+    "softmax scale negative": lambda layer: setattr(layer.self_attention.core_attention, "softmax_scale", -0.75),
+    "attention dropout 0, softmax scale negative": lambda layer: (
+        setattr(layer.self_attention.core_attention.attention_dropout, "p", 0.0),
+        setattr(layer.self_attention.core_attention, "softmax_scale", -0.75)),
     "attention dropout negative": lambda layer: setattr(layer.self_attention.core_attention.attention_dropout, "p",
                                                         -0.5),
     "deterministic_mode a str": lambda layer: setattr(layer.config, "deterministic_mode", "yes"),
@@ -476,8 +499,6 @@ def test_sequence_parallel_on_one_rank_is_taken(backend, seed):
 
 @pytest.mark.parametrize("kwargs, spec, match", [
     (dict(attention_backend=AttnBackend.local, masked_softmax_fusion=False), None, "masked_softmax_fusion"),
-    (dict(attention_backend=AttnBackend.auto), None, "attention_backend must be flash, local or unfused"),
-    (dict(attention_backend=AttnBackend.fused), None, "attention_backend must be flash, local or unfused"),
     (dict(bias_dropout_fusion=False), None, "bias_dropout_fusion"),
     (dict(gemm_gelu_fusion=False), None, "gemm_gelu_fusion"),
     (dict(recompute_granularity="selective"), None, "recompute_granularity"),
@@ -562,15 +583,17 @@ def test_query_key_layer_scaling_is_the_layers(backend, dtype, seed):
     assert_same_bits(step(one, x, seed), step(module, x, seed))
 
 
-def test_the_materialised_path_takes_head_dims_flash_refuses(seed):
-    # hn = 264 > FlashAttention's 256: the flash layer is refused, the materialised one runs
+@pytest.mark.parametrize("backend_", [AttnBackend.local, AttnBackend.auto])
+def test_the_other_attentions_take_head_dims_flash_refuses(backend_, seed):
+    # hn = 264 > FlashAttention's 256: the flash layer is refused, the materialised and SDPA ones run
     kw = dict(hidden_size=528, num_attention_heads=2, ffn_hidden_size=40, num_layers=1)
     with pytest.raises(ValueError, match="at most 256 with the flash backend"):
         FusedTransformerLayer(make_config(**kw), get_gpt_layer_local_spec().submodules)
-    module, one = blocks(make_config(attention_backend=AttnBackend.local, **kw))
+    module, one = blocks(make_config(attention_backend=backend_, **kw))
     x = torch.randn(5, 1, 528, device=DEVICE)
     assert one.layers[0].fused_path_applies(x)
-    assert_same_bits(step(one, x, seed), step(module, x, seed))
+    with deterministic_sdpa(backend_):
+        assert_same_bits(step(one, x, seed), step(module, x, seed))
 
 
 def test_the_unfused_backend_is_the_materialised_path(seed):
@@ -581,7 +604,47 @@ def test_the_unfused_backend_is_the_materialised_path(seed):
     assert_same_bits(step(one, x, seed), step(module, x, seed))
 
 
-@pytest.mark.parametrize("backend_", [AttnBackend.local, AttnBackend.flash])
+# ---------------------------------------------------------------------------------------------
+# SDPA
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dropout", [0.15, 0.0])
+def test_the_sdpa_path_makes_the_module_paths_call_and_runs_torchs_backward(monkeypatch, dropout, seed):
+    # the dispatch: per layer one scaled_dot_product_attention call with the module path's
+    # arguments (causal, the scale, the dropout), its backward torch's own through autograd.grad
+    cfg = make_config(attention_backend=AttnBackend.auto, attention_dropout=dropout)
+    _, one = blocks(cfg)
+    calls, grads = [], []
+    sdpa, grad = F.scaled_dot_product_attention, torch.autograd.grad
+
+    def counted_sdpa(q, k, v, **kw):
+        calls.append((q.shape, kw))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted_sdpa)
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: (grads.append(1), grad(*a, **k))[1])
+    layer = one.layers[0]
+    out, _ = layer(hidden())
+    assert type(out.grad_fn).__name__ == "FusedTransformerLayerFunctionBackward"
+    dpa = layer.self_attention.core_attention
+    assert calls == [((B, NP, S, H // NP), dict(dropout_p=dropout, is_causal=True, scale=dpa.softmax_scale,
+                                                enable_gqa=False))]
+    out.sum().backward()
+    assert grads == [1] and layer.self_attention.linear_qkv.weight.grad is not None
+
+
+def test_the_fused_backend_is_sdpa_and_needs_no_softmax_fusion(seed):
+    # attention_backend "fused" calls SDPA as "auto" does; neither reads masked_softmax_fusion
+    for kw in (dict(attention_backend=AttnBackend.fused),
+               dict(attention_backend=AttnBackend.auto, masked_softmax_fusion=False)):
+        module, one = blocks(make_config(**kw))
+        x = hidden()
+        assert all(layer.fused_path_applies(x) for layer in one.layers)
+        with deterministic_sdpa(kw["attention_backend"]):
+            assert_same_bits(step(one, x, seed), step(module, x, seed))
+
+
+@pytest.mark.parametrize("backend_", [AttnBackend.local, AttnBackend.flash, AttnBackend.auto])
 def test_what_no_backward_reads_is_not_kept(backend_):
     # x, the first norm and the QKV projection frozen: the module path builds no node for the
     # attention's inputs, so it keeps neither the scores nor the probabilities; nor does the node

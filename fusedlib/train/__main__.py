@@ -104,8 +104,8 @@ def _parser() -> argparse.ArgumentParser:
                         "captured after a few eager steps (CUDA only)")
     e.add_argument("--fused-layer", action="store_true",
                    help="each layer a FusedTransformerLayer: its training forward and backward one autograd "
-                        "node (the same results, less host time; --model gpt --spec fused, attention backend "
-                        "flash, local or unfused, --tp 1; not with --compile, --cuda-graph, "
+                        "node (the same results, less host time; --model gpt --spec fused, --tp 1; not with "
+                        "--compile, --cuda-graph, "
                         "--full-iteration-graph; --bench and --bench-profile take it as the run "
                         "fusedlib-fused-layer)")
     e.add_argument("--tp", type=int, default=d.tp,
@@ -160,7 +160,7 @@ def _given(argv: Optional[list[str]], names: tuple[str, ...]) -> set[str]:
 def _refuse_runs_that_cannot_start(parser: argparse.ArgumentParser, config, runs: list[str]) -> None:
     """A benchmark run whose configuration (:func:`~fusedlib.train.bench.run_config`: ``config``
     with the run's fields) is refused is an error of the command line, before any run trains
-    (e.g. ``fusedlib-fused-layer`` with ``--attention-backend auto``), not a failure found when
+    (e.g. ``fusedlib-compile`` on the CPU), not a failure found when
     its turn comes."""
     from .bench import run_config
 

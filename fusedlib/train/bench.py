@@ -16,8 +16,7 @@ batches in the same order, with the same optimizer and schedule (the command lin
 ``fusedlib-fused-layer``  (only when asked for) ``fusedlib``'s model with each layer a
                       ``FusedTransformerLayer`` (``fused_layer``): the same kernels and losses,
                       bit for bit, each layer's training forward and backward one autograd node
-                      (less host time per layer); eager; attention backend flash, local or
-                      unfused (the command line refuses it with another)
+                      (less host time per layer); eager; any attention backend
 ``fusedlib-compile``  (only when asked for) ``fusedlib``'s model, ``torch.compile``d as a whole
                       (Inductor fuses what fusedlib leaves unfused and traces fusedlib's
                       kernels into its graph)

@@ -87,7 +87,6 @@ from ..checks import FLOAT32_MAX, ArgumentTypeError, check_bool, file_on_the_way
 from ..kernels.flash_attention import MAX_HEAD_DIM
 from ..parallel.finalize_model_grads import finalize_model_grads
 from ..parallel.utils import all_reduce
-from ..transformer.dot_product_attention import FLASH_BACKENDS, MATERIALISED_BACKENDS
 from ..transformer.enums import AttnBackend
 from .data import VOCAB_SIZE, Corpus, decode, encode, get_batch, load_corpus
 from .model import MODELS, SPECS, ModelShape, build_model
@@ -147,8 +146,7 @@ class TrainConfig:
     ``cuda_graph`` or a compile mode that makes its own graphs), ``fused_layer`` (fusedlib's
     GPTModel with each layer a ``FusedTransformerLayer``: a layer's training forward and
     backward one autograd node, the same kernels and results bit for bit, less host time per
-    layer; the fused spec with attention backend flash, local or unfused, eager, tp = 1, no
-    CUDA graphs), ``tp`` (tensor-parallel ranks:
+    layer; the fused spec with any attention backend, eager, tp = 1, no CUDA graphs), ``tp`` (tensor-parallel ranks:
     the process must be one of ``tp`` ranks started by ``torchrun`` or
     ``fusedlib.parallel.spawn``), ``sequence_parallel``, ``seed`` (weights, data order, dropout).
     Output: ``out`` (directory for metrics and checkpoints; None: none written),
@@ -361,10 +359,6 @@ class TrainConfig:
         if self.spec != "fused":
             raise ValueError(f"fused_layer needs spec 'fused' (FusedTransformerLayer runs the fused local spec), "
                              f"got {self.spec!r}")
-        backends = tuple(b.name for b in FLASH_BACKENDS + MATERIALISED_BACKENDS)
-        if self.attention_backend not in backends:
-            raise ValueError(f"fused_layer takes attention_backend {', '.join(backends)} (FusedTransformerLayer's "
-                             f"attentions), got {self.attention_backend!r}")
         if self.tp > 1:
             raise ValueError(f"fused_layer needs tp = 1 (FusedTransformerLayer runs on one rank), got {self.tp}")
         for name in ("compile", "cuda_graph", "full_iteration_graph"):

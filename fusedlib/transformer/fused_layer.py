@@ -18,12 +18,16 @@ same order) are the module path's: with the same seed the outputs and every grad
 The layer it takes (checked when it is built, a ValueError naming what differs): fusedlib's
 local GPT spec (``get_gpt_layer_local_spec()``'s submodules: fusedlib's LayerNorm or RMSNorm,
 one kind for both norms, on the fusedlib backend, self-attention with one QKV GEMM and a causal
-``DotProductAttention``, the MLP, ``get_bias_dropout_add``) with ``attention_backend`` either
+``DotProductAttention``, the MLP, ``get_bias_dropout_add``) with ``attention_backend`` one of
 ``flash`` (fusedlib's FlashAttention kernel, whose backward is fusedlib's; heads of at most 256
-channels) or ``local`` / ``unfused`` with ``masked_softmax_fusion`` on (DotProductAttention's
+channels), ``local`` / ``unfused`` with ``masked_softmax_fusion`` on (DotProductAttention's
 materialised path: the scores by ``torch.baddbmm``, the probabilities and their dropout by
 fusedlib's softmax kernel, the context by ``torch.bmm``; the layer computes the two products'
-gradients itself by autograd's own formulas, on the same operands), ``bias_dropout_fusion`` and
+gradients itself by autograd's own formulas, on the same operands) or ``auto`` / ``fused``
+(torch's ``scaled_dot_product_attention``, DotProductAttention's SDPA call: its backward is
+torch's, inside autograd, so the node keeps that one call's small graph, made on detached views
+of q, k and v, and runs its backward with ``torch.autograd.grad``; torch picks the kernel, as it
+does for the module path), ``bias_dropout_fusion`` and
 ``gemm_gelu_fusion`` on, one rank (``tensor_model_parallel_size`` 1), heads of
 ``kv_channels = hidden_size / num_attention_heads`` channels, no grouped-query attention,
 query/key norms, sliding window, activation recomputation, fp32 residual stream, post-norm
@@ -39,7 +43,8 @@ kernel's), rotary embeddings, attention bias or cross-attention context; no modu
 submodules (the path calls none of them: their hooks would not run); the layer as built checks
 again (its config and submodules may have changed since: the check above runs at every call);
 its parameters of the hidden states' dtype (float16, bfloat16 or float32) and shapes; a valid
-attention dropout; with FlashAttention a valid softmax scale; on the materialised path the
+attention dropout; with FlashAttention a valid softmax scale; with SDPA a finite positive
+softmax scale (the one the module path passes with ``is_causal``); on the materialised path the
 attention's softmax and dropout modules of their built types (``FusedScaleMaskSoftmax``,
 ``torch.nn.Dropout``), the softmax module's scale valid, its fp16 / bf16 flags matching that
 dtype, a bool ``attention_softmax_in_fp32``, and fusedlib's fused softmax kernel on the causal
@@ -55,6 +60,7 @@ Source: Megatron-LM ``megatron/core/transformer/transformer_layer.py`` (the laye
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Tuple
 
 import torch
@@ -74,8 +80,8 @@ from ..kernels.flash_attention import MAX_HEAD_DIM, attention_band
 from ..kernels.softmax import causal_band
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .attention import SelfAttention, SplitLastDim
-from .dot_product_attention import (_CAUSAL, FLASH_BACKENDS, MATERIALISED_BACKENDS, DotProductAttention,
-                                    materialised_context, materialised_scores)
+from .dot_product_attention import (_CAUSAL, FLASH_BACKENDS, MATERIALISED_BACKENDS, SDPA_BACKENDS,
+                                    DotProductAttention, materialised_context, materialised_scores)
 from .identity_op import IdentityOp
 from .mlp import MLP
 from .transformer_config import TransformerConfig
@@ -172,18 +178,52 @@ def _materialised_attention_backward(c_softmax: _StandInCtx,
             dv2.transpose(0, 1).reshape(s, b, np_, hn))
 
 
+def _sdpa_attention(c_attn: _StandInCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    dropout_p: float, need_grad: bool) -> torch.Tensor:
+    """DotProductAttention's SDPA call for causal attention without a mask (``_forward_sdpa``):
+    q, k, v [s, b, np, hn] (views of the QKV projection) seen as [b, np, s, hn] ->
+    ``scaled_dot_product_attention(q, k, v, dropout_p, is_causal=True, scale)`` -> the context
+    [s, b, np·hn]. Its backward is torch's, inside autograd: with ``need_grad`` the call runs on
+    detached views of q, k and v under ``enable_grad``, and ``c_attn`` keeps that small graph (the
+    output and the three leaves) for :func:`_sdpa_attention_backward`; the same kernel, the same
+    random-number draws, the same saved tensors as the module path's SDPA node."""
+    s, b, np_, hn = q.shape
+    if need_grad:
+        with torch.enable_grad():
+            leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+            o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in leaves), dropout_p=dropout_p,
+                                               is_causal=True, scale=scale, enable_gqa=False)
+        c_attn.sdpa = (o, leaves)
+        o = o.detach()
+    else:
+        o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), dropout_p=dropout_p,
+                                           is_causal=True, scale=scale, enable_gqa=False)
+    return o.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)  # [b, np, s, hn] -> [s, b, np·hn], as the module path
+
+
+def _sdpa_attention_backward(c_attn: _StandInCtx, dcore: torch.Tensor,
+                             keep: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k and v [s, b, np, hn] from the context's, ``dcore`` [s, b, np, hn],
+    through the graph :func:`_sdpa_attention` kept: torch's own SDPA backward (``keep``: the graph
+    retained for another backward)."""
+    o, leaves = c_attn.sdpa
+    if not keep:
+        c_attn.sdpa = None
+    return torch.autograd.grad(o, leaves, dcore.permute(1, 2, 0, 3), retain_graph=keep)
+
+
 #: The positions of the tensors in :meth:`FusedTransformerLayerFunction.forward`'s arguments.
 _X, _LN1_W, _LN1_B, _QKV_W, _QKV_B, _PROJ_W, _PROJ_B, _LN2_W, _LN2_B, _FC1_W, _FC1_B, _FC2_W, _FC2_B = range(13)
 
 
 class FusedTransformerLayerFunction(torch.autograd.Function):
-    """A pre-norm GPT layer as one autograd node, its attention FlashAttention or the materialised
-    path (see the module docstring).
+    """A pre-norm GPT layer as one autograd node, its attention FlashAttention, the materialised
+    path or torch's SDPA (see the module docstring).
 
     ``apply(x, ln1_weight, ln1_bias, qkv_weight, qkv_bias, proj_weight, proj_bias, ln2_weight,
     ln2_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, heads, rms_norm, ln1_zero_centered_gamma,
     ln1_eps, ln2_zero_centered_gamma, ln2_eps, softmax_scale, hidden_dropout, attention_dropout,
-    deterministic, materialised=None, softmax_coeff=1.0)``:
+    deterministic, materialised=None, softmax_coeff=1.0, sdpa=False)``:
 
     - x [s, b, h] (float16, bfloat16 or float32, on a device fusedlib's kernels run on);
     - the norms' weight [h] and bias [h] (None for RMSNorm, ``rms_norm=True``);
@@ -193,15 +233,18 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
       parameter of x's dtype;
     - heads (h divisible by it; head dim h / heads at most 256 with FlashAttention), each norm's
       zero-centered gamma and eps, hidden_dropout in [0, 1], attention_dropout in [0, 1),
-      deterministic (FlashAttention's backward without atomic additions; unused when
-      materialised);
+      deterministic (FlashAttention's backward without atomic additions; unused by the other
+      two attentions);
     - materialised: None for FlashAttention, whose softmax_scale (a float) multiplies the
       scores; for DotProductAttention's materialised path the softmax's autograd Function
       (:meth:`~fusedlib.transformer.dot_product_attention.DotProductAttention.softmax_function`:
       the softmax with its dropout, or without dropout the softmax alone): scores =
       softmax_scale · q·kᵀ by ``torch.baddbmm``, then that causal softmax of softmax_coeff ·
       scores (a float; ``FusedScaleMaskSoftmax``'s ``scale``, the query-key layer scaling's
-      factor) with its dropout, the context by ``torch.bmm``.
+      factor) with its dropout, the context by ``torch.bmm``;
+    - sdpa: True (with materialised None) for torch's ``scaled_dot_product_attention``, causal,
+      its scale softmax_scale (a finite float > 0), its dropout attention_dropout: its backward
+      through autograd (:func:`_sdpa_attention`).
 
     Returns out [s, b, h], a new tensor of x's dtype::
 
@@ -211,7 +254,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
 
     with the kernels of :func:`~fusedlib.fusions.fused_layer_norm.fused_layer_norm`,
     :func:`~fusedlib.fusions.fused_attention.flash_attention` (or the materialised attention's
-    GEMMs and :func:`~fusedlib.fusions.fused_softmax.fused_scale_mask_softmax_dropout`),
+    GEMMs and :func:`~fusedlib.fusions.fused_softmax.fused_scale_mask_softmax_dropout`, or SDPA),
     :func:`~fusedlib.fusions.fused_layer_norm.bias_dropout_add_norm`,
     :func:`~fusedlib.fusions.fused_dense.fused_dense_gelu_dense` and
     :func:`~fusedlib.fusions.fused_bias_dropout.bias_dropout_add_fused_train`, called in that
@@ -242,7 +285,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     def forward(ctx, x, ln1_weight, ln1_bias, qkv_weight, qkv_bias, proj_weight, proj_bias, ln2_weight, ln2_bias,
                 fc1_weight, fc1_bias, fc2_weight, fc2_bias, heads, rms_norm, ln1_zero_centered_gamma, ln1_eps,
                 ln2_zero_centered_gamma, ln2_eps, softmax_scale, hidden_dropout, attention_dropout, deterministic,
-                materialised=None, softmax_coeff=1.0):
+                materialised=None, softmax_coeff=1.0, sdpa=False):
         need = ctx.needs_input_grad
         s, b, h = x.shape
         hn = h // heads
@@ -272,6 +315,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         if materialised is not None:  # the scores and probabilities in memory (DotProductAttention's local path)
             core = _materialised_attention(c_attn, materialised, q, k, v, softmax_scale, softmax_coeff,
                                            attention_dropout)
+        elif sdpa:  # torch's scaled_dot_product_attention, its backward inside autograd
+            core = _sdpa_attention(c_attn, q, k, v, softmax_scale, attention_dropout, need_qkv)
         else:  # [s, b, np, hn] seen as [b, s, np, hn]: views, read through their strides
             o = FlashAttentionFunction.forward(c_attn, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None,
                                                None, softmax_scale, attention_band(s, s, True, None),
@@ -294,7 +339,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
         # internal tensors (no caller can change them): held here, each dropped once its GEMM has read it
         ctx.y1, ctx.core = (y1 if need[_QKV_W] else None), (core if need[_PROJ_W] else None)
         ctx.dims = (s, b, h, heads, hn)
-        ctx.rms_norm, ctx.materialised = rms_norm, materialised is not None
+        ctx.rms_norm, ctx.materialised, ctx.sdpa = rms_norm, materialised is not None, sdpa
         # what no backward will read is not kept (the module path builds no node for it): the
         # attention's saved tensors where nothing before it needs a gradient, the first norm's
         # where neither x nor its parameters do
@@ -346,6 +391,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                 if ctx.materialised:  # (the stand-in carries the gradient in, so that the backward frees it)
                     c_attn.dctx, dcore = dcore.permute(1, 2, 0, 3).reshape(b * heads, s, hn), None  # a view
                     dq, dk, dv = _materialised_attention_backward(c_attn, keep)
+                elif ctx.sdpa:
+                    dq, dk, dv = _sdpa_attention_backward(c_attn, dcore, keep)
                 else:
                     dq, dk, dv = (t.transpose(0, 1)  # [b, s, np, hn] -> [s, b, np, hn]
                                   for t in FlashAttentionFunction.backward(c_attn, dcore.transpose(0, 1))[:3])
@@ -371,7 +418,7 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
                     grads[_X] = dx if need[_X] else None
         if not keep:
             ctx.ops = None
-        return (*grads, *(None,) * 12)
+        return (*grads, *(None,) * 13)
 
 
 class FusedTransformerLayer(TransformerLayer):
@@ -382,7 +429,8 @@ class FusedTransformerLayer(TransformerLayer):
     Build it from fusedlib's local GPT spec with this class as the module, e.g.
     ``ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec().submodules)``
     (``fusedlib.models.gpt.get_gpt_fused_layer_spec()``), and a
-    config with ``attention_backend`` flash, or local / unfused with ``masked_softmax_fusion``;
+    config with ``attention_backend`` flash, auto / fused (SDPA), or local / unfused with
+    ``masked_softmax_fusion``;
     a :class:`~fusedlib.transformer.transformer_block.TransformerBlock` repeats it as any layer
     spec.
 
@@ -433,10 +481,10 @@ class FusedTransformerLayer(TransformerLayer):
         """Why this layer, as its config and submodules are now, cannot run as one node ('' when it
         can); ``parts``: :meth:`_parts`, read here when None."""
         cfg = self.config
-        flash = cfg.attention_backend in FLASH_BACKENDS
-        if not (flash or cfg.attention_backend in MATERIALISED_BACKENDS):
-            return f"config.attention_backend must be flash, local or unfused, got {cfg.attention_backend}"
-        if not flash and cfg.masked_softmax_fusion is not True:
+        flash, sdpa = cfg.attention_backend in FLASH_BACKENDS, cfg.attention_backend in SDPA_BACKENDS
+        if not (flash or sdpa or cfg.attention_backend in MATERIALISED_BACKENDS):
+            return f"config.attention_backend must be flash, auto, fused, local or unfused, got {cfg.attention_backend}"
+        if not (flash or sdpa) and cfg.masked_softmax_fusion is not True:
             return ("config.masked_softmax_fusion must be True with the materialised attention (local or unfused: "
                     f"fusedlib's softmax and dropout kernel), got {cfg.masked_softmax_fusion!r}")
         for name, want in (("bias_dropout_fusion", True), ("gemm_gelu_fusion", True),
@@ -513,9 +561,14 @@ class FusedTransformerLayer(TransformerLayer):
         try:  # checked as the module path's attention checks them: it raises where they fail
             p = dm["attention_dropout"].p
             p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
-            if self.config.attention_backend in FLASH_BACKENDS:
+            backend = self.config.attention_backend
+            if backend in FLASH_BACKENDS:
                 scale, coeff = _check_scale(dpa.softmax_scale * (softmax.scale or 1.0),
                                             dpa.hidden_size_per_attention_head), 1.0
+            elif backend in SDPA_BACKENDS:  # the module path's scale; it takes is_causal only for one > 0
+                scale, coeff = dpa.softmax_scale * (softmax.scale or 1.0), 1.0
+                if not (type(scale) is float and 0.0 < scale < math.inf):
+                    return None
             else:  # the Function the module path's softmax would run; scores = softmax_scale · q·kᵀ
                 function = dpa.softmax_function(p)
                 if function is None:
@@ -531,7 +584,7 @@ class FusedTransformerLayer(TransformerLayer):
                 n2["weight"], n2.get("bias"), f1["weight"], f1["bias"], f2["weight"], f2.get("bias"),
                 dpa.num_attention_heads_per_partition, type(norm1) is FusedRMSNorm, norm1.zero_centered_gamma,
                 norm1.eps, norm2.zero_centered_gamma, norm2.eps, scale, self.hidden_dropout, p, deterministic,
-                function, coeff)
+                function, coeff, self.config.attention_backend in SDPA_BACKENDS)
 
     def _parameters_fit(self, x: torch.Tensor, parts: tuple) -> bool:
         """The parameters the path reads: tensors of x's dtype (float16, bfloat16 or float32) and

@@ -36,6 +36,8 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
                                   (:mod:`fusedlib.transformer.fused_layer`)
 ``fusedlib-fused-layer-local``    ``fusedlib`` (the materialised attention) with each layer a
                                   ``FusedTransformerLayer``
+``fusedlib-fused-layer-sdpa``     ``fusedlib-sdpa`` with each layer a ``FusedTransformerLayer`` (SDPA's
+                                  backward torch's, through autograd, inside the node)
 ``fusedlib-sdpa-graphs``          ``fusedlib-sdpa`` with ``cuda_graph_impl="local"``: the layers'
                                   and the final norm's forward and backward replayed as two CUDA
                                   graphs (:mod:`fusedlib.transformer.cuda_graphs`)
@@ -161,6 +163,7 @@ IMPLS: dict[str, str] = {
     "fusedlib-flash": "fusedlib's local spec, every fusion on, attention_backend flash (fusedlib's Triton FlashAttention)",
     "fusedlib-fused-layer": "fusedlib-flash with FusedTransformerLayer: each layer's training step one autograd node",
     "fusedlib-fused-layer-local": "fusedlib (materialised attention) with FusedTransformerLayer, one node per layer",
+    "fusedlib-fused-layer-sdpa": "fusedlib-sdpa with FusedTransformerLayer, one node per layer",
     "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
     "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
     "fusedlib-sdpa-graphs": "fusedlib-sdpa, cuda_graph_impl='local': the block's forward and backward as CUDA graphs",
@@ -261,8 +264,7 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
         device: where the parameters live.
         cuda_graph: ``cuda_graph_impl="local"`` (the layers as CUDA graphs; needs CUDA).
         fused_layer: with ``fused``, the local spec's submodules in a
-            :class:`~fusedlib.transformer.fused_layer.FusedTransformerLayer` (``backend`` flash or
-            local).
+            :class:`~fusedlib.transformer.fused_layer.FusedTransformerLayer` (any ``backend``).
 
     Returns:
         The block in training mode; call it as ``block(hidden_states, None)``.
@@ -547,6 +549,9 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
         impl("fusedlib-fused-layer-local", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.local, t, d,
                                                                               fused_layer=True), _block_call),
              fusions=fused_on, attention="materialised", layer="FusedTransformerLayer"),
+        impl("fusedlib-fused-layer-sdpa", _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.auto, t, d,
+                                                                             fused_layer=True), _block_call),
+             fusions=fused_on, attention="sdpa", layer="FusedTransformerLayer"),
     ]
     if cuda_graphs:
         impls.append(impl("fusedlib-sdpa-graphs",
