@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import fractions
 import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_reference as R
@@ -393,6 +395,9 @@ AFTER_BUILD = {
         setattr(layer.self_attention.core_attention, "softmax_scale", -0.75)),
     "attention dropout negative": lambda layer: setattr(layer.self_attention.core_attention.attention_dropout, "p",
                                                         -0.5),
+    # (SDPA's module path hands the module's value to torch, which refuses a Fraction by its type)
+    "attention dropout a Fraction": lambda layer: setattr(layer.self_attention.core_attention.attention_dropout,
+                                                          "p", fractions.Fraction(3, 20)),
     "deterministic_mode a str": lambda layer: setattr(layer.config, "deterministic_mode", "yes"),
     "fc1 weight bf16": lambda layer: setattr(layer.mlp.linear_fc1, "weight",
                                              torch.nn.Parameter(layer.mlp.linear_fc1.weight.detach().bfloat16())),
@@ -524,6 +529,14 @@ def test_layers_it_does_not_run_are_refused_naming_why(kwargs, spec, match):
         TransformerLayer(cfg, submodules)
 
 
+def test_a_backend_that_is_not_an_attnbackend_is_refused_naming_its_value():
+    cfg = make_config(num_layers=1)
+    cfg.attention_backend = "auto"  # (a str set after the config's checks)
+    with pytest.raises(ValueError, match=r"attention_backend must be an AttnBackend \(flash, auto, fused, local or "
+                                         r"unfused\), got 'auto'"):
+        FusedTransformerLayer(cfg, get_gpt_layer_local_spec().submodules)
+
+
 def test_the_gemm_epilogue_path_takes_the_same_route(monkeypatch, backend, seed):
     # where cuBLASLt's epilogues run (CUDA, ffn a multiple of 8), both paths take them
     monkeypatch.setattr(fused_dense, "EPILOGUE_MIN_ELEMENTS", 1)
@@ -631,6 +644,32 @@ def test_the_sdpa_path_makes_the_module_paths_call_and_runs_torchs_backward(monk
                                                 enable_gqa=False))]
     out.sum().backward()
     assert grads == [1] and layer.self_attention.linear_qkv.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype, dropout", [(torch.float32, 0.15), (torch.bfloat16, 0.15), (torch.bfloat16, 0.0)])
+def test_the_sdpa_graph_keeps_no_more_than_the_module_paths(monkeypatch, dtype, dropout):
+    # after the forward, the SDPA call's output and the QKV buffer its inputs view are alive in the
+    # one-node block exactly where they are in the module path's (with torch's math kernel, which
+    # saves float copies in bf16, neither; with a kernel that saves them, both)
+    sdpa, alive = F.scaled_dot_product_attention, []
+
+    def spy(q, k, v, **kw):
+        o = sdpa(q, k, v, **kw)
+        alive.append((StorageWeakRef(o.untyped_storage()), StorageWeakRef(q.untyped_storage())))
+        return o
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    module, one = blocks(make_config(dtype, attention_backend=AttnBackend.auto, attention_dropout=dropout))
+    x = hidden(dtype).detach().requires_grad_(True)
+    kept = []
+    with deterministic_sdpa(AttnBackend.auto):
+        for block in (module, one):
+            alive.clear()
+            torch.manual_seed(0)
+            y = block(x, None)  # the graph held, its backward not yet run
+            kept.append([(not o.expired(), not q.expired()) for o, q in alive])
+            y.sum().backward()
+    assert len(kept[0]) == 2 and kept[1] == kept[0], kept  # (two layers)
 
 
 def test_the_fused_backend_is_sdpa_and_needs_no_softmax_fusion(seed):

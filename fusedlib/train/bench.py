@@ -14,9 +14,10 @@ batches in the same order, with the same optimizer and schedule (the command lin
                       attention and its softmax kernels: the same attention algorithm as
                       ``fusedlib-unfused``, so the two differ by the fusions alone
 ``fusedlib-fused-layer``  (only when asked for) ``fusedlib``'s model with each layer a
-                      ``FusedTransformerLayer`` (``fused_layer``): the same kernels and losses,
-                      bit for bit, each layer's training forward and backward one autograd node
-                      (less host time per layer); eager; any attention backend
+                      ``FusedTransformerLayer`` (``fused_layer``): the same kernels (the same
+                      losses bit for bit where they are deterministic: not SDPA's CUDA kernels),
+                      each layer's training forward and backward one autograd node (less host
+                      time per layer); eager; any attention backend
 ``fusedlib-compile``  (only when asked for) ``fusedlib``'s model, ``torch.compile``d as a whole
                       (Inductor fuses what fusedlib leaves unfused and traces fusedlib's
                       kernels into its graph)

@@ -145,8 +145,9 @@ class TrainConfig:
     whole step as one CUDA graph, see the module docstring; CUDA only, tp = 1, not with
     ``cuda_graph`` or a compile mode that makes its own graphs), ``fused_layer`` (fusedlib's
     GPTModel with each layer a ``FusedTransformerLayer``: a layer's training forward and
-    backward one autograd node, the same kernels and results bit for bit, less host time per
-    layer; the fused spec with any attention backend, eager, tp = 1, no CUDA graphs), ``tp`` (tensor-parallel ranks:
+    backward one autograd node, the same kernels, and results bit for bit where they are
+    deterministic (SDPA's CUDA kernels need not be), less host time per layer; the fused spec
+    with any attention backend, eager, tp = 1, no CUDA graphs), ``tp`` (tensor-parallel ranks:
     the process must be one of ``tp`` ranks started by ``torchrun`` or
     ``fusedlib.parallel.spawn``), ``sequence_parallel``, ``seed`` (weights, data order, dropout).
     Output: ``out`` (directory for metrics and checkpoints; None: none written),

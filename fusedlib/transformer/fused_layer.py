@@ -178,27 +178,46 @@ def _materialised_attention_backward(c_softmax: _StandInCtx,
             dv2.transpose(0, 1).reshape(s, b, np_, hn))
 
 
+class _SdpaInputs(torch.autograd.Function):
+    """q, k and v as inputs of the SDPA call's graph that hold no tensor: ``apply(anchor, q, k, v)``
+    returns views of q, k and v whose node leads only to ``anchor``, a 0-element leaf. The graph's
+    gradients are read at this node's three edges, so its backward never runs; a leaf made from q,
+    k and v themselves would keep them (and the QKV buffer they view) alive through its
+    ``AccumulateGrad`` node, where the module path's graph keeps only what SDPA's kernel saves."""
+
+    @staticmethod
+    def forward(ctx, anchor, q, k, v):
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):  # (not reached: the gradients are taken at the edges into it)
+        return None, dq, dk, dv
+
+
 def _sdpa_attention(c_attn: _StandInCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     dropout_p: float, need_grad: bool) -> torch.Tensor:
     """DotProductAttention's SDPA call for causal attention without a mask (``_forward_sdpa``):
     q, k, v [s, b, np, hn] (views of the QKV projection) seen as [b, np, s, hn] ->
     ``scaled_dot_product_attention(q, k, v, dropout_p, is_causal=True, scale)`` -> the context
-    [s, b, np·hn]. Its backward is torch's, inside autograd: with ``need_grad`` the call runs on
-    detached views of q, k and v under ``enable_grad``, and ``c_attn`` keeps that small graph (the
-    output and the three leaves) for :func:`_sdpa_attention_backward`; the same kernel, the same
-    random-number draws, the same saved tensors as the module path's SDPA node."""
+    [s, b, np·hn]. Its backward is torch's, inside autograd: with ``need_grad`` the call and the
+    context's views run under ``enable_grad`` on :class:`_SdpaInputs`' views of q, k and v, and
+    ``c_attn`` keeps that small graph's edges, the context's and the three inputs', for
+    :func:`_sdpa_attention_backward`: the same kernel, the same random-number draws and the same
+    saved tensors as the module path's SDPA node, and no tensor beyond them."""
     s, b, np_, hn = q.shape
-    if need_grad:
-        with torch.enable_grad():
-            leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
-            o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in leaves), dropout_p=dropout_p,
-                                               is_causal=True, scale=scale, enable_gqa=False)
-        c_attn.sdpa = (o, leaves)
-        o = o.detach()
-    else:
+    if not need_grad:
         o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), dropout_p=dropout_p,
                                            is_causal=True, scale=scale, enable_gqa=False)
-    return o.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)  # [b, np, s, hn] -> [s, b, np·hn], as the module path
+        return o.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)  # [b, np, s, hn] -> [s, b, np·hn], as the module path
+    edge = torch.autograd.graph.get_gradient_edge
+    with torch.enable_grad():
+        anchor = torch.empty(0, device=q.device, requires_grad=True)
+        inputs = _SdpaInputs.apply(anchor, q, k, v)
+        o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in inputs), dropout_p=dropout_p,
+                                           is_causal=True, scale=scale, enable_gqa=False)
+        core = o.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+    c_attn.sdpa = (edge(core), tuple(edge(t) for t in inputs))
+    return core.detach()
 
 
 def _sdpa_attention_backward(c_attn: _StandInCtx, dcore: torch.Tensor,
@@ -206,10 +225,11 @@ def _sdpa_attention_backward(c_attn: _StandInCtx, dcore: torch.Tensor,
     """The gradients of q, k and v [s, b, np, hn] from the context's, ``dcore`` [s, b, np, hn],
     through the graph :func:`_sdpa_attention` kept: torch's own SDPA backward (``keep``: the graph
     retained for another backward)."""
-    o, leaves = c_attn.sdpa
+    out, inputs = c_attn.sdpa
     if not keep:
         c_attn.sdpa = None
-    return torch.autograd.grad(o, leaves, dcore.permute(1, 2, 0, 3), retain_graph=keep)
+    s, b, np_, hn = dcore.shape
+    return torch.autograd.grad(out, inputs, dcore.view(s, b, np_ * hn), retain_graph=keep)
 
 
 #: The positions of the tensors in :meth:`FusedTransformerLayerFunction.forward`'s arguments.
@@ -483,7 +503,8 @@ class FusedTransformerLayer(TransformerLayer):
         cfg = self.config
         flash, sdpa = cfg.attention_backend in FLASH_BACKENDS, cfg.attention_backend in SDPA_BACKENDS
         if not (flash or sdpa or cfg.attention_backend in MATERIALISED_BACKENDS):
-            return f"config.attention_backend must be flash, auto, fused, local or unfused, got {cfg.attention_backend}"
+            return (f"config.attention_backend must be an AttnBackend (flash, auto, fused, local or unfused), got "
+                    f"{cfg.attention_backend!r}")
         if not (flash or sdpa) and cfg.masked_softmax_fusion is not True:
             return ("config.masked_softmax_fusion must be True with the materialised attention (local or unfused: "
                     f"fusedlib's softmax and dropout kernel), got {cfg.masked_softmax_fusion!r}")
@@ -559,8 +580,8 @@ class FusedTransformerLayer(TransformerLayer):
             return None
         softmax, function = dm["scale_mask_softmax"], None
         try:  # checked as the module path's attention checks them: it raises where they fail
-            p = dm["attention_dropout"].p
-            p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
+            raw = dm["attention_dropout"].p
+            p = 0.0 if (type(raw) is float and raw == 0.0) else _check_dropout_p(raw)
             backend = self.config.attention_backend
             if backend in FLASH_BACKENDS:
                 scale, coeff = _check_scale(dpa.softmax_scale * (softmax.scale or 1.0),
@@ -569,6 +590,7 @@ class FusedTransformerLayer(TransformerLayer):
                 scale, coeff = dpa.softmax_scale * (softmax.scale or 1.0), 1.0
                 if not (type(scale) is float and 0.0 < scale < math.inf):
                     return None
+                p = raw  # (the module's own value, as the module path hands it to SDPA: its type is SDPA's to refuse)
             else:  # the Function the module path's softmax would run; scores = softmax_scale · q·kᵀ
                 function = dpa.softmax_function(p)
                 if function is None:
