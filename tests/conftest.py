@@ -49,6 +49,20 @@ TOL: dict[torch.dtype, tuple[float, float]] = {
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def deterministic_sdpa(sdpa: bool = True):
+    """A context in which ``scaled_dot_product_attention`` compares bit for bit between two runs:
+    on a CUDA device (with ``sdpa``) its math kernel pinned, since torch's other CUDA kernels for
+    it may sum the backward's gradients with atomic additions, in whatever order the thread blocks
+    finish; elsewhere, or without ``sdpa``, nothing (the CPU's kernels are deterministic)."""
+    import contextlib
+
+    if not (sdpa and DEVICE.type == "cuda"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def assert_close(actual: torch.Tensor, expected64: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
     """Compare a kernel's output (any dtype) with a float64 reference, at ``dtype``'s tolerance.
 

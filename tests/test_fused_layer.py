@@ -33,7 +33,7 @@ from fusedlib.transformer.fused_layer import FusedTransformerLayer, FusedTransfo
 from fusedlib.transformer.transformer_block import TransformerBlock
 from fusedlib.transformer.transformer_layer import TransformerLayer
 
-from conftest import DEVICE  # noqa: I001
+from conftest import DEVICE, deterministic_sdpa  # noqa: I001
 from test_transformer import U, assert_as_accurate, hidden, randomize, tensor_errors
 
 S, B, H, NP, FFN = 7, 2, 24, 4, 20  # hn = 6
@@ -41,21 +41,17 @@ FUSED = dict(bias_activation_fusion=True, gemm_gelu_fusion=True, masked_softmax_
              persist_layer_norm=True, attention_backend=AttnBackend.flash)
 
 
-def deterministic_sdpa(backend: AttnBackend):
-    """For SDPA on a CUDA device, torch's math kernel pinned: its other CUDA kernels may sum the
-    backward's gradients with atomic additions, in whatever order the thread blocks finish, so
-    two runs (the module path's, the one node's) could not compare bit for bit. Elsewhere (and on
-    the CPU, whose kernels are deterministic) nothing is pinned."""
-    if backend in (AttnBackend.auto, AttnBackend.fused) and DEVICE.type == "cuda":
-        return sdpa_kernel(SDPBackend.MATH)
-    return contextlib.nullcontext()
+def pinned(backend: AttnBackend):
+    """conftest's ``deterministic_sdpa`` for an SDPA backend: the module path's and the one
+    node's runs compare bit for bit."""
+    return deterministic_sdpa(backend in (AttnBackend.auto, AttnBackend.fused))
 
 
 @pytest.fixture(params=[AttnBackend.flash, AttnBackend.local, AttnBackend.auto], ids=["flash", "local", "sdpa"])
 def backend(request):
     """The attention backends the one-node layer takes: FlashAttention, the materialised path, SDPA
-    (:func:`deterministic_sdpa` for the test's length)."""
-    with deterministic_sdpa(request.param):
+    (:func:`pinned` for the test's length)."""
+    with pinned(request.param):
         yield request.param
 
 
@@ -212,7 +208,7 @@ def test_a_double_backward_raises(backend):
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="peak memory is measured on a CUDA device")
 @pytest.mark.parametrize("backend", [AttnBackend.flash, AttnBackend.local, AttnBackend.auto],
-                         ids=["flash", "local", "sdpa"])  # (SDPA's kernel torch's choice: no bits compared)
+                         ids=["flash", "local", "sdpa"])  # (no bits compared: SDPA's fused kernels, below)
 def test_peak_memory_of_a_step_is_the_layers(backend, seed):
     # the backward releases each op's saved tensors after its backward, as autograd frees a
     # node's: at this size a step's peak is the module path's (a few allocator blocks of slack,
@@ -224,16 +220,20 @@ def test_peak_memory_of_a_step_is_the_layers(backend, seed):
     module, one = blocks(cfg)
     x = torch.randn(1024, 8, 512, device=DEVICE, dtype=torch.bfloat16)
     peaks = []
-    for block in (module, one, module, one):
-        step(block, x, seed)  # warm: kernels compiled, gradients allocated once
-        for p in block.parameters():
-            p.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step(block, x, seed)
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - base)
+    # SDPA: one of torch's fused kernels, never its math one, whose materialised scores would put
+    # the step's peak in the attention's backward, where the node holds one [s, b, h] more
+    fused_sdpa = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    with fused_sdpa if backend is AttnBackend.auto else contextlib.nullcontext():
+        for block in (module, one, module, one):
+            step(block, x, seed)  # warm: kernels compiled, gradients allocated once
+            for p in block.parameters():
+                p.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step(block, x, seed)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
     assert max(peaks[1], peaks[3]) <= min(peaks[0], peaks[2]) + 4 * 2**20, peaks
 
 
@@ -605,7 +605,7 @@ def test_the_other_attentions_take_head_dims_flash_refuses(backend_, seed):
     module, one = blocks(make_config(attention_backend=backend_, **kw))
     x = torch.randn(5, 1, 528, device=DEVICE)
     assert one.layers[0].fused_path_applies(x)
-    with deterministic_sdpa(backend_):
+    with pinned(backend_):
         assert_same_bits(step(one, x, seed), step(module, x, seed))
 
 
@@ -623,34 +623,42 @@ def test_the_unfused_backend_is_the_materialised_path(seed):
 
 @pytest.mark.parametrize("dropout", [0.15, 0.0])
 def test_the_sdpa_path_makes_the_module_paths_call_and_runs_torchs_backward(monkeypatch, dropout, seed):
-    # the dispatch: per layer one scaled_dot_product_attention call with the module path's
-    # arguments (causal, the scale, the dropout), its backward torch's own through autograd.grad
+    # the dispatch: per layer one scaled_dot_product_attention call, its arguments (the inputs'
+    # shapes and strides, causal, the scale, the dropout) the module path's, its backward torch's
+    # own through one autograd.grad
     cfg = make_config(attention_backend=AttnBackend.auto, attention_dropout=dropout)
-    _, one = blocks(cfg)
+    module, one = blocks(cfg)
     calls, grads = [], []
     sdpa, grad = F.scaled_dot_product_attention, torch.autograd.grad
 
-    def counted_sdpa(q, k, v, **kw):
-        calls.append((q.shape, kw))
-        return sdpa(q, k, v, **kw)
+    def counted_sdpa(*args, **kw):
+        calls[-1].append(([(t.shape, t.stride()) for t in args], kw))
+        return sdpa(*args, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counted_sdpa)
     monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: (grads.append(1), grad(*a, **k))[1])
-    layer = one.layers[0]
-    out, _ = layer(hidden())
+    x = hidden()
+    for block in (module, one):
+        calls.append([])
+        torch.manual_seed(seed)
+        out, _ = block.layers[0](x)
+        out.sum().backward()
     assert type(out.grad_fn).__name__ == "FusedTransformerLayerFunctionBackward"
-    dpa = layer.self_attention.core_attention
-    assert calls == [((B, NP, S, H // NP), dict(dropout_p=dropout, is_causal=True, scale=dpa.softmax_scale,
-                                                enable_gqa=False))]
-    out.sum().backward()
-    assert grads == [1] and layer.self_attention.linear_qkv.weight.grad is not None
+    assert len(calls[1]) == 1 and calls[1] == calls[0], calls
+    dpa = one.layers[0].self_attention.core_attention
+    assert calls[1][0][1] == dict(dropout_p=dropout, is_causal=True, scale=dpa.softmax_scale, enable_gqa=False)
+    assert grads == [1] and one.layers[0].self_attention.linear_qkv.weight.grad is not None
 
 
 @pytest.mark.parametrize("dtype, dropout", [(torch.float32, 0.15), (torch.bfloat16, 0.15), (torch.bfloat16, 0.0)])
 def test_the_sdpa_graph_keeps_no_more_than_the_module_paths(monkeypatch, dtype, dropout):
     # after the forward, the SDPA call's output and the QKV buffer its inputs view are alive in the
-    # one-node block exactly where they are in the module path's (with torch's math kernel, which
-    # saves float copies in bf16, neither; with a kernel that saves them, both)
+    # one-node block exactly where they are in the module path's. On the CPU: with dropout torch's
+    # math kernel, which saves neither the output nor, in bf16, the QKV buffer (it saves float
+    # copies; in fp32 it saves v itself, a view of the buffer); without dropout its flash kernel,
+    # which saves both. The cases with dropout tell a graph that keeps nothing beyond the module
+    # path's from one that keeps q, k, v and the output (detached leaves): by the output in fp32,
+    # by both in bf16
     sdpa, alive = F.scaled_dot_product_attention, []
 
     def spy(q, k, v, **kw):
@@ -662,7 +670,7 @@ def test_the_sdpa_graph_keeps_no_more_than_the_module_paths(monkeypatch, dtype, 
     module, one = blocks(make_config(dtype, attention_backend=AttnBackend.auto, attention_dropout=dropout))
     x = hidden(dtype).detach().requires_grad_(True)
     kept = []
-    with deterministic_sdpa(AttnBackend.auto):
+    with pinned(AttnBackend.auto):
         for block in (module, one):
             alive.clear()
             torch.manual_seed(0)
@@ -679,7 +687,7 @@ def test_the_fused_backend_is_sdpa_and_needs_no_softmax_fusion(seed):
         module, one = blocks(make_config(**kw))
         x = hidden()
         assert all(layer.fused_path_applies(x) for layer in one.layers)
-        with deterministic_sdpa(kw["attention_backend"]):
+        with pinned(kw["attention_backend"]):
             assert_same_bits(step(one, x, seed), step(module, x, seed))
 
 
@@ -692,7 +700,14 @@ def test_what_no_backward_reads_is_not_kept(backend_):
     for name in ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.weight",
                  "self_attention.linear_qkv.bias"):
         one.layers[0].get_parameter(name).requires_grad_(False)
-    out, _ = one.layers[0](hidden().detach())
+    sdpa_inputs = []
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda *a, **k: (sdpa_inputs.extend(a), sdpa(*a, **k))[1]
+    try:
+        out, _ = one.layers[0](hidden().detach())
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    assert not any(t.requires_grad for t in sdpa_inputs)  # (SDPA: no graph built for its call)
     node = out.grad_fn
     assert type(node).__name__ == "FusedTransformerLayerFunctionBackward"
     c_norm, _, c_attn = node.ops[:3]

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, deterministic_sdpa
 from fusedlib.train import (PlainGPT, TrainConfig, Trainer, build_model, decode, encode, get_batch, load_corpus,
                             plain_state_dict_from_gpt, sample)
 from fusedlib.train import __main__ as cli
@@ -1439,22 +1439,15 @@ def test_cuda_graph_training_equals_eager_training_and_resumes(corpus, tmp_path)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def deterministic_sdpa():
-    """On a CUDA device, SDPA's math kernel for the test's length: torch's other CUDA kernels for it
-    may sum the backward's gradients with atomic additions, in whatever order the thread blocks
-    finish, so that two runs could not compare bit for bit (the CPU's kernels are deterministic)."""
-    if DEVICE.type != "cuda":
-        yield
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.MATH):
+def sdpa_pinned(request):
+    """conftest's ``deterministic_sdpa`` for the test's length, for its ``backend`` auto."""
+    with deterministic_sdpa(request.getfixturevalue("backend") == "auto"):
         yield
 
 
 @pytest.mark.parametrize("backend", ["flash", "local", "auto"])
 def test_fused_layer_training_is_the_module_paths_bit_for_bit_and_resumes_across_it(backend, corpus, tmp_path,
-                                                                                    monkeypatch, deterministic_sdpa):
+                                                                                    monkeypatch, sdpa_pinned):
     """The fused model with each layer a FusedTransformerLayer takes the one-node path at every
     training call and trains exactly as the module path (losses, validation and weights bit for
     bit, dropout on: the same kernels and Philox keys in the same order); a checkpoint of one

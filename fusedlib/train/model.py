@@ -19,8 +19,8 @@ All three compute the same function from the same weights (up to rounding):
   fused bias-GeLU kernel computes.
 * ``gpt`` with ``spec="fused"`` and ``fused_layer``: the same model with its layers from
   ``get_gpt_fused_layer_spec``: each layer a ``FusedTransformerLayer``, whose training forward
-  and backward are one autograd node (the same kernels, results bit for bit, less host time
-  per layer).
+  and backward are one autograd node (the same kernels, results bit for bit where they are
+  deterministic, less host time per layer).
 * ``plain``: :class:`~fusedlib.train.plain_gpt.PlainGPT` (nanoGPT-style).
 
 Initial weights (:func:`initial_state`): one ``GPTModel`` built on the CPU in float32 from the
@@ -147,9 +147,8 @@ def build_gpt(shape: ModelShape, spec: str = "fused", attention_backend: str = "
 
     Raises:
         ValueError: as :func:`gpt_config`; ``fused_layer`` with the unfused spec; as
-            ``FusedTransformerLayer`` for a config it does not take (e.g. ``attention_backend``
-            "auto", ``tp`` > 1), naming the TransformerConfig field
-            (``config.attention_backend``, ``config.tensor_model_parallel_size``).
+            ``FusedTransformerLayer`` for a config it does not take (e.g. ``tp`` > 1), naming
+            the TransformerConfig field (``config.tensor_model_parallel_size``).
         TypeError: ``cuda_graph`` or ``fused_layer`` not a bool.
     """
     device = torch.device(device)

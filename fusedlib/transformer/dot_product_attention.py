@@ -195,6 +195,34 @@ def materialised_context(probs: torch.Tensor, value: torch.Tensor) -> tuple[torc
     return p3, v2, context.view(b, np_, sq, hn).permute(2, 0, 1, 3).contiguous().view(sq, b, np_ * hn)
 
 
+def sdpa_is_causal_call(causal: bool, sq: int, sk: int, scale: float) -> bool:
+    """Whether the SDPA path's call without a mask or window takes ``is_causal`` (or no mask at all,
+    for non-causal attention) rather than an explicit mask: causal attention only for a square
+    score matrix and a scale > 0 (``is_causal`` with a scale <= 0 gave NaN in torch's SDPA, seen
+    on the CPU with torch 2.13; the explicit mask gives the same probabilities without it)."""
+    return not causal or (sq == sk and scale > 0)
+
+
+def sdpa_context(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float, causal: bool,
+                 scale: float, gqa: bool) -> torch.Tensor:
+    """The SDPA path's call without a mask or window (:func:`sdpa_is_causal_call` true): query
+    [sq, b, np, hn], key and value [sk, b, ng, hn] seen as [b, heads, s, hn] (views: SDPA takes
+    strided inputs) -> ``scaled_dot_product_attention(q, k, v, dropout_p, is_causal=causal,
+    scale, enable_gqa=gqa)`` -> the context [sq, b, np·hn] (a copy where the output's layout asks
+    for one). Any float dtype, query's device.
+
+    Raises:
+        RuntimeError, TypeError: torch's, for arguments its SDPA refuses.
+
+    Source: Megatron-LM ``megatron/core/transformer/dot_product_attention.py`` (the context's
+    layout); ``torch.nn.functional.scaled_dot_product_attention``.
+    """
+    sq, b, np_, hn = query.shape
+    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), dropout_p=dropout_p,
+                                         is_causal=causal, scale=scale, enable_gqa=gqa)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [b, np, sq, hn] -> [sq, b, np·hn]
+
+
 class DotProductAttention(MegatronModule):
     """Core attention of one layer: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np·hn].
 
@@ -380,25 +408,22 @@ class DotProductAttention(MegatronModule):
     def _forward_sdpa(self, query, key, value, attention_mask):
         sq, b, np_, hn = query.shape
         sk = key.size(0)
-        # [s, b, heads, hn] -> [b, heads, s, hn] (views: SDPA takes strided inputs)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         causal = self.attn_mask_type in _CAUSAL
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)  # undo the layer scaling's split
         dropout_p = self.attention_dropout.p if self.training else 0.0
         gqa = np_ != self.num_query_groups_per_partition
-        # is_causal with a scale <= 0 gives NaN in torch's SDPA (seen on the CPU, torch 2.13): the
-        # explicit mask below gives the same probabilities without it
-        if attention_mask is None and self.window_size is None and (not causal or (sq == sk and scale > 0)):
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
-                                                 enable_gqa=gqa)
-        else:
-            masked = self._structural_mask(sq, sk, causal, query.device)
-            if attention_mask is not None:
-                masked = attention_mask if masked is None else (attention_mask | masked)
-            empty = masked.all(dim=-1, keepdim=True)  # rows with nothing to attend to: SDPA would give NaN
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~(masked & ~empty), dropout_p=dropout_p,
-                                                 scale=scale, enable_gqa=gqa)
-            out = out.masked_fill(empty, 0.0)  # ... they give zeros, as FusedScaleMaskSoftmax does
+        if attention_mask is None and self.window_size is None and sdpa_is_causal_call(causal, sq, sk, scale):
+            return sdpa_context(query, key, value, dropout_p, causal, scale, gqa)
+        # [s, b, heads, hn] -> [b, heads, s, hn] (views: SDPA takes strided inputs)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # an explicit mask: the structural one, the caller's, or both
+        masked = self._structural_mask(sq, sk, causal, query.device)
+        if attention_mask is not None:
+            masked = attention_mask if masked is None else (attention_mask | masked)
+        empty = masked.all(dim=-1, keepdim=True)  # rows with nothing to attend to: SDPA would give NaN
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=~(masked & ~empty), dropout_p=dropout_p, scale=scale,
+                                             enable_gqa=gqa)
+        out = out.masked_fill(empty, 0.0)  # ... they give zeros, as FusedScaleMaskSoftmax does
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [b, np, sq, hn] -> [sq, b, np·hn]
 
     def _structural_mask(self, sq: int, sk: int, causal: bool, device: torch.device) -> Optional[torch.Tensor]:

@@ -13,7 +13,9 @@ forwards in the layer's order, each with a stand-in ``ctx``, and the GEMMs and v
 them without autograd; its ``backward`` calls their backwards in the reverse order and writes
 the GEMMs' gradients itself. The kernels, their launches and the Philox keys (drawn in the
 same order) are the module path's: with the same seed the outputs and every gradient equal
-:class:`TransformerLayer`'s bit for bit, dropout on.
+:class:`TransformerLayer`'s bit for bit, dropout on, wherever the kernels are deterministic (all
+of fusedlib's; torch's SDPA kernels on a CUDA device other than its math kernel may sum gradients
+with atomic additions, and then two runs of either path differ as much as each other).
 
 The layer it takes (checked when it is built, a ValueError naming what differs): fusedlib's
 local GPT spec (``get_gpt_layer_local_spec()``'s submodules: fusedlib's LayerNorm or RMSNorm,
@@ -25,9 +27,9 @@ materialised path: the scores by ``torch.baddbmm``, the probabilities and their 
 fusedlib's softmax kernel, the context by ``torch.bmm``; the layer computes the two products'
 gradients itself by autograd's own formulas, on the same operands) or ``auto`` / ``fused``
 (torch's ``scaled_dot_product_attention``, DotProductAttention's SDPA call: its backward is
-torch's, inside autograd, so the node keeps that one call's small graph, made on detached views
-of q, k and v, and runs its backward with ``torch.autograd.grad``; torch picks the kernel, as it
-does for the module path), ``bias_dropout_fusion`` and
+torch's, inside autograd, so the node keeps that one call's small graph, made on views of q, k
+and v that hold no tensor (``_SdpaInputs``), and runs its backward with ``torch.autograd.grad``;
+torch picks the kernel, as it does for the module path), ``bias_dropout_fusion`` and
 ``gemm_gelu_fusion`` on, one rank (``tensor_model_parallel_size`` 1), heads of
 ``kv_channels = hidden_size / num_attention_heads`` channels, no grouped-query attention,
 query/key norms, sliding window, activation recomputation, fp32 residual stream, post-norm
@@ -43,8 +45,10 @@ kernel's), rotary embeddings, attention bias or cross-attention context; no modu
 submodules (the path calls none of them: their hooks would not run); the layer as built checks
 again (its config and submodules may have changed since: the check above runs at every call);
 its parameters of the hidden states' dtype (float16, bfloat16 or float32) and shapes; a valid
-attention dropout; with FlashAttention a valid softmax scale; with SDPA a finite positive
-softmax scale (the one the module path passes with ``is_causal``); on the materialised path the
+attention dropout (with SDPA, the dropout module's value is handed to torch as the module
+path hands it); with FlashAttention a valid softmax scale; with SDPA a float softmax scale > 0
+(where the module path passes ``is_causal``, not an explicit mask:
+:func:`~fusedlib.transformer.dot_product_attention.sdpa_is_causal_call`); on the materialised path the
 attention's softmax and dropout modules of their built types (``FusedScaleMaskSoftmax``,
 ``torch.nn.Dropout``), the softmax module's scale valid, its fp16 / bf16 flags matching that
 dtype, a bool ``attention_softmax_in_fp32``, and fusedlib's fused softmax kernel on the causal
@@ -60,7 +64,6 @@ Source: Megatron-LM ``megatron/core/transformer/transformer_layer.py`` (the laye
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Tuple
 
 import torch
@@ -81,7 +84,8 @@ from ..kernels.softmax import causal_band
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .attention import SelfAttention, SplitLastDim
 from .dot_product_attention import (_CAUSAL, FLASH_BACKENDS, MATERIALISED_BACKENDS, SDPA_BACKENDS,
-                                    DotProductAttention, materialised_context, materialised_scores)
+                                    DotProductAttention, materialised_context, materialised_scores,
+                                    sdpa_context, sdpa_is_causal_call)
 from .identity_op import IdentityOp
 from .mlp import MLP
 from .transformer_config import TransformerConfig
@@ -195,27 +199,25 @@ class _SdpaInputs(torch.autograd.Function):
 
 
 def _sdpa_attention(c_attn: _StandInCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    dropout_p: float, need_grad: bool) -> torch.Tensor:
-    """DotProductAttention's SDPA call for causal attention without a mask (``_forward_sdpa``):
-    q, k, v [s, b, np, hn] (views of the QKV projection) seen as [b, np, s, hn] ->
-    ``scaled_dot_product_attention(q, k, v, dropout_p, is_causal=True, scale)`` -> the context
-    [s, b, np·hn]. Its backward is torch's, inside autograd: with ``need_grad`` the call and the
-    context's views run under ``enable_grad`` on :class:`_SdpaInputs`' views of q, k and v, and
-    ``c_attn`` keeps that small graph's edges, the context's and the three inputs', for
-    :func:`_sdpa_attention_backward`: the same kernel, the same random-number draws and the same
-    saved tensors as the module path's SDPA node, and no tensor beyond them."""
-    s, b, np_, hn = q.shape
+                    dropout_p: Any, need_grad: bool) -> torch.Tensor:
+    """DotProductAttention's SDPA call for causal attention without a mask
+    (:func:`~fusedlib.transformer.dot_product_attention.sdpa_context`, as ``_forward_sdpa`` makes
+    it): q, k, v [s, b, np, hn] (views of the QKV projection) -> the context [s, b, np·hn], with
+    ``is_causal``, ``scale`` and the dropout module's own ``dropout_p``. Its backward is torch's,
+    inside autograd: with ``need_grad`` the call runs under ``enable_grad`` on
+    :class:`_SdpaInputs`' views of q, k and v, and ``c_attn`` keeps that small graph's edges, the
+    context's and the three inputs', for :func:`_sdpa_attention_backward`: the same kernel, the
+    same random-number draws and the same saved tensors as the module path's SDPA node, and no
+    tensor beyond them."""
     if not need_grad:
-        o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), dropout_p=dropout_p,
-                                           is_causal=True, scale=scale, enable_gqa=False)
-        return o.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)  # [b, np, s, hn] -> [s, b, np·hn], as the module path
+        return sdpa_context(q, k, v, dropout_p, True, scale, False)
     edge = torch.autograd.graph.get_gradient_edge
     with torch.enable_grad():
-        anchor = torch.empty(0, device=q.device, requires_grad=True)
+        anchor = torch.empty(0, device=q.device, dtype=q.dtype, requires_grad=True)
         inputs = _SdpaInputs.apply(anchor, q, k, v)
-        o = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in inputs), dropout_p=dropout_p,
-                                           is_causal=True, scale=scale, enable_gqa=False)
-        core = o.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+        core = sdpa_context(*inputs, dropout_p, True, scale, False)
+    # (where a GradientEdge holds its node weakly, torch 2.6's, the context's edge keeps the chain
+    # of nodes back to _SdpaInputs' alive)
     c_attn.sdpa = (edge(core), tuple(edge(t) for t in inputs))
     return core.detach()
 
@@ -263,8 +265,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
       scores (a float; ``FusedScaleMaskSoftmax``'s ``scale``, the query-key layer scaling's
       factor) with its dropout, the context by ``torch.bmm``;
     - sdpa: True (with materialised None) for torch's ``scaled_dot_product_attention``, causal,
-      its scale softmax_scale (a finite float > 0), its dropout attention_dropout: its backward
-      through autograd (:func:`_sdpa_attention`).
+      its scale softmax_scale (a float > 0), its dropout attention_dropout (the dropout module's
+      value, unconverted): its backward through autograd (:func:`_sdpa_attention`).
 
     Returns out [s, b, h], a new tensor of x's dtype::
 
@@ -292,7 +294,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
     a step's peak falls inside the attention's backward (the materialised attention: its
     [b, np, s, s] gradients) that is one [s, b, h] more at the peak (32 MiB on an H200 at s 2048,
     b 4, h 2048: 3434 against 3402 MiB); with FlashAttention the peak falls elsewhere and is the
-    module path's.
+    module path's; with SDPA it depends on where torch's kernel puts the step's peak (its math
+    kernel materialises the scores as the materialised attention does).
 
     The arguments are not checked here: :class:`FusedTransformerLayer` builds them from a
     checked layer (the fused ops' own checks still run inside their forwards).
@@ -444,7 +447,8 @@ class FusedTransformerLayerFunction(torch.autograd.Function):
 class FusedTransformerLayer(TransformerLayer):
     """:class:`TransformerLayer` whose training forward and backward are one autograd node,
     :class:`FusedTransformerLayerFunction` (see the module docstring): the same submodules,
-    parameters and state dict, the same outputs and gradients, less host time per step.
+    parameters and state dict, the same outputs and gradients (bit for bit where the kernels are
+    deterministic: see the module docstring), less host time per step.
 
     Build it from fusedlib's local GPT spec with this class as the module, e.g.
     ``ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec().submodules)``
@@ -580,18 +584,18 @@ class FusedTransformerLayer(TransformerLayer):
             return None
         softmax, function = dm["scale_mask_softmax"], None
         try:  # checked as the module path's attention checks them: it raises where they fail
-            raw = dm["attention_dropout"].p
-            p = 0.0 if (type(raw) is float and raw == 0.0) else _check_dropout_p(raw)
+            p = dm["attention_dropout"].p
             backend = self.config.attention_backend
-            if backend in FLASH_BACKENDS:
+            if backend in SDPA_BACKENDS:  # the module path's call: is_causal with its scale, the module's own p
+                scale, coeff = dpa.softmax_scale * (softmax.scale or 1.0), 1.0
+                if not (type(scale) is float and sdpa_is_causal_call(True, x.shape[0], x.shape[0], scale)):
+                    return None  # (the module path passes an explicit mask)
+            elif backend in FLASH_BACKENDS:
+                p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
                 scale, coeff = _check_scale(dpa.softmax_scale * (softmax.scale or 1.0),
                                             dpa.hidden_size_per_attention_head), 1.0
-            elif backend in SDPA_BACKENDS:  # the module path's scale; it takes is_causal only for one > 0
-                scale, coeff = dpa.softmax_scale * (softmax.scale or 1.0), 1.0
-                if not (type(scale) is float and 0.0 < scale < math.inf):
-                    return None
-                p = raw  # (the module's own value, as the module path hands it to SDPA: its type is SDPA's to refuse)
             else:  # the Function the module path's softmax would run; scores = softmax_scale · q·kᵀ
+                p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
                 function = dpa.softmax_function(p)
                 if function is None:
                     return None

@@ -97,11 +97,13 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
 def get_gpt_fused_layer_spec() -> ModuleSpec:
     """:func:`get_gpt_layer_local_spec`'s layer as a
     :class:`~fusedlib.transformer.fused_layer.FusedTransformerLayer`: the same submodules,
-    parameters, state-dict names and results (bit for bit), each training call of a layer one
-    autograd node. fusedlib's own (Megatron-core has no such layer).
+    parameters, state-dict names and results (bit for bit where the kernels are deterministic:
+    fusedlib's are, SDPA's CUDA kernels other than its math kernel need not be), each training
+    call of a layer one autograd node. fusedlib's own (Megatron-core has no such layer).
 
-    The config must be one the one-node layer takes (``attention_backend`` flash, or local /
-    unfused with ``masked_softmax_fusion``; ``bias_dropout_fusion`` and ``gemm_gelu_fusion`` on;
+    The config must be one the one-node layer takes (``attention_backend`` flash, auto / fused
+    (SDPA), or local / unfused with ``masked_softmax_fusion``; ``bias_dropout_fusion`` and
+    ``gemm_gelu_fusion`` on;
     one rank; no query/key norms, recomputation or grouped-query attention: the list is
     :mod:`fusedlib.transformer.fused_layer`'s); the layer's build raises a ValueError naming what
     differs.
