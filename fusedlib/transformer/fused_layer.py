@@ -590,18 +590,18 @@ class FusedTransformerLayer(TransformerLayer):
                 scale, coeff = dpa.softmax_scale * (softmax.scale or 1.0), 1.0
                 if not (type(scale) is float and sdpa_is_causal_call(True, x.shape[0], x.shape[0], scale)):
                     return None  # (the module path passes an explicit mask)
-            elif backend in FLASH_BACKENDS:
+            else:  # fusedlib's kernels: the dropout as they check it
                 p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
-                scale, coeff = _check_scale(dpa.softmax_scale * (softmax.scale or 1.0),
-                                            dpa.hidden_size_per_attention_head), 1.0
-            else:  # the Function the module path's softmax would run; scores = softmax_scale · q·kᵀ
-                p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
-                function = dpa.softmax_function(p)
-                if function is None:
-                    return None
-                softmax.check_input_dtype(x)  # the scores' dtype: a ValueError where the module path raises it
-                check_bool("attention_softmax_in_fp32", self.config.attention_softmax_in_fp32)  # as the kernel's op
-                scale, coeff = dpa.softmax_scale, _softmax_check_scale(softmax.scale)
+                if backend in FLASH_BACKENDS:
+                    scale, coeff = _check_scale(dpa.softmax_scale * (softmax.scale or 1.0),
+                                                dpa.hidden_size_per_attention_head), 1.0
+                else:  # the Function the module path's softmax would run; scores = softmax_scale · q·kᵀ
+                    function = dpa.softmax_function(p)
+                    if function is None:
+                        return None
+                    softmax.check_input_dtype(x)  # the scores' dtype: a ValueError where the module path raises it
+                    check_bool("attention_softmax_in_fp32", self.config.attention_softmax_in_fp32)  # as the kernel's op
+                    scale, coeff = dpa.softmax_scale, _softmax_check_scale(softmax.scale)
         except (TypeError, ValueError, AttributeError):
             return None
         n1, qp, pp, n2, f1, f2 = (norm1._parameters, qkv._parameters, proj._parameters, norm2._parameters,
