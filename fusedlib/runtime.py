@@ -113,19 +113,15 @@ if not CUDA_AVAILABLE and os.environ.get("TRITON_INTERPRET") is None:
     )
 
 
-def _env_flag(name: str) -> bool:
-    """True when the environment variable ``name`` is set to anything but "", "0", "false", "no"."""
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-#: ``FUSEDLIB_SYNC_CHECKS=1`` (read at import; tests may set the attribute): debug mode. Ops
-#: with a device-side check (:class:`DeviceCheck`) wait for their kernel and raise at once on
-#: CUDA too, as on the CPU: one stream synchronisation per checked call.
-SYNC_CHECKS: bool = _env_flag("FUSEDLIB_SYNC_CHECKS")
-
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
 
 from .kernels import launch as _launch_layer  # noqa: E402  (direct launches; imports no fusedlib module)
+
+#: ``FUSEDLIB_SYNC_CHECKS=1`` (read at import by :func:`fusedlib.kernels.launch.env_flag`, which
+#: refuses a value it cannot read; tests may set the attribute): debug mode. Ops with a
+#: device-side check (:class:`DeviceCheck`) wait for their kernel and raise at once on CUDA
+#: too, as on the CPU: one stream synchronisation per checked call.
+SYNC_CHECKS: bool = _launch_layer.env_flag("FUSEDLIB_SYNC_CHECKS", False)
 
 #: Whether Triton interprets the kernels: ``TRITON_INTERPRET`` true as Triton reads it ("1",
 #: "true", "yes", "on", "y"; see :data:`fusedlib.kernels.launch.TRITON_TRUE_VALUES`).

@@ -64,6 +64,7 @@ from fusedlib import (
 from fusedlib.fusions.fused_rope import fused_apply_rotary_pos_emb
 from fusedlib.fusions.fused_softmax import fused_scale_mask_softmax_dropout
 from fusedlib.kernels.bias_dropout_add import drop_threshold, dropout_scale
+from fusedlib.kernels import launch as launch_layer
 from fusedlib.kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from fusedlib.kernels.layer_norm import norm_bwd, norm_fwd
 from fusedlib.parallel.layers import _EmbeddingDeterministicGrad
@@ -743,11 +744,43 @@ def test_bad_target_kernels_give_nan_not_a_wrong_value():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value, expected", [("1", True), ("yes", True), ("0", False), ("", False),
-                                             ("false", False), ("off", False)])
+@pytest.mark.parametrize("value, expected", [("1", True), ("yes", True), (" TRUE ", True), ("0", False), ("", False),
+                                             ("false", False), ("off", False), ("N", False)])
 def test_sync_checks_flag_is_read_from_the_environment(monkeypatch, value, expected):
     monkeypatch.setenv("FUSEDLIB_SYNC_CHECKS", value)
-    assert runtime._env_flag("FUSEDLIB_SYNC_CHECKS") is expected
+    assert launch_layer.env_flag("FUSEDLIB_SYNC_CHECKS", False) is expected
+
+
+@pytest.mark.parametrize("name", ["FUSEDLIB_SYNC_CHECKS", "FUSEDLIB_DIRECT_LAUNCH", "FUSEDLIB_CHECK_LAUNCH",
+                                  "FUSEDLIB_BENCH_STORED"])
+def test_a_switch_set_to_a_value_it_cannot_read_stops_fusedlib_naming_it(name):
+    # "2", "of" (a typo of "off") or "enable" were read as on (or, for FUSEDLIB_BENCH_STORED,
+    # anything but "1" as off): fusedlib now stops with the variable's name and its values, on
+    # any machine (at the import; FUSEDLIB_BENCH_STORED where the book asks for it)
+    code = "import fusedlib, fusedlib.book; fusedlib.book.measure_live()"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env[name] = "of"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode != 0, res.stdout
+    assert f"ValueError: environment variable {name}='of': expected one of 1, true" in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("value", ["2", "enable", "0.0", "f"])
+def test_env_flag_refuses_what_it_cannot_read(monkeypatch, value):
+    monkeypatch.setenv("FUSEDLIB_SYNC_CHECKS", value)
+    with pytest.raises(ValueError, match=f"FUSEDLIB_SYNC_CHECKS={value!r}: expected one of .* \\(on\\) or .* \\(off\\), or unset"):
+        launch_layer.env_flag("FUSEDLIB_SYNC_CHECKS", False)
+
+
+@pytest.mark.parametrize("value, live", [("1", False), ("true", False), ("0", True), ("", True)])
+def test_measure_live_reads_fusedlib_bench_stored(monkeypatch, value, live):
+    import fusedlib.book as book
+
+    monkeypatch.setenv("FUSEDLIB_BENCH_STORED", value)
+    monkeypatch.setattr(book, "CUDA_AVAILABLE", True)
+    assert book.measure_live() is live
+    monkeypatch.setattr(book, "CUDA_AVAILABLE", False)
+    assert book.measure_live() is False
 
 
 def test_sync_checks_is_set_at_import_from_the_environment():

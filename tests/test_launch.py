@@ -760,16 +760,16 @@ def test_one_program_result_equals_the_second_stage_bitwise(op, dtype, monkeypat
 
 def test_direct_launches_are_on_by_default_where_possible():
     """Direct launches are on wherever they are possible (compiled kernels, a verified Triton)
-    unless FUSEDLIB_DIRECT_LAUNCH=0 turns them off; any other value leaves them on."""
+    unless FUSEDLIB_DIRECT_LAUNCH=0 (or another off value) turns them off."""
     if os.environ.get("FUSEDLIB_DIRECT_LAUNCH", "").strip():
         pytest.skip("FUSEDLIB_DIRECT_LAUNCH is set in this environment")
-    assert kl._env_flag("FUSEDLIB_DIRECT_LAUNCH", True) is True
+    assert kl.env_flag("FUSEDLIB_DIRECT_LAUNCH", True) is True
     possible = kl._direct_launch_possible(triton.__version__, fusedlib.runtime.INTERPRET_ON_CPU)
     assert kl.DIRECT_LAUNCH is possible
     for value, on in (("0", False), ("off", False), ("1", True), ("yes", True)):
         os.environ["FUSEDLIB_DIRECT_LAUNCH"] = value
         try:
-            assert kl._env_flag("FUSEDLIB_DIRECT_LAUNCH", True) is on
+            assert kl.env_flag("FUSEDLIB_DIRECT_LAUNCH", True) is on
         finally:
             del os.environ["FUSEDLIB_DIRECT_LAUNCH"]
 

@@ -30,10 +30,9 @@ from nbclient import NotebookClient
 
 #: The cell appended for the run and removed after it: the records the chapter read (name ->
 #: SHA-256) and whether its benchmark cells measured live, as one JSON object.
-RECORDS_CELL = ("import json as _json, os as _os, fusedlib.book as _book\n"
+RECORDS_CELL = ("import json as _json, fusedlib.book as _book\n"
                 "print(_json.dumps({'records_read': dict(sorted(_book.RECORDS_READ.items())),\n"
-                "                   'measured_live': bool(_book.CUDA_AVAILABLE)\n"
-                "                   and _os.environ.get('FUSEDLIB_BENCH_STORED') != '1'}))")
+                "                   'measured_live': _book.measure_live()}))")
 
 
 def records_read(cell: nbformat.NotebookNode) -> dict:

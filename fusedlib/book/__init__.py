@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import inspect
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -27,6 +26,7 @@ from ..bench.core import require_fields
 from ..bench.host import floor_table, host_table  # noqa: F401  (re-exported for chapters: host.json's tables)
 from ..bench.ops.transformer_layer import profile_table  # noqa: F401  (re-exported: the block's kernel profile)
 from ..bench.ops.transformer_layer import table as throughput_table  # noqa: F401  (the block's tokens/s)
+from ..kernels.launch import env_flag
 from ..runtime import CUDA_AVAILABLE, device_banner  # noqa: F401  (re-exported for chapters)
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "bench_dir",
     "load_bench",
     "bench_or_stored",
+    "measure_live",
     "plot_bandwidth",
     "plot_sweep",
     "speedup_table",
@@ -190,6 +191,22 @@ def load_bench(op: str) -> list[dict]:
     return data
 
 
+def measure_live() -> bool:
+    """Whether a chapter's benchmark cells measure now: on a CUDA GPU, unless the environment
+    variable ``FUSEDLIB_BENCH_STORED`` is on (``1``, ``true``, ...), which loads the stored
+    records instead (how the committed outputs are made on the H200).
+
+    Returns:
+        True to measure, False to load the stored records.
+
+    Raises:
+        ValueError: ``FUSEDLIB_BENCH_STORED`` set to a value that is neither on nor off
+            (:func:`fusedlib.kernels.launch.env_flag`).
+    """
+    stored = env_flag("FUSEDLIB_BENCH_STORED", False)  # (read on any machine: a bad value is refused anywhere)
+    return CUDA_AVAILABLE and not stored
+
+
 def bench_or_stored(op: str, sweep: bool = False) -> list[dict]:
     """Measure ``op`` live on this machine's GPU, or load the stored H200 records on a CPU.
 
@@ -215,7 +232,7 @@ def bench_or_stored(op: str, sweep: bool = False) -> list[dict]:
 
     Source: the benchmark protocol of :mod:`fusedlib.bench` (``python -m fusedlib.bench``).
     """
-    if CUDA_AVAILABLE and os.environ.get("FUSEDLIB_BENCH_STORED") != "1":
+    if measure_live():
         from ..bench import run_op
 
         records, skipped = run_op(op, sweep=sweep)

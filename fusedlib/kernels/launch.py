@@ -397,17 +397,42 @@ def empty_contiguous_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> 
 DIRECT_LAUNCH_VERSIONS: tuple[str, ...] = ("3.6",)
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    return value not in ("0", "false", "no", "off")
-
-
 #: What Triton reads as true in a boolean environment variable (``triton.knobs``' env_bool):
 #: ``TRITON_INTERPRET`` is read here as Triton reads it ("true" made Triton interpret the
 #: kernels while fusedlib, which took only "1", treated them as compiled).
 TRITON_TRUE_VALUES: tuple[str, ...] = ("1", "true", "yes", "on", "y")
+
+#: What fusedlib's own switches (``FUSEDLIB_*``) read as false; unset or empty is the
+#: switch's default, and any value in neither this nor :data:`TRITON_TRUE_VALUES` is an error.
+FALSE_VALUES: tuple[str, ...] = ("0", "false", "no", "off", "n")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A fusedlib switch from the environment variable ``name``: ``default`` when it is unset or
+    empty, True for one of :data:`TRITON_TRUE_VALUES`, False for one of :data:`FALSE_VALUES`
+    (either case, surrounding spaces ignored).
+
+    Args:
+        name: the variable, e.g. ``FUSEDLIB_DIRECT_LAUNCH``.
+        default: the switch when the variable is unset or empty.
+
+    Returns:
+        The switch, a bool.
+
+    Raises:
+        ValueError: any other value, naming the variable and the values it takes (a typo such
+            as ``FUSEDLIB_DIRECT_LAUNCH=of`` must not silently leave the switch on).
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in TRITON_TRUE_VALUES:
+        return True
+    if value in FALSE_VALUES:
+        return False
+    raise ValueError(f"environment variable {name}={os.environ[name]!r}: expected one of "
+                     f"{', '.join(TRITON_TRUE_VALUES)} (on) or {', '.join(FALSE_VALUES)} (off), or unset")
+
 
 #: Whether Triton interprets the kernels in this process (``TRITON_INTERPRET`` true as Triton
 #: reads it, at import; :mod:`fusedlib.runtime` settles the variable before importing this).
@@ -422,18 +447,18 @@ def _direct_launch_possible(version: str, interpret: bool) -> bool:
 #: True when :func:`fusedlib.runtime.launch` launches compiled kernels through
 #: :func:`direct_launch`: kernels are compiled (``TRITON_INTERPRET`` is not true), the
 #: Triton version is in :data:`DIRECT_LAUNCH_VERSIONS`, and ``FUSEDLIB_DIRECT_LAUNCH`` is not
-#: ``0`` (the switch back to ``kernel[grid]`` for every launch). On the H200 the direct
+#: off (``0``: the switch back to ``kernel[grid]`` for every launch; read by :func:`env_flag`). On the H200 the direct
 #: path's own tests (``tests/test_launch.py``: every public op's outputs and gradients
 #: bitwise equal to ``kernel[grid]``'s, checked against Triton's own kernel choice) pass.
 #: Read on every launch, so tests may set it to compare both paths.
-DIRECT_LAUNCH: bool = (_direct_launch_possible(triton.__version__, TRITON_INTERPRET)
-                       and _env_flag("FUSEDLIB_DIRECT_LAUNCH", True))
+DIRECT_LAUNCH: bool = (env_flag("FUSEDLIB_DIRECT_LAUNCH", True)  # (read first: a bad value is refused anywhere)
+                       and _direct_launch_possible(triton.__version__, TRITON_INTERPRET))
 
 #: ``FUSEDLIB_CHECK_LAUNCH=1`` (a debug mode; tests may set the attribute): every direct
 #: launch also asks Triton (``kernel.run(..., warmup=True)``: binding, key, lookup, no
 #: launch) for the compiled kernel it would launch, and raises RuntimeError if it is not the
 #: one fusedlib's cache holds.
-CHECK_LAUNCH: bool = _env_flag("FUSEDLIB_CHECK_LAUNCH", False)
+CHECK_LAUNCH: bool = env_flag("FUSEDLIB_CHECK_LAUNCH", False)
 
 
 class LaunchStats:
