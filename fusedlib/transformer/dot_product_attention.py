@@ -354,6 +354,12 @@ class DotProductAttention(MegatronModule):
         probs = self._softmax_dropout(scores, attention_mask)
         return materialised_context(probs, value)[2]
 
+    def kernel_scale(self) -> float:
+        """The scale of q·kᵀ where one kernel computes the whole attention (FlashAttention, SDPA):
+        ``softmax_scale`` times the softmax module's ``scale`` (query-key layer scaling splits the
+        scale between the two; None counts as 1), unchecked: each kernel's op checks it."""
+        return self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+
     def softmax_function(self, dropout_p: float) -> Optional[type]:
         """The autograd Function the materialised path's softmax runs as, on causal scores without a
         caller's mask, in training with attention dropout ``dropout_p`` (a float checked by the
@@ -393,7 +399,7 @@ class DotProductAttention(MegatronModule):
         # [s, b, heads, hn] -> [b, s, heads, hn]: views, which the kernel reads through their strides
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         causal = self.attn_mask_type in _CAUSAL and self.window_size is None  # a window replaces causal
-        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)  # undo the layer scaling's split
+        scale = self.kernel_scale()
         dropout_p = self.attention_dropout.p if self.training else 0.0
         mask = attention_mask
         if mask is not None and mask.dim() < 4:  # broadcastable to [b, np, sq, sk]: as 4-D (a view)
@@ -409,7 +415,7 @@ class DotProductAttention(MegatronModule):
         sq, b, np_, hn = query.shape
         sk = key.size(0)
         causal = self.attn_mask_type in _CAUSAL
-        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)  # undo the layer scaling's split
+        scale = self.kernel_scale()
         dropout_p = self.attention_dropout.p if self.training else 0.0
         gqa = np_ != self.num_query_groups_per_partition
         if attention_mask is None and self.window_size is None and sdpa_is_causal_call(causal, sq, sk, scale):

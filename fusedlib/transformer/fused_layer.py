@@ -587,14 +587,13 @@ class FusedTransformerLayer(TransformerLayer):
             p = dm["attention_dropout"].p
             backend = self.config.attention_backend
             if backend in SDPA_BACKENDS:  # the module path's call: is_causal with its scale, the module's own p
-                scale, coeff = dpa.softmax_scale * (softmax.scale or 1.0), 1.0
+                scale, coeff = dpa.kernel_scale(), 1.0
                 if not (type(scale) is float and sdpa_is_causal_call(True, x.shape[0], x.shape[0], scale)):
                     return None  # (the module path passes an explicit mask)
             else:  # fusedlib's kernels: the dropout as they check it
                 p = 0.0 if (type(p) is float and p == 0.0) else _check_dropout_p(p)
                 if backend in FLASH_BACKENDS:
-                    scale, coeff = _check_scale(dpa.softmax_scale * (softmax.scale or 1.0),
-                                                dpa.hidden_size_per_attention_head), 1.0
+                    scale, coeff = _check_scale(dpa.kernel_scale(), dpa.hidden_size_per_attention_head), 1.0
                 else:  # the Function the module path's softmax would run; scores = softmax_scale · q·kᵀ
                     function = dpa.softmax_function(p)
                     if function is None:
