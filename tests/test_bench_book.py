@@ -654,3 +654,32 @@ def test_each_chapter_was_executed_after_the_records_it_reads():
                              f"re-stored after it ({record_commit[:9]})")
     assert checked > 0
     assert not stale, "re-execute these chapters on the stored records: " + "; ".join(stale)
+
+
+# ---------------------------------------------------------------------------------------------
+# load_bench's refusals and bench_dir's lookup (each was a mutation no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"text"', '[{"impl": "copy"}, 3]'])
+def test_load_bench_refuses_json_that_is_not_records(bench_files, content):
+    from fusedlib.book import load_bench
+
+    (bench_files / "bad.json").write_text(content)
+    with pytest.raises(ValueError, match="load_bench"):
+        load_bench("bad")
+
+
+def test_load_bench_of_a_missing_file_names_the_command_that_makes_it(bench_files):
+    from fusedlib.book import load_bench
+
+    with pytest.raises(FileNotFoundError, match=r"missing\.json not found: run `python -m fusedlib\.bench --op missing`"):
+        load_bench("missing")
+
+
+def test_bench_dir_is_data_bench_under_the_working_directory_when_there(tmp_path, monkeypatch):
+    from fusedlib.book import bench_dir
+
+    (tmp_path / "data" / "bench").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert bench_dir() == tmp_path / "data" / "bench"

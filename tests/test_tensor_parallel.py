@@ -35,7 +35,7 @@ from fusedlib.parallel import parallel_state
 from fusedlib.parallel.utils import SINGLE_RANK
 from fusedlib.parallel.check_tp import CASES, close, gpt_tp_check, grad_scale_floor
 from fusedlib.parallel.checkpointing import (
-    PartitionSpec, get_tensor_parallel_layout, shard_state_dict, shard_tensor, unshard_state_dict,
+    PartitionSpec, get_tensor_parallel_layout, shard_state_dict, shard_tensor, unshard_state_dict, unshard_tensors,
 )
 
 UNFUSED_CASES = [name for name in CASES if name.startswith("unfused")]
@@ -1152,3 +1152,76 @@ def test_one_rank_layers_name_bad_arguments(seed):
     for ids in (torch.tensor([[1.0, 2.0]], device=DEVICE), torch.tensor([[True]], device=DEVICE), [[1, 2]]):
         with pytest.raises(TypeError, match="VocabParallelEmbedding: input_ids must be an int64 or int32 tensor"):
             emb(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# The block's RNG fork under sequence parallelism; shard / unshard refusals (each was a mutation
+# no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fork_worker(rank, world_size, device, seed, hidden_dropout, attention_dropout):
+    from fusedlib.models.gpt import get_gpt_layer_unfused_spec
+    from fusedlib.transformer import TransformerConfig
+    from fusedlib.transformer.enums import AttnBackend
+    from fusedlib.transformer.transformer_block import TransformerBlock
+
+    fp.model_parallel_cuda_manual_seed(seed)
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
+                            sequence_parallel=True, hidden_dropout=hidden_dropout,
+                            attention_dropout=attention_dropout, use_cpu_initialization=True,
+                            params_dtype=torch.float64, attention_backend=AttnBackend.unfused)
+    block = TransformerBlock(cfg, get_gpt_layer_unfused_spec()).train()
+    tracker = fp.get_cuda_rng_tracker()
+    real_fork, forks = tracker.fork, []
+
+    def counting_fork(*a, **k):
+        forks.append(1)
+        return real_fork(*a, **k)
+
+    tracker.fork = counting_fork
+    x = torch.randn(2, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))  # [s/p, b, h]
+    block(x, None)
+    block.eval()(x, None)  # evaluation draws nothing: no fork
+    return len(forks)
+
+
+@pytest.mark.parametrize("hidden_dropout, attention_dropout, forks", [(0.5, 0.0, 1), (0.0, 0.0, 0)])
+def test_sequence_parallel_block_forks_the_tracker_when_hidden_dropout_draws(hidden_dropout, attention_dropout,
+                                                                              forks, seed):
+    ranks = fp.spawn(_fork_worker, 2, seed, hidden_dropout, attention_dropout, backend="gloo")
+    assert ranks == [forks, forks]
+
+
+def test_shard_tensor_refuses_a_dim_not_divisible_by_world_size_times_stride():
+    full = torch.arange(12.0, dtype=torch.float64).view(6, 2)  # 6 % 2 == 0 but 6 % (2·2) != 0
+    with pytest.raises(ValueError, match="must be divisible by world_size·stride = 2·2"):
+        shard_tensor(full, PartitionSpec(0, 2), 0, 2)
+    ok = torch.arange(16.0, dtype=torch.float64).view(8, 2)
+    shards = [shard_tensor(ok, PartitionSpec(0, 2), r, 2) for r in range(2)]
+    assert torch.equal(unshard_tensors(shards, PartitionSpec(0, 2)), ok)
+
+
+def test_shard_tensor_refuses_a_dim_equal_to_the_number_of_dims():
+    with pytest.raises(ValueError, match=r"partition_dim 2 out of range for shape \[4, 2\]"):
+        shard_tensor(torch.zeros(4, 2), PartitionSpec(2), 0, 2)
+
+
+def test_unshard_tensors_refuses_shards_not_divisible_by_the_stride():
+    shards = [torch.zeros(3, 2), torch.ones(3, 2)]
+    with pytest.raises(ValueError, match=r"shard dim 0 \(3\) is not divisible by stride 2"):
+        unshard_tensors(shards, PartitionSpec(0, 2))
+
+
+def test_unshard_state_dict_refuses_a_replica_that_is_nan_on_one_rank_only():
+    shards = [{"b": torch.tensor([1.0, 2.0])}, {"b": torch.tensor([1.0, float("nan")])}]
+    with pytest.raises(ValueError, match="'b' differs between rank 0 and rank 1 .*NaN on one rank"):
+        unshard_state_dict(shards, {})
+    both = [{"b": torch.tensor([1.0, float("nan")])}, {"b": torch.tensor([1.0, float("nan")])}]
+    assert torch.equal(unshard_state_dict(both, {})["b"].isnan(), torch.tensor([False, True]))
+
+
+def test_unshard_state_dict_refuses_a_rank_with_an_extra_key():
+    shards = [{"b": torch.ones(2)}, {"b": torch.ones(2), "extra": torch.zeros(1)}]
+    with pytest.raises(ValueError, match=r"rank 1's keys differ from rank 0's: \['extra'\]"):
+        unshard_state_dict(shards, {})

@@ -8,6 +8,7 @@ fused model's kernels, interpreted by Triton on a CPU, take seconds. Resume is c
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from fusedlib.train import (PlainGPT, TrainConfig, Trainer, build_model, decode,
                             plain_state_dict_from_gpt, sample)
 from fusedlib.train import __main__ as cli
 from fusedlib.train import data as data_mod
-from fusedlib.train.model import ModelShape, build_gpt
+from fusedlib.train.model import ModelShape, build_gpt, gpt_config
 
 TINY = dict(layers=1, hidden=32, heads=2, seq=16, batch=2, warmup=2, log_interval=2, eval_interval=0,
             eval_batches=1, progress=False)
@@ -1745,3 +1746,85 @@ def test_makefile_states_the_python_versions_of_pyproject_and_readme():
     assert "Python 3.10+, GPU optional" not in header
     recipe = (root / "Makefile").read_text().split("\ntest: setup\n", 1)[1].split("\n\n", 1)[0]
     assert "sys.version_info >= (3, 11)" in recipe.splitlines()[0]  # checked before pytest runs
+
+
+# ---------------------------------------------------------------------------------------------
+# stop_at, gradient clipping, the data's windows and split, the model shape's dropout (each was a
+# mutation no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_run_stopped_at_stop_at_does_not_evaluate(corpus, tmp_path):
+    kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path), eval_interval=0)
+    tr = Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus, log=lambda s: None)
+    tr.run()
+    assert tr.step_count == 2 and not [r for r in tr.history if "val_loss" in r]
+    again = Trainer(TrainConfig(resume=True, **kw), corpus=corpus, log=lambda s: None)
+    again.run()
+    assert [r["step"] for r in again.history if "val_loss" in r] == [4]
+
+
+def test_grad_clip_clips_the_gradients_to_grad_clip(corpus, monkeypatch):
+    real = torch.nn.utils.clip_grad_norm_
+    norms = []
+
+    def spy(params, max_norm, *a, **k):
+        params = list(params)
+        before = real(params, max_norm, *a, **k)
+        after = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in params]))
+        norms.append((float(before), float(after)))
+        return before
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    c = 1e-3
+    tr = Trainer(TrainConfig(**dict(TINY, steps=4, model="plain", device="cpu", grad_clip=c)), corpus=corpus,
+                 log=lambda s: None)
+    tr.step()
+    assert len(norms) == 1
+    before, after = norms[0]
+    assert before > 10 * c  # it clipped
+    # torch's rule: every gradient times max_norm / (norm + 1e-6); the norms are float32 sums of
+    # a few thousand squares, so they agree to a few float32 ulps (1.2e-7 each)
+    assert after == pytest.approx(c * before / (before + 1e-6), rel=1e-6)
+
+
+def test_get_batch_of_exactly_seq_plus_one_tokens_is_the_whole_data():
+    data = torch.arange(9, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    x, y = get_batch(data, 3, 8, gen)
+    assert torch.equal(x, data[:8].long().expand(3, 8)) and torch.equal(y, data[1:].long().expand(3, 8))
+
+
+def test_get_batch_draws_every_offset_including_the_last():
+    data = torch.arange(12, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    x, _ = get_batch(data, 400, 8, gen)
+    assert set(x[:, 0].tolist()) == {0, 1, 2, 3}
+
+
+def test_validation_split_is_the_big_endian_prefix_of_the_paths_sha256():
+    paths = [f"pkg{i}/mod{j}.py" for i in range(40) for j in range(10)]
+    for p in paths:
+        want = int.from_bytes(hashlib.sha256(p.encode()).digest()[:4], "big") < data_mod.VAL_PERCENT * 2 ** 32 // 100
+        assert data_mod.is_validation_file(p) == want, p
+    assert any(map(data_mod.is_validation_file, paths))
+
+
+def test_a_corpus_whose_files_all_go_to_one_split_is_refused(tmp_path):
+    assert not data_mod.is_validation_file("a.py")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "a.py").write_text("A = 1\n")
+    with pytest.raises(ValueError, match="left one side empty"):
+        load_corpus(tmp_path / "cache", root=tmp_path / "root")
+
+
+def test_model_shape_refuses_a_dropout_of_one():
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        ModelShape(layers=1, hidden=32, heads=2, seq=16, dropout=1.0)
+
+
+def test_gpt_config_takes_both_dropouts_from_the_shape():
+    cfg = gpt_config(ModelShape(layers=1, hidden=32, heads=2, seq=16, dropout=0.125), spec="unfused")
+    assert (cfg.hidden_dropout, cfg.attention_dropout) == (0.125, 0.125)
+    cfg = gpt_config(ModelShape(layers=1, hidden=32, heads=2, seq=16, dropout=0.125), spec="fused")
+    assert (cfg.hidden_dropout, cfg.attention_dropout) == (0.125, 0.125)

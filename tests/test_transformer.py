@@ -40,6 +40,7 @@ from fusedlib.transformer import (
     build_module,
 )
 from fusedlib.transformer import mlp as mlp_module
+from fusedlib.transformer import transformer_block as block_module
 from fusedlib.transformer.attention import (
     CrossAttention,
     CrossAttentionSubmodules,
@@ -1746,3 +1747,110 @@ def test_core_attention_refuses_mixed_dtypes_and_devices_on_every_backend(backen
         args = [t.to("meta") if name == meta else t for name, t in (("query", q), ("key", kv), ("value", kv))]
         with pytest.raises(ValueError, match="query, key and value must be on one device"):
             attn(*args, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The config's derived init, the block's final norm and recomputation chunks, the layer's dropout
+# and cross-attention arguments (each was a mutation no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_config_output_layer_init_uses_init_method_std_not_the_embeddings():
+    c = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8, init_method_std=0.02,
+                          embedding_init_method_std=1.0)
+    assert c.output_layer_init_method.keywords["std"] == pytest.approx(0.02 / math.sqrt(2 * 4), rel=1e-15)
+    assert c.embedding_init_method.keywords["std"] == 1.0
+
+
+@pytest.mark.parametrize("half", ["fp16", "bf16"])
+def test_config_flash_with_float64_params_is_accepted_when_the_model_runs_in_half(half):
+    kw = dict(num_layers=1, hidden_size=64, num_attention_heads=8, params_dtype=torch.float64,
+              attention_backend=AttnBackend.flash)
+    assert TransformerConfig(**kw, **{half: True}).attention_backend is AttnBackend.flash
+    with pytest.raises(ValueError, match="attention_backend flash runs float16, bfloat16 or float32"):
+        TransformerConfig(**kw)
+
+
+def test_block_final_norm_is_config_eps_in_eval_and_post_layer_norm_false_drops_it():
+    torch.manual_seed(0)
+    cfg = make_config(torch.float64, layernorm_epsilon=0.5, attention_backend=AttnBackend.unfused)
+    spec = get_gpt_layer_unfused_spec()
+    block = randomize(TransformerBlock(cfg, spec)).eval()
+    bare = TransformerBlock(cfg, spec, post_layer_norm=False).eval()
+    assert bare.final_layernorm is None
+    state = {k: v for k, v in block.state_dict().items() if not k.startswith("final_layernorm")}
+    missing, unexpected = bare.load_state_dict(state, strict=False)
+    assert not missing and not unexpected
+    x = hidden(torch.float64, requires_grad=False)
+    with torch.no_grad():
+        y, z = block(x, None), bare(x, None)
+    sd = block.state_dict()
+    ref = F.layer_norm(z, (H,), sd["final_layernorm.weight"], sd.get("final_layernorm.bias"), eps=0.5)
+    torch.testing.assert_close(y, ref, atol=1e-13, rtol=0)
+    assert not torch.allclose(y, z)
+
+
+@pytest.mark.parametrize("method, n, layers, calls", [("uniform", 2, 4, 2), ("uniform", 3, 4, 2),
+                                                     ("uniform", 4, 4, 1), ("block", 2, 4, 2)])
+def test_full_recomputation_checkpoints_chunks_of_recompute_num_layers(monkeypatch, method, n, layers, calls):
+    seen = []
+
+    def counting(fn, *args):
+        seen.append(fn)
+        return real(fn, *args)
+
+    real = block_module.tensor_parallel_checkpoint
+    monkeypatch.setattr(block_module, "tensor_parallel_checkpoint", counting)
+    cfg = make_config(num_layers=layers, recompute_granularity="full", recompute_method=method,
+                      recompute_num_layers=n)
+    torch.manual_seed(0)
+    block = randomize(TransformerBlock(cfg, get_gpt_layer_unfused_spec())).train()
+    plain = TransformerBlock(make_config(num_layers=layers), get_gpt_layer_unfused_spec()).train()
+    plain.load_state_dict(block.state_dict())
+    x = hidden()
+    y = block(x, None)
+    y.sum().backward()
+    assert len(seen) == calls
+    assert torch.equal(y, plain(x, None))  # every layer ran, once per chunk
+
+
+def test_layer_hidden_dropout_override_replaces_the_configs():
+    torch.manual_seed(0)
+    cfg = make_config(hidden_dropout=0.5, attention_dropout=0.0)
+    layer = TransformerLayer(cfg, get_gpt_layer_unfused_spec().submodules, hidden_dropout=0.0)
+    assert layer.hidden_dropout == 0.0
+    x = hidden(requires_grad=False)
+    with torch.no_grad():
+        train_out = layer.train()(x)[0]
+        eval_out = layer.eval()(x)[0]
+    assert torch.equal(train_out, eval_out)
+
+
+def test_cross_attention_gets_the_context_mask_and_its_bda_the_dropout():
+    cfg = make_config(torch.float64, num_query_groups=4, hidden_dropout=0.25, attention_backend=AttnBackend.unfused)
+    local = get_gpt_layer_local_spec().submodules
+    subs = TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm, self_attention=local.self_attention, self_attn_bda=get_bias_dropout_add,
+        pre_cross_attn_layernorm=WrappedTorchNorm,
+        cross_attention=ModuleSpec(CrossAttention, params={"attn_mask_type": AttnMaskType.padding},
+                                   submodules=CrossAttentionSubmodules(
+                                       linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
+                                       core_attention=DotProductAttention, linear_proj=RowParallelLinear)),
+        cross_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=WrappedTorchNorm, mlp=local.mlp,
+        mlp_bda=get_bias_dropout_add)
+    layer = TransformerLayer(cfg, subs, layer_number=1).train()
+    masks, probs = [], []
+    layer.cross_attention.register_forward_pre_hook(
+        lambda m, a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
+    real_bda = layer.cross_attn_bda
+
+    def spy(training, fused):
+        f = real_bda(training, fused)
+        return lambda out, res, p: (probs.append(p), f(out, res, p))[1]
+
+    layer.cross_attn_bda = spy
+    x, ctx = hidden(torch.float64), hidden(torch.float64, s=5)
+    context_mask = torch.zeros(1, 1, x.shape[0], 5, dtype=torch.bool)
+    context_mask[..., -2:] = True
+    layer(x, None, context=ctx, context_mask=context_mask)
+    assert len(masks) == 1 and masks[0] is context_mask and probs == [0.25]

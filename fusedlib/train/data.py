@@ -27,9 +27,9 @@ on a corpus this size. Files are joined with the ASCII *file separator* byte 0x1
 is left out and named in :meth:`Corpus.info` (``skipped``), so the separator stays unambiguous.
 
 Split: by file, not by position, so no validation file was seen in training. A file goes to
-validation when the first 4 bytes of the SHA-256 of its relative path, as an integer, are below
-:data:`VAL_PERCENT` percent of 2^32: the assignment of a file never depends on which other
-files exist (it is the same for 3.11's and 3.12's ``json/decoder.py``).
+validation when the first 4 bytes of the SHA-256 of its relative path, as a big-endian
+integer, are below :data:`VAL_PERCENT` percent of 2^32: the assignment of a file never depends
+on which other files exist (it is the same for 3.11's and 3.12's ``json/decoder.py``).
 
 Cache: the two token arrays are written once to ``<cache_dir>/stdlib-<python>-<key>.{train,val}.bin``
 (raw uint8) with a JSON of :meth:`Corpus.info`, and read back into memory (about 15 MB): ``key``
