@@ -683,3 +683,40 @@ def test_bench_dir_is_data_bench_under_the_working_directory_when_there(tmp_path
     (tmp_path / "data" / "bench").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert bench_dir() == tmp_path / "data" / "bench"
+
+
+# ---------------------------------------------------------------------------------------------
+# The ceilings' bytes and flops, the rates of replays and plain launches, the times' decimals (each was a mutation
+# no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_copy_and_matmul_records_count_their_bytes_and_flops(monkeypatch):
+    # the copy reads and writes every element; the product is 2·n³ flops (a multiply and an add)
+    monkeypatch.setattr(core, "time_ms", lambda fn, grad_to_none=None, **kw: (fn(), 1e-6)[1])
+    rec = core.copy_record(numel=1000, dtype=torch.float32, device="cpu")
+    assert rec["bytes"] == 2 * 1000 * 4 and rec["ms"] == 0.0  # (1e-6 ms rounds to 0 at 5 decimals)
+    rec = core.matmul_record(n=10, dtype=torch.float32, device="cpu")
+    assert rec["TFLOPs"] == round(2 * 10**3 / 1e-9 / 1e12, 1) == 2.0 and rec["bytes"] == 3 * 100 * 4
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_flop_rates_of_graph_replays_and_plain_launches_each_from_their_own_time(monkeypatch, rounds):
+    # graph replays 1 ms, plain launches 4 ms: TFLOPs from "ms", TFLOPs_eager from "ms_eager"
+    monkeypatch.setattr(core, "_time_pass", lambda case, impl, pas, device, peak=False, cuda_graph=False:
+                        (1.0 if cuda_graph else 4.0, None))
+    case = _round_case(rounds)
+    case.flops = {"fwd+bwd": 4 * 10**9}
+    recs = core.measure_case(case, torch.device("cuda"), ["fwd+bwd"])
+    for r in recs:
+        assert r["ms"] == 1.0 and r["ms_eager"] == 4.0
+        assert r["TFLOPs"] == 4.0 and r["TFLOPs_eager"] == 1.0
+
+
+def test_times_keep_five_decimals_of_a_millisecond(monkeypatch):
+    # a microsecond kernel's time is not rounded away: 12.3456 us is 0.01235 ms
+    monkeypatch.setattr(core, "_time_pass", lambda case, impl, pas, device, peak=False, cuda_graph=False:
+                        (0.0123456, None))
+    recs = core.measure_case(_round_case(1, nbytes=10**6), torch.device("cpu"), ["fwd+bwd"])
+    assert all(r["ms"] == 0.01235 for r in recs)
+    assert recs[0]["GBps"] == round(10**6 / (0.0123456 * 1e-3) / 1e9, 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -806,3 +807,39 @@ def test_get_bias_dropout_add_refuses_non_bool_switches():
     import numpy as np
 
     assert get_bias_dropout_add(np.bool_(False), np.bool_(True)) is bias_dropout_add_fused_inference
+
+
+# ---------------------------------------------------------------------------------------------
+# p = 1 of other real types; inference where only the residual or the bias needs a gradient (each was a mutation
+# no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prob", [1, np.float64(1.0)], ids=["int", "numpy"])
+def test_p1_of_another_real_type_gives_the_residual(prob):
+    # prob = 1 is in [0, 1] whatever its real type: the check's slow path (not a Python float) takes it
+    x, b, r = _inputs((5, 12), torch.float32)
+    assert torch.equal(bias_dropout_add_fused_train((x, b), r, prob), r)
+
+
+def test_the_unfused_p1_gives_the_residual():
+    x, b, r = _inputs((5, 12), torch.float32)
+    out = bias_dropout_add_unfused(True)((x, b), r, 1.0)  # torch's dropout at p = 1: everything dropped
+    assert torch.equal(out, r)
+
+
+@pytest.mark.parametrize("needs_grad", ["residual", "bias"])
+def test_inference_where_only_the_residual_or_bias_needs_grad_is_not_in_place(needs_grad):
+    # x without grad, but the residual (or the bias) with: the sum must stay in the graph, x untouched
+    x, b, r = _inputs((10, 33), torch.float32, requires_grad=False)
+    leaf = {"residual": r, "bias": b}[needs_grad].requires_grad_(True)
+    x_before = x.clone()
+    out = bias_dropout_add_fused_inference((x, b), r, 0.5)
+    assert out.data_ptr() != x.data_ptr() and torch.equal(x, x_before)
+    assert_close(out, x_before.double() + b.detach().double() + r.detach().double(), torch.float32)
+    g = torch.randn_like(out)
+    out.backward(g)
+    if needs_grad == "residual":
+        assert torch.equal(leaf.grad, g)
+    else:
+        assert_close(leaf.grad, g.double().sum(0), torch.float32, scale=10**0.5)

@@ -8,8 +8,9 @@ import torch
 
 import fusedlib  # noqa: F401  (first)
 from fusedlib import bias_dropout_add_fused_train, flash_attention, fused_layer_norm
-from fusedlib.checks import real_to_float
+from fusedlib.checks import check_tensor, real_to_float
 from fusedlib.fusions import _glu, fused_rope, fused_softmax
+from fusedlib.fusions.fused_dense import fused_dense_gelu_dense
 from fusedlib.train.loop import TrainConfig, sample
 from fusedlib.transformer import TransformerConfig
 
@@ -84,3 +85,25 @@ def test_file_on_the_way(tmp_path):
     assert file_on_the_way(tmp_path / "f" / "a" / "b") == tmp_path / "f"
     assert file_on_the_way(tmp_path / "f") is None and file_on_the_way(tmp_path / "f", include_self=True) == tmp_path / "f"
     assert file_on_the_way(tmp_path / "d" / "new") is None and file_on_the_way(str(tmp_path / "d"), include_self=True) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# min_ndim is inclusive: one-dim inputs (each was a mutation
+# no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_check_tensor_min_ndim_takes_exactly_that_many_dims():
+    x = torch.zeros(3)
+    assert check_tensor("x", x, min_ndim=1) is x  # 1 dim is "at least 1"
+    with pytest.raises(ValueError, match=r"x must have at least 1 dims, got shape \(\)"):
+        check_tensor("x", torch.zeros(()), min_ndim=1)
+
+
+def test_a_one_dim_input_passes_the_ops_checks():
+    # the ops check their input with min_ndim=1: a single token [K] is a valid input
+    torch.manual_seed(0)
+    x, w1, b1, w2 = (torch.randn(*s, device=DEVICE) for s in ((8,), (5, 8), (5,), (8, 5)))
+    out = fused_dense_gelu_dense(x, w1, b1, w2, None)
+    ref = torch.nn.functional.gelu(x.double() @ w1.double().t() + b1.double(), approximate="tanh") @ w2.double().t()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -715,3 +715,83 @@ def test_what_no_backward_reads_is_not_kept(backend_):
     out.sum().backward()  # the rest of the layer still trains
     assert one.layers[0].mlp.linear_fc1.weight.grad is not None
     assert one.layers[0].self_attention.linear_qkv.weight.grad is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The path steps aside for what the module path refuses or runs otherwise; single trainable biases (each was a mutation
+# no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_flash_takes_a_head_dim_of_exactly_256():
+    # FlashAttention's limit is inclusive (heads of at most 256 channels): hn = 256 builds and is taken
+    cfg = make_config(hidden_size=512, num_attention_heads=2, ffn_hidden_size=40, num_layers=1,
+                      attention_backend=AttnBackend.flash)
+    layer = FusedTransformerLayer(cfg, get_gpt_layer_local_spec().submodules).to(DEVICE).train()
+    assert layer.fused_path_applies(torch.randn(3, 1, 512, device=DEVICE, requires_grad=True))
+
+
+def test_an_attention_bias_takes_the_layers_forward_and_its_error(backend):
+    # the module path refuses attention_bias (NotImplementedError): the one-node path must step
+    # aside for it rather than ignore it
+    module, one = blocks(make_config(num_layers=1, attention_backend=backend))
+    x = hidden()
+    bias = torch.zeros(2, 4, 7, 7, device=DEVICE)
+    assert not one.layers[0].fused_path_applies(x, attention_bias=bias)
+    for layer in (module.layers[0], one.layers[0]):
+        with pytest.raises(NotImplementedError, match="attention_bias"):
+            layer(x, attention_bias=bias)
+
+
+@pytest.mark.parametrize("keep", ["layers.0.self_attention.linear_proj.bias", "layers.1.mlp.linear_fc1.bias",
+                                  "layers.0.input_layernorm.bias"])
+def test_a_single_trainable_bias_gets_the_layers_gradient(keep, backend, seed):
+    # BitFit-style fine-tuning: every tensor frozen but one bias; its gradient is the module path's
+    module, one = blocks(make_config(attention_backend=backend))
+    frozen = {"x", *(n for n, _ in one.named_parameters() if n != keep)}
+    x = hidden()
+    got, want = step(one, x, seed, frozen=frozen), step(module, x, seed, frozen=frozen)
+    assert want[2][keep] is not None
+    assert_same_bits(got, want)
+
+
+def _outcome_or_error(layer, x, seed):
+    """(output, x's gradient, parameters' gradients) of a step, or the error it raised (any type:
+    Apex's missing-extension error is an ImportError), with the layer's name made one."""
+    torch.manual_seed(seed)
+    try:
+        out, _ = layer(x)
+        out.backward(torch.ones_like(out))
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {str(err).replace('FusedTransformerLayer', 'TransformerLayer')}"
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("norm", ["input_layernorm", "pre_mlp_layernorm"])
+def test_a_norm_switched_to_another_backend_after_the_build_is_the_layers(norm, backend, seed):
+    # a norm's backend set to "apex" after the build: the module path runs Apex's kernel (or raises
+    # where Apex is missing); the one-node path runs fusedlib's, so it must step aside: same outcome
+    module, one = blocks(make_config(num_layers=1, attention_backend=backend))
+    layer, ref = one.layers[0], module.layers[0]
+    for lay in (layer, ref):
+        setattr(getattr(lay, norm), "backend", "apex")
+    x = hidden()
+    assert not layer.fused_path_applies(x)
+    got = _outcome_or_error(layer, x.detach().clone().requires_grad_(True), seed)
+    want = _outcome_or_error(ref, x.detach().clone().requires_grad_(True), seed)
+    if isinstance(want, str):
+        assert got == want
+        return
+    assert not isinstance(got, str), got
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kwarg", ["packed_seq_params", "inference_context"])
+def test_packed_sequences_and_inference_contexts_are_refused_as_by_the_layer(kwarg, backend):
+    # TransformerLayer raises NotImplementedError for them; the one-node layer must not ignore them
+    module, one = blocks(make_config(num_layers=1, attention_backend=backend))
+    x = hidden()
+    for layer in (module.layers[0], one.layers[0]):
+        with pytest.raises(NotImplementedError, match="packed_seq_params"):
+            layer(x, **{kwarg: object()})

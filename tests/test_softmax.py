@@ -837,3 +837,32 @@ def test_an_infinite_sink_logit_takes_the_whole_row(sink):
     assert_close(p[:, 1:], p64, torch.float32)
     assert_close(x.grad[:, 1:], dx64, torch.float32)
     assert_close(off.grad[1:], doff64, torch.float32, scale=10.0)  # a sum over 2·3 rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron's availability rule at its edges (each was a mutation
+# no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_megatron_availability_rule_at_its_edges():
+    causal, pad = AttnMaskType.causal, AttnMaskType.padding
+    # the ends of each condition: sk = 4096 is in (16 < sk <= 4096); 128-wide rows are still packed two a warp
+    assert megatron_kernel_availability(causal, True, True, 4, 32, 4096, 4096) == (True, "")
+    assert get_batch_per_block(128, 128, 1, 1) == 8 and get_batch_per_block(256, 256, 1, 1) == 4
+    cases = [
+        # sk, not only sq, must be a multiple of 4
+        ((pad, True, True, 4, 32, 2048, 2046), "multiples of 4"),
+        # causal: batch_per_block must divide b·np (the grid is (sq, b·np / batch_per_block)), whatever sq
+        ((causal, True, True, 1, 4, 64, 64), "b·np = 4 is not a multiple of batch_per_block = 8"),
+    ]
+    for args, why in cases:
+        ok, reason = megatron_kernel_availability(*args)
+        assert not ok and why in reason, (args, reason)
+    # and causal with b·np a multiple of batch_per_block takes any sq the other conditions allow
+    assert megatron_kernel_availability(causal, True, True, 2, 4, 20, 20) == (True, "")
+
+
+def test_megatron_availability_rule_says_no_for_a_sliding_window():
+    ok, reason = megatron_kernel_availability(AttnMaskType.causal, True, True, 4, 32, 2048, 2048, window_size=(128, 0))
+    assert not ok and "sliding window" in reason

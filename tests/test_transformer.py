@@ -1854,3 +1854,42 @@ def test_cross_attention_gets_the_context_mask_and_its_bda_the_dropout():
     context_mask[..., -2:] = True
     layer(x, None, context=ctx, context_mask=context_mask)
     assert len(masks) == 1 and masks[0] is context_mask and probs == [0.25]
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks without causal, masks of fewer dims, on every backend (each was a mutation
+# no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.fused, AttnBackend.flash])
+def test_a_padding_mask_without_causal_masks_only_what_it_says(backend):
+    # bidirectional attention (mask type padding) with a caller's key-padding mask: every backend
+    # attends to every unmasked key, later ones included (no causal mask slips in)
+    q, k, v = _attention_inputs(torch.float32, ng=NP)
+    mask = torch.zeros(B, 1, S, S, device=DEVICE, dtype=torch.bool)
+    mask[0, ..., 1:3] = True
+    mask[1, 0, 2, :] = True  # a row with every key masked: zeros
+    keep = R.keep_mask(S, S, False, None, device=DEVICE) & ~mask
+    ref = R.attention(*(t.double() for t in (q, k, v)), keep, 1 / math.sqrt(H // NP))
+    attn = DotProductAttention(make_config(num_query_groups=NP, attention_backend=backend), 1,
+                               AttnMaskType.padding, "self")
+    out = attn(q, k, v, mask)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    assert torch.all(out[2, 1] == 0)
+
+
+@pytest.mark.parametrize("shape", [(S, S), (1, S, S)], ids=["2d", "3d"])
+def test_a_mask_of_fewer_dims_is_broadcast_alike_on_every_backend(shape):
+    # a mask broadcastable to [b, np, sq, sk] with fewer dims ([sq, sk], [1, sq, sk]): every backend
+    # reads it as its trailing dims, as the float64 reference does
+    q, k, v = _attention_inputs(torch.float32, ng=NP)
+    mask = torch.zeros(shape, device=DEVICE, dtype=torch.bool)
+    mask[..., 3, 1:3] = True
+    keep = R.keep_mask(S, S, True, None, device=DEVICE) & ~mask
+    ref = R.attention(*(t.double() for t in (q, k, v)), keep, 1 / math.sqrt(H // NP))
+    for backend in (AttnBackend.local, AttnBackend.fused, AttnBackend.flash):
+        attn = DotProductAttention(make_config(num_query_groups=NP, attention_backend=backend), 1,
+                                   AttnMaskType.causal, "self")
+        torch.testing.assert_close(attn(q, k, v, mask).double(), ref, atol=1e-5, rtol=0,
+                                   msg=lambda m, b=backend: f"{b}: {m}")
