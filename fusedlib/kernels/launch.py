@@ -73,6 +73,9 @@ __all__ = [
     "HUGE",
     "DIRECT_LAUNCH",
     "DIRECT_LAUNCH_VERSIONS",
+    "TRITON_TRUE_VALUES",
+    "FALSE_VALUES",
+    "env_flag",
     "CHECK_LAUNCH",
     "LaunchStats",
     "launch_stats",
@@ -447,10 +450,10 @@ def _direct_launch_possible(version: str, interpret: bool) -> bool:
 #: True when :func:`fusedlib.runtime.launch` launches compiled kernels through
 #: :func:`direct_launch`: kernels are compiled (``TRITON_INTERPRET`` is not true), the
 #: Triton version is in :data:`DIRECT_LAUNCH_VERSIONS`, and ``FUSEDLIB_DIRECT_LAUNCH`` is not
-#: off (``0``: the switch back to ``kernel[grid]`` for every launch; read by :func:`env_flag`). On the H200 the direct
-#: path's own tests (``tests/test_launch.py``: every public op's outputs and gradients
-#: bitwise equal to ``kernel[grid]``'s, checked against Triton's own kernel choice) pass.
-#: Read on every launch, so tests may set it to compare both paths.
+#: off (``0``: the switch back to ``kernel[grid]`` for every launch; read by :func:`env_flag`).
+#: On the H200 the direct path's own tests (``tests/test_launch.py``: every public op's
+#: outputs and gradients bitwise equal to ``kernel[grid]``'s, checked against Triton's own
+#: kernel choice) pass. Read on every launch, so tests may set it to compare both paths.
 DIRECT_LAUNCH: bool = (env_flag("FUSEDLIB_DIRECT_LAUNCH", True)  # (read first: a bad value is refused anywhere)
                        and _direct_launch_possible(triton.__version__, TRITON_INTERPRET))
 
