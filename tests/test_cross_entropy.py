@@ -571,7 +571,8 @@ def test_an_int32_target_with_an_ignore_index_beyond_int32_ignores_nothing(path,
     assert t32.dtype == torch.int32 and torch.equal(t32, t.int())  # the caller's target: untouched
 
 
-def test_an_int32_target_with_an_ignore_index_beyond_int32_reads_no_row_past_the_end(seed):
+@pytest.mark.parametrize("ignore_index", [2**32 + 1, 2**31], ids=["2**32+1", "2**31"])  # (2**31: the first beyond)
+def test_an_int32_target_with_an_ignore_index_beyond_int32_reads_no_row_past_the_end(seed, ignore_index):
     # The kernels load the target with other=ignore_index, which Triton casts to the target's
     # int32: 2**32 + 1 became id 1, so the padding rows of the last program counted as active
     # and read the logits (and grad_output) past the tensor's end. One row with a row stride
@@ -589,12 +590,12 @@ def test_an_int32_target_with_an_ignore_index_beyond_int32_reads_no_row_past_the
         ref = F.cross_entropy(base.double()[None], t.long(), reduction="none")
         for fn in (fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy):
             x.grad = None
-            loss = fn(x, t, ignore_index=2**32 + 1)
+            loss = fn(x, t, ignore_index=IGNORE)
             loss.backward(torch.ones_like(loss))
             assert torch.allclose(loss.double(), ref, atol=1e-5), (fn.__name__, loss, ref)
             assert torch.isfinite(x.grad).all()
         print("no read past the end")
-    """).replace("SEED", str(seed))
+    """).replace("SEED", str(seed)).replace("IGNORE", str(ignore_index))
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and "no read past the end" in res.stdout, (res.returncode, res.stdout,

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import fusedlib.parallel as fp
 import fusedlib.runtime
 from fusedlib.parallel import parallel_state
+from fusedlib.parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 from fusedlib.parallel.utils import SINGLE_RANK
 from fusedlib.parallel.check_tp import CASES, close, gpt_tp_check, grad_scale_floor
 from fusedlib.parallel.checkpointing import (
@@ -1225,3 +1226,33 @@ def test_unshard_state_dict_refuses_a_rank_with_an_extra_key():
     shards = [{"b": torch.ones(2)}, {"b": torch.ones(2), "extra": torch.zeros(1)}]
     with pytest.raises(ValueError, match=r"rank 1's keys differ from rank 0's: \['extra'\]"):
         unshard_state_dict(shards, {})
+
+
+# ---------------------------------------------------------------------------------------------
+# Row-parallel skip_bias_add on one rank; the async-allreduce linear's refusal (each was a mutation
+# no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_one_rank_row_parallel_skip_bias_add_returns_the_bias_unadded(seed):
+    # skip_bias_add=True: output is x·Wᵀ alone and the bias comes back separately (Megatron's
+    # contract); float64, so the reference is exact up to the GEMM's rounding
+    from conftest import DEVICE
+
+    torch.manual_seed(seed)
+    cfg = dataclasses.replace(_layer_config(1, False, DEVICE), params_dtype=torch.float64)
+    layer = fp.RowParallelLinear(11, 7, config=cfg, init_method=_normal, bias=True,
+                                 input_is_parallel=False, skip_bias_add=True)
+    with torch.no_grad():
+        layer.bias.normal_()
+    x = torch.randn(3, 2, 11, device=DEVICE, dtype=torch.float64)
+    out, bias = layer(x)
+    assert bias is layer.bias
+    torch.testing.assert_close(out, x @ layer.weight.detach().T, rtol=1e-12, atol=1e-12)
+
+
+def test_linear_with_async_allreduce_refuses_allreduce_dgrad_with_sequence_parallel():
+    x = torch.randn(2, 3, dtype=torch.float64)
+    w = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="cannot be enabled at the same time"):
+        linear_with_grad_accumulation_and_async_allreduce(x, w, None, allreduce_dgrad=True, sequence_parallel=True)
