@@ -1227,20 +1227,26 @@ def test_cross_attention_against_the_reference():
         attn(x, None, key_value_states=torch.zeros(5, B, H, dtype=torch.int64))
 
 
-def test_decoder_layer_with_cross_attention_follows_megatrons_order():
-    """norm, self-attention, bias-dropout-add; norm, cross-attention on the context, bias-dropout-add;
-    norm, MLP, bias-dropout-add: in float64, to within a few roundings of 2^-53."""
-    cfg = make_config(torch.float64, num_query_groups=NP, attention_backend=AttnBackend.unfused)
+def _decoder_layer_submodules(cross_mask_type: AttnMaskType) -> TransformerLayerSubmodules:
+    """A decoder layer's submodules: the local spec's self-attention and MLP, torch's norms, and a
+    cross attention with ``cross_mask_type``, each sub-block followed by bias-dropout-add."""
     local = get_gpt_layer_local_spec().submodules
-    subs = TransformerLayerSubmodules(
+    return TransformerLayerSubmodules(
         input_layernorm=WrappedTorchNorm, self_attention=local.self_attention, self_attn_bda=get_bias_dropout_add,
         pre_cross_attn_layernorm=WrappedTorchNorm,
-        cross_attention=ModuleSpec(CrossAttention, params={"attn_mask_type": AttnMaskType.no_mask},
+        cross_attention=ModuleSpec(CrossAttention, params={"attn_mask_type": cross_mask_type},
                                    submodules=CrossAttentionSubmodules(
                                        linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
                                        core_attention=DotProductAttention, linear_proj=RowParallelLinear)),
         cross_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=WrappedTorchNorm, mlp=local.mlp,
         mlp_bda=get_bias_dropout_add)
+
+
+def test_decoder_layer_with_cross_attention_follows_megatrons_order():
+    """norm, self-attention, bias-dropout-add; norm, cross-attention on the context, bias-dropout-add;
+    norm, MLP, bias-dropout-add: in float64, to within a few roundings of 2^-53."""
+    cfg = make_config(torch.float64, num_query_groups=NP, attention_backend=AttnBackend.unfused)
+    subs = _decoder_layer_submodules(AttnMaskType.no_mask)
     layer = randomize(TransformerLayer(cfg, subs, layer_number=1))
     x, ctx = hidden(torch.float64), hidden(torch.float64, s=5)
     out, context = layer(x, None, context=ctx)
@@ -1828,16 +1834,7 @@ def test_layer_hidden_dropout_override_replaces_the_configs():
 
 def test_cross_attention_gets_the_context_mask_and_its_bda_the_dropout():
     cfg = make_config(torch.float64, num_query_groups=4, hidden_dropout=0.25, attention_backend=AttnBackend.unfused)
-    local = get_gpt_layer_local_spec().submodules
-    subs = TransformerLayerSubmodules(
-        input_layernorm=WrappedTorchNorm, self_attention=local.self_attention, self_attn_bda=get_bias_dropout_add,
-        pre_cross_attn_layernorm=WrappedTorchNorm,
-        cross_attention=ModuleSpec(CrossAttention, params={"attn_mask_type": AttnMaskType.padding},
-                                   submodules=CrossAttentionSubmodules(
-                                       linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
-                                       core_attention=DotProductAttention, linear_proj=RowParallelLinear)),
-        cross_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=WrappedTorchNorm, mlp=local.mlp,
-        mlp_bda=get_bias_dropout_add)
+    subs = _decoder_layer_submodules(AttnMaskType.padding)
     layer = TransformerLayer(cfg, subs, layer_number=1).train()
     masks, probs = [], []
     layer.cross_attention.register_forward_pre_hook(
