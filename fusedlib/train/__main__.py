@@ -104,8 +104,8 @@ def _parser() -> argparse.ArgumentParser:
                         "captured after a few eager steps (CUDA only)")
     e.add_argument("--fused-layer", action="store_true",
                    help="each layer a FusedTransformerLayer: its training forward and backward one autograd "
-                        "node (the same kernels and results, less host time; --model gpt --spec fused, --tp 1; not with "
-                        "--compile, --cuda-graph, "
+                        "node (the same kernels, the same results where they are deterministic, less host "
+                        "time; --model gpt --spec fused, --tp 1; not with --compile, --cuda-graph, "
                         "--full-iteration-graph; --bench and --bench-profile take it as the run "
                         "fusedlib-fused-layer)")
     e.add_argument("--tp", type=int, default=d.tp,

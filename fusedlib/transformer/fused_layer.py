@@ -609,7 +609,7 @@ class FusedTransformerLayer(TransformerLayer):
                 n2["weight"], n2.get("bias"), f1["weight"], f1["bias"], f2["weight"], f2.get("bias"),
                 dpa.num_attention_heads_per_partition, type(norm1) is FusedRMSNorm, norm1.zero_centered_gamma,
                 norm1.eps, norm2.zero_centered_gamma, norm2.eps, scale, self.hidden_dropout, p, deterministic,
-                function, coeff, self.config.attention_backend in SDPA_BACKENDS)
+                function, coeff, backend in SDPA_BACKENDS)
 
     def _parameters_fit(self, x: torch.Tensor, parts: tuple) -> bool:
         """The parameters the path reads: tensors of x's dtype (float16, bfloat16 or float32) and

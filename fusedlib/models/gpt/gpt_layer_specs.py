@@ -103,10 +103,9 @@ def get_gpt_fused_layer_spec() -> ModuleSpec:
 
     The config must be one the one-node layer takes (``attention_backend`` flash, auto / fused
     (SDPA), or local / unfused with ``masked_softmax_fusion``; ``bias_dropout_fusion`` and
-    ``gemm_gelu_fusion`` on;
-    one rank; no query/key norms, recomputation or grouped-query attention: the list is
-    :mod:`fusedlib.transformer.fused_layer`'s); the layer's build raises a ValueError naming what
-    differs.
+    ``gemm_gelu_fusion`` on; one rank; no query/key norms, recomputation or grouped-query
+    attention: the list is :mod:`fusedlib.transformer.fused_layer`'s); the layer's build raises a
+    ValueError naming what differs.
 
     Returns:
         ``ModuleSpec(FusedTransformerLayer, submodules=get_gpt_layer_local_spec().submodules)``.
