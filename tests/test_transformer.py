@@ -1847,7 +1847,7 @@ def test_cross_attention_gets_the_context_mask_and_its_bda_the_dropout():
 
     layer.cross_attn_bda = spy
     x, ctx = hidden(torch.float64), hidden(torch.float64, s=5)
-    context_mask = torch.zeros(1, 1, x.shape[0], 5, dtype=torch.bool)
+    context_mask = torch.zeros(1, 1, x.shape[0], 5, device=DEVICE, dtype=torch.bool)
     context_mask[..., -2:] = True
     layer(x, None, context=ctx, context_mask=context_mask)
     assert len(masks) == 1 and masks[0] is context_mask and probs == [0.25]
