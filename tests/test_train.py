@@ -1157,6 +1157,11 @@ def test_cli_bench_writes_records(tmp_path, stdlib_root, monkeypatch):
     for r in records:
         assert r["op"] == "train" and len(r["losses"]) == 4 and r["timed_steps"] == 2 and r["tokens_per_s"] > 0
         assert r["corpus"]["sha256"] and r["python"] and r["val"][-1][0] == 4 and isinstance(r["sample"], str)
+        # what earlier runs left allocated: an int on a GPU, at most the run's peak; None on a CPU
+        if DEVICE.type == "cuda":
+            assert isinstance(r["start_bytes"], int) and 0 <= r["start_bytes"] <= r["peak_bytes"]
+        else:
+            assert r["start_bytes"] is None and r["peak_bytes"] is None
     # same weights, same batches, float32: the two models' first losses agree to rounding
     assert abs(records[0]["losses"][0] - records[1]["losses"][0]) < 1e-5
     assert "fusedlib-unfused" in bench.bench_table(records)

@@ -50,7 +50,9 @@ A record (the fields of :mod:`fusedlib.bench.core`'s records where they apply): 
 (the run's :class:`TrainConfig`), ``params``, ``tokens_per_step``, ``warmup_steps``,
 ``timed_steps``, ``timed_s``, ``tokens_per_s``, ``ms_per_step``, ``window_tokens_per_s`` (each
 timed window's), ``peak_bytes`` (``torch.cuda.max_memory_allocated`` over the run: weights,
-master weights, optimizer state, activations; None on a CPU), ``losses`` (every step's training
+master weights, optimizer state, activations; None on a CPU), ``start_bytes``
+(``torch.cuda.memory_allocated`` as the run starts, after the earlier runs' memory is collected:
+what they left allocated, which ``peak_bytes`` counts too; None on a CPU), ``losses`` (every step's training
 loss), ``val`` ([step, loss] pairs), ``wall_s`` (the whole run, compilation and evaluation
 included), ``sample`` (text the trained model wrote after :data:`SAMPLE_PROMPT`) and
 ``sample_settings`` (prompt, tokens, temperature, top_k, seed).
@@ -122,10 +124,12 @@ def run_config(base: TrainConfig, name: str, **overrides) -> TrainConfig:
 
 def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_tokens: int,
              log: Callable[[str], object]) -> dict:
+    start_bytes = None
     if cfg.resolved_device().type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        start_bytes = torch.cuda.memory_allocated(cfg.resolved_device())
     start = time.perf_counter()
     trainer = Trainer(cfg, corpus=corpus, log=log)
     trainer.run()
@@ -147,7 +151,7 @@ def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_to
             "tokens_per_s": steps * tokens / seconds if seconds else None,
             "ms_per_step": 1e3 * seconds / steps if steps else None,
             "window_tokens_per_s": [(b - a + 1) * tokens / s for a, b, s in timed],
-            "peak_bytes": peak, "losses": trainer.losses(),
+            "peak_bytes": peak, "start_bytes": start_bytes, "losses": trainer.losses(),
             "val": [[r["step"], r["val_loss"]] for r in trainer.history if "val_loss" in r],
             "wall_s": wall, "sample": text, "sample_settings": settings}
 
