@@ -52,9 +52,9 @@ A record (the fields of :mod:`fusedlib.bench.core`'s records where they apply): 
 timed window's), ``peak_bytes`` (``torch.cuda.max_memory_allocated`` over the run: weights,
 master weights, optimizer state, activations; None on a CPU), ``start_bytes``
 (``torch.cuda.memory_allocated`` as the run starts, after the earlier runs' memory is collected:
-what they left allocated, which ``peak_bytes`` counts too; None on a CPU), ``losses`` (every step's training
-loss), ``val`` ([step, loss] pairs), ``wall_s`` (the whole run, compilation and evaluation
-included), ``sample`` (text the trained model wrote after :data:`SAMPLE_PROMPT`) and
+what they left allocated, which ``peak_bytes`` counts too; None on a CPU), ``losses`` (every
+step's training loss), ``val`` ([step, loss] pairs), ``wall_s`` (the whole run, compilation and
+evaluation included), ``sample`` (text the trained model wrote after :data:`SAMPLE_PROMPT`) and
 ``sample_settings`` (prompt, tokens, temperature, top_k, seed).
 """
 from __future__ import annotations
