@@ -438,6 +438,23 @@ def test_bad_clamp_value_raises(case):
         call(value)
 
 
+def test_clamped_plain_functions_refuse_a_missing_clamp_value():
+    # the clamped functions take c as a required argument: a check that read None as "no clamp"
+    # (allow_none) would run the unclamped kernel without a word
+    y, g, b = _randn((4, 8), torch.float32), _randn((4, 4), torch.float32, 1.0), _randn((8,), torch.float32)
+    w = torch.rand(4, 1, device=DEVICE)
+    for call in (lambda c: swiglu_mod.clamped_swiglu(y, c),
+                 lambda c: swiglu_mod.bias_clamped_swiglu(y, b, c),
+                 lambda c: swiglu_mod.clamped_weighted_swiglu(y, w, c),
+                 lambda c: swiglu_mod.clamped_swiglu_back(g, y, c),
+                 lambda c: swiglu_mod.bias_clamped_swiglu_back(g, y, b, c),
+                 lambda c: swiglu_mod.clamped_weighted_swiglu_back(g, y, w, c)):
+        with pytest.raises(TypeError, match="clamp_value must be a float > 0, got NoneType"):
+            call(None)
+        with pytest.raises(ValueError, match="clamp_value must be a finite number > 0"):
+            call(0.0)
+
+
 def test_clamp_value_accepts_an_int_and_numpy_float():
     y = _straddling((5, 2 * 9), torch.float32)
     ref = bias_swiglu_impl(y, None, clamp_value=2.0)
@@ -687,6 +704,30 @@ def test_glu_plain_functions_match_reference(glu):
     assert_close(bias_back(g, y, b), back(g64, y64 + b64), torch.float32, scale=amp)
 
 
+@pytest.mark.parametrize("glu", GLUS)
+def test_bias_backward_plain_functions_check_the_bias(glu):
+    # bias_*_back takes the bias like bias_*: unchecked, a strided bias would reach the kernel,
+    # which reads it as contiguous (every other element of its storage), and a bias of the wrong
+    # shape or dtype would be read past its end or reinterpreted, without an error
+    mod = swiglu_mod if glu == "swiglu" else geglu_mod
+    back = unfused.swiglu_back if glu == "swiglu" else unfused.geglu_back
+    bias_back = getattr(mod, f"bias_{glu}_back")
+    y = _randn((5, 2 * 9), torch.float32)
+    g = _randn((5, 9), torch.float32, 1.0)
+    b = _randn((2 * 18,), torch.float32, 1.0)[::2]  # [18], stride 2
+    assert not b.is_contiguous()
+    got = bias_back(g, y, b)
+    assert torch.equal(got, bias_back(g, y, b.contiguous()))
+    y64, b64 = y.double(), b.double()
+    amp = max(1.0, 0.3 * float((g.double().abs() * (y64[..., 9:] + b64[9:]).abs()).max()))
+    assert_close(got, back(g.double(), y64 + b64), torch.float32, scale=amp)
+    for bad, err, match in ((_randn((9,), torch.float32), ValueError, r"bias must have shape \[2h\] with 2h = y"),
+                            (b.double(), TypeError, "bias dtype torch.float64 must match y dtype"),
+                            (_randn((1, 18), torch.float32), ValueError, "bias must have 1 dims")):
+        with pytest.raises(err, match=match):
+            bias_back(g, y, bad)
+
+
 def test_weighted_swiglu_plain_functions_match_reference():
     y = _randn((7, 2 * 40), torch.bfloat16)
     w = torch.rand(7, 1, device=DEVICE)
@@ -821,6 +862,24 @@ def _bad_cases():
         ("grad shape", lambda: swiglu_mod.swiglu_back(t(4, 8), t(4, 8)), ValueError,
          r"grad_output must have shape \[4, 4\]"),
         ("grad dtype", lambda: geglu_mod.geglu_back(t(4, 4).double(), t(4, 8)), TypeError, "grad_output dtype"),
+        # the right width but fewer rows: unchecked, the kernel would read past g's end
+        ("grad rows", lambda: swiglu_mod.swiglu_back(t(3, 4), t(4, 8)), ValueError,
+         r"grad_output must have shape \[4, 4\], got \[3, 4\]"),
+        ("grad leading dims", lambda: geglu_mod.geglu_back(t(2, 2, 4), t(2, 3, 8)), ValueError,
+         r"grad_output must have shape \[2, 3, 4\]"),
+        ("flag cpu_offload_input", lambda: bias_swiglu_impl(t(4, 8), t(8), cpu_offload_input="no"), TypeError,
+         "cpu_offload_input must be a bool"),
+        ("flag cpu_offload_input nobias", lambda: bias_swiglu_impl(t(4, 8), None, cpu_offload_input=1), TypeError,
+         "cpu_offload_input must be a bool"),
+        ("clamp bool", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 1), True), TypeError,
+         "clamp_scale must be a float or None, got bool"),
+        ("sqrelu grad shape", lambda: weighted_squared_relu_back(t(3, 8), t(4, 8), t(4, 1)), ValueError,
+         r"grad_output must have shape \[4, 8\], got \[3, 8\]"),
+        ("sqrelu clamped grad shape", lambda: weighted_clamped_squared_relu_back(t(4, 7), t(4, 8), t(4, 1), 2.0),
+         ValueError, r"grad_output must have shape \[4, 8\], got \[4, 7\]"),
+        ("sqrelu clamped grad dtype",
+         lambda: weighted_clamped_squared_relu_back(t(4, 8).double(), t(4, 8), t(4, 1), 2.0), TypeError,
+         "grad_output dtype"),
     ]
 
 

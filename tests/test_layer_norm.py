@@ -799,13 +799,19 @@ def test_apex_backend_matches_fusedlib():  # pragma: no cover (needs Apex and a 
         (lambda: (torch.randn(2, MAX_HIDDEN_SIZE + 1), torch.randn(MAX_HIDDEN_SIZE + 1), None), ValueError,
          r"hidden size input.shape\[-1\] must be in 1..65536 .* got 65537"),
         (lambda: (torch.randn(4, 0), torch.randn(0), torch.randn(0)), ValueError, r"must be in 1..65536"),
+        # no weight: unchecked, the kernel launch would fail on None's missing .dtype, naming no argument
+        (lambda: (torch.randn(4, 8), None, torch.randn(8)), TypeError, "weight must be a torch.Tensor, got NoneType"),
+        (lambda: (torch.randn(4, 8), None, None), TypeError, "weight must be a torch.Tensor, got NoneType"),
     ],
 )
 def test_bad_input_raises_clear_error(make, error, match):
     x, w, b = make()
     x = x.to(DEVICE) if isinstance(x, torch.Tensor) else x
     with pytest.raises(error, match=match):
-        fused_layer_norm(x, w.to(DEVICE), b.to(DEVICE) if b is not None else None)
+        fused_layer_norm(x, w.to(DEVICE) if w is not None else None, b.to(DEVICE) if b is not None else None)
+    if w is None:  # RMSNorm shares the check
+        with pytest.raises(error, match=match):
+            fused_rms_norm(x, None)
 
 
 def test_bad_eps_and_mixed_devices_raise():
@@ -821,6 +827,26 @@ def test_bad_eps_and_mixed_devices_raise():
         fused_layer_norm(x, torch.randn(8, device=other), None)
     with pytest.raises(ValueError, match="past the tile table's last bound, 65536"):
         pick(FWD_TILES, 70000)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's padding rows (all 0) are 0 / 0 at eps = 0
+def test_eps_zero_is_accepted_everywhere():
+    # eps >= 0 is the documented range (0 is torch's own layer_norm's too): a check that refused
+    # eps = 0 in the module's constructor, or an int 0 (which takes the slow check), would break it
+    x = (2 * torch.randn(6, 16, device=DEVICE) + 0.5)  # rows of nonzero variance: finite at eps = 0
+    x64 = x.double()
+    ln = FusedLayerNorm(TransformerConfig(), 16, eps=0.0, device=DEVICE)
+    rms = FusedRMSNorm(TransformerConfig(normalization="RMSNorm"), 16, eps=0, device=DEVICE)
+    assert ln.eps == 0.0 and rms.eps == 0.0
+    # float64 references at eps = 0 (fusedlib.unfused's norms refuse eps = 0), gamma = 1, beta = 0
+    want_ln = torch.nn.functional.layer_norm(x64, (16,), eps=0.0)
+    want_rms = x64 * x64.square().mean(-1, keepdim=True).rsqrt()
+    assert_close(ln(x), want_ln, torch.float32)
+    assert_close(rms(x), want_rms, torch.float32)
+    w, b = ln.weight.detach(), ln.bias.detach()
+    for eps in (0.0, 0):
+        assert_close(fused_layer_norm(x, w, b, eps), want_ln, torch.float32)
+        assert_close(fused_rms_norm(x, w, eps), want_rms, torch.float32)
 
 
 @pytest.mark.parametrize("eps, got", [("1e-5", "str"), (None, "NoneType"), (True, "bool"),
@@ -1338,6 +1364,25 @@ def test_bias_dropout_add_norm_one_output_and_no_bias(norm):
     m.weight.grad = None
     _bda_norm_chain(m, (x.detach(), None), frozen, 0.0, False)[0].sum().backward()
     torch.testing.assert_close(dw, m.weight.grad, **({} if DEVICE.type == "cuda" else dict(rtol=0, atol=0)))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_bias_dropout_add_norm_residual_alone_requiring_grad(norm):
+    # h = residual + dropout(x + bias) depends on the residual: with x and the linear bias frozen
+    # (a frozen sublayer) and the residual requiring grad, h must require grad and pass its
+    # gradient to the residual, as the two ops without the fusion do
+    m, x, residual, lb = _bda_norm_inputs(norm, 24, torch.float32)
+    x, lb = x.detach(), lb.detach()
+    for p in (0.2, 0.0):
+        y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, p, True)
+        assert y.requires_grad and hidden.requires_grad, p
+    gy, gh = torch.randn_like(y), torch.randn_like(hidden)
+    torch.autograd.backward((y, hidden), (gy, gh))
+    # the same through the path without the fusion (p = 0: the same h), h's gradient included
+    r2 = residual.detach().clone().requires_grad_(True)
+    y2, h2 = _bda_norm_chain(m, (x, lb), r2, 0.0, True)
+    torch.autograd.backward((y2, h2), (gy, gh))
+    torch.testing.assert_close(residual.grad, r2.grad)
 
 
 def test_bias_dropout_add_norm_gradcheck_float64():
