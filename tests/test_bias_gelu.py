@@ -205,3 +205,25 @@ def test_mixed_devices_raise():
     other = "cpu" if DEVICE.type == "cuda" else "meta"
     with pytest.raises(ValueError, match="one device, got input on"):
         bias_gelu_impl(torch.randn(4, 8, device=DEVICE), torch.randn(8, device=other))
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda y, b: (y[:3], b, y), ValueError, r"grad_output must have shape \[4, 8\]"),
+        (lambda y, b: (y.reshape(8, 4), b, y), ValueError, r"grad_output must have shape \[4, 8\]"),
+        (lambda y, b: (y.double(), b, y), TypeError, "grad_output dtype torch.float64 must match"),
+        (lambda y, b: (y, b.double(), y), TypeError, "bias dtype torch.float64 must match y dtype"),
+        (lambda y, b: (y, b[:7], y), ValueError, r"h = y.shape\[-1\] = 8"),
+    ],
+)
+def test_the_functional_forms_name_the_argument_at_fault(make, error, match):
+    # bias_gelu(bias, y) and bias_gelu_back(g, bias, y) check g against y (a g of another shape
+    # would be read out of its bounds by the kernel) and name their own arguments
+    y, b = torch.randn(4, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+    g, b2, y2 = make(y, b)
+    with pytest.raises(error, match=match):
+        bias_gelu_back(g, b2, y2)
+    if g is y:  # the forward's checks too
+        with pytest.raises(error, match=match):
+            bias_gelu(b2, y2)

@@ -273,6 +273,24 @@ def test_minus_inf_sink_on_rows_that_see_no_key(tiles, empty_by):
     torch.testing.assert_close(sinks.grad[1].double(), ref.grad[1], atol=1e-5, rtol=1e-5)
 
 
+def test_learnable_sinks_get_their_gradient_when_q_k_v_need_none(tiles):
+    # sink logits trained on a frozen model (q, k and v need no gradient): d sinks all the same
+    tiles(16, 16)
+    b, sq, sk, hq, hkv, d = 2, 19, 23, 4, 2, 16
+    q, k, v = (t.detach() for t in _inputs(b, sq, sk, hq, hkv, d, torch.float32))
+    sinks = torch.randn(hq, device=DEVICE, requires_grad=True)
+    o = flash_attention(q, k, v, causal=True, sinks=sinks)
+    g = torch.randn(o.shape, device=DEVICE)
+    o.backward(g)
+    sinks64 = sinks.detach().double().requires_grad_(True)
+    o64 = unfused.attention_reference(q.double(), k.double(), v.double(), causal=True, sinks=sinks64)
+    o64.backward(g.double())
+    assert sinks.grad is not None and sinks.grad.dtype == sinks.dtype
+    r = _reference_parts(q.double(), k.double(), v.double(), o.double(), g.double(), dict(causal=True, sinks=sinks),
+                         None, 0.0)
+    _assert_within("dsinks", sinks.grad, sinks64.grad, r["dsinks"], torch.float32, d + sk + 8 + b * sq)
+
+
 def test_non_contiguous_inputs_megatron_layout(tiles):
     # q, k, v as Megatron's [s, b, heads, d] tensors seen through transpose(0, 1); k with a
     # strided last dim (copied once by the op); the gradient non-contiguous too
@@ -285,6 +303,21 @@ def test_non_contiguous_inputs_megatron_layout(tiles):
     o, grads = _check(torch.float32, b, sq, sk, hq, hkv, d, inputs=(q, k, v), grad_layout="transposed", causal=True)
     assert o.transpose(0, 1).is_contiguous()  # o follows q's memory order: [s, b, h, d] for Megatron
     assert grads[0].transpose(0, 1).is_contiguous()
+
+
+@pytest.mark.parametrize("strided", ["q", "k", "v"])
+def test_a_strided_head_dim_is_read_by_its_strides(strided, tiles):
+    # q, k or v whose last dim is strided (every other element of a wider buffer): read as
+    # the values it holds, not as a contiguous row
+    tiles(16, 16)
+    b, sq, sk, hq, hkv, d = 1, 9, 13, 2, 1, 8
+    q, k, v = (t.detach() for t in _inputs(b, sq, sk, hq, hkv, d, torch.float32))
+    wide = {"q": q, "k": k, "v": v}[strided]
+    buf = torch.zeros(*wide.shape[:-1], 2 * d, device=DEVICE)
+    buf[..., ::2] = wide
+    inputs = [buf[..., ::2] if t is wide else t for t in (q, k, v)]
+    assert inputs["qkv".index(strided)].stride(-1) == 2
+    _check(torch.float32, b, sq, sk, hq, hkv, d, inputs=[t.requires_grad_(True) for t in inputs], causal=True)
 
 
 def test_dropout_against_float64_with_the_replayed_mask(tiles):
@@ -690,9 +723,13 @@ BAD = {
                              "multiple of k's and v's heads"),
     "head dim too large": (dict(q=torch.randn(1, 2, 1, 300), k=torch.randn(1, 2, 1, 300), v=torch.randn(1, 2, 1, 300)),
                            ValueError, "head dim"),
+    "head dim one past the limit": (dict(q=torch.randn(1, 2, 1, 257), k=torch.randn(1, 2, 1, 257),
+                                         v=torch.randn(1, 2, 1, 257)),
+                                    ValueError, "the head dim (q's last dim) must be in [1, 256], got 257"),
     "causal not bool": (dict(causal=1), TypeError, "causal must be a bool"),
     "scale inf": (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
     "scale str": (dict(softmax_scale="0.1"), TypeError, "softmax_scale"),
+    "scale bool": (dict(softmax_scale=True), TypeError, "softmax_scale must be a real number or None, got bool"),
     # finite in float64 but not in the kernels' float32 scale·log2(e): the output was all NaN
     "scale beyond float32": (dict(softmax_scale=1e300), ValueError, "softmax_scale must be finite"),
     "scale*log2(e) beyond float32": (dict(softmax_scale=-3e38), ValueError, "softmax_scale must be finite"),
@@ -743,6 +780,13 @@ def test_tensors_on_different_devices():
         flash_attention(args["q"], args["k"].to(other), args["v"])
     with pytest.raises(ValueError, match="attention_mask must be on q's device"):
         flash_attention(**args, attention_mask=torch.zeros(2, 7, dtype=torch.bool, device=other))
+
+
+def test_sinks_on_another_device_are_refused_naming_them():
+    args = _good()
+    other = "cpu" if DEVICE.type == "cuda" else "meta"
+    with pytest.raises(ValueError, match=f"sinks must be on q's device \\({DEVICE}.*\\), got {other}"):
+        flash_attention(**args, sinks=torch.zeros(4, device=other))
 
 
 # ---------------------------------------------------------------------------------------------

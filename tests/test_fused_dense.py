@@ -99,6 +99,21 @@ def test_frozen_weights_and_no_grad():
     assert again.grad_fn is None and torch.equal(again, out.detach())
 
 
+def test_weights_get_their_gradients_when_the_input_needs_none():
+    # the first layer of a model: its input (token embeddings fed in as data) needs no gradient,
+    # yet every weight and bias must receive theirs
+    x, w1, b1, w2, b2 = _inputs((7,), 16, 24, 8, torch.float32)
+    x.requires_grad_(False)
+    out = fused_dense_gelu_dense(x, w1, b1, w2, b2)
+    g = torch.randn(out.shape, device=DEVICE)
+    out.backward(g)
+    _, grads = _reference(x, w1, b1, w2, b2, g)
+    assert x.grad is None
+    for t, ref_grad in zip((w1, b1, w2, b2), grads[1:]):
+        assert t.grad is not None
+        assert_close(t.grad, ref_grad, torch.float32, scale=3 * 7 ** 0.5)
+
+
 def test_empty_rows():
     x, w1, b1, w2, b2 = _inputs((0,), 16, 32, 8, torch.float32)
     out = fused_dense_gelu_dense(x, w1, b1, w2, b2)
@@ -215,6 +230,18 @@ def test_tensors_on_two_devices_are_refused():
     x, w1, b1, w2, b2 = _inputs((3,), 16, 32, 8, torch.float32)
     with pytest.raises(ValueError, match="device"):
         fused_dense_gelu_dense(x, w1, b1.detach().cpu(), w2, b2)
+
+
+@pytest.mark.parametrize("name", ["weight1", "bias1", "weight2", "bias2"])
+def test_a_tensor_on_another_device_is_refused_naming_it(name):
+    # one operand elsewhere (the CPU against CUDA; 'meta' against the CPU): a ValueError that
+    # names it, before any GEMM meets the two devices
+    other = "cpu" if CUDA else "meta"
+    args = dict(zip(("input", "weight1", "bias1", "weight2", "bias2"),
+                    (t.detach() for t in _inputs((3,), 16, 32, 8, torch.float32))))
+    args[name] = args[name].to(other)
+    with pytest.raises(ValueError, match=f"{name} on {other}"):
+        fused_dense_gelu_dense(**args)
 
 
 # ---------------------------------------------------------------- the cuBLASLt path (CUDA)

@@ -113,6 +113,26 @@ def test_softmax_one_matches_megatron_sink_concatenation_and_is_stable():
     assert torch.isfinite(y).all() and ((y >= 0) & (y <= 1)).all()
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (6, 5), (5,)])
+def test_softmax_one_takes_the_last_dim_by_either_index_and_refuses_the_others(shape):
+    # dim=-1, None and dim = x.dim() - 1 name the same (last) dim; any other dim, x.dim()
+    # included (out of range), is refused rather than taken as the last
+    x = _scores(shape, torch.float32, requires_grad=False)
+    want = SoftmaxOne(-1)(x)
+    assert torch.equal(SoftmaxOne(None)(x), want) and torch.equal(SoftmaxOne(x.dim() - 1)(x), want)
+    for dim in [d for d in (0, x.dim() - 2, x.dim(), -2) if d not in (-1, x.dim() - 1)]:
+        with pytest.raises(ValueError, match=f"SoftmaxOne works over the last dim; got dim={dim}"):
+            SoftmaxOne(dim)(x)
+
+
+def test_softmax_one_default_sink_is_miller_s_softmax_1():
+    # SoftmaxOne() adds e^0 = 1 to every denominator: p_j = e^{x_j} / (1 + sum_k e^{x_k})
+    x = _scores((2, 3, 4, 5), torch.float32, requires_grad=False)
+    want = torch.exp(x.double()) / (1 + torch.exp(x.double()).sum(-1, keepdim=True))
+    assert_close(SoftmaxOne()(x), want, torch.float32)
+    assert_close(SoftmaxOne()(x[0, 0]), want[0, 0], torch.float32)
+
+
 # --------------------------------------------------------------------------------------------
 # Forward and backward against the float64 reference, every dtype
 # --------------------------------------------------------------------------------------------
@@ -409,6 +429,23 @@ def test_learnable_offset_gradient(dtype):
     torch.testing.assert_close(off.grad.double(), doff64, atol=atol * math.sqrt(b * sq), rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_learnable_offset_gets_its_gradient_when_the_scores_need_none(causal):
+    # sink logits trained on frozen scores: d offset all the same, per head and shared
+    b, np_, sq, sk = 2, 3, 4, 9
+    x = _scores((b, np_, sq, sk), torch.float32, requires_grad=False)
+    mask = unfused.causal_mask(sq, sk, device=DEVICE) if causal else None
+    for n in (np_, 1):
+        off = torch.randn(n, device=DEVICE, requires_grad=True)
+        p = fused_scale_mask_softmax(x, None, SCALE, causal=causal, softmax_offset=off)
+        g = _grad_like(p)
+        p.backward(g)
+        _, _, doff64 = _reference(x, mask, SCALE, g, off)
+        assert off.grad is not None and off.grad.shape == (n,)
+        torch.testing.assert_close(off.grad.double(), doff64, atol=TOL[torch.float32][0] * math.sqrt(b * np_ * sq),
+                                   rtol=TOL[torch.float32][1])
+
+
 def test_offset_gradient_is_minus_sink_probability_times_sum_gp():
     # d o = -sum_rows p_sink·sum_j g_j p_j, with p_sink = e^o / D: checked by hand on one row
     x = torch.tensor([[[[0.5, -1.0, 2.0]]]], device=DEVICE, dtype=torch.float64, requires_grad=True)
@@ -595,6 +632,10 @@ def _fsm(**kw):
          "inputs must have dtype"),
         (lambda: ScaledSoftmax.apply([1.0, 2.0], 1.0), TypeError, "inputs must be a torch.Tensor"),
         (lambda: ScaledSoftmax.apply(torch.randn(2, 3, device=DEVICE), "1"), TypeError, "scale must be a real number"),
+        # a bool is no scale (True would read as 1): refused, as torch refuses it for a float argument
+        (lambda: fused_scale_mask_softmax(torch.randn(1, 2, 3, 3, device=DEVICE), scale=True), TypeError,
+         "scale must be a real number or None, got bool"),
+        (lambda: _fsm(scale=True), TypeError, "scale must be a real number or None, got bool"),
         (lambda: ScaledSoftmax.apply(torch.randn(2, 3, device=DEVICE), float("nan")), ValueError, "scale must be finite"),
         (lambda: ScaledMaskedSoftmax.apply(torch.randn(1, 2, 3, 4, device=DEVICE),
                                            torch.zeros(1, 1, 3, 4, dtype=torch.uint8, device=DEVICE), 1.0),
@@ -671,6 +712,29 @@ def test_double_backward_raises_instead_of_a_wrong_answer():
     (gx,) = torch.autograd.grad(p, x, g, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         gx.sum().backward()
+
+
+def test_scaled_masked_softmax_refuses_a_mask_on_another_device():
+    other = "cpu" if DEVICE.type == "cuda" else "meta"
+    x = torch.randn(1, 1, 3, 4, device=DEVICE)
+    mask = torch.zeros(1, 1, 3, 4, dtype=torch.bool, device=other)
+    with pytest.raises(ValueError, match=f"one device, got inputs on .*, mask on {other}"):
+        ScaledMaskedSoftmax.apply(x, mask, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_float_offset_is_held_in_float32_for_half_scores(dtype):
+    # scores near 300 (exact in both dtypes) and a sink logit of 301.1, which neither half
+    # dtype holds (float16: 301.0, bfloat16: 302.0): the logit is held in float32, the kernels'
+    # compute dtype, so the sink keeps its weight e^1.1 against each key's e^0
+    x = (300 + 2 * torch.randint(-2, 3, (2, 3, 4, 7), device=DEVICE)).to(dtype)
+    g = _grad_like(x)
+    p64, dx64, _ = _reference(x, None, 1.0, g, 301.1)
+    x.requires_grad_(True)
+    p = fused_scale_mask_softmax(x, softmax_offset=301.1)
+    p.backward(g)
+    assert_close(p, p64, dtype)
+    assert_close(x.grad, dx64, dtype)
 
 
 def test_mixed_devices_raise():
@@ -770,6 +834,41 @@ def test_a_window_wider_than_int64_is_unbounded_on_that_side(window):
         assert_close(p, p64, torch.float32)
         assert_close(x.grad, dx64, torch.float32)
     assert_close(fused_scale_mask_softmax(x, None, SCALE, window_size=window), p64, torch.float32)
+
+
+@pytest.mark.parametrize("sq, sk", [(5, 8), (8, 5), (6, 6)])
+def test_window_sides_at_the_edge_of_the_sequence(sq, sk):
+    # A side narrower than the sequence still masks: left = sk - 2 drops key 0 of the last row,
+    # right = sq - 2 the last key of the first row; from left = sk - 1 and right = sq - 1 on a
+    # side keeps every key. Each window against Megatron-core's definition written out with
+    # triu/tril, on the kernel, the fallback and get_sliding_window_causal_mask.
+    x = _scores((1, 2, sq, sk), torch.float32)
+    g = _grad_like(x)
+    ones = torch.ones(sq, sk, dtype=torch.bool, device=DEVICE)
+    for left in (sk - 3, sk - 2, sk - 1, sk):
+        for right in (sq - 3, sq - 2, sq - 1, sq):
+            window = (left, right)
+            want = ~torch.tril(torch.triu(ones, diagonal=sk - sq - left), diagonal=sk - sq + right)
+            assert torch.equal(get_sliding_window_causal_mask(sq, sk, window, device=DEVICE), want), window
+            p64, dx64, _ = _reference(x, want, SCALE, g)
+            for fusion in (True, False):
+                x.grad = None
+                p = _fsm(scaled_masked_softmax_fusion=fusion, scale=SCALE, window_size=window)(x, None)
+                p.backward(g)
+                assert_close(p, p64, torch.float32)
+                assert_close(x.grad, dx64, torch.float32)
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_a_mask_with_more_dims_than_the_scores_is_refused(fusion):
+    # a [1, 1, 1, sq, sk] mask broadcasts with [b, np, sq, sk] scores to 5 dims: the fallback
+    # would return probabilities of another shape, the kernel raise torch's expand error
+    x = torch.randn(2, 1, 3, 4, device=DEVICE)
+    mask = torch.zeros(1, 1, 1, 3, 4, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match=r"mask of shape \[1, 1, 1, 3, 4\] does not broadcast"):
+        _fsm(attn_mask_type=AttnMaskType.padding, scaled_masked_softmax_fusion=fusion)(x, mask)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        fused_scale_mask_softmax(x, mask)
 
 
 @pytest.mark.parametrize("mask_type, window", [(AttnMaskType.causal, None), (AttnMaskType.padding, (1, 0))])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,6 +212,35 @@ def test_p0_is_the_plain_fused_softmax_bitwise_and_draws_nothing(dtype):
     z.backward(g)
     p.backward(g)
     assert torch.equal(z, p) and torch.equal(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("zero", [0, np.float64(0.0), np.float32(0.0), -0.0], ids=["int", "np64", "np32", "neg"])
+def test_a_zero_dropout_p_of_any_real_type_is_the_plain_softmax(zero):
+    # dropout_p = 0 written as an int (attention_dropout=0 in a config), a numpy scalar or
+    # -0.0 is 0: accepted and the plain softmax, as 0.0 is
+    x = _scores((1, 2, 4, 6), torch.float32, requires_grad=False)
+    z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, SCALE, zero)
+    assert torch.equal(z, fused_scale_mask_softmax(x, None, SCALE, causal=True))
+
+
+def test_a_learnable_sink_gets_its_gradient_when_the_scores_need_none():
+    # sink logits trained on frozen scores: d sinks must come back all the same
+    b, np_, sq, sk = 2, 3, 4, 9
+    x = _scores((b, np_, sq, sk), torch.float32, requires_grad=False)
+    off = torch.randn(np_, device=DEVICE, requires_grad=True)
+    p = 0.25
+    torch.manual_seed(SEED)
+    z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, SCALE, p, softmax_offset=off)
+    torch.manual_seed(SEED)
+    keep = softmax_dropout_mask(philox_seed(DEVICE), tuple(x.shape), p)
+    off64 = off.detach().double().requires_grad_(True)
+    z64 = unfused.masked_softmax_dropout_reference(x.double(), _structural("causal", sq, sk), SCALE, keep,
+                                                   _p_used(p), off64)
+    g = torch.randn(z.shape, device=DEVICE)
+    z.backward(g)
+    z64.backward(g.double())
+    assert off.grad is not None
+    assert_close(off.grad, off64.grad, torch.float32, scale=dropout_scale(p) * math.sqrt(b * sq))
 
 
 @pytest.mark.parametrize("p", (0.1, 0.5))
