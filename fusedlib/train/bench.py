@@ -124,12 +124,12 @@ def run_config(base: TrainConfig, name: str, **overrides) -> TrainConfig:
 
 def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_tokens: int,
              log: Callable[[str], object]) -> dict:
-    start_bytes = None
-    if cfg.resolved_device().type == "cuda":
+    device, start_bytes = cfg.resolved_device(), None
+    if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        start_bytes = torch.cuda.memory_allocated(cfg.resolved_device())
+        start_bytes = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
     trainer = Trainer(cfg, corpus=corpus, log=log)
     trainer.run()
