@@ -332,6 +332,24 @@ def test_epilogue_path_replays_in_a_cuda_graph():
     assert not torch.equal(out, eager)
 
 
+def test_clear_workspaces_drops_each_stream_s_workspace_and_a_later_call_makes_a_new_one(monkeypatch):
+    # on the CPU, stand-ins of two streams' workspaces; on a GPU with cuBLASLt, a real call's
+    monkeypatch.setattr(cublaslt, "_workspaces", {})
+    sizes = [cublaslt.WORKSPACE_BYTES, 3 * 1024]
+    for stream, size in enumerate(sizes):
+        cublaslt._workspaces[(0, 1000 + stream)] = torch.empty(size, dtype=torch.uint8)
+    cublaslt._workspaces[(0, 2000)] = torch.empty(5, dtype=torch.float32)  # bytes, not elements
+    assert cublaslt.clear_workspaces() == sum(sizes) + 20
+    assert cublaslt._workspaces == {} and cublaslt.clear_workspaces() == 0
+    if CUDA and cublaslt.cublaslt_available():
+        x, w1, b1, _, _ = _inputs((64,), 64, 128, 32, torch.bfloat16)
+        y, _ = cublaslt.linear_gelu_aux_bias(x.detach(), w1.detach(), b1.detach())
+        assert len(cublaslt._workspaces) == 1
+        assert cublaslt.clear_workspaces() == cublaslt.WORKSPACE_BYTES and not cublaslt._workspaces
+        y2, _ = cublaslt.linear_gelu_aux_bias(x.detach(), w1.detach(), b1.detach())
+        assert torch.equal(y, y2) and len(cublaslt._workspaces) == 1
+
+
 def test_cublaslt_refuses_what_it_cannot_take():
     x = torch.zeros(4, 16, device=DEVICE)
     assert not cublaslt.supported(x, torch.zeros(32, 16, device=DEVICE))  # float32

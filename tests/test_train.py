@@ -1157,11 +1157,15 @@ def test_cli_bench_writes_records(tmp_path, stdlib_root, monkeypatch):
     for r in records:
         assert r["op"] == "train" and len(r["losses"]) == 4 and r["timed_steps"] == 2 and r["tokens_per_s"] > 0
         assert r["corpus"]["sha256"] and r["python"] and r["val"][-1][0] == 4 and isinstance(r["sample"], str)
-        # what earlier runs left allocated: an int on a GPU, at most the run's peak; None on a CPU
+        # what earlier runs left allocated, before and after the GEMM workspaces are released: ints
+        # on a GPU, the second at most the first and at most the run's peak; None on a CPU
         if DEVICE.type == "cuda":
             assert isinstance(r["start_bytes"], int) and 0 <= r["start_bytes"] <= r["peak_bytes"]
+            assert isinstance(r["left_bytes"], int) and r["start_bytes"] <= r["left_bytes"]
         else:
-            assert r["start_bytes"] is None and r["peak_bytes"] is None
+            assert r["start_bytes"] is None and r["left_bytes"] is None and r["peak_bytes"] is None
+    if DEVICE.type == "cuda":  # the first run's GEMMs left torch's cuBLAS workspaces; the second's start frees them
+        assert records[1]["left_bytes"] > records[1]["start_bytes"]
     # same weights, same batches, float32: the two models' first losses agree to rounding
     assert abs(records[0]["losses"][0] - records[1]["losses"][0]) < 1e-5
     assert "fusedlib-unfused" in bench.bench_table(records)

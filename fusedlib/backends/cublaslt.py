@@ -56,8 +56,9 @@ import torch
 
 from ..checks import check_tensor, is_dense
 
-__all__ = ["ALIGNMENT", "CublasLtError", "WORKSPACE_BYTES", "cublaslt_available", "supported", "supported_like",
-           "linear_gelu_aux_bias", "launch_linear_gelu_aux_bias", "matmul_dgelu", "launch_matmul_dgelu"]
+__all__ = ["ALIGNMENT", "CublasLtError", "WORKSPACE_BYTES", "clear_workspaces", "cublaslt_available", "supported",
+           "supported_like", "linear_gelu_aux_bias", "launch_linear_gelu_aux_bias", "matmul_dgelu",
+           "launch_matmul_dgelu"]
 
 # enum values from cublasLt.h / cublas_api.h / library_types.h (the same in CUDA 12 and 13)
 _CUBLAS_COMPUTE_32F = 68
@@ -101,6 +102,31 @@ def _current_stream(index: int) -> int:
     if _raw_stream is not None:
         return _raw_stream(index)
     return torch.cuda.current_stream(index).cuda_stream
+
+
+def clear_workspaces() -> int:
+    """Drop the workspaces this module keeps (one per device and stream) and return their bytes.
+
+    The workspaces live for the process's life, as torch keeps its own cuBLAS workspaces (32 MiB
+    per handle and stream on Hopper): a process that trains one model after another holds one
+    per stream any of them ran an epilogue GEMM on, :data:`WORKSPACE_BYTES` each. This drops them
+    (the caching allocator gets the memory back once nothing else refers to it); the next call on
+    a stream makes a new one. The counterpart of ``torch._C._cuda_clearCublasWorkspaces`` for
+    torch's own.
+
+    Call it only where no CUDA graph that captured one of this module's GEMMs will be replayed
+    again: a graph keeps the workspace's address, not the tensor, and would write into memory
+    given to something else.
+
+    Returns:
+        The bytes of the workspaces dropped (0 where there were none, as on a CPU-only machine).
+
+    Source: PyTorch ``aten/src/ATen/cuda/CublasHandlePool.cpp`` (``clearCublasWorkspaces``).
+    """
+    with _lock:
+        released = sum(w.numel() * w.element_size() for w in _workspaces.values())
+        _workspaces.clear()
+    return released
 
 
 def _load() -> Optional[ctypes.CDLL]:

@@ -50,9 +50,12 @@ A record (the fields of :mod:`fusedlib.bench.core`'s records where they apply): 
 (the run's :class:`TrainConfig`), ``params``, ``tokens_per_step``, ``warmup_steps``,
 ``timed_steps``, ``timed_s``, ``tokens_per_s``, ``ms_per_step``, ``window_tokens_per_s`` (each
 timed window's), ``peak_bytes`` (``torch.cuda.max_memory_allocated`` over the run: weights,
-master weights, optimizer state, activations; None on a CPU), ``start_bytes``
-(``torch.cuda.memory_allocated`` as the run starts, after the earlier runs' memory is collected:
-what they left allocated, which ``peak_bytes`` counts too; None on a CPU), ``losses`` (every
+master weights, optimizer state, activations, the GEMMs' workspaces; None on a CPU),
+``left_bytes`` (``torch.cuda.memory_allocated`` once the earlier runs' objects are collected:
+what they left allocated, on an H200 mostly the GEMM libraries' workspaces, 32 MiB per cuBLAS
+handle and stream, which live for the process's life; None on a CPU), ``start_bytes`` (the same
+after those workspaces are released, as the run starts: what ``peak_bytes`` counts that is
+not the run's own; None on a CPU), ``losses`` (every
 step's training loss), ``val`` ([step, loss] pairs), ``wall_s`` (the whole run, compilation and
 evaluation included), ``sample`` (text the trained model wrote after :data:`SAMPLE_PROMPT`) and
 ``sample_settings`` (prompt, tokens, temperature, top_k, seed).
@@ -69,6 +72,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..backends import cublaslt
 from ..bench.core import environment
 from .data import Corpus, load_corpus
 from .loop import TrainConfig, Trainer
@@ -122,11 +126,28 @@ def run_config(base: TrainConfig, name: str, **overrides) -> TrainConfig:
     return cfg
 
 
+def _release_gemm_workspaces() -> None:
+    """Release the cuBLAS workspaces torch keeps and cuBLASLt's that fusedlib keeps (CUDA).
+
+    Each (cuBLAS handle, stream) pair a process has run a GEMM on keeps a workspace for the
+    process's life (32 MiB on Hopper; a handle per thread, so the autograd engine's thread has
+    its own, and a CUDA graph's capture stream its own): without this, a run would find the
+    earlier runs' workspaces allocated, and its peak would count them. Only between runs, when
+    no graph of an earlier run can be replayed again (its trainer is gone).
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    cublaslt.clear_workspaces()
+
+
 def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_tokens: int,
              log: Callable[[str], object]) -> dict:
-    device, start_bytes = cfg.resolved_device(), None
+    device, left_bytes, start_bytes = cfg.resolved_device(), None, None
     if device.type == "cuda":
         gc.collect()
+        left_bytes = torch.cuda.memory_allocated(device)
+        _release_gemm_workspaces()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         start_bytes = torch.cuda.memory_allocated(device)
@@ -151,7 +172,7 @@ def _one_run(name: str, cfg: TrainConfig, corpus: Corpus, warmup: int, sample_to
             "tokens_per_s": steps * tokens / seconds if seconds else None,
             "ms_per_step": 1e3 * seconds / steps if steps else None,
             "window_tokens_per_s": [(b - a + 1) * tokens / s for a, b, s in timed],
-            "peak_bytes": peak, "start_bytes": start_bytes, "losses": trainer.losses(),
+            "peak_bytes": peak, "left_bytes": left_bytes, "start_bytes": start_bytes, "losses": trainer.losses(),
             "val": [[r["step"], r["val_loss"]] for r in trainer.history if "val_loss" in r],
             "wall_s": wall, "sample": text, "sample_settings": settings}
 
