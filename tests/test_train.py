@@ -1186,10 +1186,17 @@ def test_bench_table_gives_the_windows_median_beside_the_mean():
     assert bench.window_median(record("x", [3.0, 1.0, 2.0], 2.0)) == 2.0
     assert bench.window_median(record("x", [], 2.0)) is None
     lines = bench.bench_table([record("fusedlib", [900_000, 950_000, 1_000_000], 950_000), slow]).splitlines()
-    assert lines[1].split()[:3] == ["impl", "tokens/s", "median"]
+    assert lines[1].split()[:3] == ["impl", "tokens/s", "median"] and "left" not in lines[1]
     row = lines[3].split()
     assert row[0] == "torch.compile-full-iteration" and row[1] == "750,250" and row[2] == "1,000,000"
     assert lines[2].split()[2] == "950,000"
+    # records that keep what earlier runs left allocated get a column for it ("-" where a record has none)
+    first = dict(record("fusedlib", [1.0], 1.0), peak_bytes=3_030_000_000, left_bytes=0)
+    second = dict(record("torch.compile", [1.0], 1.0), peak_bytes=3_040_000_000, left_bytes=328_000_000)
+    lines = bench.bench_table([first, second, record("x", [1.0], 1.0)]).splitlines()
+    assert lines[1].split()[3:7] == ["ms/step", "peak", "GB", "left"]
+    assert lines[2].split()[4:6] == ["3.03", "0.00"] and lines[3].split()[4:6] == ["3.04", "0.33"]
+    assert lines[4].split()[4:6] == ["-", "-"]
 
 
 # ---------------------------------------------------------------------------------------------

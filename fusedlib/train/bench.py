@@ -396,9 +396,10 @@ def window_median(record: dict) -> Optional[float]:
 
 def bench_table(records: Sequence[dict]) -> str:
     """Text table of train.json's records: tokens/s over all timed steps and the median of the
-    windows' (:func:`window_median`), ms per step, peak memory (GB), the final training
-    loss (mean of the last 5% of steps) and validation loss, and how many times fusedlib's
-    throughput each run's is (by tokens/s over all timed steps)."""
+    windows' (:func:`window_median`), ms per step, peak memory (GB), where a record has it the
+    memory the earlier runs left allocated (``left_bytes``, GB; released before the run), the
+    final training loss (mean of the last 5% of steps) and validation loss, and how many times
+    fusedlib's throughput each run's is (by tokens/s over all timed steps)."""
     rows = [r for r in records if r.get("op") == "train"]
     if not rows:
         return "no train records"
@@ -407,11 +408,12 @@ def bench_table(records: Sequence[dict]) -> str:
     fused = next((r for r in rows if r["impl"] == "fusedlib"), None)
     bf16 = c["bf16"] or (c["bf16"] is None and first["device"] != "cpu")
     width = max(22, 2 + max(len(r["impl"]) for r in rows))
+    left = any(r.get("left_bytes") is not None for r in rows)
     out = [f"{first['params'] / 1e6:.2f} M parameters ({c['layers']} layers, hidden {c['hidden']}, "
            f"{c['heads']} heads), batch {c['batch']} x seq {c['seq']} = {first['tokens_per_step']} tokens per step, "
            f"{c['steps']} steps, {'bf16' if bf16 else 'float32'}, {first['device']}",
-           f"{'impl':<{width}}{'tokens/s':>12}{'median':>12}{'ms/step':>9}{'peak GB':>9}{'train loss':>12}"
-           f"{'val loss':>10}{'fusedlib is':>13}"]
+           f"{'impl':<{width}}{'tokens/s':>12}{'median':>12}{'ms/step':>9}{'peak GB':>9}"
+           + (f"{'left GB':>9}" if left else "") + f"{'train loss':>12}{'val loss':>10}{'fusedlib is':>13}"]
     for r in rows:
         tail = r["losses"][-max(1, len(r["losses"]) // 20):]
         peak = f"{r['peak_bytes'] / 1e9:.2f}" if r.get("peak_bytes") is not None else "-"
@@ -419,8 +421,10 @@ def bench_table(records: Sequence[dict]) -> str:
         ratio = f"{fused['tokens_per_s'] / r['tokens_per_s']:.2f}x" if fused is not None and r is not fused else ""
         med = window_median(r)
         med = f"{med:,.0f}" if med is not None else "-"
+        gone = ((f"{r['left_bytes'] / 1e9:.2f}" if r.get("left_bytes") is not None else "-").rjust(9)
+                if left else "")
         out.append(f"{r['impl']:<{width}}{r['tokens_per_s']:>12,.0f}{med:>12}{r['ms_per_step']:>9.2f}{peak:>9}"
-                   f"{sum(tail) / len(tail):>12.4f}{val:>10}{ratio:>13}")
+                   f"{gone}{sum(tail) / len(tail):>12.4f}{val:>10}{ratio:>13}")
     return "\n".join(out)
 
 
