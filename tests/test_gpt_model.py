@@ -268,3 +268,114 @@ def test_gpt_refuses_bad_rope_settings(kw, error, match):
     # backend but torch's CPU SDPA, which gave finite ones (NaN queries hidden)
     with pytest.raises(error, match=match):
         _model(make_config(num_layers=1), get_gpt_layer_local_spec(), position_embedding_type="rope", **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(post_process=False), dict(mtp_block_spec=get_gpt_layer_local_spec()),
+                                dict(pg_collection=object()), dict(vp_stage=0)],
+                         ids=["post_process", "mtp_block_spec", "pg_collection", "vp_stage"])
+def test_gpt_refuses_every_left_out_constructor_feature(kw):
+    with pytest.raises(NotImplementedError, match="left out of fusedlib"):
+        _model(make_config(num_layers=1), get_gpt_layer_unfused_spec(), **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(inference_context=object()), dict(packed_seq_params=object())],
+                         ids=["inference_context", "packed_seq_params"])
+def test_gpt_forward_refuses_inference_and_packed_sequences(kw):
+    model = _model(make_config(num_layers=1), get_gpt_layer_unfused_spec())
+    with pytest.raises(NotImplementedError, match="inference_context and packed_seq_params are left out"):
+        model(_ids()[0], None, None, **kw)
+
+
+def test_gpt_passes_every_rope_setting_to_its_rotary_embedding():
+    # each setting was only checked for its type by the tests: a model that dropped one (took
+    # the default) built and ran. hn = 6, rotary_percent 0.5: 3 rotary channels (4 angles, as
+    # Megatron); base 1e6 puts the slowest wavelength (2π·1e4) above Llama 3's 8192, so the
+    # scaling and its factor change it
+    from fusedlib.models.common.embeddings import RotaryEmbedding
+
+    rope = dict(rotary_percent=0.5, rotary_base=10**6, seq_len_interpolation_factor=2.0, rope_scaling=True,
+                rope_scaling_factor=4.0)
+    model = _model(make_config(num_layers=1, rotary_interleaved=True), get_gpt_layer_unfused_spec(),
+                   position_embedding_type="rope", **rope)
+    want = RotaryEmbedding(H // NP, rotary_interleaved=True, device=DEVICE, **rope)(S)
+    got = model.rotary_pos_emb(S)
+    assert got.shape == want.shape == (S, 1, 1, 4) and torch.equal(got, want)
+    # and each setting matters here: leaving any one at its default changes the angles
+    defaults = dict(rotary_percent=1.0, rotary_base=10000, seq_len_interpolation_factor=None, rope_scaling=False,
+                    rope_scaling_factor=8.0, rotary_interleaved=False)
+    for name, default in defaults.items():
+        kw = {**rope, "rotary_interleaved": True, name: default}
+        other = RotaryEmbedding(H // NP, device=DEVICE, **kw)(S)
+        assert other.shape != got.shape or not torch.equal(other, got), name
+
+
+def test_gpt_output_layer_and_embeddings_take_megatrons_init_methods():
+    # Megatron-core: the output layer is initialised with init_method (not the scaled
+    # output_layer_init_method of the attention's and MLP's output projections), both embedding
+    # tables with embedding_init_method
+    def fill(value):
+        return lambda w: torch.nn.init.constant_(w, value)
+
+    cfg = make_config(num_layers=1, init_method=fill(0.5), output_layer_init_method=fill(0.25),
+                      embedding_init_method=fill(0.125))
+    model = _model(cfg, get_gpt_layer_unfused_spec())
+    assert (model.output_layer.weight == 0.5).all()
+    assert (model.embedding.word_embeddings.weight == 0.125).all()
+    assert (model.embedding.position_embeddings.weight == 0.125).all()
+    assert (model.decoder.layers[0].mlp.linear_fc2.weight == 0.25).all()  # (the scaled one's own place)
+    # perform_initialization=False: no init method runs
+    cfg = make_config(num_layers=1, init_method=fill(0.5), output_layer_init_method=fill(0.25),
+                      embedding_init_method=fill(0.125), perform_initialization=False)
+    model = _model(cfg, get_gpt_layer_unfused_spec())
+    assert not (model.embedding.position_embeddings.weight == 0.125).all()
+
+
+def _embedding(cfg, position_embedding_type="learned_absolute"):
+    from fusedlib.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+    return randomize(LanguageModelEmbedding(cfg, V, S + 3, position_embedding_type=position_embedding_type)).to(DEVICE)
+
+
+def test_language_model_embedding_reads_the_position_ids_it_is_given():
+    # positions were only ever passed as 0..s-1, the default: an embedding that ignored them
+    # (or shifted the default by one) passed. float64: the sum of two table rows is exact
+    emb = _embedding(make_config(torch.float64, num_layers=1))
+    ids = _ids()[0]
+    word, pos = emb.word_embeddings.weight.detach(), emb.position_embeddings.weight.detach()
+    per_sample = torch.stack([torch.arange(S, device=DEVICE).flip(0), torch.arange(S, device=DEVICE) + 3])  # [b, s]
+    shared = (torch.arange(S, device=DEVICE) * 2 % (S + 3))[None]  # [1, s]: broadcast over the batch
+    for positions in (per_sample, shared, None):
+        p = torch.arange(S, device=DEVICE)[None] if positions is None else positions
+        want = (word[ids] + pos[p.expand(B, S)]).transpose(0, 1)  # [s, b, h]
+        assert torch.equal(emb(ids, positions), want)
+
+
+@pytest.mark.parametrize("position", ["learned_absolute", "rope"])
+def test_language_model_embedding_dropout_is_hidden_dropout(position):
+    # Megatron-core's embedding dropout has p = hidden_dropout (attention_dropout is the
+    # attention's). With p = 1/2 each element is dropped or doubled: the eval output times 0 or 2,
+    # zeros in 1/2 of B·S·H = 336 elements (a standard deviation of 0.027: 0.5 ± 0.2 is 7 of them)
+    torch.manual_seed(0)
+    emb = _embedding(make_config(num_layers=1, hidden_dropout=0.5, attention_dropout=0.0), position)
+    ids = _ids()[0]
+    want = emb.eval()(ids, None)
+    got = emb.train()(ids, None)
+    dropped = got == 0
+    assert torch.equal(got[~dropped], 2 * want[~dropped])
+    assert 0.3 < dropped.float().mean().item() < 0.7
+    # attention_dropout does not apply to the embeddings
+    emb = _embedding(make_config(num_layers=1, hidden_dropout=0.0, attention_dropout=0.5), position)
+    assert torch.equal(emb.train()(ids, None), emb.eval()(ids, None))
+
+
+def test_language_model_embedding_fp32_residual_connection_returns_float32():
+    # bf16 tables, fp32_residual_connection: the output (the residual stream) is float32, the
+    # bf16 sum widened exactly
+    emb = _embedding(make_config(torch.bfloat16, num_layers=1, fp32_residual_connection=True))
+    ids = _ids()[0]
+    out = emb(ids, None)
+    assert out.dtype == torch.float32 and out.shape == (S, B, H)
+    plain = _embedding(make_config(torch.bfloat16, num_layers=1))
+    plain.load_state_dict(emb.state_dict())
+    want = plain(ids, None)
+    assert want.dtype == torch.bfloat16 and torch.equal(out, want.float())

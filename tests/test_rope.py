@@ -674,3 +674,83 @@ def test_rotary_embedding_checks_its_int_and_bool_arguments():
     for name in ("rotary_interleaved", "rope_scaling", "use_cpu_initialization"):
         with pytest.raises(TypeError, match=f"{name} must be a bool, got str 'False'"):
             RotaryEmbedding(16, 1.0, **{name: "False"}, device=DEVICE)  # was read as True
+
+
+@pytest.mark.parametrize("base", [500000, 10.0])
+def test_rotary_embedding_rotary_base_sets_the_frequencies(base):
+    # the tests above all ran at the default base 10000: a module that ignored rotary_base passed
+    s, kv = 9, 32
+    freqs = RotaryEmbedding(kv, 1.0, rotary_base=base, device=DEVICE)(s)
+    assert torch.equal(freqs, _megatron_freqs(kv, 1.0, s, base=base))
+    i = torch.arange(kv // 2, dtype=torch.float64, device=DEVICE)
+    exact = torch.arange(s, dtype=torch.float64, device=DEVICE)[:, None] / float(base) ** (2 * i / kv)
+    # the bound of test_rotary_embedding_freqs_are_megatrons_formula with ln(base) for ln(10000):
+    # the exponent's rounding ln(500000)·u = 13.1u, pow 2u, the reciprocal and the product u each
+    torch.testing.assert_close(freqs[:, 0, 0, : kv // 2].double(), exact, atol=0, rtol=18 * 2.0**-24)
+
+
+@pytest.mark.parametrize("factor", [4.0, 16.0])
+def test_rotary_embedding_rope_scaling_takes_its_factor(factor):
+    # test_rotary_embedding_rope_scaling_is_llama3s uses 8.0, the default: a module that dropped
+    # the factor passed it
+    emb = RotaryEmbedding(128, 1.0, rope_scaling=True, rope_scaling_factor=factor, device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    wavelen = 2 * math.pi / inv
+    smooth = (8192 / wavelen - 1) / (4 - 1)
+    want = torch.where(wavelen < 2048, inv,
+                       torch.where(wavelen > 8192, inv / factor, (1 - smooth) * inv / factor + smooth * inv))
+    torch.testing.assert_close(emb.inv_freq.double().cpu(), want, atol=0, rtol=1e-6)
+
+
+def test_rotary_embedding_rope_scaling_factor_defaults_to_8():
+    default = RotaryEmbedding(128, 1.0, rope_scaling=True, device=DEVICE)
+    assert torch.equal(default.inv_freq, RotaryEmbedding(128, 1.0, rope_scaling=True, rope_scaling_factor=8.0,
+                                                         device=DEVICE).inv_freq)
+    assert not torch.equal(default.inv_freq, RotaryEmbedding(128, 1.0, device=DEVICE).inv_freq)
+
+
+def test_rotary_embedding_get_cos_sin_are_the_cosine_and_sine_of_the_angles():
+    emb = RotaryEmbedding(16, 1.0, seq_len_interpolation_factor=2.0, device=DEVICE)
+    cos, sin = emb.get_cos_sin(5, offset=3)
+    angles = _megatron_freqs(16, 1.0, 5, offset=3, factor=2.0)[:, 0, 0, :8]  # [s, dim/2]
+    assert cos.shape == sin.shape == (5, 8)
+    assert torch.equal(cos, torch.cos(angles)) and torch.equal(sin, torch.sin(angles))
+
+
+def test_rotary_embedding_get_rotary_seq_len_follows_megatron():
+    emb = RotaryEmbedding(16, 1.0, device=DEVICE)
+    x = torch.empty(6, 2, 4, device=DEVICE)
+    block = SimpleNamespace(input_tensor=torch.empty(5, 2, 4, device=DEVICE))
+    cfg = SimpleNamespace(sequence_parallel=False, tensor_model_parallel_size=2, context_parallel_size=3)
+    assert emb.get_rotary_seq_len(None, None, x, cfg) == 6 * 3  # context parallelism: the whole sequence
+    assert emb.get_rotary_seq_len(None, block, x, cfg) == 5 * 3  # the block's input tensor, when set
+    assert emb.get_rotary_seq_len(None, SimpleNamespace(input_tensor=None), x, cfg) == 6 * 3
+    assert emb.get_rotary_seq_len(SimpleNamespace(max_sequence_length=11), block, x, cfg) == 11 * 3  # inference
+    packed = SimpleNamespace(max_seqlen_q=4, max_seqlen_kv=9)
+    assert emb.get_rotary_seq_len(None, block, x, cfg, packed_seq_params=packed) == 9
+    assert emb.get_rotary_seq_len(None, block, x, cfg, SimpleNamespace(max_seqlen_q=9, max_seqlen_kv=4)) == 9
+
+
+def test_rotary_embedding_cache_keeps_the_newest_angles():
+    # FORWARD_CACHE_SIZE entries: past them the oldest goes, and the angles just computed stay
+    # cached (evicting the newest made every new length recomputed at each call once full)
+    from fusedlib.models.common.embeddings.rotary_pos_embedding import FORWARD_CACHE_SIZE
+
+    emb = RotaryEmbedding(8, 1.0, device=DEVICE)
+    first = emb(1)
+    for n in range(2, FORWARD_CACHE_SIZE + 3):
+        assert emb(n) is emb(n), n
+    assert emb(1) is not first and torch.equal(emb(1), first)  # evicted, recomputed
+
+
+def test_rotary_embedding_cache_evicts_the_least_recently_used_as_lru_cache():
+    # a length used between new ones stays cached (Megatron's functools.lru_cache): a hit makes
+    # an entry the most recently used, so the entry evicted is the one unused the longest
+    from fusedlib.models.common.embeddings.rotary_pos_embedding import FORWARD_CACHE_SIZE
+
+    emb = RotaryEmbedding(8, 1.0, device=DEVICE)
+    steady, other = emb(1), emb(2)
+    for n in range(3, 3 + 2 * FORWARD_CACHE_SIZE):
+        assert emb(1) is steady, n  # used at every step: never evicted
+        emb(n)
+    assert emb(2) is not other and torch.equal(emb(2), other)  # unused since: evicted, recomputed

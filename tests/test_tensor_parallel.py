@@ -1256,3 +1256,79 @@ def test_linear_with_async_allreduce_refuses_allreduce_dgrad_with_sequence_paral
     w = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="cannot be enabled at the same time"):
         linear_with_grad_accumulation_and_async_allreduce(x, w, None, allreduce_dgrad=True, sequence_parallel=True)
+
+
+# ----------------------------------------------------------------------------------- parallel_output
+def _parallel_output_worker(rank, world_size, device, seed):
+    from fusedlib.models.gpt import GPTModel, get_gpt_layer_unfused_spec
+    from fusedlib.parallel.check_tp import SEQ, VOCAB, _inputs, tiny_gpt_config
+
+    ids, labels, _ = _inputs(seed, device)
+    out = {}
+    for parallel_output in (True, False):
+        torch.manual_seed(seed)  # the same weights for both
+        cfg = tiny_gpt_config(world_size, torch.float64, use_cpu_initialization=device.type == "cpu")
+        model = GPTModel(cfg, get_gpt_layer_unfused_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                         parallel_output=parallel_output).to(device)
+        with torch.no_grad():
+            out[parallel_output] = dict(
+                logits=model(ids, None, None), split=model(ids, None, None, runtime_gather_output=False),
+                gathered=model(ids, None, None, runtime_gather_output=True),
+                losses=[model(ids, None, None, labels=labels),
+                        model(ids, None, None, labels=labels, runtime_gather_output=True),
+                        model(ids, None, None, labels=labels, runtime_gather_output=False)])
+    return out
+
+
+def test_gpt_parallel_output_splits_the_logits_but_never_the_loss(seed):
+    # Megatron-core: parallel_output keeps each rank's V/p logits (False gathers them, as does
+    # runtime_gather_output=True); the loss always takes the split logits, whatever either says.
+    # The TP checks above gather with runtime_gather_output=True only: the default was never run
+    from fusedlib.parallel.check_tp import BATCH, SEQ, VOCAB
+
+    results = _spawn(_parallel_output_worker, 2, "gloo", seed)
+    part = VOCAB // 2
+    loss = results[0][True]["losses"][0]
+    for rank, out in enumerate(results):
+        split, full = out[True]["logits"], out[False]["logits"]
+        assert split.shape == (BATCH, SEQ, part) and full.shape == (BATCH, SEQ, VOCAB)
+        # the gather moves data: this rank's columns of the full logits are its split ones, exactly
+        assert torch.equal(full[..., rank * part:(rank + 1) * part], split)
+        assert torch.equal(out[True]["gathered"], full) and torch.equal(out[False]["split"], split)
+        for parallel_output in (True, False):
+            for got in out[parallel_output]["losses"]:
+                assert got.shape == (BATCH, SEQ) and torch.equal(got, loss)
+
+
+def _sequence_parallel_embedding_worker(rank, world_size, device, seed):
+    from fusedlib.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from fusedlib.models.gpt import GPTModel, get_gpt_layer_unfused_spec
+    from fusedlib.parallel.check_tp import SEQ, VOCAB, _inputs, tiny_gpt_config
+
+    ids, _, _ = _inputs(seed, device)
+    torch.manual_seed(seed)
+    cfg = tiny_gpt_config(world_size, torch.float64, sequence_parallel=True,
+                          use_cpu_initialization=device.type == "cpu")
+    model = GPTModel(cfg, get_gpt_layer_unfused_spec(), vocab_size=VOCAB, max_sequence_length=SEQ).to(device)
+    whole = LanguageModelEmbedding(cfg, VOCAB, SEQ, scatter_to_sequence_parallel=False).to(device)
+    whole.load_state_dict(model.embedding.state_dict())
+    with torch.no_grad():
+        emb = model.embedding(input_ids=ids, position_ids=None)  # this rank's s/p tokens
+        return dict(emb=emb, whole=whole(ids, None),
+                    same=torch.equal(model(ids, None, None, decoder_input=emb), model(ids, None, None)))
+
+
+def test_sequence_parallel_embedding_scatters_only_when_asked_and_feeds_decoder_input(seed):
+    # under sequence parallelism the embedding hands each rank its s/p tokens, which GPTModel
+    # takes back as decoder_input (Megatron-core's [s/p, b, h]); scatter_to_sequence_parallel=False
+    # returns the whole sequence. Neither was run before (GPTModel refuses False, and no test
+    # passed a decoder_input at p > 1)
+    from fusedlib.parallel.check_tp import BATCH, SEQ
+
+    results = _spawn(_sequence_parallel_embedding_worker, 2, "gloo", seed)
+    part = SEQ // 2
+    for rank, out in enumerate(results):
+        assert out["emb"].shape == (part, BATCH, 32) and out["whole"].shape == (SEQ, BATCH, 32)
+        assert torch.equal(out["whole"][rank * part:(rank + 1) * part], out["emb"])  # a split: data moved only
+        assert out["same"]
+    assert torch.equal(results[0]["whole"], results[1]["whole"])

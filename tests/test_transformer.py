@@ -1890,3 +1890,59 @@ def test_a_mask_of_fewer_dims_is_broadcast_alike_on_every_backend(shape):
                                    AttnMaskType.causal, "self")
         torch.testing.assert_close(attn(q, k, v, mask).double(), ref, atol=1e-5, rtol=0,
                                    msg=lambda m, b=backend: f"{b}: {m}")
+
+
+_FUSION_SWITCHES = ("bias_activation_fusion", "gemm_gelu_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+                    "apply_rope_fusion", "persist_layer_norm", "memory_efficient_layer_norm",
+                    "cross_entropy_loss_fusion")
+
+
+def _every_fusion_on(**kw):
+    return make_config(num_layers=1, gated_linear_unit=False, activation_func=F.gelu,
+                       attention_backend=AttnBackend.flash, **{name: True for name in _FUSION_SWITCHES}, **kw)
+
+
+def test_without_fusions_turns_every_switch_off_and_keeps_the_rest():
+    from fusedlib.models.gpt.gpt_layer_specs import without_fusions
+
+    cfg = _every_fusion_on()
+    off = without_fusions(cfg)
+    assert {name: getattr(off, name) for name in _FUSION_SWITCHES} == dict.fromkeys(_FUSION_SWITCHES, False)
+    assert off.attention_backend == AttnBackend.unfused
+    changed = set(_FUSION_SWITCHES) | {"attention_backend"}
+    assert all(getattr(off, f.name) == getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in changed)
+
+
+def test_unfused_spec_ignores_the_configs_fusion_switches(monkeypatch):
+    # the baseline the fused layer is measured against: every submodule built from
+    # without_fusions(config), both bias-dropout-adds PyTorch's even with bias_dropout_fusion on
+    from fusedlib.fusions import fused_bias_dropout
+    from fusedlib.models.gpt.gpt_layer_specs import get_bias_dropout_add_unfused
+
+    subs = get_gpt_layer_unfused_spec(qk_layernorm=True).submodules
+    assert subs.self_attn_bda is get_bias_dropout_add_unfused and subs.mlp_bda is get_bias_dropout_add_unfused
+    cfg = _every_fusion_on()
+    layer = TransformerLayer(cfg, subs).to(DEVICE)
+    for name, module in layer.named_modules():
+        if module is layer or not isinstance(getattr(module, "config", None), TransformerConfig):
+            continue
+        switches = {s: getattr(module.config, s) for s in _FUSION_SWITCHES}
+        assert switches == dict.fromkeys(_FUSION_SWITCHES, False), name
+        assert module.config.attention_backend == AttnBackend.unfused, name
+    spy = Spy(monkeypatch, fused_bias_dropout, "_bias_dropout_add_func")
+    for training in (True, False):
+        assert get_bias_dropout_add_unfused(training, True).__qualname__.startswith("bias_dropout_add_unfused.")
+        layer.train(training)
+        with torch.no_grad():
+            layer(hidden(requires_grad=False), None)
+    assert len(spy.calls) == 4  # the attention's and the MLP's, in each mode
+
+
+@pytest.mark.parametrize("kw", [dict(num_experts=4), dict(moe_grouped_gemm=True), dict(multi_latent_attention=True),
+                                dict(fp8="e4m3"), dict(moe_use_legacy_grouped_gemm=True), dict(qk_l2_norm=True),
+                                dict(use_kitchen=True), dict(use_kitchen_attention=True)],
+                         ids=lambda kw: next(iter(kw)))
+def test_local_spec_refuses_every_left_out_feature(kw):
+    name = next(iter(kw))
+    with pytest.raises(NotImplementedError, match=rf"get_gpt_layer_\*_spec: {name}=.* is left out of fusedlib"):
+        get_gpt_layer_local_spec(**kw)

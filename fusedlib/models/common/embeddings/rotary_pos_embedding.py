@@ -220,7 +220,9 @@ class RotaryEmbedding(nn.Module):
             emb = self.get_emb(max_seq_len, offset)
             self._cache[key] = emb
             if len(self._cache) > FORWARD_CACHE_SIZE:
-                self._cache.popitem(last=False)
+                self._cache.popitem(last=False)  # the least recently used
+        else:
+            self._cache.move_to_end(key)  # a hit makes it the most recently used, as lru_cache
         return emb
 
     def _apply(self, fn, *args, **kwargs):
