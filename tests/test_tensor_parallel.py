@@ -32,7 +32,9 @@ import torch.nn.functional as F
 import fusedlib.parallel as fp
 import fusedlib.runtime
 from fusedlib.parallel import parallel_state
+from fusedlib.parallel.finalize_model_grads import grads_to_sum_over_tensor_parallel_ranks
 from fusedlib.parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+from fusedlib.parallel.random import get_data_parallel_rng_tracker_name
 from fusedlib.parallel.utils import SINGLE_RANK
 from fusedlib.parallel.check_tp import CASES, close, gpt_tp_check, grad_scale_floor
 from fusedlib.parallel.checkpointing import (
@@ -1332,3 +1334,216 @@ def test_sequence_parallel_embedding_scatters_only_when_asked_and_feeds_decoder_
         assert torch.equal(out["whole"][rank * part:(rank + 1) * part], out["emb"])  # a split: data moved only
         assert out["same"]
     assert torch.equal(results[0]["whole"], results[1]["whole"])
+
+
+# ---------------------------------------------------------------------------------------------
+# A mutation pass over tensor parallelism (mappings, layers, random, finalize_model_grads): each
+# test below fails on a mutation that no test caught
+# ---------------------------------------------------------------------------------------------
+
+
+def _contiguous_mappings_worker(rank, world_size, device, seed):
+    # the mappings worker above hands in transposed (non-contiguous) tensors only: an all-reduce on
+    # ``input_.contiguous()`` (the tensor itself when contiguous) went unseen
+    gen = torch.Generator(device="cpu").manual_seed(seed * 31 + rank)
+    x = torch.randn(4, 3, generator=gen, dtype=torch.float64).to(device)
+    g = torch.randn(4, 3, generator=gen, dtype=torch.float64).to(device)
+    x_before, g_before = x.clone(), g.clone()
+    summed = fp.reduce_from_tensor_model_parallel_region(x)
+    x_in = x.clone().requires_grad_(True)
+    # a residual branch shares the gradient that copy_to's backward all-reduces
+    (fp.copy_to_tensor_model_parallel_region(x_in) + x_in).backward(g)
+    return dict(x=x, x_before=x_before, summed=summed, g=g, g_before=g_before, x_grad=x_in.grad)
+
+
+def test_reduce_from_and_copy_to_leave_a_contiguous_input_and_gradient_unmodified(seed):
+    results = _spawn(_contiguous_mappings_worker, 2, "gloo", seed)
+    total_x = results[0]["x_before"] + results[1]["x_before"]
+    total_g = results[0]["g_before"] + results[1]["g_before"]
+    for rank, out in enumerate(results):
+        assert torch.equal(out["x"], out["x_before"]), f"rank {rank}: reduce_from modified its input"
+        assert torch.equal(out["g"], out["g_before"]), f"rank {rank}: copy_to's backward modified the gradient"
+        torch.testing.assert_close(out["summed"], total_x, rtol=1e-15, atol=1e-15)
+        # copy_to's branch: the sum over ranks; the residual branch: this rank's own gradient
+        torch.testing.assert_close(out["x_grad"], total_g + out["g_before"], rtol=1e-15, atol=1e-15)
+
+
+def _column_grad_reduce_worker(rank, world_size, device, seed):
+    p, r = world_size, rank
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)  # noqa: E731
+    cfg = _layer_config(p, False, device)
+    one = dataclasses.replace(cfg, tensor_model_parallel_size=1)
+    torch.manual_seed(seed)
+    full = fp.ColumnParallelLinear(5, 6, config=one, init_method=_normal)
+    w_mine = full.weight.detach()[r * 3:(r + 1) * 3]
+    x, g = rand(4, 2, 5), rand(4, 2, 6)  # the same on every rank
+    g_mine = g[..., r * 3:(r + 1) * 3]
+    out = {}
+    # disable_grad_reduce (Megatron's LoRA hook): the input gradient stays this rank's partial one
+    torch.manual_seed(seed)
+    layer = fp.ColumnParallelLinear(5, 6, config=cfg, init_method=_normal, disable_grad_reduce=True)
+    x_in = x.clone().requires_grad_(True)
+    with fp.count_collectives() as log:
+        layer(x_in)[0].backward(g_mine)
+    out["disable_grad_reduce"] = (x_in.grad, g_mine.matmul(w_mine), len(log))
+    # create_graph=True (a double backward to come): the first-order gradients are those of a plain backward
+    torch.manual_seed(seed)
+    layer = fp.ColumnParallelLinear(5, 6, config=cfg, init_method=_normal)
+    bias = rand(6)
+    with torch.no_grad():
+        layer.bias.copy_(bias[r * 3:(r + 1) * 3])
+    x_in = x.clone().requires_grad_(True)
+    layer(x_in)[0].backward(g_mine, create_graph=True)
+    out["create_graph"] = [(layer.bias.grad.detach(), g_mine.sum(dim=(0, 1))),
+                           (layer.weight.grad.detach(), g_mine.reshape(-1, 3).t() @ x.reshape(-1, 5)),
+                           (x_in.grad.detach(), g.matmul(full.weight.detach()))]
+    return out
+
+
+def test_column_parallel_disable_grad_reduce_and_create_graph_input_and_bias_gradients(seed):
+    # disable_grad_reduce was only checked to be a bool; no p > 1 column-parallel backward ran with
+    # create_graph (its bias gradient is torch's sum there, not fusedlib's column-sum kernel)
+    for rank, out in enumerate(_spawn(_column_grad_reduce_worker, 2, "gloo", seed)):
+        got, want, n_collectives = out["disable_grad_reduce"]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"rank {rank}: disable_grad_reduce")
+        assert n_collectives == 0, f"rank {rank}: disable_grad_reduce still reduced the input gradient"
+        for name, (got, want) in zip(("bias", "weight", "input"), out["create_graph"]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12,
+                                       msg=f"rank {rank}: {name} gradient with create_graph=True")
+
+
+def _row_skip_bias_add_worker(rank, world_size, device, seed):
+    p, r = world_size, rank
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)  # noqa: E731
+    x, bias = rand(2 * p, 3, 6), rand(5)
+    out = {}
+    for sp in (False, True):
+        cfg = _layer_config(p, sp, device)
+        torch.manual_seed(seed)
+        full = fp.RowParallelLinear(6, 5, config=dataclasses.replace(cfg, tensor_model_parallel_size=1,
+                                                                      sequence_parallel=False),
+                                    init_method=_normal, bias=True, input_is_parallel=True, skip_bias_add=False)
+        torch.manual_seed(seed)
+        layer = fp.RowParallelLinear(6, 5, config=cfg, init_method=_normal, bias=True, input_is_parallel=True,
+                                     skip_bias_add=True)
+        with torch.no_grad():
+            layer.bias.copy_(bias)
+        y, y_bias = layer(x[..., r * 3:(r + 1) * 3])
+        want = F.linear(x, full.weight.detach())  # x·Wᵀ, the bias left to the caller
+        out[sp] = (y, want[r * 2:(r + 1) * 2] if sp else want, y_bias is layer.bias)
+    return out
+
+
+def test_row_parallel_skip_bias_add_returns_the_bias_unadded_on_two_ranks(seed):
+    # the layer test above runs RowParallelLinear at p > 1 with skip_bias_add=False only, and the
+    # GPT cases have no linear biases: a bias added at p > 1 despite skip_bias_add went unseen
+    for rank, out in enumerate(_spawn(_row_skip_bias_add_worker, 2, "gloo", seed)):
+        for sp, (got, want, returned) in out.items():
+            assert returned, f"rank {rank} sp={sp}: output_bias is not the layer's bias"
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"rank {rank} sp={sp}")
+
+
+@pytest.fixture
+def fresh_rng_tracker():
+    """The process's tracker, reset after the test (later tests' checkpoints see no tracker states)."""
+    tracker = fp.get_cuda_rng_tracker()
+    tracker.reset()
+    yield tracker
+    tracker.reset()
+
+
+def test_model_parallel_cuda_manual_seed_seeds_the_default_generator(fresh_rng_tracker, seed):
+    fp.model_parallel_cuda_manual_seed(seed + 1, tp_rank=0)
+    got = torch.rand(4)
+    torch.manual_seed(seed + 1)
+    assert torch.equal(got, torch.rand(4)), "the default generator was not seeded with the seed"
+
+
+def test_rng_tracker_forks_continue_their_stream_and_nest(fresh_rng_tracker, seed):
+    tracker, name = fresh_rng_tracker, "model-parallel-rng"
+    fp.model_parallel_cuda_manual_seed(seed, tp_rank=0)
+    with tracker.fork():
+        want = torch.rand(3, 4)  # three draws in one fork
+    fp.model_parallel_cuda_manual_seed(seed, tp_rank=0)
+    with tracker.fork():  # two forks in a row: the second continues where the first stopped
+        first = torch.rand(4)
+    with tracker.fork():
+        second = torch.rand(4)
+        with tracker.fork(get_data_parallel_rng_tracker_name()):  # a nested fork of another state
+            torch.rand(4)
+        third = torch.rand(4)  # ... after which the outer state continues, not restarts
+    assert not torch.equal(first, second), "the second fork replayed the first one's draws"
+    assert torch.equal(torch.stack([first, second, third]), want)
+    assert name in tracker.get_states()
+
+
+def test_checkpoint_replays_the_trackers_draws_and_leaves_the_tracker_where_it_was(fresh_rng_tracker, seed):
+    # fusedlib's own modules fork outside their checkpoints (torch restores the default generator
+    # for those): a function that forks inside fp.checkpoint, as Megatron-core's may, was never run
+    tracker = fresh_rng_tracker
+
+    def dropout_in_fork(x):
+        with tracker.fork():
+            return F.dropout(x, 0.5, training=True) * x  # the mask is saved, hence recomputed
+
+    x = torch.randn(64, dtype=torch.float64)
+    runs = []
+    for checkpointed in (False, True):
+        fp.model_parallel_cuda_manual_seed(seed, tp_rank=0)
+        x_in = x.clone().requires_grad_(True)
+        y = fp.checkpoint(dropout_in_fork, x_in) if checkpointed else dropout_in_fork(x_in)
+        with tracker.fork():
+            torch.rand(4)  # a later layer's draws, before the backward
+        y.sum().backward()
+        with tracker.fork():
+            after = torch.rand(8)  # the tracker after the backward (and the recomputation)
+        runs.append((y.detach(), x_in.grad, after))
+    (y0, grad0, after0), (y1, grad1, after1) = runs
+    assert torch.equal(y1, y0)
+    assert torch.equal(grad1, grad0), "the recomputation drew another dropout mask"
+    assert torch.equal(after1, after0), "the recomputation left the tracker rewound"
+
+
+def test_grads_to_sum_over_tensor_parallel_ranks_finds_the_config_of_a_wrapped_module(seed):
+    # a wrapper without a config of its own (torch's DistributedDataParallel) holds the model as
+    # .module: its config decides (Float16Module has its own config, so no test reached this)
+    cfg = fp_config(sequence_parallel=True, params_dtype=torch.float64, use_cpu_initialization=True)
+    model = torch.nn.Module()
+    model.config = cfg
+    model.linear = fp.RowParallelLinear(4, 6, config=cfg, init_method=_normal, bias=True, input_is_parallel=True,
+                                        skip_bias_add=False)
+    model.norm = fp_norm(cfg)
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    names = [name for name, _ in grads_to_sum_over_tensor_parallel_ranks(wrapper)]
+    assert names == ["module.linear.bias", "module.norm.weight", "module.norm.bias"]
+
+
+def _mixed_dtype_finalize_worker(rank, world_size, device, seed):
+    cfg = fp_config(tensor_model_parallel_size=world_size, sequence_parallel=True, params_dtype=torch.float32,
+                    use_cpu_initialization=device.type == "cpu")
+    model = torch.nn.Module()
+    model.config = cfg
+    model.norm32 = fp_norm(cfg).to(device)
+    model.norm16 = fp_norm(dataclasses.replace(cfg, params_dtype=torch.bfloat16)).to(device)
+    before = {}
+    for name, param in model.named_parameters():
+        gen = torch.Generator(device="cpu").manual_seed(seed * 31 + rank)
+        param.grad = torch.randn(param.shape, generator=gen).to(device, param.dtype)
+        before[name] = param.grad.clone()
+    with fp.count_collectives() as log:
+        fp.finalize_model_grads(model)
+    return before, {n: q.grad for n, q in model.named_parameters()}, [(c.name, c.dtype) for c in log]
+
+
+def test_finalize_model_grads_sums_each_dtype_in_its_own_all_reduce(seed):
+    # every model of the tests above has one parameter dtype: one bucket for float32 and bfloat16
+    # gradients together (promoted to float32, one all-reduce, cast back) went unseen
+    (before0, after0, log0), (before1, after1, log1) = _spawn(_mixed_dtype_finalize_worker, 2, "gloo", seed)
+    assert sorted(log0) == sorted(log1) == [("all_reduce", "bfloat16"), ("all_reduce", "float32")], log0
+    for name in before0:
+        assert after0[name].dtype == before0[name].dtype and torch.equal(after0[name], after1[name]), name
+        # two terms: the sum in the gradient's own dtype, one rounding
+        assert torch.equal(after0[name], before0[name] + before1[name]), name
