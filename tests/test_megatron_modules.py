@@ -58,3 +58,52 @@ def test_transformer_utils_masks_and_mask_func():
     window = tutils.get_sliding_window_causal_mask(4, 6, (1, 0), device=DEVICE)
     assert torch.equal(window, unfused.sliding_window_causal_mask(4, 6, (1, 0), device=DEVICE))
     assert (~window).sum(-1).tolist() == [2, 2, 2, 2]  # each query: itself and one key to its left
+
+
+def test_fast_gelu_keeps_megatrons_ten_digit_constant_in_float64():
+    # fast_gelu's 0.7978845608 is Megatron's literal, not sqrt(2/pi): in float64 the two differ by
+    # ~1e-12 relative, far above the few roundings (~1e-15) that separate fast_gelu from the same
+    # formula evaluated exactly (mpmath, 50 digits)
+    import mpmath  # torch's dependency, through sympy
+
+    xs = [-5.0, -2.5, -1.0, -0.3, 0.2, 0.7, 1.0, 1.5, 3.0, 4.0]
+    with mpmath.workdps(50):
+        c, a = mpmath.mpf("0.7978845608"), mpmath.mpf("0.044715")
+        exact = [float(0.5 * x * (1 + mpmath.tanh(c * x * (1 + a * x * x)))) for x in map(mpmath.mpf, xs)]
+    got = activations.fast_gelu(torch.tensor(xs, dtype=torch.float64, device=DEVICE))
+    torch.testing.assert_close(got, torch.tensor(exact, dtype=torch.float64, device=DEVICE), atol=1e-15, rtol=1e-14)
+
+
+def test_init_helpers_scale_by_the_layer_count_and_get_linear_layer_zeroes_its_bias():
+    # N(0, sigma²) and N(0, sigma² / (2·num_layers)): the sample std of n = 40000 draws is within
+    # 5/sqrt(2n) (1.8 %) of sigma with overwhelming probability; the multiplier is 2 by default
+    w = torch.empty(200, 200, dtype=torch.float64, device=DEVICE)
+    for init, sigma in ((tutils.init_method_normal(0.3), 0.3),
+                        (tutils.scaled_init_method_normal(0.3, 8), 0.3 / 4.0),
+                        (tutils.scaled_init_method_normal(0.3, 8, multiplier=0.5), 0.3 / 2.0)):
+        init(w)
+        assert abs(w.std().item() / sigma - 1) < 5 / (2 * w.numel()) ** 0.5
+        assert abs(w.mean().item()) < 5 * sigma / w.numel() ** 0.5
+    calls = []
+    layer = tutils.get_linear_layer(3, 5, lambda t: calls.append(t) or t.fill_(0.5))
+    assert len(calls) == 1 and calls[0] is layer.weight
+    assert torch.all(layer.weight == 0.5) and torch.all(layer.bias == 0)
+    # without perform_initialization, the init method is not called; the bias is zeroed all the same
+    layer = tutils.get_linear_layer(3, 5, lambda t: calls.append(t), perform_initialization=False)
+    assert len(calls) == 1 and torch.all(layer.bias == 0)
+
+
+def test_param_device_and_heads_per_partition(monkeypatch):
+    import types
+
+    monkeypatch.setattr(tutils, "default_device", lambda: torch.device("meta"))
+    assert tutils.param_device(types.SimpleNamespace(use_cpu_initialization=True)) == torch.device("cpu")
+    assert tutils.param_device(types.SimpleNamespace(use_cpu_initialization=False)) == torch.device("meta")
+
+    def cfg(p, np_, ng):
+        return types.SimpleNamespace(tensor_model_parallel_size=p, num_attention_heads=np_, num_query_groups=ng)
+
+    assert tutils.heads_per_partition(cfg(2, 8, 4)) == (4, 2)
+    for p, np_, ng in ((2, 8, 1), (2, 8, 3), (4, 6, 2)):  # key/value groups (or heads) not divisible by p
+        with pytest.raises(ValueError, match="must both be divisible by tensor_model_parallel_size"):
+            tutils.heads_per_partition(cfg(p, np_, ng))

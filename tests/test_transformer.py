@@ -274,6 +274,21 @@ def test_build_module_keeps_the_errors_fields(tmp_path):
     assert (info.value.errno, info.value.filename) == (2, missing)
 
 
+def test_calling_a_spec_builds_it_with_its_params_and_submodules():
+    cfg = object()
+    spec = ModuleSpec(_Probe, params={"b": 2}, submodules="subs")
+    assert spec(1, config=cfg).args == (1, 2, cfg, "subs", None)
+    assert ModuleSpec(_Probe)(1).args == (1, 0, None, None, None)  # no submodules: none passed
+
+
+def test_build_module_returns_builtin_functions_uncalled():
+    # torch.relu is a builtin_function_or_method, not a types.FunctionType: returned as it is too,
+    # given directly, in a spec or as an import path
+    assert build_module(torch.relu) is torch.relu
+    assert build_module(ModuleSpec(torch.relu)) is torch.relu
+    assert build_module(ModuleSpec(("torch", "relu")), "ignored", config=None) is torch.relu
+
+
 @pytest.mark.parametrize("value", [1.5, -0.1, float("nan"), "0.1", True])
 def test_layer_checks_its_hidden_dropout_when_built(value):
     # an override of 1.5 or "0.1" was accepted and failed at the first forward, naming "prob"
@@ -337,6 +352,19 @@ def test_wrapped_torch_norm_checks_what_it_builds_from():
     norm = WrappedTorchNorm(cfg, np.int64(H), eps=np.float32(1e-5))
     assert isinstance(norm, torch.nn.LayerNorm) and norm.normalized_shape == (H,) and type(norm.eps) is float
     assert all(p.sequence_parallel is False for p in norm.parameters())
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_wrapped_torch_norm_takes_its_eps_and_marks_sequence_parallel(normalization):
+    for sp in (False, True):
+        norm = WrappedTorchNorm(make_config(normalization=normalization, sequence_parallel=sp), H, eps=1e-3)
+        assert norm.eps == 1e-3
+        assert [p.sequence_parallel for p in norm.parameters()] == [sp] * (2 if normalization == "LayerNorm" else 1)
+    # the eps reaches the forward: rows of variance ~1e-3, against torch's functional norm
+    x = 0.03 * torch.randn(3, H, device=DEVICE)
+    norm = WrappedTorchNorm(make_config(normalization=normalization), H, eps=1e-3, device=DEVICE)
+    ref = F.layer_norm(x, (H,), eps=1e-3) if normalization == "LayerNorm" else F.rms_norm(x, (H,), eps=1e-3)
+    torch.testing.assert_close(norm(x), ref, atol=0, rtol=0)
 
 
 def test_modules_pickle_whole():
@@ -1503,6 +1531,53 @@ def test_state_dict_save_and_load_round_trip():
     with torch.no_grad():
         y, y_fresh = block(x, None), fresh(x, None)
     assert nrmse(y_fresh, y.double()) <= UNFUSED_IN_U * U[torch.float32]
+
+
+class _DtypeProbe(torch.nn.Module):
+    """Records the dtypes of its inputs; returns its first input times a weight, and the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((4,), 0.5))
+
+    def forward(self, x, *others):
+        self.seen = [t.dtype for t in (x, *others)]
+        return x * self.w, x
+
+
+def test_float16_module_in_fp16_casts_only_float32_inputs_and_its_fp16_outputs_back():
+    # Megatron-core's fp32_to_float16 casts float32 tensors only (a float64 input, ids and masks
+    # pass as they are) and float16_to_fp32 casts fp16 as well as bf16 outputs back to float32
+    model = Float16Module(make_config(fp16=True), _DtypeProbe()).to(DEVICE)
+    x = torch.randn(2, 4, device=DEVICE)
+    x64 = torch.randn(2, device=DEVICE, dtype=torch.float64)
+    ids, mask = torch.arange(2, device=DEVICE), torch.ones(2, device=DEVICE, dtype=torch.bool)
+    y, x_in = model(x, x64, ids, mask)
+    assert model.module.seen == [torch.float16, torch.float64, torch.int64, torch.bool]
+    assert model.module.w.dtype == torch.float16
+    assert y.dtype == torch.float32 and x_in.dtype == torch.float32
+    # one rounding of x to fp16; w = 0.5 scales exactly
+    assert torch.equal(x_in, x.half().float()) and torch.equal(y, 0.5 * x.half().float())
+    y16, x16 = model(x, x64, ids, mask, fp32_output=False)
+    assert y16.dtype == torch.float16 and x16.dtype == torch.float16
+
+
+def test_float16_module_loads_keys_already_under_module_and_saves_with_keep_vars():
+    # the load pre-hook prefixes the wrapped module's names with "module."; names already under
+    # "module." (a state dict of the Float16Module's own named_parameters) must not become
+    # "module.module.*"
+    model = Float16Module(make_config(bf16=True), _DtypeProbe()).to(DEVICE)
+    w = torch.arange(4, dtype=torch.bfloat16, device=DEVICE)
+    assert not model.load_state_dict({"module.w": w}, strict=True).missing_keys
+    assert torch.equal(model.module.w, w)
+    model.load_state_dict({"w": w + 1}, strict=True)
+    assert torch.equal(model.module.w, w + 1)
+    # keep_vars=True hands out the parameters themselves (MegatronModule and Float16Module alike)
+    block = TransformerBlock(make_config(num_layers=1), get_gpt_layer_unfused_spec())
+    saved = block.state_dict_for_save_checkpoint(prefix="m.", keep_vars=True)
+    params = dict(block.named_parameters(prefix="m"))
+    assert params and all(saved[name] is p for name, p in params.items())
+    assert model.state_dict_for_save_checkpoint(keep_vars=True)["w"] is model.module.w
 
 
 # ---------------------------------------------------------------------------------------------

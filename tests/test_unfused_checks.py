@@ -318,3 +318,143 @@ def test_public_functions_document_shapes_raises_and_source():
         doc = inspect.getdoc(f) or ""
         for section in ("Args:", "Returns:", "Raises:", "Source:"):
             assert section in doc, f"{name}: no {section}"
+
+
+# --- the references against independent float64 formulas ------------------------------------
+
+_GELU_XS = [-5.0, -2.5, -1.0, -0.3, 0.2, 0.7, 1.0, 1.5, 3.0, 4.0]
+
+
+def test_gelu_references_against_the_formulas_in_50_digits():
+    # gelu_tanh (with the full double sqrt(2/pi)) and gelu_erf, and their derivatives, against
+    # mpmath at 50 digits: a few float64 roundings (~1e-15 relative) apart; Megatron's 10-digit
+    # sqrt(2/pi) would be ~1e-12 apart, erf(x) for erf(x/sqrt(2)) ~1e-1
+    import mpmath  # torch's dependency, through sympy
+
+    def tanh_gelu(t):
+        return 0.5 * t * (1 + mpmath.tanh(mpmath.sqrt(2 / mpmath.pi) * (t + mpmath.mpf("0.044715") * t ** 3)))
+
+    def erf_gelu(t):
+        return 0.5 * t * (1 + mpmath.erf(t / mpmath.sqrt(2)))
+
+    x = torch.tensor(_GELU_XS, dtype=F64)
+    for ref, fn, grad in ((tanh_gelu, U.gelu_tanh, U.gelu_tanh_grad), (erf_gelu, U.gelu_erf, U.gelu_erf_grad)):
+        with mpmath.workdps(50):
+            value = torch.tensor([float(ref(mpmath.mpf(v))) for v in _GELU_XS], dtype=F64)
+            slope = torch.tensor([float(mpmath.diff(ref, mpmath.mpf(v))) for v in _GELU_XS], dtype=F64)
+        torch.testing.assert_close(fn(x), value, atol=1e-15, rtol=1e-14)
+        torch.testing.assert_close(grad(x), slope, atol=1e-15, rtol=1e-14)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_softmax_backward_is_the_vjp_of_the_scaled_softmax(scale):
+    # d/dx of softmax(scale·x), by torch.func.vjp in float64 (not the reference's closed form)
+    x, g = torch.randn(3, 5, 7, dtype=F64), torch.randn(3, 5, 7, dtype=F64)
+    p, vjp = torch.func.vjp(lambda t: torch.softmax(scale * t, dim=-1), x)
+    (dx,) = vjp(g)
+    torch.testing.assert_close(U.softmax_backward(g, p, scale), dx, atol=1e-15, rtol=1e-13)
+
+
+def test_norm_default_eps_is_megatrons_1e_5():
+    # rows of variance ~1e-6: the default eps (Megatron-core's layernorm_epsilon, 1e-5) dominates;
+    # the same float64 formula in another order: a few ulps of |y| < 10 apart
+    x = 1e-3 * torch.randn(4, 16, dtype=F64)
+    w, b = torch.randn(16, dtype=F64), torch.randn(16, dtype=F64)
+    torch.testing.assert_close(U.layer_norm(x, w, b), _ln64(x, w, b, eps=1e-5), atol=1e-13, rtol=1e-13)
+    torch.testing.assert_close(U.rms_norm(x, w), _rms64(x, w, eps=1e-5), atol=1e-13, rtol=1e-13)
+
+
+def test_half_precision_norms_round_x_hat_before_gamma_and_beta():
+    # Megatron's local norms: normalise in float32, cast x_hat back to x's dtype, then gamma
+    # (and beta) in that dtype: each step one bfloat16 rounding, as written out here from the
+    # float64 x_hat (a float32 x_hat rounds to the same bfloat16 but at a tie, which these
+    # seeded inputs do not hit)
+    bf = torch.bfloat16
+    x, w, b = (torch.randn(8, 64) * 3).to(bf), (1 + 0.3 * torch.randn(64)).to(bf), torch.randn(64).to(bf)
+    xd = x.double()
+    xc = xd - xd.mean(-1, keepdim=True)
+    ln_hat = (xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + 1e-5)).to(bf)
+    rms_hat = (xd * torch.rsqrt((xd * xd).mean(-1, keepdim=True) + 1e-5)).to(bf)
+    assert torch.equal(U.layer_norm(x, w, b), ln_hat * w + b)
+    assert torch.equal(U.rms_norm(x, w), rms_hat * w)
+
+
+@pytest.mark.parametrize("sq, sk", [(3, 6), (6, 3), (5, 5)])
+def test_causal_and_window_masks_follow_the_index_rule(sq, sk):
+    # bottom-right alignment, True = masked: query q sees key j iff j - q <= sk - sq (causal) and
+    # sk - sq - left <= j - q <= sk - sq + right (window); causal with a window masks the union
+    d = torch.arange(sk)[None, :] - torch.arange(sq)[:, None]  # j - q
+    assert torch.equal(U.causal_mask(sq, sk), d > sk - sq)
+    for left, right in ((2, 1), (0, 0), (1, -1), (-1, 2)):
+        below = (d < sk - sq - left) if left >= 0 else torch.zeros_like(d, dtype=torch.bool)
+        above = (d > sk - sq + right) if right >= 0 else torch.zeros_like(d, dtype=torch.bool)
+        assert torch.equal(U.sliding_window_causal_mask(sq, sk, (left, right)), below | above)
+        both = U.attention_mask_bshd(sq, sk, causal=True, window_size=(left, right))
+        assert torch.equal(both, below | above | (d > sk - sq))
+
+
+def test_attention_reference_pairs_each_query_head_with_its_group():
+    # grouped-query attention: query head h reads key/value head h // (hq / hkv), written as a loop
+    q, k, v = torch.randn(2, 3, 4, 5, dtype=F64), torch.randn(2, 6, 2, 5, dtype=F64), torch.randn(2, 6, 2, 5, dtype=F64)
+    out = U.attention_reference(q, k, v, causal=True)
+    masked = torch.arange(6)[None, :] - torch.arange(3)[:, None] > 3  # j - q > sk - sq
+    for bi in range(2):
+        for h in range(4):
+            s = (q[bi, :, h] @ k[bi, :, h // 2].T / math.sqrt(5)).masked_fill(masked, -math.inf)
+            torch.testing.assert_close(out[bi, :, h], torch.softmax(s, -1) @ v[bi, :, h // 2], atol=1e-14, rtol=1e-13)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_rotates_each_channel_pair_by_its_angle(interleaved):
+    # pairs (k, k + n/2), or (2k, 2k + 1) interleaved, rotated by +theta_k: (a, b) -> (a·cos - b·sin,
+    # b·cos + a·sin); the channels beyond rot_dim pass unchanged
+    s, n, d = 3, 4, 6
+    t, theta = torch.randn(s, 1, 2, d, dtype=F64), torch.randn(s, n // 2, dtype=F64)
+    ang = theta.repeat_interleave(2, -1) if interleaved else torch.cat((theta, theta), -1)
+    out = U.apply_rotary_pos_emb_bshd(t, ang[:, None, None, :], rotary_interleaved=interleaved)
+    want = t.clone()
+    for i in range(n // 2):
+        ia, ib = (2 * i, 2 * i + 1) if interleaved else (i, i + n // 2)
+        c, sn = theta[:, i, None, None].cos(), theta[:, i, None, None].sin()
+        want[..., ia] = t[..., ia] * c - t[..., ib] * sn
+        want[..., ib] = t[..., ib] * c + t[..., ia] * sn
+    torch.testing.assert_close(out, want, atol=1e-15, rtol=1e-14)
+
+
+def test_bias_dropout_add_references_scale_the_kept_values_and_are_the_identity_in_eval():
+    x, b, r = torch.randn(4, 8, dtype=F64), torch.randn(8, dtype=F64), torch.randn(4, 8, dtype=F64)
+    keep = torch.rand(4, 8) >= 0.25
+    want = r + torch.where(keep, (x + b) / 0.75, 0.0)
+    torch.testing.assert_close(U.bias_dropout_add_masked(x, b, r, keep, 0.25), want, atol=1e-15, rtol=1e-15)
+    assert torch.equal(U.bias_dropout_add((x.clone(), b), r, 0.5, training=False), r + (x + b))
+
+
+def test_zero_centered_gamma_norms_scale_by_weight_plus_one():
+    x, w, b = torch.randn(4, 16, dtype=F64), 0.1 * torch.randn(16, dtype=F64), torch.randn(16, dtype=F64)
+    torch.testing.assert_close(U.layer_norm(x, w, b, zero_centered_gamma=True), _ln64(x, w + 1, b),
+                               atol=1e-14, rtol=1e-13)
+    torch.testing.assert_close(U.rms_norm(x, w, zero_centered_gamma=True), _rms64(x, w + 1), atol=1e-14, rtol=1e-13)
+
+
+def test_clamped_swiglu_clamps_the_gate_from_above_only_and_passes_the_boundary_gradient():
+    # silu(min(y1, c))·clamp(y2, -c, c); torch.clamp's gradient is 1 at the bound itself
+    c = 2.0
+    y = torch.tensor([[c, -3.5, c, -c], [c + 0.25, 0.3, 1.0, c + 0.5]], dtype=F64)  # [y1 | y2], h = 2
+    g = torch.tensor([[1.5, -0.7], [0.4, 2.0]], dtype=F64)
+    y1, y2 = y[:, :2], y[:, 2:]
+    x1, x2 = y1.clamp(max=c), y2.clamp(-c, c)
+    s = torch.sigmoid(x1)
+    torch.testing.assert_close(U.clamped_swiglu(y, c), x1 * s * x2, atol=1e-15, rtol=1e-15)
+    dy1 = torch.where(y1 <= c, g * x2 * s * (1 + x1 * (1 - s)), 0.0)
+    dy2 = torch.where((y2 >= -c) & (y2 <= c), g * x1 * s, 0.0)
+    assert dy1[0, 0] != 0 and dy2[0, 0] != 0 and dy2[0, 1] != 0  # the boundary cases
+    torch.testing.assert_close(U.clamped_swiglu_back(g, y, c), torch.cat((dy1, dy2), -1), atol=1e-15, rtol=1e-14)
+
+
+def test_scale_mask_softmax_gives_zeros_for_a_fully_masked_row():
+    x = torch.randn(1, 1, 3, 4, dtype=F64)
+    mask = torch.tensor([[False, True, False, True], [True] * 4, [False] * 4])
+    p = U.scale_mask_softmax(x, mask, scale=0.5)
+    e = torch.exp(0.5 * x[0, 0]) * ~mask
+    want = torch.where(mask.all(-1, keepdim=True), 0.0, e / e.sum(-1, keepdim=True).clamp_min(1e-300))
+    torch.testing.assert_close(p[0, 0], want, atol=1e-15, rtol=1e-14)
