@@ -107,12 +107,12 @@ def _current_stream(index: int) -> int:
 def clear_workspaces() -> int:
     """Drop the workspaces this module keeps (one per device and stream) and return their bytes.
 
-    The workspaces live for the process's life, as torch keeps its own cuBLAS workspaces (32 MiB
-    per handle and stream on Hopper): a process that trains one model after another holds one
-    per stream any of them ran an epilogue GEMM on, :data:`WORKSPACE_BYTES` each. This drops them
-    (the caching allocator gets the memory back once nothing else refers to it); the next call on
-    a stream makes a new one. The counterpart of ``torch._C._cuda_clearCublasWorkspaces`` for
-    torch's own.
+    The workspaces live for the process's life, as torch keeps its own cuBLAS workspaces (one
+    per handle and stream, 32 MiB each on an H200): a process that trains one model after
+    another holds one per stream any of them ran an epilogue GEMM on, :data:`WORKSPACE_BYTES`
+    each. This drops them (the caching allocator gets the memory back once nothing else refers
+    to it); the next call on a stream makes a new one. The counterpart of
+    ``torch._C._cuda_clearCublasWorkspaces`` for torch's own.
 
     Call it only where no CUDA graph that captured one of this module's GEMMs will be replayed
     again: a graph keeps the workspace's address, not the tensor, and would write into memory

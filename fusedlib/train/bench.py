@@ -52,10 +52,10 @@ A record (the fields of :mod:`fusedlib.bench.core`'s records where they apply): 
 timed window's), ``peak_bytes`` (``torch.cuda.max_memory_allocated`` over the run: weights,
 master weights, optimizer state, activations, the GEMMs' workspaces; None on a CPU),
 ``left_bytes`` (``torch.cuda.memory_allocated`` once the earlier runs' objects are collected:
-what they left allocated, on an H200 mostly the GEMM libraries' workspaces, 32 MiB per cuBLAS
-handle and stream, which live for the process's life; None on a CPU), ``start_bytes`` (the same
-after those workspaces are released, as the run starts: what ``peak_bytes`` counts that is
-not the run's own; None on a CPU), ``losses`` (every
+what they left allocated, on an H200 mostly the GEMM libraries' workspaces, one per cuBLAS
+handle and stream (32 MiB each there), which live for the process's life; None on a CPU),
+``start_bytes`` (the same after those workspaces are released, as the run starts: what
+``peak_bytes`` counts that is not the run's own; None on a CPU), ``losses`` (every
 step's training loss), ``val`` ([step, loss] pairs), ``wall_s`` (the whole run, compilation and
 evaluation included), ``sample`` (text the trained model wrote after :data:`SAMPLE_PROMPT`) and
 ``sample_settings`` (prompt, tokens, temperature, top_k, seed).
@@ -130,8 +130,8 @@ def _release_gemm_workspaces() -> None:
     """Release the cuBLAS workspaces torch keeps and cuBLASLt's that fusedlib keeps (CUDA).
 
     Each (cuBLAS handle, stream) pair a process has run a GEMM on keeps a workspace for the
-    process's life (32 MiB on Hopper; a handle per thread, so the autograd engine's thread has
-    its own, and a CUDA graph's capture stream its own): without this, a run would find the
+    process's life (32 MiB each on an H200; a handle per thread, so the autograd engine's thread
+    has its own, and a CUDA graph's capture stream its own): without this, a run would find the
     earlier runs' workspaces allocated, and its peak would count them. Only between runs, when
     no graph of an earlier run can be replayed again (its trainer is gone).
     """
@@ -421,10 +421,10 @@ def bench_table(records: Sequence[dict]) -> str:
         ratio = f"{fused['tokens_per_s'] / r['tokens_per_s']:.2f}x" if fused is not None and r is not fused else ""
         med = window_median(r)
         med = f"{med:,.0f}" if med is not None else "-"
-        gone = ((f"{r['left_bytes'] / 1e9:.2f}" if r.get("left_bytes") is not None else "-").rjust(9)
-                if left else "")
+        left_cell = ((f"{r['left_bytes'] / 1e9:.2f}" if r.get("left_bytes") is not None else "-").rjust(9)
+                     if left else "")
         out.append(f"{r['impl']:<{width}}{r['tokens_per_s']:>12,.0f}{med:>12}{r['ms_per_step']:>9.2f}{peak:>9}"
-                   f"{gone}{sum(tail) / len(tail):>12.4f}{val:>10}{ratio:>13}")
+                   f"{left_cell}{sum(tail) / len(tail):>12.4f}{val:>10}{ratio:>13}")
     return "\n".join(out)
 
 
