@@ -6,6 +6,7 @@ and the tables, sentences and plot made from them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -316,3 +317,78 @@ def test_kernel_calls_launch_each_form_on_the_case_inputs():
             assert (x is None and y is None) or torch.equal(x, y), form
     with pytest.raises(ValueError, match="shape must be"):
         at.kernel_calls((1, 2, 24), causal, forms, device=DEVICE)
+
+
+def test_each_sdpa_implementation_allows_its_own_backend_alone_on_views_of_the_inputs(monkeypatch):
+    # the backends a CPU refuses (cuDNN's, the memory-efficient one) are not run above: what each
+    # SDPA implementation asks torch for is checked here with stand-ins for sdpa_kernel and SDPA
+    import torch.nn.attention as tna
+
+    calls = []
+
+    @contextlib.contextmanager
+    def allowed(backends):
+        calls.append({"allowed": list(backends)})
+        yield
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        calls[-1].update(q=q, k=k, v=v, mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+        return q.clone()
+
+    monkeypatch.setattr(tna, "sdpa_kernel", allowed)
+    monkeypatch.setattr(at.F, "scaled_dot_product_attention", sdpa)
+    assert at.SDPA_BACKENDS == {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
+                                "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-math": "MATH"}
+    for causal in (True, False):
+        c = at.case(TINY, torch.float32, causal=causal, compile_backend="eager")
+        q, k, v = c.make_inputs(DEVICE, False)
+        for impl in c.impls:
+            if impl.name not in at.SDPA_BACKENDS:
+                continue
+            calls.clear()
+            impl.fn(q, k, v)
+            (call,) = calls
+            assert call["allowed"] == [getattr(tna.SDPBackend, at.SDPA_BACKENDS[impl.name])], impl.name
+            assert call["is_causal"] is causal and call["mask"] is None and call["dropout_p"] == 0.0
+            assert call["scale"] in (None, c.info["scale"])  # None: SDPA's default, 1/sqrt(d)
+            for got, given in zip((call["q"], call["k"], call["v"]), (q, k, v)):
+                # the [b, h, s, d] view of the bshd input itself: no copy, no cast
+                assert got.dtype == given.dtype and got.data_ptr() == given.data_ptr(), impl.name
+                assert got.shape == given.transpose(1, 2).shape and got.stride() == given.transpose(1, 2).stride()
+
+
+def test_the_fusedlib_implementations_call_flash_attention_as_their_names_say(monkeypatch):
+    import fusedlib.fusions.fused_attention as fa
+
+    seen = []
+    monkeypatch.setattr(fa, "flash_attention", lambda q, k, v, **kw: seen.append(kw) or q)
+    for causal in (True, False):
+        c = at.case(TINY, torch.float32, causal=causal, compile_backend="eager")
+        q, k, v = c.make_inputs(DEVICE, False)
+        impls = {i.name: i for i in c.impls}
+        seen.clear()
+        impls["fusedlib"].fn(q, k, v)
+        impls["fusedlib-deterministic"].fn(q, k, v)
+        scale = c.info["scale"]
+        assert seen == [dict(causal=causal, softmax_scale=scale, deterministic=False),
+                        dict(causal=causal, softmax_scale=scale, deterministic=True)]
+        assert impls["fusedlib-deterministic"].passes == ("fwd+bwd",) and impls["fusedlib"].passes == core.PASSES
+
+
+def test_a_gpu_case_records_what_the_screen_left_out(monkeypatch):
+    # on a GPU the case screens its implementations; what it leaves out is in skipped and in the
+    # info every record carries (stand-ins for the device's properties and the screen)
+    from types import SimpleNamespace
+
+    got = {}
+
+    def fake_screen(impls, make_inputs, device, shape, total_memory):
+        got.update(device=device, shape=tuple(shape), total_memory=total_memory)
+        return [i for i in impls if i.name != "sdpa-cudnn"], {"sdpa-cudnn": "fwd unsupported: refused"}
+
+    monkeypatch.setattr(at, "screen", fake_screen)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
+    c = at.case(TINY, torch.float32, device="cuda", compile_backend="eager")
+    assert got == {"device": torch.device("cuda"), "shape": TINY, "total_memory": 80 * 10**9}
+    assert "sdpa-cudnn" not in [i.name for i in c.impls] and len(c.impls) == len(at.IMPLS) - 1
+    assert c.skipped == c.info["not_timed"] == {"sdpa-cudnn": "fwd unsupported: refused"}

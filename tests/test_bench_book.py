@@ -720,3 +720,376 @@ def test_times_keep_five_decimals_of_a_millisecond(monkeypatch):
     recs = core.measure_case(_round_case(1, nbytes=10**6), torch.device("cpu"), ["fwd+bwd"])
     assert all(r["ms"] == 0.01235 for r in recs)
     assert recs[0]["GBps"] == round(10**6 / (0.0123456 * 1e-3) / 1e9, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op cases: every implementation computes what fusedlib computes, dropout on in each, the
+# documented byte and FLOP counts (a baseline that computes something else, or a count that is
+# wrong, makes a wrong record that no timing shows)
+# ---------------------------------------------------------------------------------------------
+
+#: ops whose every implementation runs on a CPU (fusedlib's kernels in Triton's interpreter)
+CPU_OPS = ["bias_gelu", "bias_dropout_add", "bias_dropout_add_norm", "geglu", "swiglu", "weighted_swiglu",
+           "layer_norm", "rms_norm", "causal_softmax", "masked_softmax", "softmax_one", "softmax_dropout",
+           "cross_entropy", "rope", "fused_dense"]
+#: dropout ops: module with PROB, and how to find the dropped elements of an output
+DROPOUT_OPS = ["bias_dropout_add", "bias_dropout_add_norm", "softmax_dropout"]
+
+
+def _identity_compile(monkeypatch):
+    """torch.compile returns the function: the compiled baseline runs what it would compile; and
+    megatron-core's functions, which need a GPU, are stand-ins with megatron-core's signatures
+    computing fusedlib.unfused's reference, that check that they get the case's own tensors (or
+    views of them), not copies or casts. Returns the megatron-core softmax's constructor kwargs."""
+    import torch.nn.functional as F
+
+    from fusedlib.bench.ops import OP_MODULES, _glu, _softmax_common, get_op_module
+    from fusedlib.fusions.fused_softmax import FusedScaleMaskSoftmax, attention_mask_func
+    from fusedlib.transformer.enums import AttnMaskType
+
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None, backend=None, **kw: fn)
+    given, softmax_kwargs = [], []
+
+    def own(*tensors):
+        for t in tensors:  # a case input or a view of one, in its dtype
+            assert any(t.data_ptr() == g.data_ptr() and t.dtype == g.dtype for g in given), "a copy or a cast"
+
+    class Softmax(FusedScaleMaskSoftmax):
+        def __init__(self, *args, **kwargs):
+            softmax_kwargs.append(kwargs)
+            super().__init__(*args, **{**kwargs, "input_in_bf16": False})  # float32 cases too
+
+        def forward(self, x, mask, softmax_offset=None):
+            own(x, *(t for t in (mask, softmax_offset) if t is not None))
+            return super().forward(x, mask, softmax_offset)
+
+    def rope(t, freqs, config, cp_group=None):
+        assert config.apply_rope_fusion is False and cp_group.size() == 1
+        own(t, freqs)
+        return unfused.apply_rotary_pos_emb_bshd(t, freqs)
+
+    fakes = {
+        "bias_gelu_impl": lambda y, b: own(y, b) or unfused.bias_gelu(b, y),
+        "bias_dropout_add_fused_train": lambda xb, r, p: own(*xb, r) or unfused.bias_dropout_add(xb, r, p, True),
+        "bias_geglu_impl": lambda y, b: own(y) or b or unfused.geglu(y),
+        "bias_swiglu_impl": lambda y, b: own(y) or b or unfused.swiglu(y),
+        "weighted_bias_swiglu_impl": lambda y, b, w: own(y, w) or b or unfused.weighted_swiglu(y, w),
+        "fused_vocab_parallel_cross_entropy": lambda x, t, g: own(x, t) or F.cross_entropy(x.float(), t, reduction="none"),
+        "apply_rotary_pos_emb": rope, "FusedScaleMaskSoftmax": Softmax, "AttnMaskType": AttnMaskType,
+        "attention_mask_func": attention_mask_func}
+
+    def try_import(module, attr):
+        if module.startswith("megatron.") and attr in fakes:
+            return fakes[attr], ""
+        return None, f"{module}.{attr} unavailable: a CPU test"
+
+    for mod in [_glu, _softmax_common] + [get_op_module(op) for op in OP_MODULES]:
+        if hasattr(mod, "try_import"):
+            monkeypatch.setattr(mod, "try_import", try_import)
+    from fusedlib.bench.ops import cross_entropy
+
+    monkeypatch.setattr(cross_entropy, "_single_rank_group", lambda: None)
+    return given, softmax_kwargs
+
+
+def _run(case, impl, inputs, grads=None):
+    """Outputs (a tuple) and, with ``grads``, the input gradients of one fwd(+bwd) of ``impl``."""
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+    out = impl.fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    if grads is None:
+        return [o.detach() for o in outs], None
+    torch.autograd.backward(case.backward_outputs(out), grads)
+    return [o.detach() for o in outs], [t.grad.clone() for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _headline(op, dtype, monkeypatch):
+    """The op's headline case as ``cases()`` builds it, at a tiny shape (its DEFAULT_SHAPE patched)."""
+    from fusedlib.bench.host import HOST_SHAPES
+    from fusedlib.bench.ops import _glu, get_op_module, layer_norm
+
+    # masked_softmax: two sequences, the second padded (the host shape's one sequence masks nothing)
+    shape = (2, 2, 32, 32) if op == "masked_softmax" else HOST_SHAPES[op]
+    for mod in (get_op_module(op), _glu, layer_norm):
+        monkeypatch.setattr(mod, "DEFAULT_SHAPE", shape)
+    case = get_cases(op)(torch.device("cpu"), dtype=dtype)[0]
+    assert case.shape == shape
+    return case
+
+
+@pytest.mark.parametrize("op", CPU_OPS)
+def test_every_implementation_computes_what_fusedlib_computes(op, monkeypatch):
+    # float32 at the host shape, dropout probability 0 (dropout itself: the next test). Each
+    # output element is a few float32 operations on order-1 values (u = 6e-8), each gradient a
+    # sum of at most 256 such products: implementations differ by a few ulps (observed <= 8e-6);
+    # 5e-5 / 1e-4 leave that margin, while a wrong formula (erf GeLU for tanh, no scale, no bias,
+    # no mask, a sum for a mean, the other GLU) moves elements by 1e-4 or (mostly) far more
+    from fusedlib.bench.host import HOST_SHAPES
+    from fusedlib.bench.ops import get_case, get_op_module
+
+    given, softmax_kwargs = _identity_compile(monkeypatch)
+    mod = get_op_module(op)
+    if hasattr(mod, "PROB"):
+        monkeypatch.setattr(mod, "PROB", 0.0)
+    case = _headline(op, torch.float32, monkeypatch)
+    inputs = case.make_inputs(torch.device("cpu"), True)
+    given[:] = [t for t in inputs if isinstance(t, torch.Tensor)]
+    if op not in ("bias_dropout_add_norm", "fused_dense", "layer_norm", "rms_norm"):  # (norms: Apex's, as "apex")
+        assert "megatron-core" in [i.name for i in case.impls], case.skipped
+    if "softmax" in op:  # megatron-core's FusedScaleMaskSoftmax as Megatron builds it, its fusion on
+        assert softmax_kwargs == [dict(input_in_fp16=False, input_in_bf16=True, attn_mask_type=softmax_kwargs[0][
+            "attn_mask_type"], scaled_masked_softmax_fusion=True, mask_func=softmax_kwargs[0]["mask_func"],
+            softmax_in_fp32=True, scale=mod.SCALE)]
+    first, _ = _run(case, case.impls[0], inputs)
+    grads = [torch.randn(o.shape) for o in case.backward_outputs(tuple(first) if len(first) > 1 else first[0])]
+    want, want_grads = _run(case, case.impls[0], inputs, grads)
+    assert case.impls[0].name == "fusedlib" and len(case.impls) >= 3
+    for impl in case.impls[1:]:
+        got, got_grads = _run(case, impl, inputs, grads)
+        assert len(got) == len(want), impl.name
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=5e-5, rtol=1e-5, msg=f"{op} {impl.name}")
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-5, msg=f"{op} {impl.name} gradient")
+    # bf16: every implementation returns the case's dtype (no baseline computes in another),
+    # but cross entropy's, whose mean loss is float32 in fusedlib and megatron-core (float32 losses
+    # per token) and the logits' dtype in F.cross_entropy
+    case = get_case(op)(HOST_SHAPES[op], torch.bfloat16)
+    inputs = case.make_inputs(torch.device("cpu"), False)
+    given[:] = [t for t in inputs if isinstance(t, torch.Tensor)]
+    with torch.no_grad():
+        dtypes = {impl.name: _run(case, impl, inputs)[0][0].dtype for impl in case.impls}
+    if op == "cross_entropy":
+        assert dtypes.pop("fusedlib") == dtypes.pop("megatron-core") == torch.float32
+    assert set(dtypes.values()) == {torch.bfloat16}, dtypes
+
+
+@pytest.mark.parametrize("op", DROPOUT_OPS)
+def test_every_implementation_of_a_dropout_op_drops_at_the_op_probability(op, monkeypatch):
+    # training mode at p = PROB = 0.1 in fusedlib and every baseline: the dropped elements are
+    # those equal to the residual (bias-dropout-add, h of bias-dropout-add-norm) or zero inside
+    # the causal band (softmax-dropout). n = 8192 (2112 for the band) Bernoulli(0.1) draws: the
+    # fraction's standard deviation is 0.0033 (0.0065); 0.1 +- 0.04 is over 6 of them, and p = 0
+    # (dropout off) is far outside
+    from fusedlib.bench.host import HOST_SHAPES
+    from fusedlib.bench.ops import get_case, get_op_module
+
+    given, _ = _identity_compile(monkeypatch)
+    mod = get_op_module(op)
+    assert mod.PROB == 0.1
+    case = get_case(op)(HOST_SHAPES[op], torch.float32)
+    inputs = case.make_inputs(torch.device("cpu"), True)
+    given[:] = [t for t in inputs if isinstance(t, torch.Tensor)]
+    for impl in case.impls:
+        out, _ = _run(case, impl, inputs)
+        if op == "softmax_dropout":
+            sq, sk = out[0].shape[-2:]
+            band = ~unfused.causal_mask(sq, sk).expand(out[0].shape)
+            dropped = (out[0][band] == 0).double().mean()
+        else:
+            h = out[-1]  # bias-dropout-add's output, or h of bias-dropout-add-norm's (y, h)
+            dropped = (h == inputs[2].detach()).double().mean()
+        assert abs(float(dropped) - 0.1) < 0.04, f"{op} {impl.name}: dropped {float(dropped):.3f}"
+
+
+def _documented_bytes(op, shape, e):
+    """The fewest bytes of each op's module docstrings, ``e`` bytes an element: (fwd, bwd)."""
+    if op in ("causal_softmax", "softmax_one", "softmax_dropout"):
+        ab, sq, sk = (shape[0], *shape[1:]) if op == "causal_softmax" else (shape[0] * shape[1], *shape[2:])
+        kept, full = ab * sum(min(sk, q + 1 + sk - sq) for q in range(sq)), ab * sq * sk
+        sink = (4 * shape[1], 4 * shape[1]) if op == "softmax_one" else (0, 0)
+        return (kept + full) * e + sink[0], (2 * kept + full) * e + sink[1]
+    if op == "masked_softmax":
+        b, np_, sq, sk = shape
+        n = b * np_ * sq * sk
+        return 2 * n * e + b * sq * sk, 3 * n * e  # the bool mask [b, 1, sq, sk] read once
+    if op == "rope":
+        s, b, np_, d = shape
+        n = s * b * np_ * d
+        return 2 * n * e + 4 * s * d, 2 * n * e + 4 * s * d  # float32 angles [s, 1, 1, d] in each pass
+    if op == "cross_entropy":
+        r, v = shape
+        return r * v * e + 12 * r, 2 * r * v * e + 12 * r  # int64 targets, float32 loss / its gradient
+    rows, w = shape
+    if op in ("geglu", "swiglu", "weighted_swiglu"):
+        n = rows * w // 2
+        wb = (4 * rows, 8 * rows) if op == "weighted_swiglu" else (0, 0)  # float32 router weights [rows, 1]
+        return 3 * n * e + wb[0], 5 * n * e + wb[1]
+    n, h = rows * w, w
+    return {"bias_gelu": ((2 * n + h) * e, (3 * n + 2 * h) * e),
+            "bias_dropout_add": ((3 * n + h) * e, (2 * n + h) * e),
+            "bias_dropout_add_norm": ((4 * n + 3 * h) * e, (5 * n + 3 * h) * e),
+            "layer_norm": ((2 * n + 2 * h) * e, (3 * n + 3 * h) * e),
+            "rms_norm": ((2 * n + h) * e, (3 * n + 2 * h) * e)}[op]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_case_counts_the_documented_bytes(dtype, monkeypatch):
+    # every case, the headline and the sweep shapes, at both dtypes: the bytes the records' GB/s
+    # divide are the docstrings' fewest bytes (each input read once, each output written once)
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None, backend=None, **kw: fn)
+    e = torch.finfo(dtype).bits // 8
+    for op in OP_MODULES:
+        if op in ("fused_dense", "attention", "transformer_layer"):
+            continue  # FLOPs or tokens, not bytes
+        for case in get_cases(op)(torch.device("cpu"), sweep=True, dtype=dtype):
+            fwd, bwd = _documented_bytes(op, case.shape, e)
+            assert case.bytes == {"fwd": fwd, "fwd+bwd": fwd + bwd}, (op, case.shape)
+            # both outputs of bias-dropout-add-norm feed the model: the backward takes a gradient of each
+            assert case.all_outputs is (op == "bias_dropout_add_norm"), op
+
+
+def test_the_sweeps_keep_their_documented_element_counts(monkeypatch):
+    # the sweep shapes are labelled [rows, h] (GLUs [rows, 2h]) at a constant element count (rounded down)
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None, backend=None, **kw: fn)
+    want = {"bias_gelu": (1 << 27, "SWEEP_H", 1), "bias_dropout_add": (1 << 27, "SWEEP_H", 1),
+            "layer_norm": (1 << 27, "SWEEP_H", 1), "rms_norm": (1 << 27, "SWEEP_H", 1),
+            "geglu": (1 << 28, "SWEEP_H", 2), "swiglu": (1 << 28, "SWEEP_H", 2), "weighted_swiglu": (1 << 28, "SWEEP_H", 2)}
+    for op, (elements, sweep, width) in want.items():
+        from fusedlib.bench.ops import get_op_module
+
+        hs = getattr(get_op_module(op), sweep)
+        cases = get_cases(op)(torch.device("cpu"), sweep=True)
+        for case in cases:
+            rows, w = case.shape
+            assert rows == elements // w, (op, case.shape)  # 2^27 / 768 rounds down
+        assert {c.shape[1] for c in cases[1:]} <= {width * h for h in hs}, op
+
+
+def test_the_mlp_flops_are_what_torch_counts():
+    # fused_dense records TFLOP/s from mlp_flops: the forward's two GEMMs, and the backward's four
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fusedlib.bench.ops import fused_dense as fd
+
+    m, h, f = 6, 10, 14
+    x, w1, b1, w2 = (torch.randn(*s, requires_grad=True) for s in ((m, h), (f, h), (f,), (h, f)))
+    with FlopCounterMode(display=False) as fwd:
+        y = fd._eager(x, w1, b1, w2)
+    with FlopCounterMode(display=False) as bwd:
+        y.backward(torch.randn_like(y))
+    flops = fd.mlp_flops(m, h, f)
+    assert fwd.get_total_flops() == flops["fwd"] == 4 * m * h * f
+    assert fwd.get_total_flops() + bwd.get_total_flops() == flops["fwd+bwd"]
+    case = fd.case((m, h, f), torch.float32)
+    assert case.flops == flops and case.peak_memory and case.info["shape_names"] == ["M", "h", "F"]
+
+
+def test_fused_dense_implementations_take_the_epilogue_their_names_say(monkeypatch):
+    from fusedlib.bench.ops import fused_dense as fd
+
+    seen = []
+    monkeypatch.setattr(fd, "fused_dense_gelu_dense", lambda *a, **kw: seen.append(kw.get("epilogue")))
+    case = fd.case((4, 8, 16), torch.float32)
+    for impl in case.impls[:3]:
+        impl.fn(None, None, None, None)
+    assert [i.name for i in case.impls[:3]] == ["fusedlib", "fusedlib-epilogue", "fusedlib-kernel"]
+    assert seen == [None, True, False]
+
+
+def test_the_norms_apex_and_liger_baselines_are_called_as_their_fast_paths(monkeypatch):
+    # Apex and Liger need a GPU: stand-ins record how the norm cases call them. Apex's LayerNorm
+    # may take its persistent kernel (megatron-core's FusedLayerNorm choice); Liger's RMSNorm gets
+    # in_place=False (its default writes dx into the gradient the harness reuses)
+    from fusedlib.bench.ops import layer_norm as ln
+
+    calls = []
+
+    class LigerRMS:
+        @staticmethod
+        def forward(ctx, X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
+            pass
+
+        @staticmethod
+        def apply(*args):
+            calls.append(("liger", args))
+
+    class LigerLN:
+        @staticmethod
+        def apply(*args):
+            calls.append(("liger", args))
+
+    fakes = {"LigerRMSNormFunction": LigerRMS, "LigerLayerNormFunction": LigerLN}
+    monkeypatch.setattr(ln, "try_import", lambda module, attr: (fakes[attr], ""))
+    monkeypatch.setattr(ln.apex_backend, "apex_available", lambda name=None: True)
+    monkeypatch.setattr(ln.apex_backend, "apex_layer_norm", lambda *a, **kw: calls.append(("apex", a, kw)))
+    monkeypatch.setattr(ln.apex_backend, "apex_rms_norm", lambda *a, **kw: calls.append(("apex", a, kw)))
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    impls = {i.name: i for i in ln.case((4, 8)).impls}
+    impls["liger"].fn(x, w, b)
+    impls["apex"].fn(x, w, b)
+    assert calls == [("liger", (x, w, b, ln.EPS)), ("apex", (x, w, b, ln.EPS), {"persist": True})]
+    calls.clear()
+    impls = {i.name: i for i in ln.norm_case("rms_norm", (4, 8), torch.bfloat16, baselines=True).impls}
+    impls["liger"].fn(x, w)
+    impls["apex"].fn(x, w)
+    assert calls == [("liger", (x, w, ln.EPS, 0.0, "llama", False)), ("apex", (x, w, ln.EPS), {})]
+
+
+#: op -> the documented function its eager (and compiled) baseline hands the case's inputs to
+BASELINE_CALLS = {
+    "bias_gelu": (torch.nn.functional, "gelu"), "bias_dropout_add": (unfused, "bias_dropout_add"),
+    "bias_dropout_add_norm": (unfused, "bias_dropout_add"), "geglu": (unfused, "geglu"),
+    "swiglu": (unfused, "swiglu"), "weighted_swiglu": (unfused, "weighted_swiglu"),
+    "layer_norm": (torch.nn.functional, "layer_norm"), "rms_norm": (torch.nn.functional, "rms_norm"),
+    "causal_softmax": (unfused, "scale_mask_softmax"), "masked_softmax": (unfused, "scale_mask_softmax"),
+    "softmax_one": (unfused, "scale_mask_softmax"), "softmax_dropout": (unfused, "scale_mask_softmax_dropout"),
+    "cross_entropy": (torch.nn.functional, "cross_entropy"), "rope": (unfused, "apply_rotary_pos_emb_bshd"),
+    "fused_dense": (torch.nn.functional, "linear")}
+
+
+@pytest.mark.parametrize("op", CPU_OPS)
+def test_the_eager_and_compiled_baselines_take_the_inputs_as_given(op, monkeypatch):
+    # bf16: the first call an eager or compiled baseline makes gets the case's tensors themselves
+    # (bias-GeLU's y + b aside), or views of them: no copy, no cast to another dtype before it
+    _identity_compile(monkeypatch)
+    seen = []
+    spied = [BASELINE_CALLS[op]] + ([(unfused, "bias_gelu")] if op == "bias_gelu" else [])  # torch.compile's
+    for owner, name in spied:
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, real=real, **kw: seen.append(a + tuple(kw.values())) or real(*a, **kw))
+    name = " or ".join(n for _, n in spied)
+    case = _headline(op, torch.bfloat16, monkeypatch)
+    inputs = [t for t in case.make_inputs(torch.device("cpu"), False) if isinstance(t, torch.Tensor)]
+    for impl in case.impls:
+        if impl.name not in ("eager", "torch.compile"):
+            continue
+        seen.clear()
+        with torch.no_grad():
+            impl.fn(*inputs)
+        assert seen, f"{op} {impl.name} does not call {name}"
+        args = [t for t in seen[0] if isinstance(t, torch.Tensor)]
+        if op == "bias_gelu" and impl.name == "eager":
+            args = args[1:]  # F.gelu(y + b): the sum is the op
+        for t in args:
+            assert any(t.data_ptr() == i.data_ptr() and t.dtype == i.dtype for i in inputs), \
+                f"{op} {impl.name}: {name} got a copy or a cast ({t.dtype}, {tuple(t.shape)})"
+
+
+def test_run_op_puts_the_copy_record_of_the_run_first(monkeypatch):
+    import fusedlib.bench as bench
+
+    copy = core._record("copy", "copy", "copy", (1 << 30,), torch.bfloat16, 1.0, 1 << 32)
+    monkeypatch.setattr(bench, "measure_case", lambda case, device, progress=None: [{"op": case.op}])
+    records, skipped = bench.run_op("bias_gelu", device="cpu", copy=copy)
+    assert records[0] is copy and records[1:] == [{"op": "bias_gelu"}]
+    assert set(skipped) == {"megatron-core"}
+
+
+def test_the_backward_gets_a_random_upstream_gradient(monkeypatch):
+    # not ones: Liger's cross entropy skips its gradient scaling when grad_output == 1, which
+    # would time less work for it than for the others
+    monkeypatch.setattr(core, "time_ms", lambda fn, grad_to_none=None, **kw: (fn(), 1.0)[1])
+    seen = []
+
+    def op(t):
+        out = 2 * t
+        out.register_hook(lambda g: seen.append(g.clone()))
+        return out
+
+    case = core.BenchCase("bias_gelu", (4, 8), torch.float32, lambda d, rg: (torch.randn(4, 8, requires_grad=rg),),
+                          {"fwd": 1, "fwd+bwd": 1}, [core.Impl("fusedlib", op)])
+    core._time_pass(case, case.impls[0], "fwd+bwd", torch.device("cpu"))
+    assert seen and all(g.std() > 0.5 for g in seen) and torch.equal(seen[0], seen[-1])

@@ -500,3 +500,104 @@ def test_power_state_on_the_gpu(tmp_path, monkeypatch):
                                 rounds=1, windows_ms=(5,), rest_s=0.0, profile_steps=1, warmup=1,
                                 dtype=torch.float32)
     assert path == tmp_path / tl.POWER_FILE and tl.load_power_state(path)["phases"]
+
+
+def test_the_plain_block_runs_causal_attention_and_every_dropout_in_training(monkeypatch):
+    # the eager, eager-graphs and torch.compile baselines' layer: causal SDPA with the attention
+    # dropout, and both hidden dropouts, on in training and off in eval (spies around torch's calls)
+    import torch.nn.functional as F
+
+    sdpa, drops = [], []
+    real_sdpa, real_dropout = F.scaled_dot_product_attention, F.dropout
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: sdpa.append(kw) or real_sdpa(*a, **kw))
+    monkeypatch.setattr(F, "dropout", lambda x, p=0.5, training=True, **kw: drops.append((p, training))
+                        or real_dropout(x, p, training, **kw))
+    layer = tl.PlainGPTLayer(24, 4, 20)
+    x = torch.randn(7, 2, 24)
+    layer(x)
+    assert sdpa == [dict(dropout_p=tl.ATTENTION_DROPOUT, is_causal=True)]
+    assert drops == [(tl.HIDDEN_DROPOUT, True)] * 2
+    sdpa.clear(), drops.clear()
+    layer.eval()(x)
+    assert sdpa == [dict(dropout_p=0.0, is_causal=True)] and drops == [(tl.HIDDEN_DROPOUT, False)] * 2
+
+
+def test_each_fusedlib_implementation_builds_the_block_its_record_describes():
+    # the records' "attention", "fusions" and "layer" come from the case's info: the blocks the
+    # implementations build (without running them) must be those
+    c = _cpu_case()
+    (x,) = c.make_inputs(DEVICE, False)
+    backend = {"materialised": tl.AttnBackend.local, "sdpa": tl.AttnBackend.auto, "flash": tl.AttnBackend.flash}
+    for impl in c.impls:
+        if not impl.name.startswith("fusedlib"):
+            continue
+        block = impl.fn.ensure(x)
+        info = impl.info
+        assert block.training, impl.name
+        if impl.name == "fusedlib-unfused":
+            assert info["fusions"] == [] and block.config.attention_backend is tl.AttnBackend.unfused
+            continue
+        assert block.config.attention_backend is backend[info["attention"]], impl.name
+        assert all(getattr(block.config, f) for f in info["fusions"]) and info["fusions"] == list(tl.FUSIONS_ON)
+        layers = {type(layer).__name__ for layer in block.layers}
+        assert layers == {info.get("layer", "TransformerLayer")}, impl.name
+
+
+def test_the_megatron_block_is_configured_as_fusedlib_s(monkeypatch):
+    # megatron-core needs CUDA and a process group: its block is built here from stand-ins of its
+    # three classes, to check what the benchmark asks it for (dropouts, sizes, biases, dtype, and
+    # the fusions it can run)
+    import importlib.util
+    import sys
+    import types
+
+    made = {}
+
+    class Config:
+        def __init__(self, **kw):
+            made["config"] = kw
+
+    class Block(torch.nn.Module):
+        def __init__(self, cfg, spec):
+            super().__init__()
+            made["spec"] = spec
+            self.w = torch.nn.Parameter(torch.zeros(2))
+
+        def to(self, *a, **kw):
+            made["to"] = kw
+            return super().to(*a, **kw)
+
+    modules = {"megatron.core.models.gpt.gpt_layer_specs": dict(get_gpt_layer_local_spec=lambda: "local spec"),
+               "megatron.core.transformer.transformer_block": dict(TransformerBlock=Block),
+               "megatron.core.transformer.transformer_config": dict(TransformerConfig=Config)}
+    for name in ("megatron", "megatron.core", "megatron.core.models", "megatron.core.models.gpt",
+                 "megatron.core.transformer") + tuple(modules):
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**modules.get(name, {})))
+    monkeypatch.setattr(tl, "init_megatron", lambda seed=1234: None)
+    real_find_spec = importlib.util.find_spec
+    for installed in (False, True):  # Apex's extensions absent, then present
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if installed else None)
+                            if name in ("apex", "scaled_upper_triang_masked_softmax_cuda") else real_find_spec(name, *a))
+        for fused in (False, True):
+            made.clear()
+            block = tl.megatron_block(TINY, fused, torch.bfloat16, "cpu")
+            cfg = made["config"]
+            assert block.training and made["spec"] == "local spec"
+            assert made["to"] == {"device": "cpu", "dtype": torch.bfloat16}
+            _, _, h, heads, ffn, layers = TINY
+            assert (cfg["num_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["ffn_hidden_size"]) == \
+                (layers, h, heads, ffn)
+            assert cfg["hidden_dropout"] == tl.HIDDEN_DROPOUT and cfg["attention_dropout"] == tl.ATTENTION_DROPOUT
+            assert cfg["params_dtype"] is torch.bfloat16 and cfg["bf16"] and not cfg["fp16"]
+            assert cfg["add_bias_linear"] is True and cfg["activation_func"] is torch.nn.functional.gelu
+            fusions = {k for k, v in cfg.items() if k.endswith("_fusion") or k == "persist_layer_norm"}
+            assert all(cfg[k] is True for k in fusions)
+            on, off = tl._megatron_fusions(fused)
+            assert fusions == set(on)
+            if fused:
+                want = {"bias_activation_fusion", "bias_dropout_fusion"} | (
+                    {"masked_softmax_fusion", "persist_layer_norm"} if installed else set())
+                assert fusions == want and set(off) == ({"masked_softmax_fusion", "persist_layer_norm"} - want)
+            else:
+                assert fusions == set() and off == {}
