@@ -1093,3 +1093,32 @@ def test_the_backward_gets_a_random_upstream_gradient(monkeypatch):
                           {"fwd": 1, "fwd+bwd": 1}, [core.Impl("fusedlib", op)])
     core._time_pass(case, case.impls[0], "fwd+bwd", torch.device("cpu"))
     assert seen and all(g.std() > 0.5 for g in seen) and torch.equal(seen[0], seen[-1])
+
+
+def test_megatron_s_softmax_dropout_drops_its_softmax_output_as_returned(monkeypatch):
+    # megatron-core's softmax-dropout baseline is its FusedScaleMaskSoftmax, then torch's dropout
+    # on that output itself (bf16, no cast around it): a float32 dropout with casts either side
+    # would time two more passes over the [b, np, sq, sk] scores than Megatron runs
+    import torch.nn.functional as F
+
+    from fusedlib.bench.host import HOST_SHAPES
+    from fusedlib.bench.ops import get_case
+
+    given, _ = _identity_compile(monkeypatch)
+    returned, dropped = [], []
+    real_dropout = F.dropout
+    monkeypatch.setattr(F, "dropout", lambda x, p=0.5, *a, **kw: dropped.append((x, p)) or real_dropout(x, p, *a, **kw))
+    case = get_case("softmax_dropout")(HOST_SHAPES["softmax_dropout"], torch.bfloat16)
+    mcore = {i.name: i for i in case.impls}["megatron-core"]
+    inputs = case.make_inputs(torch.device("cpu"), False)
+    given[:] = [t for t in inputs if isinstance(t, torch.Tensor)]
+    from fusedlib.fusions.fused_softmax import FusedScaleMaskSoftmax
+
+    real_forward = FusedScaleMaskSoftmax.forward
+    monkeypatch.setattr(FusedScaleMaskSoftmax, "forward",
+                        lambda self, *a, **kw: returned.append(real_forward(self, *a, **kw)) or returned[-1])
+    with torch.no_grad():
+        out = mcore.fn(*inputs)
+    (softmax_out,) = returned
+    ((x, p),) = dropped
+    assert x is softmax_out and x.dtype == torch.bfloat16 and p == 0.1 and out.dtype == torch.bfloat16
