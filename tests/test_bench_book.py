@@ -1122,3 +1122,42 @@ def test_megatron_s_softmax_dropout_drops_its_softmax_output_as_returned(monkeyp
     (softmax_out,) = returned
     ((x, p),) = dropped
     assert x is softmax_out and x.dtype == torch.bfloat16 and p == 0.1 and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("op", ["geglu", "swiglu"])
+def test_liger_s_glu_gets_the_case_s_own_halves(op, monkeypatch):
+    # Liger's GLU takes the two halves as two tensors: the case makes them contiguous once, in
+    # make_inputs, so the timed call gets those tensors themselves (no copy, no transpose, no cast)
+    from fusedlib.bench.host import HOST_SHAPES
+    from fusedlib.bench.ops import _glu, get_case, get_op_module
+
+    seen = []
+
+    class Liger:
+        @staticmethod
+        def apply(a, b):
+            seen.append((a, b))
+            return a * b
+
+    assert get_op_module(op).LIGER[0].startswith("liger_kernel.")
+    monkeypatch.setattr(_glu, "try_import", lambda module, attr: (Liger, "") if module.startswith("liger_kernel.")
+                        else (None, "a CPU test"))
+    case = get_case(op)(HOST_SHAPES[op], torch.bfloat16)
+    inputs = case.make_inputs(torch.device("cpu"), False)
+    assert len(inputs) == 3 and all(t.is_contiguous() for t in inputs[1:])
+    {i.name: i for i in case.impls}["liger"].fn(*inputs)
+    ((a, b),) = seen
+    assert a is inputs[1] and b is inputs[2]
+
+
+def test_apex_s_causal_softmax_gets_the_case_s_scores_and_scale(monkeypatch):
+    from fusedlib.bench.host import HOST_SHAPES
+    from fusedlib.bench.ops import _softmax_common, causal_softmax
+
+    seen = []
+    monkeypatch.setattr(causal_softmax, "apex_causal", lambda: (lambda x, scale: seen.append((x, scale)) or x, ""))
+    case = causal_softmax.case(HOST_SHAPES["causal_softmax"], torch.bfloat16)
+    inputs = case.make_inputs(torch.device("cpu"), False)
+    {i.name: i for i in case.impls}["apex"].fn(*inputs)
+    ((x, scale),) = seen
+    assert x is inputs[0] and scale == _softmax_common.SCALE
