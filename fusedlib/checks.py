@@ -282,14 +282,16 @@ def check_tensor(
     if dtypes is not None:
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
-            allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+            names = [str(d).replace("torch.", "") for d in dtypes]
+            allowed = names[0] if len(names) == 1 else f"in ({', '.join(names)})"
+            raise TypeError(f"{name} must have dtype {allowed}, got {str(t.dtype).replace('torch.', '')}")
     if ndim is not None:
         allowed_nd = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in allowed_nd:
-            raise ValueError(f"{name} must have {' or '.join(map(str, allowed_nd))} dims, got shape {tuple(t.shape)}")
+            raise ValueError(f"{name} must be {' or '.join(f'{n}-D' for n in allowed_nd)}, got shape {tuple(t.shape)}")
     if min_ndim is not None and t.dim() < min_ndim:
-        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(t.shape)}")
+        raise ValueError(f"{name} must have at least {min_ndim} dimension{'s' if min_ndim > 1 else ''}, got shape "
+                         f"{tuple(t.shape)}")
     if shape is not None:
         ok = t.dim() == len(shape) and all(s is None or s == n for s, n in zip(shape, t.shape))
         if not ok:

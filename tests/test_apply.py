@@ -69,7 +69,7 @@ def test_bad_input_raises_the_clear_error_on_the_fast_path():
             bias_gelu_impl(y, torch.randn(7, device=DEVICE))
         with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
             bias_gelu_impl(y, [1.0] * 8)
-        with pytest.raises(ValueError, match="inputs must have 3 dims"):
+        with pytest.raises(ValueError, match="inputs must be 3-D"):
             ScaledUpperTriangMaskedSoftmax.apply(y, 0.5)
 
 

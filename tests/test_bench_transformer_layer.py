@@ -186,6 +186,11 @@ def test_graph_records_get_plain_launch_tokens_and_the_tables_read_them(monkeypa
     assert lines["fusedlib-unfused"].split()[-1] == "2.00x"  # 40 / 20 ms, plain launches
     assert lines["fusedlib"].split()[1:3] == ["20.00", "10.00"] and lines["fusedlib"].split()[-1] == "5.00"
     assert lines["eager"].split()[2] == "-" and "eager: no CUDA graph" in text
+    # the columns line up under their headers whatever the names' lengths (the longest is 26)
+    header = next(line for line in text.splitlines() if line.startswith("impl"))
+    end = header.index("plain ms") + len("plain ms")
+    assert max(map(len, lines)) > 23 and all(line[end - 5:end] == f"{by[n]['ms_eager']:.2f}"[-5:]
+                                             for n, line in lines.items())
     # the harness's and the book's bandwidth tables show "-" for records without bytes
     summ = cli.summary([copy] + recs)
     row = next(line for line in summ.splitlines() if " fusedlib-unfused " in line)

@@ -769,7 +769,7 @@ def test_prob_of_the_wrong_type_says_a_python_float_is_expected(fn, prob, got):
     [
         (lambda: ((torch.randn(4, 8), torch.randn(7)), torch.randn(4, 8)), ValueError,
          r"bias must have shape \[h\] with h = x.shape\[-1\] = 8, got \[7\]"),
-        (lambda: ((torch.randn(4, 8), torch.randn(1, 8)), torch.randn(4, 8)), ValueError, "bias must have 1 dims"),
+        (lambda: ((torch.randn(4, 8), torch.randn(1, 8)), torch.randn(4, 8)), ValueError, "bias must be 1-D"),
         (lambda: ((torch.randn(4, 8), None), torch.randn(4, 9)), ValueError,
          r"residual must have x's shape \[4, 8\], got \[4, 9\]"),
         (lambda: ((torch.randn(4, 8), None), torch.randn(8)), ValueError, "residual must have x's shape"),

@@ -153,7 +153,7 @@ def test_tanh_gelu_gradient_is_autograd_gradient():
         (lambda: (torch.randn(4, 8), torch.randn(7)), ValueError, r"bias must have shape \[h\] with h = input.shape\[-1\] = 8"),
         (lambda: (torch.randn(4, 8), torch.randn(8).half()), TypeError, "bias dtype"),
         (lambda: (torch.randn(4, 8).int(), torch.randn(8).int()), TypeError, "input must have dtype"),
-        (lambda: (torch.randn(4, 8), torch.randn(1, 8)), ValueError, "bias must have 1 dims"),
+        (lambda: (torch.randn(4, 8), torch.randn(1, 8)), ValueError, "bias must be 1-D"),
         (lambda: ([1.0, 2.0], torch.randn(2)), TypeError, "input must be a torch.Tensor"),
     ],
 )

@@ -96,8 +96,22 @@ def test_file_on_the_way(tmp_path):
 def test_check_tensor_min_ndim_takes_exactly_that_many_dims():
     x = torch.zeros(3)
     assert check_tensor("x", x, min_ndim=1) is x  # 1 dim is "at least 1"
-    with pytest.raises(ValueError, match=r"x must have at least 1 dims, got shape \(\)"):
+    with pytest.raises(ValueError, match=r"x must have at least 1 dimension, got shape \(\)"):
         check_tensor("x", torch.zeros(()), min_ndim=1)
+
+
+def test_check_tensor_messages_name_the_dims_and_dtypes_in_words():
+    # one allowed dtype is named alone, several as a set; dims as "N-D"; "dimensions" plural
+    with pytest.raises(TypeError, match=r"^mask must have dtype bool, got float32$"):
+        check_tensor("mask", torch.zeros(2), dtypes=(torch.bool,))
+    with pytest.raises(TypeError, match=r"^x must have dtype in \(float16, bfloat16\), got float32$"):
+        check_tensor("x", torch.zeros(2), dtypes=(torch.float16, torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^bias must be 1-D, got shape \(1, 6\)$"):
+        check_tensor("bias", torch.zeros(1, 6), ndim=1)
+    with pytest.raises(ValueError, match=r"^x must be 2-D or 3-D, got shape \(4,\)$"):
+        check_tensor("x", torch.zeros(4), ndim=(2, 3))
+    with pytest.raises(ValueError, match=r"^x must have at least 2 dimensions, got shape \(4,\)$"):
+        check_tensor("x", torch.zeros(4), min_ndim=2)
 
 
 def test_a_one_dim_input_passes_the_ops_checks():

@@ -715,7 +715,7 @@ BAD = {
     "int dtype": (dict(q=torch.ones(2, 5, 4, 16, dtype=torch.int32)), TypeError, "q must have dtype"),
     "float64": (dict(q=torch.randn(2, 5, 4, 16, dtype=torch.float64)), TypeError, "q must have dtype"),
     "mixed dtypes": (dict(k=torch.randn(2, 7, 2, 16).half()), TypeError, "one dtype"),
-    "3-D q": (dict(q=torch.randn(5, 4, 16)), ValueError, "q must have 4 dims"),
+    "3-D q": (dict(q=torch.randn(5, 4, 16)), ValueError, "q must be 4-D"),
     "k v shapes differ": (dict(v=torch.randn(2, 8, 2, 16)), ValueError, "k and v must have one shape"),
     "batch differs": (dict(k=torch.randn(3, 7, 2, 16), v=torch.randn(3, 7, 2, 16)), ValueError, "batch size"),
     "head dim differs": (dict(k=torch.randn(2, 7, 2, 8), v=torch.randn(2, 7, 2, 8)), ValueError, "head dim"),

@@ -723,7 +723,7 @@ def test_bias_backward_plain_functions_check_the_bias(glu):
     assert_close(got, back(g.double(), y64 + b64), torch.float32, scale=amp)
     for bad, err, match in ((_randn((9,), torch.float32), ValueError, r"bias must have shape \[2h\] with 2h = y"),
                             (b.double(), TypeError, "bias dtype torch.float64 must match y dtype"),
-                            (_randn((1, 18), torch.float32), ValueError, "bias must have 1 dims")):
+                            (_randn((1, 18), torch.float32), ValueError, "bias must be 1-D")):
         with pytest.raises(err, match=match):
             bias_back(g, y, bad)
 
@@ -828,14 +828,14 @@ def _bad_cases():
     t = lambda *s: torch.randn(*s, device=DEVICE)  # noqa: E731
     return [
         ("odd last dim", lambda: bias_swiglu_impl(t(4, 7), None), ValueError, r"input.shape\[-1\] must be even"),
-        ("1-D", lambda: bias_geglu_impl(t(8), None), ValueError, "input must have 2 or 3 dims"),
-        ("4-D", lambda: bias_swiglu_impl(t(2, 2, 2, 8), None), ValueError, "input must have 2 or 3 dims"),
+        ("1-D", lambda: bias_geglu_impl(t(8), None), ValueError, "input must be 2-D or 3-D"),
+        ("4-D", lambda: bias_swiglu_impl(t(2, 2, 2, 8), None), ValueError, "input must be 2-D or 3-D"),
         ("int", lambda: bias_swiglu_impl(t(4, 8).int(), None), TypeError, "input must have dtype"),
         ("list", lambda: bias_geglu_impl([[1.0, 2.0]], None), TypeError, "input must be a torch.Tensor"),
         ("bias shape", lambda: bias_swiglu_impl(t(4, 8), t(4)), ValueError,
          r"bias must have shape \[2h\] with 2h = input.shape\[-1\] = 8"),
         ("bias dtype", lambda: bias_geglu_impl(t(4, 8), t(8).half()), TypeError, "bias dtype"),
-        ("bias 2-D", lambda: bias_geglu_impl(t(4, 8), t(1, 8)), ValueError, "bias must have 1 dims"),
+        ("bias 2-D", lambda: bias_geglu_impl(t(4, 8), t(1, 8)), ValueError, "bias must be 1-D"),
         ("weights shape", lambda: weighted_bias_swiglu_impl(t(4, 8), None, t(4)), ValueError,
          r"weights must have shape \[n, 1\] with n = 4"),
         ("weights rows", lambda: weighted_bias_swiglu_impl(t(2, 3, 8), None, t(3, 1)), ValueError,
@@ -848,7 +848,7 @@ def _bad_cases():
          "fp8_input_store must be a bool, got numpy.int64"),
         ("sqrelu weights", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 2)), ValueError,
          r"weights must have shape \[n, 1\]"),
-        ("sqrelu 1-D", lambda: weighted_squared_relu_impl(t(8), t(1, 1)), ValueError, "input must have 2 or 3 dims"),
+        ("sqrelu 1-D", lambda: weighted_squared_relu_impl(t(8), t(1, 1)), ValueError, "input must be 2-D or 3-D"),
         ("clamp <= 0", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 1), 0.0), ValueError,
          "clamp_scale must be a number in float32's normal range"),
         ("clamp inf in float32", lambda: weighted_squared_relu_impl(t(4, 8), t(4, 1), 1e39), ValueError,

@@ -794,7 +794,7 @@ def test_apex_backend_matches_fusedlib():  # pragma: no cover (needs Apex and a 
         (lambda: (torch.randn(4, 8), torch.randn(8), torch.randn(8).double()), TypeError, "bias dtype"),
         (lambda: (torch.randn(4, 8).int(), torch.randn(8).int(), torch.randn(8).int()), TypeError,
          "input must have dtype"),
-        (lambda: (torch.randn(4, 8), torch.randn(1, 8), torch.randn(8)), ValueError, "weight must have 1 dims"),
+        (lambda: (torch.randn(4, 8), torch.randn(1, 8), torch.randn(8)), ValueError, "weight must be 1-D"),
         (lambda: ([1.0, 2.0], torch.randn(2), torch.randn(2)), TypeError, "input must be a torch.Tensor"),
         (lambda: (torch.randn(2, MAX_HIDDEN_SIZE + 1), torch.randn(MAX_HIDDEN_SIZE + 1), None), ValueError,
          r"hidden size input.shape\[-1\] must be in 1..65536 .* got 65537"),

@@ -252,10 +252,10 @@ def test_interleaved_is_half_split_on_permuted_channels():
 # ------------------------------------------------------------------------------------------
 
 BAD = {
-    "t not 4-D": (lambda: (_randn(3, 2, 8), _angles(3, 1, 8)), ValueError, "t must have 4 dims"),
+    "t not 4-D": (lambda: (_randn(3, 2, 8), _angles(3, 1, 8)), ValueError, "t must be 4-D"),
     "t integer": (lambda: (torch.ones(3, 2, 1, 8, dtype=torch.int32, device=DEVICE), _angles(3, 1, 8)),
                   TypeError, "t must have dtype"),
-    "freqs 3-D": (lambda: (_randn(3, 2, 1, 8), _randn(3, 1, 8)), ValueError, "freqs must have 4 dims"),
+    "freqs 3-D": (lambda: (_randn(3, 2, 1, 8), _randn(3, 1, 8)), ValueError, "freqs must be 4-D"),
     "freqs other s": (lambda: (_randn(3, 2, 1, 8), _angles(4, 1, 8)), ValueError, r"freqs must have shape \[s, 1, 1"),
     "freqs other b": (lambda: (_randn(3, 2, 1, 8), _angles(3, 3, 8)), ValueError, r"freqs must have shape \[s, 1, 1"),
     "freqs per head": (lambda: (_randn(3, 2, 2, 8), _randn(3, 1, 2, 8)), ValueError, r"freqs must have shape"),

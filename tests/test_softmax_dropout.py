@@ -483,7 +483,7 @@ def test_bad_dropout_p_raises_naming_it(p, error, match):
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(attn_mask_type="causal"), TypeError, "attn_mask_type must be an AttnMaskType"),
-    (dict(input=torch.randn(2, 3, 4, device=DEVICE)), ValueError, "input must have 4 dims"),
+    (dict(input=torch.randn(2, 3, 4, device=DEVICE)), ValueError, "input must be 4-D"),
     (dict(mask=torch.zeros(1, 1, 3, 4, dtype=torch.uint8, device=DEVICE)), TypeError, "mask must have dtype"),
     (dict(scale="2"), TypeError, "scale must be a real number"),
     (dict(softmax_in_fp32=1), TypeError, "softmax_in_fp32 must be a bool"),

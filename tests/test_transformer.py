@@ -1075,7 +1075,7 @@ BAD_MASKS = {
     "4-D, other b": (lambda: torch.zeros(3, 1, S, S, dtype=torch.bool), ValueError, r"got shape \[3, 1, 7, 7\]$"),
     "5-D": (lambda: torch.zeros(1, 1, 1, S, S, dtype=torch.bool), ValueError, r"got shape \[1, 1, 1, 7, 7\]$"),
     # SDPA: NotImplementedError "bitwise_or_cpu" not implemented for 'Float'
-    "float": (lambda: torch.zeros(B, 1, S, S), TypeError, r"attention_mask must have dtype in \(bool\), got float32"),
+    "float": (lambda: torch.zeros(B, 1, S, S), TypeError, r"attention_mask must have dtype bool, got float32"),
     "list": (lambda: [[True]], TypeError, "attention_mask must be a torch.Tensor, got list"),
     "meta device": (lambda: torch.zeros(B, 1, S, S, dtype=torch.bool, device="meta"), ValueError,
                     "attention_mask must be on query's device"),
