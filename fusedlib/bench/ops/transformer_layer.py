@@ -165,7 +165,7 @@ IMPLS: dict[str, str] = {
     "fusedlib-fused-layer-local": "fusedlib (materialised attention) with FusedTransformerLayer, one node per layer",
     "fusedlib-fused-layer-sdpa": "fusedlib-sdpa with FusedTransformerLayer, one node per layer",
     "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
-    "megatron-core": "megatron-core's get_gpt_layer_local_spec, the fusions it can run here on",
+    "megatron-core": "megatron-core's get_gpt_layer_local_spec, with every fusion it can run here switched on",
     "fusedlib-sdpa-graphs": "fusedlib-sdpa, cuda_graph_impl='local': the block's forward and backward as CUDA graphs",
     "eager": "plain PyTorch pre-LN GPT block with scaled_dot_product_attention, eager",
     "eager-graphs": "the plain PyTorch block, its layers' forward and backward as CUDA graphs (the same manager)",
@@ -641,7 +641,8 @@ def table(records: Sequence[dict]) -> str:
         fused = next((r for r in at if r["impl"] == "fusedlib"), None)
         out.append(f"{', '.join(f'{n} {v}' for n, v in zip(names, shape))}: {first.get('tokens', '?')} tokens "
                    f"per step, {first['dtype']}, one training step (fwd+bwd), {first['device']}")
-        out.append(f"{'impl':<23}{'plain ms':>10}{'graph ms':>10}{'tok/s plain':>13}{'tok/s graph':>13}"
+        w = max(23, 1 + max(len(r["impl"]) for r in at))  # the longest name and a space
+        out.append(f"{'impl':<{w}}{'plain ms':>10}{'graph ms':>10}{'tok/s plain':>13}{'tok/s graph':>13}"
                    f"{'peak GB':>9}{'fusedlib is':>13}")
         notes = []
         for r in at:
@@ -655,7 +656,7 @@ def table(records: Sequence[dict]) -> str:
             ratio = ""
             if fused is not None and r["impl"] != "fusedlib":
                 ratio = f"{plain_ms / fused.get('ms_eager', fused['ms']):.2f}x"
-            out.append(f"{r['impl']:<23}{plain_ms:>10.2f}{g_ms:>10}{p_tps:>13}{g_tps:>13}{peak:>9}{ratio:>13}")
+            out.append(f"{r['impl']:<{w}}{plain_ms:>10.2f}{g_ms:>10}{p_tps:>13}{g_tps:>13}{peak:>9}{ratio:>13}")
             if r.get("graph_error"):
                 why = r["graph_error"]
                 if len(why) > 120:  # cut at a word's end
