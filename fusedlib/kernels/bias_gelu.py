@@ -132,10 +132,10 @@ FWD_TILES: TileTable = (
 
 
 # The backward's tiles: its programs loop over rows_per_program rows to keep a running
-# bias-gradient sum, so each step holds more rows than a forward tile. Long rows, from a first
-# tuning run with the loop not pipelined (1 stage): [4, 2048] at 8 warps, 0.245 ms for
-# [8192, 16384] bf16 on the H200 against 0.250 for [2, 2048] and 0.338 for [2, 4096] (kernel
-# only, 4 programs per SM, NOTES.md). A persistent grid of 4 programs per SM, each writing one
+# bias-gradient sum, so each step holds more rows than a forward tile. Long rows, timed with the
+# row loop not pipelined (1 stage): [4, 2048] at 8 warps, 0.245 ms for [8192, 16384] bf16 on
+# the H200 against 0.250 for [2, 2048] and 0.338 for [2, 4096] (kernel only, 4 programs per SM;
+# `python -m fusedlib.bench.tune --op bias_gelu --pass bwd` times such candidates). A persistent grid of 4 programs per SM, each writing one
 # float32 partial row of the bias gradient: 0.245 ms at 4 per SM against 0.273 at 16 (kernel
 # only, 1 stage, H200). (The pipelining run below timed the same 1-stage tile at 0.2398 ms.)
 BWD_TILES: TileTable = (
@@ -143,7 +143,7 @@ BWD_TILES: TileTable = (
     (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, programs_per_sm=4)),
     (512, Tile(BLOCK_M=4, BLOCK_N=1024, num_warps=4, programs_per_sm=4)),  # (BLOCK_N capped at the row's)
     # 513 to 1 Ki, pipelined (3 stages). Kernel and bias-gradient second stage, bf16, H200, CUDA-graph
-    # replays (NOTES.md, 8-12 settings per shape): [32768, 768] 0.0530 ms for [8, 256] x 4
+    # replays (8-12 settings per shape): [32768, 768] 0.0530 ms for [8, 256] x 4
     # warps at 3 stages (three 256-column blocks fill the row) against 0.0656 for [4, 1024] at 1
     # stage and 0.0584 at 3; [131072, 1024] 0.2168 for [2, 1024] x 4 warps at 3
     # stages (3714 GB/s) against 0.2551 for [4, 1024] at 1 stage (0.2753 at 3, 0.2272 at 2) and

@@ -214,14 +214,14 @@ FWD_TILES: TileTable = (
     *_packed(1, 1024, num_warps=4),  # short rows: one step, several rows per program, 4 warps
     *_packed(2048, 4096, num_warps=8),  # one step of up to 4 Ki elements (2 rows of 2 Ki, or one row)
     (HUGE, Tile(BLOCK_M=1, BLOCK_N=4096, num_warps=4)),  # long rows (a 128 Ki vocabulary: 32 steps of 4 Ki);
-    # 4 warps measured 0.558 ms against 0.597 at 8 warps on the H200 ([8192, 128256] bf16, NOTES.md)
+    # 4 warps measured 0.558 ms against 0.597 at 8 warps on the H200 ([8192, 128256] bf16)
 )
 # Backward: purely elementwise, a 2-D grid of (row block, column block) programs; 4 Ki
 # columns at 8 warps = 16 elements per thread (two 16-byte loads and stores for bf16).
 BWD_TILES: TileTable = (
     *_packed(1, 1024, num_warps=4),
     (HUGE, Tile(BLOCK_M=TILE_ELEMENTS // 2048, BLOCK_N=2048, num_warps=4)),  # 2 Ki columns at 4 warps:
-    # 1.063 ms against 1.088 for 4 Ki at 8 (H200, NOTES.md)
+    # 1.063 ms against 1.088 for 4 Ki at 8 (H200)
 )
 
 

@@ -302,11 +302,11 @@ TILES: TileTable = (
 
 # The backward with a bias: a persistent grid of 4 programs per SM, whose programs walk many
 # rows and keep one float32 partial row of the bias gradient each (as bias-GeLU's backward,
-# where 4 per SM beat 16: NOTES.md); up to h = 1 Ki the forward's tiles. Longer rows: [4, 512]
+# where 4 per SM beat 16); up to h = 1 Ki the forward's tiles. Longer rows: [4, 512]
 # at 4 warps with the row loop pipelined (3 stages). SwiGLU, bf16, H200, CUDA-graph replays,
 # kernel and bias-gradient second stage, against the forward's [2, 2048] x 8 warps at 1 stage:
 # y [8192, 16384] 0.1853 / 0.2017 ms, [32768, 3072] 0.1439 / 0.1744, [32768, 8192] 0.3478 /
-# 0.3855 (3859 GB/s); the best or within 1 % of the best of 12 settings at each (NOTES.md).
+# 0.3855 (3859 GB/s); the best or within 1 % of the best of 12 settings at each.
 BIAS_BWD_TILES: TileTable = tuple(
     (bound, Tile(tile.BLOCK_M, tile.BLOCK_N, tile.num_warps, programs_per_sm=4)) for bound, tile in TILES
     if bound <= 1024
