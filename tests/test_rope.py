@@ -163,6 +163,25 @@ def test_one_position_of_angles_broadcasts_over_the_sequence(interleaved):
     _check(_randn(4, 2, 2, 40), _angles(1, 1, 24, interleaved), interleaved)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+@pytest.mark.parametrize("b_freqs", [1, 3], ids=["shared", "per-sample"])
+def test_a_longer_table_of_angles_is_read_at_the_first_positions(interleaved, b_freqs):
+    # freqs [s2, 1 or b, 1, rot] with s2 > s, as Transformer Engine's function of this name takes
+    # them (callers pass the whole position table): positions 0 .. s-1 are read, on the fused
+    # and on the unfused path, bit for bit what the table cut to s rows gives
+    s, b, d, rot = 5, 3, 40, 24
+    table = _angles(11, b_freqs, rot, interleaved)
+    t, g = _randn(s, b, 2, d), _randn(s, b, 2, d)
+    out, dt = _check(t, table[:s], interleaved, g=g)
+    leaf = t.detach().requires_grad_(True)
+    long_out = fused_apply_rotary_pos_emb(leaf, table, interleaved=interleaved)
+    long_out.backward(g)
+    assert torch.equal(long_out, out) and torch.equal(leaf.grad, dt)
+    for fusion in (False, True):
+        config = _config(fusion, interleaved)
+        assert torch.equal(apply_rotary_pos_emb(t, table, config), apply_rotary_pos_emb(t, table[:s], config))
+
+
 def test_non_contiguous_inputs():
     s, b, n_heads, d, rot = 5, 3, 2, 40, 24
     # t: the query slice of a fused [s, b, np, 3d] QKV tensor (last-dim slice, larger strides)
@@ -256,8 +275,9 @@ BAD = {
     "t integer": (lambda: (torch.ones(3, 2, 1, 8, dtype=torch.int32, device=DEVICE), _angles(3, 1, 8)),
                   TypeError, "t must have dtype"),
     "freqs 3-D": (lambda: (_randn(3, 2, 1, 8), _randn(3, 1, 8)), ValueError, "freqs must be 4-D"),
-    "freqs other s": (lambda: (_randn(3, 2, 1, 8), _angles(4, 1, 8)), ValueError, r"freqs must have shape \[s, 1, 1"),
-    "freqs other b": (lambda: (_randn(3, 2, 1, 8), _angles(3, 3, 8)), ValueError, r"freqs must have shape \[s, 1, 1"),
+    "freqs shorter": (lambda: (_randn(3, 2, 1, 8), _angles(2, 1, 8)), ValueError,
+                      r"freqs must have shape \[s2, 1, 1, rot_dim\] .* with s2 >= s = 3 \(or 1\)"),
+    "freqs other b": (lambda: (_randn(3, 2, 1, 8), _angles(3, 3, 8)), ValueError, r"freqs must have shape \[s2, 1, 1"),
     "freqs per head": (lambda: (_randn(3, 2, 2, 8), _randn(3, 1, 2, 8)), ValueError, r"freqs must have shape"),
     "rot_dim > d": (lambda: (_randn(3, 2, 1, 8), _angles(3, 1, 10)), ValueError, "rot_dim must be even"),
     "rot_dim odd": (lambda: (_randn(3, 2, 1, 8), _randn(3, 1, 1, 5)), ValueError, "rot_dim must be even"),
@@ -636,7 +656,7 @@ def test_unfused_multi_latent_attention_checks_its_tensors():
         apply_rotary_pos_emb(torch.randint(-5, 5, (3, 2, 2, 8), device=DEVICE), freqs, cfg)
     with pytest.raises(TypeError, match="freqs must be float32"):
         apply_rotary_pos_emb(t, freqs.half(), cfg)
-    with pytest.raises(ValueError, match=r"freqs must have shape \[s, 1, 1, rot_dim\] or \[s, b, 1, rot_dim\]"):
+    with pytest.raises(ValueError, match=r"freqs must have shape \[s2, 1, 1, rot_dim\] or \[s2, b, 1, rot_dim\]"):
         apply_rotary_pos_emb(t, _angles(3, 1, 8).reshape(3, 1, 1, 8).expand(3, 1, 2, 8), cfg)
 
 

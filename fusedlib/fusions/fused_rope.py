@@ -42,7 +42,7 @@ from ..checks import (
 )
 from ._apply import apply
 
-__all__ = ["FusedRoPEFunc", "fused_apply_rotary_pos_emb", "check_rope_inputs"]
+__all__ = ["FusedRoPEFunc", "fused_apply_rotary_pos_emb", "check_rope_inputs", "first_positions"]
 
 
 def _check_mscale(mscale: object) -> float:
@@ -63,8 +63,9 @@ def check_rope_inputs(t: torch.Tensor, freqs: torch.Tensor) -> None:
 
     Args:
         t: [s, b, np, d], float32 / float16 / bfloat16 / float64.
-        freqs: [s, 1, 1, rot_dim] or [s, b, 1, rot_dim] (a size-1 s also broadcasts), float32
-            (or float64 with float64 t), on t's device; rot_dim even, 2 <= rot_dim <= d.
+        freqs: [s2, 1, 1, rot_dim] or [s2, b, 1, rot_dim] with s2 >= s (positions 0 .. s-1
+            are read, as Transformer Engine reads them) or s2 = 1 (broadcast), float32 (or
+            float64 with float64 t), on t's device; rot_dim even, 2 <= rot_dim <= d.
 
     Raises:
         TypeError: a non-tensor, t of an unsupported dtype, or freqs not float32 (float64
@@ -77,7 +78,7 @@ def check_rope_inputs(t: torch.Tensor, freqs: torch.Tensor) -> None:
             and t.dim() == 4 and freqs.dim() == 4
             and (freqs.dtype == torch.float32 or freqs.dtype == torch.float64 == t.dtype)):
         (s, b, _, d), (fs, fb, fh, rot) = t.shape, freqs.shape
-        if (fs in (s, 1) and fb in (b, 1) and fh == 1 and 2 <= rot <= d and rot % 2 == 0
+        if (fs >= s or fs == 1) and (fb in (b, 1) and fh == 1 and 2 <= rot <= d and rot % 2 == 0
                 and on_one_kernel_device(t, freqs)):
             return
     check_tensor("t", t, dtypes=SUPPORTED_FLOAT_DTYPES, ndim=4)
@@ -90,16 +91,34 @@ def check_rope_inputs(t: torch.Tensor, freqs: torch.Tensor) -> None:
         )
     s, b, _, d = t.shape
     fs, fb, fh, rot = freqs.shape
-    if fs not in (s, 1) or fb not in (b, 1) or fh != 1:
+    if not (fs >= s or fs == 1) or fb not in (b, 1) or fh != 1:
         raise ValueError(
-            f"freqs must have shape [s, 1, 1, rot_dim] or [s, b, 1, rot_dim] with s = {s}, b = {b} "
-            f"(t's), got {list(freqs.shape)}"
+            f"freqs must have shape [s2, 1, 1, rot_dim] or [s2, b, 1, rot_dim] with s2 >= s = {s} (or 1) "
+            f"and b = {b} (t's), got {list(freqs.shape)}"
         )
     if rot < 2 or rot % 2 or rot > d:
         raise ValueError(
             f"freqs.shape[-1] = rot_dim must be even and 2 <= rot_dim <= d = t.shape[-1] = {d}, got {rot}"
         )
     check_same_device(t=t, freqs=freqs)
+
+
+def first_positions(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The rows of ``freqs`` that ``t`` reads: positions 0 .. s-1 (a view) of a table longer than
+    t's s, as Transformer Engine reads them; ``freqs`` itself otherwise (s2 = s, or s2 = 1, which
+    broadcasts). Call after :func:`check_rope_inputs`.
+
+    Args:
+        t: [s, b, np, d].
+        freqs: [s2, 1 or b, 1, rot_dim] with s2 >= s or s2 = 1.
+
+    Returns:
+        [s, 1 or b, 1, rot_dim] (or [1, ...] when s2 = 1).
+
+    Source: Transformer Engine ``apply_rotary_pos_emb`` (freqs ``[s2, 1, 1, d2]`` with ``s2 >= s``).
+    """
+    s = t.shape[0]
+    return freqs[:s] if freqs.shape[0] > s > 0 else freqs
 
 
 class FusedRoPEFunc(torch.autograd.Function):
@@ -121,6 +140,7 @@ class FusedRoPEFunc(torch.autograd.Function):
     def forward(ctx, t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False,
                 mscale: float = 1.0) -> torch.Tensor:
         check_rope_inputs(t, freqs)
+        freqs = first_positions(t, freqs)
         if interleaved is not True and interleaved is not False:  # a str "False" is truthy: refuse it
             interleaved = check_bool("interleaved", interleaved)
         if not (type(mscale) is float and -FLOAT32_MAX <= mscale <= FLOAT32_MAX):  # NaN fails too
@@ -151,9 +171,11 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
     Args:
         t: [s, b, np, d] (Megatron's sbhd layout), float32 / float16 / bfloat16 (float64 for
             gradcheck), CUDA or CPU, any strides (e.g. a slice of a fused QKV tensor).
-        freqs: angles in radians, float32: [s, 1, 1, rot_dim] (the same positions for every
-            sample, as ``RotaryEmbedding.forward`` makes them) or [s, b, 1, rot_dim]
-            (per-sample positions); rot_dim even, any size up to d (powers of two or not).
+        freqs: angles in radians, float32: [s2, 1, 1, rot_dim] (the same positions for every
+            sample, as ``RotaryEmbedding.forward`` makes them) or [s2, b, 1, rot_dim]
+            (per-sample positions), with s2 >= s: as Transformer Engine's function of this
+            name, a longer table is read at positions 0 .. s-1 (s2 = 1 broadcasts one
+            position to every token); rot_dim even, any size up to d (powers of two or not).
         transpose_output_memory: accepted for Megatron's signature; like Megatron's
             Transformer Engine path, it is ignored with a warning (the output is contiguous).
         interleaved: pairs (2k, 2k+1) (``rotary_interleaved``, GPT-J) if True, else

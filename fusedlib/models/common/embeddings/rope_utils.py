@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from ....checks import FLOAT32_MAX, check_bool
-from ....fusions.fused_rope import _check_mscale, check_rope_inputs, fused_apply_rotary_pos_emb
+from ....fusions.fused_rope import (_check_mscale, check_rope_inputs, first_positions,
+                                     fused_apply_rotary_pos_emb)
 from ....unfused import apply_rotary_pos_emb_bshd as _apply_rotary_pos_emb_bshd
 from ....unfused import rotate_half as _rotate_half
 
@@ -45,8 +46,10 @@ def apply_rotary_pos_emb(
 
     Args:
         t: [s, b, np, d] (queries or keys), float32 / float16 / bfloat16 (float64 too).
-        freqs: angles in radians, [s, 1, 1, rot_dim] (``RotaryEmbedding.forward``) or
-            [s, b, 1, rot_dim] (per-sample positions), float32; rot_dim even, <= d.
+        freqs: angles in radians, [s2, 1, 1, rot_dim] (``RotaryEmbedding.forward``) or
+            [s2, b, 1, rot_dim] (per-sample positions), float32, with s2 >= s (positions
+            0 .. s-1 are read, on both paths, as Transformer Engine's fused function reads them)
+            or s2 = 1; rot_dim even, <= d.
         config: a ``TransformerConfig`` (or any object) with ``apply_rope_fusion`` (bool:
             the Triton kernel, else Megatron's unfused formula) and ``rotary_interleaved``
             (bool: pairs (2k, 2k+1), else (k, k + rot_dim/2)); ``multi_latent_attention``
@@ -101,5 +104,5 @@ def apply_rotary_pos_emb(
     # wrong shapes, took int angles; an int t came back as zeros: cos and sin cast to its dtype)
     check_rope_inputs(t, freqs)
     return _apply_rotary_pos_emb_bshd(
-        t, freqs, rotary_interleaved=interleaved, multi_latent_attention=mla, mscale=mscale
+        t, first_positions(t, freqs), rotary_interleaved=interleaved, multi_latent_attention=mla, mscale=mscale
     )
