@@ -448,6 +448,22 @@ def test_bench_or_stored_names_the_file_of_bad_records(bench_files, content, mat
     assert str(bench_files / "op.json") in str(err.value)
 
 
+def test_a_live_measurement_says_that_the_prose_quotes_the_stored_run(monkeypatch, capsys):
+    # on a GPU a chapter's cell measures live, but its prose quotes the stored records: the cell
+    # says so, naming the stored file and how to show it
+    import fusedlib.bench as bench
+    import fusedlib.book as book
+
+    monkeypatch.setattr(book, "measure_live", lambda: True)
+    monkeypatch.setattr(bench, "run_op", lambda op, sweep=False: ([{"device": "Some GPU", "impl": "copy"}],
+                                                                   {"apex": "not installed"}))
+    assert book.bench_or_stored("bias_gelu") == [{"device": "Some GPU", "impl": "copy"}]
+    out = capsys.readouterr().out.splitlines()
+    assert out == [book.live_note("Some GPU", "measured", "bias_gelu.json"), "  apex not measured: not installed"]
+    assert out[0].startswith("measured now on Some GPU; the text around this cell quotes the stored run")
+    assert "chapters/data/bench/bias_gelu.json" in out[0] and "FUSEDLIB_BENCH_STORED=1" in out[0]
+
+
 def test_load_bench_keeps_lists_of_records_and_profile_dicts(bench_files):
     from fusedlib.book import load_bench
 

@@ -36,6 +36,7 @@ __all__ = [
     "load_bench",
     "bench_or_stored",
     "measure_live",
+    "live_note",
     "plot_bandwidth",
     "plot_sweep",
     "speedup_table",
@@ -207,6 +208,24 @@ def measure_live() -> bool:
     return CUDA_AVAILABLE and not stored
 
 
+def live_note(device: str, what: str, stored: str) -> str:
+    """The line a chapter's benchmark cell prints when it measured live: what it measured, on
+    which device, and that the chapter's prose quotes the stored records instead (their numbers,
+    and the verdicts drawn from them, need not hold for the live run).
+
+    Args:
+        device: the device the live numbers come from (a record's ``device``).
+        what: what was measured ("measured", "profiled", ...).
+        stored: the stored file(s) the prose quotes, relative to :func:`bench_dir`.
+
+    Returns:
+        One line of text.
+    """
+    return (f"{what} now on {device}; the text around this cell quotes the stored run "
+            f"(chapters/data/bench/{stored}, shown with FUSEDLIB_BENCH_STORED=1), whose numbers and "
+            f"verdicts need not hold here")
+
+
 def bench_or_stored(op: str, sweep: bool = False) -> list[dict]:
     """Measure ``op`` live on this machine's GPU, or load the stored H200 records on a CPU.
 
@@ -239,7 +258,7 @@ def bench_or_stored(op: str, sweep: bool = False) -> list[dict]:
         if not records:
             raise ValueError(f"bench_or_stored: measuring {op!r} gave no records (skipped: {skipped})")
         require_fields("bench_or_stored", records[:1], ("device",), where=f"the measured {op!r} records")
-        print(f"measured now on {records[0]['device']}")
+        print(live_note(records[0]["device"], "measured", f"{op}.json"))
         for name, why in skipped.items():
             print(f"  {name} not measured: {why}")
         return records
