@@ -137,7 +137,8 @@ FWD_TILES: TileTable = (
 # the H200 against 0.250 for [2, 2048] and 0.338 for [2, 4096] (kernel only, 4 programs per SM;
 # `python -m fusedlib.bench.tune --op bias_gelu --pass bwd` times such candidates). A persistent
 # grid of 4 programs per SM, each writing one float32 partial row of the bias gradient: 0.245 ms
-# at 4 per SM against 0.273 at 16 (kernel only, 1 stage, H200). (The pipelining run below timed the same 1-stage tile at 0.2398 ms.)
+# at 4 per SM against 0.273 at 16 (kernel only, 1 stage, H200). (The pipelining run below timed
+# the same 1-stage tile at 0.2398 ms.)
 BWD_TILES: TileTable = (
     (16, Tile(BLOCK_M=256, BLOCK_N=16, num_warps=4, programs_per_sm=4)),
     (128, Tile(BLOCK_M=32, BLOCK_N=128, num_warps=4, programs_per_sm=4)),
