@@ -220,6 +220,9 @@ def live_note(device: str, what: str, stored: str) -> str:
 
     Returns:
         One line of text.
+
+    Raises:
+        Nothing: it formats its arguments as they are.
     """
     return (f"{what} now on {device}; the text around this cell quotes the stored run "
             f"(chapters/data/bench/{stored}, shown with FUSEDLIB_BENCH_STORED=1), whose numbers and "
