@@ -737,6 +737,104 @@ def test_times_keep_five_decimals_of_a_millisecond(monkeypatch):
     assert all(r["ms"] == 0.01235 for r in recs)
     assert recs[0]["GBps"] == round(10**6 / (0.0123456 * 1e-3) / 1e9, 1)
 
+def test_time_ms_asks_do_bench_for_the_median_after_warm_up(monkeypatch):
+    # plain launches: do_bench's median with the warm-up and repetitions asked, the gradients reset;
+    # graph replays (CUDA stood in for): three warm-up calls and the capture, then the replays' median
+    import contextlib
+
+    asked = []
+
+    def fake_do_bench(fn, **kw):
+        asked.append((fn, kw))
+        return 1.5
+
+    monkeypatch.setattr(core.triton.testing, "do_bench", fake_do_bench)
+    t = torch.ones(2, requires_grad=True)
+    calls = []
+    fn = lambda: calls.append(t.grad)  # noqa: E731
+    assert core.time_ms(fn, grad_to_none=[t], warmup=7, rep=70) == 1.5
+    assert asked == [(fn, dict(warmup=7, rep=70, grad_to_none=[t], return_mode="median"))]
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: contextlib.nullcontext())
+    asked.clear()
+    t.grad = torch.ones(2)
+    assert core.time_ms(fn, grad_to_none=[t], warmup=7, rep=70, cuda_graph=True) == 1.5
+    assert calls == [None] * 4 and t.grad is None  # 3 warm-up calls and the capture, each on fresh gradients
+    (replay, kw), = asked
+    assert replay.__name__ == "replay" and kw == dict(warmup=7, rep=70, return_mode="median")
+
+
+def test_peak_memory_is_what_one_call_adds_and_is_measured_on_cuda(monkeypatch):
+    # a case with peak_memory on CUDA asks _time_pass for the peak and records it
+    asked = []
+
+    def fake_time_pass(case, impl, pas, device, peak=False, cuda_graph=False):
+        asked.append(peak)
+        return 1.0, (123 if peak else None)
+
+    monkeypatch.setattr(core, "_time_pass", fake_time_pass)
+    case = _round_case(1)
+    case.peak_memory, case.cuda_graph = True, False
+    recs = core.measure_case(case, torch.device("cuda"), ["fwd+bwd"])
+    assert asked == [True] * 3 and [r["peak_bytes"] for r in recs] == [123] * 3
+    # peak_extra_bytes: the peak during the call (reset before it) less what was allocated before it
+    mem = {"now": 1000, "peak": 9000}
+
+    def reset(device=None):
+        mem["peak"] = mem["now"]
+
+    def call():
+        mem["now"] += 80
+        mem["peak"] = max(mem["peak"], mem["now"])
+        mem["now"] -= 30
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: mem["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem["peak"])
+    assert core.peak_extra_bytes(call, torch.device("cuda")) == 80
+
+
+def test_a_case_without_cuda_graph_is_timed_only_with_plain_launches(monkeypatch):
+    graphs = []
+    monkeypatch.setattr(core, "_time_pass", lambda case, impl, pas, device, peak=False, cuda_graph=False:
+                        (graphs.append(cuda_graph), (2.0, None))[1])
+    case = _round_case(1)
+    case.cuda_graph = False
+    recs = core.measure_case(case, torch.device("cuda"), ["fwd+bwd"])
+    assert graphs == [False] * 3 and all("timer" not in r and "ms_eager" not in r and r["ms"] == 2.0 for r in recs)
+
+
+def test_the_forward_pass_is_timed_without_autograd(monkeypatch):
+    # "fwd": inputs that need no gradient, under no_grad (no graph kept); "fwd+bwd": inputs that need one
+    monkeypatch.setattr(core, "time_ms", lambda fn, grad_to_none=None, **kw: (fn(), 1.0)[1])
+    seen = []
+
+    def fn(t):
+        seen.append((t.requires_grad, torch.is_grad_enabled()))
+        return 2 * t
+
+    x = torch.randn(4, 8)
+    case = core.BenchCase("bias_gelu", (4, 8), torch.float32, lambda d, rg: (x.clone().requires_grad_(rg),),
+                          {"fwd": 64, "fwd+bwd": 160}, [core.Impl("fusedlib", fn)], cuda_graph=False)
+    core.measure_case(case, torch.device("cpu"), ["fwd"])
+    assert seen and set(seen) == {(False, False)}
+    seen.clear()
+    core.measure_case(case, torch.device("cpu"), ["fwd+bwd"])
+    assert seen and set(seen) == {(True, True)}
+
 
 # ---------------------------------------------------------------------------------------------
 # The op cases: every implementation computes what fusedlib computes, dropout on in each, the

@@ -296,6 +296,47 @@ def test_time_in_turns_drops_a_step_that_raises_in_a_repeat_and_keeps_the_others
     assert calls == {"a": 1 + 3 * 2, "b": 4}
     assert set(timings["a"]) == {"us", "enqueue_us", "cpu_us", "us_repeats"} and len(timings["a"]["us_repeats"]) == 3
 
+def test_host_record_keeps_each_timing_in_its_field_and_the_median_of_the_repeats(monkeypatch):
+    # each repeat's times (us, then enqueue_us = us - 0.5, cpu_us = us - 1) given by a fake host_timing:
+    # the record holds each field's median, the repeats' us, and the calls, repeats and warm-up asked
+    us = iter([5.0, 1.0, 3.0])
+
+    def fake_timing(step, calls, repeats, sync):
+        u = next(us)
+        return {"us": u, "enqueue_us": u - 0.5, "cpu_us": u - 1.0, "us_repeats": [u]}
+
+    monkeypatch.setattr(host_mod, "host_timing", fake_timing)
+    (rec,), skipped = host_mod.measure_host("bias_gelu", "cpu", calls=4, repeats=3, warmup=2, impls=("eager",),
+                                            shape=(2, 8), dtype=torch.float32, passes=("fwd",))
+    assert skipped == {} and (rec["us"], rec["enqueue_us"], rec["cpu_us"]) == (3.0, 2.5, 2.0)
+    assert rec["us_repeats"] == [5.0, 1.0, 3.0]
+    assert (rec["calls"], rec["repeats"], rec["warmup"]) == (4, 3, 2)
+
+
+def test_time_in_turns_takes_every_warm_up_call_and_repeats_run_in_the_step_s_context():
+    # warm-up: all `warmup` calls before the first repeat; the repeats, like the warm-up, inside the
+    # step's context (torch.no_grad() for the forward pass)
+    seen = []
+    step = lambda: seen.append(torch.is_grad_enabled())  # noqa: E731
+    timings = host_mod.time_in_turns({"a": (step, torch.no_grad())}, calls=2, repeats=3, warmup=5,
+                                     sync=lambda: None, skip=lambda name, exc: pytest.fail(str(exc)))
+    assert len(seen) == 5 + 3 * 2 and not any(seen)
+    assert len(timings["a"]["us_repeats"]) == 3
+
+
+def test_host_step_resets_the_impl_params_gradients():
+    # a module's parameters get .grad = None before each call too (zero_grad(set_to_none=True))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5, 3, dtype=torch.float64)
+    x0 = torch.randn(2, 5, dtype=torch.float64)
+    case = core.BenchCase("bias_gelu", (2, 5), torch.float64, lambda d, rg: (x0.clone().requires_grad_(rg),), {}, [])
+    impl = core.Impl("eager", lambda t: lin(t), params=lambda: lin.parameters())
+    step, _ = host_mod.host_step(case, impl, "fwd+bwd", torch.device("cpu"))
+    step()
+    once = lin.weight.grad.clone()
+    step()
+    torch.testing.assert_close(lin.weight.grad, once)  # not twice: no accumulation
+
 
 def _host_rec(op, pas, impl, us, device="NVIDIA H200"):
     return {"op": "host", "measured_op": op, "pass": pas, "impl": impl, "us": us, "enqueue_us": us - 1,
