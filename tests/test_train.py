@@ -1139,6 +1139,23 @@ def test_cli_a_step_out_of_memory_is_one_error_line_and_status_1(tmp_path, stdli
         cli.main(argv)
 
 
+@pytest.mark.parametrize("flags, tokens", [([], 300), (["--sample", "0"], 0), (["--sample", "7"], 7)])
+def test_cli_bench_samples_as_asked(flags, tokens, tmp_path, monkeypatch):
+    # --bench writes a 300-token sample per run unless --sample N says otherwise; 0 writes none
+    # (run_bench's sample_tokens), as its help says
+    from fusedlib.train import bench
+
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda base, out, runs, warmup, sample_tokens: seen.append(sample_tokens)
+                        or [])
+    monkeypatch.setattr(bench, "bench_table", lambda records: "")
+    argv = ["--bench", "--bench-runs", "fusedlib-unfused", "--layers", "1", "--hidden", "32", "--heads", "2",
+            "--seq", "16", "--batch", "2", "--steps", "4", "--warmup", "1", "--log-interval", "2", "--bench-warmup", "2",
+            "--out", str(tmp_path), "--no-progress", *flags]
+    assert cli.main(argv) == 1  # no record came back: the run counts as failed
+    assert seen == [tokens]
+
+
 def test_cli_bench_writes_records(tmp_path, stdlib_root, monkeypatch):
     monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
     argv = ["--bench", "--bench-runs", "fusedlib-unfused", "torch.compile", "--layers", "1", "--hidden", "32",
@@ -1185,6 +1202,7 @@ def test_bench_table_gives_the_windows_median_beside_the_mean():
     assert bench.window_median(slow) == 1_000_000
     assert bench.window_median(record("x", [3.0, 1.0, 2.0], 2.0)) == 2.0
     assert bench.window_median(record("x", [], 2.0)) is None
+    assert bench.window_median(record("x", [4.0, 1.0, 3.0, 2.0], 2.5)) == 3.0  # the upper of the two middle ones
     lines = bench.bench_table([record("fusedlib", [900_000, 950_000, 1_000_000], 950_000), slow]).splitlines()
     assert lines[1].split()[:3] == ["impl", "tokens/s", "median"] and "left" not in lines[1]
     row = lines[3].split()
@@ -1197,6 +1215,228 @@ def test_bench_table_gives_the_windows_median_beside_the_mean():
     assert lines[1].split()[3:7] == ["ms/step", "peak", "GB", "left"]
     assert lines[2].split()[4:6] == ["3.03", "0.00"] and lines[3].split()[4:6] == ["3.04", "0.33"]
     assert lines[4].split()[4:6] == ["-", "-"]
+
+class _FakeCudaTrainer:
+    """A stand-in Trainer for ``_one_run`` on a CPU: its windows, precision and peak are chosen, and
+    it notes when it was built (after the memory readings) and when it ran (the clock moves 100 s)."""
+
+    windows, bf16, history = [], True, [{"step": 10, "loss": 2.0}, {"step": 10, "val_loss": 2.5}]
+
+    def __init__(self, cfg, corpus, log):
+        self.events = _FakeCudaTrainer.events
+        self.events.append("trainer")
+        self.model = torch.nn.Linear(2, 3)
+
+    def run(self):
+        self.events.append("run")
+        _FakeCudaTrainer.clock[0] += 100.0  # compilation, warm-up, evaluation: wall time, not timed
+
+    def losses(self):
+        return [2.0]
+
+    def _peak_bytes(self):
+        return 5_000
+
+    def sample(self, prompt, n, temperature, top_k, seed=0):
+        return "def f"
+
+
+def test_one_run_times_the_windows_after_the_warm_up_and_reads_memory_before_the_run(monkeypatch):
+    # _one_run on a CUDA device (stood in for: memory counters, the workspaces' release, the trainer):
+    # the earlier runs left 1000 bytes, 300 of them the GEMM libraries' workspaces; the run's windows
+    # are of 3 steps and the bench warm-up, 4 steps, ends inside the second: only windows that start
+    # after it are timed
+    from fusedlib.train import bench
+
+    cfg = TrainConfig(**dict(TINY, steps=10, warmup=2, log_interval=3, bf16=None))  # bf16 as resolved: True
+    _FakeCudaTrainer.windows = [(1, 3, 10.0), (4, 6, 1.0), (7, 9, 2.0), (10, 10, 0.5)]
+    mem = {"allocated": 1000}
+    events = _FakeCudaTrainer.events = []
+    clock = _FakeCudaTrainer.clock = [0.0]
+
+    def release(what, freed):
+        def clear():
+            events.append(what)
+            mem["allocated"] -= freed
+        return clear
+
+    def allocated(device):
+        events.append("allocated")
+        return mem["allocated"]
+
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", release("cublas", 200), raising=False)
+    monkeypatch.setattr(bench.cublaslt, "clear_workspaces", release("cublaslt", 100))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: events.append("reset_peak"))
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(bench, "Trainer", _FakeCudaTrainer)
+    monkeypatch.setattr(TrainConfig, "resolved_device", lambda self: torch.device("cuda"))
+    corpus = types.SimpleNamespace(info=lambda: {"sha256": "x"})
+    rec = bench._one_run("torch.compile", cfg, corpus, 4, 5, lambda line: None)
+    # memory: what the earlier runs left, then released, the peak reset, then the run
+    assert events == ["allocated", "cublas", "cublaslt", "empty_cache", "reset_peak", "allocated", "trainer", "run"]
+    assert (rec["left_bytes"], rec["start_bytes"], rec["peak_bytes"]) == (1000, 700, 5000)
+    # the timing: windows (7, 9) and (10, 10), 4 steps in 2.5 s; 2 x 16 tokens per step
+    tokens = 2 * 16
+    assert (rec["impl"], rec["warmup_steps"], rec["tokens_per_step"]) == ("torch.compile", 4, tokens)
+    assert (rec["timed_steps"], rec["timed_s"], rec["wall_s"]) == (4, 2.5, 100.0)
+    assert rec["tokens_per_s"] == pytest.approx(4 * tokens / 2.5)
+    assert rec["ms_per_step"] == pytest.approx(1e3 * 2.5 / 4)
+    assert rec["window_tokens_per_s"] == pytest.approx([3 * tokens / 2.0, tokens / 0.5])
+    assert rec["dtype"] == "bfloat16" and rec["losses"] == [2.0] and rec["val"] == [[10, 2.5]]
+
+
+def test_bench_runs_in_the_order_asked(tmp_path, stdlib_root, monkeypatch):
+    # the order runs train in is part of the record (left_bytes, the process's state): the order asked
+    from fusedlib.train import bench
+
+    monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
+    ran = []
+
+    def fake_run(name, cfg, corpus, warmup, sample_tokens, log):
+        ran.append(name)
+        return {"op": "train", "impl": name, "tokens_per_s": 1.0, "ms_per_step": 1.0, "losses": [1.0], "val": [],
+                "wall_s": 0.0}
+
+    monkeypatch.setattr(bench, "_one_run", fake_run)
+    base = TrainConfig(**dict(TINY, steps=4, device="cpu", cache_dir=str(tmp_path / "cache")))
+    runs = ["torch.compile", "fusedlib-unfused", "fusedlib"]
+    records = bench.run_bench(base, tmp_path, runs, warmup=2, log=lambda line: None)
+    assert ran == runs and [r["impl"] for r in records] == runs
+    assert [r["impl"] for r in json.loads((tmp_path / bench.BENCH_FILE).read_text())] == runs
+    # a warm-up that leaves no whole window after it (steps 4, windows of 2: at most 2) is refused before any run
+    ran.clear()
+    for warmup in (3, 4, -1, True, 2.0):
+        with pytest.raises(ValueError, match=r"warmup must be an int in \[0, steps - log_interval = 2\]"):
+            bench.run_bench(base, None, runs, warmup=warmup, log=lambda line: None)
+    assert ran == []
+
+
+def test_every_bench_run_trains_the_model_its_name_says():
+    # the baselines are the plain model torch.compiled (in the mode and capture their names say);
+    # fusedlib-unfused the unfused spec; fusedlib-local the materialised attention
+    from fusedlib.train import bench
+
+    for name, fields in bench.BENCH_RUNS.items():
+        plain = name.startswith("torch.compile")
+        assert fields["model"] == ("plain" if plain else "gpt") and fields["compile"] == (plain or name == "fusedlib-compile")
+        assert fields["compile_mode"] == ("reduce-overhead" if name == "torch.compile-graphs" else None), name
+        assert fields["full_iteration_graph"] == name.endswith("-full-iteration"), name
+        assert fields["cuda_graph"] == (name == "fusedlib-graphs") and fields["fused_layer"] == (name == "fusedlib-fused-layer")
+        if not plain:
+            assert fields["spec"] == ("unfused" if name == "fusedlib-unfused" else "fused"), name
+        assert fields.get("attention_backend", "flash") == ("local" if name == "fusedlib-local" else "flash"), name
+    base = TrainConfig(**dict(TINY, steps=4, device="cpu"))
+    assert bench.run_config(base, "torch.compile").label().endswith("+ compile")
+
+
+@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])
+def test_the_compiled_runs_are_compiled_statically_with_their_mode(corpus, monkeypatch, mode):
+    # one torch.compile of the whole model, in the run's mode, never with dynamic shapes (the batches
+    # have one shape: the protocol compiles the baseline for it, DESIGN.md section 4)
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append((model, kw)) or model)
+    tr = Trainer(TrainConfig(**dict(TINY, steps=4, model="plain", compile=True, compile_mode=mode, device="cpu")),
+                 corpus=corpus)
+    assert len(calls) == 1 and calls[0][0] is tr.model and tr.forward is tr.model
+    assert calls[0][1].get("mode") == mode and calls[0][1].get("dynamic") in (None, False), calls[0][1]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_every_bench_run_has_the_same_optimizer_precision_batches_and_random_state(corpus, monkeypatch, bf16):
+    # a baseline trained with another optimizer setting, precision, batches or dropout stream would
+    # not be the same training: every run's trainer starts alike (the runs of every device; on CUDA
+    # AdamW's fused kernels for every model)
+    from fusedlib.train import bench
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
+    base = TrainConfig(**dict(TINY, steps=4, device=str(DEVICE), bf16=bf16, weight_decay=0.1))
+    seen = {}
+    for name in ("fusedlib", "fusedlib-unfused", "torch.compile"):
+        torch.manual_seed(99)  # (each trainer seeds torch itself)
+        tr = Trainer(bench.run_config(base, name), corpus=corpus)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in tr.optimizer.param_groups]
+        seen[name] = dict(optimizer=(type(tr.optimizer), tr.optimizer.defaults, groups), bf16=tr.bf16,
+                          dtypes={p.dtype for p in tr.params}, master={m.dtype for m in tr.master},
+                          rng=torch.get_rng_state(), data=tr.data_generator.get_state())
+    ref = seen["fusedlib"]
+    assert ref["optimizer"][1]["fused"] is (DEVICE.type == "cuda")
+    assert ref["bf16"] is bf16 and ref["dtypes"] == {torch.bfloat16 if bf16 else torch.float32}
+    for name, s in seen.items():
+        assert s["optimizer"] == ref["optimizer"] and s["bf16"] == ref["bf16"], name
+        assert s["dtypes"] == ref["dtypes"] and s["master"] == {torch.float32}, name
+        assert torch.equal(s["rng"], ref["rng"]) and torch.equal(s["data"], ref["data"]), name
+
+
+def test_bench_table_ratio_is_fusedlib_s_throughput_over_each_run_s_and_loss_the_last_5_percent():
+    from fusedlib.train import bench
+
+    def record(impl, tokens_per_s):
+        return dict(op="train", impl=impl, config=dict(layers=1, hidden=8, heads=2, batch=2, seq=4, steps=40,
+                                                       bf16=False), params=1000, tokens_per_step=8, device="cpu",
+                    tokens_per_s=tokens_per_s, ms_per_step=1.0, peak_bytes=None,
+                    losses=[10.0] * 38 + [1.0, 1.0], val=[], window_tokens_per_s=[tokens_per_s])
+
+    # fusedlib not first: the ratio is still fusedlib's tokens/s over the row's
+    lines = bench.bench_table([record("torch.compile", 500.0), record("fusedlib", 1000.0)]).splitlines()
+    compiled, fused = lines[2].split(), lines[3].split()
+    assert compiled[0] == "torch.compile" and compiled[-1] == "2.00x"
+    assert fused[0] == "fusedlib" and fused[-2:] == ["1.0000", "-"]  # (no ratio on fusedlib's own row)
+    assert compiled[-3] == "1.0000"  # the train loss: the mean of the last 5% (2 of 40 steps)
+
+
+def test_evaluation_is_outside_the_timing_windows(corpus, monkeypatch):
+    # a fake clock that a step moves by 1 s and an evaluation by 100 s: each window's seconds are
+    # its steps', an evaluation in none; a window cut by an evaluation starts after the last one
+    from fusedlib.train import loop
+
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    tr = Trainer(TrainConfig(**dict(TINY, steps=6, eval_interval=3, model="plain", device="cpu")), corpus=corpus)
+    step, evaluate = tr.step, tr.evaluate
+
+    def timed_step():
+        clock[0] += 1.0
+        return step()
+
+    def slow_evaluate():
+        clock[0] += 100.0
+        return evaluate()
+
+    monkeypatch.setattr(tr, "step", timed_step)
+    monkeypatch.setattr(tr, "evaluate", slow_evaluate)
+    tr.run()
+    assert tr.windows == [(1, 2, 2.0), (3, 3, 1.0), (4, 4, 1.0), (5, 6, 2.0)]
+
+
+def test_plain_gpt_drops_where_the_gpt_model_drops(monkeypatch):
+    # built as the trainer builds it, in training mode: dropout at the embedding, on the attention
+    # probabilities and on both residual branches of every layer, at the shape's probability
+    from fusedlib.train import plain_gpt
+
+    drops, attention = [], []
+    dropout, sdpa = plain_gpt.F.dropout, plain_gpt.F.scaled_dot_product_attention
+    monkeypatch.setattr(plain_gpt.F, "dropout", lambda x, p, training: drops.append((p, training)) or dropout(x, p, training))
+    monkeypatch.setattr(plain_gpt.F, "scaled_dot_product_attention",
+                        lambda q, k, v, dropout_p, is_causal: attention.append(dropout_p)
+                        or sdpa(q, k, v, dropout_p=dropout_p, is_causal=is_causal))
+    model = build_model("plain", ModelShape(layers=2, hidden=32, heads=2, seq=16, dropout=0.25), seed=3)
+    ids = torch.randint(0, 256, (2, 16))
+    model(ids, None, None, labels=ids)
+    assert drops == [(0.25, True)] * (1 + 2 * 2) and attention == [0.25, 0.25]
+
+
+def test_plain_gpt_loss_is_the_float32_cross_entropy_of_its_logits():
+    # in bf16 the logits are bf16 and the loss float32, as the GPT model's (the same precision for every run)
+    torch.manual_seed(0)
+    model = PlainGPT(256, 16, 1, 32, 2, dtype=torch.bfloat16)
+    ids, labels = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    loss = model(ids, None, None, labels=labels)
+    logits = model(ids, None, None)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    ref = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    assert torch.equal(loss, ref.view(2, 16))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1735,6 +1975,27 @@ def test_profile_steps_writes_each_runs_summary(corpus, tmp_path, monkeypatch):
                       (dict(out_dir=tmp_path / bench.PROFILE_FILE), r"out_dir must be a directory .*\(a file\)")):
         with pytest.raises(ValueError, match=match):
             bench.profile_steps(base, **dict(dict(steps=1, warmup=1), **kw))
+
+def test_profile_steps_profiles_the_steps_after_the_warm_up_only(corpus, monkeypatch):
+    # the warm-up steps (compilation, autotuning, AdamW's state) run before the profiler starts
+    from fusedlib.train import bench
+
+    profiled = []
+
+    class FakeTrainer:
+        def __init__(self, cfg, corpus, log):
+            pass
+
+        def step(self):
+            profiled.append(torch.autograd._profiler_enabled())
+            return (torch.ones(4) * 2).sum()
+
+    monkeypatch.setattr(bench, "load_corpus", lambda cache_dir=None: corpus)
+    monkeypatch.setattr(bench, "Trainer", FakeTrainer)
+    prof = bench.profile_steps(TrainConfig(**dict(TINY, steps=8, device="cpu")), ("torch.compile",), steps=2, warmup=3,
+                               log=lambda line: None)
+    assert prof["skipped"] == {} and list(prof["impls"]) == ["torch.compile"]
+    assert profiled == [False] * 3 + [True] * 2
 
 
 @pytest.mark.parametrize("argv, flag", [(["--bench-profile", "--bench"], "--bench-profile"),

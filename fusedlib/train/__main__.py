@@ -127,7 +127,9 @@ def _parser() -> argparse.ArgumentParser:
                         "<out>/checkpoint-tp<rank>.pt, with the same --tp)")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     s = p.add_argument_group("sampling")
-    s.add_argument("--sample", type=int, default=0, metavar="N", help="print N sampled tokens after training")
+    s.add_argument("--sample", type=int, default=0, metavar="N",
+                   help="print N sampled tokens after training (with --bench: each run's sample, default 300; "
+                        "0: none)")
     s.add_argument("--prompt", default="def ", help="the text the samples continue (with --sample)")
     s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (with --sample)")
     s.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens (with --sample)")
@@ -207,6 +209,7 @@ def parse_args(argv: Optional[list[str]] = None):
     if settings and not args.sample:
         parser.error(f"{', '.join(settings)}: {'set' if len(settings) > 1 else 'sets'} the samples of --sample N "
                      f"(N > 0), and none is asked for: add --sample N or leave {it} out")
+    args.bench_sample = args.sample if "sample" in given else 300  # --bench's sample length: 0 writes none
     if "sample" in given and (args.bench_tp or args.bench_profile):
         parser.error(f"--sample: {'--bench-tp' if args.bench_tp else '--bench-profile'} writes no sample: leave it out")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -344,7 +347,7 @@ def _main(config, args) -> int:
 
         out = args.out if args.out is not None else "chapters/data/bench"
         base = dataclasses.replace(config, out=None)
-        records = run_bench(base, out, args.bench_runs or DEFAULT_BENCH_RUNS, args.bench_warmup, args.sample or 300)
+        records = run_bench(base, out, args.bench_runs or DEFAULT_BENCH_RUNS, args.bench_warmup, args.bench_sample)
         print(bench_table(records))
         print(f"wrote {out}/train.json")
         asked = args.bench_runs or DEFAULT_BENCH_RUNS
