@@ -147,6 +147,15 @@ def test_fp32_residual_connection_dtypes(x_dtype):
     assert out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("x_dtype", (torch.bfloat16, torch.float16))
+def test_a_float32_bias_of_a_half_x_gets_a_float32_gradient(x_dtype):
+    # x bf16/fp16 (a GEMM's output), bias and residual fp32: the bias gradient is summed in float32
+    # and returned in the bias's dtype at float32's accuracy, never rounded through x's dtype
+    x, _, r = _inputs((9, 72), x_dtype, r_dtype=torch.float32)
+    b = torch.randn(72, device=DEVICE).requires_grad_(True)
+    _check_train(x, b, r, p=0.2)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_empty_input(dtype):
     x, b, r = _inputs((0, 16), dtype)

@@ -20,13 +20,15 @@ import functools
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_reference as R
-from fusedlib.fusions import fused_dense, fused_softmax
+from fusedlib.fusions import fused_dense, fused_layer_norm, fused_softmax
+from fusedlib.fusions.fused_bias_dropout import get_bias_dropout_add
 from fusedlib.models.gpt import get_gpt_fused_layer_spec, get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
 from fusedlib.transformer import AttnBackend, AttnMaskType, ModuleSpec, TransformerConfig
 from fusedlib.transformer.fused_layer import FusedTransformerLayer, FusedTransformerLayerFunction
@@ -356,6 +358,8 @@ class _SoftmaxWithoutKernel(fused_softmax.FusedScaleMaskSoftmax):
 # module path's results or its error. Each is applied to both layers alike.
 AFTER_BUILD = {
     "attention in eval": lambda layer: layer.self_attention.core_attention.eval(),
+    # the layer's own flag alone: its bias-dropout-adds read it (no hidden dropout), its submodules train
+    "the layer alone in eval": lambda layer: setattr(layer, "training", False),
     "post-norm residual": lambda layer: setattr(layer.config, "apply_residual_connection_post_layernorm", True),
     "bias-dropout fusion off": lambda layer: setattr(layer.config, "bias_dropout_fusion", False),
     "the other backend": lambda layer: setattr(layer.config, "attention_backend", (
@@ -402,6 +406,17 @@ AFTER_BUILD = {
     "fc1 weight bf16": lambda layer: setattr(layer.mlp.linear_fc1, "weight",
                                              torch.nn.Parameter(layer.mlp.linear_fc1.weight.detach().bfloat16())),
     "fc1 bias None": lambda layer: setattr(layer.mlp.linear_fc1, "bias", None),
+    # (the module path's SelfAttention drops a QKV bias that its linear layer returns instead of adding)
+    "qkv skip_bias_add": lambda layer: setattr(layer.self_attention.linear_qkv, "skip_bias_add", True),
+    "mlp bias-dropout-add unfused": lambda layer: setattr(
+        layer, "mlp_bda", lambda training, fused: get_bias_dropout_add(training, False)),
+    # norms of two kinds: an RMSNorm before the attention, a LayerNorm without its bias before the MLP
+    "norms of two kinds": lambda layer: (
+        setattr(layer, "input_layernorm", fused_layer_norm.FusedRMSNorm(
+            dataclasses.replace(layer.config, normalization="RMSNorm"), H, eps=layer.input_layernorm.eps).to(DEVICE)),
+        setattr(layer.pre_mlp_layernorm, "bias", None)),
+    "projection weight bf16": lambda layer: setattr(layer.self_attention.linear_proj, "weight", torch.nn.Parameter(
+        layer.self_attention.linear_proj.weight.detach().bfloat16())),
     "float64 layer": lambda layer: layer.double(),
 }
 
@@ -414,6 +429,9 @@ def _outcome(layer, x, case, seed):
                 out, _ = layer(x)
         elif case == "checkpointed":
             out = _checkpoint_layer(layer, x)
+        elif case == "forward AD":
+            with fwAD.dual_level():
+                out, _ = layer(fwAD.make_dual(x, torch.ones_like(x)))
         else:
             out, _ = layer(x)
         out.backward(torch.ones_like(out))
@@ -422,7 +440,7 @@ def _outcome(layer, x, case, seed):
     return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
 
-@pytest.mark.parametrize("case", [*AFTER_BUILD, "autocast", "checkpointed"])
+@pytest.mark.parametrize("case", [*AFTER_BUILD, "autocast", "checkpointed", "forward AD"])
 def test_after_the_build_the_layer_follows_what_the_module_path_does(case, backend, seed):
     module, one = blocks(make_config(num_layers=1, attention_backend=backend))
     layer, ref = one.layers[0], module.layers[0]
@@ -744,7 +762,7 @@ def test_an_attention_bias_takes_the_layers_forward_and_its_error(backend):
 
 
 @pytest.mark.parametrize("keep", ["layers.0.self_attention.linear_proj.bias", "layers.1.mlp.linear_fc1.bias",
-                                  "layers.0.input_layernorm.bias"])
+                                  "layers.0.input_layernorm.bias", "layers.0.self_attention.linear_qkv.bias"])
 def test_a_single_trainable_bias_gets_the_layers_gradient(keep, backend, seed):
     # BitFit-style fine-tuning: every tensor frozen but one bias; its gradient is the module path's
     module, one = blocks(make_config(attention_backend=backend))

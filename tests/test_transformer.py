@@ -911,6 +911,15 @@ def test_fused_softmax_dropout_runs_when_its_switches_say(monkeypatch):
     assert run(train=False) == [] and run(p=0.0) == [] and run(fusion=False) == []
 
 
+def test_softmax_function_names_the_kernels_function_only_for_causal_scores():
+    # DotProductAttention.softmax_function (FusedTransformerLayer runs the Function it names): the
+    # softmax+dropout kernel's Function for causal scores, None for another mask type
+    cfg = make_config(masked_softmax_fusion=True, attention_dropout=0.1)
+    causal = DotProductAttention(cfg, 1, AttnMaskType.causal, "self")
+    assert causal.softmax_function(0.1) is fused_softmax.ScaledMaskedSoftmaxDropout
+    assert DotProductAttention(cfg, 1, AttnMaskType.padding, "self").softmax_function(0.1) is None
+
+
 def test_without_the_fused_softmax_dropout_the_softmax_is_fused_and_dropout_follows(monkeypatch):
     monkeypatch.delattr(fused_softmax, "fused_scale_mask_softmax_dropout", raising=False)
     softmax = Spy(monkeypatch, fused_softmax, "softmax_fwd")
@@ -1182,6 +1191,22 @@ def test_rope_pair_rotates_queries_and_keys_by_their_own_angles(fusion):
     torch.testing.assert_close(out + bias, R.linear(ref, sd, "linear_proj"), atol=1e-12, rtol=0)
 
 
+def test_add_qkv_bias_gives_the_qkv_projection_alone_a_bias():
+    # Megatron-core: linear_qkv has a bias where add_bias_linear or add_qkv_bias (Qwen's layout: a
+    # bias on the QKV projection only); float64, against the reference
+    cfg = make_config(torch.float64, add_bias_linear=False, add_qkv_bias=True, attention_backend=AttnBackend.unfused)
+    attn = randomize(SelfAttention(cfg, get_gpt_layer_local_spec().submodules.self_attention.submodules, 1,
+                                   AttnMaskType.causal))
+    hn = H // NP
+    assert attn.linear_qkv.bias is not None and attn.linear_qkv.bias.shape == ((NP + 2 * NG) * hn,)
+    assert attn.linear_proj.bias is None
+    x = hidden(torch.float64)
+    out, bias = attn(x, None)
+    assert bias is None
+    ref = R.self_attention(x.detach(), reference_state(attn), "", cfg, R.keep_mask(S, S, device=DEVICE))
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.fused, AttnBackend.flash])
 def test_attention_dropout_is_off_in_eval_mode(backend):
     # attention_dropout = 0.5 in eval mode: no dropout on any backend, the float64 reference's output
@@ -1327,6 +1352,17 @@ def test_mlp_fused_activation_equals_the_reference(unit, clamp):
         torch.testing.assert_close(xi.grad.double(), x64.grad, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(mlp.linear_fc1.weight.grad.double(), sd["linear_fc1.weight"].grad,
                                    atol=2e-5, rtol=1e-5)
+
+
+def test_mlp_glu_linear_offset_shifts_the_linear_half():
+    # Megatron-core's unfused gated unit: act(x1) · (x2 + glu_linear_offset), against the float64
+    # reference (float64 throughout: the only differences are float64 roundings)
+    cfg = make_config(torch.float64, glu_linear_offset=1.0)
+    mlp = randomize(MLP(cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)))
+    x = hidden(torch.float64)
+    out, bias = mlp(x)
+    ref = R.mlp(x.detach(), reference_state(mlp), "", cfg, F.silu)
+    torch.testing.assert_close(out + bias, ref, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("hook", ["fc2_forward_hook", "fc1_pruned"])
