@@ -605,19 +605,24 @@ def test_train_config_refuses_a_save_interval_without_out(tmp_path):
     assert TrainConfig(**dict(TINY, steps=4, save_interval=0)).out is None  # 0: none but at the end
 
 
+def _stand_in_run(seen):
+    """A stand-in for the training bench's ``_one_run``: calls ``seen(name, cfg)`` and returns a
+    minimal record of that run, without training."""
+    def fake_run(name, cfg, corpus, warmup, sample_tokens, log):
+        seen(name, cfg)
+        return {"op": "train", "impl": name, "tokens_per_s": 1.0, "ms_per_step": 1.0, "losses": [1.0], "val": [],
+                "wall_s": 0.0}
+
+    return fake_run
+
+
 def test_bench_runs_of_a_base_with_out_and_save_interval_save_nothing(tmp_path, stdlib_root, monkeypatch):
     # each run trains with out=None: the base's save interval must not make it refused
     from fusedlib.train import bench
 
     monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
     seen = []
-
-    def fake_run(name, cfg, corpus, warmup, sample_tokens, log):
-        seen.append(cfg)
-        return {"op": "train", "impl": name, "tokens_per_s": 1.0, "ms_per_step": 1.0, "losses": [1.0], "val": [],
-                "wall_s": 0.0}
-
-    monkeypatch.setattr(bench, "_one_run", fake_run)
+    monkeypatch.setattr(bench, "_one_run", _stand_in_run(lambda name, cfg: seen.append(cfg)))
     base = TrainConfig(**dict(TINY, steps=4, device="cpu", out=str(tmp_path / "run"), save_interval=2,
                               cache_dir=str(tmp_path / "cache")))
     lines = []
@@ -1293,13 +1298,7 @@ def test_bench_runs_in_the_order_asked(tmp_path, stdlib_root, monkeypatch):
 
     monkeypatch.setattr(data_mod, "stdlib_dir", lambda: stdlib_root)
     ran = []
-
-    def fake_run(name, cfg, corpus, warmup, sample_tokens, log):
-        ran.append(name)
-        return {"op": "train", "impl": name, "tokens_per_s": 1.0, "ms_per_step": 1.0, "losses": [1.0], "val": [],
-                "wall_s": 0.0}
-
-    monkeypatch.setattr(bench, "_one_run", fake_run)
+    monkeypatch.setattr(bench, "_one_run", _stand_in_run(lambda name, cfg: ran.append(name)))
     base = TrainConfig(**dict(TINY, steps=4, device="cpu", cache_dir=str(tmp_path / "cache")))
     runs = ["torch.compile", "fusedlib-unfused", "fusedlib"]
     records = bench.run_bench(base, tmp_path, runs, warmup=2, log=lambda line: None)
