@@ -121,3 +121,56 @@ def test_a_one_dim_input_passes_the_ops_checks():
     out = fused_dense_gelu_dense(x, w1, b1, w2, None)
     ref = torch.nn.functional.gelu(x.double() @ w1.double().t() + b1.double(), approximate="tanh") @ w2.double().t()
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices, shapes and ids (each was a mutation no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_tensor_on_another_device_is_named_by_the_fast_and_the_full_check():
+    """A meta tensor (a device no kernel runs on, and the one other device a CPU-only machine
+    has) beside a kernel-device tensor: the fast path says no, the full check names both."""
+    from fusedlib.checks import check_same_device, on_one_kernel_device
+
+    x, m = torch.zeros(2, 3, device=DEVICE), torch.zeros(2, 3, device="meta")
+    assert on_one_kernel_device(x, x) and not on_one_kernel_device(x, m) and not on_one_kernel_device(m, m)
+    with pytest.raises(ValueError, match=rf"^all tensors must be on one device, got x on {x.device}, w on meta$"):
+        check_same_device(x=x, w=m, b=None)
+    with pytest.raises(ValueError, match=r"fusedlib kernels run on 'cuda' or 'cpu' tensors, got meta"):
+        check_same_device(x=m, w=m)
+    assert check_same_device(x=x, w=None) == x.device
+
+
+def test_an_op_names_an_argument_on_another_device():
+    x, w = torch.randn(4, 8, device=DEVICE), torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        fused_layer_norm(x, w.to("meta"), torch.zeros(8, device=DEVICE), 1e-5)
+
+
+def test_check_tensor_shape_takes_exactly_that_many_dims():
+    assert check_tensor("f", torch.zeros(4, 1, 6), shape=(None, 1, 6)).shape == (4, 1, 6)
+    with pytest.raises(ValueError, match=r"^f must have shape \[\*, 1, 6\], got \[4, 1, 6, 2\]$"):
+        check_tensor("f", torch.zeros(4, 1, 6, 2), shape=(None, 1, 6))
+    with pytest.raises(ValueError, match=r"^f must have shape \[\*, 1, 6\], got \[1, 6\]$"):
+        check_tensor("f", torch.zeros(1, 6), shape=(None, 1, 6))
+
+
+def test_ids_must_lie_below_the_bound_and_at_or_above_zero():
+    from fusedlib.checks import check_ids_below_on_cpu
+
+    check_ids_below_on_cpu("ids", torch.tensor([0, 9]), 10, "vocab")
+    check_ids_below_on_cpu("ids", torch.zeros(0, dtype=torch.long), 10, "vocab")
+    for bad, lo, hi in (([0, 10], 0, 10), ([-1, 3], -1, 3)):
+        with pytest.raises(ValueError, match=rf"^ids must lie in \[0, vocab = 10\), got values in \[{lo}, {hi}\]$"):
+            check_ids_below_on_cpu("ids", torch.tensor(bad), 10, "vocab")
+
+
+@pytest.mark.parametrize("window", [(True, -1), (4, False), (-2, 0), (0, -5), (1.0, 2), (1, 2, 3), "ab"])
+def test_a_window_is_a_pair_of_ints_from_minus_one(window):
+    """A bool is no int (True would read as a window of 1), -1 is the only negative (unbounded)."""
+    from fusedlib.checks import check_window_size
+
+    assert check_window_size((-1, 0)) == (-1, 0) and check_window_size(None) is None
+    with pytest.raises(ValueError, match=r"window_size must be None or a pair \(left, right\) of ints >= -1"):
+        check_window_size(window)

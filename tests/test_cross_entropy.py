@@ -325,6 +325,23 @@ def test_step_functions_compose_to_the_loss():
     assert_close(grad, unfused.cross_entropy_grad(x2d.double(), t1d, g.double(), 0.1), torch.float32)
 
 
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_fused_step_functions_send_one_block_of_what_the_loss_needs(label_smoothing):
+    """The fused path's SUM all-reduce sends [sum-exp, target logit] ([2, rows]), and the sum of
+    logits as a third row only with label smoothing: a contiguous view of the statistics, no
+    more bytes than the loss reads. The split block gives the unfused step functions' loss."""
+    from fusedlib.fusions import fused_cross_entropy as fce
+
+    x, t = _inputs((10,), 90, torch.float32)
+    stats, logits_max = fce.calculate_logits_max(x.detach(), t, 0, -100, label_smoothing)
+    block = fce.calculate_predicted_logits(stats, logits_max, label_smoothing)
+    assert block.shape == (3 if label_smoothing else 2, 10) and block.is_contiguous()
+    assert block.data_ptr() == stats[1].data_ptr()  # a view: no torch.cat
+    loss, _ = fce.calculate_cross_entropy_loss(block, logits_max, t, 90, -100, label_smoothing)
+    assert_close(loss, unfused.cross_entropy(x.detach().double(), t, label_smoothing), torch.float32)
+
+
 def test_vocab_utility():
     assert VocabUtility.vocab_range_from_per_partition_vocab_size(32, 2, 4) == (64, 96)
     assert VocabUtility.vocab_range_from_global_vocab_size(128256, 1, 2) == (64128, 128256)

@@ -197,3 +197,41 @@ def test_the_trainers_and_the_bench_timers_captures_run_with_the_collector_off(m
     events.clear()
     assert time_ms(lambda: None, cuda_graph=True) == 1.0
     assert events == [("capture", False), "replay"] and gc.isenabled()
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "bias_gelu", "cross_entropy"])
+def test_a_remembered_plan_never_stands_for_tensors_on_another_device(op):
+    """An op's plan key holds each input's device: after a call on the kernel device, the same
+    shapes, strides and dtypes with one input, or all, on another device (meta here; another GPU
+    on a machine with several) are still checked, and refused naming the devices, instead of
+    launching the remembered plan."""
+    from fusedlib import bias_gelu_impl, fused_layer_norm, fused_vocab_parallel_cross_entropy
+
+    device = runtime.default_device()
+    gen = torch.Generator().manual_seed(2)
+    if op == "layer_norm":
+        args = (torch.randn(4, 8, generator=gen), torch.ones(8), torch.zeros(8))
+
+        def fn(x, w, b):
+            return fused_layer_norm(x, w, b, 1e-5)
+    elif op == "bias_gelu":
+        args, fn = (torch.randn(4, 8, generator=gen), torch.randn(8, generator=gen)), bias_gelu_impl
+    else:
+        args, fn = (torch.randn(4, 8, generator=gen), torch.tensor([1, 2, 3, 4])), fused_vocab_parallel_cross_entropy
+    args = tuple(a.to(device) for a in args)
+    fn(*args)
+    fn(*args)  # the plan is remembered
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        fn(args[0], args[1].to("meta"), *args[2:])
+    with pytest.raises(ValueError, match="fusedlib kernels run on 'cuda' or 'cpu' tensors, got meta"):
+        fn(*(a.to("meta") for a in args))
+
+
+def test_launch_refuses_a_device_no_kernel_runs_on_by_name():
+    """launch() itself (the kernel layer's net, under the ops' checks) refuses tensors on a
+    device type that is neither CUDA nor CPU with the ValueError naming it, before Triton sees
+    the kernel or its arguments."""
+    from fusedlib.kernels.reduce import _sum_partials_kernel
+
+    with pytest.raises(ValueError, match="fusedlib kernels run on 'cuda' or 'cpu' tensors, got device meta"):
+        runtime.launch(_sum_partials_kernel, (1,), torch.device("meta"), torch.zeros(4, device="meta"))

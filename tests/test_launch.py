@@ -1015,6 +1015,29 @@ def test_a_tensor_subclass_gets_its_own_plan(emulated_plans):
     assert torch.equal(sub, plain[0]) and torch.equal(plain[1], plain[0])
 
 
+def test_a_target_of_another_dtype_gets_its_own_plan(emulated_plans):
+    """An argument whose shape and strides a plan key takes from others' (the cross entropy's
+    target, beside the logits, in its backward's key) is still keyed by its dtype: the same logits
+    with an int64 then an int32 target, forward and backward. The emulated C launcher checks every
+    call's launch key against its plan's, and each call gives bitwise what it gives on fresh plans."""
+    from fusedlib import fused_vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 24, generator=gen).to(DEVICE)
+    t = torch.randint(0, 24, (5,), generator=gen).to(DEVICE)
+    leaves = [(x.clone().requires_grad_(), t), (x.clone().requires_grad_(), t.to(torch.int32))]
+    want = []
+    for args in leaves:
+        fusedlib.runtime.clear_plans()
+        want.append(_fwd_bwd(fused_vocab_parallel_cross_entropy, args))
+    fusedlib.runtime.clear_plans()
+    emulated_plans.clear()
+    for _ in range(2):
+        for args, w in zip(leaves, want):
+            _same(_fwd_bwd(fused_vocab_parallel_cross_entropy, args), w)
+    assert any(not c.startswith("plain ") for c in emulated_plans), "no call went through a bound plan"
+
+
 # ---------------------------------------------------------------------------------------------
 # Tile: its fields are checked where a tile is made, before any kernel is compiled with it
 # ---------------------------------------------------------------------------------------------
@@ -1041,3 +1064,158 @@ def test_tile_fields_are_checked(field, value, error, match):
     with pytest.raises(error, match=match):  # dataclasses.replace checks too
         dataclasses.replace(kl.Tile(**good), **{field: value})
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The tile, grid and dtype helpers, on their own (each check was a mutation no test caught)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pick_takes_the_first_bound_not_passed_and_resolves_block_n_only_where_asked():
+    """A row length equal to a bound takes that row; BLOCK_N 0 (or past the row) resolves to the
+    row's next power of two, but not where the caller asks for the table's value as it is, in
+    either order of the two kinds of call (pick remembers each separately)."""
+    small, big = kl.Tile(4, 0, 4), kl.Tile(1, 1024, 8)
+    table = ((64, small), (kl.HUGE, big))
+    assert kl.pick(table, 40, resolve_block_n=False) is small
+    assert kl.pick(table, 40) == dataclasses.replace(small, BLOCK_N=64)
+    assert kl.pick(table, 40, resolve_block_n=False) is small
+    assert kl.pick(table, 64) == dataclasses.replace(small, BLOCK_N=64)  # the bound itself: its row
+    assert kl.pick(table, 65) == dataclasses.replace(big, BLOCK_N=128)  # capped at the row's next power of two
+    assert kl.pick(table, 65, resolve_block_n=False) is big
+    assert kl.pick(table, 5000) is big
+    assert kl.pick(table, 1) == dataclasses.replace(small, BLOCK_N=1)
+
+
+@pytest.mark.parametrize("fold_tiles", [0, kl.FOLD_TILES])
+def test_persistent_grid_covers_every_row_within_the_devices_programs(fold_tiles):
+    """For row counts around the tile size and the device's program budget: every program gets
+    whole tiles and at least one row, the programs cover every row, a persistent grid has at most
+    k programs per multiprocessor shared among the column blocks, a plain one a program per tile,
+    and at most ``fold_tiles`` tiles are folded into one program."""
+    sms = kl.sm_count(torch.device(DEVICE))
+    for n_rows, block_m, k, column_blocks in itertools.product(
+            (1, 2, 7, 8, 9, 33, 64, 65, 1000), (1, 4, 8), (0, 1, 2, 4), (1, 3, 2 * sms + 1)):
+        programs, rows = kl.persistent_grid(n_rows, block_m, k, torch.device(DEVICE), column_blocks, fold_tiles)
+        case = (n_rows, block_m, k, column_blocks, fold_tiles, programs, rows)
+        tiles = kl.cdiv(n_rows, block_m)
+        assert programs >= 1 and rows >= block_m and rows % block_m == 0, case
+        assert (programs - 1) * rows < n_rows <= programs * rows, case  # all rows, no program without one
+        if tiles <= fold_tiles:
+            assert programs == 1, case
+        elif k == 0:
+            assert (programs, rows) == (tiles, block_m), case
+        else:
+            assert programs <= max(1, k * sms // column_blocks), case
+
+
+def test_acc_dtype_is_float64_when_any_input_is():
+    assert kl.acc_dtype(torch.bfloat16, torch.float64) is torch.float64
+    assert kl.acc_dtype(torch.float64, torch.float16) is torch.float64
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        assert kl.acc_dtype(dt) is torch.float32
+        assert kl.acc_dtype(dt, torch.float32) is torch.float32
+
+
+def test_as_rows_and_empty_contiguous_like():
+    """as_rows: [..., n] -> [prod(...), n] for any sizes, 0 rows or 0 columns too, a view where
+    strides allow; empty_contiguous_like: contiguous whatever the input's strides."""
+    assert kl.as_rows(torch.zeros(2, 3, 0)).shape == (6, 0)
+    assert kl.as_rows(torch.zeros(0, 3, 5)).shape == (0, 5)
+    assert kl.as_rows(torch.zeros(5)).shape == (1, 5)
+    t = torch.zeros(2, 3, 4)
+    assert kl.as_rows(t).data_ptr() == t.data_ptr() and kl.as_rows(t).shape == (6, 4)
+    x = torch.zeros(6, 4).t()  # [4, 6], strides (1, 4)
+    assert kl.as_rows(x) is x
+    for dtype in (None, torch.float32, torch.float64):
+        out = kl.empty_contiguous_like(x, dtype)
+        assert out.is_contiguous() and out.shape == x.shape and out.dtype == (dtype or x.dtype)
+        out = kl.empty_contiguous_like(x[:, ::2], dtype)
+        assert out.is_contiguous() and out.shape == (4, 3)
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_a_plan_is_keyed_by_the_row_count_not_only_the_strides(op):
+    """Contiguous inputs of 3 rows and of 300 rows have the same strides, dtype and alignment: their
+    plans (grids sized by the rows) must still be apart. Each call, forward and backward, gives
+    bitwise what it gives on fresh plans, and the float64 reference's values."""
+    from fusedlib import bias_geglu_impl, bias_swiglu_impl
+
+    fn = bias_swiglu_impl if op == "swiglu" else bias_geglu_impl
+    gen = torch.Generator().manual_seed(9)
+    cases = [(torch.randn(n, 16, generator=gen).to(DEVICE).requires_grad_(),
+              torch.randn(16, generator=gen).to(DEVICE).requires_grad_()) for n in (3, 300, 3)]
+    want = []
+    for args in cases:
+        fusedlib.runtime.clear_plans()
+        want.append(_fwd_bwd(fn, args))
+    fusedlib.runtime.clear_plans()
+    for args, w in zip(cases, want):
+        _same(_fwd_bwd(fn, args), w)
+    y = (cases[1][0] + cases[1][1]).detach().double()
+    a, b = y.chunk(2, -1)
+    act = torch.nn.functional.silu(a) if op == "swiglu" else torch.nn.functional.gelu(a, approximate="tanh")
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(want[1][0].double(), act * b, atol=64 * eps, rtol=64 * eps)
+
+
+def test_an_input_of_another_dtype_or_class_gets_its_own_plan(emulated_plans):
+    """The same shape, strides and alignment as a float32 tensor, but bfloat16, or a tensor
+    subclass: the op's plan key (here the SwiGLU's without a bias, whose key has no other tensor)
+    tells them apart, as Triton's specialization and the launch layer's key do. The emulated C
+    launcher checks every call's launch key against its plan's, and each call gives bitwise what
+    it gives on fresh plans."""
+    from fusedlib import bias_swiglu_impl
+
+    class Sub(torch.Tensor):
+        pass
+
+    gen = torch.Generator().manual_seed(10)
+    y = torch.randn(6, 32, generator=gen).to(DEVICE)
+    cases = [y.clone().requires_grad_(), y.to(torch.bfloat16).requires_grad_(),
+             y.clone().as_subclass(Sub).requires_grad_()]
+
+    def fn(y):
+        return bias_swiglu_impl(y, None)
+
+    want = []
+    for args in cases:
+        fusedlib.runtime.clear_plans()
+        want.append([t.as_subclass(torch.Tensor) for t in _fwd_bwd(fn, [args])])
+    fusedlib.runtime.clear_plans()
+    for _ in range(2):
+        for args, w in zip(cases, want):
+            _same([t.as_subclass(torch.Tensor) for t in _fwd_bwd(fn, [args])], w)
+
+
+def test_cross_entropy_backward_plans_take_the_strides_of_the_gradient_and_target(emulated_plans):
+    """The cross entropy's backward passes the strides of the loss gradient and of the target as
+    ints, which Triton specializes (1 is a constant, 0 and 16 are divisible by 16): a gradient
+    of stride 1 then a broadcast one of stride 0 (a mean's), a target of stride 1 then 2, of the
+    same logits, get plans of their own. The emulated C launcher checks every call's launch key
+    against its plan's, and each gradient equals the same call's on fresh plans, bitwise."""
+    from fusedlib import fused_vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(5, 24, generator=gen).to(DEVICE)
+    wide = torch.randint(0, 24, (5, 2), generator=gen).to(DEVICE)
+    g = torch.randn(5, generator=gen).to(DEVICE)
+    cases = [(wide[:, 0].contiguous(), g), (wide[:, 0].contiguous(), torch.full((), 0.2).to(DEVICE).expand(5)),
+             (wide[:, 0], g)]
+    assert [(t.stride(0), gr.stride(0)) for t, gr in cases] == [(1, 1), (1, 0), (2, 1)]
+
+    def run(t, gr):
+        leaf = x.clone().requires_grad_()
+        loss = fused_vocab_parallel_cross_entropy(leaf, t)
+        return [loss.detach(), *torch.autograd.grad(loss, leaf, gr)]
+
+    want = []
+    for t, gr in cases:
+        fusedlib.runtime.clear_plans()
+        want.append(run(t, gr))
+    fusedlib.runtime.clear_plans()
+    emulated_plans.clear()
+    for _ in range(2):
+        for (t, gr), w in zip(cases, want):
+            _same(run(t, gr), w)
+    assert "_cross_entropy_bwd_kernel" in emulated_plans, "no backward went through a bound plan"
