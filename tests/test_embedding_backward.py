@@ -191,6 +191,20 @@ def test_programs_per_piece_and_run_or_bound(host_runs, grids, monkeypatch):
     assert out[:, 0].tolist() == [1.0, 1.0, 0.0, 35.0]
 
 
+def test_programs_per_piece_never_more_than_the_tokens(monkeypatch):
+    """n // 32 + V + 1 pieces bounds the pieces of the GPU's path, but never more than n:
+    32 distinct ids are 32 pieces of one row (not 1 + 32), and still each its own row."""
+    seen = []
+    real = emb.launch
+    monkeypatch.setattr(emb, "launch", lambda kernel, grid, *a, **k: seen.append(tuple(grid)) or real(kernel, grid,
+                                                                                                       *a, **k))
+    ids = torch.arange(31, -1, -1, device=DEVICE)
+    grad = torch.arange(32, dtype=torch.float32, device=DEVICE)[:, None].expand(32, 2)
+    out = emb._embedding_backward(ids, grad, 32, None, host_runs=False)
+    assert seen == [(32, 1), (32, 1)]
+    assert torch.equal(out, grad.flip(0))
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_vocab_parallel_embedding_refuses_ids_on_another_device(deterministic):
     """F.embedding of meta ids and a CPU (or CUDA) weight returned a tensor of uninitialized

@@ -137,6 +137,33 @@ def test_corpus_cache_is_deterministic(stdlib_root, corpus, tmp_path):
     assert info["vocab_size"] == 256 and info["tokens_train"] == corpus.train.numel()
 
 
+def test_a_damaged_validation_cache_is_rebuilt_too(stdlib_root, corpus, tmp_path):
+    # the SHA-256 covers both splits: validation tokens changed in the cache (same size) are not trusted
+    load_corpus(tmp_path, root=stdlib_root)
+    val_file = next(tmp_path.glob("*.val.bin"))
+    tokens = val_file.read_bytes()
+    val_file.write_bytes(tokens[::-1])
+    assert tokens[::-1] != tokens
+    again = load_corpus(tmp_path, root=stdlib_root)
+    assert torch.equal(again.val, corpus.val) and torch.equal(again.train, corpus.train)
+    assert again.sha256 == corpus.sha256
+
+
+def test_corpus_files_end_in_py(tmp_path):
+    # stubs, backups and byte code are not source files of the corpus
+    for name in ("a.py", "b.pyi", "c.py.orig", "d.pyc", "pkg/e.py", "pkg/f.pyw"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("X = 1\n")
+    assert [f.as_posix() for f in data_mod.stdlib_files(tmp_path)] == ["a.py", "pkg/e.py"]
+
+
+def test_a_generated_marker_counts_in_the_first_8_lines_only():
+    head = b"".join(b"# line %d\n" % i for i in range(7))
+    assert data_mod.is_generated("m.py", head + b"# DO NOT EDIT\n")  # line 8
+    assert not data_mod.is_generated("m.py", head + b"x = 1\n# DO NOT EDIT\n")  # line 9
+    assert not data_mod.is_generated("m.py", head + b"x = 1\n")
+
+
 def test_real_stdlib_corpus(tmp_path):
     c = load_corpus(tmp_path)
     assert c.train.numel() > 1_000_000 and c.val.numel() > 50_000 and c.n_files_val > 0
