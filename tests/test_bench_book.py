@@ -464,6 +464,18 @@ def test_a_live_measurement_says_that_the_prose_quotes_the_stored_run(monkeypatc
     assert "chapters/data/bench/bias_gelu.json" in out[0] and "FUSEDLIB_BENCH_STORED=1" in out[0]
 
 
+def test_loaded_records_say_why_and_where_they_were_measured(bench_files, capsys):
+    # bench_or_stored prints stored_note's line, which names the reason (no GPU here) and the
+    # device and versions of the stored run
+    import fusedlib.book as book
+
+    rec = {"op": "x", "device": "Some GPU", "torch": "2.0", "triton": "3.0"}
+    (bench_files / "op.json").write_text(json.dumps([rec]))
+    assert book.bench_or_stored("op") == [rec]
+    line = "no GPU here: loaded the stored results measured on Some GPU (torch 2.0, triton 3.0)"
+    assert book.stored_note(rec) == line and capsys.readouterr().out.splitlines() == [line]
+
+
 def test_load_bench_keeps_lists_of_records_and_profile_dicts(bench_files):
     from fusedlib.book import load_bench
 

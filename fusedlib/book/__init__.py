@@ -37,6 +37,7 @@ __all__ = [
     "bench_or_stored",
     "measure_live",
     "live_note",
+    "stored_note",
     "plot_bandwidth",
     "plot_sweep",
     "speedup_table",
@@ -229,6 +230,25 @@ def live_note(device: str, what: str, stored: str) -> str:
             f"verdicts need not hold here")
 
 
+def stored_note(record: dict) -> str:
+    """The line a chapter's benchmark cell prints when it loaded stored records: why (no GPU here,
+    or ``FUSEDLIB_BENCH_STORED=1``) and where they were measured; the counterpart of
+    :func:`live_note`.
+
+    Args:
+        record: one of the loaded records (its ``device``, ``torch`` and ``triton``).
+
+    Returns:
+        One line of text.
+
+    Raises:
+        KeyError: a record without ``device``, ``torch`` or ``triton``.
+    """
+    where = "no GPU here" if not CUDA_AVAILABLE else "FUSEDLIB_BENCH_STORED=1"
+    return (f"{where}: loaded the stored results measured on {record['device']} "
+            f"(torch {record['torch']}, triton {record['triton']})")
+
+
 def bench_or_stored(op: str, sweep: bool = False) -> list[dict]:
     """Measure ``op`` live on this machine's GPU, or load the stored H200 records on a CPU.
 
@@ -271,9 +291,7 @@ def bench_or_stored(op: str, sweep: bool = False) -> list[dict]:
         raise ValueError(f"bench_or_stored: {path} holds "
                          f"{'one dict' if isinstance(records, dict) else 'an empty list'}, expected a list of bench records")
     require_fields("bench_or_stored", records[:1], ("device", "torch", "triton"), where=str(path))
-    where = "no GPU here" if not CUDA_AVAILABLE else "FUSEDLIB_BENCH_STORED=1"
-    print(f"{where}: loaded the stored results measured on {records[0]['device']} "
-          f"(torch {records[0]['torch']}, triton {records[0]['triton']})")
+    print(stored_note(records[0]))
     return records
 
 
