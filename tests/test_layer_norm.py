@@ -306,6 +306,24 @@ def test_memory_efficient_with_a_zero_gamma_is_fine_where_no_backward_runs(norm,
     fusedlib.runtime.check_errors()
 
 
+def test_norm_calls_of_one_signature_each_compute_their_own():
+    # calls on inputs of one shape, dtype and layout that differ only in the norm, the bias's
+    # presence or a switch, one after the other (LayerNorm without a bias and RMSNorm take the
+    # same tensors; memory-efficient, neither saves a mean): each computes its own forward and
+    # backward
+    h = 48
+    for norm, bias, zero_centered, memory_efficient in (
+            ("layer", True, False, False), ("layer", False, False, False), ("rms", False, False, False),
+            ("layer", True, True, False), ("rms", False, True, False), ("layer", True, False, True),
+            ("layer", False, False, True), ("rms", False, False, True), ("rms", False, True, True),
+            ("layer", True, False, False)):
+        w, b = _params(h, torch.float32, norm, zero_centered=zero_centered)
+        if not zero_centered:  # |gamma| away from 0: the memory-efficient bound stays small
+            w = (1 + 0.2 * torch.randn(h, device=DEVICE)).requires_grad_(True)
+        _check_fwd_bwd(norm, _x((6, h), torch.float32), w, b if bias else None, zero_centered=zero_centered,
+                       memory_efficient=memory_efficient)
+
+
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_non_contiguous_input_and_grad(norm, dtype):
@@ -322,6 +340,36 @@ def test_non_contiguous_3d_and_strided_weight(norm):
     w = torch.randn(80, device=DEVICE)[::2].requires_grad_(True)
     b = torch.randn(80, device=DEVICE)[1::2].requires_grad_(True) if norm == "layer" else None
     _check_fwd_bwd(norm, x, w, b)
+
+
+@pytest.mark.parametrize("memory_efficient", (False, True))
+def test_strided_bias_beside_a_contiguous_weight(memory_efficient):
+    # only the bias strided (every other element of a longer tensor): the kernels read the
+    # contiguous copy the check makes of it, forward and backward
+    h = 40
+    w = torch.randn(h, device=DEVICE).requires_grad_(True)
+    b = torch.randn(2 * h, device=DEVICE)[1::2].requires_grad_(True)
+    assert w.is_contiguous() and not b.is_contiguous()
+    _check_fwd_bwd("layer", _x((6, h), torch.float32), w, b, memory_efficient=memory_efficient)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_strided_parameters_with_an_eps_that_is_not_a_float(norm):
+    # an eps of another real type (an int, a numpy float) takes the full argument check on every
+    # call: strided parameters are read as their contiguous copies on that path too
+    import numpy as np
+
+    h = 24
+    x = _x((5, h), torch.float32).detach()
+    w = torch.randn(2 * h, device=DEVICE)[::2]
+    b = torch.randn(2 * h, device=DEVICE)[1::2] if norm == "layer" else None
+
+    def run(eps, weight=w, bias=b):
+        return fused_layer_norm(x, weight, bias, eps) if norm == "layer" else fused_rms_norm(x, weight, eps)
+
+    want = run(1.0, w.contiguous(), None if b is None else b.contiguous())
+    for eps in (1, np.float64(1.0)):
+        assert torch.equal(run(eps), want), type(eps).__name__
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -365,6 +413,47 @@ def test_split_backward_against_float64(norm, memory_efficient, zero_centered):
                            zero_centered_gamma=zero_centered, memory_efficient=memory_efficient)
     torch.testing.assert_close(dx, dx1, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dw, dw1, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_split_backward_in_float64(norm):
+    # float64 inputs compute in float64 on every path (what gradcheck relies on), the split
+    # backward's per-row sums c1 and c2 included: a float32 copy of them would cost 8 digits
+    h, rows = 300, 7
+    x = (2 * torch.randn(rows, h, device=DEVICE, dtype=torch.float64) + 0.5)
+    w = torch.randn(h, device=DEVICE, dtype=torch.float64)
+    b = torch.randn(h, device=DEVICE, dtype=torch.float64) if norm == "layer" else None
+    dy = torch.randn(rows, h, device=DEVICE, dtype=torch.float64)
+    rms = norm == "rms"
+    _, mean, rstd = norm_fwd(x, w, b, EPS, rms_norm=rms)
+    tile = Tile(BLOCK_M=2, BLOCK_N=64, num_warps=4, num_stages=2, programs_per_sm=2)  # 64 < 512: split
+    dx, dw, db = norm_bwd(dy, x, w, b, mean, rstd, rms_norm=rms, tile=tile)
+    _, dx64, dw64, db64 = _reference(norm, x, w, b, dy)
+    assert dx.dtype == dw.dtype == torch.float64
+    assert_close(dx, dx64, torch.float64)
+    assert_close(dw, dw64, torch.float64, scale=rows**0.5)
+    if b is not None:
+        assert_close(db, db64, torch.float64, scale=rows**0.5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_forward_persistent_grid_against_float64(norm):
+    # A forward tile with programs_per_sm > 0 (FWD_TILES' row for 16 Ki-32 Ki) runs fewer programs
+    # than row tiles, each looping over several tiles of BLOCK_M rows; forced here at a small h,
+    # with a ragged last tile (37 rows in tiles of 2). Every row's y, mean and rstd are checked.
+    h, rows = 300, 37
+    w, b = _params(h, torch.float32, norm, requires_grad=False)
+    x = _x((rows, h), torch.float32).detach()
+    rms = norm == "rms"
+    tile = Tile(BLOCK_M=2, BLOCK_N=0, num_warps=4, num_stages=2, programs_per_sm=1)
+    y, mean, rstd = norm_fwd(x, w, b, EPS, rms_norm=rms, tile=tile)
+    x64 = x.double()
+    y64 = _reference(norm, x64, w.double(), None if b is None else b.double(), torch.zeros_like(x64))[0]
+    assert_close(y, y64, torch.float32)
+    mean64 = x64.mean(-1) if not rms else torch.zeros(rows, dtype=torch.float64, device=DEVICE)
+    assert_close(rstd, ((x64 - mean64[:, None]) ** 2).mean(-1).add(EPS).rsqrt(), torch.float32)
+    if not rms:
+        assert_close(mean, mean64, torch.float32)
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -456,6 +545,7 @@ def test_layer_norm_of_one_element_keeps_nan_in_its_input_gradient(dtype):
 def test_tile_block_n_must_be_a_power_of_two_and_the_forward_whole_rows():
     x, w = torch.randn(3, 100, device=DEVICE), torch.randn(100, device=DEVICE)
     y, mean, rstd = norm_fwd(x, w, None, 1e-5, rms_norm=True)
+    norm_bwd(torch.randn(3, 100, device=DEVICE), x, w, None, None, rstd, rms_norm=True)  # refused after it too
     with pytest.raises(ValueError, match="BLOCK_N must be a power of two"):
         norm_bwd(torch.randn(3, 100, device=DEVICE), x, w, None, None, rstd, rms_norm=True,
                  tile=Tile(BLOCK_M=1, BLOCK_N=48, num_warps=4, num_stages=1, programs_per_sm=2))
@@ -480,6 +570,20 @@ def test_empty_input(norm):
     y.sum().backward()
     assert x.grad.shape == (0, 16)
     assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_empty_input_memory_efficient_with_a_zero_gamma(norm):
+    # no rows: the backward divides nothing by gamma, so a gamma of 0 is nothing to report (as
+    # where no backward runs); the gradients are zeros
+    w, b = _params(16, torch.float32, norm)
+    with torch.no_grad():
+        w[3] = 0.0
+    x = torch.randn(0, 16, device=DEVICE, requires_grad=True)
+    y = _apply(norm, x, w, b, memory_efficient=True)
+    fusedlib.runtime.check_errors()
+    y.sum().backward()
+    assert x.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -837,7 +941,9 @@ def test_eps_zero_is_accepted_everywhere():
     x64 = x.double()
     ln = FusedLayerNorm(TransformerConfig(), 16, eps=0.0, device=DEVICE)
     rms = FusedRMSNorm(TransformerConfig(normalization="RMSNorm"), 16, eps=0, device=DEVICE)
-    assert ln.eps == 0.0 and rms.eps == 0.0
+    # kept as a Python float, an int 0 too: the ops remember a launch plan only for a float eps (any
+    # other number is checked again on every call)
+    assert type(ln.eps) is float and type(rms.eps) is float and ln.eps == rms.eps == 0.0
     # float64 references at eps = 0 (fusedlib.unfused's norms refuse eps = 0), gamma = 1, beta = 0
     want_ln = torch.nn.functional.layer_norm(x64, (16,), eps=0.0)
     want_rms = x64 * x64.square().mean(-1, keepdim=True).rsqrt()
@@ -1050,6 +1156,26 @@ def test_residual_output_alone_or_norm_output_alone(norm):
     assert torch.equal(x.grad, x2.grad)
 
 
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("switch", ("layernorm_zero_centered_gamma", "memory_efficient_layer_norm"))
+def test_norm_with_residual_follows_the_config_switches(norm, switch):
+    # the norm's node that also returns the residual computes what the module's forward computes,
+    # with the config's switches: gamma = weight + 1, or y saved in place of x
+    m = _module(norm, 33, torch.float32, **{switch: True})
+    x = _x((4, 33), torch.float32)
+    y, residual = fusedlib.norm_with_residual(m, x)
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = m(x2)
+    assert torch.equal(y, y2)
+    me = switch == "memory_efficient_layer_norm"
+    assert y.grad_fn.saved_tensors[0].data_ptr() == (y.data_ptr() if me else x.data_ptr())
+    dy, dres = torch.randn_like(y), torch.randn_like(x)
+    dx, dw = torch.autograd.grad((y, residual), (x, m.weight), (dy, dres))
+    dx2, dw2 = torch.autograd.grad((y2, x2), (x2, m.weight), (dy, dres))
+    torch.testing.assert_close(dx, dx2, atol=1e-5, rtol=1e-5)  # the sum rounded once against twice
+    torch.testing.assert_close(dw, dw2, atol=1e-5, rtol=1e-5)
+
+
 def test_residual_output_gradcheck_float64():
     x = torch.randn(3, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, device=DEVICE, dtype=torch.float64, requires_grad=True)
@@ -1243,6 +1369,29 @@ def test_bias_dropout_add_norm_equals_the_two_ops(norm, dtype, h, p, seed):
 
 
 @pytest.mark.parametrize("norm", NORMS)
+def test_bias_dropout_add_norm_with_a_zero_centered_gamma(norm):
+    # a norm whose weight is stored zero-centred (config.layernorm_zero_centered_gamma: gamma =
+    # weight + 1): the fused op normalises with that gamma, forward and backward, as the two ops do
+    m = _module(norm, 24, torch.float32, layernorm_zero_centered_gamma=True)
+    x = torch.randn(15, 24, device=DEVICE, requires_grad=True)
+    residual = torch.randn(15, 24, device=DEVICE, requires_grad=True)
+    lb = torch.randn(24, device=DEVICE, requires_grad=True)
+    dy, dh = torch.randn(15, 24, device=DEVICE), torch.randn(15, 24, device=DEVICE)
+    results = []
+    for op in (fusedlib.bias_dropout_add_norm, _bda_norm_chain):
+        torch.manual_seed(3)  # the same mask
+        y, hidden = op(m, (x, lb), residual, 0.2, True)
+        params = [m.weight] + ([m.bias] if m.bias is not None else [])
+        results.append((y, hidden, *torch.autograd.grad((y, hidden), [x, residual, lb, *params], (dy, dh))))
+    exact = DEVICE.type == "cpu"  # compiled: an FMA apart at most, as in the tests above
+    for name, a, b in zip(("y", "h", "dx", "dresidual", "dlb", "dweight", "dbias"), *results):
+        if exact and name != "dlb":
+            assert torch.equal(a, b), name
+        else:  # (the bias's column sum is taken in another order)
+            assert_close(a, b.double(), torch.float32, scale=15**0.5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_a_forward_without_a_backward_stores_no_statistics(norm, dtype, monkeypatch):
     # Without autograd (no_grad, or no input that requires grad) the ops run their forward with
@@ -1284,6 +1433,30 @@ def test_a_forward_without_a_backward_stores_no_statistics(norm, dtype, monkeypa
 
 
 @pytest.mark.parametrize("norm", NORMS)
+def test_a_forward_without_a_backward_over_many_row_tiles(norm):
+    # the forward that stores no statistics, over several row tiles (200 rows of 37 columns: the
+    # forward takes 32 rows per tile): every row of y (and of h) has the bits of the forward that
+    # stores them, the first rows included; and a recording forward of the same signature after it
+    # stores them for its backward
+    h, rows = 37, 200
+    w, b = _params(h, torch.float32, norm)
+    x = _x((rows, h), torch.float32)
+    with torch.no_grad():
+        y_ng = _apply(norm, x, w, b)
+    assert torch.equal(y_ng, _check_fwd_bwd(norm, x, w, b).detach())
+    m, x, residual, lb = _bda_norm_inputs(norm, h, torch.float32, shape=(rows,))
+    with torch.no_grad():
+        y_ng, h_ng = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, 0.0, False)
+    y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, 0.0, False)
+    assert torch.equal(y_ng, y.detach()) and torch.equal(h_ng, hidden.detach())
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    r2 = residual.detach().clone().requires_grad_(True)
+    _bda_norm_chain(m, (x.detach().clone(), lb.detach()), r2, 0.0, True)[0].backward(dy)  # p = 0: the same h
+    torch.testing.assert_close(residual.grad, r2.grad, **({} if DEVICE.type == "cuda" else dict(rtol=0, atol=0)))
+
+
+@pytest.mark.parametrize("norm", NORMS)
 def test_bias_dropout_add_norm_empty_input_draws_no_random_numbers(norm):
     # as torch's dropout (and fusedlib's bias-dropout-add): nothing to drop, the generator stays
     state = (lambda: torch.cuda.get_rng_state(DEVICE)) if torch.device(DEVICE).type == "cuda" else torch.get_rng_state
@@ -1322,6 +1495,56 @@ def test_bias_dropout_add_norm_dropping_everything_draws_no_random_numbers(norm)
         assert_close(y, y2.double(), torch.float32)
     (y.sum() + hidden.sum()).backward()
     assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(lb.grad, torch.zeros_like(lb))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_bias_dropout_add_norm_at_p_zero_draws_no_random_numbers(norm):
+    # p = 0 in training drops nothing: as torch's dropout, no random numbers are drawn, and x's
+    # gradient is h's gradient itself
+    state = (lambda: torch.cuda.get_rng_state(DEVICE)) if torch.device(DEVICE).type == "cuda" else torch.get_rng_state
+    m, x, residual, lb = _bda_norm_inputs(norm, 16, torch.float32)
+    before = state()
+    y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, 0.0, True)
+    assert torch.equal(state(), before)
+    torch.autograd.backward((y, hidden), (torch.randn_like(y), torch.randn_like(hidden)))
+    assert torch.equal(x.grad, residual.grad)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_bias_dropout_add_norm_takes_a_strided_linear_bias(norm):
+    # the linear bias as a strided view (every other element of a longer tensor): the values and
+    # gradients of the same bias held contiguous
+    m, x, residual, lb = _bda_norm_inputs(norm, 24, torch.float32)
+    wide = torch.randn(48, device=DEVICE)
+    wide[::2] = lb.detach()
+    wide.requires_grad_(True)
+    dy, dh = torch.randn_like(residual), torch.randn_like(residual)
+    out = []
+    for bias in (lb, wide[::2]):
+        torch.manual_seed(5)  # the same mask
+        y, hidden = fusedlib.bias_dropout_add_norm(m, (x, bias), residual, 0.2, True)
+        out.append((y, hidden, *torch.autograd.grad((y, hidden), (x, lb if bias is lb else wide), (dy, dh))))
+    (y, hidden, dx, dlb), (y_s, hidden_s, dx_s, dwide) = out
+    assert torch.equal(y_s, y) and torch.equal(hidden_s, hidden) and torch.equal(dx_s, dx)
+    assert torch.equal(dwide[::2], dlb) and torch.equal(dwide[1::2], torch.zeros_like(dlb))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_bias_dropout_add_norm_linear_bias_alone_requiring_grad(norm):
+    # a sublayer whose input and residual are frozen but whose bias trains: h depends on the bias,
+    # so it requires grad and its gradient reaches the bias, as on the path without the fusion
+    m, x, residual, lb = _bda_norm_inputs(norm, 24, torch.float32)
+    x, residual = x.detach(), residual.detach()
+    torch.manual_seed(9)
+    y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, 0.2, True)
+    assert y.requires_grad and hidden.requires_grad
+    gy, gh = torch.randn_like(y), torch.randn_like(hidden)
+    (dlb,) = torch.autograd.grad((y, hidden), (lb,), (gy, gh))
+    lb2 = lb.detach().clone().requires_grad_(True)
+    torch.manual_seed(9)
+    y2, h2 = _bda_norm_chain(m, (x, lb2), residual, 0.2, True)
+    (dlb2,) = torch.autograd.grad((y2, h2), (lb2,), (gy, gh))
+    torch.testing.assert_close(dlb, dlb2, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -1468,7 +1691,7 @@ def test_bias_dropout_add_norm_rejects_bad_input(case):
             fusedlib.bias_dropout_add_norm(m, (args["x"], args["lb"]), args["r"], args["prob"], True)
 
 
-@pytest.mark.parametrize("h", (7, 300, 1000))
+@pytest.mark.parametrize("h", (3, 7, 300, 1000))  # 3: a row shorter than the dropout mask's 8-column block
 @pytest.mark.parametrize("p", (0.0, 0.3))
 @pytest.mark.parametrize("wants", ["dx and d bias", "dx alone", "d bias alone"])
 def test_bias_dropout_add_norm_backward_in_the_norm_or_apart(h, p, wants):
@@ -1520,6 +1743,60 @@ def test_bias_dropout_add_norm_backward_in_the_norm_or_apart(h, p, wants):
             assert torch.equal(c[4], ref[4])
         else:  # compiled, the bias-only form forms dx in registers: an FMA apart, as above
             _assert_within("d linear bias", c[4], ref[4].double(), 2 * rows * U * abs_sum + formed)
+
+
+def test_bias_dropout_add_norm_calls_alike_but_for_p_the_linear_bias_or_need_dx():
+    # calls alike in every tensor but the dropout probability, the presence of the linear bias or
+    # whether x's gradient is asked for, one after the other: each drops and scales as its own p,
+    # adds its own bias, and returns what it was asked for. Against the bias-dropout-add kernels
+    # (h; x's gradient and the bias's from the norm's dx) as in the test above.
+    from fusedlib.kernels.bias_dropout_add import bias_dropout_add_fwd, dropout_scale, philox_seed
+    from fusedlib.kernels.layer_norm import bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd
+
+    rows, h = 37, 300
+    x, r, dy = (torch.randn(rows, h, device=DEVICE) for _ in range(3))
+    lb, w, b = (torch.randn(h, device=DEVICE) for _ in range(3))
+    seed = philox_seed(DEVICE)
+    exact = DEVICE.type == "cpu"  # compiled: an FMA apart at most, as above
+    for bias, p, need_dx in ((lb, 0.2, True), (lb, 0.6, True), (None, 0.6, True), (lb, 0.6, False), (lb, 0.2, True)):
+        case = (bias is not None, p, need_dx)
+        _, hh, mean, rstd = bias_dropout_add_norm_fwd(x, bias, r, seed, p, w, b, EPS, rms_norm=False)
+        want_h = bias_dropout_add_fwd(x, bias, r, seed, p)
+        lb_dtype = None if bias is None else torch.float32
+        got, ref = (bias_dropout_add_norm_bwd(dy, None, hh, w, b, mean, rstd, seed, p, lb_dtype, rms_norm=False,
+                                              in_norm=in_norm, need_dx=need_dx) for in_norm in (True, False))
+        assert (got[0] is None) is not need_dx and (got[4] is None) is (bias is None), case
+        for name, u, v in zip(("h", "dx", "dres", "dweight", "dbias"), (hh, *got[:4]), (want_h, *ref[:4])):
+            if v is None:
+                continue
+            if exact:
+                assert torch.equal(u, v), (case, name)
+            else:
+                assert_close(u, v.double(), torch.float32, scale=rows**0.5 if name.startswith("dw") else 1.0)
+        if bias is not None:  # two float32 sums of x's gradient over the rows, in different orders
+            abs_sum = ref[1].double().abs().sum(0) * dropout_scale(p)  # >= the sum of |x's gradient|
+            _assert_within("d linear bias", got[4], ref[4].double(), 2 * rows * U * abs_sum)
+
+
+@pytest.mark.parametrize("rows", (3, 300))  # one backward program (its sums are the result), and several
+def test_bias_dropout_add_norm_linear_bias_gradient_in_its_own_dtype(rows):
+    # a float32 sublayer bias beside bf16 activations and norm: its gradient, summed over rows in
+    # the norm's backward kernel, comes back in float32, rounded once from the float32 sum (as the
+    # bias-dropout-add backward kernel gives it): within rows U of the absolute sum
+    from fusedlib.kernels.layer_norm import bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd
+
+    h, dtype = 40, torch.bfloat16
+    x, r, dy = (torch.randn(rows, h, device=DEVICE).to(dtype) for _ in range(3))
+    w, b = (torch.randn(h, device=DEVICE).to(dtype) for _ in range(2))
+    lb = torch.randn(h, device=DEVICE)
+    _, hh, mean, rstd = bias_dropout_add_norm_fwd(x, lb, r, None, 0.0, w, b, EPS, rms_norm=False)
+    a, c = (bias_dropout_add_norm_bwd(dy, None, hh, w, b, mean, rstd, None, 0.0, torch.float32, rms_norm=False,
+                                      in_norm=in_norm) for in_norm in (True, False))
+    for got in (a, c):
+        assert got[4].dtype == torch.float32 and got[2].dtype == got[3].dtype == dtype
+        # x's gradient: h's itself (no dropout), summed over the rows
+        dx = got[0].double()
+        _assert_within("d linear bias", got[4], dx.sum(0), rows * U * dx.abs().sum(0))
 
 
 @pytest.mark.parametrize("bias", ["none", "frozen"])
