@@ -1294,3 +1294,94 @@ def test_apex_s_causal_softmax_gets_the_case_s_scores_and_scale(monkeypatch):
     {i.name: i for i in case.impls}["apex"].fn(*inputs)
     ((x, scale),) = seen
     assert x is inputs[0] and scale == _softmax_common.SCALE
+
+
+# ---------------------------------------------------------------------------------------------
+# The book helpers: check's relative tolerance, the records' folder outside chapters/, a live
+# sweep, the tables' default shape, row order and edge cases, the sweep's axes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_check_scales_the_relative_tolerance_by_the_reference():
+    # atol + rtol·|expected|: 1.5 against 1.0 is off by 0.5 > 0.4·1.0 = 0.4, and 1.0 against 1.5
+    # is off by 0.5 <= 0.4·1.5 = 0.6 (both far from the boundary); scaling by |actual| instead
+    # swaps the two verdicts
+    assert check("x", torch.tensor([1.5]), torch.tensor([1.0]), atol=0.0, rtol=0.4) is False
+    assert check("x", torch.tensor([1.0]), torch.tensor([1.5]), atol=0.0, rtol=0.4) is True
+
+
+def test_bench_dir_is_the_checkouts_chapters_data_bench_from_anywhere_else(tmp_path, monkeypatch):
+    # a notebook run outside chapters/ (no data/bench under the working directory) reads the
+    # records of the source checkout: <root>/chapters/data/bench, root the folder above fusedlib/
+    from pathlib import Path
+
+    import fusedlib
+    from fusedlib.book import bench_dir
+
+    monkeypatch.chdir(tmp_path)
+    root = Path(fusedlib.__file__).resolve().parents[1]
+    assert bench_dir() == root / "chapters" / "data" / "bench"
+    assert (bench_dir() / "bias_gelu.json").is_file()
+
+
+def test_a_live_measurement_measures_the_sweep_only_when_asked(monkeypatch, capsys):
+    import fusedlib.bench as bench
+    import fusedlib.book as book
+
+    asked = []
+    monkeypatch.setattr(book, "measure_live", lambda: True)
+    monkeypatch.setattr(bench, "run_op", lambda op, sweep=False: (asked.append((op, sweep)) or
+                                                                   ([{"device": "Some GPU", "impl": "copy"}], {})))
+    book.bench_or_stored("bias_gelu", sweep=True)
+    book.bench_or_stored("layer_norm")
+    assert asked == [("bias_gelu", True), ("layer_norm", False)]
+
+
+def test_speedup_table_defaults_to_the_shape_of_the_first_fusedlib_record():
+    recs = _records()
+    small = [dict(r, shape=[1024, 1024]) for r in recs[1:]]
+    assert speedup_table(recs + small).splitlines()[0].startswith("shape [8192, 16384] ")
+    assert speedup_table(recs[:1] + small + recs[1:]).splitlines()[0].startswith("shape [1024, 1024] ")
+
+
+def test_tables_read_ms_and_pass_only_at_their_shape():
+    # a record at another shape without the fields a table reads (a sweep point left unfinished)
+    # is not the table's business: the table at the headline shape is the same as without it
+    recs = _records()
+    partial = {k: v for k, v in recs[1].items() if k not in ("ms", "pass", "dtype")}
+    partial["shape"] = [1024, 1024]
+    assert speedup_table(recs + [partial]) == speedup_table(recs)
+    assert backward_table(recs + [partial]) == backward_table(recs)
+
+
+def test_speedup_table_lists_each_pass_together_in_the_books_order():
+    lines = speedup_table(_records()).splitlines()[2:]
+    assert [line.split()[:2] for line in lines] == [["fwd", "torch.compile"], ["fwd", "fusedlib"],
+                                                    ["fwd+bwd", "torch.compile"], ["fwd+bwd", "fusedlib"]]
+
+
+def test_backward_table_of_a_backward_that_took_no_time_says_inf():
+    # fwd+bwd timed as fast as fwd (timing noise on a tiny op): bwd ms 0, its GB/s unbounded
+    recs = _records()
+    recs[4]["ms"] = recs[2]["ms"]  # torch.compile's fwd+bwd, its fwd
+    line = next(line for line in backward_table(recs).splitlines() if line.startswith("torch.compile"))
+    assert line.split()[3:] == ["0.0000", "inf", "inf"]
+
+
+def test_sweep_table_shows_a_swept_implementation_outside_the_books_order_last():
+    extra = [dict(r, impl="triton-ref") for r in _sweep_records() if r["impl"] == "fusedlib"]
+    table = sweep_table(_sweep_records() + extra).splitlines()
+    assert table[2].split() == ["shape", "compile", "fusedlib", "triton-ref", "compile", "fusedlib", "triton-ref"]
+
+
+def test_plot_sweep_s_y_axis_holds_a_point_above_the_copy_ceiling():
+    # a width whose data stays in L2 may beat the DRAM copy ceiling (4295 GB/s here): its point
+    # must stay on the panels, which share their y axis
+    import matplotlib
+
+    matplotlib.use("Agg")
+    recs = _sweep_records()
+    assert (recs[1]["impl"], recs[1]["pass"], recs[1]["shape"][1]) == ("fusedlib", "fwd", 1024)
+    recs[1] = dict(recs[1], GBps=6000.0)
+    fig = plot_sweep(recs, "bias + GeLU")
+    assert all(ax.get_ylim()[1] > 6000.0 for ax in fig.axes)

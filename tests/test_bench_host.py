@@ -805,6 +805,22 @@ def test_plot_host_draws_every_op_and_impl_from_zero():
     assert set(labels) == {"fusedlib", "eager", "torch.compile"}
 
 
+def test_plot_host_scales_its_x_axis_to_the_field_it_draws():
+    # the longest bar of the field drawn fits on the axis and fills most of it, also where that
+    # field exceeds the wall time (CPU time of several threads) or stays far below it (enqueue)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fusedlib.book import plot_host
+
+    recs = [dict(r, cpu_us=r["us"] * 2) for r in _host_records()]
+    for field in ("cpu_us", "enqueue_us", "us"):
+        ax = plot_host(recs, "fwd+bwd", field=field)
+        longest = max(r[field] for r in recs if r["pass"] == "fwd+bwd")
+        assert max(p.get_width() for p in ax.patches) == longest
+        assert longest < ax.get_xlim()[1] <= 1.1 * longest, field
+
+
 @pytest.mark.parametrize("kwargs, match", [({"pass_": "bwd"}, "pass_"), ({"field": "ms"}, "field")])
 def test_plot_host_rejects_bad_arguments(kwargs, match):
     from fusedlib.book import plot_host

@@ -261,6 +261,23 @@ def test_plot_throughput_draws_each_shape_from_zero_with_its_legend_below():
         plot_throughput(_fake_records()[:1])
 
 
+def test_plot_throughput_draws_records_timed_with_plain_launches_only():
+    # records of a device without CUDA graphs have no timer and no tokens_per_s_eager: their
+    # tokens_per_s is the plain-launch bar, and there is no graph bar
+    import matplotlib
+
+    matplotlib.use("Agg")
+    recs = [_fake_records()[0]]
+    for impl, ms in (("fusedlib", 25.0), ("eager", 22.0)):
+        r = core._record("transformer_layer", "fwd+bwd", impl, tl.DEFAULT_SHAPE, torch.bfloat16, ms, None)
+        r.update(core._token_fields(8192, r))
+        assert "tokens_per_s_eager" not in r and "timer" not in r
+        recs.append(r)
+    (ax,) = plot_throughput(recs).axes
+    assert sorted(round(p.get_width(), 6) for p in ax.patches) == \
+        sorted(round(r["tokens_per_s"] / 1e3, 6) for r in recs[1:])
+
+
 # ------------------------------------------------------------------------------------------
 # The profile
 # ------------------------------------------------------------------------------------------

@@ -1230,6 +1230,34 @@ def test_unshard_state_dict_refuses_a_rank_with_an_extra_key():
         unshard_state_dict(shards, {})
 
 
+def test_shard_and_unshard_take_a_partition_dim_counted_from_the_end():
+    # a layout may name the dim from the end, as torch does: PartitionSpec(-1) of a 2-D weight
+    # is PartitionSpec(1), both ways; a dim beyond the tensor's from either end is refused
+    full = torch.arange(24.0).reshape(4, 6)
+    for stride in (1, 3):
+        neg = [shard_tensor(full, PartitionSpec(-1, stride), r, 2) for r in range(2)]
+        pos = [shard_tensor(full, PartitionSpec(1, stride), r, 2) for r in range(2)]
+        assert all(torch.equal(a, b) for a, b in zip(neg, pos))
+        assert torch.equal(unshard_tensors(neg, PartitionSpec(-1, stride)), full)
+    with pytest.raises(ValueError, match=r"partition_dim -3 out of range for shape \[4, 6\]"):
+        shard_tensor(full, PartitionSpec(-3), 0, 2)
+
+
+def test_layout_leaves_out_a_parameter_marked_not_split():
+    # set_tensor_model_parallel_attributes(p, False, ...) marks a replicated parameter (Megatron
+    # marks every parameter so): its partition_dim and stride do not make it split
+    from fusedlib.parallel.layers import set_tensor_model_parallel_attributes
+
+    m = torch.nn.Linear(4, 6)
+    set_tensor_model_parallel_attributes(m.weight, True, 0, 1)
+    set_tensor_model_parallel_attributes(m.bias, False, 0, 1)
+    layout = get_tensor_parallel_layout(m)
+    assert layout == {"weight": PartitionSpec(0, 1)}
+    full = m.state_dict()
+    shards = [shard_state_dict(full, layout, r, 2) for r in range(2)]
+    assert shards[1]["bias"] is full["bias"] and shards[1]["weight"].shape == (3, 4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Row-parallel skip_bias_add on one rank; the async-allreduce linear's refusal (each was a mutation
 # no test caught)

@@ -510,11 +510,28 @@ def _damage(ckpt: dict, how: str) -> str:
     if how == "negative step":
         ckpt["step"] = -5
         return "its step is -5"
+    if how == "step -1":
+        ckpt["step"] = -1
+        return "its step is -1"
+    if how == "short torch_rng":
+        ckpt["torch_rng"] = torch.zeros(3, dtype=torch.uint8)
+        return r"torch_rng is a torch.uint8 tensor of shape \[3\]"
+    if how == "moment of no parameter":
+        state = ckpt["optimizer"]["state"]
+        n = sum(len(g["params"]) for g in ckpt["optimizer"]["param_groups"])  # one past the last parameter
+        state[n] = dict(next(iter(state.values())))
+        return f"its optimizer state has an entry {n} for no parameter"
+    if how == "nan adam step":
+        state = next(iter(ckpt["optimizer"]["state"].values()))
+        assert state["step"].dim() == 0
+        state["step"] = torch.tensor(float("nan"))
+        return r"optimizer state \d+ 'step' is not finite"
     raise AssertionError(how)
 
 
 @pytest.mark.parametrize("how", ["nan weight", "cut weight", "inf moment", "no optimizer", "short data_rng",
-                                 "corpus without sha256", "empty scheduler", "other groups", "negative step"])
+                                 "corpus without sha256", "empty scheduler", "other groups", "negative step",
+                                 "step -1", "short torch_rng", "moment of no parameter", "nan adam step"])
 def test_resume_refuses_a_checkpoint_it_cannot_restore(how, corpus, tmp_path):
     # each damage loaded (torch.load does not check the archive's CRCs) and then trained to NaN,
     # or raised KeyError / RuntimeError from inside load_state_dict; the CLI printed a traceback
@@ -527,6 +544,75 @@ def test_resume_refuses_a_checkpoint_it_cannot_restore(how, corpus, tmp_path):
     torch.save(ckpt, path)
     with pytest.raises(ValueError, match="cannot be restored into this run: " + match):
         Trainer(TrainConfig(resume=True, **kw), corpus=corpus)
+
+
+def test_bf16_resume_is_bit_exact(corpus, tmp_path):
+    # bf16 weights with float32 master weights: the resumed run must continue from the saved
+    # master weights (the bf16 weights are their rounding and cannot give them back), so its
+    # losses and weights are the uninterrupted run's bit for bit; dropout on
+    kw = dict(TINY, steps=6, warmup=1, model="plain", device="cpu", bf16=True, dropout=0.1)
+    whole = Trainer(TrainConfig(out=str(tmp_path / "whole"), **kw), corpus=corpus, log=lambda s: None)
+    whole.run()
+    Trainer(TrainConfig(out=str(tmp_path / "cut"), stop_at=3, **kw), corpus=corpus, log=lambda s: None).run()
+    resumed = Trainer(TrainConfig(out=str(tmp_path / "cut"), resume=True, **kw), corpus=corpus, log=lambda s: None)
+    assert all(m.dtype == torch.float32 for m in resumed.master) and resumed.step_count == 3
+    resumed.run()
+    assert len(whole.losses()) == 6 and resumed.losses() == whole.losses()
+    assert all(torch.equal(a, b) for a, b in zip(resumed.master, whole.master))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.params, whole.params))
+
+
+@pytest.mark.parametrize("change", [dict(seed=1), dict(dropout=0.2), dict(batch=3), dict(weight_decay=0.2),
+                                    dict(grad_clip=0.5), dict(min_lr=1e-5), dict(beta2=0.9)])
+def test_resume_refuses_each_setting_that_changes_the_arithmetic(change, corpus, tmp_path):
+    # the seed draws the validation batches (and the samples); the others change every later
+    # step: a resume with another value would not continue the checkpoint's run
+    kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path))
+    Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus).run()
+    ((name, value),) = change.items()
+    before = getattr(TrainConfig(**kw), name)
+    with pytest.raises(ValueError, match=re.escape(f"configuration differs in {name} (checkpoint {before!r}, "
+                                                   f"now {value!r})")):
+        Trainer(TrainConfig(resume=True, **(kw | change)), corpus=corpus)
+
+
+def test_resume_refuses_a_checkpoint_of_another_corpus(stdlib_root, corpus, tmp_path):
+    # another Python's stdlib (here one file edited): the same shapes, other tokens; continuing
+    # on it would not be the checkpoint's run
+    kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path / "run"))
+    Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus).run()
+    root = tmp_path / "stdlib"
+    shutil.copytree(stdlib_root, root)
+    with open(root / "textwrap.py", "a") as f:
+        f.write("# edited\n")
+    other = load_corpus(tmp_path / "cache", root=root)
+    assert other.sha256 != corpus.sha256
+    with pytest.raises(ValueError, match=rf"^resume: the checkpoint was trained on another corpus \(Python "
+                                         rf"{re.escape(corpus.python)}, sha256 {corpus.sha256[:12]}\)"):
+        Trainer(TrainConfig(resume=True, **kw), corpus=other)
+    assert Trainer(TrainConfig(resume=True, **kw), corpus=corpus).step_count == 2
+
+
+def test_a_save_cut_short_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch):
+    # the checkpoint goes to a temporary file, then replaces the last one: a save that fails
+    # midway (a full disk, an interruption) leaves the last checkpoint whole, and a resume
+    # continues from it
+    kw = dict(TINY, steps=4, model="plain", device="cpu", out=str(tmp_path))
+    tr = Trainer(TrainConfig(stop_at=2, **kw), corpus=corpus)
+    tr.run()
+    good = (tmp_path / "checkpoint.pt").read_bytes()
+
+    def cut_short(obj, f):
+        Path(f).write_bytes(b"the first bytes")
+        raise OSError(28, "No space left on device")
+
+    tr.step()
+    monkeypatch.setattr(torch, "save", cut_short)
+    with pytest.raises(OSError, match="No space left on device"):
+        tr.save()
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoint.pt").read_bytes() == good
+    assert Trainer(TrainConfig(resume=True, **kw), corpus=corpus).step_count == 2
 
 
 def test_a_diverged_run_stops_with_an_error_and_keeps_its_last_checkpoint(corpus, tmp_path):
@@ -1053,6 +1139,58 @@ def test_cli_takes_those_flags_where_they_apply(tmp_path):
     assert cli.parse_args(["--save-interval", "1", "--out", str(tmp_path)])[0].save_interval == 1
     assert cli.parse_args(["--warmup", "0", "--steps", "1"])[0].warmup == 0
     assert cli.parse_args(["--warmup", "1", "--steps", "2"])[0].warmup == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sample", "-1"], "--sample must be >= 0, got -1"),
+    # with --sample: without it the sampling settings are refused first, whatever their values
+    (["--sample", "3", "--temperature", "0"], "--temperature must be a finite number > 0, got 0.0"),
+    (["--sample", "3", "--temperature", "inf"], "--temperature must be a finite number > 0, got inf"),
+    (["--sample", "3", "--temperature", "nan"], "--temperature must be a finite number > 0, got nan"),
+    (["--sample", "3", "--top-k", "0"], "--top-k must be in [1, 256], got 0"),
+    (["--sample", "3", "--top-k", "257"], "--top-k must be in [1, 256], got 257"),
+    (["--bench", "--stop-at", "2", "--out", "x"], "--bench trains from scratch: --resume and --stop-at do not apply"),
+    (["--bench-profile", "--stop-at", "2", "--out", "x"],
+     "--bench-profile trains from scratch: --resume and --stop-at do not apply"),
+    # (the plain model: on a CPU, --compile of the fused one is refused before)
+    (["--bench", "--model", "plain", "--compile", "--compile-mode", "max-autotune"],
+     "--compile-mode, --fused-layer: --bench sets them per run"),
+    (["--bench", "--bench-runs", "fusedlib-graphs", "--device", "cpu"],
+     "--bench-runs: ['fusedlib-graphs'] replay CUDA graphs and need a CUDA device, got cpu"),
+])
+def test_cli_refuses_sampling_values_and_bench_flags_it_cannot_use(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_cli_takes_the_edge_values_of_its_flags():
+    assert cli.parse_args(["--sample", "3", "--top-k", "256"])[1].top_k == 256
+    assert cli.parse_args(["--sample", "3", "--top-k", "1"])[1].top_k == 1
+    assert cli.parse_args(["--sample", "3", "--temperature", "1e-30"])[1].temperature == 1e-30
+    # --bench-profile: a warm-up of up to steps - 5 steps, then its 5 profiled steps; its runs
+    # chosen with --bench-runs
+    argv = ["--bench-profile", "--steps", "20", "--warmup", "1"]
+    assert cli.parse_args(argv + ["--bench-warmup", "15"])[1].bench_warmup == 15
+    assert cli.parse_args(["--bench-profile", "--bench-runs", "fusedlib"])[1].bench_runs == ["fusedlib"]
+    # the progress bar: on, unless --no-progress
+    assert cli.parse_args([])[0].progress is True and cli.parse_args(["--no-progress"])[0].progress is False
+
+
+@pytest.mark.parametrize("skipped, status", [({}, 0), ({"torch.compile": "RuntimeError: no compiler"}, 1)])
+def test_cli_bench_profile_exits_1_when_a_run_was_not_profiled(skipped, status, tmp_path, monkeypatch, capsys):
+    from fusedlib.train import bench
+
+    seen = []
+
+    def fake_profile_steps(config, runs, warmup, out_dir):
+        seen.append((list(runs), warmup, out_dir, config.out))
+        return {"skipped": skipped}
+
+    monkeypatch.setattr(bench, "profile_steps", fake_profile_steps)
+    assert cli.main(["--bench-profile", "--device", "cpu", "--out", str(tmp_path)]) == status
+    assert seen == [(["fusedlib", "torch.compile"], 15, str(tmp_path), None)]
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path}/{bench.PROFILE_FILE}"
 
 
 @pytest.mark.parametrize("world, argv", [("2", []), ("4", ["--tp", "2"]), ("1", ["--tp", "2", "--heads", "2"])])
@@ -1680,17 +1818,21 @@ def test_cuda_graph_and_compile_mode_flags(kw, match):
         TrainConfig(**dict(TINY, **kw))
 
 
-@pytest.mark.parametrize("argv, flag", [(["--cuda-graph", "--model", "plain"], "--cuda-graph"),
-                                        (["--compile-mode", "max-autotune"], "--compile-mode"),
-                                        (["--bench-tp", "--cuda-graph"], "--cuda-graph"),
-                                        (["--bench", "--cuda-graph", "--device", "cpu"], "--cuda-graph"),
-                                        (["--bench", "--compile", "--compile-mode", "max-autotune"], "--compile-mode"),
-                                        (["--bench", "--bench-runs", "fusedlib", "fusedlib-graphs", "--device",
-                                          "cpu"], "fusedlib-graphs")])
-def test_cuda_graph_and_compile_mode_bad_flags(argv, flag, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--cuda-graph", "--model", "plain"], "--cuda-graph: cuda_graph needs model 'gpt'"),
+    (["--compile-mode", "max-autotune"], "--compile-mode: compile_mode ('max-autotune') needs compile"),
+    (["--bench-tp", "--cuda-graph", "--device", "cpu"], "--cuda-graph: cuda_graph needs a CUDA device, got cpu"),
+    (["--bench", "--cuda-graph", "--device", "cpu"], "--cuda-graph: cuda_graph needs a CUDA device, got cpu"),
+    # (the plain model: on a CPU, --compile of the fused one is refused before)
+    (["--bench", "--model", "plain", "--compile", "--compile-mode", "max-autotune"],
+     "--compile-mode, --fused-layer: --bench sets them per run"),
+    (["--bench", "--bench-runs", "fusedlib", "fusedlib-graphs", "--device", "cpu"],
+     "--bench-runs: ['fusedlib-graphs'] replay CUDA graphs and need a CUDA device, got cpu")])
+def test_cuda_graph_and_compile_mode_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.parse_args(argv)
-    assert exc.value.code == 2 and flag in capsys.readouterr().err
+    # the error line itself: the usage line above it names every flag
+    assert exc.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
@@ -1916,6 +2058,7 @@ def test_checkpoint_rates_are_floats():
     assert type(sched["base_lrs"][0]) is float
     opt = _float_rates({"param_groups": [{"lr": rate, "initial_lr": rate, "params": [0]}]})
     assert opt["param_groups"] == [{"lr": 0.25, "initial_lr": 0.25, "params": [0]}]
+    assert type(opt["param_groups"][0]["initial_lr"]) is float  # (a 0-d tensor compares equal to 0.25 too)
 
 
 def test_bench_profile_warmup_flag():
