@@ -550,8 +550,17 @@ def test_tp_group_of_the_wrong_type_raises_naming_it(fn, group):
 def test_a_bool_label_smoothing_and_an_ignore_index_beyond_int64_are_named(path):
     fn = fused_vocab_parallel_cross_entropy if path == "fused" else vocab_parallel_cross_entropy
     logits, target = torch.randn(2, 5, device=DEVICE), torch.tensor([0, 1], device=DEVICE)
-    with pytest.raises(ValueError, match=r"label_smoothing must be a float in \[0, 1\), got False"):
-        fn(logits, target, label_smoothing=False)  # read as 0 before (True was refused as >= 1)
+    for bad, shown in ((False, "bool False"), ("0.1", "str '0.1'"), ([0.1], r"list \[0.1\]")):
+        # a wrong type: a TypeError (the ValueError it was before too); False was read as 0
+        # (True refused as >= 1)
+        with pytest.raises(TypeError, match=rf"label_smoothing must be a float in \[0, 1\), got {shown}$"):
+            fn(logits, target, label_smoothing=bad)
+        with pytest.raises(ValueError):
+            fn(logits, target, label_smoothing=bad)
+    for bad in (1.0, -0.0625, float("nan")):  # a number out of range: a ValueError, not a TypeError
+        with pytest.raises(ValueError, match=r"label_smoothing must be a float in \[0, 1\), got") as info:
+            fn(logits, target, label_smoothing=bad)
+        assert not isinstance(info.value, TypeError)
     with pytest.raises(ValueError, match=r"ignore_index must be an int in \[-2\^63, 2\^63\)"):
         fn(logits, target, ignore_index=2 ** 70)  # Triton's OverflowError before
 

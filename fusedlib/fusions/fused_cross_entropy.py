@@ -152,8 +152,11 @@ def fused_vocab_parallel_cross_entropy(
             :mod:`~fusedlib.parallel.parallel_state`'s when model parallelism is initialized,
             else the default group if torch.distributed is initialized, else one rank and no
             communication).
-        label_smoothing: Megatron's epsilon in [0, 1) (Megatron's fused path has none); the
-            mean of the logits rides in the same SUM all-reduce.
+        label_smoothing: Megatron's epsilon in [0, 1) (Megatron's fused path has none):
+            probability epsilon spread over the V - 1 wrong ids, i.e.
+            ``F.cross_entropy(label_smoothing=epsilon·V/(V-1))``, not torch's
+            ``label_smoothing=epsilon`` (torch spreads it over all V ids). The mean of the
+            logits rides in the same SUM all-reduce.
         ignore_index: targets equal to it give zero loss and zero gradient. Any int64: one
             outside int32's range with an int32 target ignores nothing (that target is read
             as an int64 copy, [s, b]).

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ..fusions._apply import keep_graph_anchor, once_differentiable
-from ..checks import FLOAT_DTYPES, check_same_device, check_tensor, on_one_kernel_device, resolve_neg_grads
+from ..checks import FLOAT_DTYPES, ArgumentTypeError, check_same_device, check_tensor, on_one_kernel_device, resolve_neg_grads
 from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from ..kernels.launch import as_rows
 from ..runtime import DeviceCheck
@@ -114,10 +114,12 @@ def prepare_inputs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, la
 
     Raises:
         TypeError: non-tensors, a logits dtype not in fusedlib's float dtypes, a target dtype
-            other than int64/int32, or a non-int ignore_index.
+            other than int64/int32, or a non-int ignore_index. A label_smoothing that is not a
+            real number (a bool, a str, a list) raises :class:`fusedlib.checks.ArgumentTypeError`,
+            a TypeError and a ValueError both.
         ValueError: target's shape is not the logits' shape without the last dim, an empty
-            vocabulary shard, label_smoothing outside [0, 1) (or a bool), ignore_index outside
-            the int64 range, or tensors on two devices.
+            vocabulary shard, label_smoothing outside [0, 1), ignore_index outside the int64
+            range, or tensors on two devices.
     """
     logits = vocab_parallel_logits
     # the happy case in one test; the checks below name what is wrong otherwise
@@ -136,8 +138,12 @@ def prepare_inputs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, la
     if vocab_parallel_logits.shape[-1] < 1:
         raise ValueError("vocab_parallel_logits must have a vocabulary shard of at least 1 column, "
                          f"got shape {list(vocab_parallel_logits.shape)}")
-    if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
-            or not 0.0 <= label_smoothing < 1.0):  # (False was read as 0, True refused as >= 1)
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        # (False was read as 0, True refused as >= 1); a wrong type is a TypeError, and a
+        # ValueError as it was before
+        raise ArgumentTypeError(f"label_smoothing must be a float in [0, 1), got "
+                                f"{type(label_smoothing).__name__} {label_smoothing!r}")
+    if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be a float in [0, 1), got {label_smoothing!r}")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
