@@ -120,3 +120,19 @@ def test_readme_shows_the_two_commands_and_ci_calls_make_test():
     readme = (ROOT / "README.md").read_text()
     assert "make book" in readme and "make test" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readmes_python_examples_run_on_this_device():
+    # the README's Python blocks for this machine's device, in order in one namespace (a later
+    # block may use an earlier one's imports): those that name "cuda" on a GPU, the others (the
+    # CPU-only machine's) without one
+    from conftest import DEVICE
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    mine = [b for b in blocks if ('"cuda"' in b) == (DEVICE.type == "cuda")]
+    assert len(mine) >= (1 if DEVICE.type == "cuda" else 2), len(blocks)
+    namespace: dict = {}
+    for block in mine:
+        exec(compile(block, "README.md", "exec"), namespace)
+    for name in ("out", "y"):  # every example ends with a backward
+        assert namespace[name].requires_grad
