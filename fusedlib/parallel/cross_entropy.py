@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from ..fusions._apply import keep_graph_anchor, once_differentiable
-from ..checks import FLOAT_DTYPES, ArgumentTypeError, check_same_device, check_tensor, on_one_kernel_device, resolve_neg_grads
+from ..checks import (FLOAT_DTYPES, ArgumentTypeError, check_same_device, check_tensor, on_one_kernel_device,
+                      resolve_neg_grads)
 from ..kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from ..kernels.launch import as_rows
 from ..runtime import DeviceCheck
