@@ -852,3 +852,168 @@ def test_inference_where_only_the_residual_or_bias_needs_grad_is_not_in_place(ne
         assert torch.equal(leaf.grad, g)
     else:
         assert_close(leaf.grad, g.double().sum(0), torch.float32, scale=10**0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Remembered launches: calls one after another that differ in one argument
+# ---------------------------------------------------------------------------------------------
+
+
+def _kept(g64, keep, p):
+    """g·keep/(1 - p'), float64: dx of a forward that dropped with ``keep`` at probability p."""
+    return torch.where(keep, g64 * dropout_scale(p), torch.zeros((), dtype=torch.float64, device=DEVICE))
+
+
+def test_forward_calls_differing_in_one_argument_each_get_their_own_launch():
+    # The kernel layer remembers a launch per call signature. Calls on the same x and residual,
+    # one after another, that differ only in the bias's presence, the probability, or whether
+    # anything is dropped each give their own out = r + keep·(x + b)/(1 - p'); and a float64
+    # residual with a float32 x is added in float64 (out is the residual's dtype).
+    from fusedlib.kernels.bias_dropout_add import bias_dropout_add_fwd
+
+    x, b, r = _inputs((6, 40), torch.float32, requires_grad=False)
+    seed = philox_seed(DEVICE)
+    x64, b64, r64 = x.double(), b.double(), r.double()
+    for bias, p in [(b, 0.25), (None, 0.25), (b, 0.5), (None, 0.5), (b, 0.25), (b, None)]:
+        v = x64 + (b64 if bias is not None else 0)
+        want = r64 + (v if p is None else _kept(v, dropout_mask(seed, 6, 40, p), p))
+        out = bias_dropout_add_fwd(x, bias, r, None if p is None else seed, 0.0 if p is None else p)
+        assert_close(out, want, torch.float32)
+    r_wide = torch.randn(6, 40, device=DEVICE, dtype=torch.float64)  # not representable in float32
+    out = bias_dropout_add_fwd(x, b, r_wide, None, 0.0)
+    assert out.dtype == torch.float64
+    assert_close(out, r_wide + x64 + b64, torch.float64)
+
+
+def test_backward_calls_differing_in_one_argument_each_get_their_own_launch():
+    # As the forward: on one g, calls that differ only in x's dtype (whether dx must be stored,
+    # cast, or is g itself), the probability, or which gradients are asked for each give their
+    # own dx = g·keep/(1 - p') and db = its sum over rows.
+    from fusedlib.kernels.bias_dropout_add import bias_dropout_add_bwd
+
+    rows, h = 6, 40
+    g = torch.randn(rows, h, device=DEVICE)
+    g64 = g.double()
+    seed = philox_seed(DEVICE)
+    # nothing dropped: dx is g itself for float32 x; a bfloat16 x gets g rounded to bfloat16
+    for x_dtype in (torch.float32, torch.bfloat16, torch.float32):
+        dx, db = bias_dropout_add_bwd(g, x_dtype, None, 0.0, need_dbias=True)
+        assert dx.dtype == x_dtype and torch.equal(dx, g.to(x_dtype))
+        assert_close(db, g64.sum(0), torch.float32, scale=rows**0.5)
+    for p in (0.25, 0.5, 0.25):
+        dx64 = _kept(g64, dropout_mask(seed, rows, h, p), p)
+        dx, db = bias_dropout_add_bwd(g, torch.float32, seed, p, need_dbias=True)
+        assert_close(dx, dx64, torch.float32)
+        assert_close(db, dx64.sum(0), torch.float32, scale=rows**0.5)
+    # dx alone, then db as well; db alone, then dx as well (p = 0.75: a signature not seen above)
+    p = 0.75
+    dx64 = _kept(g64, dropout_mask(seed, rows, h, p), p)
+    dx, db = bias_dropout_add_bwd(g, torch.float32, seed, p, need_dbias=False)
+    assert db is None
+    assert_close(dx, dx64, torch.float32)
+    dx, db = bias_dropout_add_bwd(g, torch.float32, seed, p, need_dbias=True)
+    assert_close(dx, dx64, torch.float32)
+    assert_close(db, dx64.sum(0), torch.float32, scale=rows**0.5)
+    p = 0.125
+    dx64 = _kept(g64, dropout_mask(seed, rows, h, p), p)
+    dx, db = bias_dropout_add_bwd(g, torch.float32, seed, p, need_dx=False, need_dbias=True)
+    assert dx is None
+    assert_close(db, dx64.sum(0), torch.float32, scale=rows**0.5)
+    dx, db = bias_dropout_add_bwd(g, torch.float32, seed, p, need_dx=True, need_dbias=True)
+    assert_close(dx, dx64, torch.float32)
+    assert_close(db, dx64.sum(0), torch.float32, scale=rows**0.5)
+
+
+def test_training_and_evaluation_on_one_signature_each_get_their_own_launch():
+    # The Function's forward remembers its checked launch per signature: training, evaluation
+    # and another probability on the same tensors, one after another, each give their own out.
+    x, b, r = _inputs((6, 40), torch.float32)  # requires grad: evaluation is not done in place
+    x64, b64, r64 = (t.detach().double() for t in (x, b, r))
+    for prob, training in [(0.5, True), (0.5, False), (0.5, True), (0.25, True)]:
+        torch.manual_seed(SEED)
+        out = BiasDropoutAddFunction.apply(x, b, r, prob, training)
+        keep = _replayed_mask((6, 40), prob) if training else torch.ones(6, 40, dtype=torch.bool, device=DEVICE)
+        p_used = drop_threshold(prob) / 2**KEEP_BITS if training else 0.0
+        assert_close(out, unfused.bias_dropout_add_masked(x64, b64, r64, keep, p_used), torch.float32)
+
+
+def test_float64_bias_gradient_over_a_persistent_grid_stays_float64():
+    # More row tiles than the persistent grid has programs (the interpreter's 2 "SMs" at 4
+    # programs each: 8 programs for 25 tiles of 4 rows), so each program loops over several
+    # tiles; the per-program partial sums of a float64 db are added in float64 in the second
+    # stage, and db comes out float64 (the default db_dtype is the accumulation dtype). Also
+    # for a float32 g of a float64 x (a float32 residual): the accumulation dtype is float64.
+    # p = 0.5: 1/(1 - p') = 2, exact, so dx is exact and db is float64 sums (TOL[float64]).
+    from fusedlib.kernels.bias_dropout_add import bias_dropout_add_bwd
+    from fusedlib.kernels.launch import Tile
+
+    rows, h, p = 100, 40, 0.5
+    tile = Tile(BLOCK_M=4, BLOCK_N=64, num_warps=4, programs_per_sm=4)
+    seed = philox_seed(DEVICE)
+    keep = dropout_mask(seed, rows, h, p)
+    for g in (torch.randn(rows, h, device=DEVICE, dtype=torch.float64), torch.randn(rows, h, device=DEVICE)):
+        dx64 = _kept(g.double(), keep, p)
+        dx, db = bias_dropout_add_bwd(g, torch.float64, seed, p, need_dbias=True, tile=tile)
+        assert dx.dtype == db.dtype == torch.float64
+        assert_close(dx, dx64, torch.float64)
+        assert_close(db, dx64.sum(0), torch.float64)
+
+
+def test_training_at_p_0_draws_no_random_numbers():
+    # p = 0 in training drops nothing: no key is drawn (torch's dropout draws none at p = 0 either),
+    # so later masks are the ones they would have been, and the gradient of x is g itself
+    x, b, r = _inputs((6, 40), torch.float32)
+    state = torch.random.get_rng_state(), (torch.cuda.get_rng_state() if DEVICE.type == "cuda" else None)
+    out = bias_dropout_add_fused_train((x, b), r, 0.0)
+    assert torch.equal(torch.random.get_rng_state(), state[0])
+    assert state[1] is None or torch.equal(torch.cuda.get_rng_state(), state[1])
+    assert_close(out, x.detach().double() + b.detach().double() + r.detach().double(), torch.float32)
+    g = torch.randn(out.shape, device=DEVICE)
+    out.backward(g)
+    assert torch.equal(x.grad, g)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_a_transposed_residual_gives_a_contiguous_out(dtype):
+    # a dense residual whose strides are not row-major (a transpose): out is a new contiguous
+    # tensor of x's shape, written row by row, not a tensor with the residual's strides
+    x, b, _ = _inputs((6, 40), dtype)
+    r = torch.randn(40, 6, device=DEVICE).to(dtype).t().requires_grad_(True)
+    assert not r.is_contiguous()
+    _check_train(x, b, r, 0.3)
+
+
+def test_a_given_tile_is_each_calls_own(monkeypatch):
+    # The tuner tries tiles one after another on one signature: each call launches with its own
+    # tile, forward and backward, and the values do not depend on it.
+    import fusedlib.runtime
+    from fusedlib.kernels.bias_dropout_add import bias_dropout_add_bwd, bias_dropout_add_fwd
+    from fusedlib.kernels.launch import Tile
+
+    fusedlib.runtime.clear_plans()  # every plan below made (and its launch seen) by this test
+    seen, real = [], fusedlib.runtime.launch
+
+    def recording(kernel, grid, device, *args, **kwargs):
+        name = getattr(kernel, "fn", kernel).__name__
+        if name.startswith("_bias_dropout_add"):
+            seen.append((name, kwargs["BLOCK_M"], kwargs["BLOCK_N"]))
+        return real(kernel, grid, device, *args, **kwargs)
+
+    monkeypatch.setattr(fusedlib.runtime, "launch", recording)
+    x, b, r = _inputs((6, 40), torch.float32, requires_grad=False)
+    g = torch.randn(6, 40, device=DEVICE)
+    seed = philox_seed(DEVICE)
+    p = 0.5
+    keep = dropout_mask(seed, 6, 40, p)
+    out64 = r.double() + _kept(x.double() + b.double(), keep, p)
+    dx64 = _kept(g.double(), keep, p)
+    for tile in (Tile(BLOCK_M=2, BLOCK_N=16, num_warps=4, programs_per_sm=4),
+                 Tile(BLOCK_M=4, BLOCK_N=32, num_warps=4, programs_per_sm=4)):
+        seen.clear()
+        out = bias_dropout_add_fwd(x, b, r, seed, p, tile=tile)
+        dx, db = bias_dropout_add_bwd(g, torch.float32, seed, p, need_dbias=True, tile=tile)
+        assert seen == [("_bias_dropout_add_fwd_kernel", tile.BLOCK_M, tile.BLOCK_N),
+                        ("_bias_dropout_add_bwd_kernel", tile.BLOCK_M, tile.BLOCK_N)]
+        assert_close(out, out64, torch.float32)
+        assert_close(dx, dx64, torch.float32)
+        assert_close(db, dx64.sum(0), torch.float32, scale=6**0.5)

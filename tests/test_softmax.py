@@ -29,6 +29,7 @@ from fusedlib.fusions.fused_softmax import (
     get_sliding_window_causal_mask,
     megatron_kernel_availability,
 )
+from fusedlib.kernels.launch import Tile
 from fusedlib.transformer.enums import AttnMaskType
 
 from conftest import DEVICE, FLOAT_DTYPES, TOL, assert_close  # noqa: I001
@@ -965,3 +966,100 @@ def test_megatron_availability_rule_at_its_edges():
 def test_megatron_availability_rule_says_no_for_a_sliding_window():
     ok, reason = megatron_kernel_availability(AttnMaskType.causal, True, True, 4, 32, 2048, 2048, window_size=(128, 0))
     assert not ok and "sliding window" in reason
+
+
+# --------------------------------------------------------------------------------------------
+# Which kernel runs: the row length, max_register_block, a given tile
+# --------------------------------------------------------------------------------------------
+
+_FWD, _FWD_ONLINE = "_softmax_fwd_kernel", "_softmax_fwd_online_kernel"
+_BWD, _BWD_ONLINE = "_softmax_bwd_kernel", "_softmax_bwd_online_kernel"
+
+
+def _launched(monkeypatch):
+    """A list that gets the name of each kernel the softmax launchers start, in order."""
+    seen, real = [], ksoftmax.launch
+
+    def recording(kernel, *args, **kwargs):
+        seen.append(getattr(kernel, "fn", kernel).__name__)
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(ksoftmax, "launch", recording)
+    return seen
+
+
+def test_softmax_tile_remembers_each_register_limit_apart(monkeypatch):
+    # softmax_tile keeps its picks by (row length, register limit): a row asked for under two
+    # limits gets each limit's tile, in either order. Rows of 37 and 45 are 64 wide: they fit
+    # the default limit and a limit of 64, not a limit of 8 (the looping kernel's 8-column tiles).
+    for n, limits in [(37, (None, 8, 64)), (45, (8, None, 64))]:
+        tiles = {limit: ksoftmax.softmax_tile(n, max_register_block=limit) for limit in limits}
+        assert tiles[None].BLOCK_N == 64 and tiles[64].BLOCK_N == 64 and tiles[8].BLOCK_N == 8
+        assert ksoftmax.softmax_tile(n) == tiles[None] and ksoftmax.softmax_tile(n, 8) == tiles[8]
+    # None reads the module's MAX_REGISTER_BLOCK at call time
+    monkeypatch.setattr(ksoftmax, "MAX_REGISTER_BLOCK", 8)
+    assert ksoftmax.softmax_tile(37).BLOCK_N == 8 and ksoftmax.softmax_tile(37, max_register_block=None).BLOCK_N == 8
+
+
+def test_the_row_length_picks_the_register_or_the_looping_kernel(monkeypatch):
+    # A row of 16 is held in registers under the default limit and under a limit of exactly 16;
+    # under a limit of 8 (an argument, or the module's MAX_REGISTER_BLOCK read at call time) the
+    # looping kernels walk it in two tiles. Every path gives the float64 reference's values.
+    seen = _launched(monkeypatch)
+    x = _scores((1, 2, 3, 16), torch.float32, requires_grad=False)
+    g = _grad_like(x)
+    band = ksoftmax.causal_band(3, 16)
+    p64, dx64, _ = _reference(x, unfused.causal_mask(3, 16, device=DEVICE), SCALE, g)
+
+    def run(limit, want):
+        seen.clear()
+        p, _ = ksoftmax.softmax_fwd(x, SCALE, band=band, max_register_block=limit)
+        dx, _ = ksoftmax.softmax_bwd(g, p, SCALE, band=band, max_register_block=limit)
+        assert seen == want, (limit, seen)
+        assert_close(p, p64, torch.float32)
+        assert_close(dx, dx64, torch.float32)
+
+    run(None, [_FWD, _BWD])
+    run(16, [_FWD, _BWD])
+    run(8, [_FWD_ONLINE, _BWD_ONLINE])
+    monkeypatch.setattr(ksoftmax, "MAX_REGISTER_BLOCK", 8)
+    run(None, [_FWD_ONLINE, _BWD_ONLINE])
+
+
+def test_a_given_tile_covers_every_row(monkeypatch):
+    # A tile narrower than the row runs the looping kernels, one row per program whatever the
+    # tile's BLOCK_M; a tile as wide as the row, the register kernels with BLOCK_M rows a program.
+    # 10 rows of 20 (32 wide) with tiles of 4 rows: the last register program holds 2 rows.
+    seen = _launched(monkeypatch)
+    x = _scores((1, 2, 5, 20), torch.float32, requires_grad=False)
+    g = _grad_like(x)
+    band = ksoftmax.causal_band(5, 20)
+    p64, dx64, _ = _reference(x, unfused.causal_mask(5, 20, device=DEVICE), SCALE, g)
+    for tile, want in [(Tile(BLOCK_M=4, BLOCK_N=8, num_warps=4), [_FWD_ONLINE, _BWD_ONLINE]),
+                       (Tile(BLOCK_M=4, BLOCK_N=32, num_warps=4), [_FWD, _BWD])]:
+        seen.clear()
+        p, _ = ksoftmax.softmax_fwd(x, SCALE, band=band, tile=tile)
+        dx, _ = ksoftmax.softmax_bwd(g, p, SCALE, band=band, tile=tile)
+        assert seen == want, (tile, seen)
+        assert_close(p, p64, torch.float32)
+        assert_close(dx, dx64, torch.float32)
+
+
+@pytest.mark.parametrize("sq, sk", [(4, 4), (3, 6)])
+def test_a_window_with_no_keys_on_the_left_keeps_none(sq, sk):
+    # window (0, right): row q keeps keys q + sk - sq through q + sk - sq + right. A left side of
+    # 0 is a width, not FlashAttention's "unbounded" (-1): nothing left of the diagonal is kept.
+    x = _scores((1, 2, sq, sk), torch.float32)
+    g = _grad_like(x)
+    ones = torch.ones(sq, sk, dtype=torch.bool, device=DEVICE)
+    for right in (0, 1):
+        window = (0, right)
+        assert ksoftmax.window_band(sq, sk, window) == (sk - sq, sk - sq + right)
+        want = ~torch.tril(torch.triu(ones, diagonal=sk - sq), diagonal=sk - sq + right)
+        assert torch.equal(get_sliding_window_causal_mask(sq, sk, window, device=DEVICE), want)
+        p64, dx64, _ = _reference(x, want, SCALE, g)
+        x.grad = None
+        p = fused_scale_mask_softmax(x, None, SCALE, window_size=window)
+        p.backward(g)
+        assert_close(p, p64, torch.float32)
+        assert_close(x.grad, dx64, torch.float32)

@@ -33,6 +33,7 @@ from fusedlib.fusions.fused_softmax import (
     fused_scale_mask_softmax_dropout,
 )
 from fusedlib.kernels.bias_dropout_add import KEEP_BITS, drop_threshold, dropout_scale, philox_seed
+from fusedlib.kernels.launch import Tile
 from fusedlib.kernels.softmax import softmax_dropout_mask
 from fusedlib.transformer.enums import AttnMaskType
 
@@ -531,3 +532,88 @@ def test_an_infinite_sink_logit_takes_the_whole_row():
     assert torch.equal(z[:, 0], torch.zeros_like(z[:, 0])) and torch.equal(x.grad[:, 0], torch.zeros_like(z[:, 0]))
     assert off.grad[0].item() == 0.0
     assert torch.isfinite(z).all() and torch.isfinite(x.grad).all() and torch.isfinite(off.grad).all()
+
+
+# --------------------------------------------------------------------------------------------
+# The applied probability, float64 statistics, a given tile
+# --------------------------------------------------------------------------------------------
+
+
+def test_kept_values_are_scaled_by_the_applied_probability():
+    # p = 0.9 is applied as p' = round(0.9·2^16)/2^16 = 58982/65536, and kept values (forward)
+    # and their gradients (backward) are scaled by 1/(1 - p'), which is 6.1e-5 relative above
+    # 1/(1 - p). With scale 1 on rows of 7 the probabilities and gradients reach several units
+    # (before the factor 1/(1 - p') of about 10), where 6.1e-5 relative is more than float32's
+    # tolerance (1e-5 relative plus 1e-5·10 absolute): only the applied probability matches.
+    p, scale, (sq, sk) = 0.9, 1.0, (7, 7)
+    ks = dropout_scale(p)
+    assert abs(ks * (1 - p) - 1) > 6e-5
+    x = _scores((2, 2, sq, sk), torch.float32)
+    torch.manual_seed(SEED)
+    z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, scale, p)
+    torch.manual_seed(SEED)
+    keep = softmax_dropout_mask(philox_seed(DEVICE), tuple(x.shape), p)
+    x64 = x.detach().double().requires_grad_(True)
+    z64 = unfused.masked_softmax_dropout_reference(x64, unfused.causal_mask(sq, sk, device=DEVICE), scale, keep,
+                                                   _p_used(p))
+    g = torch.randn(z.shape, device=DEVICE)
+    z.backward(g)
+    z64.backward(g.double())
+    for got, want in ((z, z64), (x.grad, x64.grad)):
+        # the largest value is big enough for a 6.1e-5 relative error to pass the tolerance
+        assert want.abs().max() * (6.1e-5 - 1e-5) > 1e-5 * ks
+        assert_close(got, want, torch.float32, scale=ks)
+
+
+def test_float64_scores_keep_float64_row_statistics():
+    # float64 scores are computed in float64 end to end: the row statistics the backward
+    # recomputes p from (m and 1/D) are saved in float64 too (in float32 they would cost p and
+    # dx ~1e-7 relative error, 1000x the float64 tolerance). scale = 0.25 and 1/(1 - p') = 2 are
+    # exact in the float32 scalars the kernels take, so the only error is float64 arithmetic.
+    scale, p, (sq, sk) = 0.25, 0.5, (5, 9)
+    x = _scores((1, 2, sq, sk), torch.float64)
+    torch.manual_seed(SEED)
+    z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, scale, p)
+    stats = [t for t in z.grad_fn.saved_tensors if t is not None and t.shape == (2, 2 * sq)]
+    assert len(stats) == 1 and stats[0].dtype == torch.float64
+    torch.manual_seed(SEED)
+    keep = softmax_dropout_mask(philox_seed(DEVICE), tuple(x.shape), p)
+    x64 = x.detach().clone().requires_grad_(True)
+    z64 = unfused.masked_softmax_dropout_reference(x64, unfused.causal_mask(sq, sk, device=DEVICE), scale, keep,
+                                                   _p_used(p))
+    g = torch.randn(z.shape, device=DEVICE, dtype=torch.float64)
+    z.backward(g)
+    z64.backward(g)
+    assert_close(z, z64, torch.float64)
+    assert_close(x.grad, x64.grad, torch.float64)
+
+
+def test_a_given_tile_reaches_both_dropout_kernels(monkeypatch):
+    # The kernel layer's tile argument, forward and backward: a tile of 4 rows and 8 columns on
+    # rows of 20 runs the looping kernels, one row per program, on every one of the 10 rows; the
+    # keep mask does not depend on the tile, so the values are the reference's with the mask of
+    # the same key.
+    seen, real = [], ksoftmax.launch
+
+    def recording(kernel, *args, **kwargs):
+        seen.append(getattr(kernel, "fn", kernel).__name__)
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(ksoftmax, "launch", recording)
+    shape, p = (1, 2, 5, 20), 0.25
+    tile = Tile(BLOCK_M=4, BLOCK_N=8, num_warps=4)
+    band = ksoftmax.causal_band(5, 20)
+    x = _scores(shape, torch.float32, requires_grad=False)
+    g = torch.randn(shape, device=DEVICE)
+    seed = philox_seed(DEVICE)
+    z, _, stats = ksoftmax.softmax_dropout_fwd(x, seed, p, SCALE, band=band, tile=tile)
+    dx, _ = ksoftmax.softmax_dropout_bwd(g, x, stats, seed, p, SCALE, band=band, tile=tile)
+    assert seen == ["_softmax_fwd_online_kernel", "_softmax_bwd_online_kernel"]
+    keep = softmax_dropout_mask(seed, shape, p)
+    x64 = x.double().requires_grad_(True)
+    z64 = unfused.masked_softmax_dropout_reference(x64, unfused.causal_mask(5, 20, device=DEVICE), SCALE, keep,
+                                                   _p_used(p))
+    z64.backward(g.double())
+    ks = dropout_scale(p)
+    assert_close(z, z64, torch.float32, scale=ks)
+    assert_close(dx, x64.grad, torch.float32, scale=ks)
