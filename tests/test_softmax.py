@@ -1063,3 +1063,29 @@ def test_a_window_with_no_keys_on_the_left_keeps_none(sq, sk):
         p.backward(g)
         assert_close(p, p64, torch.float32)
         assert_close(x.grad, dx64, torch.float32)
+
+
+@pytest.mark.parametrize("mask_shape", [(3, 5, 7), (1, 5, 7), (5, 7), (7,), (3, 1, 5, 7)])
+def test_kernel_three_dim_scores_take_a_mask_of_their_own_shape(mask_shape):
+    # [b, sq, sk] scores are one head each: a mask broadcastable to them by torch's rules (its
+    # leading dim is b) masks each b's own rows, as torch.masked_fill would; the 4-D [b, 1, sq, sk]
+    # form too
+    x = _scores((3, 5, 7), torch.float32, requires_grad=False)
+    mask = torch.rand(mask_shape, device=DEVICE) < 0.3
+    full = mask[:, 0] if mask.dim() == 4 else mask.expand(3, 5, 7)
+    p, _ = ksoftmax.softmax_fwd(x, SCALE, mask)
+    want = unfused.masked_softmax_reference(x.double(), full, SCALE)
+    assert p.shape == x.shape
+    assert_close(p, want, torch.float32)
+
+
+@pytest.mark.parametrize("bad", [6, 0, -4, True, 2.0])
+def test_max_register_block_must_be_a_power_of_two(bad):
+    # a BLOCK_N that is not a power of two cannot launch (Triton's ranges): refused by name
+    # before any launch
+    x = _scores((2, 1, 3, 5), torch.float32, requires_grad=False)
+    with pytest.raises(ValueError, match=rf"max_register_block must be a power of two \(an int >= 1\), got {bad!r}$"):
+        ksoftmax.softmax_fwd(x, 1.0, max_register_block=bad)
+    with pytest.raises(ValueError, match="max_register_block must be a power of two"):
+        ksoftmax.softmax_tile(5, bad)
+    assert ksoftmax.softmax_tile(5, 4).BLOCK_N == 4  # 8 > 4: the looping kernel in tiles of 4

@@ -149,9 +149,15 @@ def softmax_tile(n_cols: int, max_register_block: Optional[int] = None) -> Tile:
     Returns:
         ``pick(TILES, n_cols)`` for rows that fit in registers, else :data:`ONLINE_TILE` (its
         BLOCK_N capped at ``max_register_block``).
+
+    Raises:
+        ValueError: ``max_register_block`` not a power of two (an int >= 1): Triton's ranges
+            are powers of two, so another BLOCK_N could not launch.
     """
     if max_register_block is None:
         max_register_block = MAX_REGISTER_BLOCK
+    if type(max_register_block) is not int or max_register_block < 1 or max_register_block & (max_register_block - 1):
+        raise ValueError(f"max_register_block must be a power of two (an int >= 1), got {max_register_block!r}")
     key = (n_cols, max_register_block)
     tile = _TILE_PICKS.get(key)
     if tile is None:
@@ -686,11 +692,15 @@ def _resolve(tile: Optional[Tile], n_cols: int, max_register_block: Optional[int
 
 
 def _mask_strides(mask: Optional[torch.Tensor], shape: tuple[int, int, int, int],
-                  dummy: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+                  dummy: torch.Tensor, scores_dim: int = 4) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The bool mask as bytes expanded to ``shape`` (same memory, zero strides where it is
-    broadcast) and its four strides; ``(dummy, zeros)`` without a mask."""
+    broadcast) and its four strides; ``(dummy, zeros)`` without a mask. With 3-D scores
+    ([b, sq, sk], one head: ``shape`` is [b, 1, sq, sk]) a mask of up to 3 dims broadcasts
+    against the scores' own shape, its leading dim being b, not the head's."""
     if mask is None:
         return dummy, (0, 0, 0, 0)  # unused pointer (HAS_MASK=False)
+    if scores_dim == 3 and mask.dim() < 4:
+        mask = mask.expand(shape[0], shape[2], shape[3]).unsqueeze(1)
     m4 = mask.expand(*shape)
     if not torch.compiler.is_compiling():
         # bool -> bytes, same strides (Inductor cannot lower a bool -> uint8 view: traced, the
@@ -712,7 +722,7 @@ def _fwd(x4, scale, mask, band, offset, max_register_block, seed, p, tile):
     if y.numel() == 0:
         return y, sink, stats
     x2d = x4.reshape(n_rows, n_cols)  # [b, np, sq, sk] -> [b·np·sq, sk]
-    m4, m_strides = _mask_strides(mask, (B, H, SQ, SK), x2d)
+    m4, m_strides = _mask_strides(mask, (B, H, SQ, SK), x2d, x4.dim())
     band_lo, band_hi = band if band is not None else (0, 0)
     tile, online = _resolve(tile, n_cols, max_register_block)
     # Philox decides 8 columns per call: with dropout a tile holds at least 8 (the mask does
@@ -751,7 +761,7 @@ def _bwd(g4, p4, x4, mask, stats, seed, p, scale, band, sink, max_register_block
     dropout = seed is not None
     if dropout:
         x2d = x4.reshape(n_rows, n_cols)  # as in the forward
-        m4, m_strides = _mask_strides(mask, (B, H, SQ, SK), x2d)
+        m4, m_strides = _mask_strides(mask, (B, H, SQ, SK), x2d, x4.dim())
     else:
         x2d, m4, m_strides = g2d, g2d, (0, 0, 0, 0)  # unused pointers
     band_lo, band_hi = band if band is not None else (0, 0)
