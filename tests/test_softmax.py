@@ -976,16 +976,9 @@ _FWD, _FWD_ONLINE = "_softmax_fwd_kernel", "_softmax_fwd_online_kernel"
 _BWD, _BWD_ONLINE = "_softmax_bwd_kernel", "_softmax_bwd_online_kernel"
 
 
-def _launched(monkeypatch):
-    """A list that gets the name of each kernel the softmax launchers start, in order."""
-    seen, real = [], ksoftmax.launch
-
-    def recording(kernel, *args, **kwargs):
-        seen.append(getattr(kernel, "fn", kernel).__name__)
-        return real(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(ksoftmax, "launch", recording)
-    return seen
+def _names(launches):
+    """The kernel names of the launches ``spy_launches`` recorded, in order."""
+    return [c.kernel for c in launches]
 
 
 def test_softmax_tile_remembers_each_register_limit_apart(monkeypatch):
@@ -1001,11 +994,11 @@ def test_softmax_tile_remembers_each_register_limit_apart(monkeypatch):
     assert ksoftmax.softmax_tile(37).BLOCK_N == 8 and ksoftmax.softmax_tile(37, max_register_block=None).BLOCK_N == 8
 
 
-def test_the_row_length_picks_the_register_or_the_looping_kernel(monkeypatch):
+def test_the_row_length_picks_the_register_or_the_looping_kernel(monkeypatch, spy_launches):
     # A row of 16 is held in registers under the default limit and under a limit of exactly 16;
     # under a limit of 8 (an argument, or the module's MAX_REGISTER_BLOCK read at call time) the
     # looping kernels walk it in two tiles. Every path gives the float64 reference's values.
-    seen = _launched(monkeypatch)
+    seen = spy_launches
     x = _scores((1, 2, 3, 16), torch.float32, requires_grad=False)
     g = _grad_like(x)
     band = ksoftmax.causal_band(3, 16)
@@ -1015,7 +1008,7 @@ def test_the_row_length_picks_the_register_or_the_looping_kernel(monkeypatch):
         seen.clear()
         p, _ = ksoftmax.softmax_fwd(x, SCALE, band=band, max_register_block=limit)
         dx, _ = ksoftmax.softmax_bwd(g, p, SCALE, band=band, max_register_block=limit)
-        assert seen == want, (limit, seen)
+        assert _names(seen) == want, (limit, _names(seen))
         assert_close(p, p64, torch.float32)
         assert_close(dx, dx64, torch.float32)
 
@@ -1026,11 +1019,11 @@ def test_the_row_length_picks_the_register_or_the_looping_kernel(monkeypatch):
     run(None, [_FWD_ONLINE, _BWD_ONLINE])
 
 
-def test_a_given_tile_covers_every_row(monkeypatch):
+def test_a_given_tile_covers_every_row(spy_launches):
     # A tile narrower than the row runs the looping kernels, one row per program whatever the
     # tile's BLOCK_M; a tile as wide as the row, the register kernels with BLOCK_M rows a program.
     # 10 rows of 20 (32 wide) with tiles of 4 rows: the last register program holds 2 rows.
-    seen = _launched(monkeypatch)
+    seen = spy_launches
     x = _scores((1, 2, 5, 20), torch.float32, requires_grad=False)
     g = _grad_like(x)
     band = ksoftmax.causal_band(5, 20)
@@ -1040,7 +1033,7 @@ def test_a_given_tile_covers_every_row(monkeypatch):
         seen.clear()
         p, _ = ksoftmax.softmax_fwd(x, SCALE, band=band, tile=tile)
         dx, _ = ksoftmax.softmax_bwd(g, p, SCALE, band=band, tile=tile)
-        assert seen == want, (tile, seen)
+        assert _names(seen) == want, (tile, _names(seen))
         assert_close(p, p64, torch.float32)
         assert_close(dx, dx64, torch.float32)
 

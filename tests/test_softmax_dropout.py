@@ -588,18 +588,11 @@ def test_float64_scores_keep_float64_row_statistics():
     assert_close(x.grad, x64.grad, torch.float64)
 
 
-def test_a_given_tile_reaches_both_dropout_kernels(monkeypatch):
+def test_a_given_tile_reaches_both_dropout_kernels(spy_launches):
     # The kernel layer's tile argument, forward and backward: a tile of 4 rows and 8 columns on
     # rows of 20 runs the looping kernels, one row per program, on every one of the 10 rows; the
     # keep mask does not depend on the tile, so the values are the reference's with the mask of
     # the same key.
-    seen, real = [], ksoftmax.launch
-
-    def recording(kernel, *args, **kwargs):
-        seen.append(getattr(kernel, "fn", kernel).__name__)
-        return real(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(ksoftmax, "launch", recording)
     shape, p = (1, 2, 5, 20), 0.25
     tile = Tile(BLOCK_M=4, BLOCK_N=8, num_warps=4)
     band = ksoftmax.causal_band(5, 20)
@@ -608,7 +601,7 @@ def test_a_given_tile_reaches_both_dropout_kernels(monkeypatch):
     seed = philox_seed(DEVICE)
     z, _, stats = ksoftmax.softmax_dropout_fwd(x, seed, p, SCALE, band=band, tile=tile)
     dx, _ = ksoftmax.softmax_dropout_bwd(g, x, stats, seed, p, SCALE, band=band, tile=tile)
-    assert seen == ["_softmax_fwd_online_kernel", "_softmax_bwd_online_kernel"]
+    assert [c.kernel for c in spy_launches] == ["_softmax_fwd_online_kernel", "_softmax_bwd_online_kernel"]
     keep = softmax_dropout_mask(seed, shape, p)
     x64 = x.double().requires_grad_(True)
     z64 = unfused.masked_softmax_dropout_reference(x64, unfused.causal_mask(5, 20, device=DEVICE), SCALE, keep,
