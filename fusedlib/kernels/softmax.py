@@ -154,9 +154,9 @@ def softmax_tile(n_cols: int, max_register_block: Optional[int] = None) -> Tile:
         ValueError: ``max_register_block`` not a power of two (an int >= 1): Triton's ranges
             are powers of two, so another BLOCK_N could not launch.
     """
-    if max_register_block is None:
+    if max_register_block is None:  # (the ops' path: the module's limit, a power of two)
         max_register_block = MAX_REGISTER_BLOCK
-    if type(max_register_block) is not int or max_register_block < 1 or max_register_block & (max_register_block - 1):
+    elif type(max_register_block) is not int or max_register_block < 1 or max_register_block & (max_register_block - 1):
         raise ValueError(f"max_register_block must be a power of two (an int >= 1), got {max_register_block!r}")
     key = (n_cols, max_register_block)
     tile = _TILE_PICKS.get(key)
