@@ -994,48 +994,46 @@ def test_softmax_tile_remembers_each_register_limit_apart(monkeypatch):
     assert ksoftmax.softmax_tile(37).BLOCK_N == 8 and ksoftmax.softmax_tile(37, max_register_block=None).BLOCK_N == 8
 
 
+def _causal_kernels(sq, sk, launches):
+    """``run(want, **settings)`` for causal scores [1, 2, sq, sk]: clears ``launches`` (the
+    ``spy_launches`` list), runs the kernel layer's forward and backward with the settings
+    (``max_register_block``, ``tile``), asserts that the kernels ``want`` ran, in order, and that
+    p and dx are the float64 reference's."""
+    x = _scores((1, 2, sq, sk), torch.float32, requires_grad=False)
+    g = _grad_like(x)
+    band = ksoftmax.causal_band(sq, sk)
+    p64, dx64, _ = _reference(x, unfused.causal_mask(sq, sk, device=DEVICE), SCALE, g)
+
+    def run(want, **settings):
+        launches.clear()
+        p, _ = ksoftmax.softmax_fwd(x, SCALE, band=band, **settings)
+        dx, _ = ksoftmax.softmax_bwd(g, p, SCALE, band=band, **settings)
+        assert _names(launches) == want, (settings, _names(launches))
+        assert_close(p, p64, torch.float32)
+        assert_close(dx, dx64, torch.float32)
+
+    return run
+
+
 def test_the_row_length_picks_the_register_or_the_looping_kernel(monkeypatch, spy_launches):
     # A row of 16 is held in registers under the default limit and under a limit of exactly 16;
     # under a limit of 8 (an argument, or the module's MAX_REGISTER_BLOCK read at call time) the
     # looping kernels walk it in two tiles. Every path gives the float64 reference's values.
-    seen = spy_launches
-    x = _scores((1, 2, 3, 16), torch.float32, requires_grad=False)
-    g = _grad_like(x)
-    band = ksoftmax.causal_band(3, 16)
-    p64, dx64, _ = _reference(x, unfused.causal_mask(3, 16, device=DEVICE), SCALE, g)
-
-    def run(limit, want):
-        seen.clear()
-        p, _ = ksoftmax.softmax_fwd(x, SCALE, band=band, max_register_block=limit)
-        dx, _ = ksoftmax.softmax_bwd(g, p, SCALE, band=band, max_register_block=limit)
-        assert _names(seen) == want, (limit, _names(seen))
-        assert_close(p, p64, torch.float32)
-        assert_close(dx, dx64, torch.float32)
-
-    run(None, [_FWD, _BWD])
-    run(16, [_FWD, _BWD])
-    run(8, [_FWD_ONLINE, _BWD_ONLINE])
+    run = _causal_kernels(3, 16, spy_launches)
+    run([_FWD, _BWD], max_register_block=None)
+    run([_FWD, _BWD], max_register_block=16)
+    run([_FWD_ONLINE, _BWD_ONLINE], max_register_block=8)
     monkeypatch.setattr(ksoftmax, "MAX_REGISTER_BLOCK", 8)
-    run(None, [_FWD_ONLINE, _BWD_ONLINE])
+    run([_FWD_ONLINE, _BWD_ONLINE], max_register_block=None)
 
 
 def test_a_given_tile_covers_every_row(spy_launches):
     # A tile narrower than the row runs the looping kernels, one row per program whatever the
     # tile's BLOCK_M; a tile as wide as the row, the register kernels with BLOCK_M rows a program.
     # 10 rows of 20 (32 wide) with tiles of 4 rows: the last register program holds 2 rows.
-    seen = spy_launches
-    x = _scores((1, 2, 5, 20), torch.float32, requires_grad=False)
-    g = _grad_like(x)
-    band = ksoftmax.causal_band(5, 20)
-    p64, dx64, _ = _reference(x, unfused.causal_mask(5, 20, device=DEVICE), SCALE, g)
-    for tile, want in [(Tile(BLOCK_M=4, BLOCK_N=8, num_warps=4), [_FWD_ONLINE, _BWD_ONLINE]),
-                       (Tile(BLOCK_M=4, BLOCK_N=32, num_warps=4), [_FWD, _BWD])]:
-        seen.clear()
-        p, _ = ksoftmax.softmax_fwd(x, SCALE, band=band, tile=tile)
-        dx, _ = ksoftmax.softmax_bwd(g, p, SCALE, band=band, tile=tile)
-        assert _names(seen) == want, (tile, _names(seen))
-        assert_close(p, p64, torch.float32)
-        assert_close(dx, dx64, torch.float32)
+    run = _causal_kernels(5, 20, spy_launches)
+    run([_FWD_ONLINE, _BWD_ONLINE], tile=Tile(BLOCK_M=4, BLOCK_N=8, num_warps=4))
+    run([_FWD, _BWD], tile=Tile(BLOCK_M=4, BLOCK_N=32, num_warps=4))
 
 
 @pytest.mark.parametrize("sq, sk", [(4, 4), (3, 6)])
