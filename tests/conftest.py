@@ -63,6 +63,12 @@ def deterministic_sdpa(sdpa: bool = True):
     return sdpa_kernel(SDPBackend.MATH)
 
 
+def generator_state(device: torch.device = DEVICE) -> torch.Tensor:
+    """The state of the default generator of ``device`` (CUDA's, else the CPU's): the one
+    fusedlib's dropout draws its keys from there."""
+    return torch.cuda.get_rng_state(device) if torch.device(device).type == "cuda" else torch.get_rng_state()
+
+
 def assert_close(actual: torch.Tensor, expected64: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
     """Compare a kernel's output (any dtype) with a float64 reference, at ``dtype``'s tolerance.
 

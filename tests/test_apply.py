@@ -16,7 +16,7 @@ from fusedlib.bench.host import HOST_SHAPES
 from fusedlib.bench.ops import get_case
 from fusedlib.fusions import _apply
 
-from conftest import DEVICE  # noqa: I001
+from conftest import DEVICE, generator_state  # noqa: I001
 
 OPS = ["bias_gelu", "bias_dropout_add", "geglu", "swiglu", "weighted_swiglu", "layer_norm", "rms_norm",
        "causal_softmax", "masked_softmax", "softmax_one", "softmax_dropout", "cross_entropy", "rope"]
@@ -113,7 +113,7 @@ def test_forward_mode_tangents_are_refused_before_the_forward_runs(op, applies):
     fn = next(i for i in case.impls if i.name == "fusedlib").fn
     inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in case.make_inputs(DEVICE, True)]
     tangent = torch.randn_like(inputs[0])
-    state = (lambda: torch.cuda.get_rng_state(DEVICE)) if DEVICE.type == "cuda" else torch.get_rng_state
+    state = generator_state
     torch.manual_seed(0)  # (the dropout ops draw their key from the generator)
     want = _first(fn(*inputs))
     with fwad.dual_level():

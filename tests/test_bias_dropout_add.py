@@ -34,7 +34,7 @@ from fusedlib.runtime import launch
 import triton  # after fusedlib: on a CPU-only machine fusedlib selects Triton's interpreter first
 import triton.language as tl
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
+from conftest import DEVICE, FLOAT_DTYPES, assert_close, generator_state  # noqa: I001
 
 SEED = 1234  # replayed seed of the op under test (inputs are drawn before it, fresh per test)
 
@@ -166,25 +166,21 @@ def test_empty_input(dtype):
     assert torch.equal(b.grad, torch.zeros_like(b))
 
 
-def _generator_state(device):
-    return torch.cuda.get_rng_state(device) if torch.device(device).type == "cuda" else torch.get_rng_state()
-
-
 @pytest.mark.parametrize("shape", [(0, 16), (4, 0)])
 def test_empty_input_draws_no_random_numbers(shape):
     # as torch's dropout: an empty input drops nothing, so the generator does not move (a
     # later dropout's mask is the one it would have been without the empty call)
     x, b, r = _inputs(shape, torch.float32)
-    before = _generator_state(DEVICE)
+    before = generator_state(DEVICE)
     torch.nn.functional.dropout(torch.empty(shape, device=DEVICE), 0.1, True)
-    assert torch.equal(_generator_state(DEVICE), before)  # torch's own behaviour, on this device
+    assert torch.equal(generator_state(DEVICE), before)  # torch's own behaviour, on this device
     out = bias_dropout_add_fused_train((x, b), r, 0.1)
-    assert torch.equal(_generator_state(DEVICE), before)
+    assert torch.equal(generator_state(DEVICE), before)
     out.sum().backward()
     assert x.grad.shape == shape and r.grad.shape == shape
     x_one, b_one, r_one = _inputs((3, 8), torch.float32)
     bias_dropout_add_fused_train((x_one, b_one), r_one, 0.1)
-    assert not torch.equal(_generator_state(DEVICE), before)  # a non-empty input draws its seed
+    assert not torch.equal(generator_state(DEVICE), before)  # a non-empty input draws its seed
 
 
 @pytest.mark.parametrize("p", [1.0, 1.0 - 2.0**-18])
@@ -193,15 +189,15 @@ def test_dropping_everything_draws_no_random_numbers(p):
     # dropout for p = 1, no random numbers are drawn, and the output is the residual, the
     # gradient of x zero (the backward regenerates the same all-dropped mask)
     x, b, r = _inputs((5, 24), torch.float32)
-    before = _generator_state(DEVICE)
+    before = generator_state(DEVICE)
     out = bias_dropout_add_fused_train((x, b), r, p)
-    assert torch.equal(_generator_state(DEVICE), before)
+    assert torch.equal(generator_state(DEVICE), before)
     assert torch.equal(out, r.detach())
     out.backward(torch.ones_like(out))
     assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(b.grad, torch.zeros_like(b))
     assert torch.equal(r.grad, torch.ones_like(r))
     bias_dropout_add_fused_train((x, b), r, 1.0 - 2.0**-16)  # p' < 1: the key is drawn
-    assert not torch.equal(_generator_state(DEVICE), before)
+    assert not torch.equal(generator_state(DEVICE), before)
 
 
 @pytest.mark.parametrize("fn", ["train", "inference"])

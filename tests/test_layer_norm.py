@@ -22,7 +22,7 @@ from fusedlib.kernels.launch import Tile, next_power_of_2, pick
 from fusedlib.kernels.layer_norm import FWD_TILES, MAX_HIDDEN_SIZE, norm_bwd, norm_fwd
 from fusedlib.transformer import TransformerConfig
 
-from conftest import DEVICE, FLOAT_DTYPES, TOL, assert_close  # noqa: I001
+from conftest import DEVICE, FLOAT_DTYPES, TOL, assert_close, generator_state  # noqa: I001
 
 NORMS = ("layer", "rms")
 HIDDEN = (1, 7, 768, 1000, 4096, 5120, 14336, 65536)
@@ -1456,15 +1456,10 @@ def test_a_forward_without_a_backward_over_many_row_tiles(norm):
     torch.testing.assert_close(residual.grad, r2.grad, **({} if DEVICE.type == "cuda" else dict(rtol=0, atol=0)))
 
 
-def _rng_state() -> torch.Tensor:
-    """The state of the generator fusedlib's dropout draws its keys from on the tests' device."""
-    return torch.cuda.get_rng_state(DEVICE) if DEVICE.type == "cuda" else torch.get_rng_state()
-
-
 @pytest.mark.parametrize("norm", NORMS)
 def test_bias_dropout_add_norm_empty_input_draws_no_random_numbers(norm):
     # as torch's dropout (and fusedlib's bias-dropout-add): nothing to drop, the generator stays
-    state = _rng_state
+    state = generator_state
     m, _, _, _ = _bda_norm_inputs(norm, 16, torch.float32)
     x = torch.randn(0, 16, device=DEVICE, requires_grad=True)
     lb = torch.randn(16, device=DEVICE, requires_grad=True)
@@ -1484,7 +1479,7 @@ def test_bias_dropout_add_norm_empty_input_draws_no_random_numbers(norm):
 def test_bias_dropout_add_norm_dropping_everything_draws_no_random_numbers(norm):
     # p = 1: the mask drops every element whatever the random bits; no key is drawn and h is
     # the residual (as torch's dropout for p = 1), the same as the two ops give
-    state = _rng_state
+    state = generator_state
     m, x, residual, lb = _bda_norm_inputs(norm, 16, torch.float32)
     before = state()
     y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, 1.0, True)
@@ -1506,7 +1501,7 @@ def test_bias_dropout_add_norm_dropping_everything_draws_no_random_numbers(norm)
 def test_bias_dropout_add_norm_at_p_zero_draws_no_random_numbers(norm):
     # p = 0 in training drops nothing: as torch's dropout, no random numbers are drawn, and x's
     # gradient is h's gradient itself
-    state = _rng_state
+    state = generator_state
     m, x, residual, lb = _bda_norm_inputs(norm, 16, torch.float32)
     before = state()
     y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), residual, 0.0, True)

@@ -37,7 +37,7 @@ from fusedlib.kernels.launch import Tile
 from fusedlib.kernels.softmax import softmax_dropout_mask
 from fusedlib.transformer.enums import AttnMaskType
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_close  # noqa: I001
+from conftest import DEVICE, FLOAT_DTYPES, assert_close, generator_state  # noqa: I001
 
 SEED = 1234  # replayed seed of the op under test (inputs are drawn before it, fresh per test)
 SCALE = 1.0 / math.sqrt(128)
@@ -376,24 +376,20 @@ def test_fully_masked_rows_give_zeros_and_zero_gradient(path, monkeypatch):
     assert all(torch.equal(t, torch.zeros_like(t)) for t in empty)
 
 
-def _generator_state():
-    return torch.cuda.get_rng_state(DEVICE) if torch.device(DEVICE).type == "cuda" else torch.get_rng_state()
-
-
 def test_empty_inputs():
     # as torch's dropout, an empty input draws no random numbers (the generator stays where it
     # was, so later masks are the ones they would have been)
     for shape in [(0, 2, 3, 4), (2, 2, 0, 4), (1, 2, 3, 0)]:
         x = torch.randn(shape, device=DEVICE, requires_grad=True)
-        before = _generator_state()
+        before = generator_state()
         z = fused_scale_mask_softmax_dropout(x, None, AttnMaskType.causal, 1.0, 0.1)
-        assert torch.equal(_generator_state(), before)
+        assert torch.equal(generator_state(), before)
         assert z.shape == shape
         z.sum().backward()
         assert x.grad.shape == shape
-    before = _generator_state()
+    before = generator_state()
     fused_scale_mask_softmax_dropout(torch.randn(1, 2, 3, 4, device=DEVICE), None, AttnMaskType.causal, 1.0, 0.1)
-    assert not torch.equal(_generator_state(), before)  # a non-empty input draws its key
+    assert not torch.equal(generator_state(), before)  # a non-empty input draws its key
 
 
 def test_offset_gradient_with_no_heads():
