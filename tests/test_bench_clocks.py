@@ -64,6 +64,26 @@ def test_decode_reasons_names_each_bit():
     assert clocks.decode_reasons(0x4 | 0x1000) == ["power cap", "0x1000"]
 
 
+def test_summarize_lists_the_reasons_most_frequent_first_as_rounded_shares():
+    # the benchmark prints the reasons in this order ("power cap 67%, idle 33%"); the shares are
+    # rounded to 3 decimals for the JSON records
+    samples = [clocks.ClockSample(10.0 + i, 1500, 600, 60, mask) for i, mask in enumerate((0x1, 0x4, 0x4 | 0x80))]
+    got = clocks.summarize(samples, 10.0, 12.0)["reasons"]
+    assert list(got.items()) == [("power cap", 0.667), ("idle", 0.333), ("power brake", 0.333)]
+
+
+def test_gpu_id_is_the_uuid_with_one_gpu_prefix(monkeypatch):
+    # torch reports the UUID with or without nvidia-smi's "GPU-" prefix, by version: either way
+    # nvidia-smi -i must get it once
+    import types
+
+    uuid = "6d1d3c56-0000-1111-2222-333344445555"
+    for text in (uuid, f"GPU-{uuid}"):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, text=text: types.SimpleNamespace(uuid=text))
+        assert clocks.gpu_id(0) == f"GPU-{uuid}"
+
+
 def test_summarize_takes_the_window_only():
     t = 1000.0
     samples = [clocks.ClockSample(t + i * 0.1, sm, w, 50 + i, mask) for i, (sm, w, mask) in enumerate(
@@ -74,6 +94,8 @@ def test_summarize_takes_the_window_only():
     got = clocks.summarize(samples, t, t + 0.4)
     assert got["samples"] == 5 and got["reasons"] == {"power cap": 0.6, "idle": 0.2}
     assert clocks.summarize(samples, t + 5, t + 6) == {"samples": 0}
+    # the window is closed at both ends: t0 == t1 on a sample's time takes that sample
+    assert clocks.summarize(samples, samples[2].t, samples[2].t)["samples"] == 1
     for t0, t1 in ((2.0, 1.0), (float("nan"), 1.0), (0.0, float("inf"))):
         with pytest.raises(ValueError, match="window"):
             clocks.summarize(samples, t0, t1)
@@ -129,6 +151,35 @@ def test_sampler_without_nvidia_smi_samples_nothing_and_says_why(tmp_path):
     with clocks.ClockSampler(command=str(refusing)) as smp:
         assert smp.samples() == []
     assert smp.fields is None and "No devices were found" in smp.error and smp.limits == {}
+
+
+def test_sampler_reads_complete_lines_only(tmp_path):
+    # nvidia-smi may be half-way through a line when samples() reads: "..., 0x0000000000000004" cut
+    # before its last digit would parse as a sample without the power cap; the line is left for a
+    # later read
+    line = _line(1_796_296_204.25, 1620, 690.5, 63, 0x4)
+    smp = clocks.ClockSampler()
+    smp._out = open(tmp_path / "smi.csv", "w+b")
+    try:
+        smp._out.write((line + "\n" + line[:-1]).encode())
+        smp._out.flush()
+        got = smp.samples()
+        assert len(got) == 1 and got[0].reasons == 4
+        smp._out.write(line[-1:].encode() + b"\n")
+        smp._out.flush()
+        assert smp.samples() == [got[0], got[0]]
+    finally:
+        smp._out.close()
+
+
+def test_sampler_takes_no_query_that_nvidia_smi_fails(tmp_path):
+    # a query whose run exits non-zero failed, whatever it printed before failing
+    failing = tmp_path / "failing-smi"
+    failing.write_text(f"#!/bin/sh\necho '{_line(1_796_296_204.25, 1620, 690.5, 63, 0x4)}'\nexit 3\n")
+    failing.chmod(0o755)
+    with clocks.ClockSampler(command=str(failing)) as smp:
+        assert smp.samples() == []
+    assert smp.fields is None and "accepted none of the queries" in smp.error
 
 
 @pytest.mark.parametrize("kw, exc", [(dict(index=-1), ValueError), (dict(index=True), TypeError),

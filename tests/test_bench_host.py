@@ -623,6 +623,7 @@ def test_tune_cli_parsing():
     a = tune_mod.parse_args(["--op", "layer_norm", "--shape", "8192,16384", "--shape", "16,8", "--pass", "bwd"])
     assert (a.op, a.shape, a.passes, a.repeat, a.rep, a.limit, a.list) == \
         ("layer_norm", [(8192, 16384), (16, 8)], ["bwd"], 2, 100, None, False)
+    assert a.dtype == "bfloat16" and tune_mod.parse_args(["--op", "swiglu", "--dtype", "float16"]).dtype == "float16"
     for bad in ([], ["--op", "no_such_op"], ["--op", "bias_gelu", "--shape", "8192x16384"],
                 ["--op", "bias_gelu", "--shape", "0,4"], ["--op", "bias_gelu", "--limit", "0"]):
         with pytest.raises(SystemExit):
@@ -634,6 +635,14 @@ def test_tune_check_shape_takes_numpy_ints():
 
     got = tune_mod.check_shape("bias_gelu", (np.int64(8), np.int32(64)))
     assert got == (8, 64) and all(type(n) is int for n in got)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (8, 0), (True, 64), (8, 64.0)], ids=["0-rows", "0-width", "bool", "float"])
+def test_tune_check_shape_refuses_sizes_that_are_not_ints_of_at_least_one(shape):
+    # tune() takes its shapes through check_shape alone (the command line's --shape parser is
+    # not on that way): a size of 0 or a bool (an Integral, equal to 1) must not reach the timings
+    with pytest.raises(ValueError, match=r"a bias_gelu shape is \[rows, h\]: 2 ints >= 1"):
+        tune_mod.check_shape("bias_gelu", shape)
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -738,6 +747,73 @@ def test_candidates_are_tiles_and_the_current_tile_is_the_tables_pick():
     rms, ln = (tune_mod.current_tile(op, "bwd", (8, 16384)) for op in ("rms_norm", "layer_norm"))
     assert rms["BLOCK_N"] == 16384 and ln["BLOCK_N"] == 1024 < 16384
     assert ln == dataclasses.asdict(pick(kln.BWD_TILES, 16384))
+
+
+def test_tune_candidates_follow_the_tables_rules_at_short_rows():
+    from fusedlib.kernels import cross_entropy as kce
+    from fusedlib.kernels import glu as kglu
+    from fusedlib.kernels.launch import pick
+
+    # GLUs: the shape is [rows, 2h] and the kernels' tiles are picked by the output width h,
+    # BLOCK_N capped at h's next power of two; tiles of 2 Ki to 8 Ki outputs, both ends included
+    # (the range glu.TILES' comment gives)
+    for op in ("geglu", "swiglu"):
+        for pass_ in ("fwd", "bwd"):
+            assert tune_mod.current_tile(op, pass_, (4, 128)) == dataclasses.asdict(pick(kglu.TILES, 64))
+            assert {c["BLOCK_N"] for c in tune_mod.candidates(op, pass_, (4, 128))} == {64}
+        sizes = {c["BLOCK_M"] * c["BLOCK_N"] for c in tune_mod.candidates(op, "fwd", (8192, 32768))}
+        assert min(sizes) == 2048 and max(sizes) == 8192
+    # cross entropy: the current tiles are the tables' picks by V, and a forward candidate packs
+    # TILE_ELEMENTS // BLOCK_N rows to a program where one step holds the whole row (BLOCK_N >= V)
+    for v in (64, 2048, 128256):
+        for pass_, table in (("fwd", kce.FWD_TILES), ("bwd", kce.BWD_TILES)):
+            assert tune_mod.current_tile("cross_entropy", pass_, (8, v)) == dataclasses.asdict(pick(table, v))
+    for v in (2048, 4096):
+        for c in tune_mod.candidates("cross_entropy", "fwd", (8, v)):
+            packed = c["BLOCK_N"] >= v
+            assert c["BLOCK_M"] == (max(1, kce.TILE_ELEMENTS // c["BLOCK_N"]) if packed else 1), (v, c)
+    assert any(c["BLOCK_M"] == 2 for c in tune_mod.candidates("cross_entropy", "fwd", (8, 2048)))
+    assert all(c["BLOCK_M"] == 1 for c in tune_mod.candidates("cross_entropy", "fwd", (8, 128256)))
+
+
+def test_tune_bytes_are_each_kernels_share_of_the_benchmarks_floor():
+    # a GLU y [n, 2h] -> out [n, h]: the forward reads y and writes out, the backward reads g and
+    # y and writes dy; the elements are the dtype's bytes (2 for bfloat16, 4 for float32)
+    n, h = 10, 7
+    for dtype, e in ((torch.bfloat16, 2), (torch.float32, 4)):
+        for op in ("geglu", "swiglu"):
+            assert tune_mod.kernel_bytes(op, "fwd", (n, 2 * h), dtype) == (2 * n * h + n * h) * e
+            assert tune_mod.kernel_bytes(op, "bwd", (n, 2 * h), dtype) == (n * h + 2 * n * h + 2 * n * h) * e
+
+
+def test_tune_list_marks_the_current_tile_once_or_says_it_is_not_a_candidate():
+    assert tune_mod.tile_label({"BLOCK_N": 2048, "BLOCK_M": 2, "num_warps": 8}) == "BLOCK_N=2048 BLOCK_M=2 num_warps=8"
+    cur = tune_mod.current_tile("swiglu", "fwd", (8192, 32768))
+    lines = tune_mod.list_candidates("swiglu", [(8192, 32768)], ["fwd"]).splitlines()
+    assert lines[0].endswith(f"current: {tune_mod.tile_label(cur)}")  # among the candidates: no remark
+    assert [ln for ln in lines if "<- current" in ln] == [f"  {tune_mod.tile_label(cur)}  <- current"]
+    # at V = 64 the tables' tile (the whole row, 64 rows per program) is none of the candidates
+    lines = tune_mod.list_candidates("cross_entropy", [(4, 64)], ["fwd"]).splitlines()
+    assert lines[0].endswith(" (not among them)") and not any("<- current" in ln for ln in lines)
+
+
+def test_tune_records_the_fastest_repeat_and_marks_the_current_tile():
+    # a timer that does not run the kernels: each candidate's repeats come from a fixed list, so
+    # the record's "ms" must be the least of them and the summary line must rank by it
+    shape = (4, 4096)  # h = 2048: the current swiglu tile is among the candidates
+    times = iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0, 0.5, 0.75, 9.0])
+    lines = []
+    recs = tune_mod.tune("swiglu", [shape], passes=("fwd",), dtype=torch.float32, device=DEVICE, repeat=3, limit=3,
+                         timer=lambda fn, warmup=0, rep=0: next(times), emit=lines.append)
+    assert [r["ms_repeats"] for r in recs] == [[3.0, 1.0, 2.0], [5.0, 4.0, 6.0], [0.5, 0.75, 9.0]]
+    assert [r["ms"] for r in recs] == [1.0, 4.0, 0.5]
+    best = next(ln for ln in lines if "best:" in ln)
+    assert [float(t.split(" ms")[0]) for t in best.split("best: ")[1].split("; ")] == [0.5, 1.0, 4.0]
+    cur = tune_mod.current_tile("swiglu", "fwd", shape)
+    recs = tune_mod.tune("swiglu", [shape], passes=("fwd",), dtype=torch.float32, device=DEVICE, repeat=1,
+                         timer=lambda fn, warmup=0, rep=0: 1.0, emit=lambda line: None)
+    assert [r["tile"] for r in recs if r["current"]] == [cur]
+    assert len(recs) == len(tune_mod.candidates("swiglu", "fwd", shape)) > 1
 
 
 TINY = {"bias_gelu": (4, 64), "bias_dropout_add": (4, 64), "geglu": (4, 128), "swiglu": (4, 128),

@@ -342,6 +342,80 @@ def test_fused_step_functions_send_one_block_of_what_the_loss_needs(label_smooth
     assert_close(loss, unfused.cross_entropy(x.detach().double(), t, label_smoothing), torch.float32)
 
 
+def test_one_signature_with_other_label_smoothing_and_ignore_index():
+    # the same logits and targets, label smoothing off, on and off again, and another ignore_index:
+    # each call's loss and gradient are those of its own arguments, and a label_smoothing or an
+    # ignore_index the check refuses is still refused after calls of the same signature that passed
+    x, t = _inputs((6,), 50, torch.float32, n_ignored=0)
+    for label_smoothing, ignore_index in ((0.0, -100), (0.1, -100), (0.0, -100), (0.2, -100), (0.0, int(t[3]))):
+        x.grad = None
+        _check("fused", x, t, label_smoothing=label_smoothing, ignore_index=ignore_index)
+    with pytest.raises(ValueError, match=r"label_smoothing must be a float in \[0, 1\)"):
+        fused_vocab_parallel_cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match=r"ignore_index must be an int in \[-2\^63, 2\^63\)"):
+        fused_vocab_parallel_cross_entropy(x, t, ignore_index=2**70)
+
+
+def test_statistics_and_finalized_loss_of_one_signature():
+    # the kernel layer on the same logits, alternately writing the shard statistics (tensor
+    # parallelism) and the finished loss and lse (one device): each call gets what it asked for
+    from fusedlib.kernels.cross_entropy import cross_entropy_fwd
+
+    x, t = _inputs((7,), 30, torch.float32)
+    x64 = x.detach().double()
+    active = t != -100
+    for _ in range(2):
+        stats = cross_entropy_fwd(x.detach(), t)
+        assert stats.shape == (len(STAT_ROWS), 7)
+        assert_close(stats[0, active], x64.max(-1).values[active], torch.float32)
+        loss, lse = cross_entropy_fwd(x.detach(), t, finalize=True)
+        assert loss.shape == lse.shape == (7,)
+        assert_close(loss, unfused.cross_entropy(x64, t), torch.float32, scale=math.log(30))
+        assert_close(lse[active], torch.logsumexp(x64, -1)[active], torch.float32, scale=math.log(30))
+
+
+def test_smoothing_coefs_are_megatrons_in_the_dtype_asked():
+    # [1 - s, s / V] with s = eps·V/(V - 1), computed in float64 and handed over in the dtype asked
+    from fusedlib.kernels.cross_entropy import smoothing_coefs
+
+    for eps, v in ((0.1, 1000), (0.3, 7)):
+        s = eps * v / (v - 1)
+        got = smoothing_coefs(eps, v, torch.float64, DEVICE)
+        assert got.dtype == torch.float64 and got.device.type == DEVICE.type
+        torch.testing.assert_close(got.cpu(), torch.tensor([1 - s, s / v], dtype=torch.float64), atol=1e-16, rtol=0)
+    # no smoothing: [1, 0], also for a vocabulary of one id (where eps·V/(V - 1) has no value)
+    assert smoothing_coefs(0.0, 1, torch.float32, DEVICE).tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_smoothing_coefficients_reach_the_kernels_in_float32(dtype, spy_launches):
+    # with 16-bit logits the kernels still take [1 - s, s / V] in float32 (the accumulator's
+    # dtype): rounded to bf16, 1 - s = 0.9 would become 0.8984, an error of 1.5e-3 times the
+    # gradient, inside bf16's tolerance, so only the launch arguments show it
+    from fusedlib.kernels.cross_entropy import smoothing_coefs
+
+    x, t = _inputs((5,), 40, dtype)
+    fused_vocab_parallel_cross_entropy(x, t, label_smoothing=0.1).sum().backward()
+    want = smoothing_coefs(0.1, 40, torch.float32, DEVICE)
+    coefs = {c.kernel: c.args[5] for c in spy_launches if c.kernel.startswith("_cross_entropy_")}
+    assert sorted(coefs) == ["_cross_entropy_bwd_kernel", "_cross_entropy_fwd_kernel"]
+    for kernel, got in coefs.items():
+        assert got.dtype == torch.float32 and torch.equal(got, want), (kernel, got)
+
+
+def test_short_rows_are_packed_to_a_program_by_the_tables():
+    # rows up to 1 Ki (and the forward's up to 4 Ki) are read in one step, TILE_ELEMENTS // BLOCK_N
+    # of them to a program, with each table's warps: every power of two up to there has its row
+    from fusedlib.kernels.cross_entropy import BWD_TILES, FWD_TILES, TILE_ELEMENTS
+    from fusedlib.kernels.launch import next_power_of_2, pick
+
+    for table, last in ((FWD_TILES, 4096), (BWD_TILES, 1024)):
+        for v in sorted({n + d for n in (2**k for k in range(last.bit_length())) for d in (-1, 0)} - {0}):
+            tile = pick(table, v)
+            assert tile.BLOCK_N == next_power_of_2(v) and tile.BLOCK_M * tile.BLOCK_N == TILE_ELEMENTS, (v, tile)
+            assert tile.num_warps == (4 if v <= 1024 else 8), (v, tile)
+
+
 def test_vocab_utility():
     assert VocabUtility.vocab_range_from_per_partition_vocab_size(32, 2, 4) == (64, 96)
     assert VocabUtility.vocab_range_from_global_vocab_size(128256, 1, 2) == (64128, 128256)

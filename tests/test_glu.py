@@ -144,6 +144,13 @@ def test_glu_single_row_and_empty(glu):
     assert y.grad.shape == (0, 32) and torch.equal(b.grad, torch.zeros_like(b))
     y3 = _randn((0, 4, 2 * 8), torch.float32).requires_grad_(True)
     assert GLUS[glu][0](y3, None).shape == (0, 4, 8)
+    # zero width: y [rows, 0] is h = 0, an output of [rows, 0] (no tile table covers h = 0)
+    for b0 in (None, _randn((0,), torch.float32).requires_grad_(True)):
+        y0 = _randn((3, 0), torch.float32).requires_grad_(True)
+        out = GLUS[glu][0](y0, b0)
+        assert out.shape == (3, 0)
+        out.sum().backward()
+        assert y0.grad.shape == (3, 0) and (b0 is None or b0.grad.shape == (0,))
 
 
 @pytest.mark.parametrize("glu", GLUS)
@@ -180,7 +187,7 @@ def test_glu_multi_program_bias_reduction(glu):
 
 
 @pytest.mark.parametrize("glu", GLUS)
-def test_glu_bias_backward_on_several_row_programs(glu):
+def test_glu_bias_backward_on_several_row_programs(glu, spy_launches):
     # h = 20 (tiles of 32 rows): 1031 rows are 33 tiles, more than FOLD_TILES, so the persistent
     # grid has several row programs on the CPU too (7 of 160 rows; h = 12's tiles of 256 rows
     # fold into one): each program's first row and the second stage (sum_partials) are exercised
@@ -191,6 +198,54 @@ def test_glu_bias_backward_on_several_row_programs(glu):
     assert row_programs > 1
     y = _randn((n_rows, 2 * h), torch.float32).requires_grad_(True)
     _check_glu(glu, y, _randn((2 * h,), torch.float32).requires_grad_(True))
+    # the backward with a bias launched that persistent grid of BIAS_BWD_TILES' tile (not the
+    # forward table's tile, whose grid has one program per tile)
+    bwd = [c for c in spy_launches if c.kernel == "_bias_glu_bwd_kernel"]
+    assert [(c.grid, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in bwd] == \
+        [((row_programs, cdiv(h, tile.BLOCK_N)), tile.BLOCK_M, tile.BLOCK_N)]
+
+
+def test_a_tile_passed_to_the_launchers_is_the_one_launched(spy_launches):
+    # fusedlib.bench.tune times every candidate tile on the same inputs: each call launches its own
+    # tile (not the plan of an earlier call of the same signature with another tile) and computes
+    # the unit's values with it, plain, with a bias and with row weights (whose gradient sums the
+    # partial sums of h = 24's two column tiles of 16)
+    from fusedlib.kernels.glu import TILES, glu_bwd, glu_fwd
+    from fusedlib.kernels.launch import Tile
+
+    h = 24
+    y = _randn((9, 2 * h), torch.float32)
+    g = _randn((9, h), torch.float32, 1.0)
+    b = _randn((2 * h,), torch.float32, 1.0)
+    w = torch.rand(9, 1, device=DEVICE).to(torch.bfloat16)  # router weights of another dtype than y's
+    for bias, weights in ((None, None), (b, None), (None, w)):
+        out64, dy64, db64, dw64 = _reference("swiglu", y, bias, weights, g)
+        for tile in (Tile(BLOCK_M=2, BLOCK_N=16, num_warps=4), Tile(BLOCK_M=4, BLOCK_N=64, num_warps=4), None):
+            spy_launches.clear()
+            out = glu_fwd(y, bias, weights, "silu", tile=tile)
+            dy, db, dw = glu_bwd(g, y, bias, weights, "silu", tile=tile)
+            fwd_tile = tile or pick(TILES, h)
+            bwd_tile = tile or pick(TILES if bias is None else BIAS_BWD_TILES, h)
+            launched = [(c.kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in spy_launches if "glu" in c.kernel]
+            assert launched == [
+                ("_glu_fwd_kernel", fwd_tile.BLOCK_M, fwd_tile.BLOCK_N),
+                ("_glu_bwd_kernel" if bias is None else "_bias_glu_bwd_kernel", bwd_tile.BLOCK_M, bwd_tile.BLOCK_N)]
+            assert_close(out, out64, torch.float32)
+            assert_close(dy, dy64, torch.float32, scale=4.0)
+            if bias is not None:
+                assert_close(db, db64, torch.float32, scale=9**0.5)
+            if weights is not None:
+                assert dw.dtype == weights.dtype  # summed in float32, rounded once to w's dtype
+                assert_close(dw, dw64, weights.dtype, scale=h**0.5)
+
+
+def test_glu_backward_kernel_refuses_a_bias_with_row_weights():
+    # the bias backward kernel has no row weights: it would return the unweighted gradient
+    from fusedlib.kernels.glu import glu_bwd
+
+    y, g = _randn((4, 2 * 8), torch.float32), _randn((4, 8), torch.float32, 1.0)
+    with pytest.raises(NotImplementedError, match="both a bias and row weights"):
+        glu_bwd(g, y, _randn((2 * 8,), torch.float32), torch.rand(4, 1, device=DEVICE), "silu")
 
 
 def test_glu_large_values_do_not_overflow():

@@ -59,6 +59,69 @@ def _triton_spec(a):
     return native_specialize_impl(BaseBackend, a, False, True, True)
 
 
+def test_cross_entropy_forward_plans_take_the_shards_first_id_and_the_vocabulary_size(emulated_plans):
+    """The cross entropy's forward passes the shard's first vocabulary id and the global
+    vocabulary size as ints, which Triton specializes (1 is a constant, 0 and 16 are divisible by
+    16): the same logits and targets as shards at other places of vocabularies of other sizes get
+    plans of their own. The emulated C launcher checks every call's launch key against its
+    plan's, and each call's statistics equal the same call's on fresh plans, bitwise."""
+    from fusedlib.kernels.cross_entropy import cross_entropy_fwd
+
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(5, 24, generator=gen).to(DEVICE)
+    t = torch.randint(0, 33, (5,), generator=gen).to(DEVICE)  # valid ids in each vocabulary below
+    cases = [(0, 64), (16, 64), (3, 64), (16, 48), (16, 33)]
+
+    want = []
+    for start, vocab in cases:
+        fusedlib.runtime.clear_plans()
+        want.append([cross_entropy_fwd(x, t, start, -100, 0.0, vocab)])
+    fusedlib.runtime.clear_plans()
+    emulated_plans.clear()
+    for _ in range(2):
+        for (start, vocab), w in zip(cases, want):
+            _same([cross_entropy_fwd(x, t, start, -100, 0.0, vocab)], w)
+    assert "_cross_entropy_fwd_kernel" in emulated_plans, "no forward went through a bound plan"
+
+
+def test_glu_plans_take_the_strides_of_the_gradient_and_row_weights(emulated_plans):
+    """The GLUs pass the strides of the output gradient (backward) and of the row weights (both
+    kernels) as ints, which Triton specializes (1 is a constant): one input with a contiguous then
+    a transposed gradient, and with row weights of stride 1 then 2, gets plans of its own for
+    each. The emulated C launcher checks every call's launch key against its plan's, and each call
+    gives bitwise what it gives on fresh plans."""
+    from fusedlib import bias_swiglu_impl, weighted_bias_swiglu_impl
+
+    gen = torch.Generator().manual_seed(13)
+    y = torch.randn(6, 2 * 8, generator=gen).to(DEVICE)
+    g = torch.randn(6, 8, generator=gen).to(DEVICE)
+    gt = torch.randn(8, 6, generator=gen).to(DEVICE).t()
+    w = torch.rand(6, 2, generator=gen).to(DEVICE)
+    cases = [(g, None), (gt, None), (g, w[:, :1].contiguous()), (g, w[:, :1])]
+    assert [(gr.stride(), None if wr is None else wr.stride(0)) for gr, wr in cases] == \
+        [((8, 1), None), ((1, 6), None), ((8, 1), 1), ((8, 1), 2)]
+
+    def run(gr, wr):
+        leaf = y.clone().requires_grad_()
+        if wr is None:
+            out = bias_swiglu_impl(leaf, None)
+            return [out.detach(), *torch.autograd.grad(out, leaf, gr)]
+        wl = wr.detach().requires_grad_()
+        out = weighted_bias_swiglu_impl(leaf, None, wl)
+        return [out.detach(), *torch.autograd.grad(out, (leaf, wl), gr)]
+
+    want = []
+    for gr, wr in cases:
+        fusedlib.runtime.clear_plans()
+        want.append(run(gr, wr))
+    fusedlib.runtime.clear_plans()
+    emulated_plans.clear()
+    for _ in range(2):
+        for (gr, wr), w_ in zip(cases, want):
+            _same(run(gr, wr), w_)
+    assert {"_glu_fwd_kernel", "_glu_bwd_kernel"} <= set(emulated_plans), "no launch went through a bound plan"
+
+
 def _arg_pool():
     pool = []
     for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool):
