@@ -9,6 +9,7 @@ the eager block's for exact equality, dropout included.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import warnings
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedlib.models.gpt import get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
+from fusedlib.runtime import collector_paused_for_capture
 from fusedlib.transformer.cuda_graphs import MAX_SIGNATURES, CudaGraphManager, _check_no_hooks, _hook_dicts
 from fusedlib.transformer.identity_op import IdentityOp
 from fusedlib.transformer import TransformerConfig
@@ -268,10 +270,11 @@ def test_second_forward_before_backward_is_refused():
     with torch.no_grad():
         graphed(x, None)  # no autograd: the eager path is allowed
     graphed.eval()(x, None)
-    y = graphed.train()(x, None)
+    y = graphed.train()(x, None)  # y's backward stays pending while y lives
     graphed.reset_cuda_graphs()  # forgets y's pending backward too
     graphed(x, None).sum().backward()
     assert graphed.cudagraph_manager.captures == 2
+    del y
 
 
 @cuda_only
@@ -434,6 +437,72 @@ def test_a_mask_that_comes_and_goes(seed):
     for m in (None, mask, None, mask):
         assert_same(step(eager, x, g, seed, m), step(graphed, x, g, seed, m))
     assert graphed.cudagraph_manager.captures == 2
+
+
+class _SyncsTheHost(torch.nn.Module):
+    """A layer that reads a value on the host at every call: runs eagerly, cannot be captured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(H, H, device=DEVICE)
+
+    def forward(self, hidden_states, **kwargs):
+        if not torch.isfinite(hidden_states.sum()).item():  # (a host sync: refused inside a capture)
+            raise ValueError("non-finite hidden states")
+        return self.linear(hidden_states)
+
+
+@cuda_only
+def test_a_failed_capture_leaves_random_numbers_working():
+    """A layer that syncs the host makes the capture fail: the block raises, and the CUDA
+    generator is usable afterwards (a failed capture leaves it in capture mode, where every
+    later random draw fails): dropout draws, and another block captures with dropout on."""
+    _, graphed = pair()
+    graphed.layers[1] = _SyncsTheHost()
+    x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
+    with pytest.raises(RuntimeError, match="capturing the layers as CUDA graphs failed"):
+        graphed(x, None)
+    y = F.dropout(torch.ones(256, device=DEVICE), 0.5)
+    assert bool((y == 0).any()) and bool((y == 2).any())
+    _, again = pair(hidden_dropout=0.1, attention_dropout=0.1)
+    again(x, None).sum().backward()
+    assert again.cudagraph_manager.captures == 1 and x.grad is not None
+
+
+@cuda_only
+def test_inside_a_capture_of_the_whole_step_the_block_takes_the_eager_path():
+    """While the current stream is being captured (a graph of the whole training step) the
+    block's layers run eagerly, their kernels going into that graph: a capture of graphs of
+    their own cannot start inside another capture."""
+    _, graphed = pair()
+    x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
+    assert CudaGraphManager.applies(graphed, x)
+    graph = torch.cuda.CUDAGraph()
+    with collector_paused_for_capture(), torch.cuda.graph(graph):
+        inside = CudaGraphManager.applies(graphed, x)
+        doubled = 2 * x.detach()  # (something for the capture to hold)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not inside and torch.equal(doubled, 2 * x.detach())
+    assert CudaGraphManager.applies(graphed, x)
+
+
+@cuda_only
+def test_the_caller_s_tensors_are_not_the_capture_s_sample_inputs(seed):
+    """Each replay copies its call's hidden states and mask into the graphs' static inputs: those
+    must be copies made at the capture, not the capturing call's own tensors, which the next
+    call would otherwise overwrite."""
+    _, graphed = pair()
+    xs = [torch.randn(S, B, H, device=DEVICE, requires_grad=True) for _ in range(2)]
+    masks = [torch.zeros(B, 1, S, S, device=DEVICE, dtype=torch.bool) for _ in range(2)]
+    masks[1][0, ..., -2:] = True
+    kept = [(x.detach().clone(), m.clone()) for x, m in zip(xs, masks)]
+    for x, m in zip(xs, masks):
+        graphed(x, m).sum().backward()
+    for i, (x, m) in enumerate(zip(xs, masks)):
+        assert torch.equal(x.detach(), kept[i][0]), f"the hidden states of call {i} were modified"
+        assert torch.equal(m, kept[i][1]), f"the mask of call {i} was modified"
+    assert graphed.cudagraph_manager.captures == 1
 
 
 # ------------------------------------------------------------------------ the bookkeeping, anywhere
@@ -686,3 +755,120 @@ def test_bookkeeping_of_the_benchmarks_plain_graphed_block(seed):
         close(*results)
     assert graphed.cudagraph_manager.captures == 1
 
+
+
+def test_bookkeeping_the_least_recently_used_signature_is_dropped(seed):
+    """The signatures kept are the most recently used ones: a signature used again before the
+    bound is reached outlives the next new one (the oldest unused one goes instead), so a run
+    that alternates its usual shapes with a rare one does not capture its usual ones again."""
+    _, managed = stand_in_pair()
+
+    def call(s):
+        managed(torch.randn(s, B, H, device=DEVICE, requires_grad=True), None).sum().backward()
+
+    for s in range(1, MAX_SIGNATURES + 1):  # as many signatures as kept
+        call(s)
+    call(1)  # replayed: 2 is now the least recently used
+    assert managed.cudagraph_manager.captures == MAX_SIGNATURES
+    call(MAX_SIGNATURES + 1)  # a new one: 2 is dropped, not 1
+    call(1)
+    assert managed.cudagraph_manager.captures == MAX_SIGNATURES + 1
+    call(2)
+    assert managed.cudagraph_manager.captures == MAX_SIGNATURES + 2
+
+
+@pytest.mark.parametrize("change", ["dtype", "input_grad", "mask_shape", "autocast", "layer_mode"])
+def test_bookkeeping_every_part_of_the_signature_has_its_own_graphs(change, seed):
+    """Each part of the signature a capture fixes, changed alone, gets graphs of its own, and
+    the first signature's graphs are replayed again afterwards: the input's dtype (a replay
+    copies its input into the captured buffer, in that buffer's dtype) and requires_grad (graphs
+    captured for an input without grad give it none), a mask's shape, autocast's state (the
+    captured kernels' dtypes) and a layer's training flag (dropout on or off)."""
+    dtype = torch.bfloat16 if change == "dtype" else torch.float32
+    managed = TransformerBlock(config(dtype, cuda_graph_impl="local"), get_gpt_layer_unfused_spec()).to(DEVICE).train()
+    managed.cudagraph_manager = CudaGraphManager(3, capture=_eager_stand_in)
+    x = torch.randn(S, B, H, device=DEVICE)
+    mask = torch.zeros(B, 1, S, S, device=DEVICE, dtype=torch.bool)
+    mask[1, ..., -3:] = True
+
+    def call(changed):
+        xi = x.clone().requires_grad_(not (change == "input_grad" and changed))
+        if change == "dtype" and changed:
+            xi = x.to(dtype).requires_grad_(True)
+        m = (mask[1:2] if changed else mask) if change == "mask_shape" else None
+        managed.layers[1].train(not (change == "layer_mode" and changed))
+        # autocast in the device's default autocast dtype: only its enabled state differs from
+        # the first call's signature (which holds that dtype too)
+        autocast = torch.autocast(DEVICE.type, dtype=torch.get_autocast_dtype(DEVICE.type)) \
+            if change == "autocast" and changed else contextlib.nullcontext()
+        with autocast:
+            y = managed(xi, m)
+        y.float().sum().backward()
+
+    for changed, captures in ((False, 1), (True, 2), (False, 2), (True, 2)):
+        call(changed)
+        assert managed.cudagraph_manager.captures == captures, (change, changed)
+
+
+def test_bookkeeping_a_new_parameter_object_on_the_same_storage_recaptures(seed):
+    """A parameter replaced by a new Parameter object over the same storage (as a wrapper that
+    registers its parameters again does): the values the graphs read are the same, but their
+    backward would give the gradient to the old object; the stack is captured again, and the
+    new parameter gets its gradient as in the eager block."""
+    eager, managed = stand_in_pair()
+    x = torch.randn(S, B, H, device=DEVICE)
+    g = torch.randn(S, B, H, device=DEVICE)
+    close(step(eager, x, g, seed), step(managed, x, g, seed))
+    fc2 = managed.layers[1].mlp.linear_fc2
+    fc2.weight = torch.nn.Parameter(fc2.weight.data)  # the same storage, a new object
+    r = step(managed, x, g, seed)
+    close(step(eager, x, g, seed), r)
+    assert r[2]["layers.1.mlp.linear_fc2.weight"] is not None and managed.cudagraph_manager.captures == 2
+
+
+@pytest.mark.parametrize("hook", ["global", "backward_pre", "tensor_before_the_capture"])
+def test_bookkeeping_hooks_of_every_kind_are_refused(hook):
+    """A global module hook, a module's backward pre-hook and a tensor hook registered on a
+    parameter before the first capture are refused as the other hooks are: the graphs would run
+    none of them (or, for the tensor hook, apply it twice)."""
+    from torch.nn.modules import module as module_mod
+
+    _, managed = stand_in_pair()
+    x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
+    if hook == "global":
+        handle = module_mod.register_module_forward_hook(lambda m, i, o: None)
+        match = "a global module hook is registered"
+    elif hook == "backward_pre":
+        handle = managed.layers[0].mlp.register_full_backward_pre_hook(lambda m, g: None)
+        match = r"layers\.0\.mlp \(.*\) has a module hook"
+    else:
+        handle = managed.layers[0].mlp.linear_fc1.weight.register_hook(lambda g: g)
+        match = r"parameter layers\.0\.mlp\.linear_fc1\.weight has a tensor hook"
+    try:
+        with pytest.raises(NotImplementedError, match=match):
+            managed(x, None)
+    finally:
+        handle.remove()
+    managed(x, None).sum().backward()
+    assert managed.cudagraph_manager.captures == 1
+
+
+def test_bookkeeping_trainable_layers_capture_for_an_input_without_grad(seed):
+    """The first block of a model gets embeddings that need no gradient: its layers still train,
+    so the stack is captured (the eager path is for calls with nothing to differentiate), and
+    its gradients equal the eager block's."""
+    eager, managed = stand_in_pair()
+    x = torch.randn(S, B, H, device=DEVICE)  # no grad
+    g = torch.randn(S, B, H, device=DEVICE)
+    for _ in range(2):
+        results = []
+        for block in (eager, managed):
+            for p in block.parameters():
+                p.grad = None
+            y = block(x, None)
+            y.backward(g)
+            results.append((y.detach().clone(), {n: p.grad for n, p in block.named_parameters()}))
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+        for n, t in results[0][1].items():
+            torch.testing.assert_close(results[1][1][n], t, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    assert managed.cudagraph_manager.captures == 1

@@ -677,3 +677,96 @@ def test_cublaslt_s_gelu_is_the_tanh_form():
     assert d.abs().max() > 4e-4  # the two forms do differ here
     slope = ((y.double() - _gelu_tanh(z64)) * d).sum() / (d * d).sum()
     assert abs(slope.item()) < 0.25, f"the epilogue's GeLU projects {slope.item():.2f} of the way to the erf form"
+
+
+@needs_cublaslt
+def test_each_gemm_shape_and_epilogue_gets_its_own_plan():
+    """cuBLASLt's plans are made once per GEMM: two forward GEMMs with the same output [M, N]
+    but another depth K, and an MLP whose fc1 depth K equals fc2's H (its forward GEMM and its
+    dgelu GEMM then have the same M, N and K, but another epilogue and transpose), each compute
+    their own product."""
+    dtype = torch.bfloat16
+    for k in (32, 64):  # one [48, 128] output, depth 32 then 64
+        x = torch.randn(48, k, device=DEVICE).to(dtype)
+        w = (k ** -0.5 * torch.randn(128, k, device=DEVICE)).to(dtype)
+        b = torch.randn(128, device=DEVICE).to(dtype)
+        y, z = cublaslt.linear_gelu_aux_bias(x, w, b)
+        z64 = F.linear(x.double(), w.double(), b.double())
+        assert_close(z, z64, dtype)
+        assert_close(y, _gelu_tanh(z64), dtype, scale=2)
+    _check(*_inputs((48,), 64, 128, 64, dtype), dtype, epilogue=True)  # K = H = 64
+
+
+@needs_cublaslt
+def test_one_workspace_per_stream_kept_across_calls(monkeypatch):
+    """cuBLASLt's workspace is made once per (device, stream) and kept: a second call on a
+    stream uses the same one (not a new allocation per call), and a call on another stream
+    gets its own (GEMMs on two streams may run at the same time)."""
+    monkeypatch.setattr(cublaslt, "_workspaces", {})
+    x, w1, b1, _, _ = (t.detach() for t in _inputs((64,), 64, 128, 32, torch.bfloat16))
+    y, _ = cublaslt.linear_gelu_aux_bias(x, w1, b1)
+    (first,) = cublaslt._workspaces.values()
+    cublaslt.linear_gelu_aux_bias(x, w1, b1)
+    (again,) = cublaslt._workspaces.values()
+    assert again is first
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (a stream other than the default one: its handle is not 0)
+        y_side, _ = cublaslt.linear_gelu_aux_bias(x, w1, b1)
+        kept = dict(cublaslt._workspaces)
+        cublaslt.linear_gelu_aux_bias(x, w1, b1)
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(kept) == 2 and torch.equal(y_side, y)
+    assert cublaslt._workspaces.keys() == kept.keys()
+    assert all(cublaslt._workspaces[key] is w for key, w in kept.items())
+
+
+@needs_cublaslt
+def test_supported_asks_every_width_and_one_device():
+    """supported() refuses a weight whose rows K (the GEMM's depth, and the leading dimension of
+    x and the weight) are not a multiple of 8, and an operand on another device, even one that
+    is aligned as cuBLASLt needs."""
+    dtype = torch.bfloat16
+    x, w, b = (_aligned_copy(torch.zeros(shape, device=DEVICE, dtype=dtype)) for shape in ((4, 16), (32, 16), (32,)))
+    assert cublaslt.supported(x, w, b)
+    x12, w12 = (_aligned_copy(torch.zeros(shape, device=DEVICE, dtype=dtype)) for shape in ((4, 12), (32, 12)))
+    assert not cublaslt.supported(x12, w12, b)
+    b_cpu, w_cpu = _aligned_copy(b.cpu()), _aligned_copy(w.cpu())
+    assert b_cpu.data_ptr() % cublaslt.ALIGNMENT == 0 and w_cpu.data_ptr() % cublaslt.ALIGNMENT == 0
+    assert not cublaslt.supported(x, w, b_cpu)
+    assert not cublaslt.supported(x, w_cpu, b)
+
+
+@pytest.mark.parametrize("fn,shapes", [
+    ("linear_gelu_aux_bias", ((4, 16), (32, 16), (24,))),  # bias [24] for N = 32
+    ("linear_gelu_aux_bias", ((4, 24), (32, 16), (32,))),  # x's K = 24, the weight's 16
+    ("matmul_dgelu", ((4, 32), (32, 16), (4, 24))),  # z [4, 24] for [M, F] = [4, 16]
+])
+def test_cublaslt_refuses_mismatched_shapes(fn, shapes):
+    # every operand is one cuBLASLt could take alone (bfloat16, widths multiples of 8), but one
+    # shape disagrees with the others: refused before anything reads memory (cuBLASLt would read
+    # past the short operand, or write an output of another shape)
+    args = [torch.zeros(shape, device=DEVICE, dtype=torch.bfloat16) for shape in shapes]
+    expected = "expected x" if fn == "linear_gelu_aux_bias" else "expected grad"
+    with pytest.raises(ValueError, match=expected):
+        getattr(cublaslt, fn)(*args)
+
+
+@needs_cublaslt
+def test_zero_rows_on_the_epilogue_path(count_calls):
+    """An empty batch (M = 0) with operands cuBLASLt takes: the op goes to the epilogue path,
+    whose GEMMs have nothing to compute, so neither makes a cuBLASLt plan or call; the output
+    is empty and the weight gradients are zeros."""
+    dtype = torch.bfloat16
+    fwd = count_calls(fused_dense.cublaslt, "launch_linear_gelu_aux_bias")
+    bwd = count_calls(fused_dense.cublaslt, "launch_matmul_dgelu")
+    plans = count_calls(cublaslt, "_plan")
+    x, w1, b1, w2, b2 = _inputs((0,), 64, 128, 32, dtype)
+    _check(x, w1, b1, w2, b2, dtype, epilogue=True)
+    assert len(fwd) == 1 and len(bwd) == 1
+    assert torch.equal(w1.grad, torch.zeros_like(w1)) and torch.equal(b1.grad, torch.zeros_like(b1))
+    y, z = cublaslt.linear_gelu_aux_bias(x.detach(), w1.detach(), b1.detach())
+    assert y.shape == z.shape == (0, 128)
+    dz = cublaslt.matmul_dgelu(torch.zeros(0, 32, device=DEVICE, dtype=dtype), w2.detach(), z)
+    assert dz.shape == (0, 128)
+    assert plans == []
