@@ -72,15 +72,7 @@ def test_cross_entropy_forward_plans_take_the_shards_first_id_and_the_vocabulary
     t = torch.randint(0, 33, (5,), generator=gen).to(DEVICE)  # valid ids in each vocabulary below
     cases = [(0, 64), (16, 64), (3, 64), (16, 48), (16, 33)]
 
-    want = []
-    for start, vocab in cases:
-        fusedlib.runtime.clear_plans()
-        want.append([cross_entropy_fwd(x, t, start, -100, 0.0, vocab)])
-    fusedlib.runtime.clear_plans()
-    emulated_plans.clear()
-    for _ in range(2):
-        for (start, vocab), w in zip(cases, want):
-            _same([cross_entropy_fwd(x, t, start, -100, 0.0, vocab)], w)
+    _as_on_fresh_plans(cases, lambda start, vocab: [cross_entropy_fwd(x, t, start, -100, 0.0, vocab)], emulated_plans)
     assert "_cross_entropy_fwd_kernel" in emulated_plans, "no forward went through a bound plan"
 
 
@@ -110,15 +102,7 @@ def test_glu_plans_take_the_strides_of_the_gradient_and_row_weights(emulated_pla
         out = weighted_bias_swiglu_impl(leaf, None, wl)
         return [out.detach(), *torch.autograd.grad(out, (leaf, wl), gr)]
 
-    want = []
-    for gr, wr in cases:
-        fusedlib.runtime.clear_plans()
-        want.append(run(gr, wr))
-    fusedlib.runtime.clear_plans()
-    emulated_plans.clear()
-    for _ in range(2):
-        for (gr, wr), w_ in zip(cases, want):
-            _same(run(gr, wr), w_)
+    _as_on_fresh_plans(cases, run, emulated_plans)
     assert {"_glu_fwd_kernel", "_glu_bwd_kernel"} <= set(emulated_plans), "no launch went through a bound plan"
 
 
@@ -540,6 +524,21 @@ def _same(a_list, b_list):
     for a, b in zip(a_list, b_list):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b), "direct != kernel[grid]"
+
+
+def _as_on_fresh_plans(cases, run, emulated_plans):
+    """Runs ``run(*case)`` for each case on fresh plans, then every case twice more in turn,
+    through the plans the emulated C launcher binds (which checks each call's launch key against
+    its plan's): each call's tensors equal its fresh-plan ones bitwise."""
+    want = []
+    for case in cases:
+        fusedlib.runtime.clear_plans()
+        want.append(run(*case))
+    fusedlib.runtime.clear_plans()
+    emulated_plans.clear()
+    for _ in range(2):
+        for case, w in zip(cases, want):
+            _same(run(*case), w)
 
 
 def _main_ops():
@@ -1272,13 +1271,5 @@ def test_cross_entropy_backward_plans_take_the_strides_of_the_gradient_and_targe
         loss = fused_vocab_parallel_cross_entropy(leaf, t)
         return [loss.detach(), *torch.autograd.grad(loss, leaf, gr)]
 
-    want = []
-    for t, gr in cases:
-        fusedlib.runtime.clear_plans()
-        want.append(run(t, gr))
-    fusedlib.runtime.clear_plans()
-    emulated_plans.clear()
-    for _ in range(2):
-        for (t, gr), w in zip(cases, want):
-            _same(run(t, gr), w)
+    _as_on_fresh_plans(cases, run, emulated_plans)
     assert "_cross_entropy_bwd_kernel" in emulated_plans, "no backward went through a bound plan"
