@@ -1544,7 +1544,7 @@ def rotate_half(x: torch.Tensor, rotary_interleaved: bool) -> torch.Tensor:
     x1 = x[..., ::2]
     x2 = x[..., 1::2]
     x_new = torch.stack((-x2, x1), dim=-1)  # [..., n/2, 2]
-    return x_new.view(*x_new.shape[:-2], -1)  # [..., n/2, 2] -> [..., n]
+    return x_new.view(*x_new.shape[:-2], x.shape[-1])  # [..., n/2, 2] -> [..., n] (n given: -1 is ambiguous at 0 rows)
 
 
 def apply_rotary_pos_emb_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,

@@ -113,12 +113,12 @@ def first_positions(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         freqs: [s2, 1 or b, 1, rot_dim] with s2 >= s or s2 = 1.
 
     Returns:
-        [s, 1 or b, 1, rot_dim] (or [1, ...] when s2 = 1).
+        [s, 1 or b, 1, rot_dim] (or [1, ...] when s2 = 1 <= s: it broadcasts).
 
     Source: Transformer Engine ``apply_rotary_pos_emb`` (freqs ``[s2, 1, 1, d2]`` with ``s2 >= s``).
     """
     s = t.shape[0]
-    return freqs[:s] if freqs.shape[0] > s > 0 else freqs
+    return freqs[:s] if freqs.shape[0] > s else freqs
 
 
 class FusedRoPEFunc(torch.autograd.Function):
