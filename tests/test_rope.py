@@ -142,6 +142,30 @@ def test_more_heads_than_one_loop_step():
     _check(_randn(2, 1, n_heads, d), _angles(2, 1, rot), False)
 
 
+def test_launch_settings_follow_the_dims_of_each_call(monkeypatch):
+    # rope_tile's documented settings: BLOCK_N, the pairs per head, the power of two >= rot / 2;
+    # one warp per 32 of them, between 1 and MAX_WARPS; BLOCK_M heads per step, a power of two
+    # no larger than the heads', whose elements (the wider of the rotated pairs and the
+    # pass-through channels) fit the warps' budget. Calls with the same heads and rotary dim but
+    # another head_dim (a table of 64 two-channel heads before one of 64 heads of 128) must not
+    # share an answer: more pass-through channels leave room for fewer heads per step.
+    from fusedlib.kernels import rope as rope_kernels
+    from fusedlib.kernels.launch import next_power_of_2
+
+    monkeypatch.setattr(rope_kernels, "_TILES", {})
+    for n_heads, d, rot in ((64, 2, 2), (64, 128, 2), (64, 128, 128), (3, 80, 40), (1, 8, 8), (32, 512, 512),
+                            (16, 1024, 1024), (5, 130, 4)):
+        tile = rope_tile(n_heads, d, rot)
+        block_k, block_p = tile.BLOCK_N, (next_power_of_2(d - rot) if d > rot else 0)
+        assert block_k == next_power_of_2(rot // 2), (n_heads, d, rot, tile)
+        assert tile.num_warps == max(1, min(rope_kernels.MAX_WARPS, block_k // 32)), (n_heads, d, rot, tile)
+        assert tile.BLOCK_M == next_power_of_2(tile.BLOCK_M) and 1 <= tile.BLOCK_M <= next_power_of_2(n_heads)
+        width = max(2 * block_k, block_p)
+        assert tile.BLOCK_M == 1 or tile.BLOCK_M * width <= tile.num_warps * rope_kernels.ELEMENTS_PER_WARP, \
+            (n_heads, d, rot, tile)
+        assert rope_tile(n_heads, d, rot) == tile  # the remembered answer is the same
+
+
 def test_per_sample_positions():
     # freqs [s, b, 1, rot]: each sample its own positions (here offsets 0, 5, 11)
     s, b, d, rot = 5, 3, 40, 40
@@ -182,6 +206,20 @@ def test_a_longer_table_of_angles_is_read_at_the_first_positions(interleaved, b_
         assert torch.equal(apply_rotary_pos_emb(t, table, config), apply_rotary_pos_emb(t, table[:s], config))
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+@pytest.mark.parametrize("s2", [1, 11])
+def test_an_empty_sequence_with_a_table_of_angles(interleaved, s2):
+    # s = 0 with a table of one position (which broadcasts) or of 11 (read from position 0): both
+    # paths return the empty output and an empty gradient, as for any other s within the table
+    table = _angles(s2, 1, 24, interleaved)
+    for fusion in (False, True):
+        leaf = _randn(0, 3, 2, 40).requires_grad_(True)
+        out = apply_rotary_pos_emb(leaf, table, _config(fusion, interleaved))
+        assert out.shape == (0, 3, 2, 40)
+        out.sum().backward()
+        assert leaf.grad.shape == (0, 3, 2, 40)
+
+
 def test_non_contiguous_inputs():
     s, b, n_heads, d, rot = 5, 3, 2, 40, 24
     # t: the query slice of a fused [s, b, np, 3d] QKV tensor (last-dim slice, larger strides)
@@ -211,6 +249,42 @@ def test_head_dim_stride_not_one():
     t = _randn(3, 2, 24, 2).permute(0, 1, 3, 2)  # [3, 2, 2, 24] with stride(-1) = 2
     assert t.stride(-1) != 1
     _check(t, _angles(3, 1, 24, True), True)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+def test_angles_strided_along_the_channels(interleaved):
+    # freqs whose channels are not adjacent in memory (every other column of a wider buffer):
+    # the kernel must step through them by freqs.stride(-1), not assume 1
+    s, b, d, rot = 4, 2, 40, 24
+    wide = torch.stack((_angles(s, 1, rot, interleaved), _randn(s, 1, 1, rot, scale=30.0)), dim=-1)
+    freqs = wide.reshape(s, 1, 1, 2 * rot)[..., ::2]
+    assert freqs.stride(-1) == 2 and torch.equal(freqs, wide[..., 0])
+    _check(_randn(s, b, 3, d), freqs, interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+@pytest.mark.parametrize("d, rot", [(24, 24), (40, 24)], ids=["d24-rot24", "d40-rot24"])
+def test_nothing_is_written_outside_the_output(d, rot, interleaved, monkeypatch):
+    # 12 pairs in a tile of 16: the masked-off lanes must store nothing. The output is placed
+    # inside a larger buffer whose cells around it hold NaN; a store past a head's rotated
+    # channels lands in the next head, the next token, or after the last token's last head
+    # (the cells checked here), in both the forward and the backward kernel
+    from fusedlib.kernels import rope as rope_kernels
+
+    pad, buffers = 64, []
+
+    def guarded_empty(x):
+        buf = torch.full((x.numel() + 2 * pad,), math.nan, dtype=x.dtype, device=x.device)
+        buffers.append(buf)
+        return buf[pad:pad + x.numel()].view(x.shape)
+
+    monkeypatch.setattr(rope_kernels, "empty_contiguous_like", guarded_empty)
+    t = _randn(3, 2, 2, d)
+    for fn in (rope_fwd, rope_bwd):
+        out = fn(t, _angles(3, 1, rot, interleaved), interleaved)
+        assert not torch.isnan(out).any(), fn.__name__
+        buf = buffers[-1]
+        assert torch.isnan(buf[:pad]).all() and torch.isnan(buf[-pad:]).all(), fn.__name__
 
 
 def test_empty_inputs():
@@ -355,6 +429,21 @@ def test_numpy_bool_and_real_scalars_are_accepted():
     ref = fused_apply_rotary_pos_emb(t, freqs, interleaved=True, mscale=2.0)
     assert torch.equal(fused_apply_rotary_pos_emb(t, freqs, interleaved=np.bool_(True), mscale=np.float32(2.0)), ref)
     assert torch.equal(fused_apply_rotary_pos_emb(t, freqs, interleaved=True, mscale=2), ref)
+
+
+def test_mscale_of_float32s_largest_magnitude_is_accepted_in_every_real_type():
+    # |mscale| <= float32's max is the documented range: its ends are accepted whether they come
+    # as a Python float, an int or a NumPy float32, and give the same output (t small enough
+    # that the scaled products stay finite)
+    import numpy as np
+
+    big = torch.finfo(torch.float32).max
+    t, freqs = _randn(3, 2, 1, 8, scale=2.0**-6), _angles(3, 1, 8)
+    for sign in (1, -1):
+        ref = fused_apply_rotary_pos_emb(t, freqs, mscale=sign * big)
+        assert torch.isfinite(ref).all()
+        for m in (np.float32(sign * big), sign * int(big)):
+            assert torch.equal(fused_apply_rotary_pos_emb(t, freqs, mscale=m), ref), type(m)
 
 
 def test_freqs_that_require_grad_raise():

@@ -893,6 +893,139 @@ def test_process_groups_in_one_process():
     assert not parallel_state.model_parallel_is_initialized()
 
 
+def test_getters_refuse_before_initialization_and_the_size_must_be_an_int():
+    # every getter names the missing initialization (the group getters return None only when
+    # told not to check); a bool or a float size is refused even where it equals 1
+    assert not parallel_state.model_parallel_is_initialized()
+    for getter in (parallel_state.get_tensor_model_parallel_group, parallel_state.get_tensor_model_parallel_rank,
+                   parallel_state.get_tensor_model_parallel_world_size, parallel_state.get_data_parallel_group,
+                   parallel_state.get_data_parallel_rank, parallel_state.get_data_parallel_world_size):
+        with pytest.raises(RuntimeError, match=f"{getter.__name__}: model parallel groups are not initialized"):
+            getter()
+    assert parallel_state.get_tensor_model_parallel_group(check_initialized=False) is None
+    assert parallel_state.get_data_parallel_group(check_initialized=False) is None
+    for bad in (True, 1.0, "1", None):
+        with pytest.raises(ValueError, match=r"tensor_model_parallel_size must be an int >= 1, got "):
+            parallel_state.initialize_model_parallel(bad)
+        assert not parallel_state.model_parallel_is_initialized()
+
+
+def test_default_backend_is_nccl_only_with_cuda(monkeypatch):
+    for cuda, want in ((True, "nccl"), (False, "gloo")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        assert parallel_state.default_backend() == want
+
+
+_TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_init_distributed_reads_torchruns_environment(monkeypatch):
+    # torch.distributed itself is replaced by a recorder: what init_distributed asks of it
+    import datetime
+
+    calls, devices = [], []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    for k in _TORCHRUN_VARS:
+        monkeypatch.delenv(k, raising=False)
+    # not started by torchrun: the missing variables named, nothing initialized
+    with pytest.raises(RuntimeError, match="WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT not set: start the processes "
+                                           "with torchrun"):
+        parallel_state.init_distributed("gloo")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized and RANK, MASTER_PORT not set"):
+        parallel_state.init_distributed("gloo")
+    assert calls == [] and devices == []
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for bad in ("mpi", "NCCL"):
+        with pytest.raises(ValueError, match=f"backend must be 'nccl', 'gloo' or None, got '{bad}'"):
+            parallel_state.init_distributed(bad)
+    assert calls == []
+    # NCCL: this process's GPU is LOCAL_RANK's (not RANK's), bound before the group is made
+    parallel_state.init_distributed("nccl", timeout_s=42.0)
+    assert devices == [1]
+    assert calls == [(("nccl",), dict(init_method="env://", timeout=datetime.timedelta(seconds=42),
+                                      device_id=torch.device("cuda", 1)))]
+    # gloo: no GPU; None takes the default backend (gloo without CUDA)
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parallel_state.init_distributed(None)
+    parallel_state.init_distributed("gloo", timeout_s=5)
+    assert devices == [1]
+    assert calls == [(("gloo",), dict(init_method="env://", timeout=datetime.timedelta(seconds=600))),
+                     (("gloo",), dict(init_method="env://", timeout=datetime.timedelta(seconds=5)))]
+    # already initialized: nothing asked
+    calls.clear()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    parallel_state.init_distributed("gloo")
+    assert calls == []
+
+
+def test_a_torchrun_process_initializes_torch_distributed_even_at_size_1(monkeypatch):
+    # with torchrun's WORLD_SIZE set, initialize_model_parallel(1) must join the process group
+    # (the data-parallel ranks are the other processes), with the backend it was given
+    backends = []
+
+    def init_distributed(backend=None, timeout_s=600.0):
+        backends.append(backend)
+        raise RuntimeError("torch.distributed stands in here")
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel_state, "init_distributed", init_distributed)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for backend in ("gloo", None):
+        with pytest.raises(RuntimeError, match="torch.distributed stands in here"):
+            parallel_state.initialize_model_parallel(1, backend=backend)
+        assert not parallel_state.model_parallel_is_initialized()
+    assert backends == ["gloo", None]
+
+
+def _group_layout_worker(rank, world_size, device):
+    ranks = torch.distributed.get_process_group_ranks
+    out = dict(tp=ranks(parallel_state.get_tensor_model_parallel_group()),
+               dp=ranks(parallel_state.get_data_parallel_group()),
+               tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+               tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+               dp_rank=parallel_state.get_data_parallel_rank(), dp_size=parallel_state.get_data_parallel_world_size())
+    parallel_state.destroy_model_parallel()
+    out["after_destroy"] = (parallel_state.model_parallel_is_initialized(),
+                            parallel_state.get_tensor_model_parallel_group(check_initialized=False),
+                            parallel_state.get_data_parallel_group(check_initialized=False))
+    return out
+
+
+def test_groups_of_four_ranks_at_tensor_parallel_size_2():
+    # Megatron's layout: tensor-parallel groups of adjacent ranks [0, 1], [2, 3]; data-parallel
+    # groups of the ranks holding the same shard [0, 2], [1, 3] (at world = p the two layouts
+    # cannot be told apart); destroy_model_parallel forgets both groups
+    for r, res in enumerate(fp.spawn(_group_layout_worker, 4, tensor_model_parallel_size=2, backend="gloo")):
+        assert res == dict(tp=[2 * (r // 2), 2 * (r // 2) + 1], dp=[r % 2, r % 2 + 2], tp_rank=r % 2, tp_size=2,
+                           dp_rank=r // 2, dp_size=2, after_destroy=(False, None, None)), (r, res)
+
+
+def test_spawn_picks_nccl_only_with_a_gpu_per_rank(monkeypatch):
+    from fusedlib.parallel import demo
+
+    calls = []
+    monkeypatch.setattr(demo, "run_tp", lambda fn, world_size, *args, backend: calls.append((world_size, args, backend)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gpus, want in ((1, "gloo"), (2, "nccl"), (3, "nccl")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        calls.clear()
+        fp.spawn(_noop_rank, 2, "arg")
+        fp.spawn(_noop_rank, 2, tensor_model_parallel_size=1, backend="gloo")
+        # (fn, p, *args) reach the launcher; p defaults to the world size
+        assert calls == [(2, (_noop_rank, 2, "arg"), want), (2, (_noop_rank, 1), "gloo")], (gpus, calls)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls.clear()
+    fp.spawn(_noop_rank, 2)
+    assert calls == [(2, (_noop_rank, 2), "gloo")]
+
+
 def test_bad_tensor_parallel_sizes_raise_clear_errors():
     from fusedlib.models.gpt import GPTModel, get_gpt_layer_local_spec
 

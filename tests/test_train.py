@@ -262,6 +262,8 @@ def test_three_models_compute_the_same_function():
                if isinstance(s, torch.Tensor))
     with pytest.raises(KeyError, match="no PlainGPT entry"):
         plain_state_dict_from_gpt({"decoder.layers.0.mystery": torch.zeros(1)}, 4)
+    with pytest.raises(KeyError, match="no PlainGPT entry for 'output_layer.weight'"):  # an untied output layer
+        plain_state_dict_from_gpt(dict(state, **{"output_layer.weight": state["embedding.word_embeddings.weight"]}), 4)
 
 
 def test_same_initial_weights_for_every_model():
@@ -1601,6 +1603,68 @@ def test_plain_gpt_loss_is_the_float32_cross_entropy_of_its_logits():
     assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
     ref = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
     assert torch.equal(loss, ref.view(2, 16))
+
+
+def test_plain_gpt_initial_weights():
+    # built directly (the trainer overwrites them with the GPT model's): N(0, std) matrices, the
+    # two output projections of every layer at std / sqrt(2·layers), biases 0, every norm's
+    # weight 1 (the final one's too) and bias 0; ffn defaults to 4·hidden. Each std is estimated
+    # from >= 4096 samples: a relative error of about 1 %, 10 % allowed
+    layers, hidden, std = 2, 64, 0.05
+    model = PlainGPT(128, 64, layers, hidden, 4, init_std=std, device=DEVICE)
+    assert model.h[0].c_fc.weight.shape == (4 * hidden, hidden)
+    for name, p in model.named_parameters():
+        if name.endswith(("c_proj.weight", "mlp_proj.weight")):
+            want = std / math.sqrt(2 * layers)
+        elif p.dim() == 2:
+            want = std
+        else:
+            want = None
+        if want is not None:
+            assert abs(p.double().std().item() / want - 1) < 0.1, (name, p.std().item(), want)
+        elif name.endswith("weight"):
+            assert name.startswith(("ln_", "h.")) and torch.equal(p, torch.ones_like(p)), name
+        else:
+            assert torch.equal(p, torch.zeros_like(p)), name
+
+
+def test_plain_gpt_checks_its_arguments():
+    for kwargs, match in ((dict(layers=0), "layers must be an int >= 1, got 0"),
+                          (dict(heads=0), "heads must be an int >= 1, got 0"),
+                          (dict(hidden=True), "hidden must be an int >= 1, got True"),
+                          (dict(hidden=30, heads=4), r"hidden \(30\) must be divisible by heads \(4\)")):
+        with pytest.raises(ValueError, match=match):
+            PlainGPT(**dict(dict(vocab_size=64, max_sequence_length=8, layers=1, hidden=32, heads=4), **kwargs))
+    model = PlainGPT(64, 8, 1, 32, 4, device=DEVICE)
+    ids = torch.randint(0, 64, (2, 8), device=DEVICE)
+    with pytest.raises(ValueError, match="attention_mask must be None"):
+        model(ids, None, torch.ones(2, 1, 8, 8, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="input_ids has 9 positions, more than max_sequence_length 8"):
+        model(torch.zeros(1, 9, dtype=torch.long, device=DEVICE))
+
+
+def test_plain_gpt_in_eval_mode_drops_nothing():
+    # the same weights with dropout 0.5 (in eval mode) and 0: the same logits, bit for bit
+    kw = dict(vocab_size=64, max_sequence_length=8, layers=2, hidden=32, heads=4, device=DEVICE)
+    a, b = PlainGPT(dropout=0.5, **kw).eval(), PlainGPT(dropout=0.0, **kw).eval()
+    b.load_state_dict(a.state_dict())
+    ids = torch.randint(0, 64, (2, 8), device=DEVICE)
+    with deterministic_sdpa():
+        assert torch.equal(a(ids), b(ids))
+
+
+def test_plain_gpt_takes_the_position_ids_given():
+    # positions p + 1 read row p + 1 of the position table: the same logits as the model whose
+    # table is shifted up one row, read at 0 .. s-1
+    kw = dict(vocab_size=64, max_sequence_length=8, layers=1, hidden=32, heads=4, device=DEVICE)
+    a, b = PlainGPT(**kw), PlainGPT(**kw)
+    state = a.state_dict()
+    shifted = dict(state, **{"wpe.weight": torch.roll(state["wpe.weight"], -1, 0)})
+    b.load_state_dict(shifted)
+    ids = torch.randint(0, 64, (2, 7), device=DEVICE)
+    with deterministic_sdpa():
+        assert torch.equal(a(ids, torch.arange(1, 8, device=DEVICE)), b(ids))
+        assert not torch.equal(a(ids, torch.arange(1, 8, device=DEVICE)), a(ids))
 
 
 # ---------------------------------------------------------------------------------------------
