@@ -580,6 +580,14 @@ def _megatron_freqs(kv_channels, rotary_percent, s, offset=0, interleaved=False,
     return emb[:, None, None, :]
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+def test_rotary_embedding_of_no_positions(interleaved):
+    # max_seq_len = 0: an empty table of the channel layout's width, in either layout
+    emb = RotaryEmbedding(64, 0.5, rotary_interleaved=interleaved, device=DEVICE)
+    freqs = emb(0)
+    assert freqs.shape == (0, 1, 1, 32) and freqs.dtype == torch.float32
+
+
 @pytest.mark.parametrize("kv, pct, offset, interleaved, factor", [
     (128, 1.0, 0, False, None), (128, 0.5, 3, True, None), (80, 0.3, 0, False, 4.0), (64, 0.25, 7, True, 2.5)])
 def test_rotary_embedding_freqs_are_megatrons_formula(kv, pct, offset, interleaved, factor):

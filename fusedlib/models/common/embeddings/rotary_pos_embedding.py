@@ -186,7 +186,7 @@ class RotaryEmbedding(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
         else:
             # [s, dim/2] -> [s·dim/2, 1] twice -> [s·dim/2, 1, 2] -> [s, dim]
-            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], 2 * freqs.shape[1])
         return emb[:, None, None, :]  # [s, dim] -> [s, 1, 1, dim]
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
