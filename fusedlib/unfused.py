@@ -963,7 +963,7 @@ def softmax_one(x: torch.Tensor, offset: torch.Tensor | float) -> torch.Tensor:
     "off-by-one" softmax of gpt-oss's attention sinks.
     """
     off = _as_offset(offset, x)
-    if off.numel() > 1:
+    if off.numel() != 1:  # (per head; at np = 0 an empty [np] too)
         sink = off.reshape(1, -1, 1, 1).expand(x.size(0), -1, x.size(2), 1)  # [np] -> [b, np, sq, 1]
     else:
         sink = off.reshape(-1)[:1].expand(*x.shape[:-1], 1)  # [..., 1]
@@ -1050,7 +1050,7 @@ def masked_softmax_reference(
     sink = None
     if softmax_offset is not None:
         off = _as_offset(softmax_offset, x)
-        if off.numel() > 1:
+        if off.numel() != 1:  # (per head; at np = 0 an empty [np] too)
             if x.dim() < 3 or x.shape[-3] != off.numel():
                 raise ValueError(f"a per-head softmax_offset ([np] = [{off.numel()}]) pairs with x's dim -3 "
                                  f"(x [b, np, sq, sk] or [np, sq, sk]), got x {list(x.shape)}")
@@ -1434,9 +1434,9 @@ def layer_norm_back(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps
     x_hat = x_c * rstd
     g = _gamma(_up(weight), zero_centered_gamma) * dy_f
     dx = rstd * (g - g.mean(dim=-1, keepdim=True) - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
-    h = x.shape[-1]
-    dweight = (dy_f * x_hat).reshape(-1, h).sum(0)  # [..., h] -> [rows, h] -> [h]
-    dbias = dy_f.reshape(-1, h).sum(0)
+    rows, h = math.prod(x.shape[:-1]), x.shape[-1]  # (rows given: -1 is ambiguous at h = 0)
+    dweight = (dy_f * x_hat).reshape(rows, h).sum(0)  # [..., h] -> [rows, h] -> [h]
+    dbias = dy_f.reshape(rows, h).sum(0)
     return dx.to(dx_dtype), dweight.to(dw_dtype), dbias.to(dy.dtype)
 
 
@@ -1504,7 +1504,7 @@ def rms_norm_back(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: 
     x_hat = xf * rstd
     g = _gamma(_up(weight), zero_centered_gamma) * dy_f
     dx = rstd * (g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
-    dweight = (dy_f * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    dweight = (dy_f * x_hat).reshape(math.prod(x.shape[:-1]), x.shape[-1]).sum(0)  # (-1 is ambiguous at h = 0)
     return dx.to(dx_dtype), dweight.to(dw_dtype)
 
 

@@ -572,6 +572,15 @@ def test_empty_input(norm):
     assert torch.equal(w.grad, torch.zeros_like(w))
 
 
+def test_unfused_norm_gradients_of_zero_width_rows():
+    # the unfused references take rows of width h = 0 forward (empty rows of nothing) and give
+    # the empty gradients backward: dx [rows, 0] and dweight / dbias [0]
+    x, dy, w = torch.randn(3, 2, 0, device=DEVICE), torch.randn(3, 2, 0, device=DEVICE), torch.ones(0, device=DEVICE)
+    assert unfused.layer_norm(x, w, torch.zeros(0, device=DEVICE)).shape == unfused.rms_norm(x, w).shape == (3, 2, 0)
+    grads = (*unfused.layer_norm_back(dy, x, w), *unfused.rms_norm_back(dy, x, w))
+    assert [tuple(g.shape) for g in grads] == [(3, 2, 0), (0,), (0,), (3, 2, 0), (0,)]
+
+
 @pytest.mark.parametrize("norm", NORMS)
 def test_empty_input_memory_efficient_with_a_zero_gamma(norm):
     # no rows: the backward divides nothing by gamma, so a gamma of 0 is nothing to report (as

@@ -447,6 +447,36 @@ def test_learnable_offset_gets_its_gradient_when_the_scores_need_none(causal):
                                    rtol=TOL[torch.float32][1])
 
 
+def test_offset_gradient_without_keys_is_zero(monkeypatch):
+    # sk = 0: each row's whole probability sits on the sink, so nothing flows back to the offset
+    # (nor to the empty scores); the buffers torch.empty_like hands out start as NaN here, so a
+    # gradient left unwritten shows whatever memory the allocator returns
+    real = torch.empty_like
+
+    def poisoned(t, *args, **kwargs):
+        out = real(t, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty_like", poisoned)
+    for n in (3, 1):  # per head, shared
+        x = torch.randn(2, 3, 4, 0, device=DEVICE, requires_grad=True)
+        off = torch.randn(n, device=DEVICE, requires_grad=True)
+        p = fused_scale_mask_softmax(x, None, SCALE, softmax_offset=off)
+        assert p.shape == x.shape
+        p.backward(torch.ones_like(p))
+        assert x.grad.shape == x.shape and torch.equal(off.grad, torch.zeros_like(off))
+
+
+def test_sink_softmax_with_no_heads_on_every_path():
+    # np = 0 with a per-head offset of no element: an empty result on the fused and both unfused
+    # paths (Megatron's SoftmaxOne and the masked reference), as any other np gives its own
+    x = torch.randn(2, 0, 4, 5, device=DEVICE)
+    off = torch.zeros(0, device=DEVICE)
+    for out in (fused_scale_mask_softmax(x, None, SCALE, softmax_offset=off), unfused.softmax_one(x, off),
+                unfused.scale_mask_softmax(x, None, SCALE, softmax_offset=off)):
+        assert out.shape == x.shape
+
+
 def test_offset_gradient_is_minus_sink_probability_times_sum_gp():
     # d o = -sum_rows p_sink·sum_j g_j p_j, with p_sink = e^o / D: checked by hand on one row
     x = torch.tensor([[[[0.5, -1.0, 2.0]]]], device=DEVICE, dtype=torch.float64, requires_grad=True)

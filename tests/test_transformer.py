@@ -1191,6 +1191,20 @@ def test_rope_pair_rotates_queries_and_keys_by_their_own_angles(fusion):
     torch.testing.assert_close(out + bias, R.linear(ref, sd, "linear_proj"), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.flash, AttnBackend.auto])
+def test_self_attention_of_no_tokens(backend):
+    # an empty sequence (s = 0) or an empty batch (b = 0): an empty output of [s, b, h] and empty
+    # gradients, on each attention path, as any other s or b gives its own
+    cfg = make_config(attention_backend=backend)
+    attn = SelfAttention(cfg, get_gpt_layer_local_spec().submodules.self_attention.submodules, 1, AttnMaskType.causal)
+    for s, b in ((0, B), (S, 0)):
+        x = torch.randn(s, b, H, device=DEVICE, requires_grad=True)
+        out, bias = attn(x, None)
+        assert out.shape == (s, b, H)
+        (out + bias).sum().backward()
+        assert x.grad.shape == (s, b, H)
+
+
 def test_add_qkv_bias_gives_the_qkv_projection_alone_a_bias():
     # Megatron-core: linear_qkv has a bias where add_bias_linear or add_qkv_bias (Qwen's layout: a
     # bias on the QKV projection only); float64, against the reference

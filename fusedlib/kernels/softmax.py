@@ -754,8 +754,8 @@ def _bwd(g4, p4, x4, mask, stats, seed, p, scale, band, sink, max_register_block
     device = ref.device
     dx = empty_contiguous_like(ref)
     doff = torch.empty_like(sink) if sink is not None else None
-    if dx.numel() == 0:
-        return dx, doff
+    if dx.numel() == 0:  # (rows with no key, sk = 0: the sink holds all the probability, its gradient is 0)
+        return dx, (doff.zero_() if doff is not None else None)
     n_rows, n_cols = B * H * SQ, SK
     g2d = g4.reshape(n_rows, n_cols)  # [b, np, sq, sk] -> [b·np·sq, sk]
     dropout = seed is not None

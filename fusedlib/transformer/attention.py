@@ -330,7 +330,8 @@ class SelfAttention(Attention):
         # -> [sq, b, ng, np/ng·hn], [sq, b, ng, hn], [sq, b, ng, hn] (views)
         # (split_last_dim: torch.split whose backward takes FlashAttention's packed gradients whole)
         query, key, value = split_last_dim(mixed_qkv, [per_group * hn, hn, hn])
-        query = query.reshape(query.size(0), query.size(1), -1, hn)  # [sq, b, ng, np/ng·hn] -> [sq, b, np, hn]
+        # [sq, b, ng, np/ng·hn] -> [sq, b, np, hn] (np given: -1 is ambiguous at sq = 0 or b = 0)
+        query = query.reshape(query.size(0), query.size(1), ng * per_group, hn)
         query = self.q_layernorm(query)
         key = self.k_layernorm(key)
         return query, key, value
