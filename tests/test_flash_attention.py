@@ -228,6 +228,18 @@ def test_empty_inputs_draw_no_random_numbers(sq, sk):
     assert not torch.equal(state(), before)  # queries and keys: the key is drawn
 
 
+def test_kernel_refuses_a_head_dim_of_zero_and_takes_no_rows():
+    # the kernel layer: rows without a head dim would leave lse unwritten (the op refuses d = 0
+    # too); no rows (b = 0 or sq = 0) give an empty output and an empty lse
+    z = torch.randn(1, 2, 3, 0, device=DEVICE)
+    with pytest.raises(ValueError, match=r"head dim \(q's last dim\) must be >= 1, got 0"):
+        flash_attn_fwd(z, z, z, 1.0, attention_band(2, 2, False, None))
+    for b, sq in ((0, 2), (1, 0)):
+        q, kv = torch.randn(b, sq, 3, 16, device=DEVICE), torch.randn(b, 2, 3, 16, device=DEVICE)
+        o, lse = flash_attn_fwd(q, kv, kv, 0.25, attention_band(sq, 2, False, None))
+        assert o.shape == q.shape and lse.shape == (b, 3, sq)
+
+
 def test_lse_is_the_rows_logsumexp_and_minus_inf_for_empty_rows(tiles):
     tiles(16, 16)
     b, sq, sk, hq, hkv, d = 2, 20, 12, 2, 1, 16

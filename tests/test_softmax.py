@@ -29,6 +29,7 @@ from fusedlib.fusions.fused_softmax import (
     get_sliding_window_causal_mask,
     megatron_kernel_availability,
 )
+from fusedlib.kernels.bias_dropout_add import philox_seed
 from fusedlib.kernels.launch import Tile
 from fusedlib.transformer.enums import AttnMaskType
 
@@ -447,17 +448,23 @@ def test_learnable_offset_gets_its_gradient_when_the_scores_need_none(causal):
                                    rtol=TOL[torch.float32][1])
 
 
+def _poison_allocations(monkeypatch):
+    """torch.empty and torch.empty_like hand out NaN-filled floating buffers for the rest of the
+    test: a result left unwritten shows as NaN, not as whatever memory the allocator returns."""
+    for name in ("empty", "empty_like"):
+        real = getattr(torch, name)
+
+        def poisoned(*args, _real=real, **kwargs):
+            out = _real(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+
+        monkeypatch.setattr(torch, name, poisoned)
+
+
 def test_offset_gradient_without_keys_is_zero(monkeypatch):
     # sk = 0: each row's whole probability sits on the sink, so nothing flows back to the offset
-    # (nor to the empty scores); the buffers torch.empty_like hands out start as NaN here, so a
-    # gradient left unwritten shows whatever memory the allocator returns
-    real = torch.empty_like
-
-    def poisoned(t, *args, **kwargs):
-        out = real(t, *args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty_like", poisoned)
+    # (nor to the empty scores)
+    _poison_allocations(monkeypatch)
     for n in (3, 1):  # per head, shared
         x = torch.randn(2, 3, 4, 0, device=DEVICE, requires_grad=True)
         off = torch.randn(n, device=DEVICE, requires_grad=True)
@@ -465,6 +472,30 @@ def test_offset_gradient_without_keys_is_zero(monkeypatch):
         assert p.shape == x.shape
         p.backward(torch.ones_like(p))
         assert x.grad.shape == x.shape and torch.equal(off.grad, torch.zeros_like(off))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_without_keys_return_what_fully_masked_rows_do(dtype, monkeypatch):
+    # sk = 0 launches no kernel, yet softmax_fwd returns p_sink and softmax_dropout_fwd also the
+    # row statistics for each of the b·np·sq rows: they equal the kernels' for rows of 2 keys
+    # that are both masked (p_sink 1 for a finite or +inf sink logit, 0 for -inf, NaN for NaN),
+    # per head and shared, with and without a sink
+    _poison_allocations(monkeypatch)
+    off = torch.tensor([0.5, -math.inf, math.nan, math.inf], device=DEVICE, dtype=dtype)
+    masked = torch.ones(2, device=DEVICE, dtype=torch.bool)  # (True: masked) broadcast over the rows
+    seed = philox_seed(DEVICE)
+    for shape, o in (((2, 4, 3), off), ((2, 4, 3), off[:1]), ((2, 4, 3), None)):
+        empty = torch.randn(*shape, 0, device=DEVICE, dtype=dtype)
+        full = torch.randn(*shape, 2, device=DEVICE, dtype=dtype)
+        runs = [(ksoftmax.softmax_fwd(empty, offset=o), ksoftmax.softmax_fwd(full, mask=masked, offset=o)),
+                (ksoftmax.softmax_dropout_fwd(empty, seed, 0.1, offset=o),
+                 ksoftmax.softmax_dropout_fwd(full, seed, 0.1, mask=masked, offset=o))]
+        for got, want in runs:
+            assert got[0].shape == empty.shape
+            for a, b in zip(got[1:], want[1:]):  # p_sink (None without a sink), stats
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), (o, a, b)
 
 
 def test_sink_softmax_with_no_heads_on_every_path():

@@ -1088,6 +1088,8 @@ def flash_attn_fwd(
     o = torch.empty_like(q)
     lse = torch.empty((B, HQ, SQ), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
+        if lse.numel():  # (rows but no head dim: the op refuses d = 0; lse would be unwritten memory)
+            raise ValueError(f"flash_attn_fwd: the head dim (q's last dim) must be >= 1, got {D}")
         return o, lse
     key, p = find_plan(_FWD_PLANS, _fwd_key, q, k, v, mask, sinks, seed, dropout_p, band, tile)
     if p is None:

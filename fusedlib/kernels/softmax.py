@@ -709,6 +709,25 @@ def _mask_strides(mask: Optional[torch.Tensor], shape: tuple[int, int, int, int]
     return m4, m4.stride()
 
 
+def _rows_without_keys(offset, rows, sink, stats):
+    """Write what the kernels write for a row that keeps no column into ``sink`` and ``stats``
+    (``rows`` = (b, np, sq), each row with no key: sk = 0): p_sink 1 with a sink logit o, 0
+    for o = -inf (no sink), NaN for a NaN one; stats (m, 1/D) = (o, 1) with +inf held at the
+    dtype's largest value, (0, 0) for -inf or no sink, (0, NaN) for a NaN o."""
+    if offset is None:
+        stats.zero_()
+        return
+    o = offset.reshape(1, -1, 1)  # [1] or [np] -> broadcast over (b, np, sq)
+    has = o > float("-inf")  # (False for NaN)
+    p_sink = torch.where(o.isnan(), o, has.to(o.dtype)).expand(rows).reshape(-1)
+    if sink is not None:
+        sink.copy_(p_sink)
+    if stats is not None:
+        m = torch.where(has, o.clamp(max=torch.finfo(o.dtype).max), 0.0)
+        stats[0].copy_(m.expand(rows).reshape(-1))
+        stats[1].copy_(p_sink)
+
+
 def _fwd(x4, scale, mask, band, offset, max_register_block, seed, p, tile):
     """Launch the forward (register or looping kernel); returns (y, p_sink, stats)."""
     B, H, SQ, SK = _dims(x4)
@@ -720,6 +739,8 @@ def _fwd(x4, scale, mask, band, offset, max_register_block, seed, p, tile):
     dropout = seed is not None
     stats = torch.empty((2, n_rows), dtype=acc, device=device) if dropout else None
     if y.numel() == 0:
+        if n_rows and (sink is not None or stats is not None):  # sk = 0: rows with no key
+            _rows_without_keys(offset, (B, H, SQ), sink, stats)
         return y, sink, stats
     x2d = x4.reshape(n_rows, n_cols)  # [b, np, sq, sk] -> [b·np·sq, sk]
     m4, m_strides = _mask_strides(mask, (B, H, SQ, SK), x2d, x4.dim())
