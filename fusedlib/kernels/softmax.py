@@ -720,8 +720,7 @@ def _rows_without_keys(offset, rows, sink, stats):
     o = offset.reshape(1, -1, 1)  # [1] or [np] -> broadcast over (b, np, sq)
     has = o > float("-inf")  # (False for NaN)
     p_sink = torch.where(o.isnan(), o, has.to(o.dtype)).expand(rows).reshape(-1)
-    if sink is not None:
-        sink.copy_(p_sink)
+    sink.copy_(p_sink)  # (given with the offset)
     if stats is not None:
         m = torch.where(has, o.clamp(max=torch.finfo(o.dtype).max), 0.0)
         stats[0].copy_(m.expand(rows).reshape(-1))
