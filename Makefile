@@ -3,7 +3,8 @@
 # imports tomllib), so, as README.md says, use Python 3.11+ for both.
 #   make book   set up .venv, execute every chapter on this machine's device, build _build/html
 #   make test   set up .venv, run the unit tests (the built book in a browser included) and nbval
-#               over every chapter
+#               over every chapter, spread over JOBS pytest-xdist workers (one per core, at most 8;
+#               JOBS=0: one process)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -11,6 +12,7 @@ STAMP  := $(VENV)/.fusedlib-setup
 # torch to install when the venv has none: see tools/pick_torch.py (CUDA build where an
 # NVIDIA driver is present, a CPU-only build already on this machine where not).
 TORCH  ?= $(shell $(PYTHON) tools/pick_torch.py $(PYTHON))
+JOBS   ?= $(shell $(PYTHON) -c "import os; print(max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1)))")
 
 .PHONY: setup book test bench clean
 
@@ -36,7 +38,7 @@ book: setup
 # (on 3.10 one line says so, instead of an ImportError in the middle of the collection)
 test: setup
 	@$(PY) -c "import sys; sys.exit(0 if sys.version_info >= (3, 11) else 'make test needs Python 3.11+ (tomllib) in $(VENV), got ' + sys.version.split()[0] + ': remove $(VENV), then PYTHON=python3.11 make test')"
-	$(PY) -m pytest tests chapters --nbval --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider
+	$(PY) -m pytest tests chapters --nbval --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider -n $(JOBS) --dist loadfile
 
 # On a GPU: time every op and its baselines, write chapters/data/bench/<op>.json, and the
 # host cost per call of every op into chapters/data/bench/host.json.
