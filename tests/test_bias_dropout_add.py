@@ -530,6 +530,27 @@ def test_expanded_x_in_place_raises():
         bias_dropout_add_fused_inference((x, None), torch.randn(4, 8, device=DEVICE), 0.0)
 
 
+@pytest.mark.parametrize("strides", [(1, 1), (4, 1), (2, 1)])
+def test_overlapping_x_in_place_raises(strides):
+    # rows that overlap in memory cannot hold one sum per element: refused, x left as it was
+    base = torch.randn(64, device=DEVICE)
+    x = base.as_strided((3, 8), strides)
+    before = base.clone()
+    with pytest.raises(ValueError, match="x is written in place in inference.*share memory"):
+        bias_dropout_add_fused_inference((x, torch.randn(8, device=DEVICE)), torch.randn(3, 8, device=DEVICE), 0.0)
+    assert torch.equal(base, before)
+
+
+def test_strided_x_with_distinct_elements_is_written_in_place():
+    # strides whose elements interleave without sharing an address (offsets 0, 2, 4 and 3, 5, 7)
+    base = torch.randn(16, device=DEVICE)
+    x = base.as_strided((3, 2), (2, 3))
+    b, r = torch.randn(2, device=DEVICE), torch.randn(3, 2, device=DEVICE)
+    expected = x + b + r
+    out = bias_dropout_add_fused_inference((x, b), r, 0.0)
+    assert out is x and torch.equal(out, expected)
+
+
 # ---------------------------------------------------------------------------------------
 # Megatron's API and the unfused path
 # ---------------------------------------------------------------------------------------

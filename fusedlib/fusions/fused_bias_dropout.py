@@ -189,6 +189,25 @@ def _writable_in_place(x: torch.Tensor, bias: torch.Tensor | None, residual: tor
             and residual.stride() == x.stride())
 
 
+def _elements_share_memory(x: torch.Tensor) -> bool:
+    """Whether two of x's elements lie at one address (an expanded tensor, stride 0, or an
+    ``as_strided`` view whose rows overlap), so that x cannot hold a result per element.
+
+    Strides sorted ascending, each beyond the furthest offset the smaller ones reach, prove
+    every element distinct (every layout torch makes by slicing, transposing or permuting);
+    otherwise the offsets themselves are compared (one int64 per element)."""
+    reach = 0
+    for stride, size in sorted((st, n) for st, n in zip(x.stride(), x.shape) if n > 1):
+        if stride <= reach:
+            break
+        reach += stride * (size - 1)
+    else:
+        return False
+    span = 1 + sum(st * (n - 1) for st, n in zip(x.stride(), x.shape))
+    offsets = torch.arange(span).as_strided(x.shape, x.stride())
+    return offsets.unique().numel() < x.numel()
+
+
 def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training: bool) -> torch.Tensor:
     if training and isinstance(x_with_bias, (tuple, list)) and len(x_with_bias) == 2 and not in_transform():
         # never in place: the Function's forward checks the arguments (once per signature); inside
@@ -202,9 +221,9 @@ def _fused(x_with_bias: XWithBias, residual: torch.Tensor, prob: float, training
         return apply(BiasDropoutAddFunction, x, bias, residual, p, training)
     # Inference, nothing needs grad: write the result into x and return x itself, as
     # Megatron's x.add_(bias); out.add_(residual). No seed, no random numbers.
-    if x.numel() > 1 and 0 in x.stride():
+    if not x.is_contiguous() and _elements_share_memory(x):
         raise ValueError(f"x is written in place in inference, but its strides {x.stride()} make several "
-                         "elements share memory (an expanded tensor): pass x.contiguous()")
+                         "elements share memory (an expanded or overlapping view): pass x.contiguous()")
     b = bias.contiguous() if bias is not None else None
     try:
         x2d = x.view(math.prod(x.shape[:-1]), x.shape[-1])  # [..., h] -> [rows, h] without a copy, or raise
@@ -270,7 +289,8 @@ def bias_dropout_add_fused_inference(x_with_bias: XWithBias, residual: torch.Ten
 
     Raises:
         TypeError, ValueError: as :func:`bias_dropout_add_fused_train`, and ValueError for an
-            in-place x whose elements share memory (stride 0).
+            in-place x whose elements share memory (stride 0, or an ``as_strided`` view whose
+            rows overlap).
 
     Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``bias_dropout_add_fused_inference``).
     """
