@@ -454,6 +454,19 @@ def test_parallel_layers_refuse_switches_that_are_not_bools(layer, flags):
             getattr(fp, layer)(8, 6, config=cfg, init_method=_normal, **kw)
 
 
+@pytest.mark.parametrize("value", ["False", 0, 1.0])
+def test_column_parallel_linear_refuses_a_runtime_gather_output_that_is_not_a_bool(value):
+    # the forward's switch (None: the layer's gather_output) is read as a bool on several ranks
+    cfg = fp_config(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True)
+    layer = fp.ColumnParallelLinear(8, 6, config=cfg, init_method=_normal)
+    x = torch.randn(3, 2, 8)
+    with pytest.raises(TypeError, match="ColumnParallelLinear: runtime_gather_output must be a bool"):
+        layer(x, runtime_gather_output=value)
+    np = pytest.importorskip("numpy")
+    out, _ = layer(x, runtime_gather_output=np.bool_(False))
+    assert torch.equal(out, layer(x, runtime_gather_output=None)[0])
+
+
 @pytest.mark.parametrize("args, error, match", [
     ((10.0, 0, 2), TypeError, "global_vocab_size must be an int, got float"),
     (("10", 0, 2), TypeError, "global_vocab_size must be an int, got str"),

@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.parameter import Parameter
 
-from ..checks import check_bools, check_ids_below_on_cpu, resolve_neg_grads
+from ..checks import check_bool, check_bools, check_ids_below_on_cpu, resolve_neg_grads
 from ..kernels.bias_dropout_add import bias_dropout_add_bwd
 from ..kernels.embedding import check_ids_in_range, embedding_backward
 from ..kernels.launch import as_rows
@@ -424,7 +424,8 @@ class ColumnParallelLinear(_ExtraStateMixin, KeepParameterAttributes, torch.nn.M
             (skip_weight_param_allocation) and none passed, or a passed weight of the wrong
             shape (Megatron-core's messages).
         TypeError: input_size or output_size not an int; a passed weight that is not a tensor; an
-            on/off argument (bias, gather_output, skip_bias_add, ...) not a bool.
+            on/off argument (bias, gather_output, skip_bias_add, ..., the forward's
+            runtime_gather_output unless None) not a bool.
         ValueError: input_size or output_size < 0, output_size not divisible by p, a group of the
             wrong size, init_method None while initializing; in the forward an ``input_`` that is
             not [..., input_size], not on the weight's device, or not of the weight's dtype
@@ -476,6 +477,9 @@ class ColumnParallelLinear(_ExtraStateMixin, KeepParameterAttributes, torch.nn.M
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(x·Wᵀ [+ b], b if skip_bias_add else None)``, gathered if asked (see the class docstring)."""
+        if not (runtime_gather_output is None or runtime_gather_output is True or runtime_gather_output is False):
+            # a str "False" would gather by truthiness on several ranks (numpy's bool converted)
+            runtime_gather_output = check_bool("ColumnParallelLinear: runtime_gather_output", runtime_gather_output)
         if weight is None:
             if self.weight is None:
                 raise RuntimeError("weight was not supplied to ColumnParallelLinear forward pass "
