@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import struct
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -36,6 +37,7 @@ __all__ = [
     "is_numpy_bool",
     "on_one_kernel_device",
     "real_to_float",
+    "nearest_float32",
     "type_name",
 ]
 
@@ -146,6 +148,21 @@ def real_to_float(name: str, value: numbers.Real, expected: str) -> float:
     except OverflowError:
         raise ValueError(f"{name} must be {expected}, got an int too large for a float: "
                          f"{short_repr(value)}") from None
+
+
+def nearest_float32(value: float) -> float:
+    """The float32 number nearest to ``value`` (round to nearest even), as a Python float.
+
+    A Python float reaches a Triton kernel on the GPU as a float32 argument, while Triton's
+    interpreter keeps it in float64: an op that rounds its scalar arguments with this first
+    computes with the same number on both. ``value`` must lie within float32's range (callers
+    check it): beyond it ``struct`` raises an OverflowError.
+    """
+    return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+
+
+#: packs a Python float as the nearest float32, and back
+_FLOAT32 = struct.Struct("f")
 
 
 def short_repr(value: object) -> str:

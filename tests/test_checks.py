@@ -8,7 +8,7 @@ import torch
 
 import fusedlib  # noqa: F401  (first)
 from fusedlib import bias_dropout_add_fused_train, flash_attention, fused_layer_norm
-from fusedlib.checks import check_tensor, real_to_float
+from fusedlib.checks import check_tensor, nearest_float32, real_to_float
 from fusedlib.fusions import _glu, fused_rope, fused_softmax
 from fusedlib.fusions.fused_dense import fused_dense_gelu_dense
 from fusedlib.train.loop import TrainConfig, sample
@@ -17,6 +17,15 @@ from fusedlib.transformer import TransformerConfig
 from conftest import DEVICE  # noqa: I001
 
 HUGE = 10 ** 400  # an int, and a real number, beyond a Python float's range
+
+
+@pytest.mark.parametrize("value", [0.1, 1.0 / 3.0, 2.0**-130, 3.0e38, -7.25, 0.0])
+def test_nearest_float32_is_what_a_float32_tensor_holds(value):
+    # the number a float32 kernel argument holds: torch's own rounding of the value to float32
+    expected = torch.tensor(value, dtype=torch.float64).to(torch.float32).item()
+    got = nearest_float32(value)
+    assert type(got) is float and got == expected
+    assert nearest_float32(got) == got  # a float32 number stays itself
 
 
 def test_real_to_float_converts_and_names_the_argument():

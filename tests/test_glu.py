@@ -689,6 +689,59 @@ def test_weighted_squared_relu_3d_non_contiguous_and_empty():
     assert w0.grad.shape == (0, 1)
 
 
+@pytest.mark.parametrize("clamp_scale", [None, 1.5])
+def test_weighted_squared_relu_strided_weights_and_grad_of_other_strides(clamp_scale):
+    # weights [n, 1] with row stride 2 (a column of [n, 2]), and an input whose row stride (a
+    # column slice of a wider matrix) differs from the contiguous gradient's: each tensor is
+    # read with its own strides, forward and backward
+    x = _randn((6, 2 * 20), torch.float32)[:, :20].requires_grad_(True)
+    w = torch.rand(6, 2, device=DEVICE)[:, :1].requires_grad_(True)
+    assert not x.is_contiguous() and w.stride(0) == 2
+    g = _randn((6, 20), torch.float32, 1.0)
+    assert g.stride() != x.stride()
+    _check_squared_relu(x, w, clamp_scale, g=g)
+
+
+def test_weighted_squared_relu_zero_width_gives_zero_weight_gradients():
+    # h = 0: each row's weight gradient is the empty sum over its columns, 0 (not uninitialised memory)
+    for clamp_scale in (None, 2.0):
+        x = torch.empty(4, 0, device=DEVICE).requires_grad_(True)
+        w = torch.rand(4, 1, device=DEVICE).requires_grad_(True)
+        out = weighted_squared_relu_impl(x, w, clamp_scale)
+        assert out.shape == (4, 0)
+        out.sum().backward()
+        assert x.grad.shape == (4, 0) and torch.equal(w.grad, torch.zeros_like(w))
+        g = torch.empty(4, 0, device=DEVICE)
+        w_nan = torch.full((4, 1), float("nan"), device=DEVICE)  # dweights does not involve w: still 0
+        dx, dw = weighted_squared_relu_back(g, x.detach(), w_nan)
+        assert dx.shape == (4, 0) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_clamp_scale_is_the_float32_number_on_every_backend():
+    # the GPU kernels receive s as a float32 argument; float64 inputs compute in float64, so s
+    # must be that float32 number in the interpreter too (s = 0.1 is 0.100000001490116... in
+    # float32): outputs and gradients are those of the float64 unit at s = float32(0.1)
+    s32 = float(np.float32(0.1))
+    x = (0.3 * torch.rand(4, 9, device=DEVICE, dtype=torch.float64) - 0.05).requires_grad_(True)
+    x.data[0, :2] = torch.tensor([100.0, math.inf], dtype=torch.float64)  # saturated: c = s exactly
+    w = torch.rand(4, 1, device=DEVICE, dtype=torch.float64).requires_grad_(True)
+    g = torch.randn(4, 9, device=DEVICE, dtype=torch.float64)
+    out = weighted_squared_relu_impl(x, w, 0.1)
+    out.backward(g)
+    x64 = x.detach().clone().requires_grad_(True)
+    w64 = w.detach().clone().requires_grad_(True)
+    c = s32 * torch.tanh(torch.relu(x64) / s32)
+    out64 = c * c * w64
+    out64.backward(g)
+    assert out[0, 0].item() == pytest.approx(s32 * s32 * w[0, 0].item(), rel=1e-14, abs=0.0)
+    assert_close(out, out64.detach(), torch.float64)
+    assert_close(x.grad, x64.grad, torch.float64)
+    assert_close(w.grad, w64.grad, torch.float64)
+    assert torch.equal(weighted_clamped_squared_relu(x.detach(), w.detach(), 0.1), out.detach())
+    dx, dw = weighted_clamped_squared_relu_back(g, x.detach(), w.detach(), 0.1)
+    assert torch.equal(dx, x.grad) and torch.equal(dw, w.grad)
+
+
 def test_squared_relu_clamp_scale_takes_numpy_numbers_and_the_clamped_functions_refuse_none():
     # numpy's float32 and int64 are real numbers (clamp_value, eps and mscale take them): the
     # check took only Python's int and float; the clamped plain functions passed None to float(),
@@ -730,6 +783,24 @@ def test_squared_relu_plain_functions_match_reference():
                         unfused.weighted_squared_relu_back(g64, x64, w64, 2.0))):
         assert_close(fused[0], ref[0], torch.float32)
         assert_close(fused[1], ref[1], torch.float32, scale=50**0.5)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float64])
+def test_squared_relu_plain_backward_gives_the_weight_gradient_in_weights_dtype(w_dtype):
+    # without autograd (which would cast it) dweights is summed in float32 and returned in the
+    # weights' dtype, as the docstring says; dx in x's dtype
+    x = _randn((6, 20), torch.float32)
+    w = torch.rand(6, 1, device=DEVICE).to(w_dtype)
+    g = _randn((6, 20), torch.float32, 1.0)
+    for clamp_scale in (None, 2.0):
+        if clamp_scale is None:
+            dx, dw = weighted_squared_relu_back(g, x, w)
+        else:
+            dx, dw = weighted_clamped_squared_relu_back(g, x, w, clamp_scale)
+        dx64, dw64 = unfused.weighted_squared_relu_back(g.double(), x.double(), w.double(), clamp_scale)
+        assert dx.dtype == torch.float32 and dw.dtype == w_dtype and dw.shape == (6, 1)
+        assert_close(dx, dx64, torch.float32)
+        assert_close(dw, dw64, torch.float32 if w_dtype == torch.float64 else w_dtype, scale=20**0.5)
 
 
 # ------------------------------------------------------------------ plain (no autograd) functions
@@ -781,6 +852,48 @@ def test_bias_backward_plain_functions_check_the_bias(glu):
                             (_randn((1, 18), torch.float32), ValueError, "bias must be 1-D")):
         with pytest.raises(err, match=match):
             bias_back(g, y, bad)
+
+
+def test_bias_plain_functions_take_a_strided_bias():
+    # bias_swiglu, bias_geglu and the clamped SwiGLU with a bias read a strided bias as its
+    # values (a contiguous copy), not as every element of its storage; forward and backward
+    y = _straddling((5, 2 * 9), torch.float32, boundary=False)
+    g = _randn((5, 9), torch.float32, 1.0)
+    b = _randn((2 * 18,), torch.float32, 1.0)[::2]  # [18], stride 2
+    assert not b.is_contiguous()
+    y64, b64, g64 = y.double(), b.double(), g.double()
+    assert_close(swiglu_mod.bias_swiglu(y, b), unfused.swiglu(y64 + b64), torch.float32)
+    assert_close(geglu_mod.bias_geglu(b, y), unfused.geglu(y64 + b64), torch.float32)
+    assert_close(swiglu_mod.bias_clamped_swiglu(y, b, CLAMP), unfused.bias_clamped_swiglu(y64, b64, CLAMP),
+                 torch.float32)
+    got = swiglu_mod.bias_clamped_swiglu_back(g, y, b, CLAMP)
+    assert torch.equal(got, swiglu_mod.bias_clamped_swiglu_back(g, y, b.contiguous(), CLAMP))
+    assert_close(got, unfused.bias_clamped_swiglu_back(g64, y64, b64, CLAMP), torch.float32, scale=4.0)
+
+
+def test_clamped_plain_functions_apply_the_float32_clamp_value():
+    # float64 inputs compute in float64, but c is the float32 number nearest clamp_value (as on
+    # the GPU and in bias_swiglu_impl): y = 5 lies above c = 0.1 in both halves, so every output
+    # is silu(c)·c and the weighted one silu(c)·c·w, with c = float32(0.1), not 0.1
+    c32 = float(np.float32(0.1))
+    y = torch.full((3, 2 * 4), 5.0, device=DEVICE, dtype=torch.float64)
+    w = torch.rand(3, 1, device=DEVICE, dtype=torch.float64)
+    unit = (torch.nn.functional.silu(torch.tensor(c32, dtype=torch.float64)) * c32).item()
+    want = torch.full((3, 4), unit, device=DEVICE, dtype=torch.float64)
+    for got, expected in ((swiglu_mod.clamped_swiglu(y, 0.1), want),
+                          (swiglu_mod.bias_clamped_swiglu(y, torch.zeros(8, device=DEVICE, dtype=torch.float64), 0.1),
+                           want),
+                          (swiglu_mod.clamped_weighted_swiglu(y, w, 0.1), want * w)):
+        torch.testing.assert_close(got, expected, rtol=1e-14, atol=0.0)
+    # the backward: y1 = y2 = float32(0.1), above 0.1 but on c, so both gradients pass (at 0.1
+    # itself as the bound both would be 0)
+    y = torch.full((1, 2), c32, device=DEVICE, dtype=torch.float64)
+    g = torch.ones(1, 1, device=DEVICE, dtype=torch.float64)
+    assert (swiglu_mod.clamped_swiglu_back(g, y, 0.1) != 0).all()
+    zero_bias = torch.zeros(2, device=DEVICE, dtype=torch.float64)
+    assert (swiglu_mod.bias_clamped_swiglu_back(g, y, zero_bias, 0.1) != 0).all()
+    dy, _ = swiglu_mod.clamped_weighted_swiglu_back(g, y, torch.ones(1, 1, device=DEVICE, dtype=torch.float64), 0.1)
+    assert (dy != 0).all()
 
 
 def test_weighted_swiglu_plain_functions_match_reference():
@@ -935,6 +1048,40 @@ def _bad_cases():
         ("sqrelu clamped grad dtype",
          lambda: weighted_clamped_squared_relu_back(t(4, 8).double(), t(4, 8), t(4, 1), 2.0), TypeError,
          "grad_output dtype"),
+        ("flag weighted", lambda: weighted_bias_swiglu_impl(t(4, 8), None, torch.rand(4, 1, device=DEVICE),
+                                                            fp8_input_store="yes"), TypeError,
+         "fp8_input_store must be a bool"),
+        # the plain (no autograd) functions check their arguments as the entry points do
+        ("swiglu odd", lambda: swiglu_mod.swiglu(t(4, 7)), ValueError, r"y.shape\[-1\] must be even"),
+        ("geglu odd", lambda: geglu_mod.geglu(t(4, 7)), ValueError, r"y.shape\[-1\] must be even"),
+        ("geglu int", lambda: geglu_mod.geglu(t(4, 8).int()), TypeError, "y must have dtype"),
+        ("bias_swiglu bias shape", lambda: swiglu_mod.bias_swiglu(t(4, 8), t(4)), ValueError,
+         r"bias must have shape \[2h\] with 2h = y.shape\[-1\] = 8"),
+        ("bias_geglu bias shape", lambda: geglu_mod.bias_geglu(t(4), t(4, 8)), ValueError,
+         r"bias must have shape \[2h\] with 2h = y.shape\[-1\] = 8"),
+        ("bias_geglu bias dtype", lambda: geglu_mod.bias_geglu(t(8).double(), t(4, 8)), TypeError,
+         "bias dtype torch.float64 must match y dtype"),
+        ("bias_clamped_swiglu bias shape", lambda: swiglu_mod.bias_clamped_swiglu(t(4, 8), t(4), 1.5), ValueError,
+         r"bias must have shape \[2h\] with 2h = y.shape\[-1\] = 8"),
+        ("weighted_swiglu weights shape", lambda: swiglu_mod.weighted_swiglu(t(4, 8), t(4)), ValueError,
+         r"weights must have shape \[n, 1\] with n = 4 rows of y"),
+        ("clamped_weighted_swiglu weights rows", lambda: swiglu_mod.clamped_weighted_swiglu(t(4, 8), t(3, 1), 1.5),
+         ValueError, r"weights must have shape \[n, 1\] with n = 4 rows of y"),
+        ("weighted_swiglu_back weights rows", lambda: swiglu_mod.weighted_swiglu_back(t(4, 4), t(4, 8), t(3, 1)),
+         ValueError, r"weights must have shape \[n, 1\] with n = 4 rows of y"),
+        ("weighted_swiglu_back grad rows", lambda: swiglu_mod.weighted_swiglu_back(t(3, 4), t(4, 8), t(4, 1)),
+         ValueError, r"grad_output must have shape \[4, 4\], got \[3, 4\]"),
+        ("clamped_swiglu_back grad rows", lambda: swiglu_mod.clamped_swiglu_back(t(3, 4), t(4, 8), 1.5),
+         ValueError, r"grad_output must have shape \[4, 4\], got \[3, 4\]"),
+        ("clamped_weighted_swiglu_back grad rows",
+         lambda: swiglu_mod.clamped_weighted_swiglu_back(t(3, 4), t(4, 8), t(4, 1), 1.5),
+         ValueError, r"grad_output must have shape \[4, 4\], got \[3, 4\]"),
+        ("bias_geglu_back grad rows", lambda: geglu_mod.bias_geglu_back(t(3, 4), t(4, 8), t(8)),
+         ValueError, r"grad_output must have shape \[4, 4\], got \[3, 4\]"),
+        ("sqrelu plain weights", lambda: weighted_squared_relu(t(4, 8), t(4, 2)), ValueError,
+         r"weights must have shape \[n, 1\] with n = 4 rows of x"),
+        ("sqrelu plain clamped weights", lambda: weighted_clamped_squared_relu(t(4, 8), t(3, 1), 2.0), ValueError,
+         r"weights must have shape \[n, 1\] with n = 4 rows of x"),
     ]
 
 

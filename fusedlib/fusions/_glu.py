@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 
 import torch
 
@@ -21,6 +20,7 @@ from ..checks import (
     check_same_device,
     check_tensor,
     is_dense,
+    nearest_float32,
     on_one_kernel_device,
     real_to_float,
 )
@@ -138,7 +138,7 @@ def check_clamp_value(value: object, allow_none: bool = True) -> float | None:
     if value is None and allow_none:
         return None
     if type(value) is float and FLOAT32_TINY <= value <= FLOAT32_MAX:  # the happy case in one test
-        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+        return nearest_float32(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         kind = "a float > 0 or None" if allow_none else "a float > 0"
         raise TypeError(f"clamp_value must be {kind}, got {type(value).__name__} {value!r}")
@@ -149,11 +149,8 @@ def check_clamp_value(value: object, allow_none: bool = True) -> float | None:
         raise ValueError(f"clamp_value must be a finite number > 0 in float32's normal range [{FLOAT32_TINY:.4g}, "
                          f"{FLOAT32_MAX:.4g}] (the kernels clamp in float32, where {value!r} is "
                          f"{'inf' if value > FLOAT32_MAX else 'subnormal or 0'}), got {value!r}")
-    return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+    return nearest_float32(value)
 
-
-#: packs a Python float as the nearest float32 (round to nearest even), and back
-_FLOAT32 = struct.Struct("f")
 
 
 def glu_apply(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | None,

@@ -25,6 +25,7 @@ from ..checks import (
     FLOAT_DTYPES,
     check_same_device,
     check_tensor,
+    nearest_float32,
     on_one_kernel_device,
     real_to_float,
     resolve_neg_grads,
@@ -48,7 +49,9 @@ Tensor = torch.Tensor
 
 def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input",
            allow_none: bool = True) -> tuple[torch.Tensor, float | None]:
-    """Check the arguments; returns ``(weights, float(clamp_scale) or None)``. clamp_scale: None
+    """Check the arguments; returns ``(weights, s or None)`` with s = clamp_scale rounded to the
+    nearest float32 (as a Python float: the number the GPU kernels receive as their float32
+    argument, so the interpreter computes float64 inputs with the same s). clamp_scale: None
     (where ``allow_none``) or a real number (numpy's too; not a bool) in float32's normal range."""
     if not (isinstance(x, Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1):
         check_tensor(x_name, x, min_ndim=1)
@@ -65,7 +68,8 @@ def _check(x: object, weights: object, clamp_scale: object, x_name: str = "input
         raise ValueError(f"clamp_scale must be a number in float32's normal range "
                          f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the kernels divide by it in float32), "
                          f"got {clamp_scale}")
-    return weights, s
+    return weights, nearest_float32(s)
+
 
 
 def _check_grad(g: object, x: torch.Tensor) -> None:
@@ -132,8 +136,9 @@ def weighted_clamped_squared_relu(x: torch.Tensor, weights: torch.Tensor, clamp_
     """Fused ``(s·tanh(relu(x)/s))²·weights`` (s = ``clamp_scale`` > 0), without autograd.
 
     Args, Returns, Raises: as :func:`weighted_squared_relu`; clamp_scale s a real number
-    (numpy's too) in float32's normal range [1.18e-38, 3.40e38]. Also TypeError for an s that
-    is not a real number (None, a str, a bool), ValueError for one outside that range (nan, <= 0).
+    (numpy's too) in float32's normal range [1.18e-38, 3.40e38], applied as the nearest float32
+    number. Also TypeError for an s that is not a real number (None, a str, a bool), ValueError
+    for one outside that range (nan, <= 0).
 
     Source: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``.
     """
@@ -195,7 +200,8 @@ def weighted_squared_relu_impl(input: torch.Tensor, weights: torch.Tensor,  # no
         input: [n, h] or [s, b, h] with n = s·b, float32 / float16 / bfloat16 / float64,
             CUDA or CPU, any strides.
         weights: [n, 1], the router probability of each token, any float dtype.
-        clamp_scale: if set (s > 0), soft-clamp first: ``c = s·tanh(relu(input)/s)``.
+        clamp_scale: if set (s > 0), soft-clamp first: ``c = s·tanh(relu(input)/s)``, with s
+            the nearest float32 number (the GPU kernels take it as a float32 argument).
 
     Returns:
         ``c²·weights`` with c = relu(input) (or the clamped c), input's shape and dtype.
