@@ -68,20 +68,28 @@ class ArgumentTypeError(TypeError, ValueError):
     fusedlib's rule is a TypeError for a wrong type; a few checks (``TransformerConfig``'s fields,
     bias-dropout-add's ``prob``) said ValueError for every bad value, types included, and callers
     may catch that. This is both: ``except TypeError`` and ``except ValueError`` catch it.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
 
 
 def type_name(value: object) -> str:
     """The name of ``value``'s type for an error message: bare for builtins (``str``), else
     qualified by its module (``numpy.bool``, ``torch.Tensor``), so that numpy's ``bool`` is
-    never reported as Python's."""
+    never reported as Python's.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
     t = type(value)
     module = t.__module__
     return t.__qualname__ if module == "builtins" else f"{module}.{t.__qualname__}"
 
 
 def is_numpy_bool(value: object) -> bool:
-    """True for numpy's bool scalar (``numpy.bool_``, named ``numpy.bool`` since numpy 2), without importing numpy."""
+    """True for numpy's bool scalar (``numpy.bool_``, named ``numpy.bool`` since numpy 2), without importing numpy.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
     t = type(value)
     return t.__module__ == "numpy" and t.__name__ in ("bool", "bool_")
 
@@ -95,6 +103,8 @@ def check_bool(name: str, value: object) -> bool:
 
     Raises:
         TypeError: ``value`` is neither a bool nor a numpy bool; the message names its type.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     if value is True or value is False:
         return value
@@ -109,6 +119,8 @@ def check_bools(owner: str, **flags: object) -> tuple[bool, ...]:
 
     Raises:
         TypeError: a flag that is neither a bool nor a numpy bool (a str "False" was read as True).
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     return tuple(v if v is True or v is False else check_bool(f"{owner}: {k}", v) for k, v in flags.items())
 
@@ -122,6 +134,8 @@ def check_ids_below_on_cpu(name: str, ids: torch.Tensor, bound: int, bound_name:
 
     Raises:
         ValueError: ``"{name} must lie in [0, {bound_name} = {bound}), got values in [low, high]"``.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
         low, high = int(ids.min()), int(ids.max())
@@ -142,6 +156,8 @@ def real_to_float(name: str, value: numbers.Real, expected: str) -> float:
 
     Raises:
         ValueError: ``value`` is too large for a Python float.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     try:
         return float(value)
@@ -157,6 +173,8 @@ def nearest_float32(value: float) -> float:
     interpreter keeps it in float64: an op that rounds its scalar arguments with this first
     computes with the same number on both. ``value`` must lie within float32's range (callers
     check it): beyond it ``struct`` raises an OverflowError.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
 
@@ -166,7 +184,10 @@ _FLOAT32 = struct.Struct("f")
 
 
 def short_repr(value: object) -> str:
-    """``repr(value)`` for a message, cut at 40 characters (a tensor's repr has no end)."""
+    """``repr(value)`` for a message, cut at 40 characters (a tensor's repr has no end).
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
     if isinstance(value, torch.Tensor):
         return f"of shape {list(value.shape)}"
     r = repr(value)
@@ -180,6 +201,8 @@ def on_one_kernel_device(*tensors: torch.Tensor) -> bool:
 
     Args:
         *tensors: one or more tensors (no None).
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     device = tensors[0].device
     if device.type not in KERNEL_DEVICE_TYPES:
@@ -193,7 +216,10 @@ def on_one_kernel_device(*tensors: torch.Tensor) -> bool:
 
 def is_dense(t: torch.Tensor) -> bool:
     """The happy case of :func:`check_dense` as one cheap test: strided, not nested, and
-    without the negative bit (nothing is tested while ``torch.compile`` traces)."""
+    without the negative bit (nothing is tested while ``torch.compile`` traces).
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
     return _is_compiling() or (t.layout is _STRIDED and not t.is_nested and not t.is_neg())
 
 
@@ -216,6 +242,8 @@ def check_dense(name: str, t: torch.Tensor) -> None:
         TypeError: ``t`` is sparse or of another non-strided layout, or a nested tensor.
         ValueError: ``t`` has the negative bit set (the message says to pass
             ``t.resolve_neg()``).
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     if _is_compiling():
         return
@@ -292,6 +320,8 @@ def check_tensor(
             not in ``dtypes``.
         ValueError: ``t`` has the negative bit set (:func:`check_dense`); wrong number of
             dims or shape.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -331,6 +361,8 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
             the negative bit set.
         ValueError: naming each argument and its device when they differ, or when the
             device is neither CUDA nor CPU.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     present = {k: v for k, v in tensors.items() if v is not None}
     for k, v in present.items():
@@ -378,6 +410,8 @@ def file_on_the_way(path: "str | Path", include_self: bool = False) -> Optional[
     Args:
         path: a file system path (nothing is created).
         include_self: also look at ``path`` itself.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     path = Path(path)
     return next((p for p in ((path,) if include_self else ()) + tuple(path.parents)

@@ -24,7 +24,10 @@ F = TypeVar("F", bound=Callable)
 
 
 def noop_decorator(func: F) -> F:
-    """Return ``func`` unchanged: the decorator ``jit_fuser`` becomes when disabled."""
+    """Return ``func`` unchanged: the decorator ``jit_fuser`` becomes when disabled.
+
+    Source: Megatron-LM ``megatron/core/jit.py`` (``noop_decorator``).
+    """
     return func
 
 
@@ -38,6 +41,8 @@ def enable_jit_fuser() -> Callable:
 
     Returns:
         The decorator now bound to ``fusedlib.jit.jit_fuser``.
+
+    Source: Megatron-LM ``megatron/core/jit.py`` (``enable_jit_fuser``, which returns nothing).
     """
     global jit_fuser
     jit_fuser = torch.compile if _torch_at_least(2, 2) else torch.jit.script
@@ -49,6 +54,8 @@ def disable_jit_fuser() -> Callable:
 
     Returns:
         The decorator now bound to ``fusedlib.jit.jit_fuser``.
+
+    Source: Megatron-LM ``megatron/core/jit.py`` (``disable_jit_fuser``, which returns nothing).
     """
     global jit_fuser
     jit_fuser = noop_decorator

@@ -349,6 +349,8 @@ def default_device() -> torch.device:
 
     Returns:
         ``torch.device("cuda")`` or ``torch.device("cpu")``.
+
+    Source: fusedlib's own.
     """
     return torch.device("cuda" if CUDA_AVAILABLE else "cpu")
 
@@ -365,6 +367,9 @@ def kernel_mode(device: torch.device | str) -> str:
 
     Raises:
         ValueError: for a device type fusedlib's kernels cannot run on (mps, xpu, ...).
+
+    Source: fusedlib's own; Triton's interpreter (``TRITON_INTERPRET``,
+    ``triton/runtime/interpreter.py``).
     """
     dev = torch.device(device)
     if dev.type in ("cuda", "cpu"):
@@ -401,6 +406,8 @@ def launch(kernel: Any, grid: Sequence[int], tensors_device: torch.device, *args
 
     Once a device-side check has been launched lazily (:class:`DeviceCheck`), every launch
     first reads the check words and raises the ValueError of any that is set.
+
+    Source: fusedlib's own; Triton's interpreter (``triton/runtime/interpreter.py``) on the CPU.
     """
     if _ARMED and not torch.compiler.is_compiling():
         _poll()  # a device-side check of an earlier call found bad input: raise it now
@@ -465,7 +472,10 @@ _PLAN_CACHES: list[dict] = []
 
 def plan_cache() -> dict:
     """A new, empty cache of an op's plans (key: the op's input signature), known to
-    :func:`clear_plans`."""
+    :func:`clear_plans`.
+
+    Source: fusedlib (Triton's launch protocol as :mod:`fusedlib.kernels.launch` reads it).
+    """
     cache: dict = {}
     _PLAN_CACHES.append(cache)
     return cache
@@ -478,7 +488,10 @@ def clear_plans() -> None:
     ``TMA_LOADS``, ``DQ_BY_TMA`` or ``program_order``; a plan keeps the settings it was made
     with). Each setting is read from the module that uses it: ``FOLD_TILES`` is imported by
     each kernel module (``fusedlib.kernels.layer_norm.FOLD_TILES``...), so set it there;
-    ``fusedlib.kernels.launch.FOLD_TILES`` is only their default."""
+    ``fusedlib.kernels.launch.FOLD_TILES`` is only their default.
+
+    Source: fusedlib (Triton's launch protocol as :mod:`fusedlib.kernels.launch` reads it).
+    """
     for cache in _PLAN_CACHES:
         cache.clear()
 
@@ -491,7 +504,10 @@ def find_plan(cache: dict, key_of: Callable[..., Optional[tuple]], *args: Any) -
     float), and where the key cannot be built or hashed (arguments that are not tensors, a
     tensor without strides, an unhashable scalar): the op's argument check then says what is
     wrong. An op whose check reads nothing its key does not hold runs the check only when this
-    finds no plan, and remembers a plan (:func:`remember_plan`) only after the check passed."""
+    finds no plan, and remembers a plan (:func:`remember_plan`) only after the check passed.
+
+    Source: fusedlib (Triton's launch protocol as :mod:`fusedlib.kernels.launch` reads it).
+    """
     if torch.compiler.is_compiling():
         return None, None
     try:
@@ -505,7 +521,10 @@ def remember_plan(cache: dict, key: Optional[tuple], plan: Any) -> Any:
     """``cache[key] = plan``, emptying ``cache`` first when it holds :data:`PLAN_CACHE_SIZE`
     plans; nothing for a key of None (ops key nothing inside a ``torch.compile`` trace: Dynamo
     refuses writes to a global there, fake tensors have no data pointer, and a compiled graph
-    needs no plan). Returns ``plan``."""
+    needs no plan). Returns ``plan``.
+
+    Source: fusedlib (Triton's launch protocol as :mod:`fusedlib.kernels.launch` reads it).
+    """
     if key is not None and not torch.compiler.is_compiling():
         if len(cache) >= PLAN_CACHE_SIZE:
             cache.clear()
@@ -516,7 +535,10 @@ def remember_plan(cache: dict, key: Optional[tuple], plan: Any) -> Any:
 class Planned(NamedTuple):
     """One launch of an op as its plan holds it (:func:`planned`): the grid, the keyword
     arguments, the :class:`LaunchPlan` (None while ``torch.compile`` traces), and whatever
-    else the op derives from the same signature (``data``: rows per program, ...)."""
+    else the op derives from the same signature (``data``: rows per program, ...).
+
+    Source: fusedlib (Triton's launch protocol as :mod:`fusedlib.kernels.launch` reads it).
+    """
 
     grid: tuple
     kwargs: dict
@@ -526,14 +548,20 @@ class Planned(NamedTuple):
 
 def planned(kernel: Any, grid: Sequence[int], device: torch.device, kwargs: dict, data: tuple = ()) -> Planned:
     """A :class:`Planned` launch of ``kernel`` (its :class:`LaunchPlan` only outside a
-    ``torch.compile`` trace); :func:`launch_planned` launches it."""
+    ``torch.compile`` trace); :func:`launch_planned` launches it.
+
+    Source: fusedlib (Triton's launch protocol as :mod:`fusedlib.kernels.launch` reads it).
+    """
     plan = None if torch.compiler.is_compiling() else LaunchPlan(kernel, grid, device, kwargs)
     return Planned(tuple(grid), kwargs, plan, data)
 
 
 def launch_planned(kernel: Any, p: Planned, device: torch.device, *args: Any) -> None:
     """Launch ``kernel`` as ``p`` says, with positional ``args``: through its
-    :class:`LaunchPlan`, or :func:`launch` (inside a ``torch.compile`` trace)."""
+    :class:`LaunchPlan`, or :func:`launch` (inside a ``torch.compile`` trace).
+
+    Source: fusedlib (Triton's launch protocol as :mod:`fusedlib.kernels.launch` reads it).
+    """
     if p.launch is not None:
         p.launch(*args)
     else:
@@ -544,7 +572,10 @@ def spec_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
     """A tensor argument's part of a plan key when its shape and strides are known from
     others': dtype and address modulo 16 (what Triton specializes a pointer on), and the
     class (the launch layer's key tells a tensor subclass from a tensor) and the negative bit
-    (:func:`fusedlib.checks.check_dense`: such a tensor has no plan); None for None."""
+    (:func:`fusedlib.checks.check_dense`: such a tensor has no plan); None for None.
+
+    Source: fusedlib (Triton's launch protocol as :mod:`fusedlib.kernels.launch` reads it).
+    """
     return None if t is None else (t.__class__, t.dtype, t.data_ptr() & 15, t.is_neg())
 
 
@@ -557,7 +588,10 @@ def param_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
 
 def tensor_key(t: torch.Tensor) -> tuple:
     """A tensor argument's part of a plan key: class, shape, strides, dtype, address modulo 16,
-    the negative bit."""
+    the negative bit.
+
+    Source: fusedlib (Triton's launch protocol as :mod:`fusedlib.kernels.launch` reads it).
+    """
     return (t.__class__, t.shape, t.stride(), t.dtype, t.data_ptr() & 15, t.is_neg())
 
 
@@ -715,6 +749,8 @@ class DeviceCheck:
 
     Raises:
         ValueError: at construction, when more than :data:`MAX_CHECKS` checks exist.
+
+    Source: fusedlib's own; zero-copy host memory: the CUDA C++ Programming Guide, "Mapped Memory".
     """
 
     __slots__ = ("op", "message", "index", "context", "_words")
@@ -818,6 +854,8 @@ def check_errors() -> None:
     Raises:
         ValueError: naming the op, the argument and what was expected, for the first check
             whose word is set (the word is cleared; call again for the next).
+
+    Source: fusedlib's own (see :class:`DeviceCheck`).
     """
     if torch.compiler.is_compiling():
         return
@@ -834,6 +872,8 @@ def device_banner() -> str:
     Returns:
         e.g. ``"NVIDIA H200 | torch 2.11.0 | triton 3.6.0 | kernels compiled"`` or
         ``"CPU (no CUDA GPU) | torch 2.13.0 | triton 3.9.0 | kernels interpreted by Triton's interpreter"``.
+
+    Source: fusedlib's own.
     """
     if CUDA_AVAILABLE:
         name = torch.cuda.get_device_name()
@@ -925,6 +965,8 @@ def optional_function_ok() -> bool:
     Returns:
         False while torch.compile traces, a ``torch.func`` transform is active, or a
         forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``); else True.
+
+    Source: fusedlib's own.
     """
     if torch.compiler.is_compiling():
         return False

@@ -69,7 +69,10 @@ _PARTS: dict[str, tuple[str, str, Optional[str]]] = {
 
 class ApexNotAvailableError(ImportError):
     """Apex (or the part of it a call needs) does not import here; the message says how
-    to get it."""
+    to get it.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +97,10 @@ def apex_status() -> dict[str, str]:
 
 
 def apex_available(name: Optional[str] = None) -> bool:
-    """True if Apex's kernel ``name`` imports (default: any of them)."""
+    """True if Apex's kernel ``name`` imports (default: any of them).
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
     status = apex_status()
     if name is not None:
         return status[name] == ""
@@ -106,6 +112,8 @@ def require(name: str):
 
     Raises:
         ApexNotAvailableError: naming what failed to import and how to get Apex.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     why = apex_status()[name]
     if why:
@@ -139,6 +147,10 @@ def apex_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, e
 
     Raises:
         ApexNotAvailableError: if the Apex kernel needed does not import.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_layer_norm.py`` (``FusedLayerNorm.forward``);
+    Apex ``apex/contrib/layer_norm/layer_norm.py`` (``FastLayerNormFN``),
+    ``apex/normalization/fused_layer_norm.py``.
     """
     h = x.shape[-1]
     if persist and h in PERSIST_LN_HIDDEN_SIZES and apex_available("FastLayerNormFN"):
@@ -164,6 +176,8 @@ def apex_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
 
     Raises:
         ApexNotAvailableError: if it does not import.
+
+    Source: Apex ``apex/normalization/fused_layer_norm.py`` (``FusedRMSNormAffineFunction``).
     """
     fn = require("FusedRMSNormAffineFunction")
     args = (x, weight, (x.shape[-1],), eps) + ((memory_efficient,) if _takes_memory_efficient(fn) else ())

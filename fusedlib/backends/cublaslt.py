@@ -82,7 +82,11 @@ class _HeuristicResult(ctypes.Structure):
 
 
 class CublasLtError(RuntimeError):
-    """A cuBLASLt call returned a status other than CUBLAS_STATUS_SUCCESS (the message names it)."""
+    """A cuBLASLt call returned a status other than CUBLAS_STATUS_SUCCESS (the message names it).
+
+    Source: fusedlib's own; the statuses are cuBLAS's ``cublasStatus_t`` (NVIDIA cuBLAS
+    documentation).
+    """
 
 
 _lib: Optional[ctypes.CDLL] = None
@@ -166,7 +170,10 @@ def _load() -> Optional[ctypes.CDLL]:
 
 
 def cublaslt_available() -> bool:
-    """True where cuBLASLt can be called (a CUDA build of torch on a machine with a GPU)."""
+    """True where cuBLASLt can be called (a CUDA build of torch on a machine with a GPU).
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
     return _load() is not None
 
 
@@ -200,6 +207,9 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *others: Optional[torch.Ten
         the negative bit (:func:`~fusedlib.checks.is_dense`: cuBLASLt reads the memory),
         contiguous, :data:`ALIGNMENT`-byte aligned, the widths (K, N) are multiples of 8 and not 0 (cuBLASLt's
         heuristic refuses N = 0), and cuBLASLt loads.
+
+    Source: fusedlib's own; the conditions from the NVIDIA cuBLAS documentation, "cuBLASLt API" (see
+    the module docstring).
     """
     if not (x.is_cuda and x.dtype in _DTYPE_CODE and weight.dim() == 2):
         return False
@@ -216,7 +226,10 @@ def supported_like(t: torch.Tensor, like: torch.Tensor) -> bool:
     (the last dim: its leading dimension, a width of the GEMM it enters) a multiple of 8 and not
     0, as :func:`supported` asks of the widths (the rest of its shape is the caller's to match).
     The backward's check of its gradient, and of a saved operand whose ``.data`` may have been
-    replaced since the forward checked it (a sharded optimizer gathers its parameters again)."""
+    replaced since the forward checked it (a sharded optimizer gathers its parameters again).
+
+    Source: fusedlib's own; the conditions of :func:`supported`.
+    """
     return t.dim() > 0 and t.shape[-1] > 0 and t.shape[-1] % 8 == 0 and _operand_ok(t, like)
 
 
@@ -366,7 +379,11 @@ def linear_gelu_aux_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def launch_linear_gelu_aux_bias(x: torch.Tensor, weight: torch.Tensor,
                                 bias: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`linear_gelu_aux_bias` without its checks, for a caller that has had :func:`supported`
-    accept the operands (``fused_dense_gelu_dense``: one check per call, not two)."""
+    accept the operands (``fused_dense_gelu_dense``: one check per call, not two).
+
+    Source: cuBLASLt ``CUBLASLT_EPILOGUE_GELU_AUX_BIAS``; Apex ``fused_dense``
+    (``gemm_bias_gelu_lt``).
+    """
     m_rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m_rows, n), dtype=x.dtype, device=x.device)
@@ -418,7 +435,10 @@ def matmul_dgelu(grad: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> t
 
 def launch_matmul_dgelu(grad: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """:func:`matmul_dgelu` without its checks, for a caller that has had :func:`supported` accept
-    the operands."""
+    the operands.
+
+    Source: cuBLASLt ``CUBLASLT_EPILOGUE_DGELU``; Apex ``fused_dense`` (``gemm_dgelu_bgradb_lt``).
+    """
     m_rows, h = grad.shape
     f = weight.shape[1]
     dz = torch.empty((m_rows, f), dtype=grad.dtype, device=grad.device)

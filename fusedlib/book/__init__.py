@@ -80,6 +80,8 @@ def show_source(obj: Any):
     Raises:
         TypeError, OSError: from ``inspect.getsource``, for an object without Python source
             (a builtin, a C extension).
+
+    Source: fusedlib's own, on ``inspect.getsource`` and IPython's ``Markdown`` display.
     """
     from IPython.display import Markdown
 
@@ -108,6 +110,8 @@ def check(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float, 
 
     Raises:
         TypeError: ``actual`` or ``expected`` is not a ``torch.Tensor`` (named in the message).
+
+    Source: fusedlib's own.
     """
     for arg, value in (("actual", actual), ("expected", expected)):
         if not isinstance(value, torch.Tensor):
@@ -130,6 +134,8 @@ def bench_dir() -> Path:
     Returns:
         ``data/bench`` under the working directory when it exists (a notebook running in
         ``chapters/``), else ``chapters/data/bench`` of the source checkout.
+
+    Source: fusedlib's own.
     """
     here = Path.cwd() / "data" / "bench"
     if here.is_dir():
@@ -204,6 +210,8 @@ def measure_live() -> bool:
     Raises:
         ValueError: ``FUSEDLIB_BENCH_STORED`` set to a value that is neither on nor off
             (:func:`fusedlib.kernels.launch.env_flag`).
+
+    Source: fusedlib's own (the benchmark protocol of :mod:`fusedlib.bench`).
     """
     stored = env_flag("FUSEDLIB_BENCH_STORED", False)  # (read on any machine: a bad value is refused anywhere)
     return CUDA_AVAILABLE and not stored
@@ -224,6 +232,8 @@ def live_note(device: str, what: str, stored: str) -> str:
 
     Raises:
         Nothing: it formats its arguments as they are.
+
+    Source: fusedlib's own (the benchmark protocol of :mod:`fusedlib.bench`).
     """
     return (f"{what} now on {device}; the text around this cell quotes the stored run "
             f"(chapters/data/bench/{stored}, shown with FUSEDLIB_BENCH_STORED=1), whose numbers and "
@@ -243,6 +253,8 @@ def stored_note(record: dict) -> str:
 
     Raises:
         KeyError: a record without ``device``, ``torch`` or ``triton``.
+
+    Source: fusedlib's own (the benchmark protocol of :mod:`fusedlib.bench`).
     """
     where = "no GPU here" if not CUDA_AVAILABLE else "FUSEDLIB_BENCH_STORED=1"
     return (f"{where}: loaded the stored results measured on {record['device']} "
@@ -875,6 +887,8 @@ def count_calls(targets: dict[str, tuple[Any, str]]) -> Iterator[dict[str, int]]
 
     Raises:
         AttributeError: an owner without that attribute (nothing is patched then).
+
+    Source: fusedlib's own.
     """
     originals = []
     for label, (owner, name) in targets.items():

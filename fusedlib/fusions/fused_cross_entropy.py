@@ -63,6 +63,9 @@ def calculate_predicted_logits(stats: torch.Tensor, logits_max: torch.Tensor, la
     Returns:
         ``predicted_logits_sum_exp_logits``: the contiguous view ``stats[1:3]`` = [sum-exp,
         target logit] ([2, rows]), or ``stats[1:4]`` with the sum of logits ([3, rows]).
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_cross_entropy.py``
+    (``calculate_predicted_logits``).
     """
     VocabParallelCrossEntropy.calculate_predicted_logits(stats, logits_max)
     return stats[1:4] if label_smoothing > 0 else stats[1:3]
@@ -72,7 +75,11 @@ def calculate_cross_entropy_loss(predicted_logits_sum_exp_logits: torch.Tensor, 
                                  target: torch.Tensor, vocab_size: int, ignore_index: int = -100,
                                  label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Split the reduced block and compute ``(loss, lse)`` ([rows] each), as
-    :meth:`VocabParallelCrossEntropy.calculate_cross_entropy_loss`."""
+    :meth:`VocabParallelCrossEntropy.calculate_cross_entropy_loss`.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_cross_entropy.py``
+    (``calculate_cross_entropy_loss``).
+    """
     sum_exp_logits, predicted_logits = predicted_logits_sum_exp_logits[0], predicted_logits_sum_exp_logits[1]
     sum_logits = predicted_logits_sum_exp_logits[2] if label_smoothing > 0 else None
     return VocabParallelCrossEntropy.calculate_cross_entropy_loss(

@@ -72,6 +72,9 @@ def check_rope_inputs(t: torch.Tensor, freqs: torch.Tensor) -> None:
             is accepted with float64 t only).
         ValueError: t not 4-D, freqs not 4-D or not broadcastable as above, rot_dim odd, 0
             or larger than d, or the tensors on different devices.
+
+    Source: fusedlib's own check; the arguments of Megatron-LM
+    ``megatron/core/extensions/transformer_engine.py`` (``fused_apply_rotary_pos_emb``).
     """
     # the happy case in one test; the checks below name what is wrong otherwise
     if (isinstance(t, torch.Tensor) and isinstance(freqs, torch.Tensor) and t.dtype in FLOAT_DTYPES

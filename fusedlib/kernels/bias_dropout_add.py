@@ -86,6 +86,9 @@ def drop_threshold(p: float) -> int:
 
     Returns:
         An int in [0, 2^16]; P(drop) = T / 2^16, within 2^-17 of ``p``.
+
+    Source: fusedlib's own keep rule (see the module docstring), after FlashAttention-2's threshold
+    on a few random bits per element (Dao, 2023).
     """
     return int(round(p * (1 << KEEP_BITS)))
 
@@ -97,7 +100,11 @@ def dropout_scale(p: float) -> float:
     (1 - p')/(1 - p): 1.53x at p = 0.99999.) Equal to 1/(1 - p) for every p that is a
     multiple of 2^-16 (0, 0.5, 0.25...); within 2^-17/(1 - p) relative of it otherwise.
     0 when nothing is kept (T = 2^16: p = 1, or p > 1 - 2^-17). Passed to the kernels as a
-    float32 scalar."""
+    float32 scalar.
+
+    Source: inverted dropout (Srivastava et al., JMLR 2014), with the drop probability p' the
+    kernels apply.
+    """
     t = drop_threshold(p)
     full = 1 << KEEP_BITS
     return 0.0 if t >= full else full / (full - t)
@@ -183,6 +190,9 @@ def philox_seed(device: torch.device) -> torch.Tensor:
 
     Returns:
         int64 tensor of shape [1] on ``device``, in [0, 2^62).
+
+    Source: fusedlib's own; the key of Philox-4x32-10 (Salmon et al., SC 2011), drawn from torch's
+    generator.
     """
     return torch.randint(0, 1 << 62, (1,), dtype=torch.int64, device=device)
 
@@ -195,6 +205,8 @@ def dropout_key(device: torch.device, p: float) -> torch.Tensor:
 
     Returns:
         int64 tensor of shape [1] on ``device``.
+
+    Source: fusedlib's own (see :func:`philox_seed`).
     """
     if drop_threshold(p) >= 1 << KEEP_BITS:
         return torch.zeros(1, dtype=torch.int64, device=device)
@@ -368,6 +380,9 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: torch.Tensor | None, residual: t
 
     Returns:
         ``out``: the residual's dtype.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py``
+    (``_bias_dropout_add_func``); the mask from Philox-4x32-10 (Salmon et al., SC 2011).
     """
     device = x.device
     fresh = out is None
@@ -478,6 +493,9 @@ def bias_dropout_add_bwd(g: torch.Tensor, x_dtype: torch.dtype, seed: torch.Tens
         ``(dx, db)``: dx of g's shape and ``x_dtype`` (``g`` itself when nothing was dropped
         and dtypes match), or None; db [n_cols] of ``db_dtype``, summed in float32 (float64
         for float64 inputs) in two deterministic stages (one for small inputs), or None.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``_bias_dropout_add_func``,
+    differentiated); the mask regenerated from the seed, as FlashAttention-2 (Dao, 2023) does.
     """
     dropout = seed is not None
     dx = db = None
@@ -533,6 +551,8 @@ def dropout_mask(seed: torch.Tensor, n_rows: int, n_cols: int, p: float, tile: T
 
     Returns:
         bool [n_rows, n_cols] on ``seed``'s device: True where the element is kept.
+
+    Source: fusedlib's own (the kernels' Philox-4x32-10 draw, Salmon et al., SC 2011).
     """
     mask = torch.empty((n_rows, n_cols), dtype=torch.int8, device=seed.device)
     if mask.numel() == 0:

@@ -179,6 +179,8 @@ def bias_gelu_fwd(y: torch.Tensor, bias: torch.Tensor, tile: Tile | None = None)
 
     Returns:
         ``gelutanh(y + bias)``: a new contiguous tensor of y's shape and dtype.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_gelu.py`` (``bias_gelu``).
     """
     return _bias_gelu_fwd(y, bias, tile, None)[0]
 
@@ -239,6 +241,8 @@ def bias_gelu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
     Returns:
         ``(dy, dbias)``: dy a new contiguous tensor of y's shape and dtype; dbias [n_cols]
         of bias's dtype, summed over rows in float32.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_gelu.py`` (``bias_gelu_back``).
     """
     device = y.device
     dy = empty_contiguous_like(y)  # written as [n_rows, n_cols]

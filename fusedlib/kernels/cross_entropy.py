@@ -238,6 +238,10 @@ def smoothing_coefs(label_smoothing: float, vocab_size: int, dtype: torch.dtype,
 
     Returns:
         A new [2] tensor (filled on the device, no host-device synchronization).
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py``
+    (``VocabParallelCrossEntropy.forward``: ``smoothing = label_smoothing * vocab_size / (vocab_size
+    - 1)``).
     """
     s = label_smoothing * vocab_size / (vocab_size - 1) if label_smoothing > 0 else 0.0
     coefs = torch.full((2,), 1.0 - s, dtype=dtype, device=device)
@@ -283,6 +287,10 @@ def cross_entropy_fwd(
 
     Raises:
         ValueError: from ``check``, for a bad target id (see above).
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py``
+    (``calculate_logits_max``, ``calculate_predicted_logits``); Milakov & Gimelshein,
+    arXiv:1805.02867 (the online softmax).
     """
     out, _, _ = _cross_entropy_fwd(x2d, target1d, vocab_start_index, ignore_index, label_smoothing, vocab_size,
                                    finalize, tile, check)
@@ -389,6 +397,9 @@ def cross_entropy_bwd(
     Returns:
         ``(softmax(x) - (1 - s)·onehot - s/V) · grad``, a new contiguous [n_rows, n_cols]
         tensor of the logits' dtype.
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/cross_entropy.py``
+    (``calculate_gradients``).
     """
     n_rows, n_cols = x2d.shape
     device = x2d.device

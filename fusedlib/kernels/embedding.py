@@ -85,6 +85,9 @@ def check_ids_in_range(ids: torch.Tensor, vocab_size: int) -> None:
             of range (naming it and V); on CUDA otherwise, at a later fusedlib call or at
             :func:`fusedlib.runtime.check_errors`. Nothing is checked while ``torch.compile``
             traces (the word is then None).
+
+    Source: fusedlib's own check; Megatron-LM ``megatron/core/tensor_parallel/layers.py``
+    (``VocabParallelEmbedding``) has none.
     """
     check_tensor("ids", ids, dtypes=(torch.int32, torch.int64))
     n = ids.numel()

@@ -263,6 +263,8 @@ def attention_tile(table: TileTable, head_dim: int) -> Tile:
 
     Raises:
         ValueError: head_dim < 1 or > the table's last bound.
+
+    Source: fusedlib's own tile table (see :func:`~fusedlib.kernels.launch.pick`).
     """
     if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or not 1 <= head_dim <= table[-1][0]:
         raise ValueError(f"head_dim must be an int in [1, {table[-1][0]}] (the tile table's last bound), "
@@ -280,7 +282,11 @@ def use_atomic_dq(head_dim: int, dropout: bool) -> bool:
     without dropout), and every head dim up to 64 with dropout (14-20 %); without dropout at
     d <= 64 the atomics cost more than the two products they save (0.230 against 0.207 ms at
     causal [64, 6, 512, 64]), and above 128 the kernel is unmeasured: those keep the
-    deterministic pair."""
+    deterministic pair.
+
+    Source: Dao, "FlashAttention-2" (2023) (dQ by atomic adds); the choice is fusedlib's own, by
+    timings.
+    """
     block_d = _block_d(head_dim)
     return 64 < block_d <= 128 or (dropout and block_d <= 64)
 
@@ -295,6 +301,9 @@ def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[i
     -1 meaning unbounded on that side. With both, their intersection (FlashAttention's
     ``causal`` with ``window_size``: the window's right side capped at the diagonal). An
     unbounded side is returned as ±(sq + sk), past every key of every row.
+
+    Source: Megatron-LM ``megatron/core/transformer/utils.py`` (``get_sliding_window_causal_mask``);
+    FlashAttention's rule for a causal window.
     """
     big = sq + sk
     lo, hi = -big, big
@@ -351,6 +360,8 @@ def program_order(band: tuple[int, int], sq: int, sk: int, head_dim: int, by_key
     timed). Otherwise that table's group, with REVERSE_BLOCKS where the last block is the heavier:
     the forward's and dQ's under a causal band (the last query row sees every key), the dK/dV
     kernel's under a band open only to later keys.
+
+    Source: fusedlib's own scheduling, by timings.
     """
     first, last = _end_costs(band, sq, sk, by_keys)
     if first == last:
@@ -1083,6 +1094,9 @@ def flash_attn_fwd(
         ValueError: with ``seed``, ``dropout_p`` outside [0, 1) or rounding to p' = 1, or
             ``seed`` not an int64 tensor of one element on q's device. The other arguments are
             the op's to check (:func:`~fusedlib.fusions.fused_attention.flash_attention`).
+
+    Source: Dao, "FlashAttention-2" (2023), Algorithm 1; Triton's fused-attention tutorial
+    (``python/tutorials/06-fused-attention.py``).
     """
     B, SQ, HQ, D = q.shape
     o = torch.empty_like(q)
@@ -1228,7 +1242,10 @@ def dq_by_tma(q: torch.Tensor, head_dim: int) -> bool:
     given plain pointers), for a head dim that is a power of two of at least 16 (the tile's
     width, so every row of the [b·hq, sq, d] accumulator is 16-byte aligned and the
     descriptor's box matches the tile), with a Triton whose tensor descriptors have
-    ``atomic_add``."""
+    ``atomic_add``.
+
+    Source: Shah et al., "FlashAttention-3" (2024), Sec. 3.1 (dQ added by TMA bulk reductions).
+    """
     return DQ_BY_TMA and _TensorDescriptor is not None and _tma_usable(q, head_dim)
 
 
@@ -1290,6 +1307,9 @@ def tma_loads(q: torch.Tensor, head_dim: int, form: str) -> bool:
 
     Raises:
         ValueError: ``form`` not a key of :data:`TMA_LOADS`.
+
+    Source: fusedlib's own switch (Hopper's tensor-memory accelerator through Triton's tensor
+    descriptors).
     """
     if form not in TMA_LOADS:
         raise ValueError(f"form must be one of {sorted(TMA_LOADS)}, got {form!r}")
@@ -1372,6 +1392,9 @@ def flash_attn_bwd(
 
     Raises:
         ValueError: as :func:`flash_attn_fwd` for ``seed`` and ``dropout_p``.
+
+    Source: Dao, "FlashAttention-2" (2023), Algorithm 2; Triton's fused-attention tutorial
+    (``python/tutorials/06-fused-attention.py``).
     """
     B, SQ, HQ, D = q.shape
     grads = packed_grads(q, k, v)
@@ -1513,6 +1536,8 @@ def flash_attn_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int]
     Raises:
         ValueError: ``shape`` not four non-negative ints; ``seed`` or ``dropout_p`` not what the
             kernels take (:func:`_dropout_args`).
+
+    Source: fusedlib's own (the kernels' Philox-4x32-10 draw, Salmon et al., SC 2011).
     """
     if (not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 4
             or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in shape)):

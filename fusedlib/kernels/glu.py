@@ -334,6 +334,9 @@ def glu_fwd(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor | 
 
     Returns:
         A new contiguous [..., h] tensor of y's dtype.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` and ``fused_bias_geglu.py``;
+    Shazeer, "GLU Variants Improve Transformer", arXiv:2002.05202.
     """
     device = y.device
     out = torch.empty(_out_shape(y), dtype=y.dtype, device=device)  # written as [n_rows, h]
@@ -385,6 +388,9 @@ def glu_bwd(g: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, weights
 
     Raises:
         NotImplementedError: for both a bias and weights.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_swiglu.py`` (``bias_swiglu_back``) and
+    ``fused_bias_geglu.py`` (``bias_geglu_back``).
     """
     if bias is not None and weights is not None:
         raise NotImplementedError("a GLU with both a bias and row weights has no backward kernel")

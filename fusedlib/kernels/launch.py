@@ -96,12 +96,18 @@ HUGE: int = 1 << 62
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints a >= 0, b >= 1, in plain Python."""
+    """ceil(a / b) for ints a >= 0, b >= 1, in plain Python.
+
+    Source: Triton's ``triton.cdiv``, in plain Python.
+    """
     return -(-a // b)
 
 
 def next_power_of_2(n: int) -> int:
-    """The least power of two >= n, for n >= 1 (1 for n = 1)."""
+    """The least power of two >= n, for n >= 1 (1 for n = 1).
+
+    Source: Triton's ``triton.next_power_of_2``, in plain Python.
+    """
     return 1 << (n - 1).bit_length()
 
 
@@ -129,6 +135,9 @@ class Tile:
         ValueError: BLOCK_M < 1, BLOCK_N < 0, num_warps not a power of two from 1 to 32,
             num_stages outside 1 to :data:`MAX_NUM_STAGES`, programs_per_sm < 0. (Whether
             BLOCK_N must be a power of two, and which tiles fit a kernel, the launchers check.)
+
+    Source: Liger-Kernel's ``calculate_settings`` (``src/liger_kernel/ops/utils.py``) and quack's
+    tile tables.
     """
 
     BLOCK_M: int
@@ -203,6 +212,9 @@ def pick(table: TileTable, n_cols: int, *, resolve_block_n: bool = True) -> Tile
 
     Raises:
         ValueError: for n_cols < 1, or past the table's last bound.
+
+    Source: Liger-Kernel's ``calculate_settings`` (``src/liger_kernel/ops/utils.py``) and quack's
+    tile tables.
     """
     if torch.compiler.is_compiling():
         # Dynamo traces neither id() nor a write to a global here; a compiled graph calls
@@ -227,7 +239,10 @@ _SMS: dict[torch.device, int] = {}
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (CUDA), or :data:`INTERPRETER_SMS` (CPU);
-    queried once per device (remembered outside a compile, as :func:`pick`'s tiles)."""
+    queried once per device (remembered outside a compile, as :func:`pick`'s tiles).
+
+    Source: fusedlib's own.
+    """
     n = _SMS.get(device)
     if n is None:
         if device.type == "cuda":
@@ -269,6 +284,8 @@ def persistent_grid(n_rows: int, block_m: int, programs_per_sm: int, device: tor
 
     Returns:
         The number of row programs and the rows each one handles.
+
+    Source: Triton's layer-norm and fused-softmax tutorials (the persistent grid).
     """
     tiles = cdiv(n_rows, block_m)
     if tiles <= fold_tiles:
@@ -298,6 +315,8 @@ def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
 
     Returns:
         ``torch.float64`` or ``torch.float32``.
+
+    Source: fusedlib's own dtype policy.
     """
     for d in dtypes:
         if d in _ACC:
@@ -318,6 +337,8 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     Returns:
         A 2-D tensor [rows, n] (``t`` itself when it is 2-D; a view where strides allow), for
         any sizes: 0 rows or 0 columns too (where ``reshape(-1, 0)`` could not infer the -1).
+
+    Source: fusedlib's own.
     """
     return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
@@ -335,6 +356,8 @@ def empty_contiguous_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> 
 
     Returns:
         A contiguous tensor (``is_contiguous()``) of ``t``'s shape on ``t``'s device.
+
+    Source: fusedlib's own.
     """
     if dtype is None or dtype == t.dtype:
         if t.is_contiguous():
@@ -425,6 +448,8 @@ def env_flag(name: str, default: bool) -> bool:
     Raises:
         ValueError: any other value, naming the variable and the values it takes (a typo such
             as ``FUSEDLIB_DIRECT_LAUNCH=of`` must not silently leave the switch on).
+
+    Source: fusedlib's own; the true values as Triton reads a boolean variable (``triton.knobs``).
     """
     value = os.environ.get(name, "").strip().lower()
     if not value:
@@ -473,6 +498,8 @@ class LaunchStats:
         fallbacks: launches through ``kernel[grid]`` for a call the direct path does not
             take; :attr:`reasons` says why, per kernel name.
         checks: launches compared with Triton's own choice (:data:`CHECK_LAUNCH`).
+
+    Source: fusedlib (Triton's launch protocol, ``JITFunction.run``, as read in Triton 3.6).
     """
 
     __slots__ = ("hits", "misses", "fallbacks", "checks", "reasons")
@@ -500,7 +527,10 @@ _STATS = LaunchStats()
 
 
 def launch_stats() -> LaunchStats:
-    """The process-wide :class:`LaunchStats` of direct launches (``.reset()`` to start over)."""
+    """The process-wide :class:`LaunchStats` of direct launches (``.reset()`` to start over).
+
+    Source: fusedlib (Triton's launch protocol, ``JITFunction.run``, as read in Triton 3.6).
+    """
     return _STATS
 
 
@@ -518,7 +548,10 @@ _PARAMETER = torch.nn.Parameter
 
 
 def clear_launch_cache() -> None:
-    """Forget every cached compiled kernel (the next launch of each goes through ``kernel[grid]``)."""
+    """Forget every cached compiled kernel (the next launch of each goes through ``kernel[grid]``).
+
+    Source: fusedlib (Triton's launch protocol, ``JITFunction.run``, as read in Triton 3.6).
+    """
     _CACHE.clear()
 
 
@@ -527,7 +560,10 @@ def refuse_neg_arguments(kernel: Any, args: tuple) -> None:
     negative bit set (a lazy negation view, :func:`fusedlib.checks.check_dense`): a kernel
     reads its memory, which holds the negated values. The ops refuse such inputs in their
     checks and resolve such gradients (:func:`fusedlib.checks.resolve_neg_grads`); this is the
-    launch layer's net for callers of the kernel layer."""
+    launch layer's net for callers of the kernel layer.
+
+    Source: fusedlib (Triton's launch protocol, ``JITFunction.run``, as read in Triton 3.6).
+    """
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.is_neg():
             names = getattr(kernel, "arg_names", None) or ()
@@ -669,6 +705,8 @@ def launch_key(kernel: Any, device_index: int, debug: Any, instrumentation_mode:
     Raises:
         ValueError: for a tensor argument with the negative bit set
             (:func:`refuse_neg_arguments`).
+
+    Source: fusedlib (Triton's launch protocol, ``JITFunction.run``, as read in Triton 3.6).
     """
     key = [id(kernel), device_index, debug, instrumentation_mode]
     append = key.append
@@ -734,6 +772,8 @@ def direct_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tup
         RuntimeError: with :data:`CHECK_LAUNCH`, when Triton would launch another compiled
             kernel than the cached one (a defect of the key: report it).
         Whatever ``kernel[grid]`` raises on a first call (compile errors, bad arguments).
+
+    Source: fusedlib (Triton's launch protocol, ``JITFunction.run``, as read in Triton 3.6).
     """
     rt = _KNOBS.runtime
     if _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook):
@@ -771,6 +811,8 @@ def bind_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tuple
 
     Args:
         kernel, grid, device_index, args, kwargs: as :func:`direct_launch`.
+
+    Source: fusedlib (Triton's launch protocol, ``JITFunction.run``, as read in Triton 3.6).
     """
     if not DIRECT_LAUNCH or _KNOBS is None:
         return None
@@ -808,6 +850,8 @@ def bound_launch(kernel: Any, grid: Sequence[int], device_index: int, args: tupl
 
     Returns:
         The callable, or None.
+
+    Source: fusedlib (Triton's launch protocol, ``JITFunction.run``, as read in Triton 3.6).
     """
     if not DIRECT_LAUNCH or _KNOBS is None:
         return None

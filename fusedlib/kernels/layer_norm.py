@@ -632,6 +632,9 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     Raises:
         ValueError: for h past MAX_HIDDEN_SIZE, or a tile narrower than the row; from
             ``gamma_check``, for a gamma of 0.
+
+    Source: Triton's layer-norm tutorial ``python/tutorials/05-layer-norm.py``; Megatron-LM
+    ``megatron/core/fusions/fused_layer_norm.py``; Ba et al. (2016); Zhang & Sennrich (2019).
     """
     y, mean, rstd, _, _, _ = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, gamma_check, stats)
     return y, mean, rstd
@@ -662,6 +665,9 @@ def bias_dropout_add_norm_fwd(x: torch.Tensor, linear_bias: Optional[torch.Tenso
 
     Raises:
         ValueError: as :func:`norm_fwd`.
+
+    Source: fusedlib's own fusion of Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py``
+    (``_bias_dropout_add_func``) with the norm of :func:`norm_fwd`.
     """
     y, mean, rstd, h, _, _ = _norm_fwd(x, weight, bias, eps, rms_norm, zero_centered_gamma, tile, None, stats,
                                        add_in=(linear_bias, residual, seed, p))
@@ -820,6 +826,9 @@ def norm_bwd(dy: torch.Tensor, x_or_y: torch.Tensor, weight: torch.Tensor, bias:
 
     Raises:
         ValueError: for h past MAX_HIDDEN_SIZE, or a ``tile.BLOCK_N`` that is not a power of two.
+
+    Source: Triton's layer-norm tutorial ``python/tutorials/05-layer-norm.py`` (dx, two-stage
+    dgamma/dbeta); Apex ``apex/contrib/csrc/layer_norm`` (``memory_efficient``).
     """
     dx, dweight, dbias, _, _ = _norm_bwd(dy, x_or_y, weight, bias, mean, rstd, rms_norm, zero_centered_gamma,
                                          memory_efficient, tile, dresidual)
@@ -861,6 +870,8 @@ def bias_dropout_add_norm_bwd(dy: torch.Tensor, dh: Optional[torch.Tensor], h: t
 
     Raises:
         ValueError: as :func:`norm_bwd`.
+
+    Source: fusedlib's own (the backward of :func:`bias_dropout_add_norm_fwd`).
     """
     if in_norm is None:
         in_norm = next((fused for bound, fused in BDA_BWD_IN_NORM if h.shape[-1] <= bound), False)

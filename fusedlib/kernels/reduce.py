@@ -67,6 +67,9 @@ def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype, tile: Tile | No
     Returns:
         A new [n_cols] tensor: the sum in ``partials``' dtype, added in a fixed order (the same
         bits on every run for a given tile), rounded once to ``out_dtype``.
+
+    Source: the second stage of Triton's layer-norm tutorial
+    (``python/tutorials/05-layer-norm.py``).
     """
     n_partials, n_cols = partials.shape
     device = partials.device
@@ -102,6 +105,8 @@ def partials_buffer(row_programs: int, n_cols: int, acc: torch.dtype, out_dtype:
     Returns:
         ``[row_programs, n_cols]`` of ``acc``; with one row program, ``[1, n_cols]`` of
         ``out_dtype``: the final result itself (:func:`finish_partials` returns it as is).
+
+    Source: fusedlib's own.
     """
     if row_programs == 1:
         return torch.empty((1, n_cols), dtype=out_dtype, device=device)
@@ -110,7 +115,10 @@ def partials_buffer(row_programs: int, n_cols: int, acc: torch.dtype, out_dtype:
 
 def finish_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The column sums of ``partials`` (from :func:`partials_buffer`) in ``out_dtype``, [n_cols]:
-    the one row itself when there is one row of ``out_dtype``, else :func:`sum_partials`."""
+    the one row itself when there is one row of ``out_dtype``, else :func:`sum_partials`.
+
+    Source: fusedlib's own.
+    """
     if partials.shape[0] == 1 and partials.dtype == out_dtype:
         return partials.view(partials.shape[1])
     return sum_partials(partials, out_dtype)

@@ -186,6 +186,8 @@ def rope_tile(n_heads: int, head_dim: int, rot_dim: int) -> Tile:
         BLOCK_N = BLOCK_K, pairs per head (a power of two >= rot_dim / 2); num_warps =
         BLOCK_K / 32, between 1 and :data:`MAX_WARPS`. (The kernel's BLOCK_P, the pass-through
         channels per head, follows from the dims: a power of two >= head_dim - rot_dim, or 0.)
+
+    Source: fusedlib's own.
     """
     key = (n_heads, head_dim, rot_dim)
     tile = _TILES.get(key)
@@ -219,6 +221,9 @@ def rope_launch(x: torch.Tensor, freqs: torch.Tensor, interleaved: bool, backwar
 
     Returns:
         A new contiguous [s, b, np, d] tensor of x's dtype.
+
+    Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``; Transformer Engine
+    ``transformer_engine/common/fused_rope/fused_rope.cu``.
     """
     s, b, n_heads, d = x.shape
     rot = freqs.shape[-1]
@@ -240,11 +245,19 @@ def rope_launch(x: torch.Tensor, freqs: torch.Tensor, interleaved: bool, backwar
 
 def rope_fwd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, mscale: float = 1.0) -> torch.Tensor:
     """RoPE applied to ``t`` [s, b, np, d] with ``freqs`` [s, 1 or b, 1, rot]: a new
-    contiguous tensor of t's shape and dtype (see :func:`rope_launch`)."""
+    contiguous tensor of t's shape and dtype (see :func:`rope_launch`).
+
+    Source: Megatron-LM ``megatron/core/models/common/embeddings/rope_utils.py``
+    (``_apply_rotary_pos_emb_bshd``); Su et al., arXiv:2104.09864.
+    """
     return rope_launch(t, freqs, interleaved, backward=False, mscale=mscale)
 
 
 def rope_bwd(g: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, mscale: float = 1.0) -> torch.Tensor:
     """The gradient of :func:`rope_fwd` with respect to t, given the output's gradient
-    ``g`` [s, b, np, d] (any strides): a new contiguous tensor of g's shape and dtype."""
+    ``g`` [s, b, np, d] (any strides): a new contiguous tensor of g's shape and dtype.
+
+    Source: Transformer Engine ``transformer_engine/common/fused_rope/fused_rope.cu`` (the exact
+    transposed backward).
+    """
     return rope_launch(g, freqs, interleaved, backward=True, mscale=mscale)

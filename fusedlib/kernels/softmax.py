@@ -153,6 +153,8 @@ def softmax_tile(n_cols: int, max_register_block: Optional[int] = None) -> Tile:
     Raises:
         ValueError: ``max_register_block`` not a power of two (an int >= 1): Triton's ranges
             are powers of two, so another BLOCK_N could not launch.
+
+    Source: fusedlib's own tile table; Triton's fused-softmax tutorial (02-fused-softmax.py).
     """
     if max_register_block is None:  # (the ops' path: the module's limit, a power of two)
         max_register_block = MAX_REGISTER_BLOCK
@@ -177,6 +179,9 @@ def causal_band(sq: int, sk: int) -> tuple[int, int]:
     Row q keeps columns j <= q + sk - sq; for sq == sk that is the usual lower triangle
     (j <= q). For sq > sk the first sq - sk rows keep nothing and come out as zeros.
     band_lo = -sq puts every row's lower edge q - sq below column 0: no lower limit.
+
+    Source: Megatron-LM ``megatron/core/transformer/utils.py`` (``get_default_causal_mask``),
+    aligned bottom-right for sq != sk.
     """
     return -sq, sk - sq
 
@@ -184,7 +189,10 @@ def causal_band(sq: int, sk: int) -> tuple[int, int]:
 def window_band(sq: int, sk: int, window_size: tuple[int, int]) -> tuple[int, int]:
     """(band_lo, band_hi) of a sliding window ``(left, right)``, as Megatron-core's
     ``get_sliding_window_causal_mask``: row q keeps sk - sq - left <= j - q <= sk - sq + right.
-    ``-1`` on either side means unbounded (FlashAttention's convention)."""
+    ``-1`` on either side means unbounded (FlashAttention's convention).
+
+    Source: Megatron-LM ``megatron/core/transformer/utils.py`` (``get_sliding_window_causal_mask``).
+    """
     left, right = window_size
     lo = -sq if left < 0 else sk - sq - left  # -sq: below column 0 for every row
     hi = sk if right < 0 else sk - sq + right
@@ -833,6 +841,10 @@ def softmax_fwd(
     Returns:
         ``(p, p_sink)``: p a new contiguous tensor of x4's shape and dtype; p_sink [b·np·sq] in
         the compute dtype when ``offset`` is given, else None.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` and Apex's
+    ``csrc/megatron/scaled_*_softmax.h``; Triton's fused-softmax tutorial; Milakov & Gimelshein,
+    arXiv:1805.02867.
     """
     y, sink, _ = _fwd(x4, scale, mask, band, offset, max_register_block, None, 0.0, tile)
     return y, sink
@@ -861,6 +873,9 @@ def softmax_bwd(
         ``(dx, d_offset_rows)``: dx a new contiguous tensor of p's shape and dtype;
         d_offset_rows [b·np·sq] (each row's -p_sink·sum(g·p), compute dtype) when ``sink`` is
         given, else None. Summing it over the rows of a head gives that head's gradient.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_softmax.py`` and Apex's
+    ``csrc/megatron/scaled_*_softmax.h``.
     """
     return _bwd(g4, p4, None, None, None, None, 0.0, scale, band, sink, max_register_block, tile)
 
@@ -891,6 +906,9 @@ def softmax_dropout_fwd(
         probability is not an output); stats [2, b·np·sq] in the compute dtype: each row's
         subtracted max m, then its 1/D (0 for a row that kept nothing), for
         :func:`softmax_dropout_bwd`. The keep mask is :func:`softmax_dropout_mask` of the seed.
+
+    Source: fusedlib's own fusion of the softmax with the attention dropout that Megatron-LM
+    ``megatron/core/transformer/dot_product_attention.py`` applies after it.
     """
     return _fwd(x4, scale, mask, band, offset, max_register_block, seed, p, tile)
 
@@ -922,6 +940,8 @@ def softmax_dropout_bwd(
 
     Returns:
         ``(dx, d_offset_rows)`` as :func:`softmax_bwd`; dx in x4's dtype.
+
+    Source: fusedlib's own; the mask regenerated from the seed as in Dao, "FlashAttention-2" (2023).
     """
     return _bwd(g4, None, x4, mask, stats, seed, p, scale, band, sink, max_register_block, tile)
 
@@ -940,6 +960,8 @@ def softmax_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], p
 
     Returns:
         bool [b, np, sq, sk] on ``seed``'s device: True where the probability is kept.
+
+    Source: fusedlib's own (the kernels' Philox-4x32-10 draw, Salmon et al., SC 2011).
     """
     B, H, SQ, SK = shape
     return dropout_mask(seed, B * H * SQ, SK, p).view(B, H, SQ, SK)  # [b·np·sq, sk] -> [b, np, sq, sk]

@@ -125,6 +125,9 @@ def weighted_squared_relu_fwd(x: torch.Tensor, weights: torch.Tensor, clamp_scal
 
     Returns:
         A new contiguous tensor of x's shape and dtype.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``
+    (``weighted_squared_relu``).
     """
     device = x.device
     out = empty_contiguous_like(x)  # written as [n_rows, h]
@@ -160,6 +163,9 @@ def weighted_squared_relu_bwd(g: torch.Tensor, x: torch.Tensor, weights: torch.T
     Returns:
         ``(dx, dweights)``: dx a new contiguous tensor of x's shape and dtype; dweights
         [n_rows, 1] in weights' dtype, summed over h in float32.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_weighted_squared_relu.py``
+    (``weighted_squared_relu_back``).
     """
     device = x.device
     dx = empty_contiguous_like(x)  # written as [n_rows, h]

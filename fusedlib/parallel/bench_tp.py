@@ -59,7 +59,10 @@ def _time_steps(step, reps: int, warmup: int, device: torch.device) -> list[floa
 
 def bench_worker(rank: int, world_size: int, device: torch.device, shape: tuple[int, int], dtype: torch.dtype,
                  reps: int, warmup: int) -> list[dict]:
-    """Runs in every rank (via :func:`fusedlib.parallel.demo.run_tp`): returns rank 0's records."""
+    """Runs in every rank (via :func:`fusedlib.parallel.demo.run_tp`): returns rank 0's records.
+
+    Source: fusedlib's own (see the module docstring); the records of :mod:`fusedlib.bench.core`.
+    """
     from ..bench.core import environment, peak_extra_bytes
     from ..bench.ops.baselines import try_import
     from ..bench.ops.cross_entropy import cross_entropy_bytes
@@ -124,6 +127,20 @@ def bench_worker(rank: int, world_size: int, device: torch.device, shape: tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line: see the module docstring.
+
+    Args:
+        argv: the arguments (None: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, or 2 (after a message on stderr) with fewer than ``--tp`` CUDA GPUs
+        or a vocabulary not divisible by ``--tp``.
+
+    Raises:
+        SystemExit: from ``argparse``, for bad arguments or ``--help``.
+
+    Source: fusedlib's own; the records of :mod:`fusedlib.bench.core`.
+    """
     from ..bench.core import write_records
     from ..bench.ops.cross_entropy import DEFAULT_SHAPE
     from .demo import run_tp

@@ -78,7 +78,10 @@ VOCAB, SEQ, BATCH = 64, 8, 2
 
 def tiny_gpt_config(tensor_model_parallel_size: int, dtype: torch.dtype, **overrides: Any):
     """A 2-layer GPT config, h = 32, 8 query heads in 4 key/value groups, ffn 64, no dropout;
-    the fused spec's switches on (bias-GeLU/SwiGLU, softmax, bias-dropout-add, RoPE kernels)."""
+    the fused spec's switches on (bias-GeLU/SwiGLU, softmax, bias-dropout-add, RoPE kernels).
+
+    Source: fusedlib's own check (see the module docstring); Megatron-core has no counterpart.
+    """
     from ..transformer import AttnBackend, TransformerConfig
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=64,
@@ -92,7 +95,10 @@ def tiny_gpt_config(tensor_model_parallel_size: int, dtype: torch.dtype, **overr
 
 def build_gpt(case: dict[str, Any], tensor_model_parallel_size: int, dtype: torch.dtype, seed: int, **config_kw: Any):
     """``torch.manual_seed(seed)``, then the GPTModel of ``case`` (see :data:`CASES`);
-    ``config_kw`` overrides config fields."""
+    ``config_kw`` overrides config fields.
+
+    Source: fusedlib's own check (see the module docstring); Megatron-core has no counterpart.
+    """
     from ..models.gpt import GPTModel, get_gpt_layer_local_spec, get_gpt_layer_unfused_spec
 
     kw = {k: v for k, v in case.items() if k not in ("spec", "position", "tied")}
@@ -144,6 +150,8 @@ def gpt_tp_check(rank: int, world_size: int, device: torch.device, case_name: st
         :func:`fusedlib.parallel.finalize_model_grads` on the p-rank model (to show what it
         fixes); ``check_logits=False`` skips the logits (one forward pass of each model less;
         ``logits_ok`` is then None).
+
+    Source: fusedlib's own check (see the module docstring); Megatron-core has no counterpart.
     """
     from .checkpointing import get_tensor_parallel_layout, shard_state_dict
 
@@ -181,20 +189,29 @@ def gpt_tp_check(rank: int, world_size: int, device: torch.device, case_name: st
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, floor: float = 0.0) -> bool:
-    """|actual - expected| <= tol · max(max|expected|, floor) everywhere (tol: :data:`TOLERANCES`)."""
+    """|actual - expected| <= tol · max(max|expected|, floor) everywhere (tol: :data:`TOLERANCES`).
+
+    Source: fusedlib's own check (see the module docstring); Megatron-core has no counterpart.
+    """
     scale = max(expected.double().abs().max().item() if expected.numel() else 0.0, floor, 1e-300)
     return bool(((actual.double() - expected.double()).abs() <= TOLERANCES[dtype] * scale).all())
 
 
 def grad_scale_floor(ref_grads: dict[str, torch.Tensor]) -> float:
     """0.1 · the largest gradient entry of the model: the floor of each gradient's scale in the
-    comparisons (see the module docstring)."""
+    comparisons (see the module docstring).
+
+    Source: fusedlib's own check (see the module docstring); Megatron-core has no counterpart.
+    """
     return 0.1 * max(g.double().abs().max().item() for g in ref_grads.values() if g.numel())
 
 
 def compare(result: dict[str, Any], rank: int, world_size: int, dtype: torch.dtype) -> list[str]:
     """What differs between one rank's result of :func:`gpt_tp_check` and its own one-rank
-    reference (this rank's shards of the reference gradients): a list of messages, empty if none."""
+    reference (this rank's shards of the reference gradients): a list of messages, empty if none.
+
+    Source: fusedlib's own check (see the module docstring); Megatron-core has no counterpart.
+    """
     from .checkpointing import shard_tensor
 
     bad = []
@@ -222,7 +239,10 @@ def _worker(rank: int, world_size: int, device: torch.device, cases: list[str], 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Command line: see the module docstring. Returns the exit status."""
+    """Command line: see the module docstring. Returns the exit status.
+
+    Source: fusedlib's own check (see the module docstring); Megatron-core has no counterpart.
+    """
     import torch.distributed as dist
 
     from . import parallel_state

@@ -41,7 +41,11 @@ __all__ = ["PartitionSpec", "get_tensor_parallel_layout", "shard_state_dict", "u
 
 
 class PartitionSpec(NamedTuple):
-    """How one entry is split: along ``dim``, in ``stride`` interleaved parts."""
+    """How one entry is split: along ``dim``, in ``stride`` interleaved parts.
+
+    Source: the parameter attributes ``partition_dim`` and ``partition_stride`` of Megatron-LM
+    ``megatron/core/tensor_parallel/layers.py`` (``set_tensor_model_parallel_attributes``).
+    """
 
     dim: int
     stride: int = 1
@@ -62,6 +66,9 @@ def get_tensor_parallel_layout(model: torch.nn.Module) -> Dict[str, PartitionSpe
         ``model.state_dict()``: a tied parameter under each of its names, a Float16Module's
         without ``module.`` (``named_parameters`` lists a tied parameter once and names the
         wrapped module's with ``module.``: their shards did not match the state dict).
+
+    Source: the parameter attributes of Megatron-LM ``megatron/core/tensor_parallel/layers.py``
+    (``set_tensor_model_parallel_attributes``); the function is fusedlib's own.
     """
     return {name: PartitionSpec(int(p.partition_dim), int(getattr(p, "partition_stride", 1)))
             for name, p in model.state_dict(keep_vars=True).items()
@@ -102,6 +109,9 @@ def shard_tensor(full: torch.Tensor, spec: PartitionSpec, rank: int, world_size:
     Raises:
         ValueError: the dim's size not divisible by world_size·stride, a dim out of range, or a
             bad rank.
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py``
+    (``_initialize_affine_weight_cpu``: the strided split).
     """
     _check_rank(rank, world_size)
     dim, stride = _check_spec(spec, name)
@@ -122,6 +132,8 @@ def unshard_tensors(shards: Sequence[torch.Tensor], spec: PartitionSpec, name: s
     Raises:
         ValueError: a shard that is not a tensor, shards of different shapes, dtypes or devices, a
             dim out of range, a stride < 1, or a dim not divisible by the stride.
+
+    Source: fusedlib's own (the inverse of :func:`shard_tensor`); Megatron-core has no counterpart.
     """
     dim, stride = _check_spec(spec, name)
     p = len(shards)
@@ -160,6 +172,9 @@ def shard_state_dict(state_dict: Mapping[str, object], layout: Layout, rank: int
     Raises:
         TypeError: state_dict or layout not a dict (a Mapping).
         ValueError: a bad rank, a layout entry missing from ``state_dict``, or a size not divisible.
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py``
+    (``_initialize_affine_weight_cpu``: the strided split); the function is fusedlib's own.
     """
     _check_rank(rank, world_size)
     for arg, value in (("state_dict", state_dict), ("layout", layout)):
@@ -219,6 +234,9 @@ def unshard_state_dict(shards: Sequence[Mapping[str, object]], layout: Layout, c
             that differ (in value, shape, dtype, device, or a tensor on one rank and not on
             another; non-tensor values of plain types by ``==``), naming the entry and the
             difference.
+
+    Source: fusedlib's own (the inverse of :func:`shard_state_dict`); Megatron-core has no
+    counterpart.
     """
     if not isinstance(shards, (Mapping, str, bytes)) and isinstance(shards, Iterable) and not isinstance(shards, Sequence):
         shards = list(shards)  # a generator of the ranks' dicts (the check below consumed it, then indexing failed)

@@ -92,6 +92,8 @@ def widen_target(target: Any, ignore_index: Any) -> Any:
     ``other=ignore_index``, cast to int32 too, so the padding rows of the last program became
     active and read logits past the tensor's end (a segmentation fault in the CPU interpreter).
     As int64 (a copy of [rows] ids), ignore_index is held exactly everywhere.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     if (isinstance(target, torch.Tensor) and target.dtype == torch.int32 and isinstance(ignore_index, int)
             and not -_INT32_LIMIT <= ignore_index < _INT32_LIMIT):
@@ -121,6 +123,8 @@ def prepare_inputs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, la
         ValueError: target's shape is not the logits' shape without the last dim, an empty
             vocabulary shard, label_smoothing outside [0, 1), ignore_index outside the int64
             range, or tensors on two devices.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     logits = vocab_parallel_logits
     # the happy case in one test; the checks below name what is wrong otherwise
@@ -160,6 +164,10 @@ def check_label_smoothing(vocab_size: int, label_smoothing: float) -> None:
 
     Raises:
         ValueError: label_smoothing > 0 and vocab_size < 2.
+
+    Source: fusedlib's own check of Megatron-LM's ``label_smoothing * vocab_size / (vocab_size -
+    1)`` (``megatron/core/tensor_parallel/cross_entropy.py``,
+    ``VocabParallelCrossEntropy.forward``).
     """
     if label_smoothing > 0 and vocab_size < 2:
         raise ValueError(f"label_smoothing needs a vocabulary of at least 2 ids, got vocab_size={vocab_size}")
@@ -168,7 +176,10 @@ def check_label_smoothing(vocab_size: int, label_smoothing: float) -> None:
 def target_check_message(op: str) -> Callable[[int, Any], str]:
     """The message function of a target-id :class:`~fusedlib.runtime.DeviceCheck` for ``op``:
     ``message(bad_id, (vocab_size, ignore_index))``. On CUDA (reported lazily) the vocabulary
-    size and ignore_index named are those of the op's latest call."""
+    size and ignore_index named are those of the op's latest call.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
 
     def message(bad: int, context: Any) -> str:
         vocab_size, ignore_index = context if context is not None else ("V", "ignore_index")

@@ -89,6 +89,8 @@ def run_tp(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             ``world_size`` GPUs.
         torch.multiprocessing.ProcessRaisedException: when a rank raises; the other ranks are
             terminated, so a failing rank never leaves the others waiting in a collective.
+
+    Source: fusedlib's own, on ``torch.multiprocessing.spawn``; Megatron-core has no counterpart.
     """
     import torch.multiprocessing as mp
 
@@ -113,7 +115,10 @@ def make_global_inputs(n_rows: int, vocab_size: int, dtype: torch.dtype, seed: i
                        n_ignored: int = 0, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same random full-vocabulary logits [n_rows, V] of ``dtype``, int64 targets [n_rows] and
     float64 upstream gradient [n_rows] on every rank, on ``device`` (drawn on the CPU from one
-    seed, whatever torch's default device); the first ``n_ignored`` targets are ``ignore_index``."""
+    seed, whatever torch's default device); the first ``n_ignored`` targets are ``ignore_index``.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     logits = (2 * torch.randn(n_rows, vocab_size, generator=gen, dtype=torch.float64, device="cpu")).to(dtype)
     target = torch.randint(0, vocab_size, (n_rows,), generator=gen, dtype=torch.int64, device="cpu")
@@ -123,7 +128,11 @@ def make_global_inputs(n_rows: int, vocab_size: int, dtype: torch.dtype, seed: i
 
 
 def shard(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rank ``rank``'s columns of ``full`` [..., V]: [..., V/p] (a contiguous copy), Megatron's split."""
+    """Rank ``rank``'s columns of ``full`` [..., V]: [..., V/p] (a contiguous copy), Megatron's split.
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/utils.py`` (``VocabUtility``: the vocabulary
+    split).
+    """
     n = full.shape[-1] // world_size
     return full[..., rank * n:(rank + 1) * n].contiguous()
 
@@ -139,6 +148,8 @@ def compare_paths(rank: int, world_size: int, device: torch.device, n_rows: int,
         (``CollectiveLog.summary()``), and the median wall time of ``repeats`` forward +
         backward passes in ms (synchronized on CUDA; the gloo/CPU times are the
         interpreter's and the collectives', not a GPU's).
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     from .. import unfused
     from ..fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy

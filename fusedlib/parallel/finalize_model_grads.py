@@ -65,6 +65,9 @@ def grads_to_sum_over_tensor_parallel_ranks(model: Union[torch.nn.Module, Iterab
 
     Raises:
         ValueError: a module without a config.
+
+    Source: Megatron-LM ``megatron/core/distributed/finalize_model_grads.py``
+    (``_allreduce_non_tensor_model_parallel_grads``: its choice of the grads to sum).
     """
     out = []
     for module in _modules(model):

@@ -63,7 +63,10 @@ _DP_RANK, _DP_SIZE = 0, 1
 
 
 def default_backend() -> str:
-    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    """``"nccl"`` when CUDA is available, else ``"gloo"``.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -81,6 +84,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) ->
         RuntimeError: torch.distributed unavailable, or ``WORLD_SIZE``/``RANK``/``MASTER_ADDR``/
             ``MASTER_PORT`` not set (start the script with ``torchrun``, or use :func:`spawn`).
         ValueError: an unknown backend.
+
+    Source: fusedlib's own, on ``torch.distributed.init_process_group`` (``env://``); Megatron-core
+    has no counterpart.
     """
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this build of PyTorch")
@@ -172,7 +178,10 @@ def destroy_model_parallel() -> None:
 
 
 def model_parallel_is_initialized() -> bool:
-    """Whether :func:`initialize_model_parallel` has run (and :func:`destroy_model_parallel` not since)."""
+    """Whether :func:`initialize_model_parallel` has run (and :func:`destroy_model_parallel` not since).
+
+    Source: Megatron-LM ``megatron/core/parallel_state.py`` (``model_parallel_is_initialized``).
+    """
     return _INITIALIZED
 
 
@@ -187,6 +196,8 @@ def get_tensor_model_parallel_group(check_initialized: bool = True) -> Optional[
 
     Raises:
         RuntimeError: not initialized (unless ``check_initialized=False``, which returns None).
+
+    Source: Megatron-LM ``megatron/core/parallel_state.py`` (``get_tensor_model_parallel_group``).
     """
     if check_initialized:
         _check_initialized("get_tensor_model_parallel_group")
@@ -198,6 +209,8 @@ def get_tensor_model_parallel_rank() -> int:
 
     Raises:
         RuntimeError: not initialized.
+
+    Source: Megatron-LM ``megatron/core/parallel_state.py`` (``get_tensor_model_parallel_rank``).
     """
     _check_initialized("get_tensor_model_parallel_rank")
     return _TP_RANK
@@ -208,6 +221,9 @@ def get_tensor_model_parallel_world_size() -> int:
 
     Raises:
         RuntimeError: not initialized.
+
+    Source: Megatron-LM ``megatron/core/parallel_state.py``
+    (``get_tensor_model_parallel_world_size``).
     """
     _check_initialized("get_tensor_model_parallel_world_size")
     return _TP_SIZE
@@ -218,6 +234,8 @@ def get_data_parallel_group(check_initialized: bool = True) -> Optional[dist.Pro
 
     Raises:
         RuntimeError: not initialized (unless ``check_initialized=False``).
+
+    Source: Megatron-LM ``megatron/core/parallel_state.py`` (``get_data_parallel_group``).
     """
     if check_initialized:
         _check_initialized("get_data_parallel_group")
@@ -229,6 +247,8 @@ def get_data_parallel_rank() -> int:
 
     Raises:
         RuntimeError: not initialized.
+
+    Source: Megatron-LM ``megatron/core/parallel_state.py`` (``get_data_parallel_rank``).
     """
     _check_initialized("get_data_parallel_rank")
     return _DP_RANK
@@ -239,6 +259,8 @@ def get_data_parallel_world_size() -> int:
 
     Raises:
         RuntimeError: not initialized.
+
+    Source: Megatron-LM ``megatron/core/parallel_state.py`` (``get_data_parallel_world_size``).
     """
     _check_initialized("get_data_parallel_world_size")
     return _DP_SIZE
@@ -277,6 +299,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, tensor_model_para
     Raises:
         ValueError: world_size not an int >= 1; as :func:`fusedlib.parallel.demo.run_tp`.
         torch.multiprocessing.ProcessRaisedException: a rank raised (the others are stopped).
+
+    Source: fusedlib's own, on :func:`fusedlib.parallel.demo.run_tp`; Megatron-core has no
+    counterpart.
     """
     from .demo import run_tp
 

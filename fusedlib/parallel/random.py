@@ -59,7 +59,11 @@ State = tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
 def get_data_parallel_rng_tracker_name() -> str:
-    """The name of the data-parallel state (seeded with the plain seed)."""
+    """The name of the data-parallel state (seeded with the plain seed).
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/random.py``
+    (``get_data_parallel_rng_tracker_name``).
+    """
     return _DATA_PARALLEL_RNG_TRACKER_NAME
 
 

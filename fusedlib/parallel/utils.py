@@ -96,7 +96,10 @@ class VocabUtility:
 class CollectiveCall:
     """One collective issued by fusedlib: its name ("all_reduce", "all_gather",
     "reduce_scatter"), reduce op ("MAX", "SUM"; "-" for all_gather), the shape and dtype of
-    the tensor this rank sends, and its payload in bytes."""
+    the tensor this rank sends, and its payload in bytes.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
 
     name: str
     op: str
@@ -110,7 +113,10 @@ class CollectiveCall:
 
 
 class CollectiveLog(list):
-    """The :class:`CollectiveCall` records of one :func:`count_collectives` block, in order."""
+    """The :class:`CollectiveCall` records of one :func:`count_collectives` block, in order.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
+    """
 
     def summary(self) -> str:
         """e.g. ``"2 collectives: all_reduce(MAX) [8] float32, all_reduce(SUM) [2, 8] float32"``."""
@@ -126,6 +132,8 @@ def count_collectives() -> Iterator[CollectiveLog]:
 
     Yields:
         A :class:`CollectiveLog` (a list of :class:`CollectiveCall`) filled as calls happen.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     log = CollectiveLog()
     _OPEN_LOGS.append(log)
@@ -196,6 +204,8 @@ def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
 
     Raises:
         TypeError: tp_group none of these (:func:`check_tp_group`).
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     check_tp_group(tp_group)
     if tp_group is None and not (dist.is_available() and dist.is_initialized()):
@@ -219,6 +229,8 @@ def all_reduce(tensor: torch.Tensor, op: str, tp_group: dist.ProcessGroup | None
 
     Raises:
         ValueError: for another op or a non-contiguous tensor.
+
+    Source: fusedlib's own, on ``torch.distributed.all_reduce``.
     """
     if op not in _OPS:
         raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
@@ -259,6 +271,9 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGr
 
     Returns:
         ``output``, or the work handle with ``async_op``.
+
+    Source: fusedlib's own, on torch.distributed's one-tensor all-gather
+    (``all_gather_into_tensor``).
     """
     _record("all_gather", "-", tensor)
     work = _ALL_GATHER(output, tensor, group=group, async_op=async_op)
@@ -278,6 +293,9 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proce
 
     Returns:
         ``output``, or the work handle with ``async_op``.
+
+    Source: fusedlib's own, on torch.distributed's one-tensor reduce-scatter
+    (``reduce_scatter_tensor``).
     """
     _record("reduce_scatter", "SUM", tensor)
     work = _REDUCE_SCATTER(output, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -119,6 +119,8 @@ def run_config(base: TrainConfig, name: str, **overrides) -> TrainConfig:
         KeyError: an unknown run.
         ValueError: the run's configuration refused by :class:`TrainConfig` or
             :meth:`TrainConfig.check_model`, naming the field.
+
+    Source: fusedlib's own (the training benchmark, ``python -m fusedlib.train --bench``).
     """
     cfg = dataclasses.replace(base, **{**BENCH_RUNS[name], "out": None, "resume": False, "stop_at": None,
                                        "save_interval": 0, **overrides})
@@ -198,6 +200,8 @@ def run_bench(base: TrainConfig, out_dir: Optional[str | Path], runs: Sequence[s
 
     Raises:
         ValueError: an unknown run name, or a warmup that leaves no timed window.
+
+    Source: fusedlib's own (the training benchmark, ``python -m fusedlib.train --bench``).
     """
     unknown = [r for r in runs if r not in BENCH_RUNS]
     if unknown or not runs:
@@ -260,6 +264,8 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
     Raises:
         ValueError: an unknown or graph run, ``steps`` < 1, ``warmup`` < 0, ``top`` < 1,
             ``warmup + steps`` > ``base.steps``, or an ``out_dir`` that is '' or a file.
+
+    Source: fusedlib's own, on ``torch.profiler`` and chapter 7's ``kernel_summary``.
     """
     from torch.profiler import profile as torch_profile
 
@@ -316,7 +322,10 @@ def profile_steps(base: TrainConfig, runs: Sequence[str] = DEFAULT_PROFILE_RUNS,
 
 def profile_steps_table(prof: dict, top: int = 12) -> str:
     """Text table of a :func:`profile_steps` result: per run, the kernel time per step, its
-    categories, then its ``top`` kernels (chapter 7's ``kernel_summary_lines``)."""
+    categories, then its ``top`` kernels (chapter 7's ``kernel_summary_lines``).
+
+    Source: fusedlib's own (chapter 7's ``kernel_summary_lines``).
+    """
     from ..bench.ops.transformer_layer import kernel_summary_lines
 
     c = prof["config"]
@@ -330,7 +339,10 @@ def profile_steps_table(prof: dict, top: int = 12) -> str:
 
 
 def tp_bench_file(world_size: int) -> str:
-    """``train_tp<p>.json``: the file of :func:`run_tp_bench` with ``p`` ranks."""
+    """``train_tp<p>.json``: the file of :func:`run_tp_bench` with ``p`` ranks.
+
+    Source: fusedlib's own (the training benchmark, ``python -m fusedlib.train --bench``).
+    """
     return f"train_tp{world_size}.json"
 
 
@@ -349,6 +361,8 @@ def run_tp_bench(base: TrainConfig, out_dir: Optional[str | Path], warmup: int =
         ValueError: p < 2, a warmup that leaves no timed window, or a ``base`` that cannot run with
             tp = p (e.g. ``fused_layer``, ``cuda_graph`` or ``full_iteration_graph``: one rank
             only), naming the field.
+
+    Source: fusedlib's own (the training benchmark, ``torchrun ... -m fusedlib.train --bench-tp``).
     """
     import torch.distributed as dist
 
@@ -389,7 +403,10 @@ def window_median(record: dict) -> Optional[float]:
     """The median of a run's per-window tokens/s (windows of ``log_interval`` steps; the upper
     median for an even count: the middle of the sorted windows), or None for a record without
     windows. Robust to the few slow windows that drag a run's mean, as the kernel benchmarks'
-    median timings are to slow repetitions."""
+    median timings are to slow repetitions.
+
+    Source: fusedlib's own (the training benchmark, ``python -m fusedlib.train --bench``).
+    """
     windows = sorted(record.get("window_tokens_per_s") or ())
     return windows[len(windows) // 2] if windows else None
 
@@ -399,7 +416,10 @@ def bench_table(records: Sequence[dict]) -> str:
     windows' (:func:`window_median`), ms per step, peak memory (GB), where a record has it the
     memory the earlier runs left allocated (``left_bytes``, GB; released before the run), the
     final training loss (mean of the last 5% of steps) and validation loss, and how many times
-    fusedlib's throughput each run's is (by tokens/s over all timed steps)."""
+    fusedlib's throughput each run's is (by tokens/s over all timed steps).
+
+    Source: fusedlib's own (the training benchmark, ``python -m fusedlib.train --bench``).
+    """
     rows = [r for r in records if r.get("op") == "train"]
     if not rows:
         return "no train records"
@@ -434,6 +454,8 @@ def load_train_bench(name: str = BENCH_FILE, directory: Optional[str | Path] = N
 
     Raises:
         FileNotFoundError: naming the file and the command that writes it.
+
+    Source: the JSON files of ``python -m fusedlib.train --bench``.
     """
     if directory is None:
         from ..book import bench_dir
@@ -454,6 +476,8 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
 
     Raises:
         ValueError: window < 1.
+
+    Source: fusedlib's own.
     """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
@@ -489,6 +513,8 @@ def plot_losses(records: Sequence[dict], window: int = 25, ax=None, skip: int = 
 
     Returns:
         The Axes.
+
+    Source: the records of ``python -m fusedlib.train --bench``; drawn with matplotlib.
     """
     import matplotlib.pyplot as plt
 

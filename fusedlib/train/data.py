@@ -78,7 +78,10 @@ GENERATED_MARKER = re.compile(rb"auto-?generated|automatically generated|do not 
 
 
 def stdlib_dir() -> Path:
-    """The running interpreter's standard-library directory (``sysconfig.get_paths()["stdlib"]``)."""
+    """The running interpreter's standard-library directory (``sysconfig.get_paths()["stdlib"]``).
+
+    Source: fusedlib's own (see the module docstring).
+    """
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -96,6 +99,8 @@ def stdlib_files(root: Optional[Union[str, Path]] = None) -> list[Path]:
     Raises:
         FileNotFoundError: ``root`` is not a directory, or holds no such file.
         TypeError: ``root`` neither a str nor an os.PathLike (nor None).
+
+    Source: fusedlib's own (see the module docstring).
     """
     _check_path("stdlib_files", "root", root)
     root = Path(root) if root is not None else stdlib_dir()
@@ -114,14 +119,20 @@ def stdlib_files(root: Optional[Union[str, Path]] = None) -> list[Path]:
 
 
 def is_validation_file(relpath: Union[str, Path]) -> bool:
-    """Whether a file (its path relative to the stdlib, '/'-separated) is held out for validation."""
+    """Whether a file (its path relative to the stdlib, '/'-separated) is held out for validation.
+
+    Source: fusedlib's own (see the module docstring).
+    """
     digest = hashlib.sha256(Path(relpath).as_posix().encode("utf-8")).digest()
     return int.from_bytes(digest[:4], "big") < VAL_PERCENT * 2**32 // 100
 
 
 def is_generated(relpath: Union[str, Path], raw: bytes) -> bool:
     """Whether a stdlib file was written by a program: :data:`GENERATED_MARKER` in its first 8
-    lines, or the build's ``_sysconfigdata*.py``."""
+    lines, or the build's ``_sysconfigdata*.py``.
+
+    Source: fusedlib's own (see the module docstring).
+    """
     if Path(relpath).name.startswith("_sysconfigdata"):
         return True
     return GENERATED_MARKER.search(b"".join(raw.splitlines(True)[:8])) is not None
@@ -132,7 +143,10 @@ def encode(text: str) -> torch.Tensor:
 
     Raises:
         TypeError: text not a str.
-        ValueError: text not encodable as UTF-8 (a lone surrogate)."""
+        ValueError: text not encodable as UTF-8 (a lone surrogate).
+
+    Source: fusedlib's own (see the module docstring).
+    """
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     try:
@@ -148,6 +162,8 @@ def decode(ids: Union[torch.Tensor, Sequence[int]]) -> str:
     Raises:
         TypeError: ids not a sequence of ints (a str, floats, bools, a float tensor).
         ValueError: an id outside [0, 256) or a tensor that is not 1-D.
+
+    Source: fusedlib's own (see the module docstring).
     """
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1:
@@ -167,7 +183,10 @@ def decode(ids: Union[torch.Tensor, Sequence[int]]) -> str:
 
 
 def default_cache_dir() -> Path:
-    """``$FUSEDLIB_CACHE``, else ``~/.cache/fusedlib``."""
+    """``$FUSEDLIB_CACHE``, else ``~/.cache/fusedlib``.
+
+    Source: fusedlib's own (see the module docstring).
+    """
     env = os.environ.get("FUSEDLIB_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "fusedlib"
 
@@ -185,6 +204,8 @@ class Corpus:
         sha256: hex SHA-256 of the train tokens followed by the val tokens.
         skipped: files left out because they contain :data:`FILE_SEPARATOR` (relative paths).
         generated: files left out by :func:`is_generated` (relative paths).
+
+    Source: fusedlib's own (see the module docstring).
     """
 
     train: torch.Tensor
@@ -257,6 +278,8 @@ def load_corpus(cache_dir: Optional[Union[str, Path]] = None, root: Optional[Uni
     Raises:
         FileNotFoundError: no such directory or no file in it; ValueError: a split is empty.
         TypeError: cache_dir or root neither a str nor an os.PathLike (nor None).
+
+    Source: fusedlib's own (see the module docstring).
     """
     _check_path("load_corpus", "cache_dir", cache_dir)
     _check_path("load_corpus", "root", root)
@@ -320,6 +343,8 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
         TypeError: data not a tensor, generator not a ``torch.Generator``.
         ValueError: b or s < 1, data not 1-D uint8, fewer than s + 1 tokens, a device name torch
             does not know, or data on another device than the CPU and ``device``.
+
+    Source: Karpathy, nanoGPT ``train.py`` (``get_batch``: windows at random offsets).
     """
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

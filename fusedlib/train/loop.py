@@ -170,6 +170,8 @@ class TrainConfig:
         ValueError: a field out of range, naming it.
         ArgumentTypeError: an on/off field that is not a bool, naming it (a TypeError, and a
             ValueError as every other field's refusal is).
+
+    Source: fusedlib's own.
     """
 
     model: str = "gpt"
@@ -454,6 +456,9 @@ class CosineSchedule:
     not within the run (steps 6, warmup 2, r 0.1: 0.5, 1, 1, 0.87, 0.55, 0.23; then 0.1).
 
     A callable object, not a function, so ``LambdaLR.state_dict()`` saves its fields.
+
+    Source: Loshchilov & Hutter, "SGDR" (ICLR 2017), with a linear warm-up, as Karpathy's nanoGPT
+    ``train.py`` (``get_lr``).
     """
 
     def __init__(self, warmup: int, steps: int, min_ratio: float) -> None:
@@ -595,6 +600,9 @@ class Trainer:
             different from the tensor-parallel size of the process groups, or from the number
             of processes (no data parallelism).
         RuntimeError: ``tp`` > 1 in a process started alone (from ``initialize_model_parallel``).
+
+    Source: fusedlib's own loop, as nanoGPT's ``train.py``; master weights as Megatron-LM
+    ``megatron/core/optimizer/optimizer.py`` (``Float16OptimizerWithFloat16Params``).
     """
 
     def __init__(self, config: TrainConfig, corpus: Optional[Corpus] = None,
@@ -1156,6 +1164,8 @@ def sample(model: torch.nn.Module, prompt, n_tokens: int, temperature: float = 1
         ValueError: an empty or ill-shaped prompt, ids outside [0, V), n_tokens < 0, temperature
             not a finite number > 0, a bad top_k (each checked before the first token).
         TypeError: a generator that is not a ``torch.Generator``.
+
+    Source: Karpathy, nanoGPT ``model.py`` (``GPT.generate``: temperature, top-k, one draw).
     """
     if isinstance(prompt, str):
         prompt = encode(prompt)

@@ -66,6 +66,8 @@ class ModelShape:
 
     Raises:
         ValueError: a size < 1, hidden not divisible by heads, dropout outside [0, 1).
+
+    Source: fusedlib's own.
     """
 
     layers: int
@@ -117,6 +119,8 @@ def gpt_config(shape: ModelShape, spec: str = "fused", attention_backend: str = 
 
     Raises:
         ValueError: an unknown spec or backend; ``cuda_graph`` with ``tp`` > 1.
+
+    Source: Megatron-LM ``megatron/core/transformer/transformer_config.py`` (``TransformerConfig``).
     """
     if spec not in SPECS:
         raise ValueError(f"spec must be one of {SPECS}, got {spec!r}")
@@ -150,6 +154,9 @@ def build_gpt(shape: ModelShape, spec: str = "fused", attention_backend: str = "
             ``FusedTransformerLayer`` for a config it does not take (e.g. ``tp`` > 1), naming
             the TransformerConfig field (``config.tensor_model_parallel_size``).
         TypeError: ``cuda_graph`` or ``fused_layer`` not a bool.
+
+    Source: Megatron-LM ``megatron/core/models/gpt/gpt_model.py`` (``GPTModel``) and
+    ``gpt_layer_specs.py``.
     """
     device = torch.device(device)
     cuda_graph, fused_layer = check_bools("build_gpt", cuda_graph=cuda_graph, fused_layer=fused_layer)
@@ -169,7 +176,10 @@ def build_gpt(shape: ModelShape, spec: str = "fused", attention_backend: str = "
 
 def initial_state(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     """The initial weights of every model of ``shape``: a ``GPTModel``'s float32 state dict,
-    built on the CPU after ``torch.manual_seed(seed)`` (torch's global RNG is restored after)."""
+    built on the CPU after ``torch.manual_seed(seed)`` (torch's global RNG is restored after).
+
+    Source: fusedlib's own.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = build_gpt(shape, "unfused", dtype=torch.float32, device="cpu")
@@ -192,6 +202,8 @@ def build_model(kind: str, shape: ModelShape, seed: int, spec: str = "fused", at
         ValueError: an unknown kind, spec or backend, a bad shape, or ``tp`` > 1, ``cuda_graph``
             or ``fused_layer`` with "plain"; as :func:`build_gpt`.
         TypeError: ``cuda_graph`` or ``fused_layer`` not a bool.
+
+    Source: fusedlib's own.
     """
     cuda_graph, fused_layer = check_bools("build_model", cuda_graph=cuda_graph, fused_layer=fused_layer)
     if kind not in MODELS:
@@ -220,5 +232,8 @@ def build_model(kind: str, shape: ModelShape, seed: int, spec: str = "fused", at
 
 
 def count_parameters(model: torch.nn.Module) -> int:
-    """Distinct parameters (a tied weight counted once)."""
+    """Distinct parameters (a tied weight counted once).
+
+    Source: fusedlib's own.
+    """
     return sum(p.numel() for p in model.parameters())

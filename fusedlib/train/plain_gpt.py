@@ -67,6 +67,8 @@ class PlainGPT(torch.nn.Module):
 
     Raises:
         ValueError: a bad shape argument; s > max_sequence_length; an attention mask given.
+
+    Source: Karpathy, nanoGPT ``model.py`` (``GPT``).
     """
 
     def __init__(self, vocab_size: int, max_sequence_length: int, layers: int, hidden: int, heads: int,
@@ -127,6 +129,8 @@ def plain_state_dict_from_gpt(state: dict, heads: int) -> dict:
 
     Raises:
         KeyError: an entry this conversion does not know (the model has a part PlainGPT lacks).
+
+    Source: fusedlib's own (Megatron-core's QKV rows [np, 3, hn] to nanoGPT's [3, np, hn]).
     """
     out = {}
     layer_names = {"input_layernorm.weight": "ln_1.weight", "input_layernorm.bias": "ln_1.bias",

@@ -59,6 +59,8 @@ def import_module(module_path: Tuple[str, str]) -> Any:
         ImportError: the module does not import, or has no such name (Megatron-core logs the
             error and returns None, which fails later without saying why).
         TypeError: ``module_path`` is not a pair of strings.
+
+    Source: Megatron-LM ``megatron/core/transformer/spec_utils.py`` (``import_module``).
     """
     if not (isinstance(module_path, tuple) and len(module_path) == 2 and all(isinstance(p, str) for p in module_path)):
         raise TypeError(f"an import path must be a pair (module, name) of strings, got {module_path!r}")

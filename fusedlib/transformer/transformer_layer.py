@@ -125,6 +125,8 @@ def check_hidden_states(owner: str, hidden_states: object, h: int) -> None:
         ValueError: not a tensor of that shape (``owner`` names the module).
         TypeError: a tensor that is not floating point (an integer, bool or complex residual
             stream would be rounded to its dtype at every addition: wrong answers, no error).
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
             and hidden_states.shape[2] == h and hidden_states.shape[0] > 0 and hidden_states.shape[1] > 0):

@@ -81,6 +81,8 @@ def check_layer_number(owner: str, layer_number: object) -> int:
     Raises:
         TypeError: not an integer (a str, a float, a bool), naming ``owner``.
         ValueError: < 1, naming ``owner``.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     if isinstance(layer_number, bool) or not isinstance(layer_number, numbers.Integral):
         raise TypeError(f"{owner}: layer_number must be an int >= 1 (layers are numbered from 1), "
@@ -149,7 +151,11 @@ def is_layer_window_attention(window_size: Optional[Tuple[int, int]],
 def param_device(config) -> torch.device:
     """Where modules built from ``config`` create their parameters: the CPU with
     ``config.use_cpu_initialization``, else fusedlib's default device (CUDA when present, as
-    Megatron-core's ``torch.cuda.current_device()``; the CPU otherwise)."""
+    Megatron-core's ``torch.cuda.current_device()``; the CPU otherwise).
+
+    Source: fusedlib's own; Megatron-core places parameters on ``torch.cuda.current_device()``
+    unless ``use_cpu_initialization`` (e.g. ``megatron/core/tensor_parallel/layers.py``).
+    """
     return torch.device("cpu") if config.use_cpu_initialization else default_device()
 
 

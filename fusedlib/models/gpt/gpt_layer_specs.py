@@ -127,6 +127,8 @@ def without_fusions(config: TransformerConfig) -> TransformerConfig:
     Off: bias_activation_fusion, gemm_gelu_fusion, masked_softmax_fusion, bias_dropout_fusion,
     apply_rope_fusion, persist_layer_norm, memory_efficient_layer_norm, cross_entropy_loss_fusion;
     attention_backend = AttnBackend.unfused.
+
+    Source: fusedlib's own; Megatron-core has no counterpart.
     """
     return dataclasses.replace(config, bias_activation_fusion=False, gemm_gelu_fusion=False, masked_softmax_fusion=False,
                                bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
@@ -140,6 +142,8 @@ class UnfusedNorm:
 
     Raises:
         ValueError: layernorm_zero_centered_gamma set (torch's norms have none).
+
+    Source: Megatron-LM ``megatron/core/transformer/torch_norm.py`` (``WrappedTorchNorm``).
     """
 
     def __new__(cls, config: TransformerConfig, *args: object, **kwargs: object):
@@ -148,7 +152,10 @@ class UnfusedNorm:
 
 class UnfusedSelfAttention(SelfAttention):
     """:class:`SelfAttention` built from :func:`without_fusions` of its config, and so are its
-    submodules: torch's softmax and dropout, the materialised attention, unfused RoPE."""
+    submodules: torch's softmax and dropout, the materialised attention, unfused RoPE.
+
+    Source: Megatron-LM ``megatron/core/transformer/attention.py`` (``SelfAttention``).
+    """
 
     def __init__(self, config: TransformerConfig, *args: object, **kwargs: object) -> None:
         super().__init__(without_fusions(config), *args, **kwargs)
@@ -156,14 +163,21 @@ class UnfusedSelfAttention(SelfAttention):
 
 class UnfusedMLP(MLP):
     """:class:`MLP` built from :func:`without_fusions` of its config: the fc1 bias added by
-    PyTorch, then the activation (Megatron-core's ``glu`` for gated units)."""
+    PyTorch, then the activation (Megatron-core's ``glu`` for gated units).
+
+    Source: Megatron-LM ``megatron/core/transformer/mlp.py`` (``MLP``).
+    """
 
     def __init__(self, config: TransformerConfig, *args: object, **kwargs: object) -> None:
         super().__init__(without_fusions(config), *args, **kwargs)
 
 
 def get_bias_dropout_add_unfused(training: bool, fused: bool) -> Callable:
-    """``get_bias_dropout_add``'s signature, ignoring ``fused``: always the PyTorch bias-dropout-add."""
+    """``get_bias_dropout_add``'s signature, ignoring ``fused``: always the PyTorch bias-dropout-add.
+
+    Source: Megatron-LM ``megatron/core/fusions/fused_bias_dropout.py`` (``get_bias_dropout_add``,
+    ``bias_dropout_add_unfused``).
+    """
     return bias_dropout_add_unfused(training)
 
 
@@ -182,6 +196,9 @@ def get_gpt_layer_unfused_spec(qk_layernorm: bool = False) -> ModuleSpec:
 
     Raises:
         TypeError: qk_layernorm neither a bool nor None.
+
+    Source: fusedlib's own; the slots of Megatron-LM ``megatron/core/models/gpt/gpt_layer_specs.py``
+    (``get_gpt_layer_local_spec``), filled with plain PyTorch.
     """
     return _layer_spec(UnfusedNorm, UnfusedSelfAttention, UnfusedMLP, get_bias_dropout_add_unfused, qk_layernorm)
 
