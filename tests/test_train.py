@@ -1550,6 +1550,11 @@ def test_bench_table_ratio_is_fusedlib_s_throughput_over_each_run_s_and_loss_the
     assert compiled[0] == "torch.compile" and compiled[-1] == "2.00x"
     assert fused[0] == "fusedlib" and fused[-2:] == ["1.0000", "-"]  # (no ratio on fusedlib's own row)
     assert compiled[-3] == "1.0000"  # the train loss: the mean of the last 5% (2 of 40 steps)
+    assert lines[1].split()[-2:] == ["fusedlib", "is"]
+    # records without an eager fusedlib run (a file of full-iteration runs): no ratio column at all
+    lines = bench.bench_table([record("fusedlib-full-iteration", 800.0), record("torch.compile", 500.0)]).splitlines()
+    assert "fusedlib is" not in lines[1] and lines[1].split()[-2:] == ["val", "loss"]
+    assert [line[-1] for line in lines[2:]] == ["-", "-"]  # each row ends at its validation loss
 
 
 def test_evaluation_is_outside_the_timing_windows(corpus, monkeypatch):

@@ -415,8 +415,9 @@ def bench_table(records: Sequence[dict]) -> str:
     """Text table of train.json's records: tokens/s over all timed steps and the median of the
     windows' (:func:`window_median`), ms per step, peak memory (GB), where a record has it the
     memory the earlier runs left allocated (``left_bytes``, GB; released before the run), the
-    final training loss (mean of the last 5% of steps) and validation loss, and how many times
-    fusedlib's throughput each run's is (by tokens/s over all timed steps).
+    final training loss (mean of the last 5% of steps) and validation loss, and, where the records
+    hold a run named ``fusedlib`` (the eager fused model), how many times that run's throughput
+    each other run's is (by tokens/s over all timed steps); without one, no such column.
 
     Source: fusedlib's own (the training benchmark, ``python -m fusedlib.train --bench``).
     """
@@ -433,7 +434,8 @@ def bench_table(records: Sequence[dict]) -> str:
            f"{c['heads']} heads), batch {c['batch']} x seq {c['seq']} = {first['tokens_per_step']} tokens per step, "
            f"{c['steps']} steps, {'bf16' if bf16 else 'float32'}, {first['device']}",
            f"{'impl':<{width}}{'tokens/s':>12}{'median':>12}{'ms/step':>9}{'peak GB':>9}"
-           + (f"{'left GB':>9}" if left else "") + f"{'train loss':>12}{'val loss':>10}{'fusedlib is':>13}"]
+           + (f"{'left GB':>9}" if left else "") + f"{'train loss':>12}{'val loss':>10}"
+           + (f"{'fusedlib is':>13}" if fused is not None else "")]
     for r in rows:
         tail = r["losses"][-max(1, len(r["losses"]) // 20):]
         peak = f"{r['peak_bytes'] / 1e9:.2f}" if r.get("peak_bytes") is not None else "-"
@@ -444,7 +446,8 @@ def bench_table(records: Sequence[dict]) -> str:
         left_cell = ((f"{r['left_bytes'] / 1e9:.2f}" if r.get("left_bytes") is not None else "-").rjust(9)
                      if left else "")
         out.append(f"{r['impl']:<{width}}{r['tokens_per_s']:>12,.0f}{med:>12}{r['ms_per_step']:>9.2f}{peak:>9}"
-                   f"{left_cell}{sum(tail) / len(tail):>12.4f}{val:>10}{ratio:>13}")
+                   f"{left_cell}{sum(tail) / len(tail):>12.4f}{val:>10}"
+                   + (f"{ratio:>13}" if fused is not None else ""))
     return "\n".join(out)
 
 
