@@ -375,7 +375,10 @@ def get_bias_dropout_add(training: bool, fused: bool) -> Callable[[XWithBias, to
 
     Returns:
         :func:`bias_dropout_add_fused_train` or :func:`bias_dropout_add_fused_inference` when
-        ``fused``, else ``bias_dropout_add_unfused(training)``.
+        ``fused``, else ``bias_dropout_add_unfused(training)``. In inference, where no input
+        requires grad and x has the residual's dtype, both the fused and the unfused function
+        write the result into ``x`` and return it (Megatron's in-place inference path): pass a
+        copy of x to keep it.
 
     The fused functions apply the drop probability with 16-bit resolution (p rounded to a
     multiple of 1/65536, exact for 0, 0.5, 1) and scale kept values by 1/(1 - p_rounded),
