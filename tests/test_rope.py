@@ -848,6 +848,28 @@ def test_rotary_embedding_get_rotary_seq_len_follows_megatron():
     assert emb.get_rotary_seq_len(None, block, x, cfg, SimpleNamespace(max_seqlen_q=9, max_seqlen_kv=4)) == 9
 
 
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "unfused"])
+def test_rotary_embedding_angles_cached_under_inference_mode_serve_training_afterwards(fusion):
+    # angles made by a forward under torch.inference_mode are inference tensors, which autograd
+    # cannot save for a backward: a training call at the same length afterwards gets angles it
+    # can differentiate through (the fused RoPE saves them), equal to the ones cached before
+    s, b, d = 5, 2, 16
+    emb = RotaryEmbedding(d, 1.0, device=DEVICE)
+    with torch.inference_mode():
+        inside = emb(s)
+        assert emb(s) is inside
+    freqs = emb(s)
+    t, g = _randn(s, b, 2, d), _randn(s, b, 2, d)
+    leaf = t.clone().requires_grad_(True)
+    out = apply_rotary_pos_emb(leaf, freqs, config=_config(fusion))
+    out.backward(g)
+    ref, ref_dt = _reference(t, freqs, g, False)
+    _assert_within_bound(out.detach(), ref, t, d, False, torch.float32, "forward")
+    _assert_within_bound(leaf.grad, ref_dt, g, d, False, torch.float32, "backward")
+    assert not freqs.is_inference() and torch.equal(freqs, inside)
+    assert emb(s) is freqs  # cached too
+
+
 def test_rotary_embedding_cache_keeps_the_newest_angles():
     # FORWARD_CACHE_SIZE entries: past them the oldest goes, and the angles just computed stay
     # cached (evicting the newest made every new length recomputed at each call once full)

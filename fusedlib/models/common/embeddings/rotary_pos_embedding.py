@@ -202,7 +202,8 @@ class RotaryEmbedding(nn.Module):
         Returns:
             freqs [max_seq_len, 1, 1, dim], float32, on ``inv_freq``'s device. Cached per
             (max_seq_len, offset), as Megatron's ``lru_cache``: the same tensor each call,
-            which callers must not modify.
+            which callers must not modify (angles made under ``torch.inference_mode`` are
+            cached apart: they are inference tensors, which autograd cannot save).
 
         Raises:
             NotImplementedError: a cp_group of more than one rank.
@@ -213,8 +214,10 @@ class RotaryEmbedding(nn.Module):
         _check_cp_group(cp_group)
         max_seq_len, offset = _check_positions(max_seq_len, offset)
         # the key holds the values the angles are computed from (int(offset) keyed an offset of
-        # 0.5 as 0: the next call with offset 0 got the 0.5 angles)
-        key = (max_seq_len, offset, self.inv_freq.device)
+        # 0.5 as 0: the next call with offset 0 got the 0.5 angles), and whether inference mode
+        # is on: angles made under torch.inference_mode are inference tensors, which a later
+        # training call could not save for its backward (the fused RoPE's raised there)
+        key = (max_seq_len, offset, self.inv_freq.device, torch.is_inference_mode_enabled())
         emb = self._cache.get(key)
         if emb is None:
             emb = self.get_emb(max_seq_len, offset)
