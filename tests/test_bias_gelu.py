@@ -83,6 +83,15 @@ def test_non_contiguous_3d_and_strided_bias():
     assert_close(out, unfused.bias_gelu(b.detach().double(), y.detach().double()), torch.float32)
 
 
+def test_strided_bias_forward_and_backward():
+    # a bias that is every other element of a longer tensor: the output and both gradients
+    # are those of its own elements, not of the memory between them
+    y, _ = _inputs((7, 40), torch.float32)
+    b = torch.randn(80, device=DEVICE)[::2].requires_grad_(True)
+    assert not b.is_contiguous()
+    _check_fwd_bwd(y, b)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_empty_input(dtype):
     y, b = _inputs((0, 16), dtype)
@@ -154,6 +163,8 @@ def test_tanh_gelu_gradient_is_autograd_gradient():
         (lambda: (torch.randn(4, 8), torch.randn(8).half()), TypeError, "bias dtype"),
         (lambda: (torch.randn(4, 8).int(), torch.randn(8).int()), TypeError, "input must have dtype"),
         (lambda: (torch.randn(4, 8), torch.randn(1, 8)), ValueError, "bias must be 1-D"),
+        (lambda: (torch.randn(4, 8), torch.randn(8, 1)), ValueError, "bias must be 1-D"),
+        (lambda: (torch.tensor(1.0), torch.randn(1)), ValueError, "input must have at least 1 dimension"),
         (lambda: ([1.0, 2.0], torch.randn(2)), TypeError, "input must be a torch.Tensor"),
     ],
 )

@@ -612,6 +612,32 @@ def test_group_with_rank_and_size_methods_megatrons_stand_in(monkeypatch, dtype)
         assert_close(x.grad, x64.grad, dtype)
 
 
+def test_the_fused_path_finishes_the_loss_in_its_kernel_for_a_group_of_one_rank(spy_launches):
+    # a group of one rank holds the whole vocabulary: the fused forward is one kernel that writes
+    # the loss itself (FINALIZE), nothing combined after it, as with tp_group=None
+    x, t = _inputs((4, 3), 9, torch.float32)
+    loss = fused_vocab_parallel_cross_entropy(x, t, _OneRankGroup(), label_smoothing=0.1)
+    assert_close(loss, unfused.cross_entropy(x.detach().double(), t, 0.1), torch.float32, scale=math.log(9))
+    assert [(c.kernel, c.kwargs["FINALIZE"]) for c in spy_launches] == [("_cross_entropy_fwd_kernel", True)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_group_of_one_rank_refuses_what_one_rank_refuses(path):
+    # A group of one rank (Megatron-core's stand-in here) computes the loss by another code path
+    # than tp_group=None: a target id outside [0, V) and label smoothing over a vocabulary of one
+    # id (eps·V/(V-1) undefined) raise there too.
+    x, t = _inputs((5,), 7, torch.float32, n_ignored=0)
+    t[2] = 7
+    op = "vocab_parallel_cross_entropy" if path == "unfused" else "fused_vocab_parallel_cross_entropy"
+    with pytest.raises(ValueError, match=rf"^{op}: target must hold vocabulary ids in \[0, 7\) or ignore_index=-100, "
+                                         rf"got 7"):
+        ce(path, x, t, tp_group=_OneRankGroup())
+        fusedlib.runtime.check_errors()
+    fusedlib.runtime.check_errors()  # reported once
+    with pytest.raises(ValueError, match="label_smoothing needs a vocabulary of at least 2 ids"):
+        ce(path, *_inputs((3,), 1, torch.float32), 0.1, tp_group=_OneRankGroup())
+
+
 @pytest.mark.parametrize("fn", [vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy])
 @pytest.mark.parametrize("group", ["g", 0, object()])
 def test_tp_group_of_the_wrong_type_raises_naming_it(fn, group):

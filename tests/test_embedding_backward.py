@@ -112,6 +112,27 @@ def test_ids_outside_the_vocabulary_write_nothing(host_runs):
     assert out.tolist() == [[1.0] * 4, [0.0] * 4, [2.0] * 4]
 
 
+@pytest.mark.parametrize("host_runs", [True, False])
+def test_a_run_one_row_past_a_whole_step_of_pieces(host_runs):
+    """A run of 32 * 32 + 1 = 1,025 rows: 32 whole pieces (one step of BLOCK_K pieces in the
+    second stage), then a piece of one row, which the second step adds too."""
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.cat([torch.full((1025,), 1), torch.tensor([0, 2, 0])])
+    ids = ids[torch.randperm(1028, generator=gen)].to(DEVICE)
+    grad = torch.randn(1028, 8, generator=gen).to(DEVICE)
+    _check(ids, grad, 3, None, host_runs)
+
+
+@pytest.mark.parametrize("host_runs", [True, False])
+def test_distinct_negative_ids_leave_the_rows_of_valid_ids_whole(host_runs):
+    """Negative ids, like ids past V, are one run that is never written: more distinct negative
+    ids than V + 1 (they sort before every valid id) still leave each valid id its own run."""
+    ids = torch.tensor([-1, 0, -2, 1, -3, 0, -4], device=DEVICE)
+    grad = torch.arange(1.0, 8.0, device=DEVICE)[:, None].expand(7, 3)
+    out = emb._embedding_backward(ids, grad, 2, None, host_runs=host_runs)
+    assert out.tolist() == [[8.0] * 3, [4.0] * 3]
+
+
 def test_empty_inputs():
     assert embedding_backward(torch.zeros(0, dtype=torch.long, device=DEVICE), torch.zeros(0, 3, device=DEVICE),
                               4).eq(0).all()
@@ -175,18 +196,24 @@ def test_vocab_parallel_embedding_uses_it_in_deterministic_mode(deterministic, m
     assert len(calls) == (1 if deterministic else 0)
 
 
-@pytest.mark.parametrize("host_runs, grids", [(True, [(4, 1), (3, 1)]), (False, [(6, 1), (5, 1)])])
+@pytest.mark.parametrize("host_runs, grids", [(True, [(4, 1), (3, 1)]), (False, [(6, 1), (5, 1)]),
+                                              (None, [(4, 1), (3, 1)] if DEVICE.type == "cpu" else [(6, 1), (5, 1)])])
 def test_programs_per_piece_and_run_or_bound(host_runs, grids, monkeypatch):
     """With the runs found by the host (the CPU's path) a program per piece, then one per run;
     else (a GPU's: counting them would wait for the device) as many as the bounds the host
     knows: n // 32 + V + 1 = 6 pieces and V + 1 = 5 runs, the spare programs idle.
+    embedding_backward takes the path of the tensors' device (None here).
     Here: id 3 35 times (two pieces of 32 rows), ids 1 and 0 once each, 2 absent."""
     seen = []
     real = emb.launch
     monkeypatch.setattr(emb, "launch", lambda kernel, grid, *a, **k: seen.append(tuple(grid)) or real(kernel, grid,
                                                                                                        *a, **k))
     ids = torch.tensor([3] * 20 + [1] + [3] * 13 + [0 ] * 0 + [0] + [3] * 2, device=DEVICE)[:37]
-    out = emb._embedding_backward(ids, torch.ones(37, 2, device=DEVICE), 4, None, host_runs=host_runs)
+    grad = torch.ones(37, 2, device=DEVICE)
+    if host_runs is None:
+        out = embedding_backward(ids, grad, 4)
+    else:
+        out = emb._embedding_backward(ids, grad, 4, None, host_runs=host_runs)
     assert seen == grids
     assert out[:, 0].tolist() == [1.0, 1.0, 0.0, 35.0]
 

@@ -59,3 +59,13 @@ def test_every_tile_of_the_table(i):
 def test_float64_partials():
     partials = torch.randn(40, 77, device=DEVICE, dtype=torch.float64)
     check(sum_partials(partials, torch.float64), partials)
+
+
+def test_each_call_launches_the_tile_it_is_given(spy_launches):
+    """The same partials summed with each tile of the table in turn: every call launches the
+    tile it is given (BLOCK_M partial rows by BLOCK_N columns), within the float64 sum's bound."""
+    partials = torch.randn(40, 50, device=DEVICE, dtype=torch.float32)
+    for _, tile in SUM_PARTIALS_TILES:
+        check(sum_partials(partials, torch.float32, tile=tile), partials)
+    seen = [(c.kwargs["BLOCK_R"], c.kwargs["BLOCK_C"]) for c in spy_launches]
+    assert seen == [(tile.BLOCK_M, tile.BLOCK_N) for _, tile in SUM_PARTIALS_TILES]
