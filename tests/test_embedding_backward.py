@@ -108,8 +108,18 @@ def test_ids_outside_the_vocabulary_write_nothing(host_runs):
     (nor outside their buffer of pieces: many distinct bad ids)."""
     ids = torch.tensor([0, 2, -1, 3, 2, 99, -7, 5, 6, 7, 8, 9], device=DEVICE)
     grad = torch.ones(12, 4, device=DEVICE)
-    out = emb._embedding_backward(ids, grad, 3, None, host_runs=host_runs)
+    # the weight gradient handed out as rows 1-3 of a buffer whose rows 0 and 4 hold a marker:
+    # a write one row before or past the weight shows there (rather than as a damaged heap)
+    buffer = torch.zeros(5, 4, device=DEVICE)
+    buffer[0] = buffer[4] = 1234.0
+    real_zeros = torch.zeros
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(emb.torch, "zeros", lambda *shape, **kw: buffer[1:4] if tuple(shape) == (3, 4)
+                   else real_zeros(*shape, **kw))
+        out = emb._embedding_backward(ids, grad, 3, None, host_runs=host_runs)
+    assert out.data_ptr() == buffer[1:4].data_ptr()
     assert out.tolist() == [[1.0] * 4, [0.0] * 4, [2.0] * 4]
+    assert buffer[0].tolist() == [1234.0] * 4 and buffer[4].tolist() == [1234.0] * 4
 
 
 @pytest.mark.parametrize("host_runs", [True, False])
