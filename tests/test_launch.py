@@ -76,6 +76,36 @@ def test_cross_entropy_forward_plans_take_the_shards_first_id_and_the_vocabulary
     assert "_cross_entropy_fwd_kernel" in emulated_plans, "no forward went through a bound plan"
 
 
+def test_partial_sum_plans_take_the_output_dtype(emulated_plans):
+    """The same float32 partials summed into float32, bfloat16 and float16 outputs: the output's
+    pointer is an argument whose dtype Triton compiles in, so each output dtype gets a plan of
+    its own (the emulated C launcher checks every call's launch key against its plan's), and each
+    call's sums equal the same call's on fresh plans, bitwise."""
+    from fusedlib.kernels.reduce import sum_partials
+
+    partials = torch.randn(40, 50, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    cases = [(torch.float32,), (torch.bfloat16,), (torch.float16,)]
+    _as_on_fresh_plans(cases, lambda dtype: [sum_partials(partials, dtype)], emulated_plans)
+    assert "_sum_partials_kernel" in emulated_plans, "no sum went through a bound plan"
+
+
+def test_bias_gelu_backward_plans_take_the_gradients_strides(emulated_plans):
+    """The same y and bias with a contiguous gradient and with one whose rows are 33 elements
+    apart (a column slice): Triton specializes a stride on its divisibility by 16, so the two
+    gradients get plans of their own, checked by the emulated C launcher; each call's dy and
+    bias gradient equal the same call's on fresh plans, bitwise."""
+    from fusedlib.kernels.bias_gelu import bias_gelu_bwd
+
+    gen = torch.Generator().manual_seed(5)
+    y = torch.randn(6, 32, generator=gen).to(DEVICE)
+    bias = torch.randn(32, generator=gen).to(DEVICE)
+    wide = torch.randn(6, 33, generator=gen).to(DEVICE)
+    cases = [(wide[:, :32].contiguous(),), (wide[:, :32],)]
+    assert cases[1][0].stride() == (33, 1)
+    _as_on_fresh_plans(cases, lambda g: list(bias_gelu_bwd(g, y, bias)), emulated_plans)
+    assert "_bias_gelu_bwd_kernel" in emulated_plans, "no backward went through a bound plan"
+
+
 def test_glu_plans_take_the_strides_of_the_gradient_and_row_weights(emulated_plans):
     """The GLUs pass the strides of the output gradient (backward) and of the row weights (both
     kernels) as ints, which Triton specializes (1 is a constant): one input with a contiguous then
