@@ -582,6 +582,27 @@ def test_partial_key_tile_with_very_negative_scores(dtype, scale, deterministic,
     assert all(torch.isfinite(t).all() for t in grads)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_key_padding_mask_with_a_partial_key_tile_and_very_negative_scores(deterministic, tiles):
+    # as above (float32, scores about -100), with a key padding mask ([b, sk], one row of bytes
+    # per head): the keys past sk in the last, partial key tile stay masked whatever the mask
+    # reads there, so no padded key's overflowing 2^(0 - LSE) reaches dS (the atomic dQ would
+    # sum it as inf·0 = NaN into every row)
+    tiles(16, 16)
+    b, sq, sk, h, d = 1, 5, 40, 1, 80
+    scale = 100 / 80
+    q = (0.1 * torch.randn(b, sq, h, d, device=DEVICE) - 1.0).requires_grad_()
+    k = (0.1 * torch.randn(b, sk, h, d, device=DEVICE) + 1.0).requires_grad_()
+    v = torch.randn(b, sk, h, d, device=DEVICE).requires_grad_()
+    mask = torch.zeros(b, sk, dtype=torch.bool, device=DEVICE)
+    mask[:, 3] = mask[:, 17] = True
+    s_max = float(torch.einsum("bqhd,bkhd->bhqk", q.detach().double(), k.detach().double()).abs().max()) * scale
+    extra_u = (2 * s_max + math.log(sk)) * 2.0 ** -24  # the recomputed P's exponent (see above)
+    _, grads = _check(torch.float32, b, sq, sk, h, h, d, inputs=(q, k, v), deterministic=deterministic,
+                      extra_u=extra_u, softmax_scale=scale, attention_mask=mask)
+    assert all(torch.isfinite(t).all() for t in grads)
+
+
 def test_atomic_dq_only_where_it_measured_faster():
     """The nondeterministic backward takes the atomic dQ for head dims 65-128, and for head dims
     up to 64 only with dropout (the H200 sweep in BWD_ATOMIC_TILES); never above 128."""
