@@ -261,6 +261,20 @@ def test_broadcast_grad_output_of_a_mean(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_strided_and_stride_zero_grad_output_of_per_token_losses(path):
+    # a 1-D loss keeps the strides of the grad_output it is given: every other element of a
+    # longer tensor (stride 2), and one value expanded to every row (stride 0)
+    x, t = _inputs((7,), 33, torch.float32)
+    g = torch.randn(14, device=DEVICE)[::2]
+    assert g.stride() == (2,)
+    _check(path, x, t, g=g)
+    x, t = _inputs((7,), 33, torch.float32)
+    g = torch.full((1,), 0.75, device=DEVICE).expand(7)
+    assert g.stride() == (0,)
+    _check(path, x, t, g=g)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_one_row_int32_target_and_empty_batch(path):
     x, t = _inputs((1,), 129, torch.float16)
     _check(path, x, t.int())

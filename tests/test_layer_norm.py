@@ -1539,6 +1539,24 @@ def test_bias_dropout_add_norm_takes_a_strided_linear_bias(norm):
 
 
 @pytest.mark.parametrize("norm", NORMS)
+def test_bias_dropout_add_norm_takes_a_non_contiguous_residual(norm):
+    # the residual as a permuted view (column stride 15): the values and gradients of the same
+    # residual held contiguous
+    m, x, residual, lb = _bda_norm_inputs(norm, 23, torch.float32)
+    permuted = residual.detach().permute(2, 0, 1).contiguous().permute(1, 2, 0).requires_grad_(True)
+    assert not permuted.is_contiguous() and torch.equal(permuted, residual)
+    dy, dh = torch.randn_like(residual), torch.randn_like(residual)
+    out = []
+    for res in (residual, permuted):
+        torch.manual_seed(5)  # the same mask
+        y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), res, 0.2, True)
+        out.append((y, hidden, *torch.autograd.grad((y, hidden), (x, res), (dy, dh))))
+    (y, hidden, dx, dres), (y_p, hidden_p, dx_p, dres_p) = out
+    assert torch.equal(y_p, y) and torch.equal(hidden_p, hidden)
+    assert torch.equal(dx_p, dx) and torch.equal(dres_p, dres)
+
+
+@pytest.mark.parametrize("norm", NORMS)
 def test_bias_dropout_add_norm_linear_bias_alone_requiring_grad(norm):
     # a sublayer whose input and residual are frozen but whose bias trains: h depends on the bias,
     # so it requires grad and its gradient reaches the bias, as on the path without the fusion
@@ -1752,6 +1770,35 @@ def test_bias_dropout_add_norm_backward_in_the_norm_or_apart(h, p, wants):
             assert torch.equal(c[4], ref[4])
         else:  # compiled, the bias-only form forms dx in registers: an FMA apart, as above
             _assert_within("d linear bias", c[4], ref[4].double(), 2 * rows * U * abs_sum + formed)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_bias_dropout_add_norm_split_backward_regenerates_each_column_blocks_mask(norm):
+    # rows taken 32 columns per program (the split backward) with dropout in the norm's kernel:
+    # each column block regenerates its own columns of the forward's mask, so x's gradient and
+    # the bias's column sum equal those of the bias-dropout-add backward kernel applied to dres
+    from fusedlib.kernels.bias_dropout_add import philox_seed
+    from fusedlib.kernels.layer_norm import bias_dropout_add_norm_bwd, bias_dropout_add_norm_fwd
+
+    rows, h, p = 5, 100, 0.3
+    rms = norm == "rms"
+    x, r, dy = (torch.randn(rows, h, device=DEVICE) for _ in range(3))
+    lb, w = torch.randn(h, device=DEVICE), torch.randn(h, device=DEVICE)
+    b = None if rms else torch.randn(h, device=DEVICE)
+    seed = philox_seed(DEVICE)
+    _, hh, mean, rstd = bias_dropout_add_norm_fwd(x, lb, r, seed, p, w, b, EPS, rms_norm=rms)
+    split = Tile(BLOCK_M=1, BLOCK_N=32, num_warps=4, num_stages=1, programs_per_sm=1)
+    a, c = (bias_dropout_add_norm_bwd(dy, None, hh, w, b, mean, rstd, seed, p, torch.float32, rms_norm=rms,
+                                      tile=split, in_norm=in_norm) for in_norm in (True, False))
+    assert torch.equal(a[1], c[1])  # dres: the same kernel and tile
+    assert (a[0] == 0).any() and (a[0] != 0).any()
+    exact = DEVICE.type == "cpu"  # compiled: an FMA apart at most, as above
+    if exact:
+        assert torch.equal(a[0], c[0])
+    else:
+        assert_close(a[0], c[0].double(), torch.float32)
+    abs_sum = c[0].double().abs().sum(0)
+    _assert_within("d linear bias", a[4], c[4].double(), 2 * rows * U * abs_sum)
 
 
 def test_bias_dropout_add_norm_calls_alike_but_for_p_the_linear_bias_or_need_dx():
