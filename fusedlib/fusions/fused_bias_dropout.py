@@ -204,7 +204,7 @@ def _elements_share_memory(x: torch.Tensor) -> bool:
     else:
         return False
     span = 1 + sum(st * (n - 1) for st, n in zip(x.stride(), x.shape))
-    offsets = torch.arange(span).as_strided(x.shape, x.stride())
+    offsets = torch.arange(span, device="cpu", dtype=torch.int64).as_strided(x.shape, x.stride())
     return offsets.unique().numel() < x.numel()
 
 
