@@ -108,6 +108,24 @@ def test_toc_lists_every_chapter_and_only_existing_files():
         assert any((ROOT / f).with_suffix(s).exists() for s in (".md", ".ipynb")), f
 
 
+def test_the_book_reads_no_file_in_a_hidden_folder(tmp_path):
+    """Sphinx's own file discovery, with book.yml's exclude_patterns, in a tree holding the book's
+    files and Markdown in hidden folders (a reader's notes, a virtual environment's, notebook
+    checkpoints): only the book's files are read, so a stray file cannot fail the build's -W."""
+    from sphinx.project import Project
+
+    config = yaml.safe_load((ROOT / "book.yml").read_text())
+    toc = yaml.safe_load((ROOT / "toc.yml").read_text())
+    book = [toc["root"]] + [c["file"] for c in toc["chapters"]]
+    hidden = [".notes/draft", ".venv/lib/python3.11/site-packages/pkg/README", "chapters/.ipynb_checkpoints/x",
+              ".a/b/.c/d"]
+    for name in book + hidden:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f"{name}.md").write_text("# a page\n")
+    found = Project(tmp_path, {".md": "markdown"}).discover(exclude_paths=config["exclude_patterns"])
+    assert found == set(book)
+
+
 def test_chapters_are_executed_and_have_a_kernelspec():
     for path in sorted((ROOT / "chapters").glob("*.ipynb")):
         nb = json.loads(path.read_text())
