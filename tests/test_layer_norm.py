@@ -1551,9 +1551,16 @@ def test_bias_dropout_add_norm_takes_a_non_contiguous_residual(norm):
         torch.manual_seed(5)  # the same mask
         y, hidden = fusedlib.bias_dropout_add_norm(m, (x, lb), res, 0.2, True)
         out.append((y, hidden, *torch.autograd.grad((y, hidden), (x, res), (dy, dh))))
-    (y, hidden, dx, dres), (y_p, hidden_p, dx_p, dres_p) = out
-    assert torch.equal(y_p, y) and torch.equal(hidden_p, hidden)
-    assert torch.equal(dx_p, dx) and torch.equal(dres_p, dres)
+    # interpreted, the same bits; compiled, the residual's strides make another specialization of
+    # the kernels, which may contract a product and a sum into one FMA in other places (a float32
+    # rounding apart, as in test_bias_dropout_add_norm_equals_the_two_ops): within the norm's
+    # tolerance there (the H100 gave other bits for y)
+    exact = DEVICE.type == "cpu"
+    for name, a, b in zip(("y", "h", "dx", "dresidual"), out[1], out[0]):
+        if exact:
+            assert torch.equal(a, b), name
+        else:
+            assert_close(a, b.double(), torch.float32)
 
 
 @pytest.mark.parametrize("norm", NORMS)
