@@ -549,11 +549,32 @@ def _run(fn, inputs, params, direct: bool, check: bool, seed: int = 1234):
         kl.DIRECT_LAUNCH, kl.CHECK_LAUNCH = old
 
 
-def _same(a_list, b_list):
+def _same(a_list, b_list, context=""):
+    """Each tensor of ``a_list`` equal to ``b_list``'s (torch.equal); a failure names the tensor
+    and its first differing elements with their values in hex, so that a rare failure says
+    whether it is a last-bit difference (another compiled kernel) or a wrong value."""
     assert len(a_list) == len(b_list)
-    for a, b in zip(a_list, b_list):
+    for i, (a, b) in enumerate(zip(a_list, b_list)):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b), "direct != kernel[grid]"
+        a = a.view(torch.uint8) if a.dtype == torch.bool else a
+        assert torch.equal(a, b), f"direct != kernel[grid]{context}: tensor {i}: {_differences(a, b)}"
+
+
+def _differences(a, b, most=4):
+    """The first ``most`` elements where ``a`` and ``b`` differ (NaN equal to NaN): index, both
+    values (floats in hex), and how many differ."""
+    ne = a != b
+    if a.is_floating_point():
+        ne &= ~(a.isnan() & b.isnan())
+    where = ne.nonzero().tolist()
+    if not where:
+        return "no element differs (NaN in both at the same places)"
+
+    def show(v):
+        return float(v).hex() if a.is_floating_point() else str(int(v))
+
+    items = [f"{tuple(ix)}: {show(a[tuple(ix)])} vs {show(b[tuple(ix)])}" for ix in where[:most]]
+    return f"{len(where)} of {a.numel()} differ; " + ", ".join(items)
 
 
 def _as_on_fresh_plans(cases, run, emulated_plans):
@@ -566,9 +587,9 @@ def _as_on_fresh_plans(cases, run, emulated_plans):
         want.append(run(*case))
     fusedlib.runtime.clear_plans()
     emulated_plans.clear()
-    for _ in range(2):
+    for turn in range(2):
         for case, w in zip(cases, want):
-            _same(run(*case), w)
+            _same(run(*case), w, f" (case {case}, turn {turn + 1})")
 
 
 def _main_ops():
@@ -887,7 +908,10 @@ def emulated_plans(monkeypatch):
     monkeypatch.setattr(kl, "_KNOBS", types.SimpleNamespace(
         runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False),
         compilation=types.SimpleNamespace(instrumentation_mode="")))
-    monkeypatch.setattr(kl, "_get_stream", lambda index: 0)
+    # the stream a cached direct launch goes to: the current one, as Triton's get_current_stream
+    # gives the real direct path (the legacy stream 0 would not be ordered after work on another)
+    monkeypatch.setattr(kl, "_get_stream", (lambda index: torch.cuda.current_stream(index).cuda_stream) if CUDA
+                        else (lambda index: 0))
     monkeypatch.setattr(rt, "_cuda_get_device", lambda: 0)
 
     def bind(self, args):
