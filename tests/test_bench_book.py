@@ -63,10 +63,10 @@ def test_measure_case_runs_implementations_and_records_failures(monkeypatch):
     assert "baseline broke" in case.skipped["liger"]
 
 
-def _round_case(plain_rounds, tokens=None, nbytes=None):
+def _round_case(plain_rounds, tokens=None, nbytes=None, replay_rounds=False):
     impls = [core.Impl(n, lambda t: t) for n in ("a", "b", "c")]
     return core.BenchCase("bias_gelu", (4, 8), torch.float32, lambda d, rg: (), {"fwd+bwd": nbytes}, impls,
-                          tokens=tokens, plain_rounds=plain_rounds)
+                          tokens=tokens, plain_rounds=plain_rounds, replay_rounds=replay_rounds)
 
 
 def test_plain_rounds_take_turns_and_keep_each_median(monkeypatch):
@@ -93,6 +93,64 @@ def test_plain_rounds_take_turns_and_keep_each_median(monkeypatch):
     # no graph: its "ms" is the median of its plain launches too
     assert b["timer"] == "do_bench" and b["ms"] == b["ms_eager"] == 6.0 and b["tokens_per_s"] == round(1000 / 6e-3)
     assert c["ms_plain_rounds"] == [7.0, 8.0] and c["ms_eager"] == 7.5
+
+
+def test_replay_rounds_take_turns_with_the_plain_launches_and_keep_each_median(monkeypatch):
+    """With replay_rounds each captured implementation's replay is timed right after its plain
+    launches in every round; "ms" (and the bandwidth and token rates from it) is the replays'
+    median; one that cannot be captured keeps its plain time; a replay failing in a later round
+    keeps the rounds before it."""
+    calls = []
+    plain_ms = {"a": iter([30.0, 10.0, 20.0]), "b": iter([5.0, 50.0, 6.0]), "c": iter([7.0, 8.0, 9.0])}
+    graph_ms = {"a": iter([1.0, 4.0, 2.0]), "c": iter([3.0, 5.0])}
+
+    def fake_time_pass(case, impl, pas, device, peak=False, cuda_graph=False):
+        calls.append((impl.name, "graph" if cuda_graph else "plain"))
+        if not cuda_graph:
+            return next(plain_ms[impl.name]), None
+        if impl.name == "b":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        if impl.name == "c" and calls.count(("c", "graph")) == 3:
+            raise RuntimeError("out of memory")  # c's third replay fails: its first two are kept
+        return next(graph_ms[impl.name]), None
+
+    monkeypatch.setattr(core, "_time_pass", fake_time_pass)
+    case = _round_case(3, tokens=1000, nbytes=10**9, replay_rounds=True)
+    recs = {r["impl"]: r for r in core.measure_case(case, torch.device("cuda"), ["fwd+bwd"])}
+    turn = [("a", "plain"), ("a", "graph"), ("b", "plain"), ("c", "plain"), ("c", "graph")]
+    assert calls == [("a", "plain"), ("a", "graph"), ("b", "plain"), ("b", "graph"), ("c", "plain"), ("c", "graph"),
+                     *turn, *turn]
+    a, b, c = recs["a"], recs["b"], recs["c"]
+    assert a["ms_replay_rounds"] == [1.0, 4.0, 2.0] and a["ms"] == 2.0 and a["timer"] == "cuda_graph"
+    assert a["ms_plain_rounds"] == [30.0, 10.0, 20.0] and a["ms_eager"] == 20.0
+    assert a["GBps"] == round(10**9 / 2e-3 / 1e9, 1) and a["tokens_per_s"] == round(1000 / 2e-3)
+    assert a["tokens_per_s_eager"] == round(1000 / 20e-3) and "replay_rounds_error" not in a
+    assert b["timer"] == "do_bench" and "ms_replay_rounds" not in b and b["ms"] == b["ms_eager"] == 6.0
+    assert c["ms_replay_rounds"] == [3.0, 5.0] and c["ms"] == 4.0 and "out of memory" in c["replay_rounds_error"]
+    assert c["ms_plain_rounds"] == [7.0, 8.0, 9.0] and "plain_rounds_error" not in c
+
+
+def test_replay_rounds_without_plain_rounds_time_each_replay_once(monkeypatch):
+    calls = []
+
+    def fake_time_pass(case, impl, pas, device, peak=False, cuda_graph=False):
+        calls.append(cuda_graph)
+        return (1.0 if cuda_graph else 2.0), None
+
+    monkeypatch.setattr(core, "_time_pass", fake_time_pass)
+    recs = core.measure_case(_round_case(1, replay_rounds=True), torch.device("cuda"), ["fwd+bwd"])
+    assert calls == [False, True] * 3
+    assert all(r["ms"] == 1.0 and "ms_replay_rounds" not in r and "ms_plain_rounds" not in r for r in recs)
+
+
+@pytest.mark.parametrize("bad", [1, 0, "yes", None, np.bool_(True)])
+def test_replay_rounds_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match="replay_rounds must be a bool"):
+        _round_case(2, replay_rounds=bad)
+    case = _round_case(2)
+    case.replay_rounds = bad  # set after the case was made: the harness checks it again
+    with pytest.raises(ValueError, match="replay_rounds must be a bool"):
+        core.measure_case(case, torch.device("cpu"))
 
 
 def test_plain_rounds_on_a_device_without_graphs_set_ms_and_bandwidth(monkeypatch):

@@ -136,7 +136,7 @@ def test_cases_are_the_two_headline_shapes_and_the_sweep_adds_the_small_stack():
 def test_records_have_tokens_and_no_bytes(monkeypatch):
     monkeypatch.setattr(core, "time_ms", lambda fn, grad_to_none=None, **kw: (fn(), 2.0)[1])
     c = _cpu_case()
-    assert c.plain_rounds == tl.PLAIN_ROUNDS > 1
+    assert c.plain_rounds == tl.PLAIN_ROUNDS > 1 and c.replay_rounds is True
     c.plain_rounds = 2  # the rounds themselves: tests/test_bench_book.py
     recs = core.measure_case(c, DEVICE)
     assert [r["impl"] for r in recs] == [i.name for i in c.impls]

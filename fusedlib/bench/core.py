@@ -135,9 +135,17 @@ class BenchCase:
             model's training step): the host's speed moves over seconds, so one timing per
             implementation would give each a different host. Records then also carry
             ``"ms_plain_rounds"``, the rounds' times in order.
+        replay_rounds: (default False) with ``plain_rounds`` > 1, time each captured
+            implementation's CUDA-graph replay in the same rounds, right after its plain
+            launches, and keep the median in ``"ms"`` (the rounds in ``"ms_replay_rounds"``).
+            For comparisons of a few percent between implementations: one replay each, taken
+            minutes apart, may meet the GPU at different clocks (a sustained load reaches the
+            board's power limit), and the rounds' range says how far the replays of one
+            implementation move within the run. An implementation whose replay fails in a later
+            round keeps the rounds it finished, and ``"replay_rounds_error"`` says why.
 
     Raises:
-        ValueError: ``plain_rounds`` not an int >= 1.
+        ValueError: ``plain_rounds`` not an int >= 1; ``replay_rounds`` not a bool.
     """
 
     op: str
@@ -154,9 +162,11 @@ class BenchCase:
     info: dict = field(default_factory=dict)
     all_outputs: bool = False
     plain_rounds: int = 1
+    replay_rounds: bool = False
 
     def __post_init__(self) -> None:
         self.plain_rounds = _checked_rounds(self.plain_rounds)
+        _check_replay_rounds(self.replay_rounds)
 
     def backward_outputs(self, out: object) -> tuple[torch.Tensor, ...]:
         """The outputs the "fwd+bwd" pass sends gradients into: the first item of a tuple
@@ -164,6 +174,12 @@ class BenchCase:
         if not isinstance(out, tuple):
             return (out,)
         return tuple(out) if self.all_outputs else (out[0],)
+
+
+def _check_replay_rounds(value: object) -> None:
+    """A ValueError naming replay_rounds unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"replay_rounds must be a bool, got {value!r}")
 
 
 def _checked_rounds(value: object) -> int:
@@ -311,12 +327,16 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
         first pass over the implementations: the records' plain-launch time is then the median
         of the rounds (``"ms_eager"``, and ``"ms"`` and ``"GBps"`` where no graph was timed), the
         rounds in ``"ms_plain_rounds"``; an implementation whose later round raises keeps the
-        rounds it finished, and its record says why in ``"plain_rounds_error"``.
+        rounds it finished, and its record says why in ``"plain_rounds_error"``. With
+        :attr:`BenchCase.replay_rounds` the captured implementations' replays are timed in the
+        same rounds: ``"ms"`` is then their median, the rounds in ``"ms_replay_rounds"``
+        (``"replay_rounds_error"`` for one that failed in a later round).
 
     Raises:
-        ValueError: ``case.plain_rounds`` not an int >= 1.
+        ValueError: ``case.plain_rounds`` not an int >= 1; ``case.replay_rounds`` not a bool.
     """
     case.plain_rounds = _checked_rounds(case.plain_rounds)  # also when set after the case was made
+    _check_replay_rounds(case.replay_rounds)
     records = []
     for pas in passes:
         plain = []  # (impl, its record, its plain-launch times), in the case's order
@@ -351,7 +371,8 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
                     records[-1]["ms_eager"] = round(ms, 5)
                     if graph_error is not None:
                         records[-1]["graph_error"] = graph_error
-                plain.append((impl, records[-1], [ms]))
+                replays = [ms_graph] if case.replay_rounds and ms_graph is not None else None
+                plain.append((impl, records[-1], [ms], replays))
                 if peak is not None:
                     records[-1]["peak_bytes"] = int(peak)
                 _rate_fields(case, pas, records[-1])
@@ -366,15 +387,18 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
 def _plain_rounds(case: BenchCase, pas: str, device: torch.device, plain: list,
                   progress: Callable[[str], None] | None) -> None:
     """Rounds 2 to :attr:`BenchCase.plain_rounds` of a pass's plain-launch timings, the
-    implementations in turns (``plain``: (impl, its record, [its first timing]) in the case's order),
-    then each record's plain-launch time set to the median of its rounds: ``"ms_eager"``, and
-    ``"ms"`` and ``"GBps"`` where no CUDA graph was timed, with the token and FLOP fields that
-    follow from them. An implementation whose round raises takes no further rounds, keeps
-    those it finished and gets ``"plain_rounds_error"``; ``progress`` is called once per
-    implementation and round all the same."""
-    errors = {}
+    implementations in turns (``plain``: (impl, its record, [its first timing], [its first
+    replay] or None) in the case's order), each one's replay timed right after its plain
+    launches where a first replay is given (:attr:`BenchCase.replay_rounds`); then each
+    record's plain-launch time set to the median of its rounds: ``"ms_eager"``, and ``"ms"``
+    and ``"GBps"`` where no CUDA graph was timed, or the replays' median in ``"ms"`` and
+    ``"GBps"`` where they were timed in rounds, with the token and FLOP fields that follow from
+    them. An implementation whose round raises takes no further rounds of that timer, keeps
+    those it finished and gets ``"plain_rounds_error"`` or ``"replay_rounds_error"``;
+    ``progress`` is called once per implementation and round all the same."""
+    errors, replay_errors = {}, {}
     for _ in range(case.plain_rounds - 1):
-        for key, (impl, _, times) in enumerate(plain):
+        for key, (impl, _, times, replays) in enumerate(plain):
             label = f"{case.op} {pas} {impl.name} (plain launches, in turns)"
             if key not in errors:
                 try:
@@ -382,18 +406,30 @@ def _plain_rounds(case: BenchCase, pas: str, device: torch.device, plain: list,
                 except Exception as exc:  # keep the rounds it finished
                     errors[key] = f"{type(exc).__name__}: {exc}"[:300]
                     logger.warning("%s: a round failed (%s); its %d earlier kept", label, errors[key], len(times))
+            if replays is not None and key not in replay_errors:
+                try:
+                    replays.append(_time_pass(case, impl, pas, device, cuda_graph=True)[0])
+                except Exception as exc:  # keep the rounds it finished
+                    replay_errors[key] = f"{type(exc).__name__}: {exc}"[:300]
+                    logger.warning("%s: a replay round failed (%s); its %d earlier kept", label,
+                                   replay_errors[key], len(replays))
             if progress:
                 progress(label)
-    for key, (impl, rec, times) in enumerate(plain):
+    for key, (impl, rec, times, replays) in enumerate(plain):
         ms = statistics.median(times)
         rec["ms_plain_rounds"] = [round(t, 5) for t in times]
         if key in errors:
             rec["plain_rounds_error"] = errors[key]
         if "ms_eager" in rec:
             rec["ms_eager"] = round(ms, 5)
-        if rec.get("timer", "do_bench") == "do_bench":  # no graph timed: "ms" is the plain time too
-            plain_rec = _record(case.op, pas, impl.name, case.shape, case.dtype, ms, case.bytes[pas])
-            rec["ms"], rec["GBps"] = plain_rec["ms"], plain_rec["GBps"]
+        if replays is not None:  # the replays' median is "ms"
+            ms = statistics.median(replays)
+            rec["ms_replay_rounds"] = [round(t, 5) for t in replays]
+            if key in replay_errors:
+                rec["replay_rounds_error"] = replay_errors[key]
+        if replays is not None or rec.get("timer", "do_bench") == "do_bench":  # (no graph: the plain time)
+            timed = _record(case.op, pas, impl.name, case.shape, case.dtype, ms, case.bytes[pas])
+            rec["ms"], rec["GBps"] = timed["ms"], timed["GBps"]
         _rate_fields(case, pas, rec)
 
 

@@ -81,9 +81,11 @@ and their ``"ms_eager"`` is what the block's graphs buy with plain launches. The
 memory pools are allocated at the capture, before the measured step, so ``"peak_bytes"``
 leaves them out.
 
-* ``"ms"``: the step as a CUDA-graph replay (``"timer": "cuda_graph"``), or plain launches
-  where it could not be captured (``"timer": "do_bench"`` and the reason in
-  ``"graph_error"``; megatron-core's RNG tracker, which saves and restores the CUDA generator's
+* ``"ms"``: the step as a CUDA-graph replay (``"timer": "cuda_graph"``), the median of
+  :data:`PLAIN_ROUNDS` replays timed in the same rounds as the plain launches, each right after
+  them (``"ms_replay_rounds"``; records stored before the replays were timed in rounds have one
+  replay and no such field), or plain launches where it could not be captured
+  (``"timer": "do_bench"`` and the reason in ``"graph_error"``; megatron-core's RNG tracker, which saves and restores the CUDA generator's
   state around its attention dropout, is a likely one); ``"ms_eager"``: the step as plain launches, what an eager training step pays,
   the median of :data:`PLAIN_ROUNDS` timings with the implementations in turns (``"ms_plain_rounds"``);
 * ``"tokens"`` (s·b), ``"tokens_per_s"`` (from ``ms``), ``"tokens_per_s_eager"`` (from
@@ -107,11 +109,13 @@ benchmark's 200 ms window and over 3 s of back-to-back steps, and profiled, with
 and board power ``nvidia-smi`` reports during each (:mod:`fusedlib.bench.clocks`): whether
 two timings ran at the same clock, and what a long, power-limited run gets.
 
-Time: about 25 steps per implementation and timer (triton's ``do_bench``: five to estimate,
-a warm-up, then as many as fit in 200 ms), one layer's ``torch.compile`` per shape, Triton's
-kernels compiled once per shape, megatron-core's ``torch.compile``d fusions, the profile's
-handful of steps and the clock's timings (about 50 s): the whole run is meant to stay within
-about 220 s on an H200 (compiling dominates it).
+Time: about 25 steps per implementation, timer and round (triton's ``do_bench``: five to
+estimate, a warm-up, then as many as fit in 200 ms; :data:`PLAIN_ROUNDS` rounds of plain
+launches and of replays, each replay round with its own capture), one layer's
+``torch.compile`` per shape, Triton's kernels compiled once per shape, megatron-core's
+``torch.compile``d fusions, the profile's handful of steps and the clock's timings (about 50 s).
+A ``--sweep`` run took 3 min 35 s on the H200 while only the plain launches were timed in
+rounds; each replay round adds a capture and a timing per capturable implementation and shape.
 
 Source: Megatron-LM ``megatron/core/models/gpt/gpt_layer_specs.py``,
 ``megatron/core/transformer/transformer_block.py``; the step as Megatron's training loop runs it
@@ -177,7 +181,9 @@ IMPLS: dict[str, str] = {
 #: host sets a plain-launch step's pace, and its speed moves over seconds: on the H200 machine
 #: the GPT-2-small fusedlib block's 20-step windows in one process ranged from 16.3 to 18.0 ms,
 #: and one benchmark run measured 27.8 ms for it where another had 17.0 (NOTES.md). Each round
-#: adds one plain-launch timing (a 200 ms window) per implementation and shape.
+#: adds one plain-launch timing (a 200 ms window) per implementation and shape, and one
+#: CUDA-graph replay timing (``replay_rounds``: the replays' median is ``"ms"``) per capturable
+#: implementation: the same kernels timed minutes apart can meet the GPU at another clock.
 PLAIN_ROUNDS: int = 5
 
 #: The implementations that run their layers as CUDA graphs (CUDA only).
@@ -588,7 +594,7 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
             "attention_dropout": ATTENTION_DROPOUT, "params": param_count(shape),
             "weight_bytes": param_count(shape) * elem}
     return BenchCase("transformer_layer", shape, dtype, make_inputs, {"fwd+bwd": None}, impls, skipped,
-                     peak_memory=True, tokens=s * b, info=info, plain_rounds=PLAIN_ROUNDS)
+                     peak_memory=True, tokens=s * b, info=info, plain_rounds=PLAIN_ROUNDS, replay_rounds=True)
 
 
 def cases(device: torch.device, sweep: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[BenchCase]:
