@@ -95,18 +95,22 @@ def test_plain_rounds_take_turns_and_keep_each_median(monkeypatch):
     assert c["ms_plain_rounds"] == [7.0, 8.0] and c["ms_eager"] == 7.5
 
 
-def test_replay_rounds_take_turns_with_the_plain_launches_and_keep_each_median(monkeypatch):
+def test_replay_rounds_take_turns_with_the_plain_launches_and_keep_each_median(monkeypatch, caplog):
     """With replay_rounds each captured implementation's replay is timed right after its plain
     launches in every round; "ms" (and the bandwidth and token rates from it) is the replays'
     median; one that cannot be captured keeps its plain time; a replay failing in a later round
-    keeps the rounds before it."""
+    keeps the rounds before it and is not timed again, while its plain launches go on (and a
+    failing plain round stops only the plain rounds); the progress bar ticks once per
+    implementation and round, as the CLI counts."""
     calls = []
-    plain_ms = {"a": iter([30.0, 10.0, 20.0]), "b": iter([5.0, 50.0, 6.0]), "c": iter([7.0, 8.0, 9.0])}
-    graph_ms = {"a": iter([1.0, 4.0, 2.0]), "c": iter([3.0, 5.0])}
+    plain_ms = {"a": iter([30.0, 10.0, 20.0]), "b": iter([5.0, 50.0, 6.0, 7.0]), "c": iter([7.0, 8.0, 9.0, 10.0])}
+    graph_ms = {"a": iter([1.0, 4.0, 2.0, 3.0]), "c": iter([3.0, 5.0])}
 
     def fake_time_pass(case, impl, pas, device, peak=False, cuda_graph=False):
         calls.append((impl.name, "graph" if cuda_graph else "plain"))
         if not cuda_graph:
+            if impl.name == "a" and calls.count(("a", "plain")) == 4:
+                raise RuntimeError("host out of memory")  # a's fourth plain round fails: its replays go on
             return next(plain_ms[impl.name]), None
         if impl.name == "b":
             raise RuntimeError("operation not permitted when stream is capturing")
@@ -115,19 +119,27 @@ def test_replay_rounds_take_turns_with_the_plain_launches_and_keep_each_median(m
         return next(graph_ms[impl.name]), None
 
     monkeypatch.setattr(core, "_time_pass", fake_time_pass)
-    case = _round_case(3, tokens=1000, nbytes=10**9, replay_rounds=True)
-    recs = {r["impl"]: r for r in core.measure_case(case, torch.device("cuda"), ["fwd+bwd"])}
-    turn = [("a", "plain"), ("a", "graph"), ("b", "plain"), ("c", "plain"), ("c", "graph")]
+    case = _round_case(4, tokens=1000, nbytes=10**9, replay_rounds=True)
+    ticks = []
+    with caplog.at_level("WARNING", logger=core.logger.name):
+        recs = {r["impl"]: r for r in core.measure_case(case, torch.device("cuda"), ["fwd+bwd"], progress=ticks.append)}
     assert calls == [("a", "plain"), ("a", "graph"), ("b", "plain"), ("b", "graph"), ("c", "plain"), ("c", "graph"),
-                     *turn, *turn]
+                     ("a", "plain"), ("a", "graph"), ("b", "plain"), ("c", "plain"), ("c", "graph"),
+                     ("a", "plain"), ("a", "graph"), ("b", "plain"), ("c", "plain"), ("c", "graph"),  # c's fails
+                     ("a", "plain"), ("a", "graph"), ("b", "plain"), ("c", "plain")]  # a's plain fails, its replay on
+    assert len(ticks) == 3 * 4
     a, b, c = recs["a"], recs["b"], recs["c"]
-    assert a["ms_replay_rounds"] == [1.0, 4.0, 2.0] and a["ms"] == 2.0 and a["timer"] == "cuda_graph"
+    assert a["ms_replay_rounds"] == [1.0, 4.0, 2.0, 3.0] and a["ms"] == 2.5 and a["timer"] == "cuda_graph"
     assert a["ms_plain_rounds"] == [30.0, 10.0, 20.0] and a["ms_eager"] == 20.0
-    assert a["GBps"] == round(10**9 / 2e-3 / 1e9, 1) and a["tokens_per_s"] == round(1000 / 2e-3)
-    assert a["tokens_per_s_eager"] == round(1000 / 20e-3) and "replay_rounds_error" not in a
-    assert b["timer"] == "do_bench" and "ms_replay_rounds" not in b and b["ms"] == b["ms_eager"] == 6.0
+    assert "host out of memory" in a["plain_rounds_error"] and "replay_rounds_error" not in a
+    assert a["GBps"] == round(10**9 / 2.5e-3 / 1e9, 1) and a["tokens_per_s"] == round(1000 / 2.5e-3)
+    assert a["tokens_per_s_eager"] == round(1000 / 20e-3)
+    assert b["timer"] == "do_bench" and "ms_replay_rounds" not in b and b["ms"] == b["ms_eager"] == 6.5
     assert c["ms_replay_rounds"] == [3.0, 5.0] and c["ms"] == 4.0 and "out of memory" in c["replay_rounds_error"]
-    assert c["ms_plain_rounds"] == [7.0, 8.0, 9.0] and "plain_rounds_error" not in c
+    assert c["ms_plain_rounds"] == [7.0, 8.0, 9.0, 10.0] and "plain_rounds_error" not in c
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("replay round failed" in m and "out of memory" in m for m in warned)
+    assert any("a round failed" in m and "host out of memory" in m for m in warned)
 
 
 def test_replay_rounds_without_plain_rounds_time_each_replay_once(monkeypatch):

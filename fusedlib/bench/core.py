@@ -339,7 +339,7 @@ def measure_case(case: BenchCase, device: torch.device, passes: Sequence[str] = 
     _check_replay_rounds(case.replay_rounds)
     records = []
     for pas in passes:
-        plain = []  # (impl, its record, its plain-launch times), in the case's order
+        plain = []  # (impl, its record, its plain-launch times, its replay times or None), in the case's order
         for impl in case.impls:
             if pas not in impl.passes:
                 continue

@@ -83,8 +83,9 @@ leaves them out.
 
 * ``"ms"``: the step as a CUDA-graph replay (``"timer": "cuda_graph"``), the median of
   :data:`PLAIN_ROUNDS` replays timed in the same rounds as the plain launches, each right after
-  them (``"ms_replay_rounds"``; records stored before the replays were timed in rounds have one
-  replay and no such field), or plain launches where it could not be captured
+  them (``"ms_replay_rounds"``; of the rounds it finished, with ``"replay_rounds_error"``, where a
+  later replay failed; records stored before the replays were timed in rounds have one replay
+  and no such field), or plain launches where it could not be captured
   (``"timer": "do_bench"`` and the reason in ``"graph_error"``; megatron-core's RNG tracker, which saves and restores the CUDA generator's
   state around its attention dropout, is a likely one); ``"ms_eager"``: the step as plain launches, what an eager training step pays,
   the median of :data:`PLAIN_ROUNDS` timings with the implementations in turns (``"ms_plain_rounds"``);
