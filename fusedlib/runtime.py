@@ -85,6 +85,7 @@ __all__ = [
     "DeviceCheck",
     "check_errors",
     "reset_generators_after_failed_capture",
+    "restore_after_failed_capture",
     "collector_paused_for_capture",
     "optional_function_ok",
 ]
@@ -900,6 +901,44 @@ def reset_generators_after_failed_capture() -> None:
     """
     for gen in torch.cuda.default_generators:
         gen.graphsafe_set_state(gen.clone_state())
+
+
+@contextlib.contextmanager
+def restore_after_failed_capture(device: Optional[torch.device | str | int] = None) -> Iterator[None]:
+    """Around a CUDA graph capture (``torch.cuda.graph``, ``torch.cuda.make_graphed_callables``):
+    when the block raises, put back what a failed capture leaves behind, then let the error
+    through.
+
+    ``torch.cuda.graph``'s exit calls ``capture_end`` before it leaves its stream context; when
+    the capture failed (a host sync inside it, say), ``capture_end`` raises, the stream context
+    is never left, and the capture's side stream stays the current stream of the process: every
+    later operation runs on it, and code that launches on the device's default stream (the
+    legacy stream 0) is no longer ordered with the tensors' own work. The same failure leaves
+    the CUDA generators in capture mode (:func:`reset_generators_after_failed_capture`). On an
+    exception this sets ``device``'s current stream back to the one current when the block was
+    entered and resets the generators; on success it does nothing.
+
+    Args:
+        device: the CUDA device the capture runs on (None: the current device). Another
+            device type, or a process without CUDA: nothing is saved or restored.
+
+    Raises:
+        Whatever the block raises, after the restoring.
+
+    Source: PyTorch ``torch/cuda/graphs.py`` (``graph.__exit__``: ``capture_end``, then the
+    stream context's exit).
+    """
+    if isinstance(device, int):  # a CUDA device index, as torch.cuda's functions take
+        device = torch.device("cuda", device)
+    cuda = CUDA_AVAILABLE and (device is None or torch.device(device).type == "cuda")
+    stream = torch.cuda.current_stream(device) if cuda else None
+    try:
+        yield
+    except BaseException:
+        if cuda:
+            torch.cuda.set_stream(stream)
+            reset_generators_after_failed_capture()
+        raise
 
 
 #: How many :func:`collector_paused_for_capture` blocks are open (nested ones do nothing).

@@ -379,12 +379,16 @@ def test_measure_case_records_graph_and_plain_launch_times(monkeypatch):
 def test_a_failed_capture_leaves_random_numbers_working():
     # a baseline that syncs the host cannot be captured; the harness must leave the process's CUDA
     # generators usable for every later case (they stayed in capture mode, and every later
-    # random draw failed, before the reset)
+    # random draw failed, before the reset), and the stream that was current current again
+    # (torch.cuda.graph's exit raises before it leaves its stream context: every later case, and
+    # every later test of the worker, ran on the capture's side stream)
     from fusedlib.bench import core as bench_core
 
     x = torch.ones(64, device="cuda")
+    before = torch.cuda.current_stream()
     with pytest.raises(RuntimeError):
         bench_core.time_ms(lambda: x.sum().item(), warmup=1, rep=1, cuda_graph=True)
+    assert torch.cuda.current_stream().cuda_stream == before.cuda_stream
     y = torch.nn.functional.dropout(torch.randn(64, device="cuda"), 0.5)
     assert y.shape == (64,) and bool((y == 0).any())
     assert bench_core.time_ms(lambda: torch.rand(64, device="cuda"), warmup=1, rep=2, cuda_graph=True) > 0

@@ -456,14 +456,18 @@ class _SyncsTheHost(torch.nn.Module):
 
 @cuda_only
 def test_a_failed_capture_leaves_random_numbers_working():
-    """A layer that syncs the host makes the capture fail: the block raises, and the CUDA
-    generator is usable afterwards (a failed capture leaves it in capture mode, where every
-    later random draw fails): dropout draws, and another block captures with dropout on."""
+    """A layer that syncs the host makes the capture fail: the block raises, the caller's stream
+    is current again, and the CUDA generator is usable afterwards (a failed capture leaves it in
+    capture mode, where every later random draw fails): dropout draws, and another block
+    captures with dropout on."""
     _, graphed = pair()
     graphed.layers[1] = _SyncsTheHost()
     x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
+    before = torch.cuda.current_stream()
     with pytest.raises(RuntimeError, match="capturing the layers as CUDA graphs failed"):
         graphed(x, None)
+    # the caller's stream is current again (torch.cuda.graph's exit raised before leaving its own)
+    assert torch.cuda.current_stream().cuda_stream == before.cuda_stream
     y = F.dropout(torch.ones(256, device=DEVICE), 0.5)
     assert bool((y == 0).any()) and bool((y == 2).any())
     _, again = pair(hidden_dropout=0.1, attention_dropout=0.1)

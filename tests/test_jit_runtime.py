@@ -110,6 +110,46 @@ def test_triton_imported_before_fusedlib_gives_a_clear_error_on_a_cpu_only_machi
     assert out.startswith("has a GPU") or ("imported before fusedlib" in out and "Import fusedlib first" in out)
 
 
+def test_restore_after_failed_capture_puts_back_the_stream_and_the_generators(monkeypatch):
+    """torch.cuda.graph's exit raises from capture_end before it leaves its stream context, so a
+    failed capture leaves its side stream current (and the CUDA generators in capture mode). The
+    context manager makes the stream that was current when it was entered current again and
+    resets the generators, in that order, only when its block raises (a KeyboardInterrupt
+    included), and only for a CUDA device in a process with CUDA (stand-ins for torch.cuda's
+    stream functions here; the real failure: the GPU tests of the bench timer, the layers'
+    graphs and the trainer's whole-step graph)."""
+    import fusedlib.runtime as rt
+
+    events = []
+    monkeypatch.setattr(rt, "CUDA_AVAILABLE", True)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: events.append(("current", device)) or f"stream of {device}")
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: events.append(("set", stream)))
+    monkeypatch.setattr(rt, "reset_generators_after_failed_capture", lambda: events.append("reset"))
+    for exc in (RuntimeError("operation failed due to a previous error during capture"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)):
+            with rt.restore_after_failed_capture():
+                events.append("capture")
+                raise exc
+        assert events == [("current", None), "capture", ("set", "stream of None"), "reset"]
+        events.clear()
+    with rt.restore_after_failed_capture(1):  # a device index, as torch.cuda takes
+        events.append("capture")
+    assert events == [("current", torch.device("cuda", 1)), "capture"]  # success: nothing put back
+    events.clear()
+    with pytest.raises(RuntimeError, match="no stream restored"):
+        with rt.restore_after_failed_capture("cuda:0"):
+            raise RuntimeError("no stream restored? it is")
+    assert events == [("current", "cuda:0"), ("set", "stream of cuda:0"), "reset"]
+    events.clear()
+    for device, cuda in ((torch.device("cpu"), True), ("cpu", True), (None, False)):  # nothing to put back
+        monkeypatch.setattr(rt, "CUDA_AVAILABLE", cuda)
+        with pytest.raises(ValueError):
+            with rt.restore_after_failed_capture(device):
+                raise ValueError("a stand-in capture's failure")
+        assert events == []
+
+
 def test_collector_paused_for_capture_collects_first_and_restores_the_collector(monkeypatch):
     """A collection before the block, none inside it, the collector's state as it was after it
     (also when the block raises, a KeyboardInterrupt included, and when the caller had turned

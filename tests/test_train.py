@@ -2083,6 +2083,31 @@ def test_fused_layer_flag_and_bench_run():
 # The full-iteration CUDA graph (the whole step as one graph)
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_failed_full_iteration_capture_keeps_no_graph_and_leaves_the_stream_and_random_numbers():
+    """A step body that syncs the host runs its warm-up steps eagerly and cannot be captured:
+    the call raises, the caller's stream is current again (torch.cuda.graph's exit raises before
+    leaving its side stream), random draws work, and no graph is kept, so the next call tries
+    the capture again (and fails again) instead of replaying a graph that captured nothing."""
+    from fusedlib.train.loop import _FullIterationGraph
+
+    w = torch.ones(5, device="cuda")
+
+    def body(x, y):  # (the .item() is a host sync: refused inside a capture)
+        return (x.float() * w).sum() + float((y == 0).sum().item())
+
+    wrapper = _FullIterationGraph(body, warmup=1)
+    x = torch.randint(1, 9, (2, 5), device="cuda")
+    assert float(wrapper(x, x)) == float(x.sum())  # the warm-up step: eager, on a side stream
+    before = torch.cuda.current_stream()
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            wrapper(x, x)
+        assert wrapper.graph is None
+        assert torch.cuda.current_stream().cuda_stream == before.cuda_stream
+        assert torch.rand(8, device="cuda").unique().numel() == 8
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(full_iteration_graph=True, cuda_graph=True), "full_iteration_graph and cuda_graph exclude each other"),
     (dict(full_iteration_graph=True, compile=True, compile_mode="reduce-overhead"),

@@ -39,7 +39,8 @@ import torch
 import triton
 
 from ..kernels import launch as _launch
-from ..runtime import collector_paused_for_capture, reset_generators_after_failed_capture
+from ..runtime import (collector_paused_for_capture, reset_generators_after_failed_capture,  # noqa: F401
+                       restore_after_failed_capture)
 
 __all__ = [
     "Impl",
@@ -224,8 +225,10 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
         The median, in ms. do_bench flushes the L2 cache between calls.
 
     Raises:
-        RuntimeError: from ``torch.cuda.graph`` when ``fn`` cannot be captured; any
-            exception of ``fn`` itself, from the warm-up calls.
+        RuntimeError: from ``torch.cuda.graph`` when ``fn`` cannot be captured, after the
+            current stream and the CUDA generators are put back as they were
+            (:func:`fusedlib.runtime.restore_after_failed_capture`); any exception of ``fn``
+            itself, from the warm-up calls.
     """
     if not cuda_graph:
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
@@ -245,12 +248,9 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        try:
-            with collector_paused_for_capture(collect=False), torch.cuda.graph(graph):
-                call()
-        except Exception:
-            reset_generators_after_failed_capture()
-            raise
+        # a failed capture leaves its side stream current and the generators in capture mode
+        with restore_after_failed_capture(), collector_paused_for_capture(collect=False), torch.cuda.graph(graph):
+            call()
         return float(triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median"))
     finally:
         for t in leaves:

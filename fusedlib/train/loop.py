@@ -500,7 +500,10 @@ class _FullIterationGraph:
     the next replay). Torch's CUDA generator is registered with the graph by
     ``torch.cuda.graph``, so dropout draws new numbers at every replay. Python's garbage
     collector runs before the capture and stays off during it
-    (:func:`fusedlib.runtime.collector_paused_for_capture`).
+    (:func:`fusedlib.runtime.collector_paused_for_capture`). A capture that fails raises with
+    the caller's stream current again and the generators out of capture mode
+    (:func:`fusedlib.runtime.restore_after_failed_capture`), and keeps no graph: the next call
+    captures again.
 
     Source: PyTorch's CUDA semantics notes, "Whole-network capture"; Megatron-core
     ``megatron/core/full_cuda_graph.py`` (``FullCudaGraphWrapper``).
@@ -529,9 +532,13 @@ class _FullIterationGraph:
             self.static = (window[:, :-1], window[:, 1:])                   # two views of one window
             self._load(x, y)
             torch.cuda.synchronize(x.device)
-            self.graph = torch.cuda.CUDAGraph()
-            with runtime.collector_paused_for_capture(), torch.cuda.graph(self.graph):
+            graph = torch.cuda.CUDAGraph()
+            # a failed capture leaves its side stream current and the generators in capture mode:
+            # both put back before the error; and no graph is kept, so a later call captures again
+            with runtime.restore_after_failed_capture(x.device), runtime.collector_paused_for_capture(), \
+                    torch.cuda.graph(graph):
                 self.loss = self.body(*self.static)
+            self.graph = graph
         else:
             self._load(x, y)
         self.graph.replay()

@@ -69,8 +69,9 @@ What a graph fixes at capture, and what the manager does about it:
 * the device: a capture belongs to the current CUDA device, so the manager captures and
   replays with the hidden states' device current;
 * a failed capture leaves PyTorch's CUDA generators in capture mode, after which every random
-  draw of the process fails: the manager takes them out of it
-  (:func:`fusedlib.runtime.reset_generators_after_failed_capture`) before raising.
+  draw of the process fails, and the capture's side stream as the current stream: the manager
+  takes the generators out of capture mode and makes the caller's stream current again
+  (:func:`fusedlib.runtime.restore_after_failed_capture`) before raising.
 * Python's garbage collector: ``make_graphed_callables`` holds the graphs in an
   ``autograd.Function`` class it defines per call, and a class is part of a reference cycle,
   so an earlier capture's graphs are freed only by the cyclic collector, whenever it next
@@ -116,7 +117,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from ..runtime import collector_paused_for_capture, reset_generators_after_failed_capture
+from ..runtime import collector_paused_for_capture, restore_after_failed_capture
 from .transformer_layer import _norm
 
 __all__ = ["CudaGraphManager", "GRAPHABLE_KWARGS", "MAX_SIGNATURES"]
@@ -446,10 +447,11 @@ class CudaGraphManager:
         with collector_paused_for_capture(), \
                 torch.random.fork_rng(devices=[hidden_states.device] if hidden_states.is_cuda else []):
             try:
-                graphed = capture((call,), (sample,), num_warmup_iters=self.warmup_steps)
+                # a failed capture leaves its side stream current and the generators in capture
+                # mode (every later random draw would fail): both put back before the error
+                with restore_after_failed_capture(hidden_states.device):
+                    graphed = capture((call,), (sample,), num_warmup_iters=self.warmup_steps)
             except Exception as exc:  # a kernel that cannot be captured, out of memory...
-                if hidden_states.is_cuda:
-                    reset_generators_after_failed_capture()  # else every later random draw fails
                 raise RuntimeError(f"cuda_graph_impl='local': capturing the layers as CUDA graphs failed: "
                                    f"{type(exc).__name__}: {exc}") from exc
         self.captures += 1
