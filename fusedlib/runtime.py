@@ -906,37 +906,61 @@ def reset_generators_after_failed_capture() -> None:
 @contextlib.contextmanager
 def restore_after_failed_capture(device: Optional[torch.device | str | int] = None) -> Iterator[None]:
     """Around a CUDA graph capture (``torch.cuda.graph``, ``torch.cuda.make_graphed_callables``):
-    when the block raises, put back what a failed capture leaves behind, then let the error
-    through.
+    when the capture failed, make the caller's stream and device current again and take the CUDA
+    generators out of capture mode, then let the error through.
 
     ``torch.cuda.graph``'s exit calls ``capture_end`` before it leaves its stream context; when
     the capture failed (a host sync inside it, say), ``capture_end`` raises, the stream context
-    is never left, and the capture's side stream stays the current stream of the process: every
-    later operation runs on it, and code that launches on the device's default stream (the
-    legacy stream 0) is no longer ordered with the tensors' own work. The same failure leaves
-    the CUDA generators in capture mode (:func:`reset_generators_after_failed_capture`). On an
-    exception this sets ``device``'s current stream back to the one current when the block was
-    entered and resets the generators; on success it does nothing.
+    is never left, and the capture's side stream stays the calling thread's current stream (and
+    its device the current device): every later operation of the thread runs on it, and code
+    that launches on the device's legacy default stream (handle 0) is no longer ordered with
+    the tensors' own work (torch's side streams do not synchronize with it). The same failure
+    leaves the CUDA generators in capture mode, where every later random draw fails
+    (:func:`reset_generators_after_failed_capture`).
+
+    When the block raises and the current device, or the current stream of the current device or
+    of ``device``, is no longer what it was on entry (the mark of an exit that stopped at
+    ``capture_end``), this sets those streams and the device back and resets the generators. An
+    error that leaves them as they were (one in a warm-up call before the capture, or a Python
+    error inside a capture that still ended) is let through with nothing changed: resetting the
+    generators gives them a new state object, which graphs captured earlier no longer share.
+    On success it does nothing.
+
+    Not restored: a failed capture in PyTorch versions whose ``capture_end`` checks the capture's
+    error before it ends the allocator's routing to the graph's memory pool leaves the caching
+    allocator as if a capture were still under way (PyTorch's ``CUDAGraph::capture_end``; later
+    versions end the routing first); and a capture stream on a third device, neither the current
+    one nor ``device``.
 
     Args:
-        device: the CUDA device the capture runs on (None: the current device). Another
-            device type, or a process without CUDA: nothing is saved or restored.
+        device: the CUDA device the capture runs on, as a ``torch.device``, a str or an index
+            (None: the current device). Another device type, or a process without CUDA:
+            nothing is saved or restored.
 
     Raises:
-        Whatever the block raises, after the restoring.
+        Whatever the block raises, after the restoring; on entry, torch's errors for a device
+        that is not one (``torch.device``, ``torch.cuda.current_stream``).
 
     Source: PyTorch ``torch/cuda/graphs.py`` (``graph.__exit__``: ``capture_end``, then the
-    stream context's exit).
+    stream context's exit) and ``aten/src/ATen/cuda/CUDAGraph.cpp`` (``capture_end``).
     """
     if isinstance(device, int):  # a CUDA device index, as torch.cuda's functions take
         device = torch.device("cuda", device)
-    cuda = CUDA_AVAILABLE and (device is None or torch.device(device).type == "cuda")
-    stream = torch.cuda.current_stream(device) if cuda else None
+    if not (CUDA_AVAILABLE and (device is None or torch.device(device).type == "cuda")):
+        yield
+        return
+    index = torch.cuda.current_device()
+    saved = {index: torch.cuda.current_stream(index)}
+    other = None if device is None else torch.device(device).index
+    if other is not None and other != index:
+        saved[other] = torch.cuda.current_stream(other)
     try:
         yield
     except BaseException:
-        if cuda:
-            torch.cuda.set_stream(stream)
+        if torch.cuda.current_device() != index or any(torch.cuda.current_stream(i) != s for i, s in saved.items()):
+            for stream in saved.values():
+                torch.cuda.set_stream(stream)  # (it also makes the stream's device current)
+            torch.cuda.set_device(index)
             reset_generators_after_failed_capture()
         raise
 

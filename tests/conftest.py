@@ -206,6 +206,20 @@ def _collector_restored():
 
 
 @pytest.fixture(autouse=True)
+def _default_stream_restored():
+    """A test that fails a CUDA graph capture outside fusedlib's own capture paths
+    (``torch.cuda.graph``'s exit raises from ``capture_end`` before it leaves its stream context)
+    does not leave the capture's side stream current for the tests after it in the same worker:
+    the current device's default stream is made current again. Tests start on it, so the tests
+    of a failed capture can ask that their stream afterwards is the default one."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        default = torch.cuda.default_stream()
+        if torch.cuda.current_stream() != default:
+            torch.cuda.set_stream(default)
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_process_group():
     """A test that leaves a torch.distributed group (and megatron-core's parallel state on it)
     behind, e.g. a benchmark case that creates a one-rank group for a vocab-parallel baseline,

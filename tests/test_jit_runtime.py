@@ -112,37 +112,66 @@ def test_triton_imported_before_fusedlib_gives_a_clear_error_on_a_cpu_only_machi
 
 def test_restore_after_failed_capture_puts_back_the_stream_and_the_generators(monkeypatch):
     """torch.cuda.graph's exit raises from capture_end before it leaves its stream context, so a
-    failed capture leaves its side stream current (and the CUDA generators in capture mode). The
-    context manager makes the stream that was current when it was entered current again and
-    resets the generators, in that order, only when its block raises (a KeyboardInterrupt
-    included), and only for a CUDA device in a process with CUDA (stand-ins for torch.cuda's
-    stream functions here; the real failure: the GPU tests of the bench timer, the layers'
-    graphs and the trainer's whole-step graph)."""
+    failed capture leaves its side stream current, and its device (and the CUDA generators in
+    capture mode). When its block raises having changed the current device or the current stream
+    of the current device or of the device named, the context manager makes the streams and the
+    device of its entry current again and resets the generators (a KeyboardInterrupt included);
+    an error that changed neither (a warm-up call's) goes through untouched, success too, and
+    nothing is looked at for a CPU device or without CUDA. Stand-ins for torch.cuda's device and
+    stream functions here (a stream: (device, name)); the real failure: the GPU tests of the
+    bench timer, the layers' graphs and the trainer's whole-step graph."""
     import fusedlib.runtime as rt
 
+    state = {"device": 0, "streams": {0: (0, "s0"), 1: (1, "s1")}}
     events = []
+
+    def set_stream(stream):  # as torch.cuda.set_stream: the stream's device becomes current too
+        events.append(("set", stream))
+        state["streams"][stream[0]] = stream
+        state["device"] = stream[0]
+
+    def set_device(index):
+        events.append(("device", index))
+        state["device"] = index
+
+    def capture_fails_on(index):  # what a failed torch.cuda.graph exit leaves: its stream and device current
+        state["device"] = index
+        state["streams"][index] = (index, "capture")
+        raise RuntimeError("operation failed due to a previous error during capture")
+
     monkeypatch.setattr(rt, "CUDA_AVAILABLE", True)
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda device=None: events.append(("current", device)) or f"stream of {device}")
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: events.append(("set", stream)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["device"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: state["streams"][index])
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(rt, "reset_generators_after_failed_capture", lambda: events.append("reset"))
-    for exc in (RuntimeError("operation failed due to a previous error during capture"), KeyboardInterrupt()):
-        with pytest.raises(type(exc)):
-            with rt.restore_after_failed_capture():
-                events.append("capture")
-                raise exc
-        assert events == [("current", None), "capture", ("set", "stream of None"), "reset"]
+    start = {"device": 0, "streams": dict(state["streams"])}
+
+    with pytest.raises(RuntimeError, match="during capture"):
+        with rt.restore_after_failed_capture():
+            capture_fails_on(0)
+    assert state == start and events == [("set", (0, "s0")), ("device", 0), "reset"]
+    events.clear()
+    with pytest.raises(KeyboardInterrupt):
+        with rt.restore_after_failed_capture(0):
+            state["streams"][0] = (0, "capture")
+            raise KeyboardInterrupt
+    assert state == start and events == [("set", (0, "s0")), ("device", 0), "reset"]
+    events.clear()
+    for device in (1, "cuda:1", torch.device("cuda", 1)):  # the capture on another device than the current one
+        with pytest.raises(RuntimeError):
+            with rt.restore_after_failed_capture(device):
+                capture_fails_on(1)
+        assert state == start and events == [("set", (0, "s0")), ("set", (1, "s1")), ("device", 0), "reset"]
         events.clear()
-    with rt.restore_after_failed_capture(1):  # a device index, as torch.cuda takes
-        events.append("capture")
-    assert events == [("current", torch.device("cuda", 1)), "capture"]  # success: nothing put back
-    events.clear()
-    with pytest.raises(RuntimeError, match="no stream restored"):
-        with rt.restore_after_failed_capture("cuda:0"):
-            raise RuntimeError("no stream restored? it is")
-    assert events == [("current", "cuda:0"), ("set", "stream of cuda:0"), "reset"]
-    events.clear()
-    for device, cuda in ((torch.device("cpu"), True), ("cpu", True), (None, False)):  # nothing to put back
+    with pytest.raises(ValueError, match="warm-up"):  # nothing changed: nothing restored, no reset
+        with rt.restore_after_failed_capture():
+            raise ValueError("a warm-up call's error, before the capture")
+    with rt.restore_after_failed_capture():
+        pass
+    assert state == start and events == []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("looked at a CUDA device"))
+    for device, cuda in ((torch.device("cpu"), True), ("cpu", True), (None, False)):
         monkeypatch.setattr(rt, "CUDA_AVAILABLE", cuda)
         with pytest.raises(ValueError):
             with rt.restore_after_failed_capture(device):
