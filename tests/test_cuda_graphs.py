@@ -624,6 +624,27 @@ def test_bookkeeping_one_graph_pair_holds_the_layers_and_the_final_norm(seed):
     y.backward(g)
 
 
+def test_a_failed_capture_names_the_error_inside_it(seed):
+    """torch.cuda.graph's exit raises an error of its own when the capture failed ("operation
+    failed due to a previous error during capture"), with the layer's error (a host sync, say)
+    only as its context: the manager's message names both."""
+    def failing(calls, samples, num_warmup_iters=3):
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")  # the layer's
+        except RuntimeError:
+            raise RuntimeError("operation failed due to a previous error during capture")  # the exit's
+
+    _, managed = stand_in_pair()
+    managed.cudagraph_manager = CudaGraphManager(3, capture=failing)
+    x = torch.randn(S, B, H, device=DEVICE)
+    with pytest.raises(RuntimeError) as info:
+        step(managed, x, torch.randn(S, B, H, device=DEVICE), seed)
+    assert str(info.value) == (
+        "cuda_graph_impl='local': capturing the layers as CUDA graphs failed: RuntimeError: operation failed due to "
+        "a previous error during capture (inside the capture: RuntimeError: operation not permitted when stream is "
+        "capturing)")
+
+
 def test_bookkeeping_collects_garbage_before_a_capture_and_none_during_it(seed, monkeypatch):
     """An earlier capture's graphs are cyclic garbage (a graphed module's forward holds the
     module), freed whenever the collector runs: the manager collects before a capture and keeps
@@ -649,8 +670,9 @@ def test_bookkeeping_collects_garbage_before_a_capture_and_none_during_it(seed, 
     assert events == ["collect", ("capture", False)] and gc.isenabled()
     events.clear()
     managed.cudagraph_manager = CudaGraphManager(3, capture=failing)
-    with pytest.raises(RuntimeError, match="capturing the layers as CUDA graphs failed: MemoryError"):
+    with pytest.raises(RuntimeError, match="capturing the layers as CUDA graphs failed: MemoryError") as info:
         step(managed, x, g, seed)
+    assert "inside the capture" not in str(info.value)  # (no earlier error to name)
     assert events == ["collect", ("capture", False)] and gc.isenabled()
     events.clear()
     gc.disable()  # a caller's choice stays

@@ -452,7 +452,11 @@ class CudaGraphManager:
                 with restore_after_failed_capture(hidden_states.device):
                     graphed = capture((call,), (sample,), num_warmup_iters=self.warmup_steps)
             except Exception as exc:  # a kernel that cannot be captured, out of memory...
+                # a failed capture's exit raises its own error ("operation failed due to a previous
+                # error during capture"), the layer's (a host sync, say) only its context: name both
+                cause = exc.__context__
+                inside = f" (inside the capture: {type(cause).__name__}: {cause})" if cause is not None else ""
                 raise RuntimeError(f"cuda_graph_impl='local': capturing the layers as CUDA graphs failed: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                                   f"{type(exc).__name__}: {exc}{inside}") from exc
         self.captures += 1
         return graphed[0]
