@@ -944,16 +944,15 @@ def restore_after_failed_capture(device: Optional[torch.device | str | int] = No
     Source: PyTorch ``torch/cuda/graphs.py`` (``graph.__exit__``: ``capture_end``, then the
     stream context's exit) and ``aten/src/ATen/cuda/CUDAGraph.cpp`` (``capture_end``).
     """
-    if isinstance(device, int):  # a CUDA device index, as torch.cuda's functions take
-        device = torch.device("cuda", device)
-    if not (CUDA_AVAILABLE and (device is None or torch.device(device).type == "cuda")):
+    if device is not None:  # (an int is a CUDA device index, as torch.cuda's functions take it)
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if not (CUDA_AVAILABLE and (device is None or device.type == "cuda")):
         yield
         return
     index = torch.cuda.current_device()
     saved = {index: torch.cuda.current_stream(index)}
-    other = None if device is None else torch.device(device).index
-    if other is not None and other != index:
-        saved[other] = torch.cuda.current_stream(other)
+    if device is not None and device.index is not None and device.index != index:
+        saved[device.index] = torch.cuda.current_stream(device.index)
     try:
         yield
     except BaseException:

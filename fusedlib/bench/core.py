@@ -39,14 +39,12 @@ import torch
 import triton
 
 from ..kernels import launch as _launch
-from ..runtime import (collector_paused_for_capture, reset_generators_after_failed_capture,  # noqa: F401
-                       restore_after_failed_capture)
+from ..runtime import collector_paused_for_capture, restore_after_failed_capture
 
 __all__ = [
     "Impl",
     "BenchCase",
     "time_ms",
-    "reset_generators_after_failed_capture",
     "measure_case",
     "copy_record",
     "matmul_record",
