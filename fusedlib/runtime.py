@@ -86,6 +86,7 @@ __all__ = [
     "check_errors",
     "reset_generators_after_failed_capture",
     "restore_after_failed_capture",
+    "end_pool_of_failed_capture",
     "collector_paused_for_capture",
     "optional_function_ok",
 ]
@@ -903,11 +904,50 @@ def reset_generators_after_failed_capture() -> None:
         gen.graphsafe_set_state(gen.clone_state())
 
 
+def end_pool_of_failed_capture(index: int, pool: tuple[int, int]) -> bool:
+    """End the caching allocator's routing to a failed capture's memory pool and release the pool,
+    when the capture's exit did not.
+
+    ``CUDAGraph::capture_begin`` starts the allocator's routing to the graph's pool
+    (``beginAllocateToPool``, which also takes a reference to the pool), and ``capture_end`` ends
+    it, but only after ``cudaStreamEndCapture`` succeeded (PyTorch 2.11 as measured on an H100):
+    after a failed capture the allocator stays as if a capture were under way, and
+    ``torch.cuda.empty_cache()`` returns no memory to the driver for the rest of the process (a
+    1 GiB tensor freed after a failed capture stayed reserved: 1030 MiB); and ``reset()``
+    releases the pool only after a capture that ended, so what the capture allocated stays in a
+    pool nothing uses. This calls the two allocator functions ``capture_end`` did not reach
+    (the same ones ``torch.cuda.use_mem_pool`` calls on exit). When the routing had already
+    ended (a version that ends it first, or a pool no capture used), the allocator refuses, and
+    nothing is released: that capture's exit owns the pool's reference.
+
+    Args:
+        index: the CUDA device index the capture ran on.
+        pool: the memory pool handle the capture was given (``torch.cuda.graph(..., pool=pool)``,
+            ``torch.cuda.make_graphed_callables(..., pool=pool)``).
+
+    Returns:
+        True when the routing was ended here and the pool released; False when the allocator had
+        no routing to ``pool`` (nothing changed).
+
+    Source: PyTorch ``aten/src/ATen/cuda/CUDAGraph.cpp`` (``capture_begin``, ``capture_end``,
+    ``reset``), ``c10/cuda/CUDACachingAllocator.cpp`` (``endAllocateToPool``, ``releasePool``)
+    and ``torch/cuda/memory.py`` (``use_mem_pool``).
+    """
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:  # ("endAllocatePool: not currently recording to mempool_id")
+        return False
+    torch._C._cuda_releasePool(index, pool)
+    return True
+
+
 @contextlib.contextmanager
-def restore_after_failed_capture(device: Optional[torch.device | str | int] = None) -> Iterator[None]:
+def restore_after_failed_capture(
+        device: Optional[torch.device | str | int] = None) -> Iterator[Optional[tuple[int, int]]]:
     """Around a CUDA graph capture (``torch.cuda.graph``, ``torch.cuda.make_graphed_callables``):
-    when the capture failed, make the caller's stream and device current again and take the CUDA
-    generators out of capture mode, then let the error through.
+    when the capture failed, make the caller's stream and device current again, end the
+    allocator's routing to the capture's memory pool and take the CUDA generators out of
+    capture mode, then let the error through.
 
     ``torch.cuda.graph``'s exit calls ``capture_end`` before it leaves its stream context; when
     the capture failed (a host sync inside it, say), ``capture_end`` raises, the stream context
@@ -915,27 +955,33 @@ def restore_after_failed_capture(device: Optional[torch.device | str | int] = No
     its device the current device): every later operation of the thread runs on it, and code
     that launches on the device's legacy default stream (handle 0) is no longer ordered with
     the tensors' own work (torch's side streams do not synchronize with it). The same failure
-    leaves the CUDA generators in capture mode, where every later random draw fails
-    (:func:`reset_generators_after_failed_capture`).
+    leaves the caching allocator routing to the capture's pool
+    (:func:`end_pool_of_failed_capture`) and the CUDA generators in capture mode, where every
+    later random draw fails (:func:`reset_generators_after_failed_capture`).
 
-    When the block raises and the current device, or the current stream of the current device or
-    of ``device``, is no longer what it was on entry (the mark of an exit that stopped at
-    ``capture_end``), this sets those streams and the device back and resets the generators. An
-    error that leaves them as they were (one in a warm-up call before the capture, or a Python
-    error inside a capture that still ended) is let through with nothing changed: resetting the
-    generators gives them a new state object, which graphs captured earlier no longer share.
-    On success it does nothing.
+    The block is given a new memory pool handle (``torch.cuda.graph_pool_handle()``; None
+    without CUDA) to pass to the capture as its ``pool``, so that the pool can be named after
+    a failure. When the block raises and the current device, or the current stream of the
+    current device or of ``device``, is no longer what it was on entry (the mark of an exit that
+    stopped at ``capture_end``), this sets those streams and the device back, ends the routing
+    to that pool and resets the generators. An error that leaves them as they were (one in a
+    warm-up call before the capture, or a Python error inside a capture that still ended) is let
+    through with nothing changed: resetting the generators gives them a new state object, which
+    graphs captured earlier no longer share. On success it does nothing.
 
-    Not restored: a failed capture in PyTorch versions whose ``capture_end`` checks the capture's
-    error before it ends the allocator's routing to the graph's memory pool leaves the caching
-    allocator as if a capture were still under way (PyTorch's ``CUDAGraph::capture_end``; later
-    versions end the routing first); and a capture stream on a third device, neither the current
-    one nor ``device``.
+    Not restored: the pinned host allocator's routing, which ``capture_end`` ends next to the
+    device allocator's (PyTorch has no Python call for it; it routes only the failed capture's
+    own stream, which captures no more); a pool other than the one given; and a capture
+    stream on a third device, neither the current one nor ``device``.
 
     Args:
         device: the CUDA device the capture runs on, as a ``torch.device``, a str or an index
             (None: the current device). Another device type, or a process without CUDA:
-            nothing is saved or restored.
+            nothing is saved or restored, and the block gets None.
+
+    Yields:
+        The memory pool handle for the capture (a ``(int, int)`` tuple), or None (no CUDA, or
+        another device type).
 
     Raises:
         Whatever the block raises, after the restoring; on entry, torch's errors for a device
@@ -947,19 +993,22 @@ def restore_after_failed_capture(device: Optional[torch.device | str | int] = No
     if device is not None:  # (an int is a CUDA device index, as torch.cuda's functions take it)
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if not (CUDA_AVAILABLE and (device is None or device.type == "cuda")):
-        yield
+        yield None
         return
     index = torch.cuda.current_device()
     saved = {index: torch.cuda.current_stream(index)}
     if device is not None and device.index is not None and device.index != index:
         saved[device.index] = torch.cuda.current_stream(device.index)
+    capture_index = index if device is None or device.index is None else device.index
+    pool = torch.cuda.graph_pool_handle()
     try:
-        yield
+        yield pool
     except BaseException:
         if torch.cuda.current_device() != index or any(torch.cuda.current_stream(i) != s for i, s in saved.items()):
             for stream in saved.values():
                 torch.cuda.set_stream(stream)  # (it also makes the stream's device current)
             torch.cuda.set_device(index)
+            end_pool_of_failed_capture(capture_index, pool)
             reset_generators_after_failed_capture()
         raise
 

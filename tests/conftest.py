@@ -80,6 +80,21 @@ def assert_close(actual: torch.Tensor, expected64: torch.Tensor, dtype: torch.dt
     torch.testing.assert_close(actual.double().cpu(), expected64.double().cpu(), atol=atol * scale, rtol=rtol)
 
 
+def empty_cache_frees(nbytes: int = 1 << 29) -> bool:
+    """Whether ``torch.cuda.empty_cache()`` gives a freed tensor's memory back to the driver (CUDA
+    only): a tensor of ``nbytes`` is allocated and freed, and the reserved bytes must fall by at
+    least ``nbytes``. A failed capture whose allocator routing to its memory pool was left on makes
+    the allocator act as if a capture were under way, and ``empty_cache`` then frees nothing."""
+    torch.cuda.synchronize()
+    gc.collect()  # (a caught capture error's traceback holds frames in a cycle)
+    torch.cuda.empty_cache()
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    reserved = torch.cuda.memory_reserved()
+    del x
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved() <= reserved - nbytes
+
+
 #: Environment variable that shifts every test's seed (the option ``--seed-offset`` wins).
 SEED_ENV = "FUSEDLIB_TEST_SEED"
 

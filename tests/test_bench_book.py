@@ -382,13 +382,31 @@ def test_a_failed_capture_leaves_random_numbers_working():
     # random draw failed, before the reset), and the stream that was current current again
     # (torch.cuda.graph's exit raises before it leaves its stream context: every later case, and
     # every later test of the worker, ran on the capture's side stream)
+    # (and the allocator no longer routing to the capture's pool: empty_cache frees memory again,
+    # what the capture allocated included)
+    import gc
+
+    from conftest import empty_cache_frees
     from fusedlib.bench import core as bench_core
 
     x = torch.ones(64, device="cuda")
+    big = 1 << 29
+
+    def syncs():  # allocates 512 MiB (inside the capture: from the capture's pool), then syncs the host
+        return torch.empty(big, dtype=torch.uint8, device="cuda")[:64].sum().item() + x.sum().item()
+
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # (conftest: every test starts on it)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
     with pytest.raises(RuntimeError):
-        bench_core.time_ms(lambda: x.sum().item(), warmup=1, rep=1, cuda_graph=True)
+        bench_core.time_ms(syncs, warmup=1, rep=1, cuda_graph=True)
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.cuda.synchronize()
+    gc.collect()  # (the error's traceback held the capture's tensor in a cycle of frames)
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() < reserved + big // 2, (reserved, torch.cuda.memory_reserved())
+    assert empty_cache_frees()
     y = torch.nn.functional.dropout(torch.randn(64, device="cuda"), 0.5)
     assert y.shape == (64,) and bool((y == 0).any())
     assert bench_core.time_ms(lambda: torch.rand(64, device="cuda"), warmup=1, rep=2, cuda_graph=True) > 0

@@ -26,7 +26,7 @@ from fusedlib.transformer import TransformerConfig
 from fusedlib.transformer.enums import AttnBackend
 from fusedlib.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
-from conftest import DEVICE  # noqa: I001
+from conftest import DEVICE, empty_cache_frees  # noqa: I001
 
 S, B, H, NP, FFN = 9, 3, 24, 4, 40  # odd sizes
 FUSIONS_ON = dict(bias_activation_fusion=True, masked_softmax_fusion=True, bias_dropout_fusion=True,
@@ -457,7 +457,7 @@ class _SyncsTheHost(torch.nn.Module):
 @cuda_only
 def test_a_failed_capture_leaves_random_numbers_working():
     """A layer that syncs the host makes the capture fail: the block raises, the caller's stream
-    is current again, and the CUDA generator is usable afterwards (a failed capture leaves it in
+    is current again, the caching allocator frees memory again, and the CUDA generator is usable afterwards (a failed capture leaves it in
     capture mode, where every later random draw fails): dropout draws, and another block
     captures with dropout on."""
     _, graphed = pair()
@@ -466,8 +466,10 @@ def test_a_failed_capture_leaves_random_numbers_working():
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # (conftest: every test starts on it)
     with pytest.raises(RuntimeError, match="capturing the layers as CUDA graphs failed"):
         graphed(x, None)
-    # the caller's stream is current again (torch.cuda.graph's exit raised before leaving its own)
+    # the caller's stream is current again (torch.cuda.graph's exit raised before leaving its own),
+    # and the allocator no longer routes to the capture's pool (empty_cache frees memory)
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert empty_cache_frees()
     y = F.dropout(torch.ones(256, device=DEVICE), 0.5)
     assert bool((y == 0).any()) and bool((y == 2).any())
     _, again = pair(hidden_dropout=0.1, attention_dropout=0.1)
@@ -517,7 +519,7 @@ def test_the_caller_s_tensors_are_not_the_capture_s_sample_inputs(seed):
 # checks, guards and hooks run on any device (the unfused spec: torch's kernels, quick on a CPU).
 
 
-def _eager_stand_in(calls, samples, num_warmup_iters=3):
+def _eager_stand_in(calls, samples, num_warmup_iters=3, pool=None):
     return tuple(_replaying(call) for call in calls)
 
 
@@ -609,7 +611,7 @@ def test_bookkeeping_one_graph_pair_holds_the_layers_and_the_final_norm(seed):
     a new tensor each step, not the replayed buffer."""
     seen = []
 
-    def recording(calls, samples, num_warmup_iters=3):
+    def recording(calls, samples, num_warmup_iters=3, pool=None):
         seen.append((len(calls), len(samples), {id(p) for p in calls[0].parameters()}))
         return _eager_stand_in(calls, samples, num_warmup_iters)
 
@@ -628,7 +630,7 @@ def test_a_failed_capture_names_the_error_inside_it(seed):
     """torch.cuda.graph's exit raises an error of its own when the capture failed ("operation
     failed due to a previous error during capture"), with the layer's error (a host sync, say)
     only as its context: the manager's message names both."""
-    def failing(calls, samples, num_warmup_iters=3):
+    def failing(calls, samples, num_warmup_iters=3, pool=None):
         try:
             raise RuntimeError("operation not permitted when stream is capturing")  # the layer's
         except RuntimeError:
@@ -653,11 +655,11 @@ def test_bookkeeping_collects_garbage_before_a_capture_and_none_during_it(seed, 
     collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: events.append("collect") or collect(*a))
 
-    def recording(calls, samples, num_warmup_iters=3):
+    def recording(calls, samples, num_warmup_iters=3, pool=None):
         events.append(("capture", gc.isenabled()))
         return _eager_stand_in(calls, samples, num_warmup_iters)
 
-    def failing(calls, samples, num_warmup_iters=3):
+    def failing(calls, samples, num_warmup_iters=3, pool=None):
         events.append(("capture", gc.isenabled()))
         raise MemoryError("a capture that fails")
 

@@ -115,7 +115,8 @@ def test_restore_after_failed_capture_puts_back_the_stream_and_the_generators(mo
     failed capture leaves its side stream current, and its device (and the CUDA generators in
     capture mode). When its block raises having changed the current device or the current stream
     of the current device or of the device named, the context manager makes the streams and the
-    device of its entry current again and resets the generators (a KeyboardInterrupt included);
+    device of its entry current again, ends the allocator's routing to the pool it handed the
+    block (on the capture's device) and resets the generators (a KeyboardInterrupt included);
     an error that changed neither (a warm-up call's) goes through untouched, success too, and
     nothing is looked at for a CPU device or without CUDA. Stand-ins for torch.cuda's device and
     stream functions here (a stream: (device, name)); the real failure: the GPU tests of the
@@ -145,38 +146,77 @@ def test_restore_after_failed_capture_puts_back_the_stream_and_the_generators(mo
     monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(rt, "reset_generators_after_failed_capture", lambda: events.append("reset"))
+    pools = iter(range(1, 100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(pools)))
+    monkeypatch.setattr(rt, "end_pool_of_failed_capture", lambda index, pool: events.append(("end", index, pool)))
     start = {"device": 0, "streams": dict(state["streams"])}
 
     with pytest.raises(RuntimeError, match="during capture"):
-        with rt.restore_after_failed_capture():
+        with rt.restore_after_failed_capture() as pool:
+            assert pool == (0, 1)
             capture_fails_on(0)
-    assert state == start and events == [("set", (0, "s0")), ("device", 0), "reset"]
+    assert state == start and events == [("set", (0, "s0")), ("device", 0), ("end", 0, (0, 1)), "reset"]
     events.clear()
     with pytest.raises(KeyboardInterrupt):
-        with rt.restore_after_failed_capture(0):
+        with rt.restore_after_failed_capture(0) as pool:
             state["streams"][0] = (0, "capture")
             raise KeyboardInterrupt
-    assert state == start and events == [("set", (0, "s0")), ("device", 0), "reset"]
+    assert state == start and events == [("set", (0, "s0")), ("device", 0), ("end", 0, pool), "reset"]
     events.clear()
     for device in (1, "cuda:1", torch.device("cuda", 1)):  # the capture on another device than the current one
         with pytest.raises(RuntimeError):
-            with rt.restore_after_failed_capture(device):
+            with rt.restore_after_failed_capture(device) as pool:
                 capture_fails_on(1)
-        assert state == start and events == [("set", (0, "s0")), ("set", (1, "s1")), ("device", 0), "reset"]
+        assert state == start and events == [("set", (0, "s0")), ("set", (1, "s1")), ("device", 0),
+                                             ("end", 1, pool), "reset"]
         events.clear()
+    with pytest.raises(RuntimeError):  # "cuda" without an index: the current device's capture
+        with rt.restore_after_failed_capture("cuda") as pool:
+            capture_fails_on(0)
+    assert state == start and events == [("set", (0, "s0")), ("device", 0), ("end", 0, pool), "reset"]
+    events.clear()
     with pytest.raises(ValueError, match="warm-up"):  # nothing changed: nothing restored, no reset
         with rt.restore_after_failed_capture():
             raise ValueError("a warm-up call's error, before the capture")
-    with rt.restore_after_failed_capture():
-        pass
+    with rt.restore_after_failed_capture() as pool:
+        assert pool is not None
     assert state == start and events == []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("looked at a CUDA device"))
     for device, cuda in ((torch.device("cpu"), True), ("cpu", True), (None, False)):
         monkeypatch.setattr(rt, "CUDA_AVAILABLE", cuda)
         with pytest.raises(ValueError):
-            with rt.restore_after_failed_capture(device):
+            with rt.restore_after_failed_capture(device) as pool:
+                assert pool is None
                 raise ValueError("a stand-in capture's failure")
         assert events == []
+
+
+def test_end_pool_of_failed_capture_ends_the_routing_and_releases_the_pool_only_when_it_was_left_on(monkeypatch):
+    """After a capture whose exit stopped before ending the allocator's routing to its pool, the
+    routing is ended and the pool's reference (taken when the capture began) released, on the
+    device named; when the allocator has no routing to the pool (the exit ended it, or no capture
+    used the pool) it refuses, and nothing is released. Stand-ins for torch's allocator calls
+    here; the real failure: the GPU tests of the bench timer, the layers' graphs and the
+    trainer's whole-step graph, which ask that empty_cache frees memory afterwards."""
+    import fusedlib.runtime as rt
+
+    routing, calls = {(1, (0, 7))}, []
+
+    def end(index, pool):
+        calls.append(("end", index, pool))
+        if (index, pool) not in routing:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        routing.discard((index, pool))
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda index, pool: calls.append(("release", index, pool)),
+                        raising=False)
+    assert rt.end_pool_of_failed_capture(1, (0, 7)) is True
+    assert calls == [("end", 1, (0, 7)), ("release", 1, (0, 7))] and not routing
+    calls.clear()
+    assert rt.end_pool_of_failed_capture(1, (0, 7)) is False  # (ended already: the exit's reference)
+    assert rt.end_pool_of_failed_capture(0, (0, 8)) is False
+    assert calls == [("end", 1, (0, 7)), ("end", 0, (0, 8))]
 
 
 def test_collector_paused_for_capture_collects_first_and_restores_the_collector(monkeypatch):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICE, deterministic_sdpa
+from conftest import DEVICE, deterministic_sdpa, empty_cache_frees
 from fusedlib.train import (PlainGPT, TrainConfig, Trainer, build_model, decode, encode, get_batch, load_corpus,
                             plain_state_dict_from_gpt, sample)
 from fusedlib.train import __main__ as cli
@@ -2087,7 +2087,7 @@ def test_fused_layer_flag_and_bench_run():
 def test_a_failed_full_iteration_capture_keeps_no_graph_and_leaves_the_stream_and_random_numbers():
     """A step body that syncs the host runs its warm-up steps eagerly and cannot be captured:
     the call raises, the caller's stream is current again (torch.cuda.graph's exit raises before
-    leaving its side stream), random draws work, and no graph is kept, so the next call tries
+    leaving its side stream), the caching allocator frees memory again, random draws work, and no graph is kept, so the next call tries
     the capture again (and fails again) instead of replaying a graph that captured nothing."""
     from fusedlib.train.loop import _FullIterationGraph
 
@@ -2105,6 +2105,7 @@ def test_a_failed_full_iteration_capture_keeps_no_graph_and_leaves_the_stream_an
             wrapper(x, x)
         assert wrapper.graph is None
         assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        assert empty_cache_frees()  # (the allocator no longer routes to the capture's pool)
         assert torch.rand(8, device="cuda").unique().numel() == 8
 
 

@@ -224,8 +224,8 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
 
     Raises:
         RuntimeError: from ``torch.cuda.graph`` when ``fn`` cannot be captured, after the
-            current stream and the CUDA generators are put back as they were
-            (:func:`fusedlib.runtime.restore_after_failed_capture`); any exception of ``fn``
+            current stream, the caching allocator and the CUDA generators are put back as they
+            were (:func:`fusedlib.runtime.restore_after_failed_capture`); any exception of ``fn``
             itself, from the warm-up calls.
     """
     if not cuda_graph:
@@ -246,8 +246,10 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        # a failed capture leaves its side stream current and the generators in capture mode
-        with restore_after_failed_capture(), collector_paused_for_capture(collect=False), torch.cuda.graph(graph):
+        # a failed capture leaves its side stream current, the allocator routing to its pool and
+        # the generators in capture mode: all put back before the error
+        with restore_after_failed_capture() as pool, collector_paused_for_capture(collect=False), \
+                torch.cuda.graph(graph, pool=pool):
             call()
         return float(triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median"))
     finally:

@@ -501,8 +501,9 @@ class _FullIterationGraph:
     ``torch.cuda.graph``, so dropout draws new numbers at every replay. Python's garbage
     collector runs before the capture and stays off during it
     (:func:`fusedlib.runtime.collector_paused_for_capture`). A capture that fails raises with
-    the caller's stream current again and the generators out of capture mode
-    (:func:`fusedlib.runtime.restore_after_failed_capture`), and keeps no graph: the next call
+    the caller's stream current again, the allocator's routing to the capture's pool ended and
+    the generators out of capture mode (:func:`fusedlib.runtime.restore_after_failed_capture`),
+    and keeps no graph: the next call
     captures again.
 
     Source: PyTorch's CUDA semantics notes, "Whole-network capture"; Megatron-core
@@ -533,10 +534,11 @@ class _FullIterationGraph:
             self._load(x, y)
             torch.cuda.synchronize(x.device)
             graph = torch.cuda.CUDAGraph()
-            # a failed capture leaves its side stream current and the generators in capture mode:
-            # both put back before the error; and no graph is kept, so a later call captures again
-            with runtime.restore_after_failed_capture(x.device), runtime.collector_paused_for_capture(), \
-                    torch.cuda.graph(graph):
+            # a failed capture leaves its side stream current, the allocator routing to its pool
+            # and the generators in capture mode: all put back before the error; and no graph is
+            # kept, so a later call captures again
+            with runtime.restore_after_failed_capture(x.device) as pool, runtime.collector_paused_for_capture(), \
+                    torch.cuda.graph(graph, pool=pool):
                 self.loss = self.body(*self.static)
             self.graph = graph
         else:

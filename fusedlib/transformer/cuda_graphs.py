@@ -69,8 +69,10 @@ What a graph fixes at capture, and what the manager does about it:
 * the device: a capture belongs to the current CUDA device, so the manager captures and
   replays with the hidden states' device current;
 * a failed capture leaves PyTorch's CUDA generators in capture mode, after which every random
-  draw of the process fails, and the capture's side stream as the current stream: the manager
-  takes the generators out of capture mode and makes the caller's stream current again
+  draw of the process fails, the capture's side stream as the current stream, and the caching
+  allocator routing to the capture's memory pool (``empty_cache`` then frees nothing): the
+  manager takes the generators out of capture mode, makes the caller's stream current again
+  and ends the routing
   (:func:`fusedlib.runtime.restore_after_failed_capture`) before raising.
 * Python's garbage collector: ``make_graphed_callables`` holds the graphs in an
   ``autograd.Function`` class it defines per call, and a class is part of a reference cycle,
@@ -284,8 +286,8 @@ class CudaGraphManager:
     Args:
         warmup_steps: eager iterations ``make_graphed_callables`` runs on a side stream before
             each capture (``config.cuda_graph_warmup_steps``; >= 1).
-        capture: a stand-in for ``torch.cuda.make_graphed_callables`` (same arguments, same
-            kind of result), None for the real one. With a stand-in the manager runs on any
+        capture: a stand-in for ``torch.cuda.make_graphed_callables`` (same arguments, the
+            ``pool`` keyword included; same kind of result), None for the real one. With a stand-in the manager runs on any
             device: the tests check its bookkeeping on a CPU with one that replays eagerly.
 
     Call :meth:`run` from the block's forward; :meth:`reset` drops every captured graph.
@@ -447,10 +449,11 @@ class CudaGraphManager:
         with collector_paused_for_capture(), \
                 torch.random.fork_rng(devices=[hidden_states.device] if hidden_states.is_cuda else []):
             try:
-                # a failed capture leaves its side stream current and the generators in capture
-                # mode (every later random draw would fail): both put back before the error
-                with restore_after_failed_capture(hidden_states.device):
-                    graphed = capture((call,), (sample,), num_warmup_iters=self.warmup_steps)
+                # a failed capture leaves its side stream current, the allocator routing to its
+                # pool and the generators in capture mode (every later random draw would fail):
+                # all put back before the error
+                with restore_after_failed_capture(hidden_states.device) as pool:
+                    graphed = capture((call,), (sample,), num_warmup_iters=self.warmup_steps, pool=pool)
             except Exception as exc:  # a kernel that cannot be captured, out of memory...
                 # a failed capture's exit raises its own error ("operation failed due to a previous
                 # error during capture"), the layer's (a host sync, say) only its context: name both
