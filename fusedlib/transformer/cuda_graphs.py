@@ -363,7 +363,9 @@ class CudaGraphManager:
             RuntimeError: a second graphed forward while the first one's autograd graph is
                 alive and its backward has not started; (in the backward) a backward of an
                 earlier forward than the latest one (``retain_graph``); the capture failed
-                (with PyTorch's reason; the CUDA generators are taken out of capture mode).
+                (with PyTorch's reason; the caller's stream is current again, the allocator's
+                routing to the capture's pool is ended and the CUDA generators are taken out of
+                capture mode).
         """
         if self._capture_fn is None and not hidden_states.is_cuda:
             raise ValueError("cuda_graph_impl='local' captures CUDA graphs: hidden_states must be on a CUDA device, "
