@@ -57,6 +57,7 @@ import gc
 import logging
 import os
 import sys
+import warnings
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -905,20 +906,25 @@ def reset_generators_after_failed_capture() -> None:
 
 
 def end_pool_of_failed_capture(index: int, pool: tuple[int, int]) -> bool:
-    """End the caching allocator's routing to a failed capture's memory pool and release the pool,
-    when the capture's exit did not.
+    """End the caching allocator's routing to a failed capture's memory pool and release the
+    pool's reference that the capture took, when the capture's exit did neither.
 
     ``CUDAGraph::capture_begin`` starts the allocator's routing to the graph's pool
-    (``beginAllocateToPool``, which also takes a reference to the pool), and ``capture_end`` ends
-    it, but only after ``cudaStreamEndCapture`` succeeded (PyTorch 2.11 as measured on an H100):
-    after a failed capture the allocator stays as if a capture were under way, and
-    ``torch.cuda.empty_cache()`` returns no memory to the driver for the rest of the process (a
-    1 GiB tensor freed after a failed capture stayed reserved: 1030 MiB); and ``reset()``
-    releases the pool only after a capture that ended, so what the capture allocated stays in a
-    pool nothing uses. This calls the two allocator functions ``capture_end`` did not reach
-    (the same ones ``torch.cuda.use_mem_pool`` calls on exit). When the routing had already
-    ended (a version that ends it first, or a pool no capture used), the allocator refuses, and
-    nothing is released: that capture's exit owns the pool's reference.
+    (``beginAllocateToPool``, which also takes a reference to the pool); ``capture_end`` ends the
+    routing only after ``cudaStreamEndCapture`` succeeded, and ``reset()`` (the graph's
+    destructor) releases the reference only after a capture that ended. After a capture that
+    failed there (PyTorch 2.11, measured on an H100), the allocator stays as if a capture were
+    under way: ``torch.cuda.empty_cache()`` returns none of the default pools' cached memory to
+    the driver (a 1 GiB tensor freed after a failed capture stayed reserved: 1030 MiB), and
+    ``malloc`` neither processes pending events nor frees the cache and retries when memory runs
+    out; and what the capture allocated stays in a pool nothing releases. This ends the routing
+    and releases that reference (the two calls ``torch.cuda.use_mem_pool`` makes on exit).
+
+    When the allocator has no routing to ``pool`` (the capture's exit ended it, or no capture
+    began with it) it refuses, and nothing is released: a capture whose exit ended the routing
+    and then failed without marking the capture ended (in PyTorch 2.11, a failure after
+    ``endAllocateToPool`` in ``capture_end``) leaves its reference unreleased, and its memory
+    with it. Pool handles are never reused, so the refusal is harmless.
 
     Args:
         index: the CUDA device index the capture ran on.
@@ -926,17 +932,29 @@ def end_pool_of_failed_capture(index: int, pool: tuple[int, int]) -> bool:
             ``torch.cuda.make_graphed_callables(..., pool=pool)``).
 
     Returns:
-        True when the routing was ended here and the pool released; False when the allocator had
-        no routing to ``pool`` (nothing changed).
+        True when the routing was ended here and the reference released; False when the
+        allocator had no routing to ``pool``, or this PyTorch has no Python call to end it
+        (nothing changed).
+
+    Raises:
+        RuntimeError: from the allocator, other than its refusal of a pool it does not route to
+            (an internal assertion).
 
     Source: PyTorch ``aten/src/ATen/cuda/CUDAGraph.cpp`` (``capture_begin``, ``capture_end``,
     ``reset``), ``c10/cuda/CUDACachingAllocator.cpp`` (``endAllocateToPool``, ``releasePool``)
-    and ``torch/cuda/memory.py`` (``use_mem_pool``).
+    and ``torch/cuda/memory.py`` (``use_mem_pool``; the call is
+    ``_cuda_endAllocateCurrentStreamToPool`` before PyTorch 2.8).
     """
-    try:
-        torch._C._cuda_endAllocateToPool(index, pool)
-    except RuntimeError:  # ("endAllocatePool: not currently recording to mempool_id")
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(
+        torch._C, "_cuda_endAllocateCurrentStreamToPool", None)
+    if end is None:
         return False
+    try:
+        end(index, pool)
+    except RuntimeError as exc:
+        if "not currently recording" in str(exc):  # ("endAllocatePool: not currently recording to mempool_id")
+            return False
+        raise
     torch._C._cuda_releasePool(index, pool)
     return True
 
@@ -961,18 +979,28 @@ def restore_after_failed_capture(
 
     The block is given a new memory pool handle (``torch.cuda.graph_pool_handle()``; None
     without CUDA) to pass to the capture as its ``pool``, so that the pool can be named after
-    a failure. When the block raises and the current device, or the current stream of the
-    current device or of ``device``, is no longer what it was on entry (the mark of an exit that
-    stopped at ``capture_end``), this sets those streams and the device back, ends the routing
-    to that pool and resets the generators. An error that leaves them as they were (one in a
-    warm-up call before the capture, or a Python error inside a capture that still ended) is let
-    through with nothing changed: resetting the generators gives them a new state object, which
-    graphs captured earlier no longer share. On success it does nothing.
+    a failure. When the block raises:
 
-    Not restored: the pinned host allocator's routing, which ``capture_end`` ends next to the
-    device allocator's (PyTorch has no Python call for it; it routes only the failed capture's
-    own stream, which captures no more); a pool other than the one given; and a capture
-    stream on a third device, neither the current one nor ``device``.
+    * the routing to that pool is ended, on the device current when the error arrives (a failed
+      exit leaves the capture stream's device current). The allocator refuses when the routing
+      had ended or never began (an error in a warm-up call, or one inside a capture that still
+      ended), and nothing changes; an error of the allocator itself is turned into a warning,
+      so that the block's error is the one raised;
+    * when the current device, or the current stream of the current device or of ``device``,
+      is no longer what it was on entry (the mark of an exit that stopped at ``capture_end``),
+      those streams and the device are set back and the generators reset. An error that leaves
+      them as they were is let through with them untouched: resetting the generators gives
+      them a new state object, which graphs captured earlier no longer share.
+
+    On success it does nothing.
+
+    Not restored: the pinned host allocator's routing to the pool, which ``capture_end`` ends
+    next to the device allocator's (PyTorch has no Python call for it): its reference to the
+    pool stays, and pinned allocations (``pin_memory()``) take its slower path that checks for
+    captures under way, for the rest of the process; a pool other than the one given; a capture
+    stream on a third device, neither the current one nor ``device``; and a caller whose
+    current stream already was the capture's stream (nothing changes that marks the failure:
+    the routing is ended, the generators stay in capture mode).
 
     Args:
         device: the CUDA device the capture runs on, as a ``torch.device``, a str or an index
@@ -999,16 +1027,22 @@ def restore_after_failed_capture(
     saved = {index: torch.cuda.current_stream(index)}
     if device is not None and device.index is not None and device.index != index:
         saved[device.index] = torch.cuda.current_stream(device.index)
-    capture_index = index if device is None or device.index is None else device.index
     pool = torch.cuda.graph_pool_handle()
     try:
         yield pool
     except BaseException:
-        if torch.cuda.current_device() != index or any(torch.cuda.current_stream(i) != s for i, s in saved.items()):
+        capture_index = torch.cuda.current_device()  # (the capture stream's, if its exit failed)
+        changed = capture_index != index or any(torch.cuda.current_stream(i) != s for i, s in saved.items())
+        if changed:
             for stream in saved.values():
                 torch.cuda.set_stream(stream)  # (it also makes the stream's device current)
             torch.cuda.set_device(index)
+        try:
             end_pool_of_failed_capture(capture_index, pool)
+        except Exception as exc:  # (the block's error is the one to raise)
+            warnings.warn(f"after a failed CUDA graph capture, ending the caching allocator's routing to its "
+                          f"memory pool failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
+        if changed:
             reset_generators_after_failed_capture()
         raise
 

@@ -82,12 +82,16 @@ def assert_close(actual: torch.Tensor, expected64: torch.Tensor, dtype: torch.dt
 
 def empty_cache_frees(nbytes: int = 1 << 29) -> bool:
     """Whether ``torch.cuda.empty_cache()`` gives a freed tensor's memory back to the driver (CUDA
-    only): a tensor of ``nbytes`` is allocated and freed, and the reserved bytes must fall by at
-    least ``nbytes``. A failed capture whose allocator routing to its memory pool was left on makes
-    the allocator act as if a capture were under way, and ``empty_cache`` then frees nothing."""
+    only): a tensor of at least ``nbytes`` is allocated and freed, and the reserved bytes must fall
+    by its size. A failed capture whose allocator routing to its memory pool was left on makes
+    the allocator act as if a capture were under way, and ``empty_cache`` then frees none of the
+    default pools' memory. The tensor is made larger than every free block of the segments that
+    stay (``inactive_split_bytes``: the free parts of segments partly in use), so that it gets a
+    segment of its own, which ``empty_cache`` can free once the tensor is."""
     torch.cuda.synchronize()
     gc.collect()  # (a caught capture error's traceback holds frames in a cycle)
     torch.cuda.empty_cache()
+    nbytes = max(nbytes, torch.cuda.memory_stats().get("inactive_split_bytes.all.current", 0) + (2 << 20))
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     reserved = torch.cuda.memory_reserved()
     del x

@@ -457,9 +457,9 @@ class _SyncsTheHost(torch.nn.Module):
 @cuda_only
 def test_a_failed_capture_leaves_random_numbers_working():
     """A layer that syncs the host makes the capture fail: the block raises, the caller's stream
-    is current again, the caching allocator frees memory again, and the CUDA generator is usable afterwards (a failed capture leaves it in
-    capture mode, where every later random draw fails): dropout draws, and another block
-    captures with dropout on."""
+    is current again, the caching allocator frees memory again, and the CUDA generator is usable
+    afterwards (a failed capture leaves it in capture mode, where every later random draw
+    fails): dropout draws, and another block captures with dropout on."""
     _, graphed = pair()
     graphed.layers[1] = _SyncsTheHost()
     x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
@@ -475,6 +475,65 @@ def test_a_failed_capture_leaves_random_numbers_working():
     _, again = pair(hidden_dropout=0.1, attention_dropout=0.1)
     again(x, None).sum().backward()
     assert again.cudagraph_manager.captures == 1 and x.grad is not None
+
+
+#: Bytes the backward of :class:`_SyncsInBackward` allocates (inside the capture: from its pool).
+BIG = 1 << 29
+
+
+class _SyncsInBackward(torch.autograd.Function):
+    """The identity, whose backward allocates BIG bytes and reads a value on the host."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        scratch = torch.empty(BIG, dtype=torch.uint8, device=grad.device)
+        if not torch.isfinite(grad.sum() + scratch[:1].float().mul(0)).item():  # (a host sync)
+            raise ValueError("non-finite gradient")
+        return grad
+
+
+class _SyncsTheHostInBackward(torch.nn.Module):
+    """A layer whose forward can be captured and whose backward cannot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(H, H, device=DEVICE)
+
+    def forward(self, hidden_states, **kwargs):
+        return _SyncsInBackward.apply(self.linear(hidden_states))
+
+
+@cuda_only
+def test_a_failed_backward_capture_after_a_captured_forward_frees_the_pool():
+    """make_graphed_callables captures the forward, then the backward into the same memory pool
+    (each capture takes a reference to it): when only the backward's capture fails, the forward's
+    graph holds one reference and the failed capture the other. The block raises, the caller's
+    stream is current again, the allocator frees memory again, and once the forward's graph is
+    gone (with the error's frames) the pool is freed, the BIG bytes the failed backward capture
+    allocated in it included; random draws work."""
+    import gc
+
+    _, graphed = pair()
+    graphed.layers[1] = _SyncsTheHostInBackward()
+    x = torch.randn(S, B, H, device=DEVICE, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    with pytest.raises(RuntimeError, match="capturing the layers as CUDA graphs failed") as info:
+        graphed(x, None)
+    assert "non-finite" not in str(info.value)  # (the backward's sync failed the capture, not its check)
+    del info
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert empty_cache_frees()
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() < reserved + BIG // 2, (reserved, torch.cuda.memory_reserved())
+    assert torch.rand(8, device=DEVICE).unique().numel() == 8
 
 
 @cuda_only

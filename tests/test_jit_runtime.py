@@ -116,9 +116,11 @@ def test_restore_after_failed_capture_puts_back_the_stream_and_the_generators(mo
     capture mode). When its block raises having changed the current device or the current stream
     of the current device or of the device named, the context manager makes the streams and the
     device of its entry current again, ends the allocator's routing to the pool it handed the
-    block (on the capture's device) and resets the generators (a KeyboardInterrupt included);
-    an error that changed neither (a warm-up call's) goes through untouched, success too, and
-    nothing is looked at for a CPU device or without CUDA. Stand-ins for torch.cuda's device and
+    block (on the capture's device: the one current when the error arrives) and resets the
+    generators (a KeyboardInterrupt included); an error that changed neither (a warm-up call's)
+    only has the routing ended (the allocator refuses a pool it does not route to), success
+    nothing, and nothing is looked at for a CPU device or without CUDA. An error in ending the
+    routing becomes a warning: the block's error is raised and the generators are reset. Stand-ins for torch.cuda's device and
     stream functions here (a stream: (device, name)); the real failure: the GPU tests of the
     bench timer, the layers' graphs and the trainer's whole-step graph."""
     import fusedlib.runtime as rt
@@ -176,11 +178,25 @@ def test_restore_after_failed_capture_puts_back_the_stream_and_the_generators(mo
     assert state == start and events == [("set", (0, "s0")), ("device", 0), ("end", 0, pool), "reset"]
     events.clear()
     with pytest.raises(ValueError, match="warm-up"):  # nothing changed: nothing restored, no reset
-        with rt.restore_after_failed_capture():
+        with rt.restore_after_failed_capture() as pool:
             raise ValueError("a warm-up call's error, before the capture")
+    assert state == start and events == [("end", 0, pool)]
+    events.clear()
     with rt.restore_after_failed_capture() as pool:
         assert pool is not None
     assert state == start and events == []
+
+    def end_fails(index, pool):
+        events.append(("end", index, pool))
+        raise RuntimeError("INTERNAL ASSERT FAILED")
+
+    monkeypatch.setattr(rt, "end_pool_of_failed_capture", end_fails)
+    with pytest.raises(RuntimeError, match="during capture"), \
+            pytest.warns(RuntimeWarning, match="ending the caching allocator's routing .* INTERNAL ASSERT FAILED"):
+        with rt.restore_after_failed_capture() as pool:
+            capture_fails_on(0)
+    assert state == start and events == [("set", (0, "s0")), ("device", 0), ("end", 0, pool), "reset"]
+    events.clear()
     monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("looked at a CUDA device"))
     for device, cuda in ((torch.device("cpu"), True), ("cpu", True), (None, False)):
         monkeypatch.setattr(rt, "CUDA_AVAILABLE", cuda)
@@ -204,6 +220,8 @@ def test_end_pool_of_failed_capture_ends_the_routing_and_releases_the_pool_only_
 
     def end(index, pool):
         calls.append(("end", index, pool))
+        if pool == (0, 9):
+            raise RuntimeError("INTERNAL ASSERT FAILED")
         if (index, pool) not in routing:
             raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
         routing.discard((index, pool))
@@ -216,7 +234,18 @@ def test_end_pool_of_failed_capture_ends_the_routing_and_releases_the_pool_only_
     calls.clear()
     assert rt.end_pool_of_failed_capture(1, (0, 7)) is False  # (ended already: the exit's reference)
     assert rt.end_pool_of_failed_capture(0, (0, 8)) is False
-    assert calls == [("end", 1, (0, 7)), ("end", 0, (0, 8))]
+    with pytest.raises(RuntimeError, match="INTERNAL ASSERT"):  # another allocator error is not a refusal
+        rt.end_pool_of_failed_capture(0, (0, 9))
+    assert calls == [("end", 1, (0, 7)), ("end", 0, (0, 8)), ("end", 0, (0, 9))]
+    # PyTorch before 2.8 names the call _cuda_endAllocateCurrentStreamToPool; without either, nothing is done
+    calls.clear()
+    routing.add((0, (0, 5)))
+    monkeypatch.delattr(torch._C, "_cuda_endAllocateToPool", raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", end, raising=False)
+    assert rt.end_pool_of_failed_capture(0, (0, 5)) is True
+    assert calls == [("end", 0, (0, 5)), ("release", 0, (0, 5))]
+    monkeypatch.delattr(torch._C, "_cuda_endAllocateCurrentStreamToPool")
+    assert rt.end_pool_of_failed_capture(0, (0, 5)) is False and len(calls) == 2
 
 
 def test_collector_paused_for_capture_collects_first_and_restores_the_collector(monkeypatch):
