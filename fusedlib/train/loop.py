@@ -503,8 +503,7 @@ class _FullIterationGraph:
     (:func:`fusedlib.runtime.collector_paused_for_capture`). A capture that fails raises with
     the caller's stream current again, the allocator's routing to the capture's pool ended and
     the generators out of capture mode (:func:`fusedlib.runtime.restore_after_failed_capture`),
-    and keeps no graph: the next call
-    captures again.
+    and keeps no graph: the next call captures again.
 
     Source: PyTorch's CUDA semantics notes, "Whole-network capture"; Megatron-core
     ``megatron/core/full_cuda_graph.py`` (``FullCudaGraphWrapper``).

@@ -70,9 +70,9 @@ What a graph fixes at capture, and what the manager does about it:
   replays with the hidden states' device current;
 * a failed capture leaves PyTorch's CUDA generators in capture mode, after which every random
   draw of the process fails, the capture's side stream as the current stream, and the caching
-  allocator routing to the capture's memory pool (``empty_cache`` then frees nothing): the
-  manager takes the generators out of capture mode, makes the caller's stream current again
-  and ends the routing
+  allocator routing to the capture's memory pool (``empty_cache`` then frees none of the
+  default pools' memory): the manager takes the generators out of capture mode, makes the
+  caller's stream current again and ends the routing
   (:func:`fusedlib.runtime.restore_after_failed_capture`) before raising.
 * Python's garbage collector: ``make_graphed_callables`` holds the graphs in an
   ``autograd.Function`` class it defines per call, and a class is part of a reference cycle,
@@ -287,8 +287,9 @@ class CudaGraphManager:
         warmup_steps: eager iterations ``make_graphed_callables`` runs on a side stream before
             each capture (``config.cuda_graph_warmup_steps``; >= 1).
         capture: a stand-in for ``torch.cuda.make_graphed_callables`` (same arguments, the
-            ``pool`` keyword included; same kind of result), None for the real one. With a stand-in the manager runs on any
-            device: the tests check its bookkeeping on a CPU with one that replays eagerly.
+            ``pool`` keyword included; same kind of result), None for the real one. With a
+            stand-in the manager runs on any device: the tests check its bookkeeping on a CPU
+            with one that replays eagerly.
 
     Call :meth:`run` from the block's forward; :meth:`reset` drops every captured graph.
     ``captures`` counts the signatures captured so far.
