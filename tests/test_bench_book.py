@@ -376,6 +376,55 @@ def test_measure_case_records_graph_and_plain_launch_times(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA device")
+def test_time_ms_registers_the_generators_it_is_given():
+    """A function that draws from a generator of its own cannot be captured unless the generator
+    is registered with the graph (its state is not in capture mode); registered, each replay
+    draws new numbers from it: its offset moves by one call's increment per replay, far past
+    what the warm-up calls and the capture use."""
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(7)
+    out = torch.empty(4096, device="cuda")
+
+    def draw():
+        torch.rand(4096, device="cuda", generator=gen, out=out)
+
+    with pytest.raises(RuntimeError):
+        core.time_ms(draw, warmup=1, rep=1, cuda_graph=True)
+    start = gen.get_offset()
+    draw()
+    per_call = gen.get_offset() - start
+    assert per_call > 0
+    start = gen.get_offset()
+    assert core.time_ms(draw, warmup=1, rep=5, cuda_graph=True, generators=iter([gen])) > 0
+    assert gen.get_offset() - start >= 20 * per_call, (gen.get_offset() - start, per_call)
+
+
+def test_time_pass_hands_the_implementations_generators_to_a_graph_timer_only(monkeypatch):
+    """An implementation's generators are asked for only when the CUDA-graph timer iterates
+    them (after its warm-up calls, which may build the module that makes them), and only for a
+    graph timing; plain launches get none."""
+    events = []
+
+    def fake_time_ms(fn, grad_to_none=None, warmup=25, rep=200, cuda_graph=False, generators=()):
+        fn()
+        events.append(("timed", cuda_graph, list(generators)))
+        return 1.0
+
+    monkeypatch.setattr(core, "time_ms", fake_time_ms)
+    impl = core.Impl("megatron-core", lambda x: events.append("fn") or x * 2,
+                     generators=lambda: events.append("asked") or ["g1", "g2"])
+    case = core.BenchCase(op="t", shape=(4,), dtype=torch.float32,
+                          make_inputs=lambda d, g: (torch.ones(4, requires_grad=g),), bytes={}, impls=[impl])
+    for pas in ("fwd", "fwd+bwd"):
+        for cuda_graph in (False, True):
+            events.clear()
+            core._time_pass(case, impl, pas, torch.device("cpu"), cuda_graph=cuda_graph)
+            # the timer's own call of fn, then (graph timer only) the generators, asked for once
+            want = ["fn", "asked", ("timed", True, ["g1", "g2"])] if cuda_graph else ["fn", ("timed", False, [])]
+            assert events[-len(want):] == want and events.count("asked") == int(cuda_graph), (pas, events)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA device")
 def test_a_failed_capture_leaves_random_numbers_working():
     # a baseline that syncs the host cannot be captured; the harness must leave the process's CUDA
     # generators usable for every later case (they stayed in capture mode, and every later

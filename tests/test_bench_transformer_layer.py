@@ -623,3 +623,39 @@ def test_the_megatron_block_is_configured_as_fusedlib_s(monkeypatch):
                 assert fusions == want and set(off) == ({"masked_softmax_fusion", "persist_layer_norm"} - want)
             else:
                 assert fusions == set() and off == {}
+
+
+def _megatron_why_not() -> str | None:
+    if DEVICE.type != "cuda":
+        return "megatron-core's layers need CUDA (parameters, RNG tracker and buffers on the GPU)"
+    try:
+        import megatron.core  # noqa: F401
+    except Exception as e:  # ImportError, or a SyntaxError of 3.12-only syntax on an older Python
+        return f"megatron-core does not import: {type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.skipif(_megatron_why_not() is not None, reason=_megatron_why_not() or "")
+def test_megatron_blocks_are_timed_as_cuda_graph_replays_that_draw_new_dropout_masks():
+    """megatron-core's blocks (graph-safe RNG tracker, its states registered with the timer's
+    graph) are captured and replayed like the others: no graph error, and the tracker's
+    tensor-parallel state, which its attention dropout draws from, moves by one step's increment
+    per replay, far past what the warm-up steps and the capture use."""
+    c = tl.case(TINY, torch.bfloat16)
+    impls = {i.name: i for i in c.impls if i.name.startswith("megatron-core")}
+    assert set(impls) == {"megatron-core-unfused", "megatron-core"}
+    for name, im in impls.items():
+        assert im.generators is tl.megatron_generators, name
+        core._time_pass(c, im, "fwd+bwd", DEVICE)  # (builds the block: the tracker exists from here)
+        gens = tl.megatron_generators()
+        assert len(gens) == 3 and all(isinstance(g, torch.Generator) for g in gens), gens
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        tp_state = get_cuda_rng_tracker().get_states()["model-parallel-rng"]
+        start = tp_state.get_offset()
+        core._time_pass(c, im, "fwd+bwd", DEVICE)
+        per_step = tp_state.get_offset() - start
+        assert per_step > 0, name  # (the attention dropout draws from it)
+        start = tp_state.get_offset()
+        assert core._time_pass(c, im, "fwd+bwd", DEVICE, cuda_graph=True)[0] > 0
+        assert tp_state.get_offset() - start >= 20 * per_step, (name, tp_state.get_offset() - start, per_step)

@@ -33,7 +33,7 @@ import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import triton
@@ -82,6 +82,9 @@ class Impl:
             accumulating into the last one's gradients. None: no parameters.
         info: extra fields copied into every record of this implementation (e.g. which
             fusions a baseline could turn on).
+        generators: for an implementation that draws random numbers from CUDA generators
+            other than the default one's current state, a function returning them (after
+            ``fn``'s first call), for its CUDA graph to register (:func:`time_ms`). None: none.
     """
 
     name: str
@@ -90,6 +93,7 @@ class Impl:
     compile: str | None = None
     params: Callable[[], Iterable[torch.Tensor]] | None = None
     info: dict = field(default_factory=dict)
+    generators: Callable[[], Iterable[torch.Generator]] | None = None
 
 
 @dataclass
@@ -202,7 +206,8 @@ def environment() -> dict[str, str | bool]:
 
 
 def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | None = None,
-            warmup: int = 25, rep: int = 200, cuda_graph: bool = False) -> float:
+            warmup: int = 25, rep: int = 200, cuda_graph: bool = False,
+            generators: Iterable[torch.Generator] = ()) -> float:
     """Median time of ``fn()`` in milliseconds, by ``triton.testing.do_bench``.
 
     Args:
@@ -218,6 +223,12 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
             at the end. Python's garbage collector stays off during the capture
             (:func:`fusedlib.runtime.collector_paused_for_capture`, without the collection
             before it: the timer's own graph is freed when it returns).
+        generators: (with ``cuda_graph``) CUDA generators ``fn`` draws from besides the default
+            one's current state, iterated after the warm-up calls (a module built at its first
+            call may create them) and registered with the graph before the capture
+            (``CUDAGraph.register_generator_state``), so that each replay draws new random
+            numbers from them too; e.g. the states of Megatron-core's graph-safe RNG tracker,
+            which its attention dropout swaps into the default generator.
 
     Returns:
         The median, in ms. do_bench flushes the L2 cache between calls.
@@ -245,6 +256,8 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
             call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    for generator in generators:
+        graph.register_generator_state(generator)
     try:
         # a failed capture leaves its side stream current, the allocator routing to its pool and
         # the generators in capture mode: all put back before the error
@@ -470,10 +483,14 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
 
 def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device,
                peak: bool = False, cuda_graph: bool = False) -> tuple[float, int | None]:
+    def generators() -> Iterator[torch.Generator]:  # (asked for when time_ms iterates: after its warm-up)
+        if cuda_graph and impl.generators is not None:
+            yield from impl.generators()
+
     if pas == "fwd":
         inputs = case.make_inputs(device, False)
         with torch.no_grad():
-            ms = time_ms(lambda: impl.fn(*inputs), cuda_graph=cuda_graph)
+            ms = time_ms(lambda: impl.fn(*inputs), cuda_graph=cuda_graph, generators=generators())
             return ms, (peak_extra_bytes(lambda: impl.fn(*inputs), device) if peak else None)
     inputs = case.make_inputs(device, True)
     grads = [torch.randn_like(o) for o in case.backward_outputs(impl.fn(*inputs))]
@@ -484,7 +501,7 @@ def _time_pass(case: BenchCase, impl: Impl, pas: str, device: torch.device,
     def step():
         torch.autograd.backward(case.backward_outputs(impl.fn(*inputs)), grads)
 
-    ms = time_ms(step, grad_to_none=leaves, cuda_graph=cuda_graph)
+    ms = time_ms(step, grad_to_none=leaves, cuda_graph=cuda_graph, generators=generators())
     for t in leaves:  # no gradients kept past the timing, while the other implementations run
         t.grad = None
     if not peak:

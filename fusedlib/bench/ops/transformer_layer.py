@@ -67,7 +67,12 @@ milliseconds. Its records say ``"compile_scope": "layer"``.
 
 megatron-core's blocks need CUDA and ``torch.distributed``: a one-rank NCCL group, its
 ``parallel_state`` (tensor- and pipeline-parallel size 1) and its RNG tracker are set up at
-their first call (:func:`init_megatron`). Where megatron-core does not import they are absent
+their first call (:func:`init_megatron`). The tracker is megatron-core's graph-safe one
+(``use_cudagraphable_rng``, as its own CUDA graphs use it): its attention dropout swaps the
+tracker's generator state into the default generator, which the plain tracker does by setting
+a seed, refused inside a capture; the graph-safe tracker's states are registered with the
+timer's CUDA graph (:attr:`fusedlib.bench.core.Impl.generators`), so the block's replays are
+timed like the others'. Where megatron-core does not import they are absent
 and ``skipped`` says why.
 
 Records (one per implementation and shape, pass ``"fwd+bwd"``; the case is timed as every case
@@ -86,8 +91,7 @@ leaves them out.
   them (``"ms_replay_rounds"``; of the rounds it finished, with ``"replay_rounds_error"``, where a
   later replay failed; records stored before the replays were timed in rounds have one replay
   and no such field), or plain launches where it could not be captured
-  (``"timer": "do_bench"`` and the reason in ``"graph_error"``; megatron-core's RNG tracker, which saves and restores the CUDA generator's
-  state around its attention dropout, is a likely one); ``"ms_eager"``: the step as plain launches, what an eager training step pays,
+  (``"timer": "do_bench"`` and the reason in ``"graph_error"``); ``"ms_eager"``: the step as plain launches, what an eager training step pays,
   the median of :data:`PLAIN_ROUNDS` timings with the implementations in turns (``"ms_plain_rounds"``);
 * ``"tokens"`` (s·b), ``"tokens_per_s"`` (from ``ms``), ``"tokens_per_s_eager"`` (from
   ``ms_eager``);
@@ -144,7 +148,7 @@ from .baselines import compile_impl, try_import
 __all__ = [
     "DEFAULT_SHAPE", "GPT2_SMALL_SHAPE", "SMALL_SHAPE", "SHAPE_NAMES", "HIDDEN_DROPOUT", "ATTENTION_DROPOUT", "IMPLS",
     "PROFILE_IMPLS", "PROFILE_FILE", "FUSIONS_ON", "param_count", "gemm_flops", "fusedlib_block",
-    "megatron_block", "init_megatron", "PlainGPTLayer", "PlainGPTBlock", "case", "cases", "table",
+    "megatron_block", "init_megatron", "megatron_generators", "PlainGPTLayer", "PlainGPTBlock", "case", "cases", "table",
     "kernel_category", "kernel_summary", "device_span", "profile", "profile_table", "extra_files", "load_profile",
     "POWER_IMPLS", "POWER_FILE", "power_state", "power_table", "write_power_state", "load_power_state",
     "PLAIN_ROUNDS",
@@ -306,8 +310,9 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
 def init_megatron(seed: int = 1234) -> None:
     """Set up what megatron-core's layers need, once per process: a one-rank NCCL process group
     (on a free local port, destroyed at the process's exit), ``parallel_state`` with tensor- and
-    pipeline-parallel size 1, and its CUDA RNG tracker (``model_parallel_cuda_manual_seed``: this
-    seeds torch's CUDA generator).
+    pipeline-parallel size 1, and its graph-safe CUDA RNG tracker
+    (``model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)``: this seeds torch's
+    CUDA generator; :func:`megatron_generators` gives the tracker's states).
 
     Raises:
         ImportError: megatron-core does not import. RuntimeError: from torch.distributed (no CUDA).
@@ -324,7 +329,23 @@ def init_megatron(seed: int = 1234) -> None:
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-        model_parallel_cuda_manual_seed(seed)
+        # (force_reset_rng: a tracker made earlier in the process, without graph-safe states, is replaced)
+        model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
+
+
+def megatron_generators() -> list[torch.Generator]:
+    """The generator states of megatron-core's CUDA RNG tracker (its data-, tensor- and
+    expert-parallel ones), which a CUDA graph of its layers must register
+    (``CUDAGraph.register_generator_state``): with the graph-safe tracker, its ``fork()`` swaps
+    them into the default CUDA generator, and a replay draws new numbers only from registered
+    states. Empty before :func:`init_megatron`.
+
+    Source: Megatron-LM ``megatron/core/tensor_parallel/random.py`` (``CudaRNGStatesTracker``
+    with ``use_cudagraphable_rng``, ``get_cuda_rng_tracker``).
+    """
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return list(get_cuda_rng_tracker().get_states().values())
 
 
 def _megatron_fusions(fused: bool) -> tuple[dict, dict[str, str]]:
@@ -538,8 +559,8 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
     if cuda_graphs is None:
         cuda_graphs = torch.cuda.is_available()
 
-    def impl(name: str, model: _Model, **info) -> Impl:
-        return Impl(name, model, passes=step, params=model.params, info=info)
+    def impl(name: str, model: _Model, generators=None, **info) -> Impl:
+        return Impl(name, model, passes=step, params=model.params, info=info, generators=generators)
 
     impls = [
         impl("fusedlib-unfused", _Model(lambda d, t: fusedlib_block(shape, False, dtype=t, device=d), _block_call),
@@ -570,7 +591,8 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
         for name, fused in (("megatron-core-unfused", False), ("megatron-core", True)):
             on, off = _megatron_fusions(fused)
             model = _Model(lambda d, t, fused=fused: megatron_block(shape, fused, t, d), _block_call)
-            impls.append(impl(name, model, fusions=sorted(on), fusions_unavailable=off, attention="materialised"))
+            impls.append(impl(name, model, generators=megatron_generators, fusions=sorted(on),
+                              fusions_unavailable=off, attention="materialised"))
     else:
         skipped["megatron-core-unfused"] = skipped["megatron-core"] = why
 
