@@ -379,8 +379,10 @@ def test_measure_case_records_graph_and_plain_launch_times(monkeypatch):
 def test_time_ms_registers_the_generators_it_is_given():
     """A function that draws from a generator of its own cannot be captured unless the generator
     is registered with the graph (its state is not in capture mode); registered, each replay
-    draws new numbers from it: its offset moves by one call's increment per replay, far past
-    what the warm-up calls and the capture use."""
+    draws new numbers from it: its offset moves by one call's increment per replay. The bound:
+    the three warm-up calls and the capture move it by at most 4 calls; do_bench replays at least
+    8 times (1, 5 for its estimate, >= 1 warm-up, >= 1 timed), so at least 11 with the replays
+    drawing; 10 lies between."""
     gen = torch.Generator(device="cuda")
     gen.manual_seed(7)
     out = torch.empty(4096, device="cuda")
@@ -396,7 +398,7 @@ def test_time_ms_registers_the_generators_it_is_given():
     assert per_call > 0
     start = gen.get_offset()
     assert core.time_ms(draw, warmup=1, rep=5, cuda_graph=True, generators=iter([gen])) > 0
-    assert gen.get_offset() - start >= 20 * per_call, (gen.get_offset() - start, per_call)
+    assert gen.get_offset() - start >= 10 * per_call, (gen.get_offset() - start, per_call)
 
 
 def test_time_pass_hands_the_implementations_generators_to_a_graph_timer_only(monkeypatch):

@@ -640,7 +640,10 @@ def test_megatron_blocks_are_timed_as_cuda_graph_replays_that_draw_new_dropout_m
     """megatron-core's blocks (graph-safe RNG tracker, its states registered with the timer's
     graph) are captured and replayed like the others: no graph error, and the tracker's
     tensor-parallel state, which its attention dropout draws from, moves by one step's increment
-    per replay, far past what the warm-up steps and the capture use."""
+    per replay. The bound: the timer's eager calls (the first call for the gradients' shapes,
+    three warm-up calls, the capture) move it by at most 5 steps; triton's do_bench replays at
+    least 8 times (1, 5 for its estimate, >= 1 warm-up, >= 1 timed), so at least 12 with the
+    replays drawing; 10 lies between."""
     c = tl.case(TINY, torch.bfloat16)
     impls = {i.name: i for i in c.impls if i.name.startswith("megatron-core")}
     assert set(impls) == {"megatron-core-unfused", "megatron-core"}
@@ -658,4 +661,4 @@ def test_megatron_blocks_are_timed_as_cuda_graph_replays_that_draw_new_dropout_m
         assert per_step > 0, name  # (the attention dropout draws from it)
         start = tp_state.get_offset()
         assert core._time_pass(c, im, "fwd+bwd", DEVICE, cuda_graph=True)[0] > 0
-        assert tp_state.get_offset() - start >= 20 * per_step, (name, tp_state.get_offset() - start, per_step)
+        assert tp_state.get_offset() - start >= 10 * per_step, (name, tp_state.get_offset() - start, per_step)
