@@ -99,6 +99,18 @@ def empty_cache_frees(nbytes: int = 1 << 29) -> bool:
     return torch.cuda.memory_reserved() <= reserved - nbytes
 
 
+def megatron_why_not() -> str | None:
+    """Why megatron-core's layers cannot run here (None when they can): they need CUDA
+    (parameters, RNG tracker and buffers on the GPU) and megatron-core importable (Python >= 3.12)."""
+    if DEVICE.type != "cuda":
+        return "megatron-core's layers need CUDA (parameters, RNG tracker and buffers on the GPU)"
+    try:
+        import megatron.core  # noqa: F401
+    except Exception as e:  # ImportError, or a SyntaxError of 3.12-only syntax on an older Python
+        return f"megatron-core does not import on Python {sys.version.split()[0]}: {type(e).__name__}: {e}"
+    return None
+
+
 #: Environment variable that shifts every test's seed (the option ``--seed-offset`` wins).
 SEED_ENV = "FUSEDLIB_TEST_SEED"
 

@@ -18,7 +18,7 @@ from fusedlib.bench.ops import get_op_module
 from fusedlib.bench.ops import transformer_layer as tl
 from fusedlib.book import backward_table, plot_bandwidth, plot_throughput, speedup_table, sweep_table, throughput_table
 
-from conftest import DEVICE  # noqa: I001
+from conftest import DEVICE, megatron_why_not  # noqa: I001
 
 #: [s, b, h, heads, ffn, layers]: odd sequence and ffn, heads of 6 channels, 2 layers
 TINY = (7, 2, 24, 4, 20, 2)
@@ -625,40 +625,80 @@ def test_the_megatron_block_is_configured_as_fusedlib_s(monkeypatch):
                 assert fusions == set() and off == {}
 
 
-def _megatron_why_not() -> str | None:
-    if DEVICE.type != "cuda":
-        return "megatron-core's layers need CUDA (parameters, RNG tracker and buffers on the GPU)"
-    try:
-        import megatron.core  # noqa: F401
-    except Exception as e:  # ImportError, or a SyntaxError of 3.12-only syntax on an older Python
-        return f"megatron-core does not import: {type(e).__name__}: {e}"
-    return None
 
-
-@pytest.mark.skipif(_megatron_why_not() is not None, reason=_megatron_why_not() or "")
+@pytest.mark.skipif(megatron_why_not() is not None, reason=megatron_why_not() or "")
 def test_megatron_blocks_are_timed_as_cuda_graph_replays_that_draw_new_dropout_masks():
     """megatron-core's blocks (graph-safe RNG tracker, its states registered with the timer's
-    graph) are captured and replayed like the others: no graph error, and the tracker's
-    tensor-parallel state, which its attention dropout draws from, moves by one step's increment
-    per replay. The bound: the timer's eager calls (the first call for the gradients' shapes,
-    three warm-up calls, the capture) move it by at most 5 steps; triton's do_bench replays at
-    least 8 times (1, 5 for its estimate, >= 1 warm-up, >= 1 timed), so at least 12 with the
+    graph) are captured and replayed like the others: no graph error, and the two states their
+    dropouts draw from move by one forward's increment per replay: the tracker's
+    tensor-parallel state (attention dropout) and the default generator's own (hidden dropout).
+    The bound: the timer's eager calls (the first call for the gradients' shapes, three warm-up
+    calls, the capture) move them by at most 5 forwards' increments; triton's do_bench replays
+    at least 8 times (1, 5 for its estimate, >= 1 warm-up, >= 1 timed), so at least 12 with the
     replays drawing; 10 lies between."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
     c = tl.case(TINY, torch.bfloat16)
     impls = {i.name: i for i in c.impls if i.name.startswith("megatron-core")}
     assert set(impls) == {"megatron-core-unfused", "megatron-core"}
     for name, im in impls.items():
         assert im.generators is tl.megatron_generators, name
-        core._time_pass(c, im, "fwd+bwd", DEVICE)  # (builds the block: the tracker exists from here)
+        x = c.make_inputs(DEVICE, True)
+        im.fn(*x)  # (builds the block: the tracker exists from here)
         gens = tl.megatron_generators()
         assert len(gens) == 3 and all(isinstance(g, torch.Generator) for g in gens), gens
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        tp_state = get_cuda_rng_tracker().get_states()["model-parallel-rng"]
-        start = tp_state.get_offset()
-        core._time_pass(c, im, "fwd+bwd", DEVICE)
-        per_step = tp_state.get_offset() - start
-        assert per_step > 0, name  # (the attention dropout draws from it)
-        start = tp_state.get_offset()
+        states = {"tensor-parallel": get_cuda_rng_tracker().get_states()["model-parallel-rng"],
+                  "default": torch.cuda.default_generators[torch.cuda.current_device()]}
+        start = {k: g.get_offset() for k, g in states.items()}
+        im.fn(*x)
+        per_forward = {k: g.get_offset() - start[k] for k, g in states.items()}
+        assert all(v > 0 for v in per_forward.values()), (name, per_forward)  # (both dropouts draw)
+        start = {k: g.get_offset() for k, g in states.items()}
         assert core._time_pass(c, im, "fwd+bwd", DEVICE, cuda_graph=True)[0] > 0
-        assert tp_state.get_offset() - start >= 10 * per_step, (name, tp_state.get_offset() - start, per_step)
+        moved = {k: g.get_offset() - start[k] for k, g in states.items()}
+        assert all(moved[k] >= 10 * per_forward[k] for k in states), (name, moved, per_forward)
+
+
+def test_megatron_generators_and_init_megatron_make_and_read_the_graph_safe_tracker(monkeypatch):
+    """On stand-ins of megatron-core's modules: no tracker, no generators (and none made); a plain
+    tracker is refused by name, and init_megatron replaces it with the graph-safe one (seeded,
+    force_reset_rng); a graph-safe tracker is read, and init_megatron leaves it alone."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    calls = []
+
+    class Tracker:
+        def __init__(self, safe):
+            self.safe = safe
+
+        def get_states(self):
+            return {"data-parallel-rng": "g1", "model-parallel-rng": "g2"}
+
+    random_mod = types.SimpleNamespace(_CUDA_RNG_STATE_TRACKER=None,
+                                       is_graph_safe_cuda_rng_tracker=lambda t: t.safe)
+
+    def seed(s, **kw):
+        calls.append(("seed", s, kw))
+        random_mod._CUDA_RNG_STATE_TRACKER = Tracker(kw.get("use_cudagraphable_rng", False))
+
+    random_mod.model_parallel_cuda_manual_seed = seed
+    state = types.SimpleNamespace(model_parallel_is_initialized=lambda: True,
+                                  initialize_model_parallel=lambda **kw: calls.append("initialize"))
+    tp = types.SimpleNamespace(random=random_mod)
+    for name, mod in {"megatron": types.SimpleNamespace(), "megatron.core": types.SimpleNamespace(
+            parallel_state=state, tensor_parallel=tp), "megatron.core.parallel_state": state,
+            "megatron.core.tensor_parallel": tp, "megatron.core.tensor_parallel.random": random_mod}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    assert tl.megatron_generators() == [] and random_mod._CUDA_RNG_STATE_TRACKER is None
+    random_mod._CUDA_RNG_STATE_TRACKER = Tracker(False)
+    with pytest.raises(RuntimeError, match="not its graph-safe one: call .*init_megatron"):
+        tl.megatron_generators()
+    tl.init_megatron(7)
+    assert calls == [("seed", 7, {"use_cudagraphable_rng": True, "force_reset_rng": True})]
+    assert tl.megatron_generators() == ["g1", "g2"]
+    tl.init_megatron(7)  # (the graph-safe tracker in use: nothing changes)
+    assert len(calls) == 1

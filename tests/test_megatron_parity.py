@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import socket
-import sys
 
 import pytest
 import torch
@@ -34,23 +33,13 @@ from fusedlib.models.gpt import GPTModel, get_gpt_layer_local_spec, get_gpt_laye
 from fusedlib.transformer import AttnBackend, TransformerConfig
 from fusedlib.transformer.transformer_block import TransformerBlock
 
-from conftest import DEVICE  # noqa: I001
+from conftest import DEVICE, megatron_why_not  # noqa: I001
 from test_transformer import (  # noqa: I001
     B, FFN, H, NG, NP, S, TENSOR_RATIO, U, UNFUSED_IN_U, assert_as_accurate, nrmse, tensor_errors,
 )
 
 
-def _why_not() -> str | None:
-    if DEVICE.type != "cuda":
-        return "megatron-core's layers need CUDA (parameters, RNG tracker and buffers on the GPU)"
-    try:
-        import megatron.core  # noqa: F401
-    except Exception as e:  # ImportError, or a SyntaxError of 3.12-only syntax on an older Python
-        return f"megatron-core does not import on Python {sys.version.split()[0]}: {type(e).__name__}: {e}"
-    return None
-
-
-_REASON = _why_not()
+_REASON = megatron_why_not()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 V = 37  # the sizes of test_transformer, whose error bounds were measured for them

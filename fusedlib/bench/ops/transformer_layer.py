@@ -69,8 +69,8 @@ megatron-core's blocks need CUDA and ``torch.distributed``: a one-rank NCCL grou
 ``parallel_state`` (tensor- and pipeline-parallel size 1) and its RNG tracker are set up at
 their first call (:func:`init_megatron`). The tracker is megatron-core's graph-safe one
 (``use_cudagraphable_rng``, as its own CUDA graphs use it): its attention dropout swaps the
-tracker's generator state into the default generator, which the plain tracker does by setting
-a seed, refused inside a capture; the graph-safe tracker's states are registered with the
+tracker's generator state into the default generator, where the plain tracker copies a saved
+state in (``set_state``), which a capture refuses; the graph-safe tracker's states are registered with the
 timer's CUDA graph (:attr:`fusedlib.bench.core.Impl.generators`), so the block's replays are
 timed like the others'. Where megatron-core does not import they are absent
 and ``skipped`` says why.
@@ -308,18 +308,21 @@ def fusedlib_block(shape: Sequence[int], fused: bool, backend: AttnBackend = Att
 
 
 def init_megatron(seed: int = 1234) -> None:
-    """Set up what megatron-core's layers need, once per process: a one-rank NCCL process group
-    (on a free local port, destroyed at the process's exit), ``parallel_state`` with tensor- and
-    pipeline-parallel size 1, and its graph-safe CUDA RNG tracker
-    (``model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)``: this seeds torch's
-    CUDA generator; :func:`megatron_generators` gives the tracker's states).
+    """Set up what megatron-core's layers need: a one-rank NCCL process group (on a free local
+    port, destroyed at the process's exit) unless one exists, ``parallel_state`` with tensor- and
+    pipeline-parallel size 1 unless it is set up, and megatron-core's graph-safe CUDA RNG tracker
+    unless that is the tracker in use (``model_parallel_cuda_manual_seed(seed,
+    use_cudagraphable_rng=True, force_reset_rng=True)``: this seeds torch's CUDA generator and
+    replaces a tracker made earlier in the process without graph-safe states;
+    :func:`megatron_generators` gives the tracker's states). Called at every build of one of its
+    blocks; after the first it changes nothing.
 
     Raises:
         ImportError: megatron-core does not import. RuntimeError: from torch.distributed (no CUDA).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import random as megatron_random
 
     if not dist.is_initialized():
         with socket.socket() as sock:
@@ -329,23 +332,35 @@ def init_megatron(seed: int = 1234) -> None:
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-        # (force_reset_rng: a tracker made earlier in the process, without graph-safe states, is replaced)
-        model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
+    tracker = megatron_random._CUDA_RNG_STATE_TRACKER
+    if tracker is None or not megatron_random.is_graph_safe_cuda_rng_tracker(tracker):
+        megatron_random.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, force_reset_rng=True)
 
 
 def megatron_generators() -> list[torch.Generator]:
-    """The generator states of megatron-core's CUDA RNG tracker (its data-, tensor- and
-    expert-parallel ones), which a CUDA graph of its layers must register
-    (``CUDAGraph.register_generator_state``): with the graph-safe tracker, its ``fork()`` swaps
-    them into the default CUDA generator, and a replay draws new numbers only from registered
-    states. Empty before :func:`init_megatron`.
+    """The generator states of megatron-core's graph-safe CUDA RNG tracker (its data-, tensor-
+    and expert-parallel ones), which a CUDA graph of its layers must register
+    (``CUDAGraph.register_generator_state``): its ``fork()`` swaps them into the default CUDA
+    generator (``graphsafe_set_state``), and a capture that draws from a state it did not
+    register fails. (megatron-core's plain tracker copies a saved state in instead
+    (``set_state``), which a capture refuses.) Empty before :func:`init_megatron`.
+
+    Raises:
+        RuntimeError: the tracker in use is megatron-core's plain one (its states are byte
+            tensors, not generators): :func:`init_megatron` replaces it.
 
     Source: Megatron-LM ``megatron/core/tensor_parallel/random.py`` (``CudaRNGStatesTracker``
-    with ``use_cudagraphable_rng``, ``get_cuda_rng_tracker``).
+    with ``use_cudagraphable_rng``, ``is_graph_safe_cuda_rng_tracker``).
     """
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel import random as megatron_random
 
-    return list(get_cuda_rng_tracker().get_states().values())
+    tracker = megatron_random._CUDA_RNG_STATE_TRACKER  # (get_cuda_rng_tracker() would make a plain one)
+    if tracker is None:
+        return []
+    if not megatron_random.is_graph_safe_cuda_rng_tracker(tracker):
+        raise RuntimeError("megatron-core's CUDA RNG tracker is not its graph-safe one: call "
+                           "fusedlib.bench.ops.transformer_layer.init_megatron() first (it replaces it)")
+    return list(tracker.get_states().values())
 
 
 def _megatron_fusions(fused: bool) -> tuple[dict, dict[str, str]]:
