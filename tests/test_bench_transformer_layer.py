@@ -642,7 +642,7 @@ def test_megatron_blocks_are_timed_as_cuda_graph_replays_that_draw_new_dropout_m
     impls = {i.name: i for i in c.impls if i.name.startswith("megatron-core")}
     assert set(impls) == {"megatron-core-unfused", "megatron-core"}
     for name, im in impls.items():
-        assert im.generators is tl.megatron_generators, name
+        assert im.generators is tl.megatron_generators and im.info["rng_tracker"] == "graph-safe", name
         x = c.make_inputs(DEVICE, True)
         im.fn(*x)  # (builds the block: the tracker exists from here)
         gens = tl.megatron_generators()

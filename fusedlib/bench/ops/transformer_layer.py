@@ -70,10 +70,11 @@ megatron-core's blocks need CUDA and ``torch.distributed``: a one-rank NCCL grou
 their first call (:func:`init_megatron`). The tracker is megatron-core's graph-safe one
 (``use_cudagraphable_rng``, as its own CUDA graphs use it): its attention dropout swaps the
 tracker's generator state into the default generator, where the plain tracker copies a saved
-state in (``set_state``), which a capture refuses; the graph-safe tracker's states are registered with the
-timer's CUDA graph (:attr:`fusedlib.bench.core.Impl.generators`), so the block's replays are
-timed like the others'. Where megatron-core does not import they are absent
-and ``skipped`` says why.
+state in (``set_state``), which a capture refuses; the graph-safe tracker's states are
+registered with the timer's CUDA graph (:attr:`fusedlib.bench.core.Impl.generators`), so the
+block's replays are timed like the others' (its records say ``"rng_tracker": "graph-safe"``;
+records stored before have no such field, and no replay). Where megatron-core does not import
+they are absent and ``skipped`` says why.
 
 Records (one per implementation and shape, pass ``"fwd+bwd"``; the case is timed as every case
 of the harness, :func:`fusedlib.bench.core.measure_case`): a transformer block is not
@@ -607,7 +608,7 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
             on, off = _megatron_fusions(fused)
             model = _Model(lambda d, t, fused=fused: megatron_block(shape, fused, t, d), _block_call)
             impls.append(impl(name, model, generators=megatron_generators, fusions=sorted(on),
-                              fusions_unavailable=off, attention="materialised"))
+                              fusions_unavailable=off, attention="materialised", rng_tracker="graph-safe"))
     else:
         skipped["megatron-core-unfused"] = skipped["megatron-core"] = why
 
