@@ -959,9 +959,39 @@ def end_pool_of_failed_capture(index: int, pool: tuple[int, int]) -> bool:
     return True
 
 
+def _end_capture_mode(generators: Sequence[torch.Generator]) -> None:
+    """Take generators registered with a capture that failed out of capture mode, in place.
+
+    A capture puts each registered generator state into capture mode when it begins and takes
+    it out in ``capture_end``, which raises first when the capture failed: every later random
+    draw from such a state then fails ("Offset increment outside graph capture encountered
+    unexpectedly"). The default generators get new states
+    (:func:`reset_generators_after_failed_capture`), but other states may be
+    held elsewhere (Megatron-core's RNG tracker keeps them, and its ``fork()`` hands out new
+    wrappers of the same states), so these are ended in place: an empty capture that registers
+    them runs a capture's prologue and epilogue on each (seed and offset kept). Its failure
+    becomes a warning: the capture's own error is the one to raise.
+
+    Source: PyTorch ``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp`` (``capture_prologue``,
+    ``capture_epilogue``, ``increase``).
+    """
+    try:
+        graph = torch.cuda.CUDAGraph()
+        for generator in generators:
+            graph.register_generator_state(generator)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ("The CUDA Graph is empty")
+            with torch.cuda.graph(graph):
+                pass
+    except Exception as exc:
+        warnings.warn(f"after a failed CUDA graph capture, taking its registered generators out of capture "
+                      f"mode failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
+
+
 @contextlib.contextmanager
 def restore_after_failed_capture(
-        device: Optional[torch.device | str | int] = None) -> Iterator[Optional[tuple[int, int]]]:
+        device: Optional[torch.device | str | int] = None,
+        generators: Sequence[torch.Generator] = ()) -> Iterator[Optional[tuple[int, int]]]:
     """Around a CUDA graph capture (``torch.cuda.graph``, ``torch.cuda.make_graphed_callables``):
     when the capture failed, make the caller's stream and device current again, end the
     allocator's routing to the capture's memory pool and take the CUDA generators out of
@@ -988,7 +1018,9 @@ def restore_after_failed_capture(
       so that the block's error is the one raised;
     * when the current device, or the current stream of the current device or of ``device``,
       is no longer what it was on entry (the mark of an exit that stopped at ``capture_end``),
-      those streams and the device are set back and the generators reset. An error that leaves
+      those streams and the device are set back, ``generators`` (those registered with the
+      capture) taken out of capture mode in place (:func:`_end_capture_mode`) and the default
+      generators reset. An error that leaves
       them as they were is let through with them untouched: resetting the generators gives
       them a new state object, which graphs captured earlier no longer share.
 
@@ -1006,6 +1038,8 @@ def restore_after_failed_capture(
         device: the CUDA device the capture runs on, as a ``torch.device``, a str or an index
             (None: the current device). Another device type, or a process without CUDA:
             nothing is saved or restored, and the block gets None.
+        generators: generators registered with the capture's graph besides the default
+            generator's current state (``CUDAGraph.register_generator_state``).
 
     Yields:
         The memory pool handle for the capture (a ``(int, int)`` tuple), or None (no CUDA, or
@@ -1043,6 +1077,8 @@ def restore_after_failed_capture(
             warnings.warn(f"after a failed CUDA graph capture, ending the caching allocator's routing to its "
                           f"memory pool failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
         if changed:
+            if generators:
+                _end_capture_mode(generators)
             reset_generators_after_failed_capture()
         raise
 

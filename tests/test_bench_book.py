@@ -426,43 +426,6 @@ def test_time_pass_hands_the_implementations_generators_to_a_graph_timer_only(mo
             assert events[-len(want):] == want and events.count("asked") == int(cuda_graph), (pas, events)
 
 
-def test_end_capture_mode_runs_an_empty_capture_registering_the_generators(monkeypatch):
-    """On stand-ins of torch's graph classes: a new graph registers every generator, an empty
-    capture runs (its "empty graph" warning silenced), and a failure of that becomes a
-    RuntimeWarning instead of replacing the capture's own error. The real effect (a generator
-    that draws again after a failed capture): the GPU test below."""
-    import contextlib
-    import warnings
-
-    events = []
-
-    class Graph:
-        def register_generator_state(self, g):
-            events.append(("register", g))
-
-    @contextlib.contextmanager
-    def graph(g):
-        events.append("begin")
-        yield
-        warnings.warn("The CUDA Graph is empty.")
-        events.append("end")
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        core._end_capture_mode(["g1", "g2"])
-    assert events == [("register", "g1"), ("register", "g2"), "begin", "end"]
-
-    def fails(g):
-        raise RuntimeError("capture_begin failed")
-
-    monkeypatch.setattr(torch.cuda, "graph", fails)
-    with pytest.warns(RuntimeWarning, match="taking its registered generators out of capture mode failed: "
-                                            "RuntimeError: capture_begin failed"):
-        core._end_capture_mode(["g1"])
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA device")
 def test_a_failed_capture_leaves_its_registered_generators_usable():
     """A capture that registered a generator of the function's own and then failed (a host

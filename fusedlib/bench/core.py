@@ -31,7 +31,6 @@ import logging
 import operator
 import os
 import statistics
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -262,50 +261,16 @@ def time_ms(fn: Callable[[], object], grad_to_none: Iterable[torch.Tensor] | Non
     for generator in registered:
         graph.register_generator_state(generator)
     try:
-        try:
-            # a failed capture leaves its side stream current, the allocator routing to its pool
-            # and the generators in capture mode: all put back before the error
-            with restore_after_failed_capture() as pool, collector_paused_for_capture(collect=False), \
-                    torch.cuda.graph(graph, pool=pool):
-                call()
-        except BaseException:
-            if registered:  # (restore_after_failed_capture resets only the default generators)
-                _end_capture_mode(registered)
-            raise
+        # a failed capture leaves its side stream current, the allocator routing to its pool and
+        # the generators (the registered ones too) in capture mode: all put back before the error
+        with restore_after_failed_capture(generators=registered) as pool, \
+                collector_paused_for_capture(collect=False), torch.cuda.graph(graph, pool=pool):
+            call()
         return float(triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median"))
     finally:
         for t in leaves:
             t.grad = None
         del graph
-
-
-def _end_capture_mode(generators: Sequence[torch.Generator]) -> None:
-    """Take generators registered with a capture that failed out of capture mode, in place.
-
-    A capture puts each registered generator state into capture mode when it begins and takes
-    it out in ``capture_end``, which raises first when the capture failed: every later random
-    draw from such a state then fails ("Offset increment outside graph capture encountered
-    unexpectedly"). The default generators get new states
-    (:func:`fusedlib.runtime.reset_generators_after_failed_capture`), but other states may be
-    held elsewhere (Megatron-core's RNG tracker keeps them, and its ``fork()`` hands out new
-    wrappers of the same states), so these are ended in place: an empty capture that registers
-    them runs a capture's prologue and epilogue on each (seed and offset kept). Its failure
-    becomes a warning: the capture's own error is the one to raise.
-
-    Source: PyTorch ``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp`` (``capture_prologue``,
-    ``capture_epilogue``, ``increase``).
-    """
-    try:
-        graph = torch.cuda.CUDAGraph()
-        for generator in generators:
-            graph.register_generator_state(generator)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # ("The CUDA Graph is empty")
-            with torch.cuda.graph(graph):
-                pass
-    except Exception as exc:
-        warnings.warn(f"after a failed CUDA graph capture, taking its registered generators out of capture "
-                      f"mode failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
 
 
 def _record(op: str, pas: str, impl: str, shape: Sequence[int], dtype: torch.dtype, ms: float,
