@@ -702,3 +702,88 @@ def test_megatron_generators_and_init_megatron_make_and_read_the_graph_safe_trac
     assert tl.megatron_generators() == ["g1", "g2"]
     tl.init_megatron(7)  # (the graph-safe tracker in use: nothing changes)
     assert len(calls) == 1
+
+
+# ------------------------------------------------------------------------------------------
+# tools/attention_block.py: the block with SDPA held to each backend
+# ------------------------------------------------------------------------------------------
+
+def _attention_block_tool():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "attention_block.py"
+    spec = importlib.util.spec_from_file_location("attention_block", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _sdpa_flags():
+    b = torch.backends.cuda
+    return {"FLASH_ATTENTION": b.flash_sdp_enabled(), "CUDNN_ATTENTION": b.cudnn_sdp_enabled(),
+            "EFFICIENT_ATTENTION": b.mem_efficient_sdp_enabled(), "MATH": b.math_sdp_enabled()}
+
+
+def test_attention_block_tool_holds_each_sdpa_block_to_its_backend_and_no_other(monkeypatch):
+    """Each held block's SDPA calls see only their backend enabled (the flags SDPA picks by),
+    the backward runs outside the context, and afterwards the flags are as before; the free
+    blocks run as chapter 7's benchmark runs them (flash: no SDPA call; sdpa: the default
+    flags); no two implementations share a parameter."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tool = _attention_block_tool()
+    assert set(tool.HELD.values()) == {"FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"}
+    seen, real = [], F.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):  # what SDPA would see, then torch's math kernel (this CPU has no fused one with dropout)
+        seen.append(_sdpa_flags())
+        with sdpa_kernel(SDPBackend.MATH):
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    before = _sdpa_flags()
+    c = tool.block_case(TINY, torch.float32)
+    assert [i.name for i in c.impls] == ["fusedlib-sdpa", "fusedlib-flash", *tool.HELD] and c.skipped == {}
+    (x,) = c.make_inputs(DEVICE, True)
+    owners = {}
+    for impl in c.impls:
+        seen.clear()
+        impl.fn(x).sum().backward()
+        assert impl.info["sdpa_backend"] == tool.HELD.get(impl.name), impl.name
+        if impl.name == "fusedlib-flash":
+            assert seen == [], "the flash block calls no SDPA"
+        else:
+            want = ({k: k == tool.HELD[impl.name] for k in before} if impl.name in tool.HELD else before)
+            assert seen == [want] * TINY[5], (impl.name, seen)  # one call per layer's forward
+        assert _sdpa_flags() == before, impl.name
+        for p in impl.params():
+            assert owners.setdefault(id(p), impl.name) == impl.name, f"{impl.name} shares a parameter"
+    assert len(owners) == len(c.impls) * len(c.impls[0].params())
+
+
+def test_attention_block_tool_refuses_an_unknown_backend_and_keeps_the_source_impl():
+    tool = _attention_block_tool()
+    src = next(i for i in tl.case(TINY, torch.float32).impls if i.name == "fusedlib-sdpa")
+    info = dict(src.info)
+    for bad in ("FLASH", "flash_attention", "ERROR", None):
+        with pytest.raises(ValueError, match="backend must be one of .*FLASH_ATTENTION"):
+            tool.held(src, "x", bad)
+    h = tool.held(src, "fusedlib-sdpa-flash", "FLASH_ATTENTION")
+    assert (h.passes, h.params, h.generators, h.compile) == (src.passes, src.params, src.generators, src.compile)
+    assert h.info == {**info, "sdpa_backend": "FLASH_ATTENTION"} and src.info == info, "the source's info kept"
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="SDPA's fused backends with dropout and the timer need CUDA")
+def test_attention_block_tool_times_every_block_as_replays_and_plain_launches():
+    """At a small shape (head dim 32, which every fused backend takes) the tool's run gives one
+    record per block, each replayed in every round, with its backend named."""
+    tool = _attention_block_tool()
+    shape = (64, 2, 64, 2, 96, 1)
+    records = tool.measure([shape], rounds=2)
+    assert [r["impl"] for r in records] == ["fusedlib-sdpa", "fusedlib-flash", *tool.HELD]
+    for r in records:
+        assert r["op"] == "transformer_layer" and r["shape"] == list(shape) and r["timer"] == "cuda_graph", r
+        assert len(r["ms_replay_rounds"]) == len(r["ms_plain_rounds"]) == 2 and r["ms"] > 0, r
+        assert r["sdpa_backend"] == tool.HELD.get(r["impl"]) and r["attention_dropout"] == tl.ATTENTION_DROPOUT
