@@ -55,11 +55,14 @@ __all__ = [
 ]
 
 IMPL_ORDER = ("eager", "torch.compile", "megatron-core-unfused", "megatron-core", "liger", "apex",
-              "fusedlib-unfused", "fusedlib-sdpa", "fusedlib-flash", "fusedlib-fused-layer", "fusedlib",
+              "fusedlib-unfused", "fusedlib-sdpa", "fusedlib-sdpa-flash", "fusedlib-sdpa-cudnn",
+              "fusedlib-sdpa-efficient", "fusedlib-flash", "fusedlib-fused-layer", "fusedlib",
               "fusedlib-fused-layer-local", "fusedlib-fused-layer-sdpa")
 IMPL_COLORS = {"eager": "#9e9e9e", "torch.compile": "#5c6bc0", "megatron-core-unfused": "#c5e1a5",
                "megatron-core": "#76b900", "liger": "#ff9800", "apex": "#8d6e63", "fusedlib-unfused": "#f4a6a6",
                "fusedlib-sdpa": "#8c1c1c", "fusedlib-flash": "#ff7f0e",
+               # chapter 8's SDPA blocks held to one backend (tools/attention_block.py)
+               "fusedlib-sdpa-flash": "#1f77b4", "fusedlib-sdpa-cudnn": "#17becf", "fusedlib-sdpa-efficient": "#bcbd22",
                "fusedlib-fused-layer": "#ffbb78", "fusedlib": "#d62728",
                "fusedlib-fused-layer-local": "#e377c2", "fusedlib-fused-layer-sdpa": "#c49c94"}
 
