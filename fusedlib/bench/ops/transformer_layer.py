@@ -38,9 +38,12 @@ Implementations (record ``impl``; :data:`IMPLS` says the same):
                                   ``FusedTransformerLayer``
 ``fusedlib-fused-layer-sdpa``     ``fusedlib-sdpa`` with each layer a ``FusedTransformerLayer`` (SDPA's
                                   backward torch's, through autograd, inside the node)
-``fusedlib-sdpa-graphs``          ``fusedlib-sdpa`` with ``cuda_graph_impl="local"``: the layers'
-                                  and the final norm's forward and backward replayed as two CUDA
-                                  graphs (:mod:`fusedlib.transformer.cuda_graphs`)
+``fusedlib-graphs``               ``fusedlib`` (the materialised attention) with
+                                  ``cuda_graph_impl="local"``: the layers' and the final norm's
+                                  forward and backward replayed as two CUDA graphs
+                                  (:mod:`fusedlib.transformer.cuda_graphs`)
+``fusedlib-sdpa-graphs``          ``fusedlib-sdpa`` with ``cuda_graph_impl="local"``, as
+                                  ``fusedlib-graphs``
 ``megatron-core-unfused``         megatron-core's ``TransformerBlock`` from its
                                   ``get_gpt_layer_local_spec``, fusions off
 ``megatron-core``                 the same with ``bias_activation_fusion`` and ``bias_dropout_fusion``
@@ -80,7 +83,7 @@ Records (one per implementation and shape, pass ``"fwd+bwd"``; the case is timed
 of the harness, :func:`fusedlib.bench.core.measure_case`): a transformer block is not
 memory-bound, so ``"bytes"`` and ``"GBps"`` are None. Its fields beyond the benchmark records' usual ones:
 
-The two ``-graphs`` implementations capture their layers and final norm at their first call;
+The three ``-graphs`` implementations capture their layers and final norm at their first call;
 under the harness's own capture of a whole step (the ``"ms"`` timer) they run them eagerly (a
 graph of the step records the same kernels), so their ``"ms"`` repeats the un-graphed block's
 and their ``"ms_eager"`` is what the block's graphs buy with plain launches. Their graphs'
@@ -176,6 +179,8 @@ IMPLS: dict[str, str] = {
     "fusedlib-fused-layer-sdpa": "fusedlib-sdpa with FusedTransformerLayer, one node per layer",
     "megatron-core-unfused": "megatron-core's get_gpt_layer_local_spec, fusions off",
     "megatron-core": "megatron-core's get_gpt_layer_local_spec, with every fusion it can run here switched on",
+    "fusedlib-graphs": "fusedlib (materialised attention), cuda_graph_impl='local': the block's forward and backward "
+                       "as CUDA graphs",
     "fusedlib-sdpa-graphs": "fusedlib-sdpa, cuda_graph_impl='local': the block's forward and backward as CUDA graphs",
     "eager": "plain PyTorch pre-LN GPT block with scaled_dot_product_attention, eager",
     "eager-graphs": "the plain PyTorch block, its layers' forward and backward as CUDA graphs (the same manager)",
@@ -193,7 +198,7 @@ IMPLS: dict[str, str] = {
 PLAIN_ROUNDS: int = 5
 
 #: The implementations that run their layers as CUDA graphs (CUDA only).
-GRAPH_IMPLS = ("fusedlib-sdpa-graphs", "eager-graphs")
+GRAPH_IMPLS = ("fusedlib-graphs", "fusedlib-sdpa-graphs", "eager-graphs")
 
 #: The TransformerConfig switches of "every fusion on" (apply_rope_fusion is on but idle: no RoPE here).
 FUSIONS_ON = ("bias_activation_fusion", "gemm_gelu_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
@@ -554,7 +559,7 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
         shape: see above.
         dtype: of the parameters and the hidden states (bf16 for the numbers; tests use others).
         compile_backend: ``torch.compile``'s backend for the compiled layers (tests pass "eager").
-        cuda_graphs: include the two ``-graphs`` implementations, which need CUDA (None: where
+        cuda_graphs: include the three ``-graphs`` implementations, which need CUDA (None: where
             ``torch.cuda.is_available()``); left out, ``skipped`` says why.
 
     Returns:
@@ -598,6 +603,9 @@ def case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, *,
              fusions=fused_on, attention="sdpa", layer="FusedTransformerLayer"),
     ]
     if cuda_graphs:
+        impls.append(impl("fusedlib-graphs",
+                          _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.local, t, d, cuda_graph=True),
+                                 _block_call), fusions=fused_on, attention="materialised", cuda_graph_impl="local"))
         impls.append(impl("fusedlib-sdpa-graphs",
                           _Model(lambda d, t: fusedlib_block(shape, True, AttnBackend.auto, t, d, cuda_graph=True),
                                  _block_call), fusions=fused_on, attention="sdpa", cuda_graph_impl="local"))
