@@ -12,8 +12,8 @@ times the same training step (:func:`fusedlib.bench.ops.transformer_layer.case`:
 dropouts, weights' initialisation and timer) with those two blocks and with ``fusedlib-sdpa``
 held to one SDPA backend by ``torch.nn.attention.sdpa_kernel`` around the step (:func:`held`):
 
-* ``fusedlib-sdpa-flash``: FLASH_ATTENTION, the kernel the attention benchmark's goals are set
-  against;
+* ``fusedlib-sdpa-flash``: FLASH_ATTENTION, the kernel the attention benchmark's "faster than"
+  goal is set against;
 * ``fusedlib-sdpa-cudnn``: CUDNN_ATTENTION;
 * ``fusedlib-sdpa-efficient``: EFFICIENT_ATTENTION.
 
@@ -118,12 +118,19 @@ def measure(shapes: Sequence[Sequence[int]], rounds: int = tl.PLAIN_ROUNDS,
             progress: Callable[[str], None] | None = None) -> list[dict]:
     """Time :func:`block_case` at each shape on the current CUDA device.
 
+    Args:
+        shapes: [s, b, h, heads, ffn, layers] each.
+        rounds: rounds of plain launches and replays, the implementations in turns
+            (:attr:`fusedlib.bench.core.BenchCase.plain_rounds`).
+        progress: called with a label after each timing (:func:`fusedlib.bench.core.measure_case`).
+
     Returns:
         The records (an implementation that failed is logged and left out, as the harness
         does; :func:`main` prints why).
 
     Raises:
         SystemExit: without a CUDA GPU.
+        ValueError: a bad shape, or ``rounds`` not an int >= 1.
     """
     if not torch.cuda.is_available():
         raise SystemExit("attention_block: needs a CUDA GPU")
