@@ -734,7 +734,8 @@ def test_attention_block_tool_holds_each_sdpa_block_to_its_backend_and_no_other(
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     tool = _attention_block_tool()
-    assert set(tool.HELD.values()) == {"FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"}
+    assert tool.HELD == {"fusedlib-sdpa-flash": "FLASH_ATTENTION", "fusedlib-sdpa-cudnn": "CUDNN_ATTENTION",
+                         "fusedlib-sdpa-efficient": "EFFICIENT_ATTENTION"}
     seen, real = [], F.scaled_dot_product_attention
 
     def sdpa(*args, **kwargs):  # what SDPA would see, then torch's math kernel (this CPU has no fused one with dropout)
@@ -767,12 +768,35 @@ def test_attention_block_tool_refuses_an_unknown_backend_and_keeps_the_source_im
     tool = _attention_block_tool()
     src = next(i for i in tl.case(TINY, torch.float32).impls if i.name == "fusedlib-sdpa")
     info = dict(src.info)
-    for bad in ("FLASH", "flash_attention", "ERROR", None):
+    for bad in ("FLASH", "flash_attention", "ERROR", "OVERRIDEABLE", None):
         with pytest.raises(ValueError, match="backend must be one of .*FLASH_ATTENTION"):
             tool.held(src, "x", bad)
     h = tool.held(src, "fusedlib-sdpa-flash", "FLASH_ATTENTION")
     assert (h.passes, h.params, h.generators, h.compile) == (src.passes, src.params, src.generators, src.compile)
     assert h.info == {**info, "sdpa_backend": "FLASH_ATTENTION"} and src.info == info, "the source's info kept"
+    for backends in ({"fusedlib-sdpa": "FLASH_ATTENTION"}, {"fusedlib-flash": "MATH"}, [("x", "MATH")], {1: "MATH"}):
+        with pytest.raises(ValueError, match="backends must be a dict of new impl names"):
+            tool.block_case(TINY, torch.float32, backends)
+    for dtype in ("bf16", torch.int32):
+        with pytest.raises(ValueError, match="dtype must be a floating torch.dtype"):
+            tool.block_case(TINY, dtype)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the refusals of a machine without CUDA")
+def test_attention_block_tool_refuses_a_bad_out_before_timing_and_needs_cuda(tmp_path, monkeypatch, capsys):
+    tool = _attention_block_tool()
+    timed = []
+    monkeypatch.setattr(tool, "measure", lambda shapes: timed.append(shapes) or [])
+    for out in (str(tmp_path), str(tmp_path / "no_such_folder" / "x.json")):
+        with pytest.raises(SystemExit):
+            tool.main(["--out", out])
+        assert "--out must be a file's path in an existing folder" in capsys.readouterr().err
+    assert timed == [], "a bad --out is refused before any timing"
+    monkeypatch.undo()
+    tool = _attention_block_tool()
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        tool.main(["--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="SDPA's fused backends with dropout and the timer need CUDA")

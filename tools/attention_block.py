@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Callable, Sequence
 
 import torch
@@ -69,7 +70,8 @@ def held(impl: Impl, name: str, backend: str) -> Impl:
         and info, plus ``"sdpa_backend": backend``.
 
     Raises:
-        ValueError: ``backend`` is not a member of ``SDPBackend`` (naming the members).
+        ValueError: ``backend`` is not one of the names MATH, FLASH_ATTENTION,
+            EFFICIENT_ATTENTION, CUDNN_ATTENTION (naming them).
     """
     members = [m for m in SDPBackend.__members__ if m not in ("ERROR", "OVERRIDEABLE")]
     if backend not in members:
@@ -98,9 +100,15 @@ def block_case(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16,
         share a module.
 
     Raises:
-        ValueError: a bad ``shape`` or backend name.
+        ValueError: a bad ``shape``; ``dtype`` not a floating torch dtype; ``backends`` not a
+            dict of new names (not those of :data:`FREE`) to backend names, or a bad backend name.
     """
     backends = HELD if backends is None else backends
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if not isinstance(backends, dict) or any(not isinstance(n, str) or n in FREE for n in backends):
+        raise ValueError(f"backends must be a dict of new impl names (not {', '.join(FREE)}) -> SDPA backend "
+                         f"names, got {backends!r}")
 
     def sdpa_impl() -> Impl:
         return next(i for i in tl.case(shape, dtype, cuda_graphs=False).impls if i.name == "fusedlib-sdpa")
@@ -126,14 +134,16 @@ def measure(shapes: Sequence[Sequence[int]], rounds: int = tl.PLAIN_ROUNDS,
 
     Returns:
         The records (an implementation that failed is logged and left out, as the harness
-        does; :func:`main` prints why).
+        does, and printed with why).
 
     Raises:
         SystemExit: without a CUDA GPU.
-        ValueError: a bad shape, or ``rounds`` not an int >= 1.
+        ValueError: a bad shape (every shape checked before the first is timed), or ``rounds``
+            not an int >= 1.
     """
     if not torch.cuda.is_available():
         raise SystemExit("attention_block: needs a CUDA GPU")
+    shapes = [tl._check_shape(shape) for shape in shapes]
     records = []
     for shape in shapes:
         case = block_case(shape)
@@ -145,17 +155,20 @@ def measure(shapes: Sequence[Sequence[int]], rounds: int = tl.PLAIN_ROUNDS,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--out", default="attention_block.json", help="where to write the records (JSON)")
     parser.add_argument("--sweep", action="store_true", help="add chapter 7's smallest stack")
     args = parser.parse_args(argv)
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.path.isdir(folder):  # found before minutes of timing, not after
+        parser.error(f"--out must be a file's path in an existing folder, got {args.out!r}")
     shapes = [tl.DEFAULT_SHAPE, tl.GPT2_SMALL_SHAPE] + ([tl.SMALL_SHAPE] if args.sweep else [])
     records = measure(shapes)
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)
     for r in records:
-        print(f"{r['shape']} {r['impl']:24s} replay {r['ms']:8.3f} ms  plain {r.get('ms_eager', r['ms']):8.3f} ms",
-              flush=True)
+        replay = f"{r['ms']:8.3f} ms" if r.get("timer") == "cuda_graph" else "     n/a   "
+        print(f"{r['shape']} {r['impl']:24s} replay {replay}  plain {r.get('ms_eager', r['ms']):8.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
