@@ -42,13 +42,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fusedlib.bench.core import BenchCase, Impl, measure_case
 from fusedlib.bench.ops import transformer_layer as tl
+from fusedlib.bench.ops.attention import SDPA_BACKENDS
 
-#: impl name -> the SDPA backend it is held to
-HELD: dict[str, str] = {
-    "fusedlib-sdpa-flash": "FLASH_ATTENTION",
-    "fusedlib-sdpa-cudnn": "CUDNN_ATTENTION",
-    "fusedlib-sdpa-efficient": "EFFICIENT_ATTENTION",
-}
+#: impl name -> the SDPA backend it is held to: the attention benchmark's fused backends
+#: (:data:`fusedlib.bench.ops.attention.SDPA_BACKENDS` less MATH), "fusedlib-" before each name
+HELD: dict[str, str] = {f"fusedlib-{name}": backend for name, backend in SDPA_BACKENDS.items() if backend != "MATH"}
 #: the blocks of chapter 7's benchmark timed beside the held ones
 FREE = ("fusedlib-flash", "fusedlib-sdpa")
 
