@@ -5,6 +5,7 @@ summary, the CLI's hooks, and the harness and book helpers that must tolerate re
 """
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -281,6 +282,14 @@ def test_plot_throughput_draws_records_timed_with_plain_launches_only():
 # ------------------------------------------------------------------------------------------
 # The profile
 # ------------------------------------------------------------------------------------------
+
+def test_the_profile_covers_fusedlibs_blocks_and_the_goals_compiled_baseline():
+    # the chapter sets fusedlib-sdpa's kernels against torch.compile's: both must be profiled by default, and
+    # every name must be an implementation (profile() refuses unknown names, on the GPU after the whole sweep)
+    assert set(tl.PROFILE_IMPLS) <= set(tl.IMPLS)
+    assert {"fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash", "torch.compile"} <= set(tl.PROFILE_IMPLS)
+    assert inspect.signature(tl.profile).parameters["impls"].default == tl.PROFILE_IMPLS
+
 
 def test_kernel_categories_and_summary():
     assert tl.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") == "GEMM"

@@ -204,8 +204,9 @@ GRAPH_IMPLS = ("fusedlib-graphs", "fusedlib-sdpa-graphs", "eager-graphs")
 FUSIONS_ON = ("bias_activation_fusion", "gemm_gelu_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
               "persist_layer_norm", "apply_rope_fusion")
 
-#: Profiled at DEFAULT_SHAPE, as plain launches.
-PROFILE_IMPLS = ("fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash")
+#: Profiled at DEFAULT_SHAPE, as plain launches (torch.compile: the goals' strongest baseline, its kernels beside
+#: fusedlib's).
+PROFILE_IMPLS = ("fusedlib-unfused", "fusedlib", "fusedlib-sdpa", "fusedlib-flash", "torch.compile")
 PROFILE_FILE = "transformer_layer_profile.json"
 
 
@@ -876,7 +877,7 @@ def _profile_steps(step: Callable[[], None], device: torch.device, steps: int, t
 
 
 def profile(device: torch.device | str = "cuda", shape: Sequence[int] = DEFAULT_SHAPE,
-            impls: Sequence[str] = PROFILE_IMPLS, steps: int = 3, warmup: int = 2, top: int = 12,
+            impls: Sequence[str] = PROFILE_IMPLS, steps: int = 3, warmup: int = 2, top: int = 16,
             dtype: torch.dtype = torch.bfloat16) -> dict:
     """Where a training step's time goes: the kernels ``torch.profiler`` records in ``steps``
     plain-launch steps of each implementation in ``impls`` (after ``warmup`` steps), per step.
