@@ -33,14 +33,13 @@ Source: PyTorch ``torch.nn.attention.sdpa_kernel`` and ``SDPBackend``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Callable, Sequence
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fusedlib.bench.core import BenchCase, Impl, measure_case
+from fusedlib.bench.core import BenchCase, Impl, measure_case, write_records
 from fusedlib.bench.ops import transformer_layer as tl
 from fusedlib.bench.ops.attention import SDPA_BACKENDS
 
@@ -162,8 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--out must be a file's path in an existing folder, got {args.out!r}")
     shapes = [tl.DEFAULT_SHAPE, tl.GPT2_SMALL_SHAPE] + ([tl.SMALL_SHAPE] if args.sweep else [])
     records = measure(shapes)
-    with open(args.out, "w") as f:
-        json.dump(records, f, indent=1)
+    write_records(records, args.out)
     for r in records:
         replay = f"{r['ms']:8.3f} ms" if r.get("timer") == "cuda_graph" else "     n/a   "
         print(f"{r['shape']} {r['impl']:24s} replay {replay}  plain {r.get('ms_eager', r['ms']):8.3f} ms", flush=True)
