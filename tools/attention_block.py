@@ -70,7 +70,7 @@ def held(impl: Impl, name: str, backend: str) -> Impl:
         ValueError: ``backend`` is not one of the names MATH, FLASH_ATTENTION,
             EFFICIENT_ATTENTION, CUDNN_ATTENTION (naming them).
     """
-    members = [m for m in SDPBackend.__members__ if m not in ("ERROR", "OVERRIDEABLE")]
+    members = list(SDPA_BACKENDS.values())  # the attention benchmark's names of SDPBackend's kernels
     if backend not in members:
         raise ValueError(f"backend must be one of {', '.join(members)}, got {backend!r}")
     which = getattr(SDPBackend, backend)
