@@ -2,11 +2,17 @@
 against a float64 reference, its bits from call to call, its errors, and its use by
 VocabParallelEmbedding under ``deterministic_mode``.
 
+Two routes: the one-hot matrix product (V <= ONEHOT_MAX_VOCAB, 16- and 32-bit gradients) and
+the sort; every test names the route it checks (``onehot=True`` / ``False``) or takes the
+public function's choice.
+
 Tolerance: the kernel adds a row's k gradients in float32 (float64 for float64 input) and rounds
 once to the output dtype, so |out - ref| <= k·u_acc·sum|g| + u_out·|ref| (u: unit roundoff,
 2^-24 for float32 accumulation, 2^-53 for float64; u_out of the output dtype), the standard
 bound for recursive summation (Higham, Accuracy and Stability of Numerical Algorithms, 4.2)
-plus one rounding.
+plus one rounding. The one-hot route's sums are the tensor cores' float32 accumulations, which
+NVIDIA does not document as rounding to nearest: with truncation each addition errs by up to
+2^-23 (one ulp, not half), so that route's bound takes u_acc = 2^-23.
 """
 from __future__ import annotations
 
@@ -29,11 +35,16 @@ def _reference(ids, grad, v):
         0, ids.reshape(-1).long(), grad.reshape(-1, h).double())
 
 
-def _check(ids, grad, v, out_dtype=None, host_runs=None):
-    if host_runs is None:
+def _check(ids, grad, v, out_dtype=None, host_runs=None, onehot=False):
+    """``host_runs`` None: the public function (its route); else the sort with the runs found
+    by the host (the CPU's) or a program per position (a GPU's). ``onehot``: the product."""
+    if onehot:
+        out = emb._embedding_backward(ids, grad, v, out_dtype, host_runs=False, onehot=True)
+    elif host_runs is None:
         out = embedding_backward(ids, grad, v, out_dtype)
-    else:  # the other path too: the runs found by the host (the CPU's), or a program per position (a GPU's)
-        out = emb._embedding_backward(ids, grad, v, out_dtype, host_runs=host_runs)
+    else:
+        out = emb._embedding_backward(ids, grad, v, out_dtype, host_runs=host_runs, onehot=False)
+    onehot = onehot or (host_runs is None and v <= emb.ONEHOT_MAX_VOCAB and grad.dtype != torch.float64)
     assert out.shape == (v, grad.shape[-1]) and out.dtype == (out_dtype or grad.dtype)
     ref = _reference(ids, grad, v)
     h = grad.shape[-1]
@@ -41,22 +52,27 @@ def _check(ids, grad, v, out_dtype=None, host_runs=None):
     k = torch.bincount(flat, minlength=v).double().to(grad.device)[:, None]  # terms per row
     abs_sum = torch.zeros(v, h, dtype=torch.float64, device=grad.device).index_add_(
         0, flat, grad.reshape(-1, h).double().abs())
-    u_acc = 2.0 ** -53 if grad.dtype == torch.float64 else 2.0 ** -24
+    u_acc = 2.0 ** -53 if grad.dtype == torch.float64 else 2.0 ** -23 if onehot else 2.0 ** -24
     tol = k * u_acc * abs_sum + UNIT[out.dtype] * ref.abs()
     err = (out.double() - ref).abs()
     assert (err <= tol).all(), f"max error {err.max().item()} (tolerance there {tol[err.argmax() // h].max().item()})"
     return out
 
 
-@pytest.mark.parametrize("host_runs", [None, not DEVICE.type == "cpu"])
+@pytest.mark.parametrize("route", ["public", "onehot", "sorted, other runs"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("v, shape, h", [(7, (3, 5), 33), (256, (4, 37), 130), (1, (9,), 5), (50, (1,), 1),
-                                          (3, (2, 50), 1025), (1000, (6, 7), 64)])
-def test_matches_float64_reference(dtype, v, shape, h, host_runs):
+                                          (3, (2, 50), 1025), (300, (5, 31), 17), (1000, (6, 7), 64)])
+def test_matches_float64_reference(dtype, v, shape, h, route):
+    """Both routes at odd sizes (V, h not multiples of the tiles, one token, h = 1): the
+    public function's choice, the one-hot product (16- and 32-bit gradients), and the sort
+    with the runs found the other way than the device's own."""
+    if route == "onehot" and dtype == torch.float64:
+        return  # (the one-hot route refuses float64: test_onehot_route_refuses_float64)
     gen = torch.Generator().manual_seed(v * 1000 + h)
     ids = torch.randint(0, v, shape, generator=gen).to(DEVICE)
     grad = torch.randn(*shape, h, generator=gen).to(DEVICE, dtype)
-    out = _check(ids, grad, v, None, host_runs)
+    out = _check(ids, grad, v, None, None if route == "public" else not DEVICE.type == "cpu", route == "onehot")
     absent = torch.ones(v, dtype=torch.bool, device=DEVICE)
     absent[ids.reshape(-1)] = False
     assert (out[absent] == 0).all()  # ids that do not occur: zero rows
@@ -79,12 +95,15 @@ def test_long_runs_int32_ids_and_strided_grad(host_runs):
     _check(ids2, grad2, 5, None, host_runs)
 
 
-def test_same_bits_every_call():
+@pytest.mark.parametrize("onehot", [True, False])
+def test_same_bits_every_call(onehot):
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 9, (4, 33), generator=gen).to(DEVICE)
     grad = torch.randn(4, 33, 48, generator=gen).to(DEVICE, torch.bfloat16)
-    first = embedding_backward(ids, grad, 9)
-    assert all(torch.equal(first, embedding_backward(ids, grad, 9)) for _ in range(3))
+    host = DEVICE.type == "cpu"
+    first = emb._embedding_backward(ids, grad, 9, None, host_runs=host, onehot=onehot)
+    assert all(torch.equal(first, emb._embedding_backward(ids, grad, 9, None, host_runs=host, onehot=onehot))
+               for _ in range(3))
 
 
 @pytest.mark.parametrize("host_runs", [True, False])
@@ -96,9 +115,9 @@ def test_equal_ids_are_added_in_the_tokens_order(host_runs):
     ids = torch.randint(0, 5, (100,), generator=gen)
     grad = torch.randn(100, 16, generator=gen) * 2.0 ** torch.randint(-12, 13, (100, 1), generator=gen)
     grouped = torch.argsort(ids, stable=True)  # each id's tokens together, in their order
-    out = emb._embedding_backward(ids.to(DEVICE), grad.to(DEVICE), 5, None, host_runs=host_runs)
+    out = emb._embedding_backward(ids.to(DEVICE), grad.to(DEVICE), 5, None, host_runs=host_runs, onehot=False)
     out_grouped = emb._embedding_backward(ids[grouped].to(DEVICE), grad[grouped].to(DEVICE), 5, None,
-                                          host_runs=host_runs)
+                                          host_runs=host_runs, onehot=False)
     assert torch.equal(out, out_grouped)
 
 
@@ -116,7 +135,7 @@ def test_ids_outside_the_vocabulary_write_nothing(host_runs):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(emb.torch, "zeros", lambda *shape, **kw: buffer[1:4] if tuple(shape) == (3, 4)
                    else real_zeros(*shape, **kw))
-        out = emb._embedding_backward(ids, grad, 3, None, host_runs=host_runs)
+        out = emb._embedding_backward(ids, grad, 3, None, host_runs=host_runs, onehot=False)
     assert out.data_ptr() == buffer[1:4].data_ptr()
     assert out.tolist() == [[1.0] * 4, [0.0] * 4, [2.0] * 4]
     assert buffer[0].tolist() == [1234.0] * 4 and buffer[4].tolist() == [1234.0] * 4
@@ -139,15 +158,18 @@ def test_distinct_negative_ids_leave_the_rows_of_valid_ids_whole(host_runs):
     ids than V + 1 (they sort before every valid id) still leave each valid id its own run."""
     ids = torch.tensor([-1, 0, -2, 1, -3, 0, -4], device=DEVICE)
     grad = torch.arange(1.0, 8.0, device=DEVICE)[:, None].expand(7, 3)
-    out = emb._embedding_backward(ids, grad, 2, None, host_runs=host_runs)
+    out = emb._embedding_backward(ids, grad, 2, None, host_runs=host_runs, onehot=False)
     assert out.tolist() == [[8.0] * 3, [4.0] * 3]
+    assert emb._embedding_backward(ids, grad, 2, None, host_runs=host_runs, onehot=True).tolist() == out.tolist()
 
 
-def test_empty_inputs():
-    assert embedding_backward(torch.zeros(0, dtype=torch.long, device=DEVICE), torch.zeros(0, 3, device=DEVICE),
-                              4).eq(0).all()
-    assert embedding_backward(torch.zeros(2, dtype=torch.long, device=DEVICE), torch.zeros(2, 0, device=DEVICE),
-                              4).shape == (4, 0)
+@pytest.mark.parametrize("onehot", [True, False])
+def test_empty_inputs(onehot):
+    empty = emb._embedding_backward(torch.zeros(0, dtype=torch.long, device=DEVICE), torch.zeros(0, 3, device=DEVICE),
+                                    4, None, host_runs=False, onehot=onehot)
+    assert empty.shape == (4, 3) and empty.eq(0).all()
+    assert emb._embedding_backward(torch.zeros(2, dtype=torch.long, device=DEVICE), torch.zeros(2, 0, device=DEVICE),
+                                   4, None, host_runs=False, onehot=onehot).shape == (4, 0)
 
 
 _IDS = torch.zeros(3, dtype=torch.long)
@@ -181,6 +203,69 @@ def test_ids_and_grad_on_two_devices_or_meta():
         embedding_backward(_IDS.to("meta"), torch.zeros(3, 2, device="meta"), 4)
 
 
+@pytest.mark.parametrize("v, dtype, route", [
+    (1, torch.bfloat16, "_embedding_bwd_onehot_kernel"), (emb.ONEHOT_MAX_VOCAB, torch.float32, "_embedding_bwd_onehot_kernel"),
+    (emb.ONEHOT_MAX_VOCAB, torch.float16, "_embedding_bwd_onehot_kernel"),
+    (emb.ONEHOT_MAX_VOCAB + 1, torch.bfloat16, "_embedding_bwd_pieces_kernel"),
+    (7, torch.float64, "_embedding_bwd_pieces_kernel")])
+def test_the_route_by_vocabulary_and_dtype(v, dtype, route, monkeypatch):
+    """The public function's choice: the one-hot product up to ONEHOT_MAX_VOCAB rows for 16- and
+    32-bit gradients, the sort above it and for float64 (the first kernel launched names it)."""
+    seen = []
+    real = emb.launch
+    monkeypatch.setattr(emb, "launch", lambda kernel, grid, *a, **k: seen.append(kernel.__name__) or real(kernel, grid,
+                                                                                                         *a, **k))
+    ids = torch.tensor([0, v - 1, 0], device=DEVICE)
+    grad = torch.ones(3, 2, device=DEVICE, dtype=dtype)
+    out = embedding_backward(ids, grad, v)
+    assert seen[0] == route
+    expected = torch.zeros(v, 2, dtype=torch.float64).index_add_(0, ids.cpu(), torch.ones(3, 2, dtype=torch.float64))
+    assert torch.equal(out.double().cpu(), expected)
+
+
+def test_onehot_route_refuses_float64():
+    with pytest.raises(ValueError, match="one-hot route takes float16, bfloat16 or float32 gradients, got float64"):
+        emb._embedding_backward(_IDS.to(DEVICE), torch.zeros(3, 2, dtype=torch.float64, device=DEVICE), 4, None,
+                                host_runs=False, onehot=True)
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_onehot_chunks_added_in_a_second_stage(chunks, monkeypatch):
+    """With the tokens in chunks (a GPU's grid: one program per SM), each chunk's float32 sums
+    go to a partials buffer that the reduction module's second stage adds in chunk order and
+    rounds once: the float64 reference's tolerance and the same bits on every call. The grid
+    is forced (the CPU's two interpreter SMs give one chunk), and recorded."""
+    def forced(n_rows, block_m, programs_per_sm, device, column_blocks=1, fold_tiles=0):
+        per = -(-(-(-n_rows // block_m)) // chunks) * block_m  # cdiv(tiles, chunks) tiles a chunk
+        return -(-n_rows // per), per
+
+    monkeypatch.setattr(emb, "persistent_grid", forced)
+    grids = []
+    real = emb.launch
+    monkeypatch.setattr(emb, "launch", lambda kernel, grid, *a, **k: grids.append(tuple(grid)) or real(kernel, grid,
+                                                                                                       *a, **k))
+    gen = torch.Generator().manual_seed(17)
+    ids = torch.randint(0, 40, (5 * 64 + 9,), generator=gen).to(DEVICE)
+    grad = torch.randn(5 * 64 + 9, 24, generator=gen).to(DEVICE, torch.bfloat16)
+    out = _check(ids, grad, 40, torch.float32, onehot=True)
+    assert grids == [(1, 1, chunks)]
+    assert torch.equal(out, emb._embedding_backward(ids, grad, 40, torch.float32, host_runs=False, onehot=True))
+
+
+def test_onehot_writes_nothing_outside_its_buffer(monkeypatch):
+    """Ids outside [0, V) (negative, V, far past it) match no row of the one-hot matrix: they add
+    nothing and no program writes outside the result, here a buffer between marker rows."""
+    ids = torch.tensor([0, 2, -1, 3, 2, 99, -7, 5, 6, 7, 8, 9], device=DEVICE)
+    grad = torch.ones(12, 4, device=DEVICE)
+    buffer = torch.zeros(5 * 4, device=DEVICE)
+    buffer[:4] = buffer[16:] = 1234.0
+    monkeypatch.setattr(emb, "partials_buffer", lambda rows, n_cols, acc, out_dtype, device: buffer[4:16].view(1, 12))
+    out = emb._embedding_backward(ids, grad, 3, None, host_runs=False, onehot=True)
+    assert out.data_ptr() == buffer[4:].data_ptr()
+    assert out.tolist() == [[1.0] * 4, [0.0] * 4, [2.0] * 4]
+    assert buffer[:4].tolist() == [1234.0] * 4 and buffer[16:].tolist() == [1234.0] * 4
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_vocab_parallel_embedding_uses_it_in_deterministic_mode(deterministic, monkeypatch):
     """deterministic_mode routes the weight gradient through the kernel (counted), with the
@@ -206,13 +291,11 @@ def test_vocab_parallel_embedding_uses_it_in_deterministic_mode(deterministic, m
     assert len(calls) == (1 if deterministic else 0)
 
 
-@pytest.mark.parametrize("host_runs, grids", [(True, [(4, 1), (3, 1)]), (False, [(6, 1), (5, 1)]),
-                                              (None, [(4, 1), (3, 1)] if DEVICE.type == "cpu" else [(6, 1), (5, 1)])])
+@pytest.mark.parametrize("host_runs, grids", [(True, [(4, 1), (3, 1)]), (False, [(6, 1), (5, 1)])])
 def test_programs_per_piece_and_run_or_bound(host_runs, grids, monkeypatch):
-    """With the runs found by the host (the CPU's path) a program per piece, then one per run;
-    else (a GPU's: counting them would wait for the device) as many as the bounds the host
-    knows: n // 32 + V + 1 = 6 pieces and V + 1 = 5 runs, the spare programs idle.
-    embedding_backward takes the path of the tensors' device (None here).
+    """The sort: with the runs found by the host (the CPU's path) a program per piece, then one
+    per run; else (a GPU's: counting them would wait for the device) as many as the bounds the
+    host knows: n // 32 + V + 1 = 6 pieces and V + 1 = 5 runs, the spare programs idle.
     Here: id 3 35 times (two pieces of 32 rows), ids 1 and 0 once each, 2 absent."""
     seen = []
     real = emb.launch
@@ -220,10 +303,7 @@ def test_programs_per_piece_and_run_or_bound(host_runs, grids, monkeypatch):
                                                                                                        *a, **k))
     ids = torch.tensor([3] * 20 + [1] + [3] * 13 + [0 ] * 0 + [0] + [3] * 2, device=DEVICE)[:37]
     grad = torch.ones(37, 2, device=DEVICE)
-    if host_runs is None:
-        out = embedding_backward(ids, grad, 4)
-    else:
-        out = emb._embedding_backward(ids, grad, 4, None, host_runs=host_runs)
+    out = emb._embedding_backward(ids, grad, 4, None, host_runs=host_runs, onehot=False)
     assert seen == grids
     assert out[:, 0].tolist() == [1.0, 1.0, 0.0, 35.0]
 
@@ -237,7 +317,7 @@ def test_programs_per_piece_never_more_than_the_tokens(monkeypatch):
                                                                                                        *a, **k))
     ids = torch.arange(31, -1, -1, device=DEVICE)
     grad = torch.arange(32, dtype=torch.float32, device=DEVICE)[:, None].expand(32, 2)
-    out = emb._embedding_backward(ids, grad, 32, None, host_runs=False)
+    out = emb._embedding_backward(ids, grad, 32, None, host_runs=False, onehot=False)
     assert seen == [(32, 1), (32, 1)]
     assert torch.equal(out, grad.flip(0))
 

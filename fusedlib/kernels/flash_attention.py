@@ -100,7 +100,7 @@ from ..runtime import (
     spec_key, tensor_key,
 )
 from .bias_dropout_add import KEEP_BITS, drop_threshold, dropout_scale
-from .launch import Tile, TileTable, _TensorDescriptor as _HostDescriptor, cdiv, next_power_of_2, pick
+from .launch import Tile, TileTable, _TensorDescriptor as _HostDescriptor, cdiv, dot_settings, next_power_of_2, pick
 
 #: Triton's host-side descriptor class (the launch layer's import: None in a Triton without one)
 #: where Triton's device-side descriptors have bulk reductions (``atomic_add``), else None.
@@ -983,19 +983,10 @@ def _flash_bwd_dq_convert_kernel(
 # Host launchers (no autograd, no user-input checks: fusedlib.fusions.fused_attention does those)
 # ---------------------------------------------------------------------------------------------
 
-_TL: dict[torch.dtype, tl.dtype] = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
 def _dot_settings(dtype: torch.dtype) -> tuple[tl.dtype, str]:
-    """(DOT, PRECISION): the products' operand dtype and precision for inputs of ``dtype``.
-
-    bfloat16 products run in float32 in Triton's interpreter, which cannot multiply bfloat16
-    (the operands are rounded to bfloat16 first, so the values are the GPU's); float32
-    inputs multiply in IEEE float32, not TF32 (10-bit mantissas), so that float32 is a
-    reference dtype."""
-    if dtype == torch.bfloat16 and INTERPRET_ON_CPU:
-        return tl.float32, "ieee"
-    return _TL[dtype], ("ieee" if dtype == torch.float32 else "tf32")
+    """(DOT, PRECISION): :func:`~fusedlib.kernels.launch.dot_settings` for inputs of ``dtype``
+    in this process (interpreted or compiled)."""
+    return dot_settings(dtype, INTERPRET_ON_CPU)
 
 
 def _block_d(head_dim: int) -> int:

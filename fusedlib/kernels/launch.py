@@ -67,6 +67,7 @@ __all__ = [
     "next_power_of_2",
     "acc_dtype",
     "TL_DTYPE",
+    "dot_settings",
     "as_rows",
     "empty_contiguous_like",
     "MAX_FUSED_SIZE",
@@ -322,6 +323,33 @@ def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
         if d in _ACC:
             return torch.float64
     return torch.float32
+
+
+_DOT_DTYPE: dict[torch.dtype, tl.dtype] = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                                           torch.float32: tl.float32}
+
+
+def dot_settings(dtype: torch.dtype, interpreted: bool) -> tuple[tl.dtype, str]:
+    """(DOT, PRECISION) for ``tl.dot`` on operands loaded as ``dtype``: the dtype to cast them
+    to and the ``input_precision``.
+
+    bfloat16 products run in float32 in Triton's interpreter (``interpreted``), which cannot
+    multiply bfloat16 (the operands are bfloat16 values already, so the products are the
+    GPU's); float32 operands multiply in IEEE float32, not TF32 (10-bit mantissas), so that
+    float32 is a reference dtype.
+
+    Args:
+        dtype: float16, bfloat16 or float32.
+        interpreted: whether the kernel runs in Triton's interpreter.
+
+    Returns:
+        A Triton dtype and ``"ieee"`` or ``"tf32"`` (which 16-bit operands ignore).
+
+    Source: fusedlib's own; Triton's ``tl.dot`` (``input_precision``).
+    """
+    if dtype == torch.bfloat16 and interpreted:
+        return tl.float32, "ieee"
+    return _DOT_DTYPE[dtype], ("ieee" if dtype == torch.float32 else "tf32")
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
