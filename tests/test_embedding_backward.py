@@ -196,6 +196,12 @@ def test_bad_input(ids, grad, v, dtype, error, match):
         embedding_backward(ids, grad.to(DEVICE), v, dtype)
 
 
+@pytest.mark.parametrize("grad", [None, [[0.0, 1.0]], "x"])
+def test_a_grad_that_is_not_a_tensor(grad):
+    with pytest.raises(TypeError, match="grad must be a torch.Tensor"):
+        embedding_backward(torch.tensor([0], device=DEVICE), grad, 2)
+
+
 def test_ids_and_grad_on_two_devices_or_meta():
     with pytest.raises(ValueError, match="one device"):
         embedding_backward(_IDS.to("meta"), torch.zeros(3, 2, device=DEVICE), 4)
@@ -250,6 +256,37 @@ def test_onehot_chunks_added_in_a_second_stage(chunks, monkeypatch):
     out = _check(ids, grad, 40, torch.float32, onehot=True)
     assert grids == [(1, 1, chunks)]
     assert torch.equal(out, emb._embedding_backward(ids, grad, 40, torch.float32, host_runs=False, onehot=True))
+
+
+@pytest.mark.parametrize("onehot", [True, False])
+def test_strided_and_expanded_ids(onehot):
+    """Ids that are a view with steps, a column of a matrix, or one id expanded (stride 0): each
+    token its own id, as the float64 reference reads them (the one-hot kernel reads n
+    consecutive integers, so such a view must be copied first)."""
+    host = DEVICE.type == "cpu"
+    base = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1], device=DEVICE)
+    pairs = torch.tensor([[3, 9], [3, 9], [4, 9]], device=DEVICE)
+    for ids in (base[::2], pairs[:, 0], torch.tensor([1], device=DEVICE).expand(4), base.view(2, 4)[:, ::2]):
+        grad = torch.randn(*ids.shape, 3, generator=torch.Generator().manual_seed(ids.numel())).to(DEVICE)
+        out = emb._embedding_backward(ids, grad, 10, None, host_runs=host, onehot=onehot)
+        torch.testing.assert_close(out.double(), _reference(ids, grad, 10), rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN and inf on purpose (numpy's, in the interpreter)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("onehot", [True, False])
+def test_inf_and_nan_stay_in_their_rows(dtype, onehot):
+    """An inf or NaN in the gradient of a token reaches only its id's row, as in torch's sum
+    (index_add_): a row of an absent id stays 0, an out-of-range id's NaN reaches no row. (A
+    product with the one-hot matrix would spread 0 * inf = NaN over every row: the one-hot
+    route adds such a step of tokens one by one.)"""
+    inf, nan = float("inf"), float("nan")
+    ids = torch.tensor([0, 1, 2, 0, 7, -1], device=DEVICE)
+    grad = torch.tensor([[1.0, 1.0], [inf, 1.0], [3.0, nan], [2.0, -inf], [nan, nan], [inf, inf]],
+                        device=DEVICE).to(dtype)
+    out = emb._embedding_backward(ids, grad, 4, None, host_runs=DEVICE.type == "cpu", onehot=onehot)
+    expected = torch.tensor([[3.0, -inf], [inf, 1.0], [3.0, nan], [0.0, 0.0]])
+    torch.testing.assert_close(out.float().cpu(), expected, equal_nan=True, rtol=0, atol=0)
 
 
 def test_onehot_writes_nothing_outside_its_buffer(monkeypatch):
