@@ -34,15 +34,15 @@ builds its [BLOCK_V, BLOCK_T] block of the one-hot matrix in registers from BLOC
 multiplies it by the [BLOCK_T, BLOCK_H] block of ``grad`` on the tensor cores, accumulating in
 float32 over its chunk of tokens; the chunks' sums are added in a fixed order by the reduction
 module's second stage (:func:`fusedlib.kernels.reduce.finish_partials`). A product by 0 or 1
-and a float32 sum are exact steps, so the result is the same sum as the sorted route's, added
-in another (but fixed) order: the same bits on every call again. (Not for inf or NaN: 0 · inf
-is NaN, so a step of tokens whose gradient holds one is added token by token instead, each
-row taking only its own tokens' values, as the sort does.) The work grows with V (every
+is exact and the sums are float32, as the sort's, so the result is the same sum added in
+another (but fixed) order: the same bits on every call again. Not for inf or NaN, since
+0 · inf is NaN: a step of tokens whose gradient tile holds one is added token by token instead,
+each row taking only its own tokens' values, as the sort does. The work grows with V (every
 token meets every row of the block), so only small vocabularies take it. Timed on an H100 (CUDA
-graphs of 20 calls, bf16, a fifth of the ids one id): 32,768 tokens of width 384, V = 256 (chapter
-9's step): 29 us against the sort's 172 (PyTorch's atomic kernel: 115); 8,192 x 768, V = 256: 19
-against 153; 32,768 x 768, V = 512: 104 against 204; V = 1024: 244 against 212, where the sort is
-the faster.
+graphs of 20 calls, bf16, a fifth of the ids one id; before each step checked its tile for
+non-finite values): 32,768 tokens of width 384, V = 256 (chapter 9's step): 29 us against the
+sort's 172 (PyTorch's atomic kernel: 115); 8,192 x 768, V = 256: 19 against 153; 32,768 x 768,
+V = 512: 104 against 204; V = 1024: 244 against 212, where the sort is the faster.
 
 Source: Megatron-LM ``megatron/core/tensor_parallel/layers.py`` (``VocabParallelEmbedding``);
 PyTorch ``aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu``.
