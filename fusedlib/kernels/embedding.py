@@ -250,7 +250,7 @@ def _embedding_bwd_onehot_kernel(
                     other=0.0)
         # an inf or NaN in the tile would enter every row through 0 * inf = NaN: such a tile (never
         # in a finite step) is added token by token instead, each row taking its own tokens only
-        finite = (g == g) & (tl.abs(g.to(tl.float32)) < float("inf"))
+        finite = tl.abs(g.to(tl.float32)) < float("inf")  # false for NaN too
         if tl.min(tl.min(finite.to(tl.int32), axis=1), axis=0) == 1:
             onehot = (ids[None, :] == vs[:, None]).to(DOT)  # [BLOCK_V, BLOCK_T]: 1 where the token's id is the row
             acc = tl.dot(onehot, g.to(DOT), acc, input_precision=PRECISION)  # exact products, float32 sums
@@ -344,23 +344,19 @@ def _embedding_backward(ids, grad, num_embeddings, dtype, host_runs: bool | None
         onehot = num_embeddings <= ONEHOT_MAX_VOCAB and grad.dtype != torch.float64
     elif onehot and grad.dtype == torch.float64:
         raise ValueError("the one-hot route takes float16, bfloat16 or float32 gradients, got float64")
-    if onehot and n > 0 and h > 0:
-        g2d = grad.reshape(n, h)
-        if g2d.stride(1) != 1:
-            g2d = g2d.contiguous()
-        # the kernel reads the ids as n consecutive integers: a strided or expanded view is copied
+    if n == 0 or h == 0:
+        return torch.zeros(num_embeddings, h, dtype=dtype or grad.dtype, device=device)
+    g2d = grad.reshape(n, h)
+    if g2d.stride(1) != 1:
+        g2d = g2d.contiguous()
+    if onehot:  # (the kernel reads the ids as n consecutive integers: a strided or expanded view is copied)
         return _embedding_backward_onehot(ids.reshape(n).contiguous(), g2d, num_embeddings, dtype or grad.dtype)
     out = torch.zeros(num_embeddings, h, dtype=dtype or grad.dtype, device=device)
-    if n == 0 or h == 0:
-        return out
     # ids out of range all become V (never written): then at most V + 1 runs
     flat = ids.reshape(n).to(torch.int64)
     flat = torch.where((flat < 0) | (flat >= num_embeddings), num_embeddings, flat)
     order = torch.argsort(flat, stable=True)  # deterministic; equal ids keep the tokens' order
     sorted_ids = flat[order]
-    g2d = grad.reshape(n, h)
-    if g2d.stride(1) != 1:
-        g2d = g2d.contiguous()
     positions = torch.arange(n, device=device, dtype=torch.int64)
     # each position's run begins at the first position of its id: a binary search of the sorted
     # ids (exact, one kernel; a running maximum over one long row is a slow scan in PyTorch)

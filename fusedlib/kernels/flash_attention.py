@@ -983,12 +983,6 @@ def _flash_bwd_dq_convert_kernel(
 # Host launchers (no autograd, no user-input checks: fusedlib.fusions.fused_attention does those)
 # ---------------------------------------------------------------------------------------------
 
-def _dot_settings(dtype: torch.dtype) -> tuple[tl.dtype, str]:
-    """(DOT, PRECISION): :func:`~fusedlib.kernels.launch.dot_settings` for inputs of ``dtype``
-    in this process (interpreted or compiled)."""
-    return dot_settings(dtype, INTERPRET_ON_CPU)
-
-
 def _block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
@@ -1141,7 +1135,7 @@ def _fwd_plan(q, k, v, o, mask, sinks, seed, dropout_p, band, tile) -> _FwdPlan:
         tile = _float32_tile(attention_tile(FWD_TILES if seed is None else FWD_DROPOUT_TILES, D), q.dtype)
     ms, kind = _mask_strides(mask, (B, HQ, SQ, SK))
     T, keep_scale = _dropout_args(seed, dropout_p, q.device)
-    dot, precision = _dot_settings(q.dtype)
+    dot, precision = dot_settings(q.dtype, INTERPRET_ON_CPU)
     boxes = _desc_boxes(k, v, tile.BLOCK_N) if tma_loads(q, D, "forward" if seed is None else "forward_dropout") else None
     group_heads, reverse = program_order(band, SQ, SK, D, False)
     fwd = planned(_flash_fwd_kernel, (cdiv(SQ, tile.BLOCK_M), HQ, B), q.device, dict(
@@ -1478,7 +1472,7 @@ def _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, ti
     pre_ints = (*o.stride()[:3], *do_s, HQ, SQ)
     ms, kind = _mask_strides(mask, (B, HQ, SQ, SK))
     T, keep_scale = _dropout_args(seed, dropout_p, device)
-    dot, precision = _dot_settings(q.dtype)
+    dot, precision = dot_settings(q.dtype, INTERPRET_ON_CPU)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, MASK_KIND=kind, DROPOUT=seed is not None, DOT=dot,
                   PRECISION=precision)
     if tile is None:
