@@ -350,6 +350,38 @@ def test_language_model_embedding_reads_the_position_ids_it_is_given():
         assert torch.equal(emb(ids, positions), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_language_model_embedding_writes_s_b_h_and_both_tables_gradients(deterministic, dtype):
+    # the lookup takes the ids transposed, so that it writes [s, b, h] itself (no transposed copy
+    # of the activations, nor of their gradient in the backward): the output is a new contiguous
+    # [s, b, h] tensor, and each table's gradient is the float64 sum of the output gradient's
+    # rows over the tokens with that id (word) or position (position). float64: sums of a few
+    # terms, equal to rounding; bf16 (deterministic: the one-hot route): each gradient row is
+    # rounded once to bf16 from a float32 sum, half an ulp of the float64 sum plus the float32
+    # sum's error (S·B = 42 terms of bf16 values: far below bf16's ulp)
+    torch.manual_seed(7)
+    emb = _embedding(make_config(dtype, num_layers=1, deterministic_mode=deterministic))
+    ids = _ids()[0]
+    ids_before = ids.clone()
+    out = emb(ids, None)
+    assert out.shape == (S, B, H) and out.is_contiguous() and torch.equal(ids, ids_before)
+    g = torch.randn(S, B, H, device=DEVICE).to(dtype)
+    out.backward(g)
+    g64 = g.double()
+    word = torch.zeros(V, H, dtype=torch.float64, device=DEVICE).index_add_(
+        0, ids.reshape(-1), g64.transpose(0, 1).reshape(-1, H))  # token (b, i) is ids[b, i]
+    pos = torch.zeros(S + 3, H, dtype=torch.float64, device=DEVICE)
+    pos[:S] = g64.sum(1)  # position i of every sequence
+    for got, want in ((emb.word_embeddings.weight.grad, word), (emb.position_embeddings.weight.grad, pos)):
+        assert got.dtype == dtype
+        if dtype is torch.float64:
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        else:
+            ulp = torch.finfo(torch.bfloat16).eps * want.abs()  # bf16's spacing at the value: <= 2x its ulp
+            assert ((got.double() - want).abs() <= ulp + 1e-6).all()
+
+
 @pytest.mark.parametrize("position", ["learned_absolute", "rope"])
 def test_language_model_embedding_dropout_is_hidden_dropout(position):
     # Megatron-core's embedding dropout has p = hidden_dropout (attention_dropout is the

@@ -51,7 +51,7 @@ def _check_ids(name: str, ids: object, like: Optional[torch.Size], bound: Option
 
 
 class LanguageModelEmbedding(MegatronModule):
-    """word_embeddings(ids) + position_embeddings(positions), transposed to [s, b, h], then dropout.
+    """word_embeddings(ids) + position_embeddings(positions) as [s, b, h], then dropout.
 
     Args:
         config: reads hidden_size, embedding_init_method, perform_initialization, params_dtype,
@@ -130,16 +130,22 @@ class LanguageModelEmbedding(MegatronModule):
                        self.position_embeddings.weight.device)
         elif position_ids is not None:  # "rope" / "none": not read, but a wrong argument is still refused
             _check_ids("position_ids", position_ids, input_ids.shape, None, "", self.word_embeddings.weight.device)
-        embeddings = self.word_embeddings(input_ids)  # [b, s] -> [b, s, h] (reduce-scattered: [s/p, b, h])
+        if self.reduce_scatter_embeddings:  # (no position table) [b, s] -> [s/p, b, h], transposed inside
+            embeddings = self.word_embeddings(input_ids)
+        else:
+            # the ids transposed ([s, b], a copy of b·s integers), so the lookup writes [s, b, h]
+            # directly: Megatron-core looks up [b, s, h] and copies it transposed, which costs a
+            # read and a write of the activations, and their gradient's transpose again in the
+            # backward. The same rows in the same places.
+            embeddings = self.word_embeddings(input_ids.t().contiguous())  # [s, b, h]
         if self.add_position_embedding:
             if position_ids is None:
                 if input_ids.size(1) > self.max_sequence_length:  # (else an IndexError from the table)
                     raise ValueError(f"input_ids has {input_ids.size(1)} positions, more than max_sequence_length "
                                      f"{self.max_sequence_length} (the position table's rows)")
-                position_ids = torch.arange(input_ids.size(1), device=input_ids.device, dtype=torch.long)
-            embeddings = embeddings + self.position_embeddings(position_ids)
-        if not self.reduce_scatter_embeddings:
-            embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+                position_ids = torch.arange(input_ids.size(1), device=input_ids.device, dtype=torch.long)[None]
+            # [b or 1, s] -> [s, b or 1, h], broadcast over the batch
+            embeddings = embeddings + self.position_embeddings(position_ids.t())
         if self.config.fp32_residual_connection:
             embeddings = embeddings.float()
         if not self._sequence_parallel:
