@@ -883,7 +883,8 @@ def test_flash_attention_kernels_compile_for_sm90():
     # dropout (the dK/dV kernel's largest variant; with element atomics and with TMA bulk
     # reductions), the deterministic dQ kernel with a per-(query, key) mask, the three kernels
     # that read their streamed tiles by TMA loads (descriptors of [1, rows, 1, d] boxes; the
-    # backward's two with dropout, the forms TMA_LOADS takes at d = 128), and the
+    # backward's two with dropout, the forms TMA_LOADS takes at d = 128; the dQ kernel also
+    # computing Delta, as it does when it runs first), and the
     # small kernels around them; the three tiled kernels in the order of programs a causal
     # band takes (SCHEDULE_HEADS's groups); their shared memory within the H200's 227 KB per block
     code = textwrap.dedent("""
@@ -934,8 +935,9 @@ def test_flash_attention_kernels_compile_for_sm90():
                  dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=2, DROPOUT=False, REVERSE_BLOCKS=True), t)
         # the TMA tile loads (LOADS_BY_TMA): [b, s, h, d] descriptors of [1, rows, 1, d] boxes
         PTR["K_ptr"] = PTR["V_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_N
-        compile_("dq tma loads dropout", fa._flash_bwd_dq_kernel,
-                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=True, KV_TMA=True), t)
+        compile_("dq tma loads dropout delta", fa._flash_bwd_dq_kernel,
+                 dict(head, BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, MASK_KIND=0, DROPOUT=True, KV_TMA=True,
+                      DELTA_IN_DQ=True), t)
         t = pick(fa.FWD_TILES, 128, resolve_block_n=False)
         PTR["K_ptr"] = PTR["V_ptr"] = "tensordesc<bf16[1,%d,1,128]>" % t.BLOCK_N
         compile_("fwd tma loads", fa._flash_fwd_kernel,

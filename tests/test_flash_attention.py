@@ -539,21 +539,33 @@ ATOMIC_CASES = {  # the atomic dQ's reach: head dims 65-128, or dropout at any h
 }
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
+BWD_KERNELS = ("_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel",
+               "_flash_bwd_dq_convert_kernel")
+
+
+@pytest.mark.parametrize("form", ["deterministic, Delta in dQ", "deterministic, preprocess", "atomic"])
 @pytest.mark.parametrize("name", list(ATOMIC_CASES))
-def test_both_backwards_against_float64_and_their_kernels(name, deterministic, tiles, monkeypatch):
+def test_both_backwards_against_float64_and_their_kernels(name, form, tiles, monkeypatch, request):
+    # each backward form against float64, and the kernels it launches: the deterministic one
+    # with Delta = rowsum(dO·O) from the dQ kernel (run first), or from the preprocess kernel
+    # (sinks, or a head dim above DELTA_IN_DQ_MAX_HEAD_DIM, set to 0 here to force it)
     case = ATOMIC_CASES[name]
     b, sq, sk, hq, hkv, d = case["shape"]
     tiles(16, 16)
+    deterministic = form != "atomic"
+    monkeypatch.setattr(kfa, "DELTA_IN_DQ_MAX_HEAD_DIM", 256 if form == "deterministic, Delta in dQ" else 0)
+    request.addfinalizer(rt.clear_plans)  # no plan made under the patched choice outlives the test
     kw = _masks(case, b, sq, sk, hq)
     names = _launched_kernels(monkeypatch)
     _check(torch.float32, b, sq, sk, hq, hkv, d, dropout_p=case.get("dropout_p", 0.0), deterministic=deterministic,
            **kw)
-    backward = names[names.index("_flash_bwd_preprocess_kernel"):]
-    if deterministic:
-        assert backward == ["_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel"]
-    else:
+    backward = [n for n in names if n in BWD_KERNELS]
+    if form == "atomic":
         assert backward == ["_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_convert_kernel"]
+    elif form == "deterministic, Delta in dQ" and not case.get("sinks"):
+        assert backward == ["_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"]
+    else:
+        assert backward == ["_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel"]
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -890,11 +902,11 @@ def test_gpu_tile_loads_both_ways(by_tma, deterministic, dropout_p, monkeypatch)
         seen.clear()
         _check(torch.bfloat16, 2, 333, 400, 8, 2, d, dropout_p=dropout_p, causal=True, deterministic=deterministic)
         on = by_tma and hopper
-        pair = deterministic or not kfa.use_atomic_dq(d, dropout_p > 0)  # dK/dV, then dQ
-        expect = [("_flash_fwd_kernel", "KV_TMA", on), ("_flash_bwd_dkdv_kernel", "QDO_TMA", on)]
-        if pair:
-            expect.append(("_flash_bwd_dq_kernel", "KV_TMA", on))
-        assert seen == expect, (d, seen)
+        pair = deterministic or not kfa.use_atomic_dq(d, dropout_p > 0)  # the dK/dV and dQ kernels
+        dkdv, dq = ("_flash_bwd_dkdv_kernel", "QDO_TMA", on), ("_flash_bwd_dq_kernel", "KV_TMA", on)
+        # the dQ kernel first where it computes Delta (no sinks here), else after dK/dV
+        backward = ([dq, dkdv] if kfa.delta_in_dq_kernel(d) else [dkdv, dq]) if pair else [dkdv]
+        assert seen == [("_flash_fwd_kernel", "KV_TMA", on), *backward], (d, seen)
 
 
 @needs_cuda
@@ -1032,8 +1044,9 @@ def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):
     kfa.flash_attn_bwd(q2, q2, q2[:, :, :2], q2[:, :, 2:], q2, lse, 1.0, (-50, 0), deterministic=False)
     flags = [(name, kw.get("KV_TMA", kw.get("QDO_TMA")), kw.get("ATOMIC_DQ")) for name, _, kw in seen
              if "KV_TMA" in kw or "QDO_TMA" in kw]
-    assert flags == [("_flash_fwd_kernel", False, None), ("_flash_bwd_dkdv_kernel", False, False),
-                     ("_flash_bwd_dq_kernel", False, None), ("_flash_bwd_dkdv_kernel", False, True)], flags
+    # the deterministic backward at d = 32: the dQ kernel first (it computes Delta), then dK/dV
+    assert flags == [("_flash_fwd_kernel", False, None), ("_flash_bwd_dq_kernel", False, None),
+                     ("_flash_bwd_dkdv_kernel", False, False), ("_flash_bwd_dkdv_kernel", False, True)], flags
 
 
 def test_float32_tiles_are_small_and_run_one_pipeline_stage_fewer(monkeypatch):
