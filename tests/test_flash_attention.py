@@ -1264,3 +1264,33 @@ def test_attention_order_tool_puts_the_programs_in_each_order():
     assert forms == {"forward": (0.0, True), "forward_dropout": (tool.DROPOUT_P, True), "backward": (0.0, True),
                      "backward_atomic": (0.0, False), "backward_atomic_dropout": (tool.DROPOUT_P, False)}
     assert "backward_atomic" not in {f for f, _, _ in tool._forms(64)}  # no atomic dQ at d = 64 without dropout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_delta_in_dq_gives_the_preprocess_routes_bits(dtype, dropout_p, monkeypatch, request):
+    # the deterministic backward without sinks, Delta = rowsum(dO·O) from the dQ kernel (run
+    # first) against Delta from the preprocess kernel: the same float32 sums of the same tiles'
+    # products, then the same kernels, so the same bits in dq, dk and dv (interpreter and GPU).
+    # Odd sizes, GQA, a causal band with sq < sk, d = 24 (padded to 32)
+    torch.manual_seed(11)
+    b, sq, sk, hq, hkv, d = 2, 37, 45, 4, 2, 24
+    q = torch.randn(b, sq, hq, d, device=DEVICE).to(dtype)
+    k, v = (torch.randn(b, sk, hkv, d, device=DEVICE).to(dtype) for _ in range(2))
+    band = kfa.attention_band(sq, sk, True, None)
+    seed = philox_seed(DEVICE) if dropout_p else None
+    o, lse = kfa.flash_attn_fwd(q, k, v, d ** -0.5, band, seed=seed, dropout_p=dropout_p)[:2]
+    do = torch.randn_like(o)
+    request.addfinalizer(rt.clear_plans)  # no plan made under a patched limit outlives the test
+    grads, launched = {}, {}
+    for limit in (0, 256):
+        monkeypatch.setattr(kfa, "DELTA_IN_DQ_MAX_HEAD_DIM", limit)
+        rt.clear_plans()  # plans keep the route they were made with
+        names = _launched_kernels(monkeypatch)
+        grads[limit] = kfa.flash_attn_bwd(do, q, k, v, o, lse, d ** -0.5, band, seed=seed, dropout_p=dropout_p,
+                                          deterministic=True)[:3]
+        launched[limit] = [n for n in names if n in BWD_KERNELS]
+    assert launched == {0: ["_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel"],
+                        256: ["_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"]}, launched
+    for x, y in zip(grads[0], grads[256]):
+        assert torch.equal(x, y)

@@ -70,7 +70,7 @@ class AttnBackend(enum.Enum):
     same spirit, onto three paths:
 
     * ``flash`` (1): fusedlib's own FlashAttention-2 kernel in Triton (chapter 8,
-      :func:`~fusedlib.fusions.fused_attention.flash_attention`): one kernel forward, three
+      :func:`~fusedlib.fusions.fused_attention.flash_attention`): one kernel forward, two or three
       backward, the scores never in memory; masks, windows, grouped queries and the
       attention dropout inside the kernel.
     * ``fused`` (2), ``auto`` (5): torch's ``scaled_dot_product_attention``, which picks its
