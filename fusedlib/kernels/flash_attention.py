@@ -1440,21 +1440,19 @@ def flash_attn_bwd(
     seed_arg = lse if seed is None else seed
     softmax_scale = float(softmax_scale)  # passed as given, an int 1 would be a constant to Triton
     scales = (softmax_scale, softmax_scale * LOG2E)
-    if p.pre is None:  # the dQ kernel first: it writes Delta, which the dK/dV kernel then reads
-        ka, va = _descs(k, v, p.kv_boxes)
-        launch_planned(_flash_bwd_dq_kernel, p.last, device,
-                       q, ka, va, do, o, lse, delta, dq, m4, seed_arg, *p.last_ints, *scales, *p.tail)
-        qa, doa = _descs(q, do, p.qdo_boxes)
-        launch_planned(_flash_bwd_dkdv_kernel, p.main, device,
-                       qa, k, v, doa, lse, delta, dk, dv, delta, m4, seed_arg, *p.main_ints, *scales, *p.tail)
-        return dq, dk, dv, dsink
-    dsink_rows = torch.empty((B, HQ, SQ), dtype=torch.float32, device=device) if sinks is not None else None
+    # the atomic dQ's float32 accumulator (a placeholder argument otherwise), or the dQ kernel's arguments
     dq_acc = torch.empty((B, HQ, SQ, D), dtype=torch.float32, device=device) if p.atomic else delta
-    launch_planned(_flash_bwd_preprocess_kernel, p.pre, device,
-                   o, do, lse, lse if sinks is None else sinks, delta, delta if dsink_rows is None else dsink_rows,
-                   dq_acc, *p.pre_ints)
-    if dsink_rows is not None:
-        dsink = dsink_rows.sum(dim=(0, 2))
+    dq_args = None if p.atomic else (q, *_descs(k, v, p.kv_boxes), do, o, lse, delta, dq, m4, seed_arg,
+                                     *p.last_ints, *scales, *p.tail)
+    if p.pre is None:  # the dQ kernel first: it writes Delta, which the dK/dV kernel then reads
+        launch_planned(_flash_bwd_dq_kernel, p.last, device, *dq_args)
+    else:
+        dsink_rows = torch.empty((B, HQ, SQ), dtype=torch.float32, device=device) if sinks is not None else None
+        launch_planned(_flash_bwd_preprocess_kernel, p.pre, device,
+                       o, do, lse, lse if sinks is None else sinks, delta, delta if dsink_rows is None else dsink_rows,
+                       dq_acc, *p.pre_ints)
+        if dsink_rows is not None:
+            dsink = dsink_rows.sum(dim=(0, 2))
     # the accumulator as [b·hq, sq, d] rows for the bulk reductions: a tile's rows past sq are
     # outside the descriptor's bounds, so the copy engine drops them
     dq_arg = dq_acc if p.dq_box is None else _TensorDescriptor(dq_acc, *p.dq_box)
@@ -1463,10 +1461,8 @@ def flash_attn_bwd(
                    qa, k, v, doa, lse, delta, dk, dv, dq_arg, m4, seed_arg, *p.main_ints, *scales, *p.tail)
     if p.atomic:
         launch_planned(_flash_bwd_dq_convert_kernel, p.last, device, dq_acc, dq, *p.last_ints, softmax_scale)
-        return dq, dk, dv, dsink
-    ka, va = _descs(k, v, p.kv_boxes)
-    launch_planned(_flash_bwd_dq_kernel, p.last, device,
-                   q, ka, va, do, o, lse, delta, dq, m4, seed_arg, *p.last_ints, *scales, *p.tail)
+    elif p.pre is not None:  # Delta from the preprocess kernel: the dQ kernel last
+        launch_planned(_flash_bwd_dq_kernel, p.last, device, *dq_args)
     return dq, dk, dv, dsink
 
 
@@ -1512,8 +1508,9 @@ def _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, ti
     if INTERPRET_ON_CPU:
         pre_m = max(pre_m, min(256, next_power_of_2(SQ)))
     atomic = not deterministic and use_atomic_dq(D, seed is not None)
+    delta_in_dq = not atomic and sinks is None and delta_in_dq_kernel(D)
     pre_warps = 8 if block_d > 64 else 4
-    pre = planned(_flash_bwd_preprocess_kernel, (cdiv(SQ, pre_m), HQ, B), device, dict(
+    pre = None if delta_in_dq else planned(_flash_bwd_preprocess_kernel, (cdiv(SQ, pre_m), HQ, B), device, dict(
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_SINK=sinks is not None, ZERO_DQACC=atomic,
         num_warps=pre_warps))
     pre_ints = (*o.stride()[:3], *do_s, HQ, SQ)
@@ -1543,14 +1540,12 @@ def _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, ti
         dq_tile = _float32_tile(attention_tile(BWD_DQ_TILES, D), q.dtype)
     kv_boxes = _desc_boxes(k, v, dq_tile.BLOCK_N) if loads else None
     group_heads, reverse = program_order(band, SQ, SK, D, False)
-    delta_in_dq = sinks is None and delta_in_dq_kernel(D)
     last = planned(_flash_bwd_dq_kernel, (cdiv(SQ, dq_tile.BLOCK_M), HQ, B), device, dict(
         BLOCK_M=dq_tile.BLOCK_M, BLOCK_N=dq_tile.BLOCK_N, num_warps=dq_tile.num_warps,
         num_stages=dq_tile.num_stages, KV_TMA=kv_boxes is not None, GROUP_HEADS=group_heads,
         REVERSE_BLOCKS=reverse, DELTA_IN_DQ=delta_in_dq, **common))
     last_ints = (*q_s, *k_s, *v_s, *do_s, *o.stride()[:3], *dq.stride()[:3], *ms, HQ, HQ // HKV, SQ, SK)
-    return _BwdPlan(False, None if delta_in_dq else pre, pre_ints, main, main_ints, last, last_ints, tail, dq_box,
-                    qdo_boxes, kv_boxes)
+    return _BwdPlan(False, pre, pre_ints, main, main_ints, last, last_ints, tail, dq_box, qdo_boxes, kv_boxes)
 
 
 def flash_attn_dropout_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], dropout_p: float) -> torch.Tensor:
