@@ -1127,6 +1127,34 @@ def test_attention_loads_tool_times_every_form_of_the_table():
     assert [p for f, p, _ in tool._forms(64) if f == "backward_atomic"] == [tool.DROPOUT_P]
 
 
+def test_attention_delta_tool_runs_each_route_and_puts_the_limit_back(tmp_path):
+    """tools/attention_delta.py (which measured DELTA_IN_DQ_MAX_HEAD_DIM) runs the preprocess
+    route and the Delta-in-dQ route of each deterministic form, sees which kernels each launched
+    and that they gave the same bits, and leaves the module's limit as it found it; a bad --out
+    is refused before anything runs."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "attention_delta.py"
+    spec = importlib.util.spec_from_file_location("attention_delta", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    limit = kfa.DELTA_IN_DQ_MAX_HEAD_DIM
+    rows = tool.compare((1, 2, 37, 16), True, timer=lambda call: 1.5, device=DEVICE)
+    assert kfa.DELTA_IN_DQ_MAX_HEAD_DIM == limit
+    assert [(r["form"], r["route"], r["dropout_p"]) for r in rows] == [
+        ("backward", "preprocess", 0.0), ("backward", "delta_in_dq", 0.0),
+        ("backward_dropout", "preprocess", tool.DROPOUT_P), ("backward_dropout", "delta_in_dq", tool.DROPOUT_P)]
+    for r in rows:
+        assert r["same_bits"] is True and r["ms"] == 1.5 and r["shape"] == [1, 2, 37, 16] and r["causal"]
+        assert r["kernels"] == (["_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel"]
+                                if r["route"] == "preprocess" else ["_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"])
+    with pytest.raises(SystemExit):
+        tool.main(["--out", str(tmp_path)])  # a folder
+    with pytest.raises(SystemExit):
+        tool.main(["--out", str(tmp_path / "missing" / "x.json")])
+
+
 # ---------------------------------------------------------------------------------------------
 # The programs' order (_scheduled_tile, program_order)
 # ---------------------------------------------------------------------------------------------
