@@ -488,8 +488,8 @@ def clear_plans() -> None:
     """Forget every op's plans: the next call of each op makes its plan again from the launch
     settings as they are then (needed after changing a launch setting at run time: a module's
     tile table, ``FOLD_TILES``, FlashAttention's ``INTERPRETER_TILE``, ``LOADS_BY_TMA``,
-    ``TMA_LOADS``, ``DQ_BY_TMA``, ``DELTA_IN_DQ_MAX_HEAD_DIM`` or ``program_order``; a plan keeps the
-    settings it was made with). Each setting is read from the module that uses it: ``FOLD_TILES`` is imported by
+    ``TMA_LOADS``, ``DQ_BY_TMA``, ``DELTA_IN_DQ_MAX_HEAD_DIM``, ``DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM`` or
+    ``program_order``; a plan keeps the settings it was made with). Each setting is read from the module that uses it: ``FOLD_TILES`` is imported by
     each kernel module (``fusedlib.kernels.layer_norm.FOLD_TILES``...), so set it there;
     ``fusedlib.kernels.launch.FOLD_TILES`` is only their default.
 

@@ -539,6 +539,37 @@ ATOMIC_CASES = {  # the atomic dQ's reach: head dims 65-128, or dropout at any h
 }
 
 
+def test_delta_in_dq_kernel_takes_the_preprocess_with_dropout_at_small_head_dims(monkeypatch, request):
+    # the rule (padded head dims): Delta in the dQ kernel up to DELTA_IN_DQ_MAX_HEAD_DIM, with
+    # dropout only from DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM (at 64 it timed slower with dropout);
+    # and flash_attn_bwd follows it: the preprocess kernel with dropout at d = 24, not without
+    assert kfa.DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM == 128 and kfa.DELTA_IN_DQ_MAX_HEAD_DIM == 256
+    for d, dropout, want in ((24, False, True), (24, True, False), (64, True, False), (65, True, True),
+                             (128, True, True), (256, True, True), (256, False, True)):
+        assert kfa.delta_in_dq_kernel(d, dropout) is want, (d, dropout)
+    assert kfa.delta_in_dq_kernel(64) is True  # dropout defaults to off
+    monkeypatch.setattr(kfa, "DELTA_IN_DQ_MAX_HEAD_DIM", 32)
+    assert not kfa.delta_in_dq_kernel(40) and kfa.delta_in_dq_kernel(32)
+    monkeypatch.undo()
+    request.addfinalizer(rt.clear_plans)
+    torch.manual_seed(12)
+    b, s, h, d = 1, 21, 2, 24
+    q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    band = kfa.attention_band(s, s, True, None)
+    launched = {}
+    for p in (0.0, 0.25):
+        seed = philox_seed(DEVICE) if p else None
+        o, lse = kfa.flash_attn_fwd(q, k, v, d ** -0.5, band, seed=seed, dropout_p=p)[:2]
+        names = _launched_kernels(monkeypatch)
+        rt.clear_plans()
+        kfa.flash_attn_bwd(torch.randn_like(o), q, k, v, o, lse, d ** -0.5, band, seed=seed, dropout_p=p,
+                           deterministic=True)
+        launched[p] = [n for n in names if n in BWD_KERNELS]
+        monkeypatch.undo()
+    assert launched == {0.0: ["_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"],
+                        0.25: ["_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel"]}
+
+
 BWD_KERNELS = ("_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel",
                "_flash_bwd_dq_convert_kernel")
 
@@ -554,6 +585,7 @@ def test_both_backwards_against_float64_and_their_kernels(name, form, tiles, mon
     tiles(16, 16)
     deterministic = form != "atomic"
     monkeypatch.setattr(kfa, "DELTA_IN_DQ_MAX_HEAD_DIM", 256 if form == "deterministic, Delta in dQ" else 0)
+    monkeypatch.setattr(kfa, "DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM", 0)  # the dQ kernel's route with dropout too
     request.addfinalizer(rt.clear_plans)  # no plan made under the patched choice outlives the test
     kw = _masks(case, b, sq, sk, hq)
     names = _launched_kernels(monkeypatch)
@@ -905,7 +937,7 @@ def test_gpu_tile_loads_both_ways(by_tma, deterministic, dropout_p, monkeypatch)
         pair = deterministic or not kfa.use_atomic_dq(d, dropout_p > 0)  # the dK/dV and dQ kernels
         dkdv, dq = ("_flash_bwd_dkdv_kernel", "QDO_TMA", on), ("_flash_bwd_dq_kernel", "KV_TMA", on)
         # the dQ kernel first where it computes Delta (no sinks here), else after dK/dV
-        backward = ([dq, dkdv] if kfa.delta_in_dq_kernel(d) else [dkdv, dq]) if pair else [dkdv]
+        backward = ([dq, dkdv] if kfa.delta_in_dq_kernel(d, dropout_p > 0) else [dkdv, dq]) if pair else [dkdv]
         assert seen == [("_flash_fwd_kernel", "KV_TMA", on), *backward], (d, seen)
 
 
@@ -1128,10 +1160,11 @@ def test_attention_loads_tool_times_every_form_of_the_table():
 
 
 def test_attention_delta_tool_runs_each_route_and_puts_the_limit_back(tmp_path):
-    """tools/attention_delta.py (which measured DELTA_IN_DQ_MAX_HEAD_DIM) runs the preprocess
-    route and the Delta-in-dQ route of each deterministic form, sees which kernels each launched
-    and that they gave the same bits, and leaves the module's limit as it found it; a bad --out
-    is refused before anything runs."""
+    """tools/attention_delta.py (which measured the two limits of delta_in_dq_kernel) runs the
+    preprocess route and the Delta-in-dQ route of each deterministic form, each forced whatever
+    the module would choose, sees which kernels each launched and that they gave the same bits,
+    and leaves the module's limits as it found them; a bad --out is refused before anything
+    runs."""
     import importlib.util
     import pathlib
 
@@ -1139,9 +1172,10 @@ def test_attention_delta_tool_runs_each_route_and_puts_the_limit_back(tmp_path):
     spec = importlib.util.spec_from_file_location("attention_delta", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    limit = kfa.DELTA_IN_DQ_MAX_HEAD_DIM
+    limits = (kfa.DELTA_IN_DQ_MAX_HEAD_DIM, kfa.DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM)
+    assert not kfa.delta_in_dq_kernel(16, dropout=True)  # so the Delta-in-dQ route with dropout is forced
     rows = tool.compare((1, 2, 37, 16), True, timer=lambda call: 1.5, device=DEVICE)
-    assert kfa.DELTA_IN_DQ_MAX_HEAD_DIM == limit
+    assert (kfa.DELTA_IN_DQ_MAX_HEAD_DIM, kfa.DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM) == limits
     assert [(r["form"], r["route"], r["dropout_p"]) for r in rows] == [
         ("backward", "preprocess", 0.0), ("backward", "delta_in_dq", 0.0),
         ("backward_dropout", "preprocess", tool.DROPOUT_P), ("backward_dropout", "delta_in_dq", tool.DROPOUT_P)]
@@ -1311,6 +1345,7 @@ def test_delta_in_dq_gives_the_preprocess_routes_bits(dtype, dropout_p, monkeypa
     do = torch.randn_like(o)
     request.addfinalizer(rt.clear_plans)  # no plan made under a patched limit outlives the test
     grads, launched = {}, {}
+    monkeypatch.setattr(kfa, "DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM", 0)  # d = 24 with dropout: force the dQ kernel's
     for limit in (0, 256):
         monkeypatch.setattr(kfa, "DELTA_IN_DQ_MAX_HEAD_DIM", limit)
         rt.clear_plans()  # plans keep the route they were made with

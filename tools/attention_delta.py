@@ -7,12 +7,13 @@ The deterministic backward without sinks needs Delta = rowsum(dO·O) per query r
 dK/dV kernel runs. It can come from FlashAttention-2's preprocess kernel (three launches:
 preprocess, dK/dV, dQ) or from the dQ kernel, which loads the dO rows of its query tile anyway
 and, run first, stores Delta for the dK/dV kernel (two launches: dQ, dK/dV;
-``fusedlib.kernels.flash_attention.DELTA_IN_DQ_MAX_HEAD_DIM`` chooses by head dim). For each
-case (the attention benchmark's ``CASES``, then chapter 9's training model's attention
+``fusedlib.kernels.flash_attention.delta_in_dq_kernel`` chooses by head dim and dropout). For
+each case (the attention benchmark's ``CASES``, then chapter 9's training model's attention
 [64, 6, 512, 64] and a head dim of 256) and each form (``backward``: no dropout;
 ``backward_dropout``: 0.1), it times ``flash_attn_bwd(deterministic=True)`` (the kernels alone,
-no autograd) both ways: ``preprocess`` (the limit set to 0) and ``delta_in_dq`` (the limit as the
-module sets it).
+no autograd) both ways, each forced whatever the module would choose: ``preprocess``
+(``DELTA_IN_DQ_MAX_HEAD_DIM`` set to 0) and ``delta_in_dq`` (``DELTA_IN_DQ_MAX_HEAD_DIM`` set to
+``MAX_HEAD_DIM`` and ``DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM`` to 0).
 
 Timer: ``fusedlib.bench.core.time_ms(..., cuda_graph=True)``, the benchmark's: the median of
 CUDA-graph replays of one call, with triton's do_bench flushing the L2 cache between calls.
@@ -40,7 +41,7 @@ from fusedlib.bench.ops.attention import CASES, SHAPE_NAMES, kernel_calls
 DROPOUT_P = 0.1
 ROUTES = ("preprocess", "delta_in_dq")
 #: Besides the benchmark's cases: chapter 9's training model's attention (6 heads of 64, causal)
-#: and the largest head dim the limit covers.
+#: and the largest head dim the kernels take.
 EXTRA_CASES: tuple[tuple[tuple[int, int, int, int], bool], ...] = (((64, 6, 512, 64), True),
                                                                   ((2, 8, 2048, 256), True))
 FORMS: tuple[tuple[str, float, bool], ...] = (("backward", 0.0, True), ("backward_dropout", DROPOUT_P, True))
@@ -60,16 +61,18 @@ def compare(shape: Sequence[int], causal: bool, timer: Optional[Callable[[Callab
     Returns:
         One dict per form and route (the record's fields but the environment's).
 
-    The module's limit and plans are put back as they were, also when a call raises.
+    The module's two limits and its plans are put back as they were, also when a call raises.
     """
     b, h, s, d = shape
-    limit, launch = kfa.DELTA_IN_DQ_MAX_HEAD_DIM, fusedlib.runtime.launch
+    limits, launch = (kfa.DELTA_IN_DQ_MAX_HEAD_DIM, kfa.DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM), fusedlib.runtime.launch
     rows = []
     try:
         for form, p, deterministic, call in kernel_calls(shape, causal, FORMS, device=device):
             outs, ms, kernels = {}, {}, {}
             for route in ROUTES:
-                kfa.DELTA_IN_DQ_MAX_HEAD_DIM = limit if route == "delta_in_dq" else 0
+                forced = route == "delta_in_dq"
+                kfa.DELTA_IN_DQ_MAX_HEAD_DIM = kfa.MAX_HEAD_DIM if forced else 0
+                kfa.DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM = 0 if forced else limits[1]
                 fusedlib.runtime.clear_plans()  # plans keep the settings they were made with
                 seen: list[str] = []
 
@@ -91,7 +94,7 @@ def compare(shape: Sequence[int], causal: bool, timer: Optional[Callable[[Callab
                              "ms": None if ms[route] is None else round(ms[route], 5), "timer": "cuda_graph",
                              "kernels": kernels[route], "same_bits": same})
     finally:
-        kfa.DELTA_IN_DQ_MAX_HEAD_DIM, fusedlib.runtime.launch = limit, launch
+        (kfa.DELTA_IN_DQ_MAX_HEAD_DIM, kfa.DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM), fusedlib.runtime.launch = limits, launch
         fusedlib.runtime.clear_plans()
     return rows
 

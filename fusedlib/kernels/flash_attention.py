@@ -62,8 +62,9 @@ in three kernels and without atomics (so bitwise reproducible):
    dQ += dS·k·scale.
 
 Without sinks the dQ kernel runs first and computes Delta itself, for the rows whose dO it
-loads anyway, storing it for the dK/dV kernel (``DELTA_IN_DQ``, :data:`DELTA_IN_DQ_MAX_HEAD_DIM`):
-two kernels, one launch and one read of dO fewer, the same bits.
+loads anyway, storing it for the dK/dV kernel (``DELTA_IN_DQ``, :func:`delta_in_dq_kernel`:
+every head dim without dropout, from 128 with it): two kernels, one launch and one read of dO
+fewer, the same bits.
 
 Kernels 2 and 3 both recompute s and dP (7 matrix products where an atomic dQ does 5);
 the price of a deterministic backward with no [b, sq, hq, d] float32 accumulator. The
@@ -124,6 +125,7 @@ __all__ = [
     "use_atomic_dq",
     "delta_in_dq_kernel",
     "DELTA_IN_DQ_MAX_HEAD_DIM",
+    "DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM",
     "dq_by_tma",
     "DQ_BY_TMA",
     "tma_loads",
@@ -300,22 +302,28 @@ def use_atomic_dq(head_dim: int, dropout: bool) -> bool:
 #: Largest padded head dim at which the deterministic backward (without sinks) computes
 #: Delta = rowsum(dO·O) in the dQ kernel, for the rows it loads dO of anyway, and runs that
 #: kernel before the dK/dV kernel, which reads Delta: one launch and one read of dO fewer than
-#: the preprocess kernel, and the same bits. Measured on an H100 (bf16, causal unless said,
-#: the deterministic backward's CUDA-graph replays, ms, preprocess / Delta in dQ):
-#: [64, 6, 512, 64] 0.2101 / 0.1954; [8, 12, 1024, 64] 0.1738 / 0.1665; [8, 8, 512, 64]
-#: 0.0467 / 0.0444; [8, 32, 1024, 64] 0.4020 / 0.3866; [4, 16, 2048, 128] 0.6021 / 0.5843;
-#: [2, 16, 8192, 128] non-causal 7.9956 / 7.9934; [2, 8, 2048, 256] 0.9522 / 0.9332
-#: ([b, h, s, d]): never slower, so every head dim.
+#: the preprocess kernel, and the same bits. ``python tools/attention_delta.py`` times both
+#: routes (``chapters/data/bench/attention_delta.json``, printed in chapter 8): on the H200 the
+#: dQ kernel's route was the faster at every case without dropout (head dims 64, 128 and 256)
+#: and with dropout at head dims 128 and 256, so every head dim; with dropout at 64 it was the
+#: slower (:data:`DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM`).
 DELTA_IN_DQ_MAX_HEAD_DIM: int = 256
 
+#: With dropout, the least padded head dim at which the dQ kernel computes Delta: at 64 the
+#: dQ kernel, which draws the dropout mask again, ran longer with Delta's sums in it than the
+#: preprocess kernel and the dQ kernel without them (attention_delta.json, H200).
+DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM: int = 128
 
-def delta_in_dq_kernel(head_dim: int) -> bool:
+
+def delta_in_dq_kernel(head_dim: int, dropout: bool = False) -> bool:
     """Whether the deterministic backward without sinks computes Delta in its dQ kernel (run
-    first) instead of a preprocess kernel (:data:`DELTA_IN_DQ_MAX_HEAD_DIM`).
+    first) instead of a preprocess kernel: up to :data:`DELTA_IN_DQ_MAX_HEAD_DIM`, and with
+    dropout from :data:`DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM` (padded head dims, ``_block_d``).
 
     Source: fusedlib's own (FlashAttention-2's preprocess, Dao 2023, moved into the dQ pass).
     """
-    return _block_d(head_dim) <= DELTA_IN_DQ_MAX_HEAD_DIM
+    block_d = _block_d(head_dim)
+    return block_d <= DELTA_IN_DQ_MAX_HEAD_DIM and (not dropout or block_d >= DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM)
 
 
 def attention_band(sq: int, sk: int, causal: bool, window_size: Optional[tuple[int, int]]) -> tuple[int, int]:
@@ -1508,7 +1516,7 @@ def _bwd_plan(do, q, k, v, o, dq, dk, dv, mask, sinks, seed, dropout_p, band, ti
     if INTERPRET_ON_CPU:
         pre_m = max(pre_m, min(256, next_power_of_2(SQ)))
     atomic = not deterministic and use_atomic_dq(D, seed is not None)
-    delta_in_dq = not atomic and sinks is None and delta_in_dq_kernel(D)
+    delta_in_dq = not atomic and sinks is None and delta_in_dq_kernel(D, seed is not None)
     pre_warps = 8 if block_d > 64 else 4
     pre = None if delta_in_dq else planned(_flash_bwd_preprocess_kernel, (cdiv(SQ, pre_m), HQ, B), device, dict(
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_SINK=sinks is not None, ZERO_DQACC=atomic,
