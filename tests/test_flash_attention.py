@@ -1076,9 +1076,10 @@ def test_launchers_pass_tile_descriptors_where_tma_loads_allow(monkeypatch):
     kfa.flash_attn_bwd(q2, q2, q2[:, :, :2], q2[:, :, 2:], q2, lse, 1.0, (-50, 0), deterministic=False)
     flags = [(name, kw.get("KV_TMA", kw.get("QDO_TMA")), kw.get("ATOMIC_DQ")) for name, _, kw in seen
              if "KV_TMA" in kw or "QDO_TMA" in kw]
-    # the deterministic backward at d = 32: the dQ kernel first (it computes Delta), then dK/dV
-    assert flags == [("_flash_fwd_kernel", False, None), ("_flash_bwd_dq_kernel", False, None),
-                     ("_flash_bwd_dkdv_kernel", False, False), ("_flash_bwd_dkdv_kernel", False, True)], flags
+    # the deterministic backward at d = 32 with dropout: Delta from the preprocess kernel
+    # (delta_in_dq_kernel), then dK/dV, then dQ
+    assert flags == [("_flash_fwd_kernel", False, None), ("_flash_bwd_dkdv_kernel", False, False),
+                     ("_flash_bwd_dq_kernel", False, None), ("_flash_bwd_dkdv_kernel", False, True)], flags
 
 
 def test_float32_tiles_are_small_and_run_one_pipeline_stage_fewer(monkeypatch):
