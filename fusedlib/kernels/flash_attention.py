@@ -63,8 +63,8 @@ in three kernels and without atomics (so bitwise reproducible):
 
 Without sinks the dQ kernel runs first and computes Delta itself, for the rows whose dO it
 loads anyway, storing it for the dK/dV kernel (``DELTA_IN_DQ``, :func:`delta_in_dq_kernel`:
-every head dim without dropout, from 128 with it): two kernels, one launch and one read of dO
-fewer, the same bits.
+every head dim without dropout; with dropout from a padded head dim of 128, head dims above
+64): two kernels, one launch and one read of dO fewer, the same bits.
 
 Kernels 2 and 3 both recompute s and dP (7 matrix products where an atomic dQ does 5);
 the price of a deterministic backward with no [b, sq, hq, d] float32 accumulator. The
@@ -305,13 +305,14 @@ def use_atomic_dq(head_dim: int, dropout: bool) -> bool:
 #: the preprocess kernel, and the same bits. ``python tools/attention_delta.py`` times both
 #: routes (``chapters/data/bench/attention_delta.json``, printed in chapter 8): on the H200 the
 #: dQ kernel's route was the faster at every case without dropout (head dims 64, 128 and 256)
-#: and with dropout at head dims 128 and 256, so every head dim; with dropout at 64 it was the
-#: slower (:data:`DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM`).
+#: and with dropout at head dims 128 and 256, so the limit is the largest head dim the kernels
+#: take; with dropout at 64 it was the slower (:data:`DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM`). Padded
+#: head dims 16 and 32 were not timed: they follow 64.
 DELTA_IN_DQ_MAX_HEAD_DIM: int = 256
 
 #: With dropout, the least padded head dim at which the dQ kernel computes Delta: at 64 the
-#: dQ kernel, which draws the dropout mask again, ran longer with Delta's sums in it than the
-#: preprocess kernel and the dQ kernel without them (attention_delta.json, H200).
+#: backward with Delta in the dQ kernel was the slower (attention_delta.json, H200: the whole
+#: backward timed, 0.979x and 0.985x the preprocess route's speed).
 DELTA_IN_DQ_DROPOUT_MIN_HEAD_DIM: int = 128
 
 
