@@ -82,8 +82,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     Forward: draws a Philox key from torch's generator on q's device when dropout_p > 0 and
     neither q nor k is empty, launches one kernel, saves q, k, v, o, the LSE (float32
     [b, hq, sq]), the mask, the sinks and the key. Backward: two or three kernels, returning (dq, dk, dv,
-    dsinks) in the inputs' dtypes: without atomics when ``deterministic`` (two without sinks, the
-    dQ kernel computing Delta: :func:`~fusedlib.kernels.flash_attention.delta_in_dq_kernel`),
+    dsinks) in the inputs' dtypes: without atomics when ``deterministic`` (two without sinks where
+    :func:`~fusedlib.kernels.flash_attention.delta_in_dq_kernel` has the dQ kernel compute Delta),
     else dQ by atomic adds where that is faster
     (:func:`~fusedlib.kernels.flash_attention.use_atomic_dq`). Differentiable once (a double
     backward raises).

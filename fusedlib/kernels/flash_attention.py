@@ -1398,8 +1398,8 @@ def flash_attn_bwd(
     dq_tile: Optional[Tile] = None,
     deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Launch the backward: preprocess, dK/dV, dQ (three kernels, no atomics; without sinks
-    two, the dQ kernel first computing Delta: :func:`delta_in_dq_kernel`); or, with
+    """Launch the backward: preprocess, dK/dV, dQ (three kernels, no atomics; without sinks,
+    where :func:`delta_in_dq_kernel` says so, two, the dQ kernel first computing Delta); or, with
     ``deterministic=False`` where :func:`use_atomic_dq` says so, preprocess (which also zeroes
     a float32 [b, hq, sq, d] dQ accumulator), dK/dV adding dQ by atomics, and a kernel that
     scales and casts the accumulator into dq. Planned per input signature as
