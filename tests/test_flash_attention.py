@@ -17,6 +17,11 @@ fusedlib.kernels.flash_attention). Every output is a sum of products accumulated
   from the stored o (error <= u·sum_d |dO∘O|, times P_ij in dS), the result rounded:
   2u·scale·(|dS| + u_D)·|k| with u_D = u·P∘rowsum(|dO∘O|);
 * d sinks = -sum_i P_sink,i·D_i: u·sum_i P_sink,i·rowsum(|dO∘O|) plus the float32 sum.
+* float16's subnormals (below 2^-14) round with an absolute error, at most eta = 2^-25 (half
+  their spacing): every nonzero entry of the rounded P (dropped and rescaled) or dS that a
+  result adds up, times the other operand's magnitude, and the result's own rounding:
+  4·eta·(1 + (|P̃| != 0)·|v|) for o, and likewise for dv, dq and dk (negligible in bfloat16
+  and float32, whose subnormals lie below 1e-38).
 
 u is the unit roundoff of the dtype (2^-11 float16, 2^-8 bfloat16). float32 (u = 2^-24) adds
 the float32 arithmetic itself: each value passes through at most d + sk + 8 roundings
@@ -94,6 +99,14 @@ def _reference_parts(q64, k64, v64, o64, do64, kw, keep, p_used):
     ds_mag = ds.abs() + p * od  # |dS| plus the D term (times u below, with the same u)
     r_dq = scale * torch.einsum("bhqk,bkhd->bqhd", ds_mag, k_r.abs())
     r_dk = (scale * torch.einsum("bhqk,bqhd->bkhd", ds_mag, q64.abs())).unflatten(2, (hkv, group)).sum(3)
+    # absolute terms (float16's subnormals): the number of rounded P̃ or dS entries each result
+    # adds up, weighted by the other operand's magnitude (entries that are exactly 0 round exactly)
+    seen = (p != 0).double() * z.abs()
+    a_o = torch.einsum("bhqk,bkhd->bqhd", seen, v_r.abs())
+    a_dv = torch.einsum("bhqk,bqhd->bkhd", seen, do64.abs()).unflatten(2, (hkv, group)).sum(3)
+    seen_ds = (p != 0).double()
+    a_dq = scale * torch.einsum("bhqk,bkhd->bqhd", seen_ds, k_r.abs())
+    a_dk = (scale * torch.einsum("bhqk,bqhd->bkhd", seen_ds, q64.abs())).unflatten(2, (hkv, group)).sum(3)
     r_ds = None
     if sinks is not None:
         lse = torch.logsumexp(torch.cat([(x * scale).masked_fill(masked, float("-inf")) if masked is not None
@@ -101,12 +114,22 @@ def _reference_parts(q64, k64, v64, o64, do64, kw, keep, p_used):
                               -1, keepdim=True)
         p_sink = torch.exp(sinks.double().view(1, -1, 1, 1) - lse)
         r_ds = (p_sink * (od + delta.abs())).sum(dim=(0, 2, 3))
-    return {"o": r_o, "dq": r_dq, "dk": r_dk, "dv": r_dv, "dsinks": r_ds}
+    return {"o": r_o, "dq": r_dq, "dk": r_dk, "dv": r_dv, "dsinks": r_ds,
+            "abs": {"o": a_o, "dq": a_dq, "dk": a_dk, "dv": a_dv}}
 
 
-def _assert_within(name, got, want, r, dtype, n_terms, extra_u=0.0):
+def _eta(dtype: torch.dtype) -> float:
+    """The absolute rounding error of a subnormal of ``dtype``: half their spacing,
+    smallest_normal·eps/2 (2^-25 for float16; below 1e-39 for bfloat16 and float32)."""
+    fi = torch.finfo(dtype)
+    return fi.smallest_normal * fi.eps / 2
+
+
+def _assert_within(name, got, want, r, dtype, n_terms, extra_u=0.0, a=None):
     u = U[dtype] + n_terms * 2.0 ** -24 + extra_u
     tol = 4 * u * r + 1e-12
+    if a is not None:  # the subnormals' absolute errors: each rounded operand entry and the result
+        tol = tol + 4 * _eta(dtype) * (a + 1)
     err = (got.double() - want).abs()
     assert not torch.isnan(got).any(), f"{name}: NaN"
     bad = err > tol
@@ -143,10 +166,10 @@ def _check(dtype, b, sq, sk, hq, hkv, d, dropout_p=0.0, grad_layout=None, inputs
     assert all(torch.equal(t.detach(), t0) for t, t0 in zip((q, k, v), before)), "an input was modified"
     r = _reference_parts(q64.detach(), k64.detach(), v64.detach(), o.detach().double(), g.double(), kw, keep, p_used)
     n = d + sk + 8
-    _assert_within("o", o, o64.detach(), r["o"], dtype, n, extra_u)
+    _assert_within("o", o, o64.detach(), r["o"], dtype, n, extra_u, r["abs"]["o"])
     for name, t, t64 in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
         assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
-        _assert_within(name, t.grad, t64.grad, r[name], dtype, n, extra_u)
+        _assert_within(name, t.grad, t64.grad, r[name], dtype, n, extra_u, r["abs"][name])
     if sinks is not None and sinks.requires_grad:
         _assert_within("dsinks", sinks.grad, kw64["sinks"].grad, r["dsinks"], dtype, n + b * sq, extra_u)
     return o.detach(), [t.grad for t in (q, k, v)]
@@ -206,6 +229,18 @@ def test_half_precision_forward_backward(name, dtype, tiles):
     b, sq, sk, hq, hkv, d = case["shape"]
     tiles(*case["tile"])
     _check(dtype, b, sq, sk, hq, hkv, d, **_masks(case, b, sq, sk, hq))
+
+
+@pytest.mark.parametrize("case", ["large-scale", "large-scale-dropout", "sink-dominates"])
+def test_float16_subnormal_probabilities_against_float64(case, tiles):
+    # float16 rounds P and dS below 2^-14 to subnormals, with an absolute error: a large softmax
+    # scale (scores spread over tens of units) or a sink that takes nearly all of each row's
+    # probability leaves most entries of P there; the bound's absolute term (_eta) covers them
+    tiles(16, 16)
+    kw = dict(causal=True, softmax_scale=3.0, dropout_p=0.1 if case.endswith("dropout") else 0.0)
+    if case == "sink-dominates":
+        kw = dict(causal=True, sinks=(10.0 + torch.randn(2, device=DEVICE)).requires_grad_(True))
+    _check(torch.float16, 1, 24, 24, 2, 2, 16, **kw)
 
 
 @pytest.mark.parametrize("sq, sk", [(0, 5), (4, 0), (0, 0)])
